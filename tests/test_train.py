@@ -1,0 +1,325 @@
+"""The trainer: config, loader alignment, model masking and shapes, optimizer steps, end-to-end runs."""
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import kernels  # noqa: E402
+import train_gpt as tg  # noqa: E402
+from data.shards import write_shard  # noqa: E402
+from data.tokenizer import BOS_ID  # noqa: E402
+
+# A model small enough for a CPU test: every feature on, tiny widths.
+TINY = [
+    "--num_layers=3", "--model_dim=64", "--num_heads=2", "--head_dim=32", "--mlp_hidden=128",
+    "--long_window_layers=[2]", "--attention_free_layers=[1]", "--num_value_embeds=1",
+    "--bigram_rows=1024", "--val_long_window=4", "--batch_ranks=1",
+    '--stages=[{"end":0.5,"tokens_per_rank":512,"max_doc_len":256,"short_window":1,"long_window":2,'
+    '"mtp_weights":[1,0.5,0.25],"prefix_weight":0.25,"candidates":2048},'
+    '{"end":1.0,"tokens_per_rank":512,"max_doc_len":512,"short_window":1,"long_window":3,'
+    '"mtp_weights":[1],"prefix_weight":0}]',
+    "--val_tokens=2048", "--val_tokens_per_rank=1024", "--log_every=1", "--momentum_warmup_steps=4",
+]
+
+
+def synthetic_documents(rng, num_tokens, vocab=3000):
+    """A BOS-separated stream of documents with learnable structure (arithmetic sequences)."""
+    out, total = [], 0
+    while total < num_tokens:
+        length = int(rng.integers(5, 400))
+        doc = (rng.integers(0, vocab) + 7 * np.arange(length)) % vocab
+        out.append(np.concatenate([[BOS_ID], doc]))
+        total += length + 1
+    return np.concatenate(out)[:num_tokens]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shards")
+    rng = np.random.default_rng(0)
+    write_shard(d / "t_train_000001.bin", synthetic_documents(rng, 40_000))
+    write_shard(d / "t_train_000002.bin", synthetic_documents(rng, 30_000))
+    write_shard(d / "t_val_000000.bin", synthetic_documents(rng, 8_000))
+    return d
+
+
+def data_args(shards):
+    return [f"--train_files={shards}/t_train_*.bin", f"--val_files={shards}/t_val_*.bin"]
+
+
+# ---------------------------------------------------------------------------------------------
+# config
+
+
+def test_presets_resolve_and_overrides_parse():
+    for name in tg.PRESETS:
+        h = tg.parse_config(["--preset", name])
+        assert h.preset == name and h.stages[-1].end == 1.0
+    h = tg.parse_config(["--preset", "cpu", "--num_iterations=7", "--seed=3", "--compile=false",
+                         "--long_window_layers=[0,2]"])
+    assert (h.num_iterations, h.seed, h.compile, h.long_window_layers) == (7, 3, False, (0, 2))
+    assert tg.parse_config(["--preset", "1gpu"]).batch_ranks == tg.parse_config([]).batch_ranks == 8
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "nope"], "unknown preset"),
+    (["--no_such_key=1"], "unknown config key"),
+    (["--num_iterations=ten"], "expects a int"),
+    (["--optimizer=sgd"], "muon, normuon or anvil"),
+    (["--stages=[{\"end\":0.5,\"tokens_per_rank\":8,\"max_doc_len\":8,\"short_window\":1,\"long_window\":1}]"],
+     "must end at 1.0"),
+])
+def test_bad_config_is_refused(argv, message):
+    with pytest.raises(tg.ConfigError, match=message):
+        tg.parse_config(argv)
+
+
+def test_config_round_trips_through_json(tmp_path):
+    h = tg.parse_config(["--preset", "cpu", "--seed=5"])
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(tg.config_to_dict(h)))
+    assert tg.parse_config(["--config", str(path)]) == h
+
+
+# ---------------------------------------------------------------------------------------------
+# data loader
+
+
+def test_loader_slices_are_bos_aligned_documents(shards):
+    files = tg.find_shards(f"{shards}/t_train_*.bin")
+    stream = np.concatenate([np.asarray(tg.read_shard(f)) for f in files])
+    loader = tg.TrainLoader(files, 512)
+    T, max_doc = 512, 100
+    for _ in range(20):
+        for s in loader.next_batch(T, max_doc, 2, [0, 1]):
+            tokens, targets, cu = s.tokens.numpy(), s.targets.numpy(), s.cu_seqlens.numpy()
+            assert tokens.shape == (T,) and targets.shape == (T, tg.MAX_TARGETS - 1)
+            assert cu[0] == 0 and cu[-1] == T and np.all(np.diff(cu) >= 0)
+            lengths = np.diff(cu)
+            starts = cu[:-1][lengths > 0]
+            assert np.all(tokens[starts] == BOS_ID), "every document starts with BOS"
+            assert lengths.max() <= max_doc
+            for a, b in zip(cu[:-1], cu[1:]):
+                assert not np.any(tokens[a + 1:b] == BOS_ID), "a BOS inside a document"
+            # each document is a verbatim window of the stream, and its targets are the next tokens
+            a, b = starts[0], cu[np.searchsorted(cu, starts[0], side="right")]
+            hits = np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(stream, b - a) == tokens[a:b], 1))
+            assert hits.size >= 1
+            p = hits[0]
+            nxt = stream[p + 1:p + 1 + (b - a)]
+            assert np.array_equal(targets[a:b, 0][:len(nxt)], nxt[:b - a])
+
+
+def test_loader_targets_stop_at_document_end():
+    stream = np.array([BOS_ID, 1, 2, 3, BOS_ID, 4, 5, BOS_ID, 6], dtype=np.uint16)
+    t = tg._targets(stream, [0], [4], [4], 3)
+    # last token of the document predicts the next BOS; further targets are beyond the document
+    assert t.tolist() == [[1, 2, 3], [2, 3, BOS_ID], [3, BOS_ID, -1], [BOS_ID, -1, -1]]
+
+
+def test_rank_slices_match_the_full_batch(shards):
+    files = tg.find_shards(f"{shards}/t_train_*.bin")
+    full = [tg.TrainLoader(files, 256).next_batch(256, 64, 4, [0, 1, 2, 3]) for _ in range(1)][0]
+    odd = tg.TrainLoader(files, 256).next_batch(256, 64, 4, [1, 3])
+    for a, b in zip([full[1], full[3]], odd):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.targets, b.targets)
+
+
+def test_too_small_or_corrupt_data_is_refused(tmp_path):
+    write_shard(tmp_path / "small.bin", np.array([BOS_ID, 1, 2, 3]))
+    with pytest.raises(tg.DataError, match="fewer than one global batch"):
+        tg.TrainLoader([str(tmp_path / "small.bin")], 512)
+    write_shard(tmp_path / "nobos.bin", np.arange(1000) % 500)
+    with pytest.raises(tg.DataError, match="no <\\|endoftext\\|>"):
+        tg.TrainLoader([str(tmp_path / "nobos.bin")], 100).next_batch(100, 50, 1, [0])
+
+
+# ---------------------------------------------------------------------------------------------
+# model
+
+
+def tiny_config(extra=()):
+    return tg.parse_config(["--preset", "cpu", *TINY, *extra])
+
+
+def tiny_model(h, seed=0):
+    torch.manual_seed(seed)
+    model = tg.GPT(h, kernels.attention_reference, kernels.softcap_cross_entropy_reference)
+    with torch.no_grad():          # make every sublayer matter (zero-initialized weights hide leaks)
+        for name, p in model.named_parameters():
+            if p.ndim >= 2 and p.abs().sum() == 0:
+                p.normal_(0, 0.05)
+    return model
+
+
+def packed(doc_lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 3000, (sum(doc_lengths),), generator=g)
+    cu = torch.tensor([0, *np.cumsum(doc_lengths)], dtype=torch.int32)
+    tokens[cu[:-1].long()] = BOS_ID
+    return tokens.int(), cu
+
+
+def test_a_token_never_sees_another_document_or_the_future():
+    h = tiny_config()
+    model = tiny_model(h)
+    tokens, cu = packed([90, 150, 60])
+    args = tg.AttentionArgs(cu, 150, 128, 384, 0.1)
+    base = model.hidden_states(tokens, args)
+    changed = tokens.clone()
+    changed[160] = (changed[160] + 1) % 3000          # inside the second document
+    out = model.hidden_states(changed, args)
+    diff = (out - base).abs().amax(-1)
+    assert diff[:160].max() == 0, "earlier tokens (other document, or the past) must not change"
+    assert diff[240:].max() == 0, "the third document must not change"
+    assert diff[160:240].max() > 0, "later tokens of the same document do see it"
+
+
+@pytest.mark.parametrize("window", [1, 7, 40, 1000, 0])
+def test_attention_window_and_documents(window):
+    torch.manual_seed(1)
+    T, H, D = 200, 2, 16
+    q, k, v = (torch.randn(T, H, D, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 30, 130, 200, 200], dtype=torch.int32)
+    out = kernels.attention_reference(q, k, v, cu, 100, window, 0.25)
+    doc = kernels.document_ids(cu, T)
+    for i in range(T):                # float64 loop: the visible keys of query i, one by one
+        lo = cu[doc[i]].item() if window <= 0 else max(cu[doc[i]].item(), i - window + 1)
+        scores = torch.einsum("hd,jhd->hj", q[i], k[lo:i + 1]) * 0.25
+        ref = torch.einsum("hj,jhd->hd", scores.softmax(-1), v[lo:i + 1])
+        torch.testing.assert_close(out[i], ref, rtol=0, atol=1e-12)
+
+
+def test_forward_shapes_and_candidate_columns():
+    h = tiny_config()
+    model = tiny_model(h)
+    tokens, cu = packed([100, 156])
+    targets = torch.stack([torch.roll(tokens, -k).long() for k in (1, 2, 3)], 1)
+    args = tg.AttentionArgs(cu, 256, 128, 256, 0.1)
+    assert model.hidden_states(tokens, args).shape == (256, h.model_dim)
+    weights = tg.target_weights(h.stages[0], "cpu")
+    columns = tg.candidate_columns(targets, 1000, step=3, slice_index=0)
+    assert columns.numel() == 1000 and torch.all(columns[1:] > columns[:-1])
+    assert torch.isin(targets.flatten(), columns).all()
+    mapped = tg.ids_to_columns(targets, columns)
+    assert torch.equal(columns[mapped], targets)
+    assert tg.ids_to_columns(torch.tensor([[columns[0] + 0]]), columns[1:]).item() == -1
+    full = model(tokens, targets, args, weights)
+    sampled = model(tokens, targets, args, weights, columns)
+    assert full.ndim == 0 and torch.isfinite(full) and 0 < sampled < full
+    # the same candidates every time for the same step and slice; others elsewhere
+    assert torch.equal(columns, tg.candidate_columns(targets, 1000, step=3, slice_index=0))
+    assert not torch.equal(columns, tg.candidate_columns(targets, 1000, step=4, slice_index=0))
+
+
+def test_yarn_growth_slows_only_low_frequencies():
+    rot = tg.Rotary(128, 1024.0, 64)
+    before = rot.freq.clone()
+    rot.grow_window(384, 896)
+    rotating = before > 0
+    assert torch.all(rot.freq[~rotating] == 0)
+    assert rot.freq[0] == before[0], "the fastest frequency is kept"
+    torch.testing.assert_close(rot.freq[rotating][-1], before[rotating][-1] * 384 / 896)
+
+
+def test_optimizer_groups_cover_every_parameter_once():
+    h = tiny_config()
+    model = tiny_model(h)
+    opts = tg.build_optimizers(h, model)
+    seen = [id(p) for opt in opts for g in opt.param_groups for p in g["params"]]
+    assert sorted(seen) == sorted(id(p) for p in model.parameters())
+
+
+def test_training_steps_lower_the_loss(shards):
+    h = tiny_config(data_args(shards))
+    trainer = tg.Trainer(h, tg.Dist(0, 1, 0, torch.device("cpu")), tg.RunLog(str(shards), active=False))
+    loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
+    batch = loader.next_batch(512, 256, 1, [0])
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    losses = [trainer.train_step(0, batch).item() for _ in range(8)]
+    assert losses[-1] < losses[0] - 0.5, losses
+    moved = sum(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
+    assert moved >= len(before) - 1, "every parameter but the still-tied lm_head moves"
+
+
+# ---------------------------------------------------------------------------------------------
+# end to end
+
+
+def run_trainer(args, nproc=1, env_extra=None, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
+    if nproc == 1:
+        cmd = [sys.executable, os.path.join(REPO, "train_gpt.py"), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               os.path.join(REPO, "train_gpt.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def final_line(log_path):
+    lines = open(log_path, encoding="utf-8").read().splitlines()
+    return next(line for line in reversed(lines) if line.startswith("final "))
+
+
+def test_end_to_end_run_writes_a_complete_log(shards, tmp_path):
+    res = run_trainer(["--preset", "cpu", *TINY, *data_args(shards), "--num_iterations=6",
+                       f"--log_dir={tmp_path}", "--save_checkpoint=true"])
+    assert res.returncode == 0, res.stderr
+    logs = [p for p in os.listdir(tmp_path) if p.endswith(".txt")]
+    assert len(logs) == 1 and os.path.exists(tmp_path / logs[0].replace(".txt", "_model.pt"))
+    raw = open(tmp_path / logs[0], "rb").read()
+    assert raw.startswith(b"speedrun-log v1 run_id=")
+    for name in ("train_gpt.py", "kernels.py", "optim.py", "data/shards.py"):
+        content = open(os.path.join(REPO, name), "rb").read()
+        header = f"=== source {name} sha256={hashlib.sha256(content).hexdigest()} bytes={len(content)} ===\n"
+        at = raw.index(header.encode()) + len(header)
+        assert raw[at:at + len(content)] == content
+    text = raw.decode()
+    config = json.loads(text.split("=== config ===\n")[1].split("\n")[0])
+    assert config["num_iterations"] == 6 and config["track"] == "track_cpu"
+    assert "step:6/6 val_loss:" in text and final_line(tmp_path / logs[0]).startswith("final val_loss:")
+
+
+def test_two_processes_match_one_with_the_same_global_batch(shards, tmp_path):
+    args = ["--preset", "cpu", *TINY, *data_args(shards), "--num_iterations=4", "--batch_ranks=2"]
+    one = run_trainer([*args, f"--log_dir={tmp_path}/one"])
+    two = run_trainer([*args, f"--log_dir={tmp_path}/two"], nproc=2)
+    assert one.returncode == 0, one.stderr
+    assert two.returncode == 0, two.stderr
+    loss = [float(final_line(os.path.join(d, os.listdir(d)[0])).split()[1].split(":")[1])
+            for d in (tmp_path / "one", tmp_path / "two")]
+    # Same data, same math; only the order of float reductions can differ.
+    assert abs(loss[0] - loss[1]) <= 1e-3, loss
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--train_files=/nonexistent/x_*.bin"], "x_\\*.bin"),
+    (["--preset", "nonsense"], "unknown preset"),
+    (["--matrix_lr=nan"], "loss became nan at step"),
+])
+def test_user_errors_end_with_one_clear_line(shards, tmp_path, extra, message):
+    args = ["--preset", "cpu", *TINY, *data_args(shards), "--num_iterations=3", f"--log_dir={tmp_path}"]
+    if "--preset" in extra:
+        args = args[2:]
+    res = run_trainer([*args, *extra])
+    assert res.returncode == 2
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and re.search(message, last), res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_corrupt_shard_is_named(shards, tmp_path):
+    bad = tmp_path / "bad_train_000001.bin"
+    bad.write_bytes(open(f"{shards}/t_train_000001.bin", "rb").read()[:5000])
+    res = run_trainer(["--preset", "cpu", *TINY, f"--train_files={tmp_path}/bad_train_*.bin",
+                       f"--val_files={shards}/t_val_*.bin", "--num_iterations=2", f"--log_dir={tmp_path}"])
+    assert res.returncode == 2 and "bad_train_000001.bin" in res.stderr and "Traceback" not in res.stderr
