@@ -13,7 +13,6 @@ Presets: `speedrun` (8 GPUs), `1gpu` (the same global batch on 1 GPU by gradient
 file it imported, the environment, the data fingerprints, the resolved config, then step lines.
 """
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -830,11 +829,6 @@ def build_optimizers(h, model):
     return [adam, muon]
 
 
-def attention_args(h, stage, slice_, long_window_blocks=None, scale=None):
-    return AttentionArgs(slice_.cu_seqlens, stage.max_doc_len, stage.short_window * WINDOW_BLOCK,
-                         (long_window_blocks or stage.long_window) * WINDOW_BLOCK, scale)
-
-
 class Trainer:
     def __init__(self, h: Hyperparameters, env: Dist, log: RunLog):
         self.h, self.env, self.log = h, env, log
@@ -876,7 +870,8 @@ class Trainer:
             columns = None
             if stage.candidates:
                 columns = candidate_columns(s.targets, stage.candidates, step, slice_index)
-            args = attention_args(self.h, stage, s, scale=self.attn_scale)
+            args = AttentionArgs(s.cu_seqlens, stage.max_doc_len, stage.short_window * WINDOW_BLOCK,
+                                 stage.long_window * WINDOW_BLOCK, self.attn_scale)
             with self.autocast:
                 loss = self.forward(s.tokens, s.targets, args, weights, columns) / self.accum
             loss.backward()
@@ -992,12 +987,12 @@ def train(h, env, log):
                       f"step_avg:{elapsed / (step + 1):.2f}ms", echo=True)
     peak = (torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda"
             else _peak_rss_bytes()) // 2**20
-    log.write(f"final val_loss:{val_loss:.4f} train_time:{trainer.train_time_ms:.0f}ms steps:{N} "
-              f"peak_memory:{peak}MiB", echo=True)
     if h.save_checkpoint and env.master:
         path = os.path.join(h.log_dir, f"{log.run_id}_model.pt")
         torch.save({"config": config_to_dict(h), "model": trainer.model.state_dict()}, path)
         log.write(f"checkpoint: {path}", echo=True)
+    log.write(f"final val_loss:{val_loss:.4f} train_time:{trainer.train_time_ms:.0f}ms steps:{N} "
+              f"peak_memory:{peak}MiB", echo=True)
     return val_loss
 
 

@@ -1,0 +1,417 @@
+"""Tests of the records tools: log parsing and verification, make_record, reproduce, and the CPU baseline script.
+
+Logs are written by write_log below, an independent writer of the version-1
+format (records/README.md), with small fake sources chosen to trip a parser
+that scans for markers instead of counting bytes.
+"""
+
+import hashlib
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from records import make_record, reproduce  # noqa: E402
+from records.logfile import LogError, parse_log, verify  # noqa: E402
+
+TRACK = "track_test"
+TARGET = 3.5
+TOTAL_STEPS = 4
+SOURCES = {
+    "train_gpt.py": (
+        "def train():\n"
+        "    print('=== end source train_gpt.py ===')\n"
+        "=== source fake.py sha256=" + "0" * 64 + " bytes=3 ===\n"
+        "# caf\u00e9, no trailing newline"
+    ).encode("utf-8"),
+    "data/shards.py": b"SHARD_MAGIC = 20240520\n",
+}
+OTHER_SOURCES = {**SOURCES, "train_gpt.py": SOURCES["train_gpt.py"] + b"\n# changed\n"}
+SHARD_MAGIC = 20240520
+SHARD_HEADER_INTS = 256
+
+
+def sha256(data):
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_log(path, final_loss, train_ms, sources=SOURCES, track=TRACK, finished=True, world_size=1, gpu="none"):
+    """Write a version-1 log of a fake 4-step run ending at (final_loss, train_ms); return its path."""
+    run_id = Path(path).stem
+    out = bytearray(f"speedrun-log v1 run_id={run_id}\n".encode())
+    for relpath in sorted(sources):
+        content = sources[relpath]
+        out += f"=== source {relpath} sha256={sha256(content)} bytes={len(content)} ===\n".encode()
+        out += content
+        out += f"\n=== end source {relpath} ===\n".encode()
+    environment = {
+        "python": "3.11.7",
+        "torch": "2.13.0",
+        "triton": "3.7.1",
+        "cuda": "none",
+        "gpu": gpu,
+        "world_size": world_size,
+        "hostname": "testhost",
+        "command": "python train_gpt.py --preset cpu",
+        "git_commit": "none",
+        "started": "2026-11-30T10:00:00+00:00",
+    }
+    data = {"path": "data/x.bin", "bytes": 2048, "tokens": 512, "header_sha256": "a" * 64}
+    data |= {"head_sha256": "b" * 64, "tail_sha256": "c" * 64}
+    config = {"preset": "cpu", "track": track, "num_iterations": TOTAL_STEPS, "seed": 0}
+    config |= {"val_tokens": 512, "entry": "train_gpt.py"}
+    text = ["=== environment ===", *(f"{k}: {v}" for k, v in environment.items())]
+    text += ["=== data ===", json.dumps(data), "=== config ===", json.dumps(config), "=== run ==="]
+    for step in range(1, TOTAL_STEPS + 1):
+        ms = round(train_ms * step / TOTAL_STEPS)
+        timing = f"train_time:{ms}ms step_avg:{ms / step:.2f}ms"
+        text.append(f"step:{step}/{TOTAL_STEPS} train_loss:{final_loss + 1 / step:.4f} {timing}")
+        if step % 2 == 0:
+            val = final_loss + 0.5 * (TOTAL_STEPS - step)
+            text.append(f"step:{step}/{TOTAL_STEPS} val_loss:{val:.4f} {timing}")
+    text.append("an informational line")
+    if finished:
+        text.append(f"final val_loss:{final_loss:.4f} train_time:{train_ms}ms steps:{TOTAL_STEPS} peak_memory:123MiB")
+    else:
+        text.append("error: RuntimeError: something broke")
+    out += ("\n".join(text) + "\n").encode()
+    Path(path).write_bytes(bytes(out))
+    return str(path)
+
+
+def write_logs(folder, losses, times_ms, prefix="run", **kwargs):
+    folder.mkdir(parents=True, exist_ok=True)
+    return [
+        write_log(folder / f"{prefix}{i}.txt", loss, ms, **kwargs) for i, (loss, ms) in enumerate(zip(losses, times_ms))
+    ]
+
+
+@pytest.fixture
+def site(tmp_path):
+    """A records root with one track (target 3.5, p < 0.01, >= 3 runs) and a README with its table markers."""
+    track_dir = tmp_path / "records" / TRACK
+    track_dir.mkdir(parents=True)
+    track = {"name": TRACK, "target_val_loss": TARGET, "p_threshold": 0.01, "min_runs": 3}
+    track |= {"hardware": "test", "description": "test track"}
+    (track_dir / "track.json").write_text(json.dumps(track))
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        "# Title\n\nintro\n\n<!-- records:track_test:start -->\nstale table\n<!-- records:track_test:end -->\n\nafter\n"
+    )
+    return tmp_path
+
+
+def run_tool(site, *args):
+    argv = ["--track", TRACK, "--records-dir", str(site / "records"), "--readme", str(site / "README.md")]
+    return make_record.main(argv + [str(a) for a in args])
+
+
+def snapshot(site):
+    """Every file under the records root and the README, with its bytes (to check that nothing was written)."""
+    files = [site / "README.md", *sorted((site / "records").rglob("*"))]
+    contents = {str(p): p.read_bytes() for p in files if p.is_file()}
+    return contents | {"dirs": sorted(map(str, (site / "records").rglob("*")))}
+
+
+# ----------------------------------------------------------------------------- the log format
+
+
+def test_parse_log_reads_every_section(tmp_path):
+    log = parse_log(write_log(tmp_path / "r1.txt", 3.25, 5000))
+    verify(log)
+    assert log.run_id == "r1"
+    assert log.sources == SOURCES
+    assert log.declared_sha256 == {p: sha256(c) for p, c in SOURCES.items()}
+    assert log.environment["world_size"] == "1" and log.environment["gpu"] == "none"
+    assert log.data[0]["tokens"] == 512
+    assert log.config["entry"] == "train_gpt.py" and log.config["track"] == TRACK
+    assert [s["step"] for s in log.steps] == [1, 2, 3, 4]
+    assert log.val_points == [(2, 4.25, 2500), (4, 3.25, 5000)]
+    assert log.final == {"val_loss": 3.25, "train_time_ms": 5000, "steps": 4, "peak_memory_mib": 123.0}
+    assert log.info == ["an informational line"]
+    assert log.finished
+
+
+def test_unfinished_log_parses_without_final(tmp_path):
+    log = parse_log(write_log(tmp_path / "r1.txt", 3.25, 5000, finished=False))
+    assert not log.finished and log.final is None
+    assert log.info[-1].startswith("error:")
+
+
+def test_verify_names_the_tampered_source(tmp_path):
+    path = Path(write_log(tmp_path / "r1.txt", 3.25, 5000))
+    raw = path.read_bytes()
+    path.write_bytes(raw.replace(b"def train():", b"def trair():", 1))
+    log = parse_log(path)
+    with pytest.raises(LogError, match=r"r1\.txt: embedded source train_gpt\.py has sha256"):
+        verify(log)
+
+
+def test_truncated_log_is_refused(tmp_path):
+    path = Path(write_log(tmp_path / "r1.txt", 3.25, 5000))
+    raw = path.read_bytes()
+    path.write_bytes(raw[: raw.index(b"def train():") + 5])
+    with pytest.raises(LogError, match="does not end after its declared"):
+        parse_log(path)
+
+
+def test_source_path_escaping_the_tree_is_refused(tmp_path):
+    path = write_log(tmp_path / "r1.txt", 3.25, 5000, sources={**SOURCES, "../evil.py": b"x"})
+    with pytest.raises(LogError, match="not a plain relative path"):
+        parse_log(path)
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def test_one_sample_test_matches_hand_computation():
+    # n = 3: mean 3.1, sample std 0.1, t = (3.1 - 3.3) / (0.1 / sqrt(3)) = -2 sqrt(3).
+    # With 2 degrees of freedom the t CDF has the closed form 1/2 + t / (2 sqrt(2 + t^2)).
+    t, p = make_record.one_sample_test([3.0, 3.1, 3.2], 3.3)
+    t_hand = -2 * math.sqrt(3)
+    assert t == pytest.approx(t_hand, rel=1e-9)
+    assert p == pytest.approx(0.5 + t_hand / (2 * math.sqrt(2 + t_hand**2)), rel=1e-9)
+    assert make_record.val_loss_summary([3.0, 3.1, 3.2])["std"] == pytest.approx(0.1, rel=1e-9)
+
+
+def test_statistics_are_undefined_without_spread():
+    assert make_record.one_sample_test([3.0], 3.3) == (None, None)
+    assert make_record.one_sample_test([3.0, 3.0, 3.0], 3.3) == (None, None)
+    assert make_record.welch_test([3.0, 3.1], [3.2]) is None
+
+
+# ----------------------------------------------------------------------------- make_record
+
+
+def test_record_folder_statistics_plot_and_readme_table(site, capsys):
+    losses, times = [3.40, 3.42, 3.41], [5000, 5600, 5300]
+    logs = write_logs(site / "logs", losses, times)
+    description = ["--description", "did a thing"]
+    assert run_tool(site, "--name", "Faster", "--date", "2026-11-30", *description, "--logs", *logs) == 0
+    folder = site / "records" / TRACK / "2026-11-30_Faster"
+    for log in logs:
+        assert (folder / Path(log).name).read_bytes() == Path(log).read_bytes()
+    for relpath, content in SOURCES.items():
+        assert (folder / "source" / relpath).read_bytes() == content
+    s = json.loads((folder / "statistics.json").read_text())
+    expected = stats.ttest_1samp(losses, TARGET, alternative="less")
+    assert s["status"] == "record" and s["n"] == 3
+    assert s["val_loss"]["mean"] == pytest.approx(np.mean(losses), rel=1e-12)
+    assert s["val_loss"]["std"] == pytest.approx(np.std(losses, ddof=1), rel=1e-12)
+    assert s["t_statistic"] == pytest.approx(expected.statistic, rel=1e-12)
+    assert s["p_value"] == pytest.approx(expected.pvalue, rel=1e-12) and s["p_value"] < 0.01
+    assert s["train_time_ms"] == {"values": times, "mean": 5300, "median": 5300, "min": 5000, "max": 5600}
+    assert s["train_time_s"]["max"] == pytest.approx(5.6)
+    assert s["code"] == {p: sha256(c) for p, c in sorted(SOURCES.items())}
+    assert s["baseline"] is None
+    assert "did a thing" in (folder / "README.md").read_text()
+    assert "status           record" in (folder / "statistics.txt").read_text()
+    assert (folder / "val_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    readme = (site / "README.md").read_text()
+    assert readme.startswith("# Title\n\nintro\n\n<!-- records:track_test:start -->\n|")
+    assert readme.endswith("|\n<!-- records:track_test:end -->\n\nafter\n")
+    assert "stale table" not in readme
+    assert "[Faster](records/track_test/2026-11-30_Faster)" in readme and "| 5.3 s | 3 | 1.00x |" in readme
+
+
+def assert_refused(site, capsys, message, *args):
+    before = snapshot(site)
+    assert run_tool(site, "--name", "X", *args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert snapshot(site) == before
+
+
+def test_tampered_log_refused(site, capsys):
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
+    raw = Path(logs[1]).read_bytes()
+    Path(logs[1]).write_bytes(raw.replace(b"SHARD_MAGIC = 2", b"SHARD_MAGIC = 3", 1))
+    assert_refused(site, capsys, "embedded source data/shards.py has sha256", "--logs", *logs)
+
+
+def test_unfinished_log_refused(site, capsys):
+    logs = write_logs(site / "logs", [3.40, 3.42], [5000, 5600])
+    logs.append(write_log(site / "logs" / "dead.txt", 3.41, 5300, finished=False))
+    assert_refused(site, capsys, "dead.txt: the run did not finish", "--logs", *logs)
+
+
+def test_mixed_code_refused(site, capsys):
+    logs = write_logs(site / "logs", [3.40, 3.42], [5000, 5600])
+    logs.append(write_log(site / "logs" / "other.txt", 3.41, 5300, sources=OTHER_SOURCES))
+    assert_refused(site, capsys, "logs come from different code", "--logs", *logs)
+    assert "differ in train_gpt.py" in make_record.describe_code_difference(parse_log(logs[0]), parse_log(logs[2]))
+
+
+def test_track_mismatch_refused(site, capsys):
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300], track="track_cpu")
+    assert_refused(site, capsys, "config says track 'track_cpu', not 'track_test'", "--logs", *logs)
+
+
+def test_other_hardware_refused(site, capsys):
+    track_json = site / "records" / TRACK / "track.json"
+    required = {"world_size": "8", "gpu": "(NVIDIA H100 80GB HBM3, ){7}NVIDIA H100 80GB HBM3"}
+    track_json.write_text(json.dumps(json.loads(track_json.read_text()) | {"required_environment": required}))
+    h100s = ", ".join(["NVIDIA H100 80GB HBM3"] * 8)
+    logs = write_logs(site / "logs", [3.40, 3.42], [5000, 5600], world_size=8, gpu=h100s)
+    logs.append(write_log(site / "logs" / "h200.txt", 3.41, 5300, world_size=1, gpu="NVIDIA H200"))
+    assert_refused(site, capsys, "h200.txt: environment world_size is '1', the track requires /8/", "--logs", *logs)
+    one_h200 = h100s.replace("H100 80GB HBM3", "H200", 1)
+    logs[2] = write_log(site / "logs" / "h200.txt", 3.41, 5300, world_size=8, gpu=one_h200)
+    assert_refused(site, capsys, "h200.txt: environment gpu is 'NVIDIA H200, NVIDIA H100", "--logs", *logs)
+    logs[2] = write_log(site / "logs" / "h200.txt", 3.41, 5300, world_size=8, gpu=h100s)
+    assert run_tool(site, "--name", "H100", "--logs", *logs) == 0
+
+
+def test_existing_record_folder_refused(site, capsys):
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
+    (site / "records" / TRACK / "2026-11-30_X").mkdir()
+    assert_refused(site, capsys, "already exists", "--date", "2026-11-30", "--logs", *logs)
+
+
+def test_non_significant_result_needs_allow_non_record(site, capsys):
+    logs = write_logs(site / "logs", [3.45, 3.52, 3.50], [5000, 5600, 5300])
+    assert_refused(site, capsys, "not a record: p = ", "--logs", *logs)
+    assert run_tool(site, "--name", "Y", "--date", "2026-11-30", "--allow-non-record", "--logs", *logs) == 0
+    folder = site / "records" / TRACK / "2026-11-30_Y"
+    assert json.loads((folder / "statistics.json").read_text())["status"] == "not a record"
+    assert "**Not a record**" in (folder / "README.md").read_text()
+    assert "_No records yet._" in (site / "README.md").read_text()
+
+
+def test_too_few_runs_are_not_a_record(site, capsys):
+    logs = write_logs(site / "logs", [3.10, 3.11], [5000, 5600])
+    assert_refused(site, capsys, "only 2 run(s); the track requires at least 3", "--logs", *logs)
+
+
+def test_baseline_welch_tests_and_speedup(site):
+    losses, times = [3.40, 3.42, 3.41], [5000, 5600, 5300]
+    base_losses, base_times = [3.43, 3.44, 3.40, 3.45], [9000, 9500, 8800, 9100]
+    logs = write_logs(site / "logs", losses, times)
+    base = write_logs(site / "base", base_losses, base_times, prefix="base", sources=OTHER_SOURCES)
+    assert run_tool(site, "--name", "Z", "--date", "2026-11-30", "--logs", *logs, "--baseline-logs", *base) == 0
+    folder = site / "records" / TRACK / "2026-11-30_Z"
+    b = json.loads((folder / "statistics.json").read_text())["baseline"]
+    for key, record, baseline in (("welch_val_loss", losses, base_losses), ("welch_train_time", times, base_times)):
+        expected = stats.ttest_ind(record, baseline, equal_var=False, alternative="less")
+        assert b[key]["t"] == pytest.approx(expected.statistic, rel=1e-12)
+        assert b[key]["p"] == pytest.approx(expected.pvalue, rel=1e-12)
+    assert b["speedup"] == pytest.approx(np.mean(base_times) / np.mean(times), rel=1e-12)
+    assert b["n"] == 4 and b["code"]["train_gpt.py"] == sha256(OTHER_SOURCES["train_gpt.py"])
+    assert sorted(p.name for p in (folder / "baseline").iterdir()) == [f"base{i}.txt" for i in range(4)]
+
+    # A record folder given as --baseline-logs stands for the logs of its runs.
+    assert run_tool(site, "--name", "Z2", "--date", "2026-11-30", "--logs", *logs, "--baseline-logs", folder) == 0
+    again = json.loads((folder.parent / "2026-11-30_Z2" / "statistics.json").read_text())["baseline"]
+    assert again["runs"] == json.loads((folder / "statistics.json").read_text())["runs"]
+
+
+def test_set_target_from_these_logs_then_a_record_against_it(site, capsys):
+    track_json = site / "records" / TRACK / "track.json"
+    track_json.write_text(json.dumps(json.loads(track_json.read_text()) | {"target_val_loss": None}))
+    base_losses = [4.1234, 4.2345, 4.1789]
+    base = write_logs(site / "base", base_losses, [9000, 9500, 8800], prefix="base")
+    assert_refused(site, capsys, "has no target yet", "--logs", *base)
+
+    set_target = "--set-target-from-these-logs"
+    assert run_tool(site, "--name", "Baseline", "--date", "2026-11-01", set_target, "--logs", *base) == 0
+    target = json.loads(track_json.read_text())["target_val_loss"]
+    assert target == float(np.mean(base_losses))  # exactly, at full precision
+    folder = site / "records" / TRACK / "2026-11-01_Baseline"
+    s = json.loads((folder / "statistics.json").read_text())
+    assert s["status"] == "target" and s["target_val_loss"] == target and s["p_value"] is None
+    assert repr(target) in (folder / "README.md").read_text()
+    assert_refused(site, capsys, "already has target", set_target, "--logs", *base)
+
+    losses = [4.05, 4.06, 4.04]
+    logs = write_logs(site / "logs", losses, [4500, 4700, 4600])
+    assert run_tool(site, "--name", "Fast", "--date", "2026-11-30", "--logs", *logs) == 0
+    s = json.loads((site / "records" / TRACK / "2026-11-30_Fast" / "statistics.json").read_text())
+    assert s["p_value"] == pytest.approx(stats.ttest_1samp(losses, target, alternative="less").pvalue, rel=1e-12)
+    rows = [line for line in (site / "README.md").read_text().splitlines() if line.startswith(("| 1 ", "| 2 "))]
+    assert "[Fast]" in rows[0] and rows[0].endswith(f"| {9100 / 4600:.2f}x |")
+    assert "[Baseline]" in rows[1] and "| sets target |" in rows[1] and rows[1].endswith("| 1.00x |")
+
+
+def test_missing_markers_warn_but_do_not_fail(site, capsys):
+    (site / "README.md").write_text("# no markers\n")
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
+    assert run_tool(site, "--name", "W", "--logs", *logs) == 0
+    assert "<!-- records:track_test:start -->" in capsys.readouterr().err
+    assert (site / "README.md").read_text() == "# no markers\n"
+
+
+# ----------------------------------------------------------------------------- reproduce
+
+
+def test_reproduce_recreates_identical_sources_and_config(tmp_path, capsys):
+    log_path = write_log(tmp_path / "r1.txt", 3.25, 5000, world_size=8)
+    out = tmp_path / "out"
+    assert reproduce.main([log_path, "--dir", str(out)]) == 0
+    for relpath, content in SOURCES.items():
+        assert sha256((out / relpath).read_bytes()) == sha256(content)
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == sorted([*SOURCES, "config.json"])
+    assert json.loads((out / "config.json").read_text()) == parse_log(log_path).config
+    printed = capsys.readouterr().out
+    assert f"-m torch.distributed.run --standalone --nproc_per_node=8 {out / 'train_gpt.py'} --config" in printed
+    assert reproduce.main([log_path, "--dir", str(out)]) == 2
+    assert "not an empty folder" in capsys.readouterr().err
+
+
+def test_reproduce_refuses_a_tampered_log(tmp_path, capsys):
+    path = Path(write_log(tmp_path / "r1.txt", 3.25, 5000))
+    path.write_bytes(path.read_bytes().replace(b"def train():", b"def trair():", 1))
+    assert reproduce.main([str(path), "--dir", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- the CPU baseline script
+
+
+def write_shard(path, tokens):
+    header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
+    header[:3] = SHARD_MAGIC, 1, len(tokens)
+    path.write_bytes(header.tobytes() + np.asarray(tokens, dtype="<u2").tobytes())
+
+
+def test_baseline_script_writes_a_valid_log_and_reproduces(tmp_path):
+    rng = np.random.default_rng(0)
+    for name, n in (("t_train_000000.bin", 3000), ("t_train_000001.bin", 3000), ("t_val_000000.bin", 600)):
+        write_shard(tmp_path / name, rng.integers(0, 50257, n))
+    # One thread: two threads spin-waiting on a busy 2-core machine make even a tiny step slow.
+    tiny = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=4", "--num_iterations=3"]
+    tiny += ["--threads=1"]
+    tiny += ["--val_tokens=256", "--val_every=2", "--warmup_iters=1", f"--log_dir={tmp_path / 'logs'}"]
+    tiny += [f"--train_files={tmp_path / 't_train_*.bin'}", f"--val_files={tmp_path / 't_val_000000.bin'}"]
+    script = REPO / "records" / "track_cpu" / "baseline_adamw.py"
+    subprocess.run([sys.executable, str(script), *tiny], check=True, capture_output=True, cwd=tmp_path)
+    (log_path,) = (tmp_path / "logs").iterdir()
+    log = parse_log(log_path)
+    verify(log)
+    assert log.finished and log.final["steps"] == 3 and len(log.steps) == 3
+    assert [step for step, _, _ in log.val_points] == [2, 3]
+    assert log.val_points[-1][1] == log.final["val_loss"]
+    assert log.config["track"] == "track_cpu" and log.config["preset"] == "baseline_adamw"
+    assert log.config["entry"] == "records/track_cpu/baseline_adamw.py"
+    for relpath in ("records/track_cpu/baseline_adamw.py", "data/shards.py"):
+        assert log.sources[relpath] == (REPO / relpath).read_bytes()
+    assert len(log.data) == 3 and log.data[0]["tokens"] == 3000
+
+    out = tmp_path / "again"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "records" / "reproduce.py"), str(log_path), "--dir", str(out), "--run"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    (rerun_path,) = set((tmp_path / "logs").iterdir()) - {log_path}
+    rerun = parse_log(rerun_path)
+    assert rerun.code_id == log.code_id and rerun.config == log.config
+    assert rerun.final["val_loss"] == log.final["val_loss"]
