@@ -181,6 +181,7 @@ def _parse_value(key, text, current):
 
 def config_from_dict(d):
     """A Hyperparameters from a resolved-config dict (as written into a log)."""
+    d = {k: v for k, v in d.items() if k not in LOG_ONLY_KEYS}
     known = {f.name for f in dataclasses.fields(Hyperparameters)}
     unknown = sorted(set(d) - known)
     if unknown:
@@ -240,8 +241,16 @@ def parse_config(argv):
     return normalize_config(h)
 
 
+LOG_ONLY_KEYS = ("entry",)          # written into a log's config for the records tools, not settings
+
+
 def config_to_dict(h):
     return dataclasses.asdict(h)
+
+
+def logged_config(h):
+    """The resolved config as a log records it: the settings plus the entry script's path."""
+    return {**config_to_dict(h), "entry": os.path.basename(__file__)}
 
 
 # -----------------------------------------------------------------------------------------------
@@ -944,7 +953,7 @@ def train(h, env, log):
     val_slices = validation_slices(val_files, h.val_tokens, h.val_tokens_per_rank, num_val_slices,
                                    range(env.rank, num_val_slices, env.world_size))
     log.header(project_sources(), environment(env.world_size),
-               [fingerprint(f) for f in val_files + train_files], config_to_dict(h))
+               [fingerprint(f) for f in val_files + train_files], logged_config(h))
     log.write(f"model parameters: {sum(p.numel() for p in trainer.model.parameters()):,}", echo=True)
     if env.device.type == "cuda" and h.warmup_steps > 0:
         warm_up(trainer, train_files)

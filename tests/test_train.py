@@ -17,6 +17,7 @@ import kernels  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data.shards import write_shard  # noqa: E402
 from data.tokenizer import BOS_ID  # noqa: E402
+from records.logfile import parse_log, verify  # noqa: E402
 
 # A model small enough for a CPU test: every feature on, tiny widths.
 TINY = [
@@ -155,7 +156,7 @@ def tiny_model(h, seed=0):
     torch.manual_seed(seed)
     model = tg.GPT(h, kernels.attention_reference, kernels.softcap_cross_entropy_reference)
     with torch.no_grad():          # make every sublayer matter (zero-initialized weights hide leaks)
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim >= 2 and p.abs().sum() == 0:
                 p.normal_(0, 0.05)
     return model
@@ -265,6 +266,11 @@ def run_trainer(args, nproc=1, env_extra=None, timeout=300):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
+def write_json(path, obj):
+    path.write_text(json.dumps(obj))
+    return path
+
+
 def final_line(log_path):
     lines = open(log_path, encoding="utf-8").read().splitlines()
     return next(line for line in reversed(lines) if line.startswith("final "))
@@ -283,10 +289,13 @@ def test_end_to_end_run_writes_a_complete_log(shards, tmp_path):
         header = f"=== source {name} sha256={hashlib.sha256(content).hexdigest()} bytes={len(content)} ===\n"
         at = raw.index(header.encode()) + len(header)
         assert raw[at:at + len(content)] == content
-    text = raw.decode()
-    config = json.loads(text.split("=== config ===\n")[1].split("\n")[0])
-    assert config["num_iterations"] == 6 and config["track"] == "track_cpu"
-    assert "step:6/6 val_loss:" in text and final_line(tmp_path / logs[0]).startswith("final val_loss:")
+    log = parse_log(tmp_path / logs[0])
+    verify(log)                    # every embedded source matches its sha256
+    assert log.finished and log.config["num_iterations"] == 6 and log.config["track"] == "track_cpu"
+    assert [p[0] for p in log.val_points] == [6]
+    assert tg.parse_config(["--config", str(write_json(tmp_path / "c.json", log.config))]) == \
+        tg.parse_config(["--preset", "cpu", *TINY, *data_args(shards), "--num_iterations=6",
+                         f"--log_dir={tmp_path}", "--save_checkpoint=true"])
 
 
 def test_two_processes_match_one_with_the_same_global_batch(shards, tmp_path):

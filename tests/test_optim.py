@@ -1,0 +1,465 @@
+"""Tests for optim.py: orthogonalization quality, the Muon family and Adam against independent
+float64 references, the bf16 mantissa sidecar, checkpoints, and 2-rank gloo runs against one
+process given the averaged gradients."""
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tests"))
+import optim  # noqa: E402
+import optim_dist_worker as worker  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------
+# References written independently of optim.py (float64)
+# ---------------------------------------------------------------------------------------------
+
+
+def polynomial_map(x, schedule):
+    """The scalar map the schedule applies to each normalized singular value x."""
+    for a, b, c in optim.SCHEDULES[schedule].coefficients:
+        x = a * x + b * x ** 3 + c * x ** 5
+    return x
+
+
+def reference_orthogonalize(G, schedule):
+    """U f(S / (norm_factor * ||G||_F)) V^T from a float64 SVD: what the iteration computes."""
+    U, S, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    x = S / (optim.SCHEDULES[schedule].norm_factor * S.norm(dim=-1, keepdim=True))
+    return (U * polynomial_map(x, schedule)[..., None, :]) @ Vh
+
+
+def reference_muon(theta0, grads, variant, schedule, equalize, hp):
+    """Plain float64 Muon / NorMuon / ANVIL on one matrix; returns theta after each step."""
+    theta = theta0.double().clone()
+    rows, cols = theta.shape
+    buf = torch.zeros_like(theta)
+    fast = torch.zeros_like(theta)
+    slow = torch.zeros_like(theta)
+    lanes = rows if rows >= cols else cols
+    lane_ms = [0.0] * lanes
+    out = []
+    for g in grads:
+        g = g.double()
+        if variant == "anvil":
+            fast = hp["fast_beta"] * fast + (1 - hp["fast_beta"]) * g
+            slow = hp["slow_beta"] * slow + (1 - hp["slow_beta"]) * g
+            m = hp["blend"] * fast + (1 - hp["blend"]) * slow
+            u = g + hp["mu"] * (m - g)
+        else:
+            buf = hp["momentum"] * buf + (1 - hp["momentum"]) * g
+            u = g + hp["momentum"] * (buf - g)
+        O = reference_orthogonalize(u, schedule)
+        if equalize:
+            E = O.clone()
+            for i in range(lanes):
+                lane = O[i, :] if rows >= cols else O[:, i]
+                mean_square = float((lane ** 2).sum()) / lane.numel()
+                lane_ms[i] = hp["beta2"] * lane_ms[i] + (1 - hp["beta2"]) * mean_square
+                scale = (lane_ms[i] + hp["eps"]) ** -0.5
+                if rows >= cols:
+                    E[i, :] = lane * scale
+                else:
+                    E[:, i] = lane * scale
+            O = E * (O.norm() / E.norm())
+        lr_eff = hp["lr"] * hp["lr_scale"] * max(1.0, rows / cols) ** 0.5
+        gate = slow if variant == "anvil" else O
+        new = theta.clone()
+        for i in range(rows):
+            for j in range(cols):
+                new[i, j] -= lr_eff * O[i, j]
+                if float(torch.sign(gate[i, j]) * torch.sign(theta[i, j])) >= 0:
+                    new[i, j] -= hp["lr"] * lr_eff * hp["weight_decay"] * theta[i, j]
+        theta = new
+        out.append(theta.clone())
+    return out
+
+
+def reference_adam(theta0, grads, lr, betas, eps, wd):
+    """Plain float64 bias-corrected Adam with cautious lr^2-scaled decay, element by element."""
+    theta = theta0.double().flatten().tolist()
+    m = [0.0] * len(theta)
+    v = [0.0] * len(theta)
+    out = []
+    for t, g in enumerate(grads, start=1):
+        g = g.double().flatten().tolist()
+        for k in range(len(theta)):
+            m[k] = betas[0] * m[k] + (1 - betas[0]) * g[k]
+            v[k] = betas[1] * v[k] + (1 - betas[1]) * g[k] ** 2
+            u = (m[k] / (1 - betas[0] ** t)) / ((v[k] / (1 - betas[1] ** t)) ** 0.5 + eps)
+            decay = lr * lr * wd * theta[k] if u * theta[k] > 0 else 0.0
+            theta[k] = theta[k] - lr * u - decay
+        out.append(torch.tensor(theta, dtype=torch.float64).view(theta0.shape))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Orthogonalization
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("schedule", ["polar_express", "anvil"])
+@pytest.mark.parametrize("shape", [(12, 20), (20, 12), (3, 16, 16), (2, 9, 30)])
+def test_orthogonalize_matches_svd_reference(schedule, shape):
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(7))
+    got = optim.orthogonalize(G, schedule)
+    assert got.dtype == torch.float32 and got.shape == G.shape
+    torch.testing.assert_close(got.double(), reference_orthogonalize(G, schedule),
+                               rtol=0, atol=2e-5)
+
+
+def test_orthogonalize_keeps_zero_and_rejects_unknown_schedule():
+    assert torch.equal(optim.orthogonalize(torch.zeros(4, 6), "anvil"), torch.zeros(4, 6))
+    with pytest.raises(optim.OptimConfigError, match="polar_express"):
+        optim.orthogonalize(torch.randn(4, 6), "newton_schulz")
+
+
+def test_gram_is_x_xt_on_cpu():
+    X = torch.randn(3, 5, 7)
+    torch.testing.assert_close(optim.gram(X), X @ X.mT)
+
+
+# Singular values of orthogonalize's output, measured on this machine (seeded inputs at the
+# speedrun shapes, float64 decompositions); the asserted bands add a margin outside them.
+#   polar_express float32 [0.8589, 1.1411]   bfloat16 [0.8553, 1.1436]
+#   anvil         float32 [0.9996, 1.0004]   bfloat16 [0.9912, 1.0087]
+ASSERTED_BANDS = {
+    ("polar_express", torch.float32): (0.85, 1.15),
+    ("polar_express", torch.bfloat16): (0.85, 1.15),
+    ("anvil", torch.float32): (0.999, 1.001),
+    ("anvil", torch.bfloat16): (0.985, 1.015),
+}
+# Reach: the band is promised for directions in which G has at least this fraction of its
+# normalized norm, x = s / (norm_factor * ||G||_F). The scalar polynomials enter their bands at
+# x = 9.9e-4 (polar express) and 3.3e-3 (anvil); the reach adds room for bf16 rounding. Weaker
+# directions come out smaller (never larger): a square Gaussian matrix has a few (21 of 768
+# for polar express, 57 for anvil), a low-rank-ish one has many.
+REACH = {"polar_express": 1.5e-3, "anvil": 4e-3}
+FULL_REACH_SHAPES = [(256, 768), (3072, 768), (768, 3072), (4, 256, 768)]
+
+
+def singular_values(X):
+    """All singular values of each matrix of the batch: float64 eigenvalues of the small Gram."""
+    X = X.double()
+    small = X @ X.mT if X.size(-2) <= X.size(-1) else X.mT @ X
+    return torch.linalg.eigvalsh(small).clamp_min(0).sqrt()
+
+
+@pytest.fixture(scope="module")
+def band_inputs():
+    """Seeded inputs: Gaussian matrices at the speedrun shapes whose every direction is within
+    reach, and a square Gaussian (768x768) and a low-rank-ish matrix (rank 16 plus 5% noise)
+    with their float64 SVDs."""
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(*shape, generator=gen) for shape in FULL_REACH_SHAPES]
+    weakest = [(lambda s: s / s.norm(dim=-1, keepdim=True))(singular_values(G)).min().item()
+               for G in full]
+    square = torch.randn(768, 768, generator=gen)
+    low_rank = (torch.randn(256, 16, generator=gen) @ torch.randn(16, 768, generator=gen)
+                + 0.05 * torch.randn(256, 768, generator=gen))
+    partial = [(G, torch.linalg.svd(G.double(), full_matrices=False)) for G in (square, low_rank)]
+    return full, min(weakest), partial
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("schedule", ["polar_express", "anvil"])
+def test_singular_value_band_at_speedrun_shapes(band_inputs, schedule, dtype):
+    lo, hi = ASSERTED_BANDS[(schedule, dtype)]
+    nf = optim.SCHEDULES[schedule].norm_factor
+    full, weakest, partial = band_inputs
+    assert weakest / nf >= REACH[schedule]
+    measured = []
+    for G in full:
+        s = singular_values(optim.orthogonalize(G, schedule, dtype=dtype))
+        measured.append((tuple(G.shape), round(s.min().item(), 4), round(s.max().item(), 4)))
+        assert lo <= s.min() and s.max() <= hi, measured[-1]
+    for G, (U, S, Vh) in partial:
+        O = optim.orthogonalize(G, schedule, dtype=dtype).double()
+        keep = S / (nf * S.norm()) >= REACH[schedule]
+        s = torch.linalg.svdvals(U[:, keep].mT @ O @ Vh[keep].mT)
+        top = singular_values(O).max().item()
+        measured.append((tuple(G.shape), round(s.min().item(), 4), round(s.max().item(), 4),
+                         f"{int(keep.sum())} of {len(S)} within reach", round(top, 4)))
+        assert lo <= s.min() and s.max() <= hi and top <= hi, measured[-1]
+    print(f"\nband {schedule} {dtype}: {measured}")
+
+
+@pytest.mark.parametrize("dtype,ratio,tolerance", [
+    (torch.float32, 1.0, 1e-3),     # measured worst |s_max - 1|: 6e-4 (rank one)
+    (torch.bfloat16, 0.99, 0.015),  # measured 0.0075; at ratio >= 0.995 bf16 diverges, see below
+])
+def test_anvil_on_nearly_rank_one_input(dtype, ratio, tolerance):
+    """The anvil polynomial is tuned right up to x = 1/1.05: beyond 0.9524 it diverges. In
+    float32 that edge is safe even for a rank-one G (x = 1/1.05 exactly); in bf16 the rounding
+    of the normalization pushes x past it once s_max / ||G||_F >= ~0.995 (measured). This test
+    pins the limit that real gradients, far from rank one, stay inside."""
+    gen = torch.Generator().manual_seed(3)
+    U, _ = torch.linalg.qr(torch.randn(64, 64, generator=gen, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(96, 96, generator=gen, dtype=torch.float64))
+    s = torch.full((64,), ((1 / ratio ** 2 - 1) / 63) ** 0.5, dtype=torch.float64)
+    s[0] = 1.0
+    G = ((U * s) @ V[:64]).float()
+    for magnitude in (1e-3, 1.0, 1e3):
+        O = optim.orthogonalize(G * magnitude, "anvil", dtype=dtype)
+        assert abs(singular_values(O).max().item() - 1) <= tolerance
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16 master weights
+# ---------------------------------------------------------------------------------------------
+
+def test_mantissa_sidecar_round_trips_every_fp32_bit():
+    """Any fp32 value (subnormals, zeros, infinities too) survives the split bit for bit, and
+    the bf16 half is the value truncated to 8 significant bits."""
+    gen = torch.Generator().manual_seed(1)
+    normal = torch.randn(4096, generator=gen) * 2.0 ** torch.randint(-100, 100, (4096,),
+                                                                       generator=gen)
+    special = torch.tensor([0.0, -0.0, 1e-40, -1e-40, float("inf"), -3.4e38])
+    values = torch.cat([normal, special])
+    param = torch.empty_like(values, dtype=torch.bfloat16)
+    mantissa = torch.empty_like(values, dtype=torch.int16)
+    optim.split_master_into_bf16(values, param, mantissa)
+    assert torch.equal(optim.master_from_bf16(param, mantissa).view(torch.int32),
+                       values.view(torch.int32))
+    head = param[:len(normal)].float()
+    assert (head.abs() <= normal.abs()).all() and (head.sign() == normal.sign()).all()
+    assert ((normal - head).abs() < normal.abs() * 2 ** -7).all()
+
+
+SIDECAR_STEPS = 1000  # a long run of tiny updates
+SIDECAR_LR = 1e-5  # each step moves a weight by ~1e-5: far below half a bf16 ulp of ~0.5
+
+
+def run_tiny_steps(make_optimizer, param, plain_bf16):
+    """SIDECAR_STEPS steps on `param` with seeded gradients that have a consistent direction
+    (bf16-representable, so every run sees the same ones). plain_bf16: the fp32 `param` is
+    rounded to bf16 after every step, as plain bf16 storage would do."""
+    gen = torch.Generator().manual_seed(11)
+    opt = make_optimizer(param)
+    direction = torch.randn(param.shape, generator=gen)
+    for _ in range(SIDECAR_STEPS):
+        g = (direction + torch.randn(param.shape, generator=gen)).bfloat16()
+        param.grad = g.to(param.dtype)
+        opt.step()
+        if plain_bf16:
+            param.data.copy_(param.data.bfloat16().float())
+    return opt
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "anvil"])
+def test_sidecar_long_run_matches_fp32_master(optimizer):
+    """Measured: the weights move by up to 9.5e-3 (adam) / 4.1e-3 (anvil) in fp32; the bf16 +
+    sidecar master equals that fp32 run bit for bit (max |diff| = 0); plain bf16 storage never
+    moves at all (every update is below half an ulp), so it ends the full 9.5e-3 / 4.1e-3 off."""
+    def make(p):
+        if optimizer == "adam":
+            return optim.Adam([p], lr=SIDECAR_LR, weight_decay=0.5)
+        return optim.Muon([p], lr=SIDECAR_LR, weight_decay=0.5, schedule="anvil", variant="anvil")
+    init = (torch.rand(32, 48, generator=torch.Generator().manual_seed(5)) + 0.5).bfloat16()
+    fp32 = torch.nn.Parameter(init.float())
+    run_tiny_steps(make, fp32, plain_bf16=False)
+    bf16 = torch.nn.Parameter(init.clone())
+    opt = run_tiny_steps(make, bf16, plain_bf16=False)
+    master = optim.master_from_bf16(bf16.data, opt.state[bf16]["mantissa"])
+    plain = torch.nn.Parameter(init.float())
+    run_tiny_steps(make, plain, plain_bf16=True)
+    moved = (fp32.data - init.float()).abs().max().item()
+    plain_error = (plain.data - fp32.data).abs().max().item()
+    print(f"\nsidecar {optimizer}: fp32 moved {moved:.3g}, sidecar max diff "
+          f"{(master - fp32.data).abs().max().item():.3g}, plain bf16 max diff {plain_error:.3g}")
+    assert torch.equal(master, fp32.data)
+    assert moved > 1e-3 and plain_error > 0.5 * moved
+
+
+# ---------------------------------------------------------------------------------------------
+# Muon family and Adam against the references
+# ---------------------------------------------------------------------------------------------
+
+MUON_HP = dict(lr=0.05, momentum=0.9, weight_decay=2.0, beta2=0.9, eps=1e-10, fast_beta=0.85,
+               slow_beta=0.98, blend=0.7, mu=0.9, lr_scale=1.5)
+
+
+@pytest.mark.parametrize("variant,schedule,equalize", [
+    ("muon", "polar_express", False),
+    ("normuon", "polar_express", True),
+    ("anvil", "anvil", True),
+    ("anvil", "anvil", False),
+])
+@pytest.mark.parametrize("shape", [(6, 10), (10, 6)])
+def test_muon_steps_match_reference(variant, schedule, equalize, shape):
+    gen = torch.Generator().manual_seed(21)
+    theta0 = torch.randn(shape, generator=gen)
+    grads = [torch.randn(shape, generator=gen) for _ in range(3)]
+    expected = reference_muon(theta0, grads, variant, schedule, equalize, MUON_HP)
+    p = torch.nn.Parameter(theta0.clone())
+    opt = optim.Muon([p], schedule=schedule, variant=variant,
+                     equalize=equalize if variant == "anvil" else None, **MUON_HP)
+    for g, want in zip(grads, expected):
+        p.grad = g.clone()
+        assert opt.step() is True
+        torch.testing.assert_close(p.data.double(), want, rtol=0, atol=2e-6)
+    assert (p.data - theta0).abs().max() > 0.05
+
+
+def test_muon_rejects_bad_configuration():
+    matrix = torch.nn.Parameter(torch.randn(4, 4))
+    with pytest.raises(optim.OptimConfigError, match="variant"):
+        optim.Muon([matrix], variant="adamw")
+    with pytest.raises(optim.OptimConfigError, match="schedule"):
+        optim.Muon([matrix], schedule="cubic")
+    with pytest.raises(optim.OptimConfigError, match="normuon"):
+        optim.Muon([matrix], variant="muon", equalize=True)
+    with pytest.raises(optim.OptimConfigError, match="Adam"):
+        optim.Muon([torch.nn.Parameter(torch.randn(4))])
+    with pytest.raises(optim.OptimConfigError, match="float32 or bfloat16"):
+        optim.Muon([torch.nn.Parameter(torch.randn(4, 4).half())])
+
+
+def test_muon_sets_initial_lr_and_skips_matrices_without_grad():
+    a, b = torch.nn.Parameter(torch.randn(4, 6)), torch.nn.Parameter(torch.randn(4, 6))
+    opt = optim.Muon([a, b], lr=0.03, weight_decay=1.0)
+    assert opt.param_groups[0]["initial_lr"] == 0.03
+    before = b.data.clone()
+    a.grad = torch.randn(4, 6)
+    opt.step()
+    assert torch.equal(b.data, before) and not opt.state[b]
+
+
+ADAM_GROUPS = [  # (shape, lr, betas, weight_decay)
+    ((5, 3), 0.01, (0.8, 0.95), 4.0),
+    ((7,), 0.1, (0.9, 0.99), 10.0),
+]
+
+
+def test_adam_steps_match_reference():
+    gen = torch.Generator().manual_seed(31)
+    params, groups, grads = [], [], []
+    for shape, lr, betas, wd in ADAM_GROUPS:
+        p = torch.nn.Parameter(torch.randn(shape, generator=gen))
+        params.append(p)
+        groups.append({"params": [p], "lr": lr, "betas": betas, "weight_decay": wd})
+        grads.append([torch.randn(shape, generator=gen) for _ in range(4)])
+    expected = [reference_adam(p.data, g, lr, betas, 1e-10, wd)
+                for p, g, (_, lr, betas, wd) in zip(params, grads, ADAM_GROUPS)]
+    opt = optim.Adam(groups, eps=1e-10)
+    for step in range(4):
+        for p, g in zip(params, grads):
+            p.grad = g[step].clone()
+        assert opt.step() is True
+        for p, want in zip(params, expected):
+            torch.testing.assert_close(p.data.double(), want[step], rtol=0, atol=1e-6)
+
+
+def test_adam_step_every_averages_accumulated_grads():
+    """step_every=3: calls 1 and 2 change nothing and return False; call 3 applies one Adam
+    step with the mean of the three gradients accumulated in .grad."""
+    gen = torch.Generator().manual_seed(41)
+    theta0 = torch.randn(6, 4, generator=gen)
+    grads = [torch.randn(6, 4, generator=gen) for _ in range(6)]
+    means = [sum(grads[0:3]) / 3, sum(grads[3:6]) / 3]
+    eps = 0.1  # as large as the gradients: the update then depends on their scale (sum vs mean)
+    expected = reference_adam(theta0, means, 0.02, (0.8, 0.95), eps, 3.0)
+    p = torch.nn.Parameter(theta0.clone())
+    opt = optim.Adam([p], lr=0.02, eps=eps, weight_decay=3.0, step_every=3)
+    results = []
+    for call, g in enumerate(grads):
+        p.grad = g.clone() if p.grad is None else p.grad + g
+        results.append(opt.step())
+        if results[-1]:
+            opt.zero_grad(set_to_none=True)
+            torch.testing.assert_close(p.data.double(), expected[call // 3], rtol=0, atol=1e-6)
+        elif call < 3:
+            assert torch.equal(p.data, theta0)
+    assert results == [False, False, True, False, False, True]
+    with pytest.raises(optim.OptimConfigError, match="step_every"):
+        optim.Adam([p], step_every=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------
+
+def train(opt, params, grads):
+    for g in grads:
+        for p, gp in zip(params, g):
+            p.grad = gp.to(p.dtype)
+        opt.step()
+
+
+@pytest.mark.parametrize("kind", ["anvil", "adam"])
+def test_state_dict_resume_matches_uninterrupted_run(kind):
+    """Saving after 2 steps and resuming a fresh optimizer gives the same weights as running on;
+    the fp32 moments and int16 sidecar of bf16 parameters keep their dtypes through loading."""
+    gen = torch.Generator().manual_seed(51)
+    init = [torch.randn(8, 12, generator=gen), torch.randn(64, 32, generator=gen).bfloat16()]
+    grads = [[torch.randn(t.shape, generator=gen) for t in init] for _ in range(4)]
+
+    def make(params):
+        if kind == "adam":
+            return optim.Adam(params, lr=0.01, weight_decay=1.0, step_every=2)
+        return optim.Muon(params, lr=0.02, weight_decay=1.0, schedule="anvil", variant="anvil")
+
+    straight = [torch.nn.Parameter(t.clone()) for t in init]
+    train(make(straight), straight, grads)
+    resumed = [torch.nn.Parameter(t.clone()) for t in init]
+    first = make(resumed)
+    train(first, resumed, grads[:2])
+    saved = copy.deepcopy(first.state_dict())
+    second = make(resumed)
+    second.load_state_dict(saved)
+    state = second.state[resumed[1]]
+    assert state["mantissa"].dtype == torch.int16
+    assert all(v.dtype == torch.float32 for k, v in state.items()
+               if torch.is_tensor(v) and k != "mantissa")
+    train(second, resumed, grads[2:])
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a.data, b.data)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two ranks (gloo) against one process on the averaged gradients
+# ---------------------------------------------------------------------------------------------
+
+DIST_TIMEOUT_S = 120  # both ranks start torch, run every case and exit in ~10 s here
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist") / "result.pt"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(REPO, "tests", "optim_dist_worker.py"), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=DIST_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("case", list(worker.CASES))
+def test_two_ranks_match_one_process_on_averaged_grads(two_rank_results, case):
+    """Exact equality is expected and measured: the averaged gradients are exact (see the
+    worker), each matrix and each row is updated by the same float ops whichever rank owns it,
+    and collectives only move bits."""
+    world_size = two_rank_results["world_size"]
+    assert world_size == 2
+    ranks = [r[case] for r in two_rank_results["ranks"]]
+    single, single_updated = worker.run_case(
+        case, lambda i, step, p: worker.average_grad(case, i, step, world_size, p))
+    initial = [p.detach() for group in worker.CASES[case]().param_groups for p in group["params"]]
+    for snapshots, updated in ranks:
+        assert updated == single_updated
+        for step in range(worker.NUM_STEPS):
+            for got, want in zip(snapshots[step], single[step]):
+                assert torch.equal(got, want), (case, step)
+    final = single[-1]
+    assert all(not torch.equal(a, b) for a, b in zip(final, initial))
+    if case.startswith("adam"):
+        late = worker.LATE_ADAM_PARAM
+        assert torch.equal(single[worker.LATE_ADAM_STEP - 1][late], initial[late])
+    else:
+        skipped, step = worker.SKIPPING_MATRIX, worker.SKIPPED_STEP
+        assert torch.equal(single[step][skipped], single[step - 1][skipped])
