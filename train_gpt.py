@@ -104,13 +104,23 @@ class Hyperparameters:
     cooldown_start: float = 0.4    # fraction of training where the linear LR cooldown starts
     cooldown_floor: float = 0.15   # LR multiplier at the end of the cooldown
     # optimizers
-    optimizer: str = "muon"        # matrix optimizer: muon | normuon | anvil
-    orthogonalize: str = "polar_express"  # coefficient schedule: polar_express | anvil
+    optimizer: str = "anvil"       # matrix optimizer: muon | normuon | anvil | adamw (Adam for everything)
+    orthogonalize: str = "auto"    # polar_express (record 89) | anvil (record 92) | auto: anvil for anvil
     matrix_lr: float = 0.05
+    adamw_matrix_lr: float = 0.008 # Adam's LR for the hidden matrices when optimizer=adamw
     matrix_wd: float = 0.0
-    momentum: float = 0.95
+    mlp_down_lr_scale: float = 2.0 # extra LR multiplier of the MLP output matrices (anvil)
+    momentum: float = 0.95         # muon/normuon momentum after warm-up
     momentum_warmup_start: float = 0.85
     momentum_warmup_steps: int = 300
+    anvil_fast_beta: float = 0.85  # beta of the fast momentum rail
+    anvil_slow_beta: float = 0.98  # beta of the slow momentum rail
+    anvil_blend: float = 0.4385    # weight of the fast rail once blending starts (1.0 before)
+    anvil_blend_start: float = 0.43  # fraction of training where blending starts (step 514 of 1194)
+    anvil_mu_low: float = 0.85     # Nesterov mu at the start and the end
+    anvil_mu_high: float = 0.93    # Nesterov mu in the middle
+    anvil_mu_rise: float = 0.2     # fraction of training over which mu rises (240 of 1194 steps)
+    anvil_mu_fall: float = 0.042   # final fraction over which mu falls back (50 of 1194 steps)
     embed_lr: float = 0.3
     head_lr: float = 0.008
     scalar_lr: float = 0.04
@@ -203,8 +213,10 @@ def normalize_config(h):
         raise ConfigError("the last stage must end at 1.0 (the fraction of num_iterations)")
     if any(len(s.mtp_weights) > MAX_TARGETS - 1 for s in h.stages):
         raise ConfigError(f"at most {MAX_TARGETS - 1} multi-token targets are supported")
-    if h.optimizer not in ("muon", "normuon", "anvil"):
-        raise ConfigError(f"--optimizer must be muon, normuon or anvil, got {h.optimizer!r}")
+    if h.optimizer not in ("muon", "normuon", "anvil", "adamw"):
+        raise ConfigError(f"--optimizer must be muon, normuon, anvil or adamw, got {h.optimizer!r}")
+    if h.orthogonalize == "auto":
+        h.orthogonalize = "anvil" if h.optimizer == "anvil" else "polar_express"
     if h.kernels not in ("auto", "triton", "reference"):
         raise ConfigError(f"--kernels must be auto, triton or reference, got {h.kernels!r}")
     return h
@@ -684,6 +696,18 @@ def matrix_momentum(h, step):
     return (1 - frac) * h.momentum_warmup_start + frac * h.momentum
 
 
+def anvil_mu(h, step):
+    """Nesterov mu: rises from low to high, holds, and falls back to low at the very end."""
+    frac = step / h.num_iterations
+    rise = min(frac / h.anvil_mu_rise, 1.0)
+    fall = min(max((1.0 - frac) / h.anvil_mu_fall, 0.0), 1.0)
+    return h.anvil_mu_low + (h.anvil_mu_high - h.anvil_mu_low) * min(rise, fall)
+
+
+def anvil_blend(h, step):
+    return 1.0 if step / h.num_iterations < h.anvil_blend_start else h.anvil_blend
+
+
 def target_weights(stage, device):
     w = list(stage.mtp_weights) + [0.0] * (MAX_TARGETS - 1 - len(stage.mtp_weights)) + [stage.prefix_weight]
     return torch.tensor(w, dtype=torch.float32, device=device)
@@ -823,18 +847,29 @@ def select_kernels(h, device):
 
 
 def build_optimizers(h, model):
-    """Adam for embeddings, head and scalars; the Muon family for the hidden matrices."""
+    """Adam for embeddings, head and scalars; the Muon family (or Adam) for the hidden matrices."""
     matrices = [p for name, p in model.blocks.named_parameters() if p.ndim == 2 and "ve_gate" not in name]
     scalars = [p for name, p in model.named_parameters()
                if p.ndim < 2 or "ve_gate" in name]
     embeds = [model.embed.weight, model.bigram.weight] + [ve.weight for ve in model.value_embeds]
-    adam = optim.Adam([
+    adam_groups = [
         dict(params=embeds, lr=h.embed_lr, name="embed"),
         dict(params=[model.lm_head], lr=h.head_lr, name="lm_head"),
         dict(params=scalars, lr=h.scalar_lr, name="scalars"),
-    ], lr=h.embed_lr, betas=h.adam_betas, eps=h.adam_eps, weight_decay=h.adam_wd)
-    muon = optim.Muon(matrices, lr=h.matrix_lr, momentum=h.momentum, weight_decay=h.matrix_wd,
-                      schedule=h.orthogonalize, variant=h.optimizer)
+    ]
+    if h.optimizer == "adamw":
+        adam_groups.append(dict(params=matrices, lr=h.adamw_matrix_lr, name="matrices"))
+    adam = optim.Adam(adam_groups, lr=h.embed_lr, betas=h.adam_betas, eps=h.adam_eps, weight_decay=h.adam_wd)
+    if h.optimizer == "adamw":
+        return [adam]
+    mlp_down = [block.mlp.down for block in model.blocks]
+    others = [p for p in matrices if all(p is not q for q in mlp_down)]
+    down_scale = h.mlp_down_lr_scale if h.optimizer == "anvil" else 1.0
+    muon = optim.Muon([dict(params=others, name="matrices"),
+                       dict(params=mlp_down, lr_scale=down_scale, name="mlp_down")],
+                      lr=h.matrix_lr, momentum=h.momentum, weight_decay=h.matrix_wd,
+                      schedule=h.orthogonalize, variant=h.optimizer,
+                      fast_beta=h.anvil_fast_beta, slow_beta=h.anvil_slow_beta)
     return [adam, muon]
 
 
@@ -866,8 +901,12 @@ class Trainer:
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = group["initial_lr"] * lr
-        for group in self.optimizers[1].param_groups:
-            group["momentum"] = matrix_momentum(self.h, step)
+        for opt in self.optimizers:
+            if isinstance(opt, optim.Muon):
+                for group in opt.param_groups:
+                    group["momentum"] = matrix_momentum(self.h, step)
+                    group["mu"] = anvil_mu(self.h, step)
+                    group["blend"] = anvil_blend(self.h, step)
 
     # -- one step
     def train_step(self, step, slices):

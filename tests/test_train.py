@@ -75,7 +75,7 @@ def test_presets_resolve_and_overrides_parse():
     (["--preset", "nope"], "unknown preset"),
     (["--no_such_key=1"], "unknown config key"),
     (["--num_iterations=ten"], "expects a int"),
-    (["--optimizer=sgd"], "muon, normuon or anvil"),
+    (["--optimizer=sgd"], "muon, normuon, anvil or adamw"),
     (["--stages=[{\"end\":0.5,\"tokens_per_rank\":8,\"max_doc_len\":8,\"short_window\":1,\"long_window\":1}]"],
      "must end at 1.0"),
 ])
@@ -232,12 +232,14 @@ def test_yarn_growth_slows_only_low_frequencies():
     torch.testing.assert_close(rot.freq[rotating][-1], before[rotating][-1] * 384 / 896)
 
 
-def test_optimizer_groups_cover_every_parameter_once():
-    h = tiny_config()
+@pytest.mark.parametrize("optimizer", ["anvil", "muon", "normuon", "adamw"])
+def test_optimizer_groups_cover_every_parameter_once(optimizer):
+    h = tiny_config([f"--optimizer={optimizer}"])
     model = tiny_model(h)
     opts = tg.build_optimizers(h, model)
     seen = [id(p) for opt in opts for g in opt.param_groups for p in g["params"]]
     assert sorted(seen) == sorted(id(p) for p in model.parameters())
+    assert h.orthogonalize == ("anvil" if optimizer == "anvil" else "polar_express")
 
 
 def test_training_steps_lower_the_loss(shards):
