@@ -547,7 +547,11 @@ class Adam(torch.optim.Optimizer):
         _restore_saved_state(self, state_dict)
 
     def _update(self, group, state, param, g):
-        """One Adam step on `param` (the whole parameter or this rank's rows) with fp32 grad g."""
+        """One Adam step on `param` (the whole parameter or this rank's rows) with fp32 grad g.
+
+        Bias corrections are folded into scalars and the update is built in one scratch
+        buffer, so a step makes ~5 passes over the parameter's size (the tables are large).
+        """
         beta1, beta2 = group["betas"]
         if "step" not in state:
             state["step"] = 0
@@ -555,15 +559,17 @@ class Adam(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(g)
         state["step"] += 1
         t = state["step"]
-        state["exp_avg"].lerp_(g, 1 - beta1)
-        state["exp_avg_sq"].lerp_(g.square(), 1 - beta2)
-        m_hat = state["exp_avg"] / (1 - beta1 ** t)
-        v_hat = state["exp_avg_sq"] / (1 - beta2 ** t)
-        update = m_hat / (v_hat.sqrt() + group["eps"])
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        update = v.sqrt().div_((1 - beta2 ** t) ** 0.5).add_(group["eps"])
+        torch.div(m, update, out=update).div_(1 - beta1 ** t)
         lr = group["lr"]
         master = _load_master(param, state)
-        decayed = (update * master > 0) * master
-        master.sub_(lr * update + lr * lr * group["weight_decay"] * decayed)
+        if group["weight_decay"]:
+            decayed = (update * master > 0) * master
+            master.sub_(decayed, alpha=lr * lr * group["weight_decay"])
+        master.sub_(update, alpha=lr)
         _store_master(param, state, master)
 
     @torch.no_grad()
@@ -586,7 +592,9 @@ class Adam(torch.optim.Optimizer):
                 launched.append((group, p, reduction))
         gathers = []
         for group, p, reduction in launched:
-            g = reduction.wait().float() / (world * calls)
+            g = reduction.wait().float()
+            if world * calls != 1:
+                g = g / (world * calls)
             if shards_rows(p, world):
                 rows = p.shape[0] // world
                 own_rows = p.data[rank * rows:(rank + 1) * rows]

@@ -1,0 +1,271 @@
+"""Compile every production kernel launch of kernels.py for Hopper (sm_90) without a GPU, and
+report its resources: registers, shared memory, spills, instruction counts, tensor-core use.
+
+The launches are the ones a training step makes at the speedrun shapes (SPEEDRUN_SHAPES): the
+public wrappers run on CPU tensors that are allocated but never touched, with kernels._launch
+replaced by a recorder, so the recorded arguments carry the production block sizes, dtypes,
+layouts and specializations (unit strides, 16-divisible sizes) exactly as the JIT sees them.
+Each distinct launch is compiled with triton.compile for GPUTarget("cuda", 90, 32) and
+inspected with the cuobjdump that ships inside the triton wheel.
+
+    python bench/sm90_report.py            # print the report
+    python bench/sm90_report.py --write    # also store it in bench/sm90_resources.json
+
+tests/test_kernels_sm90.py runs the same compiles and checks the limits below.
+"""
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+import kernels  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+REPORT_PATH = pathlib.Path(__file__).resolve().parent / "sm90_resources.json"
+HOPPER = GPUTarget("cuda", 90, 32)
+SHARED_MEMORY_LIMIT = 227 * 1024  # bytes of shared memory one block may use on H100/H200
+
+# Per-GPU shapes of the speedrun (SPEC 3): packed tokens, model width, MLP width, vocabulary
+# (full and the smallest candidate set), the longest document and window of the last stage.
+SPEEDRUN_SHAPES = dict(tokens=49152, width=768, hidden=3072, vocab=50304, candidates=10240,
+                       max_doc=3072, window=1664, heads_by_dim={128: 6, 64: 12})
+ATTENTION_HEAD_DIMS = ((128, 128), (64, 64), (128, 64), (64, 128))  # (Dqk, Dv)
+WEIGHT_DTYPES = (torch.bfloat16, torch.float32)  # master weights of the fp8 layers (bf16 or fp32)
+CE_TARGET_COUNTS = (1, 2, 3, 4)  # next token alone ... three future tokens plus the prefix target
+# Muon's Gram matrices: a bank of square attention matrices and the wide MLP matrices.
+XXT_SHAPES = ((16, 768, 768), (8, 768, 3072))
+
+# Kernels that must run on the tensor cores (wgmma in PTX, HGMMA/QGMMA in SASS).
+MATRIX_KERNELS = ("_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_attn_fwd_kernel", "_attn_bwd_kv_kernel",
+                  "_attn_bwd_q_kernel", "_xxt_kernel")
+SASS_COUNTED = ("HGMMA", "QGMMA", "HMMA", "LDL", "STL", "LDS", "STS", "LDG", "STG", "BAR", "MUFU")
+
+_TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+                 torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+_DIVISIBILITY = [["tt.divisibility", 16]]
+
+
+def _untouched(*shape, dtype=torch.bfloat16, requires_grad=False):
+    """A CPU tensor whose memory is reserved but never written (large shapes cost no RAM)."""
+    return torch.empty(*shape, dtype=dtype).requires_grad_(requires_grad)
+
+
+def _step_calls():
+    """The kernel calls of one training step at the speedrun shapes, forward and backward."""
+    s = SPEEDRUN_SHAPES
+    T, D, H = s["tokens"], s["width"], s["hidden"]
+    x = _untouched(T, D, requires_grad=True)
+    for weight_dtype in WEIGHT_DTYPES:
+        for out_features in (3 * D, D, s["candidates"]):  # packed QKV, attention output, lm_head
+            weight = _untouched(out_features, D, dtype=weight_dtype, requires_grad=True)
+            y = kernels.fp8_linear(x, weight, kernels.new_fp8_linear_state())
+            y.backward(torch.empty_like(y))
+        w_up = _untouched(H, D, dtype=weight_dtype, requires_grad=True)
+        w_down = _untouched(D, H, dtype=weight_dtype, requires_grad=True)
+        y = kernels.fp8_relu2_mlp(x, w_up, w_down, kernels.new_fp8_mlp_state())
+        y.backward(torch.empty_like(y))
+
+    cu_seqlens = torch.arange(0, T + 1, s["max_doc"], dtype=torch.int32)
+    for d_qk, d_v in ATTENTION_HEAD_DIMS:
+        heads = s["heads_by_dim"][max(d_qk, d_v)]
+        q, k = (_untouched(T, heads, d_qk, requires_grad=True) for _ in range(2))
+        v = _untouched(T, heads, d_v, requires_grad=True)
+        o = kernels.flash_attn_varlen(q, k, v, cu_seqlens, s["max_doc"], s["window"], d_qk ** -0.5)
+        o.backward(torch.empty_like(o))
+
+    for columns in (s["vocab"], s["candidates"]):
+        for num_targets in CE_TARGET_COUNTS:
+            logits = _untouched(T, columns, requires_grad=True)
+            targets = torch.zeros(T, num_targets, dtype=torch.int64)
+            loss = kernels.softcap_cross_entropy(logits, targets, torch.ones(num_targets))
+            loss.backward(torch.empty_like(loss))
+    with torch.no_grad():  # validation: full vocabulary, next token only, no gradient
+        kernels.softcap_cross_entropy(_untouched(T, s["vocab"]), torch.zeros(T, 1, dtype=torch.int64), torch.ones(1))
+
+    for shape in XXT_SHAPES:
+        kernels.xxt(_untouched(*shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorArg:
+    """What the JIT specializes on for a tensor argument (the recorder keeps no tensors, so
+    that autograd can still reuse their memory)."""
+    dtype: torch.dtype
+    aligned: bool  # data pointer divisible by 16
+
+
+def _as_recorded(value):
+    return TensorArg(value.dtype, value.data_ptr() % 16 == 0) if isinstance(value, torch.Tensor) else value
+
+
+def record_launches():
+    """[(kernel, config, args)] of every launch in _step_calls, none of them run."""
+    recorded = []
+    original = kernels._launch
+
+    def record(kernel, grid, config, **args):
+        recorded.append((kernel, config, {name: _as_recorded(value) for name, value in args.items()}))
+
+    kernels._launch = record
+    try:
+        _step_calls()
+    finally:
+        kernels._launch = original
+    return recorded
+
+
+def specialize(kernel, args):
+    """(signature, constexprs, attrs) as Triton's JIT derives them from these arguments: tensors
+    become typed pointers (16-byte aligned ones marked divisible by 16), integers equal to 1
+    become constants, integers divisible by 16 are marked so, floats are fp32."""
+    signature, constexprs, attrs = {}, {}, {}
+    for index, param in enumerate(kernel.params):
+        name, value = param.name, args[param.name]
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+            constexprs[name] = value
+        elif isinstance(value, TensorArg):
+            signature[name] = "*" + _TRITON_TYPES[value.dtype]
+            if value.aligned:
+                attrs[(index,)] = _DIVISIBILITY
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{kernel.__name__}: unexpected argument {name}={value!r}")
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        elif value == 1:
+            signature[name] = "constexpr"
+            constexprs[name] = 1
+        else:
+            signature[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+            if value % 16 == 0:
+                attrs[(index,)] = _DIVISIBILITY
+    return signature, constexprs, attrs
+
+
+def _cuobjdump(flag, cubin):
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def _resource_usage(cubin):
+    """{"REG": .., "STACK": .., "SHARED": .., "LOCAL": ..} of the kernel in the cubin."""
+    line = next(text for text in _cuobjdump("--dump-resource-usage", cubin).splitlines() if "REG:" in text)
+    fields = dict(item.split(":") for item in line.split() if ":" in item)
+    return {key: int(fields[key]) for key in ("REG", "STACK", "SHARED", "LOCAL")}
+
+
+def _opcode(sass_line):
+    """'HGMMA' from '/*0160*/  @P0 HGMMA.64x128x16.F32.BF16 R24, ... ;'."""
+    tokens = sass_line.split("*/", 1)[1].split()
+    if tokens[0].startswith("@"):
+        tokens = tokens[1:]
+    return tokens[0].split(".")[0]
+
+
+def _describe(kernel, config, signature, constexprs):
+    """'kernel (pointer dtypes) CONSTEXPR=value ... warps=W stages=S', one line per variant."""
+    pointers = ",".join(t[1:] for t in signature.values() if t.startswith("*"))
+    shown = " ".join(f"{k}={v}" for k, v in constexprs.items()
+                     if k.isupper() and k not in ("GROUP_M", "SOFTCAP", "SHIFT", "TEMP"))
+    return f"{kernel.__name__} ({pointers}) {shown} warps={config.num_warps} stages={config.num_stages}"
+
+
+def compile_launch(kernel, config, args):
+    """Compile one recorded launch for sm_90 and return its report entry."""
+    signature, constexprs, attrs = specialize(kernel, args)
+    compiled = triton.compile(triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
+                                                        attrs=attrs),
+                              target=HOPPER, options={"num_warps": config.num_warps,
+                                                      "num_stages": config.num_stages})
+    cubin = compiled.asm["cubin"]
+    sass = _cuobjdump("--dump-sass", cubin)
+    instructions = [line for line in sass.splitlines() if line.strip().startswith("/*") and ";" in line]
+    usage = _resource_usage(cubin)
+    return {
+        "kernel": kernel.__name__,
+        "variant": _describe(kernel, config, signature, constexprs),
+        "registers": usage["REG"],
+        "shared_bytes": compiled.metadata.shared,
+        "local_bytes": usage["LOCAL"],
+        "stack_bytes": usage["STACK"],
+        "ptx_wgmma": compiled.asm["ptx"].count("wgmma.mma_async"),
+        "sass_instructions": len(instructions),
+        "sass_counts": {op: sum(_opcode(line) == op for line in instructions) for op in SASS_COUNTED},
+    }
+
+
+def build_report():
+    """The report: Triton version and one entry per distinct production launch."""
+    entries, seen = [], set()
+    for kernel, config, args in record_launches():
+        signature, constexprs, attrs = specialize(kernel, args)
+        key = (kernel.__name__, json.dumps(signature, sort_keys=True), repr(sorted(constexprs.items())),
+               repr(sorted(attrs)), config.num_warps, config.num_stages)
+        if key not in seen:
+            seen.add(key)
+            entries.append(compile_launch(kernel, config, args))
+    entries.sort(key=lambda e: e["variant"])
+    return {"triton": triton.__version__, "target": "cuda sm_90", "kernels": entries}
+
+
+def problems(report):
+    """Every violated limit, as one line each: tensor cores unused, shared memory over the
+    limit, register spills."""
+    found = []
+    for entry in report["kernels"]:
+        name = entry["variant"]
+        gmma = entry["sass_counts"]["HGMMA"] + entry["sass_counts"]["QGMMA"]
+        if entry["kernel"] in MATRIX_KERNELS and (entry["ptx_wgmma"] == 0 or gmma == 0):
+            found.append(f"{name}: no wgmma / GMMA instructions")
+        if entry["shared_bytes"] > SHARED_MEMORY_LIMIT:
+            found.append(f"{name}: {entry['shared_bytes']} bytes of shared memory > {SHARED_MEMORY_LIMIT}")
+        spills = entry["local_bytes"] + entry["sass_counts"]["LDL"] + entry["sass_counts"]["STL"]
+        if spills:
+            found.append(f"{name}: spills ({entry['local_bytes']} local bytes, "
+                         f"{entry['sass_counts']['LDL']} LDL, {entry['sass_counts']['STL']} STL)")
+    return found
+
+
+def format_report(report):
+    lines = [f"sm_90 resources (triton {report['triton']})",
+             f"{'variant':<120} {'regs':>4} {'smem':>7} {'instr':>6} {'GMMA':>5} {'wgmma':>5} {'LDL/STL':>7}"]
+    for e in report["kernels"]:
+        counts = e["sass_counts"]
+        lines.append(f"{e['variant']:<120} {e['registers']:>4} {e['shared_bytes']:>7} "
+                     f"{e['sass_instructions']:>6} {counts['HGMMA'] + counts['QGMMA']:>5} {e['ptx_wgmma']:>5} "
+                     f"{counts['LDL'] + counts['STL']:>7}")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help=f"store the report in {REPORT_PATH.name}")
+    flags = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("sm90_report.py compiles kernels: unset TRITON_INTERPRET", file=sys.stderr)
+        sys.exit(2)
+    report = build_report()
+    print(format_report(report))
+    for line in problems(report):
+        print("PROBLEM", line)
+    if flags.write:
+        REPORT_PATH.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {REPORT_PATH}")
+    sys.exit(1 if problems(report) else 0)
+
+
+if __name__ == "__main__":
+    main()
