@@ -13,6 +13,7 @@ Presets: `speedrun` (8 GPUs), `1gpu` (the same global batch on 1 GPU by gradient
 file it imported, the environment, the data fingerprints, the resolved config, then step lines.
 """
 import argparse
+import ctypes
 import dataclasses
 import datetime
 import hashlib
@@ -121,7 +122,7 @@ class Hyperparameters:
     anvil_mu_high: float = 0.93    # Nesterov mu in the middle
     anvil_mu_rise: float = 0.2     # fraction of training over which mu rises (240 of 1194 steps)
     anvil_mu_fall: float = 0.042   # final fraction over which mu falls back (50 of 1194 steps)
-    embed_lr: float = 0.3
+    embed_lr: float = 0.01         # embedding, value embeddings and bigram table (and the head while tied)
     head_lr: float = 0.008
     scalar_lr: float = 0.04
     adam_betas: tuple = (0.8, 0.95)
@@ -132,6 +133,7 @@ class Hyperparameters:
     device: str = "auto"           # auto | cuda | cpu
     kernels: str = "auto"          # auto (Triton on CUDA, reference on CPU) | triton | reference
     compile: bool = True           # torch.compile the model on CUDA
+    fp8_mlp: bool = True           # MLPs as the fused FP8 ReLU^2 kernel pair (CUDA only; bf16 elsewhere)
     warmup_steps: int = 3          # untimed steps per stage shape before timing starts (CUDA only)
     log_every: int = 10            # print a train-loss line every this many steps
     log_dir: str = "logs"
@@ -139,6 +141,12 @@ class Hyperparameters:
 
 
 def _cpu_preset(h):
+    """The CPU track: a 4-layer, width-256 model on the tiny corpus, 2 cores, a few minutes.
+
+    Full-vocabulary softmax throughout: at this scale sampled softmax learns much more slowly
+    per step and per second (the rare tokens' logits are rarely pushed down), measured on
+    this machine: val 7.42 (16,384 candidates) vs 6.09 (full) after 20 steps.
+    """
     h.track = "track_cpu"
     h.train_files = "data/tiny_corpus/tiny_train_*.bin"
     h.val_files = "data/tiny_corpus/tiny_val_*.bin"
@@ -147,16 +155,16 @@ def _cpu_preset(h):
     h.batch_ranks = 1
     h.num_layers, h.model_dim, h.num_heads, h.head_dim, h.mlp_hidden = 4, 256, 2, 128, 1024
     h.long_window_layers, h.attention_free_layers = (3,), ()
-    h.num_value_embeds, h.bigram_rows = 1, 65_536
+    h.num_value_embeds, h.bigram_rows = 1, 8192
     h.val_long_window = 8
-    h.num_iterations = 600
+    h.num_iterations = 120
     h.stages = [
-        Stage(0.33, 4096, 512, 1, 2, (1.0, 0.5, 0.25), 0.25, candidates=4096),
-        Stage(0.66, 4096, 1024, 2, 4, (1.0, 0.5, 0.0), 0.25, candidates=6144),
-        Stage(1.00, 4096, 1024, 2, 6, (1.0, 0.0, 0.0), 0.0, candidates=8192),
+        Stage(0.5, 2048, 512, 1, 2, (1.0, 0.5, 0.25), 0.25),
+        Stage(0.8, 4096, 1024, 2, 4, (1.0, 0.5), 0.25),
+        Stage(1.0, 4096, 1024, 2, 6, (1.0,), 0.0),
     ]
-    h.momentum_warmup_steps = 150
-    h.log_every = 10
+    h.momentum_warmup_steps = 40
+    h.log_every = 5
     h.compile = False
 
 
@@ -361,26 +369,35 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """relu(x W_up^T)^2 W_down^T, W_down zero-initialized so each block starts as identity."""
+    """relu(x W_up^T)^2 W_down^T, W_down zero-initialized so each block starts as identity.
 
-    def __init__(self, dim, hidden):
+    With `fp8_fn` (kernels.fp8_relu2_mlp or its reference) both GEMMs run in FP8 with delayed
+    activation/gradient scales kept in the `fp8_state` buffer; otherwise in the autocast dtype.
+    """
+
+    def __init__(self, dim, hidden, fp8_fn=None):
         super().__init__()
         self.up = nn.Parameter(torch.empty(hidden, dim))
         self.down = nn.Parameter(torch.zeros(dim, hidden))
         bound = (3 ** 0.5) * 0.5 * dim ** -0.5
         nn.init.uniform_(self.up, -bound, bound)
+        self.fp8_fn = fp8_fn
+        if fp8_fn is not None:
+            self.register_buffer("fp8_state", kernels.new_fp8_mlp_state(self.up.device))
 
     def forward(self, x):
+        if self.fp8_fn is not None:
+            return self.fp8_fn(x.to(torch.bfloat16), self.up, self.down, self.fp8_state)
         return F.linear(F.relu(F.linear(x, self.up.type_as(x))).square(), self.down.type_as(x))
 
 
 class Block(nn.Module):
-    def __init__(self, h, layer, attention_fn, value_embed):
+    def __init__(self, h, layer, fns, value_embed):
         super().__init__()
         has_attn = layer not in h.attention_free_layers
-        self.attn = (CausalSelfAttention(h, layer in h.long_window_layers, value_embed, attention_fn)
+        self.attn = (CausalSelfAttention(h, layer in h.long_window_layers, value_embed, fns.attention)
                      if has_attn else None)
-        self.mlp = MLP(h.model_dim, h.mlp_hidden)
+        self.mlp = MLP(h.model_dim, h.mlp_hidden, fns.fp8_mlp)
         # residual mix: x <- lambdas[0] * x + lambdas[1] * x0 before the sublayers
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))
 
@@ -412,9 +429,9 @@ class GPT(nn.Module):
     over all or a sampled subset of vocabulary columns, with multi-token and prefix targets.
     """
 
-    def __init__(self, h: Hyperparameters, attention_fn, cross_entropy_fn):
+    def __init__(self, h: Hyperparameters, fns: "KernelFns"):
         super().__init__()
-        self.cross_entropy_fn = cross_entropy_fn
+        self.cross_entropy_fn = fns.cross_entropy
         self.embed = nn.Embedding(PADDED_VOCAB_SIZE, h.model_dim)
         nn.init.normal_(self.embed.weight, std=h.model_dim ** -0.5)
         self.lm_head = nn.Parameter(torch.zeros(PADDED_VOCAB_SIZE, h.model_dim))
@@ -431,8 +448,7 @@ class GPT(nn.Module):
         n = h.num_layers
         self.value_embed_layer = {i: i for i in range(h.num_value_embeds)}
         self.value_embed_layer.update({n - h.num_value_embeds + i: i for i in range(h.num_value_embeds)})
-        self.blocks = nn.ModuleList(Block(h, i, attention_fn, i in self.value_embed_layer)
-                                    for i in range(n))
+        self.blocks = nn.ModuleList(Block(h, i, fns, i in self.value_embed_layer) for i in range(n))
         self.num_skips = n // 2
         self.skip_weights = nn.Parameter(torch.ones(self.num_skips))
         max_tokens = max(max(s.tokens_per_rank for s in h.stages), h.val_tokens_per_rank)
@@ -838,12 +854,23 @@ def setup_distributed(h):
     return Dist(rank, world_size, local_rank, device)
 
 
+@dataclass
+class KernelFns:
+    """The kernel functions a model calls: the Triton ones or their plain-torch references."""
+    attention: object
+    cross_entropy: object
+    fp8_mlp: object = None         # None: the MLP runs in the autocast dtype
+
+
 def select_kernels(h, device):
-    """(attention, cross-entropy) functions: Triton on CUDA unless the reference is asked for."""
+    """Triton on CUDA unless the reference is asked for; FP8 MLPs only on CUDA with fp8_mlp."""
     use_triton = h.kernels == "triton" or (h.kernels == "auto" and device.type == "cuda")
+    fp8 = h.fp8_mlp and device.type == "cuda"
     if use_triton:
-        return kernels.flash_attn_varlen, kernels.softcap_cross_entropy
-    return kernels.attention_reference, kernels.softcap_cross_entropy_reference
+        return KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy,
+                         kernels.fp8_relu2_mlp if fp8 else None)
+    return KernelFns(kernels.attention_reference, kernels.softcap_cross_entropy_reference,
+                     kernels.fp8_relu2_mlp_reference if fp8 else None)
 
 
 def build_optimizers(h, model):
@@ -877,8 +904,7 @@ class Trainer:
     def __init__(self, h: Hyperparameters, env: Dist, log: RunLog):
         self.h, self.env, self.log = h, env, log
         torch.manual_seed(h.seed)
-        attention_fn, ce_fn = select_kernels(h, env.device)
-        self.model = GPT(h, attention_fn, ce_fn).to(env.device)
+        self.model = GPT(h, select_kernels(h, env.device)).to(env.device)
         self.optimizers = build_optimizers(h, self.model)
         self.forward = torch.compile(self.model) if (h.compile and env.device.type == "cuda") else self.model
         self.autocast = torch.autocast(env.device.type, dtype=torch.bfloat16)
@@ -1044,6 +1070,25 @@ def train(h, env, log):
     return val_loss
 
 
+M_TRIM_THRESHOLD = -1              # glibc mallopt parameter: free heap kept before returning it to the OS
+M_MMAP_MAX = -4                    # glibc mallopt parameter: how many allocations may use their own mmap
+
+
+def keep_freed_memory_for_reuse():
+    """On CPU, serve large tensors from the heap and keep freed memory mapped.
+
+    By default glibc gives every large allocation its own mmap and unmaps it on free, so each
+    step faults in gigabytes of fresh pages again (the logits, the table gradients). Measured
+    on the CPU preset, 2 cores: 4.4 s/step with sys time ~ user time, 2.1 s/step with this.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:                # not glibc: nothing to tune
+        return
+    libc.mallopt(M_MMAP_MAX, 0)
+    libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
+
+
 def _peak_rss_bytes():
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -1055,6 +1100,7 @@ def main(argv=None):
         h = parse_config(sys.argv[1:] if argv is None else argv)
         env = setup_distributed(h)
         if env.device.type == "cpu":
+            keep_freed_memory_for_reuse()
             local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             torch.set_num_threads(max(1, os.cpu_count() // local_procs))
         log = RunLog(h.log_dir, env.master)

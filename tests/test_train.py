@@ -154,7 +154,7 @@ def tiny_config(extra=()):
 
 def tiny_model(h, seed=0):
     torch.manual_seed(seed)
-    model = tg.GPT(h, kernels.attention_reference, kernels.softcap_cross_entropy_reference)
+    model = tg.GPT(h, tg.KernelFns(kernels.attention_reference, kernels.softcap_cross_entropy_reference))
     with torch.no_grad():          # make every sublayer matter (zero-initialized weights hide leaks)
         for p in model.parameters():
             if p.ndim >= 2 and p.abs().sum() == 0:
@@ -334,3 +334,29 @@ def test_corrupt_shard_is_named(shards, tmp_path):
     res = run_trainer(["--preset", "cpu", *TINY, f"--train_files={tmp_path}/bad_train_*.bin",
                        f"--val_files={shards}/t_val_*.bin", "--num_iterations=2", f"--log_dir={tmp_path}"])
     assert res.returncode == 2 and "bad_train_000001.bin" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_fp8_mlp_path_matches_the_plain_mlp():
+    """The FP8 MLP (reference kernels, the A/B twin of the Triton pair) against the bf16 one.
+
+    e4m3 keeps 3 mantissa bits (relative rounding up to 2^-4 per operand) and gradients are e5m2
+    (2^-3), so outputs and gradients agree in direction, not to many digits: cosine > 0.99.
+    """
+    torch.manual_seed(0)
+    plain, fp8 = tg.MLP(64, 128), tg.MLP(64, 128, kernels.fp8_relu2_mlp_reference)
+    with torch.no_grad():
+        plain.down.normal_(0, 0.05)
+        fp8.up.copy_(plain.up)
+        fp8.down.copy_(plain.down)
+    x = torch.randn(256, 64)
+    grad_out = torch.randn(256, 64)
+    for _ in range(2):             # the first call records the delayed activation and gradient scales
+        (fp8(x.bfloat16()).float() * grad_out).sum().backward()
+    fp8.zero_grad()
+    y8, y = fp8(x.bfloat16()).float(), plain(x)
+    cosine = torch.nn.functional.cosine_similarity
+    assert cosine(y8.flatten(), y.flatten(), dim=0) > 0.99
+    (y8 * grad_out).sum().backward()
+    (y * grad_out).sum().backward()
+    for a, b in ((fp8.up.grad, plain.up.grad), (fp8.down.grad, plain.down.grad)):
+        assert torch.isfinite(a).all() and cosine(a.flatten(), b.flatten(), dim=0) > 0.99
