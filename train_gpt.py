@@ -974,11 +974,12 @@ class Trainer:
         return total.item() / self.h.val_tokens
 
 
-def check_finite(loss, step, log):
+def check_finite(name, loss, step, log):
+    """Stop the run, keeping its log, when `name` (train or val loss) is NaN or infinite."""
     if not math.isfinite(loss):
-        log.write(f"error: non-finite train loss {loss} at step {step}", echo=True)
-        raise TrainingError(f"the train loss became {loss} at step {step} (checked every log_every steps); "
-                            f"the log is kept at {log.path}. Lower the learning rates or check the data.")
+        raise TrainingError(f"the {name} loss became {loss} at step {step} (train loss checked every "
+                            f"log_every steps); the log is kept at {log.path}. Lower the learning rates "
+                            f"or check the data.")
 
 
 def synchronize(device):
@@ -1036,8 +1037,7 @@ def train(h, env, log):
             val_loss = trainer.validate(val_slices, trainer.long_window)
             log.write(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{trainer.train_time_ms:.0f}ms "
                       f"step_avg:{trainer.train_time_ms / max(step, 1):.2f}ms", echo=True)
-            if not math.isfinite(val_loss):
-                check_finite(val_loss, step, log)
+            check_finite("val", val_loss, step, log)
             synchronize(env.device)
             t0 = time.perf_counter()
         if last:
@@ -1055,7 +1055,7 @@ def train(h, env, log):
             if env.world_size > 1:
                 dist.all_reduce(loss)
             loss = loss.item() / env.world_size
-            check_finite(loss, step, log)
+            check_finite("train", loss, step, log)
             elapsed = trainer.train_time_ms + 1000 * (time.perf_counter() - t0)
             log.write(f"step:{step + 1}/{N} train_loss:{loss:.4f} train_time:{elapsed:.0f}ms "
                       f"step_avg:{elapsed / (step + 1):.2f}ms", echo=True)
