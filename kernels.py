@@ -1193,7 +1193,8 @@ def softcap_cross_entropy_reference(logits, targets, weights):
     present = (targets >= 0) & (targets < z.shape[1])
     picked = z.gather(1, torch.where(present, targets, 0))
     losses = torch.where(present, lse - picked, torch.zeros_like(picked))
-    return losses @ weights.to(losses)
+    # An elementwise product, not a matmul: autocast would run a matmul (and its sum) in bf16.
+    return (losses * weights.to(losses)).sum(dim=1)
 
 
 # ---------------------------------------------------------------------------------------------

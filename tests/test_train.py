@@ -360,3 +360,16 @@ def test_fp8_mlp_path_matches_the_plain_mlp():
     (y * grad_out).sum().backward()
     for a, b in ((fp8.up.grad, plain.up.grad), (fp8.down.grad, plain.down.grad)):
         assert torch.isfinite(a).all() and cosine(a.flatten(), b.flatten(), dim=0) > 0.99
+
+
+def test_reference_cross_entropy_stays_fp32_under_autocast():
+    """Per-row losses and their sums must not be rounded to bf16 (val loss is a sum of 65k rows)."""
+    torch.manual_seed(0)
+    logits = torch.randn(4096, 512)
+    targets = torch.randint(0, 512, (4096, 2))
+    weights = torch.tensor([1.0, 0.5])
+    exact = kernels.softcap_cross_entropy_reference(logits.double(), targets, weights.double()).sum()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rows = kernels.softcap_cross_entropy_reference(logits, targets, weights)
+    assert rows.dtype == torch.float32
+    assert abs(rows.sum().item() - exact.item()) / exact.item() < 1e-6
