@@ -2,13 +2,16 @@
 
 Runs `train_gpt.py --preset cpu --optimizer=X --seed=S` for every optimizer and seed (one
 thread per run, `--parallel` runs at once), reads each log's final val loss, and prints a
-Markdown table of mean and sample std per optimizer. Everything else is the cpu preset, so
-the comparison is at equal steps and equal tokens, not at equal wall time.
+Markdown table of mean and sample std per optimizer, and appends it, with the date, the commit
+and the command, to `bench/cpu_results.md`. Everything else is the cpu preset, so the comparison
+is at equal steps and equal tokens, not at equal wall time.
 
     python bench/cpu_optimizer_comparison.py --steps 120 --seeds 0 1 2 --parallel 2
 """
 import argparse
+import datetime
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -59,6 +62,8 @@ def main():
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS))
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(REPO, "logs", "optimizer_comparison"))
+    parser.add_argument("--results", default=os.path.join(REPO, "bench", "cpu_results.md"),
+                        help="append the table here ('' to skip)")
     parser.add_argument("extra", nargs="*", help="more --key=value overrides for every run")
     args = parser.parse_args()
     jobs = []
@@ -68,12 +73,33 @@ def main():
             os.makedirs(log_dir, exist_ok=False)
             jobs.append((optimizer, seed, args.steps, log_dir, args.extra))
     results = run_all(jobs, args.parallel)
-    print(f"\n| optimizer | val loss at {args.steps} steps: mean | std | runs |\n|---|---|---|---|")
-    for optimizer in args.optimizers:
-        losses = [results[optimizer, s] for s in args.seeds]
+    table = results_table(results, args.optimizers, args.seeds, args.steps)
+    print("\n" + table)
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write(f"\n## Optimizer comparison, {datetime.date.today().isoformat()}\n\n"
+                    f"- commit: {source_commit()}\n- machine: {platform.machine()}, {os.cpu_count()} cores, no GPU"
+                    f"\n- command: `python bench/cpu_optimizer_comparison.py {' '.join(sys.argv[1:])}`\n\n{table}\n")
+
+
+def results_table(results, optimizers, seeds, steps):
+    """Markdown table: per optimizer, mean and sample std of the final val loss over seeds."""
+    lines = [f"| optimizer | val loss at {steps} steps: mean | std | runs (seeds {', '.join(map(str, seeds))}) |",
+             "|---|---|---|---|"]
+    for optimizer in optimizers:
+        losses = [results[optimizer, s] for s in seeds]
         std = statistics.stdev(losses) if len(losses) > 1 else float("nan")
-        print(f"| {optimizer} | {statistics.mean(losses):.4f} | {std:.4f} | "
-              f"{', '.join(f'{x:.4f}' for x in losses)} |")
+        lines.append(f"| {optimizer} | {statistics.mean(losses):.4f} | {std:.4f} | "
+                     f"{', '.join(f'{x:.4f}' for x in losses)} |")
+    return "\n".join(lines)
+
+
+def source_commit():
+    """HEAD's hash, marked dirty when tracked files differ from it."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    head = git("rev-parse", "HEAD") or "unknown"
+    return head + (" (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 if __name__ == "__main__":
