@@ -9,6 +9,7 @@ Families:
   1. FP8 matmul       fp8_matmul, fp8_linear, fp8_relu2_mlp          (+ *_reference)
   2. Flash attention  flash_attn_varlen                              attention_reference
   3. Softcapped CE    softcap_cross_entropy                          softcap_cross_entropy_reference
+                      (on CPU: softcap_cross_entropy_chunked, the same algorithm in plain torch)
   4. Muon helper      xxt                                            xxt_reference
 
 How the trainer uses the FP8 layers. A module that owns an FP8 weight also owns a small fp32
@@ -1195,6 +1196,62 @@ def softcap_cross_entropy_reference(logits, targets, weights):
     losses = torch.where(present, lse - picked, torch.zeros_like(picked))
     # An elementwise product, not a matmul: autocast would run a matmul (and its sum) in bf16.
     return (losses * weights.to(losses)).sum(dim=1)
+
+
+CHUNKED_CE_ROWS = 16  # rows per block of the CPU cross-entropy: 16 x 50,304 fp32 = 3.2 MB, in L2
+
+
+class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
+    """softcap_cross_entropy's algorithm in plain torch, for CPUs: the forward walks the rows in
+    blocks of `rows` and, per block, computes the loss and, when the logits require a gradient,
+    the logit gradient, so each fp32 temporary is one cache-sized block rather than an (N, C)
+    tensor, and autograd keeps one (N, C) gradient in the logits' dtype instead of every
+    intermediate of the reference. Softcapped logits lie in (0, SOFTCAP), so exp(z) cannot
+    overflow and sum(exp(z)) needs no max subtraction; the exponentials are reused for softmax.
+    With a = sum_k weights[k] over the present targets:
+        dloss/dz = a * softmax(z) - sum_k weights[k] * onehot(targets[:, k])
+        dz/dlogits = z * (SOFTCAP - z) / (SOFTCAP * SOFTCAP_TEMP)        (z = softcap(logits))
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, weights, rows):
+        num_rows, num_cols = logits.shape
+        present = (targets >= 0) & (targets < num_cols)
+        columns = torch.where(present, targets, 0)
+        target_weights = torch.where(present, weights.float(), 0.0)   # (N, K): absent targets weigh 0
+        slope = 1.0 / (SOFTCAP * SOFTCAP_TEMP)
+        loss = torch.empty(num_rows, device=logits.device, dtype=torch.float32)
+        grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
+        for s in range(0, num_rows, rows):
+            e = min(s + rows, num_rows)
+            z = logits[s:e].float().add_(SOFTCAP_SHIFT).div_(SOFTCAP_TEMP).sigmoid_().mul_(SOFTCAP)
+            exp_z = z.exp()
+            total = exp_z.sum(dim=1, keepdim=True)
+            w = target_weights[s:e]
+            loss[s:e] = ((total.log() - z.gather(1, columns[s:e])) * w).sum(dim=1)
+            if grad is not None:
+                g = exp_z.mul_(w.sum(dim=1, keepdim=True) * slope / total)
+                g.scatter_add_(1, columns[s:e], w * -slope)
+                grad[s:e] = g.mul_(z).mul_(z.neg_().add_(SOFTCAP))
+        ctx.save_for_backward(grad)
+        ctx.rows = rows
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad, = ctx.saved_tensors
+        out = torch.empty_like(grad)
+        scale = grad_loss.float()[:, None]
+        for s in range(0, grad.shape[0], ctx.rows):
+            out[s:s + ctx.rows] = grad[s:s + ctx.rows].float().mul_(scale[s:s + ctx.rows])
+        return out, None, None, None
+
+
+def softcap_cross_entropy_chunked(logits, targets, weights, rows=CHUNKED_CE_ROWS):
+    """softcap_cross_entropy for CPUs (same arguments and result), in row blocks with the
+    gradient formed in the forward pass: on the CPU preset's 4096 x 50,304 logits it replaces
+    the reference's chain of full-size fp32 tensors and their autograd copies."""
+    return _ChunkedSoftcapCrossEntropy.apply(logits, targets.long(), weights, rows)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -131,7 +131,7 @@ class Hyperparameters:
     # system
     seed: int = 0
     device: str = "auto"           # auto | cuda | cpu
-    kernels: str = "auto"          # auto (Triton on CUDA, reference on CPU) | triton | reference
+    kernels: str = "auto"          # auto (Triton on CUDA; references on CPU, CE chunked) | triton | reference
     compile: bool = True           # torch.compile the model on CUDA
     fp8_mlp: bool = True           # MLPs as the fused FP8 ReLU^2 kernel pair (CUDA only; bf16 elsewhere)
     warmup_steps: int = 3          # untimed steps per stage shape before timing starts (CUDA only)
@@ -157,13 +157,13 @@ def _cpu_preset(h):
     h.long_window_layers, h.attention_free_layers = (3,), ()
     h.num_value_embeds, h.bigram_rows = 1, 8192
     h.val_long_window = 8
-    h.num_iterations = 120
+    h.num_iterations = 50          # the CPU-track record's budget (records/track_cpu); 120 reach ~4.98
     h.stages = [
         Stage(0.5, 2048, 512, 1, 2, (1.0, 0.5, 0.25), 0.25),
         Stage(0.8, 4096, 1024, 2, 4, (1.0, 0.5), 0.25),
         Stage(1.0, 4096, 1024, 2, 6, (1.0,), 0.0),
     ]
-    h.momentum_warmup_steps = 40
+    h.momentum_warmup_steps = 40   # chosen for 120 steps; the 50-step record kept it
     h.log_every = 5
     h.compile = False
 
@@ -507,7 +507,7 @@ class GPT(nn.Module):
         one = torch.ones(1, device=x.device)
         for s in range(0, x.size(0), chunk_rows):
             logits = F.linear(x[s:s + chunk_rows], weight)
-            total += kernels.softcap_cross_entropy_reference(logits, targets[s:s + chunk_rows, :1], one).sum()
+            total += self.cross_entropy_fn(logits, targets[s:s + chunk_rows, :1], one).sum()
         return total
 
 
@@ -863,14 +863,17 @@ class KernelFns:
 
 
 def select_kernels(h, device):
-    """Triton on CUDA unless the reference is asked for; FP8 MLPs only on CUDA with fp8_mlp."""
+    """Triton on CUDA unless the references are asked for; FP8 MLPs only on CUDA with fp8_mlp."""
     use_triton = h.kernels == "triton" or (h.kernels == "auto" and device.type == "cuda")
     fp8 = h.fp8_mlp and device.type == "cuda"
     if use_triton:
         return KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy,
                          kernels.fp8_relu2_mlp if fp8 else None)
-    return KernelFns(kernels.attention_reference, kernels.softcap_cross_entropy_reference,
-                     kernels.fp8_relu2_mlp_reference if fp8 else None)
+    # On CPU the chunked cross-entropy is the same algorithm as the kernel, ~3x faster than the
+    # reference there; `kernels=reference` keeps the plain reference for A/B runs.
+    cross_entropy = (kernels.softcap_cross_entropy_chunked if h.kernels == "auto" and device.type == "cpu"
+                     else kernels.softcap_cross_entropy_reference)
+    return KernelFns(kernels.attention_reference, cross_entropy, kernels.fp8_relu2_mlp_reference if fp8 else None)
 
 
 def build_optimizers(h, model):

@@ -22,6 +22,7 @@ Tolerances (each test says which applies):
           own op-by-op bf16 attention on the same inputs, plus 1e-5.
   CE      cross-entropy bounds derived in ce_tolerances.
 """
+import functools
 import math
 import subprocess
 import sys
@@ -542,18 +543,18 @@ def _cross_entropy_inputs(rows, columns, num_targets, seed, dtype):
     return logits, targets, weights, grad_loss
 
 
-def _check_cross_entropy(logits, targets, weights, grad_loss, config, scale_config):
-    """Loss and logit gradient against the float64 oracle (ce_tolerances; a bf16 gradient adds
+def _check_cross_entropy(ce, block, logits, targets, weights, grad_loss):
+    """Loss and logit gradient of ce(logits, targets, weights), whose sums over a row run in
+    blocks of `block` columns, against the float64 oracle (ce_tolerances; a bf16 gradient adds
     two roundings, 2 * 2^-8 relative: the forward stores it in bf16, the backward rescales it
     by the upstream gradient) and the loss against the reference."""
     x = logits.clone().requires_grad_(True)
-    loss = kernels.softcap_cross_entropy(x, targets, weights, config, scale_config)
+    loss = ce(x, targets, weights)
     grad, = torch.autograd.grad(loss, x, grad_loss)
     x64 = logits.cpu().double().requires_grad_(True)
     loss64, softmax = cross_entropy_oracle(x64, targets.cpu(), weights.cpu())
     grad64, = torch.autograd.grad(loss64, x64, grad_loss.cpu().double())
-    loss_tolerance, grad_tolerance = ce_tolerances(targets.cpu(), weights.cpu(), softmax, logits.shape[1],
-                                                   config.block_n)
+    loss_tolerance, grad_tolerance = ce_tolerances(targets.cpu(), weights.cpu(), softmax, logits.shape[1], block)
     grad_tolerance = grad_tolerance * grad_loss.cpu().double()[:, None]
     if logits.dtype == torch.bfloat16:
         grad_tolerance = grad_tolerance * (1 + 2 * U_BF16) + 2 * U_BF16 * (1 + U_BF16) * grad64.abs()
@@ -563,7 +564,7 @@ def _check_cross_entropy(logits, targets, weights, grad_loss, config, scale_conf
     reference = kernels.softcap_cross_entropy_reference(logits, targets, weights)
     assert_within(loss, reference, 2 * loss_tolerance, "loss vs reference")
     with torch.no_grad():
-        assert torch.equal(kernels.softcap_cross_entropy(logits, targets, weights, config, scale_config), loss)
+        assert torch.equal(ce(logits, targets, weights), loss)
 
 
 @interpreted
@@ -572,14 +573,24 @@ def _check_cross_entropy(logits, targets, weights, grad_loss, config, scale_conf
 def test_cross_entropy_matches_float64(rows, columns, num_targets, dtype):
     """Absent, out-of-range and duplicate targets, a non-uniform upstream gradient, C not a
     multiple of the column block."""
-    _check_cross_entropy(*_cross_entropy_inputs(rows, columns, num_targets, columns, dtype), SMALL_CE, SMALL_CE)
+    ce = functools.partial(kernels.softcap_cross_entropy, config=SMALL_CE, scale_config=SMALL_CE)
+    _check_cross_entropy(ce, SMALL_CE.block_n, *_cross_entropy_inputs(rows, columns, num_targets, columns, dtype))
 
 
 @interpreted
 def test_cross_entropy_full_vocabulary_width():
     """The production column blocks on all 50,304 columns (3 rows)."""
-    _check_cross_entropy(*_cross_entropy_inputs(3, 50304, 2, 8, torch.float32), kernels.CROSS_ENTROPY,
-                         kernels.CROSS_ENTROPY_SCALE)
+    _check_cross_entropy(kernels.softcap_cross_entropy, kernels.CROSS_ENTROPY.block_n,
+                         *_cross_entropy_inputs(3, 50304, 2, 8, torch.float32))
+
+
+@pytest.mark.parametrize("rows,columns,num_targets,dtype,block_rows", [
+    (24, 300, 3, torch.float32, 5), (17, 257, 1, torch.float32, 64), (9, 333, 4, torch.bfloat16, 4)])
+def test_chunked_cross_entropy_matches_float64(rows, columns, num_targets, dtype, block_rows):
+    """The CPU path, with row blocks that do not divide the rows: the same oracle and bounds as
+    the Triton kernel, with torch's row sums bounded as sequential ones (block 1)."""
+    ce = functools.partial(kernels.softcap_cross_entropy_chunked, rows=block_rows)
+    _check_cross_entropy(ce, 1, *_cross_entropy_inputs(rows, columns, num_targets, columns + 1, dtype))
 
 
 def test_cross_entropy_rejects_bad_shapes():
@@ -759,8 +770,8 @@ def test_gpu_attention_error_at_most_twice_torch(d_qk, d_v):
 def test_gpu_cross_entropy_and_xxt():
     """Cross-entropy (bf16 logits, full vocabulary) and X X^T (bf16) on CUDA, tolerances as on CPU."""
     logits, targets, weights, grad_loss = _cross_entropy_inputs(64, 50304, 4, 14, torch.bfloat16)
-    _check_cross_entropy(logits.cuda(), targets.cuda(), weights.cuda(), grad_loss.cuda(), kernels.CROSS_ENTROPY,
-                         kernels.CROSS_ENTROPY_SCALE)
+    _check_cross_entropy(kernels.softcap_cross_entropy, kernels.CROSS_ENTROPY.block_n,
+                         logits.cuda(), targets.cuda(), weights.cuda(), grad_loss.cuda())
 
     x = torch.randn(4, 768, 3072, generator=torch.Generator().manual_seed(15)).bfloat16()
     out = kernels.xxt(x.cuda()).cpu()
