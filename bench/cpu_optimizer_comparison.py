@@ -66,6 +66,7 @@ def main():
                         help="append the table here ('' to skip)")
     parser.add_argument("extra", nargs="*", help="more --key=value overrides for every run")
     args = parser.parse_args()
+    commit = source_commit()       # before the runs: the code they run
     jobs = []
     for seed in args.seeds:
         for optimizer in args.optimizers:
