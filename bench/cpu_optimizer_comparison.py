@@ -79,7 +79,7 @@ def main():
     if args.results:
         with open(args.results, "a") as f:
             f.write(f"\n## Optimizer comparison, {datetime.date.today().isoformat()}\n\n"
-                    f"- commit: {source_commit()}\n- machine: {platform.machine()}, {os.cpu_count()} cores, no GPU"
+                    f"- commit: {commit}\n- machine: {platform.machine()}, {os.cpu_count()} cores, no GPU"
                     f"\n- command: `python bench/cpu_optimizer_comparison.py {' '.join(sys.argv[1:])}`\n\n{table}\n")
 
 
