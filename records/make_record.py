@@ -230,7 +230,7 @@ def decide_status(n, p_value, track, set_target):
     if p_value >= threshold:
         return STATUS_NOT_RECORD, f"p = {p_value:.4g} is not below {threshold}: the target is not met significantly"
     target = track["target_val_loss"]
-    return STATUS_RECORD, f"mean final val loss is below the target {target} with p = {p_value:.4g} < {threshold}"
+    return STATUS_RECORD, f"mean final val loss is below the target {target:.6f} with p = {p_value:.4g} < {threshold}"
 
 
 def record_statistics(logs, baseline_logs, track, set_target):

@@ -1,0 +1,1338 @@
+"""Kernels for the speedrun trainer.
+
+One section per kernel family. Each section holds the Triton kernel(s), the wrapper that the
+trainer calls on CUDA (autograd-aware where the family is differentiable), and a plain-torch
+reference with the same signature and the same math. The trainer uses the references on CPU
+and, when `kernels="reference"` is configured, on GPU too (for A/B runs).
+
+Families:
+  1. FP8 matmul       fp8_matmul, fp8_linear, fp8_relu2_mlp          (+ *_reference)
+  2. Flash attention  flash_attn_varlen                              attention_reference
+  3. Softcapped CE    softcap_cross_entropy                          softcap_cross_entropy_reference
+                      (on CPU: softcap_cross_entropy_chunked, the same algorithm in plain torch)
+  4. Muon helper      xxt                                            xxt_reference
+
+How the trainer uses the FP8 layers. A module that owns an FP8 weight also owns a small fp32
+buffer of amax values, created once with `new_fp8_linear_state(device)` (a plain linear) or
+`new_fp8_mlp_state(device)` (the fused MLP), registered with `register_buffer` so that it moves
+with the module and lands in checkpoints:
+
+    y = kernels.fp8_linear(x, self.weight, self.fp8_state)             # x @ weight.T
+    y = kernels.fp8_relu2_mlp(x, self.w_up, self.w_down, self.fp8_state)  # relu(x w_up.T)^2 w_down.T
+
+Weights use nn.Linear's (out, in) layout and any float dtype (their gradients come back in it);
+x is bf16 of shape (..., in) and y has x's dtype. Forward operands are e4m3, gradients e5m2.
+Weights get an exact per-tensor scale (this call's amax). Activations and gradients get a
+delayed scale: the amax the previous call recorded in the buffer times AMAX_HEADROOM (1.1) maps
+to the fp8 maximum; each call records its own amax for the next one (a zero entry, as in a fresh
+buffer, means scale 1, so the first step after creating a buffer is the least precise). Values
+beyond the fp8 range saturate. The `*_reference` functions take the same arguments, update the
+buffer the same way and quantize identically with torch casts: the trainer's A/B switch.
+
+The other families need no state: flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, window,
+softmax_scale), softcap_cross_entropy(logits, targets, weights) and xxt(x) take the same
+arguments as their references (every Triton wrapper also accepts launch configs, which the
+tests shrink).
+
+torch.compile: every kernel launch sits inside a torch.library custom op with a fake (meta)
+implementation, and the autograd wrappers are torch.autograd.Functions built from those ops,
+so the trainer can compile its model with fullgraph=True (checked on CPU with the aot_eager
+backend); the kernels stay opaque to Inductor.
+"""
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+_OPS = "kernels"  # namespace of this file's torch.library custom ops
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Block sizes and launch options of one kernel.
+
+    block_m / block_n: the output tile (matmul, X X^T), query / key block (attention), rows /
+    columns per program (casts); block_n is the column block of the cross-entropy. block_k: the
+    reduction step of matmuls. group_m: row tiles walked together for L2 reuse (matmul only).
+    """
+    block_m: int
+    block_n: int
+    block_k: int = 16
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def as_list(self):
+        """The fields as a list of ints: how a config crosses a custom-op boundary."""
+        return list(dataclasses.astuple(self))
+
+
+def _config_from_list(values):
+    return LaunchConfig(*values)
+
+
+def _launch(kernel, grid, config, **args):
+    """Start a Triton kernel. Every launch goes through here, so that the sm_90 compile check
+    can record the launches of the production configurations instead of running them."""
+    kernel[grid](**args, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+# Streaming multiprocessors of an H100 SXM: the tile-count rule below assumes it off-GPU.
+H100_SM_COUNT = 132
+
+
+def _sm_count(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return H100_SM_COUNT
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. FP8 matmul, the FP8 linear layer and the fused FP8 ReLU^2 MLP
+# ---------------------------------------------------------------------------------------------
+
+FP8_E4M3_MAX = 448.0       # largest finite float8_e4m3fn value (forward operands)
+FP8_E5M2_MAX = 57344.0     # largest finite float8_e5m2 value (gradients)
+AMAX_HEADROOM = 1.1        # delayed scales map (previous amax x this) to the fp8 maximum
+
+# Output tiles of 128 x 256 when they fill every SM at least twice, else 128 x 128.
+FP8_MATMUL_LARGE = LaunchConfig(block_m=128, block_n=256, block_k=128, group_m=8, num_warps=8, num_stages=3)
+FP8_MATMUL_SMALL = LaunchConfig(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=4)
+# The relu2_grad epilogue (activation tile, square root, two fp8 stores) spills with 128 x 256.
+FP8_MATMUL_RELU2_GRAD = FP8_MATMUL_SMALL
+# Tiles of the stand-alone fp8 cast (row-major and transposed copies, memory bound).
+FP8_CAST = LaunchConfig(block_m=64, block_n=64, num_warps=4)
+
+# Entries of the amax buffers (see the module docstring): the tensor each one tracks.
+FP8_LINEAR_SLOTS = {"input": 0, "grad_output": 1}
+FP8_MLP_SLOTS = {"input": 0, "hidden": 1, "grad_output": 2, "grad_hidden": 3}
+
+_FP8_MAX = {torch.float8_e4m3fn: FP8_E4M3_MAX, torch.float8_e5m2: FP8_E5M2_MAX}
+
+
+def fp8_matmul_config(m, n, device):
+    """The production tile for an (m, n) output on `device`."""
+    large_tiles = triton.cdiv(m, FP8_MATMUL_LARGE.block_m) * triton.cdiv(n, FP8_MATMUL_LARGE.block_n)
+    return FP8_MATMUL_LARGE if large_tiles >= 2 * _sm_count(device) else FP8_MATMUL_SMALL
+
+
+@triton.jit
+def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program `pid`: programs walk GROUP_M row tiles column by column,
+    so the programs running together share A rows and B columns in L2."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_group = GROUP_M * tiles_n
+    first_m = (pid // tiles_per_group) * GROUP_M
+    group_size = tl.minimum(tiles_m - first_m, GROUP_M)
+    tile_m = first_m + (pid % tiles_per_group) % group_size
+    tile_n = (pid % tiles_per_group) // group_size
+    return tile_m, tile_n
+
+
+@triton.jit
+def _fp8_dot_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, tile_m, tile_n,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """fp32 accumulator of A[rows, :] @ B[:, cols] for one (BLOCK_M, BLOCK_N) output tile.
+
+    Rows and columns past the matrix wrap around (modulo M, N) so the loads need no mask; those
+    results are never stored. K is masked only when it is not a multiple of BLOCK_K. Offsets are
+    64-bit: the lm_head's operands can exceed 2^31 elements.
+    """
+    rows = ((tile_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M).to(tl.int64)
+    cols = ((tile_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
+    b_ptrs = b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - step * BLOCK_K
+            a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=ks[:, None] < k_left, other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
+def _fp8_matmul_kernel(a_ptr, b_ptr, c_ptr, scale_a_ptr, scale_b_ptr, M, N, K,
+                       stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    """C = (A @ B) * scale_a * scale_b for fp8 A (M, K), B (K, N), any strides.
+
+    One program per output tile; the K loop streams a (BLOCK_M, BLOCK_K) slab of A and a
+    (BLOCK_K, BLOCK_N) slab of B through shared memory into the tensor cores (fp32 accumulator).
+    Traffic: A is read N / BLOCK_N times and B M / BLOCK_M times (mostly from L2 thanks to the
+    grouped order), C written once.
+    """
+    tile_m, tile_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = _fp8_dot_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, tile_m, tile_n,
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_b_ptr))
+    rows = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn,
+             acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _quantize_tile(x, rows, cols, M, N, q_ptr, qt_ptr, scale, amax_ptr, Q_MAX: tl.constexpr):
+    """Store the fp32 tile x (rows, cols of an (M, N) matrix; 64-bit indices) as fp8:
+    q = clamp(x / scale) into the row-major q (M, N) and the row-major transposed copy qt (N, M);
+    fold max |x| of the tile into *amax_ptr."""
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    x = tl.where(mask, x, 0.0)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+    q = tl.clamp(tl.div_rn(x, scale), -Q_MAX, Q_MAX).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + rows[:, None] * N + cols[None, :], q, mask=mask)
+    tl.store(qt_ptr + cols[None, :] * M + rows[:, None], q, mask=mask)
+
+
+@triton.jit
+def _fp8_cast_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, M, N, stride_xm, stride_xn,
+                     Q_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """q = fp8(x / scale) and its transpose, recording max |x|.
+
+    One (BLOCK_M, BLOCK_N) tile per program. Traffic: x read once, q and qt written once each.
+    """
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
+    _quantize_tile(x.to(tl.float32), rows, cols, M, N, q_ptr, qt_ptr, tl.load(scale_ptr), amax_ptr, Q_MAX)
+
+
+@triton.jit
+def _fp8_matmul_quant_kernel(a_ptr, b_ptr, scale_a_ptr, scale_b_ptr, act_ptr, act_scale_ptr,
+                             q_ptr, qt_ptr, q_scale_ptr, amax_ptr, M, N, K,
+                             stride_am, stride_ak, stride_bk, stride_bn, stride_actm, stride_actn,
+                             EPILOGUE: tl.constexpr, Q_MAX: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    """Y = (A @ B) * scale_a * scale_b, transformed and stored as fp8 (row-major and transposed).
+
+    EPILOGUE "relu2":      out = relu(Y)^2, the MLP activation (act_ptr unused).
+    EPILOGUE "relu2_grad": out = Y * 2 relu(h), the gradient of the MLP pre-activation h, where
+                           relu(h) = sqrt(act * act_scale) comes from the fp8 activation relu(h)^2
+                           saved by the forward (so h itself is never stored).
+    Like _fp8_matmul_kernel, plus: the activation tile read once ("relu2_grad"), out written twice
+    in fp8 (M*N bytes each) instead of once in bf16, max |out| recorded for the next delayed scale.
+    """
+    tile_m, tile_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = _fp8_dot_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, tile_m, tile_n,
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    y = acc * (tl.load(scale_a_ptr) * tl.load(scale_b_ptr))
+    rows = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    if EPILOGUE == "relu2":
+        r = tl.maximum(y, 0.0)
+        out = r * r
+    else:
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        act = tl.load(act_ptr + rows[:, None] * stride_actm + cols[None, :] * stride_actn, mask=mask, other=0.0)
+        out = 2.0 * tl.sqrt_rn(act.to(tl.float32) * tl.load(act_scale_ptr)) * y
+    _quantize_tile(out, rows, cols, M, N, q_ptr, qt_ptr, tl.load(q_scale_ptr), amax_ptr, Q_MAX)
+
+
+def _check_fp8_operands(a, b, scale_a, scale_b):
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"fp8_matmul needs a (M, K) and b (K, N); got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype not in _FP8_MAX or b.dtype not in _FP8_MAX:
+        raise ValueError(f"fp8_matmul operands must be float8_e4m3fn or float8_e5m2; got {a.dtype}, {b.dtype}")
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        raise ValueError("fp8_matmul: a and b cannot both be float8_e5m2 (as in torch._scaled_mm)")
+    for scale in (scale_a, scale_b):
+        if scale.numel() != 1 or scale.dtype != torch.float32:
+            raise ValueError("fp8_matmul takes per-tensor scales: one-element float32 tensors")
+
+
+def _matmul_args(a, b, config):
+    return dict(M=a.shape[0], N=b.shape[1], K=a.shape[1],
+                stride_am=a.stride(0), stride_ak=a.stride(1), stride_bk=b.stride(0), stride_bn=b.stride(1),
+                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                GROUP_M=config.group_m, EVEN_K=a.shape[1] % config.block_k == 0)
+
+
+def _matmul_grid(a, b, config):
+    return (triton.cdiv(a.shape[0], config.block_m) * triton.cdiv(b.shape[1], config.block_n),)
+
+
+def _launch_fp8_matmul(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
+                       config: list[int]) -> Tensor:
+    config = _config_from_list(config)
+    c = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    _launch(_fp8_matmul_kernel, _matmul_grid(a, b, config), config,
+            a_ptr=a, b_ptr=b, c_ptr=c, scale_a_ptr=scale_a, scale_b_ptr=scale_b,
+            stride_cm=c.stride(0), stride_cn=c.stride(1), **_matmul_args(a, b, config))
+    return c
+
+
+def _launch_fp8_cast(x: Tensor, scale: Tensor, amax: Tensor, fp8_dtype: torch.dtype,
+                     config: list[int]) -> tuple[Tensor, Tensor]:
+    config = _config_from_list(config)
+    M, N = x.shape
+    q = torch.empty(M, N, dtype=fp8_dtype, device=x.device)
+    qt = torch.empty(N, M, dtype=fp8_dtype, device=x.device)
+    _launch(_fp8_cast_kernel, (triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n)), config,
+            x_ptr=x, q_ptr=q, qt_ptr=qt, scale_ptr=scale, amax_ptr=amax, M=M, N=N,
+            stride_xm=x.stride(0), stride_xn=x.stride(1), Q_MAX=_FP8_MAX[fp8_dtype],
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n)
+    return q, qt
+
+
+def _launch_fp8_matmul_quant(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, act: Tensor,
+                             act_scale: Tensor, out_scale: Tensor, out_amax: Tensor, out_dtype: torch.dtype,
+                             epilogue: str, config: list[int]) -> tuple[Tensor, Tensor]:
+    config = _config_from_list(config)
+    M, N = a.shape[0], b.shape[1]
+    q = torch.empty(M, N, dtype=out_dtype, device=a.device)
+    qt = torch.empty(N, M, dtype=out_dtype, device=a.device)
+    _launch(_fp8_matmul_quant_kernel, _matmul_grid(a, b, config), config,
+            a_ptr=a, b_ptr=b, scale_a_ptr=scale_a, scale_b_ptr=scale_b, act_ptr=act, act_scale_ptr=act_scale,
+            q_ptr=q, qt_ptr=qt, q_scale_ptr=out_scale, amax_ptr=out_amax,
+            stride_actm=act.stride(0), stride_actn=act.stride(1), EPILOGUE=epilogue, Q_MAX=_FP8_MAX[out_dtype],
+            **_matmul_args(a, b, config))
+    return q, qt
+
+
+_fp8_matmul_op = torch.library.custom_op(f"{_OPS}::fp8_matmul", _launch_fp8_matmul, mutates_args=())
+_fp8_cast_op = torch.library.custom_op(f"{_OPS}::fp8_cast", _launch_fp8_cast, mutates_args=("amax",))
+_fp8_matmul_quant_op = torch.library.custom_op(f"{_OPS}::fp8_matmul_quant", _launch_fp8_matmul_quant,
+                                               mutates_args=("out_amax",))
+
+
+@_fp8_matmul_op.register_fake
+def _(a, b, scale_a, scale_b, out_dtype, config):
+    return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
+
+
+@_fp8_cast_op.register_fake
+def _(x, scale, amax, fp8_dtype, config):
+    return x.new_empty(x.shape, dtype=fp8_dtype), x.new_empty(x.shape[::-1], dtype=fp8_dtype)
+
+
+@_fp8_matmul_quant_op.register_fake
+def _(a, b, scale_a, scale_b, act, act_scale, out_scale, out_amax, out_dtype, epilogue, config):
+    M, N = a.shape[0], b.shape[1]
+    return a.new_empty(M, N, dtype=out_dtype), a.new_empty(N, M, dtype=out_dtype)
+
+
+def fp8_matmul(a, b, scale_a, scale_b, out_dtype=torch.bfloat16, config=None):
+    """(a @ b) * scale_a * scale_b, what torch._scaled_mm returns for per-tensor fp32 scales.
+
+    a (M, K), b (K, N): float8_e4m3fn or float8_e5m2 (not both e5m2), any strides (b row- or
+    column-major; column-major b, i.e. b = w.t() for a row-major w, is the fast layout). The
+    tensor cores accumulate fp8 products with their fast, reduced-precision accumulator, as
+    torch._scaled_mm(..., use_fast_accum=True). out_dtype: bf16, fp16 or fp32.
+    """
+    _check_fp8_operands(a, b, scale_a, scale_b)
+    config = config or fp8_matmul_config(a.shape[0], b.shape[1], a.device)
+    return _fp8_matmul_op(a, b, scale_a.reshape(1), scale_b.reshape(1), out_dtype, config.as_list())
+
+
+def fp8_matmul_reference(a, b, scale_a, scale_b, out_dtype=torch.bfloat16, config=None):
+    """C = (a @ b) * scale_a * scale_b for fp8 operands with per-tensor fp32 scales.
+
+    The semantics of torch._scaled_mm with per-tensor scales: the fp8 values are exact in
+    fp32, the product is accumulated in fp32, and the scales multiply the fp32 result.
+    """
+    c = a.float() @ b.float()
+    return (c * (scale_a.float() * scale_b.float())).to(out_dtype)
+
+
+def fp8_cast(x, scale, amax, fp8_dtype, config=FP8_CAST):
+    """(q, qt): x (M, N) / scale saturated to fp8, row-major and transposed; amax (one fp32
+    element) becomes max(amax, max |x|)."""
+    return _fp8_cast_op(x, scale, amax, fp8_dtype, config.as_list())
+
+
+def fp8_cast_reference(x, scale, amax, fp8_dtype, config=None):
+    q = _quantize_reference(x.float(), scale, amax, fp8_dtype)
+    return q, q.t().contiguous()
+
+
+def fp8_matmul_relu2(a, b, scale_a, scale_b, out_scale, out_amax, config=None):
+    """(q, qt): relu(a @ b * scale_a * scale_b)^2 as float8_e4m3fn with scale out_scale,
+    row-major and transposed; out_amax records its max."""
+    config = config or fp8_matmul_config(a.shape[0], b.shape[1], a.device)
+    # this epilogue reads no activation: a and scale_a stand in for the unused act arguments
+    return _fp8_matmul_quant_op(a, b, scale_a, scale_b, a, scale_a, out_scale, out_amax,
+                                torch.float8_e4m3fn, "relu2", config.as_list())
+
+
+def fp8_matmul_relu2_reference(a, b, scale_a, scale_b, out_scale, out_amax, config=None):
+    h = fp8_matmul_reference(a, b, scale_a, scale_b, torch.float32)
+    q = _quantize_reference(torch.relu(h) * torch.relu(h), out_scale, out_amax, torch.float8_e4m3fn)
+    return q, q.t().contiguous()
+
+
+def fp8_matmul_relu2_grad(a, b, scale_a, scale_b, act, act_scale, out_scale, out_amax, config=None):
+    """(q, qt): (a @ b * scale_a * scale_b) * 2 sqrt(act * act_scale) as float8_e5m2 with scale
+    out_scale, row-major and transposed; out_amax records its max. act (M, N) is the fp8
+    activation relu(h)^2 (any strides), so the result is the gradient at the pre-activation h."""
+    config = config or FP8_MATMUL_RELU2_GRAD
+    return _fp8_matmul_quant_op(a, b, scale_a, scale_b, act, act_scale, out_scale, out_amax,
+                                torch.float8_e5m2, "relu2_grad", config.as_list())
+
+
+def fp8_matmul_relu2_grad_reference(a, b, scale_a, scale_b, act, act_scale, out_scale, out_amax, config=None):
+    grad = fp8_matmul_reference(a, b, scale_a, scale_b, torch.float32)
+    grad_h = 2.0 * torch.sqrt(act.float() * act_scale) * grad
+    q = _quantize_reference(grad_h, out_scale, out_amax, torch.float8_e5m2)
+    return q, q.t().contiguous()
+
+
+def _quantize_reference(x, scale, amax, fp8_dtype):
+    """The torch form of _quantize_tile: fp32 x / scale saturated to fp8; amax records max |x|."""
+    amax.copy_(torch.maximum(amax, x.abs().amax().reshape(1)))
+    fp8_max = _FP8_MAX[fp8_dtype]
+    return (x / scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+
+
+def _scale_for_amax(amax, fp8_max, headroom):
+    """Per-tensor scale mapping amax * headroom to the fp8 maximum; 1 where amax is 0 (unknown)."""
+    return torch.where(amax > 0, amax * (headroom / fp8_max), torch.ones_like(amax))
+
+
+def _delayed_scale(state, slot, fp8_max):
+    """(scale, amax slot): the scale from the amax the previous call recorded in state[slot];
+    the slot is cleared so that this call records its own amax there."""
+    amax = state[slot:slot + 1]
+    scale = _scale_for_amax(amax, fp8_max, AMAX_HEADROOM)
+    amax.zero_()
+    return scale, amax
+
+
+def _exact_scale(weight):
+    """(scale, amax) of a weight for e4m3: its own amax, no headroom."""
+    amax = weight.detach().abs().amax().float().reshape(1)
+    return _scale_for_amax(amax, FP8_E4M3_MAX, 1.0), amax
+
+
+@dataclasses.dataclass(frozen=True)
+class _FP8Primitives:
+    """The FP8 building blocks a layer is made of: Triton kernels or their torch references."""
+    cast: object
+    matmul: object
+    matmul_relu2: object
+    matmul_relu2_grad: object
+
+
+_TRITON_FP8 = _FP8Primitives(fp8_cast, fp8_matmul, fp8_matmul_relu2, fp8_matmul_relu2_grad)
+_REFERENCE_FP8 = _FP8Primitives(fp8_cast_reference, fp8_matmul_reference, fp8_matmul_relu2_reference,
+                                fp8_matmul_relu2_grad_reference)
+
+
+def new_fp8_linear_state(device=None):
+    """The amax buffer of one fp8_linear layer (zeros: the first call uses scale 1)."""
+    return torch.zeros(len(FP8_LINEAR_SLOTS), dtype=torch.float32, device=device)
+
+
+def new_fp8_mlp_state(device=None):
+    """The amax buffer of one fp8_relu2_mlp layer (zeros: the first call uses scale 1)."""
+    return torch.zeros(len(FP8_MLP_SLOTS), dtype=torch.float32, device=device)
+
+
+class _FP8Linear(torch.autograd.Function):
+    """y = x W^T with e4m3 operands; backward with e5m2 output gradients. Three GEMMs:
+    forward x8 W8^T, input gradient g8 W8, weight gradient g8^T x8. Each operand is cast once
+    into a row-major and a transposed copy, so every GEMM reads both operands K-major."""
+
+    @staticmethod
+    def forward(ctx, x, weight, state, prims, config):
+        x_scale, x_amax = _delayed_scale(state, FP8_LINEAR_SLOTS["input"], FP8_E4M3_MAX)
+        x8, x8_t = prims.cast(x, x_scale, x_amax, torch.float8_e4m3fn)
+        w_scale, w_amax = _exact_scale(weight)
+        w8, w8_t = prims.cast(weight, w_scale, w_amax, torch.float8_e4m3fn)
+        y = prims.matmul(x8, w8.t(), x_scale, w_scale, x.dtype, config)
+        ctx.save_for_backward(x8_t, w8_t, x_scale, w_scale)
+        ctx.state, ctx.prims, ctx.config = state, prims, config
+        ctx.dtypes = (x.dtype, weight.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x8_t, w8_t, x_scale, w_scale = ctx.saved_tensors
+        prims, config = ctx.prims, ctx.config
+        g_scale, g_amax = _delayed_scale(ctx.state, FP8_LINEAR_SLOTS["grad_output"], FP8_E5M2_MAX)
+        g8, g8_t = prims.cast(grad_y, g_scale, g_amax, torch.float8_e5m2)
+        need_x, need_w = ctx.needs_input_grad[:2]
+        grad_x = prims.matmul(g8, w8_t.t(), g_scale, w_scale, ctx.dtypes[0], config) if need_x else None
+        grad_w = prims.matmul(g8_t, x8_t.t(), g_scale, x_scale, ctx.dtypes[1], config) if need_w else None
+        return grad_x, grad_w, None, None, None
+
+
+class _FP8ReLU2MLP(torch.autograd.Function):
+    """y = relu(x W_up^T)^2 W_down^T with all six GEMMs in fp8.
+
+    Forward: the up-projection's epilogue squares the ReLU and emits the activation
+    a = relu(h)^2 in e4m3 twice (row-major for the down-projection, transposed for the W_down
+    gradient); h is never stored. Backward: the input-gradient GEMM of the down-projection
+    multiplies by 2 relu(h) = 2 sqrt(a) in its epilogue and emits dL/dh in e5m2 (row-major and
+    transposed), which feeds the two up-projection gradient GEMMs.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_up, w_down, state, prims, config):
+        x_scale, x_amax = _delayed_scale(state, FP8_MLP_SLOTS["input"], FP8_E4M3_MAX)
+        x8, x8_t = prims.cast(x, x_scale, x_amax, torch.float8_e4m3fn)
+        up_scale, up_amax = _exact_scale(w_up)
+        up8, up8_t = prims.cast(w_up, up_scale, up_amax, torch.float8_e4m3fn)
+        down_scale, down_amax = _exact_scale(w_down)
+        down8, down8_t = prims.cast(w_down, down_scale, down_amax, torch.float8_e4m3fn)
+        a_scale, a_amax = _delayed_scale(state, FP8_MLP_SLOTS["hidden"], FP8_E4M3_MAX)
+        a8, a8_t = prims.matmul_relu2(x8, up8.t(), x_scale, up_scale, a_scale, a_amax, config)
+        y = prims.matmul(a8, down8.t(), a_scale, down_scale, x.dtype, config)
+        ctx.save_for_backward(x8_t, up8_t, down8_t, a8_t, x_scale, up_scale, down_scale, a_scale)
+        ctx.state, ctx.prims, ctx.config = state, prims, config
+        ctx.dtypes = (x.dtype, w_up.dtype, w_down.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x8_t, up8_t, down8_t, a8_t, x_scale, up_scale, down_scale, a_scale = ctx.saved_tensors
+        prims, config = ctx.prims, ctx.config
+        g_scale, g_amax = _delayed_scale(ctx.state, FP8_MLP_SLOTS["grad_output"], FP8_E5M2_MAX)
+        g8, g8_t = prims.cast(grad_y, g_scale, g_amax, torch.float8_e5m2)
+        need_x, need_up, need_down = ctx.needs_input_grad[:3]
+        grad_x = grad_up = grad_down = None
+        if need_down:
+            grad_down = prims.matmul(g8_t, a8_t.t(), g_scale, a_scale, ctx.dtypes[2], config)
+        if need_x or need_up:
+            h_scale, h_amax = _delayed_scale(ctx.state, FP8_MLP_SLOTS["grad_hidden"], FP8_E5M2_MAX)
+            gh8, gh8_t = prims.matmul_relu2_grad(g8, down8_t.t(), g_scale, down_scale, a8_t.t(), a_scale,
+                                                 h_scale, h_amax, config)
+            if need_x:
+                grad_x = prims.matmul(gh8, up8_t.t(), h_scale, up_scale, ctx.dtypes[0], config)
+            if need_up:
+                grad_up = prims.matmul(gh8_t, x8_t.t(), h_scale, x_scale, ctx.dtypes[1], config)
+        return grad_x, grad_up, grad_down, None, None, None
+
+
+def _check_fp8_state(state, slots, constructor):
+    if state.dtype != torch.float32 or state.shape != (len(slots),):
+        raise ValueError(f"the fp8 amax buffer must be float32 of shape ({len(slots)},), as made by {constructor}")
+
+
+def fp8_linear(x, weight, state, config=None):
+    """x @ weight.T in fp8 (see the module docstring). x (..., K) bf16, weight (N, K), state from
+    new_fp8_linear_state. config: the GEMM tile (None: the production tile for each shape)."""
+    _check_fp8_state(state, FP8_LINEAR_SLOTS, "new_fp8_linear_state")
+    y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), weight, state, _TRITON_FP8, config)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_linear_reference(x, weight, state, config=None):
+    """fp8_linear with torch casts and fp8_matmul_reference: same scales, same buffer updates."""
+    _check_fp8_state(state, FP8_LINEAR_SLOTS, "new_fp8_linear_state")
+    y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), weight, state, _REFERENCE_FP8, config)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_relu2_mlp(x, w_up, w_down, state, config=None):
+    """relu(x @ w_up.T)^2 @ w_down.T in fp8 (see _FP8ReLU2MLP). x (..., D) bf16, w_up (H, D),
+    w_down (D, H), state from new_fp8_mlp_state. config as in fp8_linear."""
+    _check_fp8_state(state, FP8_MLP_SLOTS, "new_fp8_mlp_state")
+    y = _FP8ReLU2MLP.apply(x.reshape(-1, x.shape[-1]), w_up, w_down, state, _TRITON_FP8, config)
+    return y.reshape(*x.shape[:-1], w_down.shape[0])
+
+
+def fp8_relu2_mlp_reference(x, w_up, w_down, state, config=None):
+    """fp8_relu2_mlp with torch casts and fp8_matmul_reference: same scales, same buffer updates."""
+    _check_fp8_state(state, FP8_MLP_SLOTS, "new_fp8_mlp_state")
+    y = _FP8ReLU2MLP.apply(x.reshape(-1, x.shape[-1]), w_up, w_down, state, _REFERENCE_FP8, config)
+    return y.reshape(*x.shape[:-1], w_down.shape[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Attention on packed documents with a sliding window
+# ---------------------------------------------------------------------------------------------
+#
+# FlashAttention-2 on packed documents. The grids are (blocks of the longest document,
+# documents, heads): a program owns one block of one document and exits at once when the
+# document is shorter (or empty: cu_seqlens may end in repeats). Blocks are aligned to the
+# document start, and each program visits only the blocks of the other side that hold a visible
+# pair, masking only those that cross the diagonal, the window edge or the document end.
+# Backward: delta = rowsum(dO * O) first, then one kernel over key blocks for dK and dV and one
+# over query blocks for dQ, both recomputing P from the saved log-sum-exp: no atomics, so the
+# gradients are deterministic.
+
+# Head dims the kernels take (64 and 128 are the production ones, compiled for sm_90 by the tests).
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
+# Queries per block in the reference: bounds the (block x keys) score matrix it materializes.
+REFERENCE_QUERY_BLOCK = 256
+# Window passed to the kernels for "no limit": longer than any document.
+NO_WINDOW = 1 << 30
+LOG2_E = 1.4426950408889634  # the kernels work with exp2: exp(x) = exp2(x * LOG2_E)
+
+# Production blocks for H100/H200, every (Dqk, Dv) in {64, 128}^2 (bench/sm90_resources.json: no
+# spills; the forward spills with 3 stages at 128/128, the key/value kernel with 64 queries).
+ATTENTION_FORWARD = LaunchConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+ATTENTION_BACKWARD_KV = LaunchConfig(block_m=32, block_n=128, num_warps=8, num_stages=2)
+ATTENTION_BACKWARD_Q = LaunchConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+ATTENTION_BACKWARD_DELTA = LaunchConfig(block_m=128, block_n=1, num_warps=4)
+# Forward, key/value-gradient, query-gradient and delta kernels, in that order.
+ATTENTION_CONFIGS = (ATTENTION_FORWARD, ATTENTION_BACKWARD_KV, ATTENTION_BACKWARD_Q, ATTENTION_BACKWARD_DELTA)
+
+
+@triton.jit
+def _key_blocks(q_start, doc_start, doc_end, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key blocks seen by the queries [q_start, q_start + BLOCK_M) of the document
+    [doc_start, doc_end), as block indices t (keys doc_start + t*BLOCK_N + [0, BLOCK_N)).
+
+    Returns lo <= mid_lo <= mid_hi <= hi: blocks [lo, hi) hold every visible key; those in
+    [mid_lo, mid_hi) are visible to every query of the block, so they need no mask.
+    """
+    q_last = tl.minimum(q_start + BLOCK_M, doc_end) - 1
+    lo = (tl.maximum(q_start - window + 1, doc_start) - doc_start) // BLOCK_N
+    hi = tl.cdiv(q_last + 1 - doc_start, BLOCK_N)
+    # inside every query's window: first key >= q_last - window + 1
+    in_window = tl.cdiv(tl.maximum(q_last - window + 1 - doc_start, 0), BLOCK_N)
+    # at or before every query: last key <= q_start
+    causal = (q_start - doc_start + 1) // BLOCK_N
+    mid_lo = tl.minimum(tl.maximum(in_window, lo), hi)
+    mid_hi = tl.minimum(tl.maximum(causal, mid_lo), hi)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _query_blocks(k_start, doc_start, doc_end, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query blocks that see the keys [k_start, k_start + BLOCK_N) of the document, as block
+    indices u (queries doc_start + u*BLOCK_M + [0, BLOCK_M)).
+
+    Returns lo <= mid_lo <= mid_hi <= hi: blocks [lo, hi) hold every query that sees one of the
+    keys; those in [mid_lo, mid_hi) see all of them and lie inside the document (no mask).
+    """
+    k_last = tl.minimum(k_start + BLOCK_N, doc_end) - 1
+    lo = (k_start - doc_start) // BLOCK_M
+    hi = tl.cdiv(tl.minimum(k_last + window, doc_end) - doc_start, BLOCK_M)
+    # at or after every key: first query >= k_last
+    causal = tl.cdiv(k_last - doc_start, BLOCK_M)
+    # every key inside every query's window (last query - k_start < window), queries in the document
+    in_window = tl.cdiv(tl.maximum(window + k_start - doc_start - BLOCK_M + 1, 0), BLOCK_M)
+    in_doc = (doc_end - doc_start) // BLOCK_M
+    mid_lo = tl.minimum(tl.maximum(causal, lo), hi)
+    mid_hi = tl.minimum(tl.maximum(tl.minimum(in_window, in_doc), mid_lo), hi)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _visible(rows, cols, doc_end, window):
+    """(queries, keys) pairs where the key is visible: key <= query < doc_end, query - key < window.
+    Keys are never before the document start: the block ranges begin there."""
+    return (cols[None, :] <= rows[:, None]) & (rows[:, None] - cols[None, :] < window) & (rows[:, None] < doc_end)
+
+
+@triton.jit
+def _load_keys(k_ptr, v_ptr, cols, stride_kt, stride_vt, doc_end, D_QK: tl.constexpr, D_V: tl.constexpr,
+               MASKED: tl.constexpr):
+    """K (BLOCK_N, D_QK) and V (BLOCK_N, D_V) rows `cols`; masked blocks may run past the
+    document (zeros there), unmasked ones lie inside it."""
+    d_qk = tl.arange(0, D_QK)
+    d_v = tl.arange(0, D_V)
+    k_ptrs = k_ptr + cols[:, None] * stride_kt + d_qk[None, :]
+    v_ptrs = v_ptr + cols[:, None] * stride_vt + d_v[None, :]
+    if MASKED:
+        key_ok = cols[:, None] < doc_end
+        k = tl.load(k_ptrs, mask=key_ok, other=0.0)
+        v = tl.load(v_ptrs, mask=key_ok, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    return k, v
+
+
+@triton.jit
+def _attn_fwd_blocks(acc, l_i, m_i, q, rows, k_ptr, v_ptr, stride_kt, stride_vt, doc_start, doc_end, window,
+                     qk_scale, t_begin, t_end, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_N: tl.constexpr,
+                     MASKED: tl.constexpr):
+    """Online softmax over key blocks [t_begin, t_end): acc = sum p v, l_i = sum p, m_i = max
+    score (log2 units), with p = exp2(score - m_i) rescaled whenever m_i grows."""
+    for t in range(t_begin, t_end):
+        cols = doc_start + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        k, v = _load_keys(k_ptr, v_ptr, cols, stride_kt, stride_vt, doc_end, D_QK, D_V, MASKED)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASKED:
+            s = tl.where(_visible(rows, cols, doc_end, window), s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        if MASKED:
+            # rows with no visible key yet keep m = -inf; subtract 0 so that p = 0, not NaN
+            m_new = tl.where(m_new == -float("inf"), 0.0, m_new)
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_ptr,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                     num_tokens, window, qk_scale,
+                     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """O = softmax(Q K^T * scale + mask) V for one block of BLOCK_M queries of one document and
+    head (FlashAttention-2 forward). Grid: (query blocks of the longest document, documents, heads).
+
+    Keys come in blocks aligned to the document start; only blocks that hold a visible key are
+    visited (_key_blocks), and only those crossing the diagonal or the window edge are masked.
+    Traffic per program: Q block read once, K and V read for the visited blocks (at most
+    window + BLOCK_M keys), O and the log-sum-exp (log2 units, for the backward) written once.
+    """
+    doc = tl.program_id(1)
+    head = tl.program_id(2)
+    doc_start = tl.load(cu_seqlens_ptr + doc)
+    doc_end = tl.load(cu_seqlens_ptr + doc + 1)
+    q_start = doc_start + tl.program_id(0) * BLOCK_M
+    if q_start >= doc_end:
+        return
+    rows = q_start + tl.arange(0, BLOCK_M)
+    row_ok = rows < doc_end
+    d_qk = tl.arange(0, D_QK)
+    d_v = tl.arange(0, D_V)
+    q = tl.load(q_ptr + head * stride_qh + rows[:, None] * stride_qt + d_qk[None, :], mask=row_ok[:, None], other=0.0)
+    k_ptr += head * stride_kh
+    v_ptr += head * stride_vh
+
+    acc = tl.zeros((BLOCK_M, D_V), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
+    lo, mid_lo, mid_hi, hi = _key_blocks(q_start, doc_start, doc_end, window, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, rows, k_ptr, v_ptr, stride_kt, stride_vt, doc_start,
+                                     doc_end, window, qk_scale, lo, mid_lo, D_QK, D_V, BLOCK_N, True)
+    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, rows, k_ptr, v_ptr, stride_kt, stride_vt, doc_start,
+                                     doc_end, window, qk_scale, mid_lo, mid_hi, D_QK, D_V, BLOCK_N, False)
+    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, rows, k_ptr, v_ptr, stride_kt, stride_vt, doc_start,
+                                     doc_end, window, qk_scale, mid_hi, hi, D_QK, D_V, BLOCK_N, True)
+    l_i = tl.where(row_ok, l_i, 1.0)
+    o = acc / l_i[:, None]
+    tl.store(o_ptr + head * stride_oh + rows[:, None] * stride_ot + d_v[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(lse_ptr + head * num_tokens + rows, m_i + tl.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, stride_ot, stride_oh, stride_dot, stride_doh, num_tokens,
+                           D_V: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta = rowsum(dO * O) per token and head, the softmax-gradient correction term.
+    Traffic: O and dO read once, delta written (fp32, (heads, tokens))."""
+    head = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    d_v = tl.arange(0, D_V)
+    mask = rows[:, None] < num_tokens
+    o = tl.load(o_ptr + head * stride_oh + rows[:, None] * stride_ot + d_v[None, :], mask=mask, other=0.0)
+    do = tl.load(do_ptr + head * stride_doh + rows[:, None] * stride_dot + d_v[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(delta_ptr + head * num_tokens + rows, delta, mask=rows < num_tokens)
+
+
+@triton.jit
+def _attn_bwd_kv_blocks(dk, dv, k, v, cols, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qt, stride_dot,
+                        doc_start, doc_end, window, qk_scale, u_begin, u_end,
+                        D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
+    """Accumulate dK += dS^T Q and dV += P^T dO over query blocks [u_begin, u_end), in the
+    transposed (keys x queries) orientation: P^T = exp2(K Q^T * scale - lse), dS^T = P^T (dP^T - delta)."""
+    d_qk = tl.arange(0, D_QK)
+    d_v = tl.arange(0, D_V)
+    for u in range(u_begin, u_end):
+        rows = doc_start + u * BLOCK_M + tl.arange(0, BLOCK_M)
+        q_ptrs = q_ptr + rows[:, None] * stride_qt + d_qk[None, :]
+        do_ptrs = do_ptr + rows[:, None] * stride_dot + d_v[None, :]
+        if MASKED:
+            row_ok = rows < doc_end
+            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+            lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+            delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
+        else:
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+            lse = tl.load(lse_ptr + rows)
+            delta = tl.load(delta_ptr + rows)
+        s_t = tl.dot(k, tl.trans(q)) * qk_scale
+        if MASKED:
+            visible_t = (cols[:, None] <= rows[None, :]) & (rows[None, :] - cols[:, None] < window) & row_ok[None, :]
+            s_t = tl.where(visible_t, s_t, -float("inf"))
+        p_t = tl.exp2(s_t - lse[None, :])
+        dv += tl.dot(p_t.to(do.dtype), do)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_kv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_seqlens_ptr,
+                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                        stride_dkt, stride_dkh, stride_dvt, stride_dvh, num_tokens, window, qk_scale, sm_scale,
+                        D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dK and dV for one block of BLOCK_N keys of one document and head (FlashAttention-2).
+    Grid: (key blocks of the longest document, documents, heads).
+
+    Visits only the query blocks that see one of the keys (_query_blocks), recomputing P from the
+    saved log-sum-exp. Traffic per program: K, V block read once; Q, dO, lse, delta read for the
+    visited query blocks (at most window + BLOCK_N queries); dK, dV written once. No atomics.
+    """
+    doc = tl.program_id(1)
+    head = tl.program_id(2)
+    doc_start = tl.load(cu_seqlens_ptr + doc)
+    doc_end = tl.load(cu_seqlens_ptr + doc + 1)
+    k_start = doc_start + tl.program_id(0) * BLOCK_N
+    if k_start >= doc_end:
+        return
+    cols = k_start + tl.arange(0, BLOCK_N)
+    col_ok = cols[:, None] < doc_end
+    d_qk = tl.arange(0, D_QK)
+    d_v = tl.arange(0, D_V)
+    k = tl.load(k_ptr + head * stride_kh + cols[:, None] * stride_kt + d_qk[None, :], mask=col_ok, other=0.0)
+    v = tl.load(v_ptr + head * stride_vh + cols[:, None] * stride_vt + d_v[None, :], mask=col_ok, other=0.0)
+    q_ptr += head * stride_qh
+    do_ptr += head * stride_doh
+    lse_ptr += head * num_tokens
+    delta_ptr += head * num_tokens
+
+    dk = tl.zeros((BLOCK_N, D_QK), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, D_V), dtype=tl.float32)
+    lo, mid_lo, mid_hi, hi = _query_blocks(k_start, doc_start, doc_end, window, BLOCK_M, BLOCK_N)
+    dk, dv = _attn_bwd_kv_blocks(dk, dv, k, v, cols, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qt, stride_dot,
+                                 doc_start, doc_end, window, qk_scale, lo, mid_lo, D_QK, D_V, BLOCK_M, True)
+    dk, dv = _attn_bwd_kv_blocks(dk, dv, k, v, cols, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qt, stride_dot,
+                                 doc_start, doc_end, window, qk_scale, mid_lo, mid_hi, D_QK, D_V, BLOCK_M, False)
+    dk, dv = _attn_bwd_kv_blocks(dk, dv, k, v, cols, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qt, stride_dot,
+                                 doc_start, doc_end, window, qk_scale, mid_hi, hi, D_QK, D_V, BLOCK_M, True)
+    tl.store(dk_ptr + head * stride_dkh + cols[:, None] * stride_dkt + d_qk[None, :],
+             (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(dv_ptr + head * stride_dvh + cols[:, None] * stride_dvt + d_v[None, :],
+             dv.to(dv_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, k_ptr, v_ptr, stride_kt, stride_vt, doc_start, doc_end,
+                       window, qk_scale, t_begin, t_end, D_QK: tl.constexpr, D_V: tl.constexpr,
+                       BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Accumulate dQ += dS K over key blocks [t_begin, t_end), with P = exp2(Q K^T * scale - lse)
+    and dS = P (dO V^T - delta)."""
+    for t in range(t_begin, t_end):
+        cols = doc_start + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        k, v = _load_keys(k_ptr, v_ptr, cols, stride_kt, stride_vt, doc_end, D_QK, D_V, MASKED)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASKED:
+            s = tl.where(_visible(rows, cols, doc_end, window), s, -float("inf"))
+        p = tl.exp2(s - lse[:, None])
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_q_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_ptr,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                       stride_dqt, stride_dqh, num_tokens, window, qk_scale, sm_scale,
+                       D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dQ for one block of BLOCK_M queries of one document and head (FlashAttention-2).
+    Grid and visited key blocks as in _attn_fwd_kernel. Traffic per program: Q, dO, lse, delta
+    read once, K and V for the visited key blocks, dQ written once."""
+    doc = tl.program_id(1)
+    head = tl.program_id(2)
+    doc_start = tl.load(cu_seqlens_ptr + doc)
+    doc_end = tl.load(cu_seqlens_ptr + doc + 1)
+    q_start = doc_start + tl.program_id(0) * BLOCK_M
+    if q_start >= doc_end:
+        return
+    rows = q_start + tl.arange(0, BLOCK_M)
+    row_ok = rows < doc_end
+    d_qk = tl.arange(0, D_QK)
+    d_v = tl.arange(0, D_V)
+    q = tl.load(q_ptr + head * stride_qh + rows[:, None] * stride_qt + d_qk[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(do_ptr + head * stride_doh + rows[:, None] * stride_dot + d_v[None, :], mask=row_ok[:, None],
+                 other=0.0)
+    lse = tl.load(lse_ptr + head * num_tokens + rows, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + head * num_tokens + rows, mask=row_ok, other=0.0)
+    k_ptr += head * stride_kh
+    v_ptr += head * stride_vh
+
+    dq = tl.zeros((BLOCK_M, D_QK), dtype=tl.float32)
+    lo, mid_lo, mid_hi, hi = _key_blocks(q_start, doc_start, doc_end, window, BLOCK_M, BLOCK_N)
+    dq = _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, k_ptr, v_ptr, stride_kt, stride_vt, doc_start, doc_end,
+                            window, qk_scale, lo, mid_lo, D_QK, D_V, BLOCK_N, True)
+    dq = _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, k_ptr, v_ptr, stride_kt, stride_vt, doc_start, doc_end,
+                            window, qk_scale, mid_lo, mid_hi, D_QK, D_V, BLOCK_N, False)
+    dq = _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, k_ptr, v_ptr, stride_kt, stride_vt, doc_start, doc_end,
+                            window, qk_scale, mid_hi, hi, D_QK, D_V, BLOCK_N, True)
+    tl.store(dq_ptr + head * stride_dqh + rows[:, None] * stride_dqt + d_qk[None, :],
+             (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _attention_grid(max_seqlen, block, cu_seqlens, num_heads):
+    return (triton.cdiv(max_seqlen, block), cu_seqlens.numel() - 1, num_heads)
+
+
+def _launch_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, window: int,
+                     softmax_scale: float, configs: list[int]) -> tuple[Tensor, Tensor]:
+    config = _config_from_list(configs[:len(configs) // 4])
+    T, H, d_qk = q.shape
+    d_v = v.shape[2]
+    o = torch.empty(T, H, d_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(H, T, dtype=torch.float32, device=q.device)
+    _launch(_attn_fwd_kernel, _attention_grid(max_seqlen, config.block_m, cu_seqlens, H), config,
+            q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, lse_ptr=lse, cu_seqlens_ptr=cu_seqlens,
+            stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
+            stride_vt=v.stride(0), stride_vh=v.stride(1), stride_ot=o.stride(0), stride_oh=o.stride(1),
+            num_tokens=T, window=window, qk_scale=softmax_scale * LOG2_E,
+            D_QK=d_qk, D_V=d_v, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
+    return o, lse
+
+
+def _launch_attn_bwd(grad_o: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                     cu_seqlens: Tensor, max_seqlen: int, window: int, softmax_scale: float,
+                     configs: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    n = len(configs) // 4
+    kv_config, q_config, delta_config = (_config_from_list(configs[i * n:(i + 1) * n]) for i in (1, 2, 3))
+    T, H, d_qk = q.shape
+    d_v = v.shape[2]
+    delta = torch.empty(H, T, dtype=torch.float32, device=q.device)
+    _launch(_attn_bwd_delta_kernel, (triton.cdiv(T, delta_config.block_m), H), delta_config,
+            o_ptr=o, do_ptr=grad_o, delta_ptr=delta, stride_ot=o.stride(0), stride_oh=o.stride(1),
+            stride_dot=grad_o.stride(0), stride_doh=grad_o.stride(1), num_tokens=T, D_V=d_v,
+            BLOCK_M=delta_config.block_m)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    common = dict(q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=grad_o, lse_ptr=lse, delta_ptr=delta, cu_seqlens_ptr=cu_seqlens,
+                  stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
+                  stride_vt=v.stride(0), stride_vh=v.stride(1), stride_dot=grad_o.stride(0),
+                  stride_doh=grad_o.stride(1), num_tokens=T, window=window, qk_scale=softmax_scale * LOG2_E,
+                  sm_scale=softmax_scale, D_QK=d_qk, D_V=d_v)
+    _launch(_attn_bwd_kv_kernel, _attention_grid(max_seqlen, kv_config.block_n, cu_seqlens, H), kv_config,
+            dk_ptr=dk, dv_ptr=dv, stride_dkt=dk.stride(0), stride_dkh=dk.stride(1), stride_dvt=dv.stride(0),
+            stride_dvh=dv.stride(1), BLOCK_M=kv_config.block_m, BLOCK_N=kv_config.block_n, **common)
+    _launch(_attn_bwd_q_kernel, _attention_grid(max_seqlen, q_config.block_m, cu_seqlens, H), q_config,
+            dq_ptr=dq, stride_dqt=dq.stride(0), stride_dqh=dq.stride(1),
+            BLOCK_M=q_config.block_m, BLOCK_N=q_config.block_n, **common)
+    return dq, dk, dv
+
+
+_attn_fwd_op = torch.library.custom_op(f"{_OPS}::attn_fwd", _launch_attn_fwd, mutates_args=())
+_attn_bwd_op = torch.library.custom_op(f"{_OPS}::attn_bwd", _launch_attn_bwd, mutates_args=())
+
+
+@_attn_fwd_op.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, window, softmax_scale, configs):
+    T, H, _ = q.shape
+    return q.new_empty(T, H, v.shape[2]), q.new_empty(H, T, dtype=torch.float32)
+
+
+@_attn_bwd_op.register_fake
+def _(grad_o, q, k, v, o, lse, cu_seqlens, max_seqlen, window, softmax_scale, configs):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class _FlashAttention(torch.autograd.Function):
+    """Differentiable flash attention: forward saves the log-sum-exp, backward recomputes P."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, window, softmax_scale, configs):
+        o, lse = _attn_fwd_op(q, k, v, cu_seqlens, max_seqlen, window, softmax_scale, configs)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+        ctx.args = (max_seqlen, window, softmax_scale, configs)
+        return o
+
+    @staticmethod
+    def backward(ctx, grad_o):
+        q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv = _attn_bwd_op(_last_dim_contiguous(grad_o), q, k, v, o, lse, cu_seqlens, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _last_dim_contiguous(x):
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _check_attention_inputs(q, k, v, cu_seqlens):
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"flash_attn_varlen needs q, k (T, H, Dqk) and v (T, H, Dv); got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    for d in (q.shape[2], v.shape[2]):
+        if d not in ATTENTION_HEAD_DIMS:
+            raise ValueError(f"flash_attn_varlen supports head dims {ATTENTION_HEAD_DIMS}; got {d}")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise ValueError("cu_seqlens must be a 1-d int32 tensor of document offsets")
+
+
+def flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, window, softmax_scale, configs=ATTENTION_CONFIGS):
+    """Causal attention over packed documents, limited to a sliding window (see
+    attention_reference for the semantics); differentiable.
+
+    q, k (T, H, Dqk) and v (T, H, Dv) with Dqk, Dv in ATTENTION_HEAD_DIMS (any token and head
+    strides); cu_seqlens int32 (num_docs + 1,), possibly padded at the end by repeating T;
+    max_seqlen: an upper bound on the document lengths (it sizes the grid: longer documents
+    would be left incomplete). fp32 softmax state; the matmuls run on the tensor cores in the
+    inputs' dtype (P and dS are rounded to it; fp32 inputs multiply in tf32 on the GPU).
+    configs: (forward, dK/dV, dQ, delta) launch configs.
+    """
+    _check_attention_inputs(q, k, v, cu_seqlens)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    window = window if window > 0 else NO_WINDOW
+    flat_configs = [value for config in configs for value in config.as_list()]
+    return _FlashAttention.apply(q, k, v, cu_seqlens, max_seqlen, window, float(softmax_scale), flat_configs)
+
+
+def document_ids(cu_seqlens, num_tokens):
+    """Index of the document each packed token belongs to (cu_seqlens may end in repeats)."""
+    positions = torch.arange(num_tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
+
+
+def attention_reference(q, k, v, cu_seqlens, max_seqlen, window, softmax_scale):
+    """Causal attention over packed documents, limited to a sliding window.
+
+    q, k: (T, H, Dqk); v: (T, H, Dv); cu_seqlens: int32 document offsets (0, ..., T), possibly
+    padded at the end by repeating T. Key j is visible to query i when both lie in the same
+    document, j <= i and i - j < window (window <= 0: no limit). Returns (T, H, Dv) in q's dtype.
+
+    Works block by block over queries so that memory stays O(block * (window + block)) instead
+    of O(T^2); each block attends to the keys from the earliest visible position to its end.
+    `max_seqlen` is unused here (the Triton kernel sizes its grid with it).
+    """
+    del max_seqlen
+    T = q.shape[0]
+    doc = document_ids(cu_seqlens, T)
+    doc_start = cu_seqlens.long()[doc]
+    pos = torch.arange(T, device=q.device)
+    out = []
+    for s in range(0, T, REFERENCE_QUERY_BLOCK):
+        e = min(s + REFERENCE_QUERY_BLOCK, T)
+        lo = int(doc_start[s])
+        if window > 0:
+            lo = max(lo, s - window + 1)
+        qi, kj = pos[s:e, None], pos[None, lo:e]
+        visible = (doc[s:e, None] == doc[None, lo:e]) & (kj <= qi)
+        if window > 0:
+            visible &= qi - kj < window
+        o = F.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1), k[lo:e].transpose(0, 1), v[lo:e].transpose(0, 1),
+            attn_mask=visible, scale=softmax_scale)
+        out.append(o.transpose(0, 1))
+    return torch.cat(out).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Softcapped cross-entropy with several weighted targets and optional column subsets
+# ---------------------------------------------------------------------------------------------
+
+SOFTCAP = 23.0        # logits are squashed into (0, SOFTCAP)
+SOFTCAP_SHIFT = 5.0   # raw logit offset before the sigmoid
+SOFTCAP_TEMP = 7.5    # sigmoid temperature: the slope at the centre is SOFTCAP / (4 * SOFTCAP_TEMP)
+
+# One row per program, block_n columns per step.
+CROSS_ENTROPY = LaunchConfig(block_m=1, block_n=4096, num_warps=8)
+# Rows x columns per program of the backward's row scaling.
+CROSS_ENTROPY_SCALE = LaunchConfig(block_m=1, block_n=4096, num_warps=8)
+
+
+@triton.jit
+def _softcap_tile(x, SOFTCAP: tl.constexpr, SHIFT: tl.constexpr, TEMP: tl.constexpr):
+    """SOFTCAP * sigmoid((x + SHIFT) / TEMP) of an fp32 tile."""
+    return SOFTCAP * tl.sigmoid((x + SHIFT) / TEMP)
+
+
+@triton.jit
+def _softcap_ce_kernel(logits_ptr, grad_ptr, targets_ptr, weights_ptr, loss_ptr, num_cols,
+                       stride_lr, stride_gr, stride_tr,
+                       NUM_TARGETS: tl.constexpr, TARGETS_PAD: tl.constexpr, SOFTCAP: tl.constexpr,
+                       SHIFT: tl.constexpr, TEMP: tl.constexpr, BLOCK_C: tl.constexpr, WITH_GRAD: tl.constexpr):
+    """Loss and logit gradient of one row: z = softcap(x), lse = log sum exp z,
+    loss = sum_k w_k (lse - z[t_k]), dloss/dx = (W softmax(z) - sum_k w_k onehot(t_k)) * dz/dx,
+    with W = sum of the weights of the targets present among the columns.
+
+    Two passes over the row: the first sums exp(z - SOFTCAP) (z < SOFTCAP, so no running max is
+    needed), the second writes the gradient (WITH_GRAD only). Traffic: the row read twice (the
+    second time mostly from L2), the gradient written once, targets and weights read once.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    logits_ptr += row * stride_lr
+    grad_ptr += row * stride_gr
+    cols = tl.arange(0, BLOCK_C)
+
+    sum_exp = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for start in range(0, num_cols, BLOCK_C):
+        mask = start + cols < num_cols
+        x = tl.load(logits_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+        z = _softcap_tile(x, SOFTCAP, SHIFT, TEMP)
+        sum_exp += tl.where(mask, tl.exp(z - SOFTCAP), 0.0)
+    lse = SOFTCAP + tl.log(tl.sum(sum_exp, axis=0))
+
+    k = tl.arange(0, TARGETS_PAD)
+    targets = tl.load(targets_ptr + row * stride_tr + k, mask=k < NUM_TARGETS, other=-1)
+    present = (targets >= 0) & (targets < num_cols)
+    weights = tl.where(present, tl.load(weights_ptr + k, mask=k < NUM_TARGETS, other=0.0), 0.0)
+    x_target = tl.load(logits_ptr + targets, mask=present, other=0.0).to(tl.float32)
+    z_target = _softcap_tile(x_target, SOFTCAP, SHIFT, TEMP)
+    tl.store(loss_ptr + row, tl.sum(weights * (lse - z_target), axis=0))
+    if not WITH_GRAD:
+        return
+
+    weight_total = tl.sum(weights, axis=0)
+    for start in range(0, num_cols, BLOCK_C):
+        mask = start + cols < num_cols
+        x = tl.load(logits_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+        z = _softcap_tile(x, SOFTCAP, SHIFT, TEMP)
+        hits = tl.sum(tl.where((start + cols)[:, None] == targets[None, :], weights[None, :], 0.0), axis=1)
+        grad_z = weight_total * tl.exp(z - lse) - hits
+        # dz/dx = SOFTCAP * s (1 - s) / TEMP with s = z / SOFTCAP
+        grad_x = grad_z * z * (1.0 - z / SOFTCAP) / TEMP
+        tl.store(grad_ptr + start + cols, grad_x.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_rows_kernel(x_ptr, scale_ptr, out_ptr, num_cols, stride_xr, stride_or, BLOCK_C: tl.constexpr):
+    """out[r, :] = x[r, :] * scale[r], computed in fp32. Traffic: x read once, out written once."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = cols < num_cols
+    x = tl.load(x_ptr + row * stride_xr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_or + cols, (x * tl.load(scale_ptr + row)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_softcap_ce(logits: Tensor, targets: Tensor, weights: Tensor, with_grad: bool,
+                       config: list[int]) -> tuple[Tensor, Tensor]:
+    config = _config_from_list(config)
+    N, C = logits.shape
+    grad = torch.empty((N, C) if with_grad else (0, C), dtype=logits.dtype, device=logits.device)
+    loss = torch.empty(N, dtype=torch.float32, device=logits.device)
+    _launch(_softcap_ce_kernel, (N,), config,
+            logits_ptr=logits, grad_ptr=grad, targets_ptr=targets, weights_ptr=weights, loss_ptr=loss,
+            num_cols=C, stride_lr=logits.stride(0), stride_gr=grad.stride(0), stride_tr=targets.stride(0),
+            NUM_TARGETS=targets.shape[1], TARGETS_PAD=triton.next_power_of_2(targets.shape[1]),
+            SOFTCAP=SOFTCAP, SHIFT=SOFTCAP_SHIFT, TEMP=SOFTCAP_TEMP, BLOCK_C=config.block_n, WITH_GRAD=with_grad)
+    return loss, grad
+
+
+def _launch_scale_rows(x: Tensor, scale: Tensor, config: list[int]) -> Tensor:
+    config = _config_from_list(config)
+    out = torch.empty_like(x)
+    _launch(_scale_rows_kernel, (x.shape[0], triton.cdiv(x.shape[1], config.block_n)), config,
+            x_ptr=x, scale_ptr=scale, out_ptr=out, num_cols=x.shape[1], stride_xr=x.stride(0),
+            stride_or=out.stride(0), BLOCK_C=config.block_n)
+    return out
+
+
+_softcap_ce_op = torch.library.custom_op(f"{_OPS}::softcap_ce", _launch_softcap_ce, mutates_args=())
+_scale_rows_op = torch.library.custom_op(f"{_OPS}::scale_rows", _launch_scale_rows, mutates_args=())
+
+
+@_softcap_ce_op.register_fake
+def _(logits, targets, weights, with_grad, config):
+    N, C = logits.shape
+    return logits.new_empty(N, dtype=torch.float32), logits.new_empty((N, C) if with_grad else (0, C))
+
+
+@_scale_rows_op.register_fake
+def _(x, scale, config):
+    return torch.empty_like(x)
+
+
+class _SoftcapCrossEntropy(torch.autograd.Function):
+    """The forward computes loss and logit gradient together (the gradient only when the logits
+    require one); backward scales the saved gradient by the upstream gradient of each row."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, weights, config, scale_config):
+        loss, grad = _softcap_ce_op(logits, targets, weights, ctx.needs_input_grad[0], config)
+        ctx.save_for_backward(grad)
+        ctx.scale_config = scale_config
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad, = ctx.saved_tensors
+        return _scale_rows_op(grad, grad_loss.float().contiguous(), ctx.scale_config), None, None, None, None
+
+
+def softcap_cross_entropy(logits, targets, weights, config=CROSS_ENTROPY, scale_config=CROSS_ENTROPY_SCALE):
+    """Per-row weighted softcapped cross-entropy (see softcap_cross_entropy_reference), with the
+    gradient with respect to the logits computed in the forward pass when the logits require
+    one (a (N, C) buffer in the logits' dtype, kept until backward). logits (N, C) with unit
+    column stride, for all vocabulary columns or a candidate subset; targets (N, K) int64 column
+    indices (outside [0, C): no target); weights (K,). Returns (N,) fp32."""
+    if logits.dim() != 2 or targets.dim() != 2 or targets.shape[0] != logits.shape[0]:
+        raise ValueError(f"softcap_cross_entropy needs logits (N, C) and targets (N, K); got "
+                         f"{tuple(logits.shape)} and {tuple(targets.shape)}")
+    if weights.shape != (targets.shape[1],):
+        raise ValueError(f"softcap_cross_entropy needs one weight per target column; got {tuple(weights.shape)}")
+    logits = _last_dim_contiguous(logits)
+    targets = _last_dim_contiguous(targets.long())
+    return _SoftcapCrossEntropy.apply(logits, targets, weights.float().contiguous(), config.as_list(),
+                                      scale_config.as_list())
+
+
+def softcap(logits):
+    """SOFTCAP * sigmoid((z + SOFTCAP_SHIFT) / SOFTCAP_TEMP), in fp32."""
+    return SOFTCAP * torch.sigmoid((logits.float() + SOFTCAP_SHIFT) / SOFTCAP_TEMP)
+
+
+def softcap_cross_entropy_reference(logits, targets, weights):
+    """Per-row weighted sum of softcapped cross-entropies over the given columns.
+
+    logits: (N, C), the head's raw outputs for C vocabulary columns (all of them, or a sampled
+    candidate subset). targets: (N, K) int64 column indices into those C columns; an index
+    outside [0, C) (-1 by convention) marks a target that is absent or not among the columns,
+    and it contributes nothing. weights: (K,) float.
+    Returns (N,) fp32: sum_k weights[k] * (logsumexp(z) - z[targets[:, k]]), z = softcap(logits).
+    """
+    z = softcap(logits)
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    present = (targets >= 0) & (targets < z.shape[1])
+    picked = z.gather(1, torch.where(present, targets, 0))
+    losses = torch.where(present, lse - picked, torch.zeros_like(picked))
+    # An elementwise product, not a matmul: autocast would run a matmul (and its sum) in bf16.
+    return (losses * weights.to(losses)).sum(dim=1)
+
+
+CHUNKED_CE_ROWS = 16  # rows per block of the CPU cross-entropy: 16 x 50,304 fp32 = 3.2 MB, in L2
+
+
+class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
+    """softcap_cross_entropy's algorithm in plain torch, for CPUs: the forward walks the rows in
+    blocks of `rows` and, per block, computes the loss and, when the logits require a gradient,
+    the logit gradient, so each fp32 temporary is one cache-sized block rather than an (N, C)
+    tensor, and autograd keeps one (N, C) gradient in the logits' dtype instead of every
+    intermediate of the reference. Softcapped logits lie in (0, SOFTCAP), so exp(z) cannot
+    overflow and sum(exp(z)) needs no max subtraction; the exponentials are reused for softmax.
+    With a = sum_k weights[k] over the present targets:
+        dloss/dz = a * softmax(z) - sum_k weights[k] * onehot(targets[:, k])
+        dz/dlogits = z * (SOFTCAP - z) / (SOFTCAP * SOFTCAP_TEMP)        (z = softcap(logits))
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, weights, rows):
+        num_rows, num_cols = logits.shape
+        present = (targets >= 0) & (targets < num_cols)
+        columns = torch.where(present, targets, 0)
+        target_weights = torch.where(present, weights.float(), 0.0)   # (N, K): absent targets weigh 0
+        slope = 1.0 / (SOFTCAP * SOFTCAP_TEMP)
+        loss = torch.empty(num_rows, device=logits.device, dtype=torch.float32)
+        grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
+        for s in range(0, num_rows, rows):
+            e = min(s + rows, num_rows)
+            z = logits[s:e].float().add_(SOFTCAP_SHIFT).div_(SOFTCAP_TEMP).sigmoid_().mul_(SOFTCAP)
+            exp_z = z.exp()
+            total = exp_z.sum(dim=1, keepdim=True)
+            w = target_weights[s:e]
+            loss[s:e] = ((total.log() - z.gather(1, columns[s:e])) * w).sum(dim=1)
+            if grad is not None:
+                g = exp_z.mul_(w.sum(dim=1, keepdim=True) * slope / total)
+                g.scatter_add_(1, columns[s:e], w * -slope)
+                grad[s:e] = g.mul_(z).mul_(z.neg_().add_(SOFTCAP))
+        ctx.save_for_backward(grad)
+        ctx.rows = rows
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad, = ctx.saved_tensors
+        out = torch.empty_like(grad)
+        scale = grad_loss.float()[:, None]
+        for s in range(0, grad.shape[0], ctx.rows):
+            out[s:s + ctx.rows] = grad[s:s + ctx.rows].float().mul_(scale[s:s + ctx.rows])
+        return out, None, None, None
+
+
+def softcap_cross_entropy_chunked(logits, targets, weights, rows=CHUNKED_CE_ROWS):
+    """softcap_cross_entropy for CPUs (same arguments and result), in row blocks with the
+    gradient formed in the forward pass: on the CPU preset's 4096 x 50,304 logits it replaces
+    the reference's chain of full-size fp32 tensors and their autograd copies."""
+    return _ChunkedSoftcapCrossEntropy.apply(logits, targets.long(), weights, rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Muon helper: the Gram matrix X X^T
+# ---------------------------------------------------------------------------------------------
+
+XXT = LaunchConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def _xxt_kernel(x_ptr, c_ptr, m, n, stride_xb, stride_xm, stride_xn, stride_cb, stride_cm, stride_cn,
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """C = X X^T for one matrix of a batch, one (BLOCK_M, BLOCK_M) tile per program.
+
+    Programs enumerate only the lower-triangle tiles (i, j), j <= i; each computes
+    X[i rows] X[j rows]^T and stores it at (i, j) and, transposed, at (j, i). Half the FLOPs of
+    X @ X^T. Traffic per tile: 2 * BLOCK_M * n elements of X read, one or two tiles written.
+    EVEN (m a multiple of BLOCK_M, n of BLOCK_K, as for Muon's matrices): loads need no mask.
+    """
+    tile = tl.program_id(0)
+    batch = tl.program_id(1)
+    # tile = i (i + 1) / 2 + j with 0 <= j <= i: invert the triangular number, then fix rounding
+    i = ((tl.sqrt_rn(8.0 * tile + 1.0) - 1.0) * 0.5).to(tl.int32)
+    i = tl.where((i + 1) * (i + 2) // 2 <= tile, i + 1, i)
+    i = tl.where(i * (i + 1) // 2 > tile, i - 1, i)
+    j = tile - i * (i + 1) // 2
+
+    x_ptr += batch * stride_xb
+    rows_i = i * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows_j = j * BLOCK_M + tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
+    for start in range(0, n, BLOCK_K):
+        a_ptrs = x_ptr + rows_i[:, None] * stride_xm + (start + ks[None, :]) * stride_xn
+        b_ptrs = x_ptr + rows_j[:, None] * stride_xm + (start + ks[None, :]) * stride_xn
+        if EVEN:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = start + ks[None, :] < n
+            a = tl.load(a_ptrs, mask=(rows_i[:, None] < m) & k_ok, other=0.0)
+            b = tl.load(b_ptrs, mask=(rows_j[:, None] < m) & k_ok, other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc)
+
+    c_ptr += batch * stride_cb
+    out = acc.to(c_ptr.dtype.element_ty)
+    mask = (rows_i[:, None] < m) & (rows_j[None, :] < m)
+    tl.store(c_ptr + rows_i[:, None] * stride_cm + rows_j[None, :] * stride_cn, out, mask=mask)
+    if i != j:
+        tl.store(c_ptr + rows_j[None, :] * stride_cm + rows_i[:, None] * stride_cn, out, mask=mask)
+
+
+def _launch_xxt(x: Tensor, config: list[int]) -> Tensor:
+    config = _config_from_list(config)
+    batch, m, n = x.shape
+    c = torch.empty(batch, m, m, dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(m, config.block_m)
+    _launch(_xxt_kernel, (tiles * (tiles + 1) // 2, batch), config,
+            x_ptr=x, c_ptr=c, m=m, n=n, stride_xb=x.stride(0), stride_xm=x.stride(1), stride_xn=x.stride(2),
+            stride_cb=c.stride(0), stride_cm=c.stride(1), stride_cn=c.stride(2),
+            BLOCK_M=config.block_m, BLOCK_K=config.block_k,
+            EVEN=m % config.block_m == 0 and n % config.block_k == 0)
+    return c
+
+
+_xxt_op = torch.library.custom_op(f"{_OPS}::xxt", _launch_xxt, mutates_args=())
+
+
+@_xxt_op.register_fake
+def _(x, config):
+    return x.new_empty(x.shape[0], x.shape[1], x.shape[1])
+
+
+def xxt(x, config=XXT):
+    """X @ X^T for a batch of matrices (..., m, n) -> (..., m, m) in x's dtype (fp32
+    accumulation; fp32 inputs multiply in tf32 on the GPU), computing one triangle of tiles and
+    mirroring it, so the result is exactly symmetric. Not differentiable."""
+    m, n = x.shape[-2:]
+    return _xxt_op(x.reshape(-1, m, n), config.as_list()).reshape(*x.shape[:-2], m, m)
+
+
+def xxt_reference(x):
+    """X @ X^T for a batch of matrices (..., m, n) -> (..., m, m)."""
+    return x @ x.mT

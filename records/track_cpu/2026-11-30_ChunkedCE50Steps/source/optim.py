@@ -1,0 +1,607 @@
+"""Optimizers for the speedrun trainer: the Muon family for weight matrices, Adam for the rest.
+
+Muon (Keller Jordan) runs SGD with Nesterov momentum on a weight matrix and then replaces the
+update by (approximately) the nearest semi-orthogonal matrix, U V^T from the update's SVD
+U S V^T. Every direction the update touches then moves by the same amount, so rare directions
+are not drowned out by the few dominant ones that raw gradients of transformer matrices have.
+The orthogonalization is an odd matrix polynomial X <- aX + (bA + cA^2)X with A = X X^T,
+iterated a few times in bf16 after scaling X so that its singular values are at most ~1; each
+step pushes every singular value towards 1 (`orthogonalize`, with two published schedules).
+
+NorMuon adds a lane equalizer: after orthogonalization the rows (or columns) of the update can
+still have unequal sizes; an EMA of their mean squares rescales each lane to unit RMS, and the
+whole update is then rescaled to the Frobenius norm it had, so only the shape changes.
+
+ANVIL-style (variant "anvil") keeps two momentum rails, a fast one that follows recent
+gradients and a slow one (beta 0.98) that averages noise away, blends them, applies Nesterov
+with a scheduled mu, orthogonalizes with a 6-step schedule, equalizes lanes, and decays a
+weight only where the slow rail agrees in sign with it (cautious weight decay: decay never
+fights the long-run direction of the gradient).
+
+Adam (bias-corrected) trains embeddings, the head, gates and scalars, with cautious weight
+decay of strength lr^2 * wd on coordinates where the update and the weight share a sign, and
+can step every k-th call with gradients accumulated in between.
+
+bf16 parameters: the optimizer keeps the low 16 bits of an fp32 master weight in its state
+(the "mantissa" sidecar); the bf16 parameter holds the high 16 bits. Updates are computed and
+applied in fp32 on the reassembled master, so many small steps do not vanish in bf16 rounding.
+The bf16 parameter the model sees is the master truncated towards zero.
+
+Distribution (no DDP; each rank backpropagates its own micro-batches and calls step()):
+  - Muon stacks the gradients of same-shaped matrices of a group into one (n, rows, cols)
+    tensor, padded to a multiple of the world size, and reduce-scatters it, so rank r receives
+    the summed gradients of matrices [r*k, (r+1)*k). It updates only those (their momentum and
+    sidecar live only on that rank) and all-gathers the new weights. All reduce-scatters are
+    launched first; each stack is processed as soon as its reduction completes and its
+    all-gather is launched at once, so communication overlaps the orthogonalization math.
+  - Adam reduce-scatters large matrices along their first dimension (each rank updates its own
+    rows, with state for those rows only, then all-gathers) and all-reduces small parameters
+    (every rank updates all of them identically).
+  Sums are divided by the world size (gloo has no AVG). With one process every collective is
+  the identity and the same code runs. All ranks end each step with bitwise-identical weights.
+  Optimizer state is therefore per rank: each rank saves and loads its own state_dict(), and a
+  checkpoint resumes only on the same world size.
+"""
+import dataclasses
+import functools
+import importlib
+import importlib.util
+
+import torch
+import torch.distributed as dist
+
+
+class OptimConfigError(ValueError):
+    """An optimizer was given an unknown name, a bad value, or a parameter it cannot train."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Orthogonalization
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class OrthoSchedule:
+    """One published way to run the odd polynomial iteration X <- aX + (bA + cA^2)X."""
+    coefficients: tuple      # (a, b, c) for each step, in order
+    norm_factor: float       # X is first divided by norm_factor * ||X||_F: singular values < 1
+    reuse_first_gram: bool   # take ||X||_F^2 = trace(X X^T) and reuse that Gram in step 1
+
+
+# Record 89: Polar Express (Amsel, Persson, Musco, Gower 2025), 5 steps, each step's polynomial
+# optimal for the worst case left by the previous ones; normalized by 1.02 * Frobenius norm.
+POLAR_EXPRESS = OrthoSchedule(
+    coefficients=(
+        (8.156554524902461, -22.48329292557795, 15.878769915207462),
+        (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+        (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+        (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+        (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+    ),
+    norm_factor=1.02,
+    reuse_first_gram=False,
+)
+
+# Record 92 (ANVIL2): 6 tuned steps, normalized by 1.05 * sqrt(trace(X X^T)), which saves the
+# separate norm computation because the first step needs X X^T anyway.
+ANVIL = OrthoSchedule(
+    coefficients=(
+        (3.923798038567, -6.095026865488, 3.905234618423),
+        (3.278126713798, -3.328923386476, 0.989127286973),
+        (3.505298394150, -5.137358782410, 1.968325560615),
+        (2.815058591845, -3.685181239622, 1.417196497642),
+        (2.245503932403, -2.443826979899, 0.963091710461),
+        (2.256537145403, -2.166840097229, 0.929501253245),
+    ),
+    norm_factor=1.05,
+    reuse_first_gram=True,
+)
+
+SCHEDULES = {"polar_express": POLAR_EXPRESS, "anvil": ANVIL}
+
+NORM_EPS = 1e-7  # added to norms before dividing: an all-zero update stays zero instead of NaN
+
+
+def get_schedule(name):
+    """The OrthoSchedule called `name`; raises OptimConfigError naming the valid choices."""
+    if name not in SCHEDULES:
+        raise OptimConfigError(f"unknown orthogonalization schedule {name!r}; "
+                               f"choose one of {sorted(SCHEDULES)}")
+    return SCHEDULES[name]
+
+
+@functools.cache
+def _xxt_kernel():
+    """kernels.xxt (Triton symmetric X X^T) if kernels.py provides it, else None."""
+    if importlib.util.find_spec("kernels") is None:
+        return None
+    return getattr(importlib.import_module("kernels"), "xxt", None)
+
+
+def gram(X):
+    """X @ X^T for a batch of matrices (..., m, n) -> (..., m, m).
+
+    On CUDA this uses the symmetric Triton kernel when kernels.py has one (it computes one
+    triangle and mirrors it: half the FLOPs); elsewhere a plain matmul.
+    """
+    if X.is_cuda:
+        xxt = _xxt_kernel()
+        if xxt is not None:
+            return xxt(X)
+    return X @ X.mT
+
+
+def orthogonalize(G, schedule="polar_express", dtype=None):
+    """Approximate U V^T for each matrix U S V^T of the batch G (..., m, n).
+
+    Works on the wide orientation (transposing when m > n) so that the Gram A = X X^T is the
+    small side. X is scaled so that its singular values are below 1, then each step of the
+    schedule maps every singular value s to a*s + b*s^3 + c*s^5, driving them towards 1.
+    A^2 is computed as gram(A) since A is symmetric. The math runs in `dtype`: by default bf16
+    on CUDA (fast and accurate enough, as the iteration corrects its own rounding) and float32
+    elsewhere. Returns the result in that dtype with G's shape.
+
+    Caveat: the anvil polynomials are tuned up to s = 1/1.05 exactly and diverge just past it.
+    In bf16 the rounded normalization can cross that edge when one direction holds nearly all
+    of G's norm (s_max / ||G||_F >= ~0.995, measured); real gradients are far from rank one.
+    """
+    plan = get_schedule(schedule)
+    if dtype is None:
+        dtype = torch.bfloat16 if G.is_cuda else torch.float32
+    tall = G.size(-2) > G.size(-1)
+    X = G.to(dtype)
+    if tall:
+        X = X.mT
+    A = None
+    if plan.reuse_first_gram:
+        A = gram(X)
+        trace = A.diagonal(dim1=-2, dim2=-1).sum(dim=-1)[..., None, None]
+        scale = plan.norm_factor * trace.sqrt() + NORM_EPS
+        X = X / scale
+        A = A / (scale * scale)
+    else:
+        X = X / (plan.norm_factor * X.norm(dim=(-2, -1), keepdim=True) + NORM_EPS)
+    for a, b, c in plan.coefficients:
+        if A is None:
+            A = gram(X)
+        X = a * X + (b * A + c * gram(A)) @ X
+        A = None
+    return X.mT if tall else X
+
+
+# ---------------------------------------------------------------------------------------------
+# fp32 master weights for bf16 parameters
+# ---------------------------------------------------------------------------------------------
+
+LOW_HALF_MASK = 0xFFFF  # low 16 bits of an int32
+INT16_SIGN_BIT = 0x8000  # used to map [0, 65535] onto int16's [-32768, 32767] without overflow
+
+
+def master_from_bf16(param, mantissa):
+    """fp32 tensor whose high 16 bits are the bf16 `param` and low 16 bits the int16 `mantissa`."""
+    high = param.view(torch.int16).to(torch.int32) << 16
+    low = mantissa.to(torch.int32) & LOW_HALF_MASK
+    return (high | low).view(torch.float32)
+
+
+def split_master_into_bf16(master, param, mantissa):
+    """Write the high 16 bits of fp32 `master` into bf16 `param` and the low 16 into `mantissa`."""
+    bits = master.view(torch.int32)
+    param.view(torch.int16).copy_(bits >> 16)
+    mantissa.copy_(((bits & LOW_HALF_MASK) ^ INT16_SIGN_BIT) - INT16_SIGN_BIT)
+
+
+def _load_master(param, state):
+    """The fp32 value to update: the reassembled master for bf16, the parameter itself for fp32."""
+    if param.dtype == torch.bfloat16:
+        if "mantissa" not in state:
+            state["mantissa"] = torch.zeros_like(param, dtype=torch.int16)
+        return master_from_bf16(param, state["mantissa"])
+    return param
+
+
+def _store_master(param, state, master):
+    if param.dtype == torch.bfloat16:
+        split_master_into_bf16(master, param, state["mantissa"])
+
+
+SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16)  # bf16 gets the mantissa sidecar
+
+
+def _restore_saved_state(optimizer, state_dict):
+    """Put the saved state tensors back with their own dtypes after Optimizer.load_state_dict.
+
+    torch casts every floating state tensor to its parameter's dtype on load, which for a bf16
+    parameter would round the fp32 moments and turn the int16 mantissa into bf16 numbers.
+    """
+    for group, saved_group in zip(optimizer.param_groups, state_dict["param_groups"]):
+        for p, saved_id in zip(group["params"], saved_group["params"]):
+            for key, value in state_dict["state"].get(saved_id, {}).items():
+                if torch.is_tensor(value):
+                    optimizer.state[p][key] = value.to(device=p.device, copy=True)
+
+
+def _check_param_dtypes(params, optimizer_name):
+    for p in params:
+        if p.dtype not in SUPPORTED_PARAM_DTYPES:
+            raise OptimConfigError(f"{optimizer_name} trains float32 or bfloat16 parameters; "
+                                   f"got one of dtype {p.dtype}: convert it first")
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives: the same calls for any world size, identities for one process
+# ---------------------------------------------------------------------------------------------
+
+def world_size_and_rank():
+    """(world size, rank) of torch.distributed when initialized, else (1, 0)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def _reduce_scatter_op():
+    # torch 2.13 renamed reduce_scatter_tensor (same arguments); the GPU machine runs 2.11.
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather_op():
+    # torch 2.13 renamed all_gather_into_tensor (same arguments); the GPU machine runs 2.11.
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _InFlight:
+    """A launched collective; wait() blocks until it is done and returns its result tensor."""
+
+    def __init__(self, work, result):
+        self.work, self.result = work, result
+
+    def wait(self):
+        if self.work is not None:
+            self.work.wait()
+        return self.result
+
+
+def _launch_reduce_scatter_sum(stacked, world):
+    """Sum `stacked` over ranks; rank r gets rows [r*n/world, (r+1)*n/world) of the sum."""
+    if world == 1:
+        return _InFlight(None, stacked)
+    out = stacked.new_empty((stacked.shape[0] // world, *stacked.shape[1:]))
+    return _InFlight(_reduce_scatter_op()(out, stacked, op=dist.ReduceOp.SUM, async_op=True), out)
+
+
+def _launch_all_reduce_sum(tensor, world):
+    """Sum a copy of `tensor` over ranks (the tensor itself when there is one process)."""
+    if world == 1:
+        return _InFlight(None, tensor)
+    total = tensor.clone()
+    return _InFlight(dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True), total)
+
+
+def _launch_all_gather(full, shard, world):
+    """Fill `full` with every rank's `shard`, in rank order (for one process, shard is full)."""
+    if world == 1:
+        return _InFlight(None, full)
+    return _InFlight(_all_gather_op()(full, shard, async_op=True), full)
+
+
+def _launch_all_gather_stack(shard, world):
+    """Concatenate every rank's `shard` along dim 0 into a new tensor, in rank order."""
+    if world == 1:
+        return _InFlight(None, shard)
+    full = shard.new_empty((shard.shape[0] * world, *shard.shape[1:]))
+    return _launch_all_gather(full, shard, world)
+
+
+# ---------------------------------------------------------------------------------------------
+# Muon family
+# ---------------------------------------------------------------------------------------------
+
+MUON_VARIANTS = ("muon", "normuon", "anvil")
+# Whether each variant applies the NorMuon lane equalizer; only anvil lets a group choose.
+EQUALIZE_BY_VARIANT = {"muon": False, "normuon": True, "anvil": True}
+
+
+def shape_lr_multiplier(rows, cols):
+    """max(1, rows/cols)^0.5. An orthogonalized update has spectral norm 1; measured from input
+    RMS to output RMS, a tall (out > in) matrix of spectral norm 1 changes outputs by only
+    sqrt(cols/rows), so tall matrices get this factor to move their outputs like square ones."""
+    return max(1.0, rows / cols) ** 0.5
+
+
+def equalize_lanes(update, second_moment, beta2, eps):
+    """NorMuon: give every lane of `update` (rows, cols) the same RMS, keeping its Frobenius norm.
+
+    A lane is one index of the longer dimension (a row when rows >= cols, else a column): after
+    orthogonalization the shorter dimension's lanes are already orthonormal, the longer ones are
+    not. `second_moment` (rows, 1) or (1, cols) is the EMA (beta2) of each lane's mean square,
+    updated in place; the update is divided by sqrt(second_moment + eps), then rescaled to the
+    Frobenius norm it had before.
+    """
+    rows, cols = update.shape
+    mean_square = update.square().mean(dim=-1 if rows >= cols else -2, keepdim=True)
+    second_moment.lerp_(mean_square, 1 - beta2)
+    norm_before = update.norm()
+    equalized = update * (second_moment + eps).rsqrt()
+    return equalized * (norm_before / equalized.norm().clamp_min(NORM_EPS))
+
+
+def same_sign_or_zero(a, b):
+    """sign(a) * sign(b) >= 0, elementwise."""
+    return torch.sign(a) * torch.sign(b) >= 0
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon / NorMuon / ANVIL-style optimizer for 2-D weight matrices (out, in), sharded by matrix.
+
+    Group keys (all read at every step, so the trainer schedules them by writing to the groups):
+      lr            step size; `initial_lr` is set to it at construction (torch convention)
+      momentum      muon/normuon: momentum beta, also the Nesterov weight (0.85 -> 0.95 warm-up)
+      weight_decay  cautious decoupled decay: strength lr * lr_eff * weight_decay per step
+      schedule      orthogonalization schedule name: "polar_express" or "anvil"
+      variant       "muon", "normuon" or "anvil"
+      equalize      apply the lane equalizer (forced by muon/normuon; anvil: default True)
+      beta2, eps    lane equalizer EMA beta and the epsilon inside its rsqrt
+      fast_beta     anvil: beta of the fast momentum rail
+      slow_beta     anvil: beta of the slow momentum rail
+      blend         anvil: w in m = w * fast + (1 - w) * slow
+      mu            anvil: Nesterov weight in u = lerp(g, m, mu)
+      lr_scale      extra LR multiplier of the group (e.g. 2 for the MLP output matrices)
+
+    One step for a matrix theta with averaged gradient g (muon/normuon):
+      buf <- lerp(buf, g, 1 - momentum);  u <- lerp(g, buf, momentum)
+    (anvil):
+      fast <- lerp(fast, g, 1 - fast_beta);  slow <- lerp(slow, g, 1 - slow_beta)
+      u <- lerp(g, blend * fast + (1 - blend) * slow, mu)
+    then O = orthogonalize(u), optionally O = equalize_lanes(O), and with
+      lr_eff = lr * lr_scale * max(1, rows/cols)^0.5
+      theta <- theta - lr_eff * O - lr * lr_eff * weight_decay * theta * [gate]
+    where the decay gate is sign(slow) * sign(theta) >= 0 for anvil and sign(O) * sign(theta)
+    >= 0 otherwise. step() returns True (it always updates every matrix that has a gradient).
+    """
+
+    def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0, schedule="polar_express",
+                 variant="muon", equalize=None, beta2=0.9, eps=1e-10, fast_beta=0.85,
+                 slow_beta=0.98, blend=1.0, mu=0.85, lr_scale=1.0):
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, schedule=schedule,
+                        variant=variant, equalize=equalize, beta2=beta2, eps=eps,
+                        fast_beta=fast_beta, slow_beta=slow_beta, blend=blend, mu=mu,
+                        lr_scale=lr_scale)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        group.setdefault("initial_lr", group["lr"])
+        variant = group["variant"]
+        if variant not in MUON_VARIANTS:
+            raise OptimConfigError(f"unknown Muon variant {variant!r}; choose one of "
+                                   f"{list(MUON_VARIANTS)}")
+        get_schedule(group["schedule"])
+        if group["equalize"] is None:
+            group["equalize"] = EQUALIZE_BY_VARIANT[variant]
+        elif variant != "anvil" and group["equalize"] != EQUALIZE_BY_VARIANT[variant]:
+            other = "normuon" if variant == "muon" else "muon"
+            raise OptimConfigError(f"variant {variant!r} fixes equalize="
+                                   f"{EQUALIZE_BY_VARIANT[variant]}: use variant={other!r} instead")
+        for p in group["params"]:
+            if p.ndim != 2:
+                raise OptimConfigError(f"Muon trains 2-D matrices only; got shape "
+                                       f"{tuple(p.shape)}: give it to Adam")
+        _check_param_dtypes(group["params"], "Muon")
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        _restore_saved_state(self, state_dict)
+
+    def _banks(self):
+        """(group, [params]) for each run of same-shape, same-dtype matrices of a group, in a
+        fixed order. A bank keeps its matrices whether or not they have a gradient this step, so
+        the owner of each matrix (and hence where its state lives) never changes."""
+        for group in self.param_groups:
+            banks = {}
+            for p in group["params"]:
+                banks.setdefault((tuple(p.shape), p.dtype), []).append(p)
+            for params in banks.values():
+                if any(p.grad is not None for p in params):
+                    yield group, params
+
+    @staticmethod
+    def _stack_grads(params, world):
+        """(n padded to a multiple of world, rows, cols) gradients; zeros where there is none."""
+        per_rank = -(-len(params) // world)
+        ref = next(p.grad for p in params if p.grad is not None)
+        stacked = ref.new_zeros((per_rank * world, *ref.shape))
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                stacked[i].copy_(p.grad)
+        return stacked
+
+    def _momentum_direction(self, group, p, g):
+        """The Nesterov direction u for matrix p with averaged fp32 gradient g (state updated)."""
+        state = self.state[p]
+        if group["variant"] == "anvil":
+            if "fast_rail" not in state:
+                state["fast_rail"] = torch.zeros_like(g)
+                state["slow_rail"] = torch.zeros_like(g)
+            state["fast_rail"].lerp_(g, 1 - group["fast_beta"])
+            state["slow_rail"].lerp_(g, 1 - group["slow_beta"])
+            blended = torch.lerp(state["slow_rail"], state["fast_rail"], group["blend"])
+            return torch.lerp(g, blended, group["mu"])
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(g)
+        state["momentum_buffer"].lerp_(g, 1 - group["momentum"])
+        return torch.lerp(g, state["momentum_buffer"], group["momentum"])
+
+    def _apply(self, group, p, update):
+        """Equalize (if on) the orthogonalized fp32 `update` and apply it to p's master weight."""
+        state = self.state[p]
+        rows, cols = p.shape
+        if group["equalize"]:
+            if "lane_second_moment" not in state:
+                lane_shape = (rows, 1) if rows >= cols else (1, cols)
+                state["lane_second_moment"] = update.new_zeros(lane_shape)
+            update = equalize_lanes(update, state["lane_second_moment"], group["beta2"],
+                                    group["eps"])
+        lr_eff = group["lr"] * group["lr_scale"] * shape_lr_multiplier(rows, cols)
+        master = _load_master(p.data, state)
+        gate_source = state["slow_rail"] if group["variant"] == "anvil" else update
+        decay = group["lr"] * lr_eff * group["weight_decay"]
+        decayed = same_sign_or_zero(gate_source, master) * master
+        master.sub_(lr_eff * update + decay * decayed)
+        _store_master(p.data, state, master)
+
+    def _update_owned(self, group, params, summed_shard, world, rank):
+        """Update the matrices this rank owns from its shard of the summed gradients; returns
+        their new values (shard-shaped, zeros in padding and gradient-less slots) to all-gather."""
+        per_rank = summed_shard.shape[0]
+        first = rank * per_rank
+        owned = [(j, params[first + j]) for j in range(per_rank)
+                 if first + j < len(params) and params[first + j].grad is not None]
+        new_values = torch.zeros_like(summed_shard, dtype=params[0].dtype)
+        if not owned:
+            return new_values
+        directions = torch.stack([
+            self._momentum_direction(group, p, summed_shard[j].float() / world) for j, p in owned])
+        orthogonal = orthogonalize(directions, group["schedule"]).float()
+        for (j, p), update in zip(owned, orthogonal):
+            self._apply(group, p, update)
+            new_values[j].copy_(p.data)
+        return new_values
+
+    @torch.no_grad()
+    def step(self):
+        """Average gradients over ranks, update each matrix on its owner, share the results."""
+        world, rank = world_size_and_rank()
+        banks = list(self._banks())
+        reductions = [_launch_reduce_scatter_sum(self._stack_grads(params, world), world)
+                      for _, params in banks]
+        gathers = []
+        for (group, params), reduction in zip(banks, reductions):
+            new_values = self._update_owned(group, params, reduction.wait(), world, rank)
+            gathers.append(_launch_all_gather_stack(new_values, world))
+        for (_, params), gather in zip(banks, gathers):
+            gathered = gather.wait()
+            per_rank = gathered.shape[0] // world
+            for i, p in enumerate(params):
+                if p.grad is not None and i // per_rank != rank:
+                    p.data.copy_(gathered[i])
+        return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Adam
+# ---------------------------------------------------------------------------------------------
+
+MIN_SHARDED_NUMEL_PER_RANK = 1024  # below this many elements per rank, all-reduce the whole param
+
+
+def shards_rows(param, world):
+    """Whether Adam reduce-scatters `param` by rows: big enough and evenly divisible."""
+    return (param.ndim >= 2 and param.shape[0] % world == 0 and param.is_contiguous()
+            and param.numel() >= MIN_SHARDED_NUMEL_PER_RANK * world)
+
+
+class Adam(torch.optim.Optimizer):
+    """Adam with cautious weight decay, for embeddings, the head, gates and scalars.
+
+    Group keys: lr (the per-group LR multiplier is simply the group's lr; `initial_lr` is set to
+    it at construction), betas (beta1, beta2), eps, weight_decay, and any label the caller adds
+    (e.g. name). For a parameter theta with averaged gradient g at its t-th update:
+      m <- lerp(m, g, 1 - beta1);  v <- lerp(v, g^2, 1 - beta2)
+      u = (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps)
+      theta <- theta - lr * u - lr^2 * weight_decay * theta * [u * theta > 0]
+    The decay is cautious (only where the update already pulls theta towards zero) and scaled by
+    lr^2 so that it fades with the LR schedule faster than the step itself.
+
+    step_every = k: step() updates on every k-th call and returns True then; on the calls in
+    between it does nothing at all (no communication) and returns False, so the caller keeps the
+    gradients accumulating and zeroes them only after a True. The update uses the mean of the
+    accumulated gradients (their sum divided by the number of calls). `step_every` may be
+    changed between calls; it and the count of pending calls are saved in state_dict().
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0,
+                 step_every=1):
+        if step_every < 1:
+            raise OptimConfigError(f"step_every must be a positive integer, got {step_every}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.step_every = step_every
+        self.pending_calls = 0
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        group.setdefault("initial_lr", group["lr"])
+        _check_param_dtypes(group["params"], "Adam")
+
+    def state_dict(self):
+        state = super().state_dict()
+        state["step_every"] = self.step_every
+        state["pending_calls"] = self.pending_calls
+        return state
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        self.step_every = state_dict.pop("step_every")
+        self.pending_calls = state_dict.pop("pending_calls")
+        super().load_state_dict(state_dict)
+        _restore_saved_state(self, state_dict)
+
+    def _update(self, group, state, param, g):
+        """One Adam step on `param` (the whole parameter or this rank's rows) with fp32 grad g.
+
+        Bias corrections are folded into scalars and the update is built in one scratch
+        buffer, so a step makes ~5 passes over the parameter's size (the tables are large).
+        """
+        beta1, beta2 = group["betas"]
+        if "step" not in state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(g)
+            state["exp_avg_sq"] = torch.zeros_like(g)
+        state["step"] += 1
+        t = state["step"]
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        update = v.sqrt().div_((1 - beta2 ** t) ** 0.5).add_(group["eps"])
+        torch.div(m, update, out=update).div_(1 - beta1 ** t)
+        lr = group["lr"]
+        master = _load_master(param, state)
+        if group["weight_decay"]:
+            decayed = (update * master > 0) * master
+            master.sub_(decayed, alpha=lr * lr * group["weight_decay"])
+        master.sub_(update, alpha=lr)
+        _store_master(param, state, master)
+
+    @torch.no_grad()
+    def step(self):
+        """Update on every step_every-th call (returns True); otherwise only count (False)."""
+        self.pending_calls += 1
+        if self.pending_calls < self.step_every:
+            return False
+        calls, self.pending_calls = self.pending_calls, 0
+        world, rank = world_size_and_rank()
+        launched = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if shards_rows(p, world):
+                    reduction = _launch_reduce_scatter_sum(p.grad.contiguous(), world)
+                else:
+                    reduction = _launch_all_reduce_sum(p.grad, world)
+                launched.append((group, p, reduction))
+        gathers = []
+        for group, p, reduction in launched:
+            g = reduction.wait().float()
+            if world * calls != 1:
+                g = g / (world * calls)
+            if shards_rows(p, world):
+                rows = p.shape[0] // world
+                own_rows = p.data[rank * rows:(rank + 1) * rows]
+                self._update(group, self.state[p], own_rows, g)
+                gathers.append(_launch_all_gather(p.data, own_rows, world))
+            else:
+                self._update(group, self.state[p], p.data, g)
+        for gather in gathers:
+            gather.wait()
+        return True
