@@ -3,7 +3,8 @@
 One section per kernel family. Each section holds the Triton kernel(s), the wrapper that the
 trainer calls on CUDA (autograd-aware where the family is differentiable), and a plain-torch
 reference with the same signature and the same math. The trainer uses the references on CPU
-and, when `kernels="reference"` is configured, on GPU too (for A/B runs).
+(the cross-entropy in its chunked form, softcap_cross_entropy_chunked, unless
+`kernels="reference"`) and, when `kernels="reference"` is configured, on GPU too (for A/B runs).
 
 Families:
   1. FP8 matmul       fp8_matmul, fp8_linear, fp8_relu2_mlp          (+ *_reference)

@@ -362,7 +362,8 @@ def test_fp8_mlp_path_matches_the_plain_mlp():
         assert torch.isfinite(a).all() and cosine(a.flatten(), b.flatten(), dim=0) > 0.99
 
 
-def test_reference_cross_entropy_stays_fp32_under_autocast():
+@pytest.mark.parametrize("ce", [kernels.softcap_cross_entropy_reference, kernels.softcap_cross_entropy_chunked])
+def test_cpu_cross_entropy_stays_fp32_under_autocast(ce):
     """Per-row losses and their sums must not be rounded to bf16 (val loss is a sum of 65k rows)."""
     torch.manual_seed(0)
     logits = torch.randn(4096, 512)
@@ -370,6 +371,14 @@ def test_reference_cross_entropy_stays_fp32_under_autocast():
     weights = torch.tensor([1.0, 0.5])
     exact = kernels.softcap_cross_entropy_reference(logits.double(), targets, weights.double()).sum()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        rows = kernels.softcap_cross_entropy_reference(logits, targets, weights)
+        rows = ce(logits, targets, weights)
     assert rows.dtype == torch.float32
     assert abs(rows.sum().item() - exact.item()) / exact.item() < 1e-6
+
+
+def test_cpu_runs_use_the_chunked_cross_entropy_unless_references_are_asked_for():
+    cpu = torch.device("cpu")
+    assert tg.select_kernels(tg.parse_config(["--preset", "cpu"]), cpu).cross_entropy \
+        is kernels.softcap_cross_entropy_chunked
+    h = tg.parse_config(["--preset", "cpu", "--kernels=reference"])
+    assert tg.select_kernels(h, cpu).cross_entropy is kernels.softcap_cross_entropy_reference
