@@ -519,6 +519,7 @@ def ids_to_columns(ids, columns):
 
 CANDIDATE_STRIDE = 20011           # coprime to 50304: k -> k * stride mod V visits every id once
 CANDIDATE_OFFSET_MULT = 7919       # spreads the walk's starting point across steps and slices
+CANDIDATE_SLICES_PER_STEP = 8191   # more than any step's slice count: (step, slice) -> distinct seeds
 
 
 def candidate_columns(targets, count, step, slice_index):
@@ -530,7 +531,7 @@ def candidate_columns(targets, count, step, slice_index):
     V = PADDED_VOCAB_SIZE
     chosen = torch.zeros(V, dtype=torch.bool, device=targets.device)
     chosen[targets[targets >= 0]] = True
-    offset = ((step * 8191 + slice_index) * CANDIDATE_OFFSET_MULT) % V
+    offset = ((step * CANDIDATE_SLICES_PER_STEP + slice_index) * CANDIDATE_OFFSET_MULT) % V
     walk = (torch.arange(V, device=targets.device) * CANDIDATE_STRIDE + offset) % V
     missing = count - chosen.sum()
     fresh = ~chosen[walk]
@@ -660,8 +661,14 @@ def validation_slices(files, val_tokens, T, num_slices, mine):
     Slices are plain windows of the stream (a document may start before a slice); documents
     inside a slice are separated by their BOS tokens.
     """
-    stream = np.concatenate([np.asarray(read_shard(f)) for f in files])
-    if stream.size < val_tokens + 1:
+    needed, parts = val_tokens + 1, []
+    for f in files:                # only the leading tokens: a FineWeb val shard holds 100M
+        parts.append(np.asarray(read_shard(f)[:needed]))
+        needed -= parts[-1].size
+        if needed <= 0:
+            break
+    stream = np.concatenate(parts)
+    if needed > 0:
         raise DataError(f"the val files {files} hold {stream.size} tokens but val_tokens={val_tokens} "
                         f"needs {val_tokens + 1}: lower --val_tokens or use a bigger val shard")
     out = []

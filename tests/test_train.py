@@ -144,6 +144,23 @@ def test_too_small_or_corrupt_data_is_refused(tmp_path):
         tg.TrainLoader([str(tmp_path / "nobos.bin")], 100).next_batch(100, 50, 1, [0])
 
 
+def test_validation_reads_the_leading_tokens_across_files(tmp_path):
+    """Slices are consecutive windows of the val stream, which may span files; too few tokens in
+    all of them is refused."""
+    stream = synthetic_documents(np.random.default_rng(1), 3_000)
+    files = [str(tmp_path / "v_000000.bin"), str(tmp_path / "v_000001.bin"), str(tmp_path / "v_000002.bin")]
+    for f, part in zip(files, np.split(stream, [700, 2_000])):
+        write_shard(f, part)
+    T = 256
+    slices = tg.validation_slices(files, 4 * T, T, 4, [0, 1, 2, 3])
+    for i, s in enumerate(slices):
+        assert np.array_equal(s.tokens.numpy(), stream[i * T:(i + 1) * T])
+        inside = s.targets[:, 0] >= 0             # targets of the tokens whose document continues
+        assert np.array_equal(s.targets[:, 0][inside].numpy(), stream[i * T + 1:(i + 1) * T + 1][inside.numpy()])
+    with pytest.raises(tg.DataError, match="hold 3000 tokens but val_tokens=3000"):
+        tg.validation_slices(files, 3_000, 1_000, 3, [0])
+
+
 # ---------------------------------------------------------------------------------------------
 # model
 
