@@ -6,7 +6,7 @@ Markdown table of mean and sample std per optimizer, and appends it, with the da
 and the command, to `bench/cpu_results.md`. Everything else is the cpu preset, so the comparison
 is at equal steps and equal tokens, not at equal wall time.
 
-    python bench/cpu_optimizer_comparison.py --steps 120 --seeds 0 1 2 --parallel 2
+    python bench/cpu_optimizer_comparison.py --steps 50 --seeds 0 1 2 --parallel 2
 """
 import argparse
 import datetime
@@ -57,7 +57,7 @@ def run_all(jobs, parallel):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=50, help="steps per run (default: the cpu preset's 50)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS))
     parser.add_argument("--parallel", type=int, default=2)
