@@ -273,6 +273,9 @@ def main():
     flags = parser.parse_args()
     if flags.dry:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
+        sys.path.insert(0, str(REPO_ROOT / "tests"))
+        from interpreter_shim import install_shim
+        install_shim()
     sys.path.insert(0, str(REPO_ROOT))
     import torch
     if not flags.dry and not torch.cuda.is_available():

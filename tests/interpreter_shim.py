@@ -18,12 +18,20 @@ fp8 goes through torch (round to nearest even, as the GPU does) and `tl.dot` upc
 fp8 operands to fp32 before multiplying (products of such operands are exact in fp32, like the
 tensor cores' products; only the summation order differs from the hardware). The kernels upcast
 to fp32 right after loading, so no bf16 arithmetic needs fixing. Interpreted workers install it.
+
+Triton 3.6's interpreter (`_patch_lang_tensor`) makes `tensor.__index__`, which
+`range(0, tl.cdiv(K, BLOCK_K))` calls, return `int()` of the scalar's one-element numpy array, which
+numpy >= 2.4 refuses (triton 3.7 takes the array's `.squeeze()` first). Where that `__index__`
+raises, `install_shim` makes it return `int()` of the array's `.item()`, the same value. The float
+patches use names that triton 3.6 and 3.7 share (`InterpreterBuilder.cast_impl`, `create_fp_to_fp`,
+`create_dot`, `TensorHandle`, `_ir.ROUNDING_MODE`).
 """
 import atexit
 import concurrent.futures
 import functools
 import importlib
 import multiprocessing
+import operator
 import os
 import pathlib
 import sys
@@ -72,13 +80,49 @@ def _is_low_precision_float(tl_dtype):
     return dtype is not None and (dtype == torch.bfloat16 or dtype.itemsize == 1)
 
 
+def _scalar_index(tensor):
+    """`tensor.__index__` of a scalar tensor: its one-element numpy array as a Python int."""
+    return int(tensor.handle.data.item())
+
+
+def _scalar_index_fails(interpreter):
+    """Whether the interpreter's own `tensor.__index__` raises on a scalar (a one-element array)."""
+    import triton.language as tl
+
+    class Probe:
+        pass
+
+    interpreter._patch_lang_tensor(Probe, interpreter._LangPatchScope())
+    probe = Probe()
+    probe.handle = interpreter.TensorHandle(np.ones(1, dtype=np.int32), tl.int32)
+    try:
+        operator.index(probe)
+    except TypeError:
+        return True
+    return False
+
+
+def _patch_scalar_index(interpreter):
+    """Make the tensor patches of each interpreted launch use `_scalar_index` for `__index__`."""
+    original_patch_lang_tensor = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        original_patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", _scalar_index)
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
 def install_shim():
-    """Patch the interpreter's float conversions and dot (see the module docstring). Idempotent."""
+    """Patch the interpreter's float conversions and dot, and its scalar `__index__` where it fails
+    (see the module docstring). Idempotent."""
     import triton.language as tl
     from triton.runtime import interpreter
     builder = interpreter.InterpreterBuilder
     if getattr(builder, "_speedrun_shim", False):
         return
+    if _scalar_index_fails(interpreter):
+        _patch_scalar_index(interpreter)
     original_cast = builder.cast_impl
     original_dot = builder.create_dot
 
