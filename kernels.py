@@ -22,15 +22,18 @@ with the module and lands in checkpoints:
     y = kernels.fp8_relu2_mlp(x, self.w_up, self.w_down, self.fp8_state)  # relu(x w_up.T)^2 w_down.T
 
 Weights use nn.Linear's (out, in) layout and any float dtype (their gradients come back in it);
-x is bf16 of shape (..., in) and y has x's dtype. Forward operands are e4m3, gradients e5m2.
-Weights get an exact per-tensor scale (this call's amax). Activations and gradients get a
-delayed scale: the amax the previous call recorded in the buffer times AMAX_HEADROOM (1.1) maps
-to the fp8 maximum; each call records its own amax for the next one (a zero entry, as in a fresh
-buffer, means scale 1, so the first step after creating a buffer is the least precise). Values
-beyond the fp8 range saturate. The `*_reference` functions take the same arguments, update the
-buffer the same way and quantize identically with torch casts: the trainer's A/B switch.
+x is bf16 of shape (..., in) and y has x's dtype. Forward operands are e4m3, gradients e5m2, all
+with per-tensor scales that map an amax to the fp8 maximum. Weights and layer inputs get an
+exact scale (this call's amax). The other activations and the gradients get a delayed scale: the
+amax the previous call recorded in the buffer, times a per-operand headroom (FP8_MLP_HEADROOM,
+FP8_LINEAR_HEADROOM), so no extra pass over the tensor is needed; each call records its own amax
+for the next. A zero entry, as in a fresh buffer, means scale 1, which flushes small gradients
+to zero: run calibration calls (forward and backward, results discarded) before the first real
+one, as the trainer does. Values beyond the fp8 range saturate. The `*_reference` functions take
+the same arguments, update the buffer the same way and quantize identically with torch casts:
+the trainer's A/B switch.
 
-The other families need no state: flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, window,
+The other families need no state: flash_attn_varlen(q, k, v, cu_seqlens, window,
 softmax_scale), softcap_cross_entropy(logits, targets, weights) and xxt(x) take the same
 arguments as their references (every Triton wrapper also accepts launch configs, which the
 tests shrink).
@@ -68,7 +71,7 @@ class LaunchConfig:
 
     def as_list(self):
         """The fields as a list of ints: how a config crosses a custom-op boundary."""
-        return list(dataclasses.astuple(self))
+        return [self.block_m, self.block_n, self.block_k, self.group_m, self.num_warps, self.num_stages]
 
 
 def _config_from_list(values):
@@ -86,7 +89,7 @@ H100_SM_COUNT = 132
 
 
 def _sm_count(device):
-    if device.type == "cuda":
+    if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_properties(device).multi_processor_count
     return H100_SM_COUNT
 
@@ -97,7 +100,6 @@ def _sm_count(device):
 
 FP8_E4M3_MAX = 448.0       # largest finite float8_e4m3fn value (forward operands)
 FP8_E5M2_MAX = 57344.0     # largest finite float8_e5m2 value (gradients)
-AMAX_HEADROOM = 1.1        # delayed scales map (previous amax x this) to the fp8 maximum
 
 # Output tiles of 128 x 256 when they fill every SM at least twice, else 128 x 128.
 FP8_MATMUL_LARGE = LaunchConfig(block_m=128, block_n=256, block_k=128, group_m=8, num_warps=8, num_stages=3)
@@ -110,6 +112,14 @@ FP8_CAST = LaunchConfig(block_m=64, block_n=64, num_warps=4)
 # Entries of the amax buffers (see the module docstring): the tensor each one tracks.
 FP8_LINEAR_SLOTS = {"input": 0, "grad_output": 1}
 FP8_MLP_SLOTS = {"input": 0, "hidden": 1, "grad_output": 2, "grad_hidden": 3}
+
+# How each operand's scale is chosen: EXACT_SCALE, or the headroom of a delayed scale.
+EXACT_SCALE = None           # this call's own amax (one extra reduction over the tensor)
+HIDDEN_HEADROOM = 1.8        # relu(h)^2 squares the growth of h between calls (record 89's down-projection input)
+GRAD_HEADROOM = 1.25         # gradients vary between micro-batches; e5m2 keeps 2^-16 of the maximum below it
+FP8_LINEAR_HEADROOM = {"input": EXACT_SCALE, "grad_output": GRAD_HEADROOM}
+FP8_MLP_HEADROOM = {"input": EXACT_SCALE, "hidden": HIDDEN_HEADROOM, "grad_output": GRAD_HEADROOM,
+                    "grad_hidden": GRAD_HEADROOM}
 
 _FP8_MAX = {torch.float8_e4m3fn: FP8_E4M3_MAX, torch.float8_e5m2: FP8_E5M2_MAX}
 
@@ -405,11 +415,18 @@ def _scale_for_amax(amax, fp8_max, headroom):
     return torch.where(amax > 0, amax * (headroom / fp8_max), torch.ones_like(amax))
 
 
-def _delayed_scale(state, slot, fp8_max):
-    """(scale, amax slot): the scale from the amax the previous call recorded in state[slot];
-    the slot is cleared so that this call records its own amax there."""
-    amax = state[slot:slot + 1]
-    scale = _scale_for_amax(amax, fp8_max, AMAX_HEADROOM)
+def _operand_scale(state, slots, headrooms, name, fp8_max, x):
+    """(scale, amax slot) of the operand `name` of a layer, by its rule in `headrooms`.
+
+    EXACT_SCALE: the scale of x's own amax, which the slot records. Otherwise a delayed scale:
+    the amax the previous call recorded in the slot times the headroom; the slot is cleared so
+    that this call's cast records the new amax there.
+    """
+    amax = state[slots[name]:slots[name] + 1]
+    if headrooms[name] is EXACT_SCALE:
+        amax.copy_(x.detach().abs().amax().float().reshape(1))
+        return _scale_for_amax(amax, fp8_max, 1.0), amax
+    scale = _scale_for_amax(amax, fp8_max, headrooms[name])
     amax.zero_()
     return scale, amax
 
@@ -435,12 +452,12 @@ _REFERENCE_FP8 = _FP8Primitives(fp8_cast_reference, fp8_matmul_reference, fp8_ma
 
 
 def new_fp8_linear_state(device=None):
-    """The amax buffer of one fp8_linear layer (zeros: the first call uses scale 1)."""
+    """The amax buffer of one fp8_linear layer (zeros: uncalibrated, delayed scales start at 1)."""
     return torch.zeros(len(FP8_LINEAR_SLOTS), dtype=torch.float32, device=device)
 
 
 def new_fp8_mlp_state(device=None):
-    """The amax buffer of one fp8_relu2_mlp layer (zeros: the first call uses scale 1)."""
+    """The amax buffer of one fp8_relu2_mlp layer (zeros: uncalibrated, delayed scales start at 1)."""
     return torch.zeros(len(FP8_MLP_SLOTS), dtype=torch.float32, device=device)
 
 
@@ -451,7 +468,7 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, state, prims, config):
-        x_scale, x_amax = _delayed_scale(state, FP8_LINEAR_SLOTS["input"], FP8_E4M3_MAX)
+        x_scale, x_amax = _operand_scale(state, FP8_LINEAR_SLOTS, FP8_LINEAR_HEADROOM, "input", FP8_E4M3_MAX, x)
         x8, x8_t = prims.cast(x, x_scale, x_amax, torch.float8_e4m3fn)
         w_scale, w_amax = _exact_scale(weight)
         w8, w8_t = prims.cast(weight, w_scale, w_amax, torch.float8_e4m3fn)
@@ -465,7 +482,8 @@ class _FP8Linear(torch.autograd.Function):
     def backward(ctx, grad_y):
         x8_t, w8_t, x_scale, w_scale = ctx.saved_tensors
         prims, config = ctx.prims, ctx.config
-        g_scale, g_amax = _delayed_scale(ctx.state, FP8_LINEAR_SLOTS["grad_output"], FP8_E5M2_MAX)
+        g_scale, g_amax = _operand_scale(ctx.state, FP8_LINEAR_SLOTS, FP8_LINEAR_HEADROOM, "grad_output",
+                                         FP8_E5M2_MAX, grad_y)
         g8, g8_t = prims.cast(grad_y, g_scale, g_amax, torch.float8_e5m2)
         need_x, need_w = ctx.needs_input_grad[:2]
         grad_x = prims.matmul(g8, w8_t.t(), g_scale, w_scale, ctx.dtypes[0], config) if need_x else None
@@ -485,13 +503,13 @@ class _FP8ReLU2MLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_up, w_down, state, prims, config):
-        x_scale, x_amax = _delayed_scale(state, FP8_MLP_SLOTS["input"], FP8_E4M3_MAX)
+        x_scale, x_amax = _operand_scale(state, FP8_MLP_SLOTS, FP8_MLP_HEADROOM, "input", FP8_E4M3_MAX, x)
         x8, x8_t = prims.cast(x, x_scale, x_amax, torch.float8_e4m3fn)
         up_scale, up_amax = _exact_scale(w_up)
         up8, up8_t = prims.cast(w_up, up_scale, up_amax, torch.float8_e4m3fn)
         down_scale, down_amax = _exact_scale(w_down)
         down8, down8_t = prims.cast(w_down, down_scale, down_amax, torch.float8_e4m3fn)
-        a_scale, a_amax = _delayed_scale(state, FP8_MLP_SLOTS["hidden"], FP8_E4M3_MAX)
+        a_scale, a_amax = _operand_scale(state, FP8_MLP_SLOTS, FP8_MLP_HEADROOM, "hidden", FP8_E4M3_MAX, None)
         a8, a8_t = prims.matmul_relu2(x8, up8.t(), x_scale, up_scale, a_scale, a_amax, config)
         y = prims.matmul(a8, down8.t(), a_scale, down_scale, x.dtype, config)
         ctx.save_for_backward(x8_t, up8_t, down8_t, a8_t, x_scale, up_scale, down_scale, a_scale)
@@ -503,14 +521,16 @@ class _FP8ReLU2MLP(torch.autograd.Function):
     def backward(ctx, grad_y):
         x8_t, up8_t, down8_t, a8_t, x_scale, up_scale, down_scale, a_scale = ctx.saved_tensors
         prims, config = ctx.prims, ctx.config
-        g_scale, g_amax = _delayed_scale(ctx.state, FP8_MLP_SLOTS["grad_output"], FP8_E5M2_MAX)
+        g_scale, g_amax = _operand_scale(ctx.state, FP8_MLP_SLOTS, FP8_MLP_HEADROOM, "grad_output", FP8_E5M2_MAX,
+                                         grad_y)
         g8, g8_t = prims.cast(grad_y, g_scale, g_amax, torch.float8_e5m2)
         need_x, need_up, need_down = ctx.needs_input_grad[:3]
         grad_x = grad_up = grad_down = None
         if need_down:
             grad_down = prims.matmul(g8_t, a8_t.t(), g_scale, a_scale, ctx.dtypes[2], config)
         if need_x or need_up:
-            h_scale, h_amax = _delayed_scale(ctx.state, FP8_MLP_SLOTS["grad_hidden"], FP8_E5M2_MAX)
+            h_scale, h_amax = _operand_scale(ctx.state, FP8_MLP_SLOTS, FP8_MLP_HEADROOM, "grad_hidden",
+                                             FP8_E5M2_MAX, None)
             gh8, gh8_t = prims.matmul_relu2_grad(g8, down8_t.t(), g_scale, down_scale, a8_t.t(), a_scale,
                                                  h_scale, h_amax, config)
             if need_x:
@@ -559,20 +579,27 @@ def fp8_relu2_mlp_reference(x, w_up, w_down, state, config=None):
 # 2. Attention on packed documents with a sliding window
 # ---------------------------------------------------------------------------------------------
 #
-# FlashAttention-2 on packed documents. The grids are (blocks of the longest document,
-# documents, heads): a program owns one block of one document and exits at once when the
-# document is shorter (or empty: cu_seqlens may end in repeats). Blocks are aligned to the
-# document start, and each program visits only the blocks of the other side that hold a visible
-# pair, masking only those that cross the diagonal, the window edge or the document end.
+# FlashAttention-2 on a packed stream of documents. The work is tiled over the packed stream
+# itself: a program owns BLOCK_M consecutive tokens (or BLOCK_N keys in the key/value backward)
+# and one head, whatever documents they belong to, so the grid is cdiv(T, BLOCK) x heads, every
+# program has real work, and no program is launched for padding or for blocks past the end of a
+# short document. Document boundaries enter through two per-token int32 tables computed once
+# per call from cu_seqlens: doc_start[i] (first token of i's document) and doc_end[i] (one past
+# its last token). Key j is visible to query i when doc_start[i] <= j <= i and i - j < window.
+# A program visits only the blocks of the other side that hold a visible pair and masks only
+# those that cross the diagonal, the window edge or a document boundary.
 # Backward: delta = rowsum(dO * O) first, then one kernel over key blocks for dK and dV and one
 # over query blocks for dQ, both recomputing P from the saved log-sum-exp: no atomics, so the
-# gradients are deterministic.
+# gradients are deterministic. The softmax scale is read from a one-element fp32 tensor, so a
+# scale that changes during training (YaRN) changes no compiled code.
 
 # Head dims the kernels take (64 and 128 are the production ones, compiled for sm_90 by the tests).
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
+# Input dtypes; fp32 only off the GPU (tests): its dQ tiles would need 256 KB of shared memory on sm_90.
+ATTENTION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Queries per block in the reference: bounds the (block x keys) score matrix it materializes.
 REFERENCE_QUERY_BLOCK = 256
-# Window passed to the kernels for "no limit": longer than any document.
+# Window passed to the kernels for "no limit": longer than any packed batch.
 NO_WINDOW = 1 << 30
 LOG2_E = 1.4426950408889634  # the kernels work with exp2: exp(x) = exp2(x * LOG2_E)
 
@@ -587,64 +614,61 @@ ATTENTION_CONFIGS = (ATTENTION_FORWARD, ATTENTION_BACKWARD_KV, ATTENTION_BACKWAR
 
 
 @triton.jit
-def _key_blocks(q_start, doc_start, doc_end, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key blocks seen by the queries [q_start, q_start + BLOCK_M) of the document
-    [doc_start, doc_end), as block indices t (keys doc_start + t*BLOCK_N + [0, BLOCK_N)).
+def _key_blocks(q_first, q_last, first_start, last_start, window, BLOCK_N: tl.constexpr):
+    """Key blocks seen by the queries [q_first, q_last], whose documents start at first_start
+    (that of q_first) ... last_start (that of q_last), as block indices t (keys t*BLOCK_N + [0, BLOCK_N)).
 
     Returns lo <= mid_lo <= mid_hi <= hi: blocks [lo, hi) hold every visible key; those in
     [mid_lo, mid_hi) are visible to every query of the block, so they need no mask.
     """
-    q_last = tl.minimum(q_start + BLOCK_M, doc_end) - 1
-    lo = (tl.maximum(q_start - window + 1, doc_start) - doc_start) // BLOCK_N
-    hi = tl.cdiv(q_last + 1 - doc_start, BLOCK_N)
-    # inside every query's window: first key >= q_last - window + 1
-    in_window = tl.cdiv(tl.maximum(q_last - window + 1 - doc_start, 0), BLOCK_N)
-    # at or before every query: last key <= q_start
-    causal = (q_start - doc_start + 1) // BLOCK_N
-    mid_lo = tl.minimum(tl.maximum(in_window, lo), hi)
-    mid_hi = tl.minimum(tl.maximum(causal, mid_lo), hi)
+    lo = tl.maximum(first_start, q_first - window + 1) // BLOCK_N
+    hi = q_last // BLOCK_N + 1
+    # every key inside every query's document and window: first key >= this
+    mid_lo = tl.cdiv(tl.maximum(last_start, q_last - window + 1), BLOCK_N)
+    # at or before every query: last key <= q_first
+    mid_hi = (q_first + 1) // BLOCK_N
+    mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
+    mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
     return lo, mid_lo, mid_hi, hi
 
 
 @triton.jit
-def _query_blocks(k_start, doc_start, doc_end, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Query blocks that see the keys [k_start, k_start + BLOCK_N) of the document, as block
-    indices u (queries doc_start + u*BLOCK_M + [0, BLOCK_M)).
+def _query_blocks(k_first, k_last, first_end, last_end, window, BLOCK_M: tl.constexpr):
+    """Query blocks that see one of the keys [k_first, k_last], whose documents end at first_end
+    (that of k_first) ... last_end (that of k_last), as block indices u (queries u*BLOCK_M + [0, BLOCK_M)).
 
     Returns lo <= mid_lo <= mid_hi <= hi: blocks [lo, hi) hold every query that sees one of the
-    keys; those in [mid_lo, mid_hi) see all of them and lie inside the document (no mask).
+    keys; those in [mid_lo, mid_hi) see all of them (no mask).
     """
-    k_last = tl.minimum(k_start + BLOCK_N, doc_end) - 1
-    lo = (k_start - doc_start) // BLOCK_M
-    hi = tl.cdiv(tl.minimum(k_last + window, doc_end) - doc_start, BLOCK_M)
+    lo = k_first // BLOCK_M
+    hi = tl.cdiv(tl.minimum(k_last + window, last_end), BLOCK_M)
     # at or after every key: first query >= k_last
-    causal = tl.cdiv(k_last - doc_start, BLOCK_M)
-    # every key inside every query's window (last query - k_start < window), queries in the document
-    in_window = tl.cdiv(tl.maximum(window + k_start - doc_start - BLOCK_M + 1, 0), BLOCK_M)
-    in_doc = (doc_end - doc_start) // BLOCK_M
-    mid_lo = tl.minimum(tl.maximum(causal, lo), hi)
-    mid_hi = tl.minimum(tl.maximum(tl.minimum(in_window, in_doc), mid_lo), hi)
+    mid_lo = tl.cdiv(k_last, BLOCK_M)
+    # every key inside every query's window and document: last query < k_first + window, < first_end
+    mid_hi = tl.minimum((k_first + window) // BLOCK_M, first_end // BLOCK_M)
+    mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
+    mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
     return lo, mid_lo, mid_hi, hi
 
 
 @triton.jit
-def _visible(rows, cols, doc_end, window):
-    """(queries, keys) pairs where the key is visible: key <= query < doc_end, query - key < window.
-    Keys are never before the document start: the block ranges begin there."""
-    return (cols[None, :] <= rows[:, None]) & (rows[:, None] - cols[None, :] < window) & (rows[:, None] < doc_end)
+def _visible(rows, cols, row_start, window):
+    """(queries, keys) pairs where the key is visible: row_start <= key <= query, query - key < window."""
+    return (cols[None, :] >= row_start[:, None]) & (cols[None, :] <= rows[:, None]) & \
+        (rows[:, None] - cols[None, :] < window)
 
 
 @triton.jit
-def _load_keys(k_ptr, v_ptr, cols, stride_kt, stride_vt, doc_end, D_QK: tl.constexpr, D_V: tl.constexpr,
+def _load_keys(k_ptr, v_ptr, cols, stride_kt, stride_vt, num_tokens, D_QK: tl.constexpr, D_V: tl.constexpr,
                MASKED: tl.constexpr):
     """K (BLOCK_N, D_QK) and V (BLOCK_N, D_V) rows `cols`; masked blocks may run past the
-    document (zeros there), unmasked ones lie inside it."""
+    packed batch (zeros there), unmasked ones lie inside it."""
     d_qk = tl.arange(0, D_QK)
     d_v = tl.arange(0, D_V)
     k_ptrs = k_ptr + cols[:, None] * stride_kt + d_qk[None, :]
     v_ptrs = v_ptr + cols[:, None] * stride_vt + d_v[None, :]
     if MASKED:
-        key_ok = cols[:, None] < doc_end
+        key_ok = cols[:, None] < num_tokens
         k = tl.load(k_ptrs, mask=key_ok, other=0.0)
         v = tl.load(v_ptrs, mask=key_ok, other=0.0)
     else:
@@ -654,17 +678,17 @@ def _load_keys(k_ptr, v_ptr, cols, stride_kt, stride_vt, doc_end, D_QK: tl.const
 
 
 @triton.jit
-def _attn_fwd_blocks(acc, l_i, m_i, q, rows, k_ptr, v_ptr, stride_kt, stride_vt, doc_start, doc_end, window,
+def _attn_fwd_blocks(acc, l_i, m_i, q, rows, row_start, k_ptr, v_ptr, stride_kt, stride_vt, num_tokens, window,
                      qk_scale, t_begin, t_end, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_N: tl.constexpr,
                      MASKED: tl.constexpr):
     """Online softmax over key blocks [t_begin, t_end): acc = sum p v, l_i = sum p, m_i = max
     score (log2 units), with p = exp2(score - m_i) rescaled whenever m_i grows."""
     for t in range(t_begin, t_end):
-        cols = doc_start + t * BLOCK_N + tl.arange(0, BLOCK_N)
-        k, v = _load_keys(k_ptr, v_ptr, cols, stride_kt, stride_vt, doc_end, D_QK, D_V, MASKED)
+        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        k, v = _load_keys(k_ptr, v_ptr, cols, stride_kt, stride_vt, num_tokens, D_QK, D_V, MASKED)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:
-            s = tl.where(_visible(rows, cols, doc_end, window), s, -float("inf"))
+            s = tl.where(_visible(rows, cols, row_start, window), s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         if MASKED:
             # rows with no visible key yet keep m = -inf; subtract 0 so that p = 0, not NaN
@@ -678,43 +702,42 @@ def _attn_fwd_blocks(acc, l_i, m_i, q, rows, k_ptr, v_ptr, stride_kt, stride_vt,
 
 
 @triton.jit
-def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_ptr,
+def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, doc_start_ptr, scale_ptr,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                     num_tokens, window, qk_scale,
+                     num_tokens, window,
                      D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """O = softmax(Q K^T * scale + mask) V for one block of BLOCK_M queries of one document and
-    head (FlashAttention-2 forward). Grid: (query blocks of the longest document, documents, heads).
+    """O = softmax(Q K^T * scale + mask) V for BLOCK_M consecutive queries of the packed batch and
+    one head (FlashAttention-2 forward). Grid: (cdiv(T, BLOCK_M), heads).
 
-    Keys come in blocks aligned to the document start; only blocks that hold a visible key are
-    visited (_key_blocks), and only those crossing the diagonal or the window edge are masked.
-    Traffic per program: Q block read once, K and V read for the visited blocks (at most
-    window + BLOCK_M keys), O and the log-sum-exp (log2 units, for the backward) written once.
+    Only key blocks that hold a visible key are visited (_key_blocks), and only those crossing
+    the diagonal, the window edge or a document start are masked. Traffic per program: Q block
+    read once, K and V read for the visited blocks (at most window + BLOCK_M keys), O and the
+    log-sum-exp (log2 units, for the backward) written once.
     """
-    doc = tl.program_id(1)
-    head = tl.program_id(2)
-    doc_start = tl.load(cu_seqlens_ptr + doc)
-    doc_end = tl.load(cu_seqlens_ptr + doc + 1)
-    q_start = doc_start + tl.program_id(0) * BLOCK_M
-    if q_start >= doc_end:
-        return
-    rows = q_start + tl.arange(0, BLOCK_M)
-    row_ok = rows < doc_end
+    q_first = tl.program_id(0) * BLOCK_M
+    head = tl.program_id(1)
+    q_last = tl.minimum(q_first + BLOCK_M, num_tokens) - 1
+    rows = q_first + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_tokens
+    row_start = tl.load(doc_start_ptr + rows, mask=row_ok, other=0)
     d_qk = tl.arange(0, D_QK)
     d_v = tl.arange(0, D_V)
     q = tl.load(q_ptr + head * stride_qh + rows[:, None] * stride_qt + d_qk[None, :], mask=row_ok[:, None], other=0.0)
     k_ptr += head * stride_kh
     v_ptr += head * stride_vh
+    qk_scale = tl.load(scale_ptr) * LOG2_E
 
     acc = tl.zeros((BLOCK_M, D_V), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
-    lo, mid_lo, mid_hi, hi = _key_blocks(q_start, doc_start, doc_end, window, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, rows, k_ptr, v_ptr, stride_kt, stride_vt, doc_start,
-                                     doc_end, window, qk_scale, lo, mid_lo, D_QK, D_V, BLOCK_N, True)
-    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, rows, k_ptr, v_ptr, stride_kt, stride_vt, doc_start,
-                                     doc_end, window, qk_scale, mid_lo, mid_hi, D_QK, D_V, BLOCK_N, False)
-    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, rows, k_ptr, v_ptr, stride_kt, stride_vt, doc_start,
-                                     doc_end, window, qk_scale, mid_hi, hi, D_QK, D_V, BLOCK_N, True)
+    lo, mid_lo, mid_hi, hi = _key_blocks(q_first, q_last, tl.load(doc_start_ptr + q_first),
+                                         tl.load(doc_start_ptr + q_last), window, BLOCK_N)
+    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, rows, row_start, k_ptr, v_ptr, stride_kt, stride_vt,
+                                     num_tokens, window, qk_scale, lo, mid_lo, D_QK, D_V, BLOCK_N, True)
+    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, rows, row_start, k_ptr, v_ptr, stride_kt, stride_vt,
+                                     num_tokens, window, qk_scale, mid_lo, mid_hi, D_QK, D_V, BLOCK_N, False)
+    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, rows, row_start, k_ptr, v_ptr, stride_kt, stride_vt,
+                                     num_tokens, window, qk_scale, mid_hi, hi, D_QK, D_V, BLOCK_N, True)
     l_i = tl.where(row_ok, l_i, 1.0)
     o = acc / l_i[:, None]
     tl.store(o_ptr + head * stride_oh + rows[:, None] * stride_ot + d_v[None, :], o.to(o_ptr.dtype.element_ty),
@@ -738,19 +761,19 @@ def _attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, stride_ot, stride_oh, strid
 
 
 @triton.jit
-def _attn_bwd_kv_blocks(dk, dv, k, v, cols, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qt, stride_dot,
-                        doc_start, doc_end, window, qk_scale, u_begin, u_end,
+def _attn_bwd_kv_blocks(dk, dv, k, v, cols, col_end, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qt, stride_dot,
+                        num_tokens, window, qk_scale, u_begin, u_end,
                         D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
     """Accumulate dK += dS^T Q and dV += P^T dO over query blocks [u_begin, u_end), in the
     transposed (keys x queries) orientation: P^T = exp2(K Q^T * scale - lse), dS^T = P^T (dP^T - delta)."""
     d_qk = tl.arange(0, D_QK)
     d_v = tl.arange(0, D_V)
     for u in range(u_begin, u_end):
-        rows = doc_start + u * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = u * BLOCK_M + tl.arange(0, BLOCK_M)
         q_ptrs = q_ptr + rows[:, None] * stride_qt + d_qk[None, :]
         do_ptrs = do_ptr + rows[:, None] * stride_dot + d_v[None, :]
         if MASKED:
-            row_ok = rows < doc_end
+            row_ok = rows < num_tokens
             q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
             do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
             lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
@@ -762,7 +785,9 @@ def _attn_bwd_kv_blocks(dk, dv, k, v, cols, q_ptr, do_ptr, lse_ptr, delta_ptr, s
             delta = tl.load(delta_ptr + rows)
         s_t = tl.dot(k, tl.trans(q)) * qk_scale
         if MASKED:
-            visible_t = (cols[:, None] <= rows[None, :]) & (rows[None, :] - cols[:, None] < window) & row_ok[None, :]
+            # key j, query i: j <= i, i - j < window, i before the end of j's document
+            visible_t = (cols[:, None] <= rows[None, :]) & (rows[None, :] - cols[:, None] < window) & \
+                (rows[None, :] < col_end[:, None])
             s_t = tl.where(visible_t, s_t, -float("inf"))
         p_t = tl.exp2(s_t - lse[None, :])
         dv += tl.dot(p_t.to(do.dtype), do)
@@ -773,62 +798,62 @@ def _attn_bwd_kv_blocks(dk, dv, k, v, cols, q_ptr, do_ptr, lse_ptr, delta_ptr, s
 
 
 @triton.jit
-def _attn_bwd_kv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_seqlens_ptr,
+def _attn_bwd_kv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, doc_end_ptr, scale_ptr,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                        stride_dkt, stride_dkh, stride_dvt, stride_dvh, num_tokens, window, qk_scale, sm_scale,
+                        stride_dkt, stride_dkh, stride_dvt, stride_dvh, num_tokens, window,
                         D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dK and dV for one block of BLOCK_N keys of one document and head (FlashAttention-2).
-    Grid: (key blocks of the longest document, documents, heads).
+    """dK and dV for BLOCK_N consecutive keys of the packed batch and one head (FlashAttention-2).
+    Grid: (cdiv(T, BLOCK_N), heads).
 
     Visits only the query blocks that see one of the keys (_query_blocks), recomputing P from the
     saved log-sum-exp. Traffic per program: K, V block read once; Q, dO, lse, delta read for the
     visited query blocks (at most window + BLOCK_N queries); dK, dV written once. No atomics.
     """
-    doc = tl.program_id(1)
-    head = tl.program_id(2)
-    doc_start = tl.load(cu_seqlens_ptr + doc)
-    doc_end = tl.load(cu_seqlens_ptr + doc + 1)
-    k_start = doc_start + tl.program_id(0) * BLOCK_N
-    if k_start >= doc_end:
-        return
-    cols = k_start + tl.arange(0, BLOCK_N)
-    col_ok = cols[:, None] < doc_end
+    k_first = tl.program_id(0) * BLOCK_N
+    head = tl.program_id(1)
+    k_last = tl.minimum(k_first + BLOCK_N, num_tokens) - 1
+    cols = k_first + tl.arange(0, BLOCK_N)
+    col_ok = cols < num_tokens
+    col_end = tl.load(doc_end_ptr + cols, mask=col_ok, other=0)
     d_qk = tl.arange(0, D_QK)
     d_v = tl.arange(0, D_V)
-    k = tl.load(k_ptr + head * stride_kh + cols[:, None] * stride_kt + d_qk[None, :], mask=col_ok, other=0.0)
-    v = tl.load(v_ptr + head * stride_vh + cols[:, None] * stride_vt + d_v[None, :], mask=col_ok, other=0.0)
+    k = tl.load(k_ptr + head * stride_kh + cols[:, None] * stride_kt + d_qk[None, :], mask=col_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + head * stride_vh + cols[:, None] * stride_vt + d_v[None, :], mask=col_ok[:, None], other=0.0)
     q_ptr += head * stride_qh
     do_ptr += head * stride_doh
     lse_ptr += head * num_tokens
     delta_ptr += head * num_tokens
+    sm_scale = tl.load(scale_ptr)
+    qk_scale = sm_scale * LOG2_E
 
     dk = tl.zeros((BLOCK_N, D_QK), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, D_V), dtype=tl.float32)
-    lo, mid_lo, mid_hi, hi = _query_blocks(k_start, doc_start, doc_end, window, BLOCK_M, BLOCK_N)
-    dk, dv = _attn_bwd_kv_blocks(dk, dv, k, v, cols, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qt, stride_dot,
-                                 doc_start, doc_end, window, qk_scale, lo, mid_lo, D_QK, D_V, BLOCK_M, True)
-    dk, dv = _attn_bwd_kv_blocks(dk, dv, k, v, cols, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qt, stride_dot,
-                                 doc_start, doc_end, window, qk_scale, mid_lo, mid_hi, D_QK, D_V, BLOCK_M, False)
-    dk, dv = _attn_bwd_kv_blocks(dk, dv, k, v, cols, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qt, stride_dot,
-                                 doc_start, doc_end, window, qk_scale, mid_hi, hi, D_QK, D_V, BLOCK_M, True)
+    lo, mid_lo, mid_hi, hi = _query_blocks(k_first, k_last, tl.load(doc_end_ptr + k_first),
+                                           tl.load(doc_end_ptr + k_last), window, BLOCK_M)
+    dk, dv = _attn_bwd_kv_blocks(dk, dv, k, v, cols, col_end, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qt,
+                                 stride_dot, num_tokens, window, qk_scale, lo, mid_lo, D_QK, D_V, BLOCK_M, True)
+    dk, dv = _attn_bwd_kv_blocks(dk, dv, k, v, cols, col_end, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qt,
+                                 stride_dot, num_tokens, window, qk_scale, mid_lo, mid_hi, D_QK, D_V, BLOCK_M, False)
+    dk, dv = _attn_bwd_kv_blocks(dk, dv, k, v, cols, col_end, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qt,
+                                 stride_dot, num_tokens, window, qk_scale, mid_hi, hi, D_QK, D_V, BLOCK_M, True)
     tl.store(dk_ptr + head * stride_dkh + cols[:, None] * stride_dkt + d_qk[None, :],
-             (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=col_ok)
+             (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
     tl.store(dv_ptr + head * stride_dvh + cols[:, None] * stride_dvt + d_v[None, :],
-             dv.to(dv_ptr.dtype.element_ty), mask=col_ok)
+             dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])
 
 
 @triton.jit
-def _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, k_ptr, v_ptr, stride_kt, stride_vt, doc_start, doc_end,
+def _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, row_start, k_ptr, v_ptr, stride_kt, stride_vt, num_tokens,
                        window, qk_scale, t_begin, t_end, D_QK: tl.constexpr, D_V: tl.constexpr,
                        BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """Accumulate dQ += dS K over key blocks [t_begin, t_end), with P = exp2(Q K^T * scale - lse)
     and dS = P (dO V^T - delta)."""
     for t in range(t_begin, t_end):
-        cols = doc_start + t * BLOCK_N + tl.arange(0, BLOCK_N)
-        k, v = _load_keys(k_ptr, v_ptr, cols, stride_kt, stride_vt, doc_end, D_QK, D_V, MASKED)
+        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        k, v = _load_keys(k_ptr, v_ptr, cols, stride_kt, stride_vt, num_tokens, D_QK, D_V, MASKED)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:
-            s = tl.where(_visible(rows, cols, doc_end, window), s, -float("inf"))
+            s = tl.where(_visible(rows, cols, row_start, window), s, -float("inf"))
         p = tl.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
@@ -837,22 +862,19 @@ def _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, k_ptr, v_ptr, stride_kt, str
 
 
 @triton.jit
-def _attn_bwd_q_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_ptr,
+def _attn_bwd_q_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_start_ptr, scale_ptr,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                       stride_dqt, stride_dqh, num_tokens, window, qk_scale, sm_scale,
+                       stride_dqt, stride_dqh, num_tokens, window,
                        D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dQ for one block of BLOCK_M queries of one document and head (FlashAttention-2).
+    """dQ for BLOCK_M consecutive queries of the packed batch and one head (FlashAttention-2).
     Grid and visited key blocks as in _attn_fwd_kernel. Traffic per program: Q, dO, lse, delta
     read once, K and V for the visited key blocks, dQ written once."""
-    doc = tl.program_id(1)
-    head = tl.program_id(2)
-    doc_start = tl.load(cu_seqlens_ptr + doc)
-    doc_end = tl.load(cu_seqlens_ptr + doc + 1)
-    q_start = doc_start + tl.program_id(0) * BLOCK_M
-    if q_start >= doc_end:
-        return
-    rows = q_start + tl.arange(0, BLOCK_M)
-    row_ok = rows < doc_end
+    q_first = tl.program_id(0) * BLOCK_M
+    head = tl.program_id(1)
+    q_last = tl.minimum(q_first + BLOCK_M, num_tokens) - 1
+    rows = q_first + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_tokens
+    row_start = tl.load(doc_start_ptr + rows, mask=row_ok, other=0)
     d_qk = tl.arange(0, D_QK)
     d_v = tl.arange(0, D_V)
     q = tl.load(q_ptr + head * stride_qh + rows[:, None] * stride_qt + d_qk[None, :], mask=row_ok[:, None], other=0.0)
@@ -862,62 +884,64 @@ def _attn_bwd_q_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, 
     delta = tl.load(delta_ptr + head * num_tokens + rows, mask=row_ok, other=0.0)
     k_ptr += head * stride_kh
     v_ptr += head * stride_vh
+    sm_scale = tl.load(scale_ptr)
+    qk_scale = sm_scale * LOG2_E
 
     dq = tl.zeros((BLOCK_M, D_QK), dtype=tl.float32)
-    lo, mid_lo, mid_hi, hi = _key_blocks(q_start, doc_start, doc_end, window, BLOCK_M, BLOCK_N)
-    dq = _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, k_ptr, v_ptr, stride_kt, stride_vt, doc_start, doc_end,
+    lo, mid_lo, mid_hi, hi = _key_blocks(q_first, q_last, tl.load(doc_start_ptr + q_first),
+                                         tl.load(doc_start_ptr + q_last), window, BLOCK_N)
+    dq = _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, row_start, k_ptr, v_ptr, stride_kt, stride_vt, num_tokens,
                             window, qk_scale, lo, mid_lo, D_QK, D_V, BLOCK_N, True)
-    dq = _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, k_ptr, v_ptr, stride_kt, stride_vt, doc_start, doc_end,
+    dq = _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, row_start, k_ptr, v_ptr, stride_kt, stride_vt, num_tokens,
                             window, qk_scale, mid_lo, mid_hi, D_QK, D_V, BLOCK_N, False)
-    dq = _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, k_ptr, v_ptr, stride_kt, stride_vt, doc_start, doc_end,
+    dq = _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, row_start, k_ptr, v_ptr, stride_kt, stride_vt, num_tokens,
                             window, qk_scale, mid_hi, hi, D_QK, D_V, BLOCK_N, True)
     tl.store(dq_ptr + head * stride_dqh + rows[:, None] * stride_dqt + d_qk[None, :],
              (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _attention_grid(max_seqlen, block, cu_seqlens, num_heads):
-    return (triton.cdiv(max_seqlen, block), cu_seqlens.numel() - 1, num_heads)
+def attention_grid(num_tokens, block, num_heads):
+    """(programs along the packed batch, heads): one program per `block` tokens and head."""
+    return (triton.cdiv(num_tokens, block), num_heads)
 
 
-def _launch_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, window: int,
-                     softmax_scale: float, configs: list[int]) -> tuple[Tensor, Tensor]:
+def _launch_attn_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: Tensor, scale: Tensor, window: int,
+                     configs: list[int]) -> tuple[Tensor, Tensor]:
     config = _config_from_list(configs[:len(configs) // 4])
     T, H, d_qk = q.shape
     d_v = v.shape[2]
     o = torch.empty(T, H, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(H, T, dtype=torch.float32, device=q.device)
-    _launch(_attn_fwd_kernel, _attention_grid(max_seqlen, config.block_m, cu_seqlens, H), config,
-            q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, lse_ptr=lse, cu_seqlens_ptr=cu_seqlens,
+    _launch(_attn_fwd_kernel, attention_grid(T, config.block_m, H), config,
+            q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, lse_ptr=lse, doc_start_ptr=doc_start, scale_ptr=scale,
             stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
             stride_vt=v.stride(0), stride_vh=v.stride(1), stride_ot=o.stride(0), stride_oh=o.stride(1),
-            num_tokens=T, window=window, qk_scale=softmax_scale * LOG2_E,
-            D_QK=d_qk, D_V=d_v, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
+            num_tokens=T, window=window, D_QK=d_qk, D_V=d_v, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
     return o, lse
 
 
-def _launch_attn_bwd(grad_o: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-                     cu_seqlens: Tensor, max_seqlen: int, window: int, softmax_scale: float,
-                     configs: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+def _launch_attn_bwd(grad_o: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, doc_start: Tensor,
+                     doc_end: Tensor, scale: Tensor, window: int, configs: list[int]) -> tuple[Tensor, Tensor, Tensor]:
     n = len(configs) // 4
     kv_config, q_config, delta_config = (_config_from_list(configs[i * n:(i + 1) * n]) for i in (1, 2, 3))
     T, H, d_qk = q.shape
     d_v = v.shape[2]
     delta = torch.empty(H, T, dtype=torch.float32, device=q.device)
-    _launch(_attn_bwd_delta_kernel, (triton.cdiv(T, delta_config.block_m), H), delta_config,
+    _launch(_attn_bwd_delta_kernel, attention_grid(T, delta_config.block_m, H), delta_config,
             o_ptr=o, do_ptr=grad_o, delta_ptr=delta, stride_ot=o.stride(0), stride_oh=o.stride(1),
             stride_dot=grad_o.stride(0), stride_doh=grad_o.stride(1), num_tokens=T, D_V=d_v,
             BLOCK_M=delta_config.block_m)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    common = dict(q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=grad_o, lse_ptr=lse, delta_ptr=delta, cu_seqlens_ptr=cu_seqlens,
+    common = dict(q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=grad_o, lse_ptr=lse, delta_ptr=delta, scale_ptr=scale,
                   stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
                   stride_vt=v.stride(0), stride_vh=v.stride(1), stride_dot=grad_o.stride(0),
-                  stride_doh=grad_o.stride(1), num_tokens=T, window=window, qk_scale=softmax_scale * LOG2_E,
-                  sm_scale=softmax_scale, D_QK=d_qk, D_V=d_v)
-    _launch(_attn_bwd_kv_kernel, _attention_grid(max_seqlen, kv_config.block_n, cu_seqlens, H), kv_config,
-            dk_ptr=dk, dv_ptr=dv, stride_dkt=dk.stride(0), stride_dkh=dk.stride(1), stride_dvt=dv.stride(0),
-            stride_dvh=dv.stride(1), BLOCK_M=kv_config.block_m, BLOCK_N=kv_config.block_n, **common)
-    _launch(_attn_bwd_q_kernel, _attention_grid(max_seqlen, q_config.block_m, cu_seqlens, H), q_config,
-            dq_ptr=dq, stride_dqt=dq.stride(0), stride_dqh=dq.stride(1),
+                  stride_doh=grad_o.stride(1), num_tokens=T, window=window, D_QK=d_qk, D_V=d_v)
+    _launch(_attn_bwd_kv_kernel, attention_grid(T, kv_config.block_n, H), kv_config,
+            dk_ptr=dk, dv_ptr=dv, doc_end_ptr=doc_end, stride_dkt=dk.stride(0), stride_dkh=dk.stride(1),
+            stride_dvt=dv.stride(0), stride_dvh=dv.stride(1), BLOCK_M=kv_config.block_m, BLOCK_N=kv_config.block_n,
+            **common)
+    _launch(_attn_bwd_q_kernel, attention_grid(T, q_config.block_m, H), q_config,
+            dq_ptr=dq, doc_start_ptr=doc_start, stride_dqt=dq.stride(0), stride_dqh=dq.stride(1),
             BLOCK_M=q_config.block_m, BLOCK_N=q_config.block_n, **common)
     return dq, dk, dv
 
@@ -927,13 +951,15 @@ _attn_bwd_op = torch.library.custom_op(f"{_OPS}::attn_bwd", _launch_attn_bwd, mu
 
 
 @_attn_fwd_op.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, window, softmax_scale, configs):
+def _(q, k, v, doc_start, scale, window, configs):
+    _check_attention_dtypes(q, k, v)
     T, H, _ = q.shape
     return q.new_empty(T, H, v.shape[2]), q.new_empty(H, T, dtype=torch.float32)
 
 
 @_attn_bwd_op.register_fake
-def _(grad_o, q, k, v, o, lse, cu_seqlens, max_seqlen, window, softmax_scale, configs):
+def _(grad_o, q, k, v, o, lse, doc_start, doc_end, scale, window, configs):
+    _check_attention_dtypes(q, k, v, grad_o)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -941,16 +967,17 @@ class _FlashAttention(torch.autograd.Function):
     """Differentiable flash attention: forward saves the log-sum-exp, backward recomputes P."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, window, softmax_scale, configs):
-        o, lse = _attn_fwd_op(q, k, v, cu_seqlens, max_seqlen, window, softmax_scale, configs)
-        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
-        ctx.args = (max_seqlen, window, softmax_scale, configs)
+    def forward(ctx, q, k, v, doc_start, doc_end, scale, window, configs):
+        o, lse = _attn_fwd_op(q, k, v, doc_start, scale, window, configs)
+        ctx.save_for_backward(q, k, v, o, lse, doc_start, doc_end, scale)
+        ctx.args = (window, configs)
         return o
 
     @staticmethod
     def backward(ctx, grad_o):
-        q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv = _attn_bwd_op(_last_dim_contiguous(grad_o), q, k, v, o, lse, cu_seqlens, *ctx.args)
+        q, k, v, o, lse, doc_start, doc_end, scale = ctx.saved_tensors
+        dq, dk, dv = _attn_bwd_op(_last_dim_contiguous(grad_o), q, k, v, o, lse, doc_start, doc_end, scale,
+                                  *ctx.args)
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -958,33 +985,64 @@ def _last_dim_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _check_attention_inputs(q, k, v, cu_seqlens):
+def _check_attention_dtypes(*tensors):
+    """One dtype for q, k, v (and dO) that the tensor cores take; fp32 only off the GPU."""
+    dtypes = {t.dtype for t in tensors}
+    dtype = tensors[0].dtype
+    if len(dtypes) != 1 or dtype not in ATTENTION_DTYPES:
+        raise ValueError(f"flash_attn_varlen needs q, k and v (and their gradient) in one dtype of "
+                         f"{ATTENTION_DTYPES}; got {[str(t.dtype) for t in tensors]}: cast them before the call")
+    if dtype == torch.float32 and tensors[0].device.type == "cuda":
+        raise ValueError("flash_attn_varlen takes bf16 or fp16 on the GPU (fp32 tiles do not fit in shared "
+                         "memory): cast q, k and v to bf16")
+
+
+def _check_attention_inputs(q, k, v, cu_seqlens, scale):
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"flash_attn_varlen needs q, k (T, H, Dqk) and v (T, H, Dv); got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     for d in (q.shape[2], v.shape[2]):
         if d not in ATTENTION_HEAD_DIMS:
             raise ValueError(f"flash_attn_varlen supports head dims {ATTENTION_HEAD_DIMS}; got {d}")
+    _check_attention_dtypes(q, k, v)
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
         raise ValueError("cu_seqlens must be a 1-d int32 tensor of document offsets")
+    if scale.numel() != 1 or scale.dtype != torch.float32:
+        raise ValueError("the softmax scale must be a number or a one-element float32 tensor")
 
 
-def flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, window, softmax_scale, configs=ATTENTION_CONFIGS):
+def softmax_scale_tensor(softmax_scale, device):
+    """The softmax scale as the one-element fp32 tensor the kernels read (a tensor is used as is)."""
+    if isinstance(softmax_scale, Tensor):
+        return softmax_scale.reshape(-1)
+    return torch.full((1,), float(softmax_scale), dtype=torch.float32, device=device)
+
+
+def document_bounds(cu_seqlens, num_tokens):
+    """(doc_start, doc_end): int32 (T,), the first token of each token's document and one past
+    its last (cu_seqlens may end in repeats of T)."""
+    doc = document_ids(cu_seqlens, num_tokens)
+    return cu_seqlens[doc], cu_seqlens[doc + 1]
+
+
+def flash_attn_varlen(q, k, v, cu_seqlens, window, softmax_scale, configs=ATTENTION_CONFIGS):
     """Causal attention over packed documents, limited to a sliding window (see
     attention_reference for the semantics); differentiable.
 
-    q, k (T, H, Dqk) and v (T, H, Dv) with Dqk, Dv in ATTENTION_HEAD_DIMS (any token and head
-    strides); cu_seqlens int32 (num_docs + 1,), possibly padded at the end by repeating T;
-    max_seqlen: an upper bound on the document lengths (it sizes the grid: longer documents
-    would be left incomplete). fp32 softmax state; the matmuls run on the tensor cores in the
-    inputs' dtype (P and dS are rounded to it; fp32 inputs multiply in tf32 on the GPU).
-    configs: (forward, dK/dV, dQ, delta) launch configs.
+    q, k (T, H, Dqk) and v (T, H, Dv), one dtype (bf16 on the GPU), Dqk, Dv in
+    ATTENTION_HEAD_DIMS, any token and head strides; cu_seqlens int32 (num_docs + 1,), possibly
+    padded at the end by repeating T; window in tokens (<= 0: no limit); softmax_scale a number
+    or a one-element fp32 tensor (read by the kernels on the device: changing it recompiles
+    nothing). fp32 softmax state; the matmuls run on the tensor cores in the inputs' dtype (P
+    and dS are rounded to it). configs: (forward, dK/dV, dQ, delta) launch configs.
     """
-    _check_attention_inputs(q, k, v, cu_seqlens)
+    scale = softmax_scale_tensor(softmax_scale, q.device)
+    _check_attention_inputs(q, k, v, cu_seqlens, scale)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    doc_start, doc_end = document_bounds(cu_seqlens, q.shape[0])
     window = window if window > 0 else NO_WINDOW
     flat_configs = [value for config in configs for value in config.as_list()]
-    return _FlashAttention.apply(q, k, v, cu_seqlens, max_seqlen, window, float(softmax_scale), flat_configs)
+    return _FlashAttention.apply(q, k, v, doc_start, doc_end, scale, window, flat_configs)
 
 
 def document_ids(cu_seqlens, num_tokens):
@@ -993,18 +1051,21 @@ def document_ids(cu_seqlens, num_tokens):
     return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
 
 
-def attention_reference(q, k, v, cu_seqlens, max_seqlen, window, softmax_scale):
+def attention_reference(q, k, v, cu_seqlens, window, softmax_scale):
     """Causal attention over packed documents, limited to a sliding window.
 
     q, k: (T, H, Dqk); v: (T, H, Dv); cu_seqlens: int32 document offsets (0, ..., T), possibly
     padded at the end by repeating T. Key j is visible to query i when both lie in the same
-    document, j <= i and i - j < window (window <= 0: no limit). Returns (T, H, Dv) in q's dtype.
+    document, j <= i and i - j < window (window <= 0: no limit). softmax_scale: a number, or a
+    one-element tensor, which is then applied to q (rounded once to q's dtype) before scores
+    are formed. Returns (T, H, Dv) in q's dtype.
 
     Works block by block over queries so that memory stays O(block * (window + block)) instead
     of O(T^2); each block attends to the keys from the earliest visible position to its end.
-    `max_seqlen` is unused here (the Triton kernel sizes its grid with it).
     """
-    del max_seqlen
+    if isinstance(softmax_scale, Tensor):
+        q = (q.float() * softmax_scale.float().reshape(())).to(q.dtype)
+        softmax_scale = 1.0
     T = q.shape[0]
     doc = document_ids(cu_seqlens, T)
     doc_start = cu_seqlens.long()[doc]
@@ -1268,8 +1329,9 @@ def _xxt_kernel(x_ptr, c_ptr, m, n, stride_xb, stride_xm, stride_xn, stride_cb, 
     """C = X X^T for one matrix of a batch, one (BLOCK_M, BLOCK_M) tile per program.
 
     Programs enumerate only the lower-triangle tiles (i, j), j <= i; each computes
-    X[i rows] X[j rows]^T and stores it at (i, j) and, transposed, at (j, i). Half the FLOPs of
-    X @ X^T. Traffic per tile: 2 * BLOCK_M * n elements of X read, one or two tiles written.
+    X[i rows] X[j rows]^T and stores it at (i, j) and, transposed, at (j, i); a diagonal tile
+    keeps its lower triangle and mirrors it, so the result is exactly symmetric (the tensor
+    cores need not sum (r, c) and (c, r) in the same order). Half the FLOPs of X @ X^T. Traffic per tile: 2 * BLOCK_M * n elements of X read, one or two tiles written.
     EVEN (m a multiple of BLOCK_M, n of BLOCK_K, as for Muon's matrices): loads need no mask.
     """
     tile = tl.program_id(0)
@@ -1297,6 +1359,9 @@ def _xxt_kernel(x_ptr, c_ptr, m, n, stride_xb, stride_xm, stride_xn, stride_cb, 
             b = tl.load(b_ptrs, mask=(rows_j[:, None] < m) & k_ok, other=0.0)
         acc = tl.dot(a, tl.trans(b), acc)
 
+    if i == j:
+        # a diagonal tile's two triangles come from different sums: mirror the lower one
+        acc = tl.where(rows_i[:, None] >= rows_j[None, :], acc, tl.trans(acc))
     c_ptr += batch * stride_cb
     out = acc.to(c_ptr.dtype.element_ty)
     mask = (rows_i[:, None] < m) & (rows_j[None, :] < m)

@@ -130,7 +130,7 @@ def gram(X):
     return X @ X.mT
 
 
-def orthogonalize(G, schedule="polar_express", dtype=None):
+def orthogonalize(G, schedule="polar_express", dtype=None, xxt=None):
     """Approximate U V^T for each matrix U S V^T of the batch G (..., m, n).
 
     Works on the wide orientation (transposing when m > n) so that the Gram A = X X^T is the
@@ -138,7 +138,8 @@ def orthogonalize(G, schedule="polar_express", dtype=None):
     schedule maps every singular value s to a*s + b*s^3 + c*s^5, driving them towards 1.
     A^2 is computed as gram(A) since A is symmetric. The math runs in `dtype`: by default bf16
     on CUDA (fast and accurate enough, as the iteration corrects its own rounding) and float32
-    elsewhere. Returns the result in that dtype with G's shape.
+    elsewhere. `xxt` computes the Grams (default: gram). Returns the result in that dtype with
+    G's shape.
 
     Caveat: the anvil polynomials are tuned up to s = 1/1.05 exactly and diverge just past it.
     In bf16 the rounded normalization can cross that edge when one direction holds nearly all
@@ -147,13 +148,14 @@ def orthogonalize(G, schedule="polar_express", dtype=None):
     plan = get_schedule(schedule)
     if dtype is None:
         dtype = torch.bfloat16 if G.is_cuda else torch.float32
+    xxt = xxt or gram
     tall = G.size(-2) > G.size(-1)
     X = G.to(dtype)
     if tall:
         X = X.mT
     A = None
     if plan.reuse_first_gram:
-        A = gram(X)
+        A = xxt(X)
         trace = A.diagonal(dim1=-2, dim2=-1).sum(dim=-1)[..., None, None]
         scale = plan.norm_factor * trace.sqrt() + NORM_EPS
         X = X / scale
@@ -162,8 +164,8 @@ def orthogonalize(G, schedule="polar_express", dtype=None):
         X = X / (plan.norm_factor * X.norm(dim=(-2, -1), keepdim=True) + NORM_EPS)
     for a, b, c in plan.coefficients:
         if A is None:
-            A = gram(X)
-        X = a * X + (b * A + c * gram(A)) @ X
+            A = xxt(X)
+        X = a * X + (b * A + c * xxt(A)) @ X
         A = None
     return X.mT if tall else X
 
@@ -356,16 +358,21 @@ class Muon(torch.optim.Optimizer):
       theta <- theta - lr_eff * O - lr * lr_eff * weight_decay * theta * [gate]
     where the decay gate is sign(slow) * sign(theta) >= 0 for anvil and sign(O) * sign(theta)
     >= 0 otherwise. step() returns True (it always updates every matrix that has a gradient).
+
+    ortho_dtype and xxt: the dtype and the X X^T of the orthogonalization (default: as
+    `orthogonalize` picks them by device); a trainer that rehearses its GPU path on a CPU passes
+    bf16 and the Triton kernel.
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0, schedule="polar_express",
                  variant="muon", equalize=None, beta2=0.9, eps=1e-10, fast_beta=0.85,
-                 slow_beta=0.98, blend=1.0, mu=0.85, lr_scale=1.0):
+                 slow_beta=0.98, blend=1.0, mu=0.85, lr_scale=1.0, ortho_dtype=None, xxt=None):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, schedule=schedule,
                         variant=variant, equalize=equalize, beta2=beta2, eps=eps,
                         fast_beta=fast_beta, slow_beta=slow_beta, blend=blend, mu=mu,
                         lr_scale=lr_scale)
         super().__init__(params, defaults)
+        self.ortho_dtype, self.xxt = ortho_dtype, xxt
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -461,7 +468,7 @@ class Muon(torch.optim.Optimizer):
             return new_values
         directions = torch.stack([
             self._momentum_direction(group, p, summed_shard[j].float() / world) for j, p in owned])
-        orthogonal = orthogonalize(directions, group["schedule"]).float()
+        orthogonal = orthogonalize(directions, group["schedule"], self.ortho_dtype, self.xxt).float()
         for (j, p), update in zip(owned, orthogonal):
             self._apply(group, p, update)
             new_values[j].copy_(p.data)
@@ -545,6 +552,16 @@ class Adam(torch.optim.Optimizer):
         self.pending_calls = state_dict.pop("pending_calls")
         super().load_state_dict(state_dict)
         _restore_saved_state(self, state_dict)
+
+    def copy_state(self, source, target):
+        """Start `target`'s state (moments, step count, mantissa sidecar) as a copy of `source`'s,
+        as when a head tied to the embedding becomes its own parameter with the embedding's
+        values: its first update then continues the embedding's instead of starting from zero
+        moments (whose first bias-corrected step is lr * sign(g) on every entry)."""
+        if source.shape != target.shape or source.dtype != target.dtype:
+            raise OptimConfigError(f"copy_state needs parameters of one shape and dtype; got "
+                                   f"{tuple(source.shape)} {source.dtype} and {tuple(target.shape)} {target.dtype}")
+        self.state[target] = {k: v.clone() if torch.is_tensor(v) else v for k, v in self.state[source].items()}
 
     def _update(self, group, state, param, g):
         """One Adam step on `param` (the whole parameter or this rank's rows) with fp32 grad g.

@@ -13,6 +13,8 @@ Presets: `speedrun` (8 GPUs), `1gpu` (the same global batch on 1 GPU by gradient
 file it imported, the environment, the data fingerprints, the resolved config, then step lines.
 """
 import argparse
+import contextlib
+import copy
 import ctypes
 import dataclasses
 import datetime
@@ -132,9 +134,11 @@ class Hyperparameters:
     seed: int = 0
     device: str = "auto"           # auto | cuda | cpu
     kernels: str = "auto"          # auto (Triton on CUDA; references on CPU, CE chunked) | triton | reference
-    compile: bool = True           # torch.compile the model on CUDA
-    fp8_mlp: bool = True           # MLPs as the fused FP8 ReLU^2 kernel pair (CUDA only; bf16 elsewhere)
-    warmup_steps: int = 3          # untimed steps per stage shape before timing starts (CUDA only)
+    compile: bool = True           # torch.compile the training step and the validation
+    compile_backend: str = "inductor"  # torch.compile backend; aot_eager traces the same graphs without codegen
+    fp8_mlp: bool = True           # MLPs as the fused FP8 ReLU^2 kernel pair (with Triton kernels or on CUDA)
+    warmup_steps: int = 3          # untimed steps per graph before timing starts (when something compiles)
+    sync_check: bool = False       # CUDA: any host sync inside a timed training step is an error
     log_every: int = 10            # print a train-loss line every this many steps
     log_dir: str = "logs"
     save_checkpoint: bool = False  # write logs/<run id>_model.pt at the end
@@ -293,36 +297,52 @@ def rms_norm(x):
     return F.rms_norm(x, (x.size(-1),))
 
 
-class Rotary(nn.Module):
-    """RoPE on half of the head dims; the other half stays stationary (zero frequency).
+def yarn_frequencies(freq, old_tokens, new_tokens):
+    """YaRN for a window growing from old_tokens to new_tokens: low frequencies (few rotations
+    inside the old window) are slowed by old/new, so the model sees familiar angles at the new
+    distances; high ones are kept."""
+    rotations = old_tokens * freq / (2 * math.pi)
+    keep = ((rotations - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0, 1)
+    ratio = old_tokens / new_tokens
+    return freq * (ratio + keep * (1 - ratio))
 
-    Frequencies follow base period `base` over head_dim/4 rotating pairs. When the attention
-    window grows, `grow_window` applies YaRN: low frequencies (few rotations inside the old
-    window) are slowed by old/new so the model sees familiar angles at the new distances.
+
+class Rotary(nn.Module):
+    """RoPE on half of the head dims (the other half stays stationary, zero frequency), and the
+    attention scale that YaRN adjusts together with the frequencies as the long window grows.
+
+    Frequencies follow base period `base` over head_dim/4 rotating pairs. `set_windows` derives
+    the frequency table and the scale from the whole history of long windows, so they depend
+    on where training is, not on the order of calls. Both live in buffers updated in place: a
+    compiled model reads the new values without recompiling.
     """
 
-    def __init__(self, head_dim, base, max_tokens):
+    def __init__(self, head_dim, base, max_tokens, attn_scale):
         super().__init__()
         quarter = head_dim // 4
         freq = (1.0 / base) ** torch.linspace(0, 1, quarter)
-        self.register_buffer("freq", torch.cat([freq, freq.new_zeros(quarter)]), persistent=False)
-        self.max_tokens = max_tokens
-        self.register_buffer("cos", torch.empty(0), persistent=False)
-        self.register_buffer("sin", torch.empty(0), persistent=False)
-        self._tabulate()
+        self.register_buffer("base_freq", torch.cat([freq, freq.new_zeros(quarter)]), persistent=False)
+        self.register_buffer("cos", torch.empty(max_tokens, 2 * quarter), persistent=False)
+        self.register_buffer("sin", torch.empty(max_tokens, 2 * quarter), persistent=False)
+        self.register_buffer("attn_scale", torch.empty(()), persistent=False)
+        self.initial_attn_scale = attn_scale
+        self.windows = None        # the long-window history (in tokens) the tables were made for
+        self.set_windows([])
 
-    def _tabulate(self):
-        angles = torch.outer(torch.arange(self.max_tokens, dtype=torch.float32,
-                                          device=self.freq.device), self.freq)
-        self.cos, self.sin = angles.cos(), angles.sin()
-
-    def grow_window(self, old_tokens, new_tokens):
-        """YaRN frequency adjustment for a window growing from old_tokens to new_tokens."""
-        rotations = old_tokens * self.freq / (2 * math.pi)
-        keep = ((rotations - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0, 1)
-        ratio = old_tokens / new_tokens
-        self.freq = self.freq * (ratio + keep * (1 - ratio))
-        self._tabulate()
+    @torch.no_grad()
+    def set_windows(self, long_windows):
+        """Frequencies and attention scale after the long window grew through `long_windows` (tokens)."""
+        if self.windows == list(long_windows):
+            return
+        freq, scale = self.base_freq, self.initial_attn_scale
+        for old, new in zip(long_windows, long_windows[1:]):
+            freq = yarn_frequencies(freq, old, new)
+            scale *= 1 + YARN_ATTN_SCALE * math.log(new / old)
+        angles = torch.outer(torch.arange(self.cos.size(0), dtype=torch.float32, device=freq.device), freq)
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
+        self.attn_scale.fill_(scale)
+        self.windows = list(long_windows)
 
     def forward(self, x):
         T = x.size(0)
@@ -335,10 +355,8 @@ class Rotary(nn.Module):
 class AttentionArgs:
     """Everything attention needs about the packed batch and the current windows."""
     cu_seqlens: torch.Tensor
-    max_seqlen: int
     short_window: int              # tokens
     long_window: int               # tokens
-    scale: float
 
 
 class CausalSelfAttention(nn.Module):
@@ -358,21 +376,26 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, ve, rotary: Rotary, args: AttentionArgs):
         T = x.size(0)
-        q, k, v = F.linear(x, self.qkv.type_as(x)).view(T, 3, self.num_heads, self.head_dim).unbind(1)
+        qkv = F.linear(x, self.qkv.type_as(x))
+        q, k, v = qkv.view(T, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = rotary(rms_norm(q)), rotary(rms_norm(k))
         if ve is not None:
             gate = 2 * torch.sigmoid(F.linear(x[:, :self.ve_gate.size(1)], self.ve_gate.type_as(x)))
             v = v + gate[..., None] * ve.view_as(v)
+        # Attention takes one dtype, the projection's: CUDA autocast runs the norms (and so q, k)
+        # and the value-embedding sum in fp32 while the projection gives bf16.
+        q, k, v = (t.to(qkv.dtype) for t in (q, k, v))
         window = args.long_window if self.long_window else args.short_window
-        y = self.attention_fn(q, k, v, args.cu_seqlens, args.max_seqlen, window, args.scale)
+        y = self.attention_fn(q, k, v, args.cu_seqlens, window, rotary.attn_scale)
         return F.linear(y.reshape(T, -1), self.out.type_as(y))
 
 
 class MLP(nn.Module):
     """relu(x W_up^T)^2 W_down^T, W_down zero-initialized so each block starts as identity.
 
-    With `fp8_fn` (kernels.fp8_relu2_mlp or its reference) both GEMMs run in FP8 with delayed
-    activation/gradient scales kept in the `fp8_state` buffer; otherwise in the autocast dtype.
+    With `fp8_fn` (kernels.fp8_relu2_mlp or its reference) both GEMMs run in FP8 while training,
+    with the amax history of the scales in the `fp8_state` buffer; evaluation runs in the
+    autocast dtype and leaves that buffer alone.
     """
 
     def __init__(self, dim, hidden, fp8_fn=None):
@@ -386,7 +409,7 @@ class MLP(nn.Module):
             self.register_buffer("fp8_state", kernels.new_fp8_mlp_state(self.up.device))
 
     def forward(self, x):
-        if self.fp8_fn is not None:
+        if self.fp8_fn is not None and self.training:
             return self.fp8_fn(x.to(torch.bfloat16), self.up, self.down, self.fp8_state)
         return F.linear(F.relu(F.linear(x, self.up.type_as(x))).square(), self.down.type_as(x))
 
@@ -452,7 +475,7 @@ class GPT(nn.Module):
         self.num_skips = n // 2
         self.skip_weights = nn.Parameter(torch.ones(self.num_skips))
         max_tokens = max(max(s.tokens_per_rank for s in h.stages), h.val_tokens_per_rank)
-        self.rotary = Rotary(h.head_dim, h.rope_base, max_tokens)
+        self.rotary = Rotary(h.head_dim, h.rope_base, max_tokens, h.attn_scale)
         self.register_buffer("prefix_table", torch.from_numpy(prefix_token_table()).long(), persistent=False)
 
     def untie(self):
@@ -461,12 +484,16 @@ class GPT(nn.Module):
             self.lm_head.copy_(self.embed.weight)
         self.tied = False
 
+    def tie(self):
+        """Use the embedding as the head again (lm_head's values are then unused)."""
+        self.tied = True
+
     def head_weight(self):
         return self.embed.weight if self.tied else self.lm_head
 
     def hidden_states(self, tokens, args: AttentionArgs):
-        is_start = tokens == BOS_ID
-        is_start[0] = True         # a slice may begin inside a document: its first token has no known predecessor
+        # a slice may begin inside a document: its first token has no known predecessor either
+        is_start = torch.cat([tokens.new_ones(1, dtype=torch.bool), tokens[1:] == BOS_ID])
         bigram = self.bigram(bigram_rows(tokens, is_start, self.bigram.num_embeddings))
         x = self.embed(tokens) + bigram * self.signs[bigram_sign_rows(tokens)]
         x = x0 = rms_norm(x)
@@ -518,25 +545,28 @@ def ids_to_columns(ids, columns):
 
 
 CANDIDATE_STRIDE = 20011           # coprime to 50304: k -> k * stride mod V visits every id once
+CANDIDATE_STRIDE_INVERSE = pow(CANDIDATE_STRIDE, -1, PADDED_VOCAB_SIZE)  # id -> its position k in the walk
 CANDIDATE_OFFSET_MULT = 7919       # spreads the walk's starting point across steps and slices
 CANDIDATE_SLICES_PER_STEP = 8191   # more than any step's slice count: (step, slice) -> distinct seeds
 
 
 def candidate_columns(targets, count, step, slice_index):
-    """Sampled-softmax candidates: every distinct target id plus deterministic uniform negatives.
+    """Sampled-softmax candidates: `count` sorted vocabulary ids, every distinct target id of the
+    batch plus deterministic uniform negatives.
 
-    Negatives are the first ids, in the order k -> (k * CANDIDATE_STRIDE + offset) mod V, that are
-    not targets, until there are `count` columns (more if the batch has more distinct targets).
+    Negatives are the first non-target ids of the walk k -> (k * CANDIDATE_STRIDE + offset) mod V.
+    Each id gets a priority, its position in the walk, raised by V for non-targets; the `count`
+    lowest win. The size is fixed, so the step needs no host sync: if a batch ever had more than
+    `count` distinct targets, those latest in the walk would be left out of its softmax.
     """
     V = PADDED_VOCAB_SIZE
-    chosen = torch.zeros(V, dtype=torch.bool, device=targets.device)
-    chosen[targets[targets >= 0]] = True
     offset = ((step * CANDIDATE_SLICES_PER_STEP + slice_index) * CANDIDATE_OFFSET_MULT) % V
-    walk = (torch.arange(V, device=targets.device) * CANDIDATE_STRIDE + offset) % V
-    missing = count - chosen.sum()
-    fresh = ~chosen[walk]
-    chosen[walk[fresh & (fresh.cumsum(0) <= missing)]] = True
-    return chosen.nonzero().squeeze(1)
+    ids = torch.arange(V, device=targets.device)
+    walk_position = ((ids - offset) * CANDIDATE_STRIDE_INVERSE) % V
+    present = torch.where(targets >= 0, targets, V).flatten()      # absent targets land on a spare slot
+    is_target = torch.zeros(V + 1, dtype=torch.bool, device=targets.device).index_fill_(0, present, True)[:V]
+    priority = walk_position + V * (~is_target)
+    return priority.topk(count, largest=False, sorted=False).indices.sort().values
 
 
 # -----------------------------------------------------------------------------------------------
@@ -554,11 +584,15 @@ class Slice:
     targets: torch.Tensor          # (T, MAX_TARGETS - 1) int64 vocab ids of t+1, t+2, ...; -1 = none
     cu_seqlens: torch.Tensor       # (T // MIN_DOC_TOKENS + 2,) int32, padded by repeating T
 
+    def pinned(self):
+        """The same slice in page-locked memory, so that copies to the GPU need not wait."""
+        return Slice(*(t.pin_memory() for t in (self.tokens, self.targets, self.cu_seqlens)))
+
     def to(self, device):
+        """The slice on `device`; from pinned memory the copies are queued, not waited for."""
         if device.type == "cpu":
             return self
-        return Slice(*(t.pin_memory().to(device, non_blocking=True)
-                       for t in (self.tokens, self.targets, self.cu_seqlens)))
+        return Slice(*(t.to(device, non_blocking=True) for t in (self.tokens, self.targets, self.cu_seqlens)))
 
 
 MIN_DOC_TOKENS = 16                # cu_seqlens has room for T / MIN_DOC_TOKENS documents per slice
@@ -655,6 +689,34 @@ class TrainLoader:
         return out
 
 
+class BatchPrefetcher:
+    """The slices of each step's batch, built in a background thread one step ahead.
+
+    The loader reads, packs and (for a GPU) pins the next step's slices while the current step
+    runs, so the training loop only queues their copies. Steps must be asked for in order.
+    """
+
+    def __init__(self, loader, h, mine, pin):
+        self.loader, self.h, self.mine, self.pin = loader, h, mine, pin
+        self.pool = ThreadPoolExecutor(max_workers=1)
+        self.step, self.future = 0, self.pool.submit(self._build, 0)
+
+    def _build(self, step):
+        stage = self.h.stages[stage_index(self.h, step)]
+        slices = self.loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, self.h.batch_ranks, self.mine)
+        return [s.pinned() for s in slices] if self.pin else slices
+
+    def get(self, step):
+        if step != self.step:
+            raise ValueError(f"batches are built in order: asked for step {step}, next is {self.step}")
+        slices = self.future.result()
+        self.step, self.future = step + 1, self.pool.submit(self._build, step + 1)
+        return slices
+
+    def close(self):
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 def validation_slices(files, val_tokens, T, num_slices, mine):
     """The first val_tokens tokens of the val stream, cut into num_slices slices of T tokens.
 
@@ -732,8 +794,49 @@ def anvil_blend(h, step):
 
 
 def target_weights(stage, device):
+    """(MAX_TARGETS,) loss weights of the targets t+1, t+2, t+3 and of the prefix target."""
     w = list(stage.mtp_weights) + [0.0] * (MAX_TARGETS - 1 - len(stage.mtp_weights)) + [stage.prefix_weight]
     return torch.tensor(w, dtype=torch.float32, device=device)
+
+
+def untie_step(h):
+    """The first step at which lm_head is its own parameter."""
+    return int(h.untie_frac * h.num_iterations)
+
+
+def attention_windows(h, step, final_validation=False):
+    """(short, long) attention windows in WINDOW_BLOCKs at `step`; the final validation uses the
+    last stage's short window and val_long_window."""
+    stage = h.stages[stage_index(h, step)]
+    return stage.short_window, (h.val_long_window if final_validation else stage.long_window)
+
+
+def long_window_history(h, step, final_validation=False):
+    """The long window (tokens) at the start and after each time it grew, up to `step`: what
+    YaRN's frequency and attention-scale adjustment is computed from."""
+    blocks = [h.stages[i].long_window for i in range(stage_index(h, step) + 1)]
+    if final_validation:
+        blocks.append(h.val_long_window)
+    history = []
+    for b in blocks:
+        if not history or b * WINDOW_BLOCK > history[-1]:
+            history.append(b * WINDOW_BLOCK)
+    return history
+
+
+def graph_changes(h):
+    """Steps whose training step differs in shape or structure from the step before: the start
+    of every stage and the untie. A compiled model needs one graph for each."""
+    N = h.num_iterations
+    starts = {s for s in range(1, N) if stage_index(h, s) != stage_index(h, s - 1)}
+    return sorted({0} | starts | ({untie_step(h)} & set(range(N))))
+
+
+def validation_points(h):
+    """(step, final) of every validation, intermediate ones first."""
+    N = h.num_iterations
+    middle = [(s, False) for s in range(h.val_every, N, h.val_every)] if h.val_every else []
+    return middle + [(N, True)]
 
 
 # -----------------------------------------------------------------------------------------------
@@ -775,6 +878,36 @@ def environment(world_size):
         "hostname": socket.gethostname(), "command": " ".join(sys.argv), "git_commit": git_commit(),
         "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
     }
+
+
+class DeferredLossLines:
+    """Train-loss lines written once their value has reached the host, so that logging never
+    makes the CPU wait for the GPU: at a logged step the loss is copied (non-blocking) to pinned
+    memory and an event is recorded; the line is written at a later step once the event has
+    passed, or when the loop synchronizes anyway (validation, the end)."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.pending = []          # (step, elapsed_ms, host tensor, event or None)
+
+    def add(self, step, elapsed_ms, loss):
+        host = torch.empty((), dtype=torch.float32, pin_memory=self.cuda)
+        host.copy_(loss, non_blocking=self.cuda)
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.pending.append((step, elapsed_ms, host, event))
+
+    def ready(self, wait=False):
+        """(step, elapsed_ms, loss) of the pending lines whose value has arrived, in order."""
+        out = []
+        while self.pending and (wait or self.pending[0][3] is None or self.pending[0][3].query()):
+            step, elapsed_ms, host, event = self.pending.pop(0)
+            if event is not None:
+                event.synchronize()
+            out.append((step, elapsed_ms, host.item()))
+        return out
 
 
 class RunLog:
@@ -867,15 +1000,21 @@ class KernelFns:
     attention: object
     cross_entropy: object
     fp8_mlp: object = None         # None: the MLP runs in the autocast dtype
+    xxt: object = None             # X X^T of the Muon family; None: as optim.orthogonalize picks by device
 
 
 def select_kernels(h, device):
-    """Triton on CUDA unless the references are asked for; FP8 MLPs only on CUDA with fp8_mlp."""
+    """Triton on CUDA unless the references are asked for. FP8 MLPs with the Triton kernels, or
+    on CUDA with the references (the A/B twin). On a CPU the Triton kernels run only under the
+    Triton interpreter, which tests use to rehearse the GPU path."""
     use_triton = h.kernels == "triton" or (h.kernels == "auto" and device.type == "cuda")
-    fp8 = h.fp8_mlp and device.type == "cuda"
+    if use_triton and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("--kernels=triton needs a CUDA GPU (on a CPU the Triton kernels only run under the "
+                          "interpreter, TRITON_INTERPRET=1, for tests): use --kernels=auto")
+    fp8 = h.fp8_mlp and (use_triton or device.type == "cuda")
     if use_triton:
         return KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy,
-                         kernels.fp8_relu2_mlp if fp8 else None)
+                         kernels.fp8_relu2_mlp if fp8 else None, kernels.xxt)
     # Here auto means CPU: the chunked cross-entropy is the kernel's algorithm, ~3x faster than the
     # reference there; `kernels=reference` keeps the plain reference for A/B runs.
     cross_entropy = (kernels.softcap_cross_entropy_reference if h.kernels == "reference"
@@ -883,8 +1022,9 @@ def select_kernels(h, device):
     return KernelFns(kernels.attention_reference, cross_entropy, kernels.fp8_relu2_mlp_reference if fp8 else None)
 
 
-def build_optimizers(h, model):
-    """Adam for embeddings, head and scalars; the Muon family (or Adam) for the hidden matrices."""
+def build_optimizers(h, model, fns):
+    """Adam for embeddings, head and scalars; the Muon family (or Adam) for the hidden matrices,
+    orthogonalized in bf16 with the Triton X X^T wherever the Triton kernels run."""
     matrices = [p for name, p in model.blocks.named_parameters() if p.ndim == 2 and "ve_gate" not in name]
     scalars = [p for name, p in model.named_parameters()
                if p.ndim < 2 or "ve_gate" in name]
@@ -906,82 +1046,146 @@ def build_optimizers(h, model):
                        dict(params=mlp_down, lr_scale=down_scale, name="mlp_down")],
                       lr=h.matrix_lr, momentum=h.momentum, weight_decay=h.matrix_wd,
                       schedule=h.orthogonalize, variant=h.optimizer,
-                      fast_beta=h.anvil_fast_beta, slow_beta=h.anvil_slow_beta)
+                      fast_beta=h.anvil_fast_beta, slow_beta=h.anvil_slow_beta,
+                      ortho_dtype=torch.bfloat16 if fns.xxt else None, xxt=fns.xxt)
     return [adam, muon]
 
 
+def compiled_graphs():
+    """Graphs torch.compile has built in this process so far."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def compile_fn(h, fn):
+    """fn compiled as the timed run needs it: one static graph per shape (dynamic shapes make
+    slower kernels), no graph breaks, and room in dynamo's per-function cache for every graph
+    the schedule uses (past the limit dynamo would fall back to eager without a word)."""
+    graphs_needed = max(len(graph_changes(h)), len(validation_points(h)))
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs_needed)
+    return torch.compile(fn, dynamic=False, fullgraph=True, backend=h.compile_backend)
+
+
+FP8_CALIBRATION_PASSES = 1         # forward+backward passes that record the FP8 amaxes before the first step
+
+
 class Trainer:
+    """The model, its optimizers and the schedules that drive them, on one process."""
+
     def __init__(self, h: Hyperparameters, env: Dist, log: RunLog):
         self.h, self.env, self.log = h, env, log
         torch.manual_seed(h.seed)
-        self.model = GPT(h, select_kernels(h, env.device)).to(env.device)
-        self.optimizers = build_optimizers(h, self.model)
-        self.forward = torch.compile(self.model) if (h.compile and env.device.type == "cuda") else self.model
+        self.kernels = select_kernels(h, env.device)
+        self.model = GPT(h, self.kernels).to(env.device)
+        self.optimizers = build_optimizers(h, self.model, self.kernels)
+        self.adam = next(opt for opt in self.optimizers if isinstance(opt, optim.Adam))
+        self.forward, self.validation_loss_sum = self.model, self.model.validation_loss_sum
+        if h.compile:
+            self.forward = compile_fn(h, self.model)
+            self.validation_loss_sum = compile_fn(h, self.model.validation_loss_sum)
         self.autocast = torch.autocast(env.device.type, dtype=torch.bfloat16)
         self.accum = h.batch_ranks // env.world_size
         self.mine = list(range(env.rank, h.batch_ranks, env.world_size))
-        self.attn_scale = h.attn_scale
-        self.long_window = h.stages[0].long_window
+        self.stage_weights = [target_weights(stage, env.device) for stage in h.stages]
         self.train_time_ms = 0.0
+        self.advance_to(0)
 
-    # -- schedules applied to the model and the optimizers
-    def set_window(self, long_window_blocks):
-        """Grow the long window, with the YaRN frequency and attention-scale adjustment."""
-        if long_window_blocks > self.long_window:
-            self.model.rotary.grow_window(self.long_window * WINDOW_BLOCK, long_window_blocks * WINDOW_BLOCK)
-            self.attn_scale *= 1 + YARN_ATTN_SCALE * math.log(long_window_blocks / self.long_window)
-            self.long_window = long_window_blocks
+    def needs_warm_up(self):
+        """Whether the first steps would compile something: torch.compile or the Triton JIT."""
+        triton_kernels = self.kernels.attention is kernels.flash_attn_varlen
+        return self.h.warmup_steps > 0 and (self.h.compile or triton_kernels)
 
-    def set_optimizer_schedules(self, step):
-        lr = lr_multiplier(self.h, step)
+    # -- the schedule
+    def advance_to(self, step, final_validation=False):
+        """Put the model and the optimizers where the schedule has them at `step` (or at the final
+        validation): attention windows with their YaRN frequencies and scale, the head tied or
+        untied, learning rates and momenta. Every schedule goes through here; the training loop
+        and the warm-up both call it, in any order, and it changes no compiled code."""
+        h = self.h
+        self.model.rotary.set_windows(long_window_history(h, step, final_validation))
+        self.set_tied(step < untie_step(h))
+        lr = lr_multiplier(h, step)
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = group["initial_lr"] * lr
-        for opt in self.optimizers:
-            if isinstance(opt, optim.Muon):
-                for group in opt.param_groups:
-                    group["momentum"] = matrix_momentum(self.h, step)
-                    group["mu"] = anvil_mu(self.h, step)
-                    group["blend"] = anvil_blend(self.h, step)
+                if isinstance(opt, optim.Muon):
+                    group["momentum"] = matrix_momentum(h, step)
+                    group["mu"] = anvil_mu(h, step)
+                    group["blend"] = anvil_blend(h, step)
 
-    # -- one step
-    def train_step(self, step, slices):
-        stage = self.h.stages[stage_index(self.h, step)]
-        weights = target_weights(stage, self.env.device)
+    def set_tied(self, tied):
+        """Tie or untie the head. Untying starts lm_head from the embedding's values and from its
+        Adam state, so that its first update continues the embedding's instead of a sign step."""
+        if tied and not self.model.tied:
+            self.model.tie()
+        elif not tied and self.model.tied:
+            self.model.untie()
+            self.adam.copy_state(self.model.embed.weight, self.model.lm_head)
+
+    def attention_args(self, s, step, final_validation=False):
+        short, long = attention_windows(self.h, step, final_validation)
+        return AttentionArgs(s.cu_seqlens, short * WINDOW_BLOCK, long * WINDOW_BLOCK)
+
+    # -- steps
+    def forward_backward(self, step, slices):
+        """This rank's micro-batches of the step, gradients accumulated; returns the summed loss
+        (a device scalar: nothing here waits for the device)."""
+        index = stage_index(self.h, step)
+        stage, weights = self.h.stages[index], self.stage_weights[index]
         total = torch.zeros((), device=self.env.device)
         for slice_index, s in zip(self.mine, slices):
             s = s.to(self.env.device)
-            columns = None
-            if stage.candidates:
-                columns = candidate_columns(s.targets, stage.candidates, step, slice_index)
-            args = AttentionArgs(s.cu_seqlens, stage.max_doc_len, stage.short_window * WINDOW_BLOCK,
-                                 stage.long_window * WINDOW_BLOCK, self.attn_scale)
+            columns = candidate_columns(s.targets, stage.candidates, step, slice_index) if stage.candidates else None
             with self.autocast:
-                loss = self.forward(s.tokens, s.targets, args, weights, columns) / self.accum
+                loss = self.forward(s.tokens, s.targets, self.attention_args(s, step), weights, columns) / self.accum
             loss.backward()
             total += loss.detach()
-        self.set_optimizer_schedules(step)
+        return total
+
+    def train_step(self, step, slices):
+        """One optimizer step on the global batch; advance_to(step) has set the schedule."""
+        loss = self.forward_backward(step, slices)
         for opt in self.optimizers:
             opt.step()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        return total
+        return loss
+
+    def calibrate_fp8(self, slices):
+        """Record the FP8 amaxes of the initial weights on the first step's batch (gradients
+        discarded), so that the first step's delayed scales fit its tensors instead of starting
+        from the uncalibrated defaults."""
+        if self.kernels.fp8_mlp is None:
+            return
+        for _ in range(FP8_CALIBRATION_PASSES):
+            self.forward_backward(0, slices)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
 
     @torch.no_grad()
-    def validate(self, slices, long_window_blocks):
-        stage = self.h.stages[-1]
+    def validate(self, slices, step, final_validation):
+        """Mean full-vocabulary loss over `slices` (and the other ranks' as many), in bf16 with no FP8."""
         self.model.eval()
         total = torch.zeros((), device=self.env.device)
         for s in slices:
             s = s.to(self.env.device)
-            args = AttentionArgs(s.cu_seqlens, self.h.val_tokens_per_rank, stage.short_window * WINDOW_BLOCK,
-                                 long_window_blocks * WINDOW_BLOCK, self.attn_scale)
             with self.autocast:
-                total += self.model.validation_loss_sum(s.tokens, s.targets, args)
+                total += self.validation_loss_sum(s.tokens, s.targets, self.attention_args(s, step, final_validation))
         if self.env.world_size > 1:
             dist.all_reduce(total)
         self.model.train()
-        return total.item() / self.h.val_tokens
+        return total.item() / (len(slices) * self.h.val_tokens_per_rank * self.env.world_size)
+
+    # -- state
+    def snapshot(self):
+        """Copies of the model's and the optimizers' state (see restore)."""
+        return ({k: v.clone() for k, v in self.model.state_dict().items()},
+                [copy.deepcopy(opt.state_dict()) for opt in self.optimizers])
+
+    def restore(self, snapshot):
+        model_state, optimizer_states = snapshot
+        self.model.load_state_dict(model_state)
+        for opt, state in zip(self.optimizers, optimizer_states):
+            opt.load_state_dict(copy.deepcopy(state))
 
 
 def check_finite(name, loss, step, log):
@@ -997,25 +1201,58 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def warm_up(trainer, train_files):
-    """Untimed steps at every stage's shape, tied and untied (compiles, autotunes), then restore
-    the initial model and optimizer state so the timed run starts from scratch."""
-    h, model = trainer.h, trainer.model
-    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
-    saved_opts = [opt.state_dict() for opt in trainer.optimizers]
+@contextlib.contextmanager
+def host_syncs_are_errors(enabled):
+    """With `enabled` (CUDA only), any operation that makes the CPU wait for the GPU raises."""
+    if not enabled:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def first_batch(h, train_files, mine):
+    """This rank's slices of step 0's batch (a fresh loader starts where the run's does)."""
+    stage = h.stages[0]
+    return TrainLoader(train_files, batch_tokens(h)).next_batch(stage.tokens_per_rank, stage.max_doc_len,
+                                                                h.batch_ranks, mine)
+
+
+def warm_up(trainer, train_files, val_slices):
+    """Untimed: run every graph the timed run will use (each stage's shape, the untie, each
+    validation's windows), so that torch.compile and the Triton JIT do their work here; then
+    restore the initial model, optimizer and schedule state. Returns the graphs built."""
+    h = trainer.h
+    before = compiled_graphs()
+    saved = trainer.snapshot()
     loader = TrainLoader(train_files, batch_tokens(h))
-    for i, stage in enumerate(h.stages):
-        first_step = int(math.ceil((h.stages[i - 1].end if i else 0.0) * h.num_iterations))
-        if i == len(h.stages) - 1:
-            model.untie()
+    for step in graph_changes(h):
+        trainer.advance_to(step)
+        stage = h.stages[stage_index(h, step)]
         for _ in range(h.warmup_steps):
-            slices = loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, trainer.mine)
-            trainer.train_step(first_step, slices)
-    model.tied = True
-    model.load_state_dict(saved_model)
-    for opt, state in zip(trainer.optimizers, saved_opts):
-        opt.load_state_dict(state)
+            trainer.train_step(step, loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks,
+                                                       trainer.mine))
+    seen = set()
+    for step, final in validation_points(h):
+        graph = (attention_windows(h, step, final), step < untie_step(h))
+        if graph not in seen:
+            seen.add(graph)
+            trainer.advance_to(step, final)
+            trainer.validate(val_slices[:1], step, final)
+    trainer.restore(saved)
+    trainer.advance_to(0)
     synchronize(trainer.env.device)
+    return compiled_graphs() - before
+
+
+def write_loss_lines(log, lines, N):
+    for step, elapsed, loss in lines:
+        check_finite("train", loss, step - 1, log)
+        log.write(f"step:{step}/{N} train_loss:{loss:.4f} train_time:{elapsed:.0f}ms "
+                  f"step_avg:{elapsed / step:.2f}ms", echo=True)
 
 
 def train(h, env, log):
@@ -1031,44 +1268,49 @@ def train(h, env, log):
     log.header(project_sources(), environment(env.world_size),
                [fingerprint(f) for f in val_files + train_files], logged_config(h))
     log.write(f"model parameters: {sum(p.numel() for p in trainer.model.parameters()):,}", echo=True)
-    if env.device.type == "cuda" and h.warmup_steps > 0:
-        warm_up(trainer, train_files)
-    loader = TrainLoader(train_files, batch_tokens(h))
-    N, stage_now = h.num_iterations, -1
+    warm_graphs = warm_up(trainer, train_files, val_slices) if trainer.needs_warm_up() else 0
+    if trainer.kernels.fp8_mlp is not None:
+        trainer.calibrate_fp8(first_batch(h, train_files, trainer.mine))
+    batches = BatchPrefetcher(TrainLoader(train_files, batch_tokens(h)), h, trainer.mine,
+                              pin=env.device.type == "cuda")
+    losses = DeferredLossLines(env.device)
+    N = h.num_iterations
     synchronize(env.device)
+    graphs_before_timing = compiled_graphs()
     t0 = time.perf_counter()
-    for step in range(N + 1):
-        last = step == N
-        if last or (h.val_every and step % h.val_every == 0 and step > 0):
-            synchronize(env.device)
-            trainer.train_time_ms += 1000 * (time.perf_counter() - t0)
+    try:
+        for step in range(N + 1):
+            last = step == N
+            if last or (h.val_every and step % h.val_every == 0 and step > 0):
+                synchronize(env.device)
+                trainer.train_time_ms += 1000 * (time.perf_counter() - t0)
+                write_loss_lines(log, losses.ready(wait=True), N)
+                trainer.advance_to(step, final_validation=last)
+                val_loss = trainer.validate(val_slices, step, final_validation=last)
+                log.write(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{trainer.train_time_ms:.0f}ms "
+                          f"step_avg:{trainer.train_time_ms / max(step, 1):.2f}ms", echo=True)
+                check_finite("val", val_loss, step, log)
+                synchronize(env.device)
+                t0 = time.perf_counter()
             if last:
-                trainer.set_window(h.val_long_window)
-            val_loss = trainer.validate(val_slices, trainer.long_window)
-            log.write(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{trainer.train_time_ms:.0f}ms "
-                      f"step_avg:{trainer.train_time_ms / max(step, 1):.2f}ms", echo=True)
-            check_finite("val", val_loss, step, log)
-            synchronize(env.device)
-            t0 = time.perf_counter()
-        if last:
-            break
-        s_index = stage_index(h, step)
-        stage = h.stages[s_index]
-        if s_index != stage_now:
-            trainer.set_window(stage.long_window)
-            stage_now = s_index
-        if step == int(h.untie_frac * N):
-            trainer.model.untie()
-        slices = loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, trainer.mine)
-        loss = trainer.train_step(step, slices)
-        if step % h.log_every == 0 or step == N - 1:
-            if env.world_size > 1:
-                dist.all_reduce(loss)
-            loss = loss.item() / env.world_size
-            check_finite("train", loss, step, log)
-            elapsed = trainer.train_time_ms + 1000 * (time.perf_counter() - t0)
-            log.write(f"step:{step + 1}/{N} train_loss:{loss:.4f} train_time:{elapsed:.0f}ms "
-                      f"step_avg:{elapsed / (step + 1):.2f}ms", echo=True)
+                break
+            trainer.advance_to(step)
+            slices = batches.get(step)
+            with host_syncs_are_errors(h.sync_check and env.device.type == "cuda"):
+                loss = trainer.train_step(step, slices)
+            if step % h.log_every == 0 or step == N - 1:
+                if env.world_size > 1:
+                    dist.all_reduce(loss)
+                elapsed = trainer.train_time_ms + 1000 * (time.perf_counter() - t0)
+                losses.add(step + 1, elapsed, loss / env.world_size)
+            write_loss_lines(log, losses.ready(), N)
+    finally:
+        batches.close()
+    timed_graphs = compiled_graphs() - graphs_before_timing
+    log.write(f"compile: {warm_graphs} graphs in the warm-up, {timed_graphs} in the timed run", echo=True)
+    if timed_graphs:
+        log.write(f"warning: torch.compile built {timed_graphs} graph(s) inside the timed run: the warm-up "
+                  f"missed a shape or a guard, and the train time includes compilation", echo=True)
     peak = (torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda"
             else _peak_rss_bytes()) // 2**20
     if h.save_checkpoint and env.master:

@@ -1,12 +1,18 @@
 """Compile every production kernel launch of kernels.py for Hopper (sm_90) without a GPU, and
 report its resources: registers, shared memory, spills, instruction counts, tensor-core use.
 
-The launches are the ones a training step makes at the speedrun shapes (SPEEDRUN_SHAPES): the
-public wrappers run on CPU tensors that are allocated but never touched, with kernels._launch
-replaced by a recorder, so the recorded arguments carry the production block sizes, dtypes,
-layouts and specializations (unit strides, 16-divisible sizes) exactly as the JIT sees them.
+Two sets of launches, recorded with kernels._launch replaced by a recorder, so that the
+arguments carry the block sizes, dtypes, layouts and specializations (unit strides, 16-aligned
+pointers, 16-divisible sizes) exactly as the JIT sees them:
+  - the trainer's: one training step of every stage of the speedrun preset, the optimizer
+    step and the final validation, at full size, traced on fake tensors under CUDA's autocast
+    rules (tests/cuda_autocast.py); each kernel op it calls is then made again on real CPU
+    tensors that are allocated but never touched, which records the launch without running it;
+  - the library's other production variants (LIBRARY_SHAPES: head dims 64, the FP8 linear,
+    sampled-softmax widths, both weight dtypes), from the public wrappers on untouched tensors.
 Each distinct launch is compiled with triton.compile for GPUTarget("cuda", 90, 32) and
-inspected with the cuobjdump that ships inside the triton wheel.
+inspected with the cuobjdump that ships inside the triton wheel; "trainer" in an entry says
+whether the trainer makes that launch.
 
     python bench/sm90_report.py            # print the report
     python bench/sm90_report.py --write    # also store it in bench/sm90_resources.json
@@ -23,22 +29,29 @@ import sys
 import tempfile
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "tests"))
 
 import kernels  # noqa: E402
+import train_gpt  # noqa: E402
 import triton  # noqa: E402
+from cuda_autocast import cuda_autocast_rules  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 REPORT_PATH = pathlib.Path(__file__).resolve().parent / "sm90_resources.json"
 HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes of shared memory one block may use on H100/H200
 
-# Per-GPU shapes of the speedrun (SPEC 3): packed tokens, model width, MLP width, vocabulary
-# (full and the smallest candidate set), the longest document and window of the last stage.
-SPEEDRUN_SHAPES = dict(tokens=49152, width=768, hidden=3072, vocab=50304, candidates=10240,
-                       max_doc=3072, window=1664, heads_by_dim={128: 6, 64: 12})
+TRAINER_PRESET = "speedrun"        # its per-GPU shapes are also the 1gpu preset's
+# Shapes of the library variants: packed tokens per GPU, model width, MLP width, vocabulary
+# (full and the smallest sampled-softmax candidate set), a document length and window.
+LIBRARY_SHAPES = dict(tokens=49152, width=768, hidden=3072, vocab=50304, candidates=10240,
+                      max_doc=3072, window=1664, heads_by_dim={128: 6, 64: 12})
 ATTENTION_HEAD_DIMS = ((128, 128), (64, 64), (128, 64), (64, 128))  # (Dqk, Dv)
 WEIGHT_DTYPES = (torch.bfloat16, torch.float32)  # master weights of the fp8 layers (bf16 or fp32)
 CE_TARGET_COUNTS = (1, 2, 3, 4)  # next token alone ... three future tokens plus the prefix target
@@ -60,9 +73,9 @@ def _untouched(*shape, dtype=torch.bfloat16, requires_grad=False):
     return torch.empty(*shape, dtype=dtype).requires_grad_(requires_grad)
 
 
-def _step_calls():
-    """The kernel calls of one training step at the speedrun shapes, forward and backward."""
-    s = SPEEDRUN_SHAPES
+def _library_calls():
+    """The wrappers' production variants at LIBRARY_SHAPES, forward and backward."""
+    s = LIBRARY_SHAPES
     T, D, H = s["tokens"], s["width"], s["hidden"]
     x = _untouched(T, D, requires_grad=True)
     for weight_dtype in WEIGHT_DTYPES:
@@ -80,7 +93,7 @@ def _step_calls():
         heads = s["heads_by_dim"][max(d_qk, d_v)]
         q, k = (_untouched(T, heads, d_qk, requires_grad=True) for _ in range(2))
         v = _untouched(T, heads, d_v, requires_grad=True)
-        o = kernels.flash_attn_varlen(q, k, v, cu_seqlens, s["max_doc"], s["window"], d_qk ** -0.5)
+        o = kernels.flash_attn_varlen(q, k, v, cu_seqlens, s["window"], d_qk ** -0.5)
         o.backward(torch.empty_like(o))
 
     for columns in (s["vocab"], s["candidates"]):
@@ -104,24 +117,99 @@ class TensorArg:
     aligned: bool  # data pointer divisible by 16
 
 
-def _as_recorded(value):
+def recorded_argument(value):
+    """A launch argument as the JIT specializes on it (tensors: dtype and 16-byte alignment)."""
     return TensorArg(value.dtype, value.data_ptr() % 16 == 0) if isinstance(value, torch.Tensor) else value
 
 
-def record_launches():
-    """[(kernel, config, args)] of every launch in _step_calls, none of them run."""
+def record_launches(calls):
+    """[(kernel, config, args)] of every launch that calls() makes, none of them run."""
     recorded = []
     original = kernels._launch
 
     def record(kernel, grid, config, **args):
-        recorded.append((kernel, config, {name: _as_recorded(value) for name, value in args.items()}))
+        recorded.append((kernel, config, {name: recorded_argument(value) for name, value in args.items()}))
 
     kernels._launch = record
     try:
-        _step_calls()
+        calls()
     finally:
         kernels._launch = original
     return recorded
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeArg:
+    """A tensor argument of a kernel op call made on fake tensors: its layout in its storage."""
+    shape: tuple
+    stride: tuple
+    storage_offset: int
+    dtype: torch.dtype
+
+    def untouched(self):
+        """A CPU tensor with this layout (and so this alignment) whose memory is never written."""
+        extent = self.storage_offset + sum((n - 1) * st for n, st in zip(self.shape, self.stride)) + 1
+        return torch.empty(extent, dtype=self.dtype).as_strided(self.shape, self.stride, self.storage_offset)
+
+
+class KernelOpCalls(TorchDispatchMode):
+    """Records the calls of this repository's kernel ops (namespace "kernels") with their layouts."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "kernels":
+            def layout(v):
+                if isinstance(v, torch.Tensor):
+                    return FakeArg(tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype)
+                return v
+            self.calls.append((func, tree_map(layout, args), tree_map(layout, kwargs)))
+        return func(*args, **kwargs)
+
+
+def trainer_kernel_calls(preset=TRAINER_PRESET):
+    """Every kernel op call of the trainer for `preset`, at full size: a training step of each
+    stage (forward, backward, optimizer) and the final validation, on fake tensors under CUDA's
+    autocast rules, with the Triton kernel functions. No memory is used and nothing launches."""
+    h = train_gpt.parse_config(["--preset", preset])
+    fns = train_gpt.KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy,
+                              kernels.fp8_relu2_mlp if h.fp8_mlp else None, kernels.xxt)
+    with cuda_autocast_rules(), FakeTensorMode(allow_non_fake_inputs=True), KernelOpCalls() as recorder:
+        model = train_gpt.GPT(h, fns)
+        optimizers = train_gpt.build_optimizers(h, model, fns)
+        for index, stage in enumerate(h.stages):
+            T = stage.tokens_per_rank
+            tokens = torch.zeros(T, dtype=torch.int32)
+            targets = torch.zeros(T, train_gpt.MAX_TARGETS - 1, dtype=torch.int64)
+            cu_seqlens = torch.arange(0, T + 1, stage.max_doc_len, dtype=torch.int32)
+            args = train_gpt.AttentionArgs(cu_seqlens, stage.short_window * train_gpt.WINDOW_BLOCK,
+                                           stage.long_window * train_gpt.WINDOW_BLOCK)
+            columns = torch.arange(stage.candidates) if stage.candidates else None
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(tokens, targets, args, train_gpt.target_weights(stage, "cpu"), columns)
+            loss.backward()
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        model.eval()
+        T = h.val_tokens_per_rank
+        args = train_gpt.AttentionArgs(torch.tensor([0, T], dtype=torch.int32),
+                                       h.stages[-1].short_window * train_gpt.WINDOW_BLOCK,
+                                       h.val_long_window * train_gpt.WINDOW_BLOCK)
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            model.validation_loss_sum(torch.zeros(T, dtype=torch.int32), torch.zeros(T, 1, dtype=torch.int64), args)
+    return recorder.calls
+
+
+def replay_untouched(calls):
+    """Make each recorded kernel op call again on untouched CPU tensors of the same layouts."""
+    def real(v):
+        return v.untouched() if isinstance(v, FakeArg) else v
+    for func, args, kwargs in calls:
+        func(*tree_map(real, args), **tree_map(real, kwargs))
 
 
 def specialize(kernel, args):
@@ -207,16 +295,32 @@ def compile_launch(kernel, config, args):
     }
 
 
-def build_report():
-    """The report: Triton version and one entry per distinct production launch."""
+def _variant_key(kernel, config, args):
+    signature, constexprs, attrs = specialize(kernel, args)
+    return (kernel.__name__, json.dumps(signature, sort_keys=True), repr(sorted(constexprs.items())),
+            repr(sorted(attrs)), config.num_warps, config.num_stages)
+
+
+def production_launches():
+    """(trainer launches, library launches) as record_launches gives them."""
+    trainer = record_launches(lambda: replay_untouched(trainer_kernel_calls()))
+    return trainer, record_launches(_library_calls)
+
+
+def build_report(launches=None):
+    """The report: Triton version and one entry per distinct launch of `launches` (default: the
+    trainer's and the library's production launches)."""
+    trainer_keys = set()
+    if launches is None:
+        trainer, library = production_launches()
+        trainer_keys = {_variant_key(*launch) for launch in trainer}
+        launches = trainer + library
     entries, seen = [], set()
-    for kernel, config, args in record_launches():
-        signature, constexprs, attrs = specialize(kernel, args)
-        key = (kernel.__name__, json.dumps(signature, sort_keys=True), repr(sorted(constexprs.items())),
-               repr(sorted(attrs)), config.num_warps, config.num_stages)
+    for kernel, config, args in launches:
+        key = _variant_key(kernel, config, args)
         if key not in seen:
             seen.add(key)
-            entries.append(compile_launch(kernel, config, args))
+            entries.append({**compile_launch(kernel, config, args), "trainer": key in trainer_keys})
     entries.sort(key=lambda e: e["variant"])
     return {"triton": triton.__version__, "target": "cuda sm_90", "kernels": entries}
 
@@ -240,13 +344,15 @@ def problems(report):
 
 
 def format_report(report):
-    lines = [f"sm_90 resources (triton {report['triton']})",
-             f"{'variant':<120} {'regs':>4} {'smem':>7} {'instr':>6} {'GMMA':>5} {'wgmma':>5} {'LDL/STL':>7}"]
+    lines = [f"sm_90 resources (triton {report['triton']}; * = launched by the trainer)",
+             f"{'variant':<122} {'regs':>4} {'smem':>7} {'instr':>6} {'GMMA':>5} {'wgmma':>5} {'LDL/STL':>7} "
+             f"{'MUFU':>5}"]
     for e in report["kernels"]:
         counts = e["sass_counts"]
-        lines.append(f"{e['variant']:<120} {e['registers']:>4} {e['shared_bytes']:>7} "
+        mark = "*" if e.get("trainer") else " "
+        lines.append(f"{mark} {e['variant']:<120} {e['registers']:>4} {e['shared_bytes']:>7} "
                      f"{e['sass_instructions']:>6} {counts['HGMMA'] + counts['QGMMA']:>5} {e['ptx_wgmma']:>5} "
-                     f"{counts['LDL'] + counts['STL']:>7}")
+                     f"{counts['LDL'] + counts['STL']:>7} {counts['MUFU']:>5}")
     return "\n".join(lines)
 
 

@@ -206,21 +206,22 @@ def test_fp8_matmul_relu2_epilogues_match_oracle_exactly():
         assert amax.item() == grad_h.abs().max().item()
 
 
-def delayed_scale(amax, fp8_max):
-    """The documented delayed scale: amax * AMAX_HEADROOM / fp8_max, 1 for an unset amax."""
-    return torch.where(amax > 0, amax * (kernels.AMAX_HEADROOM / fp8_max), torch.ones_like(amax))
+def delayed_scale(amax, fp8_max, headroom):
+    """The documented delayed scale: amax * headroom / fp8_max, 1 for an unset amax."""
+    return torch.where(amax > 0, amax * (headroom / fp8_max), torch.ones_like(amax))
 
 
-def exact_scale(weight):
-    """The documented weight scale: max |w| / 448."""
-    amax = weight.abs().amax().float().reshape(1)
-    return torch.where(amax > 0, amax * (1.0 / 448.0), torch.ones_like(amax))
+def exact_scale(x, fp8_max=448.0):
+    """The documented exact scale (weights, layer inputs): max |x| / fp8_max."""
+    amax = x.abs().amax().float().reshape(1)
+    return torch.where(amax > 0, amax * (1.0 / fp8_max), torch.ones_like(amax))
 
 
 def linear_oracle(x, weight, state, grad_y, bits=24):
     """EXACT oracle of fp8_linear from the issue's recipe: (y, grad_x, grad_w, new state)."""
     x2, g2 = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])
-    s_x, s_w, s_g = delayed_scale(state[0:1], 448.0), exact_scale(weight), delayed_scale(state[1:2], 57344.0)
+    s_x, s_w = exact_scale(x2), exact_scale(weight)
+    s_g = delayed_scale(state[1:2], 57344.0, kernels.GRAD_HEADROOM)
     x8, w8, g8 = quantize(x2, s_x, E4M3), quantize(weight, s_w, E4M3), quantize(g2, s_g, E5M2)
     y = matmul_oracle(x8, w8.t(), s_x, s_w, x.dtype, bits)
     grad_x = matmul_oracle(g8, w8, s_g, s_w, x.dtype, bits)
@@ -232,9 +233,9 @@ def linear_oracle(x, weight, state, grad_y, bits=24):
 def mlp_oracle(x, w_up, w_down, state, grad_y, bits=24):
     """EXACT oracle of fp8_relu2_mlp: a = relu(h)^2 in e4m3, dL/dh = dL/da * 2 sqrt(a) in e5m2."""
     x2, g2 = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])
-    s_x, s_up, s_down = delayed_scale(state[0:1], 448.0), exact_scale(w_up), exact_scale(w_down)
-    s_a, s_g, s_h = delayed_scale(state[1:2], 448.0), delayed_scale(state[2:3], 57344.0), \
-        delayed_scale(state[3:4], 57344.0)
+    s_x, s_up, s_down = exact_scale(x2), exact_scale(w_up), exact_scale(w_down)
+    s_a = delayed_scale(state[1:2], 448.0, kernels.HIDDEN_HEADROOM)
+    s_g, s_h = (delayed_scale(state[i:i + 1], 57344.0, kernels.GRAD_HEADROOM) for i in (2, 3))
     x8, up8, down8, g8 = (quantize(x2, s_x, E4M3), quantize(w_up, s_up, E4M3), quantize(w_down, s_down, E4M3),
                           quantize(g2, s_g, E5M2))
     h = matmul_oracle(x8, up8.t(), s_x, s_up, torch.float32, bits)
@@ -250,13 +251,13 @@ def mlp_oracle(x, w_up, w_down, state, grad_y, bits=24):
     return [y.reshape(*x.shape[:-1], -1), grad_x.reshape(x.shape), grad_up, grad_down], state
 
 
-def amax_for_scale(scale, fp8_max):
+def amax_for_scale(scale, fp8_max, headroom):
     """An amax whose delayed scale is exactly `scale` (a power of two), found next to
-    scale / (headroom / fp8_max) since that factor is not a power of two."""
-    guess = torch.tensor([scale / (kernels.AMAX_HEADROOM / fp8_max)])
+    scale / (headroom / fp8_max) since that factor need not be a power of two."""
+    guess = torch.tensor([scale / (headroom / fp8_max)])
     for step in range(-4, 5):
         candidate = guess + step * torch.finfo(torch.float32).eps * guess
-        if delayed_scale(candidate, fp8_max).item() == scale:
+        if delayed_scale(candidate, fp8_max, headroom).item() == scale:
             return candidate
     raise AssertionError(f"no amax gives the delayed scale {scale}")
 
@@ -279,20 +280,23 @@ def _run_layer(layer, inputs, state, grad_output, config=SMALL_MATMUL):
 def test_fp8_layers_match_oracle_exactly(layer, config):
     """EXACT: forward and backward of fp8_linear / fp8_relu2_mlp and their references against
     the oracle written from the recipe, bitwise, including the amax buffer. Two calls: a fresh
-    buffer (scale 1 for activations and gradients), then a buffer whose amaxes give
-    power-of-two delayed scales other than 1. config None: the production tiles."""
+    buffer (scale 1 for the delayed activations and gradients), then a buffer whose amaxes give
+    power-of-two delayed scales other than 1; inputs and weights always take their own amax
+    (max |x| = 1.75 = 448 / 256: scale 2^-8). config None: the production tiles."""
     generator = torch.Generator().manual_seed(4)
     x = grid_values(2, 20, 32, generator=generator, limit=4, dtype=torch.bfloat16)
+    x[0, 0, 0] = 1.75
+    grad, hidden = kernels.GRAD_HEADROOM, kernels.HIDDEN_HEADROOM
     if layer == "linear":
         weights = [_grid_weight(70, 32, generator, torch.float32)]
         layers, oracle, new_state = (kernels.fp8_linear, kernels.fp8_linear_reference), linear_oracle, \
             kernels.new_fp8_linear_state
-        scales = [(0.5, 448.0), (2.0 ** -3, 57344.0)]
+        scales = [(0.5, 448.0, 1.0), (2.0 ** -3, 57344.0, grad)]
     else:
         weights = [_grid_weight(48, 32, generator, torch.float32), _grid_weight(32, 48, generator, torch.bfloat16)]
         layers, oracle, new_state = (kernels.fp8_relu2_mlp, kernels.fp8_relu2_mlp_reference), mlp_oracle, \
             kernels.new_fp8_mlp_state
-        scales = [(0.5, 448.0), (2.0, 448.0), (2.0 ** -3, 57344.0), (1.0, 57344.0)]
+        scales = [(0.5, 448.0, 1.0), (2.0, 448.0, hidden), (2.0 ** -3, 57344.0, grad), (1.0, 57344.0, grad)]
     grad_y = grid_values(2, 20, weights[-1].shape[0], generator=generator, limit=4, dtype=torch.bfloat16)
     for state_before in (new_state(), torch.cat([amax_for_scale(*scale) for scale in scales])):
         expected, expected_state = oracle(x, *weights, state_before, grad_y)
@@ -408,15 +412,15 @@ def _attention_inputs(T, H, d_qk, d_v, seed, dtype=torch.float32):
     return q, k, v, grad_o, generator
 
 
-def _check_attention_fp32(q, k, v, grad_o, cu_seqlens, max_seqlen, window, configs):
-    """ATTN: forward and backward against the float64 oracle and attention_reference."""
-    scale = q.shape[-1] ** -0.5
-    got = _attention_and_grads(kernels.flash_attn_varlen, q, k, v, grad_o, cu_seqlens, max_seqlen, window, scale,
+def _check_attention_fp32(q, k, v, grad_o, cu_seqlens, window, configs, scale=None):
+    """ATTN: forward and backward against the float64 oracle and attention_reference; the
+    kernel gets the scale as a one-element tensor, the reference as a number."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    got = _attention_and_grads(kernels.flash_attn_varlen, q, k, v, grad_o, cu_seqlens, window, torch.tensor([scale]),
                                configs)
     oracle = _attention_and_grads(attention_oracle, q.double(), k.double(), v.double(), grad_o, cu_seqlens, window,
                                   scale)
-    reference = _attention_and_grads(kernels.attention_reference, q, k, v, grad_o, cu_seqlens, max_seqlen, window,
-                                     scale)
+    reference = _attention_and_grads(kernels.attention_reference, q, k, v, grad_o, cu_seqlens, window, scale)
     for name, g, o, r in zip(("out", "dq", "dk", "dv"), got, oracle, reference):
         torch.testing.assert_close(g.double(), o, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name} vs float64: {m}")
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name} vs reference: {m}")
@@ -426,10 +430,10 @@ def _check_attention_fp32(q, k, v, grad_o, cu_seqlens, max_seqlen, window, confi
 @pytest.mark.parametrize("d_qk,d_v,window", [(64, 64, 0), (128, 128, 9), (64, 128, 40), (128, 64, 1000)])
 def test_attention_every_head_dim_pair(d_qk, d_v, window):
     """ATTN, fp32: uneven documents (one of length 1, zero-length padding), T not a multiple of
-    any block, windows none / smaller / larger than documents, max_seqlen above the longest."""
+    any block, windows none / smaller / larger than documents."""
     q, k, v, grad_o, generator = _attention_inputs(150, 2, d_qk, d_v, seed=d_qk + d_v + window)
-    cu_seqlens, longest = uneven_documents(150, generator)
-    _check_attention_fp32(q, k, v, grad_o, cu_seqlens, longest + 3, window, SMALL_ATTENTION)
+    cu_seqlens, _ = uneven_documents(150, generator)
+    _check_attention_fp32(q, k, v, grad_o, cu_seqlens, window, SMALL_ATTENTION)
 
 
 @interpreted
@@ -438,10 +442,10 @@ def test_attention_window_edges(window):
     """ATTN, fp32: windows of one token, below, equal to and above the block sizes, with query
     blocks twice the key blocks in the forward and the reverse in the key/value backward."""
     q, k, v, grad_o, generator = _attention_inputs(120, 2, 64, 64, seed=window)
-    cu_seqlens, longest = uneven_documents(120, generator)
+    cu_seqlens, _ = uneven_documents(120, generator)
     configs = (kernels.LaunchConfig(32, 16), kernels.LaunchConfig(16, 32), kernels.LaunchConfig(16, 16),
                kernels.LaunchConfig(64, 1))
-    _check_attention_fp32(q, k, v, grad_o, cu_seqlens, longest, window, configs)
+    _check_attention_fp32(q, k, v, grad_o, cu_seqlens, window, configs, scale=0.37)
 
 
 @interpreted
@@ -450,7 +454,7 @@ def test_attention_production_blocks():
     a window that is not a multiple of the blocks."""
     q, k, v, grad_o, _ = _attention_inputs(400, 1, 64, 64, seed=8)
     cu_seqlens = torch.tensor([0, 7, 300, 400, 400], dtype=torch.int32)
-    _check_attention_fp32(q, k, v, grad_o, cu_seqlens, 293, 150, kernels.ATTENTION_CONFIGS)
+    _check_attention_fp32(q, k, v, grad_o, cu_seqlens, 150, kernels.ATTENTION_CONFIGS)
 
 
 @interpreted
@@ -461,15 +465,14 @@ def test_attention_strided_inputs():
     qkv = torch.randn(90, 3, 2, 64, generator=generator)
     grad_o = torch.randn(2, 90, 64, generator=generator).transpose(0, 1)
     cu_seqlens = torch.tensor([0, 90], dtype=torch.int32)
-    _check_attention_fp32(qkv[:, 0], qkv[:, 1], qkv[:, 2], grad_o, cu_seqlens, 90, 30, SMALL_ATTENTION)
+    _check_attention_fp32(qkv[:, 0], qkv[:, 1], qkv[:, 2], grad_o, cu_seqlens, 30, SMALL_ATTENTION)
 
 
-def _check_attention_bf16(q, k, v, grad_o, cu_seqlens, max_seqlen, window, configs):
+def _check_attention_bf16(q, k, v, grad_o, cu_seqlens, window, configs):
     """ATTN, bf16: the error against float64 of the kernel's output and gradients is at most
     twice that of torch's op-by-op bf16 attention (attention_naive) plus 1e-5."""
     scale = q.shape[-1] ** -0.5
-    got = _attention_and_grads(kernels.flash_attn_varlen, q, k, v, grad_o, cu_seqlens, max_seqlen, window, scale,
-                               *configs)
+    got = _attention_and_grads(kernels.flash_attn_varlen, q, k, v, grad_o, cu_seqlens, window, scale, *configs)
     naive = _attention_and_grads(attention_naive, q, k, v, grad_o, cu_seqlens, window, scale)
     oracle = _attention_and_grads(attention_oracle, q.double(), k.double(), v.double(), grad_o, cu_seqlens, window,
                                   scale)
@@ -483,16 +486,59 @@ def _check_attention_bf16(q, k, v, grad_o, cu_seqlens, max_seqlen, window, confi
 @pytest.mark.parametrize("d_qk,d_v,window", [(64, 64, 30), (128, 128, 0), (64, 128, 7), (128, 64, 24)])
 def test_attention_bf16_error_at_most_twice_torch(d_qk, d_v, window):
     q, k, v, grad_o, generator = _attention_inputs(130, 2, d_qk, d_v, seed=7, dtype=torch.bfloat16)
-    cu_seqlens, longest = uneven_documents(130, generator)
-    _check_attention_bf16(q, k, v, grad_o, cu_seqlens, longest, window, [SMALL_ATTENTION])
+    cu_seqlens, _ = uneven_documents(130, generator)
+    _check_attention_bf16(q, k, v, grad_o, cu_seqlens, window, [SMALL_ATTENTION])
 
 
 def test_attention_rejects_bad_inputs():
     q = torch.zeros(10, 2, 64)
+    cu_seqlens = torch.tensor([0, 10], dtype=torch.int32)
     with pytest.raises(ValueError, match="head dims"):
-        kernels.flash_attn_varlen(q[..., :48], q[..., :48], q, torch.tensor([0, 10], dtype=torch.int32), 10, 0, 1.0)
+        kernels.flash_attn_varlen(q[..., :48], q[..., :48], q, cu_seqlens, 0, 1.0)
     with pytest.raises(ValueError, match="int32"):
-        kernels.flash_attn_varlen(q, q, q, torch.tensor([0, 10]), 10, 0, 1.0)
+        kernels.flash_attn_varlen(q, q, q, torch.tensor([0, 10]), 0, 1.0)
+    with pytest.raises(ValueError, match="one-element float32"):
+        kernels.flash_attn_varlen(q, q, q, cu_seqlens, 0, torch.ones(2))
+
+
+def test_attention_refuses_mixed_dtypes_and_fp32_on_the_gpu():
+    """What CUDA autocast hands over when q and k come out of an fp32 norm and v out of a bf16
+    matmul: the kernels' dots would mix dtypes (and fp32 tiles do not fit on sm_90), so the
+    wrapper refuses before any launch, also under fake tensors (torch.compile's tracing)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    cu_seqlens = torch.tensor([0, 10], dtype=torch.int32)
+    q, v = torch.zeros(10, 2, 64), torch.zeros(10, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="in one dtype"):
+        kernels.flash_attn_varlen(q, q, v, cu_seqlens, 0, 1.0)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(10, 2, 64, device="cuda")
+        with pytest.raises(ValueError, match="bf16 or fp16 on the GPU"):
+            kernels.flash_attn_varlen(q, q, q, cu_seqlens.to("cuda"), 0, 1.0)
+
+
+def test_attention_launches_one_program_per_block_of_the_packed_batch():
+    """The grid covers the packed batch, not (longest document x document slots): at most as
+    many programs as there are (document, block) work items, with no slack, even with the
+    loader's padded cu_seqlens (here 3,074 document slots for 49,152 tokens, 20 documents)."""
+    T, H, block = 49152, 6, kernels.ATTENTION_FORWARD.block_m
+    lengths = [3072] * 12 + [1536] * 8
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()] + [T] * (T // 16 + 2 - 21),
+                              dtype=torch.int32)
+    work_items = sum(-(-n // block) for n in lengths) * H
+    grids = []
+    original = kernels._launch
+    kernels._launch = lambda kernel, grid, config, **args: grids.append((kernel.__name__, grid))
+    try:
+        q = torch.empty(T, H, 128, dtype=torch.bfloat16, requires_grad=True)
+        o = kernels.flash_attn_varlen(q, q, q, cu_seqlens, 1664, 0.1)
+        o.backward(torch.empty_like(o))
+    finally:
+        kernels._launch = original
+    assert [name for name, _ in grids] == ["_attn_fwd_kernel", "_attn_bwd_delta_kernel", "_attn_bwd_kv_kernel",
+                                           "_attn_bwd_q_kernel"]
+    for name, grid in grids:
+        programs = math.prod(grid)
+        assert programs <= work_items, f"{name}: {programs} programs for {work_items} work items"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -636,14 +682,16 @@ def test_custom_ops_pass_opcheck():
     q, k, v, grad_o, _ = _attention_inputs(24, 1, 16, 16, seed=10)
     cu_seqlens = torch.tensor([0, 10, 24], dtype=torch.int32)
     attention_configs = [value for c in SMALL_ATTENTION for value in c.as_list()]
-    o, lse = kernels._attn_fwd_op(q, k, v, cu_seqlens, 14, 5, 0.25, attention_configs)
+    doc_start, doc_end = kernels.document_bounds(cu_seqlens, 24)
+    scale = torch.tensor([0.25])
+    o, lse = kernels._attn_fwd_op(q, k, v, doc_start, scale, 5, attention_configs)
     logits, targets, weights, grad_loss = _cross_entropy_inputs(4, 50, 2, 10, torch.float32)
     cases = [
         (kernels._fp8_matmul_op, (a, b, one, one, torch.bfloat16, config)),
         (kernels._fp8_cast_op, (torch.randn(20, 24), one, torch.zeros(1), E4M3, SMALL_CAST.as_list())),
         (kernels._fp8_matmul_quant_op, (a, b, one, one, a, one, one, torch.zeros(1), E4M3, "relu2", config)),
-        (kernels._attn_fwd_op, (q, k, v, cu_seqlens, 14, 5, 0.25, attention_configs)),
-        (kernels._attn_bwd_op, (grad_o, q, k, v, o, lse, cu_seqlens, 14, 5, 0.25, attention_configs)),
+        (kernels._attn_fwd_op, (q, k, v, doc_start, scale, 5, attention_configs)),
+        (kernels._attn_bwd_op, (grad_o, q, k, v, o, lse, doc_start, doc_end, scale, 5, attention_configs)),
         (kernels._softcap_ce_op, (logits, targets, weights, True, SMALL_CE.as_list())),
         (kernels._softcap_ce_op, (logits, targets, weights, False, SMALL_CE.as_list())),
         (kernels._scale_rows_op, (logits, grad_loss, SMALL_CE.as_list())),
@@ -671,7 +719,7 @@ def test_wrappers_compile_with_fullgraph():
 
     def step(x, w_qkv, w_up, w_down, w_head, linear_state, mlp_state):
         qkv = kernels.fp8_linear(x, w_qkv, linear_state[0]).view(24, 3, 2, 16)
-        h = kernels.flash_attn_varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, 15, 6, 0.25,
+        h = kernels.flash_attn_varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, 6, 0.25,
                                       SMALL_ATTENTION).reshape(24, 32)
         h = h + kernels.fp8_relu2_mlp(h, w_up, w_down, mlp_state, SMALL_MATMUL)
         logits = kernels.fp8_linear(h, w_head, linear_state[1], SMALL_MATMUL)
@@ -762,7 +810,7 @@ def test_gpu_attention_error_at_most_twice_torch(d_qk, d_v):
     q, k, v, grad_o, generator = _attention_inputs(2000, 4, d_qk, d_v, seed=d_qk + d_v, dtype=torch.bfloat16)
     cu_seqlens, longest = uneven_documents(2000, generator)
     q, k, v, grad_o, cu_seqlens = (t.cuda() for t in (q, k, v, grad_o, cu_seqlens))
-    _check_attention_bf16(q, k, v, grad_o, cu_seqlens, longest, 384, [])
+    _check_attention_bf16(q, k, v, grad_o, cu_seqlens, 384, [])
 
 
 @needs_cuda

@@ -1,6 +1,7 @@
 """The trainer: config, loader alignment, model masking and shapes, optimizer steps, end-to-end runs."""
 import hashlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -191,7 +192,7 @@ def test_a_token_never_sees_another_document_or_the_future():
     h = tiny_config()
     model = tiny_model(h)
     tokens, cu = packed([90, 150, 60])
-    args = tg.AttentionArgs(cu, 150, 128, 384, 0.1)
+    args = tg.AttentionArgs(cu, 128, 384)
     base = model.hidden_states(tokens, args)
     changed = tokens.clone()
     changed[160] = (changed[160] + 1) % 3000          # inside the second document
@@ -208,7 +209,7 @@ def test_attention_window_and_documents(window):
     T, H, D = 200, 2, 16
     q, k, v = (torch.randn(T, H, D, dtype=torch.float64) for _ in range(3))
     cu = torch.tensor([0, 30, 130, 200, 200], dtype=torch.int32)
-    out = kernels.attention_reference(q, k, v, cu, 100, window, 0.25)
+    out = kernels.attention_reference(q, k, v, cu, window, 0.25)
     doc = kernels.document_ids(cu, T)
     for i in range(T):                # float64 loop: the visible keys of query i, one by one
         lo = cu[doc[i]].item() if window <= 0 else max(cu[doc[i]].item(), i - window + 1)
@@ -222,7 +223,7 @@ def test_forward_shapes_and_candidate_columns():
     model = tiny_model(h)
     tokens, cu = packed([100, 156])
     targets = torch.stack([torch.roll(tokens, -k).long() for k in (1, 2, 3)], 1)
-    args = tg.AttentionArgs(cu, 256, 128, 256, 0.1)
+    args = tg.AttentionArgs(cu, 128, 256)
     assert model.hidden_states(tokens, args).shape == (256, h.model_dim)
     weights = tg.target_weights(h.stages[0], "cpu")
     columns = tg.candidate_columns(targets, 1000, step=3, slice_index=0)
@@ -240,20 +241,34 @@ def test_forward_shapes_and_candidate_columns():
 
 
 def test_yarn_growth_slows_only_low_frequencies():
-    rot = tg.Rotary(128, 1024.0, 64)
-    before = rot.freq.clone()
-    rot.grow_window(384, 896)
+    before = tg.Rotary(128, 1024.0, 64, 0.1).base_freq
+    after = tg.yarn_frequencies(before, 384, 896)
     rotating = before > 0
-    assert torch.all(rot.freq[~rotating] == 0)
-    assert rot.freq[0] == before[0], "the fastest frequency is kept"
-    torch.testing.assert_close(rot.freq[rotating][-1], before[rotating][-1] * 384 / 896)
+    assert torch.all(after[~rotating] == 0)
+    assert after[0] == before[0], "the fastest frequency is kept"
+    torch.testing.assert_close(after[rotating][-1], before[rotating][-1] * 384 / 896)
+
+
+def test_rotary_tables_depend_only_on_the_window_history():
+    """Jumping straight to a history gives the tables and scale of growing through it step by
+    step, and going back restores the initial ones: the warm-up may visit stages in any order."""
+    rot, fresh = tg.Rotary(64, 1024.0, 32, 0.1), tg.Rotary(64, 1024.0, 32, 0.1)
+    initial = (rot.cos.clone(), rot.sin.clone(), rot.attn_scale.clone())
+    rot.set_windows([384, 896])
+    rot.set_windows([384, 896, 1408])
+    fresh.set_windows([384, 896, 1408])
+    assert torch.equal(rot.cos, fresh.cos) and torch.equal(rot.attn_scale, fresh.attn_scale)
+    expected = 0.1 * (1 + tg.YARN_ATTN_SCALE * math.log(896 / 384)) * (1 + tg.YARN_ATTN_SCALE * math.log(1408 / 896))
+    assert abs(rot.attn_scale.item() - expected) < 1e-7
+    rot.set_windows([384])
+    assert all(torch.equal(a, b) for a, b in zip((rot.cos, rot.sin, rot.attn_scale), initial))
 
 
 @pytest.mark.parametrize("optimizer", ["anvil", "muon", "normuon", "adamw"])
 def test_optimizer_groups_cover_every_parameter_once(optimizer):
     h = tiny_config([f"--optimizer={optimizer}"])
     model = tiny_model(h)
-    opts = tg.build_optimizers(h, model)
+    opts = tg.build_optimizers(h, model, tg.select_kernels(h, torch.device("cpu")))
     seen = [id(p) for opt in opts for g in opt.param_groups for p in g["params"]]
     assert sorted(seen) == sorted(id(p) for p in model.parameters())
     assert h.orthogonalize == ("anvil" if optimizer == "anvil" else "polar_express")
@@ -399,3 +414,75 @@ def test_cpu_runs_use_the_chunked_cross_entropy_unless_references_are_asked_for(
         is kernels.softcap_cross_entropy_chunked
     h = tg.parse_config(["--preset", "cpu", "--kernels=reference"])
     assert tg.select_kernels(h, cpu).cross_entropy is kernels.softcap_cross_entropy_reference
+
+
+# ---------------------------------------------------------------------------------------------
+# schedule state: untie, FP8 scales, validation
+
+
+def cpu_trainer(h, fp8=False, monkeypatch=None):
+    """A Trainer on the CPU; with fp8 its MLPs run the FP8 reference (the A/B twin of the Triton pair)."""
+    if fp8:
+        monkeypatch.setattr(tg, "select_kernels", lambda h, device: tg.KernelFns(
+            kernels.attention_reference, kernels.softcap_cross_entropy_chunked, kernels.fp8_relu2_mlp_reference))
+    return tg.Trainer(h, tg.Dist(0, 1, 0, torch.device("cpu")), tg.RunLog("unused", active=False))
+
+
+def test_untie_carries_the_embeddings_adam_state_to_the_head(shards):
+    """After the untie the head's optimizer state equals the embedding's, so its first update
+    continues the embedding's rather than being a sign step of size lr on every entry."""
+    h = tiny_config(data_args(shards) + ["--num_iterations=4", "--untie_frac=0.5", "--stages=[" + json.dumps(
+        {"end": 1.0, "tokens_per_rank": 512, "max_doc_len": 256, "short_window": 1, "long_window": 2}) + "]"])
+    trainer = cpu_trainer(h)
+    model = trainer.model
+    batch = tg.TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
+    for step in range(2):
+        trainer.advance_to(step)
+        trainer.train_step(step, batch)
+    trainer.advance_to(2)
+    assert not model.tied and torch.equal(model.lm_head, model.embed.weight)
+    embed_state, head_state = trainer.adam.state[model.embed.weight], trainer.adam.state[model.lm_head]
+    assert head_state["step"] == embed_state["step"] == 2
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(head_state[key], embed_state[key]) and head_state[key] is not embed_state[key]
+    before = model.lm_head.detach().clone()
+    trainer.train_step(2, batch)
+    lr = trainer.adam.param_groups[1]["lr"]
+    moved = (model.lm_head.detach() - before).abs()
+    sign_steps = ((moved - lr).abs() <= 1e-3 * lr).float().mean().item()
+    assert sign_steps < 0.01, f"{sign_steps:.0%} of the head's entries moved by exactly lr"
+    trainer.advance_to(0)
+    assert model.tied
+
+
+def test_validation_runs_without_fp8_and_leaves_its_state_alone(shards, monkeypatch):
+    h = tiny_config(data_args(shards))
+    trainer = cpu_trainer(h, fp8=True, monkeypatch=monkeypatch)
+    batch = tg.TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
+    trainer.train_step(0, batch)
+    states = [block.mlp.fp8_state.clone() for block in trainer.model.blocks]
+    assert all(state.abs().sum() > 0 for state in states)
+    val = tg.validation_slices(tg.find_shards(h.val_files), 1024, 1024, 1, [0])
+    loss = trainer.validate(val, 0, final_validation=True)
+    assert math.isfinite(loss)
+    assert all(torch.equal(block.mlp.fp8_state, state) for block, state in zip(trainer.model.blocks, states))
+
+
+def test_first_fp8_step_gradients_match_bf16_after_calibration(shards, monkeypatch):
+    """The first step's FP8 gradients of the MLP output matrices (the ones that are nonzero at
+    init) point where the bf16 ones do, after calibration; at the scale of an empty amax
+    history, 1, the output gradients would mostly round to zero in e5m2."""
+    h = tiny_config(data_args(shards))
+    batch = tg.TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
+    plain = cpu_trainer(h)
+    plain.forward_backward(0, batch)
+    fp8 = cpu_trainer(h, fp8=True, monkeypatch=monkeypatch)
+    fp8.calibrate_fp8(batch)
+    assert all(p.grad is None for p in fp8.model.parameters())
+    fp8.forward_backward(0, batch)
+    cosine = torch.nn.functional.cosine_similarity
+    for a, b in zip(fp8.model.blocks, plain.model.blocks):
+        assert cosine(a.mlp.down.grad.flatten(), b.mlp.down.grad.flatten(), dim=0) > 0.99
+    grad_amax = fp8.model.blocks[0].mlp.fp8_state[kernels.FP8_MLP_SLOTS["grad_output"]]
+    flushed = (torch.rand(10_000) * grad_amax).to(torch.float8_e5m2).float() == 0
+    assert flushed.float().mean() > 0.5, "an uncalibrated scale of 1 would flush most output gradients"

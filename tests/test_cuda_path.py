@@ -1,0 +1,321 @@
+"""The trainer's CUDA code path, rehearsed on a CPU.
+
+On a GPU the trainer runs the Triton kernels (FP8 MLP, flash attention, cross-entropy, X X^T),
+under CUDA's autocast rules, compiled with torch.compile after an untimed warm-up. None of that
+runs in a plain CPU test: there the trainer takes the torch references under CPU autocast. This
+module runs that path anyway, at a tiny scale:
+  - the Triton kernels under the Triton interpreter (tests/interpreter_shim.py),
+  - CUDA's autocast rules on CPU tensors (tests/cuda_autocast.py), checked op by op against
+    torch's own CUDA autocast on fake CUDA tensors,
+  - torch.compile with the aot_eager backend (dynamo and AOTAutograd as on the GPU, no code
+    generation), fullgraph, static shapes,
+through every stage of a three-stage schedule with sampled softmax, multi-token and prefix
+targets, the untie, intermediate and final validations. It asserts that the warm-up builds every
+graph and the timed run none, and records every kernel launch (dtypes, strides, constexprs) to
+compile it for sm_90 (bench/sm90_report.py) with the tensor-core, shared-memory and spill checks.
+"""
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from interpreter_shim import REPO_ROOT, isolated
+
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+import kernels  # noqa: E402
+import sm90_report  # noqa: E402
+import train_gpt as tg  # noqa: E402
+from cuda_autocast import Call, TensorMeta, cuda_autocast_rules, replay_with_cuda_autocast  # noqa: E402
+from data.shards import write_shard  # noqa: E402
+from data.tokenizer import BOS_ID  # noqa: E402
+from records.logfile import parse_log  # noqa: E402
+
+interpreted = isolated(interpret=True)
+compiled = isolated(interpret=False)
+
+# A model with production head dims (64) and every feature of the GPU path, as small as the
+# interpreter needs (its cost is per program and loop iteration: a full-vocabulary cross-entropy
+# is 13 column blocks per row). 6 steps in 3 stages: step 0 with the full softmax, multi-token and
+# prefix targets; steps 1-2 and 3-5 with sampled softmax and growing windows; the untie at step
+# 4; a validation at step 3 (tied) and the final one (untied, wider window).
+REHEARSAL = [
+    "--preset", "cpu", "--kernels=triton", "--compile=true", "--compile_backend=aot_eager", "--fp8_mlp=true",
+    "--num_layers=3", "--model_dim=128", "--num_heads=2", "--head_dim=64", "--mlp_hidden=256",
+    "--long_window_layers=[2]", "--attention_free_layers=[1]", "--num_value_embeds=1", "--bigram_rows=1024",
+    "--batch_ranks=1", "--num_iterations=6", "--untie_frac=0.67", "--val_every=3", "--val_long_window=4",
+    "--val_tokens=128", "--val_tokens_per_rank=128", "--warmup_steps=1", "--log_every=1",
+    "--momentum_warmup_steps=4",
+    '--stages=[{"end":0.1,"tokens_per_rank":96,"max_doc_len":96,"short_window":1,"long_window":2,'
+    '"mtp_weights":[1,0.5,0.25],"prefix_weight":0.25},'
+    '{"end":0.5,"tokens_per_rank":256,"max_doc_len":256,"short_window":1,"long_window":3,'
+    '"mtp_weights":[1,0.5],"prefix_weight":0.25,"candidates":1024},'
+    '{"end":1.0,"tokens_per_rank":320,"max_doc_len":320,"short_window":2,"long_window":3,"mtp_weights":[1],'
+    '"candidates":1024}]',
+]
+# Graphs the schedule needs: the training step at steps 0, 1, 3 (stages) and 4 (untie); the
+# validation at step 3 (tied) and the final one (untied, wider window).
+CHANGES = [0, 1, 3, 4]
+EXPECTED_GRAPHS = len(CHANGES) + 2
+
+
+def synthetic_documents(rng, num_tokens, vocab=3000):
+    """A BOS-separated stream of documents with learnable structure (arithmetic sequences)."""
+    out, total = [], 0
+    while total < num_tokens:
+        length = int(rng.integers(5, 300))
+        doc = (rng.integers(0, vocab) + 7 * np.arange(length)) % vocab
+        out.append(np.concatenate([[BOS_ID], doc]))
+        total += length + 1
+    return np.concatenate(out)[:num_tokens]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shards")
+    rng = np.random.default_rng(0)
+    write_shard(d / "r_train_000001.bin", synthetic_documents(rng, 20_000))
+    write_shard(d / "r_val_000000.bin", synthetic_documents(rng, 2_000))
+    return d
+
+
+def data_args(shards, log_dir):
+    return [f"--train_files={shards}/r_train_*.bin", f"--val_files={shards}/r_val_*.bin", f"--log_dir={log_dir}"]
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA autocast, emulated
+
+
+def rehearsal_model_step(h):
+    """Forward and backward of a training step and a validation forward of the rehearsal model
+    with the Triton kernel functions, on fake CPU tensors (the kernels' fake implementations
+    run, nothing launches). Returns the loss."""
+    fns = tg.KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy, kernels.fp8_relu2_mlp, kernels.xxt)
+    model = tg.GPT(h, fns)
+    T = h.stages[0].tokens_per_rank
+    tokens = torch.randint(0, 3000, (T,), dtype=torch.int32)
+    targets = torch.randint(0, 3000, (T, tg.MAX_TARGETS - 1))
+    args = tg.AttentionArgs(torch.tensor([0, 100, T], dtype=torch.int32), 128, 256)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(tokens, targets, args, tg.target_weights(h.stages[0], "cpu"))
+    loss.backward()
+    model.eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        model.validation_loss_sum(tokens, targets, args)
+    return loss
+
+
+def test_emulated_autocast_is_cudas_for_every_call_of_a_step():
+    """Every call that reaches an autocast kernel in a training step and a validation, made
+    again on fake CUDA tensors under torch's own CUDA autocast, gives the same output dtypes."""
+    h = tg.parse_config(REHEARSAL)
+    with cuda_autocast_rules() as calls, FakeTensorMode(allow_non_fake_inputs=True):
+        rehearsal_model_step(h)
+    assert {"linear", "rms_norm", "pow.Tensor_Scalar"} <= {call.name for call in calls}
+    assert replay_with_cuda_autocast(calls) == []
+
+
+def test_the_replay_notices_cpu_autocasts_rules():
+    """The check has teeth: CPU autocast's rms_norm output (bf16 for a bf16 input) is not CUDA's."""
+    cpu_rule = Call("rms_norm", (TensorMeta((4, 8), (8, 1), torch.bfloat16), [8]), {}, (torch.bfloat16,))
+    assert [dtypes for _, dtypes in replay_with_cuda_autocast([cpu_rule])] == [(torch.float32,)]
+
+
+class KernelInputDtypes(TorchDispatchMode):
+    """Records the dtypes of the tensors each custom kernel op receives."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "kernels":
+            dtypes = [a.dtype for a in args if isinstance(a, torch.Tensor)]
+            self.seen.append((func.__name__, dtypes))
+        return func(*args, **(kwargs or {}))
+
+
+def test_kernels_get_one_dtype_under_cuda_autocast():
+    """Under CUDA's rules the norms (so q and k) and the value-embedding sum come out in fp32
+    and the projections in bf16; the model hands attention bf16 q, k, v all the same, and the
+    FP8 MLP and the cross-entropy bf16 activations."""
+    h = tg.parse_config(REHEARSAL)
+    with cuda_autocast_rules(), FakeTensorMode(allow_non_fake_inputs=True), KernelInputDtypes() as recorder:
+        rehearsal_model_step(h)
+    by_op = {}
+    for name, dtypes in recorder.seen:
+        by_op.setdefault(name.split(".")[0], []).append(dtypes)
+    for q, k, v, *_ in by_op["attn_fwd"]:
+        assert q == k == v == torch.bfloat16
+    for grad_o, q, k, v, *_ in by_op["attn_bwd"]:
+        assert grad_o == q == k == v == torch.bfloat16
+    assert all(dtypes[0] == torch.bfloat16 for dtypes in by_op["softcap_ce"])
+    assert all(dtypes[0] == torch.bfloat16 for dtypes in by_op["fp8_cast"] if dtypes[0].itemsize == 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rehearsal
+
+
+def _recorded_launches(launches):
+    """Wrap kernels._launch so that every launch is recorded (kernel, config, grid, arguments as
+    the JIT specializes on them) and then run."""
+    original = kernels._launch
+
+    def record_and_launch(kernel, grid, config, **args):
+        launches.append((kernel.__name__, config, tuple(grid),
+                         {name: sm90_report.recorded_argument(value) for name, value in args.items()}))
+        original(kernel, grid, config, **args)
+    return original, record_and_launch
+
+
+@interpreted
+def rehearse(shards, log_dir):
+    """Train the rehearsal config on the CUDA path (interpreter, CUDA autocast rules, aot_eager)
+    through tg.train; returns the final val loss, the log path and every kernel launch."""
+    torch._dynamo.reset()
+    launches = []
+    original, kernels._launch = _recorded_launches(launches)
+    try:
+        with cuda_autocast_rules():
+            h = tg.parse_config(REHEARSAL + data_args(shards, log_dir))
+            log = tg.RunLog(str(log_dir), active=True)
+            try:
+                val_loss = tg.train(h, tg.Dist(0, 1, 0, torch.device("cpu")), log)
+            finally:
+                log.close()
+    finally:
+        kernels._launch = original
+    breaks = dict(torch._dynamo.utils.counters["graph_break"])
+    return val_loss, log.path, launches, breaks
+
+
+@compiled
+def compile_for_hopper(launches):
+    """sm90_report entries and problems of the distinct recorded launches."""
+    report = sm90_report.build_report([(getattr(kernels, name), config, args) for name, config, _, args in launches])
+    return report, sm90_report.problems(report)
+
+
+@pytest.fixture(scope="module")
+def rehearsal(shards, tmp_path_factory):
+    return rehearse(str(shards), str(tmp_path_factory.mktemp("rehearsal_logs")))
+
+
+def test_rehearsal_trains_through_every_transition(rehearsal):
+    val_loss, log_path, _, breaks = rehearsal
+    log = parse_log(log_path)
+    assert log.finished and math.isfinite(val_loss) and breaks == {}
+    assert [step for step, _, _ in log.val_points] == [3, 6]
+    assert [s["step"] for s in log.steps] == list(range(1, 7))
+    assert log.steps[-1]["train_loss"] < log.steps[0]["train_loss"]
+
+
+def test_rehearsal_compiles_only_in_the_warm_up(rehearsal):
+    """Every graph of the run (stage shapes, the untie, each validation) is built in the
+    warm-up; the timed run, including the validations, builds none."""
+    log = parse_log(rehearsal[1])
+    assert f"compile: {EXPECTED_GRAPHS} graphs in the warm-up, 0 in the timed run" in log.info
+
+
+def test_rehearsal_launches_every_kernel_with_one_dtype(rehearsal):
+    launches = rehearsal[2]
+    names = {name for name, *_ in launches}
+    assert names == {"_fp8_cast_kernel", "_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_attn_fwd_kernel",
+                     "_attn_bwd_delta_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel", "_softcap_ce_kernel",
+                     "_scale_rows_kernel", "_xxt_kernel"}
+    for name, _, _, args in launches:
+        if name.startswith("_attn") and name != "_attn_bwd_delta_kernel":
+            assert {args[p].dtype for p in ("q_ptr", "k_ptr", "v_ptr")} == {torch.bfloat16}, name
+
+
+def test_rehearsal_attention_grid_is_the_packed_batch(rehearsal):
+    """One program per block of the packed batch and head, whatever the documents."""
+    for name, config, grid, args in rehearsal[2]:
+        if name in ("_attn_fwd_kernel", "_attn_bwd_q_kernel"):
+            assert grid == (-(-args["num_tokens"] // config.block_m), 2), (name, grid)
+        if name == "_attn_bwd_kv_kernel":
+            assert grid == (-(-args["num_tokens"] // config.block_n), 2), (name, grid)
+
+
+def test_rehearsal_launches_compile_for_hopper(rehearsal):
+    """Each distinct launch of the rehearsal compiles for sm_90 with the tensor cores, within
+    the shared memory and without spills."""
+    report, problems = compile_for_hopper(rehearsal[2])
+    assert not problems, "\n".join(problems)
+    matrix = [e for e in report["kernels"] if e["kernel"] in sm90_report.MATRIX_KERNELS]
+    assert {e["kernel"] for e in matrix} == set(sm90_report.MATRIX_KERNELS)
+
+
+# ---------------------------------------------------------------------------------------------
+# No host sync in a training step
+
+# aten ops that make the host wait for the device: a value read back (item, bool(), equal) or an
+# output whose size depends on the data (nonzero, boolean masks, unique).
+HOST_SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "allclose", "nonzero", "masked_select",
+                 "_unique", "_unique2", "unique_dim", "unique_consecutive", "bincount", "repeat_interleave"}
+
+
+class HostSyncs(TorchDispatchMode):
+    """Raises on any op that would make the CPU wait for the GPU (HOST_SYNC_OPS), except while
+    `paused` (inside the Triton interpreter's emulation of a kernel launch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused and func.overloadpacket.__name__ in HOST_SYNC_OPS:
+            raise AssertionError(f"{func} waits for the device")
+        return func(*args, **(kwargs or {}))
+
+
+@interpreted
+def train_steps_under_sync_guard(shards, log_dir):
+    """A step of each graph of the rehearsal (each stage, sampled softmax included, and the
+    untie) on the CUDA path with HostSyncs active; returns the steps checked. Eager mode: a
+    dispatch mode keeps dynamo from compiling, and the compiled graph holds the same ops."""
+    h = tg.parse_config(REHEARSAL + data_args(shards, log_dir) + ["--compile=false"])
+    guard = HostSyncs()
+    original = kernels._launch
+
+    def launch_unguarded(*args, **kwargs):
+        guard.paused = True
+        try:
+            original(*args, **kwargs)
+        finally:
+            guard.paused = False
+    checked = []
+    with cuda_autocast_rules():
+        trainer = tg.Trainer(h, tg.Dist(0, 1, 0, torch.device("cpu")), tg.RunLog(log_dir, active=False))
+        loader = tg.TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+        kernels._launch = launch_unguarded
+        try:
+            for step in tg.graph_changes(h):
+                trainer.advance_to(step)
+                stage = h.stages[tg.stage_index(h, step)]
+                slices = loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, trainer.mine)
+                with guard:
+                    trainer.train_step(step, slices)
+                checked.append(step)
+        finally:
+            kernels._launch = original
+    return checked
+
+
+def test_a_training_step_never_waits_for_the_device(shards, tmp_path):
+    assert train_steps_under_sync_guard(str(shards), str(tmp_path)) == CHANGES
+
+
+def test_the_sync_guard_has_teeth():
+    with pytest.raises(AssertionError, match="waits for the device"), HostSyncs():
+        torch.ones(3).sum().item()
+    with pytest.raises(AssertionError, match="waits for the device"), HostSyncs():
+        torch.arange(4)[torch.arange(4) > 1]
