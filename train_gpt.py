@@ -1099,7 +1099,8 @@ class Trainer:
         """Put the model and the optimizers where the schedule has them at `step` (or at the final
         validation): attention windows with their YaRN frequencies and scale, the head tied or
         untied, learning rates and momenta. Every schedule goes through here; the training loop
-        and the warm-up both call it, in any order, and it changes no compiled code."""
+        and the warm-up both call it, in any order. Values change in place, so a compiled step
+        reads them without recompiling (the tie flag picks one of two graphs the warm-up built)."""
         h = self.h
         self.model.rotary.set_windows(long_window_history(h, step, final_validation))
         self.set_tied(step < untie_step(h))

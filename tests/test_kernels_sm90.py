@@ -1,9 +1,10 @@
 """Hopper (sm_90) compile checks of every production kernel launch, on a machine without a GPU.
 
-bench/sm90_report.py records the launches a training step makes at the speedrun shapes and
-compiles each for GPUTarget("cuda", 90, 32) (SPEC 5). The compiles run once, in a worker
-process whose Triton is not in interpreter mode (tests/interpreter_shim.py), and take one to
-three minutes on two cores; the three tests share them.
+bench/sm90_report.py records the launches of the trainer at the speedrun shapes (a step of
+every stage, the optimizer and the final validation, traced under CUDA's autocast rules) and
+the library's other production variants, and compiles each for GPUTarget("cuda", 90, 32). The
+compiles run once, in a worker process whose Triton is not in interpreter mode
+(tests/interpreter_shim.py), and take one to three minutes on two cores; the tests share them.
 """
 import functools
 import json
@@ -36,6 +37,21 @@ def test_matrix_kernels_use_the_tensor_cores():
         if entry["kernel"] in sm90_report.MATRIX_KERNELS:
             gmma = entry["sass_counts"]["HGMMA"] + entry["sass_counts"]["QGMMA"]
             assert entry["ptx_wgmma"] > 0 and gmma > 0, f"{entry['variant']}: no tensor-core instructions"
+
+
+@compiled
+def test_every_kernel_the_trainer_launches_is_in_the_report():
+    """The speedrun trainer's own launches (not a hand-written list) feed the report: the FP8
+    MLP's casts and GEMMs, attention forward and backward at head dim 128 with bf16 q, k, v,
+    the cross-entropy and its backward, and the optimizer's X X^T."""
+    trainer = [e for e in hopper_report()["kernels"] if e["trainer"]]
+    assert {e["kernel"] for e in trainer} == {
+        "_fp8_cast_kernel", "_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_attn_fwd_kernel",
+        "_attn_bwd_delta_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel", "_softcap_ce_kernel",
+        "_scale_rows_kernel", "_xxt_kernel"}
+    for e in trainer:
+        if e["kernel"] in ("_attn_fwd_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel"):
+            assert e["variant"].split("(")[1].startswith("bf16,bf16,bf16,"), e["variant"]
 
 
 @compiled
