@@ -743,12 +743,19 @@ def test_wrappers_compile_with_fullgraph():
 # ---------------------------------------------------------------------------------------------
 
 def test_bench_dry_mode_runs():
-    """bench/bench_gpu.py --dry runs every benchmark at tiny shapes under the interpreter."""
+    """bench/bench_gpu.py --dry runs every part at tiny shapes under the interpreter and prints
+    each section of its report: versions, GPU tests, kernel table, training table, compiled run,
+    projection."""
     result = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "bench_gpu.py"), "--dry"],
                             capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    for name in ("fp8_matmul", "fp8_relu2_mlp", "flash_attn_varlen", "softcap_cross_entropy", "xxt"):
-        assert name in result.stdout
+    for section in ("torch", "GPU tests (collected only)", "fp8_matmul", "fp8_relu2_mlp", "fp8_linear",
+                    "flash_attn_varlen fwd+bwd d=128 vs flex_attention", "flash_attn_varlen fwd+bwd d=64 vs SDPA flash",
+                    "flex_attention runs uncompiled", "softcap_cross_entropy", "xxt",
+                    "| stage | first step | tokens/step | triton ms/step | reference ms/step",
+                    "compiled run: step_avg", "compile: 0 graphs in the warm-up, 0 in the timed run",
+                    "projection (an estimate, not a measurement)", "bench time:"):
+        assert section in result.stdout, f"no {section!r} in the dry output:\n{result.stdout[-3000:]}"
 
 
 # ---------------------------------------------------------------------------------------------
