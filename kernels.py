@@ -199,12 +199,13 @@ def _fp8_matmul_kernel(a_ptr, b_ptr, c_ptr, scale_a_ptr, scale_b_ptr, M, N, K,
 @triton.jit
 def _quantize_tile(x, rows, cols, M, N, q_ptr, qt_ptr, scale, amax_ptr, Q_MAX: tl.constexpr):
     """Store the fp32 tile x (rows, cols of an (M, N) matrix; 64-bit indices) as fp8:
-    q = clamp(x / scale) into the row-major q (M, N) and the row-major transposed copy qt (N, M);
-    fold max |x| of the tile into *amax_ptr."""
+    q = clamp(x * (1 / scale)) into the row-major q (M, N) and the row-major transposed copy
+    qt (N, M); fold max |x| of the tile into *amax_ptr. One division per tile, not per element
+    (the special-function unit would otherwise bound the cast)."""
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     x = tl.where(mask, x, 0.0)
     tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
-    q = tl.clamp(tl.div_rn(x, scale), -Q_MAX, Q_MAX).to(q_ptr.dtype.element_ty)
+    q = tl.clamp(x * tl.div_rn(1.0, scale), -Q_MAX, Q_MAX).to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + rows[:, None] * N + cols[None, :], q, mask=mask)
     tl.store(qt_ptr + cols[None, :] * M + rows[:, None], q, mask=mask)
 
@@ -235,7 +236,9 @@ def _fp8_matmul_quant_kernel(a_ptr, b_ptr, scale_a_ptr, scale_b_ptr, act_ptr, ac
     EPILOGUE "relu2":      out = relu(Y)^2, the MLP activation (act_ptr unused).
     EPILOGUE "relu2_grad": out = Y * 2 relu(h), the gradient of the MLP pre-activation h, where
                            relu(h) = sqrt(act * act_scale) comes from the fp8 activation relu(h)^2
-                           saved by the forward (so h itself is never stored).
+                           saved by the forward (so h itself is never stored). The GPU takes
+                           its fast square root (within a few fp32 ulp; out keeps 2 mantissa
+                           bits in e5m2): the exact one costs 30% more registers on sm_90.
     Like _fp8_matmul_kernel, plus: the activation tile read once ("relu2_grad"), out written twice
     in fp8 (M*N bytes each) instead of once in bf16, max |out| recorded for the next delayed scale.
     """
@@ -251,7 +254,7 @@ def _fp8_matmul_quant_kernel(a_ptr, b_ptr, scale_a_ptr, scale_b_ptr, act_ptr, ac
     else:
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         act = tl.load(act_ptr + rows[:, None] * stride_actm + cols[None, :] * stride_actn, mask=mask, other=0.0)
-        out = 2.0 * tl.sqrt_rn(act.to(tl.float32) * tl.load(act_scale_ptr)) * y
+        out = 2.0 * tl.sqrt(act.to(tl.float32) * tl.load(act_scale_ptr)) * y
     _quantize_tile(out, rows, cols, M, N, q_ptr, qt_ptr, tl.load(q_scale_ptr), amax_ptr, Q_MAX)
 
 
@@ -404,10 +407,10 @@ def fp8_matmul_relu2_grad_reference(a, b, scale_a, scale_b, act, act_scale, out_
 
 
 def _quantize_reference(x, scale, amax, fp8_dtype):
-    """The torch form of _quantize_tile: fp32 x / scale saturated to fp8; amax records max |x|."""
+    """The torch form of _quantize_tile: fp32 x * (1 / scale) saturated to fp8; amax records max |x|."""
     amax.copy_(torch.maximum(amax, x.abs().amax().reshape(1)))
     fp8_max = _FP8_MAX[fp8_dtype]
-    return (x / scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    return (x * (1.0 / scale)).clamp(-fp8_max, fp8_max).to(fp8_dtype)
 
 
 def _scale_for_amax(amax, fp8_max, headroom):
@@ -585,9 +588,10 @@ def fp8_relu2_mlp_reference(x, w_up, w_down, state, config=None):
 # program has real work, and no program is launched for padding or for blocks past the end of a
 # short document. Document boundaries enter through two per-token int32 tables computed once
 # per call from cu_seqlens: doc_start[i] (first token of i's document) and doc_end[i] (one past
-# its last token). Key j is visible to query i when doc_start[i] <= j <= i and i - j < window.
-# A program visits only the blocks of the other side that hold a visible pair and masks only
-# those that cross the diagonal, the window edge or a document boundary.
+# its last token). Key j is visible to query i when j <= i < doc_end[j] and i - j < window.
+# A program visits only the blocks of the other side that hold a visible pair (found from the
+# tables at its first and last token) and masks only those that cross the diagonal, the window
+# edge or a document boundary (reading doc_end of the block's keys there).
 # Backward: delta = rowsum(dO * O) first, then one kernel over key blocks for dK and dV and one
 # over query blocks for dQ, both recomputing P from the saved log-sum-exp: no atomics, so the
 # gradients are deterministic. The softmax scale is read from a one-element fp32 tensor, so a
@@ -601,7 +605,7 @@ ATTENTION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 REFERENCE_QUERY_BLOCK = 256
 # Window passed to the kernels for "no limit": longer than any packed batch.
 NO_WINDOW = 1 << 30
-LOG2_E = 1.4426950408889634  # the kernels work with exp2: exp(x) = exp2(x * LOG2_E)
+LOG2_E = tl.constexpr(1.4426950408889634)  # the kernels work with exp2: exp(x) = exp2(x * LOG2_E)
 
 # Production blocks for H100/H200, every (Dqk, Dv) in {64, 128}^2 (bench/sm90_resources.json: no
 # spills; the forward spills with 3 stages at 128/128, the key/value kernel with 64 queries).
@@ -652,9 +656,10 @@ def _query_blocks(k_first, k_last, first_end, last_end, window, BLOCK_M: tl.cons
 
 
 @triton.jit
-def _visible(rows, cols, row_start, window):
-    """(queries, keys) pairs where the key is visible: row_start <= key <= query, query - key < window."""
-    return (cols[None, :] >= row_start[:, None]) & (cols[None, :] <= rows[:, None]) & \
+def _visible(rows, cols, col_end, window):
+    """(queries, keys) pairs where the key is visible: key <= query < the key's document end,
+    query - key < window."""
+    return (cols[None, :] <= rows[:, None]) & (rows[:, None] < col_end[None, :]) & \
         (rows[:, None] - cols[None, :] < window)
 
 
@@ -678,7 +683,14 @@ def _load_keys(k_ptr, v_ptr, cols, stride_kt, stride_vt, num_tokens, D_QK: tl.co
 
 
 @triton.jit
-def _attn_fwd_blocks(acc, l_i, m_i, q, rows, row_start, k_ptr, v_ptr, stride_kt, stride_vt, num_tokens, window,
+def _masked_scores(s, rows, cols, doc_end_ptr, num_tokens, window):
+    """Scores of invisible pairs set to -inf; keys past the batch get document end 0 (invisible)."""
+    col_end = tl.load(doc_end_ptr + cols, mask=cols < num_tokens, other=0)
+    return tl.where(_visible(rows, cols, col_end, window), s, -float("inf"))
+
+
+@triton.jit
+def _attn_fwd_blocks(acc, l_i, m_i, q, rows, doc_end_ptr, k_ptr, v_ptr, stride_kt, stride_vt, num_tokens, window,
                      qk_scale, t_begin, t_end, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_N: tl.constexpr,
                      MASKED: tl.constexpr):
     """Online softmax over key blocks [t_begin, t_end): acc = sum p v, l_i = sum p, m_i = max
@@ -688,7 +700,7 @@ def _attn_fwd_blocks(acc, l_i, m_i, q, rows, row_start, k_ptr, v_ptr, stride_kt,
         k, v = _load_keys(k_ptr, v_ptr, cols, stride_kt, stride_vt, num_tokens, D_QK, D_V, MASKED)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:
-            s = tl.where(_visible(rows, cols, row_start, window), s, -float("inf"))
+            s = _masked_scores(s, rows, cols, doc_end_ptr, num_tokens, window)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         if MASKED:
             # rows with no visible key yet keep m = -inf; subtract 0 so that p = 0, not NaN
@@ -702,7 +714,7 @@ def _attn_fwd_blocks(acc, l_i, m_i, q, rows, row_start, k_ptr, v_ptr, stride_kt,
 
 
 @triton.jit
-def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, doc_start_ptr, scale_ptr,
+def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, doc_start_ptr, doc_end_ptr, scale_ptr,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                      num_tokens, window,
                      D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -710,16 +722,15 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, doc_start_ptr, scale_p
     one head (FlashAttention-2 forward). Grid: (cdiv(T, BLOCK_M), heads).
 
     Only key blocks that hold a visible key are visited (_key_blocks), and only those crossing
-    the diagonal, the window edge or a document start are masked. Traffic per program: Q block
-    read once, K and V read for the visited blocks (at most window + BLOCK_M keys), O and the
-    log-sum-exp (log2 units, for the backward) written once.
+    the diagonal, the window edge or a document boundary are masked. Traffic per program: Q block
+    read once, K and V (and doc_end for masked blocks) read for the visited blocks (at most
+    window + BLOCK_M keys), O and the log-sum-exp (log2 units, for the backward) written once.
     """
     q_first = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
     q_last = tl.minimum(q_first + BLOCK_M, num_tokens) - 1
     rows = q_first + tl.arange(0, BLOCK_M)
     row_ok = rows < num_tokens
-    row_start = tl.load(doc_start_ptr + rows, mask=row_ok, other=0)
     d_qk = tl.arange(0, D_QK)
     d_v = tl.arange(0, D_V)
     q = tl.load(q_ptr + head * stride_qh + rows[:, None] * stride_qt + d_qk[None, :], mask=row_ok[:, None], other=0.0)
@@ -732,11 +743,11 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, doc_start_ptr, scale_p
     m_i = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
     lo, mid_lo, mid_hi, hi = _key_blocks(q_first, q_last, tl.load(doc_start_ptr + q_first),
                                          tl.load(doc_start_ptr + q_last), window, BLOCK_N)
-    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, rows, row_start, k_ptr, v_ptr, stride_kt, stride_vt,
+    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, rows, doc_end_ptr, k_ptr, v_ptr, stride_kt, stride_vt,
                                      num_tokens, window, qk_scale, lo, mid_lo, D_QK, D_V, BLOCK_N, True)
-    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, rows, row_start, k_ptr, v_ptr, stride_kt, stride_vt,
+    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, rows, doc_end_ptr, k_ptr, v_ptr, stride_kt, stride_vt,
                                      num_tokens, window, qk_scale, mid_lo, mid_hi, D_QK, D_V, BLOCK_N, False)
-    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, rows, row_start, k_ptr, v_ptr, stride_kt, stride_vt,
+    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, rows, doc_end_ptr, k_ptr, v_ptr, stride_kt, stride_vt,
                                      num_tokens, window, qk_scale, mid_hi, hi, D_QK, D_V, BLOCK_N, True)
     l_i = tl.where(row_ok, l_i, 1.0)
     o = acc / l_i[:, None]
@@ -843,7 +854,7 @@ def _attn_bwd_kv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr,
 
 
 @triton.jit
-def _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, row_start, k_ptr, v_ptr, stride_kt, stride_vt, num_tokens,
+def _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, doc_end_ptr, k_ptr, v_ptr, stride_kt, stride_vt, num_tokens,
                        window, qk_scale, t_begin, t_end, D_QK: tl.constexpr, D_V: tl.constexpr,
                        BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """Accumulate dQ += dS K over key blocks [t_begin, t_end), with P = exp2(Q K^T * scale - lse)
@@ -853,7 +864,7 @@ def _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, row_start, k_ptr, v_ptr, str
         k, v = _load_keys(k_ptr, v_ptr, cols, stride_kt, stride_vt, num_tokens, D_QK, D_V, MASKED)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:
-            s = tl.where(_visible(rows, cols, row_start, window), s, -float("inf"))
+            s = _masked_scores(s, rows, cols, doc_end_ptr, num_tokens, window)
         p = tl.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
@@ -862,7 +873,7 @@ def _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, row_start, k_ptr, v_ptr, str
 
 
 @triton.jit
-def _attn_bwd_q_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_start_ptr, scale_ptr,
+def _attn_bwd_q_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_start_ptr, doc_end_ptr, scale_ptr,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                        stride_dqt, stride_dqh, num_tokens, window,
                        D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -874,7 +885,6 @@ def _attn_bwd_q_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, 
     q_last = tl.minimum(q_first + BLOCK_M, num_tokens) - 1
     rows = q_first + tl.arange(0, BLOCK_M)
     row_ok = rows < num_tokens
-    row_start = tl.load(doc_start_ptr + rows, mask=row_ok, other=0)
     d_qk = tl.arange(0, D_QK)
     d_v = tl.arange(0, D_V)
     q = tl.load(q_ptr + head * stride_qh + rows[:, None] * stride_qt + d_qk[None, :], mask=row_ok[:, None], other=0.0)
@@ -890,12 +900,12 @@ def _attn_bwd_q_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, 
     dq = tl.zeros((BLOCK_M, D_QK), dtype=tl.float32)
     lo, mid_lo, mid_hi, hi = _key_blocks(q_first, q_last, tl.load(doc_start_ptr + q_first),
                                          tl.load(doc_start_ptr + q_last), window, BLOCK_N)
-    dq = _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, row_start, k_ptr, v_ptr, stride_kt, stride_vt, num_tokens,
-                            window, qk_scale, lo, mid_lo, D_QK, D_V, BLOCK_N, True)
-    dq = _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, row_start, k_ptr, v_ptr, stride_kt, stride_vt, num_tokens,
-                            window, qk_scale, mid_lo, mid_hi, D_QK, D_V, BLOCK_N, False)
-    dq = _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, row_start, k_ptr, v_ptr, stride_kt, stride_vt, num_tokens,
-                            window, qk_scale, mid_hi, hi, D_QK, D_V, BLOCK_N, True)
+    dq = _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, doc_end_ptr, k_ptr, v_ptr, stride_kt, stride_vt,
+                            num_tokens, window, qk_scale, lo, mid_lo, D_QK, D_V, BLOCK_N, True)
+    dq = _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, doc_end_ptr, k_ptr, v_ptr, stride_kt, stride_vt,
+                            num_tokens, window, qk_scale, mid_lo, mid_hi, D_QK, D_V, BLOCK_N, False)
+    dq = _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, doc_end_ptr, k_ptr, v_ptr, stride_kt, stride_vt,
+                            num_tokens, window, qk_scale, mid_hi, hi, D_QK, D_V, BLOCK_N, True)
     tl.store(dq_ptr + head * stride_dqh + rows[:, None] * stride_dqt + d_qk[None, :],
              (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -905,15 +915,16 @@ def attention_grid(num_tokens, block, num_heads):
     return (triton.cdiv(num_tokens, block), num_heads)
 
 
-def _launch_attn_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: Tensor, scale: Tensor, window: int,
-                     configs: list[int]) -> tuple[Tensor, Tensor]:
+def _launch_attn_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: Tensor, doc_end: Tensor, scale: Tensor,
+                     window: int, configs: list[int]) -> tuple[Tensor, Tensor]:
     config = _config_from_list(configs[:len(configs) // 4])
     T, H, d_qk = q.shape
     d_v = v.shape[2]
     o = torch.empty(T, H, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(H, T, dtype=torch.float32, device=q.device)
     _launch(_attn_fwd_kernel, attention_grid(T, config.block_m, H), config,
-            q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, lse_ptr=lse, doc_start_ptr=doc_start, scale_ptr=scale,
+            q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, lse_ptr=lse, doc_start_ptr=doc_start, doc_end_ptr=doc_end,
+            scale_ptr=scale,
             stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
             stride_vt=v.stride(0), stride_vh=v.stride(1), stride_ot=o.stride(0), stride_oh=o.stride(1),
             num_tokens=T, window=window, D_QK=d_qk, D_V=d_v, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
@@ -932,12 +943,13 @@ def _launch_attn_bwd(grad_o: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor,
             stride_dot=grad_o.stride(0), stride_doh=grad_o.stride(1), num_tokens=T, D_V=d_v,
             BLOCK_M=delta_config.block_m)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    common = dict(q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=grad_o, lse_ptr=lse, delta_ptr=delta, scale_ptr=scale,
+    common = dict(q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=grad_o, lse_ptr=lse, delta_ptr=delta, doc_end_ptr=doc_end,
+                  scale_ptr=scale,
                   stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
                   stride_vt=v.stride(0), stride_vh=v.stride(1), stride_dot=grad_o.stride(0),
                   stride_doh=grad_o.stride(1), num_tokens=T, window=window, D_QK=d_qk, D_V=d_v)
     _launch(_attn_bwd_kv_kernel, attention_grid(T, kv_config.block_n, H), kv_config,
-            dk_ptr=dk, dv_ptr=dv, doc_end_ptr=doc_end, stride_dkt=dk.stride(0), stride_dkh=dk.stride(1),
+            dk_ptr=dk, dv_ptr=dv, stride_dkt=dk.stride(0), stride_dkh=dk.stride(1),
             stride_dvt=dv.stride(0), stride_dvh=dv.stride(1), BLOCK_M=kv_config.block_m, BLOCK_N=kv_config.block_n,
             **common)
     _launch(_attn_bwd_q_kernel, attention_grid(T, q_config.block_m, H), q_config,
@@ -951,7 +963,7 @@ _attn_bwd_op = torch.library.custom_op(f"{_OPS}::attn_bwd", _launch_attn_bwd, mu
 
 
 @_attn_fwd_op.register_fake
-def _(q, k, v, doc_start, scale, window, configs):
+def _(q, k, v, doc_start, doc_end, scale, window, configs):
     _check_attention_dtypes(q, k, v)
     T, H, _ = q.shape
     return q.new_empty(T, H, v.shape[2]), q.new_empty(H, T, dtype=torch.float32)
@@ -968,7 +980,7 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, doc_start, doc_end, scale, window, configs):
-        o, lse = _attn_fwd_op(q, k, v, doc_start, scale, window, configs)
+        o, lse = _attn_fwd_op(q, k, v, doc_start, doc_end, scale, window, configs)
         ctx.save_for_backward(q, k, v, o, lse, doc_start, doc_end, scale)
         ctx.args = (window, configs)
         return o

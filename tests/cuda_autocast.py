@@ -25,10 +25,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-# Cast policies of the ops with an AutocastCUDA kernel (torch's names for the policies).
+# Cast policies of the ops with an AutocastCUDA kernel (torch's names for the policies), in the
+# torch versions this repository runs on; a name the running torch lacks is skipped (torch 2.11
+# has no rule for rms_norm: its CUDA rms_norm is a fused kernel that keeps the input dtype).
 CUDA_POLICIES = {
     "lower_precision_fp": [
-        "_convolution", "_convolution.deprecated", "_scaled_dot_product_flash_attention",
+        "_convolution", "_convolution.deprecated", "_cudnn_rnn", "_scaled_dot_product_flash_attention",
         "_thnn_fused_gru_cell", "_thnn_fused_lstm_cell", "addbmm", "addmm", "addmv", "addr", "baddbmm", "bmm",
         "chain_matmul", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d.input",
         "conv_transpose3d.input", "convolution", "cudnn_convolution", "cudnn_convolution_transpose", "einsum",
@@ -49,17 +51,19 @@ CUDA_POLICIES = {
     ],
     # fp32 through the op's optional dtype argument, when the caller left it unset
     "fp32_set_opt_dtype": [
-        "cumprod", "cumsum", "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "linalg_vector_norm",
-        "log_softmax.int", "prod", "prod.dim_int", "softmax.int", "sum", "sum.dim_IntList",
+        "cumprod", "cumprod.dimname", "cumsum", "cumsum.dimname", "linalg_matrix_norm", "linalg_matrix_norm.str_ord",
+        "linalg_vector_norm", "log_softmax.Dimname", "log_softmax.int", "prod", "prod.dim_Dimname", "prod.dim_int",
+        "softmax.Dimname", "softmax.int", "sum", "sum.dim_DimnameList", "sum.dim_IntList",
     ],
     # redispatched to the overload that takes a dtype, with dtype=fp32
-    "fp32_append_dtype": ["norm.Scalar", "norm.ScalarOpt_dim"],
+    "fp32_append_dtype": ["norm.Scalar", "norm.ScalarOpt_dim", "norm.names_ScalarOpt_dim"],
     # every floating input cast to the widest floating dtype among them (at least the low-precision one)
     "promote": ["addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sampler", "index_put",
                 "scatter_add", "tensordot", "vdot"],
     "banned": ["binary_cross_entropy"],
 }
-APPEND_DTYPE_OVERLOAD = {"norm.Scalar": "ScalarOpt_dtype", "norm.ScalarOpt_dim": "ScalarOpt_dim_dtype"}
+APPEND_DTYPE_OVERLOAD = {"norm.Scalar": "ScalarOpt_dtype", "norm.ScalarOpt_dim": "ScalarOpt_dim_dtype",
+                         "norm.names_ScalarOpt_dim": "names_ScalarOpt_dim_dtype"}
 
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 

@@ -154,9 +154,10 @@ def test_fp8_matmul_rejects_bad_operands():
 
 
 def quantize(x, scale, fp8_dtype):
-    """x / scale saturated to the fp8 range and rounded to nearest even (torch's cast)."""
+    """x times the fp32 reciprocal of scale, saturated to the fp8 range and rounded to nearest
+    even (torch's cast)."""
     fp8_max = torch.finfo(fp8_dtype).max
-    return (x.float() / scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    return (x.float() * (1.0 / scale)).clamp(-fp8_max, fp8_max).to(fp8_dtype)
 
 
 @interpreted
@@ -684,13 +685,13 @@ def test_custom_ops_pass_opcheck():
     attention_configs = [value for c in SMALL_ATTENTION for value in c.as_list()]
     doc_start, doc_end = kernels.document_bounds(cu_seqlens, 24)
     scale = torch.tensor([0.25])
-    o, lse = kernels._attn_fwd_op(q, k, v, doc_start, scale, 5, attention_configs)
+    o, lse = kernels._attn_fwd_op(q, k, v, doc_start, doc_end, scale, 5, attention_configs)
     logits, targets, weights, grad_loss = _cross_entropy_inputs(4, 50, 2, 10, torch.float32)
     cases = [
         (kernels._fp8_matmul_op, (a, b, one, one, torch.bfloat16, config)),
         (kernels._fp8_cast_op, (torch.randn(20, 24), one, torch.zeros(1), E4M3, SMALL_CAST.as_list())),
         (kernels._fp8_matmul_quant_op, (a, b, one, one, a, one, one, torch.zeros(1), E4M3, "relu2", config)),
-        (kernels._attn_fwd_op, (q, k, v, doc_start, scale, 5, attention_configs)),
+        (kernels._attn_fwd_op, (q, k, v, doc_start, doc_end, scale, 5, attention_configs)),
         (kernels._attn_bwd_op, (grad_o, q, k, v, o, lse, doc_start, doc_end, scale, 5, attention_configs)),
         (kernels._softcap_ce_op, (logits, targets, weights, True, SMALL_CE.as_list())),
         (kernels._softcap_ce_op, (logits, targets, weights, False, SMALL_CE.as_list())),
