@@ -27,11 +27,11 @@ with per-tensor scales that map an amax to the fp8 maximum. Weights and layer in
 exact scale (this call's amax). The other activations and the gradients get a delayed scale: the
 amax the previous call recorded in the buffer, times a per-operand headroom (FP8_MLP_HEADROOM,
 FP8_LINEAR_HEADROOM), so no extra pass over the tensor is needed; each call records its own amax
-for the next. A zero entry, as in a fresh buffer, means scale 1, which flushes small gradients
-to zero: run calibration calls (forward and backward, results discarded) before the first real
-one, as the trainer does. Values beyond the fp8 range saturate. The `*_reference` functions take
-the same arguments, update the buffer the same way and quantize identically with torch casts:
-the trainer's A/B switch.
+for the next. A zero entry (a fresh buffer, or a tensor that was all zeros) gives the default
+scale UNCALIBRATED_SCALE; calibration calls (forward and backward, results discarded) before the
+first real one record real amaxes, as the trainer does. Values beyond the fp8 range saturate.
+The `*_reference` functions take the same arguments, update the buffer the same way and
+quantize identically with torch casts: the trainer's A/B switch.
 
 The other families need no state: flash_attn_varlen(q, k, v, cu_seqlens, window,
 softmax_scale), softcap_cross_entropy(logits, targets, weights) and xxt(x) take the same
@@ -117,6 +117,9 @@ FP8_MLP_SLOTS = {"input": 0, "hidden": 1, "grad_output": 2, "grad_hidden": 3}
 EXACT_SCALE = None           # this call's own amax (one extra reduction over the tensor)
 HIDDEN_HEADROOM = 1.8        # relu(h)^2 squares the growth of h between calls (record 89's down-projection input)
 GRAD_HEADROOM = 1.25         # gradients vary between micro-batches; e5m2 keeps 2^-16 of the maximum below it
+# Scale before any amax is known: 1 for e4m3 activations (of order 1); 2^-14 for e5m2 gradients of
+# a mean loss, far below 1 (at scale 1 e5m2 flushes |g| < 2^-16, at 2^-14 it keeps 2^-30 to 3.5).
+UNCALIBRATED_SCALE = {FP8_E4M3_MAX: 1.0, FP8_E5M2_MAX: 2.0 ** -14}
 FP8_LINEAR_HEADROOM = {"input": EXACT_SCALE, "grad_output": GRAD_HEADROOM}
 FP8_MLP_HEADROOM = {"input": EXACT_SCALE, "hidden": HIDDEN_HEADROOM, "grad_output": GRAD_HEADROOM,
                     "grad_hidden": GRAD_HEADROOM}
@@ -414,8 +417,10 @@ def _quantize_reference(x, scale, amax, fp8_dtype):
 
 
 def _scale_for_amax(amax, fp8_max, headroom):
-    """Per-tensor scale mapping amax * headroom to the fp8 maximum; 1 where amax is 0 (unknown)."""
-    return torch.where(amax > 0, amax * (headroom / fp8_max), torch.ones_like(amax))
+    """Per-tensor scale mapping amax * headroom to the fp8 maximum; UNCALIBRATED_SCALE where amax
+    is 0 (unknown)."""
+    unknown = torch.full_like(amax, UNCALIBRATED_SCALE[fp8_max])
+    return torch.where(amax > 0, amax * (headroom / fp8_max), unknown)
 
 
 def _operand_scale(state, slots, headrooms, name, fp8_max, x):
@@ -1343,7 +1348,8 @@ def _xxt_kernel(x_ptr, c_ptr, m, n, stride_xb, stride_xm, stride_xn, stride_cb, 
     Programs enumerate only the lower-triangle tiles (i, j), j <= i; each computes
     X[i rows] X[j rows]^T and stores it at (i, j) and, transposed, at (j, i); a diagonal tile
     keeps its lower triangle and mirrors it, so the result is exactly symmetric (the tensor
-    cores need not sum (r, c) and (c, r) in the same order). Half the FLOPs of X @ X^T. Traffic per tile: 2 * BLOCK_M * n elements of X read, one or two tiles written.
+    cores need not sum (r, c) and (c, r) in the same order). Half the FLOPs of X @ X^T.
+    Traffic per tile: 2 * BLOCK_M * n elements of X read, one or two tiles written.
     EVEN (m a multiple of BLOCK_M, n of BLOCK_K, as for Muon's matrices): loads need no mask.
     """
     tile = tl.program_id(0)

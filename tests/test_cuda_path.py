@@ -34,8 +34,8 @@ import sm90_report  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from cuda_autocast import Call, TensorMeta, cuda_autocast_rules, replay_with_cuda_autocast  # noqa: E402
 from data.shards import write_shard  # noqa: E402
-from data.tokenizer import BOS_ID  # noqa: E402
 from records.logfile import parse_log  # noqa: E402
+from test_train import synthetic_documents  # noqa: E402
 
 interpreted = isolated(interpret=True)
 compiled = isolated(interpret=False)
@@ -64,17 +64,6 @@ REHEARSAL = [
 # validation at step 3 (tied) and the final one (untied, wider window).
 CHANGES = [0, 1, 3, 4]
 EXPECTED_GRAPHS = len(CHANGES) + 2
-
-
-def synthetic_documents(rng, num_tokens, vocab=3000):
-    """A BOS-separated stream of documents with learnable structure (arithmetic sequences)."""
-    out, total = [], 0
-    while total < num_tokens:
-        length = int(rng.integers(5, 300))
-        doc = (rng.integers(0, vocab) + 7 * np.arange(length)) % vocab
-        out.append(np.concatenate([[BOS_ID], doc]))
-        total += length + 1
-    return np.concatenate(out)[:num_tokens]
 
 
 @pytest.fixture(scope="module")

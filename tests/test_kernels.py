@@ -208,8 +208,10 @@ def test_fp8_matmul_relu2_epilogues_match_oracle_exactly():
 
 
 def delayed_scale(amax, fp8_max, headroom):
-    """The documented delayed scale: amax * headroom / fp8_max, 1 for an unset amax."""
-    return torch.where(amax > 0, amax * (headroom / fp8_max), torch.ones_like(amax))
+    """The documented delayed scale: amax * headroom / fp8_max; for an unset amax 1 (e4m3) or
+    2^-14 (e5m2)."""
+    unset = 1.0 if fp8_max == 448.0 else 2.0 ** -14
+    return torch.where(amax > 0, amax * (headroom / fp8_max), torch.full_like(amax, unset))
 
 
 def exact_scale(x, fp8_max=448.0):
@@ -281,9 +283,9 @@ def _run_layer(layer, inputs, state, grad_output, config=SMALL_MATMUL):
 def test_fp8_layers_match_oracle_exactly(layer, config):
     """EXACT: forward and backward of fp8_linear / fp8_relu2_mlp and their references against
     the oracle written from the recipe, bitwise, including the amax buffer. Two calls: a fresh
-    buffer (scale 1 for the delayed activations and gradients), then a buffer whose amaxes give
-    power-of-two delayed scales other than 1; inputs and weights always take their own amax
-    (max |x| = 1.75 = 448 / 256: scale 2^-8). config None: the production tiles."""
+    buffer (the uncalibrated scales: 1 for activations, 2^-14 for gradients), then a buffer
+    whose amaxes give power-of-two delayed scales other than 1; inputs and weights always take
+    their own amax (max |x| = 1.75 = 448 / 256: scale 2^-8). config None: the production tiles."""
     generator = torch.Generator().manual_seed(4)
     x = grid_values(2, 20, 32, generator=generator, limit=4, dtype=torch.bfloat16)
     x[0, 0, 0] = 1.75
@@ -514,7 +516,7 @@ def test_attention_refuses_mixed_dtypes_and_fp32_on_the_gpu():
     with FakeTensorMode(allow_non_fake_inputs=True):
         q = torch.empty(10, 2, 64, device="cuda")
         with pytest.raises(ValueError, match="bf16 or fp16 on the GPU"):
-            kernels.flash_attn_varlen(q, q, q, cu_seqlens.to("cuda"), 0, 1.0)
+            kernels.flash_attn_varlen(q, q, q, torch.zeros(2, dtype=torch.int32, device="cuda"), 0, 1.0)
 
 
 def test_attention_launches_one_program_per_block_of_the_packed_batch():
