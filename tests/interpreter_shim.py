@@ -8,8 +8,7 @@ happened to import triton first. Tests decorated with `@isolated(interpret=...)`
 their body in a worker process started with the environment they need (one worker per mode,
 kept for the session); failures come back as the worker's exception and traceback.
 
-The interpreter shim. The interpreter of triton 3.7 has wrong results for some float work
-(SPEC section 5):
+The interpreter shim. The interpreter of triton 3.7 has wrong results for some float work:
   - bf16 `tl.dot` operands and bf16 arithmetic are processed as their raw uint16 bit patterns;
   - fp32 -> fp8 casts round wrongly (7.93 -> 4.0 in e4m3);
   - fp32 -> bf16 casts truncate instead of rounding to nearest even.

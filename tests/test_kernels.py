@@ -221,7 +221,7 @@ def exact_scale(x, fp8_max=448.0):
 
 
 def linear_oracle(x, weight, state, grad_y, bits=24):
-    """EXACT oracle of fp8_linear from the issue's recipe: (y, grad_x, grad_w, new state)."""
+    """EXACT oracle of fp8_linear from the recipe in kernels.py's docstring: (y, grad_x, grad_w, new state)."""
     x2, g2 = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])
     s_x, s_w = exact_scale(x2), exact_scale(weight)
     s_g = delayed_scale(state[1:2], 57344.0, kernels.GRAD_HEADROOM)
@@ -549,7 +549,7 @@ def test_attention_launches_one_program_per_block_of_the_packed_batch():
 # ---------------------------------------------------------------------------------------------
 
 def cross_entropy_oracle(logits, targets, weights):
-    """float64 loss (differentiable, for the gradient) and softmax from the issue's formula."""
+    """float64 loss (differentiable, for the gradient) and softmax from the formula of the reference."""
     z = 23.0 * torch.sigmoid((logits + 5.0) / 7.5)
     lse = torch.logsumexp(z, dim=1)
     loss = torch.zeros(logits.shape[0], dtype=torch.float64)
