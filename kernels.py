@@ -1125,13 +1125,14 @@ def _softcap_tile(x, SOFTCAP: tl.constexpr, SHIFT: tl.constexpr, TEMP: tl.conste
 
 
 @triton.jit
-def _softcap_ce_kernel(logits_ptr, grad_ptr, targets_ptr, weights_ptr, loss_ptr, num_cols,
+def _softcap_ce_kernel(logits_ptr, grad_ptr, targets_ptr, weights_ptr, loss_ptr, next_loss_ptr, num_cols,
                        stride_lr, stride_gr, stride_tr,
                        NUM_TARGETS: tl.constexpr, TARGETS_PAD: tl.constexpr, SOFTCAP: tl.constexpr,
                        SHIFT: tl.constexpr, TEMP: tl.constexpr, BLOCK_C: tl.constexpr, WITH_GRAD: tl.constexpr):
     """Loss and logit gradient of one row: z = softcap(x), lse = log sum exp z,
     loss = sum_k w_k (lse - z[t_k]), dloss/dx = (W softmax(z) - sum_k w_k onehot(t_k)) * dz/dx,
-    with W = sum of the weights of the targets present among the columns.
+    with W = sum of the weights of the targets present among the columns; also the unweighted
+    loss of the first target alone, lse - z[t_0] (0 when absent): the next-token loss.
 
     Two passes over the row: the first sums exp(z - SOFTCAP) (z < SOFTCAP, so no running max is
     needed), the second writes the gradient (WITH_GRAD only). Traffic: the row read twice (the
@@ -1157,6 +1158,7 @@ def _softcap_ce_kernel(logits_ptr, grad_ptr, targets_ptr, weights_ptr, loss_ptr,
     x_target = tl.load(logits_ptr + targets, mask=present, other=0.0).to(tl.float32)
     z_target = _softcap_tile(x_target, SOFTCAP, SHIFT, TEMP)
     tl.store(loss_ptr + row, tl.sum(weights * (lse - z_target), axis=0))
+    tl.store(next_loss_ptr + row, tl.sum(tl.where((k == 0) & present, lse - z_target, 0.0), axis=0))
     if not WITH_GRAD:
         return
 
@@ -1183,17 +1185,19 @@ def _scale_rows_kernel(x_ptr, scale_ptr, out_ptr, num_cols, stride_xr, stride_or
 
 
 def _launch_softcap_ce(logits: Tensor, targets: Tensor, weights: Tensor, with_grad: bool,
-                       config: list[int]) -> tuple[Tensor, Tensor]:
+                       config: list[int]) -> tuple[Tensor, Tensor, Tensor]:
     config = _config_from_list(config)
     N, C = logits.shape
     grad = torch.empty((N, C) if with_grad else (0, C), dtype=logits.dtype, device=logits.device)
     loss = torch.empty(N, dtype=torch.float32, device=logits.device)
+    next_loss = torch.empty(N, dtype=torch.float32, device=logits.device)
     _launch(_softcap_ce_kernel, (N,), config,
             logits_ptr=logits, grad_ptr=grad, targets_ptr=targets, weights_ptr=weights, loss_ptr=loss,
-            num_cols=C, stride_lr=logits.stride(0), stride_gr=grad.stride(0), stride_tr=targets.stride(0),
+            next_loss_ptr=next_loss, num_cols=C, stride_lr=logits.stride(0), stride_gr=grad.stride(0),
+            stride_tr=targets.stride(0),
             NUM_TARGETS=targets.shape[1], TARGETS_PAD=triton.next_power_of_2(targets.shape[1]),
             SOFTCAP=SOFTCAP, SHIFT=SOFTCAP_SHIFT, TEMP=SOFTCAP_TEMP, BLOCK_C=config.block_n, WITH_GRAD=with_grad)
-    return loss, grad
+    return loss, next_loss, grad
 
 
 def _launch_scale_rows(x: Tensor, scale: Tensor, config: list[int]) -> Tensor:
@@ -1212,7 +1216,8 @@ _scale_rows_op = torch.library.custom_op(f"{_OPS}::scale_rows", _launch_scale_ro
 @_softcap_ce_op.register_fake
 def _(logits, targets, weights, with_grad, config):
     N, C = logits.shape
-    return logits.new_empty(N, dtype=torch.float32), logits.new_empty((N, C) if with_grad else (0, C))
+    return (logits.new_empty(N, dtype=torch.float32), logits.new_empty(N, dtype=torch.float32),
+            logits.new_empty((N, C) if with_grad else (0, C)))
 
 
 @_scale_rows_op.register_fake
@@ -1222,17 +1227,19 @@ def _(x, scale, config):
 
 class _SoftcapCrossEntropy(torch.autograd.Function):
     """The forward computes loss and logit gradient together (the gradient only when the logits
-    require one); backward scales the saved gradient by the upstream gradient of each row."""
+    require one); backward scales the saved gradient by the upstream gradient of each row. The
+    next-token loss is a by-product for logging, not differentiable."""
 
     @staticmethod
     def forward(ctx, logits, targets, weights, config, scale_config):
-        loss, grad = _softcap_ce_op(logits, targets, weights, ctx.needs_input_grad[0], config)
+        loss, next_loss, grad = _softcap_ce_op(logits, targets, weights, ctx.needs_input_grad[0], config)
         ctx.save_for_backward(grad)
         ctx.scale_config = scale_config
-        return loss
+        ctx.mark_non_differentiable(next_loss)
+        return loss, next_loss
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, grad_next_loss):
         grad, = ctx.saved_tensors
         return _scale_rows_op(grad, grad_loss.float().contiguous(), ctx.scale_config), None, None, None, None
 
@@ -1242,7 +1249,8 @@ def softcap_cross_entropy(logits, targets, weights, config=CROSS_ENTROPY, scale_
     gradient with respect to the logits computed in the forward pass when the logits require
     one (a (N, C) buffer in the logits' dtype, kept until backward). logits (N, C) with unit
     column stride, for all vocabulary columns or a candidate subset; targets (N, K) int64 column
-    indices (outside [0, C): no target); weights (K,). Returns (N,) fp32."""
+    indices (outside [0, C): no target); weights (K,). Returns (loss, next_token_loss), both (N,)
+    fp32; only the first is differentiable."""
     if logits.dim() != 2 or targets.dim() != 2 or targets.shape[0] != logits.shape[0]:
         raise ValueError(f"softcap_cross_entropy needs logits (N, C) and targets (N, K); got "
                          f"{tuple(logits.shape)} and {tuple(targets.shape)}")
@@ -1266,7 +1274,9 @@ def softcap_cross_entropy_reference(logits, targets, weights):
     candidate subset). targets: (N, K) int64 column indices into those C columns; an index
     outside [0, C) (-1 by convention) marks a target that is absent or not among the columns,
     and it contributes nothing. weights: (K,) float.
-    Returns (N,) fp32: sum_k weights[k] * (logsumexp(z) - z[targets[:, k]]), z = softcap(logits).
+    Returns (loss, next_token_loss), both (N,) fp32: loss = sum_k weights[k] * (logsumexp(z) -
+    z[targets[:, k]]) with z = softcap(logits), and the unweighted loss of the first target alone
+    (0 where it is absent), detached.
     """
     z = softcap(logits)
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
@@ -1274,7 +1284,7 @@ def softcap_cross_entropy_reference(logits, targets, weights):
     picked = z.gather(1, torch.where(present, targets, 0))
     losses = torch.where(present, lse - picked, torch.zeros_like(picked))
     # An elementwise product, not a matmul: autocast would run a matmul (and its sum) in bf16.
-    return (losses * weights.to(losses)).sum(dim=1)
+    return (losses * weights.to(losses)).sum(dim=1), losses[:, 0].detach()
 
 
 CHUNKED_CE_ROWS = 16  # rows per block of the CPU cross-entropy: 16 x 50,304 fp32 = 3.2 MB, in L2
@@ -1300,6 +1310,7 @@ class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
         target_weights = torch.where(present, weights.float(), 0.0)   # (N, K): absent targets weigh 0
         slope = 1.0 / (SOFTCAP * SOFTCAP_TEMP)
         loss = torch.empty(num_rows, device=logits.device, dtype=torch.float32)
+        next_loss = torch.empty(num_rows, device=logits.device, dtype=torch.float32)
         grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
         for s in range(0, num_rows, rows):
             e = min(s + rows, num_rows)
@@ -1307,17 +1318,20 @@ class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
             exp_z = z.exp()
             total = exp_z.sum(dim=1, keepdim=True)
             w = target_weights[s:e]
-            loss[s:e] = ((total.log() - z.gather(1, columns[s:e])) * w).sum(dim=1)
+            per_target = total.log() - z.gather(1, columns[s:e])
+            loss[s:e] = (per_target * w).sum(dim=1)
+            next_loss[s:e] = torch.where(present[s:e, 0], per_target[:, 0], 0.0)
             if grad is not None:
                 g = exp_z.mul_(w.sum(dim=1, keepdim=True) * slope / total)
                 g.scatter_add_(1, columns[s:e], w * -slope)
                 grad[s:e] = g.mul_(z).mul_(z.neg_().add_(SOFTCAP))
         ctx.save_for_backward(grad)
         ctx.rows = rows
-        return loss
+        ctx.mark_non_differentiable(next_loss)
+        return loss, next_loss
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, grad_next_loss):
         grad, = ctx.saved_tensors
         out = torch.empty_like(grad)
         scale = grad_loss.float()[:, None]

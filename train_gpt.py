@@ -18,16 +18,15 @@ import copy
 import ctypes
 import dataclasses
 import datetime
-import hashlib
 import json
 import math
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -41,9 +40,9 @@ import kernels
 import optim
 from data.shards import ShardError, find_shards, fingerprint, read_shard
 from data.tokenizer import BOS_ID, prefix_token_table
+from records.logfile import ERROR_PREFIX, INTERRUPTED_PREFIX, LogWriteError, LogWriter, cpu_model, new_run_id
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
-LOG_FORMAT_VERSION = "v1"
 FINEWEB_HINT = "python data/cached_fineweb10B.py N"
 TINY_HINT = "python data/tiny_corpus.py"
 
@@ -183,6 +182,9 @@ class ConfigError(Exception):
     """A bad preset, key or value: the message says which and what is allowed."""
 
 
+TYPE_NAMES = {int: "a whole number", float: "a number", str: "a string"}  # for the messages of _parse_value
+
+
 def _parse_value(key, text, current):
     if isinstance(current, bool):
         if text.lower() in ("1", "true", "yes"):
@@ -194,7 +196,7 @@ def _parse_value(key, text, current):
         try:
             return type(current)(text)
         except ValueError:
-            raise ConfigError(f"--{key} expects a {type(current).__name__}, got {text!r}") from None
+            raise ConfigError(f"--{key} expects {TYPE_NAMES[type(current)]}, got {text!r}") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError:
@@ -203,6 +205,8 @@ def _parse_value(key, text, current):
 
 def config_from_dict(d):
     """A Hyperparameters from a resolved-config dict (as written into a log)."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"a config must be a JSON object of key: value, got {type(d).__name__}")
     d = {k: v for k, v in d.items() if k not in LOG_ONLY_KEYS}
     known = {f.name for f in dataclasses.fields(Hyperparameters)}
     unknown = sorted(set(d) - known)
@@ -212,26 +216,175 @@ def config_from_dict(d):
     return normalize_config(h)
 
 
+STAGE_FIELDS = [f.name for f in dataclasses.fields(Stage)]
+
+
+def _stage(value):
+    """A Stage from a Stage, a JSON object or a JSON list; ConfigError naming what is wrong."""
+    if isinstance(value, Stage):
+        return value
+    try:
+        stage = Stage(**value) if isinstance(value, dict) else Stage(*value)
+    except TypeError:
+        raise ConfigError(f"--stages: {json.dumps(value)} is not a stage; a stage is a JSON object with keys "
+                          f"{STAGE_FIELDS} (the first five required)") from None
+    if not isinstance(stage.mtp_weights, (list, tuple)):
+        raise ConfigError(f"--stages: mtp_weights must be a list of numbers, got {stage.mtp_weights!r}")
+    stage.mtp_weights = tuple(stage.mtp_weights)
+    return stage
+
+
+def _sequence(key, value):
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"--{key}={json.dumps(value)}: expects a JSON list, e.g. --{key}=[1,2]")
+    return tuple(value)
+
+
 def normalize_config(h):
-    """Turn JSON-ish values (lists, dicts) into the dataclass's types and check them."""
-    h.stages = [s if isinstance(s, Stage) else Stage(**s) if isinstance(s, dict) else Stage(*s)
-                for s in h.stages]
-    for s in h.stages:
-        s.mtp_weights = tuple(float(w) for w in s.mtp_weights)
-    h.long_window_layers = tuple(h.long_window_layers)
-    h.attention_free_layers = tuple(h.attention_free_layers)
-    h.adam_betas = tuple(h.adam_betas)
-    if not h.stages or abs(h.stages[-1].end - 1.0) > 1e-9:
-        raise ConfigError("the last stage must end at 1.0 (the fraction of num_iterations)")
-    if any(len(s.mtp_weights) > MAX_TARGETS - 1 for s in h.stages):
-        raise ConfigError(f"at most {MAX_TARGETS - 1} multi-token targets are supported")
-    if h.optimizer not in ("muon", "normuon", "anvil", "adamw"):
-        raise ConfigError(f"--optimizer must be muon, normuon, anvil or adamw, got {h.optimizer!r}")
+    """Turn JSON-ish values (lists, dicts) into the dataclass's types, then check every value."""
+    if not isinstance(h.stages, (list, tuple)) or not h.stages:
+        raise ConfigError(f"--stages: expects a non-empty JSON list of stages, got {json.dumps(h.stages)}")
+    h.stages = [_stage(s) for s in h.stages]
+    for key in ("long_window_layers", "attention_free_layers", "adam_betas"):
+        setattr(h, key, _sequence(key, getattr(h, key)))
     if h.orthogonalize == "auto":
         h.orthogonalize = "anvil" if h.optimizer == "anvil" else "polar_express"
-    if h.kernels not in ("auto", "triton", "reference"):
-        raise ConfigError(f"--kernels must be auto, triton or reference, got {h.kernels!r}")
+    check_config(h)
     return h
+
+
+def _number(value, integer=False):
+    """Whether value is a finite number (an int, not a bool, when integer)."""
+    if isinstance(value, bool):
+        return False
+    if integer:
+        return isinstance(value, int)
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+# (key, kind, low, high, what is allowed): numbers must lie in [low, high] (None: no bound).
+NUMERIC_RULES = [
+    ("num_iterations", int, 1, None, "a whole number of steps >= 1"),
+    ("val_tokens", int, 1, None, "a positive number of tokens"),
+    ("val_tokens_per_rank", int, 1, None, "a positive number of tokens"),
+    ("val_every", int, 0, None, "0 (only at the end) or a positive number of steps"),
+    ("batch_ranks", int, 1, None, "a positive number of rank slices"),
+    ("num_layers", int, 1, None, "a positive number of layers"),
+    ("model_dim", int, 1, None, "a positive width"),
+    ("num_heads", int, 1, None, "a positive number of heads"),
+    ("head_dim", int, 4, None, "a multiple of 4 (RoPE rotates pairs in half of the dims)"),
+    ("mlp_hidden", int, 1, None, "a positive width"),
+    ("num_value_embeds", int, 0, None, "0 or more tables"),
+    ("value_embed_gate_dim", int, 1, None, "a positive number of dims, at most model_dim"),
+    ("bigram_rows", int, 2, None, "at least 2 rows"),
+    ("rope_base", float, 1e-9, None, "a positive period"),
+    ("attn_scale", float, 1e-9, None, "a positive scale"),
+    ("val_long_window", int, 1, None, "a positive number of window blocks"),
+    ("untie_frac", float, 0.0, 1.0, "a fraction of training in [0, 1]"),
+    ("cooldown_start", float, 0.0, 1.0, "a fraction of training in [0, 1]"),
+    ("cooldown_floor", float, 0.0, 1.0, "an LR multiplier in [0, 1]"),
+    ("matrix_lr", float, 0.0, None, "a learning rate >= 0"),
+    ("adamw_matrix_lr", float, 0.0, None, "a learning rate >= 0"),
+    ("matrix_wd", float, 0.0, None, "a weight decay >= 0"),
+    ("mlp_down_lr_scale", float, 0.0, None, "an LR multiplier >= 0"),
+    ("momentum", float, 0.0, 1.0, "a momentum in [0, 1]"),
+    ("momentum_warmup_start", float, 0.0, 1.0, "a momentum in [0, 1]"),
+    ("momentum_warmup_steps", int, 0, None, "0 or more steps"),
+    ("anvil_fast_beta", float, 0.0, 1.0, "a beta in [0, 1]"),
+    ("anvil_slow_beta", float, 0.0, 1.0, "a beta in [0, 1]"),
+    ("anvil_blend", float, 0.0, 1.0, "a weight in [0, 1]"),
+    ("anvil_blend_start", float, 0.0, 1.0, "a fraction of training in [0, 1]"),
+    ("anvil_mu_low", float, 0.0, 1.0, "a Nesterov weight in [0, 1]"),
+    ("anvil_mu_high", float, 0.0, 1.0, "a Nesterov weight in [0, 1]"),
+    ("anvil_mu_rise", float, 1e-9, 1.0, "a fraction of training in (0, 1]"),
+    ("anvil_mu_fall", float, 1e-9, 1.0, "a fraction of training in (0, 1]"),
+    ("embed_lr", float, 0.0, None, "a learning rate >= 0"),
+    ("head_lr", float, 0.0, None, "a learning rate >= 0"),
+    ("scalar_lr", float, 0.0, None, "a learning rate >= 0"),
+    ("adam_eps", float, 0.0, None, "an epsilon >= 0"),
+    ("adam_wd", float, 0.0, None, "a weight decay >= 0"),
+    ("seed", int, 0, 2**63 - 1, "a whole number in [0, 2^63)"),
+    ("warmup_steps", int, 0, None, "0 or more steps"),
+    ("log_every", int, 1, None, "a positive number of steps"),
+]
+# (key, allowed values)
+CHOICE_RULES = [
+    ("track", ("track_1_short", "track_cpu", "none")),
+    ("optimizer", ("muon", "normuon", "anvil", "adamw")),
+    ("orthogonalize", tuple(optim.SCHEDULES)),
+    ("device", ("auto", "cuda", "cpu")),
+    ("kernels", ("auto", "triton", "reference")),
+    ("compile_backend", ("inductor", "aot_eager", "eager")),
+]
+BOOL_KEYS = ("compile", "fp8_mlp", "sync_check", "save_checkpoint")
+NONEMPTY_STRING_KEYS = ("train_files", "val_files", "log_dir")
+
+
+def _refuse(key, value, allowed):
+    raise ConfigError(f"--{key}={json.dumps(value)} is not allowed: expects {allowed}")
+
+
+def _check_range(key, value, kind, low, high, allowed):
+    if not _number(value, integer=kind is int) or (low is not None and value < low) or \
+            (high is not None and value > high):
+        _refuse(key, value, allowed)
+
+
+def check_config(h):
+    """Every value's type and range, so that a bad one ends the run before any work, with one
+    line naming the key, the value and what is allowed."""
+    for key, kind, low, high, allowed in NUMERIC_RULES:
+        _check_range(key, getattr(h, key), kind, low, high, allowed)
+    for key, choices in CHOICE_RULES:
+        if getattr(h, key) not in choices:
+            _refuse(key, getattr(h, key), "one of " + ", ".join(choices))
+    for key in BOOL_KEYS:
+        if not isinstance(getattr(h, key), bool):
+            _refuse(key, getattr(h, key), "true or false")
+    for key in NONEMPTY_STRING_KEYS:
+        if not isinstance(getattr(h, key), str) or not getattr(h, key):
+            _refuse(key, getattr(h, key), "a non-empty path")
+    if h.head_dim % 4:
+        _refuse("head_dim", h.head_dim, "a multiple of 4 (RoPE rotates pairs in half of the dims)")
+    if h.value_embed_gate_dim > h.model_dim:
+        _refuse("value_embed_gate_dim", h.value_embed_gate_dim, f"at most model_dim = {h.model_dim}")
+    if 2 * h.num_value_embeds > h.num_layers:
+        _refuse("num_value_embeds", h.num_value_embeds, f"at most num_layers / 2 = {h.num_layers // 2} "
+                "(each table serves one of the first and one of the last layers)")
+    for key in ("long_window_layers", "attention_free_layers"):
+        layers = getattr(h, key)
+        in_range = all(_number(i, integer=True) and 0 <= i < h.num_layers for i in layers)
+        if not in_range or len(set(layers)) < len(layers):
+            _refuse(key, list(layers), f"a list of distinct layer indices in [0, {h.num_layers})")
+    if len(h.adam_betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in h.adam_betas):
+        _refuse("adam_betas", list(h.adam_betas), "two numbers in [0, 1), e.g. [0.8, 0.95]")
+    _check_stages(h.stages)
+
+
+def _check_stages(stages):
+    def refuse(i, what):
+        raise ConfigError(f"--stages: stage {i} {what}")
+
+    previous_end = 0.0
+    for i, s in enumerate(stages):
+        if not _number(s.end) or not previous_end < s.end <= 1.0:
+            refuse(i, f"ends at {s.end!r}: stage ends must increase within (0, 1]")
+        previous_end = s.end
+        for key in ("tokens_per_rank", "max_doc_len", "short_window", "long_window"):
+            if not _number(getattr(s, key), integer=True) or getattr(s, key) < 1:
+                refuse(i, f"has {key}={getattr(s, key)!r}: expects a positive whole number")
+        if s.tokens_per_rank < MIN_DOC_TOKENS:
+            refuse(i, f"has tokens_per_rank={s.tokens_per_rank}: expects at least {MIN_DOC_TOKENS}")
+        if not 1 <= len(s.mtp_weights) <= MAX_TARGETS - 1 or not all(_number(w) and w >= 0 for w in s.mtp_weights):
+            refuse(i, f"has mtp_weights={list(s.mtp_weights)}: expects 1 to {MAX_TARGETS - 1} weights >= 0")
+        if not _number(s.prefix_weight) or s.prefix_weight < 0:
+            refuse(i, f"has prefix_weight={s.prefix_weight!r}: expects a weight >= 0")
+        if not _number(s.candidates, integer=True) or not (s.candidates == 0 or 1 <= s.candidates <= PADDED_VOCAB_SIZE):
+            refuse(i, f"has candidates={s.candidates!r}: expects 0 (full vocabulary) or 1 to {PADDED_VOCAB_SIZE}")
+        if not _number(s.lr_mult) or s.lr_mult < 0:
+            refuse(i, f"has lr_mult={s.lr_mult!r}: expects a multiplier >= 0")
+    if stages[-1].end != 1.0:
+        raise ConfigError("--stages: the last stage must end at 1.0 (the fraction of num_iterations)")
 
 
 def parse_config(argv):
@@ -246,8 +399,10 @@ def parse_config(argv):
         try:
             with open(args.config) as f:
                 h = config_from_dict(json.load(f))
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"cannot read --config {args.config}: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read --config {args.config}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--config {args.config} is not valid JSON ({e})") from None
     else:
         preset = args.preset or "speedrun"
         if preset not in PRESETS:
@@ -510,7 +665,9 @@ class GPT(nn.Module):
         return rms_norm(x)
 
     def forward(self, tokens, targets, args: AttentionArgs, target_weights, columns=None):
-        """Mean over tokens of the weighted cross-entropy. targets: (T, K) vocab ids, -1 = none.
+        """(objective, next-token loss): the means over tokens of the weighted cross-entropy that
+        training minimizes and of the plain next-token loss (not differentiable, for logging; over
+        the candidate columns with sampled softmax). targets: (T, K) vocab ids, -1 = none.
 
         columns: sorted candidate vocabulary ids (sampled softmax) or None (full vocabulary).
         target_weights: (K + 1,) weights of the K token targets and of the prefix target.
@@ -523,7 +680,8 @@ class GPT(nn.Module):
             weight = weight[columns]
             all_targets = ids_to_columns(all_targets, columns)
         logits = F.linear(x, weight.type_as(x))
-        return self.cross_entropy_fn(logits, all_targets, target_weights).mean()
+        objective, next_token = self.cross_entropy_fn(logits, all_targets, target_weights)
+        return objective.mean(), next_token.mean()
 
     @torch.no_grad()
     def validation_loss_sum(self, tokens, targets, args: AttentionArgs, chunk_rows=4096):
@@ -534,7 +692,7 @@ class GPT(nn.Module):
         one = torch.ones(1, device=x.device)
         for s in range(0, x.size(0), chunk_rows):
             logits = F.linear(x[s:s + chunk_rows], weight)
-            total += self.cross_entropy_fn(logits, targets[s:s + chunk_rows, :1], one).sum()
+            total += self.cross_entropy_fn(logits, targets[s:s + chunk_rows, :1], one)[0].sum()
         return total
 
 
@@ -598,8 +756,17 @@ class Slice:
 MIN_DOC_TOKENS = 16                # cu_seqlens has room for T / MIN_DOC_TOKENS documents per slice
 
 
+def check_token_ids(tokens, path, offset=0):
+    """Refuse a shard holding ids outside GPT-2's vocabulary, naming the file and the first one."""
+    bad = np.flatnonzero(tokens >= VOCAB_SIZE)
+    if bad.size:
+        raise DataError(f"{path}: token {offset + int(bad[0])} is {int(tokens[bad[0]])}, outside GPT-2's vocabulary "
+                        f"(ids 0..{VOCAB_SIZE - 1}): the shard was not made with the GPT-2 tokenizer; rebuild it")
+
+
 def _load_shard(path):
     tokens = np.asarray(read_shard(path))
+    check_token_ids(tokens, path)
     bos = np.flatnonzero(tokens == BOS_ID)
     if bos.size == 0:
         raise DataError(f"{path}: no <|endoftext|> ({BOS_ID}) token, so no document starts in it; "
@@ -726,6 +893,7 @@ def validation_slices(files, val_tokens, T, num_slices, mine):
     needed, parts = val_tokens + 1, []
     for f in files:                # only the leading tokens: a FineWeb val shard holds 100M
         parts.append(np.asarray(read_shard(f)[:needed]))
+        check_token_ids(parts[-1], f)
         needed -= parts[-1].size
         if needed <= 0:
             break
@@ -759,8 +927,21 @@ CUT_DOCUMENT_MARGIN = 1.5          # documents cut at max_doc_len waste tokens: 
 
 def train_shards_needed(h):
     """FineWeb train shards a run reads, with room for the tokens skipped by document cuts."""
-    tokens = sum(h.stages[stage_index(h, step)].tokens_per_rank for step in range(h.num_iterations))
+    tokens = sum(s.tokens_per_rank * steps for s, steps in zip(h.stages, steps_per_stage(h)))
     return math.ceil(tokens * h.batch_ranks * CUT_DOCUMENT_MARGIN / FINEWEB_SHARD_TOKENS)
+
+
+def steps_per_stage(h):
+    """How many of the num_iterations steps fall in each stage (stage_index's boundaries)."""
+    N, firsts = h.num_iterations, [0]
+    for s in h.stages[:-1]:        # the first step with step / N >= end, exactly as stage_index decides
+        first = min(math.ceil(s.end * N), N)
+        while first > 0 and (first - 1) / N >= s.end:
+            first -= 1
+        while first < N and first / N < s.end:
+            first += 1
+        firsts.append(max(first, firsts[-1]))
+    return [b - a for a, b in zip(firsts, firsts[1:] + [N])]
 
 
 def stage_index(h, step):
@@ -874,7 +1055,8 @@ def environment(world_size):
     return {
         "python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
         "cuda": torch.version.cuda or "none", "gpu": ", ".join(gpus) or "none",
-        "cpu_threads": torch.get_num_threads(), "world_size": world_size,
+        "cpu": cpu_model(), "cpu_count": os.cpu_count(), "cpu_threads": torch.get_num_threads(),
+        "world_size": world_size,
         "hostname": socket.gethostname(), "command": " ".join(sys.argv), "git_commit": git_commit(),
         "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
     }
@@ -890,9 +1072,10 @@ class DeferredLossLines:
         self.cuda = device.type == "cuda"
         self.pending = []          # (step, elapsed_ms, host tensor, event or None)
 
-    def add(self, step, elapsed_ms, loss):
-        host = torch.empty((), dtype=torch.float32, pin_memory=self.cuda)
-        host.copy_(loss, non_blocking=self.cuda)
+    def add(self, step, elapsed_ms, losses):
+        """losses: a small fp32 device tensor (the values of one line)."""
+        host = torch.empty(losses.shape, dtype=torch.float32, pin_memory=self.cuda)
+        host.copy_(losses, non_blocking=self.cuda)
         event = None
         if self.cuda:
             event = torch.cuda.Event()
@@ -900,57 +1083,61 @@ class DeferredLossLines:
         self.pending.append((step, elapsed_ms, host, event))
 
     def ready(self, wait=False):
-        """(step, elapsed_ms, loss) of the pending lines whose value has arrived, in order."""
+        """(step, elapsed_ms, values) of the pending lines whose values have arrived, in order."""
         out = []
         while self.pending and (wait or self.pending[0][3] is None or self.pending[0][3].query()):
             step, elapsed_ms, host, event = self.pending.pop(0)
             if event is not None:
                 event.synchronize()
-            out.append((step, elapsed_ms, host.item()))
+            out.append((step, elapsed_ms, host.tolist()))
         return out
 
 
 class RunLog:
-    """logs/<run id>.txt, created exclusively (never overwritten); only rank 0 writes."""
+    """logs/<run id>.txt through records/logfile.py's LogWriter (the one writer of the format);
+    only rank 0 writes. The folder is checked at once, the file created with the header, so a run
+    that cannot start (missing data) leaves no log. `progress` says where the run is, for the
+    line of an interrupted run."""
 
     def __init__(self, log_dir, active):
-        self.run_id = datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8]
+        self.run_id = new_run_id()
+        self.log_dir, self.active = log_dir, active
         self.path = os.path.join(log_dir, f"{self.run_id}.txt")
-        self.file = None
+        self.writer = None
+        self.progress = "before training"
         if active:
-            os.makedirs(log_dir, exist_ok=True)
-            self.file = open(self.path, "x", encoding="utf-8")
-            self.write(f"speedrun-log {LOG_FORMAT_VERSION} run_id={self.run_id}")
+            self._refuse_unusable_folder(lambda: os.makedirs(log_dir, exist_ok=True))
+
+    def _refuse_unusable_folder(self, action):
+        try:
+            return action()
+        except OSError as e:
+            raise ConfigError(f"--log_dir={self.log_dir}: cannot create a log there ({e.strerror}); "
+                              f"give a writable folder") from None
 
     def write(self, line, echo=False):
-        if self.file is not None:
-            self.file.write(line + "\n")
-            self.file.flush()
+        if self.writer is not None:
+            self.writer.line(line)
             if echo:
                 print(line, flush=True)
 
     def header(self, sources, env, data, config):
-        for relpath, content in sources:
-            digest = hashlib.sha256(content).hexdigest()
-            self.write(f"=== source {relpath} sha256={digest} bytes={len(content)} ===")
-            if self.file is not None:
-                self.file.flush()
-                self.file.buffer.write(content)
-                self.file.buffer.flush()
-            self.write(f"\n=== end source {relpath} ===")
-        self.write("=== environment ===")
-        for key, value in env.items():
-            self.write(f"{key}: {value}")
-        self.write("=== data ===")
-        for fp in data:
-            self.write(json.dumps(fp))
-        self.write("=== config ===")
-        self.write(json.dumps(config))
-        self.write("=== run ===")
+        """Create the log with its snapshot part (sources, environment, data, config)."""
+        if self.active:
+            self.writer = self._refuse_unusable_folder(lambda: LogWriter(self.path, self.run_id))
+            print(f"logging to {self.path}", flush=True)
+            self.writer.header(sources, env, data, config)
+
+    def write_last_line(self, line):
+        """The line saying why the run ended (error, interrupt), written if the disk still allows."""
+        try:
+            self.write(line)
+        except LogWriteError:
+            pass
 
     def close(self):
-        if self.file is not None:
-            self.file.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1128,18 +1315,20 @@ class Trainer:
 
     # -- steps
     def forward_backward(self, step, slices):
-        """This rank's micro-batches of the step, gradients accumulated; returns the summed loss
-        (a device scalar: nothing here waits for the device)."""
+        """This rank's micro-batches of the step, gradients accumulated; returns the (2,) device
+        tensor of the next-token loss and the objective, averaged over them (nothing here waits
+        for the device)."""
         index = stage_index(self.h, step)
         stage, weights = self.h.stages[index], self.stage_weights[index]
-        total = torch.zeros((), device=self.env.device)
+        total = torch.zeros(2, device=self.env.device)
         for slice_index, s in zip(self.mine, slices):
             s = s.to(self.env.device)
             columns = candidate_columns(s.targets, stage.candidates, step, slice_index) if stage.candidates else None
             with self.autocast:
-                loss = self.forward(s.tokens, s.targets, self.attention_args(s, step), weights, columns) / self.accum
-            loss.backward()
-            total += loss.detach()
+                objective, next_token = self.forward(s.tokens, s.targets, self.attention_args(s, step), weights,
+                                                     columns)
+            (objective / self.accum).backward()
+            total += torch.stack([next_token, objective.detach()]) / self.accum
         return total
 
     def train_step(self, step, slices):
@@ -1193,8 +1382,7 @@ def check_finite(name, loss, step, log):
     """Stop the run, keeping its log, when `name` (train or val loss) is NaN or infinite."""
     if not math.isfinite(loss):
         raise TrainingError(f"the {name} loss became {loss} at step {step} (train loss checked every "
-                            f"log_every steps); the log is kept at {log.path}. Lower the learning rates "
-                            f"or check the data.")
+                            f"log_every steps): lower the learning rates or check the data")
 
 
 def synchronize(device):
@@ -1250,25 +1438,27 @@ def warm_up(trainer, train_files, val_slices):
 
 
 def write_loss_lines(log, lines, N):
-    for step, elapsed, loss in lines:
-        check_finite("train", loss, step - 1, log)
-        log.write(f"step:{step}/{N} train_loss:{loss:.4f} train_time:{elapsed:.0f}ms "
+    """Step lines: the next-token train loss (comparable with val_loss) and the objective."""
+    for step, elapsed, (loss, objective) in lines:
+        check_finite("train", objective, step - 1, log)
+        log.write(f"step:{step}/{N} train_loss:{loss:.4f} objective:{objective:.4f} train_time:{elapsed:.0f}ms "
                   f"step_avg:{elapsed / step:.2f}ms", echo=True)
 
 
 def train(h, env, log):
     train_files = find_shards(h.train_files, hint=FINEWEB_HINT if "fineweb" in h.train_files else TINY_HINT)
     val_files = find_shards(h.val_files, hint=FINEWEB_HINT if "fineweb" in h.val_files else TINY_HINT)
-    trainer = Trainer(h, env, log)
     num_val_slices = h.val_tokens // h.val_tokens_per_rank
     if h.val_tokens % (h.val_tokens_per_rank * env.world_size):
         raise ConfigError(f"val_tokens={h.val_tokens} must be a multiple of val_tokens_per_rank x processes "
                           f"= {h.val_tokens_per_rank * env.world_size}")
-    val_slices = validation_slices(val_files, h.val_tokens, h.val_tokens_per_rank, num_val_slices,
-                                   range(env.rank, num_val_slices, env.world_size))
     log.header(project_sources(), environment(env.world_size),
                [fingerprint(f) for f in val_files + train_files], logged_config(h))
+    val_slices = validation_slices(val_files, h.val_tokens, h.val_tokens_per_rank, num_val_slices,
+                                   range(env.rank, num_val_slices, env.world_size))
+    trainer = Trainer(h, env, log)
     log.write(f"model parameters: {sum(p.numel() for p in trainer.model.parameters()):,}", echo=True)
+    log.progress = "in the warm-up"
     warm_graphs = warm_up(trainer, train_files, val_slices) if trainer.needs_warm_up() else 0
     if trainer.kernels.fp8_mlp is not None:
         trainer.calibrate_fp8(first_batch(h, train_files, trainer.mine))
@@ -1281,6 +1471,7 @@ def train(h, env, log):
     t0 = time.perf_counter()
     try:
         for step in range(N + 1):
+            log.progress = f"at step {step}/{N}"
             last = step == N
             if last or (h.val_every and step % h.val_every == 0 and step > 0):
                 synchronize(env.device)
@@ -1347,9 +1538,42 @@ def _peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived: the run stops and its log says where."""
+
+    def __init__(self, signal_name):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+EXIT_USER_ERROR = 2                # a bad input or environment: one `error:` line says what to do
+SIGNAL_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}  # 128 + the signal number, as shells report them
+
+
+def stop_on_signals():
+    """SIGINT and SIGTERM raise Interrupted in the main thread; a file-size limit makes a write
+    fail with an error (EFBIG) instead of killing the process without a word (SIGXFSZ)."""
+    def interrupt(signum, frame):
+        raise Interrupted(signal.Signals(signum).name)
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
+def stop(log, line, code):
+    """End the run: `line` as the log's last line (if there is a log and room), and on stderr."""
+    if log is not None:
+        log.write_last_line(line)
+        if log.writer is not None:
+            line += f" (log: {log.path})"
+    print(line, file=sys.stderr, flush=True)
+    return code
+
+
 def main(argv=None):
     log = None
     try:
+        stop_on_signals()
         h = parse_config(sys.argv[1:] if argv is None else argv)
         env = setup_distributed(h)
         if env.device.type == "cpu":
@@ -1357,15 +1581,18 @@ def main(argv=None):
             local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             torch.set_num_threads(max(1, os.cpu_count() // local_procs))
         log = RunLog(h.log_dir, env.master)
-        if env.master:
-            print(f"logging to {log.path}", flush=True)
         train(h, env, log)
         return 0
-    except (ConfigError, DataError, ShardError, TrainingError) as e:
-        if log is not None:
-            log.write(f"error: {e}")
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+    except Interrupted as e:
+        where = log.progress if log is not None else "before training"
+        return stop(log, f"{INTERRUPTED_PREFIX}{e.signal_name} {where}", SIGNAL_EXIT_CODES[e.signal_name])
+    except (ConfigError, DataError, ShardError, TrainingError, optim.OptimConfigError) as e:
+        return stop(log, f"{ERROR_PREFIX}{e}", EXIT_USER_ERROR)
+    except LogWriteError as e:
+        return stop(None, f"{ERROR_PREFIX}{e}: free some space (or raise the file-size limit); the log "
+                          f"ends at its last whole line", EXIT_USER_ERROR)
+    except OSError as e:
+        return stop(log, f"{ERROR_PREFIX}{e.filename or 'a file'}: {e.strerror}", EXIT_USER_ERROR)
     finally:
         if log is not None:
             log.close()

@@ -100,7 +100,7 @@ def _library_calls():
         for num_targets in CE_TARGET_COUNTS:
             logits = _untouched(T, columns, requires_grad=True)
             targets = torch.zeros(T, num_targets, dtype=torch.int64)
-            loss = kernels.softcap_cross_entropy(logits, targets, torch.ones(num_targets))
+            loss, _ = kernels.softcap_cross_entropy(logits, targets, torch.ones(num_targets))
             loss.backward(torch.empty_like(loss))
     with torch.no_grad():  # validation: full vocabulary, next token only, no gradient
         kernels.softcap_cross_entropy(_untouched(T, s["vocab"]), torch.zeros(T, 1, dtype=torch.int64), torch.ones(1))
@@ -189,7 +189,7 @@ def trainer_kernel_calls(preset=TRAINER_PRESET):
                                            stage.long_window * train_gpt.WINDOW_BLOCK)
             columns = torch.arange(stage.candidates) if stage.candidates else None
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(tokens, targets, args, train_gpt.target_weights(stage, "cpu"), columns)
+                loss, _ = model(tokens, targets, args, train_gpt.target_weights(stage, "cpu"), columns)
             loss.backward()
             for opt in optimizers:
                 opt.step()

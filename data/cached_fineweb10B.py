@@ -17,6 +17,7 @@ if __package__ in (None, ""):  # run as `python data/cached_fineweb10B.py`: make
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import httpx2  # huggingface-hub 2.x's HTTP client: its TransportError is a network failure mid-transfer
+from huggingface_hub import constants as hub_constants
 from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import (
     EntryNotFoundError,
@@ -58,7 +59,15 @@ def _is_valid_shard(path):
     return True
 
 
+def _unreachable(name, out_dir, reason):
+    return HubUnreachableError(
+        f"could not reach the Hugging Face hub to fetch {name} from {HUB_REPO_ID} ({reason}); "
+        f"retry with network access (and HF_HUB_OFFLINE unset), or copy the shards into {out_dir}/ by hand")
+
+
 def _fetch(name, out_dir, replace_damaged, local_files_only):
+    if replace_damaged and (local_files_only or hub_constants.HF_HUB_OFFLINE):
+        raise _unreachable(name, out_dir, "offline, and the copy there is damaged")
     try:
         return hf_hub_download(
             repo_id=HUB_REPO_ID,
@@ -69,10 +78,7 @@ def _fetch(name, out_dir, replace_damaged, local_files_only):
             local_files_only=local_files_only,
         )
     except (LocalEntryNotFoundError, OfflineModeIsEnabled, httpx2.TransportError, ConnectionError, TimeoutError) as e:
-        raise HubUnreachableError(
-            f"could not reach the Hugging Face hub to fetch {name} from {HUB_REPO_ID} ({type(e).__name__}); "
-            f"retry with network access (and HF_HUB_OFFLINE unset), or copy the shards into {out_dir}/ by hand"
-        ) from e
+        raise _unreachable(name, out_dir, type(e).__name__) from e
     except (EntryNotFoundError, HfHubHTTPError) as e:
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DownloadError(f"{HUB_REPO_ID}/{name}: the hub refused the download: {first_line}") from e
@@ -122,8 +128,11 @@ def main(argv=None):
     except HubUnreachableError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_HUB_UNREACHABLE
-    except (DownloadError, OSError) as e:
+    except DownloadError as e:
         print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as e:
+        print(f"error: {e.filename or args.dir}: {e.strerror}; choose a writable --dir", file=sys.stderr)
         return EXIT_FAILED
     print(f"{len(paths)} shards ready in {args.dir}")
     return 0

@@ -1,23 +1,40 @@
-"""Read and check run logs (format version 1, described in records/README.md).
+"""Write, read and check run logs (the format is described in records/README.md).
 
-A log is a snapshot of one training run: the verbatim bytes of every project
-source file the run used, each with its declared sha256, then the environment,
-the data fingerprints, the resolved config and the run's output lines. Sources
-are read by their byte count, never by scanning for the end marker, so a source
-may contain anything (including lines that look like log headers).
+A log is a snapshot of one training run: the verbatim bytes of every project source file the
+run used, each with its declared sha256, then the environment, the data fingerprints, the
+resolved config and the run's output lines. Sources are read by their byte count, never by
+scanning for the end marker, so a source may contain anything (including lines that look like
+log headers).
+
+Version 2 seals the text: every line after the sources ends with " #" and 16 hex digits of a
+running sha256, d_i = sha256(d_{i-1} || line_i), where d_0 is the sha256 of every byte before
+the first text line (the first line and the sources). A line changed, inserted or removed after
+it was written no longer matches its seal, nor does any line after it; the reader names the
+first such line. Version-1 logs (unsealed, the earliest records) are still read.
+
+LogWriter is the one writer of the format: train_gpt.py and records/track_cpu/baseline_adamw.py
+both use it.
 """
 
+import datetime
 import hashlib
 import json
+import os
 import re
+import uuid
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
-FORMAT_HEADER = "speedrun-log v1"  # first words of the first line of every version-1 log
+FORMAT_VERSION = 2                 # what LogWriter writes
+FORMAT_HEADERS = {"speedrun-log v1": 1, "speedrun-log v2": 2}  # first words of a log's first line -> version
+SEAL_HEX_DIGITS = 16               # hex digits of the running sha256 that end each sealed line
+SEAL_SEPARATOR = " #"              # between a sealed line's text and its seal
+SEALED_LINE = re.compile(r"(?P<text>.*) #(?P<seal>[0-9a-f]{16})")
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")  # run ids name files: no '/', '.', spaces
 SOURCE_HEADER = re.compile(rb"=== source (?P<path>.+) sha256=(?P<sha>[0-9a-f]{64}) bytes=(?P<n>[0-9]+) ===\n")
 SECTION_ORDER = ("environment", "data", "config", "run")  # text sections after the sources, in order
 TRAIN_LINE = re.compile(
-    r"step:(?P<step>\d+)/(?P<total>\d+) train_loss:(?P<loss>\S+) "
+    r"step:(?P<step>\d+)/(?P<total>\d+) train_loss:(?P<loss>\S+) (?:objective:(?P<objective>\S+) )?"
     r"train_time:(?P<ms>\d+)ms step_avg:(?P<avg>\S+)ms"
 )
 VAL_LINE = re.compile(
@@ -27,10 +44,115 @@ VAL_LINE = re.compile(
 FINAL_LINE = re.compile(
     r"final val_loss:(?P<loss>\S+) train_time:(?P<ms>\d+)ms steps:(?P<steps>\d+) peak_memory:(?P<mib>\S+)MiB"
 )
+INTERRUPTED_PREFIX = "interrupted: "  # last line of a run stopped by a signal
+ERROR_PREFIX = "error: "           # last line of a run stopped by an error
 
 
 class LogError(Exception):
     """A log is malformed, tampered with, or unusable for the requested purpose; the message names the file."""
+
+
+class LogWriteError(OSError):
+    """Writing a log failed (a full disk, a file-size limit, ...); the log ends at its last whole line."""
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def new_run_id():
+    """A run id: the local start time and 8 random hex digits, e.g. 20261130-204512-1a2b3c4d."""
+    return datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8]
+
+
+def cpu_model():
+    """The CPU's model name from /proc/cpuinfo (the environment section's `cpu`), or "unknown"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        return "unknown"
+    return names[0] if names else "unknown"
+
+
+def next_seal(previous, text):
+    """d_i = sha256(d_{i-1} || line_i) of the running seal (32-byte digests)."""
+    return hashlib.sha256(previous + text.encode("utf-8")).digest()
+
+
+class LogWriter:
+    """Writes one run's log, created exclusively (an existing file is never overwritten).
+
+    header() writes the first line, the sources and the environment, data and config sections;
+    line() appends one sealed run line. Every write goes straight to the file; one that fails
+    (a full disk, a file-size limit) is cut back to the last whole line, so the log never ends in
+    half a line, and LogWriteError is raised.
+    """
+
+    def __init__(self, path, run_id):
+        if not RUN_ID.fullmatch(run_id):
+            raise ValueError(f"run id {run_id!r}: letters, digits, '-' and '_' only")
+        self.path = str(path)
+        self.file = open(path, "xb", buffering=0)
+        self.size = 0              # bytes of whole lines written so far
+        self.prefix = hashlib.sha256()  # of everything before the first sealed line
+        self.seal = None           # running seal, from the first sealed line on
+        self._append(f"speedrun-log v{FORMAT_VERSION} run_id={run_id}\n".encode())
+
+    def _append(self, data):
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[self.file.write(view):]
+        except OSError as e:
+            self._cut_back()
+            raise LogWriteError(e.errno, f"{self.path}: writing the log failed ({e.strerror})") from None
+        if self.seal is None:
+            self.prefix.update(data)
+        self.size += len(data)
+
+    def _cut_back(self):
+        """Drop a partly written line (truncating needs no free space)."""
+        try:
+            os.ftruncate(self.file.fileno(), self.size)
+            os.lseek(self.file.fileno(), self.size, os.SEEK_SET)
+        except OSError:
+            pass
+
+    def source(self, relpath, content):
+        if self.seal is not None:
+            raise ValueError("sources come before the first text line")
+        digest = hashlib.sha256(content).hexdigest()
+        self._append(f"=== source {relpath} sha256={digest} bytes={len(content)} ===\n".encode() + content
+                     + f"\n=== end source {relpath} ===\n".encode())
+
+    def line(self, text):
+        """Append one sealed line (text without a newline)."""
+        if "\n" in text:
+            raise ValueError("a log line cannot contain a newline")
+        seal = next_seal(self.seal if self.seal is not None else self.prefix.digest(), text)
+        self._append(f"{text}{SEAL_SEPARATOR}{seal.hex()[:SEAL_HEX_DIGITS]}\n".encode("utf-8"))
+        self.seal = seal
+
+    def header(self, sources, environment, data, config):
+        """The snapshot part: sources [(relpath, bytes)], environment {key: value}, data
+        fingerprints [dict], the resolved config (a dict); the run section follows."""
+        for relpath, content in sources:
+            self.source(relpath, content)
+        self.line("=== environment ===")
+        for key, value in environment.items():
+            self.line(f"{key}: {value}")
+        self.line("=== data ===")
+        for fingerprint in data:
+            self.line(json.dumps(fingerprint))
+        self.line("=== config ===")
+        self.line(json.dumps(config))
+        self.line("=== run ===")
+
+    def close(self):
+        self.file.close()
+
+
+# ----------------------------------------------------------------------------- reading
 
 
 @dataclass
@@ -39,24 +161,41 @@ class Log:
 
     path: str
     run_id: str
+    version: int
     sources: dict  # relpath -> the file's bytes, as embedded
     declared_sha256: dict  # relpath -> sha256 written in the source header
     environment: dict  # key -> value (strings)
     data: list  # one fingerprint dict per data file read
     config: dict
-    steps: list = field(default_factory=list)  # one dict per train line: step, total, train_loss, train_time_ms
+    steps: list = field(default_factory=list)  # per train line: step, total, train_loss, objective, train_time_ms
     val_points: list = field(default_factory=list)  # (step, val_loss, train_time_ms)
     info: list = field(default_factory=list)  # every other line of the run section, verbatim
     final: dict | None = None  # val_loss, train_time_ms, steps, peak_memory_mib; None if the run did not finish
+    ending: str = "unfinished"  # finished | interrupted | error | cut (a partial last line) | unfinished
 
     @property
     def finished(self):
         return self.final is not None
 
     @property
+    def sealed(self):
+        return self.version >= 2
+
+    @property
     def code_id(self):
         """What "same code" means: the set of (relpath, declared sha256) pairs."""
         return frozenset(self.declared_sha256.items())
+
+    def describe_ending(self):
+        """One phrase saying how the run ended, from its last line."""
+        last = self.info[-1] if self.info else ""
+        return {
+            "finished": "finished",
+            "interrupted": f"was interrupted ({last.removeprefix(INTERRUPTED_PREFIX)})",
+            "error": f"stopped with an error ({last.removeprefix(ERROR_PREFIX)})",
+            "cut": "is cut short in the middle of a line (its last write failed, e.g. on a full disk)",
+            "unfinished": "did not finish (no final line: still running, killed, or truncated)",
+        }[self.ending]
 
 
 def _safe_relpath(relpath, log_path):
@@ -74,7 +213,10 @@ def _parse_sources(raw, pos, log_path):
         header = SOURCE_HEADER.match(raw, pos)
         if header is None:
             return sources, declared, pos
-        relpath = _safe_relpath(header["path"].decode("utf-8"), log_path)
+        try:
+            relpath = _safe_relpath(header["path"].decode("utf-8"), log_path)
+        except UnicodeDecodeError:
+            raise LogError(f"{log_path}: a source path is not UTF-8") from None
         if relpath in sources:
             raise LogError(f"{log_path}: source {relpath} is embedded twice")
         start = header.end()
@@ -90,10 +232,32 @@ def _parse_sources(raw, pos, log_path):
         pos = end + len(footer)
 
 
-def _split_sections(text, log_path):
-    """Split the text after the sources into its `=== name ===` sections, which must come in SECTION_ORDER."""
+def _unseal(text, prefix, log_path):
+    """The text lines of a version-2 log with their seals checked; (lines, cut) where cut says
+    the file ends in a partial line (dropped)."""
+    lines = text.split("\n")
+    cut = lines[-1] != ""          # a partial last line: the write that should have ended it failed
+    lines = lines[:-1]
+    seal = hashlib.sha256(prefix).digest()
+    first_line_number = prefix.count(b"\n") + 1
+    out = []
+    for i, line in enumerate(lines):
+        m = SEALED_LINE.fullmatch(line)
+        number = first_line_number + i
+        if m is None:
+            raise LogError(f"{log_path}: line {number} has no seal ({line[:80]!r}): it was added or edited by hand")
+        seal = next_seal(seal, m["text"])
+        if seal.hex()[:SEAL_HEX_DIGITS] != m["seal"]:
+            raise LogError(f"{log_path}: line {number} ({m['text'][:80]!r}) does not match its seal: the log was "
+                           f"changed after it was written (here or in an earlier line)")
+        out.append(m["text"])
+    return out, cut
+
+
+def _split_sections(lines, log_path):
+    """Split the text lines after the sources into their `=== name ===` sections, in SECTION_ORDER."""
     sections, current = {}, None
-    for line in text.split("\n"):
+    for line in lines:
         heading = re.fullmatch(r"=== (\w+) ===", line)
         if heading and heading[1] in SECTION_ORDER and heading[1] not in sections and current != "run":
             current = heading[1]
@@ -106,7 +270,7 @@ def _split_sections(text, log_path):
     if tuple(sections) != SECTION_ORDER:
         raise LogError(
             f"{log_path}: sections are {list(sections)}, expected {list(SECTION_ORDER)} "
-            f"(the log is truncated or not a version-1 log)"
+            f"(the log is truncated before its run section, or it is not a run log)"
         )
     return sections
 
@@ -139,7 +303,7 @@ def _parse_config(lines, log_path):
 
 
 def _parse_run(lines, log, log_path):
-    """Fill the log's steps, val points, info lines and final result from the run section."""
+    """Fill the log's steps, val points, info lines, final result and ending from the run section."""
     for line in filter(None, lines):
         if log.final is not None:
             raise LogError(f"{log_path}: line after the final line: {line[:80]!r}")
@@ -147,14 +311,13 @@ def _parse_run(lines, log, log_path):
             if m := VAL_LINE.fullmatch(line):
                 log.val_points.append((int(m["step"]), float(m["loss"]), int(m["ms"])))
             elif m := TRAIN_LINE.fullmatch(line):
-                log.steps.append(
-                    {
-                        "step": int(m["step"]),
-                        "total": int(m["total"]),
-                        "train_loss": float(m["loss"]),
-                        "train_time_ms": int(m["ms"]),
-                    }
-                )
+                log.steps.append({
+                    "step": int(m["step"]),
+                    "total": int(m["total"]),
+                    "train_loss": float(m["loss"]),
+                    "objective": float(m["objective"]) if m["objective"] else None,
+                    "train_time_ms": int(m["ms"]),
+                })
             else:
                 raise LogError(f"{log_path}: malformed step line: {line[:120]!r}")
         elif line.startswith("final "):
@@ -167,25 +330,37 @@ def _parse_run(lines, log, log_path):
                 "steps": int(m["steps"]),
                 "peak_memory_mib": float(m["mib"]),
             }
+            log.ending = "finished"
         else:
             log.info.append(line)
+            if line.startswith(INTERRUPTED_PREFIX):
+                log.ending = "interrupted"
+            elif line.startswith(ERROR_PREFIX):
+                log.ending = "error"
 
 
 def parse_log(path):
-    """Parse the log at `path` into a Log; raise LogError if it is not a well-formed version-1 log.
-
-    Parsing does not check the source hashes: call verify(log) for that.
-    """
+    """Parse the log at `path` into a Log; raise LogError if it is not a well-formed log or a
+    version-2 line does not match its seal. Source hashes are checked by verify(log)."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as e:
         raise LogError(f"{path}: cannot read the log ({e.strerror})") from None
     first_end = raw.find(b"\n")
-    first = raw[: first_end if first_end >= 0 else len(raw)].decode("utf-8", errors="replace")
-    m = re.fullmatch(re.escape(FORMAT_HEADER) + r" run_id=(\S+)", first)
-    if m is None:
-        raise LogError(f"{path}: first line is {first[:80]!r}, expected '{FORMAT_HEADER} run_id=<id>'")
+    first = raw[: first_end if first_end >= 0 else len(raw)]
+    m = re.fullmatch(rb"(speedrun-log v\d+) run_id=(\S+)", first)
+    if m is None or m[1].decode() not in FORMAT_HEADERS:
+        try:
+            shown = first[:60].decode("utf-8")
+        except UnicodeDecodeError:
+            shown = ""
+        shown = shown if shown.isprintable() else "binary data"
+        raise LogError(f"{path}: not a run log (its first line is {shown!r}, "
+                       f"expected 'speedrun-log v{FORMAT_VERSION} run_id=<id>')")
+    version, run_id = FORMAT_HEADERS[m[1].decode()], m[2].decode("ascii", errors="replace")
+    if not RUN_ID.fullmatch(run_id):
+        raise LogError(f"{path}: run id {run_id!r} is not letters, digits, '-' and '_'")
     sources, declared, pos = _parse_sources(raw, first_end + 1, path)
     if not sources:
         raise LogError(f"{path}: the log embeds no source files")
@@ -193,10 +368,15 @@ def parse_log(path):
         text = raw[pos:].decode("utf-8")
     except UnicodeDecodeError as e:
         raise LogError(f"{path}: the text after the sources is not UTF-8 ({e})") from None
-    sections = _split_sections(text, path)
+    if version >= 2:
+        lines, cut = _unseal(text, raw[:pos], path)
+    else:
+        lines, cut = text.split("\n"), False
+    sections = _split_sections(lines, path)
     log = Log(
         path=str(path),
-        run_id=m[1],
+        run_id=run_id,
+        version=version,
         sources=sources,
         declared_sha256=declared,
         environment=_parse_environment(sections["environment"], path),
@@ -204,6 +384,8 @@ def parse_log(path):
         config=_parse_config(sections["config"], path),
     )
     _parse_run(sections["run"], log, path)
+    if cut and not log.finished:
+        log.ending = "cut"
     return log
 
 
@@ -222,3 +404,4 @@ def verify(log):
     entry = log.config.get("entry")
     if entry not in log.sources:
         raise LogError(f"{log.path}: the config's entry script {entry!r} is not among the embedded sources")
+

@@ -3,16 +3,20 @@
     python records/make_record.py --track track_cpu --name MyChange --logs logs/a.txt logs/b.txt logs/c.txt \
         [--baseline-logs ...] [--description "what changed"] [--date YYYY-MM-DD]
 
-Every log is parsed and verified (records/logfile.py): each embedded source must
-match its declared sha256, every run must have finished, every log must name
-the track in its config, and all logs must come from the same code (the same
-set of (path, sha256) pairs). Baseline logs must agree among themselves but may
-come from other code. Any refusal prints one line and exits with code 2 before
-anything is written.
+Every log is parsed and verified (records/logfile.py): it must be sealed (format
+version 2) with every line matching its seal, each embedded source must match
+its declared sha256, every run must have finished, and the track's rules hold:
+the config names the track, the run evaluated on the track's val data (by
+fingerprint) and val_tokens, on the track's hardware; all logs come from the
+same code (the same set of (path, sha256) pairs) and the same config apart from
+the seed; no run id is already part of a record. Baseline logs must agree among
+themselves and be part of a record already (they are referenced, not copied).
+Any refusal prints one line and exits with code 2 before anything is written.
 
-The record folder records/<track>/<date>_<name>/ holds the logs, the sources
-they embed (source/), statistics.json and statistics.txt, val_loss.png and a
-README. The statistics: n, mean and sample std of the final val loss, a
+The record folder records/<track>/<date>_<name>/ holds the logs and what this
+tool computes from them: statistics.json and statistics.txt, val_loss.png and a
+README. A log is its run's snapshot (records/reproduce.py recreates the sources
+from it). The statistics: n, mean and sample std of the final val loss, a
 one-sided one-sample t-test of H1 "mean < target", train time summaries, and
 with baseline logs one-sided Welch t-tests of H1 "record < baseline" on final
 val loss and on train time, plus the speed-up of mean train times.
@@ -30,6 +34,7 @@ import datetime
 import json
 import math
 import os
+import fnmatch
 import re
 import shutil
 import sys
@@ -52,7 +57,10 @@ STATUS_RECORD = "record"  # met the target at the track's significance level
 STATUS_TARGET = "target"  # the record that set the track's target
 STATUS_NOT_RECORD = "not a record"  # written only with --allow-non-record; never in the README table
 PLOT_NAME = "val_loss.png"  # the record's loss-curve plot
-RECORD_FILES = ("README.md", "statistics.json", "statistics.txt", PLOT_NAME, "source", "baseline")  # besides logs
+RECORD_FILES = ("README.md", "statistics.json", "statistics.txt", PLOT_NAME)  # besides the logs
+FREE_CONFIG_KEYS = ("seed", "log_dir")  # the only config values the runs of one record may differ in
+FINGERPRINT_KEYS = ("bytes", "tokens", "header_sha256", "head_sha256", "tail_sha256")  # a data file's identity
+TRAIN_LOSS_SMOOTHING = 0.8  # EMA weight of the plotted train loss curve
 
 
 class RecordError(Exception):
@@ -73,8 +81,26 @@ def check_hardware(log, required):
             )
 
 
+def check_evaluation(log, track):
+    """The run evaluated like every run of the track: on val_tokens of the track's val data."""
+    if "val_tokens" in track and log.config.get("val_tokens") != track["val_tokens"]:
+        raise RecordError(f"{log.path}: the run validated on val_tokens={log.config.get('val_tokens')}, "
+                          f"the track evaluates on {track['val_tokens']}")
+    required = track.get("val_data")
+    if not required:
+        return
+    pattern = log.config.get("val_files", "")
+    used = [fp for fp in log.data if fnmatch.fnmatch(fp.get("path", ""), pattern)]
+    identity = list(dict.fromkeys(tuple(fp.get(k) for k in FINGERPRINT_KEYS) for fp in used))
+    if identity != [tuple(fp[k] for k in FINGERPRINT_KEYS) for fp in required]:
+        names = ", ".join(dict.fromkeys(fp.get("path", "?") for fp in used)) or "none"
+        raise RecordError(f"{log.path}: the run's val data ({names}) is not the track's val data "
+                          f"({', '.join(fp['path'] for fp in required)}, by size and content hashes)")
+
+
 def load_logs(paths, track, role, required_environment=None):
-    """Parse and verify `paths`; refuse unfinished runs, runs of another track or hardware, and mixed code."""
+    """Parse and verify `paths`; refuse unsealed, unfinished or other tracks' runs, other hardware
+    or evaluation, and mixed code or configs."""
     logs = []
     for path in paths:
         try:
@@ -82,15 +108,21 @@ def load_logs(paths, track, role, required_environment=None):
             verify(log)
         except LogError as e:
             raise RecordError(str(e)) from None
+        if not log.sealed:
+            raise RecordError(f"{path}: a version-{log.version} log is not sealed; records are made from sealed "
+                              f"logs (this repository's trainer writes them): rerun the run")
         if not log.finished:
-            raise RecordError(f"{path}: the run did not finish (no final line); only finished runs make a record")
-        if log.config.get("track") != track:
-            raise RecordError(f"{path}: the run's config says track {log.config.get('track')!r}, not {track!r}")
+            raise RecordError(f"{path}: the run {log.describe_ending()}; only finished runs make a record")
+        if log.config.get("track") != track["name"]:
+            raise RecordError(f"{path}: the run's config says track {log.config.get('track')!r}, not {track['name']!r}")
         check_hardware(log, required_environment or {})
+        check_evaluation(log, track)
         logs.append(log)
     for other in logs[1:]:
         if other.code_id != logs[0].code_id:
             raise RecordError(f"{role} logs come from different code: {describe_code_difference(logs[0], other)}")
+        if free_config(other) != free_config(logs[0]):
+            raise RecordError(f"{role} logs ran different configs: {describe_config_difference(logs[0], other)}")
     seen = {}
     for log in logs:
         if Path(log.path).name in RECORD_FILES:
@@ -102,18 +134,57 @@ def load_logs(paths, track, role, required_environment=None):
     return logs
 
 
-def expand_record_folders(paths):
-    """Replace each record folder in `paths` by the logs of its runs (listed in its statistics.json)."""
+def free_config(log):
+    """The config without the values runs of one record may differ in (FREE_CONFIG_KEYS)."""
+    return {k: v for k, v in log.config.items() if k not in FREE_CONFIG_KEYS}
+
+
+def describe_config_difference(a, b):
+    keys = sorted(k for k in set(free_config(a)) | set(free_config(b)) if a.config.get(k) != b.config.get(k))
+    return f"{a.path} and {b.path} differ in {', '.join(keys)} (only {', '.join(FREE_CONFIG_KEYS)} may differ)"
+
+
+def recorded_run_ids(records_dir):
+    """{run id: record folder} of every run in any record of any track (logs inside record folders)."""
+    found = {}
+    for log_path in sorted(records_dir.glob("*/*/*.txt")):
+        if log_path.parent.name.startswith("."):
+            continue
+        first = log_path.open("rb").readline()
+        m = re.fullmatch(rb"speedrun-log v\d+ run_id=(\S+)\n?", first)
+        if m:
+            found[m[1].decode("ascii", errors="replace")] = log_path.parent
+    return found
+
+
+def refuse_recorded_runs(logs, records_dir):
+    """A run counts in one record only: refuse logs whose run id is already part of one."""
+    recorded = recorded_run_ids(records_dir)
+    for log in logs:
+        if log.run_id in recorded:
+            raise RecordError(f"{log.path}: run {log.run_id} is already part of the record {recorded[log.run_id]}; "
+                              f"a run counts once")
+
+
+def expand_record_folders(paths, records_dir):
+    """Replace each record folder in `paths` by the logs of its runs (listed in its statistics.json);
+    every baseline log must lie inside a record folder, which the new record then references."""
     expanded = []
     for path in map(Path, paths):
         if path.is_dir():
             try:
                 runs = json.loads((path / "statistics.json").read_text())["runs"]
-            except (OSError, json.JSONDecodeError, KeyError):
-                raise RecordError(f"{path}: a folder given as logs must be a record folder (statistics.json)") from None
-            expanded += [str(path / run["log"]) for run in runs]
+                expanded += [str(path / run["log"]) for run in runs]
+            except (OSError, json.JSONDecodeError, KeyError, TypeError):
+                raise RecordError(f"{path}: a folder given as baseline logs must be a record folder "
+                                  f"(its statistics.json lists each run's log)") from None
         else:
             expanded.append(str(path))
+    root = records_dir.resolve()
+    for path in expanded:
+        if not Path(path).resolve().is_relative_to(root) or Path(path).resolve().parent == root:
+            raise RecordError(f"{path}: baseline logs are referenced, not copied, so they must be part of a record; "
+                              f"make one of them first (--allow-non-record if they are not a record)")
     return expanded
 
 
@@ -207,9 +278,10 @@ def group_statistics(logs):
     }
 
 
-def baseline_statistics(logs, baseline_logs):
-    """The baseline group's statistics and how the record compares with it."""
+def baseline_statistics(logs, baseline_logs, repo_root):
+    """The baseline group's statistics, where its logs are, and how the record compares with it."""
     base = group_statistics(baseline_logs)
+    base["logs"] = [Path(os.path.relpath(Path(log.path).resolve(), repo_root)).as_posix() for log in baseline_logs]
     record_losses = [log.final["val_loss"] for log in logs]
     record_times = [float(log.final["train_time_ms"]) for log in logs]
     base["welch_val_loss"] = welch_test(record_losses, base["val_loss"]["values"])
@@ -233,7 +305,7 @@ def decide_status(n, p_value, track, set_target):
     return STATUS_RECORD, f"mean final val loss is below the target {target:.6f} with p = {p_value:.4g} < {threshold}"
 
 
-def record_statistics(logs, baseline_logs, track, set_target):
+def record_statistics(logs, baseline_logs, track, set_target, repo_root):
     """Everything statistics.json holds except the names and dates."""
     group = group_statistics(logs)
     target = group["val_loss"]["mean"] if set_target else track["target_val_loss"]
@@ -249,7 +321,7 @@ def record_statistics(logs, baseline_logs, track, set_target):
         "p_value": p,
         **group,
     }
-    result["baseline"] = baseline_statistics(logs, baseline_logs) if baseline_logs else None
+    result["baseline"] = baseline_statistics(logs, baseline_logs, repo_root) if baseline_logs else None
     return result
 
 
@@ -321,9 +393,10 @@ def readme_text(s, folder_rel, first_log):
         )
     lines += ["", "## Statistics", "", "```text", statistics_text(s).rstrip("\n"), "```", ""]
     if s["baseline"]:
-        lines += ["Baseline logs (and their own sources, embedded in them) are in `baseline/`.", ""]
-    lines += [f"![val loss against train time]({PLOT_NAME})", "", "## Code", ""]
-    lines += [f"Every log embeds the same {len(s['code'])} source file(s); they are in `source/`:", ""]
+        lines += ["Baseline runs (referenced, not copied): " + ", ".join(f"`{p}`" for p in s["baseline"]["logs"]), ""]
+    lines += [f"![train and val loss against train time]({PLOT_NAME})", "", "## Code", ""]
+    lines += [f"Every log embeds the same {len(s['code'])} source file(s), verbatim, with these sha256 "
+              f"(`records/reproduce.py` recreates them from any log):", ""]
     lines += ["| file | sha256 |", "|---|---|"] + [f"| `{p}` | `{h}` |" for p, h in s["code"].items()]
     lines += [
         "",
@@ -341,48 +414,52 @@ def readme_text(s, folder_rel, first_log):
     return "\n".join(lines)
 
 
+def smoothed(values, weight=TRAIN_LOSS_SMOOTHING):
+    """Exponential moving average, bias-corrected so the curve starts at the first value."""
+    out, average = [], 0.0
+    for i, value in enumerate(values, start=1):
+        average = weight * average + (1 - weight) * value
+        out.append(average / (1 - weight ** i))
+    return out
+
+
 def write_plot(path, logs, baseline_logs, target, title):
-    """Val loss against train time for every run (baseline runs dashed), with the target as a horizontal line."""
+    """Each run's losses against train time: the next-token train loss (smoothed, thin) and every
+    validation (dots), the baseline's runs dashed in grey, the target as a horizontal line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for group, style, prefix in ((logs, "-", ""), (baseline_logs, "--", "baseline ")):
+    groups = ((logs, "-", None, ""), (baseline_logs, "--", "grey", "baseline "))
+    for group, style, color, prefix in groups:
         for log in group:
-            points = log.val_points or [(log.final["steps"], log.final["val_loss"], log.final["train_time_ms"])]
-            seconds = [ms / MS_PER_S for _, _, ms in points]
-            losses = [loss for _, loss, _ in points]
-            ax.plot(seconds, losses, style, marker="o", markersize=3, label=prefix + log.run_id)
+            steps = [p for p in log.steps if math.isfinite(p["train_loss"])]
+            line = None
+            if steps:
+                seconds = [p["train_time_ms"] / MS_PER_S for p in steps]
+                (line,) = ax.plot(seconds, smoothed([p["train_loss"] for p in steps]), style, linewidth=1,
+                                  alpha=0.6, color=color, label=f"{prefix}{log.run_id} train")
+            val_seconds = [ms / MS_PER_S for _, _, ms in log.val_points]
+            ax.plot(val_seconds, [loss for _, loss, _ in log.val_points], "o", markersize=4,
+                    color=line.get_color() if line else color, label=f"{prefix}{log.run_id} val")
     if target is not None:
         ax.axhline(target, color="black", linestyle=":", linewidth=1, label=f"target {target:.4f}")
     ax.set_xlabel("train time (s)")
-    ax.set_ylabel("val loss")
+    ax.set_ylabel("loss (nats per token)")
     ax.set_title(title)
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="x-small", ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def write_sources(folder, sources):
-    for relpath, content in sources.items():
-        dest = folder / relpath
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_bytes(content)
-
-
 def write_record(folder, s, logs, baseline_logs, folder_rel):
-    """Fill `folder` (empty) with the record's logs, sources, statistics, plot and README."""
+    """Fill `folder` (empty) with the record's logs, statistics, plot and README."""
     for log in logs:
         shutil.copyfile(log.path, folder / Path(log.path).name)
-    write_sources(folder / "source", logs[0].sources)
-    if baseline_logs:
-        (folder / "baseline").mkdir()
-        for log in baseline_logs:
-            shutil.copyfile(log.path, folder / "baseline" / Path(log.path).name)
     (folder / "statistics.json").write_text(json.dumps(s, indent=2) + "\n")
     (folder / "statistics.txt").write_text(statistics_text(s))
     title = f"{s['track']}: {s['name']} ({s['date']})"
@@ -522,17 +599,20 @@ def make_record(args):
     folder = track_dir / f"{args.date}_{args.name}"
     if folder.exists():
         raise RecordError(f"{folder} already exists; choose another --name or --date")
-    logs = load_logs(args.logs, args.track, "the", track.get("required_environment"))
-    baseline_paths = expand_record_folders(args.baseline_logs)
-    baseline_logs = load_logs(baseline_paths, args.track, "baseline") if baseline_paths else []
+    logs = load_logs(args.logs, track, "the", track.get("required_environment"))
+    refuse_recorded_runs(logs, args.records_dir)
+    if any(log.final["train_time_ms"] <= 0 for log in logs):
+        raise RecordError("a run with 0 ms of training is not a run: check its num_iterations")
+    baseline_paths = expand_record_folders(args.baseline_logs, args.records_dir)
+    baseline_logs = load_logs(baseline_paths, track, "baseline") if baseline_paths else []
     s = {
-        "format": 1,
+        "format": 2,  # 2: logs and computed files only; baseline runs referenced by path
         "track": args.track,
         "name": args.name,
         "date": args.date,
         "made": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "description": args.description,
-        **record_statistics(logs, baseline_logs, track, args.set_target_from_these_logs),
+        **record_statistics(logs, baseline_logs, track, args.set_target_from_these_logs, args.readme.resolve().parent),
     }
     if s["status"] == STATUS_NOT_RECORD and not args.allow_non_record:
         raise RecordError(f"not a record: {s['status_reason']} (use --allow-non-record to keep it anyway)")
@@ -560,6 +640,9 @@ def main(argv=None):
         make_record(args)
     except RecordError as e:
         print(f"error: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    except OSError as e:
+        print(f"error: {e.filename or 'a file'}: {e.strerror}", file=sys.stderr)
         return EXIT_REFUSED
     return 0
 

@@ -2,7 +2,8 @@
 
     python records/reproduce.py LOG [--dir OUT] [--run] [-- extra args for the training script]
 
-The log is verified first (every embedded source must match its sha256). The
+The log is verified first (every line must match its seal, every embedded
+source its sha256; the earliest, version-1 logs have no seals). The
 sources are written to OUT (default: reproduce_<run_id> in the system's temp
 folder; OUT must not exist or be empty) under their logged paths, and the
 logged config to OUT/config.json. The command that reruns the run is printed;
@@ -67,7 +68,7 @@ def parse_args(argv):
     else:
         extra = []
     parser = argparse.ArgumentParser(description="Recreate a logged run's sources and (with --run) rerun it.")
-    parser.add_argument("log", help="a version-1 run log")
+    parser.add_argument("log", help="a run log")
     parser.add_argument("--dir", type=Path, help="output folder (default: <tmp>/reproduce_<run_id>)")
     parser.add_argument("--run", action="store_true", help="run the recreated script from the current directory")
     args = parser.parse_args(argv)
@@ -86,9 +87,14 @@ def main(argv=None):
     except LogError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_REFUSED
+    except OSError as e:
+        print(f"error: {e.filename or out}: {e.strerror}; choose another --dir", file=sys.stderr)
+        return EXIT_REFUSED
     print(f"recreated {len(log.sources)} source file(s) and {CONFIG_NAME} in {out}")
+    if not log.sealed:
+        print(f"note: a version-{log.version} log has no seals: only its sources' sha256 were checked")
     if not log.finished:
-        print("note: the logged run did not finish")
+        print(f"note: the logged run {log.describe_ending()}")
     print("rerun with:", shlex.join(command))
     if not args.run:
         return 0

@@ -94,7 +94,7 @@ def rehearsal_model_step(h):
     targets = torch.randint(0, 3000, (T, tg.MAX_TARGETS - 1))
     args = tg.AttentionArgs(torch.tensor([0, 100, T], dtype=torch.int32), 128, 256)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(tokens, targets, args, tg.target_weights(h.stages[0], "cpu"))
+        loss, _ = model(tokens, targets, args, tg.target_weights(h.stages[0], "cpu"))
     loss.backward()
     model.eval()
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():

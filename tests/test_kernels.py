@@ -596,9 +596,11 @@ def _check_cross_entropy(ce, block, logits, targets, weights, grad_loss):
     """Loss and logit gradient of ce(logits, targets, weights), whose sums over a row run in
     blocks of `block` columns, against the float64 oracle (ce_tolerances; a bf16 gradient adds
     two roundings, 2 * 2^-8 relative: the forward stores it in bf16, the backward rescales it
-    by the upstream gradient) and the loss against the reference."""
+    by the upstream gradient) and the loss against the reference; the next-token loss against
+    the oracle's loss with the first target alone."""
     x = logits.clone().requires_grad_(True)
-    loss = ce(x, targets, weights)
+    loss, next_loss = ce(x, targets, weights)
+    assert not next_loss.requires_grad
     grad, = torch.autograd.grad(loss, x, grad_loss)
     x64 = logits.cpu().double().requires_grad_(True)
     loss64, softmax = cross_entropy_oracle(x64, targets.cpu(), weights.cpu())
@@ -610,10 +612,15 @@ def _check_cross_entropy(ce, block, logits, targets, weights, grad_loss):
     assert loss.dtype == torch.float32 and grad.dtype == logits.dtype
     assert_within(loss.cpu(), loss64, loss_tolerance, "loss")
     assert_within(grad.cpu(), grad64, grad_tolerance, "logit gradient")
-    reference = kernels.softcap_cross_entropy_reference(logits, targets, weights)
+    reference, reference_next = kernels.softcap_cross_entropy_reference(logits, targets, weights)
     assert_within(loss, reference, 2 * loss_tolerance, "loss vs reference")
+    first_only = torch.tensor([1.0] + [0.0] * (targets.shape[1] - 1))
+    next64, _ = cross_entropy_oracle(logits.cpu().double(), targets.cpu(), first_only)
+    next_tolerance, _ = ce_tolerances(targets.cpu(), first_only, softmax, logits.shape[1], block)
+    assert_within(next_loss.cpu(), next64, next_tolerance, "next-token loss")
+    assert_within(reference_next, next64, next_tolerance, "reference next-token loss")
     with torch.no_grad():
-        assert torch.equal(ce(logits, targets, weights), loss)
+        assert all(torch.equal(a, b) for a, b in zip(ce(logits, targets, weights), (loss, next_loss)))
 
 
 @interpreted
@@ -726,7 +733,7 @@ def test_wrappers_compile_with_fullgraph():
                                       SMALL_ATTENTION).reshape(24, 32)
         h = h + kernels.fp8_relu2_mlp(h, w_up, w_down, mlp_state, SMALL_MATMUL)
         logits = kernels.fp8_linear(h, w_head, linear_state[1], SMALL_MATMUL)
-        loss = kernels.softcap_cross_entropy(logits, targets, torch.tensor([1.0, 0.5]), SMALL_CE, SMALL_CE).mean()
+        loss = kernels.softcap_cross_entropy(logits, targets, torch.tensor([1.0, 0.5]), SMALL_CE, SMALL_CE)[0].mean()
         return loss + kernels.xxt(w_up.detach(), SMALL_XXT).float().mean()
 
     results = []

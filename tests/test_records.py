@@ -1,7 +1,8 @@
-"""Tests of the records tools: log parsing and verification, make_record, reproduce, and the CPU baseline script.
+"""Tests of the records tools: log writing, parsing, sealing and verification, make_record,
+reproduce, and the CPU baseline script.
 
-Logs are written by write_log below, an independent writer of the version-1
-format (records/README.md), with small fake sources chosen to trip a parser
+Logs are written by write_log below, an independent writer of the version-2 format
+(records/README.md): its own seal computation, and small fake sources chosen to trip a parser
 that scans for markers instead of counting bytes.
 """
 
@@ -19,11 +20,12 @@ from scipy import stats
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from records import make_record, reproduce  # noqa: E402
-from records.logfile import LogError, parse_log, verify  # noqa: E402
+from records.logfile import LogError, LogWriteError, LogWriter, parse_log, verify  # noqa: E402
 
 TRACK = "track_test"
 TARGET = 3.5
 TOTAL_STEPS = 4
+VAL_TOKENS = 512
 SOURCES = {
     "train_gpt.py": (
         "def train():\n"
@@ -34,6 +36,9 @@ SOURCES = {
     "data/shards.py": b"SHARD_MAGIC = 20240520\n",
 }
 OTHER_SOURCES = {**SOURCES, "train_gpt.py": SOURCES["train_gpt.py"] + b"\n# changed\n"}
+VAL_DATA = {"path": "data/x_val_000000.bin", "bytes": 2048, "tokens": 512, "header_sha256": "a" * 64,
+            "head_sha256": "b" * 64, "tail_sha256": "c" * 64}
+TRAIN_DATA = {**VAL_DATA, "path": "data/x_train_000001.bin", "head_sha256": "d" * 64}
 SHARD_MAGIC = 20240520
 SHARD_HEADER_INTS = 256
 
@@ -42,10 +47,21 @@ def sha256(data):
     return hashlib.sha256(data).hexdigest()
 
 
-def write_log(path, final_loss, train_ms, sources=SOURCES, track=TRACK, finished=True, world_size=1, gpu="none"):
-    """Write a version-1 log of a fake 4-step run ending at (final_loss, train_ms); return its path."""
+def sealed(prefix, lines):
+    """The documented seal: d_0 = sha256(prefix), d_i = sha256(d_{i-1} + line_i), 16 hex digits."""
+    digest, out = hashlib.sha256(prefix).digest(), []
+    for line in lines:
+        digest = hashlib.sha256(digest + line.encode("utf-8")).digest()
+        out.append(f"{line} #{digest.hex()[:16]}")
+    return out
+
+
+def write_log(path, final_loss, train_ms, sources=SOURCES, track=TRACK, ending="final", world_size=1, gpu="none",
+              seed=0, config_changes=None, val_data=VAL_DATA, version=2):
+    """Write a log of a fake 4-step run ending at (final_loss, train_ms); return its path.
+    ending: "final", "error" or "interrupted"."""
     run_id = Path(path).stem
-    out = bytearray(f"speedrun-log v1 run_id={run_id}\n".encode())
+    out = bytearray(f"speedrun-log v{version} run_id={run_id}\n".encode())
     for relpath in sorted(sources):
         content = sources[relpath]
         out += f"=== source {relpath} sha256={sha256(content)} bytes={len(content)} ===\n".encode()
@@ -63,25 +79,28 @@ def write_log(path, final_loss, train_ms, sources=SOURCES, track=TRACK, finished
         "git_commit": "none",
         "started": "2026-11-30T10:00:00+00:00",
     }
-    data = {"path": "data/x.bin", "bytes": 2048, "tokens": 512, "header_sha256": "a" * 64}
-    data |= {"head_sha256": "b" * 64, "tail_sha256": "c" * 64}
-    config = {"preset": "cpu", "track": track, "num_iterations": TOTAL_STEPS, "seed": 0}
-    config |= {"val_tokens": 512, "entry": "train_gpt.py"}
+    config = {"preset": "cpu", "track": track, "num_iterations": TOTAL_STEPS, "seed": seed}
+    config |= {"val_tokens": VAL_TOKENS, "val_files": "data/x_val_*.bin", "entry": "train_gpt.py"}
+    config |= config_changes or {}
     text = ["=== environment ===", *(f"{k}: {v}" for k, v in environment.items())]
-    text += ["=== data ===", json.dumps(data), "=== config ===", json.dumps(config), "=== run ==="]
+    text += ["=== data ===", json.dumps(val_data), json.dumps(TRAIN_DATA), "=== config ===", json.dumps(config)]
+    text += ["=== run ==="]
     for step in range(1, TOTAL_STEPS + 1):
         ms = round(train_ms * step / TOTAL_STEPS)
         timing = f"train_time:{ms}ms step_avg:{ms / step:.2f}ms"
-        text.append(f"step:{step}/{TOTAL_STEPS} train_loss:{final_loss + 1 / step:.4f} {timing}")
+        text.append(f"step:{step}/{TOTAL_STEPS} train_loss:{final_loss + 1 / step:.4f} "
+                    f"objective:{final_loss + 2 / step:.4f} {timing}")
         if step % 2 == 0:
             val = final_loss + 0.5 * (TOTAL_STEPS - step)
             text.append(f"step:{step}/{TOTAL_STEPS} val_loss:{val:.4f} {timing}")
     text.append("an informational line")
-    if finished:
-        text.append(f"final val_loss:{final_loss:.4f} train_time:{train_ms}ms steps:{TOTAL_STEPS} peak_memory:123MiB")
-    else:
-        text.append("error: RuntimeError: something broke")
-    out += ("\n".join(text) + "\n").encode()
+    text.append({
+        "final": f"final val_loss:{final_loss:.4f} train_time:{train_ms}ms steps:{TOTAL_STEPS} peak_memory:123MiB",
+        "error": "error: RuntimeError: something broke",
+        "interrupted": "interrupted: SIGINT at step 3/4",
+    }[ending])
+    lines = sealed(bytes(out), text) if version == 2 else text
+    out += ("\n".join(lines) + "\n").encode()
     Path(path).write_bytes(bytes(out))
     return str(path)
 
@@ -89,17 +108,19 @@ def write_log(path, final_loss, train_ms, sources=SOURCES, track=TRACK, finished
 def write_logs(folder, losses, times_ms, prefix="run", **kwargs):
     folder.mkdir(parents=True, exist_ok=True)
     return [
-        write_log(folder / f"{prefix}{i}.txt", loss, ms, **kwargs) for i, (loss, ms) in enumerate(zip(losses, times_ms))
+        write_log(folder / f"{prefix}{i}.txt", loss, ms, seed=i, **kwargs)
+        for i, (loss, ms) in enumerate(zip(losses, times_ms))
     ]
 
 
 @pytest.fixture
 def site(tmp_path):
-    """A records root with one track (target 3.5, p < 0.01, >= 3 runs) and a README with its table markers."""
+    """A records root with one track (target 3.5, p < 0.01, >= 3 runs, its val data) and a README
+    with the track's table markers."""
     track_dir = tmp_path / "records" / TRACK
     track_dir.mkdir(parents=True)
     track = {"name": TRACK, "target_val_loss": TARGET, "p_threshold": 0.01, "min_runs": 3}
-    track |= {"hardware": "test", "description": "test track"}
+    track |= {"hardware": "test", "description": "test track", "val_tokens": VAL_TOKENS, "val_data": [VAL_DATA]}
     (track_dir / "track.json").write_text(json.dumps(track))
     readme = tmp_path / "README.md"
     readme.write_text(
@@ -126,32 +147,84 @@ def snapshot(site):
 def test_parse_log_reads_every_section(tmp_path):
     log = parse_log(write_log(tmp_path / "r1.txt", 3.25, 5000))
     verify(log)
-    assert log.run_id == "r1"
+    assert log.run_id == "r1" and log.sealed and log.version == 2
     assert log.sources == SOURCES
     assert log.declared_sha256 == {p: sha256(c) for p, c in SOURCES.items()}
     assert log.environment["world_size"] == "1" and log.environment["gpu"] == "none"
-    assert log.data[0]["tokens"] == 512
+    assert log.data == [VAL_DATA, TRAIN_DATA]
     assert log.config["entry"] == "train_gpt.py" and log.config["track"] == TRACK
     assert [s["step"] for s in log.steps] == [1, 2, 3, 4]
+    assert log.steps[0]["train_loss"] == 4.25 and log.steps[0]["objective"] == 5.25
     assert log.val_points == [(2, 4.25, 2500), (4, 3.25, 5000)]
     assert log.final == {"val_loss": 3.25, "train_time_ms": 5000, "steps": 4, "peak_memory_mib": 123.0}
     assert log.info == ["an informational line"]
-    assert log.finished
+    assert log.finished and log.ending == "finished"
 
 
-def test_unfinished_log_parses_without_final(tmp_path):
-    log = parse_log(write_log(tmp_path / "r1.txt", 3.25, 5000, finished=False))
-    assert not log.finished and log.final is None
-    assert log.info[-1].startswith("error:")
+def test_the_writer_and_the_independent_writer_agree(tmp_path):
+    """LogWriter's bytes equal write_log's, from the same content."""
+    expected = Path(write_log(tmp_path / "same.txt", 3.25, 5000)).read_bytes()
+    text = expected[expected.index(b"=== environment ==="):].decode("utf-8")
+    lines = [line.rsplit(" #", 1)[0] for line in text.split("\n")[:-1]]
+    writer = LogWriter(tmp_path / "written.txt", "same")
+    for relpath in sorted(SOURCES):
+        writer.source(relpath, SOURCES[relpath])
+    for line in lines:
+        writer.line(line)
+    writer.close()
+    assert (tmp_path / "written.txt").read_bytes() == expected
+
+
+@pytest.mark.parametrize("ending, phrase", [("error", "stopped with an error (RuntimeError: something broke)"),
+                                            ("interrupted", "was interrupted (SIGINT at step 3/4)")])
+def test_unfinished_logs_say_how_they_ended(tmp_path, ending, phrase):
+    log = parse_log(write_log(tmp_path / "r1.txt", 3.25, 5000, ending=ending))
+    assert not log.finished and log.final is None and log.ending == ending
+    assert log.describe_ending() == phrase
+
+
+def test_a_log_cut_by_a_failed_write_is_unfinished_not_malformed(tmp_path):
+    path = Path(write_log(tmp_path / "r1.txt", 3.25, 5000))
+    raw = path.read_bytes()
+    path.write_bytes(raw[: raw.rindex(b"final val_loss") + 20])
+    log = parse_log(path)
+    assert log.ending == "cut" and "cut short in the middle of a line" in log.describe_ending()
+
+
+def test_an_edited_result_breaks_the_seal_at_that_line(tmp_path):
+    """The result a record is made of (train_time of the final line) edited by hand."""
+    path = Path(write_log(tmp_path / "r1.txt", 3.25, 5000))
+    raw = path.read_bytes()
+    path.write_bytes(raw.replace(b"train_time:5000ms steps:4", b"train_time:1000ms steps:4"))
+    line = raw[: raw.index(b"final val_loss")].count(b"\n") + 1
+    with pytest.raises(LogError, match=rf"r1\.txt: line {line} \('final val_loss:3\.2500 train_time:1000ms"):
+        parse_log(path)
+
+
+def test_an_edited_config_breaks_the_seal(tmp_path):
+    path = Path(write_log(tmp_path / "r1.txt", 3.25, 5000))
+    path.write_bytes(path.read_bytes().replace(b'"val_tokens": 512', b'"val_tokens": 256'))
+    with pytest.raises(LogError, match="does not match its seal: the log was changed after it was written"):
+        parse_log(path)
+
+
+def test_an_added_line_has_no_seal(tmp_path):
+    path = Path(write_log(tmp_path / "r1.txt", 3.25, 5000))
+    path.write_bytes(path.read_bytes().replace(b"an informational", b"hello\nan informational"))
+    with pytest.raises(LogError, match="has no seal"):
+        parse_log(path)
 
 
 def test_verify_names_the_tampered_source(tmp_path):
     path = Path(write_log(tmp_path / "r1.txt", 3.25, 5000))
     raw = path.read_bytes()
     path.write_bytes(raw.replace(b"def train():", b"def trair():", 1))
-    log = parse_log(path)
-    with pytest.raises(LogError, match=r"r1\.txt: embedded source train_gpt\.py has sha256"):
-        verify(log)
+    with pytest.raises(LogError, match="does not match its seal"):
+        parse_log(path)            # the seal chain starts from every byte before the text
+    log = parse_log(write_log(tmp_path / "r2.txt", 3.25, 5000, version=1))
+    Path(log.path).write_bytes(Path(log.path).read_bytes().replace(b"def train():", b"def trair():", 1))
+    with pytest.raises(LogError, match=r"r2\.txt: embedded source train_gpt\.py has sha256"):
+        verify(parse_log(log.path))
 
 
 def test_truncated_log_is_refused(tmp_path):
@@ -166,6 +239,41 @@ def test_source_path_escaping_the_tree_is_refused(tmp_path):
     path = write_log(tmp_path / "r1.txt", 3.25, 5000, sources={**SOURCES, "../evil.py": b"x"})
     with pytest.raises(LogError, match="not a plain relative path"):
         parse_log(path)
+
+
+def test_a_run_id_that_would_escape_a_folder_is_refused(tmp_path):
+    path = Path(write_log(tmp_path / "r1.txt", 3.25, 5000))
+    path.write_bytes(path.read_bytes().replace(b"run_id=r1", b"run_id=../../x", 1))
+    with pytest.raises(LogError, match=r"run id '\.\./\.\./x' is not letters"):
+        parse_log(path)
+
+
+def test_a_binary_file_is_not_echoed(tmp_path):
+    path = tmp_path / "image.txt"
+    path.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(LogError, match=r"not a run log \(its first line is 'binary data'"):
+        parse_log(path)
+
+
+def test_writer_cuts_back_a_failed_write_to_the_last_whole_line(tmp_path):
+    """A file-size limit reached mid-line: LogWriteError, and the file ends at a whole line."""
+    import resource
+    import signal
+    writer = LogWriter(tmp_path / "full.txt", "full")
+    writer.source("a.py", b"x = 1\n")
+    writer.line("=== environment ===")
+    size = (tmp_path / "full.txt").stat().st_size
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size + 10, hard))
+    try:
+        with pytest.raises(LogWriteError, match="writing the log failed"):
+            writer.line("a line longer than the ten bytes left")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    writer.close()
+    assert (tmp_path / "full.txt").stat().st_size == size
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -198,8 +306,8 @@ def test_record_folder_statistics_plot_and_readme_table(site, capsys):
     folder = site / "records" / TRACK / "2026-11-30_Faster"
     for log in logs:
         assert (folder / Path(log).name).read_bytes() == Path(log).read_bytes()
-    for relpath, content in SOURCES.items():
-        assert (folder / "source" / relpath).read_bytes() == content
+    assert sorted(p.name for p in folder.iterdir()) == sorted([Path(log).name for log in logs] + [
+        "README.md", "statistics.json", "statistics.txt", "val_loss.png"]), "the logs and what the tool computes"
     s = json.loads((folder / "statistics.json").read_text())
     expected = stats.ttest_1samp(losses, TARGET, alternative="less")
     assert s["status"] == "record" and s["n"] == 3
@@ -233,13 +341,59 @@ def test_tampered_log_refused(site, capsys):
     logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
     raw = Path(logs[1]).read_bytes()
     Path(logs[1]).write_bytes(raw.replace(b"SHARD_MAGIC = 2", b"SHARD_MAGIC = 3", 1))
-    assert_refused(site, capsys, "embedded source data/shards.py has sha256", "--logs", *logs)
+    assert_refused(site, capsys, "does not match its seal", "--logs", *logs)
+
+
+def test_edited_results_refused(site, capsys):
+    """A copy of a run whose final train_time was changed by hand to 1000 ms is no record."""
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
+    raw = Path(logs[0]).read_bytes()
+    Path(logs[0]).write_bytes(raw.replace(b"train_time:5000ms steps", b"train_time:1000ms steps"))
+    assert_refused(site, capsys, "run0.txt: line ", "--logs", *logs)
+
+
+def test_unsealed_version_1_logs_refused(site, capsys):
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300], version=1)
+    assert_refused(site, capsys, "a version-1 log is not sealed", "--logs", *logs)
+
+
+def test_other_val_data_or_val_tokens_refused(site, capsys):
+    """Runs that validated on another file (a train shard, by its content hashes) or on another
+    number of tokens do not count, even sealed."""
+    logs = write_logs(site / "logs", [3.40, 3.42], [5000, 5600])
+    logs.append(write_log(site / "logs" / "ontrain.txt", 3.41, 5300, val_data=TRAIN_DATA,
+                          config_changes={"val_files": "data/x_train_*.bin"}))
+    assert_refused(site, capsys, "ontrain.txt: the run's val data (data/x_train_000001.bin) is not the track's",
+                   "--logs", *logs)
+    logs[2] = write_log(site / "logs" / "short.txt", 3.41, 5300, config_changes={"val_tokens": 256})
+    assert_refused(site, capsys, "short.txt: the run validated on val_tokens=256, the track evaluates on 512",
+                   "--logs", *logs)
+
+
+def test_different_configs_refused(site, capsys):
+    logs = write_logs(site / "logs", [3.40, 3.42], [5000, 5600])
+    logs.append(write_log(site / "logs" / "other.txt", 3.41, 5300, config_changes={"num_iterations": 5}))
+    assert_refused(site, capsys, "differ in num_iterations (only seed, log_dir may differ)", "--logs", *logs)
+
+
+def test_runs_already_in_a_record_refused(site, capsys):
+    """The same logs submitted again under a new name add no second row."""
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
+    assert run_tool(site, "--name", "First", "--date", "2026-11-30", "--logs", *logs) == 0
+    assert_refused(site, capsys, "is already part of the record", "--date", "2026-12-01", "--logs", *logs)
+
+
+def test_zero_time_runs_refused(site, capsys):
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [0, 0, 0])
+    assert_refused(site, capsys, "0 ms of training is not a run", "--logs", *logs)
 
 
 def test_unfinished_log_refused(site, capsys):
     logs = write_logs(site / "logs", [3.40, 3.42], [5000, 5600])
-    logs.append(write_log(site / "logs" / "dead.txt", 3.41, 5300, finished=False))
-    assert_refused(site, capsys, "dead.txt: the run did not finish", "--logs", *logs)
+    logs.append(write_log(site / "logs" / "dead.txt", 3.41, 5300, ending="error"))
+    assert_refused(site, capsys, "dead.txt: the run stopped with an error", "--logs", *logs)
+    logs[2] = write_log(site / "logs" / "stopped.txt", 3.41, 5300, ending="interrupted")
+    assert_refused(site, capsys, "stopped.txt: the run was interrupted (SIGINT at step 3/4)", "--logs", *logs)
 
 
 def test_mixed_code_refused(site, capsys):
@@ -290,11 +444,16 @@ def test_too_few_runs_are_not_a_record(site, capsys):
     assert_refused(site, capsys, "only 2 run(s); the track requires at least 3", "--logs", *logs)
 
 
-def test_baseline_welch_tests_and_speedup(site):
+def test_baseline_welch_tests_and_speedup(site, capsys):
     losses, times = [3.40, 3.42, 3.41], [5000, 5600, 5300]
     base_losses, base_times = [3.43, 3.44, 3.40, 3.45], [9000, 9500, 8800, 9100]
     logs = write_logs(site / "logs", losses, times)
     base = write_logs(site / "base", base_losses, base_times, prefix="base", sources=OTHER_SOURCES)
+    assert_refused(site, capsys, "baseline logs are referenced, not copied, so they must be part of a record",
+                   "--logs", *logs, "--baseline-logs", *base)
+    assert run_tool(site, "--name", "Base", "--date", "2026-11-29", "--allow-non-record", "--logs", *base) == 0
+    base_folder = site / "records" / TRACK / "2026-11-29_Base"
+    base = [str(base_folder / Path(b).name) for b in base]
     assert run_tool(site, "--name", "Z", "--date", "2026-11-30", "--logs", *logs, "--baseline-logs", *base) == 0
     folder = site / "records" / TRACK / "2026-11-30_Z"
     b = json.loads((folder / "statistics.json").read_text())["baseline"]
@@ -304,12 +463,22 @@ def test_baseline_welch_tests_and_speedup(site):
         assert b[key]["p"] == pytest.approx(expected.pvalue, rel=1e-12)
     assert b["speedup"] == pytest.approx(np.mean(base_times) / np.mean(times), rel=1e-12)
     assert b["n"] == 4 and b["code"]["train_gpt.py"] == sha256(OTHER_SOURCES["train_gpt.py"])
-    assert sorted(p.name for p in (folder / "baseline").iterdir()) == [f"base{i}.txt" for i in range(4)]
+    assert b["logs"] == [f"records/{TRACK}/2026-11-29_Base/base{i}.txt" for i in range(4)]
+    assert not (folder / "baseline").exists()
 
     # A record folder given as --baseline-logs stands for the logs of its runs.
-    assert run_tool(site, "--name", "Z2", "--date", "2026-11-30", "--logs", *logs, "--baseline-logs", folder) == 0
+    more = write_logs(site / "more", losses, times, prefix="more")
+    assert run_tool(site, "--name", "Z2", "--date", "2026-11-30", "--logs", *more, "--baseline-logs", base_folder) == 0
     again = json.loads((folder.parent / "2026-11-30_Z2" / "statistics.json").read_text())["baseline"]
-    assert again["runs"] == json.loads((folder / "statistics.json").read_text())["runs"]
+    assert again["runs"] == json.loads((base_folder / "statistics.json").read_text())["runs"]
+
+
+def test_a_baseline_folder_without_run_logs_is_one_line(site, capsys):
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
+    broken = site / "records" / TRACK / "2026-11-01_Broken"
+    broken.mkdir()
+    (broken / "statistics.json").write_text(json.dumps({"runs": [{"run_id": "x"}]}))
+    assert_refused(site, capsys, "must be a record folder", "--logs", *logs, "--baseline-logs", broken)
 
 
 def test_set_target_from_these_logs_then_a_record_against_it(site, capsys):

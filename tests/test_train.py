@@ -3,7 +3,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 
@@ -70,19 +69,6 @@ def test_presets_resolve_and_overrides_parse():
                          "--long_window_layers=[0,2]"])
     assert (h.num_iterations, h.seed, h.compile, h.long_window_layers) == (7, 3, False, (0, 2))
     assert tg.parse_config(["--preset", "1gpu"]).batch_ranks == tg.parse_config([]).batch_ranks == 8
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--preset", "nope"], "unknown preset"),
-    (["--no_such_key=1"], "unknown config key"),
-    (["--num_iterations=ten"], "expects a int"),
-    (["--optimizer=sgd"], "muon, normuon, anvil or adamw"),
-    (["--stages=[{\"end\":0.5,\"tokens_per_rank\":8,\"max_doc_len\":8,\"short_window\":1,\"long_window\":1}]"],
-     "must end at 1.0"),
-])
-def test_bad_config_is_refused(argv, message):
-    with pytest.raises(tg.ConfigError, match=message):
-        tg.parse_config(argv)
 
 
 def test_config_round_trips_through_json(tmp_path):
@@ -232,8 +218,9 @@ def test_forward_shapes_and_candidate_columns():
     mapped = tg.ids_to_columns(targets, columns)
     assert torch.equal(columns[mapped], targets)
     assert tg.ids_to_columns(torch.tensor([[columns[0] + 0]]), columns[1:]).item() == -1
-    full = model(tokens, targets, args, weights)
-    sampled = model(tokens, targets, args, weights, columns)
+    full, full_next = model(tokens, targets, args, weights)
+    sampled, _ = model(tokens, targets, args, weights, columns)
+    assert 0 < full_next < full, "the next-token loss is one part of the weighted objective"
     assert full.ndim == 0 and torch.isfinite(full) and 0 < sampled < full
     # the same candidates every time for the same step and slice; others elsewhere
     assert torch.equal(columns, tg.candidate_columns(targets, 1000, step=3, slice_index=0))
@@ -280,7 +267,7 @@ def test_training_steps_lower_the_loss(shards):
     loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
     batch = loader.next_batch(512, 256, 1, [0])
     before = [p.detach().clone() for p in trainer.model.parameters()]
-    losses = [trainer.train_step(0, batch).item() for _ in range(8)]
+    losses = [trainer.train_step(0, batch)[1].item() for _ in range(8)]
     assert losses[-1] < losses[0] - 0.5, losses
     moved = sum(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
     assert moved >= len(before) - 1, "every parameter but the still-tied lm_head moves"
@@ -317,8 +304,8 @@ def test_end_to_end_run_writes_a_complete_log(shards, tmp_path):
     logs = [p for p in os.listdir(tmp_path) if p.endswith(".txt")]
     assert len(logs) == 1 and os.path.exists(tmp_path / logs[0].replace(".txt", "_model.pt"))
     raw = open(tmp_path / logs[0], "rb").read()
-    assert raw.startswith(b"speedrun-log v1 run_id=")
-    for name in ("train_gpt.py", "kernels.py", "optim.py", "data/shards.py"):
+    assert raw.startswith(b"speedrun-log v2 run_id=")
+    for name in ("train_gpt.py", "kernels.py", "optim.py", "data/shards.py", "records/logfile.py"):
         content = open(os.path.join(REPO, name), "rb").read()
         header = f"=== source {name} sha256={hashlib.sha256(content).hexdigest()} bytes={len(content)} ===\n"
         at = raw.index(header.encode()) + len(header)
@@ -342,22 +329,6 @@ def test_two_processes_match_one_with_the_same_global_batch(shards, tmp_path):
             for d in (tmp_path / "one", tmp_path / "two")]
     # Same data, same math; only the order of float reductions can differ.
     assert abs(loss[0] - loss[1]) <= 1e-3, loss
-
-
-@pytest.mark.parametrize("extra, message", [
-    (["--train_files=/nonexistent/x_*.bin"], "x_\\*.bin"),
-    (["--preset", "nonsense"], "unknown preset"),
-    (["--matrix_lr=nan"], "loss became nan at step"),
-])
-def test_user_errors_end_with_one_clear_line(shards, tmp_path, extra, message):
-    args = ["--preset", "cpu", *TINY, *data_args(shards), "--num_iterations=3", f"--log_dir={tmp_path}"]
-    if "--preset" in extra:
-        args = args[2:]
-    res = run_trainer([*args, *extra])
-    assert res.returncode == 2
-    last = res.stderr.strip().splitlines()[-1]
-    assert last.startswith("error:") and re.search(message, last), res.stderr
-    assert "Traceback" not in res.stderr
 
 
 def test_corrupt_shard_is_named(shards, tmp_path):
@@ -401,9 +372,9 @@ def test_cpu_cross_entropy_stays_fp32_under_autocast(ce):
     logits = torch.randn(4096, 512)
     targets = torch.randint(0, 512, (4096, 2))
     weights = torch.tensor([1.0, 0.5])
-    exact = kernels.softcap_cross_entropy_reference(logits.double(), targets, weights.double()).sum()
+    exact = kernels.softcap_cross_entropy_reference(logits.double(), targets, weights.double())[0].sum()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        rows = ce(logits, targets, weights)
+        rows, _ = ce(logits, targets, weights)
     assert rows.dtype == torch.float32
     assert abs(rows.sum().item() - exact.item()) / exact.item() < 1e-6
 

@@ -8,7 +8,7 @@ linear warmup then cosine decay to a tenth of the peak rate, gradient clipping,
 bf16 autocast. Validation: mean next-token cross-entropy over the full padded
 vocabulary on the first `val_tokens` tokens of the val shard.
 
-The run writes a version-1 log (records/README.md) to `<log_dir>/<run_id>.txt`.
+The run writes its log (records/README.md; records/logfile.py writes it) to `<log_dir>/<run_id>.txt`.
 Its full-budget mean final val loss sets the CPU track's target.
 
     python records/track_cpu/baseline_adamw.py [--config PATH] [--key=value ...]
@@ -18,7 +18,6 @@ import argparse
 import ctypes
 import dataclasses
 import datetime
-import hashlib
 import importlib.metadata
 import json
 import math
@@ -29,7 +28,6 @@ import shlex
 import subprocess
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,9 +39,10 @@ import torch.nn.functional as F
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the project root: sources are logged relative to it
 sys.path.insert(0, str(REPO_ROOT))
 from data.shards import ShardError, find_shards, fingerprint, read_shard  # noqa: E402
+from records.logfile import (ERROR_PREFIX, INTERRUPTED_PREFIX, LogWriteError, LogWriter,  # noqa: E402
+                             cpu_model, new_run_id)
 
 BUILD_CORPUS = "python data/tiny_corpus.py"  # the command that creates the tiny corpus shards
-LOG_FORMAT = "speedrun-log v1"  # first words of every log (records/README.md)
 KIB_PER_MIB = 1024  # ru_maxrss is in KiB on Linux
 M_TRIM_THRESHOLD = -1  # glibc mallopt parameter: free heap kept before returning it to the OS
 M_MMAP_MAX = -4  # glibc mallopt parameter: how many allocations may use their own mmap
@@ -282,16 +281,6 @@ def package_version(name):
         return "none"
 
 
-def cpu_model():
-    """The CPU's model name from /proc/cpuinfo, or "unknown"."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return "unknown"
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return names[0] if names else "unknown"
-
-
 def environment():
     """The log's environment section: software versions, machine, command, commit, start time."""
     return {
@@ -312,34 +301,23 @@ def environment():
 
 
 class RunLog:
-    """The version-1 log of this run: snapshot sections at creation, then run lines appended as they happen."""
+    """This run's log (records/logfile.py's LogWriter): the snapshot at creation, then each run
+    line appended and echoed as it happens; `step` is where the run is, for an interrupted run."""
 
-    def __init__(self, path, first_line, sources, environment, data_fingerprints, config):
+    def __init__(self, path, run_id, sources, environment, data_fingerprints, config):
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(path, "xb")
         self.path = path
-        self._write(f"{first_line}\n".encode())
-        for relpath, content in sources.items():
-            digest = hashlib.sha256(content).hexdigest()
-            self._write(f"=== source {relpath} sha256={digest} bytes={len(content)} ===\n".encode())
-            self._write(content)
-            self._write(f"\n=== end source {relpath} ===\n".encode())
-        text = ["=== environment ===", *(f"{key}: {value}" for key, value in environment.items()), "=== data ==="]
-        text += [json.dumps(fp) for fp in data_fingerprints]
-        text += ["=== config ===", json.dumps(config), "=== run ==="]
-        self._write(("\n".join(text) + "\n").encode())
-
-    def _write(self, data):
-        self.file.write(data)
-        self.file.flush()
+        self.writer = LogWriter(path, run_id)
+        self.writer.header(sources.items(), environment, data_fingerprints, config)
+        self.step = 0
 
     def line(self, text):
         """Append one run line to the log and echo it."""
         print(text, flush=True)
-        self._write((text + "\n").encode())
+        self.writer.line(text)
 
     def close(self):
-        self.file.close()
+        self.writer.close()
 
 
 def train(hp, batches, val_inputs, val_targets, log):
@@ -354,6 +332,7 @@ def train(hp, batches, val_inputs, val_targets, log):
         return f"train_time:{round(train_ms)}ms step_avg:{train_ms / max(step, 1):.2f}ms"
 
     for step in range(total):
+        log.step = step
         start = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, hp)
@@ -409,21 +388,28 @@ def main(argv=None):
         data = [fingerprint(p) for p in train_paths + val_paths]
     except (ShardError, ValueError) as e:
         sys.exit(f"error: {e}")
-    run_id = f"{datetime.datetime.now():%Y%m%d_%H%M%S}_{uuid.uuid4().hex[:8]}"
+    run_id = new_run_id()
     config = dataclasses.asdict(hp) | {"entry": Path(__file__).resolve().relative_to(REPO_ROOT).as_posix()}
     log_path = Path(hp.log_dir) / f"{run_id}.txt"
     try:
-        log = RunLog(log_path, f"{LOG_FORMAT} run_id={run_id}", project_sources(), environment(), data, config)
+        log = RunLog(log_path, run_id, project_sources(), environment(), data, config)
     except OSError as e:
         sys.exit(f"error: cannot create the log {log_path}: {e.strerror}")
     try:
         val_loss, train_ms = train(hp, batches, val_inputs, val_targets, log)
+    except KeyboardInterrupt:
+        log.line(f"{INTERRUPTED_PREFIX}SIGINT at step {log.step}/{hp.num_iterations}")
+        log.close()
+        print(f"interrupted at step {log.step} (log: {log.path})", file=sys.stderr)
+        sys.exit(130)
+    except LogWriteError as e:
+        sys.exit(f"error: {e}")
     except FloatingPointError as e:
-        log.line(f"error: {e}")
+        log.line(f"{ERROR_PREFIX}{e}")
         log.close()
         sys.exit(f"error: {e} (log: {log.path})")
     except BaseException as e:  # the log must say why the run has no final line
-        log.line(f"error: {type(e).__name__}: {e}")
+        log.line(f"{ERROR_PREFIX}{type(e).__name__}: {e}")
         log.close()
         raise
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / KIB_PER_MIB
