@@ -5,7 +5,8 @@ causal self-attention and LayerNorm -> GELU MLP (4x width), a final LayerNorm
 and an lm_head tied to the token embedding. Training: fixed-length blocks read
 in order from the train stream (no shuffling, no document masking), AdamW with
 linear warmup then cosine decay to a tenth of the peak rate, gradient clipping,
-bf16 autocast. Validation: mean next-token cross-entropy over the full padded
+bf16 autocast (bf16 products as fp32 GEMMs on CPUs without bf16 instructions:
+cpu_runtime.py). Validation: mean next-token cross-entropy over the full padded
 vocabulary on the first `val_tokens` tokens of the val shard.
 
 The run writes its log (records/README.md; records/logfile.py writes it) to `<log_dir>/<run_id>.txt`.
@@ -15,7 +16,6 @@ Its full-budget mean final val loss sets the CPU track's target.
 """
 
 import argparse
-import ctypes
 import dataclasses
 import datetime
 import importlib.metadata
@@ -38,14 +38,13 @@ import torch.nn.functional as F
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the project root: sources are logged relative to it
 sys.path.insert(0, str(REPO_ROOT))
+from cpu_runtime import bf16_gemm_path, bf16_gemms, keep_freed_memory_for_reuse  # noqa: E402
 from data.shards import ShardError, find_shards, fingerprint, read_shard  # noqa: E402
 from records.logfile import (ERROR_PREFIX, INTERRUPTED_PREFIX, LogWriteError, LogWriter,  # noqa: E402
                              cpu_model, new_run_id)
 
 BUILD_CORPUS = "python data/tiny_corpus.py"  # the command that creates the tiny corpus shards
 KIB_PER_MIB = 1024  # ru_maxrss is in KiB on Linux
-M_TRIM_THRESHOLD = -1  # glibc mallopt parameter: free heap kept before returning it to the OS
-M_MMAP_MAX = -4  # glibc mallopt parameter: how many allocations may use their own mmap
 
 
 @dataclass
@@ -294,6 +293,7 @@ def environment():
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
+        "bf16_gemm": bf16_gemm_path(torch.device("cpu")),
         "command": shlex.join([sys.executable] + sys.argv),
         "git_commit": git_commit(),
         "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -358,21 +358,6 @@ def train(hp, batches, val_inputs, val_targets, log):
     return val_loss, train_ms
 
 
-def keep_freed_memory_for_reuse():
-    """Serve large tensors from the heap and keep freed memory mapped.
-
-    glibc otherwise mmaps every large tensor and unmaps it on free, so each step faults the
-    logits back in page by page and the kernel's time rivals the math. train_gpt.py does the
-    same, so the track compares models and optimizers, not allocator settings.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: nothing to tune
-        return
-    libc.mallopt(M_MMAP_MAX, 0)
-    libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
-
-
 def main(argv=None):
     hp = parse_hyperparameters(argv)
     torch.set_num_threads(hp.threads or os.cpu_count())
@@ -396,7 +381,8 @@ def main(argv=None):
     except OSError as e:
         sys.exit(f"error: cannot create the log {log_path}: {e.strerror}")
     try:
-        val_loss, train_ms = train(hp, batches, val_inputs, val_targets, log)
+        with bf16_gemms(bf16_gemm_path(torch.device("cpu"))):
+            val_loss, train_ms = train(hp, batches, val_inputs, val_targets, log)
     except KeyboardInterrupt:
         log.line(f"{INTERRUPTED_PREFIX}SIGINT at step {log.step}/{hp.num_iterations}")
         log.close()
