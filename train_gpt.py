@@ -1530,6 +1530,11 @@ def write_loss_lines(log, lines, N):
                   f"step_avg:{elapsed / step:.2f}ms", echo=True)
 
 
+def shards_of(pattern):
+    """The shard files matching `pattern`; a ShardError says how to make them when none match."""
+    return find_shards(pattern, hint=FINEWEB_HINT if "fineweb" in pattern else TINY_HINT)
+
+
 def check_validation_split(h, env):
     if h.val_tokens % (h.val_tokens_per_rank * env.world_size):
         raise ConfigError(f"val_tokens={h.val_tokens} must be a multiple of val_tokens_per_rank x processes "
@@ -1545,8 +1550,7 @@ def validation_data(h, env, val_files):
 
 
 def train(h, env, log):
-    train_files = find_shards(h.train_files, hint=FINEWEB_HINT if "fineweb" in h.train_files else TINY_HINT)
-    val_files = find_shards(h.val_files, hint=FINEWEB_HINT if "fineweb" in h.val_files else TINY_HINT)
+    train_files, val_files = shards_of(h.train_files), shards_of(h.val_files)
     check_validation_split(h, env)
     log.header(project_sources(), environment(env.world_size, bf16_gemm_path(env.device, h.compile)),
                [fingerprint(f) for f in val_files + train_files], logged_config(h))
@@ -1813,8 +1817,7 @@ def evaluate_checkpoint(path, overrides):
     logged one. Returns the val loss."""
     trainer, metadata = trained_model(path, overrides, EVAL_KEYS)
     h, env = trainer.h, trainer.env
-    val_slices = validation_data(h, env, find_shards(h.val_files, hint=FINEWEB_HINT if "fineweb" in h.val_files
-                                                     else TINY_HINT))
+    val_slices = validation_data(h, env, shards_of(h.val_files))
     N = h.num_iterations
     with bf16_gemms(bf16_gemm_path(env.device, h.compile)):
         val_loss = trainer.validate(val_slices, N, final_validation=True)
