@@ -41,7 +41,8 @@ tests shrink).
 torch.compile: every kernel launch sits inside a torch.library custom op with a fake (meta)
 implementation, and the autograd wrappers are torch.autograd.Functions built from those ops,
 so the trainer can compile its model with fullgraph=True (checked on CPU with the aot_eager
-backend); the kernels stay opaque to Inductor.
+backend); the kernels stay opaque to Inductor. Two CPU functions are marked `runs_eagerly`: a
+compiled model calls them outside its graphs (see the mark).
 """
 import dataclasses
 
@@ -52,6 +53,18 @@ import triton.language as tl
 from torch import Tensor
 
 _OPS = "kernels"  # namespace of this file's torch.library custom ops
+
+
+def runs_eagerly(fn):
+    """Mark fn to run eagerly inside a torch.compile'd caller (a graph break around each call).
+    Callers that compile with fullgraph=True must not use it: `breaks_graphs(fn)` says so."""
+    fn = torch.compiler.disable(fn)
+    fn.breaks_graphs = True
+    return fn
+
+
+def breaks_graphs(fn):
+    return getattr(fn, "breaks_graphs", False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1068,6 +1081,9 @@ def document_ids(cu_seqlens, num_tokens):
     return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
 
 
+# Eager in a compiled model: its query blocks start where the documents' offsets say, values
+# that a static graph cannot depend on.
+@runs_eagerly
 def attention_reference(q, k, v, cu_seqlens, window, softmax_scale):
     """Causal attention over packed documents, limited to a sliding window.
 
@@ -1340,6 +1356,9 @@ class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
         return out, None, None, None
 
 
+# Eager in a compiled model: its row loop is a memory plan. Inductor compiled it into one graph
+# that ran a 24 GB machine out of memory on the cpu preset's 2,048 x 50,304 logits (measured).
+@runs_eagerly
 def softcap_cross_entropy_chunked(logits, targets, weights, rows=CHUNKED_CE_ROWS):
     """softcap_cross_entropy for CPUs (same arguments and result), in row blocks with the
     gradient formed in the forward pass: on the CPU preset's 4096 x 50,304 logits it replaces

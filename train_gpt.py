@@ -118,8 +118,8 @@ class Hyperparameters:
     matrix_wd: float = 0.0
     mlp_down_lr_scale: float = 2.0 # extra LR multiplier of the MLP output matrices (anvil)
     momentum: float = 0.95         # muon/normuon momentum after warm-up
-    momentum_warmup_start: float = 0.85
-    momentum_warmup_steps: int = 300
+    momentum_warmup_start: float = 0.85  # muon/normuon (anvil's Nesterov mu schedule replaces the warm-up)
+    momentum_warmup_steps: int = 300     # muon/normuon: steps from the start momentum to `momentum`
     anvil_fast_beta: float = 0.85  # beta of the fast momentum rail
     anvil_slow_beta: float = 0.98  # beta of the slow momentum rail
     anvil_blend: float = 0.4385    # weight of the fast rail once blending starts (1.0 before)
@@ -140,6 +140,7 @@ class Hyperparameters:
     kernels: str = "auto"          # auto (Triton on CUDA; references on CPU, CE chunked) | triton | reference
     compile: bool = True           # torch.compile the training step and the validation
     compile_backend: str = "inductor"  # torch.compile backend; aot_eager traces the same graphs without codegen
+    compute_dtype: str = "bfloat16"  # activations and matrix products: bfloat16 (autocast) | float32 (no autocast)
     fp8_mlp: bool = True           # MLPs as the fused FP8 ReLU^2 kernel pair (with Triton kernels or on CUDA)
     warmup_steps: int = 3          # untimed steps per graph before timing starts (when something compiles)
     sync_check: bool = False       # CUDA: any host sync inside a timed training step is an error
@@ -154,6 +155,11 @@ def _cpu_preset(h):
     Full-vocabulary softmax throughout: at this scale sampled softmax learns much more slowly
     per step and per second (the rare tokens' logits are rarely pushed down), measured on
     this machine: val 7.42 (16,384 candidates) vs 6.09 (full) after 20 steps.
+
+    fp32 activations and products: on CPUs without bf16 units a bf16 product runs as an fp32
+    GEMM plus casts anyway (cpu_runtime.py), so fp32 saves the casts (3.60 vs 4.04 s per
+    2,048-token step on a 2-core AMD EPYC) at the same val loss. Eager, not compiled: the matrix
+    products, which a compiled graph leaves to the same BLAS calls, take most of a step.
     """
     h.track = "track_cpu"
     h.train_files = "data/tiny_corpus/tiny_train_*.bin"
@@ -165,14 +171,14 @@ def _cpu_preset(h):
     h.long_window_layers, h.attention_free_layers = (3,), ()
     h.num_value_embeds, h.bigram_rows = 1, 8192
     h.val_long_window = 8
-    h.num_iterations = 50          # the CPU-track record's budget (records/track_cpu); 120 reach ~4.98
+    h.num_iterations = 40          # the CPU-track budget: 40 steps reach val ~5.66 (target 5.7264), 36 only ~5.74
     h.stages = [
         Stage(0.5, 2048, 512, 1, 2, (1.0, 0.5, 0.25), 0.25),
         Stage(0.8, 4096, 1024, 2, 4, (1.0, 0.5), 0.25),
         Stage(1.0, 4096, 1024, 2, 6, (1.0,), 0.0),
     ]
-    h.momentum_warmup_steps = 40   # chosen for 120 steps; the 50-step record kept it
     h.log_every = 5
+    h.compute_dtype = "float32"
     h.compile = False
 
 
@@ -320,6 +326,7 @@ CHOICE_RULES = [
     ("device", ("auto", "cuda", "cpu")),
     ("kernels", ("auto", "triton", "reference")),
     ("compile_backend", ("inductor", "aot_eager", "eager")),
+    ("compute_dtype", ("bfloat16", "float32")),
 ]
 BOOL_KEYS = ("compile", "fp8_mlp", "sync_check", "save_checkpoint")
 NONEMPTY_STRING_KEYS = ("train_files", "val_files", "log_dir")
@@ -1326,13 +1333,14 @@ def compiled_graphs():
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-def compile_fn(h, fn):
+def compile_fn(h, fn, fullgraph=True):
     """fn compiled as the timed run needs it: one static graph per shape (dynamic shapes make
-    slower kernels), no graph breaks, and room in dynamo's per-function cache for every graph
-    the schedule uses (past the limit dynamo would fall back to eager without a word)."""
+    slower kernels), no graph breaks unless a kernel runs eagerly (`fullgraph=False`: the CPU
+    references), and room in dynamo's per-function cache for every graph the schedule uses
+    (past the limit dynamo would fall back to eager without a word)."""
     graphs_needed = max(len(graph_changes(h)), len(validation_points(h)))
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs_needed)
-    return torch.compile(fn, dynamic=False, fullgraph=True, backend=h.compile_backend)
+    return torch.compile(fn, dynamic=False, fullgraph=fullgraph, backend=h.compile_backend)
 
 
 FP8_CALIBRATION_PASSES = 1         # forward+backward passes that record the FP8 amaxes before the first step
@@ -1350,9 +1358,12 @@ class Trainer:
         self.adam = next(opt for opt in self.optimizers if isinstance(opt, optim.Adam))
         self.forward, self.validation_loss_sum = self.model, self.model.validation_loss_sum
         if h.compile:
-            self.forward = compile_fn(h, self.model)
-            self.validation_loss_sum = compile_fn(h, self.model.validation_loss_sum)
-        self.autocast = torch.autocast(env.device.type, dtype=torch.bfloat16)
+            fullgraph = not any(kernels.breaks_graphs(fn) for fn in (self.kernels.attention,
+                                                                     self.kernels.cross_entropy))
+            self.forward = compile_fn(h, self.model, fullgraph)
+            self.validation_loss_sum = compile_fn(h, self.model.validation_loss_sum, fullgraph)
+        self.autocast = torch.autocast(env.device.type, dtype=torch.bfloat16,
+                                       enabled=h.compute_dtype == "bfloat16")
         self.accum = h.batch_ranks // env.world_size
         self.mine = list(range(env.rank, h.batch_ranks, env.world_size))
         self.stage_weights = [target_weights(stage, env.device) for stage in h.stages]
@@ -1438,7 +1449,8 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self, slices, step, final_validation):
-        """Mean full-vocabulary loss over `slices` (and the other ranks' as many), in bf16 with no FP8."""
+        """Mean full-vocabulary loss over `slices` (and the other ranks' as many), in the compute
+        dtype with no FP8."""
         self.model.eval()
         total = torch.zeros((), device=self.env.device)
         for s in slices:
@@ -1558,9 +1570,12 @@ def train(h, env, log):
     trainer = Trainer(h, env, log)
     log.write(f"model parameters: {sum(p.numel() for p in trainer.model.parameters()):,}", echo=True)
     log.progress = "in the warm-up"
+    untimed_t0 = time.perf_counter()
     warm_graphs = warm_up(trainer, train_files, val_slices) if trainer.needs_warm_up() else 0
     if trainer.kernels.fp8_mlp is not None:
         trainer.calibrate_fp8(first_batch(h, train_files, trainer.mine))
+    log.write(f"warm-up: {time.perf_counter() - untimed_t0:.1f}s untimed (compilation, Triton JIT, FP8 "
+              f"calibration); train_time counts from step 0", echo=True)
     batches = BatchPrefetcher(TrainLoader(train_files, batch_tokens(h)), h, trainer.mine,
                               pin=env.device.type == "cuda")
     losses = DeferredLossLines(env.device)

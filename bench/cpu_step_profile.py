@@ -26,7 +26,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
 import train_gpt as tg  # noqa: E402
-from cpu_optimizer_comparison import source_commit  # noqa: E402
+from cpu_comparison import source_commit  # noqa: E402
 from cpu_runtime import bf16_gemm_path, bf16_gemms  # noqa: E402
 from data.shards import find_shards  # noqa: E402
 from records.logfile import cpu_model  # noqa: E402

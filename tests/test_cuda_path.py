@@ -52,7 +52,7 @@ REHEARSAL = [
     "--long_window_layers=[2]", "--attention_free_layers=[1]", "--num_value_embeds=1", "--bigram_rows=1024",
     "--batch_ranks=1", "--num_iterations=5", "--untie_frac=0.8", "--val_every=3", "--val_long_window=3",
     "--val_tokens=32", "--val_tokens_per_rank=32", "--warmup_steps=1", "--log_every=1",
-    "--momentum_warmup_steps=4",
+    "--momentum_warmup_steps=4", "--compute_dtype=bfloat16",
     '--stages=[{"end":0.2,"tokens_per_rank":32,"max_doc_len":32,"short_window":1,"long_window":1,'
     '"mtp_weights":[1,0.5,0.25],"prefix_weight":0.25},'
     '{"end":0.6,"tokens_per_rank":96,"max_doc_len":96,"short_window":1,"long_window":2,'

@@ -29,6 +29,7 @@ TINY = [
     '{"end":1.0,"tokens_per_rank":512,"max_doc_len":512,"short_window":1,"long_window":3,'
     '"mtp_weights":[1],"prefix_weight":0}]',
     "--val_tokens=2048", "--val_tokens_per_rank=1024", "--log_every=1", "--momentum_warmup_steps=4",
+    "--compute_dtype=bfloat16",    # the GPU's autocast (the cpu preset itself computes in fp32)
 ]
 
 
@@ -460,3 +461,90 @@ def test_first_fp8_step_gradients_match_bf16_after_calibration(shards, monkeypat
     cosine = torch.nn.functional.cosine_similarity
     for a, b in zip(fp8.model.blocks, plain.model.blocks):
         assert cosine(a.mlp.down.grad.flatten(), b.mlp.down.grad.flatten(), dim=0) > 0.99
+
+
+# ---------------------------------------------------------------------------------------------
+# compute dtype and compiling on a CPU
+
+
+def first_step_gradients(h, batch):
+    """(objective, {name: gradient}) of step 0 on `batch` from a fresh seeded trainer whose
+    zero-initialized matrices are filled (so every gradient is a real signal, not rounding noise)."""
+    trainer = cpu_trainer(h)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            if p.ndim >= 2 and p.abs().sum() == 0:
+                p.normal_(0, 0.05)
+    loss = trainer.forward_backward(0, batch)[1].item()
+    return loss, {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+def assert_gradients_close(a, b, rel):
+    assert a.keys() == b.keys()
+    for name in a:
+        err = (a[name] - b[name]).norm() / a[name].norm().clamp(min=1e-30)
+        assert err < rel, f"{name}: relative error {err:.2e}"
+
+
+def test_float32_compute_matches_bf16_and_keeps_fp32_activations(shards):
+    h = tiny_config(data_args(shards))
+    batch = tg.TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
+    h32 = tiny_config(data_args(shards) + ["--compute_dtype=float32"])
+    trainer = cpu_trainer(h32)
+    s = batch[0]
+    with trainer.autocast:
+        hidden = trainer.model.hidden_states(s.tokens, trainer.attention_args(s, 0))
+    assert hidden.dtype == torch.float32
+    loss16, grads16 = first_step_gradients(h, batch)
+    loss32, grads32 = first_step_gradients(h32, batch)
+    # bf16 keeps 8 significant bits: activations and products differ by ~2^-8 relative
+    assert abs(loss32 - loss16) < 2e-2 * loss32
+    assert_gradients_close(grads32, grads16, rel=5e-2)
+    with pytest.raises(tg.ConfigError, match="compute_dtype"):
+        tiny_config(["--compute_dtype=float16"])
+
+
+def test_compiled_cpu_step_matches_eager(shards):
+    """torch.compile on a CPU (aot_eager: dynamo and AOTAutograd, no code generation) with the
+    CPU kernels, which run eagerly between the compiled graphs: the same loss and gradients."""
+    args = data_args(shards) + ["--compute_dtype=float32"]
+    batch = tg.TrainLoader(tg.find_shards(tiny_config(args).train_files), 512).next_batch(512, 256, 1, [0])
+    eager_loss, eager = first_step_gradients(tiny_config(args + ["--compile=false"]), batch)
+    torch._dynamo.reset()
+    compiled_loss, compiled = first_step_gradients(
+        tiny_config(args + ["--compile=true", "--compile_backend=aot_eager"]), batch)
+    assert tg.compiled_graphs() > 0
+    assert compiled_loss == pytest.approx(eager_loss, rel=1e-5)
+    assert_gradients_close(eager, compiled, rel=1e-4)
+
+
+def test_compiled_cpu_run_compiles_only_in_the_warm_up(shards, tmp_path):
+    res = run_trainer(["--preset", "cpu", *TINY, *data_args(shards), "--num_iterations=4", "--compile=true",
+                       "--compile_backend=aot_eager", f"--log_dir={tmp_path}"])
+    assert res.returncode == 0, res.stderr
+    log = parse_log(tmp_path / next(p for p in os.listdir(tmp_path) if p.endswith(".txt")))
+    assert log.finished
+    line = next(line for line in log.info if line.startswith("compile: "))
+    warm = int(line.split()[1])
+    assert warm > 0 and line.endswith(f"{warm} graphs in the warm-up, 0 in the timed run"), line
+    assert any(line.startswith("warm-up: ") and "untimed" in line for line in log.info)
+
+
+def test_cpu_comparison_runs_resumes_and_never_overwrites(shards, tmp_path):
+    tool = [sys.executable, os.path.join(REPO, "bench", "cpu_comparison.py"), "--seeds", "1", "--results", "",
+            "--out", str(tmp_path / "runs")]
+    variant = ["--variant", "tiny", *TINY, *data_args(shards), "--num_iterations=2"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    first = subprocess.run([*tool, *variant], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert first.returncode == 0, first.stderr
+    log_name, = os.listdir(tmp_path / "runs" / "tiny_seed1")
+    val = parse_log(tmp_path / "runs" / "tiny_seed1" / log_name).final["val_loss"]
+    assert "| tiny |" in first.stdout and f"{val:.4f}" in first.stdout
+    again = subprocess.run([*tool, *variant], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert again.returncode == 0 and "finished before, not run again" in again.stdout, again.stderr
+    assert os.listdir(tmp_path / "runs" / "tiny_seed1") == [log_name]
+    other = subprocess.run([*tool, *variant[:-1], "--num_iterations=3"], capture_output=True, text=True,
+                           timeout=300, env=env, cwd=REPO)
+    assert other.returncode != 0 and "move it away or give another --out" in other.stderr
+    assert os.listdir(tmp_path / "runs" / "tiny_seed1") == [log_name]

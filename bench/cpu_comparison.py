@@ -1,0 +1,168 @@
+"""Compare variants of the cpu preset by final val loss, over seeds.
+
+Each variant is a name and the --key=value overrides that make it; every variant runs
+`train_gpt.py --preset cpu <overrides> --seed=S` for every seed (one thread per run,
+`--parallel` runs at once). Prints a Markdown table of the mean and sample std of the final val
+loss per variant and appends it, with the date, the commit and the command, to
+`bench/cpu_results.md`. Runs share the cores, so their train times say nothing about speed: time
+a variant alone on an idle machine (or with records/make_record.py from interleaved runs).
+
+    python bench/cpu_comparison.py --seeds 1 2 3 --title "36 vs 40 steps" \\
+        --variant 36steps --num_iterations=36 --variant 40steps --num_iterations=40
+
+A run whose log folder (`--out`/<variant>_seed<S>) already holds a finished log of the same
+config is not run again, so an interrupted comparison resumes; any other content there stops
+the tool before it runs anything (nothing is overwritten).
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import train_gpt as tg  # noqa: E402
+from records.logfile import cpu_model, parse_log  # noqa: E402
+
+
+def split_variants(argv):
+    """(the tool's own arguments, [(variant name, its overrides)]) from the command line."""
+    own, variants = [], []
+    for arg in argv:
+        if variants and variants[-1][0] is None:
+            variants[-1] = (arg, [])
+        elif arg == "--variant":
+            variants.append((None, []))
+        elif variants:
+            variants[-1][1].append(arg)
+        else:
+            own.append(arg)
+    if not variants or variants[-1][0] is None:
+        raise SystemExit("give at least one variant: --variant NAME [--key=value ...]")
+    names = [name for name, _ in variants]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"variant names must differ, got {names}")
+    return own, variants
+
+
+def run_config(overrides, seed, log_dir):
+    """The run's config as its log will hold it (JSON values), ConfigError if it cannot be resolved."""
+    return json.loads(json.dumps(tg.logged_config(tg.parse_config(["--preset", "cpu", *overrides,
+                                                                   f"--seed={seed}", f"--log_dir={log_dir}"]))))
+
+
+def same_run(a, b):
+    """Whether two logged configs train the same run (where the log was written does not matter)."""
+    return {k: v for k, v in a.items() if k != "log_dir"} == {k: v for k, v in b.items() if k != "log_dir"}
+
+
+def finished_log(log_dir, config):
+    """The finished log of `config` in log_dir, None if the folder is empty or missing; SystemExit
+    if it holds anything else."""
+    if not os.path.isdir(log_dir) or not os.listdir(log_dir):
+        return None
+    logs = [f for f in os.listdir(log_dir) if f.endswith(".txt")]
+    if len(logs) == 1:
+        log = parse_log(os.path.join(log_dir, logs[0]))
+        if log.finished and same_run(log.config, config):
+            return log
+    raise SystemExit(f"{log_dir} holds something other than one finished run of this variant and seed: "
+                     f"move it away or give another --out")
+
+
+def launch(overrides, seed, log_dir):
+    cmd = [sys.executable, os.path.join(REPO, "train_gpt.py"), "--preset", "cpu", *overrides, f"--seed={seed}",
+           f"--log_dir={log_dir}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE=str(os.cpu_count()))
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def report(name, seed, log, how):
+    print(f"{name} seed {seed}: val_loss {log.final['val_loss']:.4f}{how}", flush=True)
+    return log
+
+
+def run_all(jobs, parallel):
+    """Run (name, seed, overrides, log_dir) jobs, `parallel` at a time; return {(name, seed): log}."""
+    pending, running, results = list(jobs), [], {}
+    while pending or running:
+        while pending and len(running) < parallel:
+            name, seed, overrides, log_dir = job = pending.pop(0)
+            running.append((job, launch(overrides, seed, log_dir)))
+        time.sleep(2)
+        for job, proc in list(running):
+            if proc.poll() is None:
+                continue
+            running.remove((job, proc))
+            name, seed, _, log_dir = job
+            if proc.returncode != 0:
+                raise SystemExit(f"{name} seed {seed} failed: {proc.stderr.read().strip()[-500:]}")
+            (log_name,) = [f for f in os.listdir(log_dir) if f.endswith(".txt")]
+            results[name, seed] = report(name, seed, parse_log(os.path.join(log_dir, log_name)), "")
+    return results
+
+
+def results_table(results, variants, seeds):
+    """Markdown table: per variant, its overrides and the mean and sample std of the final val loss."""
+    lines = [f"| variant | overrides of the cpu preset | steps | val loss: mean | std | runs (seeds "
+             f"{', '.join(map(str, seeds))}) |", "|---|---|---|---|---|---|"]
+    for name, overrides in variants:
+        logs = [results[name, s] for s in seeds]
+        losses = [log.final["val_loss"] for log in logs]
+        std = statistics.stdev(losses) if len(losses) > 1 else float("nan")
+        lines.append(f"| {name} | `{' '.join(overrides) or '(none)'}` | {logs[0].config['num_iterations']} | "
+                     f"{statistics.mean(losses):.4f} | {std:.4f} | {', '.join(f'{x:.4f}' for x in losses)} |")
+    return "\n".join(lines)
+
+
+def source_commit():
+    """HEAD's hash, marked dirty when tracked files differ from it."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    head = git("rev-parse", "HEAD") or "unknown"
+    return head + (" (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def main():
+    own, variants = split_variants(sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     usage="%(prog)s [options] --variant NAME [--key=value ...] [--variant ...]")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--parallel", type=int, default=2)
+    parser.add_argument("--title", default="cpu preset variants", help="what is compared (the section title)")
+    parser.add_argument("--out", default=os.path.join(REPO, "logs", "cpu_comparison"))
+    parser.add_argument("--results", default=os.path.join(REPO, "bench", "cpu_results.md"),
+                        help="append the table here ('' to skip)")
+    args = parser.parse_args(own)
+    commit = source_commit()       # before the runs: the code they run
+    jobs, results = [], {}
+    for seed in args.seeds:
+        for name, overrides in variants:
+            log_dir = os.path.join(args.out, f"{name}_seed{seed}")
+            try:
+                config = run_config(overrides, seed, log_dir)
+            except tg.ConfigError as e:
+                raise SystemExit(f"variant {name}: {e}") from None
+            done = finished_log(log_dir, config)
+            if done:
+                results[name, seed] = report(name, seed, done, " (finished before, not run again)")
+            else:
+                jobs.append((name, seed, overrides, log_dir))
+    results.update(run_all(jobs, args.parallel))
+    table = results_table(results, variants, args.seeds)
+    print("\n" + table)
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write(f"\n## {args.title}, {datetime.date.today().isoformat()}\n\n"
+                    f"- commit: {commit}\n- machine: {cpu_model()}, {os.cpu_count()} cores, no GPU, "
+                    f"{args.parallel} runs at a time with one thread each\n"
+                    f"- command: `python bench/cpu_comparison.py {' '.join(sys.argv[1:])}`\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
