@@ -72,9 +72,13 @@ class Bf16GemmsInFp32(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def bf16_gemm_path(device, compiling=False):
-    """'native' or 'fp32': how bf16 products run on `device`. Only eager CPU runs on CPUs without
-    bf16 instructions take the fp32 path (a compiled graph and a GPU keep their own GEMMs)."""
+def bf16_gemm_path(device, compiling=False, bf16_compute=True):
+    """'native', 'fp32' or 'none': how bf16 products run on `device`. Only eager CPU runs on CPUs
+    without bf16 instructions take the fp32 path (a compiled graph and a GPU keep their own
+    GEMMs); a run that computes in fp32 has no bf16 products ('none'), so nothing intercepts its
+    ops (the dispatch mode costs a Python call per op)."""
+    if not bf16_compute:
+        return "none"
     if device.type != "cpu" or compiling or cpu_has_native_bf16():
         return "native"
     return "fp32"

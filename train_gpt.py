@@ -1333,6 +1333,11 @@ def compiled_graphs():
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+def gemm_path(h, device, compiling=None):
+    """How this run's bf16 products run (cpu_runtime.bf16_gemm_path); `compiling` defaults to h.compile."""
+    return bf16_gemm_path(device, h.compile if compiling is None else compiling, h.compute_dtype == "bfloat16")
+
+
 def compile_fn(h, fn, fullgraph=True):
     """fn compiled as the timed run needs it: one static graph per shape (dynamic shapes make
     slower kernels), no graph breaks unless a kernel runs eagerly (`fullgraph=False`: the CPU
@@ -1564,7 +1569,7 @@ def validation_data(h, env, val_files):
 def train(h, env, log):
     train_files, val_files = shards_of(h.train_files), shards_of(h.val_files)
     check_validation_split(h, env)
-    log.header(project_sources(), environment(env.world_size, bf16_gemm_path(env.device, h.compile)),
+    log.header(project_sources(), environment(env.world_size, gemm_path(h, env.device)),
                [fingerprint(f) for f in val_files + train_files], logged_config(h))
     val_slices = validation_data(h, env, val_files)
     trainer = Trainer(h, env, log)
@@ -1834,7 +1839,7 @@ def evaluate_checkpoint(path, overrides):
     h, env = trainer.h, trainer.env
     val_slices = validation_data(h, env, shards_of(h.val_files))
     N = h.num_iterations
-    with bf16_gemms(bf16_gemm_path(env.device, h.compile)):
+    with bf16_gemms(gemm_path(h, env.device)):
         val_loss = trainer.validate(val_slices, N, final_validation=True)
     if env.master:
         ms = metadata["train_time_ms"]
@@ -1900,7 +1905,7 @@ def sample_from_checkpoint(argv):
     text = codecs.getincrementaldecoder("utf-8")(errors="replace")
     print(args.prompt, end="", flush=True)
     count, t0 = 0, time.perf_counter()
-    with bf16_gemms(bf16_gemm_path(trainer.env.device, compiling=False)):
+    with bf16_gemms(gemm_path(trainer.h, trainer.env.device, compiling=False)):
         for token in generate(trainer.model, trainer.h, prompt_ids, args.max_new_tokens, args.temperature, args.top_k,
                               args.seed, trainer.autocast):
             count += 1
@@ -1978,7 +1983,7 @@ def main(argv=None):
         h = parse_config(argv)
         env = start_process(h)
         log = RunLog(h.log_dir, env.master)
-        with bf16_gemms(bf16_gemm_path(env.device, h.compile)):
+        with bf16_gemms(gemm_path(h, env.device)):
             train(h, env, log)
         return 0
     except Interrupted as e:

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(REPO, "bench"))
 
 import train_gpt as tg  # noqa: E402
 from cpu_comparison import source_commit  # noqa: E402
-from cpu_runtime import bf16_gemm_path, bf16_gemms  # noqa: E402
+from cpu_runtime import bf16_gemms  # noqa: E402
 from data.shards import find_shards  # noqa: E402
 from records.logfile import cpu_model  # noqa: E402
 
@@ -43,7 +43,7 @@ def profile_steps(h, at, warmup, steps):
     train_files = find_shards(h.train_files, hint=tg.TINY_HINT)
     batches = tg.BatchPrefetcher(tg.TrainLoader(train_files, tg.batch_tokens(h)), h, trainer.mine, pin=False)
     try:
-        with bf16_gemms(bf16_gemm_path(env.device, h.compile)):
+        with bf16_gemms(tg.gemm_path(h, env.device)):
             for step in range(at):
                 slices = batches.get(step)
                 if step >= at - warmup:
@@ -107,7 +107,7 @@ def main():
     device = torch.device("cpu")
     section = (f"\n## Step profile: {args.title}, {datetime.date.today().isoformat()}\n\n"
                f"- commit: {commit}\n- machine: {cpu_model()}, {os.cpu_count()} cores, torch threads "
-               f"{torch.get_num_threads()}, bf16 products: {bf16_gemm_path(device, h.compile)}\n"
+               f"{torch.get_num_threads()}, bf16 products: {tg.gemm_path(h, device)}\n"
                f"- command: `python bench/cpu_step_profile.py {' '.join(sys.argv[1:])}`\n"
                f"- steps {args.at}-{args.at + args.steps - 1} of {h.num_iterations}, "
                f"{h.stages[tg.stage_index(h, args.at)].tokens_per_rank} tokens per step at the first\n\n"

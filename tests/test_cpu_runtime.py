@@ -85,6 +85,7 @@ def test_other_ops_and_mixed_dtypes_are_untouched():
 def test_path_choice():
     assert bf16_gemm_path(torch.device("cuda")) == "native"
     assert bf16_gemm_path(torch.device("cpu"), compiling=True) == "native"
+    assert bf16_gemm_path(torch.device("cpu"), bf16_compute=False) == "none"
     expected = "native" if cpu_has_native_bf16() else "fp32"
     assert bf16_gemm_path(torch.device("cpu")) == expected
     assert isinstance(bf16_gemms("fp32"), Bf16GemmsInFp32)
