@@ -43,7 +43,7 @@ import kernels
 import optim
 from cpu_runtime import bf16_gemm_path, bf16_gemms, keep_freed_memory_for_reuse
 from data.shards import ShardError, find_shards, fingerprint, read_shard
-from data.tokenizer import BOS_ID, TokenizerError, gpt2_encoding, prefix_token_table
+from data.tokenizer import BOS_ID, TokenizerError, gpt2_encoding, noncanonical_pairs, prefix_token_table
 from records.logfile import (ERROR_PREFIX, INTERRUPTED_PREFIX, SEAL_HEX_DIGITS, LogWriteError, LogWriter, cpu_model,
                              new_run_id)
 
@@ -99,6 +99,7 @@ class Hyperparameters:
     rope_base: float = 1024.0      # RoPE base period
     attn_scale: float = 0.1        # softmax scale of QK-normed attention before any YaRN growth
     val_long_window: int = 20      # long window (blocks) of the final validation
+    canonical_mask: bool = False   # validation: no probability for token pairs GPT-2's encoder never emits
     untie_frac: float = 2 / 3      # fraction of training after which lm_head is untied from the embedding
     # schedule
     num_iterations: int = 1194
@@ -160,6 +161,7 @@ def _cpu_preset(h):
     GEMM plus casts anyway (cpu_runtime.py), so fp32 saves the casts (3.60 vs 4.04 s per
     2,048-token step on a 2-core AMD EPYC) at the same val loss. Eager, not compiled: the matrix
     products, which a compiled graph leaves to the same BLAS calls, take most of a step.
+    Validation without the canonical mask: the track's rule is the full softmax, as the baseline's.
     """
     h.track = "track_cpu"
     h.train_files = "data/tiny_corpus/tiny_train_*.bin"
@@ -182,11 +184,18 @@ def _cpu_preset(h):
     h.compile = False
 
 
+def _speedrun_preset(h):
+    """The fields' defaults, plus what is off by default so that a config logged before it
+    existed still means what it meant."""
+    h.canonical_mask = True        # record 92 validates with the canonical mask
+
+
 def _one_gpu_preset(h):
+    _speedrun_preset(h)
     h.track = "none"               # the same dynamics as speedrun, but not an 8xH100 record
 
 
-PRESETS = {"speedrun": lambda h: None, "1gpu": _one_gpu_preset, "cpu": _cpu_preset}
+PRESETS = {"speedrun": _speedrun_preset, "1gpu": _one_gpu_preset, "cpu": _cpu_preset}
 
 
 class ConfigError(Exception):
@@ -328,7 +337,7 @@ CHOICE_RULES = [
     ("compile_backend", ("inductor", "aot_eager", "eager")),
     ("compute_dtype", ("bfloat16", "float32")),
 ]
-BOOL_KEYS = ("compile", "fp8_mlp", "sync_check", "save_checkpoint")
+BOOL_KEYS = ("compile", "fp8_mlp", "sync_check", "save_checkpoint", "canonical_mask")
 NONEMPTY_STRING_KEYS = ("train_files", "val_files", "log_dir")
 
 
@@ -703,6 +712,7 @@ class GPT(nn.Module):
         max_tokens = max(max(s.tokens_per_rank for s in h.stages), h.val_tokens_per_rank)
         self.rotary = Rotary(h.head_dim, h.rope_base, max_tokens, h.attn_scale)
         self.register_buffer("prefix_table", torch.from_numpy(prefix_token_table()).long(), persistent=False)
+        self.canonical_mask = NoncanonicalPairs() if h.canonical_mask else None
 
     def untie(self):
         """From now on lm_head is its own parameter, starting from the embedding's values."""
@@ -770,7 +780,11 @@ class GPT(nn.Module):
         one = torch.ones(1, device=x.device)
         for s in range(0, x.size(0), chunk_rows):
             logits = F.linear(x[s:s + chunk_rows], weight)
-            total += self.cross_entropy_fn(logits, targets[s:s + chunk_rows, :1], one)[0].sum()
+            if self.canonical_mask is None:
+                total += self.cross_entropy_fn(logits, targets[s:s + chunk_rows, :1], one)[0].sum()
+            else:
+                total += self.canonical_mask.cross_entropy_sum(logits, tokens[s:s + chunk_rows],
+                                                               targets[s:s + chunk_rows, 0])
         return total
 
 
@@ -780,6 +794,35 @@ class GPT(nn.Module):
         token that follows `tokens`: what sampling draws from."""
         x = self.hidden_states(tokens, args)[-1:]
         return kernels.softcap(F.linear(x, self.head_weight().type_as(x)))[0, :VOCAB_SIZE]
+
+
+MASKED_LOGIT = -60.0               # a masked pair's softcapped logit: exp(-60 - 23) ~ 1e-36 of the mass
+
+
+class NoncanonicalPairs(nn.Module):
+    """The (previous, current) token pairs GPT-2's encoder never emits (data/tokenizer.py says
+    how they are derived), as a bit matrix: bit c of row p is set when c never follows p
+    (PADDED_VOCAB_SIZE^2 bits, 316 MB). Validation-only: sets those logits to MASKED_LOGIT after
+    the softcap, so a continuation the tokenizer cannot produce gets no probability. Fixed
+    shapes, no host sync: a compiled validation keeps one graph."""
+
+    def __init__(self):
+        super().__init__()
+        pairs = noncanonical_pairs()
+        bits = np.zeros((PADDED_VOCAB_SIZE, PADDED_VOCAB_SIZE // 8), dtype=np.uint8)
+        np.bitwise_or.at(bits, (pairs[:, 0], pairs[:, 1] // 8), (1 << (pairs[:, 1] % 8)).astype(np.uint8))
+        self.register_buffer("bits", torch.from_numpy(bits), persistent=False)
+        self.register_buffer("bit_values", 1 << torch.arange(8, dtype=torch.uint8), persistent=False)
+
+    def masked_logits(self, logits, previous):
+        """Softcapped fp32 logits (N, V) with the pairs (previous[i], column) set to MASKED_LOGIT."""
+        rows = self.bits[previous.long()]                                  # (N, V / 8)
+        mask = (rows.unsqueeze(-1) & self.bit_values) != 0                 # (N, V / 8, 8): column 8j + b
+        return kernels.softcap(logits).masked_fill(mask.flatten(1), MASKED_LOGIT)
+
+    def cross_entropy_sum(self, logits, previous, targets):
+        """Summed next-token loss of the masked logits over the rows with a target (>= 0)."""
+        return F.cross_entropy(self.masked_logits(logits, previous), targets, ignore_index=-1, reduction="sum")
 
 
 def ids_to_columns(ids, columns):

