@@ -16,7 +16,6 @@ the tool before it runs anything (nothing is overwritten).
 """
 import argparse
 import datetime
-import json
 import os
 import statistics
 import subprocess
@@ -51,9 +50,8 @@ def split_variants(argv):
 
 
 def run_config(overrides, seed, log_dir):
-    """The run's config as its log will hold it (JSON values), ConfigError if it cannot be resolved."""
-    return json.loads(json.dumps(tg.logged_config(tg.parse_config(["--preset", "cpu", *overrides,
-                                                                   f"--seed={seed}", f"--log_dir={log_dir}"]))))
+    """The run's config as its log will hold it, ConfigError if it cannot be resolved."""
+    return tg.logged_config(tg.parse_config(["--preset", "cpu", *overrides, f"--seed={seed}", f"--log_dir={log_dir}"]))
 
 
 def same_run(a, b):
