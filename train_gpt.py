@@ -41,7 +41,7 @@ from torch.profiler import record_function
 
 import kernels
 import optim
-from cpu_runtime import bf16_gemm_path, bf16_gemms, keep_freed_memory_for_reuse
+from cpu_runtime import bf16_gemm_path, bf16_gemms, cpu_has_native_bf16, keep_freed_memory_for_reuse
 from data.shards import ShardError, find_shards, fingerprint, read_shard
 from data.tokenizer import BOS_ID, TokenizerError, gpt2_encoding, noncanonical_pairs, prefix_token_table
 from records.logfile import (ERROR_PREFIX, INTERRUPTED_PREFIX, SEAL_HEX_DIGITS, LogWriteError, LogWriter, cpu_model,
@@ -75,17 +75,8 @@ class Stage:
 
 
 @dataclass
-class Hyperparameters:
-    preset: str = "speedrun"
-    track: str = "track_1_short"   # records track a run of this preset belongs to, or "none"
-    # data
-    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
-    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
-    val_tokens: int = 10_485_760   # first tokens of the val shard(s) every run is judged on
-    val_tokens_per_rank: int = 65_536  # val tokens per rank per forward pass
-    val_every: int = 0             # validate every this many steps (0: only at the end)
-    batch_ranks: int = 8           # the global batch is this many rank slices; fewer processes accumulate
-    # model
+class ModelConfig:
+    """The model's shape and features: everything GPT reads, and nothing else."""
     num_layers: int = 11
     model_dim: int = 768
     num_heads: int = 6
@@ -98,8 +89,29 @@ class Hyperparameters:
     bigram_rows: int = 251_520     # rows of the bigram hash embedding
     rope_base: float = 1024.0      # RoPE base period
     attn_scale: float = 0.1        # softmax scale of QK-normed attention before any YaRN growth
-    val_long_window: int = 20      # long window (blocks) of the final validation
     canonical_mask: bool = False   # validation: no probability for token pairs GPT-2's encoder never emits
+    smear_gate: bool = False       # each token's embedding gets a gated share of its predecessor's
+    key_offset: bool = False       # long-window layers: a key's stationary dims come from the previous token
+
+
+MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
+
+
+@dataclass
+class Hyperparameters(ModelConfig):
+    """A run's config: the model's fields (ModelConfig) plus data, schedule, optimizers and system.
+    One flat set of keys, so that every key is one --key=value and one entry of a logged config."""
+    preset: str = "speedrun"
+    track: str = "track_1_short"   # records track a run of this preset belongs to, or "none"
+    # data
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
+    val_tokens: int = 10_485_760   # first tokens of the val shard(s) every run is judged on
+    val_tokens_per_rank: int = 65_536  # val tokens per rank per forward pass
+    val_every: int = 0             # validate every this many steps (0: only at the end)
+    batch_ranks: int = 8           # the global batch is this many rank slices; fewer processes accumulate
+    # model schedule (the model's own fields are ModelConfig's)
+    val_long_window: int = 20      # long window (blocks) of the final validation
     untie_frac: float = 2 / 3      # fraction of training after which lm_head is untied from the embedding
     # schedule
     num_iterations: int = 1194
@@ -157,11 +169,13 @@ def _cpu_preset(h):
     per step and per second (the rare tokens' logits are rarely pushed down), measured on
     this machine: val 7.42 (16,384 candidates) vs 6.09 (full) after 20 steps.
 
-    fp32 activations and products: on CPUs without bf16 units a bf16 product runs as an fp32
-    GEMM plus casts anyway (cpu_runtime.py), so fp32 saves the casts (3.60 vs 4.04 s per
-    2,048-token step on a 2-core AMD EPYC) at the same val loss. Eager for now: compiling
-    (inductor) measured 5.5 and 5.1 s per 4,096-token step against 5.8 and 7.8 s eager on a
-    drifting machine (bench/cpu_results.md), not yet confirmed by interleaved timed runs.
+    The compute dtype is the CPU's fast one: bf16 where it has bf16 units (AVX512-BF16 or AMX;
+    a 36-step run took 35.5 s in bf16 and 83 s in fp32 on a 2-core AMD EPYC with AVX512-BF16),
+    fp32 elsewhere (there a bf16 product runs as an fp32 GEMM plus casts anyway, cpu_runtime.py,
+    so fp32 saves the casts: 3.60 vs 4.04 s per 2,048-token step on a 2-core AVX2 EPYC). The val
+    loss is the same either way (3 seeds each, bench/cpu_results.md). Eager for now: compiling
+    (inductor) measured 31.5 s against 35.5 s eager for one bf16 run each, not yet confirmed by
+    interleaved timed runs.
     Validation without the canonical mask: the track's rule is the full softmax, as the baseline's.
     """
     h.track = "track_cpu"
@@ -182,7 +196,7 @@ def _cpu_preset(h):
     ]
     h.embed_lr, h.head_lr = 0.02, 0.016  # twice the recipe's: at 36-40 steps val -0.08; three times is worse
     h.log_every = 5
-    h.compute_dtype = "float32"
+    h.compute_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     h.compile = False
 
 
@@ -190,6 +204,8 @@ def _speedrun_preset(h):
     """The fields' defaults, plus what is off by default so that a config logged before it
     existed still means what it meant."""
     h.canonical_mask = True        # record 92 validates with the canonical mask
+    h.smear_gate = True            # records 89 and 92
+    h.key_offset = True            # records 89 and 92
 
 
 def _one_gpu_preset(h):
@@ -339,7 +355,7 @@ CHOICE_RULES = [
     ("compile_backend", ("inductor", "aot_eager", "eager")),
     ("compute_dtype", ("bfloat16", "float32")),
 ]
-BOOL_KEYS = ("compile", "fp8_mlp", "sync_check", "save_checkpoint", "canonical_mask")
+BOOL_KEYS = ("compile", "fp8_mlp", "sync_check", "save_checkpoint", "canonical_mask", "smear_gate", "key_offset")
 NONEMPTY_STRING_KEYS = ("train_files", "val_files", "log_dir")
 
 
@@ -367,21 +383,46 @@ def check_config(h):
     for key in NONEMPTY_STRING_KEYS:
         if not isinstance(getattr(h, key), str) or not getattr(h, key):
             _refuse(key, getattr(h, key), "a non-empty path")
-    if h.head_dim % 4:
-        _refuse("head_dim", h.head_dim, "a multiple of 4 (RoPE rotates pairs in half of the dims)")
-    if h.value_embed_gate_dim > h.model_dim:
-        _refuse("value_embed_gate_dim", h.value_embed_gate_dim, f"at most model_dim = {h.model_dim}")
-    if 2 * h.num_value_embeds > h.num_layers:
-        _refuse("num_value_embeds", h.num_value_embeds, f"at most num_layers / 2 = {h.num_layers // 2} "
-                "(each table serves one of the first and one of the last layers)")
-    for key in ("long_window_layers", "attention_free_layers"):
-        layers = getattr(h, key)
-        in_range = all(_number(i, integer=True) and 0 <= i < h.num_layers for i in layers)
-        if not in_range or len(set(layers)) < len(layers):
-            _refuse(key, list(layers), f"a list of distinct layer indices in [0, {h.num_layers})")
+    check_model_config(h)
     if len(h.adam_betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in h.adam_betas):
         _refuse("adam_betas", list(h.adam_betas), "two numbers in [0, 1), e.g. [0.8, 0.95]")
     _check_stages(h.stages)
+
+
+SMEAR_GATE_DIMS = 12               # the smear gate reads the first this-many dims of a token's embedding
+
+
+def _conflict(m, keys, why):
+    settings = " and ".join(f"--{key}={json.dumps(getattr(m, key))}" for key in keys)
+    raise ConfigError(f"{settings} do not fit together: {why}")
+
+
+def check_model_config(m):
+    """The rules a model config must meet to be built (each value's own range is checked with the
+    rest of the config): a broken one is refused with one line naming the keys involved."""
+    if m.head_dim % 4:
+        _refuse("head_dim", m.head_dim, "a multiple of 4 (RoPE rotates pairs in half of the dims)")
+    for key in ("long_window_layers", "attention_free_layers"):
+        layers = getattr(m, key)
+        in_range = all(_number(i, integer=True) and 0 <= i < m.num_layers for i in layers)
+        if not in_range or len(set(layers)) < len(layers):
+            _refuse(key, list(layers), f"a list of distinct layer indices in [0, {m.num_layers})")
+    if m.value_embed_gate_dim > m.model_dim:
+        _conflict(m, ("value_embed_gate_dim", "model_dim"), "the gates read at most model_dim residual dims")
+    if 2 * m.num_value_embeds > m.num_layers:
+        _conflict(m, ("num_value_embeds", "num_layers"), f"at most num_layers / 2 = {m.num_layers // 2} tables "
+                  "(each serves one of the first and one of the last layers)")
+    unused = sorted(set(value_embed_layers(m)) & set(m.attention_free_layers))
+    if unused:
+        _conflict(m, ("num_value_embeds", "attention_free_layers"), f"value embeddings go to layers {unused}, "
+                  "which have no attention to add them to")
+    if set(m.long_window_layers) & set(m.attention_free_layers):
+        _conflict(m, ("long_window_layers", "attention_free_layers"), "a long-window layer needs attention")
+    if m.key_offset and not m.long_window_layers:
+        _conflict(m, ("key_offset", "long_window_layers"), "the key offset acts on long-window layers only: "
+                  "name one, or set --key_offset=false")
+    if m.smear_gate and m.model_dim < SMEAR_GATE_DIMS:
+        _conflict(m, ("smear_gate", "model_dim"), f"the smear gate reads the first {SMEAR_GATE_DIMS} dims")
 
 
 def _check_stages(stages):
@@ -500,6 +541,8 @@ class Rotary(nn.Module):
         quarter = head_dim // 4
         freq = (1.0 / base) ** torch.linspace(0, 1, quarter)
         self.register_buffer("base_freq", torch.cat([freq, freq.new_zeros(quarter)]), persistent=False)
+        # (head_dim,) True on the dims that never rotate (zero frequency), in forward's layout
+        self.register_buffer("stationary", (self.base_freq == 0).repeat(2), persistent=False)
         self.register_buffer("cos", torch.empty(max_tokens, 2 * quarter), persistent=False)
         self.register_buffer("sin", torch.empty(max_tokens, 2 * quarter), persistent=False)
         self.register_buffer("attn_scale", torch.empty(()), persistent=False)
@@ -585,22 +628,33 @@ def cached_attention(q, k, v, window, softmax_scale):
     return y.transpose(0, 1).to(q.dtype)
 
 
+def offset_keys(k, stationary, doc_start):
+    """Keys (T, H, D) whose stationary dims (RoPE's zero-frequency ones) hold the previous token's:
+    with them one layer can do induction (a query matching token a finds the token after an
+    earlier a). A document's first key keeps its own: nothing from another document leaks in."""
+    take_previous = stationary & ~doc_start[:, None, None]          # (T, 1, D)
+    return torch.where(take_previous, torch.roll(k, 1, dims=0), k)
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, h: Hyperparameters, long_window: bool, value_embed: bool, attention_fn):
+    def __init__(self, cfg: ModelConfig, long_window: bool, value_embed: bool, attention_fn):
         super().__init__()
-        inner = h.num_heads * h.head_dim
-        self.num_heads, self.head_dim, self.long_window = h.num_heads, h.head_dim, long_window
-        self.qkv = nn.Parameter(torch.empty(3 * inner, h.model_dim))
-        self.out = nn.Parameter(torch.zeros(h.model_dim, inner))
+        inner = cfg.num_heads * cfg.head_dim
+        self.num_heads, self.head_dim, self.long_window = cfg.num_heads, cfg.head_dim, long_window
+        self.key_offset = cfg.key_offset and long_window
+        self.qkv = nn.Parameter(torch.empty(3 * inner, cfg.model_dim))
+        self.out = nn.Parameter(torch.zeros(cfg.model_dim, inner))
         self.attention_fn = attention_fn
         if value_embed:
-            self.ve_gate = nn.Parameter(torch.zeros(h.num_heads, h.value_embed_gate_dim))
+            self.ve_gate = nn.Parameter(torch.zeros(cfg.num_heads, cfg.value_embed_gate_dim))
         else:
             self.ve_gate = None
-        bound = (3 ** 0.5) * 0.5 * h.model_dim ** -0.5
+        bound = (3 ** 0.5) * 0.5 * cfg.model_dim ** -0.5
         nn.init.uniform_(self.qkv, -bound, bound)
 
-    def forward(self, x, ve, rotary: Rotary, args: AttentionArgs):
+    def forward(self, x, ve, doc_start, rotary: Rotary, args: AttentionArgs):
+        """x (T, model_dim) normed; ve: this layer's value embeddings or None; doc_start (T,) bool:
+        True where a document (or the slice) starts."""
         T = x.size(0)
         qkv = F.linear(x, self.qkv.type_as(x))
         q, k, v = qkv.view(T, 3, self.num_heads, self.head_dim).unbind(1)
@@ -614,9 +668,13 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.to(qkv.dtype) for t in (q, k, v))
         window = args.long_window if self.long_window else args.short_window
         if args.cache is None:
+            if self.key_offset:
+                k = offset_keys(k, rotary.stationary, doc_start)
             y = self.attention_fn(q, k, v, args.cu_seqlens, window, rotary.attn_scale)
         else:
-            k, v = args.cache.extend(self, k, v)
+            k, v = args.cache.extend(self, k, v)     # the cache keeps the keys as computed
+            if self.key_offset:
+                k = offset_keys(k, rotary.stationary, torch.arange(k.size(0), device=k.device) == 0)
             y = cached_attention(q, k, v, window, rotary.attn_scale)
         return F.linear(y.reshape(T, -1), self.out.type_as(y))
 
@@ -646,19 +704,19 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, h, layer, fns, value_embed):
+    def __init__(self, cfg: ModelConfig, layer, fns, value_embed):
         super().__init__()
-        has_attn = layer not in h.attention_free_layers
-        self.attn = (CausalSelfAttention(h, layer in h.long_window_layers, value_embed, fns.attention)
+        has_attn = layer not in cfg.attention_free_layers
+        self.attn = (CausalSelfAttention(cfg, layer in cfg.long_window_layers, value_embed, fns.attention)
                      if has_attn else None)
-        self.mlp = MLP(h.model_dim, h.mlp_hidden, fns.fp8_mlp)
+        self.mlp = MLP(cfg.model_dim, cfg.mlp_hidden, fns.fp8_mlp)
         # residual mix: x <- lambdas[0] * x + lambdas[1] * x0 before the sublayers
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))
 
-    def forward(self, x, x0, ve, rotary, args):
+    def forward(self, x, x0, ve, doc_start, rotary, args):
         x = self.lambdas[0] * x + self.lambdas[1] * x0
         if self.attn is not None:
-            x = x + self.attn(rms_norm(x), ve, rotary, args)
+            x = x + self.attn(rms_norm(x), ve, doc_start, rotary, args)
         return x + self.mlp(rms_norm(x))
 
 
@@ -680,41 +738,51 @@ def bigram_sign_rows(tokens, is_doc_start):
     return ((SIGN_MULT_CUR * cur) ^ (SIGN_MULT_PREV * prev)) % SIGN_ROWS
 
 
+def value_embed_layers(cfg: ModelConfig):
+    """{layer: value-embedding table}: table i serves layer i and layer num_layers - tables + i."""
+    n, tables = cfg.num_layers, cfg.num_value_embeds
+    return {**{i: i for i in range(tables)}, **{n - tables + i: i for i in range(tables)}}
+
+
 class GPT(nn.Module):
     """The speedrun GPT on a packed stream of documents.
 
-    Embedding (+ bigram hash embedding, sign trick) -> RMS norm -> blocks with U-net skips
-    (the first half's outputs are added, with learned weights, to the second half's inputs)
-    -> RMS norm -> lm_head (tied to the embedding until `untie`) -> softcapped cross-entropy
-    over all or a sampled subset of vocabulary columns, with multi-token and prefix targets.
+    Embedding (+ smear gate, + bigram hash embedding with the sign trick) -> RMS norm -> blocks
+    with U-net skips (the first half's outputs are added, with learned weights, to the second
+    half's inputs) -> RMS norm -> lm_head (tied to the embedding until `untie`) -> softcapped
+    cross-entropy over all or a sampled subset of vocabulary columns, with multi-token and
+    prefix targets. max_tokens: the longest slice a forward pass will see (RoPE's table).
     """
 
-    def __init__(self, h: Hyperparameters, fns: "KernelFns"):
+    def __init__(self, cfg: ModelConfig, fns: "KernelFns", max_tokens: int):
         super().__init__()
         self.cross_entropy_fn = fns.cross_entropy
-        self.embed = nn.Embedding(PADDED_VOCAB_SIZE, h.model_dim)
-        nn.init.normal_(self.embed.weight, std=h.model_dim ** -0.5)
-        self.lm_head = nn.Parameter(torch.zeros(PADDED_VOCAB_SIZE, h.model_dim))
+        self.embed = nn.Embedding(PADDED_VOCAB_SIZE, cfg.model_dim)
+        nn.init.normal_(self.embed.weight, std=cfg.model_dim ** -0.5)
+        self.lm_head = nn.Parameter(torch.zeros(PADDED_VOCAB_SIZE, cfg.model_dim))
         self.tied = True
-        self.bigram = nn.Embedding(h.bigram_rows, h.model_dim)
+        if cfg.smear_gate:         # both zero: the smear starts off, and its strength learns first
+            self.smear_gate = nn.Parameter(torch.zeros(1, SMEAR_GATE_DIMS))
+            self.smear_lambda = nn.Parameter(torch.zeros(()))
+        else:
+            self.smear_gate = None
+        self.bigram = nn.Embedding(cfg.bigram_rows, cfg.model_dim)
         nn.init.zeros_(self.bigram.weight)
-        signs = torch.randint(0, 2, (SIGN_ROWS, h.model_dim),
+        signs = torch.randint(0, 2, (SIGN_ROWS, cfg.model_dim),
                               generator=torch.Generator().manual_seed(SIGN_TABLE_SEED)) * 2 - 1
         self.register_buffer("signs", signs.float(), persistent=False)
-        self.value_embeds = nn.ModuleList(nn.Embedding(PADDED_VOCAB_SIZE, h.num_heads * h.head_dim)
-                                          for _ in range(h.num_value_embeds))
+        self.value_embeds = nn.ModuleList(nn.Embedding(PADDED_VOCAB_SIZE, cfg.num_heads * cfg.head_dim)
+                                          for _ in range(cfg.num_value_embeds))
         for ve in self.value_embeds:
             nn.init.normal_(ve.weight, std=0.01)
-        n = h.num_layers
-        self.value_embed_layer = {i: i for i in range(h.num_value_embeds)}
-        self.value_embed_layer.update({n - h.num_value_embeds + i: i for i in range(h.num_value_embeds)})
-        self.blocks = nn.ModuleList(Block(h, i, fns, i in self.value_embed_layer) for i in range(n))
+        self.value_embed_layer = value_embed_layers(cfg)
+        n = cfg.num_layers
+        self.blocks = nn.ModuleList(Block(cfg, i, fns, i in self.value_embed_layer) for i in range(n))
         self.num_skips = n // 2
         self.skip_weights = nn.Parameter(torch.ones(self.num_skips))
-        max_tokens = max(max(s.tokens_per_rank for s in h.stages), h.val_tokens_per_rank)
-        self.rotary = Rotary(h.head_dim, h.rope_base, max_tokens, h.attn_scale)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_base, max_tokens, cfg.attn_scale)
         self.register_buffer("prefix_table", torch.from_numpy(prefix_token_table()).long(), persistent=False)
-        self.canonical_mask = NoncanonicalPairs() if h.canonical_mask else None
+        self.canonical_mask = NoncanonicalPairs() if cfg.canonical_mask else None
 
     def untie(self):
         """From now on lm_head is its own parameter, starting from the embedding's values."""
@@ -729,6 +797,12 @@ class GPT(nn.Module):
     def head_weight(self):
         return self.embed.weight if self.tied else self.lm_head
 
+    def smear(self, x, doc_start):
+        """x[t] + lambda * sigmoid(w . x[t, :SMEAR_GATE_DIMS]) * x[t-1]: each token embedding takes a
+        share of its predecessor's, gated by the token itself; a document's first token takes none."""
+        gate = self.smear_lambda * torch.sigmoid(F.linear(x[:, :SMEAR_GATE_DIMS], self.smear_gate.type_as(x)))
+        return x + torch.where(doc_start[:, None], 0.0, gate * torch.roll(x, 1, dims=0))
+
     def hidden_states(self, tokens, args: AttentionArgs):
         # With a cache the tokens continue its document: the bigram of the first one needs the
         # cache's last token. A slice may begin inside a document: its first token has no known
@@ -737,8 +811,13 @@ class GPT(nn.Module):
         context = tokens if cache is None or cache.length == 0 else torch.cat([cache.last_token, tokens])
         seen = context.size(0) - tokens.size(0)
         is_start = torch.cat([context.new_ones(1, dtype=torch.bool), context[1:] == BOS_ID])
+        doc_start = is_start[seen:]
+        if self.smear_gate is None:
+            x = self.embed(tokens)
+        else:
+            x = self.smear(self.embed(context), is_start)[seen:]
         bigram = self.bigram(bigram_rows(context, is_start, self.bigram.num_embeddings)[seen:])
-        x = self.embed(tokens) + bigram * self.signs[bigram_sign_rows(context, is_start)[seen:]]
+        x = x + bigram * self.signs[bigram_sign_rows(context, is_start)[seen:]]
         x = x0 = rms_norm(x)
         ves = [ve(tokens) for ve in self.value_embeds]
         skips = []
@@ -747,7 +826,7 @@ class GPT(nn.Module):
             if j >= 0:
                 x = x + self.skip_weights[j] * skips.pop()
             ve = ves[self.value_embed_layer[i]] if i in self.value_embed_layer else None
-            x = block(x, x0, ve, self.rotary, args)
+            x = block(x, x0, ve, doc_start, self.rotary, args)
             if i < self.num_skips:
                 skips.append(x)
         if cache is not None:
@@ -796,6 +875,20 @@ class GPT(nn.Module):
         token that follows `tokens`: what sampling draws from."""
         x = self.hidden_states(tokens, args)[-1:]
         return kernels.softcap(F.linear(x, self.head_weight().type_as(x)))[0, :VOCAB_SIZE]
+
+
+def model_config(h: Hyperparameters) -> ModelConfig:
+    """The model's part of a run config."""
+    return ModelConfig(**{name: getattr(h, name) for name in MODEL_FIELDS})
+
+
+def max_positions(h: Hyperparameters):
+    """The longest slice a forward pass of the run sees, in training or validation."""
+    return max(max(s.tokens_per_rank for s in h.stages), h.val_tokens_per_rank)
+
+
+def build_model(h: Hyperparameters, fns: "KernelFns"):
+    return GPT(model_config(h), fns, max_positions(h))
 
 
 MASKED_LOGIT = -60.0               # a masked pair's softcapped logit: exp(-60 - 23) ~ 1e-36 of the mass
@@ -1344,12 +1437,16 @@ def select_kernels(h, device):
     return KernelFns(kernels.attention_reference, cross_entropy, kernels.fp8_relu2_mlp_reference if fp8 else None)
 
 
+def is_gate(name):
+    """Gate weights (value-embedding and smear gates) are small matrices trained with the scalars."""
+    return name.endswith("_gate")
+
+
 def build_optimizers(h, model, fns):
     """Adam for embeddings, head and scalars; the Muon family (or Adam) for the hidden matrices,
     orthogonalized in bf16 with the Triton X X^T wherever the Triton kernels run."""
-    matrices = [p for name, p in model.blocks.named_parameters() if p.ndim == 2 and "ve_gate" not in name]
-    scalars = [p for name, p in model.named_parameters()
-               if p.ndim < 2 or "ve_gate" in name]
+    matrices = [p for name, p in model.blocks.named_parameters() if p.ndim == 2 and not is_gate(name)]
+    scalars = [p for name, p in model.named_parameters() if p.ndim < 2 or is_gate(name)]
     embeds = [model.embed.weight, model.bigram.weight] + [ve.weight for ve in model.value_embeds]
     adam_groups = [
         dict(params=embeds, lr=h.embed_lr, name="embed"),
@@ -1403,7 +1500,7 @@ class Trainer:
         self.h, self.env, self.log = h, env, log
         torch.manual_seed(h.seed)
         self.kernels = select_kernels(h, env.device)
-        self.model = GPT(h, self.kernels).to(env.device)
+        self.model = build_model(h, self.kernels).to(env.device)
         self.optimizers = build_optimizers(h, self.model, self.kernels)
         self.adam = next(opt for opt in self.optimizers if isinstance(opt, optim.Adam))
         self.forward, self.validation_loss_sum = self.model, self.model.validation_loss_sum

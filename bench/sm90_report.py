@@ -178,7 +178,7 @@ def trainer_kernel_calls(preset=TRAINER_PRESET):
     fns = train_gpt.KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy,
                               kernels.fp8_relu2_mlp if h.fp8_mlp else None, kernels.xxt)
     with cuda_autocast_rules(), FakeTensorMode(allow_non_fake_inputs=True), KernelOpCalls() as recorder:
-        model = train_gpt.GPT(h, fns)
+        model = train_gpt.build_model(h, fns)
         optimizers = train_gpt.build_optimizers(h, model, fns)
         for index, stage in enumerate(h.stages):
             T = stage.tokens_per_rank

@@ -27,6 +27,10 @@ which writes the folder marked "not a record" (kept out of the README table).
 A track whose target is still null (the CPU track before its baseline) needs
 --set-target-from-these-logs: the mean final val loss of these logs becomes the
 target in track.json, and the record is marked as the one that set it.
+--remeasured-baseline keeps the baseline's runs on another machine (status
+"baseline", not in the table) for the records made there: the README table
+gives each record's speed-up over its own --baseline-logs where it has them,
+so that records made on different machines are never divided by each other.
 """
 
 import argparse
@@ -56,6 +60,7 @@ MS_PER_S = 1000.0  # logs count train time in ms; tables show seconds
 STATUS_RECORD = "record"  # met the target at the track's significance level
 STATUS_TARGET = "target"  # the record that set the track's target
 STATUS_NOT_RECORD = "not a record"  # written only with --allow-non-record; never in the README table
+STATUS_BASELINE = "baseline"  # the baseline re-measured on another machine (--remeasured-baseline); not in the table
 PLOT_NAME = "val_loss.png"  # the record's loss-curve plot
 RECORD_FILES = ("README.md", "statistics.json", "statistics.txt", PLOT_NAME)  # besides the logs
 FREE_CONFIG_KEYS = ("seed", "log_dir")  # the only config values the runs of one record may differ in
@@ -290,11 +295,14 @@ def baseline_statistics(logs, baseline_logs, repo_root):
     return base
 
 
-def decide_status(n, p_value, track, set_target):
+def decide_status(n, p_value, track, set_target, remeasured_baseline=False):
     """(status, one-line reason) for a group of n runs with t-test p-value p_value."""
     min_runs, threshold = track.get("min_runs", 1), track["p_threshold"]
     if set_target:
         return STATUS_TARGET, f"sets the track's target: the mean final val loss of these {n} runs"
+    if remeasured_baseline:
+        return STATUS_BASELINE, (f"the track's baseline re-measured on another machine ({n} runs): records made "
+                                 "there compare their train time with it, not with the first record's")
     if n < min_runs:
         return STATUS_NOT_RECORD, f"only {n} run(s); the track requires at least {min_runs}"
     if p_value is None:
@@ -305,12 +313,12 @@ def decide_status(n, p_value, track, set_target):
     return STATUS_RECORD, f"mean final val loss is below the target {target:.6f} with p = {p_value:.4g} < {threshold}"
 
 
-def record_statistics(logs, baseline_logs, track, set_target, repo_root):
+def record_statistics(logs, baseline_logs, track, set_target, repo_root, remeasured_baseline=False):
     """Everything statistics.json holds except the names and dates."""
     group = group_statistics(logs)
     target = group["val_loss"]["mean"] if set_target else track["target_val_loss"]
     t, p = (None, None) if set_target else one_sample_test(group["val_loss"]["values"], target)
-    status, reason = decide_status(len(logs), p, track, set_target)
+    status, reason = decide_status(len(logs), p, track, set_target, remeasured_baseline)
     result = {
         "status": status,
         "status_reason": reason,
@@ -369,6 +377,7 @@ def readme_text(s, folder_rel, first_log):
         f"{s['target_val_loss']!r}, the mean final val loss of these {s['n']} runs "
         "(this record's p-value against its own mean is not meaningful and is not computed).",
         STATUS_NOT_RECORD: "**Not a record**: " + s["status_reason"] + ". Kept for reference; not in the README table.",
+        STATUS_BASELINE: "**Baseline**: " + s["status_reason"] + ". Not in the README table.",
     }[s["status"]]
     lines = [
         f"# {s['name']}",
@@ -491,6 +500,16 @@ def load_track_records(track_dir):
     return found
 
 
+def speedup(s, first_time):
+    """A record's speed-up over the baseline: its own baseline runs' mean train time over its own
+    where it has them (the same machine, interleaved), else the first record's over its own."""
+    if s["status"] == STATUS_TARGET:
+        return 1.0
+    if s.get("baseline"):
+        return s["baseline"]["speedup"]
+    return first_time / s["train_time_ms"]["mean"]
+
+
 def records_table(track_dir, link_base):
     """The markdown table of a track's records, fastest first; links are relative to link_base."""
     found = load_track_records(track_dir)
@@ -498,17 +517,16 @@ def records_table(track_dir, link_base):
         return "_No records yet._"
     first_time = min(found, key=lambda item: (item[1]["date"], item[1]["made"]))[1]["train_time_ms"]["mean"]
     lines = [
-        "| # | date | record | mean val loss | p | mean train time | runs | speed-up vs first record |",
+        "| # | date | record | mean val loss | p | mean train time | runs | speed-up vs baseline |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    ranked = sorted(found, key=lambda item: item[1]["train_time_ms"]["mean"])
+    ranked = sorted(found, key=lambda item: -speedup(item[1], first_time))
     for rank, (folder, s) in enumerate(ranked, start=1):
         link = Path(os.path.relpath(folder, link_base)).as_posix()
         p = "sets target" if s["status"] == STATUS_TARGET else fmt(s["p_value"], ".2g")
-        speedup = first_time / s["train_time_ms"]["mean"]
         lines.append(
             f"| {rank} | {s['date']} | [{s['name']}]({link}) | {s['val_loss']['mean']:.4f} | {p} "
-            f"| {s['train_time_s']['mean']:.1f} s | {s['n']} | {speedup:.2f}x |"
+            f"| {s['train_time_s']['mean']:.1f} s | {s['n']} | {speedup(s, first_time):.2f}x |"
         )
     return "\n".join(lines)
 
@@ -552,6 +570,12 @@ def parse_args(argv):
         action="store_true",
         help="for a track whose target is null: set it to the mean final val loss of these logs",
     )
+    parser.add_argument(
+        "--remeasured-baseline",
+        action="store_true",
+        help="these runs re-measure the track's baseline on another machine: written with status "
+        "'baseline', kept out of the README table, for records made there to pass as --baseline-logs",
+    )
     parser.add_argument("--records-dir", type=Path, default=RECORDS_DIR, help="root of the track folders")
     parser.add_argument("--readme", type=Path, default=RECORDS_DIR.parent / "README.md", help="README to update")
     return parser.parse_args(argv)
@@ -587,6 +611,9 @@ def check_arguments(args, track):
             f"track {args.track} has no target yet (target_val_loss is null); "
             "its baseline record sets it with --set-target-from-these-logs"
         )
+    if args.remeasured_baseline and (args.set_target_from_these_logs or args.baseline_logs):
+        raise RecordError("--remeasured-baseline takes only the baseline's own runs: no --set-target-from-these-logs, "
+                          "no --baseline-logs")
     if args.set_target_from_these_logs and len(args.logs) < track.get("min_runs", 1):
         raise RecordError(f"setting the target needs at least {track['min_runs']} runs, got {len(args.logs)}")
 
@@ -612,7 +639,8 @@ def make_record(args):
         "date": args.date,
         "made": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "description": args.description,
-        **record_statistics(logs, baseline_logs, track, args.set_target_from_these_logs, args.readme.resolve().parent),
+        **record_statistics(logs, baseline_logs, track, args.set_target_from_these_logs, args.readme.resolve().parent,
+                            args.remeasured_baseline),
     }
     if s["status"] == STATUS_NOT_RECORD and not args.allow_non_record:
         raise RecordError(f"not a record: {s['status_reason']} (use --allow-non-record to keep it anyway)")

@@ -88,7 +88,7 @@ def rehearsal_model_step(h):
     with the Triton kernel functions, on fake CPU tensors (the kernels' fake implementations
     run, nothing launches). Returns the loss."""
     fns = tg.KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy, kernels.fp8_relu2_mlp, kernels.xxt)
-    model = tg.GPT(h, fns)
+    model = tg.build_model(h, fns)
     T = h.stages[0].tokens_per_rank
     tokens = torch.randint(0, 3000, (T,), dtype=torch.int32)
     targets = torch.randint(0, 3000, (T, tg.MAX_TARGETS - 1))

@@ -473,6 +473,28 @@ def test_baseline_welch_tests_and_speedup(site, capsys):
     assert again["runs"] == json.loads((base_folder / "statistics.json").read_text())["runs"]
 
 
+def test_a_remeasured_baseline_stays_out_of_the_table_and_records_compare_with_it(site, capsys):
+    """Records made on another machine give their speed-up over the baseline measured there,
+    never over a time from a different machine."""
+    base_times, times = [9000, 9500, 8800], [3000, 3100, 2900]
+    base = write_logs(site / "base", [3.43, 3.44, 3.40], base_times, prefix="base", sources=OTHER_SOURCES)
+    assert_refused(site, capsys, "takes only the baseline's own runs", "--remeasured-baseline",
+                   "--logs", *base, "--baseline-logs", *base)
+    assert run_tool(site, "--name", "BaseHere", "--date", "2026-11-29", "--remeasured-baseline", "--logs", *base) == 0
+    base_folder = site / "records" / TRACK / "2026-11-29_BaseHere"
+    s = json.loads((base_folder / "statistics.json").read_text())
+    assert s["status"] == "baseline", "a baseline below the target is still the baseline, not a record"
+    assert "BaseHere" not in (site / "README.md").read_text()
+    first = write_logs(site / "first", [3.40, 3.42, 3.41], [5000, 5600, 5300], prefix="first")
+    assert run_tool(site, "--name", "First", "--date", "2026-11-28", "--logs", *first) == 0
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], times)
+    assert run_tool(site, "--name", "Here", "--date", "2026-11-30", "--logs", *logs,
+                    "--baseline-logs", base_folder) == 0
+    rows = [line for line in (site / "README.md").read_text().splitlines() if line.startswith(("| 1 ", "| 2 "))]
+    assert "[Here]" in rows[0] and rows[0].endswith(f"| {np.mean(base_times) / np.mean(times):.2f}x |")
+    assert "[First]" in rows[1] and rows[1].endswith("| 1.00x |")
+
+
 def test_a_baseline_folder_without_run_logs_is_one_line(site, capsys):
     logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
     broken = site / "records" / TRACK / "2026-11-01_Broken"

@@ -30,7 +30,7 @@ TINY = [
     '{"end":1.0,"tokens_per_rank":512,"max_doc_len":512,"short_window":1,"long_window":3,'
     '"mtp_weights":[1],"prefix_weight":0}]',
     "--val_tokens=2048", "--val_tokens_per_rank=1024", "--log_every=1", "--momentum_warmup_steps=4",
-    "--compute_dtype=bfloat16",    # the GPU's autocast (the cpu preset itself computes in fp32)
+    "--compute_dtype=bfloat16",    # the GPU's autocast (the cpu preset computes in fp32 on CPUs without bf16 units)
 ]
 
 
@@ -160,12 +160,15 @@ def tiny_config(extra=()):
 
 def tiny_model(h, seed=0):
     torch.manual_seed(seed)
-    model = tg.GPT(h, tg.KernelFns(kernels.attention_reference, kernels.softcap_cross_entropy_reference))
+    model = tg.build_model(h, tg.KernelFns(kernels.attention_reference, kernels.softcap_cross_entropy_reference))
     with torch.no_grad():          # make every sublayer matter (zero-initialized weights hide leaks)
         for p in model.parameters():
-            if p.ndim >= 2 and p.abs().sum() == 0:
-                p.normal_(0, 0.05)
+            if p.abs().sum() == 0:
+                p.normal_(0, 0.05) if p.ndim >= 2 else p.fill_(0.5)
     return model
+
+
+FEATURES = ["--smear_gate=true", "--key_offset=true"]  # the model features that are off by default
 
 
 def packed(doc_lengths, seed=0):
@@ -176,8 +179,9 @@ def packed(doc_lengths, seed=0):
     return tokens.int(), cu
 
 
-def test_a_token_never_sees_another_document_or_the_future():
-    h = tiny_config()
+@pytest.mark.parametrize("features", [[], FEATURES], ids=["plain", "features"])
+def test_a_token_never_sees_another_document_or_the_future(features):
+    h = tiny_config(features)
     model = tiny_model(h)
     tokens, cu = packed([90, 150, 60])
     args = tg.AttentionArgs(cu, 128, 384)
@@ -258,9 +262,90 @@ def test_rotary_tables_depend_only_on_the_window_history():
     assert all(torch.equal(a, b) for a, b in zip((rot.cos, rot.sin, rot.attn_scale), initial))
 
 
+# ---------------------------------------------------------------------------------------------
+# model config and features
+
+
+def test_the_model_is_built_from_its_own_config():
+    h = tiny_config(FEATURES)
+    cfg = tg.model_config(h)
+    assert type(cfg) is tg.ModelConfig and sorted(vars(cfg)) == sorted(tg.MODEL_FIELDS)
+    fns = tg.KernelFns(kernels.attention_reference, kernels.softcap_cross_entropy_reference)
+    torch.manual_seed(0)
+    from_run = tg.build_model(h, fns)
+    torch.manual_seed(0)
+    from_model = tg.GPT(cfg, fns, max_tokens=tg.max_positions(h))
+    a, b = from_run.state_dict(), from_model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("args, keys", [
+    (["--head_dim=30"], ["head_dim"]),
+    (["--long_window_layers=[5]"], ["long_window_layers"]),
+    (["--value_embed_gate_dim=100"], ["value_embed_gate_dim", "model_dim"]),
+    (["--num_value_embeds=2"], ["num_value_embeds", "num_layers"]),
+    (["--attention_free_layers=[0]"], ["num_value_embeds", "attention_free_layers"]),
+    (["--num_value_embeds=0", "--attention_free_layers=[2]"], ["long_window_layers", "attention_free_layers"]),
+    (["--key_offset=true", "--long_window_layers=[]"], ["key_offset", "long_window_layers"]),
+    (["--smear_gate=true", "--model_dim=8", "--value_embed_gate_dim=4"], ["smear_gate", "model_dim"]),
+])
+def test_a_model_config_that_cannot_be_built_is_refused_naming_its_keys(args, keys):
+    with pytest.raises(tg.ConfigError) as refused:
+        tiny_config(args)
+    message = str(refused.value)
+    assert "\n" not in message and all(f"--{key}=" in message for key in keys), message
+
+
+def test_smear_gate_adds_a_gated_share_of_the_previous_token():
+    h = tiny_config(["--smear_gate=true"])
+    model = tiny_model(h).double()
+    with torch.no_grad():
+        model.smear_lambda.fill_(0.7)
+    tokens, cu = packed([5, 9])
+    doc_start = torch.zeros(14, dtype=torch.bool)
+    doc_start[[0, 5]] = True
+    x = model.embed(tokens)
+    out = model.smear(x, doc_start)
+    w, lam = model.smear_gate[0], model.smear_lambda
+    for t in range(14):                  # float64, one token at a time
+        share = 0 if doc_start[t] else lam * torch.sigmoid(x[t, :tg.SMEAR_GATE_DIMS] @ w) * x[t - 1]
+        torch.testing.assert_close(out[t], x[t] + share, rtol=0, atol=1e-12)
+
+
+def test_features_start_as_the_plain_model_where_they_are_gated_off():
+    """The smear gate starts closed (its strength is zero): the model computes what it computes
+    without it, from the same seed."""
+    tokens, cu = packed([90, 150])
+    args = tg.AttentionArgs(cu, 128, 384)
+    fns = tg.KernelFns(kernels.attention_reference, kernels.softcap_cross_entropy_reference)
+    outs = []
+    for extra in ([], ["--smear_gate=true"]):
+        torch.manual_seed(0)
+        outs.append(tg.build_model(tiny_config(extra), fns).hidden_states(tokens, args))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def test_key_offset_moves_only_the_stationary_dims_one_token_forward():
+    rotary = tg.Rotary(32, 1024.0, 64, 0.1)
+    x = torch.randn(1, 1, 32).expand(50, 1, 32)       # one vector at positions 0..49
+    turned = rotary(x)
+    assert torch.equal(turned[:, :, rotary.stationary], x[:, :, rotary.stationary])
+    assert (turned[1:, :, ~rotary.stationary] != x[1:, :, ~rotary.stationary]).any(-1).all()
+    assert rotary.stationary.sum() == 16, "half of the dims never rotate"
+    k = torch.randn(12, 3, 32, dtype=torch.float64)
+    doc_start = torch.zeros(12, dtype=torch.bool)
+    doc_start[[0, 7]] = True
+    out = tg.offset_keys(k, rotary.stationary, doc_start)
+    for t in range(12):
+        expected = k[t].clone()
+        if not doc_start[t]:
+            expected[:, rotary.stationary] = k[t - 1][:, rotary.stationary]
+        assert torch.equal(out[t], expected)
+
+
 @pytest.mark.parametrize("optimizer", ["anvil", "muon", "normuon", "adamw"])
 def test_optimizer_groups_cover_every_parameter_once(optimizer):
-    h = tiny_config([f"--optimizer={optimizer}"])
+    h = tiny_config([f"--optimizer={optimizer}", *FEATURES])
     model = tiny_model(h)
     opts = tg.build_optimizers(h, model, tg.select_kernels(h, torch.device("cpu")))
     seen = [id(p) for opt in opts for g in opt.param_groups for p in g["params"]]
