@@ -83,7 +83,7 @@ class ModelConfig:
     head_dim: int = 128
     mlp_hidden: int = 3072
     long_window_layers: tuple = (3, 10)  # layers that use the long window; others the short one
-    attention_free_layers: tuple = (7,)  # layers with no attention sublayer
+    attention_free_layers: tuple = (6,)  # layers with no attention sublayer
     num_value_embeds: int = 3      # value-embedding tables, used by the first and the last layers
     value_embed_gate_dim: int = 12 # the first this-many residual dims drive the per-head gates
     bigram_rows: int = 251_520     # rows of the bigram hash embedding
@@ -92,6 +92,7 @@ class ModelConfig:
     canonical_mask: bool = False   # validation: no probability for token pairs GPT-2's encoder never emits
     smear_gate: bool = False       # each token's embedding gets a gated share of its predecessor's
     key_offset: bool = False       # long-window layers: a key's stationary dims come from the previous token
+    xsa_layers: tuple = ()         # layers whose heads remove a learned share of their output along their own value
 
 
 MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
@@ -206,6 +207,7 @@ def _speedrun_preset(h):
     h.canonical_mask = True        # record 92 validates with the canonical mask
     h.smear_gate = True            # records 89 and 92
     h.key_offset = True            # records 89 and 92
+    h.xsa_layers = (1, 3, 4, 7)    # record 89
 
 
 def _one_gpu_preset(h):
@@ -283,7 +285,7 @@ def normalize_config(h):
     if not isinstance(h.stages, (list, tuple)) or not h.stages:
         raise ConfigError(f"--stages: expects a non-empty JSON list of stages, got {json.dumps(h.stages)}")
     h.stages = [_stage(s) for s in h.stages]
-    for key in ("long_window_layers", "attention_free_layers", "adam_betas"):
+    for key in ("long_window_layers", "attention_free_layers", "xsa_layers", "adam_betas"):
         setattr(h, key, _sequence(key, getattr(h, key)))
     if h.orthogonalize == "auto":
         h.orthogonalize = "anvil" if h.optimizer == "anvil" else "polar_express"
@@ -402,7 +404,7 @@ def check_model_config(m):
     rest of the config): a broken one is refused with one line naming the keys involved."""
     if m.head_dim % 4:
         _refuse("head_dim", m.head_dim, "a multiple of 4 (RoPE rotates pairs in half of the dims)")
-    for key in ("long_window_layers", "attention_free_layers"):
+    for key in ("long_window_layers", "attention_free_layers", "xsa_layers"):
         layers = getattr(m, key)
         in_range = all(_number(i, integer=True) and 0 <= i < m.num_layers for i in layers)
         if not in_range or len(set(layers)) < len(layers):
@@ -418,6 +420,8 @@ def check_model_config(m):
                   "which have no attention to add them to")
     if set(m.long_window_layers) & set(m.attention_free_layers):
         _conflict(m, ("long_window_layers", "attention_free_layers"), "a long-window layer needs attention")
+    if set(m.xsa_layers) & set(m.attention_free_layers):
+        _conflict(m, ("xsa_layers", "attention_free_layers"), "XSA acts on a layer's attention output")
     if m.key_offset and not m.long_window_layers:
         _conflict(m, ("key_offset", "long_window_layers"), "the key offset acts on long-window layers only: "
                   "name one, or set --key_offset=false")
@@ -628,6 +632,18 @@ def cached_attention(q, k, v, window, softmax_scale):
     return y.transpose(0, 1).to(q.dtype)
 
 
+XSA_NORM_EPS = 1e-4               # values shorter than this are not normalized further (their direction is noise)
+
+
+def remove_self_value(y, v, alpha):
+    """XSA: each head's output y (T, H, D) less tanh(alpha[h]) times its projection on the head's
+    own value direction v/|v|, the part of the output that repeats the token's own value.
+    alpha starts at 0: the layer starts as plain attention and learns how much to remove."""
+    direction = F.normalize(v, dim=-1, eps=XSA_NORM_EPS)
+    along = (y * direction).sum(-1, keepdim=True)
+    return y - torch.tanh(alpha).type_as(y)[:, None] * along * direction
+
+
 def offset_keys(k, stationary, doc_start):
     """Keys (T, H, D) whose stationary dims (RoPE's zero-frequency ones) hold the previous token's:
     with them one layer can do induction (a query matching token a finds the token after an
@@ -637,7 +653,7 @@ def offset_keys(k, stationary, doc_start):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, long_window: bool, value_embed: bool, attention_fn):
+    def __init__(self, cfg: ModelConfig, long_window: bool, value_embed: bool, xsa: bool, attention_fn):
         super().__init__()
         inner = cfg.num_heads * cfg.head_dim
         self.num_heads, self.head_dim, self.long_window = cfg.num_heads, cfg.head_dim, long_window
@@ -649,6 +665,7 @@ class CausalSelfAttention(nn.Module):
             self.ve_gate = nn.Parameter(torch.zeros(cfg.num_heads, cfg.value_embed_gate_dim))
         else:
             self.ve_gate = None
+        self.xsa_alpha = nn.Parameter(torch.zeros(cfg.num_heads)) if xsa else None
         bound = (3 ** 0.5) * 0.5 * cfg.model_dim ** -0.5
         nn.init.uniform_(self.qkv, -bound, bound)
 
@@ -666,6 +683,7 @@ class CausalSelfAttention(nn.Module):
         # Attention takes one dtype, the projection's: CUDA autocast runs the norms (and so q, k)
         # and the value-embedding sum in fp32 while the projection gives bf16.
         q, k, v = (t.to(qkv.dtype) for t in (q, k, v))
+        own_values = v
         window = args.long_window if self.long_window else args.short_window
         if args.cache is None:
             if self.key_offset:
@@ -676,6 +694,8 @@ class CausalSelfAttention(nn.Module):
             if self.key_offset:
                 k = offset_keys(k, rotary.stationary, torch.arange(k.size(0), device=k.device) == 0)
             y = cached_attention(q, k, v, window, rotary.attn_scale)
+        if self.xsa_alpha is not None:
+            y = remove_self_value(y, own_values, self.xsa_alpha)
         return F.linear(y.reshape(T, -1), self.out.type_as(y))
 
 
@@ -707,8 +727,8 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer, fns, value_embed):
         super().__init__()
         has_attn = layer not in cfg.attention_free_layers
-        self.attn = (CausalSelfAttention(cfg, layer in cfg.long_window_layers, value_embed, fns.attention)
-                     if has_attn else None)
+        self.attn = (CausalSelfAttention(cfg, layer in cfg.long_window_layers, value_embed,
+                                         layer in cfg.xsa_layers, fns.attention) if has_attn else None)
         self.mlp = MLP(cfg.model_dim, cfg.mlp_hidden, fns.fp8_mlp)
         # residual mix: x <- lambdas[0] * x + lambdas[1] * x0 before the sublayers
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))

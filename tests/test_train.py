@@ -168,7 +168,7 @@ def tiny_model(h, seed=0):
     return model
 
 
-FEATURES = ["--smear_gate=true", "--key_offset=true"]  # the model features that are off by default
+FEATURES = ["--smear_gate=true", "--key_offset=true", "--xsa_layers=[0,2]"]  # the model features off by default
 
 
 def packed(doc_lengths, seed=0):
@@ -287,6 +287,8 @@ def test_the_model_is_built_from_its_own_config():
     (["--attention_free_layers=[0]"], ["num_value_embeds", "attention_free_layers"]),
     (["--num_value_embeds=0", "--attention_free_layers=[2]"], ["long_window_layers", "attention_free_layers"]),
     (["--key_offset=true", "--long_window_layers=[]"], ["key_offset", "long_window_layers"]),
+    (["--xsa_layers=[3]"], ["xsa_layers"]),
+    (["--xsa_layers=[1]"], ["xsa_layers", "attention_free_layers"]),
     (["--smear_gate=true", "--model_dim=8", "--value_embed_gate_dim=4"], ["smear_gate", "model_dim"]),
 ])
 def test_a_model_config_that_cannot_be_built_is_refused_naming_its_keys(args, keys):
@@ -313,16 +315,31 @@ def test_smear_gate_adds_a_gated_share_of_the_previous_token():
 
 
 def test_features_start_as_the_plain_model_where_they_are_gated_off():
-    """The smear gate starts closed (its strength is zero): the model computes what it computes
-    without it, from the same seed."""
+    """The smear gate and XSA start closed (their strengths are zero): the model computes what it
+    computes without them, from the same seed."""
     tokens, cu = packed([90, 150])
     args = tg.AttentionArgs(cu, 128, 384)
     fns = tg.KernelFns(kernels.attention_reference, kernels.softcap_cross_entropy_reference)
     outs = []
-    for extra in ([], ["--smear_gate=true"]):
+    for extra in ([], ["--smear_gate=true", "--xsa_layers=[0,2]"]):
         torch.manual_seed(0)
         outs.append(tg.build_model(tiny_config(extra), fns).hidden_states(tokens, args))
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def test_xsa_removes_the_share_of_each_output_along_its_own_value():
+    torch.manual_seed(0)
+    y, v = torch.randn(7, 3, 16, dtype=torch.float64), torch.randn(7, 3, 16, dtype=torch.float64)
+    alpha = torch.tensor([0.3, -1.0, 2.0], dtype=torch.float64)
+    out = tg.remove_self_value(y, v, alpha)
+    for t in range(7):
+        for h in range(3):                # float64, one head of one token at a time
+            unit = v[t, h] / v[t, h].norm()
+            expected = y[t, h] - math.tanh(alpha[h].item()) * torch.dot(y[t, h], unit) * unit
+            torch.testing.assert_close(out[t, h], expected, rtol=0, atol=1e-12)
+    full = tg.remove_self_value(y, v, torch.full((3,), math.atanh(1 - 1e-15), dtype=torch.float64))
+    assert (full * torch.nn.functional.normalize(v, dim=-1)).sum(-1).abs().max() < 1e-12, \
+        "at full strength nothing is left along the own value"
 
 
 def test_key_offset_moves_only_the_stationary_dims_one_token_forward():
