@@ -89,6 +89,7 @@ class ModelConfig:
     bigram_rows: int = 251_520     # rows of the bigram hash embedding
     rope_base: float = 1024.0      # RoPE base period
     attn_scale: float = 0.1        # softmax scale of QK-normed attention before any YaRN growth
+    yarn_scale_growth: float = 0.1 # YaRN: the attention scale grows by this times ln(window growth)
     canonical_mask: bool = False   # validation: no probability for token pairs GPT-2's encoder never emits
     smear_gate: bool = False       # each token's embedding gets a gated share of its predecessor's
     key_offset: bool = False       # long-window layers: a key's stationary dims come from the previous token
@@ -113,6 +114,7 @@ class Hyperparameters(ModelConfig):
     batch_ranks: int = 8           # the global batch is this many rank slices; fewer processes accumulate
     # model schedule (the model's own fields are ModelConfig's)
     val_long_window: int = 20      # long window (blocks) of the final validation
+    yarn_at_final_window: bool = True  # YaRN also for the final validation's wider window (else RoPE stays)
     untie_frac: float = 2 / 3      # fraction of training after which lm_head is untied from the embedding
     # schedule
     num_iterations: int = 1194
@@ -208,6 +210,10 @@ def _speedrun_preset(h):
     h.smear_gate = True            # records 89 and 92
     h.key_offset = True            # records 89 and 92
     h.xsa_layers = (1, 3, 4, 7)    # record 89
+    h.yarn_scale_growth = 0.2      # record 89
+    h.yarn_at_final_window = False # record 89: the final window widens, the rotary tables stay
+    h.untie_frac = 1175 / 1194     # record 92 unties at step 1175
+    h.cooldown_start, h.cooldown_floor = 0.2, 0.30  # record 92 (record 89: 0.4, 0.15)
 
 
 def _one_gpu_preset(h):
@@ -319,6 +325,7 @@ NUMERIC_RULES = [
     ("bigram_rows", int, 2, None, "at least 2 rows"),
     ("rope_base", float, 1e-9, None, "a positive period"),
     ("attn_scale", float, 1e-9, None, "a positive scale"),
+    ("yarn_scale_growth", float, 0.0, None, "a growth rate >= 0"),
     ("val_long_window", int, 1, None, "a positive number of window blocks"),
     ("untie_frac", float, 0.0, 1.0, "a fraction of training in [0, 1]"),
     ("cooldown_start", float, 0.0, 1.0, "a fraction of training in [0, 1]"),
@@ -357,7 +364,8 @@ CHOICE_RULES = [
     ("compile_backend", ("inductor", "aot_eager", "eager")),
     ("compute_dtype", ("bfloat16", "float32")),
 ]
-BOOL_KEYS = ("compile", "fp8_mlp", "sync_check", "save_checkpoint", "canonical_mask", "smear_gate", "key_offset")
+BOOL_KEYS = ("compile", "fp8_mlp", "sync_check", "save_checkpoint", "canonical_mask", "smear_gate",
+             "key_offset", "yarn_at_final_window")
 NONEMPTY_STRING_KEYS = ("train_files", "val_files", "log_dir")
 
 
@@ -512,7 +520,6 @@ SIGN_MULT_PREV = 51349             # sign-row hash: multiplier of the previous t
 SIGN_TABLE_SEED = 1234             # the sign table is the same in every run
 YARN_ALPHA = 1.0                   # YaRN: frequencies with fewer rotations per window than this are interpolated fully
 YARN_BETA = 32.0                   # YaRN: ... and those with more than this are kept as they are
-YARN_ATTN_SCALE = 0.1              # YaRN: attention scale grows by this times ln(window growth)
 MAX_TARGETS = 4                    # next token, two more multi-token targets, the prefix target
 
 
@@ -540,7 +547,7 @@ class Rotary(nn.Module):
     compiled model reads the new values without recompiling.
     """
 
-    def __init__(self, head_dim, base, max_tokens, attn_scale):
+    def __init__(self, head_dim, base, max_tokens, attn_scale, scale_growth):
         super().__init__()
         quarter = head_dim // 4
         freq = (1.0 / base) ** torch.linspace(0, 1, quarter)
@@ -550,7 +557,7 @@ class Rotary(nn.Module):
         self.register_buffer("cos", torch.empty(max_tokens, 2 * quarter), persistent=False)
         self.register_buffer("sin", torch.empty(max_tokens, 2 * quarter), persistent=False)
         self.register_buffer("attn_scale", torch.empty(()), persistent=False)
-        self.initial_attn_scale = attn_scale
+        self.initial_attn_scale, self.scale_growth = attn_scale, scale_growth
         self.windows = None        # the long-window history (in tokens) the tables were made for
         self.set_windows([])
 
@@ -562,7 +569,7 @@ class Rotary(nn.Module):
         freq, scale = self.base_freq, self.initial_attn_scale
         for old, new in zip(long_windows, long_windows[1:]):
             freq = yarn_frequencies(freq, old, new)
-            scale *= 1 + YARN_ATTN_SCALE * math.log(new / old)
+            scale *= 1 + self.scale_growth * math.log(new / old)
         angles = torch.outer(torch.arange(self.cos.size(0), dtype=torch.float32, device=freq.device), freq)
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
@@ -800,7 +807,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i, fns, i in self.value_embed_layer) for i in range(n))
         self.num_skips = n // 2
         self.skip_weights = nn.Parameter(torch.ones(self.num_skips))
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_base, max_tokens, cfg.attn_scale)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_base, max_tokens, cfg.attn_scale, cfg.yarn_scale_growth)
         self.register_buffer("prefix_table", torch.from_numpy(prefix_token_table()).long(), persistent=False)
         self.canonical_mask = NoncanonicalPairs() if cfg.canonical_mask else None
 
@@ -1240,7 +1247,7 @@ def long_window_history(h, step, final_validation=False):
     """The long window (tokens) at the start and after each time it grew, up to `step`: what
     YaRN's frequency and attention-scale adjustment is computed from."""
     blocks = [h.stages[i].long_window for i in range(stage_index(h, step) + 1)]
-    if final_validation:
+    if final_validation and h.yarn_at_final_window:
         blocks.append(h.val_long_window)
     history = []
     for b in blocks:

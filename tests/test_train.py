@@ -238,8 +238,29 @@ def test_forward_shapes_and_candidate_columns():
     assert not torch.equal(columns, tg.candidate_columns(targets, 1000, step=4, slice_index=0))
 
 
+def test_yarn_at_the_final_window_is_a_choice():
+    """Record 89 widens the long window for the final validation and keeps the rotary tables;
+    with yarn_at_final_window they are adjusted for the widening as for any other."""
+    h = tiny_config()
+    last = h.num_iterations
+    training = tg.long_window_history(h, last)
+    assert tg.long_window_history(h, last, final_validation=True) == training + [h.val_long_window * tg.WINDOW_BLOCK]
+    h.yarn_at_final_window = False
+    assert tg.long_window_history(h, last, final_validation=True) == training
+    assert tg.attention_windows(h, last, final_validation=True)[1] == h.val_long_window, "the window still widens"
+
+
+def test_speedrun_preset_takes_the_records_constants():
+    h = tg.parse_config(["--preset", "speedrun"])
+    assert tg.untie_step(h) == 1175                                       # record 92
+    assert (h.cooldown_start, h.cooldown_floor) == (0.2, 0.30)            # record 92
+    assert (h.yarn_scale_growth, h.yarn_at_final_window) == (0.2, False)  # record 89
+    assert (h.smear_gate, h.key_offset, h.xsa_layers, h.attention_free_layers) == (True, True, (1, 3, 4, 7), (6,))
+    assert h.canonical_mask
+
+
 def test_yarn_growth_slows_only_low_frequencies():
-    before = tg.Rotary(128, 1024.0, 64, 0.1).base_freq
+    before = tg.Rotary(128, 1024.0, 64, 0.1, 0.1).base_freq
     after = tg.yarn_frequencies(before, 384, 896)
     rotating = before > 0
     assert torch.all(after[~rotating] == 0)
@@ -250,13 +271,13 @@ def test_yarn_growth_slows_only_low_frequencies():
 def test_rotary_tables_depend_only_on_the_window_history():
     """Jumping straight to a history gives the tables and scale of growing through it step by
     step, and going back restores the initial ones: the warm-up may visit stages in any order."""
-    rot, fresh = tg.Rotary(64, 1024.0, 32, 0.1), tg.Rotary(64, 1024.0, 32, 0.1)
+    rot, fresh = tg.Rotary(64, 1024.0, 32, 0.1, 0.2), tg.Rotary(64, 1024.0, 32, 0.1, 0.2)
     initial = (rot.cos.clone(), rot.sin.clone(), rot.attn_scale.clone())
     rot.set_windows([384, 896])
     rot.set_windows([384, 896, 1408])
     fresh.set_windows([384, 896, 1408])
     assert torch.equal(rot.cos, fresh.cos) and torch.equal(rot.attn_scale, fresh.attn_scale)
-    expected = 0.1 * (1 + tg.YARN_ATTN_SCALE * math.log(896 / 384)) * (1 + tg.YARN_ATTN_SCALE * math.log(1408 / 896))
+    expected = 0.1 * (1 + 0.2 * math.log(896 / 384)) * (1 + 0.2 * math.log(1408 / 896))
     assert abs(rot.attn_scale.item() - expected) < 1e-7
     rot.set_windows([384])
     assert all(torch.equal(a, b) for a, b in zip((rot.cos, rot.sin, rot.attn_scale), initial))
@@ -343,7 +364,7 @@ def test_xsa_removes_the_share_of_each_output_along_its_own_value():
 
 
 def test_key_offset_moves_only_the_stationary_dims_one_token_forward():
-    rotary = tg.Rotary(32, 1024.0, 64, 0.1)
+    rotary = tg.Rotary(32, 1024.0, 64, 0.1, 0.1)
     x = torch.randn(1, 1, 32).expand(50, 1, 32)       # one vector at positions 0..49
     turned = rotary(x)
     assert torch.equal(turned[:, :, rotary.stationary], x[:, :, rotary.stationary])
