@@ -72,6 +72,7 @@ class Stage:
     prefix_weight: float = 0.0     # weight of the byte-prefix auxiliary target
     candidates: int = 0            # sampled-softmax candidate columns; 0 = full vocabulary
     lr_mult: float = 1.0           # learning-rate multiplier for this stage
+    mtp_weights_end: tuple = ()    # if given: mtp_weights move linearly to these across the stage
 
 
 @dataclass
@@ -119,10 +120,11 @@ class Hyperparameters(ModelConfig):
     # schedule
     num_iterations: int = 1194
     stages: list = field(default_factory=lambda: [
-        Stage(0.268, 16_384, 896, 1, 3, (1.0, 0.5, 0.25), 0.25),
-        Stage(0.570, 32_768, 2048, 3, 7, (1.0, 0.5, 0.0), 0.25),
-        Stage(0.927, 49_152, 3072, 5, 11, (1.0, 0.25, 0.0), 0.0),
-        Stage(1.000, 49_152, 3072, 6, 13, (1.0, 0.0, 0.0), 0.0),
+        # multi-token weights as record 89 moves them: [1, .5, .25] -> [1, .5, 0] -> [1, 0] -> [1]
+        Stage(0.268, 16_384, 896, 1, 3, (1.0, 0.5, 0.25), 0.25, mtp_weights_end=(1.0, 0.5, 0.0)),
+        Stage(0.570, 32_768, 2048, 3, 7, (1.0, 0.5), 0.25, mtp_weights_end=(1.0, 0.0)),
+        Stage(0.927, 49_152, 3072, 5, 11, (1.0,), 0.0),
+        Stage(1.000, 49_152, 3072, 6, 13, (1.0,), 0.0),
     ])
     cooldown_start: float = 0.4    # fraction of training where the linear LR cooldown starts
     cooldown_floor: float = 0.15   # LR multiplier at the end of the cooldown
@@ -274,9 +276,10 @@ def _stage(value):
     except TypeError:
         raise ConfigError(f"--stages: {json.dumps(value)} is not a stage; a stage is a JSON object with keys "
                           f"{STAGE_FIELDS} (the first five required)") from None
-    if not isinstance(stage.mtp_weights, (list, tuple)):
-        raise ConfigError(f"--stages: mtp_weights must be a list of numbers, got {stage.mtp_weights!r}")
-    stage.mtp_weights = tuple(stage.mtp_weights)
+    for key in ("mtp_weights", "mtp_weights_end"):
+        if not isinstance(getattr(stage, key), (list, tuple)):
+            raise ConfigError(f"--stages: {key} must be a list of numbers, got {getattr(stage, key)!r}")
+        setattr(stage, key, tuple(getattr(stage, key)))
     return stage
 
 
@@ -453,6 +456,10 @@ def _check_stages(stages):
             refuse(i, f"has tokens_per_rank={s.tokens_per_rank}: expects at least {MIN_DOC_TOKENS}")
         if not 1 <= len(s.mtp_weights) <= MAX_TARGETS - 1 or not all(_number(w) and w >= 0 for w in s.mtp_weights):
             refuse(i, f"has mtp_weights={list(s.mtp_weights)}: expects 1 to {MAX_TARGETS - 1} weights >= 0")
+        if s.mtp_weights_end and (len(s.mtp_weights_end) != len(s.mtp_weights) or
+                                  not all(_number(w) and w >= 0 for w in s.mtp_weights_end)):
+            refuse(i, f"has mtp_weights_end={list(s.mtp_weights_end)}: expects [] (constant weights) or "
+                      f"{len(s.mtp_weights)} weights >= 0, one per mtp_weights entry")
         if not _number(s.prefix_weight) or s.prefix_weight < 0:
             refuse(i, f"has prefix_weight={s.prefix_weight!r}: expects a weight >= 0")
         if not _number(s.candidates, integer=True) or not (s.candidates == 0 or 1 <= s.candidates <= PADDED_VOCAB_SIZE):
@@ -1225,10 +1232,22 @@ def anvil_blend(h, step):
     return 1.0 if step / h.num_iterations < h.anvil_blend_start else h.anvil_blend
 
 
-def target_weights(stage, device):
-    """(MAX_TARGETS,) loss weights of the targets t+1, t+2, t+3 and of the prefix target."""
-    w = list(stage.mtp_weights) + [0.0] * (MAX_TARGETS - 1 - len(stage.mtp_weights)) + [stage.prefix_weight]
+def target_weights(stage, device, progress=0.0):
+    """(MAX_TARGETS,) loss weights of the targets t+1, t+2, t+3 and of the prefix target, at
+    `progress` in [0, 1) through the stage: the multi-token weights go linearly from mtp_weights
+    at the stage's first step toward mtp_weights_end at its end (constant without an end)."""
+    end = stage.mtp_weights_end or stage.mtp_weights
+    mtp = [a + (b - a) * progress for a, b in zip(stage.mtp_weights, end)]
+    w = mtp + [0.0] * (MAX_TARGETS - 1 - len(mtp)) + [stage.prefix_weight]
     return torch.tensor(w, dtype=torch.float32, device=device)
+
+
+def step_target_weights(h, device):
+    """(num_iterations, MAX_TARGETS): the target weights of every step, made once, so a step reads
+    its row without a host-to-device copy."""
+    rows = [target_weights(stage, "cpu", i / steps)
+            for stage, steps in zip(h.stages, steps_per_stage(h)) for i in range(steps)]
+    return torch.stack(rows).to(device)
 
 
 def untie_step(h):
@@ -1540,7 +1559,8 @@ class Trainer:
                                        enabled=h.compute_dtype == "bfloat16")
         self.accum = h.batch_ranks // env.world_size
         self.mine = list(range(env.rank, h.batch_ranks, env.world_size))
-        self.stage_weights = [target_weights(stage, env.device) for stage in h.stages]
+        self.step_weights = step_target_weights(h, env.device)
+        self.weights = self.step_weights[0].clone()  # this step's row: one tensor the model always reads
         self.train_time_ms = 0.0
         self.advance_to(0)
 
@@ -1587,7 +1607,7 @@ class Trainer:
         tensor of the next-token loss and the objective, averaged over them (nothing here waits
         for the device)."""
         index = stage_index(self.h, step)
-        stage, weights = self.h.stages[index], self.stage_weights[index]
+        stage, weights = self.h.stages[index], self.weights.copy_(self.step_weights[step])
         total = torch.zeros(2, device=self.env.device)
         for slice_index, s in zip(self.mine, slices):
             s = s.to(self.env.device)

@@ -250,6 +250,22 @@ def test_yarn_at_the_final_window_is_a_choice():
     assert tg.attention_windows(h, last, final_validation=True)[1] == h.val_long_window, "the window still widens"
 
 
+def test_multi_token_weights_move_linearly_within_a_stage():
+    stages = ('--stages=[{"end":0.5,"tokens_per_rank":512,"max_doc_len":256,"short_window":1,"long_window":2,'
+              '"mtp_weights":[1,0.5,0.25],"mtp_weights_end":[1,0.5,0],"prefix_weight":0.25},'
+              '{"end":1.0,"tokens_per_rank":512,"max_doc_len":512,"short_window":1,"long_window":3,'
+              '"mtp_weights":[1,0.5]}]')
+    h = tiny_config([stages, "--num_iterations=8"])
+    weights = tg.step_target_weights(h, "cpu")
+    assert weights.shape == (8, tg.MAX_TARGETS)
+    for step in range(4):                # stage 0: steps 0-3, the t+3 weight from 0.25 toward 0
+        assert weights[step].tolist() == pytest.approx([1, 0.5, 0.25 * (1 - step / 4), 0.25])
+    for step in range(4, 8):             # stage 1: constant, no prefix target
+        assert weights[step].tolist() == [1, 0.5, 0, 0]
+    with pytest.raises(tg.ConfigError, match="mtp_weights_end"):
+        tiny_config([stages.replace('"mtp_weights_end":[1,0.5,0]', '"mtp_weights_end":[1,0]')])
+
+
 def test_speedrun_preset_takes_the_records_constants():
     h = tg.parse_config(["--preset", "speedrun"])
     assert tg.untie_step(h) == 1175                                       # record 92
