@@ -85,8 +85,10 @@ class ModelConfig:
     mlp_hidden: int = 3072
     long_window_layers: tuple = (3, 10)  # layers that use the long window; others the short one
     attention_free_layers: tuple = (6,)  # layers with no attention sublayer
-    num_value_embeds: int = 3      # value-embedding tables, used by the first and the last layers
-    value_embed_gate_dim: int = 12 # the first this-many residual dims drive the per-head gates
+    num_value_embeds: int = 3      # value-embedding tables, each shared by one of the first and one of the last layers
+    value_embed_layers: tuple = () # or: these layers, each with a table of its own (then num_value_embeds = 0)
+    value_embed_gate_dim: int = 12 # inputs of the per-head value-embedding gates
+    value_embed_gate_reads_value: bool = False  # gates read half their inputs from the value embedding
     bigram_rows: int = 251_520     # rows of the bigram hash embedding
     rope_base: float = 1024.0      # RoPE base period
     attn_scale: float = 0.1        # softmax scale of QK-normed attention before any YaRN growth
@@ -212,6 +214,8 @@ def _speedrun_preset(h):
     h.smear_gate = True            # records 89 and 92
     h.key_offset = True            # records 89 and 92
     h.xsa_layers = (1, 3, 4, 7)    # record 89
+    h.num_value_embeds, h.value_embed_layers = 0, (1, 2, 8, 9, 10)  # record 89: five tables, one per layer
+    h.value_embed_gate_reads_value = True  # record 89: gates read x[:6] and ve[:6]
     h.yarn_scale_growth = 0.2      # record 89
     h.yarn_at_final_window = False # record 89: the final window widens, the rotary tables stay
     h.untie_frac = 1175 / 1194     # record 92 unties at step 1175
@@ -294,7 +298,7 @@ def normalize_config(h):
     if not isinstance(h.stages, (list, tuple)) or not h.stages:
         raise ConfigError(f"--stages: expects a non-empty JSON list of stages, got {json.dumps(h.stages)}")
     h.stages = [_stage(s) for s in h.stages]
-    for key in ("long_window_layers", "attention_free_layers", "xsa_layers", "adam_betas"):
+    for key in ("long_window_layers", "attention_free_layers", "xsa_layers", "value_embed_layers", "adam_betas"):
         setattr(h, key, _sequence(key, getattr(h, key)))
     if h.orthogonalize == "auto":
         h.orthogonalize = "anvil" if h.optimizer == "anvil" else "polar_express"
@@ -368,7 +372,7 @@ CHOICE_RULES = [
     ("compute_dtype", ("bfloat16", "float32")),
 ]
 BOOL_KEYS = ("compile", "fp8_mlp", "sync_check", "save_checkpoint", "canonical_mask", "smear_gate",
-             "key_offset", "yarn_at_final_window")
+             "key_offset", "yarn_at_final_window", "value_embed_gate_reads_value")
 NONEMPTY_STRING_KEYS = ("train_files", "val_files", "log_dir")
 
 
@@ -415,7 +419,7 @@ def check_model_config(m):
     rest of the config): a broken one is refused with one line naming the keys involved."""
     if m.head_dim % 4:
         _refuse("head_dim", m.head_dim, "a multiple of 4 (RoPE rotates pairs in half of the dims)")
-    for key in ("long_window_layers", "attention_free_layers", "xsa_layers"):
+    for key in ("long_window_layers", "attention_free_layers", "xsa_layers", "value_embed_layers"):
         layers = getattr(m, key)
         in_range = all(_number(i, integer=True) and 0 <= i < m.num_layers for i in layers)
         if not in_range or len(set(layers)) < len(layers):
@@ -425,10 +429,17 @@ def check_model_config(m):
     if 2 * m.num_value_embeds > m.num_layers:
         _conflict(m, ("num_value_embeds", "num_layers"), f"at most num_layers / 2 = {m.num_layers // 2} tables "
                   "(each serves one of the first and one of the last layers)")
-    unused = sorted(set(value_embed_layers(m)) & set(m.attention_free_layers))
+    if m.num_value_embeds and m.value_embed_layers:
+        _conflict(m, ("num_value_embeds", "value_embed_layers"), "give shared tables or per-layer tables, not both: "
+                  "set one of them to 0 or []")
+    ve_key = "value_embed_layers" if m.value_embed_layers else "num_value_embeds"
+    unused = sorted(set(value_embed_tables(m)) & set(m.attention_free_layers))
     if unused:
-        _conflict(m, ("num_value_embeds", "attention_free_layers"), f"value embeddings go to layers {unused}, "
+        _conflict(m, (ve_key, "attention_free_layers"), f"value embeddings go to layers {unused}, "
                   "which have no attention to add them to")
+    if m.value_embed_gate_reads_value and m.value_embed_gate_dim % 2:
+        _conflict(m, ("value_embed_gate_reads_value", "value_embed_gate_dim"), "the gates read half their inputs "
+                  "from the residual and half from the value embedding: an even number")
     if set(m.long_window_layers) & set(m.attention_free_layers):
         _conflict(m, ("long_window_layers", "attention_free_layers"), "a long-window layer needs attention")
     if set(m.xsa_layers) & set(m.attention_free_layers):
@@ -679,9 +690,20 @@ class CausalSelfAttention(nn.Module):
             self.ve_gate = nn.Parameter(torch.zeros(cfg.num_heads, cfg.value_embed_gate_dim))
         else:
             self.ve_gate = None
+        self.ve_gate_reads_value = cfg.value_embed_gate_reads_value
         self.xsa_alpha = nn.Parameter(torch.zeros(cfg.num_heads)) if xsa else None
         bound = (3 ** 0.5) * 0.5 * cfg.model_dim ** -0.5
         nn.init.uniform_(self.qkv, -bound, bound)
+
+    def value_embed_gate(self, x, ve):
+        """(T, heads) gates in (0, 2), 1 at the start: 2 sigmoid(W g), where g holds the first dims
+        of the residual x, or the first half-as-many of x and of the value embedding ve."""
+        dims = self.ve_gate.size(1)
+        if self.ve_gate_reads_value:
+            inputs = torch.cat([x[:, :dims // 2], ve[:, :dims // 2].type_as(x)], dim=-1)
+        else:
+            inputs = x[:, :dims]
+        return 2 * torch.sigmoid(F.linear(inputs, self.ve_gate.type_as(x)))
 
     def forward(self, x, ve, doc_start, rotary: Rotary, args: AttentionArgs):
         """x (T, model_dim) normed; ve: this layer's value embeddings or None; doc_start (T,) bool:
@@ -692,8 +714,7 @@ class CausalSelfAttention(nn.Module):
         start = args.cache.length if args.cache is not None else 0
         q, k = rotary(rms_norm(q), start), rotary(rms_norm(k), start)
         if ve is not None:
-            gate = 2 * torch.sigmoid(F.linear(x[:, :self.ve_gate.size(1)], self.ve_gate.type_as(x)))
-            v = v + gate[..., None] * ve.view_as(v)
+            v = v + self.value_embed_gate(x, ve)[..., None] * ve.view_as(v)
         # Attention takes one dtype, the projection's: CUDA autocast runs the norms (and so q, k)
         # and the value-embedding sum in fp32 while the projection gives bf16.
         q, k, v = (t.to(qkv.dtype) for t in (q, k, v))
@@ -772,8 +793,11 @@ def bigram_sign_rows(tokens, is_doc_start):
     return ((SIGN_MULT_CUR * cur) ^ (SIGN_MULT_PREV * prev)) % SIGN_ROWS
 
 
-def value_embed_layers(cfg: ModelConfig):
-    """{layer: value-embedding table}: table i serves layer i and layer num_layers - tables + i."""
+def value_embed_tables(cfg: ModelConfig):
+    """{layer: its value-embedding table}: with value_embed_layers, table i serves the i-th layer
+    listed; otherwise table i serves layer i and layer num_layers - num_value_embeds + i."""
+    if cfg.value_embed_layers:
+        return {layer: i for i, layer in enumerate(cfg.value_embed_layers)}
     n, tables = cfg.num_layers, cfg.num_value_embeds
     return {**{i: i for i in range(tables)}, **{n - tables + i: i for i in range(tables)}}
 
@@ -805,11 +829,11 @@ class GPT(nn.Module):
         signs = torch.randint(0, 2, (SIGN_ROWS, cfg.model_dim),
                               generator=torch.Generator().manual_seed(SIGN_TABLE_SEED)) * 2 - 1
         self.register_buffer("signs", signs.float(), persistent=False)
+        self.value_embed_layer = value_embed_tables(cfg)
         self.value_embeds = nn.ModuleList(nn.Embedding(PADDED_VOCAB_SIZE, cfg.num_heads * cfg.head_dim)
-                                          for _ in range(cfg.num_value_embeds))
+                                          for _ in range(len(set(self.value_embed_layer.values()))))
         for ve in self.value_embeds:
             nn.init.normal_(ve.weight, std=0.01)
-        self.value_embed_layer = value_embed_layers(cfg)
         n = cfg.num_layers
         self.blocks = nn.ModuleList(Block(cfg, i, fns, i in self.value_embed_layer) for i in range(n))
         self.num_skips = n // 2

@@ -168,7 +168,8 @@ def tiny_model(h, seed=0):
     return model
 
 
-FEATURES = ["--smear_gate=true", "--key_offset=true", "--xsa_layers=[0,2]"]  # the model features off by default
+FEATURES = ["--smear_gate=true", "--key_offset=true", "--xsa_layers=[0,2]",  # the model features off by default
+            "--num_value_embeds=0", "--value_embed_layers=[0,2]", "--value_embed_gate_reads_value=true"]
 
 
 def packed(doc_lengths, seed=0):
@@ -325,6 +326,10 @@ def test_the_model_is_built_from_its_own_config():
     (["--num_value_embeds=0", "--attention_free_layers=[2]"], ["long_window_layers", "attention_free_layers"]),
     (["--key_offset=true", "--long_window_layers=[]"], ["key_offset", "long_window_layers"]),
     (["--xsa_layers=[3]"], ["xsa_layers"]),
+    (["--value_embed_layers=[0]"], ["num_value_embeds", "value_embed_layers"]),
+    (["--num_value_embeds=0", "--value_embed_layers=[1]"], ["value_embed_layers", "attention_free_layers"]),
+    (["--value_embed_gate_reads_value=true", "--value_embed_gate_dim=5"],
+     ["value_embed_gate_reads_value", "value_embed_gate_dim"]),
     (["--xsa_layers=[1]"], ["xsa_layers", "attention_free_layers"]),
     (["--smear_gate=true", "--model_dim=8", "--value_embed_gate_dim=4"], ["smear_gate", "model_dim"]),
 ])
@@ -362,6 +367,25 @@ def test_features_start_as_the_plain_model_where_they_are_gated_off():
         torch.manual_seed(0)
         outs.append(tg.build_model(tiny_config(extra), fns).hidden_states(tokens, args))
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def test_value_embedding_tables_shared_or_one_per_layer():
+    shared = tg.model_config(tiny_config(["--num_layers=6", "--attention_free_layers=[]", "--num_value_embeds=2"]))
+    assert tg.value_embed_tables(shared) == {0: 0, 1: 1, 4: 0, 5: 1}
+    own = tg.model_config(tiny_config(["--num_value_embeds=0", "--value_embed_layers=[2,0]"]))
+    assert tg.value_embed_tables(own) == {2: 0, 0: 1}
+    model = tiny_model(tiny_config(["--num_value_embeds=0", "--value_embed_layers=[2,0]"]))
+    assert len(model.value_embeds) == 2 and model.blocks[0].attn.ve_gate is not None
+
+
+def test_value_embedding_gate_can_read_the_value_too():
+    h = tiny_config(["--value_embed_gate_reads_value=true", "--value_embed_gate_dim=6"])
+    attn = tiny_model(h).double().blocks[0].attn
+    x, ve = torch.randn(5, h.model_dim, dtype=torch.float64), torch.randn(5, 64, dtype=torch.float64)
+    gate = attn.value_embed_gate(x, ve)
+    for t in range(5):
+        inputs = torch.cat([x[t, :3], ve[t, :3]])
+        torch.testing.assert_close(gate[t], 2 * torch.sigmoid(attn.ve_gate @ inputs), rtol=0, atol=1e-12)
 
 
 def test_xsa_removes_the_share_of_each_output_along_its_own_value():
