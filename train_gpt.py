@@ -90,6 +90,7 @@ class ModelConfig:
     value_embed_gate_dim: int = 12 # inputs of the per-head value-embedding gates
     value_embed_gate_reads_value: bool = False  # gates read half their inputs from the value embedding
     bigram_rows: int = 251_520     # rows of the bigram hash embedding
+    embed_init_std: float = 0.0    # std of the (tied) embedding's normal init; 0: model_dim^-0.5
     rope_base: float = 1024.0      # RoPE base period
     attn_scale: float = 0.1        # softmax scale of QK-normed attention before any YaRN growth
     yarn_scale_growth: float = 0.1 # YaRN: the attention scale grows by this times ln(window growth)
@@ -154,6 +155,7 @@ class Hyperparameters(ModelConfig):
     adam_betas: tuple = (0.8, 0.95)
     adam_eps: float = 1e-10
     adam_wd: float = 0.0
+    adam_step_every: int = 1       # Adam updates every this-many steps, from the gradients' mean over them
     # system
     seed: int = 0
     device: str = "auto"           # auto | cuda | cpu
@@ -216,6 +218,8 @@ def _speedrun_preset(h):
     h.xsa_layers = (1, 3, 4, 7)    # record 89
     h.num_value_embeds, h.value_embed_layers = 0, (1, 2, 8, 9, 10)  # record 89: five tables, one per layer
     h.value_embed_gate_reads_value = True  # record 89: gates read x[:6] and ve[:6]
+    h.adam_step_every = 2          # record 89: Adam updates on odd steps only
+    h.embed_init_std = 0.005       # record 89: the head's init, which the tied embedding copies
     h.yarn_scale_growth = 0.2      # record 89
     h.yarn_at_final_window = False # record 89: the final window widens, the rotary tables stay
     h.untie_frac = 1175 / 1194     # record 92 unties at step 1175
@@ -330,6 +334,7 @@ NUMERIC_RULES = [
     ("num_value_embeds", int, 0, None, "0 or more tables"),
     ("value_embed_gate_dim", int, 1, None, "a positive number of dims, at most model_dim"),
     ("bigram_rows", int, 2, None, "at least 2 rows"),
+    ("embed_init_std", float, 0.0, None, "a std >= 0 (0: model_dim^-0.5)"),
     ("rope_base", float, 1e-9, None, "a positive period"),
     ("attn_scale", float, 1e-9, None, "a positive scale"),
     ("yarn_scale_growth", float, 0.0, None, "a growth rate >= 0"),
@@ -357,6 +362,7 @@ NUMERIC_RULES = [
     ("scalar_lr", float, 0.0, None, "a learning rate >= 0"),
     ("adam_eps", float, 0.0, None, "an epsilon >= 0"),
     ("adam_wd", float, 0.0, None, "a weight decay >= 0"),
+    ("adam_step_every", int, 1, None, "a positive number of steps"),
     ("seed", int, 0, 2**63 - 1, "a whole number in [0, 2^63)"),
     ("warmup_steps", int, 0, None, "0 or more steps"),
     ("log_every", int, 1, None, "a positive number of steps"),
@@ -816,7 +822,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cross_entropy_fn = fns.cross_entropy
         self.embed = nn.Embedding(PADDED_VOCAB_SIZE, cfg.model_dim)
-        nn.init.normal_(self.embed.weight, std=cfg.model_dim ** -0.5)
+        nn.init.normal_(self.embed.weight, std=cfg.embed_init_std or cfg.model_dim ** -0.5)
         self.lm_head = nn.Parameter(torch.zeros(PADDED_VOCAB_SIZE, cfg.model_dim))
         self.tied = True
         if cfg.smear_gate:         # both zero: the smear starts off, and its strength learns first
@@ -1525,7 +1531,8 @@ def build_optimizers(h, model, fns):
     ]
     if h.optimizer == "adamw":
         adam_groups.append(dict(params=matrices, lr=h.adamw_matrix_lr, name="matrices"))
-    adam = optim.Adam(adam_groups, lr=h.embed_lr, betas=h.adam_betas, eps=h.adam_eps, weight_decay=h.adam_wd)
+    adam = optim.Adam(adam_groups, lr=h.embed_lr, betas=h.adam_betas, eps=h.adam_eps, weight_decay=h.adam_wd,
+                      step_every=h.adam_step_every)
     if h.optimizer == "adamw":
         return [adam]
     mlp_down = [block.mlp.down for block in model.blocks]
@@ -1649,9 +1656,9 @@ class Trainer:
         loss = self.forward_backward(step, slices)
         for opt in self.optimizers:
             with record_function(f"optimizer: {type(opt).__name__}"):
-                opt.step()
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
+                stepped = opt.step()
+            if stepped is not False:   # an Adam between its updates keeps accumulating gradients
+                opt.zero_grad(set_to_none=True)
         return loss
 
     def calibrate_fp8(self, slices):

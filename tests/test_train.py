@@ -272,6 +272,8 @@ def test_speedrun_preset_takes_the_records_constants():
     assert tg.untie_step(h) == 1175                                       # record 92
     assert (h.cooldown_start, h.cooldown_floor) == (0.2, 0.30)            # record 92
     assert (h.yarn_scale_growth, h.yarn_at_final_window) == (0.2, False)  # record 89
+    assert (h.adam_step_every, h.embed_init_std) == (2, 0.005)             # record 89
+    assert (h.value_embed_layers, h.num_value_embeds, h.value_embed_gate_reads_value) == ((1, 2, 8, 9, 10), 0, True)
     assert (h.smear_gate, h.key_offset, h.xsa_layers, h.attention_free_layers) == (True, True, (1, 3, 4, 7), (6,))
     assert h.canonical_mask
 
@@ -367,6 +369,13 @@ def test_features_start_as_the_plain_model_where_they_are_gated_off():
         torch.manual_seed(0)
         outs.append(tg.build_model(tiny_config(extra), fns).hidden_states(tokens, args))
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def test_embedding_init_std_is_a_setting():
+    for extra, std in (([], 64 ** -0.5), (["--embed_init_std=0.005"], 0.005)):
+        torch.manual_seed(0)
+        weight = tg.build_model(tiny_config(extra), tg.select_kernels(tiny_config(), torch.device("cpu"))).embed.weight
+        assert abs(weight.std().item() / std - 1) < 0.01
 
 
 def test_value_embedding_tables_shared_or_one_per_layer():
@@ -567,6 +576,25 @@ def cpu_trainer(h, fp8=False, monkeypatch=None):
         monkeypatch.setattr(tg, "select_kernels", lambda h, device: tg.KernelFns(
             kernels.attention_reference, kernels.softcap_cross_entropy_chunked, kernels.fp8_relu2_mlp_reference))
     return tg.Trainer(h, tg.Dist(0, 1, 0, torch.device("cpu")), tg.RunLog("unused", active=False))
+
+
+def test_adam_every_second_step_accumulates_in_between(shards):
+    """With adam_step_every=2 the Adam parameters stay put on even steps while their gradients
+    accumulate (optim's tests check the update from their mean); the matrices update every step."""
+    h = tiny_config(data_args(shards) + ["--num_iterations=4", "--adam_step_every=2"])
+    trainer = cpu_trainer(h)
+    model = trainer.model
+    loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
+    embed, matrix = model.embed.weight, model.blocks[0].mlp.down  # (up starts with no gradient: down is 0)
+    start = (embed.detach().clone(), matrix.detach().clone())
+    trainer.advance_to(0)
+    trainer.train_step(0, loader.next_batch(512, 256, 1, [0]))
+    assert torch.equal(embed, start[0]) and not torch.equal(matrix, start[1])
+    assert embed.grad is not None and matrix.grad is None, "the even step's embedding gradient waits"
+    trainer.advance_to(1)
+    trainer.train_step(1, loader.next_batch(512, 256, 1, [0]))
+    assert not torch.equal(embed, start[0]) and embed.grad is None
+    assert trainer.adam.state[embed]["step"] == 1 and trainer.adam.pending_calls == 0
 
 
 def test_untie_carries_the_embeddings_adam_state_to_the_head(shards):
