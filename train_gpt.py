@@ -98,6 +98,7 @@ class ModelConfig:
     smear_gate: bool = False       # each token's embedding gets a gated share of its predecessor's
     key_offset: bool = False       # long-window layers: a key's stationary dims come from the previous token
     xsa_layers: tuple = ()         # layers whose heads remove a learned share of their output along their own value
+    paired_head_layers: tuple = () # layers where adjacent heads' queries also attend to each other's keys
 
 
 MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
@@ -216,6 +217,7 @@ def _speedrun_preset(h):
     h.smear_gate = True            # records 89 and 92
     h.key_offset = True            # records 89 and 92
     h.xsa_layers = (1, 3, 4, 7)    # record 89
+    h.paired_head_layers = (0, 2, 5, 9)  # record 89
     h.num_value_embeds, h.value_embed_layers = 0, (1, 2, 8, 9, 10)  # record 89: five tables, one per layer
     h.value_embed_gate_reads_value = True  # record 89: gates read x[:6] and ve[:6]
     h.adam_step_every = 2          # record 89: Adam updates on odd steps only
@@ -302,7 +304,8 @@ def normalize_config(h):
     if not isinstance(h.stages, (list, tuple)) or not h.stages:
         raise ConfigError(f"--stages: expects a non-empty JSON list of stages, got {json.dumps(h.stages)}")
     h.stages = [_stage(s) for s in h.stages]
-    for key in ("long_window_layers", "attention_free_layers", "xsa_layers", "value_embed_layers", "adam_betas"):
+    for key in ("long_window_layers", "attention_free_layers", "xsa_layers", "value_embed_layers",
+                "paired_head_layers", "adam_betas"):
         setattr(h, key, _sequence(key, getattr(h, key)))
     if h.orthogonalize == "auto":
         h.orthogonalize = "anvil" if h.optimizer == "anvil" else "polar_express"
@@ -425,7 +428,8 @@ def check_model_config(m):
     rest of the config): a broken one is refused with one line naming the keys involved."""
     if m.head_dim % 4:
         _refuse("head_dim", m.head_dim, "a multiple of 4 (RoPE rotates pairs in half of the dims)")
-    for key in ("long_window_layers", "attention_free_layers", "xsa_layers", "value_embed_layers"):
+    for key in ("long_window_layers", "attention_free_layers", "xsa_layers", "value_embed_layers",
+                "paired_head_layers"):
         layers = getattr(m, key)
         in_range = all(_number(i, integer=True) and 0 <= i < m.num_layers for i in layers)
         if not in_range or len(set(layers)) < len(layers):
@@ -450,6 +454,16 @@ def check_model_config(m):
         _conflict(m, ("long_window_layers", "attention_free_layers"), "a long-window layer needs attention")
     if set(m.xsa_layers) & set(m.attention_free_layers):
         _conflict(m, ("xsa_layers", "attention_free_layers"), "XSA acts on a layer's attention output")
+    if set(m.paired_head_layers) & set(m.attention_free_layers):
+        _conflict(m, ("paired_head_layers", "attention_free_layers"), "pairing acts on a layer's attention")
+    if m.paired_head_layers and m.num_heads % 2:
+        _conflict(m, ("paired_head_layers", "num_heads"), "heads pair up: an even number of heads")
+    if set(m.paired_head_layers) & set(m.xsa_layers):
+        _conflict(m, ("paired_head_layers", "xsa_layers"), "a paired layer's values do not line up with its "
+                  "outputs head by head, which XSA needs")
+    if m.key_offset and set(m.paired_head_layers) & set(m.long_window_layers):
+        _conflict(m, ("key_offset", "paired_head_layers", "long_window_layers"), "the key offset shifts by one "
+                  "token, which a paired layer's doubled sequence does not have")
     if m.key_offset and not m.long_window_layers:
         _conflict(m, ("key_offset", "long_window_layers"), "the key offset acts on long-window layers only: "
                   "name one, or set --key_offset=false")
@@ -621,7 +635,8 @@ class KVCache:
     """The keys and values of one document's tokens so far, per attention layer, for generation:
     each new token computes only its own q, k, v and attends to the cached keys of its window, so
     a token costs the same at position 10 as at position 5,000. Buffers are allocated once, for
-    `capacity` tokens, at the first use of each layer."""
+    `capacity` tokens, at the first use of each layer (twice the rows for a paired-head layer,
+    whose k, v hold two positions per token)."""
 
     def __init__(self, capacity):
         self.capacity = capacity
@@ -629,15 +644,16 @@ class KVCache:
         self.last_token = None     # (1,) the last cached token: the bigram of the next one needs it
         self.layers = {}           # attention module -> (keys, values), each (capacity, heads, dim)
 
-    def extend(self, layer, k, v):
+    def extend(self, layer, k, v, rows_per_token=1):
         """Store this layer's k, v of the new tokens; return the keys and values of all tokens so far."""
-        end = self.length + k.size(0)
-        if end > self.capacity:
-            raise ValueError(f"KVCache holds {self.capacity} tokens; {end} were given")
+        start, end = self.length * rows_per_token, self.length * rows_per_token + k.size(0)
+        if end > self.capacity * rows_per_token:
+            raise ValueError(f"KVCache holds {self.capacity} tokens; {end // rows_per_token} were given")
         if layer not in self.layers:
-            self.layers[layer] = (k.new_empty(self.capacity, *k.shape[1:]), v.new_empty(self.capacity, *v.shape[1:]))
+            rows = self.capacity * rows_per_token
+            self.layers[layer] = (k.new_empty(rows, *k.shape[1:]), v.new_empty(rows, *v.shape[1:]))
         keys, values = self.layers[layer]
-        keys[self.length:end], values[self.length:end] = k, v
+        keys[start:end], values[start:end] = k, v
         return keys[:end], values[:end]
 
     def advance(self, tokens):
@@ -675,6 +691,20 @@ def remove_self_value(y, v, alpha):
     return y - torch.tanh(alpha).type_as(y)[:, None] * along * direction
 
 
+def interleave_head_pairs(x):
+    """(T, H, D) -> (2T, H/2, D): heads 2h and 2h+1 of token t become head h at positions 2t and
+    2t+1. Under one causal mask over the doubled sequence, each of the two queries then sees
+    both heads' keys of the earlier tokens (and head 2h+1 also head 2h's key of its own token)."""
+    T, H, D = x.shape
+    return x.view(T, H // 2, 2, D).transpose(1, 2).reshape(2 * T, H // 2, D)
+
+
+def deinterleave_head_pairs(y):
+    """The inverse of interleave_head_pairs: (2T, H/2, D) -> (T, H, D)."""
+    T2, half, D = y.shape
+    return y.view(T2 // 2, 2, half, D).transpose(1, 2).reshape(T2 // 2, 2 * half, D)
+
+
 def offset_keys(k, stationary, doc_start):
     """Keys (T, H, D) whose stationary dims (RoPE's zero-frequency ones) hold the previous token's:
     with them one layer can do induction (a query matching token a finds the token after an
@@ -684,11 +714,13 @@ def offset_keys(k, stationary, doc_start):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, long_window: bool, value_embed: bool, xsa: bool, attention_fn):
+    def __init__(self, cfg: ModelConfig, long_window: bool, value_embed: bool, xsa: bool, paired: bool,
+                 attention_fn):
         super().__init__()
         inner = cfg.num_heads * cfg.head_dim
         self.num_heads, self.head_dim, self.long_window = cfg.num_heads, cfg.head_dim, long_window
         self.key_offset = cfg.key_offset and long_window
+        self.paired = paired
         self.qkv = nn.Parameter(torch.empty(3 * inner, cfg.model_dim))
         self.out = nn.Parameter(torch.zeros(cfg.model_dim, inner))
         self.attention_fn = attention_fn
@@ -713,14 +745,21 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, ve, doc_start, rotary: Rotary, args: AttentionArgs):
         """x (T, model_dim) normed; ve: this layer's value embeddings or None; doc_start (T,) bool:
-        True where a document (or the slice) starts."""
+        True where a document (or the slice) starts.
+
+        A paired layer runs on the doubled sequence of interleave_head_pairs, two positions per
+        token: RoPE, the document offsets and the cache count positions, and the window (in
+        positions) spans half as many tokens."""
         T = x.size(0)
         qkv = F.linear(x, self.qkv.type_as(x))
         q, k, v = qkv.view(T, 3, self.num_heads, self.head_dim).unbind(1)
-        start = args.cache.length if args.cache is not None else 0
-        q, k = rotary(rms_norm(q), start), rotary(rms_norm(k), start)
         if ve is not None:
             v = v + self.value_embed_gate(x, ve)[..., None] * ve.view_as(v)
+        rows_per_token = 2 if self.paired else 1
+        if self.paired:
+            q, k, v = (interleave_head_pairs(t) for t in (q, k, v))
+        start = args.cache.length * rows_per_token if args.cache is not None else 0
+        q, k = rotary(rms_norm(q), start), rotary(rms_norm(k), start)
         # Attention takes one dtype, the projection's: CUDA autocast runs the norms (and so q, k)
         # and the value-embedding sum in fp32 while the projection gives bf16.
         q, k, v = (t.to(qkv.dtype) for t in (q, k, v))
@@ -729,14 +768,16 @@ class CausalSelfAttention(nn.Module):
         if args.cache is None:
             if self.key_offset:
                 k = offset_keys(k, rotary.stationary, doc_start)
-            y = self.attention_fn(q, k, v, args.cu_seqlens, window, rotary.attn_scale)
+            y = self.attention_fn(q, k, v, args.cu_seqlens * rows_per_token, window, rotary.attn_scale)
         else:
-            k, v = args.cache.extend(self, k, v)     # the cache keeps the keys as computed
+            k, v = args.cache.extend(self, k, v, rows_per_token)  # the cache keeps the keys as computed
             if self.key_offset:
                 k = offset_keys(k, rotary.stationary, torch.arange(k.size(0), device=k.device) == 0)
             y = cached_attention(q, k, v, window, rotary.attn_scale)
         if self.xsa_alpha is not None:
             y = remove_self_value(y, own_values, self.xsa_alpha)
+        if self.paired:
+            y = deinterleave_head_pairs(y)
         return F.linear(y.reshape(T, -1), self.out.type_as(y))
 
 
@@ -768,8 +809,8 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer, fns, value_embed):
         super().__init__()
         has_attn = layer not in cfg.attention_free_layers
-        self.attn = (CausalSelfAttention(cfg, layer in cfg.long_window_layers, value_embed,
-                                         layer in cfg.xsa_layers, fns.attention) if has_attn else None)
+        self.attn = (CausalSelfAttention(cfg, layer in cfg.long_window_layers, value_embed, layer in cfg.xsa_layers,
+                                         layer in cfg.paired_head_layers, fns.attention) if has_attn else None)
         self.mlp = MLP(cfg.model_dim, cfg.mlp_hidden, fns.fp8_mlp)
         # residual mix: x <- lambdas[0] * x + lambdas[1] * x0 before the sublayers
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))
@@ -844,7 +885,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i, fns, i in self.value_embed_layer) for i in range(n))
         self.num_skips = n // 2
         self.skip_weights = nn.Parameter(torch.ones(self.num_skips))
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_base, max_tokens, cfg.attn_scale, cfg.yarn_scale_growth)
+        self.max_tokens = max_tokens
+        positions = max_tokens * (2 if cfg.paired_head_layers else 1)   # a paired layer: two per token
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_base, positions, cfg.attn_scale, cfg.yarn_scale_growth)
         self.register_buffer("prefix_table", torch.from_numpy(prefix_token_table()).long(), persistent=False)
         self.canonical_mask = NoncanonicalPairs() if cfg.canonical_mask else None
 
@@ -2118,7 +2161,7 @@ def sample_from_checkpoint(argv):
     enc = gpt2_encoding()
     trainer, _ = trained_model(args.sample, rest, SAMPLE_KEYS)
     prompt_ids = [BOS_ID] + enc.encode_ordinary(args.prompt)
-    positions = trainer.model.rotary.cos.size(0)
+    positions = trainer.model.max_tokens
     if len(prompt_ids) + args.max_new_tokens > positions:
         raise ConfigError(f"the prompt ({len(prompt_ids)} tokens) and --max_new_tokens={args.max_new_tokens} exceed "
                           f"the {positions} positions this model has tables for")

@@ -168,8 +168,9 @@ def tiny_model(h, seed=0):
     return model
 
 
-FEATURES = ["--smear_gate=true", "--key_offset=true", "--xsa_layers=[0,2]",  # the model features off by default
-            "--num_value_embeds=0", "--value_embed_layers=[0,2]", "--value_embed_gate_reads_value=true"]
+FEATURES = ["--smear_gate=true", "--key_offset=true", "--xsa_layers=[2]",  # the model features off by default
+            "--paired_head_layers=[0]", "--num_value_embeds=0", "--value_embed_layers=[0,2]",
+            "--value_embed_gate_reads_value=true"]
 
 
 def packed(doc_lengths, seed=0):
@@ -275,6 +276,7 @@ def test_speedrun_preset_takes_the_records_constants():
     assert (h.adam_step_every, h.embed_init_std) == (2, 0.005)             # record 89
     assert (h.value_embed_layers, h.num_value_embeds, h.value_embed_gate_reads_value) == ((1, 2, 8, 9, 10), 0, True)
     assert (h.smear_gate, h.key_offset, h.xsa_layers, h.attention_free_layers) == (True, True, (1, 3, 4, 7), (6,))
+    assert h.paired_head_layers == (0, 2, 5, 9)
     assert h.canonical_mask
 
 
@@ -328,6 +330,10 @@ def test_the_model_is_built_from_its_own_config():
     (["--num_value_embeds=0", "--attention_free_layers=[2]"], ["long_window_layers", "attention_free_layers"]),
     (["--key_offset=true", "--long_window_layers=[]"], ["key_offset", "long_window_layers"]),
     (["--xsa_layers=[3]"], ["xsa_layers"]),
+    (["--paired_head_layers=[1]"], ["paired_head_layers", "attention_free_layers"]),
+    (["--paired_head_layers=[0]", "--xsa_layers=[0]"], ["paired_head_layers", "xsa_layers"]),
+    (["--paired_head_layers=[2]", "--key_offset=true"], ["key_offset", "paired_head_layers", "long_window_layers"]),
+    (["--paired_head_layers=[0]", "--num_heads=3"], ["paired_head_layers", "num_heads"]),
     (["--value_embed_layers=[0]"], ["num_value_embeds", "value_embed_layers"]),
     (["--num_value_embeds=0", "--value_embed_layers=[1]"], ["value_embed_layers", "attention_free_layers"]),
     (["--value_embed_gate_reads_value=true", "--value_embed_gate_dim=5"],
@@ -395,6 +401,25 @@ def test_value_embedding_gate_can_read_the_value_too():
     for t in range(5):
         inputs = torch.cat([x[t, :3], ve[t, :3]])
         torch.testing.assert_close(gate[t], 2 * torch.sigmoid(attn.ve_gate @ inputs), rtol=0, atol=1e-12)
+
+
+def test_paired_heads_see_each_others_keys():
+    """A float64 statement of paired-head attention: head 2h+j of token t is the query at position
+    2t+j of a doubled sequence whose positions 2s and 2s+1 hold heads 2h and 2h+1 of token s."""
+    torch.manual_seed(0)
+    T, H, D = 6, 4, 8
+    q, k, v = (torch.randn(T, H, D, dtype=torch.float64) for _ in range(3))
+    pq, pk, pv = (tg.interleave_head_pairs(t) for t in (q, k, v))
+    assert torch.equal(tg.deinterleave_head_pairs(pq), q)
+    cu = torch.tensor([0, 2 * T], dtype=torch.int32)
+    y = tg.deinterleave_head_pairs(kernels.attention_reference(pq, pk, pv, cu, 0, 0.5))
+    for t in range(T):
+        for head in range(H):
+            pair, j = divmod(head, 2)
+            keys = [(s, 2 * pair + i) for s in range(t + 1) for i in (0, 1) if 2 * s + i <= 2 * t + j]
+            scores = torch.stack([q[t, head] @ k[s, g] for s, g in keys]) * 0.5
+            expected = (scores.softmax(0)[:, None] * torch.stack([v[s, g] for s, g in keys])).sum(0)
+            torch.testing.assert_close(y[t, head], expected, rtol=0, atol=1e-12)
 
 
 def test_xsa_removes_the_share_of_each_output_along_its_own_value():
