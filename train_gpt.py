@@ -125,10 +125,12 @@ class Hyperparameters(ModelConfig):
     num_iterations: int = 1194
     stages: list = field(default_factory=lambda: [
         # multi-token weights as record 89 moves them: [1, .5, .25] -> [1, .5, 0] -> [1, 0] -> [1]
-        Stage(0.268, 16_384, 896, 1, 3, (1.0, 0.5, 0.25), 0.25, mtp_weights_end=(1.0, 0.5, 0.0)),
-        Stage(0.570, 32_768, 2048, 3, 7, (1.0, 0.5), 0.25, mtp_weights_end=(1.0, 0.0)),
-        Stage(0.927, 49_152, 3072, 5, 11, (1.0,), 0.0),
-        Stage(1.000, 49_152, 3072, 6, 13, (1.0,), 0.0),
+        Stage(end=0.268, tokens_per_rank=16_384, max_doc_len=896, short_window=1, long_window=3,
+              mtp_weights=(1.0, 0.5, 0.25), mtp_weights_end=(1.0, 0.5, 0.0), prefix_weight=0.25),
+        Stage(end=0.570, tokens_per_rank=32_768, max_doc_len=2048, short_window=3, long_window=7,
+              mtp_weights=(1.0, 0.5), mtp_weights_end=(1.0, 0.0), prefix_weight=0.25),
+        Stage(end=0.927, tokens_per_rank=49_152, max_doc_len=3072, short_window=5, long_window=11),
+        Stage(end=1.000, tokens_per_rank=49_152, max_doc_len=3072, short_window=6, long_window=13),
     ])
     cooldown_start: float = 0.4    # fraction of training where the linear LR cooldown starts
     cooldown_floor: float = 0.15   # LR multiplier at the end of the cooldown
@@ -200,9 +202,11 @@ def _cpu_preset(h):
     h.val_long_window = 8
     h.num_iterations = 36          # the CPU-track budget: val ~5.66 against the target 5.7264 (32 steps: ~5.74)
     h.stages = [
-        Stage(0.5, 2048, 512, 1, 2, (1.0, 0.5, 0.25), 0.25),
-        Stage(0.8, 4096, 1024, 2, 4, (1.0, 0.5), 0.25),
-        Stage(1.0, 4096, 1024, 2, 6, (1.0,), 0.0),
+        Stage(end=0.5, tokens_per_rank=2048, max_doc_len=512, short_window=1, long_window=2,
+              mtp_weights=(1.0, 0.5, 0.25), prefix_weight=0.25),
+        Stage(end=0.8, tokens_per_rank=4096, max_doc_len=1024, short_window=2, long_window=4,
+              mtp_weights=(1.0, 0.5), prefix_weight=0.25),
+        Stage(end=1.0, tokens_per_rank=4096, max_doc_len=1024, short_window=2, long_window=6),
     ]
     h.embed_lr, h.head_lr = 0.02, 0.016  # twice the recipe's: at 36-40 steps val -0.08; three times is worse
     h.log_every = 5
