@@ -215,8 +215,9 @@ def _cpu_preset(h):
 
 
 def _speedrun_preset(h):
-    """The fields' defaults, plus what is off by default so that a config logged before it
-    existed still means what it meant."""
+    """The fields' defaults, plus the records' settings whose defaults keep an earlier meaning
+    (so that a config logged before a setting existed, and the cpu preset, are unchanged). The
+    README's fidelity table compares every value with records 89 and 92."""
     h.canonical_mask = True        # record 92 validates with the canonical mask
     h.smear_gate = True            # records 89 and 92
     h.key_offset = True            # records 89 and 92
