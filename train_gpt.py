@@ -185,9 +185,8 @@ def _cpu_preset(h):
     a 36-step run took 35.5 s in bf16 and 83 s in fp32 on a 2-core AMD EPYC with AVX512-BF16),
     fp32 elsewhere (there a bf16 product runs as an fp32 GEMM plus casts anyway, cpu_runtime.py,
     so fp32 saves the casts: 3.60 vs 4.04 s per 2,048-token step on a 2-core AVX2 EPYC). The val
-    loss is the same either way (3 seeds each, bench/cpu_results.md). Eager for now: compiling
-    (inductor) measured 31.5 s against 35.5 s eager for one bf16 run each, not yet confirmed by
-    interleaved timed runs.
+    loss is the same either way (3 seeds each, bench/cpu_results.md). Eager: compiling (inductor)
+    saved 4% in interleaved bf16 runs (34.0 against 35.4 s, 3 seeds), less than the machine's drift.
     Validation without the canonical mask: the track's rule is the full softmax, as the baseline's.
     """
     h.track = "track_cpu"
