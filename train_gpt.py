@@ -915,8 +915,8 @@ class GPT(nn.Module):
         return x + torch.where(doc_start[:, None], 0.0, gate * torch.roll(x, 1, dims=0))
 
     def hidden_states(self, tokens, args: AttentionArgs):
-        # With a cache the tokens continue its document: the bigram of the first one needs the
-        # cache's last token. A slice may begin inside a document: its first token has no known
+        # With a cache the tokens continue its document: the bigram (and the smear) of the first
+        # one needs the cache's last token. A slice may begin inside a document: its first token has no known
         # predecessor either.
         cache = args.cache
         context = tokens if cache is None or cache.length == 0 else torch.cat([cache.last_token, tokens])
