@@ -511,7 +511,7 @@ def speedup(s, first_time):
 
 
 def records_table(track_dir, link_base):
-    """The markdown table of a track's records, fastest first; links are relative to link_base."""
+    """The markdown table of a track's records, largest speed-up first; links are relative to link_base."""
     found = load_track_records(track_dir)
     if not found:
         return "_No records yet._"

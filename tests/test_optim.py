@@ -437,7 +437,7 @@ def two_rank_results(tmp_path_factory):
     # Two processes meet on loopback ports picked at start-up; a port taken by another program in
     # between fails the launch, not the math, so one failed launch is retried (a real mismatch
     # fails both times, and the equality tests below still decide).
-    for attempt in range(DIST_LAUNCH_ATTEMPTS):
+    for _ in range(DIST_LAUNCH_ATTEMPTS):
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=DIST_TIMEOUT_S)
         if proc.returncode == 0:
             return torch.load(out)
