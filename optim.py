@@ -220,6 +220,8 @@ def _restore_saved_state(optimizer, state_dict):
             for key, value in state_dict["state"].get(saved_id, {}).items():
                 if torch.is_tensor(value):
                     optimizer.state[p][key] = value.to(device=p.device, copy=True)
+                elif isinstance(value, (list, tuple)) and all(torch.is_tensor(v) for v in value):
+                    optimizer.state[p][key] = [v.to(device=p.device, copy=True) for v in value]
 
 
 def _check_param_dtypes(params, optimizer_name):
@@ -347,6 +349,11 @@ class Muon(torch.optim.Optimizer):
       blend         anvil: w in m = w * fast + (1 - w) * slow
       mu            anvil: Nesterov weight in u = lerp(g, m, mu)
       lr_scale      extra LR multiplier of the group (e.g. 2 for the MLP output matrices)
+      row_splits    None, or row counts that split each matrix of the group into independent
+                    matrices (e.g. a packed QKV weight into per-head-pair query and key blocks
+                    and the value block): each block is orthogonalized, equalized and
+                    LR-scaled as a matrix of its own. Momentum is elementwise, so this equals
+                    Muon on each block separately.
 
     One step for a matrix theta with averaged gradient g (muon/normuon):
       buf <- lerp(buf, g, 1 - momentum);  u <- lerp(g, buf, momentum)
@@ -354,7 +361,7 @@ class Muon(torch.optim.Optimizer):
       fast <- lerp(fast, g, 1 - fast_beta);  slow <- lerp(slow, g, 1 - slow_beta)
       u <- lerp(g, blend * fast + (1 - blend) * slow, mu)
     then O = orthogonalize(u), optionally O = equalize_lanes(O), and with
-      lr_eff = lr * lr_scale * max(1, rows/cols)^0.5
+      lr_eff = lr * lr_scale * max(1, rows/cols)^0.5   (rows of the block, with row_splits)
       theta <- theta - lr_eff * O - lr * lr_eff * weight_decay * theta * [gate]
     where the decay gate is sign(slow) * sign(theta) >= 0 for anvil and sign(O) * sign(theta)
     >= 0 otherwise. step() returns True (it always updates every matrix that has a gradient).
@@ -366,11 +373,12 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0, schedule="polar_express",
                  variant="muon", equalize=None, beta2=0.9, eps=1e-10, fast_beta=0.85,
-                 slow_beta=0.98, blend=1.0, mu=0.85, lr_scale=1.0, ortho_dtype=None, xxt=None):
+                 slow_beta=0.98, blend=1.0, mu=0.85, lr_scale=1.0, row_splits=None, ortho_dtype=None,
+                 xxt=None):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, schedule=schedule,
                         variant=variant, equalize=equalize, beta2=beta2, eps=eps,
                         fast_beta=fast_beta, slow_beta=slow_beta, blend=blend, mu=mu,
-                        lr_scale=lr_scale)
+                        lr_scale=lr_scale, row_splits=row_splits)
         super().__init__(params, defaults)
         self.ortho_dtype, self.xxt = ortho_dtype, xxt
 
@@ -393,6 +401,12 @@ class Muon(torch.optim.Optimizer):
             if p.ndim != 2:
                 raise OptimConfigError(f"Muon trains 2-D matrices only; got shape "
                                        f"{tuple(p.shape)}: give it to Adam")
+        if group["row_splits"] is not None:
+            group["row_splits"] = tuple(group["row_splits"])
+            if any(sum(group["row_splits"]) != p.shape[0] for p in group["params"]):
+                raise OptimConfigError(f"row_splits {list(group['row_splits'])} must add up to the rows of "
+                                       f"every matrix of the group; got shapes "
+                                       f"{sorted({tuple(p.shape) for p in group['params']})}")
         _check_param_dtypes(group["params"], "Muon")
 
     def load_state_dict(self, state_dict):
@@ -439,22 +453,49 @@ class Muon(torch.optim.Optimizer):
         return torch.lerp(g, state["momentum_buffer"], group["momentum"])
 
     def _apply(self, group, p, update):
-        """Equalize (if on) the orthogonalized fp32 `update` and apply it to p's master weight."""
+        """Equalize (if on) the orthogonalized fp32 `update`, block by block with row_splits, and
+        apply it to p's master weight."""
         state = self.state[p]
-        rows, cols = p.shape
-        if group["equalize"]:
-            if "lane_second_moment" not in state:
-                lane_shape = (rows, 1) if rows >= cols else (1, cols)
-                state["lane_second_moment"] = update.new_zeros(lane_shape)
-            update = equalize_lanes(update, state["lane_second_moment"], group["beta2"],
-                                    group["eps"])
-        lr_eff = group["lr"] * group["lr_scale"] * shape_lr_multiplier(rows, cols)
+        splits = group["row_splits"] or (p.shape[0],)
+        if group["equalize"] and "lane_second_moment" not in state:
+            state["lane_second_moment"] = [update.new_zeros((rows, 1) if rows >= p.shape[1] else (1, p.shape[1]))
+                                           for rows in splits]
+        steps, lr_effs = [], []
+        for i, block in enumerate(update.split(splits)):
+            rows, cols = block.shape
+            if group["equalize"]:
+                block = equalize_lanes(block, state["lane_second_moment"][i], group["beta2"], group["eps"])
+            lr_eff = group["lr"] * group["lr_scale"] * shape_lr_multiplier(rows, cols)
+            steps.append(lr_eff * block)
+            lr_effs.append(lr_eff)
+        if len(splits) == 1:
+            step, lr_eff = steps[0], lr_effs[0]
+        else:
+            step = torch.cat(steps)
+            lr_eff = update.new_tensor(lr_effs).repeat_interleave(update.new_tensor(splits, dtype=torch.long))[:, None]
         master = _load_master(p.data, state)
         gate_source = state["slow_rail"] if group["variant"] == "anvil" else update
         decay = group["lr"] * lr_eff * group["weight_decay"]
         decayed = same_sign_or_zero(gate_source, master) * master
-        master.sub_(lr_eff * update + decay * decayed)
+        master.sub_(step + decay * decayed)
         _store_master(p.data, state, master)
+
+    def _orthogonalize(self, group, directions):
+        """orthogonalize() of each (rows, cols) matrix of `directions`, or of each of their row
+        blocks with row_splits (blocks of one shape batched together)."""
+        splits = group["row_splits"]
+        if splits is None:
+            return orthogonalize(directions, group["schedule"], self.ortho_dtype, self.xxt).float()
+        blocks = directions.split(splits, dim=1)
+        result = torch.empty_like(directions, dtype=torch.float32)
+        out_blocks = result.split(splits, dim=1)
+        for rows in sorted(set(splits)):
+            same = [i for i, r in enumerate(splits) if r == rows]
+            ortho = orthogonalize(torch.cat([blocks[i] for i in same]), group["schedule"], self.ortho_dtype,
+                                  self.xxt).float()
+            for i, part in zip(same, ortho.split(directions.shape[0])):
+                out_blocks[i].copy_(part)
+        return result
 
     def _update_owned(self, group, params, summed_shard, world, rank):
         """Update the matrices this rank owns from its shard of the summed gradients; returns
@@ -468,7 +509,7 @@ class Muon(torch.optim.Optimizer):
             return new_values
         directions = torch.stack([
             self._momentum_direction(group, p, summed_shard[j].float() / world) for j, p in owned])
-        orthogonal = orthogonalize(directions, group["schedule"], self.ortho_dtype, self.xxt).float()
+        orthogonal = self._orthogonalize(group, directions)
         for (j, p), update in zip(owned, orthogonal):
             self._apply(group, p, update)
             new_values[j].copy_(p.data)

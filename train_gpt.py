@@ -73,6 +73,26 @@ class Stage:
     candidates: int = 0            # sampled-softmax candidate columns; 0 = full vocabulary
     lr_mult: float = 1.0           # learning-rate multiplier for this stage
     mtp_weights_end: tuple = ()    # if given: mtp_weights move linearly to these across the stage
+    prefix_weight_end: float = None  # if given: prefix_weight moves linearly to this across the stage
+
+
+@dataclass
+class Average:
+    """One end-of-training weight average: an EMA of some parameters over the last steps,
+    blended into them after the last step, before the final validation (and on the clock)."""
+    params: str                    # which parameters: one of AVERAGED_PARAMS
+    window: int                    # sampled over the last this-many steps
+    every: int = 1                 # one sample every this-many steps, counted back from the last step
+    rate: float = 0.1              # EMA weight of each sample after the first (which seeds the average)
+    blend: float = 1.0             # at the end p <- lerp(p, average, blend); 1 replaces p
+    renormalize: bool = False      # then rescale each matrix to its Frobenius norm before any average
+
+
+# Parameter families an Average can take: the token embedding and the head; the value-embedding
+# tables; the query and key rows of each QKV weight; its value rows with the attention output
+# and both MLP matrices.
+AVERAGED_PARAMS = ("embed_head", "value_embeds", "qk", "vo_mlp")
+NORM_FLOOR = 1e-12                 # an all-zero matrix keeps its zeros when renormalized
 
 
 @dataclass
@@ -134,16 +154,20 @@ class Hyperparameters(ModelConfig):
     ])
     cooldown_start: float = 0.4    # fraction of training where the linear LR cooldown starts
     cooldown_floor: float = 0.15   # LR multiplier at the end of the cooldown
+    cooldown_end: float = 1.0      # fraction of training where the cooldown reaches the floor
+    averages: list = field(default_factory=list)  # end-of-training weight averages (Average), applied in order
     # optimizers
     optimizer: str = "anvil"       # matrix optimizer: muon | normuon | anvil | adamw (Adam for everything)
     orthogonalize: str = "auto"    # polar_express (record 89) | anvil (record 92) | auto: anvil for anvil
     matrix_lr: float = 0.05
     adamw_matrix_lr: float = 0.008 # Adam's LR for the hidden matrices when optimizer=adamw
     matrix_wd: float = 0.0
-    mlp_down_lr_scale: float = 2.0 # extra LR multiplier of the MLP output matrices (anvil)
+    mlp_down_lr_scale: float = 2.0 # extra LR multiplier of the MLP output matrices
+    qk_ortho_heads: int = 0        # 0: QKV orthogonalized as one matrix; n: queries and keys in blocks of n heads
     momentum: float = 0.95         # muon/normuon momentum after warm-up
     momentum_warmup_start: float = 0.85  # muon/normuon (anvil's Nesterov mu schedule replaces the warm-up)
     momentum_warmup_steps: int = 300     # muon/normuon: steps from the start momentum to `momentum`
+    momentum_cooldown_steps: int = 0     # muon/normuon: last steps over which momentum falls back to the start
     anvil_fast_beta: float = 0.85  # beta of the fast momentum rail
     anvil_slow_beta: float = 0.98  # beta of the slow momentum rail
     anvil_blend: float = 0.4385    # weight of the fast rail once blending starts (1.0 before)
@@ -152,12 +176,19 @@ class Hyperparameters(ModelConfig):
     anvil_mu_high: float = 0.93    # Nesterov mu in the middle
     anvil_mu_rise: float = 0.2     # fraction of training over which mu rises (240 of 1194 steps)
     anvil_mu_fall: float = 0.042   # final fraction over which mu falls back (50 of 1194 steps)
-    embed_lr: float = 0.01         # embedding, value embeddings and bigram table (and the head while tied)
+    # Adam groups; weight decay is cautious and of strength lr^2 * wd per update (optim.Adam)
+    embed_lr: float = 0.01         # token embedding (and the head while tied)
     head_lr: float = 0.008
-    scalar_lr: float = 0.04
-    adam_betas: tuple = (0.8, 0.95)
+    value_embed_lr: float = 0.01   # value embeddings and the bigram table
+    scalar_lr: float = 0.04        # scalars: residual mixes, skip weights, XSA and smear strengths
+    gate_lr: float = 0.04          # value-embedding gate matrices
+    smear_gate_lr: float = 0.04    # the smear gate's weights
+    embed_betas: tuple = (0.8, 0.95)   # embedding and head
+    value_embed_betas: tuple = (0.8, 0.95)
+    scalar_betas: tuple = (0.8, 0.95)  # scalars and gates
+    embed_wd: float = 0.0          # embedding and head
+    value_embed_wd: float = 0.0    # (scalars and gates are never decayed)
     adam_eps: float = 1e-10
-    adam_wd: float = 0.0
     adam_step_every: int = 1       # Adam updates every this-many steps, from the gradients' mean over them
     # system
     seed: int = 0
@@ -207,29 +238,85 @@ def _cpu_preset(h):
               mtp_weights=(1.0, 0.5), prefix_weight=0.25),
         Stage(end=1.0, tokens_per_rank=4096, max_doc_len=1024, short_window=2, long_window=6),
     ]
-    h.embed_lr, h.head_lr = 0.02, 0.016  # twice the recipe's: at 36-40 steps val -0.08; three times is worse
+    h.embed_lr, h.value_embed_lr, h.head_lr = 0.02, 0.02, 0.016  # twice the defaults: at 36-40 steps val -0.08; three times is worse
     h.log_every = 5
     h.compute_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     h.compile = False
 
 
+def _record89_features(h):
+    """The model features and optimizer constants that records 89 and 92 share."""
+    h.smear_gate = True
+    h.key_offset = True
+    h.xsa_layers = (1, 3, 4, 7)
+    h.paired_head_layers = (0, 2, 5, 9)
+    h.num_value_embeds, h.value_embed_layers = 0, (1, 2, 8, 9, 10)  # five tables, one per layer
+    h.value_embed_gate_reads_value = True  # gates read x[:6] and ve[:6]
+    h.embed_init_std = 0.005       # the head's init, which the tied embedding copies
+    h.yarn_scale_growth = 0.2
+    h.yarn_at_final_window = False # the final window widens, the rotary tables stay
+    h.matrix_lr, h.matrix_wd = 0.023, 1.2
+    h.qk_ortho_heads = 2           # queries and keys orthogonalized per pair of heads
+    # Adam: base LR 0.008 and decay 0.005 times per-group multipliers (the decay scales with lr^2)
+    h.embed_lr = h.head_lr = 0.008
+    h.value_embed_lr = 0.008 * 75  # value embeddings and the bigram table
+    h.scalar_lr = 0.008 * 5
+    h.gate_lr = 0.008
+    h.smear_gate_lr = 0.008 * 0.01
+    h.embed_betas, h.value_embed_betas, h.scalar_betas = (0.5, 0.95), (0.75, 0.95), (0.9, 0.99)
+    h.embed_wd, h.value_embed_wd = 0.005 * 150, 0.005 * 5
+    h.adam_step_every = 2          # Adam updates on odd steps only
+
+
 def _speedrun_preset(h):
-    """The fields' defaults, plus the records' settings whose defaults keep an earlier meaning
-    (so that a config logged before a setting existed, and the cpu preset, are unchanged). The
-    README's fidelity table compares every value with records 89 and 92."""
+    """Record 92: record 89's features and constants, record 92's schedule. The README's fidelity
+    table compares every value with records 89 and 92 and lists what is not built yet."""
+    _record89_features(h)
     h.canonical_mask = True        # record 92 validates with the canonical mask
-    h.smear_gate = True            # records 89 and 92
-    h.key_offset = True            # records 89 and 92
-    h.xsa_layers = (1, 3, 4, 7)    # record 89
-    h.paired_head_layers = (0, 2, 5, 9)  # record 89
-    h.num_value_embeds, h.value_embed_layers = 0, (1, 2, 8, 9, 10)  # record 89: five tables, one per layer
-    h.value_embed_gate_reads_value = True  # record 89: gates read x[:6] and ve[:6]
-    h.adam_step_every = 2          # record 89: Adam updates on odd steps only
-    h.embed_init_std = 0.005       # record 89: the head's init, which the tied embedding copies
-    h.yarn_scale_growth = 0.2      # record 89
-    h.yarn_at_final_window = False # record 89: the final window widens, the rotary tables stay
-    h.untie_frac = 1175 / 1194     # record 92 unties at step 1175
-    h.cooldown_start, h.cooldown_floor = 0.2, 0.30  # record 92 (record 89: 0.4, 0.15)
+    N = h.num_iterations           # 1194
+    h.stages = [                   # record 92's boundaries; the tails' batches as the public ANVIL record's
+        Stage(end=320 / N, tokens_per_rank=16_384, max_doc_len=896, short_window=1, long_window=3,
+              mtp_weights=(1.0, 0.5, 0.25), mtp_weights_end=(1.0, 0.5, 0.0), prefix_weight=0.25, lr_mult=1.0),
+        Stage(end=681 / N, tokens_per_rank=32_768, max_doc_len=2048, short_window=3, long_window=7,
+              mtp_weights=(1.0, 0.5), mtp_weights_end=(1.0, 0.0), prefix_weight=0.25, prefix_weight_end=0.0,
+              lr_mult=1.52),
+        Stage(end=1107 / N, tokens_per_rank=49_152, max_doc_len=3072, short_window=5, long_window=11,
+              lr_mult=1.73),
+        Stage(end=1175 / N, tokens_per_rank=32_768, max_doc_len=3072, short_window=5, long_window=11,
+              lr_mult=1.579),
+        Stage(end=1.0, tokens_per_rank=16_384, max_doc_len=3072, short_window=6, long_window=13),
+    ]
+    h.untie_frac = 1175 / N        # record 92 unties at step 1175, where the last tail starts
+    h.cooldown_start, h.cooldown_floor = 0.2, 0.30
+    h.averages = [                 # record 92's "ships", applied in this order
+        Average("embed_head", window=298, rate=2 / 299, blend=0.65),
+        Average("value_embeds", window=298, rate=2 / 299, blend=0.65),
+        Average("vo_mlp", window=250, every=4, rate=4 / 53),   # replaced by their tail average
+        Average("qk", window=298, every=4, rate=2 / 75, blend=0.55, renormalize=True),
+        Average("vo_mlp", window=298, every=4, rate=2 / 75, blend=0.3493, renormalize=True),
+    ]
+
+
+def _record89_preset(h):
+    """Record 89, the control run: 1270 scheduled steps in three equal stages plus 15 at the final
+    windows and LR, NorMuon with Polar Express, the cooldown from 40% of the scheduled steps to 0.15."""
+    _record89_features(h)
+    h.num_iterations = N = 1270 + 15
+    h.stages = [
+        Stage(end=423 / N, tokens_per_rank=16_384, max_doc_len=896, short_window=1, long_window=3,
+              mtp_weights=(1.0, 0.5, 0.25), mtp_weights_end=(1.0, 0.5, 0.0), prefix_weight=0.25, lr_mult=1.0),
+        Stage(end=847 / N, tokens_per_rank=32_768, max_doc_len=2048, short_window=3, long_window=7,
+              mtp_weights=(1.0, 0.5), mtp_weights_end=(1.0, 0.0), prefix_weight=0.25, prefix_weight_end=0.0,
+              lr_mult=1.52),      # (16/8)^0.6
+        Stage(end=1270 / N, tokens_per_rank=49_152, max_doc_len=2048, short_window=5, long_window=11,
+              lr_mult=1.73),      # (24/8)^0.5
+        Stage(end=1.0, tokens_per_rank=49_152, max_doc_len=2048, short_window=6, long_window=13),
+    ]
+    h.untie_frac = (847 + 0.5) / N  # untie at step 847, the first of the third stage
+    h.cooldown_start, h.cooldown_end, h.cooldown_floor = 508 / N, 1270 / N, 0.15
+    h.optimizer, h.orthogonalize = "normuon", "polar_express"
+    h.momentum, h.momentum_warmup_start, h.momentum_warmup_steps, h.momentum_cooldown_steps = 0.95, 0.85, 300, 50
+    h.bigram_rows = 50304 * 15 // 2  # 377,280
 
 
 def _one_gpu_preset(h):
@@ -237,7 +324,7 @@ def _one_gpu_preset(h):
     h.track = "none"               # the same dynamics as speedrun, but not an 8xH100 record
 
 
-PRESETS = {"speedrun": _speedrun_preset, "1gpu": _one_gpu_preset, "cpu": _cpu_preset}
+PRESETS = {"speedrun": _speedrun_preset, "1gpu": _one_gpu_preset, "cpu": _cpu_preset, "record89": _record89_preset}
 
 
 class ConfigError(Exception):
@@ -265,11 +352,27 @@ def _parse_value(key, text, current):
         raise ConfigError(f"--{key} expects JSON (a list), got {text!r}") from None
 
 
+# Keys of configs logged before Adam's groups had their own betas and decay -> the keys that replaced them.
+LEGACY_KEYS = {"adam_betas": ("embed_betas", "value_embed_betas", "scalar_betas"),
+               "adam_wd": ("embed_wd", "value_embed_wd")}
+
+
+def _upgrade_legacy_keys(d):
+    """A logged config in today's keys: a legacy key's value goes to every key that replaced it
+    (the scalars were decayed with the embeddings then; adam_wd was 0 in every preset)."""
+    d = dict(d)
+    for old, new_keys in LEGACY_KEYS.items():
+        if old in d:
+            value = d.pop(old)
+            d.update({key: value for key in new_keys if key not in d})
+    return d
+
+
 def config_from_dict(d):
     """A Hyperparameters from a resolved-config dict (as written into a log)."""
     if not isinstance(d, dict):
         raise ConfigError(f"a config must be a JSON object of key: value, got {type(d).__name__}")
-    d = {k: v for k, v in d.items() if k not in LOG_ONLY_KEYS}
+    d = _upgrade_legacy_keys({k: v for k, v in d.items() if k not in LOG_ONLY_KEYS})
     known = {f.name for f in dataclasses.fields(Hyperparameters)}
     unknown = sorted(set(d) - known)
     if unknown:
@@ -297,6 +400,38 @@ def _stage(value):
     return stage
 
 
+AVERAGE_FIELDS = [f.name for f in dataclasses.fields(Average)]
+
+
+def _average(value):
+    """An Average from an Average or a JSON object; ConfigError naming what is wrong."""
+    if isinstance(value, Average):
+        return value
+    try:
+        return Average(**value)
+    except TypeError:
+        raise ConfigError(f"--averages: {json.dumps(value)} is not an average; an average is a JSON object with "
+                          f"keys {AVERAGE_FIELDS} (params and window required)") from None
+
+
+def _check_averages(averages):
+    for i, a in enumerate(averages):
+        def refuse(what):
+            raise ConfigError(f"--averages: average {i} ({a.params}) {what}")
+        if a.params not in AVERAGED_PARAMS:
+            refuse(f"has params={a.params!r}: expects one of {', '.join(AVERAGED_PARAMS)}")
+        if not _number(a.window, integer=True) or a.window < 1:
+            refuse(f"has window={a.window!r}: expects a number of steps >= 1")
+        if not _number(a.every, integer=True) or a.every < 1:
+            refuse(f"has every={a.every!r}: expects a number of steps >= 1")
+        if not _number(a.rate) or not 0 < a.rate <= 1:
+            refuse(f"has rate={a.rate!r}: expects an EMA weight in (0, 1]")
+        if not _number(a.blend) or not 0 <= a.blend <= 1:
+            refuse(f"has blend={a.blend!r}: expects a weight in [0, 1]")
+        if not isinstance(a.renormalize, bool):
+            refuse(f"has renormalize={a.renormalize!r}: expects true or false")
+
+
 def _sequence(key, value):
     if not isinstance(value, (list, tuple)):
         raise ConfigError(f"--{key}={json.dumps(value)}: expects a JSON list, e.g. --{key}=[1,2]")
@@ -308,8 +443,11 @@ def normalize_config(h):
     if not isinstance(h.stages, (list, tuple)) or not h.stages:
         raise ConfigError(f"--stages: expects a non-empty JSON list of stages, got {json.dumps(h.stages)}")
     h.stages = [_stage(s) for s in h.stages]
+    if not isinstance(h.averages, (list, tuple)):
+        raise ConfigError(f"--averages: expects a JSON list of averages, got {json.dumps(h.averages)}")
+    h.averages = [_average(a) for a in h.averages]
     for key in ("long_window_layers", "attention_free_layers", "xsa_layers", "value_embed_layers",
-                "paired_head_layers", "adam_betas"):
+                "paired_head_layers") + BETAS_KEYS:
         setattr(h, key, _sequence(key, getattr(h, key)))
     if h.orthogonalize == "auto":
         h.orthogonalize = "anvil" if h.optimizer == "anvil" else "polar_express"
@@ -349,13 +487,16 @@ NUMERIC_RULES = [
     ("untie_frac", float, 0.0, 1.0, "a fraction of training in [0, 1]"),
     ("cooldown_start", float, 0.0, 1.0, "a fraction of training in [0, 1]"),
     ("cooldown_floor", float, 0.0, 1.0, "an LR multiplier in [0, 1]"),
+    ("cooldown_end", float, 1e-9, 1.0, "a fraction of training in (0, 1], after cooldown_start"),
     ("matrix_lr", float, 0.0, None, "a learning rate >= 0"),
     ("adamw_matrix_lr", float, 0.0, None, "a learning rate >= 0"),
     ("matrix_wd", float, 0.0, None, "a weight decay >= 0"),
     ("mlp_down_lr_scale", float, 0.0, None, "an LR multiplier >= 0"),
+    ("qk_ortho_heads", int, 0, None, "0 (QKV as one matrix) or a number of heads that divides num_heads"),
     ("momentum", float, 0.0, 1.0, "a momentum in [0, 1]"),
     ("momentum_warmup_start", float, 0.0, 1.0, "a momentum in [0, 1]"),
     ("momentum_warmup_steps", int, 0, None, "0 or more steps"),
+    ("momentum_cooldown_steps", int, 0, None, "0 or more steps"),
     ("anvil_fast_beta", float, 0.0, 1.0, "a beta in [0, 1]"),
     ("anvil_slow_beta", float, 0.0, 1.0, "a beta in [0, 1]"),
     ("anvil_blend", float, 0.0, 1.0, "a weight in [0, 1]"),
@@ -366,9 +507,13 @@ NUMERIC_RULES = [
     ("anvil_mu_fall", float, 1e-9, 1.0, "a fraction of training in (0, 1]"),
     ("embed_lr", float, 0.0, None, "a learning rate >= 0"),
     ("head_lr", float, 0.0, None, "a learning rate >= 0"),
+    ("value_embed_lr", float, 0.0, None, "a learning rate >= 0"),
     ("scalar_lr", float, 0.0, None, "a learning rate >= 0"),
+    ("gate_lr", float, 0.0, None, "a learning rate >= 0"),
+    ("smear_gate_lr", float, 0.0, None, "a learning rate >= 0"),
+    ("embed_wd", float, 0.0, None, "a weight decay >= 0"),
+    ("value_embed_wd", float, 0.0, None, "a weight decay >= 0"),
     ("adam_eps", float, 0.0, None, "an epsilon >= 0"),
-    ("adam_wd", float, 0.0, None, "a weight decay >= 0"),
     ("adam_step_every", int, 1, None, "a positive number of steps"),
     ("seed", int, 0, 2**63 - 1, "a whole number in [0, 2^63)"),
     ("warmup_steps", int, 0, None, "0 or more steps"),
@@ -387,6 +532,7 @@ CHOICE_RULES = [
 BOOL_KEYS = ("compile", "fp8_mlp", "sync_check", "save_checkpoint", "canonical_mask", "smear_gate",
              "key_offset", "yarn_at_final_window", "value_embed_gate_reads_value")
 NONEMPTY_STRING_KEYS = ("train_files", "val_files", "log_dir")
+BETAS_KEYS = ("embed_betas", "value_embed_betas", "scalar_betas")
 
 
 def _refuse(key, value, allowed):
@@ -414,9 +560,16 @@ def check_config(h):
         if not isinstance(getattr(h, key), str) or not getattr(h, key):
             _refuse(key, getattr(h, key), "a non-empty path")
     check_model_config(h)
-    if len(h.adam_betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in h.adam_betas):
-        _refuse("adam_betas", list(h.adam_betas), "two numbers in [0, 1), e.g. [0.8, 0.95]")
+    if h.cooldown_end <= h.cooldown_start < 1.0:
+        _conflict(h, ("cooldown_start", "cooldown_end"), "the cooldown must end after it starts")
+    if h.qk_ortho_heads and h.num_heads % h.qk_ortho_heads:
+        _conflict(h, ("qk_ortho_heads", "num_heads"), "the query and key blocks must split the heads evenly")
+    for key in BETAS_KEYS:
+        betas = getattr(h, key)
+        if len(betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in betas):
+            _refuse(key, list(betas), "two numbers in [0, 1), e.g. [0.8, 0.95]")
     _check_stages(h.stages)
+    _check_averages(h.averages)
 
 
 SMEAR_GATE_DIMS = 12               # the smear gate reads the first this-many dims of a token's embedding
@@ -497,6 +650,8 @@ def _check_stages(stages):
                       f"{len(s.mtp_weights)} weights >= 0, one per mtp_weights entry")
         if not _number(s.prefix_weight) or s.prefix_weight < 0:
             refuse(i, f"has prefix_weight={s.prefix_weight!r}: expects a weight >= 0")
+        if s.prefix_weight_end is not None and (not _number(s.prefix_weight_end) or s.prefix_weight_end < 0):
+            refuse(i, f"has prefix_weight_end={s.prefix_weight_end!r}: expects null (constant) or a weight >= 0")
         if not _number(s.candidates, integer=True) or not (s.candidates == 0 or 1 <= s.candidates <= PADDED_VOCAB_SIZE):
             refuse(i, f"has candidates={s.candidates!r}: expects 0 (full vocabulary) or 1 to {PADDED_VOCAB_SIZE}")
         if not _number(s.lr_mult) or s.lr_mult < 0:
@@ -1285,15 +1440,21 @@ def stage_index(h, step):
 
 
 def lr_multiplier(h, step):
-    """Stage multiplier times a linear cooldown from cooldown_start to cooldown_floor at the end."""
-    frac = step / h.num_iterations
-    cool = 1.0 if frac < h.cooldown_start else (
-        1.0 - (frac - h.cooldown_start) / (1.0 - h.cooldown_start) * (1.0 - h.cooldown_floor))
-    return h.stages[stage_index(h, step)].lr_mult * cool
+    """The stage's multiplier until cooldown_start, then linearly from it to cooldown_floor at
+    cooldown_end (fractions of training), then the floor."""
+    frac, mult = step / h.num_iterations, h.stages[stage_index(h, step)].lr_mult
+    if frac < h.cooldown_start:
+        return mult
+    t = min((frac - h.cooldown_start) / (h.cooldown_end - h.cooldown_start), 1.0)
+    return mult + (h.cooldown_floor - mult) * t
 
 
 def matrix_momentum(h, step):
+    """muon/normuon momentum: from momentum_warmup_start up to `momentum` over the warm-up steps,
+    and back down over the last momentum_cooldown_steps."""
     frac = min(step / max(h.momentum_warmup_steps, 1), 1.0)
+    if h.momentum_cooldown_steps:
+        frac = min(frac, (h.num_iterations - step) / h.momentum_cooldown_steps)
     return (1 - frac) * h.momentum_warmup_start + frac * h.momentum
 
 
@@ -1315,7 +1476,9 @@ def target_weights(stage, device, progress=0.0):
     at the stage's first step toward mtp_weights_end at its end (constant without an end)."""
     end = stage.mtp_weights_end or stage.mtp_weights
     mtp = [a + (b - a) * progress for a, b in zip(stage.mtp_weights, end)]
-    w = mtp + [0.0] * (MAX_TARGETS - 1 - len(mtp)) + [stage.prefix_weight]
+    prefix_end = stage.prefix_weight if stage.prefix_weight_end is None else stage.prefix_weight_end
+    prefix = stage.prefix_weight + (prefix_end - stage.prefix_weight) * progress
+    w = mtp + [0.0] * (MAX_TARGETS - 1 - len(mtp)) + [prefix]
     return torch.tensor(w, dtype=torch.float32, device=device)
 
 
@@ -1330,6 +1493,72 @@ def step_target_weights(h, device):
 def untie_step(h):
     """The first step at which lm_head is its own parameter."""
     return int(h.untie_frac * h.num_iterations)
+
+
+def averaged_pieces(model, params):
+    """(name, tensor) of each matrix of a parameter family (AVERAGED_PARAMS), as views of the
+    weights, so that writing into one writes the weights. "head" is the head as the model uses
+    it: the embedding while tied (so its average starts as the embedding's), lm_head after."""
+    if params == "embed_head":
+        return [("embed", model.embed.weight.data), ("head", model.head_weight().data)]
+    if params == "value_embeds":
+        return [(f"value_embed{i}", ve.weight.data) for i, ve in enumerate(model.value_embeds)]
+    pieces = []
+    for i, block in enumerate(model.blocks):
+        attn = block.attn
+        qk_rows = 2 * attn.num_heads * attn.head_dim if attn is not None else 0
+        if params == "qk" and attn is not None:
+            pieces.append((f"qk{i}", attn.qkv.data[:qk_rows]))
+        elif params == "vo_mlp":
+            if attn is not None:
+                pieces += [(f"v{i}", attn.qkv.data[qk_rows:]), (f"out{i}", attn.out.data)]
+            pieces += [(f"mlp_up{i}", block.mlp.up.data), (f"mlp_down{i}", block.mlp.down.data)]
+    return pieces
+
+
+class WeightAverages:
+    """The end-of-training weight averages of a run (h.averages): sample() after each step's
+    update keeps an fp32 EMA per matrix over each average's window, ship() blends them into the
+    weights after the last step. A tied head is not written: the embedding is the head."""
+
+    def __init__(self, averages, model, num_iterations):
+        self.averages, self.model, self.N = averages, model, num_iterations
+        self.ema = [dict() for _ in averages]
+
+    def samples_at(self, average, step):
+        return step >= self.N - average.window and (self.N - 1 - step) % average.every == 0
+
+    @torch.no_grad()
+    def sample(self, step):
+        for average, ema in zip(self.averages, self.ema):
+            if not self.samples_at(average, step):
+                continue
+            for name, weight in averaged_pieces(self.model, average.params):
+                if name not in ema:
+                    ema[name] = weight.to(torch.float32, copy=True)
+                else:
+                    ema[name].lerp_(weight.float(), average.rate)
+
+    @torch.no_grad()
+    def ship(self):
+        """Blend every average into its weights, in order; then rescale the matrices of averages
+        with renormalize to the Frobenius norms they had before any blend. Returns the number of
+        blends."""
+        def shipped(average, ema):
+            return [(name, weight) for name, weight in averaged_pieces(self.model, average.params)
+                    if name in ema and not (name == "head" and self.model.tied)]
+        norms = {name: weight.float().norm() for average, ema in zip(self.averages, self.ema)
+                 if average.renormalize for name, weight in shipped(average, ema)}
+        blends = 0
+        for average, ema in zip(self.averages, self.ema):
+            for name, weight in shipped(average, ema):
+                weight.copy_(torch.lerp(weight.float(), ema[name], average.blend))
+                blends += 1
+        for average, ema in zip(self.averages, self.ema):
+            for name, weight in shipped(average, ema):
+                if name in norms:
+                    weight.copy_(weight.float() * (norms.pop(name) / weight.float().norm().clamp_min(NORM_FLOOR)))
+        return blends
 
 
 def attention_windows(h, step, final_validation=False):
@@ -1565,28 +1794,56 @@ def is_gate(name):
     return name.endswith("_gate")
 
 
-def build_optimizers(h, model, fns):
-    """Adam for embeddings, head and scalars; the Muon family (or Adam) for the hidden matrices,
-    orthogonalized in bf16 with the Triton X X^T wherever the Triton kernels run."""
-    matrices = [p for name, p in model.blocks.named_parameters() if p.ndim == 2 and not is_gate(name)]
-    scalars = [p for name, p in model.named_parameters() if p.ndim < 2 or is_gate(name)]
-    embeds = [model.embed.weight, model.bigram.weight] + [ve.weight for ve in model.value_embeds]
-    adam_groups = [
-        dict(params=embeds, lr=h.embed_lr, name="embed"),
-        dict(params=[model.lm_head], lr=h.head_lr, name="lm_head"),
-        dict(params=scalars, lr=h.scalar_lr, name="scalars"),
+def adam_groups(h, model):
+    """Adam's parameter groups, each with its LR, betas and (cautious, lr^2-scaled) weight decay.
+    The head shares the embedding's betas and decay: it starts as a copy of the embedding."""
+    gates = [p for name, p in model.named_parameters() if is_gate(name) and name != "smear_gate"]
+    scalars = [p for name, p in model.named_parameters() if p.ndim < 2]
+    value_embeds = [model.bigram.weight] + [ve.weight for ve in model.value_embeds]
+    groups = [
+        dict(name="embed", params=[model.embed.weight], lr=h.embed_lr, betas=h.embed_betas, weight_decay=h.embed_wd),
+        dict(name="lm_head", params=[model.lm_head], lr=h.head_lr, betas=h.embed_betas, weight_decay=h.embed_wd),
+        dict(name="value_embeds", params=value_embeds, lr=h.value_embed_lr, betas=h.value_embed_betas,
+             weight_decay=h.value_embed_wd),
+        dict(name="scalars", params=scalars, lr=h.scalar_lr, betas=h.scalar_betas, weight_decay=0.0),
+        dict(name="gates", params=gates, lr=h.gate_lr, betas=h.scalar_betas, weight_decay=0.0),
     ]
+    if model.smear_gate is not None:
+        groups.append(dict(name="smear_gate", params=[model.smear_gate], lr=h.smear_gate_lr, betas=h.scalar_betas,
+                           weight_decay=0.0))
+    return [g for g in groups if g["params"]]
+
+
+def qkv_row_splits(h):
+    """How the Muon family splits a packed (3 x heads x head_dim, model_dim) QKV weight into
+    matrices it orthogonalizes separately: the whole, or (qk_ortho_heads > 0) the queries and the
+    keys in blocks of that many heads and the values as one block."""
+    inner = h.num_heads * h.head_dim
+    if h.qk_ortho_heads == 0:
+        return None
+    block = h.qk_ortho_heads * h.head_dim
+    return (block,) * (2 * inner // block) + (inner,)
+
+
+def build_optimizers(h, model, fns):
+    """Adam for embeddings, head, gates and scalars; the Muon family (or Adam) for the hidden
+    matrices, orthogonalized in bf16 with the Triton X X^T wherever the Triton kernels run."""
+    matrices = [p for name, p in model.blocks.named_parameters() if p.ndim == 2 and not is_gate(name)]
+    groups = adam_groups(h, model)
     if h.optimizer == "adamw":
-        adam_groups.append(dict(params=matrices, lr=h.adamw_matrix_lr, name="matrices"))
-    adam = optim.Adam(adam_groups, lr=h.embed_lr, betas=h.adam_betas, eps=h.adam_eps, weight_decay=h.adam_wd,
-                      step_every=h.adam_step_every)
+        groups.append(dict(name="matrices", params=matrices, lr=h.adamw_matrix_lr, betas=h.embed_betas,
+                           weight_decay=0.0))
+    adam = optim.Adam(groups, eps=h.adam_eps, step_every=h.adam_step_every)
     if h.optimizer == "adamw":
         return [adam]
     mlp_down = [block.mlp.down for block in model.blocks]
-    others = [p for p in matrices if all(p is not q for q in mlp_down)]
-    down_scale = h.mlp_down_lr_scale if h.optimizer == "anvil" else 1.0
-    muon = optim.Muon([dict(params=others, name="matrices"),
-                       dict(params=mlp_down, lr_scale=down_scale, name="mlp_down")],
+    qkv = [block.attn.qkv for block in model.blocks if block.attn is not None]
+    others = [p for p in matrices if all(p is not q for q in mlp_down + qkv)]
+    muon_groups = [dict(params=others, name="matrices"),
+                   dict(params=mlp_down, lr_scale=h.mlp_down_lr_scale, name="mlp_down")]
+    if qkv:
+        muon_groups.append(dict(params=qkv, row_splits=qkv_row_splits(h), name="qkv"))
+    muon = optim.Muon(muon_groups,
                       lr=h.matrix_lr, momentum=h.momentum, weight_decay=h.matrix_wd,
                       schedule=h.orthogonalize, variant=h.optimizer,
                       fast_beta=h.anvil_fast_beta, slow_beta=h.anvil_slow_beta,
@@ -1640,6 +1897,7 @@ class Trainer:
         self.step_weights = step_target_weights(h, env.device)
         self.weights = self.step_weights[0].clone()  # this step's row: one tensor the model always reads
         self.train_time_ms = 0.0
+        self.averages = WeightAverages(h.averages, self.model, h.num_iterations)
         self.advance_to(0)
 
     def needs_warm_up(self):
@@ -1859,6 +2117,8 @@ def train(h, env, log):
         for step in range(N + 1):
             log.progress = f"at step {step}/{N}"
             last = step == N
+            if last and h.averages:
+                shipped = trainer.averages.ship()
             if last or (h.val_every and step % h.val_every == 0 and step > 0):
                 synchronize(env.device)
                 trainer.train_time_ms += 1000 * (time.perf_counter() - t0)
@@ -1876,6 +2136,7 @@ def train(h, env, log):
             slices = batches.get(step)
             with host_syncs_are_errors(h.sync_check and env.device.type == "cuda"):
                 loss = trainer.train_step(step, slices)
+            trainer.averages.sample(step)
             if step % h.log_every == 0 or step == N - 1:
                 if env.world_size > 1:
                     dist.all_reduce(loss)
@@ -1884,6 +2145,8 @@ def train(h, env, log):
             write_loss_lines(log, losses.ready(), N)
     finally:
         batches.close()
+    if h.averages:
+        log.write(f"averages: {shipped} blends into the weights before the final validation", echo=True)
     timed_graphs = compiled_graphs() - graphs_before_timing
     log.write(f"compile: {warm_graphs} graphs in the warm-up, {timed_graphs} in the timed run", echo=True)
     if timed_graphs:

@@ -35,15 +35,18 @@ ADAM_EPS = 0.05  # comparable to the gradients, so Adam's update depends on thei
 
 
 def muon_params():
-    """Matrix banks: an odd count of one shape, a tall shape, a bf16 bank, and a lone matrix in
-    a second group (with an extra LR multiplier) that only one rank owns."""
+    """Matrix banks: an odd count of one shape, a tall shape, a bf16 bank, a lone matrix in
+    a second group (with an extra LR multiplier) that only one rank owns, and packed matrices
+    orthogonalized by row blocks in a third."""
     gen = torch.Generator().manual_seed(PARAM_SEED)
     bank = [torch.randn(16, 24, generator=gen) for _ in range(3)]
     tall = [torch.randn(24, 16, generator=gen) for _ in range(2)]
     bf16 = [torch.randn(16, 16, generator=gen).bfloat16() for _ in range(2)]
     lone = [torch.randn(16, 48, generator=gen) / 4]
+    packed = [torch.randn(20, 16, generator=gen) for _ in range(2)]
     main = [torch.nn.Parameter(t) for t in bank + tall + bf16]
-    return [{"params": main}, {"params": [torch.nn.Parameter(t) for t in lone], "lr_scale": 2.0}]
+    return [{"params": main}, {"params": [torch.nn.Parameter(t) for t in lone], "lr_scale": 2.0},
+            {"params": [torch.nn.Parameter(t) for t in packed], "row_splits": (4, 4, 12)}]
 
 
 def adam_params():

@@ -82,7 +82,7 @@ BAD_CONFIGS = [
     ("--stages=not json", ["--stages=not json"], r"--stages expects JSON \(a list\), got 'not json'"),
     ("a last stage ending before 1", ['--stages=[{"end":0.5,"tokens_per_rank":512,"max_doc_len":256,'
                                       '"short_window":1,"long_window":2}]'], r"the last stage must end at 1\.0"),
-    ("--adam_betas=[0.9]", ["--adam_betas=[0.9]"], r"--adam_betas=\[0\.9\] is not allowed: expects two numbers"),
+    ("--embed_betas=[0.9]", ["--embed_betas=[0.9]"], r"--embed_betas=\[0\.9\] is not allowed: expects two numbers"),
     ("--seed=1e23", ["--seed=1e23"], r"--seed expects a whole number, got '1e23'"),
     ("--matrix_lr=nan", ["--matrix_lr=nan"], r"--matrix_lr=NaN is not allowed: expects a learning rate >= 0"),
     ("--orthogonalize=foo", ["--orthogonalize=foo"], r'--orthogonalize="foo" is not allowed: expects one of'),

@@ -305,6 +305,27 @@ def test_muon_steps_match_reference(variant, schedule, equalize, shape):
     assert (p.data - theta0).abs().max() > 0.05
 
 
+@pytest.mark.parametrize("variant,schedule", [("normuon", "polar_express"), ("anvil", "anvil")])
+def test_muon_row_splits_equal_muon_on_each_block(variant, schedule):
+    """A packed (10, 6) matrix split into row blocks 2 + 2 + 6: each block steps exactly as the
+    reference on that block alone (its own orthogonalization, lanes and shape multiplier)."""
+    splits = (2, 2, 6)
+    gen = torch.Generator().manual_seed(23)
+    theta0 = torch.randn(sum(splits), 6, generator=gen)
+    grads = [torch.randn(theta0.shape, generator=gen) for _ in range(3)]
+    blocks = [reference_muon(t, [g.split(splits)[i] for g in grads], variant, schedule, True, MUON_HP)
+              for i, t in enumerate(theta0.split(splits))]
+    expected = [torch.cat([b[step] for b in blocks]) for step in range(len(grads))]
+    p = torch.nn.Parameter(theta0.clone())
+    opt = optim.Muon([dict(params=[p], row_splits=list(splits))], schedule=schedule, variant=variant, **MUON_HP)
+    for g, want in zip(grads, expected):
+        p.grad = g.clone()
+        opt.step()
+        torch.testing.assert_close(p.data.double(), want, rtol=0, atol=2e-6)
+    whole = reference_muon(theta0, grads, variant, schedule, True, MUON_HP)[-1]
+    assert (whole - expected[-1]).abs().max() > 1e-3      # splitting changes the step
+
+
 def test_muon_rejects_bad_configuration():
     matrix = torch.nn.Parameter(torch.randn(4, 4))
     with pytest.raises(optim.OptimConfigError, match="variant"):
@@ -317,6 +338,8 @@ def test_muon_rejects_bad_configuration():
         optim.Muon([torch.nn.Parameter(torch.randn(4))])
     with pytest.raises(optim.OptimConfigError, match="float32 or bfloat16"):
         optim.Muon([torch.nn.Parameter(torch.randn(4, 4).half())])
+    with pytest.raises(optim.OptimConfigError, match="row_splits"):
+        optim.Muon([dict(params=[matrix], row_splits=[2, 1])])
 
 
 def test_muon_sets_initial_lr_and_skips_matrices_without_grad():
@@ -390,7 +413,7 @@ def train(opt, params, grads):
         opt.step()
 
 
-@pytest.mark.parametrize("kind", ["anvil", "adam"])
+@pytest.mark.parametrize("kind", ["anvil", "anvil_row_splits", "adam"])
 def test_state_dict_resume_matches_uninterrupted_run(kind):
     """Saving after 2 steps and resuming a fresh optimizer gives the same weights as running on;
     the fp32 moments and int16 sidecar of bf16 parameters keep their dtypes through loading."""
@@ -401,7 +424,9 @@ def test_state_dict_resume_matches_uninterrupted_run(kind):
     def make(params):
         if kind == "adam":
             return optim.Adam(params, lr=0.01, weight_decay=1.0, step_every=2)
-        return optim.Muon(params, lr=0.02, weight_decay=1.0, schedule="anvil", variant="anvil")
+        splits = dict(anvil=None, anvil_row_splits=[48, 16])[kind]
+        return optim.Muon([dict(params=[params[0]]), dict(params=[params[1]], row_splits=splits)],
+                          lr=0.02, weight_decay=1.0, schedule="anvil", variant="anvil")
 
     straight = [torch.nn.Parameter(t.clone()) for t in init]
     train(make(straight), straight, grads)
@@ -415,6 +440,7 @@ def test_state_dict_resume_matches_uninterrupted_run(kind):
     assert state["mantissa"].dtype == torch.int16
     assert all(v.dtype == torch.float32 for k, v in state.items()
                if torch.is_tensor(v) and k != "mantissa")
+    assert all(v.dtype == torch.float32 for v in state.get("lane_second_moment", []))
     train(second, resumed, grads[2:])
     for a, b in zip(straight, resumed):
         assert torch.equal(a.data, b.data)

@@ -278,6 +278,25 @@ def test_speedrun_preset_takes_the_records_constants():
     assert (h.smear_gate, h.key_offset, h.xsa_layers, h.attention_free_layers) == (True, True, (1, 3, 4, 7), (6,))
     assert h.paired_head_layers == (0, 2, 5, 9)
     assert h.canonical_mask
+    assert (h.matrix_lr, h.matrix_wd, h.qk_ortho_heads) == (0.023, 1.2, 2)              # record 89
+    assert tg.steps_per_stage(h) == [320, 361, 426, 68, 19]                              # record 92
+    assert [s.lr_mult for s in h.stages] == [1.0, 1.52, 1.73, 1.579, 1.0]                # record 92
+    assert (h.embed_betas, h.value_embed_betas, h.scalar_betas) == ((0.5, 0.95), (0.75, 0.95), (0.9, 0.99))
+    assert (h.value_embed_lr, h.embed_wd, h.value_embed_wd) == pytest.approx((0.6, 0.75, 0.025))
+
+
+def test_record89_preset_takes_its_schedule():
+    h = tg.parse_config(["--preset", "record89"])
+    assert h.num_iterations == 1285 and tg.steps_per_stage(h) == [423, 424, 423, 15]
+    assert tg.untie_step(h) == 847
+    assert (h.optimizer, h.orthogonalize, h.bigram_rows, h.canonical_mask) == ("normuon", "polar_express", 377_280,
+                                                                             False)
+    lr = [tg.lr_multiplier(h, s) for s in (507, 508, 1270, 1284)]
+    assert lr == pytest.approx([1.52, 1.52, 0.15, 0.15])
+    assert tg.lr_multiplier(h, 1269) == pytest.approx(1.73 + (0.15 - 1.73) * 761 / 762)
+    assert [tg.matrix_momentum(h, s) for s in (0, 300, 1235, 1284)] == pytest.approx([0.85, 0.95, 0.95, 0.85 + 0.1 / 50])
+    weights = tg.step_target_weights(h, "cpu")
+    assert weights[423].tolist() == [1.0, 0.5, 0.0, 0.25] and weights[846, -1] == pytest.approx(0.25 / 424)
 
 
 def test_yarn_growth_slows_only_low_frequencies():
@@ -340,6 +359,8 @@ def test_the_model_is_built_from_its_own_config():
      ["value_embed_gate_reads_value", "value_embed_gate_dim"]),
     (["--xsa_layers=[1]"], ["xsa_layers", "attention_free_layers"]),
     (["--smear_gate=true", "--model_dim=8", "--value_embed_gate_dim=4"], ["smear_gate", "model_dim"]),
+    (["--qk_ortho_heads=3", "--num_heads=2"], ["qk_ortho_heads", "num_heads"]),
+    (["--cooldown_start=0.5", "--cooldown_end=0.4"], ["cooldown_start", "cooldown_end"]),
 ])
 def test_a_model_config_that_cannot_be_built_is_refused_naming_its_keys(args, keys):
     with pytest.raises(tg.ConfigError) as refused:
@@ -465,6 +486,115 @@ def test_optimizer_groups_cover_every_parameter_once(optimizer):
     assert h.orthogonalize == ("anvil" if optimizer == "anvil" else "polar_express")
 
 
+def test_adam_groups_take_their_own_lr_betas_and_decay():
+    h = tiny_config(["--smear_gate=true", "--embed_lr=0.1", "--head_lr=0.2", "--value_embed_lr=0.3",
+                     "--scalar_lr=0.4", "--gate_lr=0.5", "--smear_gate_lr=0.6", "--embed_betas=[0.5,0.95]",
+                     "--value_embed_betas=[0.75,0.95]", "--scalar_betas=[0.9,0.99]", "--embed_wd=0.75",
+                     "--value_embed_wd=0.025"])
+    model = tiny_model(h)
+    adam = tg.build_optimizers(h, model, tg.select_kernels(h, torch.device("cpu")))[0]
+    got = {g["name"]: (g["lr"], tuple(g["betas"]), g["weight_decay"], len(g["params"])) for g in adam.param_groups}
+    tables = 1 + len(model.value_embeds)                          # the bigram table and the value embeddings
+    gates = sum(b.attn is not None and b.attn.ve_gate is not None for b in model.blocks)
+    assert got == {"embed": (0.1, (0.5, 0.95), 0.75, 1), "lm_head": (0.2, (0.5, 0.95), 0.75, 1),
+                   "value_embeds": (0.3, (0.75, 0.95), 0.025, tables),
+                   "scalars": (0.4, (0.9, 0.99), 0.0, sum(p.ndim < 2 for p in model.parameters())),
+                   "gates": (0.5, (0.9, 0.99), 0.0, gates), "smear_gate": (0.6, (0.9, 0.99), 0.0, 1)}
+
+
+def test_a_config_logged_with_one_betas_and_decay_for_all_of_adam_still_loads():
+    d = tg.config_to_dict(tiny_config())
+    for key in tg.BETAS_KEYS + ("embed_wd", "value_embed_wd"):
+        del d[key]
+    h = tg.config_from_dict({**d, "adam_betas": [0.7, 0.9], "adam_wd": 0.5})
+    assert (h.embed_betas, h.value_embed_betas, h.scalar_betas) == ((0.7, 0.9),) * 3
+    assert (h.embed_wd, h.value_embed_wd) == (0.5, 0.5)
+
+
+def test_qkv_is_orthogonalized_as_query_and_key_blocks_of_heads_and_one_value_block():
+    h = tiny_config(["--num_heads=4", "--head_dim=32", "--qk_ortho_heads=2"])
+    assert tg.qkv_row_splits(h) == (64, 64, 64, 64, 128)
+    model = tiny_model(h)
+    muon = tg.build_optimizers(h, model, tg.select_kernels(h, torch.device("cpu")))[1]
+    qkv = next(g for g in muon.param_groups if g["name"] == "qkv")
+    assert qkv["row_splits"] == (64, 64, 64, 64, 128) and len(qkv["params"]) == sum(b.attn is not None for b in model.blocks)
+    assert tg.qkv_row_splits(tiny_config()) is None
+
+
+def test_lr_cools_from_the_stage_multiplier_to_the_floor():
+    """As the records schedule it: the stage's multiplier until the cooldown starts, then a
+    straight line to the floor (not the multiplier times the floor) at cooldown_end."""
+    stages = ('--stages=[{"end":0.5,"tokens_per_rank":512,"max_doc_len":256,"short_window":1,"long_window":2},'
+              '{"end":1.0,"tokens_per_rank":512,"max_doc_len":256,"short_window":1,"long_window":2,"lr_mult":2.0}]')
+    h = tiny_config([stages, "--num_iterations=10", "--cooldown_start=0.6", "--cooldown_end=0.8",
+                     "--cooldown_floor=0.3"])
+    lrs = [tg.lr_multiplier(h, step) for step in range(10)]
+    assert lrs == pytest.approx([1, 1, 1, 1, 1, 2, 2, 2 + (0.3 - 2) / 2, 0.3, 0.3])
+
+
+def test_muon_momentum_warms_up_and_cools_down():
+    h = tiny_config(["--num_iterations=100", "--momentum_warmup_steps=10", "--momentum_cooldown_steps=20",
+                     "--momentum_warmup_start=0.85", "--momentum=0.95"])
+    assert [tg.matrix_momentum(h, s) for s in (0, 5, 10, 80, 90, 99)] == pytest.approx(
+        [0.85, 0.90, 0.95, 0.95, 0.90, 0.85 + 0.1 / 20])
+
+
+def test_prefix_weight_moves_linearly_within_a_stage():
+    stages = ('--stages=[{"end":1.0,"tokens_per_rank":512,"max_doc_len":256,"short_window":1,"long_window":2,'
+              '"mtp_weights":[1,0.5],"prefix_weight":0.25,"prefix_weight_end":0}]')
+    weights = tg.step_target_weights(tiny_config([stages, "--num_iterations=4"]), "cpu")
+    assert weights[:, -1].tolist() == pytest.approx([0.25, 0.1875, 0.125, 0.0625])
+    with pytest.raises(tg.ConfigError, match="prefix_weight_end"):
+        tiny_config([stages.replace('"prefix_weight_end":0', '"prefix_weight_end":-1')])
+
+
+def test_weight_averages_equal_a_hand_computed_ema():
+    """A toy run of 10 steps whose weights are set by hand at every step: the shipped weights
+    equal a float64 EMA of the sampled values (every 2nd step of the last 5: steps 5, 7, 9),
+    blended as configured, applied in order, and renormalized to the norm before any blend."""
+    averages = ('--averages=[{"params":"embed_head","window":4,"rate":0.5,"blend":0.25},'
+                '{"params":"vo_mlp","window":5,"every":2,"rate":0.25},'
+                '{"params":"vo_mlp","window":3,"rate":0.5,"blend":0.5,"renormalize":true}]')
+    h = tiny_config([averages, "--num_iterations=10"])
+    model = tiny_model(h)
+    block = next(b for b in model.blocks if b.attn is not None)
+    qk_rows = 2 * h.num_heads * h.head_dim
+    gen = torch.Generator().manual_seed(3)
+    values = {name: [torch.randn(w.shape, generator=gen, dtype=torch.float64) for _ in range(10)]
+              for name, w in [("embed", model.embed.weight), ("v", block.attn.qkv[qk_rows:]),
+                              ("qk", block.attn.qkv[:qk_rows])]}
+    averages = tg.WeightAverages(h.averages, model, h.num_iterations)
+    for step in range(10):
+        model.embed.weight.data.copy_(values["embed"][step])
+        block.attn.qkv.data[qk_rows:] = values["v"][step].float()
+        block.attn.qkv.data[:qk_rows] = values["qk"][step].float()
+        averages.sample(step)
+
+    def ema(samples, rate):
+        avg = samples[0]
+        for x in samples[1:]:
+            avg = avg + rate * (x - avg)
+        return avg
+    last = {name: v[-1].float().double() for name, v in values.items()}
+    embed = last["embed"] + 0.25 * (ema([v.float().double() for v in values["embed"][6:]], 0.5) - last["embed"])
+    v = ema([values["v"][i].float().double() for i in (5, 7, 9)], 0.25)          # replaced by the tail average
+    v = v + 0.5 * (ema([x.float().double() for x in values["v"][7:]], 0.5) - v)
+    v = v * (last["v"].norm() / v.norm())
+    assert averages.ship() == 1 + 2 * sum(1 for _ in tg.averaged_pieces(model, "vo_mlp"))
+    torch.testing.assert_close(model.embed.weight.double(), embed, rtol=0, atol=1e-5)
+    torch.testing.assert_close(block.attn.qkv[qk_rows:].double(), v, rtol=0, atol=1e-5)
+    assert torch.equal(block.attn.qkv[:qk_rows].double(), last["qk"]), "no average touches the queries and keys"
+    assert model.tied, "a tied head is the embedding: nothing else is written"
+
+
+def test_averages_refuse_unknown_params_and_bad_values():
+    for bad, what in [('{"params":"all","window":3}', "params"), ('{"params":"qk","window":0}', "window"),
+                      ('{"params":"qk","window":3,"rate":0}', "rate"), ('{"params":"qk","window":3,"blend":2}', "blend"),
+                      ('{"params":"qk"}', "window required")]:
+        with pytest.raises(tg.ConfigError, match=what):
+            tiny_config([f"--averages=[{bad}]"])
+
+
 def test_training_steps_lower_the_loss(shards):
     h = tiny_config(data_args(shards))
     trainer = tg.Trainer(h, tg.Dist(0, 1, 0, torch.device("cpu")), tg.RunLog(str(shards), active=False))
@@ -501,9 +631,12 @@ def final_line(log_path):
     return next(line for line in reversed(lines) if line.startswith("final "))
 
 
+E2E_AVERAGES = '--averages=[{"params":"embed_head","window":3,"rate":0.5},{"params":"qk","window":4,"every":2}]'
+
+
 def test_end_to_end_run_writes_a_complete_log(shards, tmp_path):
     res = run_trainer(["--preset", "cpu", *TINY, *data_args(shards), "--num_iterations=6",
-                       f"--log_dir={tmp_path}", "--save_checkpoint=true"])
+                       f"--log_dir={tmp_path}", "--save_checkpoint=true", E2E_AVERAGES])
     assert res.returncode == 0, res.stderr
     logs = [p for p in os.listdir(tmp_path) if p.endswith(".txt")]
     assert len(logs) == 1 and os.path.exists(tmp_path / logs[0].replace(".txt", "_model.safetensors"))
@@ -518,9 +651,11 @@ def test_end_to_end_run_writes_a_complete_log(shards, tmp_path):
     verify(log)                    # every embedded source matches its sha256
     assert log.finished and log.config["num_iterations"] == 6 and log.config["track"] == "track_cpu"
     assert [p[0] for p in log.val_points] == [6]
+    attention_layers = 3 - len(tiny_config().attention_free_layers)      # embedding, head (untied at 4), QK rows
+    assert f"averages: {2 + attention_layers} blends into the weights" in raw.decode()
     assert tg.parse_config(["--config", str(write_json(tmp_path / "c.json", log.config))]) == \
         tg.parse_config(["--preset", "cpu", *TINY, *data_args(shards), "--num_iterations=6",
-                         f"--log_dir={tmp_path}", "--save_checkpoint=true"])
+                         f"--log_dir={tmp_path}", "--save_checkpoint=true", E2E_AVERAGES])
 
 
 def test_two_processes_match_one_with_the_same_global_batch(shards, tmp_path):
