@@ -472,7 +472,7 @@ class Muon(torch.optim.Optimizer):
             step, lr_eff = steps[0], lr_effs[0]
         else:
             step = torch.cat(steps)
-            lr_eff = update.new_tensor(lr_effs).repeat_interleave(update.new_tensor(splits, dtype=torch.long))[:, None]
+            lr_eff = torch.cat([update.new_full((rows, 1), lr) for rows, lr in zip(splits, lr_effs)])
         master = _load_master(p.data, state)
         gate_source = state["slow_rail"] if group["variant"] == "anvil" else update
         decay = group["lr"] * lr_eff * group["weight_decay"]

@@ -119,6 +119,12 @@ class ModelConfig:
     key_offset: bool = False       # long-window layers: a key's stationary dims come from the previous token
     xsa_layers: tuple = ()         # layers whose heads remove a learned share of their output along their own value
     paired_head_layers: tuple = () # layers where adjacent heads' queries also attend to each other's keys
+    narrow_qk_layers: tuple = ()   # layers whose queries and keys are narrow_qk_dim wide per head, rotated in full
+    narrow_qk_dim: int = 64
+    narrow_qk_attn_scale: float = 0.13  # their softmax scale before any YaRN growth (attn_scale: the others')
+    narrow_vo_layers: tuple = ()   # layers whose values (and head outputs) are narrow_vo_dim wide per head
+    narrow_vo_dim: int = 64
+    parallel_mlp_layers: tuple = ()  # layers with a second MLP beside the first, on the same input
 
 
 MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
@@ -269,10 +275,23 @@ def _record89_features(h):
 
 
 def _speedrun_preset(h):
-    """Record 92: record 89's features and constants, record 92's schedule. The README's fidelity
-    table compares every value with records 89 and 92 and lists what is not built yet."""
+    """Record 92: record 89's features and constants on record 92's model and schedule. Record 92
+    removed record 89's layer 7; its layers keep record 89's numbers there (0-6, 8-10) and are
+    0-9 here. The README's fidelity table compares every value with records 89 and 92 and lists
+    what is not built yet."""
     _record89_features(h)
     h.canonical_mask = True        # record 92 validates with the canonical mask
+    h.num_layers, h.mlp_hidden = 10, 2816
+    h.attention_free_layers = (4, 6, 8)        # record 92's 4, 6, 9: attention on 0, 1, 2, 3, 5, 8, 10
+    h.long_window_layers = (3, 9)              # its 3, 10
+    h.narrow_qk_layers = (0, 1, 2, 5, 7)       # its 0, 1, 2, 5, 8: QK 64 with full RoPE
+    h.narrow_qk_dim, h.narrow_qk_attn_scale, h.attn_scale = 64, 0.13, 0.085  # 0.085 on the QK-128 layers
+    h.narrow_vo_layers, h.narrow_vo_dim = (1, 7), 64  # its 1, 8
+    h.parallel_mlp_layers = (7,)               # its 8
+    # record 89's per-layer features, on the layers that still have attention
+    h.value_embed_layers = (1, 2, 7, 9)        # record 89's 1, 2, 8, 10 (its 9 lost its attention)
+    h.xsa_layers = (1, 3)                      # record 89's 1, 3 (its 4 lost its attention, its 7 is gone)
+    h.paired_head_layers = (0, 2, 5)           # record 89's 0, 2, 5 (its 9 lost its attention)
     N = h.num_iterations           # 1194
     h.stages = [                   # record 92's boundaries; the tails' batches as the public ANVIL record's
         Stage(end=320 / N, tokens_per_rank=16_384, max_doc_len=896, short_window=1, long_window=3,
@@ -446,8 +465,7 @@ def normalize_config(h):
     if not isinstance(h.averages, (list, tuple)):
         raise ConfigError(f"--averages: expects a JSON list of averages, got {json.dumps(h.averages)}")
     h.averages = [_average(a) for a in h.averages]
-    for key in ("long_window_layers", "attention_free_layers", "xsa_layers", "value_embed_layers",
-                "paired_head_layers") + BETAS_KEYS:
+    for key in LAYER_LIST_KEYS + BETAS_KEYS:
         setattr(h, key, _sequence(key, getattr(h, key)))
     if h.orthogonalize == "auto":
         h.orthogonalize = "anvil" if h.optimizer == "anvil" else "polar_express"
@@ -475,6 +493,9 @@ NUMERIC_RULES = [
     ("model_dim", int, 1, None, "a positive width"),
     ("num_heads", int, 1, None, "a positive number of heads"),
     ("head_dim", int, 4, None, "a multiple of 4 (RoPE rotates pairs in half of the dims)"),
+    ("narrow_qk_dim", int, 4, None, "a multiple of 4"),
+    ("narrow_qk_attn_scale", float, 1e-9, None, "a positive scale"),
+    ("narrow_vo_dim", int, 1, None, "a positive width"),
     ("mlp_hidden", int, 1, None, "a positive width"),
     ("num_value_embeds", int, 0, None, "0 or more tables"),
     ("value_embed_gate_dim", int, 1, None, "a positive number of dims, at most model_dim"),
@@ -580,13 +601,18 @@ def _conflict(m, keys, why):
     raise ConfigError(f"{settings} do not fit together: {why}")
 
 
+LAYER_LIST_KEYS = ("long_window_layers", "attention_free_layers", "xsa_layers", "value_embed_layers",
+                   "paired_head_layers", "narrow_qk_layers", "narrow_vo_layers", "parallel_mlp_layers")
+
+
 def check_model_config(m):
     """The rules a model config must meet to be built (each value's own range is checked with the
     rest of the config): a broken one is refused with one line naming the keys involved."""
     if m.head_dim % 4:
         _refuse("head_dim", m.head_dim, "a multiple of 4 (RoPE rotates pairs in half of the dims)")
-    for key in ("long_window_layers", "attention_free_layers", "xsa_layers", "value_embed_layers",
-                "paired_head_layers"):
+    if m.narrow_qk_dim % 4:
+        _refuse("narrow_qk_dim", m.narrow_qk_dim, "a multiple of 4 (RoPE rotates pairs of dims)")
+    for key in LAYER_LIST_KEYS:
         layers = getattr(m, key)
         in_range = all(_number(i, integer=True) and 0 <= i < m.num_layers for i in layers)
         if not in_range or len(set(layers)) < len(layers):
@@ -624,6 +650,18 @@ def check_model_config(m):
     if m.key_offset and not m.long_window_layers:
         _conflict(m, ("key_offset", "long_window_layers"), "the key offset acts on long-window layers only: "
                   "name one, or set --key_offset=false")
+    for key in ("narrow_qk_layers", "narrow_vo_layers"):
+        if set(getattr(m, key)) & set(m.attention_free_layers):
+            _conflict(m, (key, "attention_free_layers"), "a narrow layer needs attention")
+    if m.key_offset and set(m.narrow_qk_layers) & set(m.long_window_layers):
+        _conflict(m, ("key_offset", "narrow_qk_layers", "long_window_layers"), "a narrow layer rotates all of "
+                  "its query and key dims, so it has no stationary dims for the key offset")
+    widths = {}
+    for layer, table in value_embed_tables(m).items():
+        widths.setdefault(table, set()).add(head_dims(m, layer)[1])
+    if any(len(w) > 1 for w in widths.values()):
+        _conflict(m, ("num_value_embeds", "narrow_vo_layers"), "a shared value-embedding table serves layers "
+                  "of one value width: give per-layer tables with --value_embed_layers")
     if m.smear_gate and m.model_dim < SMEAR_GATE_DIMS:
         _conflict(m, ("smear_gate", "model_dim"), f"the smear gate reads the first {SMEAR_GATE_DIMS} dims")
 
@@ -735,20 +773,22 @@ def yarn_frequencies(freq, old_tokens, new_tokens):
 
 
 class Rotary(nn.Module):
-    """RoPE on half of the head dims (the other half stays stationary, zero frequency), and the
-    attention scale that YaRN adjusts together with the frequencies as the long window grows.
+    """RoPE on half of the head dims (the other half stays stationary, zero frequency), or on all
+    of them (`rotate_all`), and the attention scale that YaRN adjusts together with the
+    frequencies as the long window grows.
 
-    Frequencies follow base period `base` over head_dim/4 rotating pairs. `set_windows` derives
+    Frequencies follow base period `base` over head_dim/4 rotating pairs (head_dim/2 with rotate_all). `set_windows` derives
     the frequency table and the scale from the whole history of long windows, so they depend
     on where training is, not on the order of calls. Both live in buffers updated in place: a
     compiled model reads the new values without recompiling.
     """
 
-    def __init__(self, head_dim, base, max_tokens, attn_scale, scale_growth):
+    def __init__(self, head_dim, base, max_tokens, attn_scale, scale_growth, rotate_all=False):
         super().__init__()
         quarter = head_dim // 4
-        freq = (1.0 / base) ** torch.linspace(0, 1, quarter)
-        self.register_buffer("base_freq", torch.cat([freq, freq.new_zeros(quarter)]), persistent=False)
+        freq = (1.0 / base) ** torch.linspace(0, 1, 2 * quarter if rotate_all else quarter)
+        self.register_buffer("base_freq", freq if rotate_all else torch.cat([freq, freq.new_zeros(quarter)]),
+                             persistent=False)
         # (head_dim,) True on the dims that never rotate (zero frequency), in forward's layout
         self.register_buffer("stationary", (self.base_freq == 0).repeat(2), persistent=False)
         self.register_buffer("cos", torch.empty(max_tokens, 2 * quarter), persistent=False)
@@ -873,15 +913,16 @@ def offset_keys(k, stationary, doc_start):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, long_window: bool, value_embed: bool, xsa: bool, paired: bool,
+    def __init__(self, cfg: ModelConfig, layer, long_window: bool, value_embed: bool, xsa: bool, paired: bool,
                  attention_fn):
         super().__init__()
-        inner = cfg.num_heads * cfg.head_dim
-        self.num_heads, self.head_dim, self.long_window = cfg.num_heads, cfg.head_dim, long_window
+        self.num_heads, self.long_window = cfg.num_heads, long_window
+        self.qk_dim, self.v_dim = head_dims(cfg, layer)
+        self.narrow_qk = self.qk_dim != cfg.head_dim
         self.key_offset = cfg.key_offset and long_window
         self.paired = paired
-        self.qkv = nn.Parameter(torch.empty(3 * inner, cfg.model_dim))
-        self.out = nn.Parameter(torch.zeros(cfg.model_dim, inner))
+        self.qkv = nn.Parameter(torch.empty(cfg.num_heads * (2 * self.qk_dim + self.v_dim), cfg.model_dim))
+        self.out = nn.Parameter(torch.zeros(cfg.model_dim, cfg.num_heads * self.v_dim))
         self.attention_fn = attention_fn
         if value_embed:
             self.ve_gate = nn.Parameter(torch.zeros(cfg.num_heads, cfg.value_embed_gate_dim))
@@ -911,7 +952,8 @@ class CausalSelfAttention(nn.Module):
         positions) spans half as many tokens."""
         T = x.size(0)
         qkv = F.linear(x, self.qkv.type_as(x))
-        q, k, v = qkv.view(T, 3, self.num_heads, self.head_dim).unbind(1)
+        H, qk_rows = self.num_heads, self.num_heads * self.qk_dim
+        q, k, v = (t.view(T, H, -1) for t in qkv.split([qk_rows, qk_rows, H * self.v_dim], dim=-1))
         if ve is not None:
             v = v + self.value_embed_gate(x, ve)[..., None] * ve.view_as(v)
         rows_per_token = 2 if self.paired else 1
@@ -968,9 +1010,12 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer, fns, value_embed):
         super().__init__()
         has_attn = layer not in cfg.attention_free_layers
-        self.attn = (CausalSelfAttention(cfg, layer in cfg.long_window_layers, value_embed, layer in cfg.xsa_layers,
-                                         layer in cfg.paired_head_layers, fns.attention) if has_attn else None)
+        self.attn = (CausalSelfAttention(cfg, layer, layer in cfg.long_window_layers, value_embed,
+                                         layer in cfg.xsa_layers, layer in cfg.paired_head_layers, fns.attention)
+                     if has_attn else None)
         self.mlp = MLP(cfg.model_dim, cfg.mlp_hidden, fns.fp8_mlp)
+        parallel = layer in cfg.parallel_mlp_layers
+        self.parallel_mlp = MLP(cfg.model_dim, cfg.mlp_hidden, fns.fp8_mlp) if parallel else None
         # residual mix: x <- lambdas[0] * x + lambdas[1] * x0 before the sublayers
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))
 
@@ -978,7 +1023,10 @@ class Block(nn.Module):
         x = self.lambdas[0] * x + self.lambdas[1] * x0
         if self.attn is not None:
             x = x + self.attn(rms_norm(x), ve, doc_start, rotary, args)
-        return x + self.mlp(rms_norm(x))
+        normed = rms_norm(x)
+        if self.parallel_mlp is not None:
+            return x + self.mlp(normed) + self.parallel_mlp(normed)
+        return x + self.mlp(normed)
 
 
 def previous_tokens(tokens, is_doc_start):
@@ -997,6 +1045,12 @@ def bigram_rows(tokens, is_doc_start, rows):
 def bigram_sign_rows(tokens, is_doc_start):
     cur, prev = tokens.long(), previous_tokens(tokens, is_doc_start).long()
     return ((SIGN_MULT_CUR * cur) ^ (SIGN_MULT_PREV * prev)) % SIGN_ROWS
+
+
+def head_dims(cfg: ModelConfig, layer):
+    """(query and key, value) widths per head of a layer's attention."""
+    return (cfg.narrow_qk_dim if layer in cfg.narrow_qk_layers else cfg.head_dim,
+            cfg.narrow_vo_dim if layer in cfg.narrow_vo_layers else cfg.head_dim)
 
 
 def value_embed_tables(cfg: ModelConfig):
@@ -1036,8 +1090,10 @@ class GPT(nn.Module):
                               generator=torch.Generator().manual_seed(SIGN_TABLE_SEED)) * 2 - 1
         self.register_buffer("signs", signs.float(), persistent=False)
         self.value_embed_layer = value_embed_tables(cfg)
-        self.value_embeds = nn.ModuleList(nn.Embedding(PADDED_VOCAB_SIZE, cfg.num_heads * cfg.head_dim)
-                                          for _ in range(len(set(self.value_embed_layer.values()))))
+        value_widths = {table: cfg.num_heads * head_dims(cfg, layer)[1] for layer, table in
+                        sorted(self.value_embed_layer.items())}
+        self.value_embeds = nn.ModuleList(nn.Embedding(PADDED_VOCAB_SIZE, value_widths[table])
+                                          for table in sorted(value_widths))
         for ve in self.value_embeds:
             nn.init.normal_(ve.weight, std=0.01)
         n = cfg.num_layers
@@ -1047,8 +1103,16 @@ class GPT(nn.Module):
         self.max_tokens = max_tokens
         positions = max_tokens * (2 if cfg.paired_head_layers else 1)   # a paired layer: two per token
         self.rotary = Rotary(cfg.head_dim, cfg.rope_base, positions, cfg.attn_scale, cfg.yarn_scale_growth)
+        self.narrow_rotary = (Rotary(cfg.narrow_qk_dim, cfg.rope_base, positions, cfg.narrow_qk_attn_scale,
+                                     cfg.yarn_scale_growth, rotate_all=True) if cfg.narrow_qk_layers else None)
         self.register_buffer("prefix_table", torch.from_numpy(prefix_token_table()).long(), persistent=False)
         self.canonical_mask = NoncanonicalPairs() if cfg.canonical_mask else None
+
+    def set_windows(self, long_windows):
+        """RoPE tables and attention scales after the long window grew through `long_windows`."""
+        for rotary in (self.rotary, self.narrow_rotary):
+            if rotary is not None:
+                rotary.set_windows(long_windows)
 
     def untie(self):
         """From now on lm_head is its own parameter, starting from the embedding's values."""
@@ -1092,7 +1156,8 @@ class GPT(nn.Module):
             if j >= 0:
                 x = x + self.skip_weights[j] * skips.pop()
             ve = ves[self.value_embed_layer[i]] if i in self.value_embed_layer else None
-            x = block(x, x0, ve, doc_start, self.rotary, args)
+            narrow = block.attn is not None and block.attn.narrow_qk
+            x = block(x, x0, ve, doc_start, self.narrow_rotary if narrow else self.rotary, args)
             if i < self.num_skips:
                 skips.append(x)
         if cache is not None:
@@ -1506,13 +1571,15 @@ def averaged_pieces(model, params):
     pieces = []
     for i, block in enumerate(model.blocks):
         attn = block.attn
-        qk_rows = 2 * attn.num_heads * attn.head_dim if attn is not None else 0
+        qk_rows = 2 * attn.num_heads * attn.qk_dim if attn is not None else 0
         if params == "qk" and attn is not None:
             pieces.append((f"qk{i}", attn.qkv.data[:qk_rows]))
         elif params == "vo_mlp":
             if attn is not None:
                 pieces += [(f"v{i}", attn.qkv.data[qk_rows:]), (f"out{i}", attn.out.data)]
             pieces += [(f"mlp_up{i}", block.mlp.up.data), (f"mlp_down{i}", block.mlp.down.data)]
+            if block.parallel_mlp is not None:
+                pieces += [(f"mlp2_up{i}", block.parallel_mlp.up.data), (f"mlp2_down{i}", block.parallel_mlp.down.data)]
     return pieces
 
 
@@ -1814,15 +1881,16 @@ def adam_groups(h, model):
     return [g for g in groups if g["params"]]
 
 
-def qkv_row_splits(h):
-    """How the Muon family splits a packed (3 x heads x head_dim, model_dim) QKV weight into
-    matrices it orthogonalizes separately: the whole, or (qk_ortho_heads > 0) the queries and the
-    keys in blocks of that many heads and the values as one block."""
-    inner = h.num_heads * h.head_dim
+def qkv_row_splits(h, layer=0):
+    """How the Muon family splits a layer's packed QKV weight (queries, keys, values: heads x
+    their widths rows each) into matrices it orthogonalizes separately: the whole, or
+    (qk_ortho_heads > 0) the queries and the keys in blocks of that many heads and the values as
+    one block."""
     if h.qk_ortho_heads == 0:
         return None
-    block = h.qk_ortho_heads * h.head_dim
-    return (block,) * (2 * inner // block) + (inner,)
+    qk_dim, v_dim = head_dims(h, layer)
+    block = h.qk_ortho_heads * qk_dim
+    return (block,) * (2 * h.num_heads // h.qk_ortho_heads) + (h.num_heads * v_dim,)
 
 
 def build_optimizers(h, model, fns):
@@ -1836,13 +1904,16 @@ def build_optimizers(h, model, fns):
     adam = optim.Adam(groups, eps=h.adam_eps, step_every=h.adam_step_every)
     if h.optimizer == "adamw":
         return [adam]
-    mlp_down = [block.mlp.down for block in model.blocks]
-    qkv = [block.attn.qkv for block in model.blocks if block.attn is not None]
-    others = [p for p in matrices if all(p is not q for q in mlp_down + qkv)]
+    mlp_down = [mlp.down for block in model.blocks for mlp in (block.mlp, block.parallel_mlp) if mlp is not None]
+    qkv = {}                       # row splits -> the QKV weights split that way
+    for i, block in enumerate(model.blocks):
+        if block.attn is not None:
+            qkv.setdefault(qkv_row_splits(h, i), []).append(block.attn.qkv)
+    packed = mlp_down + [p for params in qkv.values() for p in params]
+    others = [p for p in matrices if all(p is not q for q in packed)]
     muon_groups = [dict(params=others, name="matrices"),
                    dict(params=mlp_down, lr_scale=h.mlp_down_lr_scale, name="mlp_down")]
-    if qkv:
-        muon_groups.append(dict(params=qkv, row_splits=qkv_row_splits(h), name="qkv"))
+    muon_groups += [dict(params=params, row_splits=splits, name="qkv") for splits, params in qkv.items()]
     muon = optim.Muon(muon_groups,
                       lr=h.matrix_lr, momentum=h.momentum, weight_decay=h.matrix_wd,
                       schedule=h.orthogonalize, variant=h.optimizer,
@@ -1913,7 +1984,7 @@ class Trainer:
         and the warm-up both call it, in any order. Values change in place, so a compiled step
         reads them without recompiling (the tie flag picks one of two graphs the warm-up built)."""
         h = self.h
-        self.model.rotary.set_windows(long_window_history(h, step, final_validation))
+        self.model.set_windows(long_window_history(h, step, final_validation))
         self.set_tied(step < untie_step(h))
         lr = lr_multiplier(h, step)
         for opt in self.optimizers:

@@ -42,7 +42,7 @@ def test_matrix_kernels_use_the_tensor_cores():
 @compiled
 def test_every_kernel_the_trainer_launches_is_in_the_report():
     """The speedrun trainer's own launches (not a hand-written list) feed the report: the FP8
-    MLP's casts and GEMMs, attention forward and backward at head dim 128 with bf16 q, k, v,
+    MLP's casts and GEMMs, attention forward and backward at head dims 64 and 128 with bf16 q, k, v,
     the cross-entropy and its backward, and the optimizer's X X^T."""
     trainer = [e for e in hopper_report()["kernels"] if e["trainer"]]
     assert {e["kernel"] for e in trainer} == {

@@ -170,7 +170,8 @@ def tiny_model(h, seed=0):
 
 FEATURES = ["--smear_gate=true", "--key_offset=true", "--xsa_layers=[2]",  # the model features off by default
             "--paired_head_layers=[0]", "--num_value_embeds=0", "--value_embed_layers=[0,2]",
-            "--value_embed_gate_reads_value=true"]
+            "--value_embed_gate_reads_value=true", "--narrow_qk_layers=[0]", "--narrow_qk_dim=16",
+            "--narrow_vo_layers=[2]", "--narrow_vo_dim=16", "--parallel_mlp_layers=[1]"]
 
 
 def packed(doc_lengths, seed=0):
@@ -274,9 +275,11 @@ def test_speedrun_preset_takes_the_records_constants():
     assert (h.cooldown_start, h.cooldown_floor) == (0.2, 0.30)            # record 92
     assert (h.yarn_scale_growth, h.yarn_at_final_window) == (0.2, False)  # record 89
     assert (h.adam_step_every, h.embed_init_std) == (2, 0.005)             # record 89
-    assert (h.value_embed_layers, h.num_value_embeds, h.value_embed_gate_reads_value) == ((1, 2, 8, 9, 10), 0, True)
-    assert (h.smear_gate, h.key_offset, h.xsa_layers, h.attention_free_layers) == (True, True, (1, 3, 4, 7), (6,))
-    assert h.paired_head_layers == (0, 2, 5, 9)
+    assert (h.value_embed_layers, h.num_value_embeds, h.value_embed_gate_reads_value) == ((1, 2, 7, 9), 0, True)
+    assert (h.smear_gate, h.key_offset, h.xsa_layers, h.paired_head_layers) == (True, True, (1, 3), (0, 2, 5))
+    assert (h.num_layers, h.attention_free_layers, h.long_window_layers) == (10, (4, 6, 8), (3, 9))    # record 92
+    assert (h.narrow_qk_layers, h.narrow_vo_layers, h.parallel_mlp_layers) == ((0, 1, 2, 5, 7), (1, 7), (7,))
+    assert (h.narrow_qk_attn_scale, h.attn_scale, h.mlp_hidden) == (0.13, 0.085, 2816)
     assert h.canonical_mask
     assert (h.matrix_lr, h.matrix_wd, h.qk_ortho_heads) == (0.023, 1.2, 2)              # record 89
     assert tg.steps_per_stage(h) == [320, 361, 426, 68, 19]                              # record 92
@@ -360,6 +363,11 @@ def test_the_model_is_built_from_its_own_config():
     (["--xsa_layers=[1]"], ["xsa_layers", "attention_free_layers"]),
     (["--smear_gate=true", "--model_dim=8", "--value_embed_gate_dim=4"], ["smear_gate", "model_dim"]),
     (["--qk_ortho_heads=3", "--num_heads=2"], ["qk_ortho_heads", "num_heads"]),
+    (["--narrow_qk_layers=[1]"], ["narrow_qk_layers", "attention_free_layers"]),
+    (["--narrow_vo_layers=[1]"], ["narrow_vo_layers", "attention_free_layers"]),
+    (["--narrow_qk_layers=[2]", "--key_offset=true"], ["key_offset", "narrow_qk_layers", "long_window_layers"]),
+    (["--narrow_vo_layers=[0]"], ["num_value_embeds", "narrow_vo_layers"]),
+    (["--narrow_qk_layers=[3]"], ["narrow_qk_layers"]),
     (["--cooldown_start=0.5", "--cooldown_end=0.4"], ["cooldown_start", "cooldown_end"]),
 ])
 def test_a_model_config_that_cannot_be_built_is_refused_naming_its_keys(args, keys):
@@ -546,6 +554,61 @@ def test_prefix_weight_moves_linearly_within_a_stage():
     assert weights[:, -1].tolist() == pytest.approx([0.25, 0.1875, 0.125, 0.0625])
     with pytest.raises(tg.ConfigError, match="prefix_weight_end"):
         tiny_config([stages.replace('"prefix_weight_end":0', '"prefix_weight_end":-1')])
+
+
+def reference_attention_layer(attn, x, rotary_base, scale, rotate_all):
+    """float64: one document, causal, no window; q, k normed and rotated, values as projected."""
+    T, H = x.size(0), attn.num_heads
+    w = attn.qkv.detach().double()
+    qk_rows = H * attn.qk_dim
+    q, k, v = (x.double() @ m.T for m in w.split([qk_rows, qk_rows, H * attn.v_dim]))
+    q, k, v = q.view(T, H, -1), k.view(T, H, -1), v.view(T, H, -1)
+    pairs = attn.qk_dim // 2 if rotate_all else attn.qk_dim // 4
+    freq = (1.0 / rotary_base) ** torch.linspace(0, 1, pairs, dtype=torch.float64)
+    freq = torch.cat([freq, freq.new_zeros(attn.qk_dim // 2 - pairs)])
+    angle = torch.arange(T, dtype=torch.float64)[:, None, None] * freq
+
+    def rope(t):
+        t = t / t.pow(2).mean(-1, keepdim=True).add(torch.finfo(torch.float32).eps).sqrt()
+        a, b = t.chunk(2, dim=-1)
+        return torch.cat([a * angle.cos() + b * angle.sin(), b * angle.cos() - a * angle.sin()], dim=-1)
+    scores = torch.einsum("thd,shd->hts", rope(q), rope(k)) * scale
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    y = torch.einsum("hts,shd->thd", scores.softmax(-1), v)
+    return y.reshape(T, -1) @ attn.out.detach().double().T
+
+
+@pytest.mark.parametrize("narrow_qk, narrow_vo", [(True, False), (False, True), (True, True)])
+def test_narrow_attention_layers_equal_their_definition(narrow_qk, narrow_vo):
+    """Queries and keys of 16 dims rotated in full (scale narrow_qk_attn_scale), values and outputs
+    of 16 dims per head, against a float64 statement of the layer."""
+    args = ["--num_value_embeds=0"] + (["--narrow_qk_layers=[0]", "--narrow_qk_dim=16",
+                                        "--narrow_qk_attn_scale=0.2"] if narrow_qk else [])
+    args += ["--narrow_vo_layers=[0]", "--narrow_vo_dim=16"] if narrow_vo else []
+    h = tiny_config(args)
+    model = tiny_model(h)
+    attn = model.blocks[0].attn
+    assert (attn.qk_dim, attn.v_dim) == (16 if narrow_qk else h.head_dim, 16 if narrow_vo else h.head_dim)
+    assert attn.out.shape == (h.model_dim, h.num_heads * attn.v_dim)
+    rotary = model.narrow_rotary if narrow_qk else model.rotary
+    assert rotary.stationary.any() != narrow_qk, "a narrow layer rotates every dim"
+    x = torch.randn(24, h.model_dim, generator=torch.Generator().manual_seed(4))
+    args = tg.AttentionArgs(torch.tensor([0, 24], dtype=torch.int32), 1 << 20, 1 << 20)
+    got = attn(x, None, torch.zeros(24, dtype=torch.bool), rotary, args)
+    want = reference_attention_layer(attn, x, h.rope_base, 0.2 if narrow_qk else h.attn_scale, narrow_qk)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_parallel_mlp_adds_a_second_mlp_of_the_same_input():
+    h = tiny_config(["--parallel_mlp_layers=[1]"])
+    model = tiny_model(h)
+    block = model.blocks[1]
+    assert model.blocks[0].parallel_mlp is None and block.attn is None
+    x, x0 = torch.randn(8, h.model_dim), torch.randn(8, h.model_dim)
+    mixed = block.lambdas[0] * x + block.lambdas[1] * x0
+    want = mixed + block.mlp(tg.rms_norm(mixed)) + block.parallel_mlp(tg.rms_norm(mixed))
+    got = block(x, x0, None, torch.zeros(8, dtype=torch.bool), model.rotary, None)
+    torch.testing.assert_close(got, want)
 
 
 def test_weight_averages_equal_a_hand_computed_ema():
