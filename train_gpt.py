@@ -125,6 +125,9 @@ class ModelConfig:
     narrow_vo_layers: tuple = ()   # layers whose values (and head outputs) are narrow_vo_dim wide per head
     narrow_vo_dim: int = 64
     parallel_mlp_layers: tuple = ()  # layers with a second MLP beside the first, on the same input
+    token_gates: bool = False      # per-token gates from two small MLPs: XSA strengths, output gates, x0 and bigram injection
+    token_gates_split: int = 4     # layers before this take gates made from x0, later ones from the residual entering it
+    attn_gate_layers: tuple = ()   # layers whose heads' outputs are scaled by a per-token gate (needs token_gates)
 
 
 MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
@@ -189,6 +192,7 @@ class Hyperparameters(ModelConfig):
     scalar_lr: float = 0.04        # scalars: residual mixes, skip weights, XSA and smear strengths
     gate_lr: float = 0.04          # value-embedding gate matrices
     smear_gate_lr: float = 0.04    # the smear gate's weights
+    token_gate_lr: float = 0.0008  # the token-gate MLPs
     embed_betas: tuple = (0.8, 0.95)   # embedding and head
     value_embed_betas: tuple = (0.8, 0.95)
     scalar_betas: tuple = (0.8, 0.95)  # scalars and gates
@@ -261,6 +265,7 @@ def _record89_features(h):
     h.embed_init_std = 0.005       # the head's init, which the tied embedding copies
     h.yarn_scale_growth = 0.2
     h.yarn_at_final_window = False # the final window widens, the rotary tables stay
+    h.token_gates, h.token_gates_split = True, 4  # XSA strengths, output gates, x0 and bigram injection per token
     h.matrix_lr, h.matrix_wd = 0.023, 1.2
     h.qk_ortho_heads = 2           # queries and keys orthogonalized per pair of heads
     # Adam: base LR 0.008 and decay 0.005 times per-group multipliers (the decay scales with lr^2)
@@ -292,6 +297,7 @@ def _speedrun_preset(h):
     h.value_embed_layers = (1, 2, 7, 9)        # record 89's 1, 2, 8, 10 (its 9 lost its attention)
     h.xsa_layers = (1, 3)                      # record 89's 1, 3 (its 4 lost its attention, its 7 is gone)
     h.paired_head_layers = (0, 2, 5)           # record 89's 0, 2, 5 (its 9 lost its attention)
+    h.attn_gate_layers = (3, 9)                # record 89's 3, 10
     N = h.num_iterations           # 1194
     h.stages = [                   # record 92's boundaries; the tails' batches as the public ANVIL record's
         Stage(end=320 / N, tokens_per_rank=16_384, max_doc_len=896, short_window=1, long_window=3,
@@ -336,6 +342,7 @@ def _record89_preset(h):
     h.optimizer, h.orthogonalize = "normuon", "polar_express"
     h.momentum, h.momentum_warmup_start, h.momentum_warmup_steps, h.momentum_cooldown_steps = 0.95, 0.85, 300, 50
     h.bigram_rows = 50304 * 15 // 2  # 377,280
+    h.attn_gate_layers = (3, 10)
 
 
 def _one_gpu_preset(h):
@@ -496,6 +503,7 @@ NUMERIC_RULES = [
     ("narrow_qk_dim", int, 4, None, "a multiple of 4"),
     ("narrow_qk_attn_scale", float, 1e-9, None, "a positive scale"),
     ("narrow_vo_dim", int, 1, None, "a positive width"),
+    ("token_gates_split", int, 0, None, "a layer index in [0, num_layers]"),
     ("mlp_hidden", int, 1, None, "a positive width"),
     ("num_value_embeds", int, 0, None, "0 or more tables"),
     ("value_embed_gate_dim", int, 1, None, "a positive number of dims, at most model_dim"),
@@ -532,6 +540,7 @@ NUMERIC_RULES = [
     ("scalar_lr", float, 0.0, None, "a learning rate >= 0"),
     ("gate_lr", float, 0.0, None, "a learning rate >= 0"),
     ("smear_gate_lr", float, 0.0, None, "a learning rate >= 0"),
+    ("token_gate_lr", float, 0.0, None, "a learning rate >= 0"),
     ("embed_wd", float, 0.0, None, "a weight decay >= 0"),
     ("value_embed_wd", float, 0.0, None, "a weight decay >= 0"),
     ("adam_eps", float, 0.0, None, "an epsilon >= 0"),
@@ -551,7 +560,7 @@ CHOICE_RULES = [
     ("compute_dtype", ("bfloat16", "float32")),
 ]
 BOOL_KEYS = ("compile", "fp8_mlp", "sync_check", "save_checkpoint", "canonical_mask", "smear_gate",
-             "key_offset", "yarn_at_final_window", "value_embed_gate_reads_value")
+             "key_offset", "yarn_at_final_window", "value_embed_gate_reads_value", "token_gates")
 NONEMPTY_STRING_KEYS = ("train_files", "val_files", "log_dir")
 BETAS_KEYS = ("embed_betas", "value_embed_betas", "scalar_betas")
 
@@ -602,7 +611,8 @@ def _conflict(m, keys, why):
 
 
 LAYER_LIST_KEYS = ("long_window_layers", "attention_free_layers", "xsa_layers", "value_embed_layers",
-                   "paired_head_layers", "narrow_qk_layers", "narrow_vo_layers", "parallel_mlp_layers")
+                   "paired_head_layers", "narrow_qk_layers", "narrow_vo_layers", "parallel_mlp_layers",
+                   "attn_gate_layers")
 
 
 def check_model_config(m):
@@ -662,6 +672,16 @@ def check_model_config(m):
     if any(len(w) > 1 for w in widths.values()):
         _conflict(m, ("num_value_embeds", "narrow_vo_layers"), "a shared value-embedding table serves layers "
                   "of one value width: give per-layer tables with --value_embed_layers")
+    if m.attn_gate_layers and not m.token_gates:
+        _conflict(m, ("attn_gate_layers", "token_gates"), "the output gates come from the token gates: "
+                  "set --token_gates=true")
+    if set(m.attn_gate_layers) & set(m.attention_free_layers):
+        _conflict(m, ("attn_gate_layers", "attention_free_layers"), "an output gate acts on a layer's attention")
+    if m.token_gates and m.token_gates_split > m.num_layers:
+        _conflict(m, ("token_gates_split", "num_layers"), "the split is a layer index, or num_layers for one MLP")
+    if m.token_gates and len(m.attention_free_layers) == m.num_layers:
+        _conflict(m, ("token_gates", "attention_free_layers"), "the token gates act on attention layers: "
+                  "there are none")
     if m.smear_gate and m.model_dim < SMEAR_GATE_DIMS:
         _conflict(m, ("smear_gate", "model_dim"), f"the smear gate reads the first {SMEAR_GATE_DIMS} dims")
 
@@ -882,12 +902,13 @@ XSA_NORM_EPS = 1e-4               # values shorter than this are not normalized 
 
 
 def remove_self_value(y, v, alpha):
-    """XSA: each head's output y (T, H, D) less tanh(alpha[h]) times its projection on the head's
-    own value direction v/|v|, the part of the output that repeats the token's own value.
+    """XSA: each head's output y (T, H, D) less tanh(alpha) times its projection on the head's
+    own value direction v/|v|, the part of the output that repeats the token's own value; alpha
+    (H,) per head or (T, H) per token and head.
     alpha starts at 0: the layer starts as plain attention and learns how much to remove."""
     direction = F.normalize(v, dim=-1, eps=XSA_NORM_EPS)
     along = (y * direction).sum(-1, keepdim=True)
-    return y - torch.tanh(alpha).type_as(y)[:, None] * along * direction
+    return y - torch.tanh(alpha).type_as(y)[..., None] * along * direction
 
 
 def interleave_head_pairs(x):
@@ -943,9 +964,11 @@ class CausalSelfAttention(nn.Module):
             inputs = x[:, :dims]
         return 2 * torch.sigmoid(F.linear(inputs, self.ve_gate.type_as(x)))
 
-    def forward(self, x, ve, doc_start, rotary: Rotary, args: AttentionArgs):
+    def forward(self, x, ve, doc_start, rotary: Rotary, args: AttentionArgs, gates=None):
         """x (T, model_dim) normed; ve: this layer's value embeddings or None; doc_start (T,) bool:
-        True where a document (or the slice) starts.
+        True where a document (or the slice) starts; gates: this layer's TokenGates or None (its
+        "xsa" (T, heads) replace the learned per-head XSA strengths; its "attn" (T, heads) scale
+        the heads' outputs).
 
         A paired layer runs on the doubled sequence of interleave_head_pairs, two positions per
         token: RoPE, the document offsets and the cache count positions, and the window (in
@@ -976,9 +999,11 @@ class CausalSelfAttention(nn.Module):
                 k = offset_keys(k, rotary.stationary, torch.arange(k.size(0), device=k.device) == 0)
             y = cached_attention(q, k, v, window, rotary.attn_scale)
         if self.xsa_alpha is not None:
-            y = remove_self_value(y, own_values, self.xsa_alpha)
+            y = remove_self_value(y, own_values, gates["xsa"] if gates and "xsa" in gates else self.xsa_alpha)
         if self.paired:
             y = deinterleave_head_pairs(y)
+        if gates and "attn" in gates:
+            y = y * gates["attn"].type_as(y)[..., None]
         return F.linear(y.reshape(T, -1), self.out.type_as(y))
 
 
@@ -1019,14 +1044,76 @@ class Block(nn.Module):
         # residual mix: x <- lambdas[0] * x + lambdas[1] * x0 before the sublayers
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))
 
-    def forward(self, x, x0, ve, doc_start, rotary, args):
+    def forward(self, x, x0, ve, doc_start, rotary, args, gates=None, bigram=None):
+        """gates: this layer's TokenGates or None; with them the attention sublayer is followed by
+        the gated injections of x0 and (unless None) of the bigram embedding."""
         x = self.lambdas[0] * x + self.lambdas[1] * x0
         if self.attn is not None:
-            x = x + self.attn(rms_norm(x), ve, doc_start, rotary, args)
+            x = x + self.attn(rms_norm(x), ve, doc_start, rotary, args, gates)
+            if gates is not None:
+                x = x + gates["x0"] * x0
+                if bigram is not None:
+                    x = x + gates["bigram"] * bigram
         normed = rms_norm(x)
         if self.parallel_mlp is not None:
             return x + self.mlp(normed) + self.parallel_mlp(normed)
         return x + self.mlp(normed)
+
+
+TOKEN_GATE_HIDDEN = 64             # hidden width of the token-gate MLPs
+TOKEN_GATE_SCALE = 0.1             # initial output scale: a gate is (W2 gelu(W1 x) + b) * scale, scale learned
+TOKEN_GATE_INIT = {"xsa": 0.0, "attn": 0.25, "x0": 0.0, "bigram": 0.05}  # each gate's value at init (W2 = 0)
+
+
+def token_gate_layout(cfg: ModelConfig):
+    """[(layer, kind, width)] of the gates each of the two MLPs makes, in output order: for
+    every attention layer before token_gates_split (first MLP) or from it on (second), the
+    per-head XSA strengths (on XSA layers), the per-head output gates (on attn_gate_layers),
+    then the x0 and bigram injection gates."""
+    layouts = ([], [])
+    for layer in range(cfg.num_layers):
+        if layer in cfg.attention_free_layers:
+            continue
+        layout = layouts[layer >= cfg.token_gates_split]
+        if layer in cfg.xsa_layers:
+            layout.append((layer, "xsa", cfg.num_heads))
+        if layer in cfg.attn_gate_layers:
+            layout.append((layer, "attn", cfg.num_heads))
+        layout += [(layer, "x0", 1), (layer, "bigram", 1)]
+    return layouts
+
+
+class TokenGates(nn.Module):
+    """Two small MLPs that make per-token gates for the layers: the first from x0 (the normed
+    embedding) for the layers before token_gates_split, the second from the residual entering
+    that layer for the rest. Each gate starts at TOKEN_GATE_INIT[kind] for every token (W2 is
+    zero, the bias holds the value) and learns to depend on the token. The bigram embedding
+    enters the residual through them: before the first attention layer, after the others'
+    attention."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.layouts = token_gate_layout(cfg)
+        self.first_layer = min(layer for layout in self.layouts for layer, _, _ in layout)  # gets the bigram first
+        widths = [sum(width for _, _, width in layout) for layout in self.layouts]
+        self.w1 = nn.ParameterList(nn.Parameter(torch.empty(TOKEN_GATE_HIDDEN, cfg.model_dim)) for _ in widths)
+        self.w2 = nn.ParameterList(nn.Parameter(torch.zeros(w, TOKEN_GATE_HIDDEN)) for w in widths)
+        self.b2 = nn.ParameterList(nn.Parameter(torch.tensor(
+            [TOKEN_GATE_INIT[kind] / TOKEN_GATE_SCALE for _, kind, width in layout for _ in range(width)]))
+            for layout in self.layouts)
+        self.scale = nn.Parameter(torch.tensor(TOKEN_GATE_SCALE))
+        for w in self.w1:
+            nn.init.kaiming_uniform_(w, a=math.sqrt(5))   # nn.Linear's default init
+
+    def forward(self, which, x):
+        """{layer: {kind: (T, width)}} of MLP `which` (0 or 1) on x (T, model_dim)."""
+        hidden = F.gelu(F.linear(x, self.w1[which].type_as(x)))
+        out = (F.linear(hidden, self.w2[which].type_as(x)) + self.b2[which].type_as(x)) * self.scale.type_as(x)
+        gates, start = {}, 0
+        for layer, kind, width in self.layouts[which]:
+            gates.setdefault(layer, {})[kind] = out[:, start:start + width]
+            start += width
+        return gates
 
 
 def previous_tokens(tokens, is_doc_start):
@@ -1100,6 +1187,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i, fns, i in self.value_embed_layer) for i in range(n))
         self.num_skips = n // 2
         self.skip_weights = nn.Parameter(torch.ones(self.num_skips))
+        self.token_gates = TokenGates(cfg) if cfg.token_gates else None
+        self.token_gates_split = cfg.token_gates_split
         self.max_tokens = max_tokens
         positions = max_tokens * (2 if cfg.paired_head_layers else 1)   # a paired layer: two per token
         self.rotary = Rotary(cfg.head_dim, cfg.rope_base, positions, cfg.attn_scale, cfg.yarn_scale_growth)
@@ -1147,17 +1236,28 @@ class GPT(nn.Module):
         else:
             x = self.smear(self.embed(context), is_start)[seen:]
         bigram = self.bigram(bigram_rows(context, is_start, self.bigram.num_embeddings)[seen:])
-        x = x + bigram * self.signs[bigram_sign_rows(context, is_start)[seen:]]
-        x = x0 = rms_norm(x)
+        bigram = bigram * self.signs[bigram_sign_rows(context, is_start)[seen:]]
+        gates = {}
+        if self.token_gates is None:   # the bigram joins the embedding once, before the norm
+            x = x0 = rms_norm(x + bigram)
+        else:                          # or enters through per-layer gates (the first layer's before it)
+            x = x0 = rms_norm(x)
+            gates = self.token_gates(0, x0)
         ves = [ve(tokens) for ve in self.value_embeds]
         skips = []
         for i, block in enumerate(self.blocks):
             j = i - (len(self.blocks) - self.num_skips)
             if j >= 0:
                 x = x + self.skip_weights[j] * skips.pop()
+            if self.token_gates is not None and i == self.token_gates_split:
+                gates.update(self.token_gates(1, x))
+            first = self.token_gates is not None and i == self.token_gates.first_layer
+            if first:
+                x = x + gates[i]["bigram"] * bigram
             ve = ves[self.value_embed_layer[i]] if i in self.value_embed_layer else None
             narrow = block.attn is not None and block.attn.narrow_qk
-            x = block(x, x0, ve, doc_start, self.narrow_rotary if narrow else self.rotary, args)
+            x = block(x, x0, ve, doc_start, self.narrow_rotary if narrow else self.rotary, args, gates.get(i),
+                      None if first else bigram)
             if i < self.num_skips:
                 skips.append(x)
         if cache is not None:
@@ -1865,7 +1965,8 @@ def adam_groups(h, model):
     """Adam's parameter groups, each with its LR, betas and (cautious, lr^2-scaled) weight decay.
     The head shares the embedding's betas and decay: it starts as a copy of the embedding."""
     gates = [p for name, p in model.named_parameters() if is_gate(name) and name != "smear_gate"]
-    scalars = [p for name, p in model.named_parameters() if p.ndim < 2]
+    token_gates = list(model.token_gates.parameters()) if model.token_gates is not None else []
+    scalars = [p for p in model.parameters() if p.ndim < 2 and all(p is not q for q in token_gates)]
     value_embeds = [model.bigram.weight] + [ve.weight for ve in model.value_embeds]
     groups = [
         dict(name="embed", params=[model.embed.weight], lr=h.embed_lr, betas=h.embed_betas, weight_decay=h.embed_wd),
@@ -1874,6 +1975,7 @@ def adam_groups(h, model):
              weight_decay=h.value_embed_wd),
         dict(name="scalars", params=scalars, lr=h.scalar_lr, betas=h.scalar_betas, weight_decay=0.0),
         dict(name="gates", params=gates, lr=h.gate_lr, betas=h.scalar_betas, weight_decay=0.0),
+        dict(name="token_gates", params=token_gates, lr=h.token_gate_lr, betas=h.scalar_betas, weight_decay=0.0),
     ]
     if model.smear_gate is not None:
         groups.append(dict(name="smear_gate", params=[model.smear_gate], lr=h.smear_gate_lr, betas=h.scalar_betas,

@@ -171,7 +171,8 @@ def tiny_model(h, seed=0):
 FEATURES = ["--smear_gate=true", "--key_offset=true", "--xsa_layers=[2]",  # the model features off by default
             "--paired_head_layers=[0]", "--num_value_embeds=0", "--value_embed_layers=[0,2]",
             "--value_embed_gate_reads_value=true", "--narrow_qk_layers=[0]", "--narrow_qk_dim=16",
-            "--narrow_vo_layers=[2]", "--narrow_vo_dim=16", "--parallel_mlp_layers=[1]"]
+            "--narrow_vo_layers=[2]", "--narrow_vo_dim=16", "--parallel_mlp_layers=[1]", "--token_gates=true",
+            "--token_gates_split=2", "--attn_gate_layers=[0]"]
 
 
 def packed(doc_lengths, seed=0):
@@ -280,6 +281,7 @@ def test_speedrun_preset_takes_the_records_constants():
     assert (h.num_layers, h.attention_free_layers, h.long_window_layers) == (10, (4, 6, 8), (3, 9))    # record 92
     assert (h.narrow_qk_layers, h.narrow_vo_layers, h.parallel_mlp_layers) == ((0, 1, 2, 5, 7), (1, 7), (7,))
     assert (h.narrow_qk_attn_scale, h.attn_scale, h.mlp_hidden) == (0.13, 0.085, 2816)
+    assert (h.token_gates, h.token_gates_split, h.attn_gate_layers) == (True, 4, (3, 9))                # record 89
     assert h.canonical_mask
     assert (h.matrix_lr, h.matrix_wd, h.qk_ortho_heads) == (0.023, 1.2, 2)              # record 89
     assert tg.steps_per_stage(h) == [320, 361, 426, 68, 19]                              # record 92
@@ -292,6 +294,7 @@ def test_record89_preset_takes_its_schedule():
     h = tg.parse_config(["--preset", "record89"])
     assert h.num_iterations == 1285 and tg.steps_per_stage(h) == [423, 424, 423, 15]
     assert tg.untie_step(h) == 847
+    assert (h.num_layers, h.attention_free_layers, h.xsa_layers, h.attn_gate_layers) == (11, (6,), (1, 3, 4, 7), (3, 10))
     assert (h.optimizer, h.orthogonalize, h.bigram_rows, h.canonical_mask) == ("normuon", "polar_express", 377_280,
                                                                              False)
     lr = [tg.lr_multiplier(h, s) for s in (507, 508, 1270, 1284)]
@@ -368,6 +371,9 @@ def test_the_model_is_built_from_its_own_config():
     (["--narrow_qk_layers=[2]", "--key_offset=true"], ["key_offset", "narrow_qk_layers", "long_window_layers"]),
     (["--narrow_vo_layers=[0]"], ["num_value_embeds", "narrow_vo_layers"]),
     (["--narrow_qk_layers=[3]"], ["narrow_qk_layers"]),
+    (["--attn_gate_layers=[0]"], ["attn_gate_layers", "token_gates"]),
+    (["--token_gates=true", "--attn_gate_layers=[1]"], ["attn_gate_layers", "attention_free_layers"]),
+    (["--token_gates=true", "--token_gates_split=4"], ["token_gates_split", "num_layers"]),
     (["--cooldown_start=0.5", "--cooldown_end=0.4"], ["cooldown_start", "cooldown_end"]),
 ])
 def test_a_model_config_that_cannot_be_built_is_refused_naming_its_keys(args, keys):
@@ -609,6 +615,52 @@ def test_a_parallel_mlp_adds_a_second_mlp_of_the_same_input():
     want = mixed + block.mlp(tg.rms_norm(mixed)) + block.parallel_mlp(tg.rms_norm(mixed))
     got = block(x, x0, None, torch.zeros(8, dtype=torch.bool), model.rotary, None)
     torch.testing.assert_close(got, want)
+
+
+def test_token_gates_start_at_their_init_values_for_every_token():
+    h = tiny_config(["--token_gates=true", "--token_gates_split=2", "--xsa_layers=[2]", "--attn_gate_layers=[0]"])
+    gates = tiny_model(h).token_gates
+    assert gates.layouts == ([(0, "attn", 2), (0, "x0", 1), (0, "bigram", 1)],
+                             [(2, "xsa", 2), (2, "x0", 1), (2, "bigram", 1)])
+    assert gates.first_layer == 0
+    with torch.no_grad():
+        for w2 in gates.w2:
+            w2.zero_()             # tiny_model filled every zero-initialized weight
+    x = torch.randn(7, h.model_dim)
+    made = {**gates(0, x), **gates(1, x)}
+    for layer, kind, width in gates.layouts[0] + gates.layouts[1]:
+        assert made[layer][kind].shape == (7, width)
+        torch.testing.assert_close(made[layer][kind], torch.full((7, width), tg.TOKEN_GATE_INIT[kind]))
+
+
+def test_attention_output_gates_scale_each_heads_output_per_token():
+    """Gating head h of token t by g[t, h] equals scaling head h's columns of the output
+    projection by g[t, h]: checked token by token against the ungated layer."""
+    h = tiny_config()
+    model = tiny_model(h)
+    attn = model.blocks[0].attn
+    T = 6
+    x = torch.randn(T, h.model_dim, generator=torch.Generator().manual_seed(5))
+    g = torch.rand(T, h.num_heads, generator=torch.Generator().manual_seed(6)) * 2
+    args = tg.AttentionArgs(torch.tensor([0, T], dtype=torch.int32), 1 << 20, 1 << 20)
+    no_doc_start = torch.zeros(T, dtype=torch.bool)
+    got = attn(x, None, no_doc_start, model.rotary, args, {"attn": g})
+    out = attn.out.data.clone()
+    for t in range(T):
+        attn.out.data.copy_((out.view(h.model_dim, h.num_heads, -1) * g[t][None, :, None]).view_as(out))
+        torch.testing.assert_close(got[t], attn(x, None, no_doc_start, model.rotary, args)[t])
+
+
+def test_xsa_with_per_token_strengths_equals_its_definition():
+    gen = torch.Generator().manual_seed(8)
+    y, v = torch.randn(5, 3, 8, generator=gen), torch.randn(5, 3, 8, generator=gen)
+    alpha = torch.randn(5, 3, generator=gen)
+    got = tg.remove_self_value(y, v, alpha)
+    for t in range(5):
+        for head in range(3):
+            u = v[t, head].double() / v[t, head].double().norm()
+            want = y[t, head].double() - math.tanh(alpha[t, head]) * (y[t, head].double() @ u) * u
+            torch.testing.assert_close(got[t, head].double(), want, rtol=0, atol=1e-6)
 
 
 def test_weight_averages_equal_a_hand_computed_ema():
