@@ -128,6 +128,9 @@ class ModelConfig:
     token_gates: bool = False      # per-token gates from two small MLPs: XSA strengths, output gates, x0 and bigram injection
     token_gates_split: int = 4     # layers before this take gates made from x0, later ones from the residual entering it
     attn_gate_layers: tuple = ()   # layers whose heads' outputs are scaled by a per-token gate (needs token_gates)
+    trunk: str = "unet"            # unet: U-net skips, x0 mixed into every block | dense: see DenseConnections
+    skip_layers: tuple = (3, 6)    # dense: layer [1] (attention-free) adds a gated copy of layer [0]'s output
+    snapshot_layer: int = 7        # dense: the layers after it read its output as their attention input
 
 
 MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
@@ -193,6 +196,7 @@ class Hyperparameters(ModelConfig):
     gate_lr: float = 0.04          # value-embedding gate matrices
     smear_gate_lr: float = 0.04    # the smear gate's weights
     token_gate_lr: float = 0.0008  # the token-gate MLPs
+    dense_lr: float = 0.002        # the dense-connection MLPs
     embed_betas: tuple = (0.8, 0.95)   # embedding and head
     value_embed_betas: tuple = (0.8, 0.95)
     scalar_betas: tuple = (0.8, 0.95)  # scalars and gates
@@ -266,6 +270,7 @@ def _record89_features(h):
     h.yarn_scale_growth = 0.2
     h.yarn_at_final_window = False # the final window widens, the rotary tables stay
     h.token_gates, h.token_gates_split = True, 4  # XSA strengths, output gates, x0 and bigram injection per token
+    h.trunk, h.skip_layers = "dense", (3, 6)  # per-sublayer scales, the skip from 3 into 6, dense connections
     h.matrix_lr, h.matrix_wd = 0.023, 1.2
     h.qk_ortho_heads = 2           # queries and keys orthogonalized per pair of heads
     # Adam: base LR 0.008 and decay 0.005 times per-group multipliers (the decay scales with lr^2)
@@ -298,6 +303,7 @@ def _speedrun_preset(h):
     h.xsa_layers = (1, 3)                      # record 89's 1, 3 (its 4 lost its attention, its 7 is gone)
     h.paired_head_layers = (0, 2, 5)           # record 89's 0, 2, 5 (its 9 lost its attention)
     h.attn_gate_layers = (3, 9)                # record 89's 3, 10
+    h.snapshot_layer = 6                       # record 89's 7 is gone: the layers after 6 read its output
     N = h.num_iterations           # 1194
     h.stages = [                   # record 92's boundaries; the tails' batches as the public ANVIL record's
         Stage(end=320 / N, tokens_per_rank=16_384, max_doc_len=896, short_window=1, long_window=3,
@@ -343,6 +349,7 @@ def _record89_preset(h):
     h.momentum, h.momentum_warmup_start, h.momentum_warmup_steps, h.momentum_cooldown_steps = 0.95, 0.85, 300, 50
     h.bigram_rows = 50304 * 15 // 2  # 377,280
     h.attn_gate_layers = (3, 10)
+    h.snapshot_layer = 7
 
 
 def _one_gpu_preset(h):
@@ -472,7 +479,7 @@ def normalize_config(h):
     if not isinstance(h.averages, (list, tuple)):
         raise ConfigError(f"--averages: expects a JSON list of averages, got {json.dumps(h.averages)}")
     h.averages = [_average(a) for a in h.averages]
-    for key in LAYER_LIST_KEYS + BETAS_KEYS:
+    for key in LAYER_LIST_KEYS + BETAS_KEYS + ("skip_layers",):
         setattr(h, key, _sequence(key, getattr(h, key)))
     if h.orthogonalize == "auto":
         h.orthogonalize = "anvil" if h.optimizer == "anvil" else "polar_express"
@@ -504,6 +511,7 @@ NUMERIC_RULES = [
     ("narrow_qk_attn_scale", float, 1e-9, None, "a positive scale"),
     ("narrow_vo_dim", int, 1, None, "a positive width"),
     ("token_gates_split", int, 0, None, "a layer index in [0, num_layers]"),
+    ("snapshot_layer", int, 0, None, "a layer index"),
     ("mlp_hidden", int, 1, None, "a positive width"),
     ("num_value_embeds", int, 0, None, "0 or more tables"),
     ("value_embed_gate_dim", int, 1, None, "a positive number of dims, at most model_dim"),
@@ -541,6 +549,7 @@ NUMERIC_RULES = [
     ("gate_lr", float, 0.0, None, "a learning rate >= 0"),
     ("smear_gate_lr", float, 0.0, None, "a learning rate >= 0"),
     ("token_gate_lr", float, 0.0, None, "a learning rate >= 0"),
+    ("dense_lr", float, 0.0, None, "a learning rate >= 0"),
     ("embed_wd", float, 0.0, None, "a weight decay >= 0"),
     ("value_embed_wd", float, 0.0, None, "a weight decay >= 0"),
     ("adam_eps", float, 0.0, None, "an epsilon >= 0"),
@@ -558,6 +567,7 @@ CHOICE_RULES = [
     ("kernels", ("auto", "triton", "reference")),
     ("compile_backend", ("inductor", "aot_eager", "eager")),
     ("compute_dtype", ("bfloat16", "float32")),
+    ("trunk", ("unet", "dense")),
 ]
 BOOL_KEYS = ("compile", "fp8_mlp", "sync_check", "save_checkpoint", "canonical_mask", "smear_gate",
              "key_offset", "yarn_at_final_window", "value_embed_gate_reads_value", "token_gates")
@@ -682,8 +692,36 @@ def check_model_config(m):
     if m.token_gates and len(m.attention_free_layers) == m.num_layers:
         _conflict(m, ("token_gates", "attention_free_layers"), "the token gates act on attention layers: "
                   "there are none")
+    if m.trunk == "dense":
+        _check_dense_trunk(m)
     if m.smear_gate and m.model_dim < SMEAR_GATE_DIMS:
         _conflict(m, ("smear_gate", "model_dim"), f"the smear gate reads the first {SMEAR_GATE_DIMS} dims")
+
+
+def _check_dense_trunk(m):
+    last = m.num_layers - 1
+    if not m.token_gates:
+        _conflict(m, ("trunk", "token_gates"), "the dense trunk injects x0 and the bigram through the token gates: "
+                  "set --token_gates=true")
+    source, target = (tuple(m.skip_layers) + (None, None))[:2]
+    if len(m.skip_layers) != 2 or not all(_number(i, integer=True) for i in m.skip_layers) \
+            or not 0 <= source < target <= last:
+        _refuse("skip_layers", list(m.skip_layers), f"[from, to]: two layer indices, from < to < {m.num_layers}")
+    if target not in m.attention_free_layers:
+        _conflict(m, ("skip_layers", "attention_free_layers"), "the skip takes the place of the attention of "
+                  "an attention-free layer")
+    if 0 in m.attention_free_layers or m.token_gates_split < 1:
+        _conflict(m, ("trunk", "attention_free_layers", "token_gates_split"), "the dense trunk's input is x0 with "
+                  "the bigram let in by layer 0's gate from the first token-gate MLP: layer 0 needs attention, "
+                  "and the split must come after it")
+    if m.snapshot_layer >= last:
+        _conflict(m, ("snapshot_layer", "num_layers"), "the snapshot is read by later layers: it comes before the last")
+    if last in m.attention_free_layers or m.num_heads * head_dims(m, last)[1] != m.model_dim:
+        _conflict(m, ("trunk", "attention_free_layers", "narrow_vo_layers"), "the dense connections mix residual "
+                  "vectors into the last layer's values: it needs attention with num_heads x head_dim = model_dim")
+    if m.num_heads % 2:
+        _conflict(m, ("trunk", "num_heads"), "the last layer's value-embedding gate has one lane per half of the "
+                  "heads: an even number")
 
 
 def _check_stages(stages):
@@ -945,12 +983,16 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Parameter(torch.empty(cfg.num_heads * (2 * self.qk_dim + self.v_dim), cfg.model_dim))
         self.out = nn.Parameter(torch.zeros(cfg.model_dim, cfg.num_heads * self.v_dim))
         self.attention_fn = attention_fn
-        if value_embed:
+        mixed_densely = cfg.trunk == "dense" and layer == cfg.num_layers - 1  # gets its gates from DenseConnections
+        if value_embed and not mixed_densely:
             self.ve_gate = nn.Parameter(torch.zeros(cfg.num_heads, cfg.value_embed_gate_dim))
         else:
             self.ve_gate = None
         self.ve_gate_reads_value = cfg.value_embed_gate_reads_value
-        self.xsa_alpha = nn.Parameter(torch.zeros(cfg.num_heads)) if xsa else None
+        self.xsa = xsa             # with token gates the strengths come per token from them
+        self.xsa_alpha = nn.Parameter(torch.zeros(cfg.num_heads)) if xsa and not cfg.token_gates else None
+        # dense trunk: learned scales of the QKV projection's output and of the output projection
+        self.sa_lambdas = nn.Parameter(torch.tensor(DENSE_SA_LAMBDAS)) if cfg.trunk == "dense" else None
         bound = (3 ** 0.5) * 0.5 * cfg.model_dim ** -0.5
         nn.init.uniform_(self.qkv, -bound, bound)
 
@@ -968,17 +1010,24 @@ class CausalSelfAttention(nn.Module):
         """x (T, model_dim) normed; ve: this layer's value embeddings or None; doc_start (T,) bool:
         True where a document (or the slice) starts; gates: this layer's TokenGates or None (its
         "xsa" (T, heads) replace the learned per-head XSA strengths; its "attn" (T, heads) scale
-        the heads' outputs).
+        the heads' outputs; from the dense connections, "ve" (T, heads) replaces the
+        value-embedding gate and "v" (T, heads x value width) is added to the values).
 
         A paired layer runs on the doubled sequence of interleave_head_pairs, two positions per
         token: RoPE, the document offsets and the cache count positions, and the window (in
         positions) spans half as many tokens."""
         T = x.size(0)
         qkv = F.linear(x, self.qkv.type_as(x))
+        if self.sa_lambdas is not None:
+            qkv = qkv * self.sa_lambdas[0].type_as(qkv)
         H, qk_rows = self.num_heads, self.num_heads * self.qk_dim
         q, k, v = (t.view(T, H, -1) for t in qkv.split([qk_rows, qk_rows, H * self.v_dim], dim=-1))
+        gates = gates or {}
         if ve is not None:
-            v = v + self.value_embed_gate(x, ve)[..., None] * ve.view_as(v)
+            gate = gates["ve"] if "ve" in gates else self.value_embed_gate(x, ve)
+            v = v + gate[..., None] * ve.view_as(v)
+        if "v" in gates:
+            v = v + gates["v"].view_as(v)
         rows_per_token = 2 if self.paired else 1
         if self.paired:
             q, k, v = (interleave_head_pairs(t) for t in (q, k, v))
@@ -998,13 +1047,14 @@ class CausalSelfAttention(nn.Module):
             if self.key_offset:
                 k = offset_keys(k, rotary.stationary, torch.arange(k.size(0), device=k.device) == 0)
             y = cached_attention(q, k, v, window, rotary.attn_scale)
-        if self.xsa_alpha is not None:
-            y = remove_self_value(y, own_values, gates["xsa"] if gates and "xsa" in gates else self.xsa_alpha)
+        if self.xsa:
+            y = remove_self_value(y, own_values, gates["xsa"] if "xsa" in gates else self.xsa_alpha)
         if self.paired:
             y = deinterleave_head_pairs(y)
-        if gates and "attn" in gates:
+        if "attn" in gates:
             y = y * gates["attn"].type_as(y)[..., None]
-        return F.linear(y.reshape(T, -1), self.out.type_as(y))
+        y = F.linear(y.reshape(T, -1), self.out.type_as(y))
+        return y if self.sa_lambdas is None else y * self.sa_lambdas[1].type_as(y)
 
 
 class MLP(nn.Module):
@@ -1031,7 +1081,16 @@ class MLP(nn.Module):
         return F.linear(F.relu(F.linear(x, self.up.type_as(x))).square(), self.down.type_as(x))
 
 
+DENSE_SKIP_LAMBDA = -1.5          # dense trunk: the skip's strength is sigmoid of this learned scalar (0.18 at init)
+DENSE_SA_LAMBDAS = (0.5, 1.0)       # dense trunk: initial scales of the QKV projection's output and of the attention output
+DENSE_SUBLAYER_SCALES = (1.1 ** 0.5, 1.0, 1.1 ** 0.5, 1.0)  # dense: initial (residual, output) scales of attention, MLP
+
+
 class Block(nn.Module):
+    """Attention (unless attention-free) and an MLP (or two side by side), each on the normed
+    residual. The U-net trunk mixes x0 into the residual first (forward); the dense trunk scales
+    the residual and each sublayer's output by learned scalars (forward_dense)."""
+
     def __init__(self, cfg: ModelConfig, layer, fns, value_embed):
         super().__init__()
         has_attn = layer not in cfg.attention_free_layers
@@ -1041,8 +1100,15 @@ class Block(nn.Module):
         self.mlp = MLP(cfg.model_dim, cfg.mlp_hidden, fns.fp8_mlp)
         parallel = layer in cfg.parallel_mlp_layers
         self.parallel_mlp = MLP(cfg.model_dim, cfg.mlp_hidden, fns.fp8_mlp) if parallel else None
-        # residual mix: x <- lambdas[0] * x + lambdas[1] * x0 before the sublayers
-        self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))
+        if cfg.trunk == "unet":    # residual mix: x <- lambdas[0] * x + lambdas[1] * x0 before the sublayers
+            self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))
+        elif layer < cfg.num_layers - 1:  # x <- scales[0] x + scales[1] attention, then [2], [3] for the MLP
+            self.scales = nn.Parameter(torch.tensor(DENSE_SUBLAYER_SCALES))  # (the last layer's: DenseConnections)
+
+    def mlps(self, normed):
+        if self.parallel_mlp is not None:
+            return self.mlp(normed) + self.parallel_mlp(normed)
+        return self.mlp(normed)
 
     def forward(self, x, x0, ve, doc_start, rotary, args, gates=None, bigram=None):
         """gates: this layer's TokenGates or None; with them the attention sublayer is followed by
@@ -1054,32 +1120,52 @@ class Block(nn.Module):
                 x = x + gates["x0"] * x0
                 if bigram is not None:
                     x = x + gates["bigram"] * bigram
-        normed = rms_norm(x)
-        if self.parallel_mlp is not None:
-            return x + self.mlp(normed) + self.parallel_mlp(normed)
-        return x + self.mlp(normed)
+        return x + self.mlps(rms_norm(x))
+
+    def forward_dense(self, x, attn_in, x0, ve, doc_start, rotary, args, gates, bigram, mix=None):
+        """The dense trunk's layer: attention reads attn_in (the residual, or a snapshot), then x0
+        and the bigram are injected through the token gates; `mix`, the last layer's coefficients
+        from the dense connections, replaces the scales and the injections (its x0 is the
+        trunk's input)."""
+        if self.attn is not None:
+            y = self.attn(rms_norm(attn_in), ve, doc_start, rotary, args, gates)
+            if mix is not None:
+                x = mix["attn_residual"] * x + mix["attn_out"] * y + mix["x0"] * x0 + mix["bigram"] * bigram
+            else:
+                x = self.scales[0] * x + self.scales[1] * y + gates["x0"] * x0
+                if bigram is not None:
+                    x = x + gates["bigram"] * bigram
+        out = self.mlps(rms_norm(x))
+        if mix is not None:
+            return mix["mlp_residual"] * x + mix["mlp_out"] * out
+        return self.scales[2] * x + self.scales[3] * out
 
 
 TOKEN_GATE_HIDDEN = 64             # hidden width of the token-gate MLPs
 TOKEN_GATE_SCALE = 0.1             # initial output scale: a gate is (W2 gelu(W1 x) + b) * scale, scale learned
-TOKEN_GATE_INIT = {"xsa": 0.0, "attn": 0.25, "x0": 0.0, "bigram": 0.05}  # each gate's value at init (W2 = 0)
+TOKEN_GATE_INIT = {"xsa": 0.0, "attn": 0.25, "x0": 0.0, "bigram": 0.05, "skip": 0.5}  # values at init (W2 = 0)
 
 
 def token_gate_layout(cfg: ModelConfig):
     """[(layer, kind, width)] of the gates each of the two MLPs makes, in output order: for
     every attention layer before token_gates_split (first MLP) or from it on (second), the
     per-head XSA strengths (on XSA layers), the per-head output gates (on attn_gate_layers),
-    then the x0 and bigram injection gates."""
+    then the x0 and bigram injection gates. The dense trunk adds the skip's gate, and takes the
+    last layer's injections from its dense connections instead."""
     layouts = ([], [])
+    dense = cfg.trunk == "dense"
     for layer in range(cfg.num_layers):
+        layout = layouts[layer >= cfg.token_gates_split]
+        if dense and layer == cfg.skip_layers[1]:
+            layout.append((layer, "skip", 1))
         if layer in cfg.attention_free_layers:
             continue
-        layout = layouts[layer >= cfg.token_gates_split]
         if layer in cfg.xsa_layers:
             layout.append((layer, "xsa", cfg.num_heads))
         if layer in cfg.attn_gate_layers:
             layout.append((layer, "attn", cfg.num_heads))
-        layout += [(layer, "x0", 1), (layer, "bigram", 1)]
+        if not (dense and layer == cfg.num_layers - 1):
+            layout += [(layer, "x0", 1), (layer, "bigram", 1)]
     return layouts
 
 
@@ -1094,7 +1180,8 @@ class TokenGates(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.layouts = token_gate_layout(cfg)
-        self.first_layer = min(layer for layout in self.layouts for layer, _, _ in layout)  # gets the bigram first
+        self.first_layer = min(layer for layout in self.layouts for layer, kind, _ in layout  # gets the bigram first
+                               if kind == "bigram")
         widths = [sum(width for _, _, width in layout) for layout in self.layouts]
         self.w1 = nn.ParameterList(nn.Parameter(torch.empty(TOKEN_GATE_HIDDEN, cfg.model_dim)) for _ in widths)
         self.w2 = nn.ParameterList(nn.Parameter(torch.zeros(w, TOKEN_GATE_HIDDEN)) for w in widths)
@@ -1114,6 +1201,45 @@ class TokenGates(nn.Module):
             gates.setdefault(layer, {})[kind] = out[:, start:start + width]
             start += width
         return gates
+
+
+DENSE_HIDDEN = 64                  # hidden width of the dense-connection MLPs
+DENSE_SCALE = 0.1                  # their fixed output scale: coefficients are (W2 gelu(W1 x) + b) * scale
+# The last layer's coefficients, in output order, with their values at init (W2 = 0): its values
+# take a mix of the trunk's input, the snapshot and the residual; the residual itself is
+# recombined from them; its value-embedding gate (one lane per half of the heads); the scales of
+# its residual and attention output; the injections of the trunk's input and of the bigram; the
+# scales of its residual and MLP output.
+LAST_LAYER_MIX = {"v_input": 0.0, "v_snapshot": 0.0, "v_residual": 0.0, "input": 0.0, "snapshot": 0.0,
+                  "residual": 0.0, "ve_lane0": 2.0, "ve_lane1": 2.0, "attn_residual": 1.1 ** 0.5, "attn_out": 1.0,
+                  "x0": 0.0, "bigram": 0.05, "mlp_residual": 1.1 ** 0.5, "mlp_out": 1.0}
+# After the last layer the residual adds these times the trunk's input, the snapshot, the last
+# layer's input, the value embedding of the first layer whose values are as wide as the
+# residual (none: 0), and the skip's source; the snapshot's -0.5 at init takes half of it back
+# out of the prediction.
+FINAL_MIX = {"input": 0.0, "snapshot": -0.5, "last_input": 0.0, "value_embed": 0.0, "skip_source": 0.0}
+
+
+class DenseConnections(nn.Module):
+    """Record 89's dense connections (MUDD: per-token coefficients from small MLPs that mix
+    earlier layers' states back in): one MLP on the residual entering the last layer makes
+    LAST_LAYER_MIX, one on the residual after it makes FINAL_MIX."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.mixes = (LAST_LAYER_MIX, FINAL_MIX)
+        self.w1 = nn.ParameterList(nn.Parameter(torch.empty(DENSE_HIDDEN, cfg.model_dim)) for _ in self.mixes)
+        self.w2 = nn.ParameterList(nn.Parameter(torch.zeros(len(mix), DENSE_HIDDEN)) for mix in self.mixes)
+        self.b2 = nn.ParameterList(nn.Parameter(torch.tensor([v / DENSE_SCALE for v in mix.values()]))
+                                   for mix in self.mixes)
+        for w in self.w1:
+            nn.init.kaiming_uniform_(w, a=math.sqrt(5))   # nn.Linear's default init
+
+    def forward(self, which, x):
+        """{name: (T, 1)} of mix `which` (0: the last layer's, 1: the final one) on x (T, model_dim)."""
+        hidden = F.gelu(F.linear(x, self.w1[which].type_as(x)))
+        out = (F.linear(hidden, self.w2[which].type_as(x)) + self.b2[which].type_as(x)) * DENSE_SCALE
+        return dict(zip(self.mixes[which], out.split(1, dim=-1)))
 
 
 def previous_tokens(tokens, is_doc_start):
@@ -1185,8 +1311,17 @@ class GPT(nn.Module):
             nn.init.normal_(ve.weight, std=0.01)
         n = cfg.num_layers
         self.blocks = nn.ModuleList(Block(cfg, i, fns, i in self.value_embed_layer) for i in range(n))
-        self.num_skips = n // 2
-        self.skip_weights = nn.Parameter(torch.ones(self.num_skips))
+        self.trunk = cfg.trunk
+        if cfg.trunk == "unet":
+            self.num_skips = n // 2
+            self.skip_weights = nn.Parameter(torch.ones(self.num_skips))
+        else:
+            self.dense = DenseConnections(cfg)
+            self.skip_layers, self.snapshot_layer = tuple(cfg.skip_layers), cfg.snapshot_layer
+            self.skip_lambda = nn.Parameter(torch.tensor(DENSE_SKIP_LAMBDA))
+            wide = [layer for layer in sorted(self.value_embed_layer)     # value embeddings the final mix can add
+                    if cfg.num_heads * head_dims(cfg, layer)[1] == cfg.model_dim]
+            self.final_value_embed_layer = wide[0] if wide else None
         self.token_gates = TokenGates(cfg) if cfg.token_gates else None
         self.token_gates_split = cfg.token_gates_split
         self.max_tokens = max_tokens
@@ -1237,14 +1372,31 @@ class GPT(nn.Module):
             x = self.smear(self.embed(context), is_start)[seen:]
         bigram = self.bigram(bigram_rows(context, is_start, self.bigram.num_embeddings)[seen:])
         bigram = bigram * self.signs[bigram_sign_rows(context, is_start)[seen:]]
-        gates = {}
-        if self.token_gates is None:   # the bigram joins the embedding once, before the norm
-            x = x0 = rms_norm(x + bigram)
-        else:                          # or enters through per-layer gates (the first layer's before it)
-            x = x0 = rms_norm(x)
-            gates = self.token_gates(0, x0)
         ves = [ve(tokens) for ve in self.value_embeds]
-        skips = []
+        if self.trunk == "dense":
+            x = self.dense_trunk(rms_norm(x), bigram, ves, doc_start, args)
+        elif self.token_gates is None:   # the bigram joins the embedding once, before the norm
+            x = self.unet_trunk(rms_norm(x + bigram), None, ves, doc_start, args)
+        else:                            # or enters through the token gates
+            x = self.unet_trunk(rms_norm(x), bigram, ves, doc_start, args)
+        if cache is not None:
+            cache.advance(tokens)
+        return rms_norm(x)
+
+    def layer_inputs(self, i, ves):
+        """(value embeddings or None, rotary) of layer i."""
+        block = self.blocks[i]
+        narrow = block.attn is not None and block.attn.narrow_qk
+        return (ves[self.value_embed_layer[i]] if i in self.value_embed_layer else None,
+                self.narrow_rotary if narrow else self.rotary)
+
+    def unet_trunk(self, x0, bigram, ves, doc_start, args):
+        """U-net: the first half's outputs are added, with learned weights, to the second half's
+        inputs; x0 is mixed into every block. With token gates, the bigram (otherwise already in
+        x0) enters before the first gated layer and after the later ones' attention."""
+        x, gates, skips = x0, {}, []
+        if self.token_gates is not None:
+            gates = self.token_gates(0, x0)
         for i, block in enumerate(self.blocks):
             j = i - (len(self.blocks) - self.num_skips)
             if j >= 0:
@@ -1254,15 +1406,55 @@ class GPT(nn.Module):
             first = self.token_gates is not None and i == self.token_gates.first_layer
             if first:
                 x = x + gates[i]["bigram"] * bigram
-            ve = ves[self.value_embed_layer[i]] if i in self.value_embed_layer else None
-            narrow = block.attn is not None and block.attn.narrow_qk
-            x = block(x, x0, ve, doc_start, self.narrow_rotary if narrow else self.rotary, args, gates.get(i),
-                      None if first else bigram)
+            ve, rotary = self.layer_inputs(i, ves)
+            x = block(x, x0, ve, doc_start, rotary, args, gates.get(i), None if first else bigram)
             if i < self.num_skips:
                 skips.append(x)
-        if cache is not None:
-            cache.advance(tokens)
-        return rms_norm(x)
+        return x
+
+    def dense_trunk(self, x0, bigram, ves, doc_start, args):
+        """Record 89's trunk: the bigram enters through the token gates (before the first layer,
+        then after each attention); the attention-free layer skip_layers[1] adds a gated copy of
+        layer skip_layers[0]'s output; the layers after snapshot_layer read its output as their
+        attention input; the last layer's mixes and a final mix of earlier states come from the
+        dense connections."""
+        gates = self.token_gates(0, x0)
+        x = x0 + gates[self.token_gates.first_layer]["bigram"] * bigram
+        saved = {"input": x}
+        last = len(self.blocks) - 1
+        for i, block in enumerate(self.blocks):
+            if i == self.token_gates_split:
+                gates.update(self.token_gates(1, x))
+            ve, rotary = self.layer_inputs(i, ves)
+            attn_in = saved["snapshot"] if i > self.snapshot_layer else x
+            if i == self.skip_layers[1]:
+                x = x + torch.sigmoid(self.skip_lambda) * gates[i]["skip"] * saved["skip_source"]
+            if i < last:
+                first = i == self.token_gates.first_layer
+                x = block.forward_dense(x, attn_in, x0, ve, doc_start, rotary, args, gates.get(i),
+                                        None if first else bigram)
+            else:
+                saved["last_input"] = x
+                mix = self.dense(0, x)
+                layer_gates = dict(gates.get(i, {}))
+                layer_gates["v"] = mix["v_input"] * saved["input"] + mix["v_snapshot"] * saved["snapshot"] \
+                    + mix["v_residual"] * x
+                if ve is not None:         # one gate lane per half of the heads
+                    lanes = torch.cat([mix["ve_lane0"], mix["ve_lane1"]], dim=-1)
+                    layer_gates["ve"] = lanes.repeat_interleave(block.attn.num_heads // 2, dim=-1)
+                x = (1 + mix["residual"]) * x + mix["input"] * saved["input"] + mix["snapshot"] * saved["snapshot"]
+                x = block.forward_dense(x, attn_in, saved["input"], ve, doc_start, rotary, args, layer_gates, bigram,
+                                        mix)
+            if i == self.skip_layers[0]:
+                saved["skip_source"] = x
+            if i == self.snapshot_layer:
+                saved["snapshot"] = x
+        final = self.dense(1, x)
+        layer = self.final_value_embed_layer
+        first_ve = ves[self.value_embed_layer[layer]] if layer is not None else 0.0
+        return (x + final["input"] * saved["input"] + final["snapshot"] * saved["snapshot"]
+                + final["last_input"] * saved["last_input"] + final["value_embed"] * first_ve
+                + final["skip_source"] * saved["skip_source"])
 
     def forward(self, tokens, targets, args: AttentionArgs, target_weights, columns=None):
         """(objective, next-token loss): the means over tokens of the weighted cross-entropy that
@@ -1966,7 +2158,8 @@ def adam_groups(h, model):
     The head shares the embedding's betas and decay: it starts as a copy of the embedding."""
     gates = [p for name, p in model.named_parameters() if is_gate(name) and name != "smear_gate"]
     token_gates = list(model.token_gates.parameters()) if model.token_gates is not None else []
-    scalars = [p for p in model.parameters() if p.ndim < 2 and all(p is not q for q in token_gates)]
+    dense = list(model.dense.parameters()) if model.trunk == "dense" else []
+    scalars = [p for p in model.parameters() if p.ndim < 2 and all(p is not q for q in token_gates + dense)]
     value_embeds = [model.bigram.weight] + [ve.weight for ve in model.value_embeds]
     groups = [
         dict(name="embed", params=[model.embed.weight], lr=h.embed_lr, betas=h.embed_betas, weight_decay=h.embed_wd),
@@ -1976,6 +2169,7 @@ def adam_groups(h, model):
         dict(name="scalars", params=scalars, lr=h.scalar_lr, betas=h.scalar_betas, weight_decay=0.0),
         dict(name="gates", params=gates, lr=h.gate_lr, betas=h.scalar_betas, weight_decay=0.0),
         dict(name="token_gates", params=token_gates, lr=h.token_gate_lr, betas=h.scalar_betas, weight_decay=0.0),
+        dict(name="dense", params=dense, lr=h.dense_lr, betas=h.scalar_betas, weight_decay=0.0),
     ]
     if model.smear_gate is not None:
         groups.append(dict(name="smear_gate", params=[model.smear_gate], lr=h.smear_gate_lr, betas=h.scalar_betas,

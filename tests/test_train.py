@@ -175,6 +175,10 @@ FEATURES = ["--smear_gate=true", "--key_offset=true", "--xsa_layers=[2]",  # the
             "--token_gates_split=2", "--attn_gate_layers=[0]"]
 
 
+DENSE = ["--trunk=dense", "--token_gates=true", "--token_gates_split=1", "--skip_layers=[0,1]",  # record 89's trunk
+         "--snapshot_layer=1", "--xsa_layers=[0]", "--attn_gate_layers=[2]", "--key_offset=true"]
+
+
 def packed(doc_lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 3000, (sum(doc_lengths),), generator=g)
@@ -183,7 +187,7 @@ def packed(doc_lengths, seed=0):
     return tokens.int(), cu
 
 
-@pytest.mark.parametrize("features", [[], FEATURES], ids=["plain", "features"])
+@pytest.mark.parametrize("features", [[], FEATURES, DENSE], ids=["plain", "features", "dense"])
 def test_a_token_never_sees_another_document_or_the_future(features):
     h = tiny_config(features)
     model = tiny_model(h)
@@ -374,6 +378,10 @@ def test_the_model_is_built_from_its_own_config():
     (["--attn_gate_layers=[0]"], ["attn_gate_layers", "token_gates"]),
     (["--token_gates=true", "--attn_gate_layers=[1]"], ["attn_gate_layers", "attention_free_layers"]),
     (["--token_gates=true", "--token_gates_split=4"], ["token_gates_split", "num_layers"]),
+    (["--trunk=dense"], ["trunk", "token_gates"]),
+    ([*DENSE, "--skip_layers=[0,2]"], ["skip_layers", "attention_free_layers"]),
+    ([*DENSE, "--snapshot_layer=2"], ["snapshot_layer", "num_layers"]),
+    ([*DENSE, "--narrow_vo_layers=[2]", "--num_value_embeds=0"], ["trunk", "attention_free_layers", "narrow_vo_layers"]),
     (["--cooldown_start=0.5", "--cooldown_end=0.4"], ["cooldown_start", "cooldown_end"]),
 ])
 def test_a_model_config_that_cannot_be_built_is_refused_naming_its_keys(args, keys):
@@ -492,12 +500,78 @@ def test_key_offset_moves_only_the_stationary_dims_one_token_forward():
 
 @pytest.mark.parametrize("optimizer", ["anvil", "muon", "normuon", "adamw"])
 def test_optimizer_groups_cover_every_parameter_once(optimizer):
-    h = tiny_config([f"--optimizer={optimizer}", *FEATURES])
-    model = tiny_model(h)
-    opts = tg.build_optimizers(h, model, tg.select_kernels(h, torch.device("cpu")))
-    seen = [id(p) for opt in opts for g in opt.param_groups for p in g["params"]]
-    assert sorted(seen) == sorted(id(p) for p in model.parameters())
+    for features in (FEATURES, DENSE):
+        h = tiny_config([f"--optimizer={optimizer}", *features])
+        model = tiny_model(h)
+        opts = tg.build_optimizers(h, model, tg.select_kernels(h, torch.device("cpu")))
+        seen = [id(p) for opt in opts for g in opt.param_groups for p in g["params"]]
+        assert sorted(seen) == sorted(id(p) for p in model.parameters())
     assert h.orthogonalize == ("anvil" if optimizer == "anvil" else "polar_express")
+
+
+@pytest.mark.parametrize("features", [FEATURES, DENSE], ids=["features", "dense"])
+def test_every_parameter_but_the_tied_head_gets_a_gradient(features):
+    h = tiny_config(features)
+    model = tiny_model(h)
+    tokens, cu = packed([90, 60])
+    targets = torch.randint(0, 3000, (150, 3), generator=torch.Generator().manual_seed(1))
+    model(tokens, targets, tg.AttentionArgs(cu, 128, 384), tg.target_weights(h.stages[0], "cpu"))[0].backward()
+    assert [name for name, p in model.named_parameters() if p.grad is None] == ["lm_head"]
+
+
+def reference_dense_trunk(model, x0, bigram, ves, doc_start, args):
+    """Record 89's trunk restated for the DENSE config (3 layers: 0 with attention, 1 attention-free
+    taking the skip from 0 and serving as the snapshot, 2 the last), with its own bookkeeping."""
+    b0, b1, b2 = model.blocks
+    pre, post = model.token_gates(0, x0), None
+    cache = {0: x0 + pre[0]["bigram"] * bigram}
+    x = cache[0]
+    y = b0.attn(tg.rms_norm(x), ves[0], doc_start, model.rotary, args, pre[0])
+    x = b0.scales[0] * x + b0.scales[1] * y + pre[0]["x0"] * x0
+    x = b0.scales[2] * x + b0.scales[3] * b0.mlp(tg.rms_norm(x))
+    cache["skip"] = x
+    post = model.token_gates(1, x)
+    x = x + torch.sigmoid(model.skip_lambda) * post[1]["skip"] * cache["skip"]
+    x = b1.scales[2] * x + b1.scales[3] * b1.mlp(tg.rms_norm(x))
+    cache["snapshot"] = x
+    mu = list(model.dense(0, x).values())
+    cache["last"] = x
+    v_mix = mu[0] * cache[0] + mu[1] * cache["snapshot"] + mu[2] * x
+    ve_gate = torch.cat([mu[6], mu[7]], dim=-1).repeat_interleave(b2.attn.num_heads // 2, dim=-1)
+    x = (1 + mu[5]) * x + mu[3] * cache[0] + mu[4] * cache["snapshot"]
+    y = b2.attn(tg.rms_norm(cache["snapshot"]), ves[0], doc_start, model.rotary, args,
+                {**post[2], "v": v_mix, "ve": ve_gate})
+    x = mu[8] * x + mu[9] * y + mu[10] * cache[0] + mu[11] * bigram
+    x = mu[12] * x + mu[13] * b2.mlp(tg.rms_norm(x))
+    final = list(model.dense(1, x).values())
+    return (x + final[0] * cache[0] + final[1] * cache["snapshot"] + final[2] * cache["last"] + final[3] * ves[0]
+            + final[4] * cache["skip"])
+
+
+def test_the_dense_trunk_equals_record_89s_statement_of_it():
+    h = tiny_config(DENSE)
+    model = tiny_model(h)
+    gen = torch.Generator().manual_seed(2)
+    x0 = tg.rms_norm(torch.randn(40, h.model_dim, generator=gen))
+    bigram, ves = torch.randn(40, h.model_dim, generator=gen), [torch.randn(40, h.model_dim, generator=gen)]
+    doc_start = torch.zeros(40, dtype=torch.bool)
+    doc_start[0] = True
+    args = tg.AttentionArgs(torch.tensor([0, 40], dtype=torch.int32), 128, 384)
+    with torch.no_grad():
+        got = model.dense_trunk(x0, bigram, ves, doc_start, args)
+        want = reference_dense_trunk(model, x0, bigram, ves, doc_start, args)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_dense_connections_start_at_their_init_values():
+    h = tiny_config(DENSE)
+    dense = tg.DenseConnections(tg.model_config(h))
+    x = torch.randn(9, h.model_dim)
+    for which, mix in enumerate((tg.LAST_LAYER_MIX, tg.FINAL_MIX)):
+        made = dense(which, x)
+        assert list(made) == list(mix)
+        for name, value in mix.items():
+            torch.testing.assert_close(made[name], torch.full((9, 1), value))
 
 
 def test_adam_groups_take_their_own_lr_betas_and_decay():
