@@ -58,6 +58,7 @@ TINY_HINT = "python data/tiny_corpus.py"
 VOCAB_SIZE = 50257                 # GPT-2 tokens
 PADDED_VOCAB_SIZE = 50304          # vocab rounded up to a multiple of 128 for the matmuls
 WINDOW_BLOCK = 128                 # sliding windows are counted in blocks of this many tokens
+DC_BLOCK = 128                     # composed attention: queries per block; a block sees itself and the one before
 
 
 @dataclass
@@ -128,6 +129,8 @@ class ModelConfig:
     token_gates: bool = False      # per-token gates from two small MLPs: XSA strengths, output gates, x0 and bigram injection
     token_gates_split: int = 4     # layers before this take gates made from x0, later ones from the residual entering it
     attn_gate_layers: tuple = ()   # layers whose heads' outputs are scaled by a per-token gate (needs token_gates)
+    dc_layers: tuple = ()          # layers that add composed local attention (needs token_gates; not paired layers)
+    dc_window: int = 112           # its window, in tokens (at most DC_BLOCK)
     trunk: str = "unet"            # unet: U-net skips, x0 mixed into every block | dense: see DenseConnections
     skip_layers: tuple = (3, 6)    # dense: layer [1] (attention-free) adds a gated copy of layer [0]'s output
     snapshot_layer: int = 7        # dense: the layers after it read its output as their attention input
@@ -304,6 +307,7 @@ def _speedrun_preset(h):
     h.paired_head_layers = (0, 2, 5)           # record 89's 0, 2, 5 (its 9 lost its attention)
     h.attn_gate_layers = (3, 9)                # record 89's 3, 10
     h.snapshot_layer = 6                       # record 89's 7 is gone: the layers after 6 read its output
+    h.dc_layers = (9,)                         # record 89's 10: composed attention over 112 tokens
     N = h.num_iterations           # 1194
     h.stages = [                   # record 92's boundaries; the tails' batches as the public ANVIL record's
         Stage(end=320 / N, tokens_per_rank=16_384, max_doc_len=896, short_window=1, long_window=3,
@@ -350,6 +354,7 @@ def _record89_preset(h):
     h.bigram_rows = 50304 * 15 // 2  # 377,280
     h.attn_gate_layers = (3, 10)
     h.snapshot_layer = 7
+    h.dc_layers = (10,)
 
 
 def _one_gpu_preset(h):
@@ -511,6 +516,7 @@ NUMERIC_RULES = [
     ("narrow_qk_attn_scale", float, 1e-9, None, "a positive scale"),
     ("narrow_vo_dim", int, 1, None, "a positive width"),
     ("token_gates_split", int, 0, None, "a layer index in [0, num_layers]"),
+    ("dc_window", int, 1, DC_BLOCK, f"a window of 1 to {DC_BLOCK} tokens"),
     ("snapshot_layer", int, 0, None, "a layer index"),
     ("mlp_hidden", int, 1, None, "a positive width"),
     ("num_value_embeds", int, 0, None, "0 or more tables"),
@@ -622,7 +628,7 @@ def _conflict(m, keys, why):
 
 LAYER_LIST_KEYS = ("long_window_layers", "attention_free_layers", "xsa_layers", "value_embed_layers",
                    "paired_head_layers", "narrow_qk_layers", "narrow_vo_layers", "parallel_mlp_layers",
-                   "attn_gate_layers")
+                   "attn_gate_layers", "dc_layers")
 
 
 def check_model_config(m):
@@ -687,6 +693,11 @@ def check_model_config(m):
                   "set --token_gates=true")
     if set(m.attn_gate_layers) & set(m.attention_free_layers):
         _conflict(m, ("attn_gate_layers", "attention_free_layers"), "an output gate acts on a layer's attention")
+    if m.dc_layers and not m.token_gates:
+        _conflict(m, ("dc_layers", "token_gates"), "the head mixes come from the token gates: set --token_gates=true")
+    if set(m.dc_layers) & (set(m.attention_free_layers) | set(m.paired_head_layers)):
+        _conflict(m, ("dc_layers", "attention_free_layers", "paired_head_layers"), "composed attention mixes the "
+                  "maps of a layer's own heads: a layer with attention, not paired")
     if m.token_gates and m.token_gates_split > m.num_layers:
         _conflict(m, ("token_gates_split", "num_layers"), "the split is a layer index, or num_layers for one MLP")
     if m.token_gates and len(m.attention_free_layers) == m.num_layers:
@@ -949,6 +960,40 @@ def remove_self_value(y, v, alpha):
     return y - torch.tanh(alpha).type_as(y)[..., None] * along * direction
 
 
+DC_MIX_EPS = 1e-6                  # the RMS norm over heads of the map mix
+
+
+def composed_local_attention(q, k, v, doc_start, window, scale, mix_in, mix_out):
+    """Composed attention, mixing after the softmax: each head's map over the last `window` keys
+    of the query's document (its own softmax of the same scaled q.k), P_h[t], is mixed into one
+    map per token, A[t] = sum_h mix_in[t, h] P_h[t]; head h gets mix_out[t, h] * A[t] @ V_h.
+
+    q, k (T, H, Dqk), v (T, H, Dv); doc_start (T,) int: the first position of each token's
+    document; mix_in, mix_out (T, H). Returns the (T, H, Dv) addition to the heads' outputs.
+    Queries go in blocks of DC_BLOCK, each against its own and the previous block's keys
+    (window <= DC_BLOCK), so the maps take O(T x 2 DC_BLOCK x H) memory and every shape is static.
+    """
+    T, H, _ = q.shape
+    n, pad = -(-T // DC_BLOCK), -T % DC_BLOCK
+
+    def blocks(x, front):          # (T, ...) -> (n, DC_BLOCK, ...), `front` zero blocks before
+        return F.pad(x, (0, 0) * (x.dim() - 1) + (front * DC_BLOCK, pad)).view(n + front, DC_BLOCK, *x.shape[1:])
+
+    def key_windows(x):            # (n, 2 DC_BLOCK, ...): the block before each query block, then that block
+        b = blocks(x, 1)
+        return torch.cat([b[:-1], b[1:]], dim=1)
+    q_pos = torch.arange(n * DC_BLOCK, device=q.device).view(n, DC_BLOCK)
+    k_pos = q_pos[:, :1] - DC_BLOCK + torch.arange(2 * DC_BLOCK, device=q.device)
+    first = F.pad(doc_start, (0, pad)).view(n, DC_BLOCK)
+    visible = ((k_pos[:, None, :] <= q_pos[:, :, None]) & (q_pos[:, :, None] - k_pos[:, None, :] < window)
+               & (k_pos[:, None, :] >= first[:, :, None]))                       # (n, queries, keys)
+    scores = torch.einsum("nihd,njhd->nhij", blocks(q, 0), key_windows(k)).float() * scale
+    maps = scores.masked_fill(~visible[:, None], float("-inf")).softmax(dim=-1)
+    mixed = torch.einsum("nhij,nih->nij", maps, blocks(mix_in.float(), 0))
+    out = torch.einsum("nij,njhd->nihd", mixed.to(v.dtype), key_windows(v)) * blocks(mix_out, 0)[..., None].to(v.dtype)
+    return out.reshape(n * DC_BLOCK, H, -1)[:T]
+
+
 def interleave_head_pairs(x):
     """(T, H, D) -> (2T, H/2, D): heads 2h and 2h+1 of token t become head h at positions 2t and
     2t+1. Under one causal mask over the doubled sequence, each of the two queries then sees
@@ -990,11 +1035,19 @@ class CausalSelfAttention(nn.Module):
             self.ve_gate = None
         self.ve_gate_reads_value = cfg.value_embed_gate_reads_value
         self.xsa = xsa             # with token gates the strengths come per token from them
+        self.dc_window = cfg.dc_window if layer in cfg.dc_layers else 0
         self.xsa_alpha = nn.Parameter(torch.zeros(cfg.num_heads)) if xsa and not cfg.token_gates else None
         # dense trunk: learned scales of the QKV projection's output and of the output projection
         self.sa_lambdas = nn.Parameter(torch.tensor(DENSE_SA_LAMBDAS)) if cfg.trunk == "dense" else None
         bound = (3 ** 0.5) * 0.5 * cfg.model_dim ** -0.5
         nn.init.uniform_(self.qkv, -bound, bound)
+
+    def composed(self, q, k, v, doc_start, rotary, gates):
+        """composed_local_attention with this layer's head mixes from the token gates (the input
+        mix RMS-normed over the heads)."""
+        mix_in = F.rms_norm(gates["dc_in"].float(), (self.num_heads,), eps=DC_MIX_EPS)
+        return composed_local_attention(q, k, v, doc_start, self.dc_window, rotary.attn_scale, mix_in,
+                                        gates["dc_out"])
 
     def value_embed_gate(self, x, ve):
         """(T, heads) gates in (0, 2), 1 at the start: 2 sigmoid(W g), where g holds the first dims
@@ -1042,11 +1095,18 @@ class CausalSelfAttention(nn.Module):
             if self.key_offset:
                 k = offset_keys(k, rotary.stationary, doc_start)
             y = self.attention_fn(q, k, v, args.cu_seqlens * rows_per_token, window, rotary.attn_scale)
+            if self.dc_window:
+                y = y + self.composed(q, k, v, kernels.document_bounds(args.cu_seqlens, T)[0], rotary, gates)
         else:
             k, v = args.cache.extend(self, k, v, rows_per_token)  # the cache keeps the keys as computed
             if self.key_offset:
                 k = offset_keys(k, rotary.stationary, torch.arange(k.size(0), device=k.device) == 0)
             y = cached_attention(q, k, v, window, rotary.attn_scale)
+            if self.dc_window:     # the new tokens are the last T of the cached document: pad in front
+                earlier = k.size(0) - T
+                padded = {kind: F.pad(gates[kind], (0, 0, earlier, 0)) for kind in ("dc_in", "dc_out")}
+                one_document = torch.zeros(k.size(0), dtype=torch.long, device=k.device)
+                y = y + self.composed(F.pad(q, (0, 0, 0, 0, earlier, 0)), k, v, one_document, rotary, padded)[earlier:]
         if self.xsa:
             y = remove_self_value(y, own_values, gates["xsa"] if "xsa" in gates else self.xsa_alpha)
         if self.paired:
@@ -1143,14 +1203,15 @@ class Block(nn.Module):
 
 TOKEN_GATE_HIDDEN = 64             # hidden width of the token-gate MLPs
 TOKEN_GATE_SCALE = 0.1             # initial output scale: a gate is (W2 gelu(W1 x) + b) * scale, scale learned
-TOKEN_GATE_INIT = {"xsa": 0.0, "attn": 0.25, "x0": 0.0, "bigram": 0.05, "skip": 0.5}  # values at init (W2 = 0)
+TOKEN_GATE_INIT = {"xsa": 0.0, "attn": 0.25, "x0": 0.0, "bigram": 0.05, "skip": 0.5,  # values at init (W2 = 0)
+                   "dc_in": 1.0, "dc_out": 0.0}
 
 
 def token_gate_layout(cfg: ModelConfig):
     """[(layer, kind, width)] of the gates each of the two MLPs makes, in output order: for
     every attention layer before token_gates_split (first MLP) or from it on (second), the
     per-head XSA strengths (on XSA layers), the per-head output gates (on attn_gate_layers),
-    then the x0 and bigram injection gates. The dense trunk adds the skip's gate, and takes the
+    the head mixes of composed attention (on dc_layers), then the x0 and bigram injection gates. The dense trunk adds the skip's gate, and takes the
     last layer's injections from its dense connections instead."""
     layouts = ([], [])
     dense = cfg.trunk == "dense"
@@ -1164,6 +1225,8 @@ def token_gate_layout(cfg: ModelConfig):
             layout.append((layer, "xsa", cfg.num_heads))
         if layer in cfg.attn_gate_layers:
             layout.append((layer, "attn", cfg.num_heads))
+        if layer in cfg.dc_layers:
+            layout += [(layer, "dc_in", cfg.num_heads), (layer, "dc_out", cfg.num_heads)]
         if not (dense and layer == cfg.num_layers - 1):
             layout += [(layer, "x0", 1), (layer, "bigram", 1)]
     return layouts
@@ -1278,9 +1341,10 @@ def value_embed_tables(cfg: ModelConfig):
 class GPT(nn.Module):
     """The speedrun GPT on a packed stream of documents.
 
-    Embedding (+ smear gate, + bigram hash embedding with the sign trick) -> RMS norm -> blocks
-    with U-net skips (the first half's outputs are added, with learned weights, to the second
-    half's inputs) -> RMS norm -> lm_head (tied to the embedding until `untie`) -> softcapped
+    Embedding (+ smear gate) -> RMS norm -> the blocks, in a U-net trunk (unet_trunk) or record
+    89's dense one (dense_trunk), with the bigram hash embedding (sign trick) added to the
+    embedding or let in through per-token gates -> RMS norm -> lm_head (tied to the embedding
+    until `untie`) -> softcapped
     cross-entropy over all or a sampled subset of vocabulary columns, with multi-token and
     prefix targets. max_tokens: the longest slice a forward pass will see (RoPE's table).
     """

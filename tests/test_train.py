@@ -172,7 +172,7 @@ FEATURES = ["--smear_gate=true", "--key_offset=true", "--xsa_layers=[2]",  # the
             "--paired_head_layers=[0]", "--num_value_embeds=0", "--value_embed_layers=[0,2]",
             "--value_embed_gate_reads_value=true", "--narrow_qk_layers=[0]", "--narrow_qk_dim=16",
             "--narrow_vo_layers=[2]", "--narrow_vo_dim=16", "--parallel_mlp_layers=[1]", "--token_gates=true",
-            "--token_gates_split=2", "--attn_gate_layers=[0]"]
+            "--token_gates_split=2", "--attn_gate_layers=[0]", "--dc_layers=[2]", "--dc_window=24"]
 
 
 DENSE = ["--trunk=dense", "--token_gates=true", "--token_gates_split=1", "--skip_layers=[0,1]",  # record 89's trunk
@@ -286,6 +286,7 @@ def test_speedrun_preset_takes_the_records_constants():
     assert (h.narrow_qk_layers, h.narrow_vo_layers, h.parallel_mlp_layers) == ((0, 1, 2, 5, 7), (1, 7), (7,))
     assert (h.narrow_qk_attn_scale, h.attn_scale, h.mlp_hidden) == (0.13, 0.085, 2816)
     assert (h.token_gates, h.token_gates_split, h.attn_gate_layers) == (True, 4, (3, 9))                # record 89
+    assert (h.trunk, h.skip_layers, h.snapshot_layer, h.dc_layers, h.dc_window) == ("dense", (3, 6), 6, (9,), 112)
     assert h.canonical_mask
     assert (h.matrix_lr, h.matrix_wd, h.qk_ortho_heads) == (0.023, 1.2, 2)              # record 89
     assert tg.steps_per_stage(h) == [320, 361, 426, 68, 19]                              # record 92
@@ -299,6 +300,7 @@ def test_record89_preset_takes_its_schedule():
     assert h.num_iterations == 1285 and tg.steps_per_stage(h) == [423, 424, 423, 15]
     assert tg.untie_step(h) == 847
     assert (h.num_layers, h.attention_free_layers, h.xsa_layers, h.attn_gate_layers) == (11, (6,), (1, 3, 4, 7), (3, 10))
+    assert (h.trunk, h.skip_layers, h.snapshot_layer, h.dc_layers) == ("dense", (3, 6), 7, (10,))
     assert (h.optimizer, h.orthogonalize, h.bigram_rows, h.canonical_mask) == ("normuon", "polar_express", 377_280,
                                                                              False)
     lr = [tg.lr_multiplier(h, s) for s in (507, 508, 1270, 1284)]
@@ -379,6 +381,9 @@ def test_the_model_is_built_from_its_own_config():
     (["--token_gates=true", "--attn_gate_layers=[1]"], ["attn_gate_layers", "attention_free_layers"]),
     (["--token_gates=true", "--token_gates_split=4"], ["token_gates_split", "num_layers"]),
     (["--trunk=dense"], ["trunk", "token_gates"]),
+    (["--dc_layers=[2]"], ["dc_layers", "token_gates"]),
+    (["--token_gates=true", "--dc_layers=[0]", "--paired_head_layers=[0]"],
+     ["dc_layers", "attention_free_layers", "paired_head_layers"]),
     ([*DENSE, "--skip_layers=[0,2]"], ["skip_layers", "attention_free_layers"]),
     ([*DENSE, "--snapshot_layer=2"], ["snapshot_layer", "num_layers"]),
     ([*DENSE, "--narrow_vo_layers=[2]", "--num_value_embeds=0"], ["trunk", "attention_free_layers", "narrow_vo_layers"]),
@@ -723,6 +728,27 @@ def test_attention_output_gates_scale_each_heads_output_per_token():
     for t in range(T):
         attn.out.data.copy_((out.view(h.model_dim, h.num_heads, -1) * g[t][None, :, None]).view_as(out))
         torch.testing.assert_close(got[t], attn(x, None, no_doc_start, model.rotary, args)[t])
+
+
+@pytest.mark.parametrize("window", [1, 40, tg.DC_BLOCK])
+def test_composed_local_attention_equals_its_definition(window):
+    """Every head's softmax over the last `window` keys of the query's own document, mixed over
+    heads by mix_in into one map, applied to each head's values and scaled by mix_out: a float64
+    loop over queries."""
+    gen = torch.Generator().manual_seed(9)
+    T, H, D = 300, 3, 8
+    q, k, v = (torch.randn(T, H, D, generator=gen) for _ in range(3))
+    mix_in, mix_out = torch.randn(T, H, generator=gen), torch.randn(T, H, generator=gen)
+    cu = torch.tensor([0, 90, 240, 300], dtype=torch.int32)
+    doc_start = kernels.document_bounds(cu, T)[0]
+    got = tg.composed_local_attention(q, k, v, doc_start, window, 0.3, mix_in, mix_out)
+    for t in range(T):
+        keys = list(range(max(int(doc_start[t]), t - window + 1), t + 1))
+        maps = [(0.3 * (k[keys, h].double() @ q[t, h].double())).softmax(0) for h in range(H)]
+        mixed = sum(mix_in[t, h].double() * maps[h] for h in range(H))
+        for h in range(H):
+            want = mix_out[t, h].double() * (mixed @ v[keys, h].double())
+            torch.testing.assert_close(got[t, h].double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_xsa_with_per_token_strengths_equals_its_definition():
