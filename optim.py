@@ -626,7 +626,7 @@ class Adam(torch.optim.Optimizer):
         master = _load_master(param, state)
         if group["weight_decay"]:
             decayed = (update * master > 0) * master
-            master.sub_(decayed, alpha=lr * lr * group["weight_decay"])
+            master.sub_(decayed.mul_(lr * lr * group["weight_decay"]))  # a diverging LR gives inf, not an error
         master.sub_(update, alpha=lr)
         _store_master(param, state, master)
 

@@ -73,7 +73,8 @@ ATTENTION_MATMULS = 7     # per visible pair and head dim: 2 forward (QK^T, PV),
 GPU_TRAIN_CONFIG = ["--preset", "1gpu"]
 DRY_TRAIN_CONFIG = [
     "--preset", "cpu", "--device=cpu", "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64",
-    "--mlp_hidden=128", "--bigram_rows=1024", "--long_window_layers=[1]", "--fp8_mlp=false", "--optimizer=adamw",
+    "--mlp_hidden=128", "--bigram_rows=1024", "--long_window_layers=[1]", "--narrow_qk_layers=[]", "--fp8_mlp=false",
+    "--optimizer=adamw",
     "--batch_ranks=1", "--num_iterations=4", "--val_tokens=128", "--val_tokens_per_rank=128",
     '--stages=[{"end":0.5,"tokens_per_rank":16,"max_doc_len":16,"short_window":1,"long_window":1,"candidates":128},'
     '{"end":1.0,"tokens_per_rank":32,"max_doc_len":32,"short_window":1,"long_window":1,"candidates":128}]',

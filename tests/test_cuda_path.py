@@ -53,6 +53,12 @@ REHEARSAL = [
     "--batch_ranks=1", "--num_iterations=5", "--untie_frac=0.8", "--val_every=3", "--val_long_window=3",
     "--val_tokens=32", "--val_tokens_per_rank=32", "--warmup_steps=1", "--log_every=1",
     "--momentum_warmup_steps=4", "--compute_dtype=bfloat16",
+    # record 89's features: token gates, the dense trunk, composed attention, a narrow QK layer, a
+    # parallel MLP, per-head QK orthogonalization and an end-of-training average
+    "--token_gates=true", "--token_gates_split=2", "--trunk=dense", "--skip_layers=[0,1]", "--snapshot_layer=1",
+    "--dc_layers=[2]", "--dc_window=32", "--attn_gate_layers=[2]", "--xsa_layers=[0]", "--narrow_qk_layers=[0]",
+    "--narrow_qk_dim=32", "--parallel_mlp_layers=[1]", "--qk_ortho_heads=1",
+    '--averages=[{"params":"qk","window":2}]',
     '--stages=[{"end":0.2,"tokens_per_rank":32,"max_doc_len":32,"short_window":1,"long_window":1,'
     '"mtp_weights":[1,0.5,0.25],"prefix_weight":0.25},'
     '{"end":0.6,"tokens_per_rank":96,"max_doc_len":96,"short_window":1,"long_window":2,'

@@ -26,7 +26,8 @@ from records.logfile import parse_log  # noqa: E402
 
 # The smallest trainer config that exercises the loop (2 layers, one stage).
 TINY = ["--preset", "cpu", "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64", "--mlp_hidden=128",
-        "--long_window_layers=[1]", "--num_value_embeds=1", "--bigram_rows=1024", "--num_iterations=3",
+        "--long_window_layers=[1]", "--num_value_embeds=1", "--narrow_qk_layers=[]", "--bigram_rows=1024",
+        "--num_iterations=3",
         "--val_tokens=1024", "--val_tokens_per_rank=1024",
         '--stages=[{"end":1.0,"tokens_per_rank":512,"max_doc_len":256,"short_window":1,"long_window":2}]']
 BAD_TOKEN = 60_000                 # an id outside GPT-2's vocabulary

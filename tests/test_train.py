@@ -23,7 +23,7 @@ from records.logfile import parse_log, verify  # noqa: E402
 # A model small enough for a CPU test: every feature on, tiny widths.
 TINY = [
     "--num_layers=3", "--model_dim=64", "--num_heads=2", "--head_dim=32", "--mlp_hidden=128",
-    "--long_window_layers=[2]", "--attention_free_layers=[1]", "--num_value_embeds=1",
+    "--long_window_layers=[2]", "--attention_free_layers=[1]", "--num_value_embeds=1", "--narrow_qk_layers=[]",
     "--bigram_rows=1024", "--val_long_window=4", "--batch_ranks=1",
     '--stages=[{"end":0.5,"tokens_per_rank":512,"max_doc_len":256,"short_window":1,"long_window":2,'
     '"mtp_weights":[1,0.5,0.25],"prefix_weight":0.25,"candidates":2048},'
@@ -611,7 +611,7 @@ def test_qkv_is_orthogonalized_as_query_and_key_blocks_of_heads_and_one_value_bl
     muon = tg.build_optimizers(h, model, tg.select_kernels(h, torch.device("cpu")))[1]
     qkv = next(g for g in muon.param_groups if g["name"] == "qkv")
     assert qkv["row_splits"] == (64, 64, 64, 64, 128) and len(qkv["params"]) == sum(b.attn is not None for b in model.blocks)
-    assert tg.qkv_row_splits(tiny_config()) is None
+    assert tg.qkv_row_splits(tiny_config(["--qk_ortho_heads=0"])) is None
 
 
 def test_lr_cools_from_the_stage_multiplier_to_the_floor():
