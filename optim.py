@@ -460,24 +460,17 @@ class Muon(torch.optim.Optimizer):
         if group["equalize"] and "lane_second_moment" not in state:
             state["lane_second_moment"] = [update.new_zeros((rows, 1) if rows >= p.shape[1] else (1, p.shape[1]))
                                            for rows in splits]
-        steps, lr_effs = [], []
-        for i, block in enumerate(update.split(splits)):
+        master = _load_master(p.data, state)
+        slow = state["slow_rail"].split(splits) if group["variant"] == "anvil" else [None] * len(splits)
+        for i, (block, weights, slow_block) in enumerate(zip(update.split(splits), master.split(splits), slow)):
             rows, cols = block.shape
             if group["equalize"]:
                 block = equalize_lanes(block, state["lane_second_moment"][i], group["beta2"], group["eps"])
             lr_eff = group["lr"] * group["lr_scale"] * shape_lr_multiplier(rows, cols)
-            steps.append(lr_eff * block)
-            lr_effs.append(lr_eff)
-        if len(splits) == 1:
-            step, lr_eff = steps[0], lr_effs[0]
-        else:
-            step = torch.cat(steps)
-            lr_eff = torch.cat([update.new_full((rows, 1), lr) for rows, lr in zip(splits, lr_effs)])
-        master = _load_master(p.data, state)
-        gate_source = state["slow_rail"] if group["variant"] == "anvil" else update
-        decay = group["lr"] * lr_eff * group["weight_decay"]
-        decayed = same_sign_or_zero(gate_source, master) * master
-        master.sub_(step + decay * decayed)
+            decay = group["lr"] * lr_eff * group["weight_decay"]
+            gate_source = block if slow_block is None else slow_block
+            decayed = same_sign_or_zero(gate_source, weights) * weights
+            weights.sub_(lr_eff * block + decay * decayed)   # a view: writes the master's rows
         _store_master(p.data, state, master)
 
     def _orthogonalize(self, group, directions):
