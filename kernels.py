@@ -14,24 +14,27 @@ Families:
   4. Muon helper      xxt                                            xxt_reference
 
 How the trainer uses the FP8 layers. A module that owns an FP8 weight also owns a small fp32
-buffer of amax values, created once with `new_fp8_linear_state(device)` (a plain linear) or
+state buffer, created once with `new_fp8_linear_state(device)` (a plain linear) or
 `new_fp8_mlp_state(device)` (the fused MLP), registered with `register_buffer` so that it moves
 with the module and lands in checkpoints:
 
-    y = kernels.fp8_linear(x, self.weight, self.fp8_state)             # x @ weight.T
-    y = kernels.fp8_relu2_mlp(x, self.w_up, self.w_down, self.fp8_state)  # relu(x w_up.T)^2 w_down.T
+    y = kernels.fp8_linear(x, self.weight, self.fp8_state, scales=QKV_SCALES)  # x @ weight.T
+    y = kernels.fp8_relu2_mlp(x, self.w_up, self.w_down, self.fp8_state)     # relu(x w_up.T)^2 w_down.T
 
 Weights use nn.Linear's (out, in) layout and any float dtype (their gradients come back in it);
 x is bf16 of shape (..., in) and y has x's dtype. Forward operands are e4m3, gradients e5m2, all
-with per-tensor scales that map an amax to the fp8 maximum. Weights and layer inputs get an
-exact scale (this call's amax). The other activations and the gradients get a delayed scale: the
-amax the previous call recorded in the buffer, times a per-operand headroom (FP8_MLP_HEADROOM,
-FP8_LINEAR_HEADROOM), so no extra pass over the tensor is needed; each call records its own amax
-for the next. A zero entry (a fresh buffer, or a tensor that was all zeros) gives the default
-scale UNCALIBRATED_SCALE; calibration calls (forward and backward, results discarded) before the
-first real one record real amaxes, as the trainer does. Values beyond the fp8 range saturate.
-The `*_reference` functions take the same arguments, update the buffer the same way and
-quantize identically with torch casts: the trainer's A/B switch.
+with per-tensor scales that map an amax to the fp8 maximum. Each operand's scale follows a rule
+(FP8LinearScales, FP8MLPScales): Exact (this call's amax: one more pass over the tensor),
+Delayed (the amax the previous call recorded, times a headroom: no extra pass), Static (a
+constant; for gradients, one of the summed loss times the state's loss unit, which
+set_fp8_loss_unit sets to the weight the objective gives one token), or ExactThenDelayed
+(weights: exact for the first calls, then delayed). Every cast records its operand's amax in
+the state, which also counts the calls. A zero amax (a fresh buffer, or a tensor that was all
+zeros) gives the default scale UNCALIBRATED_SCALE; calibration calls (forward and backward,
+results discarded) before the first real one record real amaxes, as the trainer does. Values
+beyond the fp8 range saturate. The `*_reference` functions take the same arguments, update the
+state the same way and quantize identically with torch casts: the trainer's A/B switch, and its
+FP8 emulation on a CPU.
 
 The other families need no state: flash_attn_varlen(q, k, v, cu_seqlens, window,
 softmax_scale), softcap_cross_entropy(logits, targets, weights) and xxt(x) take the same
@@ -122,20 +125,97 @@ FP8_MATMUL_RELU2_GRAD = FP8_MATMUL_SMALL
 # Tiles of the stand-alone fp8 cast (row-major and transposed copies, memory bound).
 FP8_CAST = LaunchConfig(block_m=64, block_n=64, num_warps=4)
 
-# Entries of the amax buffers (see the module docstring): the tensor each one tracks.
-FP8_LINEAR_SLOTS = {"input": 0, "grad_output": 1}
-FP8_MLP_SLOTS = {"input": 0, "hidden": 1, "grad_output": 2, "grad_hidden": 3}
 
-# How each operand's scale is chosen: EXACT_SCALE, or the headroom of a delayed scale.
-EXACT_SCALE = None           # this call's own amax (one extra reduction over the tensor)
-HIDDEN_HEADROOM = 1.8        # relu(h)^2 squares the growth of h between calls (record 89's down-projection input)
+# How an operand's per-tensor scale is chosen (see the module docstring). Each layer has one
+# rule per operand: FP8LinearScales, FP8MLPScales.
+@dataclasses.dataclass(frozen=True)
+class Exact:
+    """This call's own amax mapped to the fp8 maximum (one extra reduction over the tensor)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Delayed:
+    """The amax the previous call recorded, times `headroom` for growth since then."""
+    headroom: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """A fixed scale. For a gradient it is the scale of the summed loss (each token's loss with
+    weight 1, as the records train) and is multiplied by the state's loss unit."""
+    scale: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactThenDelayed:
+    """Exact for the layer's first `calls` calls, while the weights move fast, then Delayed."""
+    calls: int
+    headroom: float
+
+
+EXACT = Exact()
 GRAD_HEADROOM = 1.25         # gradients vary between micro-batches; e5m2 keeps 2^-16 of the maximum below it
+HIDDEN_HEADROOM = 1.8        # relu(h)^2 squares the growth of h between calls (record 89's down-projection input)
+# Rms-normed rows of width d have |x_i| <= sqrt(d) (27.7 at d = 768): a static scale of 1/16 maps
+# 448 / 16 = 28 to the e4m3 maximum, never saturates up to d = 784 and needs no reduction.
+NORMED_INPUT_SCALE = 1 / 16
+NORMED_INPUT_MAX_DIM = int((FP8_E4M3_MAX * NORMED_INPUT_SCALE) ** 2)  # 784: widest row that scale holds
+# Weights move fast while Adam and Muon warm up: their own amax for the first calls (record 89
+# bootstraps its down projection for 16 steps), then the previous call's amax with 12% headroom,
+# which the cast records in the same pass.
+WEIGHT_LAG = ExactThenDelayed(calls=16, headroom=1.12)
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8LinearScales:
+    """The rules of fp8_linear's three operands. The defaults calibrate themselves."""
+    input: object = EXACT
+    weight: object = EXACT
+    grad_output: object = Delayed(GRAD_HEADROOM)
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8MLPScales:
+    """The rules of fp8_relu2_mlp's six operands (hidden: relu(h)^2; grad_hidden: dL/dh). The
+    defaults calibrate themselves."""
+    input: object = EXACT
+    up_weight: object = EXACT
+    down_weight: object = EXACT
+    hidden: object = Delayed(HIDDEN_HEADROOM)
+    grad_output: object = Delayed(GRAD_HEADROOM)
+    grad_hidden: object = Delayed(GRAD_HEADROOM)
+
+
+# Record 92's MLP: static input and output-gradient scales, the activation's amax grows little
+# between calls (1.03), lagged weights. 2^-6 maps |g| <= 896 of a summed loss into e5m2.
+MLP_SCALES_RECORD92 = FP8MLPScales(input=Static(NORMED_INPUT_SCALE), up_weight=WEIGHT_LAG, down_weight=WEIGHT_LAG,
+                                   hidden=Delayed(1.03), grad_output=Static(2.0 ** -6),
+                                   grad_hidden=Delayed(GRAD_HEADROOM))
+# Record 89's MLP forward: exact input and up weight, lagged down weight, activation headroom 1.8.
+# (Record 89 runs the MLP backward in bf16; here it runs in fp8 with the self-calibrating rules.)
+MLP_SCALES_RECORD89 = FP8MLPScales(down_weight=WEIGHT_LAG)
+MLP_SCALES = {"record92": MLP_SCALES_RECORD92, "record89": MLP_SCALES_RECORD89, "delayed": FP8MLPScales()}
+# The packed QKV projection reads rms-normed rows; its weight changes every step (exact); the
+# gradients of q, k, v come back through the QK norm and RoPE with no known bound (delayed).
+QKV_SCALES = FP8LinearScales(input=Static(NORMED_INPUT_SCALE))
+# Record 89's static lm_head scales: inputs up to 100, weights up to 1.6, logit gradients up to
+# 0.75 x 57344 / 448 = 96 per token (the softcap's slope is at most 23 / 30).
+HEAD_SCALES = FP8LinearScales(input=Static(100 / FP8_E4M3_MAX), weight=Static(1.6 / FP8_E4M3_MAX),
+                              grad_output=Static(0.75 / FP8_E4M3_MAX))
+
+
+def _slots(scales_class):
+    """Entries of a layer's state buffer: an amax per operand (what its last cast saw), the count
+    of forward calls, and the loss unit."""
+    names = [field.name for field in dataclasses.fields(scales_class)] + ["calls", "loss_unit"]
+    return {name: i for i, name in enumerate(names)}     # loss_unit last: see set_fp8_loss_unit
+
+
+FP8_LINEAR_SLOTS = _slots(FP8LinearScales)
+FP8_MLP_SLOTS = _slots(FP8MLPScales)
 # Scale before any amax is known: 1 for e4m3 activations (of order 1); 2^-14 for e5m2 gradients of
 # a mean loss, far below 1 (at scale 1 e5m2 flushes |g| < 2^-16, at 2^-14 it keeps 2^-30 to 3.5).
 UNCALIBRATED_SCALE = {FP8_E4M3_MAX: 1.0, FP8_E5M2_MAX: 2.0 ** -14}
-FP8_LINEAR_HEADROOM = {"input": EXACT_SCALE, "grad_output": GRAD_HEADROOM}
-FP8_MLP_HEADROOM = {"input": EXACT_SCALE, "hidden": HIDDEN_HEADROOM, "grad_output": GRAD_HEADROOM,
-                    "grad_hidden": GRAD_HEADROOM}
 
 _FP8_MAX = {torch.float8_e4m3fn: FP8_E4M3_MAX, torch.float8_e5m2: FP8_E5M2_MAX}
 
@@ -436,26 +516,27 @@ def _scale_for_amax(amax, fp8_max, headroom):
     return torch.where(amax > 0, amax * (headroom / fp8_max), unknown)
 
 
-def _operand_scale(state, slots, headrooms, name, fp8_max, x):
-    """(scale, amax slot) of the operand `name` of a layer, by its rule in `headrooms`.
-
-    EXACT_SCALE: the scale of x's own amax, which the slot records. Otherwise a delayed scale:
-    the amax the previous call recorded in the slot times the headroom; the slot is cleared so
-    that this call's cast records the new amax there.
-    """
+def _operand_scale(state, slots, rule, name, fp8_max, x):
+    """(scale, amax slot) of the operand `name` of a layer, by its rule (x: the operand, needed
+    by the exact rules only). The slot is left for this call's cast to record the operand's amax
+    in: the next call's delayed scale, and for a static scale how close it came to saturating.
+    Everything stays on the device: no rule waits for a value on the host."""
     amax = state[slots[name]:slots[name] + 1]
-    if headrooms[name] is EXACT_SCALE:
-        amax.copy_(x.detach().abs().amax().float().reshape(1))
-        return _scale_for_amax(amax, fp8_max, 1.0), amax
-    scale = _scale_for_amax(amax, fp8_max, headrooms[name])
+    if isinstance(rule, Static):
+        scale = torch.full_like(amax, rule.scale)
+        if fp8_max == FP8_E5M2_MAX:
+            scale = scale * state[slots["loss_unit"]]
+    elif isinstance(rule, Delayed):
+        scale = _scale_for_amax(amax, fp8_max, rule.headroom)
+    else:
+        own = _scale_for_amax(x.detach().abs().amax().float().reshape(1), fp8_max, 1.0)
+        if isinstance(rule, ExactThenDelayed):
+            delayed = _scale_for_amax(amax, fp8_max, rule.headroom)
+            scale = torch.where(state[slots["calls"]] < rule.calls, own, delayed)
+        else:
+            scale = own
     amax.zero_()
     return scale, amax
-
-
-def _exact_scale(weight):
-    """(scale, amax) of a weight for e4m3: its own amax, no headroom."""
-    amax = weight.detach().abs().amax().float().reshape(1)
-    return _scale_for_amax(amax, FP8_E4M3_MAX, 1.0), amax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -472,14 +553,31 @@ _REFERENCE_FP8 = _FP8Primitives(fp8_cast_reference, fp8_matmul_reference, fp8_ma
                                 fp8_matmul_relu2_grad_reference)
 
 
+def _new_state(slots, device):
+    state = torch.zeros(len(slots), dtype=torch.float32, device=device)
+    state[slots["loss_unit"]] = 1.0
+    return state
+
+
 def new_fp8_linear_state(device=None):
-    """The amax buffer of one fp8_linear layer (zeros: uncalibrated, delayed scales start at 1)."""
-    return torch.zeros(len(FP8_LINEAR_SLOTS), dtype=torch.float32, device=device)
+    """The state buffer of one fp8_linear layer: no amax known yet, no calls, loss unit 1."""
+    return _new_state(FP8_LINEAR_SLOTS, device)
 
 
 def new_fp8_mlp_state(device=None):
-    """The amax buffer of one fp8_relu2_mlp layer (zeros: uncalibrated, delayed scales start at 1)."""
-    return torch.zeros(len(FP8_MLP_SLOTS), dtype=torch.float32, device=device)
+    """The state buffer of one fp8_relu2_mlp layer: no amax known yet, no calls, loss unit 1."""
+    return _new_state(FP8_MLP_SLOTS, device)
+
+
+def set_fp8_loss_unit(state, unit):
+    """Set the weight the training objective gives one token's loss (1 / tokens for a mean over
+    tokens; 1 for a sum), by which a layer multiplies its static gradient scales. It is the
+    last entry of every layer's state."""
+    state[-1] = unit
+
+
+def _count_call(state, slots):
+    state[slots["calls"]:slots["calls"] + 1].add_(1.0)
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -488,14 +586,16 @@ class _FP8Linear(torch.autograd.Function):
     into a row-major and a transposed copy, so every GEMM reads both operands K-major."""
 
     @staticmethod
-    def forward(ctx, x, weight, state, prims, config):
-        x_scale, x_amax = _operand_scale(state, FP8_LINEAR_SLOTS, FP8_LINEAR_HEADROOM, "input", FP8_E4M3_MAX, x)
+    def forward(ctx, x, weight, state, scales, prims, config):
+        slots = FP8_LINEAR_SLOTS
+        x_scale, x_amax = _operand_scale(state, slots, scales.input, "input", FP8_E4M3_MAX, x)
         x8, x8_t = prims.cast(x, x_scale, x_amax, torch.float8_e4m3fn)
-        w_scale, w_amax = _exact_scale(weight)
+        w_scale, w_amax = _operand_scale(state, slots, scales.weight, "weight", FP8_E4M3_MAX, weight)
         w8, w8_t = prims.cast(weight, w_scale, w_amax, torch.float8_e4m3fn)
+        _count_call(state, slots)
         y = prims.matmul(x8, w8.t(), x_scale, w_scale, x.dtype, config)
         ctx.save_for_backward(x8_t, w8_t, x_scale, w_scale)
-        ctx.state, ctx.prims, ctx.config = state, prims, config
+        ctx.state, ctx.scales, ctx.prims, ctx.config = state, scales, prims, config
         ctx.dtypes = (x.dtype, weight.dtype)
         return y
 
@@ -503,13 +603,13 @@ class _FP8Linear(torch.autograd.Function):
     def backward(ctx, grad_y):
         x8_t, w8_t, x_scale, w_scale = ctx.saved_tensors
         prims, config = ctx.prims, ctx.config
-        g_scale, g_amax = _operand_scale(ctx.state, FP8_LINEAR_SLOTS, FP8_LINEAR_HEADROOM, "grad_output",
+        g_scale, g_amax = _operand_scale(ctx.state, FP8_LINEAR_SLOTS, ctx.scales.grad_output, "grad_output",
                                          FP8_E5M2_MAX, grad_y)
         g8, g8_t = prims.cast(grad_y, g_scale, g_amax, torch.float8_e5m2)
         need_x, need_w = ctx.needs_input_grad[:2]
         grad_x = prims.matmul(g8, w8_t.t(), g_scale, w_scale, ctx.dtypes[0], config) if need_x else None
         grad_w = prims.matmul(g8_t, x8_t.t(), g_scale, x_scale, ctx.dtypes[1], config) if need_w else None
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 class _FP8ReLU2MLP(torch.autograd.Function):
@@ -523,26 +623,29 @@ class _FP8ReLU2MLP(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w_up, w_down, state, prims, config):
-        x_scale, x_amax = _operand_scale(state, FP8_MLP_SLOTS, FP8_MLP_HEADROOM, "input", FP8_E4M3_MAX, x)
+    def forward(ctx, x, w_up, w_down, state, scales, prims, config):
+        slots = FP8_MLP_SLOTS
+        x_scale, x_amax = _operand_scale(state, slots, scales.input, "input", FP8_E4M3_MAX, x)
         x8, x8_t = prims.cast(x, x_scale, x_amax, torch.float8_e4m3fn)
-        up_scale, up_amax = _exact_scale(w_up)
+        up_scale, up_amax = _operand_scale(state, slots, scales.up_weight, "up_weight", FP8_E4M3_MAX, w_up)
         up8, up8_t = prims.cast(w_up, up_scale, up_amax, torch.float8_e4m3fn)
-        down_scale, down_amax = _exact_scale(w_down)
+        down_scale, down_amax = _operand_scale(state, slots, scales.down_weight, "down_weight", FP8_E4M3_MAX,
+                                               w_down)
         down8, down8_t = prims.cast(w_down, down_scale, down_amax, torch.float8_e4m3fn)
-        a_scale, a_amax = _operand_scale(state, FP8_MLP_SLOTS, FP8_MLP_HEADROOM, "hidden", FP8_E4M3_MAX, None)
+        a_scale, a_amax = _operand_scale(state, slots, scales.hidden, "hidden", FP8_E4M3_MAX, None)
+        _count_call(state, slots)
         a8, a8_t = prims.matmul_relu2(x8, up8.t(), x_scale, up_scale, a_scale, a_amax, config)
         y = prims.matmul(a8, down8.t(), a_scale, down_scale, x.dtype, config)
         ctx.save_for_backward(x8_t, up8_t, down8_t, a8_t, x_scale, up_scale, down_scale, a_scale)
-        ctx.state, ctx.prims, ctx.config = state, prims, config
+        ctx.state, ctx.scales, ctx.prims, ctx.config = state, scales, prims, config
         ctx.dtypes = (x.dtype, w_up.dtype, w_down.dtype)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x8_t, up8_t, down8_t, a8_t, x_scale, up_scale, down_scale, a_scale = ctx.saved_tensors
-        prims, config = ctx.prims, ctx.config
-        g_scale, g_amax = _operand_scale(ctx.state, FP8_MLP_SLOTS, FP8_MLP_HEADROOM, "grad_output", FP8_E5M2_MAX,
+        prims, config, state, scales = ctx.prims, ctx.config, ctx.state, ctx.scales
+        g_scale, g_amax = _operand_scale(state, FP8_MLP_SLOTS, scales.grad_output, "grad_output", FP8_E5M2_MAX,
                                          grad_y)
         g8, g8_t = prims.cast(grad_y, g_scale, g_amax, torch.float8_e5m2)
         need_x, need_up, need_down = ctx.needs_input_grad[:3]
@@ -550,7 +653,7 @@ class _FP8ReLU2MLP(torch.autograd.Function):
         if need_down:
             grad_down = prims.matmul(g8_t, a8_t.t(), g_scale, a_scale, ctx.dtypes[2], config)
         if need_x or need_up:
-            h_scale, h_amax = _operand_scale(ctx.state, FP8_MLP_SLOTS, FP8_MLP_HEADROOM, "grad_hidden",
+            h_scale, h_amax = _operand_scale(state, FP8_MLP_SLOTS, scales.grad_hidden, "grad_hidden",
                                              FP8_E5M2_MAX, None)
             gh8, gh8_t = prims.matmul_relu2_grad(g8, down8_t.t(), g_scale, down_scale, a8_t.t(), a_scale,
                                                  h_scale, h_amax, config)
@@ -558,41 +661,59 @@ class _FP8ReLU2MLP(torch.autograd.Function):
                 grad_x = prims.matmul(gh8, up8_t.t(), h_scale, up_scale, ctx.dtypes[0], config)
             if need_up:
                 grad_up = prims.matmul(gh8_t, x8_t.t(), h_scale, x_scale, ctx.dtypes[1], config)
-        return grad_x, grad_up, grad_down, None, None, None
+        return grad_x, grad_up, grad_down, None, None, None, None
 
 
 def _check_fp8_state(state, slots, constructor):
     if state.dtype != torch.float32 or state.shape != (len(slots),):
-        raise ValueError(f"the fp8 amax buffer must be float32 of shape ({len(slots)},), as made by {constructor}")
+        raise ValueError(f"the fp8 state buffer must be float32 of shape ({len(slots)},), as made by {constructor}")
 
 
-def fp8_linear(x, weight, state, config=None):
+def _check_scales(scales, kind):
+    if not isinstance(scales, kind):
+        raise ValueError(f"the scales must be a {kind.__name__}; got {type(scales).__name__}")
+    for field in dataclasses.fields(scales):
+        rule = getattr(scales, field.name)
+        if not isinstance(rule, (Exact, Delayed, Static, ExactThenDelayed)):
+            raise ValueError(f"{kind.__name__}.{field.name}: not a scale rule ({rule!r})")
+        if field.name in ("hidden", "grad_hidden") and isinstance(rule, (Exact, ExactThenDelayed)):
+            raise ValueError(f"{kind.__name__}.{field.name}: an epilogue output cannot take its own amax "
+                             "(it is never stored in high precision): use Delayed or Static")
+
+
+def fp8_linear(x, weight, state, config=None, scales=FP8LinearScales()):
     """x @ weight.T in fp8 (see the module docstring). x (..., K) bf16, weight (N, K), state from
-    new_fp8_linear_state. config: the GEMM tile (None: the production tile for each shape)."""
+    new_fp8_linear_state, scales: an FP8LinearScales. config: the GEMM tile (None: the
+    production tile for each shape)."""
     _check_fp8_state(state, FP8_LINEAR_SLOTS, "new_fp8_linear_state")
-    y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), weight, state, _TRITON_FP8, config)
+    _check_scales(scales, FP8LinearScales)
+    y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), weight, state, scales, _TRITON_FP8, config)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def fp8_linear_reference(x, weight, state, config=None):
+def fp8_linear_reference(x, weight, state, config=None, scales=FP8LinearScales()):
     """fp8_linear with torch casts and fp8_matmul_reference: same scales, same buffer updates."""
     _check_fp8_state(state, FP8_LINEAR_SLOTS, "new_fp8_linear_state")
-    y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), weight, state, _REFERENCE_FP8, config)
+    _check_scales(scales, FP8LinearScales)
+    y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), weight, state, scales, _REFERENCE_FP8, config)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def fp8_relu2_mlp(x, w_up, w_down, state, config=None):
+def fp8_relu2_mlp(x, w_up, w_down, state, config=None, scales=FP8MLPScales()):
     """relu(x @ w_up.T)^2 @ w_down.T in fp8 (see _FP8ReLU2MLP). x (..., D) bf16, w_up (H, D),
-    w_down (D, H), state from new_fp8_mlp_state. config as in fp8_linear."""
+    w_down (D, H), state from new_fp8_mlp_state, scales: an FP8MLPScales. config as in
+    fp8_linear."""
     _check_fp8_state(state, FP8_MLP_SLOTS, "new_fp8_mlp_state")
-    y = _FP8ReLU2MLP.apply(x.reshape(-1, x.shape[-1]), w_up, w_down, state, _TRITON_FP8, config)
+    _check_scales(scales, FP8MLPScales)
+    y = _FP8ReLU2MLP.apply(x.reshape(-1, x.shape[-1]), w_up, w_down, state, scales, _TRITON_FP8, config)
     return y.reshape(*x.shape[:-1], w_down.shape[0])
 
 
-def fp8_relu2_mlp_reference(x, w_up, w_down, state, config=None):
+def fp8_relu2_mlp_reference(x, w_up, w_down, state, config=None, scales=FP8MLPScales()):
     """fp8_relu2_mlp with torch casts and fp8_matmul_reference: same scales, same buffer updates."""
     _check_fp8_state(state, FP8_MLP_SLOTS, "new_fp8_mlp_state")
-    y = _FP8ReLU2MLP.apply(x.reshape(-1, x.shape[-1]), w_up, w_down, state, _REFERENCE_FP8, config)
+    _check_scales(scales, FP8MLPScales)
+    y = _FP8ReLU2MLP.apply(x.reshape(-1, x.shape[-1]), w_up, w_down, state, scales, _REFERENCE_FP8, config)
     return y.reshape(*x.shape[:-1], w_down.shape[0])
 
 

@@ -18,6 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import math
@@ -214,7 +215,12 @@ class Hyperparameters(ModelConfig):
     compile: bool = True           # torch.compile the training step and the validation
     compile_backend: str = "inductor"  # torch.compile backend; aot_eager traces the same graphs without codegen
     compute_dtype: str = "bfloat16"  # activations and matrix products: bfloat16 (autocast) | float32 (no autocast)
-    fp8_mlp: bool = True           # MLPs as the fused FP8 ReLU^2 kernel pair (with Triton kernels or on CUDA)
+    # FP8 layers run with the Triton kernels or on CUDA (or emulated: fp8_on_cpu); evaluation is bf16
+    fp8_mlp: bool = True           # MLPs as the fused FP8 ReLU^2 kernel pair
+    fp8_mlp_scales: str = "record92"  # the MLP's scale rules: record92 | record89 | delayed (kernels.MLP_SCALES)
+    fp8_qkv: bool = True           # the packed QKV projection as an FP8 linear (kernels.QKV_SCALES)
+    fp8_head: bool = True          # the head at the candidate width as an FP8 linear (kernels.HEAD_SCALES)
+    fp8_on_cpu: bool = False       # on a CPU, run the FP8 layers through their torch references (checks numerics)
     warmup_steps: int = 3          # untimed steps per graph before timing starts (when something compiles)
     sync_check: bool = False       # CUDA: any host sync inside a timed training step is an error
     log_every: int = 10            # print a train-loss line every this many steps
@@ -361,6 +367,7 @@ def _record89_preset(h):
     h.attn_gate_layers = (3, 10)
     h.snapshot_layer = 7
     h.dc_layers = (10,)
+    h.fp8_qkv, h.fp8_mlp_scales = False, "record89"  # record 89: FP8 MLP forward and head, QKV in bf16
 
 
 def _one_gpu_preset(h):
@@ -580,8 +587,9 @@ CHOICE_RULES = [
     ("compile_backend", ("inductor", "aot_eager", "eager")),
     ("compute_dtype", ("bfloat16", "float32")),
     ("trunk", ("unet", "dense")),
+    ("fp8_mlp_scales", tuple(kernels.MLP_SCALES)),
 ]
-BOOL_KEYS = ("compile", "fp8_mlp", "sync_check", "save_checkpoint", "canonical_mask", "smear_gate",
+BOOL_KEYS = ("compile", "fp8_mlp", "fp8_qkv", "fp8_head", "fp8_on_cpu", "sync_check", "save_checkpoint", "canonical_mask", "smear_gate",
              "key_offset", "yarn_at_final_window", "value_embed_gate_reads_value", "token_gates")
 NONEMPTY_STRING_KEYS = ("train_files", "val_files", "log_dir")
 BETAS_KEYS = ("embed_betas", "value_embed_betas", "scalar_betas")
@@ -622,6 +630,16 @@ def check_config(h):
             _refuse(key, list(betas), "two numbers in [0, 1), e.g. [0.8, 0.95]")
     _check_stages(h.stages)
     _check_averages(h.averages)
+    _check_fp8(h)
+
+
+def _check_fp8(h):
+    """The static scale of rms-normed FP8 inputs holds rows up to kernels.NORMED_INPUT_MAX_DIM wide."""
+    static = [key for key, on in (("fp8_qkv", h.fp8_qkv),
+                                  ("fp8_mlp_scales", h.fp8_mlp and h.fp8_mlp_scales == "record92")) if on]
+    if static and h.model_dim > kernels.NORMED_INPUT_MAX_DIM:
+        _conflict(h, ("model_dim", *static), f"their static input scale saturates rows wider than "
+                  f"{kernels.NORMED_INPUT_MAX_DIM}; use --fp8_qkv=false and --fp8_mlp_scales=delayed")
 
 
 SMEAR_GATE_DIMS = 12               # the smear gate reads the first this-many dims of a token's embedding
@@ -1024,7 +1042,7 @@ def offset_keys(k, stationary, doc_start):
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer, long_window: bool, value_embed: bool, xsa: bool, paired: bool,
-                 attention_fn):
+                 attention_fn, fp8_qkv=None):
         super().__init__()
         self.num_heads, self.long_window = cfg.num_heads, long_window
         self.qk_dim, self.v_dim = head_dims(cfg, layer)
@@ -1034,6 +1052,9 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Parameter(torch.empty(cfg.num_heads * (2 * self.qk_dim + self.v_dim), cfg.model_dim))
         self.out = nn.Parameter(torch.zeros(cfg.model_dim, cfg.num_heads * self.v_dim))
         self.attention_fn = attention_fn
+        self.fp8_qkv = fp8_qkv     # in training, the projection runs in FP8 with its state in fp8_state
+        if fp8_qkv is not None:
+            self.register_buffer("fp8_state", kernels.new_fp8_linear_state())
         mixed_densely = cfg.trunk == "dense" and layer == cfg.num_layers - 1  # gets its gates from DenseConnections
         if value_embed and not mixed_densely:
             self.ve_gate = nn.Parameter(torch.zeros(cfg.num_heads, cfg.value_embed_gate_dim))
@@ -1076,7 +1097,10 @@ class CausalSelfAttention(nn.Module):
         token: RoPE, the document offsets and the cache count positions, and the window (in
         positions) spans half as many tokens."""
         T = x.size(0)
-        qkv = F.linear(x, self.qkv.type_as(x))
+        if self.fp8_qkv is not None and self.training:
+            qkv = self.fp8_qkv(x.to(torch.bfloat16), self.qkv, self.fp8_state)
+        else:
+            qkv = F.linear(x, self.qkv.type_as(x))
         if self.sa_lambdas is not None:
             qkv = qkv * self.sa_lambdas[0].type_as(qkv)
         H, qk_rows = self.num_heads, self.num_heads * self.qk_dim
@@ -1139,7 +1163,7 @@ class MLP(nn.Module):
         nn.init.uniform_(self.up, -bound, bound)
         self.fp8_fn = fp8_fn
         if fp8_fn is not None:
-            self.register_buffer("fp8_state", kernels.new_fp8_mlp_state(self.up.device))
+            self.register_buffer("fp8_state", kernels.new_fp8_mlp_state())
 
     def forward(self, x):
         if self.fp8_fn is not None and self.training:
@@ -1161,7 +1185,8 @@ class Block(nn.Module):
         super().__init__()
         has_attn = layer not in cfg.attention_free_layers
         self.attn = (CausalSelfAttention(cfg, layer, layer in cfg.long_window_layers, value_embed,
-                                         layer in cfg.xsa_layers, layer in cfg.paired_head_layers, fns.attention)
+                                         layer in cfg.xsa_layers, layer in cfg.paired_head_layers, fns.attention,
+                                         fns.fp8_qkv)
                      if has_attn else None)
         self.mlp = MLP(cfg.model_dim, cfg.mlp_hidden, fns.fp8_mlp)
         parallel = layer in cfg.parallel_mlp_layers
@@ -1363,6 +1388,10 @@ class GPT(nn.Module):
         nn.init.normal_(self.embed.weight, std=cfg.embed_init_std or cfg.model_dim ** -0.5)
         self.lm_head = nn.Parameter(torch.zeros(PADDED_VOCAB_SIZE, cfg.model_dim))
         self.tied = True
+        self.fp8_head = fns.fp8_head   # in training, the head runs in FP8 with its state in head_fp8_state
+        if fns.fp8_head is not None:
+            self.register_buffer("head_fp8_state", kernels.new_fp8_linear_state())
+        self.fp8_loss_unit = 1.0
         if cfg.smear_gate:         # both zero: the smear starts off, and its strength learns first
             self.smear_gate = nn.Parameter(torch.zeros(1, SMEAR_GATE_DIMS))
             self.smear_lambda = nn.Parameter(torch.zeros(()))
@@ -1421,6 +1450,21 @@ class GPT(nn.Module):
 
     def head_weight(self):
         return self.embed.weight if self.tied else self.lm_head
+
+    def head(self, x, weight):
+        """Logits of the normed x over the rows of `weight` (the head, or its candidate rows)."""
+        if self.fp8_head is not None and self.training:
+            return self.fp8_head(x.to(torch.bfloat16), weight, self.head_fp8_state)
+        return F.linear(x, weight.type_as(x))
+
+    def set_fp8_loss_unit(self, unit):
+        """Tell the FP8 layers the weight the objective gives one token's loss (their static
+        gradient scales are the summed loss's). Writes the devices' state only when it changes."""
+        if unit != self.fp8_loss_unit:
+            for name, state in self.named_buffers():
+                if name.endswith("fp8_state"):
+                    kernels.set_fp8_loss_unit(state, unit)
+            self.fp8_loss_unit = unit
 
     def smear(self, x, doc_start):
         """x[t] + lambda * sigmoid(w . x[t, :SMEAR_GATE_DIMS]) * x[t-1]: each token embedding takes a
@@ -1542,8 +1586,7 @@ class GPT(nn.Module):
         if columns is not None:
             weight = weight[columns]
             all_targets = ids_to_columns(all_targets, columns)
-        logits = F.linear(x, weight.type_as(x))
-        objective, next_token = self.cross_entropy_fn(logits, all_targets, target_weights)
+        objective, next_token = self.cross_entropy_fn(self.head(x, weight), all_targets, target_weights)
         return objective.mean(), next_token.mean()
 
     @torch.no_grad()
@@ -2196,27 +2239,44 @@ class KernelFns:
     """The kernel functions a model calls: the Triton ones or their plain-torch references."""
     attention: object
     cross_entropy: object
-    fp8_mlp: object = None         # None: the MLP runs in the autocast dtype
+    fp8_mlp: object = None         # fn(x, w_up, w_down, state); None: the MLP runs in the autocast dtype
     xxt: object = None             # X X^T of the Muon family; None: as optim.orthogonalize picks by device
+    fp8_qkv: object = None         # fn(x, weight, state); None: the QKV projection runs in the autocast dtype
+    fp8_head: object = None        # fn(x, weight, state); None: the head runs in the autocast dtype
+
+    @property
+    def any_fp8(self):
+        return any(fn is not None for fn in (self.fp8_mlp, self.fp8_qkv, self.fp8_head))
+
+
+def fp8_kernels(h, use_triton):
+    """The FP8 layers the config asks for, each with its scale rules: (mlp, qkv, head) functions
+    or None."""
+    linear = kernels.fp8_linear if use_triton else kernels.fp8_linear_reference
+    mlp = kernels.fp8_relu2_mlp if use_triton else kernels.fp8_relu2_mlp_reference
+    return (functools.partial(mlp, scales=kernels.MLP_SCALES[h.fp8_mlp_scales]) if h.fp8_mlp else None,
+            functools.partial(linear, scales=kernels.QKV_SCALES) if h.fp8_qkv else None,
+            functools.partial(linear, scales=kernels.HEAD_SCALES) if h.fp8_head else None)
 
 
 def select_kernels(h, device):
-    """Triton on CUDA unless the references are asked for. FP8 MLPs with the Triton kernels, or
-    on CUDA with the references (the A/B twin). On a CPU the Triton kernels run only under the
-    Triton interpreter, which tests use to rehearse the GPU path."""
+    """Triton on CUDA unless the references are asked for. FP8 layers with the Triton kernels, or
+    on CUDA with the references (the A/B twin), or on a CPU with the references when fp8_on_cpu
+    asks for the emulation. On a CPU the Triton kernels run only under the Triton interpreter,
+    which tests use to rehearse the GPU path."""
     use_triton = h.kernels == "triton" or (h.kernels == "auto" and device.type == "cuda")
     if use_triton and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("--kernels=triton needs a CUDA GPU (on a CPU the Triton kernels only run under the "
                           "interpreter, TRITON_INTERPRET=1, for tests): use --kernels=auto")
-    fp8 = h.fp8_mlp and (use_triton or device.type == "cuda")
+    with_fp8 = use_triton or device.type == "cuda" or h.fp8_on_cpu
+    mlp, qkv, head = fp8_kernels(h, use_triton) if with_fp8 else (None, None, None)
     if use_triton:
-        return KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy,
-                         kernels.fp8_relu2_mlp if fp8 else None, kernels.xxt)
+        return KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy, mlp, kernels.xxt, qkv, head)
     # Here auto means CPU: the chunked cross-entropy is the kernel's algorithm, ~3x faster than the
     # reference there; `kernels=reference` keeps the plain reference for A/B runs.
     cross_entropy = (kernels.softcap_cross_entropy_reference if h.kernels == "reference"
                      else kernels.softcap_cross_entropy_chunked)
-    return KernelFns(kernels.attention_reference, cross_entropy, kernels.fp8_relu2_mlp_reference if fp8 else None)
+    return KernelFns(kernels.attention_reference, cross_entropy, mlp, None, qkv, head)
 
 
 def is_gate(name):
@@ -2386,6 +2446,7 @@ class Trainer:
         for slice_index, s in zip(self.mine, slices):
             s = s.to(self.env.device)
             columns = candidate_columns(s.targets, stage.candidates, step, slice_index) if stage.candidates else None
+            self.model.set_fp8_loss_unit(1.0 / (s.tokens.numel() * self.accum))  # the objective's weight per token
             with self.autocast, record_function("forward"):
                 objective, next_token = self.forward(s.tokens, s.targets, self.attention_args(s, step), weights,
                                                      columns)
@@ -2408,7 +2469,7 @@ class Trainer:
         """Record the FP8 amaxes of the initial weights on the first step's batch (gradients
         discarded), so that the first step's delayed scales fit its tensors instead of starting
         from the uncalibrated defaults."""
-        if self.kernels.fp8_mlp is None:
+        if not self.kernels.any_fp8:
             return
         for _ in range(FP8_CALIBRATION_PASSES):
             self.forward_backward(0, slices)
@@ -2540,7 +2601,7 @@ def train(h, env, log):
     log.progress = "in the warm-up"
     untimed_t0 = time.perf_counter()
     warm_graphs = warm_up(trainer, train_files, val_slices) if trainer.needs_warm_up() else 0
-    if trainer.kernels.fp8_mlp is not None:
+    if trainer.kernels.any_fp8:
         trainer.calibrate_fp8(first_batch(h, train_files, trainer.mine))
     log.write(f"warm-up: {time.perf_counter() - untimed_t0:.1f}s untimed (compilation, Triton JIT, FP8 "
               f"calibration); train_time counts from step 0", echo=True)

@@ -93,7 +93,8 @@ def rehearsal_model_step(h):
     """Forward and backward of a training step and a validation forward of the rehearsal model
     with the Triton kernel functions, on fake CPU tensors (the kernels' fake implementations
     run, nothing launches). Returns the loss."""
-    fns = tg.KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy, kernels.fp8_relu2_mlp, kernels.xxt)
+    mlp, qkv, head = tg.fp8_kernels(h, use_triton=True)
+    fns = tg.KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy, mlp, kernels.xxt, qkv, head)
     model = tg.build_model(h, fns)
     T = h.stages[0].tokens_per_rank
     tokens = torch.randint(0, 3000, (T,), dtype=torch.int32)

@@ -22,6 +22,7 @@ Tolerances (each test says which applies):
           own op-by-op bf16 attention on the same inputs, plus 1e-5.
   CE      cross-entropy bounds derived in ce_tolerances.
 """
+import dataclasses
 import functools
 import math
 import subprocess
@@ -215,30 +216,65 @@ def delayed_scale(amax, fp8_max, headroom):
 
 
 def exact_scale(x, fp8_max=448.0):
-    """The documented exact scale (weights, layer inputs): max |x| / fp8_max."""
+    """The documented exact scale: max |x| / fp8_max (1 for an all-zero tensor)."""
     amax = x.abs().amax().float().reshape(1)
     return torch.where(amax > 0, amax * (1.0 / fp8_max), torch.ones_like(amax))
 
 
-def linear_oracle(x, weight, state, grad_y, bits=24):
+def rule_scale(rule, x, previous_amax, fp8_max, calls, loss_unit):
+    """The scale an operand gets by its documented rule (x: None for epilogue outputs)."""
+    if isinstance(rule, kernels.Static):
+        return torch.tensor([rule.scale]) * (loss_unit if fp8_max == 57344.0 else 1.0)
+    if isinstance(rule, kernels.Delayed):
+        return delayed_scale(previous_amax, fp8_max, rule.headroom)
+    if isinstance(rule, kernels.ExactThenDelayed) and calls >= rule.calls:
+        return delayed_scale(previous_amax, fp8_max, rule.headroom)
+    return exact_scale(x, fp8_max)
+
+
+class OracleScales:
+    """The scales of one oracle call from a state buffer read before it (amaxes by operand name,
+    then the call count and the loss unit) and the layer's rules."""
+
+    def __init__(self, state, scales):
+        names = [f.name for f in dataclasses.fields(scales)]
+        self.previous = {name: state[i:i + 1].clone() for i, name in enumerate(names)}
+        self.calls, self.loss_unit = state[len(names)].item(), state[len(names) + 1].item()
+        self.scales, self.seen = scales, {}
+
+    def __call__(self, name, x, fp8_max):
+        """The scale of operand `name`; x's amax is what the call records for it."""
+        return rule_scale(getattr(self.scales, name), x, self.previous[name], fp8_max, self.calls, self.loss_unit)
+
+    def record(self, name, x):
+        self.seen[name] = x.float().abs().max()
+
+    def state_after(self):
+        """The state the call leaves: each operand's amax, one more call, the same loss unit."""
+        amaxes = [self.seen.get(name, torch.tensor(0.0)) for name in self.previous]
+        return torch.stack([*amaxes, torch.tensor(self.calls + 1.0), torch.tensor(self.loss_unit)])
+
+
+def linear_oracle(x, weight, state, grad_y, bits=24, scales=kernels.FP8LinearScales()):
     """EXACT oracle of fp8_linear from the recipe in kernels.py's docstring: (y, grad_x, grad_w, new state)."""
     x2, g2 = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])
-    s_x, s_w = exact_scale(x2), exact_scale(weight)
-    s_g = delayed_scale(state[1:2], 57344.0, kernels.GRAD_HEADROOM)
+    s = OracleScales(state, scales)
+    s_x, s_w, s_g = s("input", x2, 448.0), s("weight", weight, 448.0), s("grad_output", g2, 57344.0)
+    for name, t in (("input", x2), ("weight", weight), ("grad_output", g2)):
+        s.record(name, t)
     x8, w8, g8 = quantize(x2, s_x, E4M3), quantize(weight, s_w, E4M3), quantize(g2, s_g, E5M2)
     y = matmul_oracle(x8, w8.t(), s_x, s_w, x.dtype, bits)
     grad_x = matmul_oracle(g8, w8, s_g, s_w, x.dtype, bits)
     grad_w = matmul_oracle(g8.t(), x8, s_g, s_x, weight.dtype, bits)
-    state = torch.stack([x2.float().abs().max(), g2.float().abs().max()])
-    return [y.reshape(*x.shape[:-1], -1), grad_x.reshape(x.shape), grad_w], state
+    return [y.reshape(*x.shape[:-1], -1), grad_x.reshape(x.shape), grad_w], s.state_after()
 
 
-def mlp_oracle(x, w_up, w_down, state, grad_y, bits=24):
+def mlp_oracle(x, w_up, w_down, state, grad_y, bits=24, scales=kernels.FP8MLPScales()):
     """EXACT oracle of fp8_relu2_mlp: a = relu(h)^2 in e4m3, dL/dh = dL/da * 2 sqrt(a) in e5m2."""
     x2, g2 = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])
-    s_x, s_up, s_down = exact_scale(x2), exact_scale(w_up), exact_scale(w_down)
-    s_a = delayed_scale(state[1:2], 448.0, kernels.HIDDEN_HEADROOM)
-    s_g, s_h = (delayed_scale(state[i:i + 1], 57344.0, kernels.GRAD_HEADROOM) for i in (2, 3))
+    s = OracleScales(state, scales)
+    s_x, s_up, s_down = s("input", x2, 448.0), s("up_weight", w_up, 448.0), s("down_weight", w_down, 448.0)
+    s_a, s_g, s_h = s("hidden", None, 448.0), s("grad_output", g2, 57344.0), s("grad_hidden", None, 57344.0)
     x8, up8, down8, g8 = (quantize(x2, s_x, E4M3), quantize(w_up, s_up, E4M3), quantize(w_down, s_down, E4M3),
                           quantize(g2, s_g, E5M2))
     h = matmul_oracle(x8, up8.t(), s_x, s_up, torch.float32, bits)
@@ -250,8 +286,10 @@ def mlp_oracle(x, w_up, w_down, state, grad_y, bits=24):
     grad_down = matmul_oracle(g8.t(), a8, s_g, s_a, w_down.dtype, bits)
     grad_x = matmul_oracle(gh8, up8, s_h, s_up, x.dtype, bits)
     grad_up = matmul_oracle(gh8.t(), x8, s_h, s_x, w_up.dtype, bits)
-    state = torch.stack([x2.float().abs().max(), a.max(), g2.float().abs().max(), grad_h.abs().max()])
-    return [y.reshape(*x.shape[:-1], -1), grad_x.reshape(x.shape), grad_up, grad_down], state
+    for name, t in (("input", x2), ("up_weight", w_up), ("down_weight", w_down), ("hidden", a),
+                    ("grad_output", g2), ("grad_hidden", grad_h)):
+        s.record(name, t)
+    return [y.reshape(*x.shape[:-1], -1), grad_x.reshape(x.shape), grad_up, grad_down], s.state_after()
 
 
 def amax_for_scale(scale, fp8_max, headroom):
@@ -278,43 +316,116 @@ def _run_layer(layer, inputs, state, grad_output, config=SMALL_MATMUL):
     return [out.detach(), *torch.autograd.grad(out, leaves, grad_output)]
 
 
+# Power-of-two scales the second call of test_fp8_layers_match_oracle_exactly gives each operand
+# with a delayed rule (weights 2^-7, not their exact 2^-8, so the lagged branch shows).
+DELAYED_TARGETS = {"input": 0.5, "weight": 2.0 ** -7, "up_weight": 2.0 ** -7, "down_weight": 2.0 ** -7,
+                   "hidden": 2.0, "grad_output": 2.0 ** -3, "grad_hidden": 1.0}
+
+
+def state_for_targets(scales, loss_unit, calls):
+    """A state buffer whose delayed rules give the DELAYED_TARGETS scales (other amaxes 3.0,
+    which exact and static rules must ignore)."""
+    amaxes = []
+    for field in dataclasses.fields(scales):
+        rule, fp8_max = getattr(scales, field.name), 57344.0 if field.name.startswith("grad") else 448.0
+        if isinstance(rule, (kernels.Delayed, kernels.ExactThenDelayed)):
+            amaxes.append(amax_for_scale(DELAYED_TARGETS[field.name], fp8_max, rule.headroom))
+        else:
+            amaxes.append(torch.tensor([3.0]))
+    return torch.cat([*amaxes, torch.tensor([float(calls), loss_unit])])
+
+
 @interpreted
-@pytest.mark.parametrize("layer,config", [("linear", SMALL_MATMUL), ("mlp", SMALL_MATMUL), ("mlp", None)])
-def test_fp8_layers_match_oracle_exactly(layer, config):
+@pytest.mark.parametrize("layer,scales,config", [
+    ("linear", kernels.FP8LinearScales(), SMALL_MATMUL), ("linear", kernels.QKV_SCALES, SMALL_MATMUL),
+    ("mlp", kernels.FP8MLPScales(), SMALL_MATMUL), ("mlp", kernels.MLP_SCALES_RECORD92, SMALL_MATMUL),
+    ("mlp", kernels.MLP_SCALES_RECORD89, None)])
+def test_fp8_layers_match_oracle_exactly(layer, scales, config):
     """EXACT: forward and backward of fp8_linear / fp8_relu2_mlp and their references against
-    the oracle written from the recipe, bitwise, including the amax buffer. Two calls: a fresh
-    buffer (the uncalibrated scales: 1 for activations, 2^-14 for gradients), then a buffer
-    whose amaxes give power-of-two delayed scales other than 1; inputs and weights always take
-    their own amax (max |x| = 1.75 = 448 / 256: scale 2^-8). config None: the production tiles."""
+    the oracle written from the rules, bitwise, including the state buffer. Two calls: a fresh
+    buffer (the uncalibrated scales: 1 for activations, 2^-14 for gradients; exact weights),
+    then a buffer past the weights' exact calls whose amaxes give power-of-two delayed scales
+    other than 1, with loss unit 2^-3. Inputs and weights have max |x| = 1.75 = 448 / 256 (exact
+    scale 2^-8); the static scales of these rules are powers of two. config None: the
+    production tiles."""
     generator = torch.Generator().manual_seed(4)
     x = grid_values(2, 20, 32, generator=generator, limit=4, dtype=torch.bfloat16)
     x[0, 0, 0] = 1.75
-    grad, hidden = kernels.GRAD_HEADROOM, kernels.HIDDEN_HEADROOM
     if layer == "linear":
         weights = [_grid_weight(70, 32, generator, torch.float32)]
         layers, oracle, new_state = (kernels.fp8_linear, kernels.fp8_linear_reference), linear_oracle, \
             kernels.new_fp8_linear_state
-        scales = [(0.5, 448.0, 1.0), (2.0 ** -3, 57344.0, grad)]
     else:
         weights = [_grid_weight(48, 32, generator, torch.float32), _grid_weight(32, 48, generator, torch.bfloat16)]
         layers, oracle, new_state = (kernels.fp8_relu2_mlp, kernels.fp8_relu2_mlp_reference), mlp_oracle, \
             kernels.new_fp8_mlp_state
-        scales = [(0.5, 448.0, 1.0), (2.0, 448.0, hidden), (2.0 ** -3, 57344.0, grad), (1.0, 57344.0, grad)]
     grad_y = grid_values(2, 20, weights[-1].shape[0], generator=generator, limit=4, dtype=torch.bfloat16)
-    for state_before in (new_state(), torch.cat([amax_for_scale(*scale) for scale in scales])):
-        expected, expected_state = oracle(x, *weights, state_before, grad_y)
+    lagged = kernels.WEIGHT_LAG.calls
+    for state_before in (new_state(), state_for_targets(scales, 2.0 ** -3, lagged)):
+        expected, expected_state = oracle(x, *weights, state_before, grad_y, scales=scales)
         for run in layers:
             state = state_before.clone()
-            got = _run_layer(run, [x, *weights], state, grad_y, config)
+            got = _run_layer(functools.partial(run, scales=scales), [x, *weights], state, grad_y, config)
             for name, g, e in zip(("out", "grad_x", "grad_w1", "grad_w2"), got, expected):
                 assert g.dtype == e.dtype and torch.equal(g, e), f"{run.__name__}: {name} differs from the oracle"
-            assert torch.equal(state, expected_state), f"{run.__name__}: amax buffer {state} != {expected_state}"
+            assert torch.equal(state, expected_state), f"{run.__name__}: state {state} != {expected_state}"
+
+
+def test_fp8_weight_scale_turns_delayed_after_its_exact_calls():
+    """ExactThenDelayed on the reference layer: calls 1..16 quantize the weight with its own
+    amax, call 17 with call 16's amax times 1.12 (weights doubled each call, so the two differ)."""
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(8, 32, generator=generator).bfloat16()
+    weight = torch.randn(16, 32, generator=generator) * 0.1
+    scales = kernels.FP8LinearScales(weight=kernels.WEIGHT_LAG)
+    state = kernels.new_fp8_linear_state()
+    for call in range(kernels.WEIGHT_LAG.calls + 1):
+        w = weight * 2.0 ** (call % 3)
+        previous = state[kernels.FP8_LINEAR_SLOTS["weight"]].clone()
+        y = kernels.fp8_linear_reference(x, w, state, scales=scales)
+        lagged = call >= kernels.WEIGHT_LAG.calls
+        s_w = delayed_scale(previous.reshape(1), 448.0, 1.12) if lagged else exact_scale(w)
+        s_x = exact_scale(x.float())
+        expected = matmul_oracle(quantize(x, s_x, E4M3), quantize(w, s_w, E4M3).t(), s_x, s_w, torch.bfloat16,
+                                 bits=None)
+        assert torch.equal(y, expected), f"call {call + 1}"
+        assert state[kernels.FP8_LINEAR_SLOTS["calls"]] == call + 1
+    assert delayed_scale(previous.reshape(1), 448.0, 1.12) != exact_scale(w)
+
+
+def test_fp8_static_gradient_scale_follows_the_loss_unit():
+    """A static gradient scale is one of the summed loss: a mean over T tokens with loss unit
+    1/T gives the summed loss's fp8 gradients times 1/T, exactly (T a power of two), and the
+    state records the mean loss's gradient amax."""
+    generator = torch.Generator().manual_seed(8)
+    x = torch.randn(16, 32, generator=generator).bfloat16()
+    weight = torch.randn(24, 32, generator=generator) * 0.1
+    target = torch.randn(16, 24, generator=generator)
+    grads = []
+    for unit, reduce in ((1.0, torch.sum), (1 / 16, torch.mean)):
+        state = kernels.new_fp8_linear_state()
+        kernels.set_fp8_loss_unit(state, unit)
+        w = weight.clone().requires_grad_(True)
+        y = kernels.fp8_linear_reference(x, w, state, scales=kernels.HEAD_SCALES)
+        reduce((y.float() * target).sum(dim=1)).backward()
+        grads.append(w.grad)
+        assert state[kernels.FP8_LINEAR_SLOTS["grad_output"]] == (target.bfloat16().float() * unit).abs().max()
+    assert torch.equal(grads[0] / 16, grads[1])
+
+
+def test_fp8_scale_rules_are_checked():
+    with pytest.raises(ValueError, match="epilogue output"):
+        kernels.fp8_relu2_mlp_reference(torch.zeros(2, 8), torch.zeros(16, 8), torch.zeros(8, 16),
+                                        kernels.new_fp8_mlp_state(), scales=kernels.FP8MLPScales(hidden=kernels.EXACT))
+    with pytest.raises(ValueError, match="FP8LinearScales"):
+        kernels.fp8_linear_reference(torch.zeros(2, 8), torch.zeros(16, 8), kernels.new_fp8_linear_state(),
+                                     scales=kernels.FP8MLPScales())
 
 
 @interpreted
 def test_fp8_mlp_computes_only_the_gradients_needed():
     """EXACT: with only w_down trainable the backward runs one GEMM, matching the oracle, and
-    leaves the amax of the (uncomputed) pre-activation gradient alone."""
+    leaves the amax slot of the (uncomputed) pre-activation gradient alone."""
     generator = torch.Generator().manual_seed(6)
     x = grid_values(24, 32, generator=generator, limit=4, dtype=torch.bfloat16)
     w_up, w_down = _grid_weight(48, 32, generator, torch.float32), _grid_weight(32, 48, generator, torch.float32)
@@ -325,7 +436,9 @@ def test_fp8_mlp_computes_only_the_gradients_needed():
     out = kernels.fp8_relu2_mlp(x, w_up, trainable, state, SMALL_MATMUL)
     grad_down, = torch.autograd.grad(out, trainable, grad_y)
     assert torch.equal(out, expected[0]) and torch.equal(grad_down, expected[3])
-    assert torch.equal(state[:3], expected_state[:3]) and state[3] == 0
+    skipped = kernels.FP8_MLP_SLOTS["grad_hidden"]
+    assert torch.equal(state[:skipped], expected_state[:skipped]) and state[skipped] == 0
+    assert torch.equal(state[skipped + 1:], expected_state[skipped + 1:])
 
 
 @interpreted

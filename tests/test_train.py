@@ -1,4 +1,5 @@
 """The trainer: config, loader alignment, model masking and shapes, optimizer steps, end-to-end runs."""
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -945,12 +946,16 @@ def test_cpu_runs_use_the_chunked_cross_entropy_unless_references_are_asked_for(
 # schedule state: untie, FP8 scales, validation
 
 
-def cpu_trainer(h, fp8=False, monkeypatch=None):
-    """A Trainer on the CPU; with fp8 its MLPs run the FP8 reference (the A/B twin of the Triton pair)."""
+def cpu_trainer(h, fp8=False):
+    """A Trainer on the CPU; with fp8 its MLPs, QKV projections and head run the FP8 references
+    (the emulation of fp8_on_cpu, the A/B twin of the Triton kernels)."""
     if fp8:
-        monkeypatch.setattr(tg, "select_kernels", lambda h, device: tg.KernelFns(
-            kernels.attention_reference, kernels.softcap_cross_entropy_chunked, kernels.fp8_relu2_mlp_reference))
+        h = dataclasses.replace(h, fp8_on_cpu=True)
     return tg.Trainer(h, tg.Dist(0, 1, 0, torch.device("cpu")), tg.RunLog("unused", active=False))
+
+
+def fp8_states(model):
+    return {name: state for name, state in model.named_buffers() if name.endswith("fp8_state")}
 
 
 def test_adam_every_second_step_accumulates_in_between(shards):
@@ -1001,33 +1006,61 @@ def test_untie_carries_the_embeddings_adam_state_to_the_head(shards):
     assert model.tied
 
 
-def test_validation_runs_without_fp8_and_leaves_its_state_alone(shards, monkeypatch):
+def test_validation_runs_without_fp8_and_leaves_its_state_alone(shards):
     h = tiny_config(data_args(shards))
-    trainer = cpu_trainer(h, fp8=True, monkeypatch=monkeypatch)
+    trainer = cpu_trainer(h, fp8=True)
     batch = tg.TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
     trainer.train_step(0, batch)
-    states = [block.mlp.fp8_state.clone() for block in trainer.model.blocks]
-    assert all(state.abs().sum() > 0 for state in states)
+    states = {name: state.clone() for name, state in fp8_states(trainer.model).items()}
+    # every MLP and attention layer, and the head
+    assert len(states) == h.num_layers + h.num_layers - len(h.attention_free_layers) + 1
+    assert all(state[:-2].abs().sum() > 0 and state[-2] == 1 for state in states.values())
     val = tg.validation_slices(tg.find_shards(h.val_files), 1024, 1024, 1, [0])
     loss = trainer.validate(val, 0, final_validation=True)
     assert math.isfinite(loss)
-    assert all(torch.equal(block.mlp.fp8_state, state) for block, state in zip(trainer.model.blocks, states))
+    assert all(torch.equal(fp8_states(trainer.model)[name], state) for name, state in states.items())
 
 
-def test_first_fp8_step_gradients_match_bf16_after_calibration(shards, monkeypatch):
-    """The first step's FP8 gradients of the MLP output matrices (the ones that are nonzero at
-    init) point where the bf16 ones do, after calibration."""
+def test_first_fp8_step_gradients_match_bf16_after_calibration(shards):
+    """The first step's FP8 gradients point where the bf16 ones do, after calibration: the MLP
+    output matrices' (the matrices that are nonzero at init) and the embedding's (which is the
+    head until the untie, so it sees the FP8 head's gradient)."""
     h = tiny_config(data_args(shards))
     batch = tg.TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
     plain = cpu_trainer(h)
     plain.forward_backward(0, batch)
-    fp8 = cpu_trainer(h, fp8=True, monkeypatch=monkeypatch)
+    fp8 = cpu_trainer(h, fp8=True)
     fp8.calibrate_fp8(batch)
     assert all(p.grad is None for p in fp8.model.parameters())
     fp8.forward_backward(0, batch)
     cosine = torch.nn.functional.cosine_similarity
     for a, b in zip(fp8.model.blocks, plain.model.blocks):
         assert cosine(a.mlp.down.grad.flatten(), b.mlp.down.grad.flatten(), dim=0) > 0.99
+    assert cosine(fp8.model.embed.weight.grad.flatten(), plain.model.embed.weight.grad.flatten(), dim=0) > 0.99
+
+
+def test_fp8_static_scales_hold_the_tensors_they_meet(shards):
+    """Over two steps the operands with static scales stay inside the range those scales
+    represent (no saturation): rms-normed inputs within 448 x 1/16 = 28 (MLP, QKV) and 100
+    (head), head weights within 1.6, output gradients within the summed loss's range times the
+    loss unit the trainer set (1 / tokens of the micro-batch)."""
+    h = tiny_config(data_args(shards))
+    trainer = cpu_trainer(h, fp8=True)
+    loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
+    for step in range(2):
+        trainer.advance_to(step)
+        trainer.train_step(step, loader.next_batch(512, 256, 1, [0]))
+        for name, state in fp8_states(trainer.model).items():
+            mlp = state.numel() == len(kernels.FP8_MLP_SLOTS)
+            slots = kernels.FP8_MLP_SLOTS if mlp else kernels.FP8_LINEAR_SLOTS
+            scales = (kernels.MLP_SCALES[h.fp8_mlp_scales] if mlp else
+                      kernels.HEAD_SCALES if name == "head_fp8_state" else kernels.QKV_SCALES)
+            assert state[slots["loss_unit"]] == 1 / 512 and state[slots["calls"]] == step + 1
+            for operand, rule in vars(scales).items():
+                if isinstance(rule, kernels.Static):
+                    gradient = operand.startswith("grad")
+                    limit = rule.scale * (57344.0 / 512 if gradient else 448.0)
+                    assert 0 < state[slots[operand]] <= limit, f"{name} {operand}: {state[slots[operand]]} > {limit}"
 
 
 # ---------------------------------------------------------------------------------------------
