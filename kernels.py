@@ -1574,3 +1574,205 @@ def xxt(x, config=XXT):
 def xxt_reference(x):
     """X @ X^T for a batch of matrices (..., m, n) -> (..., m, m)."""
     return x @ x.mT
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. QK norm + RoPE (+ the key offset), forward and backward
+# ---------------------------------------------------------------------------------------------
+#
+# Queries and keys come out of the packed QKV projection as strided (T, heads, D) views. Each
+# row is RMS-normed over its D dims, rotated by its position's angles and written contiguous in
+# the attention kernel's layout; with the key offset (keys of long-window layers) a row's
+# stationary dims (zero frequency) take the previous row's normed values, except at a document
+# start. Per row: one read of D values (two with the offset: the previous row's too), one
+# write, one fp32 rstd saved for the backward; four torch ops and their intermediates become one
+# pass. The math in fp32, the output in the input's dtype:
+#     z = x rstd, rstd = (mean(x^2) + eps)^-1/2;   y1 = z1 cos + z2 sin,  y2 = z2 cos - z1 sin
+# (x1, x2: the two halves of the D dims; cos, sin: (positions, D/2) tables, 1 and 0 on the
+# stationary pairs). Backward: the offset's gradient goes back to the row it came from, the
+# rotation is transposed, and dx = rstd (dz - z mean(dz z)).
+
+QK_NORM_EPS = torch.finfo(torch.float32).eps  # F.rms_norm's default for fp32, where autocast runs it
+QK_NORM_ROPE = LaunchConfig(block_m=32, block_n=0, num_warps=4)  # block_m rows of one head per program
+
+
+@triton.jit
+def _load_halves(ptr, rows, cols, stride_t, mask, HALF: tl.constexpr):
+    offsets = rows[:, None] * stride_t + cols[None, :]
+    x1 = tl.load(ptr + offsets, mask=mask[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(ptr + offsets + HALF, mask=mask[:, None], other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _qk_norm_rope_fwd_kernel(x_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, stationary_ptr, doc_start_ptr, num_rows,
+                             stride_xt, stride_xh, stride_yt, stride_yh, stride_cos, eps,
+                             OFFSET: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+    head, num_heads = tl.program_id(1), tl.num_programs(1)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, HALF)
+    in_range = rows < num_rows
+    x1, x2 = _load_halves(x_ptr + head * stride_xh, rows, cols, stride_xt, in_range, HALF)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
+    table = rows[:, None] * stride_cos + cols[None, :]
+    cos = tl.load(cos_ptr + table, mask=in_range[:, None], other=1.0)
+    sin = tl.load(sin_ptr + table, mask=in_range[:, None], other=0.0)
+    y1 = (x1 * cos + x2 * sin) * rstd[:, None]
+    y2 = (x2 * cos - x1 * sin) * rstd[:, None]
+    if OFFSET:
+        has_previous = in_range & (rows > 0)
+        p1, p2 = _load_halves(x_ptr + head * stride_xh, rows - 1, cols, stride_xt, has_previous, HALF)
+        p_rstd = 1.0 / tl.sqrt((tl.sum(p1 * p1, 1) + tl.sum(p2 * p2, 1)) / (2 * HALF) + eps)
+        shifted = (tl.load(doc_start_ptr + rows, mask=in_range, other=1) == 0)[:, None]
+        take1 = shifted & (tl.load(stationary_ptr + cols) != 0)[None, :]
+        take2 = shifted & (tl.load(stationary_ptr + HALF + cols) != 0)[None, :]
+        y1 = tl.where(take1, p1 * p_rstd[:, None], y1)
+        y2 = tl.where(take2, p2 * p_rstd[:, None], y2)
+    out = y_ptr + head * stride_yh + rows[:, None] * stride_yt + cols[None, :]
+    tl.store(out, y1.to(y_ptr.dtype.element_ty), mask=in_range[:, None])
+    tl.store(out + HALF, y2.to(y_ptr.dtype.element_ty), mask=in_range[:, None])
+    tl.store(rstd_ptr + rows * num_heads + head, rstd, mask=in_range)
+
+
+@triton.jit
+def _qk_norm_rope_bwd_kernel(dy_ptr, x_ptr, rstd_ptr, dx_ptr, cos_ptr, sin_ptr, stationary_ptr, doc_start_ptr,
+                             num_rows, stride_dyt, stride_dyh, stride_xt, stride_xh, stride_dxt, stride_dxh,
+                             stride_cos, OFFSET: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+    head, num_heads = tl.program_id(1), tl.num_programs(1)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, HALF)
+    in_range = rows < num_rows
+    dy1, dy2 = _load_halves(dy_ptr + head * stride_dyh, rows, cols, stride_dyt, in_range, HALF)
+    if OFFSET:   # stationary dims: this row's output kept them at a document start; the next took them
+        stat1 = (tl.load(stationary_ptr + cols) != 0)[None, :]
+        stat2 = (tl.load(stationary_ptr + HALF + cols) != 0)[None, :]
+        starts = (tl.load(doc_start_ptr + rows, mask=in_range, other=1) != 0)[:, None]
+        has_next = in_range & (rows + 1 < num_rows)
+        next_takes = (tl.load(doc_start_ptr + rows + 1, mask=has_next, other=1) == 0)[:, None]
+        n1, n2 = _load_halves(dy_ptr + head * stride_dyh, rows + 1, cols, stride_dyt, has_next, HALF)
+        dy1 = tl.where(stat1, tl.where(starts, dy1, 0.0) + tl.where(next_takes, n1, 0.0), dy1)
+        dy2 = tl.where(stat2, tl.where(starts, dy2, 0.0) + tl.where(next_takes, n2, 0.0), dy2)
+    table = rows[:, None] * stride_cos + cols[None, :]
+    cos = tl.load(cos_ptr + table, mask=in_range[:, None], other=1.0)
+    sin = tl.load(sin_ptr + table, mask=in_range[:, None], other=0.0)
+    dz1 = dy1 * cos - dy2 * sin
+    dz2 = dy1 * sin + dy2 * cos
+    x1, x2 = _load_halves(x_ptr + head * stride_xh, rows, cols, stride_xt, in_range, HALF)
+    rstd = tl.load(rstd_ptr + rows * num_heads + head, mask=in_range, other=0.0)[:, None]
+    z1, z2 = x1 * rstd, x2 * rstd
+    mean_dz_z = (tl.sum(dz1 * z1, 1) + tl.sum(dz2 * z2, 1)) / (2 * HALF)
+    dx1 = rstd * (dz1 - z1 * mean_dz_z[:, None])
+    dx2 = rstd * (dz2 - z2 * mean_dz_z[:, None])
+    out = dx_ptr + head * stride_dxh + rows[:, None] * stride_dxt + cols[None, :]
+    tl.store(out, dx1.to(dx_ptr.dtype.element_ty), mask=in_range[:, None])
+    tl.store(out + HALF, dx2.to(dx_ptr.dtype.element_ty), mask=in_range[:, None])
+
+
+def _qk_grid(rows, heads, config):
+    return (triton.cdiv(rows, config.block_m), heads)
+
+
+def _launch_qk_norm_rope_fwd(x: Tensor, cos: Tensor, sin: Tensor, stationary: Tensor, doc_start: Tensor,
+                             offset: bool, config: list[int]) -> tuple[Tensor, Tensor]:
+    config = _config_from_list(config)
+    T, H, D = x.shape
+    y = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(T, H, dtype=torch.float32, device=x.device)
+    _launch(_qk_norm_rope_fwd_kernel, _qk_grid(T, H, config), config,
+            x_ptr=x, y_ptr=y, rstd_ptr=rstd, cos_ptr=cos, sin_ptr=sin, stationary_ptr=stationary,
+            doc_start_ptr=doc_start, num_rows=T, stride_xt=x.stride(0), stride_xh=x.stride(1),
+            stride_yt=y.stride(0), stride_yh=y.stride(1), stride_cos=cos.stride(0), eps=QK_NORM_EPS,
+            OFFSET=offset, HALF=D // 2, BLOCK_T=config.block_m)
+    return y, rstd
+
+
+def _launch_qk_norm_rope_bwd(dy: Tensor, x: Tensor, rstd: Tensor, cos: Tensor, sin: Tensor, stationary: Tensor,
+                             doc_start: Tensor, offset: bool, config: list[int]) -> Tensor:
+    config = _config_from_list(config)
+    T, H, D = x.shape
+    dx = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
+    _launch(_qk_norm_rope_bwd_kernel, _qk_grid(T, H, config), config,
+            dy_ptr=dy, x_ptr=x, rstd_ptr=rstd, dx_ptr=dx, cos_ptr=cos, sin_ptr=sin, stationary_ptr=stationary,
+            doc_start_ptr=doc_start, num_rows=T, stride_dyt=dy.stride(0), stride_dyh=dy.stride(1),
+            stride_xt=x.stride(0), stride_xh=x.stride(1), stride_dxt=dx.stride(0), stride_dxh=dx.stride(1),
+            stride_cos=cos.stride(0), OFFSET=offset, HALF=D // 2, BLOCK_T=config.block_m)
+    return dx
+
+
+_qk_norm_rope_fwd_op = torch.library.custom_op(f"{_OPS}::qk_norm_rope_fwd", _launch_qk_norm_rope_fwd,
+                                               mutates_args=())
+_qk_norm_rope_bwd_op = torch.library.custom_op(f"{_OPS}::qk_norm_rope_bwd", _launch_qk_norm_rope_bwd,
+                                               mutates_args=())
+
+
+@_qk_norm_rope_fwd_op.register_fake
+def _(x, cos, sin, stationary, doc_start, offset, config):
+    return x.new_empty(x.shape), x.new_empty(x.shape[:2], dtype=torch.float32)
+
+
+@_qk_norm_rope_bwd_op.register_fake
+def _(dy, x, rstd, cos, sin, stationary, doc_start, offset, config):
+    return x.new_empty(x.shape)
+
+
+class _QKNormRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, stationary, doc_start, offset, config):
+        y, rstd = _qk_norm_rope_fwd_op(x, cos, sin, stationary, doc_start, offset, config)
+        ctx.save_for_backward(x, rstd, cos, sin, stationary, doc_start)
+        ctx.args = (offset, config)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, rstd, cos, sin, stationary, doc_start = ctx.saved_tensors
+        dx = _qk_norm_rope_bwd_op(_last_dim_contiguous(dy), x, rstd, cos, sin, stationary, doc_start, *ctx.args)
+        return dx, None, None, None, None, None, None
+
+
+def _check_qk_inputs(q, k, cos, sin, stationary):
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 3 or t.shape[2] % 2 or t.stride(2) != 1:
+            raise ValueError(f"qk_norm_rope: {name} must be (T, heads, D) with even D and contiguous last dim; "
+                             f"got shape {tuple(t.shape)}, strides {t.stride()}")
+    if cos.shape != sin.shape or cos.shape != (q.shape[0], q.shape[2] // 2) or stationary.shape != (q.shape[2],):
+        raise ValueError(f"qk_norm_rope: cos and sin must be (T, D/2) = ({q.shape[0]}, {q.shape[2] // 2}) and "
+                         f"stationary (D,); got {tuple(cos.shape)}, {tuple(sin.shape)}, {tuple(stationary.shape)}")
+
+
+def qk_norm_rope(q, k, cos, sin, stationary, key_doc_start=None, config=QK_NORM_ROPE):
+    """(q', k'): q and k (T, heads, D), any strides with a contiguous last dim, RMS-normed per row
+    and rotated by the (T, D/2) angle tables cos, sin, contiguous in q's and k's dtype. With
+    key_doc_start ((T,) bool, True at document starts and at row 0) a key row's stationary dims
+    ((D,) bool) hold the previous row's normed values, except at a document start."""
+    _check_qk_inputs(q, k, cos, sin, stationary)
+    cos, sin, stationary = cos.float().contiguous(), sin.float().contiguous(), stationary.to(torch.int8)
+    offset = key_doc_start is not None
+    doc_start = (key_doc_start if offset else torch.ones(1, dtype=torch.bool, device=q.device)).to(torch.int8)
+    q_out = _QKNormRope.apply(q, cos, sin, stationary, doc_start, False, config.as_list())
+    k_out = _QKNormRope.apply(k, cos, sin, stationary, doc_start, offset, config.as_list())
+    return q_out, k_out
+
+
+def rope_reference(x, cos, sin):
+    """x (T, heads, D) rotated by the (T, D/2) tables: (x1 cos + x2 sin, x2 cos - x1 sin)."""
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
+def offset_keys_reference(k, stationary, doc_start):
+    """Keys (T, H, D) whose stationary dims hold the previous row's, except at a document start
+    (doc_start (T,) bool, True at row 0), so nothing from another document leaks in."""
+    take_previous = stationary & ~doc_start[:, None, None]          # (T, 1, D)
+    return torch.where(take_previous, torch.roll(k, 1, dims=0), k)
+
+
+def qk_norm_rope_reference(q, k, cos, sin, stationary, key_doc_start=None, config=None):
+    """qk_norm_rope in torch ops: rms_norm, rope_reference, offset_keys_reference."""
+    _check_qk_inputs(q, k, cos, sin, stationary)
+    q_out = rope_reference(F.rms_norm(q, (q.size(-1),)), cos, sin).to(q.dtype)
+    k_out = rope_reference(F.rms_norm(k, (k.size(-1),)), cos, sin).to(k.dtype)
+    if key_doc_start is not None:
+        k_out = offset_keys_reference(k_out, stationary, key_doc_start)
+    return q_out, k_out

@@ -906,12 +906,13 @@ class Rotary(nn.Module):
         self.attn_scale.fill_(scale)
         self.windows = list(long_windows)
 
+    def angles(self, start, rows):
+        """(cos, sin), each (rows, head_dim / 2): the tables of positions start, ..., start + rows - 1."""
+        return self.cos[start:start + rows], self.sin[start:start + rows]
+
     def forward(self, x, start=0):
         """Rotate x (T, heads, head_dim) as the tokens at positions start, ..., start + T - 1."""
-        T = x.size(0)
-        cos, sin = self.cos[start:start + T, None, :].to(x.dtype), self.sin[start:start + T, None, :].to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+        return kernels.rope_reference(x, *self.angles(start, x.size(0)))
 
 
 @dataclass
@@ -1032,17 +1033,9 @@ def deinterleave_head_pairs(y):
     return y.view(T2 // 2, 2, half, D).transpose(1, 2).reshape(T2 // 2, 2 * half, D)
 
 
-def offset_keys(k, stationary, doc_start):
-    """Keys (T, H, D) whose stationary dims (RoPE's zero-frequency ones) hold the previous token's:
-    with them one layer can do induction (a query matching token a finds the token after an
-    earlier a). A document's first key keeps its own: nothing from another document leaks in."""
-    take_previous = stationary & ~doc_start[:, None, None]          # (T, 1, D)
-    return torch.where(take_previous, torch.roll(k, 1, dims=0), k)
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer, long_window: bool, value_embed: bool, xsa: bool, paired: bool,
-                 attention_fn, fp8_qkv=None):
+                 fns):
         super().__init__()
         self.num_heads, self.long_window = cfg.num_heads, long_window
         self.qk_dim, self.v_dim = head_dims(cfg, layer)
@@ -1051,9 +1044,9 @@ class CausalSelfAttention(nn.Module):
         self.paired = paired
         self.qkv = nn.Parameter(torch.empty(cfg.num_heads * (2 * self.qk_dim + self.v_dim), cfg.model_dim))
         self.out = nn.Parameter(torch.zeros(cfg.model_dim, cfg.num_heads * self.v_dim))
-        self.attention_fn = attention_fn
-        self.fp8_qkv = fp8_qkv     # in training, the projection runs in FP8 with its state in fp8_state
-        if fp8_qkv is not None:
+        self.attention_fn, self.qk_norm_rope = fns.attention, fns.qk_norm_rope
+        self.fp8_qkv = fns.fp8_qkv  # in training, the projection runs in FP8 with its state in fp8_state
+        if fns.fp8_qkv is not None:
             self.register_buffer("fp8_state", kernels.new_fp8_linear_state())
         mixed_densely = cfg.trunk == "dense" and layer == cfg.num_layers - 1  # gets its gates from DenseConnections
         if value_embed and not mixed_densely:
@@ -1115,22 +1108,24 @@ class CausalSelfAttention(nn.Module):
         if self.paired:
             q, k, v = (interleave_head_pairs(t) for t in (q, k, v))
         start = args.cache.length * rows_per_token if args.cache is not None else 0
-        q, k = rotary(rms_norm(q), start), rotary(rms_norm(k), start)
-        # Attention takes one dtype, the projection's: CUDA autocast runs the norms (and so q, k)
-        # and the value-embedding sum in fp32 while the projection gives bf16.
+        # The key offset (a key's stationary dims from the previous token: with them one layer can
+        # do induction, a query matching token a finding the token after an earlier a) comes with
+        # the norm and RoPE; with a cache, after the new keys join the cached ones.
+        key_starts = doc_start if self.key_offset and args.cache is None else None
+        q, k = self.qk_norm_rope(q, k, *rotary.angles(start, q.size(0)), rotary.stationary, key_starts)
+        # Attention takes one dtype, the projection's: CUDA autocast runs the value-embedding sum in fp32.
         q, k, v = (t.to(qkv.dtype) for t in (q, k, v))
         own_values = v
         window = args.long_window if self.long_window else args.short_window
         if args.cache is None:
-            if self.key_offset:
-                k = offset_keys(k, rotary.stationary, doc_start)
             y = self.attention_fn(q, k, v, args.cu_seqlens * rows_per_token, window, rotary.attn_scale)
             if self.dc_window:
                 y = y + self.composed(q, k, v, kernels.document_bounds(args.cu_seqlens, T)[0], rotary, gates)
         else:
             k, v = args.cache.extend(self, k, v, rows_per_token)  # the cache keeps the keys as computed
             if self.key_offset:
-                k = offset_keys(k, rotary.stationary, torch.arange(k.size(0), device=k.device) == 0)
+                k = kernels.offset_keys_reference(k, rotary.stationary,
+                                                  torch.arange(k.size(0), device=k.device) == 0)
             y = cached_attention(q, k, v, window, rotary.attn_scale)
             if self.dc_window:     # the new tokens are the last T of the cached document: pad in front
                 earlier = k.size(0) - T
@@ -1185,8 +1180,7 @@ class Block(nn.Module):
         super().__init__()
         has_attn = layer not in cfg.attention_free_layers
         self.attn = (CausalSelfAttention(cfg, layer, layer in cfg.long_window_layers, value_embed,
-                                         layer in cfg.xsa_layers, layer in cfg.paired_head_layers, fns.attention,
-                                         fns.fp8_qkv)
+                                         layer in cfg.xsa_layers, layer in cfg.paired_head_layers, fns)
                      if has_attn else None)
         self.mlp = MLP(cfg.model_dim, cfg.mlp_hidden, fns.fp8_mlp)
         parallel = layer in cfg.parallel_mlp_layers
@@ -2243,6 +2237,7 @@ class KernelFns:
     xxt: object = None             # X X^T of the Muon family; None: as optim.orthogonalize picks by device
     fp8_qkv: object = None         # fn(x, weight, state); None: the QKV projection runs in the autocast dtype
     fp8_head: object = None        # fn(x, weight, state); None: the head runs in the autocast dtype
+    qk_norm_rope: object = kernels.qk_norm_rope_reference  # fn(q, k, cos, sin, stationary, key_doc_start)
 
     @property
     def any_fp8(self):
@@ -2271,7 +2266,8 @@ def select_kernels(h, device):
     with_fp8 = use_triton or device.type == "cuda" or h.fp8_on_cpu
     mlp, qkv, head = fp8_kernels(h, use_triton) if with_fp8 else (None, None, None)
     if use_triton:
-        return KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy, mlp, kernels.xxt, qkv, head)
+        return KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy, mlp, kernels.xxt, qkv, head,
+                         kernels.qk_norm_rope)
     # Here auto means CPU: the chunked cross-entropy is the kernel's algorithm, ~3x faster than the
     # reference there; `kernels=reference` keeps the plain reference for A/B runs.
     cross_entropy = (kernels.softcap_cross_entropy_reference if h.kernels == "reference"

@@ -59,8 +59,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 # Per-GPU speedrun shapes and the tiny ones of the dry mode. doc_len: the equal documents of the
 # SDPA comparison; doc_median / max_doc_len: the uneven documents of the flex_attention one.
-GPU_SHAPES = dict(tokens=49152, width=768, hidden=3072, vocab=50304, candidates=10240, doc_len=3072,
-                  doc_median=600, max_doc_len=3072, window=1664, muon=((16, 768, 768), (8, 768, 3072)))
+GPU_SHAPES = dict(tokens=49152, width=768, hidden=2816, vocab=50304, candidates=10240, doc_len=3072,
+                  doc_median=600, max_doc_len=3072, window=1664, muon=((16, 768, 768), (8, 768, 2816)))
 DRY_SHAPES = dict(tokens=96, width=32, hidden=64, vocab=300, candidates=100, doc_len=48,
                   doc_median=20, max_doc_len=48, window=20, muon=((2, 32, 32), (2, 32, 64)))
 DOC_LEN_SIGMA = 1.0       # log-normal spread of document lengths (median 600: a mean near 1,000, like FineWeb)
@@ -68,13 +68,13 @@ MIN_DOC_LEN = 16          # shortest generated document (the trainer's MIN_DOC_T
 ATTENTION_MATMULS = 7     # per visible pair and head dim: 2 forward (QK^T, PV), 5 backward (QK^T again, dV, dP, dQ, dK)
 
 # Training: the 1gpu preset eager in this process. The dry mode shrinks the cpu preset to two
-# stages of a 2-layer model with sampled softmax, bf16 MLPs and Adam only, so that the interpreter
+# stages of a 2-layer model with sampled softmax, no FP8 layers and Adam only, so that the interpreter
 # runs only the attention and a cheap cross-entropy (the kernel part runs the others).
 GPU_TRAIN_CONFIG = ["--preset", "1gpu"]
 DRY_TRAIN_CONFIG = [
     "--preset", "cpu", "--device=cpu", "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64",
     "--mlp_hidden=128", "--bigram_rows=1024", "--long_window_layers=[1]", "--narrow_qk_layers=[]", "--fp8_mlp=false",
-    "--optimizer=adamw",
+    "--fp8_qkv=false", "--fp8_head=false", "--optimizer=adamw",
     "--batch_ranks=1", "--num_iterations=4", "--val_tokens=128", "--val_tokens_per_rank=128",
     '--stages=[{"end":0.5,"tokens_per_rank":16,"max_doc_len":16,"short_window":1,"long_window":1,"candidates":128},'
     '{"end":1.0,"tokens_per_rank":32,"max_doc_len":32,"short_window":1,"long_window":1,"candidates":128}]',
@@ -201,24 +201,31 @@ def bf16_relu2_mlp(x, w_up, w_down):
 
 
 def bench_fp8_layers(shapes, device, timer, dry):
+    """The FP8 layers with the trainer's scale rules against bf16 torch: the MLP, the packed QKV
+    projection and the head at the candidate width."""
     import torch
     import kernels
-    T, D, H = shapes["tokens"], shapes["width"], shapes["hidden"]
+    T, D, H, C = shapes["tokens"], shapes["width"], shapes["hidden"], shapes["candidates"]
     x = torch.randn(T, D, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad_y = torch.randn(T, D, device=device, dtype=torch.bfloat16)
     w_up = (torch.randn(H, D, device=device) * 0.02).bfloat16().requires_grad_(True)
     w_down = (torch.randn(D, H, device=device) * 0.02).bfloat16().requires_grad_(True)
     state = kernels.new_fp8_mlp_state(device)
-    ours = timer(_forward_backward(lambda x, u, d: kernels.fp8_relu2_mlp(x, u, d, state), [x, w_up, w_down], grad_y))
+    mlp_fp8 = lambda x, u, d: kernels.fp8_relu2_mlp(x, u, d, state, scales=kernels.MLP_SCALES_RECORD92)  # noqa: E731
+    ours = timer(_forward_backward(mlp_fp8, [x, w_up, w_down], grad_y))
     theirs = timer(_forward_backward(bf16_relu2_mlp, [x, w_up, w_down], grad_y))
-    mlp = Line("fp8_relu2_mlp fwd+bwd vs bf16", f"{T}x{D}x{H}", ours, theirs, 6 * 2.0 * T * D * H)
-    linear_state = kernels.new_fp8_linear_state(device)
-    w_qkv = (torch.randn(3 * D, D, device=device) * 0.02).bfloat16().requires_grad_(True)
-    grad_qkv = torch.randn(T, 3 * D, device=device, dtype=torch.bfloat16)
-    ours = timer(_forward_backward(lambda x, w: kernels.fp8_linear(x, w, linear_state), [x, w_qkv], grad_qkv))
-    theirs = timer(_forward_backward(lambda x, w: x @ w.t(), [x, w_qkv], grad_qkv))
-    linear = Line("fp8_linear fwd+bwd vs bf16", f"{T}x{D}x{3 * D}", ours, theirs, 3 * 2.0 * T * D * 3 * D)
-    return [mlp, linear]
+    lines = [Line("fp8_relu2_mlp fwd+bwd vs bf16", f"{T}x{D}x{H}", ours, theirs, 6 * 2.0 * T * D * H)]
+    for name, rows, scales in (("qkv", 3 * D, kernels.QKV_SCALES), ("head", C, kernels.HEAD_SCALES)):
+        linear_state = kernels.new_fp8_linear_state(device)
+        w = (torch.randn(rows, D, device=device) * 0.02).bfloat16().requires_grad_(True)
+        grad = torch.randn(T, rows, device=device, dtype=torch.bfloat16) / T
+        kernels.set_fp8_loss_unit(linear_state, 1.0 / T)
+        fp8 = lambda x, w: kernels.fp8_linear(x, w, linear_state, scales=scales)  # noqa: E731
+        ours = timer(_forward_backward(fp8, [x, w], grad))
+        theirs = timer(_forward_backward(lambda x, w: x @ w.t(), [x, w], grad))
+        lines.append(Line(f"fp8_linear {name} fwd+bwd vs bf16", f"{T}x{D}x{rows}", ours, theirs,
+                          3 * 2.0 * T * D * rows))
+    return lines
 
 
 def uneven_document_lengths(num_tokens, median, max_len, generator):
@@ -344,8 +351,33 @@ def bench_xxt(shapes, device, timer, dry):
     return lines
 
 
+def bench_qk_norm_rope(shapes, device, timer, dry):
+    """The QK norm + RoPE kernel (with the key offset) against the same math in torch ops, both
+    forward and backward on q, k views of a packed projection (informational: memory bound)."""
+    import torch
+    import kernels
+    T, D = shapes["tokens"], shapes["width"]
+    head_dim = 16 if dry else 128
+    heads = D // head_dim
+    qkv = torch.randn(T, 3 * D, device=device, dtype=torch.bfloat16, requires_grad=True)
+    q, k = qkv[:, :D].view(T, heads, head_dim), qkv[:, D:2 * D].view(T, heads, head_dim)
+    angles = torch.rand(T, head_dim // 2, device=device)
+    stationary = torch.arange(head_dim, device=device) % (head_dim // 2) >= head_dim // 4
+    doc_start = torch.arange(T, device=device) % SYNTHETIC_DOC_LEN == 0
+    grads = [torch.randn(T, heads, head_dim, device=device, dtype=torch.bfloat16) for _ in range(2)]
+
+    def run(fn):
+        def step():
+            outs = fn(q, k, angles.cos(), angles.sin(), stationary, doc_start)
+            torch.autograd.grad(outs, [qkv], grads)
+        return step
+    ours, theirs = timer(run(kernels.qk_norm_rope)), timer(run(kernels.qk_norm_rope_reference))
+    return [Line("qk_norm_rope fwd+bwd vs torch ops (eager)", f"{T}x{heads}x{head_dim}", ours, theirs)]
+
+
 # Each takes (shapes, device, timer, dry) and returns its Lines.
-KERNEL_BENCHES = (bench_fp8_matmul, bench_fp8_layers, bench_attention, bench_cross_entropy, bench_xxt)
+KERNEL_BENCHES = (bench_fp8_matmul, bench_fp8_layers, bench_attention, bench_cross_entropy, bench_xxt,
+                  bench_qk_norm_rope)
 
 
 # -----------------------------------------------------------------------------------------------

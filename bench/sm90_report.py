@@ -64,7 +64,7 @@ MATRIX_KERNELS = ("_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_attn_fwd_k
 SASS_COUNTED = ("HGMMA", "QGMMA", "HMMA", "LDL", "STL", "LDS", "STS", "LDG", "STG", "BAR", "MUFU")
 
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-                 torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+                 torch.int64: "i64", torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 _DIVISIBILITY = [["tt.divisibility", 16]]
 
 
@@ -95,6 +95,10 @@ def _library_calls():
         v = _untouched(T, heads, d_v, requires_grad=True)
         o = kernels.flash_attn_varlen(q, k, v, cu_seqlens, s["window"], d_qk ** -0.5)
         o.backward(torch.empty_like(o))
+        angles = _untouched(T, d_qk // 2, dtype=torch.float32)
+        q, k = kernels.qk_norm_rope(q, k, angles, angles, _untouched(d_qk, dtype=torch.bool),
+                                    _untouched(T, dtype=torch.bool))
+        (q.float().sum() + k.float().sum()).backward()
 
     for columns in (s["vocab"], s["candidates"]):
         for num_targets in CE_TARGET_COUNTS:
@@ -175,8 +179,9 @@ def trainer_kernel_calls(preset=TRAINER_PRESET):
     stage (forward, backward, optimizer) and the final validation, on fake tensors under CUDA's
     autocast rules, with the Triton kernel functions. No memory is used and nothing launches."""
     h = train_gpt.parse_config(["--preset", preset])
-    fns = train_gpt.KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy,
-                              kernels.fp8_relu2_mlp if h.fp8_mlp else None, kernels.xxt)
+    mlp, qkv, head = train_gpt.fp8_kernels(h, use_triton=True)
+    fns = train_gpt.KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy, mlp, kernels.xxt, qkv, head,
+                              kernels.qk_norm_rope)
     with cuda_autocast_rules(), FakeTensorMode(allow_non_fake_inputs=True), KernelOpCalls() as recorder:
         model = train_gpt.build_model(h, fns)
         optimizers = train_gpt.build_optimizers(h, model, fns)

@@ -840,12 +840,17 @@ def test_wrappers_compile_with_fullgraph():
     targets = torch.randint(0, 40, (24, 2), generator=generator)
     cu_seqlens = torch.tensor([0, 9, 24, 24], dtype=torch.int32)
 
+    angles = torch.outer(torch.arange(24.0), torch.cat([torch.ones(4) / 8, torch.zeros(4)]))
+    stationary, doc_start = torch.arange(16) % 8 >= 4, torch.zeros(24, dtype=torch.bool)
+    doc_start[[0, 9]] = True
+
     def step(x, w_qkv, w_up, w_down, w_head, linear_state, mlp_state):
-        qkv = kernels.fp8_linear(x, w_qkv, linear_state[0]).view(24, 3, 2, 16)
-        h = kernels.flash_attn_varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, 6, 0.25,
-                                      SMALL_ATTENTION).reshape(24, 32)
-        h = h + kernels.fp8_relu2_mlp(h, w_up, w_down, mlp_state, SMALL_MATMUL)
-        logits = kernels.fp8_linear(h, w_head, linear_state[1], SMALL_MATMUL)
+        qkv = kernels.fp8_linear(x, w_qkv, linear_state[0], scales=kernels.QKV_SCALES).view(24, 3, 2, 16)
+        q, k = kernels.qk_norm_rope(qkv[:, 0], qkv[:, 1], angles.cos(), angles.sin(), stationary, doc_start,
+                                    kernels.LaunchConfig(block_m=8, block_n=0))
+        h = kernels.flash_attn_varlen(q, k, qkv[:, 2], cu_seqlens, 6, 0.25, SMALL_ATTENTION).reshape(24, 32)
+        h = h + kernels.fp8_relu2_mlp(h, w_up, w_down, mlp_state, SMALL_MATMUL, kernels.MLP_SCALES_RECORD92)
+        logits = kernels.fp8_linear(h, w_head, linear_state[1], SMALL_MATMUL, kernels.HEAD_SCALES)
         loss = kernels.softcap_cross_entropy(logits, targets, torch.tensor([1.0, 0.5]), SMALL_CE, SMALL_CE)[0].mean()
         return loss + kernels.xxt(w_up.detach(), SMALL_XXT).float().mean()
 
@@ -862,6 +867,73 @@ def test_wrappers_compile_with_fullgraph():
 
 
 # ---------------------------------------------------------------------------------------------
+# QK norm + RoPE
+# ---------------------------------------------------------------------------------------------
+
+def qk_norm_rope_oracle(x, cos, sin, stationary, doc_start, eps):
+    """float64 statement of one of q, k: each row x / sqrt(mean(x^2) + eps), its halves rotated
+    by the row's angles; with doc_start, a row's stationary dims from the previous row unless it
+    starts a document."""
+    x = x.double()
+    z = x / torch.sqrt(x.square().mean(-1, keepdim=True) + eps)
+    c, s = cos.double()[:, None, :], sin.double()[:, None, :]
+    z1, z2 = z.chunk(2, dim=-1)
+    y = torch.cat([z1 * c + z2 * s, z2 * c - z1 * s], dim=-1)
+    if doc_start is not None:
+        for t in range(1, y.shape[0]):
+            if not doc_start[t]:
+                y[t, :, stationary] = z[t - 1][:, stationary]
+    return y
+
+
+def _qk_inputs(T, H, D, dtype, seed):
+    """q and k as strided views of a packed (T, H * (2D + D)) projection, the angle tables of
+    positions 5..T+4 with the second quarter of the dims stationary, and documents at 0, 9, 20."""
+    generator = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(T, 3 * H * D, generator=generator) * 3).to(dtype)
+    q, k = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:2 * H * D].view(T, H, D)
+    freq = torch.cat([(1 / 64) ** torch.linspace(0, 1, D // 4), torch.zeros(D // 4)])
+    angles = torch.outer(torch.arange(5, T + 5, dtype=torch.float32), freq)
+    doc_start = torch.zeros(T, dtype=torch.bool)
+    doc_start[[0, 9, 20]] = True
+    grads = [torch.randn(T, H, D, generator=generator).to(dtype) for _ in range(2)]
+    return q, k, angles.cos(), angles.sin(), (freq == 0).repeat(2), doc_start, grads
+
+
+@interpreted
+@pytest.mark.parametrize("dtype,offset", [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True)])
+def test_qk_norm_rope_matches_float64(dtype, offset):
+    """FP32 (BF16): forward and backward of the Triton kernel and of the torch reference against
+    the float64 statement (autograd of it for the gradients). Each output is a handful of fp32
+    operations on normalized values of order 1 (the norm's sum of D squares, the rotation's two
+    products): 2D * 2^-24 bounds their error relative to the row's scale; bf16 adds one rounding
+    of the output (2^-8) and, in the reference, of the normed values before the rotation."""
+    T, H, D = 30, 2, 16
+    q, k, cos, sin, stationary, doc_start, (grad_q, grad_k) = _qk_inputs(T, H, D, dtype, seed=21)
+    key_starts = doc_start if offset else None
+    leaves = [q.detach().double().requires_grad_(True), k.detach().double().requires_grad_(True)]
+    want_q = qk_norm_rope_oracle(leaves[0], cos, sin, stationary, None, kernels.QK_NORM_EPS)
+    want_k = qk_norm_rope_oracle(leaves[1], cos, sin, stationary, key_starts, kernels.QK_NORM_EPS)
+    want_grads = torch.autograd.grad([want_q, want_k], leaves, [grad_q.double(), grad_k.double()])
+    small = kernels.LaunchConfig(block_m=8, block_n=0)
+    for fn, config in ((kernels.qk_norm_rope, small), (kernels.qk_norm_rope_reference, None)):
+        if dtype == torch.bfloat16 and fn is kernels.qk_norm_rope_reference:
+            continue               # the reference's own bf16 norm uses bf16's eps: not this oracle
+        inputs = [q.detach().clone().requires_grad_(True), k.detach().clone().requires_grad_(True)]
+        got_q, got_k = fn(*inputs, cos, sin, stationary, key_starts, config)
+        assert got_q.dtype == got_k.dtype == dtype and got_q.is_contiguous() and got_k.is_contiguous()
+        got_grads = torch.autograd.grad([got_q, got_k], inputs, [grad_q, grad_k])
+        unit = 2 * D * U32 + (2 * U_BF16 if dtype == torch.bfloat16 else 0)
+        for name, got, want in (("q", got_q, want_q), ("k", got_k, want_k)):
+            assert_within(got, want.detach(), unit * 4, f"{fn.__name__} {name}")
+        for name, got, want, x in (("dq", got_grads[0], want_grads[0], q), ("dk", got_grads[1], want_grads[1], k)):
+            # dx = rstd (dz - z mean(dz z)): errors of order unit x |dz| x rstd, |dz| <= 2 |dy| (the offset adds rows)
+            rstd = 1 / x.double().square().mean(-1, keepdim=True).sqrt()
+            bound = unit * 8 * rstd * (grad_q.double().abs().amax() + grad_k.double().abs().amax())
+            assert_within(got, want, bound, f"{fn.__name__} {name}")
+
+
+# ---------------------------------------------------------------------------------------------
 # The bench script's CPU dry mode
 # ---------------------------------------------------------------------------------------------
 
@@ -874,7 +946,7 @@ def test_bench_dry_mode_runs():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for section in ("torch", "GPU tests (collected only)", "fp8_matmul", "fp8_relu2_mlp", "fp8_linear",
                     "flash_attn_varlen fwd+bwd d=128 vs flex_attention", "flash_attn_varlen fwd+bwd d=64 vs SDPA flash",
-                    "flex_attention runs uncompiled", "softcap_cross_entropy", "xxt",
+                    "flex_attention runs uncompiled", "softcap_cross_entropy", "xxt", "qk_norm_rope fwd+bwd",
                     "| stage | first step | tokens/step | triton ms/step | reference ms/step",
                     "compiled run: step_avg", "compile: 0 graphs in the warm-up, 0 in the timed run",
                     "projection (an estimate, not a measurement)", "bench time:"):
