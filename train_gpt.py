@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import datetime
 import functools
+import gc
 import hashlib
 import json
 import math
@@ -222,6 +223,7 @@ class Hyperparameters(ModelConfig):
     fp8_head: bool = True          # the head at the candidate width as an FP8 linear (kernels.HEAD_SCALES)
     fp8_on_cpu: bool = False       # on a CPU, run the FP8 layers through their torch references (checks numerics)
     warmup_steps: int = 3          # untimed steps per graph before timing starts (when something compiles)
+    cuda_graphs: bool = True       # replay each graph key's forward+backward as a CUDA graph captured in the warm-up
     sync_check: bool = False       # CUDA: any host sync inside a timed training step is an error
     log_every: int = 10            # print a train-loss line every this many steps
     log_dir: str = "logs"
@@ -589,7 +591,7 @@ CHOICE_RULES = [
     ("trunk", ("unet", "dense")),
     ("fp8_mlp_scales", tuple(kernels.MLP_SCALES)),
 ]
-BOOL_KEYS = ("compile", "fp8_mlp", "fp8_qkv", "fp8_head", "fp8_on_cpu", "sync_check", "save_checkpoint", "canonical_mask", "smear_gate",
+BOOL_KEYS = ("compile", "cuda_graphs", "fp8_mlp", "fp8_qkv", "fp8_head", "fp8_on_cpu", "sync_check", "save_checkpoint", "canonical_mask", "smear_gate",
              "key_offset", "yarn_at_final_window", "value_embed_gate_reads_value", "token_gates")
 NONEMPTY_STRING_KEYS = ("train_files", "val_files", "log_dir")
 BETAS_KEYS = ("embed_betas", "value_embed_betas", "scalar_betas")
@@ -1663,17 +1665,23 @@ CANDIDATE_OFFSET_MULT = 7919       # spreads the walk's starting point across st
 CANDIDATE_SLICES_PER_STEP = 8191   # more than any step's slice count: (step, slice) -> distinct seeds
 
 
-def candidate_columns(targets, count, step, slice_index):
+def candidate_offset(step, slice_index):
+    """Where the candidate walk of micro-batch `slice_index` of `step` starts."""
+    return ((step * CANDIDATE_SLICES_PER_STEP + slice_index) * CANDIDATE_OFFSET_MULT) % PADDED_VOCAB_SIZE
+
+
+def candidate_columns(targets, count, offset):
     """Sampled-softmax candidates: `count` sorted vocabulary ids, every distinct target id of the
     batch plus deterministic uniform negatives.
 
-    Negatives are the first non-target ids of the walk k -> (k * CANDIDATE_STRIDE + offset) mod V.
-    Each id gets a priority, its position in the walk, raised by V for non-targets; the `count`
-    lowest win. The size is fixed, so the step needs no host sync: if a batch ever had more than
-    `count` distinct targets, those latest in the walk would be left out of its softmax.
+    Negatives are the first non-target ids of the walk k -> (k * CANDIDATE_STRIDE + offset) mod V,
+    offset = candidate_offset(step, slice), an int or a 0-d int64 tensor on targets' device (a
+    captured step reads it from a buffer). Each id gets a priority, its position in the walk,
+    raised by V for non-targets; the `count` lowest win. The size is fixed, so the step needs no
+    host sync: if a batch ever had more than `count` distinct targets, those latest in the walk
+    would be left out of its softmax.
     """
     V = PADDED_VOCAB_SIZE
-    offset = ((step * CANDIDATE_SLICES_PER_STEP + slice_index) * CANDIDATE_OFFSET_MULT) % V
     ids = torch.arange(V, device=targets.device)
     walk_position = ((ids - offset) * CANDIDATE_STRIDE_INVERSE) % V
     present = torch.where(targets >= 0, targets, V).flatten()      # absent targets land on a spare slot
@@ -2365,6 +2373,169 @@ def compile_fn(h, fn, fullgraph=True):
     return torch.compile(fn, dynamic=False, fullgraph=fullgraph, backend=h.compile_backend)
 
 
+# -----------------------------------------------------------------------------------------------
+# CUDA graphs
+# -----------------------------------------------------------------------------------------------
+
+def graph_key(h, step):
+    """What a training step's forward+backward fixes besides its tensors' values: the stage
+    (shapes, windows, candidate count, targets) and whether the head is tied. Steps with one key
+    replay one graph; graph_changes(h) lists the first step of each."""
+    return stage_index(h, step), step < untie_step(h)
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch on the device, as the step's body reads it."""
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    cu_seqlens: torch.Tensor
+    candidate_offset: torch.Tensor  # 0-d int64: candidate_offset(step, slice)
+
+    @staticmethod
+    def of(s: Slice, offset, device):
+        """The slice's own tensors on `device` (a step that is not replayed)."""
+        s = s.to(device)
+        return MicroBatch(s.tokens, s.targets, s.cu_seqlens, torch.full((), offset, device=device))
+
+    @staticmethod
+    def buffers_like(s: Slice, device):
+        """Zeroed buffers shaped like `s`, at addresses a captured graph can keep reading."""
+        return MicroBatch(*(torch.zeros_like(t, device=device) for t in (s.tokens, s.targets, s.cu_seqlens)),
+                          torch.zeros((), dtype=torch.int64, device=device))
+
+    def fill(self, s: Slice, offset):
+        """Copy the next slice in (queued behind the previous replay; from pinned memory the
+        host does not wait)."""
+        for buffer, value in ((self.tokens, s.tokens), (self.targets, s.targets), (self.cu_seqlens, s.cu_seqlens)):
+            buffer.copy_(value, non_blocking=True)
+        self.candidate_offset.fill_(offset)
+
+
+@dataclass
+class StepGraph:
+    """One graph key's forward+backward: its body, its input buffers, the parameters it trains,
+    and, once captured, the CUDA graph."""
+    body: object                   # body(MicroBatch): forward, backward, loss sums
+    inputs: MicroBatch
+    trained: list                  # the parameters that get a gradient
+    graph: object = None           # torch.cuda.CUDAGraph once captured
+
+
+class StepGraphs:
+    """The training step's forward+backward, one per graph key, at fixed addresses.
+
+    On CUDA, each key's micro-batch is captured once as a CUDA graph in the untimed warm-up,
+    after the eager steps that compile it, and replayed in the timed run: one launch per
+    micro-batch instead of one per kernel, and no Python in between. The graphs share one memory
+    pool: they never run at once, and nothing they allocate outlives a replay. What a replay
+    leaves behind (gradients, loss sums, FP8 states) lives in ordinary tensors made before the
+    capture. On a CPU (or on CUDA for a key the warm-up did not capture) the same body runs
+    eagerly on the same buffers, so one code path is tested everywhere. Disabled (cuda_graphs
+    off), every micro-batch runs eagerly from its own tensors, gradients are freed after each
+    update, and nothing here is kept.
+
+    Gradients: a captured backward adds into .grad tensors that exist at capture and keep their
+    addresses. So every parameter has one gradient tensor for the whole run (`grads`), zeroed in
+    place after each update. Each key attaches the gradients of the parameters it trains (its
+    first, eager run finds which) and detaches the others, so an optimizer never sees a zero
+    gradient for a parameter that got none (the head while it is tied).
+    """
+
+    def __init__(self, model, device, enabled):
+        self.params = list(model.parameters())
+        self.device, self.enabled = device, enabled
+        self.capturing = enabled and device.type == "cuda"
+        self.grads = {}            # parameter -> its gradient tensor for the run
+        self.steps = {}            # graph key -> StepGraph
+        self.attached = None       # the StepGraph whose gradients are attached
+        self.pool = torch.cuda.graph_pool_handle() if self.capturing else None
+        self.eager_runs = 0        # CUDA micro-batches of a key already seen that ran without a graph
+
+    def run(self, key, body, s: Slice, offset):
+        """Forward and backward of micro-batch `s` with the graph of `key` (body makes it)."""
+        if not self.enabled:
+            body(MicroBatch.of(s, offset, self.device))
+            return
+        step = self.steps.get(key)
+        if step is None:
+            self.steps[key] = self._first_run(body, s, offset)
+            return
+        self._attach(step)
+        step.inputs.fill(s, offset)
+        if step.graph is not None:
+            step.graph.replay()
+        else:
+            self.eager_runs += self.capturing
+            step.body(step.inputs)
+
+    def _first_run(self, body, s, offset):
+        """Run a new key eagerly from fresh buffers and find the parameters it trains: the ones
+        with a gradient after a backward that starts with none. Gradients pending from earlier
+        micro-batches (accumulation) are added back."""
+        step = StepGraph(body, MicroBatch.buffers_like(s, self.device), [])
+        step.inputs.fill(s, offset)
+        pending = {p: p.grad for p in self.params if p.grad is not None}
+        for p in self.params:
+            p.grad = None
+        body(step.inputs)
+        step.trained = [p for p in self.params if p.grad is not None]
+        for p in step.trained:
+            if p in self.grads:
+                self.grads[p].add_(p.grad)
+            else:
+                self.grads[p] = p.grad
+        trained = set(step.trained)
+        for p, grad in pending.items():
+            if p not in trained:
+                self.grads[p] = grad   # kept for a later key that trains p
+        self.attached = None
+        self._attach(step)
+        return step
+
+    def _attach(self, step):
+        if self.attached is step:
+            return
+        trained = set(step.trained)
+        for p in self.params:
+            p.grad = self.grads[p] if p in trained else None
+        self.attached = step
+
+    def capture(self, key):
+        """Capture `key`'s forward+backward (CUDA, enabled; its first run done). Runs it once
+        more eagerly on a side stream first, as capture requires, so the gradients, loss sums and
+        FP8 states change: the warm-up restores them afterwards."""
+        step = self.steps[key]
+        if not self.capturing or step.graph is not None:
+            return
+        self._attach(step)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step.body(step.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                step.body(step.inputs)
+        except RuntimeError as error:
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise TrainingError(f"capturing the training step of graph {key} as a CUDA graph failed "
+                                    f"({first_line}): rerun with --cuda_graphs=false") from error
+        step.graph = graph
+
+    def zero_grads(self):
+        """Zero every run gradient in place and detach them all (the state of a fresh run)."""
+        for grad in self.grads.values():
+            grad.zero_()
+        for p in self.params:
+            p.grad = None
+        self.attached = None
+
+    def captured(self):
+        return sum(step.graph is not None for step in self.steps.values())
+
+
 FP8_CALIBRATION_PASSES = 1         # forward+backward passes that record the FP8 amaxes before the first step
 
 
@@ -2390,6 +2561,8 @@ class Trainer:
         self.mine = list(range(env.rank, h.batch_ranks, env.world_size))
         self.step_weights = step_target_weights(h, env.device)
         self.weights = self.step_weights[0].clone()  # this step's row: one tensor the model always reads
+        self.step_losses = torch.zeros(2, device=env.device)  # the step's (next-token loss, objective)
+        self.graphs = StepGraphs(self.model, env.device, h.cuda_graphs)
         self.train_time_ms = 0.0
         self.averages = WeightAverages(h.averages, self.model, h.num_iterations)
         self.advance_to(0)
@@ -2432,24 +2605,30 @@ class Trainer:
         return AttentionArgs(s.cu_seqlens, short * WINDOW_BLOCK, long * WINDOW_BLOCK)
 
     # -- steps
+    def micro_batch(self, stage, windows, batch: MicroBatch):
+        """Forward and backward of one micro-batch: the gradients and self.step_losses accumulate.
+        Everything it reads is a tensor that keeps its address or fixed by the graph key (stage,
+        windows, tied head), so it can be captured and replayed."""
+        columns = candidate_columns(batch.targets, stage.candidates, batch.candidate_offset) if stage.candidates else None
+        args = AttentionArgs(batch.cu_seqlens, windows[0] * WINDOW_BLOCK, windows[1] * WINDOW_BLOCK)
+        with self.autocast, record_function("forward"):
+            objective, next_token = self.forward(batch.tokens, batch.targets, args, self.weights, columns)
+        with record_function("backward"):
+            (objective / self.accum).backward()
+        self.step_losses += torch.stack([next_token, objective.detach()]) / self.accum
+
     def forward_backward(self, step, slices):
         """This rank's micro-batches of the step, gradients accumulated; returns the (2,) device
         tensor of the next-token loss and the objective, averaged over them (nothing here waits
         for the device)."""
-        index = stage_index(self.h, step)
-        stage, weights = self.h.stages[index], self.weights.copy_(self.step_weights[step])
-        total = torch.zeros(2, device=self.env.device)
+        stage = self.h.stages[stage_index(self.h, step)]
+        body = functools.partial(self.micro_batch, stage, attention_windows(self.h, step))
+        self.weights.copy_(self.step_weights[step])
+        self.step_losses.zero_()
         for slice_index, s in zip(self.mine, slices):
-            s = s.to(self.env.device)
-            columns = candidate_columns(s.targets, stage.candidates, step, slice_index) if stage.candidates else None
             self.model.set_fp8_loss_unit(1.0 / (s.tokens.numel() * self.accum))  # the objective's weight per token
-            with self.autocast, record_function("forward"):
-                objective, next_token = self.forward(s.tokens, s.targets, self.attention_args(s, step), weights,
-                                                     columns)
-            with record_function("backward"):
-                (objective / self.accum).backward()
-            total += torch.stack([next_token, objective.detach()]) / self.accum
-        return total
+            self.graphs.run(graph_key(self.h, step), body, s, candidate_offset(step, slice_index))
+        return self.step_losses.clone()
 
     def train_step(self, step, slices):
         """One optimizer step on the global batch; advance_to(step) has set the schedule."""
@@ -2458,8 +2637,13 @@ class Trainer:
             with record_function(f"optimizer: {type(opt).__name__}"):
                 stepped = opt.step()
             if stepped is not False:   # an Adam between its updates keeps accumulating gradients
-                opt.zero_grad(set_to_none=True)
+                opt.zero_grad(set_to_none=not self.h.cuda_graphs)  # a graph adds into the same tensors
         return loss
+
+    def capture_graph(self, step):
+        """Capture the forward+backward of `step`'s graph key (on CUDA with cuda_graphs; a step of
+        that key must have run)."""
+        self.graphs.capture(graph_key(self.h, step))
 
     def calibrate_fp8(self, slices):
         """Record the FP8 amaxes of the initial weights on the first step's batch (gradients
@@ -2469,8 +2653,13 @@ class Trainer:
             return
         for _ in range(FP8_CALIBRATION_PASSES):
             self.forward_backward(0, slices)
+        self.zero_grads()
+
+    def zero_grads(self):
+        """No gradient pending anywhere, as at the start of a run."""
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
+        self.graphs.zero_grads()
 
     @torch.no_grad()
     def validate(self, slices, step, final_validation):
@@ -2494,10 +2683,12 @@ class Trainer:
                 [copy.deepcopy(opt.state_dict()) for opt in self.optimizers])
 
     def restore(self, snapshot):
+        """The snapshot's model and optimizer state, with no gradient pending."""
         model_state, optimizer_states = snapshot
         self.model.load_state_dict(model_state)
         for opt, state in zip(self.optimizers, optimizer_states):
             opt.load_state_dict(copy.deepcopy(state))
+        self.zero_grads()
 
 
 def check_finite(name, loss, step, log):
@@ -2534,8 +2725,9 @@ def first_batch(h, train_files, mine):
 
 def warm_up(trainer, train_files, val_slices):
     """Untimed: run every graph the timed run will use (each stage's shape, the untie, each
-    validation's windows), so that torch.compile and the Triton JIT do their work here; then
-    restore the initial model, optimizer and schedule state. Returns the graphs built."""
+    validation's windows), so that torch.compile and the Triton JIT do their work here, and
+    capture each training step's CUDA graph after its eager steps; then restore the initial
+    model, optimizer and schedule state. Returns the graphs torch.compile built."""
     h = trainer.h
     before = compiled_graphs()
     saved = trainer.snapshot()
@@ -2546,6 +2738,8 @@ def warm_up(trainer, train_files, val_slices):
         for _ in range(h.warmup_steps):
             trainer.train_step(step, loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks,
                                                        trainer.mine))
+        if h.warmup_steps:
+            trainer.capture_graph(step)
     seen = set()
     for step, final in validation_points(h):
         graph = (attention_windows(h, step, final), step < untie_step(h))
@@ -2599,14 +2793,16 @@ def train(h, env, log):
     warm_graphs = warm_up(trainer, train_files, val_slices) if trainer.needs_warm_up() else 0
     if trainer.kernels.any_fp8:
         trainer.calibrate_fp8(first_batch(h, train_files, trainer.mine))
-    log.write(f"warm-up: {time.perf_counter() - untimed_t0:.1f}s untimed (compilation, Triton JIT, FP8 "
-              f"calibration); train_time counts from step 0", echo=True)
+    log.write(f"warm-up: {time.perf_counter() - untimed_t0:.1f}s untimed (compilation, Triton JIT, CUDA graph "
+              f"capture, FP8 calibration); train_time counts from step 0", echo=True)
+    gc.collect()
+    gc.freeze()                    # the warm-up's objects leave the collector's view: shorter pauses in the timed run
     batches = BatchPrefetcher(TrainLoader(train_files, batch_tokens(h)), h, trainer.mine,
                               pin=env.device.type == "cuda")
     losses = DeferredLossLines(env.device)
     N = h.num_iterations
     synchronize(env.device)
-    graphs_before_timing = compiled_graphs()
+    graphs_before_timing, eager_before_timing = compiled_graphs(), trainer.graphs.eager_runs
     t0 = time.perf_counter()
     try:
         for step in range(N + 1):
@@ -2644,6 +2840,10 @@ def train(h, env, log):
         log.write(f"averages: {shipped} blends into the weights before the final validation", echo=True)
     timed_graphs = compiled_graphs() - graphs_before_timing
     log.write(f"compile: {warm_graphs} graphs in the warm-up, {timed_graphs} in the timed run", echo=True)
+    if trainer.graphs.capturing:
+        log.write(f"cuda graphs: {trainer.graphs.captured()} training steps captured in the warm-up, "
+                  f"{trainer.graphs.eager_runs - eager_before_timing} micro-batches ran eagerly in the timed run",
+                  echo=True)
     if timed_graphs:
         log.write(f"warning: torch.compile built {timed_graphs} graph(s) inside the timed run: the warm-up "
                   f"missed a shape or a guard, and the train time includes compilation", echo=True)

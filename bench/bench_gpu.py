@@ -20,8 +20,10 @@ In order:
      the fp8 layers against bf16 torch and xxt against x @ x.mT are informational;
   4. training: the 1gpu preset in this process, eager, on synthetic tokens; for each stage, at its
      first step, one untimed step and the median of TIMED_STEPS timed optimizer steps (8
-     micro-batches each), with the Triton kernels and with the plain-torch references;
-  5. one compiled run of train_gpt.py: a single stage at the last stage's shape;
+     micro-batches each), with the Triton kernels (without and with the forward+backward
+     captured as a CUDA graph after the untimed step) and with the plain-torch references;
+  5. one compiled run of train_gpt.py (CUDA graphs on, as in a real run): a single stage at the
+     last stage's shape;
   6. a projection of the 8xH100 training time from 4 and 5 (see `projection`).
 The section is printed, appended to bench/results.md and, when $OUT is set, written to
 $OUT/results.md with the raw numbers in $OUT/bench.json (rewritten after every part, so a run
@@ -424,11 +426,14 @@ def wall_ms(fn, device):
     return (time.perf_counter() - start) * 1e3
 
 
-def time_stage_steps(h, train_files, device, deadline):
+def time_stage_steps(h, train_files, device, deadline, graphs=False):
     """Median ms of an optimizer step at the first step of each stage, eager, in this process
-    (None for stages left untimed when the time budget ran out)."""
+    (None for stages left untimed when the time budget ran out). With `graphs`, each stage's
+    forward+backward is captured as a CUDA graph after its untimed steps and replayed in the
+    timed ones (on a CPU: the same path with eager bodies)."""
     import train_gpt as tg
-    trainer = tg.Trainer(h, tg.Dist(0, 1, 0, device), tg.RunLog("unused", active=False))
+    trainer = tg.Trainer(dataclasses.replace(h, cuda_graphs=graphs), tg.Dist(0, 1, 0, device),
+                         tg.RunLog("unused", active=False))
     loader = tg.TrainLoader(train_files, tg.batch_tokens(h))
     medians = []
     for index, step in enumerate(stage_first_steps(h)):
@@ -441,8 +446,12 @@ def time_stage_steps(h, train_files, device, deadline):
                    for _ in range(UNTIMED_STEPS + TIMED_STEPS)]
         if device.type == "cuda":
             batches = [[s.pinned() for s in slices] for slices in batches]
-        times = [wall_ms(lambda: trainer.train_step(step, slices), device) for slices in batches]
-        medians.append(statistics.median(times[UNTIMED_STEPS:]))
+        for slices in batches[:UNTIMED_STEPS]:
+            trainer.train_step(step, slices)
+        if graphs:
+            trainer.capture_graph(step)
+        times = [wall_ms(lambda: trainer.train_step(step, slices), device) for slices in batches[UNTIMED_STEPS:]]
+        medians.append(statistics.median(times))
     return medians
 
 
@@ -454,11 +463,11 @@ def free_device_memory(device):
         torch.cuda.empty_cache()
 
 
-TRAINING_HEADER = ["stage", "first step", "tokens/step", "triton ms/step", "reference ms/step", "triton tokens/s",
-                   "reference tokens/s", "reference/triton", "target", ""]
+TRAINING_HEADER = ["stage", "first step", "tokens/step", "triton ms/step", "with CUDA graphs", "graphs speed-up",
+                   "reference ms/step", "triton tokens/s", "reference tokens/s", "reference/triton", "target", ""]
 
 
-def training_table(h, triton_ms, reference_ms):
+def training_table(h, triton_ms, graphs_ms, reference_ms):
     def cell(value, fmt):
         return format(value, fmt) if value is not None else "-"
 
@@ -467,10 +476,11 @@ def training_table(h, triton_ms, reference_ms):
     rows = []
     for index, step in enumerate(stage_first_steps(h)):
         tokens = h.stages[index].tokens_per_rank * h.batch_ranks
-        ours, theirs = triton_ms[index], reference_ms[index]
+        ours, graphed, theirs = triton_ms[index], graphs_ms[index], reference_ms[index]
         ratio = theirs / ours if ours and theirs else None
         verdict = "-" if ratio is None else ("ok" if ratio > 1 else "MISSED")
-        rows.append([str(index), str(step), str(tokens), cell(ours, ".1f"), cell(theirs, ".1f"),
+        rows.append([str(index), str(step), str(tokens), cell(ours, ".1f"), cell(graphed, ".1f"),
+                     cell(ours / graphed if ours and graphed else None, ".2f"), cell(theirs, ".1f"),
                      cell(tokens_per_s(tokens, ours), ",.0f"), cell(tokens_per_s(tokens, theirs), ",.0f"),
                      cell(ratio, ".2f"), "> 1", verdict])
     return markdown_table(TRAINING_HEADER, rows)
@@ -507,6 +517,8 @@ def compiled_run_command(h, dry, train_files, val_files, log_dir):
 
 # Lines of train_gpt.py's output: the graph counts and the final summary.
 COMPILE_LINE = re.compile(r"compile: (\d+) graphs in the warm-up, (\d+) in the timed run")
+CUDA_GRAPHS_LINE = re.compile(r"cuda graphs: (\d+) training steps captured in the warm-up, (\d+) micro-batches ran "
+                              r"eagerly in the timed run")
 FINAL_LINE = re.compile(r"final val_loss:\S+ train_time:(\d+)ms steps:(\d+)")
 
 
@@ -521,6 +533,9 @@ def compiled_run(h, dry, train_files, val_files, timeout_s):
     result = dict(command=" ".join(command[1:]), exit_status=status, wall_s=seconds, output=stdout + stderr)
     if compile_match:
         result.update(warm_up_graphs=int(compile_match[1]), timed_graphs=int(compile_match[2]))
+    cuda_graphs_match = CUDA_GRAPHS_LINE.search(stdout)   # on CUDA only
+    if cuda_graphs_match:
+        result.update(captured_steps=int(cuda_graphs_match[1]), eager_micro_batches=int(cuda_graphs_match[2]))
     if final_match:
         result["step_ms"] = int(final_match[1]) / int(final_match[2])
     if status is None:
@@ -528,7 +543,7 @@ def compiled_run(h, dry, train_files, val_files, timeout_s):
     elif status != 0 or not (final_match and compile_match):
         last = (stderr.strip() or stdout.strip() or "no output").splitlines()[-1]
         result["error"] = f"exit status {status}: {last}"
-    result["ok"] = "error" not in result and result.get("timed_graphs") == 0
+    result["ok"] = "error" not in result and result.get("timed_graphs") == 0 and not result.get("eager_micro_batches")
     return result
 
 
@@ -540,7 +555,10 @@ def compiled_run_line(run, eager_last_ms, dry):
     eager = (f" (eager Triton {eager_last_ms:.1f} ms: compiled/eager {run['step_ms'] / eager_last_ms:.2f})"
              if eager_last_ms else "")
     graphs = f"compile: {run['warm_up_graphs']} graphs in the warm-up, {run['timed_graphs']} in the timed run"
-    verdict = "" if run["ok"] else " (FAILED: graphs built inside the timed run)"
+    if "captured_steps" in run:
+        graphs += (f"; CUDA graphs: {run['captured_steps']} captured, {run['eager_micro_batches']} micro-batches "
+                   f"eager in the timed run")
+    verdict = "" if run["ok"] else " (FAILED: graphs built, or micro-batches run eagerly, inside the timed run)"
     return (f"compiled run: step_avg {run['step_ms']:.1f} ms{eager}; {graphs}{verdict}; "
             f"{run['wall_s']:.0f} s wall with compilation; {what}")
 
@@ -678,11 +696,12 @@ def run_kernel_benches(report, shapes, device, dry):
 
 
 def measure_training(report, parts, dry, device, deadline):
-    """(config, Triton ms per stage, reference ms per stage, compiled run or None). Runs the eager
-    Triton timings, the compiled run, then the eager reference timings: those are the slowest and
-    the projection does not need them, so the time budget cuts them first."""
+    """(config, Triton ms per stage, the same with CUDA graphs, reference ms per stage, compiled
+    run or None). Runs the eager Triton timings without and with graphs, the compiled run, then
+    the eager reference timings: those are the slowest and the projection does not need them, so
+    the time budget cuts them first."""
     h = training_config(dry, "triton")
-    triton_ms = reference_ms = [None] * len(h.stages)
+    triton_ms = graphs_ms = reference_ms = [None] * len(h.stages)
     run = None
     with tempfile.TemporaryDirectory() as data_dir:
         train_files, val_files = write_synthetic_data(data_dir, dry)
@@ -690,6 +709,10 @@ def measure_training(report, parts, dry, device, deadline):
             with report.timing("training triton"):
                 triton_ms = guarded(report, "training triton", time_stage_steps, h, train_files, device,
                                     deadline) or triton_ms
+            free_device_memory(device)
+            with report.timing("training triton graphs"):
+                graphs_ms = guarded(report, "training triton graphs", time_stage_steps, h, train_files, device,
+                                    deadline, True) or graphs_ms
             free_device_memory(device)
         if "compiled" in parts:
             with report.timing("compiled run"):
@@ -702,16 +725,18 @@ def measure_training(report, parts, dry, device, deadline):
                                        training_config(dry, "reference"), train_files, device, deadline) \
                     or reference_ms
             free_device_memory(device)
-    return h, triton_ms, reference_ms, run
+    return h, triton_ms, graphs_ms, reference_ms, run
 
 
-def report_training(report, h, triton_ms, reference_ms):
-    untimed = [i for i, (a, b) in enumerate(zip(triton_ms, reference_ms)) if a is None or b is None]
+def report_training(report, h, triton_ms, graphs_ms, reference_ms):
+    untimed = [i for i, times in enumerate(zip(triton_ms, graphs_ms, reference_ms)) if None in times]
     note = f"\n\nnot timed (failed or out of time budget): stages {untimed}" if untimed else ""
-    report.add(f"training, eager, micro-batches per step: {h.batch_ranks}, synthetic tokens (median of "
-               f"{TIMED_STEPS} steps after {UNTIMED_STEPS} untimed):\n\n"
-               + training_table(h, triton_ms, reference_ms) + note,
-               training=dict(steps=stage_first_steps(h), triton_ms=triton_ms, reference_ms=reference_ms))
+    report.add(f"training, eager (not compiled), micro-batches per step: {h.batch_ranks}, synthetic tokens (median "
+               f"of {TIMED_STEPS} steps after {UNTIMED_STEPS} untimed; with CUDA graphs, the forward+backward "
+               f"captured after the untimed steps and replayed):\n\n"
+               + training_table(h, triton_ms, graphs_ms, reference_ms) + note,
+               training=dict(steps=stage_first_steps(h), triton_ms=triton_ms, graphs_ms=graphs_ms,
+                             reference_ms=reference_ms))
 
 
 def report_compiled_run(report, run, eager_last_ms, dry):
@@ -778,9 +803,10 @@ def main():
             run_kernel_benches(report, DRY_SHAPES if flags.dry else GPU_SHAPES, device, flags.dry)
         free_device_memory(device)
     if flags.parts & {"training", "compiled"}:
-        h, triton_ms, reference_ms, run = measure_training(report, flags.parts, flags.dry, device, deadline)
+        h, triton_ms, graphs_ms, reference_ms, run = measure_training(report, flags.parts, flags.dry, device,
+                                                                      deadline)
         if "training" in flags.parts:
-            report_training(report, h, triton_ms, reference_ms)
+            report_training(report, h, triton_ms, graphs_ms, reference_ms)
         ratio = report_compiled_run(report, run, triton_ms[-1], flags.dry) if run else None
         report_projection(report, h, triton_ms, ratio)
     report.add("bench time: " + ", ".join(f"{part} {s:.0f} s" for part, s in report.raw["part_seconds"].items())

@@ -15,7 +15,8 @@ inspected with the cuobjdump that ships inside the triton wheel; "trainer" in an
 whether the trainer makes that launch.
 
     python bench/sm90_report.py            # print the report
-    python bench/sm90_report.py --write    # also store it in bench/sm90_resources.json
+    python bench/sm90_report.py --write    # also store it in bench/sm90_resources.json (another
+                                           # triton than requirements.txt's: sm90_resources_triton<v>.json)
 
 tests/test_kernels_sm90.py runs the same compiles and checks the limits below.
 """
@@ -43,7 +44,18 @@ import triton  # noqa: E402
 from cuda_autocast import cuda_autocast_rules  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-REPORT_PATH = pathlib.Path(__file__).resolve().parent / "sm90_resources.json"
+
+
+def report_path(version=triton.__version__):
+    """Where the report of a triton version is kept: sm90_resources.json for the version
+    requirements.txt pins, sm90_resources_triton<version>.json for another (the GPU image's)."""
+    pinned = next(line.split("==")[1].strip() for line in (REPO_ROOT / "requirements.txt").read_text().splitlines()
+                  if line.startswith("triton=="))
+    name = "sm90_resources.json" if version == pinned else f"sm90_resources_triton{version}.json"
+    return pathlib.Path(__file__).resolve().parent / name
+
+
+REPORT_PATH = report_path()        # this process's triton
 HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes of shared memory one block may use on H100/H200
 

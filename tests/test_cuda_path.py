@@ -306,3 +306,105 @@ def test_the_sync_guard_has_teeth():
         torch.ones(3).sum().item()
     with pytest.raises(AssertionError, match="waits for the device"), HostSyncs():
         torch.arange(4)[torch.arange(4) > 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# What a captured step bakes in
+#
+# A CUDA graph replays the kernels its capture recorded: the same ops, with the same scalar
+# arguments, reading and writing the same addresses. So a step can be captured once per graph
+# key only if two steps of one key make the same calls with the same non-tensor arguments and
+# touch the same tensors from outside the step (parameters, gradients, optimizer-free state,
+# input buffers). Tensors the step makes itself come from the graph's pool and may differ.
+
+class StepTrace(TorchDispatchMode):
+    """Each op of a step: its name, non-tensor arguments and, for each tensor argument, its
+    shape, dtype, strides and either the address of its storage (a tensor from outside the step)
+    or "made here" (an output of an earlier op of the step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.made = [], set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "profiler":   # record_function's markers: host-side, not in a graph
+            return func(*args, **kwargs)
+        inputs = torch.utils._pytree.tree_leaves((args, kwargs))
+        self.ops.append((str(func), tuple(self.describe(a) for a in inputs)))
+        out = func(*args, **kwargs)
+        read = {a.untyped_storage().data_ptr() for a in inputs if isinstance(a, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in read:
+                self.made.add(t.untyped_storage().data_ptr())
+        return out
+
+    def describe(self, a):
+        if not isinstance(a, torch.Tensor):
+            return repr(a)
+        ptr = a.untyped_storage().data_ptr()
+        return (tuple(a.shape), a.dtype, a.stride(), "made here" if ptr in self.made else ptr)
+
+
+def _traced_launches(launches):
+    """kernels._launch that records each launch's kernel, grid, config and non-tensor
+    arguments (tensors made inside a kernel wrapper are invisible to StepTrace) and runs nothing."""
+    def record(kernel, grid, config, **args):
+        launches.append((kernel.__name__, tuple(grid), config,
+                         {k: (tuple(v.shape), v.dtype, v.stride()) if isinstance(v, torch.Tensor) else v
+                          for k, v in args.items()}))
+    return record
+
+
+def test_two_steps_of_one_graph_key_make_the_same_calls_on_the_same_tensors(shards, tmp_path, monkeypatch):
+    """For every graph key of a schedule with three stages and the untie: the first step finds
+    the key's gradients, the later ones are replays; those must all record the same graph (ops,
+    scalars, outside addresses, kernel launches). Eager, with the Triton launches skipped
+    (values do not matter, calls do), on the CUDA path under CUDA's autocast rules."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launches = []
+    monkeypatch.setattr(kernels, "_launch", _traced_launches(launches))
+    h = tg.parse_config(REHEARSAL + data_args(shards, tmp_path) + ["--compile=false", "--num_iterations=15"])
+    keys, traces = {}, []
+    with cuda_autocast_rules():
+        trainer = tg.Trainer(h, tg.Dist(0, 1, 0, torch.device("cpu")), tg.RunLog(str(tmp_path), active=False))
+        body = trainer.micro_batch
+
+        def traced_body(*args):    # what a capture records: the body, not the buffer fills around it
+            with traces[-1]:
+                body(*args)
+        trainer.micro_batch = traced_body
+        loader = tg.TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+        for step in range(h.num_iterations):
+            trainer.advance_to(step)
+            stage = h.stages[tg.stage_index(h, step)]
+            launches.clear()
+            traces.append(StepTrace())
+            trainer.train_step(step, loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks,
+                                                       trainer.mine))
+            keys.setdefault(tg.graph_key(h, step), []).append((step, traces[-1].ops, list(launches)))
+    assert sorted(keys) == [(0, True), (1, True), (2, False), (2, True)]
+    for key, steps in keys.items():
+        assert len(steps) >= 3, key
+        step_a, ops_a, launches_a = steps[1]
+        for step_b, ops_b, launches_b in steps[2:]:
+            assert len(ops_a) == len(ops_b) and len(ops_a) > 100, key
+            for a, b in zip(ops_a, ops_b):
+                assert a == b, f"graph {key}: step {step_a} made {a}, step {step_b} made {b}"
+            assert launches_a == launches_b and launches_a, key
+
+
+def test_the_trace_notices_a_baked_scalar_and_a_moved_tensor():
+    """The check has teeth: a step number as a Python scalar, or an input copied to a new
+    tensor instead of into a buffer, changes the trace."""
+    weight = torch.ones(4)
+
+    def trace(step, fresh):
+        with StepTrace() as t:
+            x = fresh.clone() if step else fresh
+            (x * weight + step).sum()
+        return t.ops
+    assert trace(3, torch.ones(4)) != trace(4, torch.ones(4))
+    buffer = torch.ones(4)
+    assert trace(0, buffer) == trace(0, buffer)
+    assert trace(0, torch.ones(4)) != trace(0, torch.ones(4) + 1)

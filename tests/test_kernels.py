@@ -947,7 +947,7 @@ def test_bench_dry_mode_runs():
     for section in ("torch", "GPU tests (collected only)", "fp8_matmul", "fp8_relu2_mlp", "fp8_linear",
                     "flash_attn_varlen fwd+bwd d=128 vs flex_attention", "flash_attn_varlen fwd+bwd d=64 vs SDPA flash",
                     "flex_attention runs uncompiled", "softcap_cross_entropy", "xxt", "qk_norm_rope fwd+bwd",
-                    "| stage | first step | tokens/step | triton ms/step | reference ms/step",
+                    "| stage | first step | tokens/step | triton ms/step | with CUDA graphs | graphs speed-up | reference ms/step",
                     "compiled run: step_avg", "compile: 0 graphs in the warm-up, 0 in the timed run",
                     "projection (an estimate, not a measurement)", "bench time:"):
         assert section in result.stdout, f"no {section!r} in the dry output:\n{result.stdout[-3000:]}"

@@ -62,10 +62,12 @@ def test_shared_memory_fits_and_nothing_spills():
 
 
 @pytest.mark.skipif(COMMITTED is None or COMMITTED["triton"] != triton.__version__,
-                    reason="bench/sm90_resources.json was made with another triton version")
+                    reason=f"no {sm90_report.REPORT_PATH.name} for triton {triton.__version__}")
 @compiled
 def test_committed_resource_report_is_current():
-    """bench/sm90_resources.json matches a fresh compile, so a change that moves registers,
-    shared memory or instruction counts shows up in review."""
+    """The committed report of this triton version (bench/sm90_resources*.json) matches a fresh
+    compile, so a change that moves registers, shared memory or instruction counts shows up in
+    review."""
     assert hopper_report() == json.loads(sm90_report.REPORT_PATH.read_text()), (
-        "bench/sm90_resources.json is out of date: run `python bench/sm90_report.py --write` and review the diff")
+        f"bench/{sm90_report.REPORT_PATH.name} is out of date: run `python bench/sm90_report.py --write` "
+        f"and review the diff")

@@ -1,4 +1,5 @@
 """The trainer: config, loader alignment, model masking and shapes, optimizer steps, end-to-end runs."""
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -11,6 +12,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -232,7 +235,7 @@ def test_forward_shapes_and_candidate_columns():
     args = tg.AttentionArgs(cu, 128, 256)
     assert model.hidden_states(tokens, args).shape == (256, h.model_dim)
     weights = tg.target_weights(h.stages[0], "cpu")
-    columns = tg.candidate_columns(targets, 1000, step=3, slice_index=0)
+    columns = tg.candidate_columns(targets, 1000, tg.candidate_offset(3, 0))
     assert columns.numel() == 1000 and torch.all(columns[1:] > columns[:-1])
     assert torch.isin(targets.flatten(), columns).all()
     mapped = tg.ids_to_columns(targets, columns)
@@ -243,8 +246,11 @@ def test_forward_shapes_and_candidate_columns():
     assert 0 < full_next < full, "the next-token loss is one part of the weighted objective"
     assert full.ndim == 0 and torch.isfinite(full) and 0 < sampled < full
     # the same candidates every time for the same step and slice; others elsewhere
-    assert torch.equal(columns, tg.candidate_columns(targets, 1000, step=3, slice_index=0))
-    assert not torch.equal(columns, tg.candidate_columns(targets, 1000, step=4, slice_index=0))
+    assert torch.equal(columns, tg.candidate_columns(targets, 1000, tg.candidate_offset(3, 0)))
+    assert not torch.equal(columns, tg.candidate_columns(targets, 1000, tg.candidate_offset(4, 0)))
+    # a captured step reads the offset from a device buffer: the same candidates
+    offset = torch.tensor(tg.candidate_offset(3, 0))
+    assert torch.equal(columns, tg.candidate_columns(targets, 1000, offset))
 
 
 def test_yarn_at_the_final_window_is_a_choice():
@@ -958,6 +964,12 @@ def fp8_states(model):
     return {name: state for name, state in model.named_buffers() if name.endswith("fp8_state")}
 
 
+def pending(param):
+    """Whether param holds a gradient not yet used by an update (a replayed step zeroes its
+    gradients in place instead of freeing them)."""
+    return param.grad is not None and bool(param.grad.any())
+
+
 def test_adam_every_second_step_accumulates_in_between(shards):
     """With adam_step_every=2 the Adam parameters stay put on even steps while their gradients
     accumulate (optim's tests check the update from their mean); the matrices update every step."""
@@ -970,11 +982,179 @@ def test_adam_every_second_step_accumulates_in_between(shards):
     trainer.advance_to(0)
     trainer.train_step(0, loader.next_batch(512, 256, 1, [0]))
     assert torch.equal(embed, start[0]) and not torch.equal(matrix, start[1])
-    assert embed.grad is not None and matrix.grad is None, "the even step's embedding gradient waits"
+    assert pending(embed) and not pending(matrix), "the even step's embedding gradient waits"
     trainer.advance_to(1)
     trainer.train_step(1, loader.next_batch(512, 256, 1, [0]))
-    assert not torch.equal(embed, start[0]) and embed.grad is None
+    assert not torch.equal(embed, start[0]) and not pending(embed)
     assert trainer.adam.state[embed]["step"] == 1 and trainer.adam.pending_calls == 0
+
+
+def train_steps(trainer, h, steps, check=lambda step: None):
+    """Losses of `steps` training steps from the start of h's data; check(step) after each."""
+    loader = tg.TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+    losses = []
+    for step in range(steps):
+        trainer.advance_to(step)
+        stage = h.stages[tg.stage_index(h, step)]
+        losses.append(trainer.train_step(step, loader.next_batch(stage.tokens_per_rank, stage.max_doc_len,
+                                                                 h.batch_ranks, trainer.mine)).tolist())
+        check(step)
+    return losses
+
+
+def test_replayed_steps_train_exactly_as_plain_eager_steps(shards):
+    """cuda_graphs on a CPU runs the replay path with eager bodies: input buffers at fixed
+    addresses, one gradient tensor per parameter zeroed in place, attached per graph key. With
+    and without a warm-up (steps of every key, then the initial state restored), across a stage
+    change and the untie, with two micro-batches per step and Adam every second step (so a new
+    key can start with gradients pending), losses and weights equal those of plain eager steps
+    bit for bit."""
+    args = data_args(shards) + ["--num_iterations=6", "--untie_frac=0.8", "--adam_step_every=2", "--batch_ranks=2",
+                                "--warmup_steps=1"]
+    runs = {}
+    for graphs, warm in ((False, False), (True, True), (True, False)):
+        h = tiny_config(args + [f"--cuda_graphs={graphs}"])
+        trainer = cpu_trainer(h)
+        model, seen = trainer.model, {}
+
+        def check(step):
+            if graphs:
+                assert (model.lm_head.grad is None) == (step < tg.untie_step(h)), step
+                seen.setdefault("embed", model.embed.weight.grad)
+                assert model.embed.weight.grad is seen["embed"], "a replay keeps its gradient tensors"
+        if warm:
+            tg.warm_up(trainer, tg.find_shards(h.train_files),
+                       tg.validation_data(h, trainer.env, tg.find_shards(h.val_files)))
+            assert sorted(trainer.graphs.steps) == [(0, True), (1, False), (1, True)]
+            assert all(p.grad is None for p in model.parameters()), "the warm-up leaves no gradient behind"
+        runs[graphs, warm] = train_steps(trainer, h, h.num_iterations, check), model.state_dict()
+    eager_losses, eager_state = runs[False, False]
+    for variant in ((True, True), (True, False)):
+        losses, state = runs[variant]
+        assert losses == eager_losses, variant
+        for name, value in eager_state.items():
+            assert torch.equal(state[name], value), (variant, name)
+
+
+class CPUGraph:
+    """A CUDA graph's semantics on a CPU. The capture records every op the body dispatches, with
+    its arguments (it also runs them, which a real capture does not). A replay runs the recorded
+    ops again with the captured scalars, addressing memory as the capture did: a tensor on
+    memory from outside the graph (parameters, gradients, buffers) is used as it is, and one on
+    memory an earlier recorded op made is rebuilt, same offset, sizes and strides, on the memory
+    that op's replay made. So a replay reads and writes what the capture saw, as a CUDA graph
+    does: a value the body took from Python, or a tensor it found somewhere that has since been
+    replaced, stays as it was at capture."""
+
+    def __init__(self):
+        self.ops = []              # (op, args, kwargs, outputs) as captured; keeps their memory alive
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        made = {}                  # address of memory a captured op made -> the replay's storage
+
+        def on_replayed_memory(t):
+            storage = made.get(t.untyped_storage().data_ptr()) if isinstance(t, torch.Tensor) else None
+            if storage is None:
+                return t
+            return torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.shape, t.stride())
+        with torch.no_grad():
+            for op, args, kwargs, outputs in self.ops:
+                args, kwargs = torch.utils._pytree.tree_map(on_replayed_memory, (args, kwargs))
+                result = op(*args, **kwargs)
+                for old, new in zip(torch.utils._pytree.tree_leaves(outputs), torch.utils._pytree.tree_leaves(result)):
+                    if isinstance(old, torch.Tensor) and old.untyped_storage().data_ptr():
+                        made[old.untyped_storage().data_ptr()] = new.untyped_storage()
+
+
+class CPUCapture(TorchDispatchMode):
+    """torch.cuda.graph(graph) for a CPUGraph: records the ops dispatched inside it."""
+
+    def __init__(self, graph, pool=None, fail=None):
+        super().__init__()
+        self.graph, self.fail = graph, fail
+
+    def __enter__(self):
+        if self.fail:
+            raise RuntimeError(self.fail)
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func.namespace != "profiler":   # record_function's markers are host-side
+            self.graph.ops.append((func, args, kwargs, result))
+        return result
+
+
+def dense_attention(q, k, v, cu_seqlens, window, softmax_scale):
+    """kernels.attention_reference's definition in one masked product over all T tokens: no
+    query block starts where a document does, so no shape or bound depends on the data (the
+    reference reads document starts on the host, which a graph cannot replay; the GPU's Triton
+    kernel does not)."""
+    if isinstance(softmax_scale, torch.Tensor):
+        q = (q.float() * softmax_scale.float().reshape(())).to(q.dtype)
+        softmax_scale = 1.0
+    doc = kernels.document_ids(cu_seqlens, q.shape[0])
+    pos = torch.arange(q.shape[0])
+    visible = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+    if window > 0:
+        visible &= pos[:, None] - pos[None, :] < window
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=visible, scale=softmax_scale)
+    return out.transpose(0, 1).to(q.dtype)
+
+
+def cpu_graphs(monkeypatch, trainer, fail=None):
+    """Give `trainer` CUDA graphs on the CPU: torch.cuda's graph API as CPUGraph and CPUCapture,
+    its streams as no-ops. Returns the graphs made, in capture order."""
+    graphs = []
+
+    def new_graph():
+        graphs.append(CPUGraph())
+        return graphs[-1]
+    stream = type("Stream", (), {"wait_stream": lambda self, other: None})
+    monkeypatch.setattr(torch.cuda, "Stream", stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", stream)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", new_graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: CPUCapture(graph, pool, fail))
+    trainer.graphs.capturing = True
+    return graphs
+
+
+def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeypatch):
+    """Capture and replay with CUDA graph semantics on a CPU (CPUGraph): the warm-up captures
+    each graph key once, every timed micro-batch replays a graph (none runs eagerly), and the
+    run's losses and weights still equal plain eager steps bit for bit, through a stage change,
+    the untie and Adam's accumulation. A capture that fails ends in one line saying how to run
+    without graphs."""
+    args = data_args(shards) + ["--num_iterations=6", "--untie_frac=0.8", "--adam_step_every=2", "--batch_ranks=2",
+                                "--warmup_steps=1"]
+    select = tg.select_kernels
+    monkeypatch.setattr(tg, "select_kernels", lambda h, device: dataclasses.replace(select(h, device),
+                                                                                    attention=dense_attention))
+    h = tiny_config(args + ["--cuda_graphs=false"])
+    eager = cpu_trainer(h)
+    eager_losses = train_steps(eager, h, h.num_iterations)
+    h = tiny_config(args)
+    trainer = cpu_trainer(h)
+    graphs = cpu_graphs(monkeypatch, trainer)
+    val = tg.validation_data(h, trainer.env, tg.find_shards(h.val_files))
+    tg.warm_up(trainer, tg.find_shards(h.train_files), val)
+    assert len(graphs) == trainer.graphs.captured() == 3 and all(len(g.ops) > 100 for g in graphs)
+    eager_runs = trainer.graphs.eager_runs
+    assert train_steps(trainer, h, h.num_iterations) == eager_losses
+    assert sum(g.replays for g in graphs) == h.num_iterations * 2 and trainer.graphs.eager_runs == eager_runs
+    for name, value in eager.model.state_dict().items():
+        assert torch.equal(trainer.model.state_dict()[name], value), name
+
+    trainer = cpu_trainer(h)
+    cpu_graphs(monkeypatch, trainer, fail="operation not permitted when stream is capturing")
+    with pytest.raises(tg.TrainingError, match=r"capturing .* failed \(operation not permitted when stream is "
+                                               r"capturing\): rerun with --cuda_graphs=false"):
+        tg.warm_up(trainer, tg.find_shards(h.train_files), val)
 
 
 def test_untie_carries_the_embeddings_adam_state_to_the_head(shards):
