@@ -12,6 +12,9 @@ Families:
   3. Softcapped CE    softcap_cross_entropy                          softcap_cross_entropy_reference
                       (on CPU: softcap_cross_entropy_chunked, the same algorithm in plain torch)
   4. Muon helper      xxt                                            xxt_reference
+  5. QK norm + RoPE   qk_norm_rope                                   qk_norm_rope_reference
+  6. Sparse rows      distinct_rows (plain torch), sum_rows,         sum_rows_reference,
+                      sparse_adam_rows_                              sparse_adam_rows_reference_
 
 How the trainer uses the FP8 layers. A module that owns an FP8 weight also owns a small fp32
 state buffer, created once with `new_fp8_linear_state(device)` (a plain linear) or
@@ -36,10 +39,11 @@ beyond the fp8 range saturate. The `*_reference` functions take the same argumen
 state the same way and quantize identically with torch casts: the trainer's A/B switch, and its
 FP8 emulation on a CPU.
 
-The other families need no state: flash_attn_varlen(q, k, v, cu_seqlens, window,
-softmax_scale), softcap_cross_entropy(logits, targets, weights) and xxt(x) take the same
-arguments as their references (every Triton wrapper also accepts launch configs, which the
-tests shrink).
+The other families need no state of their own: flash_attn_varlen(q, k, v, cu_seqlens, window,
+softmax_scale), softcap_cross_entropy(logits, targets, weights), xxt(x), qk_norm_rope and the
+sparse row functions take the same arguments as their references (every Triton wrapper also
+accepts launch configs, which the tests shrink); sparse_adam_rows_ updates the table and the
+per-row state that optim.SparseRowAdam owns.
 
 torch.compile: every kernel launch sits inside a torch.library custom op with a fake (meta)
 implementation, and the autograd wrappers are torch.autograd.Functions built from those ops,
@@ -1776,3 +1780,207 @@ def qk_norm_rope_reference(q, k, cos, sin, stationary, key_doc_start=None, confi
     if key_doc_start is not None:
         k_out = offset_keys_reference(k_out, stationary, key_doc_start)
     return q_out, k_out
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Sparse rows: a batch's distinct rows, their summed gradients, and Adam on those rows
+# ---------------------------------------------------------------------------------------------
+#
+# A hashed n-gram table has far more rows than a step touches. A step's gradient is N rows (one
+# per token and channel, with repeats) of width D; the optimizer wants one summed gradient per
+# distinct row and updates only those rows. Every buffer has a fixed size (capacity N) and the
+# number of distinct rows stays on the device, so no step waits for the host:
+#   distinct_rows(rows)          stable sort, mark first occurrences, number them (plain torch)
+#   sum_rows(values, groups)     each distinct row's values summed in token order: deterministic
+#   sparse_adam_rows_(...)       Adam with beta1 = 0 and one fp32 second moment per row; a row's
+#                                moment first catches up on the decay of the events it missed
+
+@dataclasses.dataclass
+class RowGroups:
+    """The distinct rows of an index vector `rows` (N,), at fixed capacity N.
+
+    distinct: (N,) the distinct rows in increasing order, then -1
+    count:    (1,) how many there are
+    inverse:  (N,) the slot in `distinct` of each rows[i]
+    order:    (N,) positions of `rows` sorted by row, ties in position order
+    starts:   (N + 1,) slot s's entries are order[starts[s]:starts[s + 1]]; N from slot `count` on
+    """
+    distinct: Tensor
+    count: Tensor
+    inverse: Tensor
+    order: Tensor
+    starts: Tensor
+
+
+def distinct_rows(rows):
+    """RowGroups of an int64 index vector, without a host sync (no nonzero, no mask indexing)."""
+    n = rows.numel()
+    sorted_rows, order = torch.sort(rows, stable=True)
+    first = torch.ones_like(sorted_rows, dtype=torch.bool)
+    first[1:] = sorted_rows[1:] != sorted_rows[:-1]
+    slot = first.cumsum(0) - 1                       # slot of each sorted entry
+    distinct = torch.full_like(rows, -1).scatter_(0, slot, sorted_rows)  # repeats write equal values
+    inverse = torch.empty_like(rows).scatter_(0, order, slot)
+    positions = torch.arange(n, device=rows.device)
+    starts = torch.full((n + 1,), n, dtype=torch.int64, device=rows.device)
+    starts.scatter_reduce_(0, slot, positions, "amin")
+    return RowGroups(distinct, slot[-1:] + 1, inverse, order, starts)
+
+
+SUM_ROWS = LaunchConfig(block_m=1, block_n=256, num_warps=4)  # block_n columns of one slot per program
+
+
+@triton.jit
+def _sum_rows_kernel(values_ptr, order_ptr, starts_ptr, out_ptr, D, stride_v, stride_o, BLOCK_D: tl.constexpr):
+    """out[s] = sum over p in [starts[s], starts[s + 1]) of values[order[p]], in fp32, for one
+    slot s and one block of columns per program. Slots past the count have an empty range and
+    store zeros. Each value row is read once and each slot written once: (N + capacity) * D
+    elements of traffic, and the sum runs in token order, so the result does not depend on
+    scheduling (no atomics)."""
+    s = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    in_row = cols < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for p in range(tl.load(starts_ptr + s), tl.load(starts_ptr + s + 1)):
+        source = tl.load(order_ptr + p)
+        acc += tl.load(values_ptr + source * stride_v + cols, mask=in_row, other=0.0).to(tl.float32)
+    tl.store(out_ptr + s * stride_o + cols, acc, mask=in_row)
+
+
+def _launch_sum_rows(values: Tensor, order: Tensor, starts: Tensor, config: list[int]) -> Tensor:
+    config = _config_from_list(config)
+    n, d = values.shape
+    out = torch.empty(n, d, dtype=torch.float32, device=values.device)
+    _launch(_sum_rows_kernel, (n, triton.cdiv(d, config.block_n)), config,
+            values_ptr=values, order_ptr=order, starts_ptr=starts, out_ptr=out, D=d, stride_v=values.stride(0),
+            stride_o=out.stride(0), BLOCK_D=config.block_n)
+    return out
+
+
+_sum_rows_op = torch.library.custom_op(f"{_OPS}::sum_rows", _launch_sum_rows, mutates_args=())
+
+
+@_sum_rows_op.register_fake
+def _(values, order, starts, config):
+    return values.new_empty(values.shape, dtype=torch.float32)
+
+
+def _check_row_values(values, groups):
+    if values.ndim != 2 or values.shape[0] != groups.inverse.numel() or values.stride(1) != 1:
+        raise ValueError(f"values must be (N, D) with unit column stride and N = {groups.inverse.numel()} "
+                         f"rows; got shape {tuple(values.shape)}, strides {values.stride()}")
+
+
+def sum_rows(values, groups: RowGroups, config=SUM_ROWS):
+    """(N, D) fp32: row s holds the sum of the values (N, D) of the entries in slot s of
+    `groups` (distinct_rows of their indices); zeros past the count."""
+    _check_row_values(values, groups)
+    return _sum_rows_op(values, groups.order, groups.starts, config.as_list())
+
+
+def sum_rows_reference(values, groups: RowGroups, config=None):
+    _check_row_values(values, groups)
+    out = torch.zeros(values.shape, dtype=torch.float32, device=values.device)
+    return out.index_add_(0, groups.inverse, values.float())
+
+
+@dataclasses.dataclass(frozen=True)
+class RowAdamStep:
+    """The scalars of one sparse Adam event (optim.SparseRowAdam computes them on the host).
+
+    event: this event's number t (1, 2, ...); log_decay: sum over events s <= t of ln(beta2_s);
+    one_minus_beta2: 1 - beta2_t; bias: 1 - prod_{s<=t} beta2_s; lr; decay: lr^2 * weight decay.
+    """
+    event: int
+    log_decay: float
+    one_minus_beta2: float
+    bias: float
+    lr: float
+    decay: float
+    eps: float
+
+
+SPARSE_ADAM = LaunchConfig(block_m=1, block_n=0, num_warps=4)  # one row per program (block_n: the row width)
+
+
+@triton.jit
+def _sparse_adam_rows_kernel(table_ptr, grad_ptr, distinct_ptr, count_ptr, moment_ptr, last_ptr, log_decay_ptr,
+                             D, stride_t, stride_g, event, log_decay, one_minus_beta2, bias, lr, decay, eps,
+                             BLOCK_D: tl.constexpr):
+    """Adam (beta1 = 0, one second moment per row) on the distinct row in slot s: the row's
+    moment first decays by exp(log_decay - log_decay_at[last[row]]), the product of the beta2
+    of every event since its last update, this one included; then it takes (1 - beta2) mean(g^2)
+    and the row moves by -lr g / (sqrt(v / bias) + eps), after the cautious decay. Traffic per
+    touched row: its gradient and its table row read, the row written, three scalars."""
+    s = tl.program_id(0)
+    if s < tl.load(count_ptr):
+        row = tl.load(distinct_ptr + s)
+        cols = tl.arange(0, BLOCK_D)
+        in_row = cols < D
+        g = tl.load(grad_ptr + s * stride_g + cols, mask=in_row, other=0.0)
+        missed = log_decay - tl.load(log_decay_ptr + tl.load(last_ptr + row))
+        v = tl.load(moment_ptr + row) * tl.exp(missed).to(tl.float32) + one_minus_beta2 * (tl.sum(g * g, 0) / D)
+        update = g / (tl.sqrt(v / bias) + eps)
+        w = tl.load(table_ptr + row * stride_t + cols, mask=in_row, other=0.0).to(tl.float32)
+        w = w - decay * tl.where(update * w > 0, w, 0.0)
+        w = w - lr * update
+        tl.store(table_ptr + row * stride_t + cols, w.to(table_ptr.dtype.element_ty), mask=in_row)
+        tl.store(moment_ptr + row, v)
+        tl.store(last_ptr + row, event)
+
+
+def _launch_sparse_adam_rows(table: Tensor, grads: Tensor, distinct: Tensor, count: Tensor, moment: Tensor,
+                             last: Tensor, log_decay_at: Tensor, event: int, log_decay: float,
+                             one_minus_beta2: float, bias: float, lr: float, decay: float, eps: float,
+                             config: list[int]) -> None:
+    config = _config_from_list(config)
+    d = table.shape[1]
+    _launch(_sparse_adam_rows_kernel, (distinct.numel(),), config,
+            table_ptr=table, grad_ptr=grads, distinct_ptr=distinct, count_ptr=count, moment_ptr=moment,
+            last_ptr=last, log_decay_ptr=log_decay_at, D=d, stride_t=table.stride(0), stride_g=grads.stride(0),
+            event=event, log_decay=log_decay, one_minus_beta2=one_minus_beta2, bias=bias, lr=lr, decay=decay,
+            eps=eps, BLOCK_D=triton.next_power_of_2(d))
+
+
+_sparse_adam_rows_op = torch.library.custom_op(f"{_OPS}::sparse_adam_rows", _launch_sparse_adam_rows,
+                                               mutates_args=("table", "moment", "last"))
+
+
+def _check_sparse_adam(table, grads, groups, moment, last, log_decay_at):
+    if table.ndim != 2 or table.stride(1) != 1 or grads.shape != (groups.distinct.numel(), table.shape[1]):
+        raise ValueError(f"table must be (rows, D) with unit column stride and grads (N, D) fp32 for the N slots "
+                         f"of the groups; got {tuple(table.shape)} and {tuple(grads.shape)}")
+    if moment.dtype != torch.float32 or last.dtype != torch.int32 or log_decay_at.dtype != torch.float64:
+        raise ValueError(f"moment must be fp32, last int32 and log_decay_at float64; got {moment.dtype}, "
+                         f"{last.dtype}, {log_decay_at.dtype}")
+
+
+def sparse_adam_rows_(table, grads, groups: RowGroups, moment, last, log_decay_at, step: RowAdamStep,
+                      config=SPARSE_ADAM):
+    """In place: Adam with beta1 = 0 on the rows of `table` (rows, D) in groups.distinct, with
+    their summed fp32 gradients `grads` (N, D; slot s is distinct[s]). moment (rows,) fp32 and
+    last (rows,) int32 (the event of each row's last update, 0 = never) are updated for those
+    rows; log_decay_at (events + 1,) float64 holds, for each event, the log_decay of RowAdamStep
+    (0 at event 0) and must hold this step's."""
+    _check_sparse_adam(table, grads, groups, moment, last, log_decay_at)
+    _sparse_adam_rows_op(table, grads, groups.distinct, groups.count, moment, last, log_decay_at, step.event,
+                         step.log_decay, step.one_minus_beta2, step.bias, step.lr, step.decay, step.eps,
+                         config.as_list())
+
+
+def sparse_adam_rows_reference_(table, grads, groups: RowGroups, moment, last, log_decay_at, step: RowAdamStep,
+                                config=None):
+    _check_sparse_adam(table, grads, groups, moment, last, log_decay_at)
+    # Slots past the count redo slot 0 (always a real row): their writes repeat its values.
+    slots = torch.where(torch.arange(groups.distinct.numel(), device=table.device) < groups.count,
+                        torch.arange(groups.distinct.numel(), device=table.device), 0)
+    rows, g = groups.distinct[slots], grads[slots]
+    missed = step.log_decay - log_decay_at[last[rows].long()]
+    v = moment[rows] * torch.exp(missed).float() + step.one_minus_beta2 * ((g * g).sum(1) / g.shape[1])
+    update = g / (torch.sqrt(v / step.bias) + step.eps)[:, None]
+    w = table[rows].float()
+    w = w - step.decay * torch.where(update * w > 0, w, 0.0)
+    w = w - step.lr * update
+    table.index_put_((rows,), w.to(table.dtype))
+    moment.index_put_((rows,), v)
+    last.index_put_((rows,), torch.full_like(rows, step.event, dtype=last.dtype))

@@ -46,6 +46,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
+import math
 
 import torch
 import torch.distributed as dist
@@ -264,11 +265,13 @@ class _InFlight:
         return self.result
 
 
-def _launch_reduce_scatter_sum(stacked, world):
-    """Sum `stacked` over ranks; rank r gets rows [r*n/world, (r+1)*n/world) of the sum."""
+def _launch_reduce_scatter_sum(stacked, world, out=None):
+    """Sum `stacked` over ranks; rank r gets rows [r*n/world, (r+1)*n/world) of the sum (in
+    `out` when given)."""
     if world == 1:
         return _InFlight(None, stacked)
-    out = stacked.new_empty((stacked.shape[0] // world, *stacked.shape[1:]))
+    if out is None:
+        out = stacked.new_empty((stacked.shape[0] // world, *stacked.shape[1:]))
     return _InFlight(_reduce_scatter_op()(out, stacked, op=dist.ReduceOp.SUM, async_op=True), out)
 
 
@@ -298,6 +301,30 @@ def _launch_all_gather_stack(shard, world):
 # ---------------------------------------------------------------------------------------------
 # Muon family
 # ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _BankBuffers:
+    """A Muon bank's tensors at fixed addresses, for update math that is captured and replayed."""
+    key: tuple
+    stacked: torch.Tensor          # the bank's gradients, stacked and padded
+    shard: torch.Tensor            # this rank's share of their sum (None: one process, `stacked` itself)
+    new_values: torch.Tensor       # this rank's updated matrices, to gather
+    hyper: dict                    # Muon._hyper's scalars as 0-d fp32 device tensors (lists of them)
+
+
+def _device_scalars(value, device):
+    """0-d fp32 device tensors for a float or a list of floats."""
+    if isinstance(value, list):
+        return [torch.zeros((), device=device) for _ in value]
+    return torch.zeros((), device=device)
+
+
+def _fill_device_scalars(tensors, value):
+    """Write floats into their 0-d device tensors (a fill per value: queued, no host sync). The
+    fp32 rounding is the one an op applies to a Python float, so the math gives the same bits."""
+    for tensor, v in zip(tensors, value) if isinstance(value, list) else [(tensors, value)]:
+        tensor.fill_(v)
+
 
 MUON_VARIANTS = ("muon", "normuon", "anvil")
 # Whether each variant applies the NorMuon lane equalizer; only anvil lets a group choose.
@@ -369,18 +396,27 @@ class Muon(torch.optim.Optimizer):
     ortho_dtype and xxt: the dtype and the X X^T of the orthogonalization (default: as
     `orthogonalize` picks them by device); a trainer that rehearses its GPU path on a CPU passes
     bf16 and the Triton kernel.
+
+    run_bank: None, or a function run_bank(key, fn) that runs fn() and may capture it as a CUDA
+    graph to replay on later calls with the same key (the trainer's CUDA graphs). fn is a bank's
+    update math (momentum, orthogonalization, equalizer, weight update) between its reduction
+    and its gather. With run_bank, everything fn touches keeps its address from step to step:
+    the bank's stacked gradients and new values live in buffers made once, the scheduled
+    scalars (lr, momentum, mu, blend and what follows from them) are 0-d device tensors
+    refilled before each step, and load_state_dict writes into the state tensors in place.
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0, schedule="polar_express",
                  variant="muon", equalize=None, beta2=0.9, eps=1e-10, fast_beta=0.85,
                  slow_beta=0.98, blend=1.0, mu=0.85, lr_scale=1.0, row_splits=None, ortho_dtype=None,
-                 xxt=None):
+                 xxt=None, run_bank=None):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, schedule=schedule,
                         variant=variant, equalize=equalize, beta2=beta2, eps=eps,
                         fast_beta=fast_beta, slow_beta=slow_beta, blend=blend, mu=mu,
                         lr_scale=lr_scale, row_splits=row_splits)
         super().__init__(params, defaults)
-        self.ortho_dtype, self.xxt = ortho_dtype, xxt
+        self.ortho_dtype, self.xxt, self.run_bank = ortho_dtype, xxt, run_bank
+        self.bank_buffers = {}     # with run_bank: bank key -> _BankBuffers
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -410,8 +446,23 @@ class Muon(torch.optim.Optimizer):
         _check_param_dtypes(group["params"], "Muon")
 
     def load_state_dict(self, state_dict):
+        if self.run_bank is None:
+            super().load_state_dict(state_dict)
+            _restore_saved_state(self, state_dict)
+            return
+        # A captured bank reads and writes the state tensors it was captured with: load into
+        # them, and zero the ones the saved state lacks (what a fresh state would create).
+        current = {p: dict(self.state[p]) for p in self.state}
         super().load_state_dict(state_dict)
         _restore_saved_state(self, state_dict)
+        for p, old in current.items():
+            loaded = self.state[p]
+            for key, tensors in old.items():
+                for i, tensor in enumerate(tensors if isinstance(tensors, list) else [tensors]):
+                    saved = loaded.get(key)
+                    saved = saved[i] if isinstance(saved, list) else saved
+                    tensor.copy_(saved) if saved is not None else tensor.zero_()
+            self.state[p] = old
 
     def _banks(self):
         """(group, [params]) for each run of same-shape, same-dtype matrices of a group, in a
@@ -426,17 +477,26 @@ class Muon(torch.optim.Optimizer):
                     yield group, params
 
     @staticmethod
-    def _stack_grads(params, world):
-        """(n padded to a multiple of world, rows, cols) gradients; zeros where there is none."""
+    def _stack_grads(params, world, out=None):
+        """(n padded to a multiple of world, rows, cols) gradients; zeros where there is none
+        (into `out` when given)."""
         per_rank = -(-len(params) // world)
         ref = next(p.grad for p in params if p.grad is not None)
-        stacked = ref.new_zeros((per_rank * world, *ref.shape))
+        stacked = ref.new_zeros((per_rank * world, *ref.shape)) if out is None else out.zero_()
         for i, p in enumerate(params):
             if p.grad is not None:
                 stacked[i].copy_(p.grad)
         return stacked
 
-    def _momentum_direction(self, group, p, g):
+    def _hyper(self, group, shape):
+        """The scheduled scalars of a bank's update, computed on the host from the group:
+        momentum and 1 - momentum, blend, mu, and per row block lr_eff and decay."""
+        splits = group["row_splits"] or (shape[0],)
+        lr_eff = [group["lr"] * group["lr_scale"] * shape_lr_multiplier(rows, shape[1]) for rows in splits]
+        return dict(momentum=group["momentum"], one_minus_momentum=1 - group["momentum"], blend=group["blend"],
+                    mu=group["mu"], lr_eff=lr_eff, decay=[group["lr"] * e * group["weight_decay"] for e in lr_eff])
+
+    def _momentum_direction(self, group, hyper, p, g):
         """The Nesterov direction u for matrix p with averaged fp32 gradient g (state updated)."""
         state = self.state[p]
         if group["variant"] == "anvil":
@@ -445,14 +505,14 @@ class Muon(torch.optim.Optimizer):
                 state["slow_rail"] = torch.zeros_like(g)
             state["fast_rail"].lerp_(g, 1 - group["fast_beta"])
             state["slow_rail"].lerp_(g, 1 - group["slow_beta"])
-            blended = torch.lerp(state["slow_rail"], state["fast_rail"], group["blend"])
-            return torch.lerp(g, blended, group["mu"])
+            blended = torch.lerp(state["slow_rail"], state["fast_rail"], hyper["blend"])
+            return torch.lerp(g, blended, hyper["mu"])
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(g)
-        state["momentum_buffer"].lerp_(g, 1 - group["momentum"])
-        return torch.lerp(g, state["momentum_buffer"], group["momentum"])
+        state["momentum_buffer"].lerp_(g, hyper["one_minus_momentum"])
+        return torch.lerp(g, state["momentum_buffer"], hyper["momentum"])
 
-    def _apply(self, group, p, update):
+    def _apply(self, group, hyper, p, update):
         """Equalize (if on) the orthogonalized fp32 `update`, block by block with row_splits, and
         apply it to p's master weight."""
         state = self.state[p]
@@ -466,8 +526,7 @@ class Muon(torch.optim.Optimizer):
             rows, cols = block.shape
             if group["equalize"]:
                 block = equalize_lanes(block, state["lane_second_moment"][i], group["beta2"], group["eps"])
-            lr_eff = group["lr"] * group["lr_scale"] * shape_lr_multiplier(rows, cols)
-            decay = group["lr"] * lr_eff * group["weight_decay"]
+            lr_eff, decay = hyper["lr_eff"][i], hyper["decay"][i]
             gate_source = block if slow_block is None else slow_block
             decayed = same_sign_or_zero(gate_source, weights) * weights
             weights.sub_(lr_eff * block + decay * decayed)   # a view: writes the master's rows
@@ -490,34 +549,69 @@ class Muon(torch.optim.Optimizer):
                 out_blocks[i].copy_(part)
         return result
 
-    def _update_owned(self, group, params, summed_shard, world, rank):
+    def _update_owned(self, group, hyper, params, summed_shard, world, rank, new_values=None):
         """Update the matrices this rank owns from its shard of the summed gradients; returns
-        their new values (shard-shaped, zeros in padding and gradient-less slots) to all-gather."""
+        their new values (shard-shaped, zeros in padding and gradient-less slots; written into
+        `new_values` when given) to all-gather."""
         per_rank = summed_shard.shape[0]
         first = rank * per_rank
         owned = [(j, params[first + j]) for j in range(per_rank)
                  if first + j < len(params) and params[first + j].grad is not None]
-        new_values = torch.zeros_like(summed_shard, dtype=params[0].dtype)
+        if new_values is None:
+            new_values = torch.zeros_like(summed_shard, dtype=params[0].dtype)
+        else:
+            new_values.zero_()
         if not owned:
             return new_values
         directions = torch.stack([
-            self._momentum_direction(group, p, summed_shard[j].float() / world) for j, p in owned])
+            self._momentum_direction(group, hyper, p, summed_shard[j].float() / world) for j, p in owned])
         orthogonal = self._orthogonalize(group, directions)
         for (j, p), update in zip(owned, orthogonal):
-            self._apply(group, p, update)
+            self._apply(group, hyper, p, update)
             new_values[j].copy_(p.data)
         return new_values
+
+    def _buffers(self, index, group, params, world):
+        """The bank's fixed-address buffers (run_bank), made on its first step."""
+        key = (index, tuple(p.grad is not None for p in params))
+        if key not in self.bank_buffers:
+            ref = next(p for p in params if p.grad is not None)
+            per_rank = -(-len(params) // world)
+            hyper = self._hyper(group, ref.shape)
+            self.bank_buffers[key] = _BankBuffers(
+                key=key, stacked=ref.grad.new_zeros((per_rank * world, *ref.shape)),
+                shard=ref.grad.new_zeros((per_rank, *ref.shape)) if world > 1 else None,
+                new_values=ref.new_zeros((per_rank, *ref.shape)),
+                hyper={name: _device_scalars(value, ref.device) for name, value in hyper.items()})
+        return self.bank_buffers[key]
+
+    def _reduce(self, index, group, params, world):
+        if self.run_bank is None:
+            return _launch_reduce_scatter_sum(self._stack_grads(params, world), world)
+        bank = self._buffers(index, group, params, world)
+        return _launch_reduce_scatter_sum(self._stack_grads(params, world, bank.stacked), world, bank.shard)
+
+    def _update_bank(self, index, group, params, summed_shard, world, rank):
+        """The bank's new values to gather: computed here, or with run_bank by its captured math."""
+        if self.run_bank is None:
+            hyper = self._hyper(group, summed_shard.shape[1:])
+            return self._update_owned(group, hyper, params, summed_shard, world, rank)
+        bank = self._buffers(index, group, params, world)
+        for name, value in self._hyper(group, summed_shard.shape[1:]).items():
+            _fill_device_scalars(bank.hyper[name], value)
+        self.run_bank(("muon", *bank.key), functools.partial(
+            self._update_owned, group, bank.hyper, params, summed_shard, world, rank, bank.new_values))
+        return bank.new_values
 
     @torch.no_grad()
     def step(self):
         """Average gradients over ranks, update each matrix on its owner, share the results."""
         world, rank = world_size_and_rank()
         banks = list(self._banks())
-        reductions = [_launch_reduce_scatter_sum(self._stack_grads(params, world), world)
-                      for _, params in banks]
+        reductions = [self._reduce(i, group, params, world) for i, (group, params) in enumerate(banks)]
         gathers = []
-        for (group, params), reduction in zip(banks, reductions):
-            new_values = self._update_owned(group, params, reduction.wait(), world, rank)
+        for i, ((group, params), reduction) in enumerate(zip(banks, reductions)):
+            new_values = self._update_bank(i, group, params, reduction.wait(), world, rank)
             gathers.append(_launch_all_gather_stack(new_values, world))
         for (_, params), gather in zip(banks, gathers):
             gathered = gather.wait()
@@ -656,3 +750,82 @@ class Adam(torch.optim.Optimizer):
         for gather in gathers:
             gather.wait()
         return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse Adam for tables of rows
+# ---------------------------------------------------------------------------------------------
+
+def _row_kernels(use_triton):
+    kernels = importlib.import_module("kernels")
+    if use_triton:
+        return kernels.sum_rows, kernels.sparse_adam_rows_
+    return kernels.sum_rows_reference, kernels.sparse_adam_rows_reference_
+
+
+class SparseRowAdam:
+    """Adam for a table whose steps each touch few of its rows (the hashed n-gram embedding).
+
+    beta1 = 0, so a row without a gradient has no update, and one fp32 second moment per row
+    (the mean square of its gradient), not per entry. For Adam event t (one call of step) and a
+    touched row r with summed gradient g (D values):
+      v_r <- v_r * prod_{s = last_r + 1 .. t} beta2_s + (1 - beta2_t) mean(g^2)
+      u = g / (sqrt(v_r / (1 - prod_{s <= t} beta2_s)) + eps)
+      theta_r <- theta_r - lr^2 wd theta_r [u theta_r > 0] - lr u
+    where last_r is the event of r's previous update. This is dense Adam with beta1 = 0 and
+    row-shared second moments on the full gradient, zero rows included: a zero row's update is 0
+    (so its weights and its cautious decay stay put) and only its moment decays, which the
+    product catches up on when the row next gets a gradient. Work per event: the touched rows.
+
+    The table (rows, D), fp32 or bf16 (rounded to nearest on each store), is updated in place.
+    `lr`, `beta2` and `weight_decay` are attributes the trainer schedules; step() reads them.
+    Each event's ln(prod beta2) is kept on the host and in a float64 device table indexed by
+    event (8 bytes per event). use_triton: the Triton kernels (CUDA, or the interpreter) or
+    their torch references.
+    """
+
+    def __init__(self, table, lr, beta2=0.95, eps=1e-10, weight_decay=0.0, use_triton=False):
+        if table.ndim != 2 or table.dtype not in SUPPORTED_PARAM_DTYPES:
+            raise OptimConfigError(f"SparseRowAdam trains a (rows, D) fp32 or bf16 table; got "
+                                   f"{tuple(table.shape)} {table.dtype}")
+        self.table, self.lr, self.beta2, self.eps, self.weight_decay = table, lr, beta2, eps, weight_decay
+        self.sum_rows, self.update_rows = _row_kernels(use_triton)
+        self.moment = torch.zeros(table.shape[0], dtype=torch.float32, device=table.device)
+        self.last = torch.zeros(table.shape[0], dtype=torch.int32, device=table.device)
+        self.events = 0
+        self.log_decay = [0.0]     # per event: sum of ln(beta2) over the events so far
+        self.log_decay_at = torch.zeros(64, dtype=torch.float64, device=table.device)
+
+    def _record_event(self):
+        """Count an event and store its log_decay on the device (a fill: no host sync)."""
+        self.events += 1
+        self.log_decay.append(self.log_decay[-1] + math.log(self.beta2))
+        if self.events >= self.log_decay_at.numel():
+            grown = torch.zeros(2 * self.log_decay_at.numel(), dtype=torch.float64, device=self.table.device)
+            grown[:self.log_decay_at.numel()] = self.log_decay_at
+            self.log_decay_at = grown
+        self.log_decay_at[self.events].fill_(self.log_decay[-1])
+
+    @torch.no_grad()
+    def step(self, rows, grads):
+        """One Adam event from the gradient entries `grads` (N, D) of table rows `rows` (N,),
+        repeats allowed (their gradients add up)."""
+        kernels = importlib.import_module("kernels")
+        groups = kernels.distinct_rows(rows.long())
+        summed = self.sum_rows(grads, groups)
+        self._record_event()
+        event = kernels.RowAdamStep(
+            event=self.events, log_decay=self.log_decay[-1], one_minus_beta2=1.0 - self.beta2,
+            bias=-math.expm1(self.log_decay[-1]), lr=self.lr, decay=self.lr * self.lr * self.weight_decay,
+            eps=self.eps)
+        self.update_rows(self.table, summed, groups, self.moment, self.last, self.log_decay_at, event)
+
+    def state_dict(self):
+        return dict(moment=self.moment, last=self.last, events=self.events, log_decay=list(self.log_decay),
+                    log_decay_at=self.log_decay_at)
+
+    def load_state_dict(self, state):
+        self.moment.copy_(state["moment"])
+        self.last.copy_(state["last"])
+        self.events, self.log_decay = state["events"], list(state["log_decay"])
+        self.log_decay_at = state["log_decay_at"].clone().to(self.table.device)

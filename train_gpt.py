@@ -2324,9 +2324,10 @@ def qkv_row_splits(h, layer=0):
     return (block,) * (2 * h.num_heads // h.qk_ortho_heads) + (h.num_heads * v_dim,)
 
 
-def build_optimizers(h, model, fns):
+def build_optimizers(h, model, fns, run_bank=None):
     """Adam for embeddings, head, gates and scalars; the Muon family (or Adam) for the hidden
-    matrices, orthogonalized in bf16 with the Triton X X^T wherever the Triton kernels run."""
+    matrices, orthogonalized in bf16 with the Triton X X^T wherever the Triton kernels run.
+    run_bank: how Muon runs each bank's update math (StepGraphs.run_captured: CUDA graphs)."""
     matrices = [p for name, p in model.blocks.named_parameters() if p.ndim == 2 and not is_gate(name)]
     groups = adam_groups(h, model)
     if h.optimizer == "adamw":
@@ -2349,7 +2350,7 @@ def build_optimizers(h, model, fns):
                       lr=h.matrix_lr, momentum=h.momentum, weight_decay=h.matrix_wd,
                       schedule=h.orthogonalize, variant=h.optimizer,
                       fast_beta=h.anvil_fast_beta, slow_beta=h.anvil_slow_beta,
-                      ortho_dtype=torch.bfloat16 if fns.xxt else None, xxt=fns.xxt)
+                      ortho_dtype=torch.bfloat16 if fns.xxt else None, xxt=fns.xxt, run_bank=run_bank)
     return [adam, muon]
 
 
@@ -2450,7 +2451,10 @@ class StepGraphs:
         self.steps = {}            # graph key -> StepGraph
         self.attached = None       # the StepGraph whose gradients are attached
         self.pool = torch.cuda.graph_pool_handle() if self.capturing else None
-        self.eager_runs = 0        # CUDA micro-batches of a key already seen that ran without a graph
+        self.optimizer_graphs = {}  # run_captured's key -> its CUDA graph
+        self.seen = set()          # run_captured's keys called at least once
+        self.in_warm_up = False    # run_captured may capture (set by the warm-up)
+        self.eager_runs = 0        # CUDA runs of a key already seen that had no graph
 
     def run(self, key, body, s: Slice, offset):
         """Forward and backward of micro-batch `s` with the graph of `key` (body makes it)."""
@@ -2503,26 +2507,46 @@ class StepGraphs:
 
     def capture(self, key):
         """Capture `key`'s forward+backward (CUDA, enabled; its first run done). Runs it once
-        more eagerly on a side stream first, as capture requires, so the gradients, loss sums and
-        FP8 states change: the warm-up restores them afterwards."""
+        more eagerly first, so the gradients, loss sums and FP8 states change: the warm-up
+        restores them afterwards."""
         step = self.steps[key]
         if not self.capturing or step.graph is not None:
             return
         self._attach(step)
+        step.graph = self._capture(functools.partial(step.body, step.inputs), f"training step of graph {key}")
+
+    def run_captured(self, key, fn):
+        """fn() (an optimizer's math on tensors at fixed addresses), as a CUDA graph after the
+        first call with `key`: the second call in the warm-up captures it, later calls replay
+        it. Its first call, every call off CUDA and any call the warm-up did not capture run
+        fn eagerly."""
+        graph = self.optimizer_graphs.get(key)
+        if graph is not None:
+            graph.replay()
+        elif self.capturing and self.in_warm_up and key in self.seen:
+            self.optimizer_graphs[key] = self._capture(fn, f"optimizer step {key}")
+        else:
+            self.eager_runs += self.capturing and key in self.seen
+            self.seen.add(key)
+            fn()
+
+    def _capture(self, fn, what):
+        """A CUDA graph of fn(), after one eager run of it on a side stream, as capture requires
+        (that run also does this call's work: a capture only records)."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            step.body(step.inputs)
+            fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                step.body(step.inputs)
+                fn()
         except RuntimeError as error:
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise TrainingError(f"capturing the training step of graph {key} as a CUDA graph failed "
-                                    f"({first_line}): rerun with --cuda_graphs=false") from error
-        step.graph = graph
+            raise TrainingError(f"capturing the {what} as a CUDA graph failed ({first_line}): rerun with "
+                                f"--cuda_graphs=false") from error
+        return graph
 
     def zero_grads(self):
         """Zero every run gradient in place and detach them all (the state of a fresh run)."""
@@ -2547,7 +2571,9 @@ class Trainer:
         torch.manual_seed(h.seed)
         self.kernels = select_kernels(h, env.device)
         self.model = build_model(h, self.kernels).to(env.device)
-        self.optimizers = build_optimizers(h, self.model, self.kernels)
+        self.graphs = StepGraphs(self.model, env.device, h.cuda_graphs)
+        self.optimizers = build_optimizers(h, self.model, self.kernels,
+                                           self.graphs.run_captured if h.cuda_graphs else None)
         self.adam = next(opt for opt in self.optimizers if isinstance(opt, optim.Adam))
         self.forward, self.validation_loss_sum = self.model, self.model.validation_loss_sum
         if h.compile:
@@ -2562,7 +2588,6 @@ class Trainer:
         self.step_weights = step_target_weights(h, env.device)
         self.weights = self.step_weights[0].clone()  # this step's row: one tensor the model always reads
         self.step_losses = torch.zeros(2, device=env.device)  # the step's (next-token loss, objective)
-        self.graphs = StepGraphs(self.model, env.device, h.cuda_graphs)
         self.train_time_ms = 0.0
         self.averages = WeightAverages(h.averages, self.model, h.num_iterations)
         self.advance_to(0)
@@ -2732,6 +2757,7 @@ def warm_up(trainer, train_files, val_slices):
     before = compiled_graphs()
     saved = trainer.snapshot()
     loader = TrainLoader(train_files, batch_tokens(h))
+    trainer.graphs.in_warm_up = True
     for step in graph_changes(h):
         trainer.advance_to(step)
         stage = h.stages[stage_index(h, step)]
@@ -2740,6 +2766,7 @@ def warm_up(trainer, train_files, val_slices):
                                                        trainer.mine))
         if h.warmup_steps:
             trainer.capture_graph(step)
+    trainer.graphs.in_warm_up = False
     seen = set()
     for step, final in validation_points(h):
         graph = (attention_windows(h, step, final), step < untie_step(h))
@@ -2841,9 +2868,9 @@ def train(h, env, log):
     timed_graphs = compiled_graphs() - graphs_before_timing
     log.write(f"compile: {warm_graphs} graphs in the warm-up, {timed_graphs} in the timed run", echo=True)
     if trainer.graphs.capturing:
-        log.write(f"cuda graphs: {trainer.graphs.captured()} training steps captured in the warm-up, "
-                  f"{trainer.graphs.eager_runs - eager_before_timing} micro-batches ran eagerly in the timed run",
-                  echo=True)
+        log.write(f"cuda graphs: {trainer.graphs.captured()} training steps and "
+                  f"{len(trainer.graphs.optimizer_graphs)} optimizer updates captured in the warm-up, "
+                  f"{trainer.graphs.eager_runs - eager_before_timing} ran eagerly in the timed run", echo=True)
     if timed_graphs:
         log.write(f"warning: torch.compile built {timed_graphs} graph(s) inside the timed run: the warm-up "
                   f"missed a shape or a guard, and the train time includes compilation", echo=True)

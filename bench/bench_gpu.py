@@ -17,7 +17,9 @@ In order:
          and >= 1.0 against scaled_dot_product_attention's flash backend on equal-length causal
          documents with no window;
        softcap_cross_entropy forward+backward >= 2.0 (plain torch softcap + F.cross_entropy);
-     the fp8 layers against bf16 torch and xxt against x @ x.mT are informational;
+     the fp8 layers against bf16 torch, xxt against x @ x.mT, qk_norm_rope and the n-gram table's
+     sparse row kernels (grouping + summing per row, the sparse Adam update) against torch ops
+     are informational;
   4. training: the 1gpu preset in this process, eager, on synthetic tokens; for each stage, at its
      first step, one untimed step and the median of TIMED_STEPS timed optimizer steps (8
      micro-batches each), with the Triton kernels (without and with the forward+backward
@@ -61,10 +63,12 @@ sys.path.insert(0, str(REPO_ROOT))
 
 # Per-GPU speedrun shapes and the tiny ones of the dry mode. doc_len: the equal documents of the
 # SDPA comparison; doc_median / max_doc_len: the uneven documents of the flex_attention one.
+# ngram_rows: one rank's share of the full n-gram table (84,602,880 rows over 8 GPUs).
 GPU_SHAPES = dict(tokens=49152, width=768, hidden=2816, vocab=50304, candidates=10240, doc_len=3072,
-                  doc_median=600, max_doc_len=3072, window=1664, muon=((16, 768, 768), (8, 768, 2816)))
+                  doc_median=600, max_doc_len=3072, window=1664, muon=((16, 768, 768), (8, 768, 2816)),
+                  ngram_rows=10_575_360)
 DRY_SHAPES = dict(tokens=96, width=32, hidden=64, vocab=300, candidates=100, doc_len=48,
-                  doc_median=20, max_doc_len=48, window=20, muon=((2, 32, 32), (2, 32, 64)))
+                  doc_median=20, max_doc_len=48, window=20, muon=((2, 32, 32), (2, 32, 64)), ngram_rows=1000)
 DOC_LEN_SIGMA = 1.0       # log-normal spread of document lengths (median 600: a mean near 1,000, like FineWeb)
 MIN_DOC_LEN = 16          # shortest generated document (the trainer's MIN_DOC_TOKENS)
 ATTENTION_MATMULS = 7     # per visible pair and head dim: 2 forward (QK^T, PV), 5 backward (QK^T again, dV, dP, dQ, dK)
@@ -377,9 +381,42 @@ def bench_qk_norm_rope(shapes, device, timer, dry):
     return [Line("qk_norm_rope fwd+bwd vs torch ops (eager)", f"{T}x{heads}x{head_dim}", ours, theirs)]
 
 
+def bench_sparse_rows(shapes, device, timer, dry):
+    """The n-gram table's sparse path at one rank's share of the full table (zero rows, as the
+    table starts): a bigram and a trigram row per token, skewed towards low rows so that rows
+    repeat as frequent n-grams do. Grouping and summing the gradient entries per distinct row
+    against torch.unique + index_add_, and the sparse Adam row update against its torch
+    reference (informational: memory bound)."""
+    import torch
+    import kernels
+    T, D, rows = shapes["tokens"], shapes["width"], shapes["ngram_rows"]
+    generator = torch.Generator(device=device).manual_seed(0)
+    entries = (torch.rand(2 * T, device=device, generator=generator) ** 3 * rows).long()
+    values = torch.randn(2 * T, D, device=device, dtype=torch.bfloat16)
+
+    def ours_sum():
+        return kernels.sum_rows(values, kernels.distinct_rows(entries))
+
+    def torch_sum():
+        unique, inverse = torch.unique(entries, return_inverse=True)
+        return torch.zeros(unique.numel(), D, device=device).index_add_(0, inverse, values.float())
+    lines = [Line("distinct_rows + sum_rows vs unique + index_add_", f"{2 * T}x{D}", timer(ours_sum),
+                  timer(torch_sum))]
+    table = torch.zeros(rows, D, device=device, dtype=torch.bfloat16)
+    moment = torch.zeros(rows, device=device)
+    last = torch.zeros(rows, device=device, dtype=torch.int32)
+    log_decay_at = torch.zeros(8, device=device, dtype=torch.float64)
+    groups, grads = kernels.distinct_rows(entries), ours_sum()
+    step = kernels.RowAdamStep(event=1, log_decay=0.0, one_minus_beta2=0.05, bias=0.05, lr=0.01, decay=0.0, eps=1e-10)
+    ours = timer(lambda: kernels.sparse_adam_rows_(table, grads, groups, moment, last, log_decay_at, step))
+    theirs = timer(lambda: kernels.sparse_adam_rows_reference_(table, grads, groups, moment, last, log_decay_at, step))
+    lines.append(Line("sparse_adam_rows_ vs torch reference", f"{rows}x{D} bf16, {2 * T} entries", ours, theirs))
+    return lines
+
+
 # Each takes (shapes, device, timer, dry) and returns its Lines.
 KERNEL_BENCHES = (bench_fp8_matmul, bench_fp8_layers, bench_attention, bench_cross_entropy, bench_xxt,
-                  bench_qk_norm_rope)
+                  bench_qk_norm_rope, bench_sparse_rows)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -517,8 +554,8 @@ def compiled_run_command(h, dry, train_files, val_files, log_dir):
 
 # Lines of train_gpt.py's output: the graph counts and the final summary.
 COMPILE_LINE = re.compile(r"compile: (\d+) graphs in the warm-up, (\d+) in the timed run")
-CUDA_GRAPHS_LINE = re.compile(r"cuda graphs: (\d+) training steps captured in the warm-up, (\d+) micro-batches ran "
-                              r"eagerly in the timed run")
+CUDA_GRAPHS_LINE = re.compile(r"cuda graphs: (\d+) training steps and (\d+) optimizer updates captured in the "
+                              r"warm-up, (\d+) ran eagerly in the timed run")
 FINAL_LINE = re.compile(r"final val_loss:\S+ train_time:(\d+)ms steps:(\d+)")
 
 
@@ -535,7 +572,8 @@ def compiled_run(h, dry, train_files, val_files, timeout_s):
         result.update(warm_up_graphs=int(compile_match[1]), timed_graphs=int(compile_match[2]))
     cuda_graphs_match = CUDA_GRAPHS_LINE.search(stdout)   # on CUDA only
     if cuda_graphs_match:
-        result.update(captured_steps=int(cuda_graphs_match[1]), eager_micro_batches=int(cuda_graphs_match[2]))
+        result.update(captured_steps=int(cuda_graphs_match[1]), captured_updates=int(cuda_graphs_match[2]),
+                      eager_runs=int(cuda_graphs_match[3]))
     if final_match:
         result["step_ms"] = int(final_match[1]) / int(final_match[2])
     if status is None:
@@ -543,7 +581,7 @@ def compiled_run(h, dry, train_files, val_files, timeout_s):
     elif status != 0 or not (final_match and compile_match):
         last = (stderr.strip() or stdout.strip() or "no output").splitlines()[-1]
         result["error"] = f"exit status {status}: {last}"
-    result["ok"] = "error" not in result and result.get("timed_graphs") == 0 and not result.get("eager_micro_batches")
+    result["ok"] = "error" not in result and result.get("timed_graphs") == 0 and not result.get("eager_runs")
     return result
 
 
@@ -556,9 +594,9 @@ def compiled_run_line(run, eager_last_ms, dry):
              if eager_last_ms else "")
     graphs = f"compile: {run['warm_up_graphs']} graphs in the warm-up, {run['timed_graphs']} in the timed run"
     if "captured_steps" in run:
-        graphs += (f"; CUDA graphs: {run['captured_steps']} captured, {run['eager_micro_batches']} micro-batches "
-                   f"eager in the timed run")
-    verdict = "" if run["ok"] else " (FAILED: graphs built, or micro-batches run eagerly, inside the timed run)"
+        graphs += (f"; CUDA graphs: {run['captured_steps']} training steps and {run['captured_updates']} Muon bank "
+                   f"updates captured, {run['eager_runs']} eager runs in the timed run")
+    verdict = "" if run["ok"] else " (FAILED: graphs built, or steps run without their CUDA graph, in the timed run)"
     return (f"compiled run: step_avg {run['step_ms']:.1f} ms{eager}; {graphs}{verdict}; "
             f"{run['wall_s']:.0f} s wall with compilation; {what}")
 

@@ -67,6 +67,7 @@ LIBRARY_SHAPES = dict(tokens=49152, width=768, hidden=3072, vocab=50304, candida
 ATTENTION_HEAD_DIMS = ((128, 128), (64, 64), (128, 64), (64, 128))  # (Dqk, Dv)
 WEIGHT_DTYPES = (torch.bfloat16, torch.float32)  # master weights of the fp8 layers (bf16 or fp32)
 CE_TARGET_COUNTS = (1, 2, 3, 4)  # next token alone ... three future tokens plus the prefix target
+NGRAM_TABLE_ROWS = 65536          # rows of the n-gram table shard the report's launches address
 # Muon's Gram matrices: a bank of square attention matrices and the wide MLP matrices.
 XXT_SHAPES = ((16, 768, 768), (8, 768, 3072))
 
@@ -75,8 +76,9 @@ MATRIX_KERNELS = ("_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_attn_fwd_k
                   "_attn_bwd_q_kernel", "_xxt_kernel")
 SASS_COUNTED = ("HGMMA", "QGMMA", "HMMA", "LDL", "STL", "LDS", "STS", "LDG", "STG", "BAR", "MUFU")
 
-_TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-                 torch.int64: "i64", torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+_TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+                 torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv",
+                 torch.float8_e5m2: "fp8e5"}
 _DIVISIBILITY = [["tt.divisibility", 16]]
 
 
@@ -123,6 +125,18 @@ def _library_calls():
 
     for shape in XXT_SHAPES:
         kernels.xxt(_untouched(*shape))
+
+    # the hashed n-gram table: a bigram and a trigram row per token, their gradients summed per
+    # distinct row, sparse Adam on those rows of a table shard (its row count changes no launch)
+    groups = kernels.distinct_rows(torch.randint(0, NGRAM_TABLE_ROWS, (2 * T,)))
+    for dtype in WEIGHT_DTYPES:
+        grads = kernels.sum_rows(_untouched(2 * T, D, dtype=dtype), groups)
+        step = kernels.RowAdamStep(event=7, log_decay=-0.35, one_minus_beta2=0.05, bias=0.05, lr=0.01, decay=0.0,
+                                   eps=1e-10)
+        kernels.sparse_adam_rows_(_untouched(NGRAM_TABLE_ROWS, D, dtype=dtype), grads, groups,
+                                  _untouched(NGRAM_TABLE_ROWS, dtype=torch.float32),
+                                  _untouched(NGRAM_TABLE_ROWS, dtype=torch.int32),
+                                  _untouched(NGRAM_TABLE_ROWS, dtype=torch.float64), step)
 
 
 @dataclasses.dataclass(frozen=True)

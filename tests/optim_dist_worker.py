@@ -68,11 +68,17 @@ def adam_params():
     ]
 
 
-def make_muon(variant):
+def run_eagerly(key, fn):
+    fn()
+
+
+def make_muon(variant, run_bank=None):
+    """run_bank=run_eagerly: the path the trainer's CUDA graphs use (fixed-address buffers,
+    device scalars), run without graphs."""
     def build():
         schedule = "anvil" if variant == "anvil" else "polar_express"
         return optim.Muon(muon_params(), lr=0.05, momentum=0.9, weight_decay=3.0,
-                          schedule=schedule, variant=variant)
+                          schedule=schedule, variant=variant, run_bank=run_bank)
     return build
 
 
@@ -87,6 +93,7 @@ CASES = {
     "muon": make_muon("muon"),
     "normuon": make_muon("normuon"),
     "anvil": make_muon("anvil"),
+    "anvil_fixed_buffers": make_muon("anvil", run_eagerly),
     "adam": make_adam(1),
     "adam_every2": make_adam(2),
 }
@@ -96,7 +103,7 @@ def schedule_groups(case, optimizer, step):
     """What the trainer does between steps: write step-dependent values into the groups."""
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] * (1.0 - 0.1 * step)
-        if case == "anvil":
+        if case.startswith("anvil"):
             group["blend"] = 1.0 if step == 0 else ANVIL_BLEND_LATE
             group["mu"] = 0.85 + 0.02 * step
 

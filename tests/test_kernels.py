@@ -24,6 +24,7 @@ Tolerances (each test says which applies):
 """
 import dataclasses
 import functools
+import itertools
 import math
 import subprocess
 import sys
@@ -820,6 +821,14 @@ def test_custom_ops_pass_opcheck():
         (kernels._scale_rows_op, (logits, grad_loss, SMALL_CE.as_list())),
         (kernels._xxt_op, (torch.randn(2, 20, 24), SMALL_XXT.as_list())),
     ]
+    _, values, groups = _row_batch(32, 20, 12, torch.float32, seed=10)
+    table, moment, last, log_decay_at, row_step = _row_adam_state(32, 12, torch.float32, seed=10)
+    cases += [
+        (kernels._sum_rows_op, (values, groups.order, groups.starts, SMALL_SUM_ROWS.as_list())),
+        (kernels._sparse_adam_rows_op, (table, kernels.sum_rows_reference(values, groups), groups.distinct,
+                                        groups.count, moment, last, log_decay_at, *dataclasses.astuple(row_step),
+                                        kernels.SPARSE_ADAM.as_list())),
+    ]
     fp8_operand_ops = (kernels._fp8_matmul_op, kernels._fp8_matmul_quant_op)
     for op, args in cases:
         # opcheck's schema test does arithmetic on the inputs, which CPU torch lacks for fp8
@@ -934,6 +943,94 @@ def test_qk_norm_rope_matches_float64(dtype, offset):
 
 
 # ---------------------------------------------------------------------------------------------
+# Sparse rows
+# ---------------------------------------------------------------------------------------------
+
+SMALL_SUM_ROWS = kernels.LaunchConfig(block_m=1, block_n=16)
+
+
+def _row_batch(num_rows, n, d, dtype, seed):
+    """n gradient entries of width d for rows drawn from the first half of a num_rows table
+    (repeats, and rows never touched), and their RowGroups."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randint(0, num_rows // 2, (n,), generator=generator)
+    values = (torch.randn(n, d, generator=generator) * 2).to(dtype)
+    return rows, values, kernels.distinct_rows(rows)
+
+
+def test_distinct_rows_are_unique_rows_at_fixed_capacity():
+    rows, _, groups = _row_batch(64, 50, 4, torch.float32, seed=30)
+    unique, inverse = torch.unique(rows, return_inverse=True)
+    count = int(groups.count)
+    assert count == unique.numel() < rows.numel()
+    assert torch.equal(groups.distinct[:count], unique) and (groups.distinct[count:] == -1).all()
+    assert torch.equal(groups.inverse, inverse) and torch.equal(groups.distinct[groups.inverse], rows)
+    assert torch.equal(rows[groups.order], rows.sort().values)
+    for s in range(rows.numel()):  # slot s's entries, in position order; none past the count
+        entries = groups.order[groups.starts[s]:groups.starts[s + 1]]
+        assert torch.equal(entries, (rows == unique[s]).nonzero().flatten() if s < count else entries[:0])
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_rows_matches_float64(dtype):
+    """FP32: a slot's sum of k entries is within k * 2^-24 * sum|entries| of float64; kernel and
+    reference both add in token order in fp32, so they agree bitwise. D = 40 spans three column
+    blocks of 16, the last one masked."""
+    rows, values, groups = _row_batch(64, 50, 40, dtype, seed=31)
+    oracle = torch.zeros(50, 40, dtype=torch.float64).index_add_(0, groups.inverse, values.double())
+    repeats = torch.bincount(groups.inverse, minlength=50).double()[:, None]
+    bound = repeats * U32 * torch.zeros_like(oracle).index_add_(0, groups.inverse, values.double().abs())
+    got = kernels.sum_rows(values, groups, SMALL_SUM_ROWS)
+    assert got.dtype == torch.float32 and (got[int(groups.count):] == 0).all()
+    assert_within(got, oracle, bound, "sum_rows")
+    assert torch.equal(got, kernels.sum_rows_reference(values, groups))
+
+
+def _row_adam_state(num_rows, d, dtype, seed):
+    """A table, per-row moments and last events (0 = never updated) after 5 events whose beta2
+    moved from 0.95 to 0.9025, and event 6's scalars."""
+    generator = torch.Generator().manual_seed(seed)
+    table = torch.randn(num_rows, d, generator=generator).to(dtype)
+    moment = torch.rand(num_rows, generator=generator) * 4
+    last = torch.randint(0, 6, (num_rows,), generator=generator, dtype=torch.int32)
+    moment[last == 0] = 0.0
+    beta2s = [0.95, 0.95, 0.95, 0.9025, 0.9025, 0.9025]
+    log_decay_at = torch.tensor([0.0] + list(itertools.accumulate(math.log(b) for b in beta2s)), dtype=torch.float64)
+    step = kernels.RowAdamStep(event=6, log_decay=float(log_decay_at[6]), one_minus_beta2=1 - beta2s[-1],
+                               bias=1 - math.exp(float(log_decay_at[6])), lr=0.05, decay=0.05 ** 2 * 4.0, eps=1e-10)
+    return table, moment, last, log_decay_at, step
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_adam_rows_kernel_matches_reference_and_touches_only_its_rows(dtype):
+    """The Triton update against the torch reference: rows outside the batch bitwise
+    untouched, with their moments and last events; touched rows' moments within FP32 bounds
+    (the mean of D squares summed in another order: D * 2^-24 relative, plus the catch-up's
+    exp) and their weights within lr times that relative error of the update (bf16: plus one
+    rounding of the stored weight); every touched row's last event is the step's."""
+    num_rows, d = 64, 24
+    _, grads_in, groups = _row_batch(num_rows, 50, d, torch.float32, seed=32)
+    grads = kernels.sum_rows_reference(grads_in, groups)
+    table, moment, last, log_decay_at, step = _row_adam_state(num_rows, d, dtype, seed=33)
+    results = []
+    for fn in (kernels.sparse_adam_rows_, kernels.sparse_adam_rows_reference_):
+        t, m, l = table.clone(), moment.clone(), last.clone()
+        fn(t, grads, groups, m, l, log_decay_at, step)
+        results.append((t, m, l))
+    (t, m, l), (t_ref, m_ref, l_ref) = results
+    touched = torch.zeros(num_rows, dtype=torch.bool)
+    touched[groups.distinct[:int(groups.count)]] = True
+    assert torch.equal(t[~touched], table[~touched]) and torch.equal(m[~touched], moment[~touched])
+    assert torch.equal(l[~touched], last[~touched]) and (l[touched] == 6).all() and torch.equal(l, l_ref)
+    assert_within(m, m_ref, 4 * d * U32 * m_ref, "moment")
+    rounding = U_BF16 * table.double().abs() * 2 if dtype == torch.bfloat16 else 0
+    assert_within(t, t_ref, 4 * d * U32 * step.lr * 10 + rounding, "table")
+    assert not torch.equal(t[touched], table[touched])
+
+
+# ---------------------------------------------------------------------------------------------
 # The bench script's CPU dry mode
 # ---------------------------------------------------------------------------------------------
 
@@ -946,7 +1043,7 @@ def test_bench_dry_mode_runs():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for section in ("torch", "GPU tests (collected only)", "fp8_matmul", "fp8_relu2_mlp", "fp8_linear",
                     "flash_attn_varlen fwd+bwd d=128 vs flex_attention", "flash_attn_varlen fwd+bwd d=64 vs SDPA flash",
-                    "flex_attention runs uncompiled", "softcap_cross_entropy", "xxt", "qk_norm_rope fwd+bwd",
+                    "flex_attention runs uncompiled", "softcap_cross_entropy", "xxt", "qk_norm_rope fwd+bwd", "distinct_rows + sum_rows", "sparse_adam_rows_",
                     "| stage | first step | tokens/step | triton ms/step | with CUDA graphs | graphs speed-up | reference ms/step",
                     "compiled run: step_avg", "compile: 0 graphs in the warm-up, 0 in the timed run",
                     "projection (an estimate, not a measurement)", "bench time:"):

@@ -14,6 +14,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 import optim  # noqa: E402
 import optim_dist_worker as worker  # noqa: E402
+from cuda_graph_emulation import CPUCapture, CPUGraph  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # References written independently of optim.py (float64)
@@ -342,6 +343,81 @@ def test_muon_rejects_bad_configuration():
         optim.Muon([dict(params=[matrix], row_splits=[2, 1])])
 
 
+class CapturingBankRunner:
+    """A Muon run_bank as the trainer's CUDA graphs use it, with CUDA graph semantics on the CPU
+    (CPUGraph): a bank's first update runs eagerly, its second is captured, later ones replay."""
+
+    def __init__(self):
+        self.graphs, self.seen = {}, set()
+
+    def __call__(self, key, fn):
+        if key in self.graphs:
+            self.graphs[key].replay()
+        elif key in self.seen:
+            self.graphs[key] = CPUGraph()
+            with CPUCapture(self.graphs[key]):   # the emulated capture also runs fn, as the eager run before a real one does
+                fn()
+        else:
+            self.seen.add(key)
+            fn()
+
+
+@pytest.mark.parametrize("variant,schedule,dtype,splits", [
+    ("anvil", "anvil", torch.bfloat16, (2, 2, 6)),
+    ("normuon", "polar_express", torch.float32, None),
+    ("muon", "polar_express", torch.bfloat16, None),
+])
+def test_muon_bank_updates_replayed_as_graphs_equal_eager_updates(variant, schedule, dtype, splits):
+    """With run_bank, Muon keeps each bank's buffers and scheduled scalars at fixed addresses:
+    updates run eagerly through it, or captured once and replayed while the LR, momentum, mu and
+    blend change every step, give the same weights bit for bit as plain Muon (two banks: two
+    (10, 6) matrices and a (6, 10) one)."""
+    gen = torch.Generator().manual_seed(24)
+    shapes = [(10, 6), (10, 6), (6, 10)]
+    start = [torch.randn(shape, generator=gen).to(dtype) for shape in shapes]
+    grads = [[torch.randn(shape, generator=gen).to(dtype) for shape in shapes] for _ in range(6)]
+    results = []
+    for run_bank in (None, lambda key, fn: fn(), CapturingBankRunner()):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        groups = [dict(params=params[:2], row_splits=splits), dict(params=params[2:], lr_scale=2.0)]
+        opt = optim.Muon(groups, schedule=schedule, variant=variant, weight_decay=0.5, run_bank=run_bank)
+        for step, step_grads in enumerate(grads):
+            for group in opt.param_groups:
+                group.update(lr=0.02 * (1 - step / 10), momentum=0.85 + 0.02 * step, mu=0.85 + 0.01 * step,
+                             blend=1.0 - 0.1 * step)
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        results.append([p.detach().clone() for p in params])
+        if isinstance(run_bank, CapturingBankRunner):
+            assert len(run_bank.graphs) == 2 and all(g.replays == 4 for g in run_bank.graphs.values())
+    for eager, other in zip(results[0], results[1] + results[2]):
+        assert torch.equal(eager, other)
+
+
+def test_muon_with_run_bank_loads_state_into_its_tensors():
+    """A captured bank keeps the state tensors it was captured with: load_state_dict copies into
+    them (and zeroes what the saved state lacks, as a fresh start would have it)."""
+    p = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.bfloat16))
+    opt = optim.Muon([p], variant="anvil", schedule="anvil", run_bank=lambda key, fn: fn())
+    fresh = copy.deepcopy(opt.state_dict())
+    p.grad = torch.randn(6, 4, dtype=torch.bfloat16)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+
+    def state_tensors():           # (key, tensor), the lane equalizer's list flattened
+        return [(k, t) for k, v in opt.state[p].items() for t in (v if isinstance(v, list) else [v])]
+    tensors = state_tensors()
+    assert {"fast_rail", "slow_rail", "mantissa", "lane_second_moment"} <= {k for k, _ in tensors}
+    opt.step()
+    opt.load_state_dict(saved)
+    saved_tensors = [(k, t) for k, v in saved["state"][0].items() for t in (v if isinstance(v, list) else [v])]
+    assert all(a is b and torch.equal(a, want) for (_, a), (_, b), (_, want) in
+               zip(state_tensors(), tensors, saved_tensors))
+    opt.load_state_dict(fresh)
+    assert all(a is b and not a.any() for (_, a), (_, b) in zip(state_tensors(), tensors))
+
+
 def test_muon_sets_initial_lr_and_skips_matrices_without_grad():
     a, b = torch.nn.Parameter(torch.randn(4, 6)), torch.nn.Parameter(torch.randn(4, 6))
     opt = optim.Muon([a, b], lr=0.03, weight_decay=1.0)
@@ -400,6 +476,82 @@ def test_adam_step_every_averages_accumulated_grads():
     assert results == [False, False, True, False, False, True]
     with pytest.raises(optim.OptimConfigError, match="step_every"):
         optim.Adam([p], step_every=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse Adam for tables of rows
+# ---------------------------------------------------------------------------------------------
+
+def reference_row_adam(table, grads, lrs, beta2s, eps, wd):
+    """float64 dense Adam with beta1 = 0 and one second moment per row (the mean square of the
+    row's gradient) on the full (rows, D) gradients, zero rows included."""
+    theta, v, prod = table.double().clone(), torch.zeros(table.shape[0], dtype=torch.float64), 1.0
+    for g, lr, beta2 in zip(grads, lrs, beta2s):
+        prod *= beta2
+        v = beta2 * v + (1 - beta2) * g.square().mean(1)
+        u = g / ((v / (1 - prod)).sqrt() + eps)[:, None]
+        theta = theta - lr * lr * wd * theta * (u * theta > 0) - lr * u
+    return theta, v
+
+
+def sparse_gradient_sequence(num_rows, d, steps, generator):
+    """Per step: gradient entries (rows with repeats, values) touching a random few rows, and the
+    dense (rows, D) gradient they add up to. Rows 0-3 are never touched."""
+    entries, dense = [], []
+    for _ in range(steps):
+        rows = torch.randint(4, num_rows, (int(torch.randint(3, 12, (1,), generator=generator)),), generator=generator)
+        values = torch.randn(rows.numel(), d, generator=generator)
+        entries.append((rows, values))
+        dense.append(torch.zeros(num_rows, d, dtype=torch.float64).index_add_(0, rows, values.double()))
+    return entries, dense
+
+
+def test_sparse_row_adam_equals_dense_adam_with_beta1_zero():
+    """Twelve events on a 24-row table, each touching a few rows (repeats summed), beta2 squared
+    after event 5 and the LR changing: the catch-up makes the sparse updates equal dense Adam
+    on the full gradients to fp32 rounding; rows never touched keep their exact values."""
+    generator = torch.Generator().manual_seed(40)
+    table = torch.randn(24, 8, generator=generator)
+    entries, dense = sparse_gradient_sequence(24, 8, 12, generator)
+    lrs = [0.05 * (1 - i / 20) for i in range(12)]
+    beta2s = [0.95 if i < 5 else 0.95 ** 2 for i in range(12)]
+    opt = optim.SparseRowAdam(table, lr=lrs[0], beta2=beta2s[0], eps=1e-10, weight_decay=3.0)
+    for (rows, values), lr, beta2 in zip(entries, lrs, beta2s):
+        opt.lr, opt.beta2 = lr, beta2
+        opt.step(rows, values)
+    want, want_v = reference_row_adam(torch.randn(24, 8, generator=torch.Generator().manual_seed(40)), dense, lrs,
+                                      beta2s, 1e-10, 3.0)
+    assert torch.equal(table[:4].double(), want[:4])
+    assert torch.allclose(table.double(), want, rtol=0, atol=1e-5 * sum(lrs))
+    # a moment owes the decays of the events since its row's last update
+    caught_up = opt.moment.double() * torch.exp(opt.log_decay[-1] - torch.tensor(opt.log_decay)[opt.last.long()])
+    assert (opt.last[:4] == 0).all() and (opt.last[4:] > 0).sum() > 12
+    assert torch.allclose(caught_up, want_v, rtol=1e-5, atol=0)
+
+
+def test_sparse_row_adam_keeps_counting_events_past_its_first_table():
+    """The per-event decay table grows past its initial 64 events; resuming from state_dict
+    continues exactly."""
+    generator = torch.Generator().manual_seed(41)
+    entries, _ = sparse_gradient_sequence(16, 4, 80, generator)
+    table = torch.randn(16, 4, generator=generator)
+    twin = table.clone()
+    a = optim.SparseRowAdam(table, lr=0.01, weight_decay=1.0)
+    for rows, values in entries[:70]:
+        a.step(rows, values)
+    b = optim.SparseRowAdam(twin, lr=0.01, weight_decay=1.0)
+    b.table.copy_(a.table)
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    for rows, values in entries[70:]:
+        a.step(rows, values)
+        b.step(rows, values)
+    assert a.events == 80 and a.log_decay_at.numel() >= 81
+    assert torch.equal(a.table, b.table) and torch.equal(a.moment, b.moment)
+
+
+def test_sparse_row_adam_refuses_a_table_it_cannot_train():
+    with pytest.raises(optim.OptimConfigError, match="rows, D"):
+        optim.SparseRowAdam(torch.zeros(4, 2, 2), lr=0.1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -23,6 +22,7 @@ import train_gpt as tg  # noqa: E402
 from data.shards import write_shard  # noqa: E402
 from data.tokenizer import BOS_ID, TOKENIZER_PACKAGE, gpt2_encoding, noncanonical_pairs  # noqa: E402
 from records.logfile import parse_log, verify  # noqa: E402
+from cuda_graph_emulation import CPUCapture, CPUGraph  # noqa: E402
 
 # A model small enough for a CPU test: every feature on, tiny widths.
 TINY = [
@@ -1036,58 +1036,6 @@ def test_replayed_steps_train_exactly_as_plain_eager_steps(shards):
             assert torch.equal(state[name], value), (variant, name)
 
 
-class CPUGraph:
-    """A CUDA graph's semantics on a CPU. The capture records every op the body dispatches, with
-    its arguments (it also runs them, which a real capture does not). A replay runs the recorded
-    ops again with the captured scalars, addressing memory as the capture did: a tensor on
-    memory from outside the graph (parameters, gradients, buffers) is used as it is, and one on
-    memory an earlier recorded op made is rebuilt, same offset, sizes and strides, on the memory
-    that op's replay made. So a replay reads and writes what the capture saw, as a CUDA graph
-    does: a value the body took from Python, or a tensor it found somewhere that has since been
-    replaced, stays as it was at capture."""
-
-    def __init__(self):
-        self.ops = []              # (op, args, kwargs, outputs) as captured; keeps their memory alive
-        self.replays = 0
-
-    def replay(self):
-        self.replays += 1
-        made = {}                  # address of memory a captured op made -> the replay's storage
-
-        def on_replayed_memory(t):
-            storage = made.get(t.untyped_storage().data_ptr()) if isinstance(t, torch.Tensor) else None
-            if storage is None:
-                return t
-            return torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.shape, t.stride())
-        with torch.no_grad():
-            for op, args, kwargs, outputs in self.ops:
-                args, kwargs = torch.utils._pytree.tree_map(on_replayed_memory, (args, kwargs))
-                result = op(*args, **kwargs)
-                for old, new in zip(torch.utils._pytree.tree_leaves(outputs), torch.utils._pytree.tree_leaves(result)):
-                    if isinstance(old, torch.Tensor) and old.untyped_storage().data_ptr():
-                        made[old.untyped_storage().data_ptr()] = new.untyped_storage()
-
-
-class CPUCapture(TorchDispatchMode):
-    """torch.cuda.graph(graph) for a CPUGraph: records the ops dispatched inside it."""
-
-    def __init__(self, graph, pool=None, fail=None):
-        super().__init__()
-        self.graph, self.fail = graph, fail
-
-    def __enter__(self):
-        if self.fail:
-            raise RuntimeError(self.fail)
-        return super().__enter__()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        result = func(*args, **kwargs)
-        if func.namespace != "profiler":   # record_function's markers are host-side
-            self.graph.ops.append((func, args, kwargs, result))
-        return result
-
-
 def dense_attention(q, k, v, cu_seqlens, window, softmax_scale):
     """kernels.attention_reference's definition in one masked product over all T tokens: no
     query block starts where a document does, so no shape or bound depends on the data (the
@@ -1126,9 +1074,10 @@ def cpu_graphs(monkeypatch, trainer, fail=None):
 
 def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeypatch):
     """Capture and replay with CUDA graph semantics on a CPU (CPUGraph): the warm-up captures
-    each graph key once, every timed micro-batch replays a graph (none runs eagerly), and the
-    run's losses and weights still equal plain eager steps bit for bit, through a stage change,
-    the untie and Adam's accumulation. A capture that fails ends in one line saying how to run
+    each graph key's forward+backward once and each Muon bank's update; every timed micro-batch
+    and bank update replays a graph (none runs eagerly), and the run's losses and weights still
+    equal plain eager steps bit for bit, through a stage change, the untie, Adam's accumulation
+    and the scheduled LR and momentum (device scalars refilled before each replay). A capture that fails ends in one line saying how to run
     without graphs."""
     args = data_args(shards) + ["--num_iterations=6", "--untie_frac=0.8", "--adam_step_every=2", "--batch_ranks=2",
                                 "--warmup_steps=1"]
@@ -1143,10 +1092,15 @@ def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeyp
     graphs = cpu_graphs(monkeypatch, trainer)
     val = tg.validation_data(h, trainer.env, tg.find_shards(h.val_files))
     tg.warm_up(trainer, tg.find_shards(h.train_files), val)
-    assert len(graphs) == trainer.graphs.captured() == 3 and all(len(g.ops) > 100 for g in graphs)
-    eager_runs = trainer.graphs.eager_runs
+    banks = len(trainer.graphs.optimizer_graphs)   # Muon's bank updates, captured at their second call
+    assert trainer.graphs.captured() == 3 and banks >= 3 and len(graphs) == 3 + banks
+    assert all(len(g.ops) > 20 for g in graphs)
+    eager_runs, replays = trainer.graphs.eager_runs, [g.replays for g in graphs]
     assert train_steps(trainer, h, h.num_iterations) == eager_losses
-    assert sum(g.replays for g in graphs) == h.num_iterations * 2 and trainer.graphs.eager_runs == eager_runs
+    replays = {g: g.replays - before for g, before in zip(graphs, replays)}
+    assert sum(replays[step.graph] for step in trainer.graphs.steps.values()) == h.num_iterations * 2
+    assert all(replays[g] == h.num_iterations for g in trainer.graphs.optimizer_graphs.values())
+    assert trainer.graphs.eager_runs == eager_runs, "every micro-batch and bank update replays"
     for name, value in eager.model.state_dict().items():
         assert torch.equal(trainer.model.state_dict()[name], value), name
 
