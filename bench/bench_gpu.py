@@ -465,9 +465,10 @@ def wall_ms(fn, device):
 
 def time_stage_steps(h, train_files, device, deadline, graphs=False):
     """Median ms of an optimizer step at the first step of each stage, eager, in this process
-    (None for stages left untimed when the time budget ran out). With `graphs`, each stage's
-    forward+backward is captured as a CUDA graph after its untimed steps and replayed in the
-    timed ones (on a CPU: the same path with eager bodies)."""
+    (None for stages left untimed when the time budget ran out). With `graphs`, as the
+    trainer's warm-up does: one more untimed step (Muon's bank updates are captured at their
+    second call), then the stage's forward+backward is captured, and the timed steps replay
+    both (on a CPU: the same path with eager bodies)."""
     import train_gpt as tg
     trainer = tg.Trainer(dataclasses.replace(h, cuda_graphs=graphs), tg.Dist(0, 1, 0, device),
                          tg.RunLog("unused", active=False))
@@ -479,15 +480,18 @@ def time_stage_steps(h, train_files, device, deadline, graphs=False):
             continue
         stage = h.stages[index]
         trainer.advance_to(step)
+        untimed = UNTIMED_STEPS + graphs
         batches = [loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, trainer.mine)
-                   for _ in range(UNTIMED_STEPS + TIMED_STEPS)]
+                   for _ in range(untimed + TIMED_STEPS)]
         if device.type == "cuda":
             batches = [[s.pinned() for s in slices] for slices in batches]
-        for slices in batches[:UNTIMED_STEPS]:
+        trainer.graphs.in_warm_up = graphs
+        for slices in batches[:untimed]:
             trainer.train_step(step, slices)
         if graphs:
             trainer.capture_graph(step)
-        times = [wall_ms(lambda: trainer.train_step(step, slices), device) for slices in batches[UNTIMED_STEPS:]]
+        trainer.graphs.in_warm_up = False
+        times = [wall_ms(lambda: trainer.train_step(step, slices), device) for slices in batches[untimed:]]
         medians.append(statistics.median(times))
     return medians
 

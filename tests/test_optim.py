@@ -355,7 +355,7 @@ class CapturingBankRunner:
             self.graphs[key].replay()
         elif key in self.seen:
             self.graphs[key] = CPUGraph()
-            with CPUCapture(self.graphs[key]):   # the emulated capture also runs fn, as the eager run before a real one does
+            with CPUCapture(self.graphs[key]):   # runs fn too, as the eager run before a real capture does
                 fn()
         else:
             self.seen.add(key)

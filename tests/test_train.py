@@ -1087,7 +1087,7 @@ def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeyp
     h = tiny_config(args + ["--cuda_graphs=false"])
     eager = cpu_trainer(h)
     eager_losses = train_steps(eager, h, h.num_iterations)
-    h = tiny_config(args)
+    h = tiny_config(args + ["--cuda_graphs=true"])
     trainer = cpu_trainer(h)
     graphs = cpu_graphs(monkeypatch, trainer)
     val = tg.validation_data(h, trainer.env, tg.find_shards(h.val_files))
@@ -1228,7 +1228,7 @@ def test_float32_compute_matches_bf16_and_keeps_fp32_activations(shards):
     trainer = cpu_trainer(h32)
     s = batch[0]
     with trainer.autocast:
-        hidden = trainer.model.hidden_states(s.tokens, trainer.attention_args(s, 0))
+        hidden = trainer.model.hidden_states(s.tokens, trainer.attention_args(s.cu_seqlens, tg.attention_windows(h, 0)))
     assert hidden.dtype == torch.float32
     loss16, grads16 = first_step_gradients(h, batch)
     loss32, grads32 = first_step_gradients(h32, batch)
