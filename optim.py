@@ -41,6 +41,16 @@ Distribution (no DDP; each rank backpropagates its own micro-batches and calls s
   the identity and the same code runs. All ranks end each step with bitwise-identical weights.
   Optimizer state is therefore per rank: each rank saves and loads its own state_dict(), and a
   checkpoint resumes only on the same world size.
+
+CUDA graphs (run_bank): the update math between the collectives (a Muon bank's, all of Adam's)
+can be handed to a function that captures it once and replays it. For that, everything the math
+touches keeps its address: buffers made once for stacked and reduced gradients and new values,
+the scheduled scalars as views of one device tensor refilled by a single copy per update, and
+state loaded (or copied at the untie) into the existing tensors. The results are the same bits
+as without run_bank.
+
+SparseRowAdam trains a table of rows of which each step touches few (beta1 = 0, one second
+moment per row, an exact catch-up of the decay a row missed), from its gradient entries.
 """
 import dataclasses
 import functools
@@ -225,6 +235,29 @@ def _restore_saved_state(optimizer, state_dict):
                     optimizer.state[p][key] = [v.to(device=p.device, copy=True) for v in value]
 
 
+def _load_keeping_state_tensors(optimizer, load):
+    """load() (the optimizer's own loading of a state dict), then keep the state tensors that
+    existed before, with the loaded values written into them (zeros where the loaded state has
+    none: what a fresh start would create). Code captured as a CUDA graph keeps reading and
+    writing the tensors it was captured with."""
+    current = {p: dict(optimizer.state[p]) for p in optimizer.state}
+    load()
+    for p, old in current.items():
+        loaded = optimizer.state[p]
+        for key, value in list(old.items()):
+            if torch.is_tensor(value) or isinstance(value, list):
+                saved = loaded.get(key)
+                for i, tensor in enumerate(value if isinstance(value, list) else [value]):
+                    source = saved[i] if isinstance(saved, list) else saved
+                    tensor.copy_(source) if source is not None else tensor.zero_()
+            elif key in loaded:
+                old[key] = loaded[key]
+            else:
+                del old[key]
+        old.update({key: value for key, value in loaded.items() if key not in old})
+        optimizer.state[p] = old
+
+
 def _check_param_dtypes(params, optimizer_name):
     for p in params:
         if p.dtype not in SUPPORTED_PARAM_DTYPES:
@@ -275,11 +308,12 @@ def _launch_reduce_scatter_sum(stacked, world, out=None):
     return _InFlight(_reduce_scatter_op()(out, stacked, op=dist.ReduceOp.SUM, async_op=True), out)
 
 
-def _launch_all_reduce_sum(tensor, world):
-    """Sum a copy of `tensor` over ranks (the tensor itself when there is one process)."""
+def _launch_all_reduce_sum(tensor, world, out=None):
+    """Sum a copy of `tensor` (into `out` when given) over ranks (the tensor itself when there is
+    one process)."""
     if world == 1:
         return _InFlight(None, tensor)
-    total = tensor.clone()
+    total = tensor.clone() if out is None else out.copy_(tensor)
     return _InFlight(dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True), total)
 
 
@@ -309,21 +343,28 @@ class _BankBuffers:
     stacked: torch.Tensor          # the bank's gradients, stacked and padded
     shard: torch.Tensor            # this rank's share of their sum (None: one process, `stacked` itself)
     new_values: torch.Tensor       # this rank's updated matrices, to gather
-    hyper: dict                    # Muon._hyper's scalars as 0-d fp32 device tensors (lists of them)
+    scalars: "_DeviceScalars"      # Muon._hyper's scalars on the device
 
 
-def _device_scalars(value, device):
-    """0-d fp32 device tensors for a float or a list of floats."""
-    if isinstance(value, list):
-        return [torch.zeros((), device=device) for _ in value]
-    return torch.zeros((), device=device)
+class _DeviceScalars:
+    """The floats an update reads (a list of {name: float or list of floats}, one dict per
+    matrix bank or parameter) as 0-d views of one fp32 device tensor, at fixed addresses for a
+    captured update. write() refreshes them all with one host-to-device copy, queued: from
+    pageable memory CUDA stages the values before the call returns, so nothing waits. Their fp32
+    rounding is the one an op applies to a Python float, so the math gives the same bits."""
 
+    def __init__(self, hypers, device):
+        self.values = torch.zeros(len(self._flat(hypers)), device=device)
+        flat = iter(self.values)   # 0-d views, in _flat's order
+        self.views = [{name: [next(flat) for _ in v] if isinstance(v, list) else next(flat)
+                       for name, v in hyper.items()} for hyper in hypers]
 
-def _fill_device_scalars(tensors, value):
-    """Write floats into their 0-d device tensors (a fill per value: queued, no host sync). The
-    fp32 rounding is the one an op applies to a Python float, so the math gives the same bits."""
-    for tensor, v in zip(tensors, value) if isinstance(value, list) else [(tensors, value)]:
-        tensor.fill_(v)
+    @staticmethod
+    def _flat(hypers):
+        return [x for hyper in hypers for v in hyper.values() for x in (v if isinstance(v, list) else [v])]
+
+    def write(self, hypers):
+        self.values.copy_(torch.tensor(self._flat(hypers), dtype=torch.float32), non_blocking=True)
 
 
 MUON_VARIANTS = ("muon", "normuon", "anvil")
@@ -446,23 +487,13 @@ class Muon(torch.optim.Optimizer):
         _check_param_dtypes(group["params"], "Muon")
 
     def load_state_dict(self, state_dict):
-        if self.run_bank is None:
-            super().load_state_dict(state_dict)
+        def load():
+            super(Muon, self).load_state_dict(state_dict)
             _restore_saved_state(self, state_dict)
-            return
-        # A captured bank reads and writes the state tensors it was captured with: load into
-        # them, and zero the ones the saved state lacks (what a fresh state would create).
-        current = {p: dict(self.state[p]) for p in self.state}
-        super().load_state_dict(state_dict)
-        _restore_saved_state(self, state_dict)
-        for p, old in current.items():
-            loaded = self.state[p]
-            for key, tensors in old.items():
-                for i, tensor in enumerate(tensors if isinstance(tensors, list) else [tensors]):
-                    saved = loaded.get(key)
-                    saved = saved[i] if isinstance(saved, list) else saved
-                    tensor.copy_(saved) if saved is not None else tensor.zero_()
-            self.state[p] = old
+        if self.run_bank is None:
+            load()
+        else:
+            _load_keeping_state_tensors(self, load)
 
     def _banks(self):
         """(group, [params]) for each run of same-shape, same-dtype matrices of a group, in a
@@ -577,12 +608,11 @@ class Muon(torch.optim.Optimizer):
         if key not in self.bank_buffers:
             ref = next(p for p in params if p.grad is not None)
             per_rank = -(-len(params) // world)
-            hyper = self._hyper(group, ref.shape)
             self.bank_buffers[key] = _BankBuffers(
                 key=key, stacked=ref.grad.new_zeros((per_rank * world, *ref.shape)),
                 shard=ref.grad.new_zeros((per_rank, *ref.shape)) if world > 1 else None,
                 new_values=ref.new_zeros((per_rank, *ref.shape)),
-                hyper={name: _device_scalars(value, ref.device) for name, value in hyper.items()})
+                scalars=_DeviceScalars([self._hyper(group, ref.shape)], ref.device))
         return self.bank_buffers[key]
 
     def _reduce(self, index, group, params, world):
@@ -597,10 +627,9 @@ class Muon(torch.optim.Optimizer):
             hyper = self._hyper(group, summed_shard.shape[1:])
             return self._update_owned(group, hyper, params, summed_shard, world, rank)
         bank = self._buffers(index, group, params, world)
-        for name, value in self._hyper(group, summed_shard.shape[1:]).items():
-            _fill_device_scalars(bank.hyper[name], value)
+        bank.scalars.write([self._hyper(group, summed_shard.shape[1:])])
         self.run_bank(("muon", *bank.key), functools.partial(
-            self._update_owned, group, bank.hyper, params, summed_shard, world, rank, bank.new_values))
+            self._update_owned, group, bank.scalars.views[0], params, summed_shard, world, rank, bank.new_values))
         return bank.new_values
 
     @torch.no_grad()
@@ -652,15 +681,23 @@ class Adam(torch.optim.Optimizer):
     gradients accumulating and zeroes them only after a True. The update uses the mean of the
     accumulated gradients (their sum divided by the number of calls). `step_every` may be
     changed between calls; it and the count of pending calls are saved in state_dict().
+
+    run_bank: as Muon's. With it, one update of every parameter with a gradient is the function
+    handed over (it may be captured and replayed): the summed gradients (the gradients
+    themselves with one process), the state and each parameter's scalars (its LR over its bias
+    correction, 1 / sqrt(1 - beta2^t), lr^2 * wd) keep their addresses from step to step.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0,
-                 step_every=1):
+                 step_every=1, run_bank=None):
         if step_every < 1:
             raise OptimConfigError(f"step_every must be a positive integer, got {step_every}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.step_every = step_every
         self.pending_calls = 0
+        self.run_bank = run_bank
+        self.reduce_buffers = {}   # with run_bank and several processes: parameter -> its summed gradient
+        self.scalars = {}          # with run_bank: update key -> _DeviceScalars
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -678,8 +715,14 @@ class Adam(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         self.step_every = state_dict.pop("step_every")
         self.pending_calls = state_dict.pop("pending_calls")
-        super().load_state_dict(state_dict)
-        _restore_saved_state(self, state_dict)
+
+        def load():
+            super(Adam, self).load_state_dict(state_dict)
+            _restore_saved_state(self, state_dict)
+        if self.run_bank is None:
+            load()
+        else:
+            _load_keeping_state_tensors(self, load)
 
     def copy_state(self, source, target):
         """Start `target`'s state (moments, step count, mantissa sidecar) as a copy of `source`'s,
@@ -689,33 +732,61 @@ class Adam(torch.optim.Optimizer):
         if source.shape != target.shape or source.dtype != target.dtype:
             raise OptimConfigError(f"copy_state needs parameters of one shape and dtype; got "
                                    f"{tuple(source.shape)} {source.dtype} and {tuple(target.shape)} {target.dtype}")
-        self.state[target] = {k: v.clone() if torch.is_tensor(v) else v for k, v in self.state[source].items()}
+        target_state = self.state[target]
+        for key, value in self.state[source].items():
+            if torch.is_tensor(value) and key in target_state:
+                target_state[key].copy_(value)   # in place: a captured update keeps its tensors
+            else:
+                target_state[key] = value.clone() if torch.is_tensor(value) else value
 
-    def _update(self, group, state, param, g):
-        """One Adam step on `param` (the whole parameter or this rank's rows) with fp32 grad g.
+    @staticmethod
+    def _hyper(group, t):
+        """The scalars of a parameter's t-th update, computed on the host."""
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        return dict(step_scale=lr / (1 - beta1 ** t), inv_sqrt_bias2=(1 - beta2 ** t) ** -0.5,
+                    decay=lr * lr * group["weight_decay"])
 
-        Bias corrections are folded into scalars and the update is built in one scratch
-        buffer, so a step makes ~5 passes over the parameter's size (the tables are large).
+    def _update(self, group, hyper, state, param, g):
+        """One Adam step on `param` (the whole parameter or this rank's rows) with fp32 grad g
+        and the step's scalars `hyper` (floats, or 0-d device tensors holding them).
+
+        The bias corrections and the LR are folded into two scalars and the update is built in
+        one scratch buffer, so a step makes ~5 passes over the parameter's size (the tables are
+        large).
         """
         beta1, beta2 = group["betas"]
-        if "step" not in state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(g)
-            state["exp_avg_sq"] = torch.zeros_like(g)
-        state["step"] += 1
-        t = state["step"]
         m, v = state["exp_avg"], state["exp_avg_sq"]
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        update = v.sqrt().div_((1 - beta2 ** t) ** 0.5).add_(group["eps"])
-        torch.div(m, update, out=update).div_(1 - beta1 ** t)
-        lr = group["lr"]
+        update = v.sqrt().mul_(hyper["inv_sqrt_bias2"]).add_(group["eps"])
+        torch.div(m, update, out=update).mul_(hyper["step_scale"])   # lr * u
         master = _load_master(param, state)
         if group["weight_decay"]:
             decayed = (update * master > 0) * master
-            master.sub_(decayed.mul_(lr * lr * group["weight_decay"]))  # a diverging LR gives inf, not an error
-        master.sub_(update, alpha=lr)
+            master.sub_(decayed.mul_(hyper["decay"]))   # a diverging LR gives inf, not an error
+        master.sub_(update)
         _store_master(param, state, master)
+
+    def _reduce(self, p, world):
+        """Launch the sum of p's gradient over ranks: its rows reduce-scattered when shards_rows,
+        else all of it all-reduced (into fixed buffers with run_bank)."""
+        out = None
+        if self.run_bank is not None and world > 1:
+            if p not in self.reduce_buffers:
+                rows = p.shape[0] // world if shards_rows(p, world) else p.shape[0]
+                self.reduce_buffers[p] = p.grad.new_empty((rows, *p.shape[1:]))
+            out = self.reduce_buffers[p]
+        if shards_rows(p, world):
+            return _launch_reduce_scatter_sum(p.grad.contiguous(), world, out)
+        return _launch_all_reduce_sum(p.grad, world, out)
+
+    def _update_all(self, updates, divisor):
+        for group, hyper, state, weights, summed in updates:
+            g = summed.float()
+            if divisor != 1:
+                g = g / divisor
+            self._update(group, hyper, state, weights, g)
 
     @torch.no_grad()
     def step(self):
@@ -725,29 +796,32 @@ class Adam(torch.optim.Optimizer):
             return False
         calls, self.pending_calls = self.pending_calls, 0
         world, rank = world_size_and_rank()
-        launched = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if shards_rows(p, world):
-                    reduction = _launch_reduce_scatter_sum(p.grad.contiguous(), world)
-                else:
-                    reduction = _launch_all_reduce_sum(p.grad, world)
-                launched.append((group, p, reduction))
-        gathers = []
+        launched = [(group, p, self._reduce(p, world)) for group in self.param_groups for p in group["params"]
+                    if p.grad is not None]
+        updates, gathers = [], []          # updates: (group, scalars, state, weights, summed gradient)
         for group, p, reduction in launched:
-            g = reduction.wait().float()
-            if world * calls != 1:
-                g = g / (world * calls)
+            summed, state = reduction.wait(), self.state[p]
+            if "exp_avg" not in state:     # (a state loaded in place as fresh keeps its zeroed tensors)
+                state.update(exp_avg=torch.zeros_like(summed, dtype=torch.float32),
+                             exp_avg_sq=torch.zeros_like(summed, dtype=torch.float32))
+            state["step"] = state.get("step", 0) + 1
+            weights = p.data
             if shards_rows(p, world):
                 rows = p.shape[0] // world
-                own_rows = p.data[rank * rows:(rank + 1) * rows]
-                self._update(group, self.state[p], own_rows, g)
-                gathers.append(_launch_all_gather(p.data, own_rows, world))
-            else:
-                self._update(group, self.state[p], p.data, g)
-        for gather in gathers:
+                weights = p.data[rank * rows:(rank + 1) * rows]
+                gathers.append((p, weights))
+            updates.append([group, self._hyper(group, state["step"]), state, weights, summed])
+        if self.run_bank is None or not updates:
+            self._update_all(updates, world * calls)
+        else:
+            key = ("adam", calls, tuple(p.grad is not None for group in self.param_groups for p in group["params"]))
+            if key not in self.scalars:
+                self.scalars[key] = _DeviceScalars([u[1] for u in updates], updates[0][3].device)
+            self.scalars[key].write([u[1] for u in updates])
+            for update, views in zip(updates, self.scalars[key].views):
+                update[1] = views
+            self.run_bank(key, functools.partial(self._update_all, updates, world * calls))
+        for gather in [_launch_all_gather(p.data, weights, world) for p, weights in gathers]:
             gather.wait()
         return True
 

@@ -223,7 +223,7 @@ class Hyperparameters(ModelConfig):
     fp8_head: bool = True          # the head at the candidate width as an FP8 linear (kernels.HEAD_SCALES)
     fp8_on_cpu: bool = False       # on a CPU, run the FP8 layers through their torch references (checks numerics)
     warmup_steps: int = 3          # untimed steps per graph before timing starts (when something compiles)
-    cuda_graphs: bool = True       # capture the forward+backward and Muon's updates in the warm-up, replay them
+    cuda_graphs: bool = True       # capture the forward+backward and the optimizers' updates in the warm-up, replay them
     sync_check: bool = False       # CUDA: any host sync inside a timed training step is an error
     log_every: int = 10            # print a train-loss line every this many steps
     log_dir: str = "logs"
@@ -2331,13 +2331,13 @@ def qkv_row_splits(h, layer=0):
 def build_optimizers(h, model, fns, run_bank=None):
     """Adam for embeddings, head, gates and scalars; the Muon family (or Adam) for the hidden
     matrices, orthogonalized in bf16 with the Triton X X^T wherever the Triton kernels run.
-    run_bank: how Muon runs each bank's update math (StepGraphs.run_captured: CUDA graphs)."""
+    run_bank: how the optimizers run their update math (StepGraphs.run_captured: CUDA graphs)."""
     matrices = [p for name, p in model.blocks.named_parameters() if p.ndim == 2 and not is_gate(name)]
     groups = adam_groups(h, model)
     if h.optimizer == "adamw":
         groups.append(dict(name="matrices", params=matrices, lr=h.adamw_matrix_lr, betas=h.embed_betas,
                            weight_decay=0.0))
-    adam = optim.Adam(groups, eps=h.adam_eps, step_every=h.adam_step_every)
+    adam = optim.Adam(groups, eps=h.adam_eps, step_every=h.adam_step_every, run_bank=run_bank)
     if h.optimizer == "adamw":
         return [adam]
     mlp_down = [mlp.down for block in model.blocks for mlp in (block.mlp, block.parallel_mlp) if mlp is not None]
@@ -2456,7 +2456,6 @@ class StepGraphs:
         self.attached = None       # the StepGraph whose gradients are attached
         self.pool = torch.cuda.graph_pool_handle() if self.capturing else None
         self.optimizer_graphs = {}  # run_captured's key -> its CUDA graph
-        self.seen = set()          # run_captured's keys called at least once
         self.in_warm_up = False    # run_captured may capture (set by the warm-up)
         self.eager_runs = 0        # CUDA runs of a key already seen that had no graph
 
@@ -2520,18 +2519,17 @@ class StepGraphs:
         step.graph = self._capture(functools.partial(step.body, step.inputs), f"training step of graph {key}")
 
     def run_captured(self, key, fn):
-        """fn() (an optimizer's math on tensors at fixed addresses), as a CUDA graph after the
-        first call with `key`: the second call in the warm-up captures it, later calls replay
-        it. Its first call, every call off CUDA and any call the warm-up did not capture run
-        fn eagerly."""
+        """fn() (an optimizer's update on tensors at fixed addresses) as a CUDA graph: the first
+        call with `key` in the warm-up captures it (after running it eagerly, which does that
+        call's work and creates any state lazily), later calls replay it. Off CUDA, or for a key
+        the warm-up did not meet, fn runs eagerly."""
         graph = self.optimizer_graphs.get(key)
         if graph is not None:
             graph.replay()
-        elif self.capturing and self.in_warm_up and key in self.seen:
-            self.optimizer_graphs[key] = self._capture(fn, f"optimizer step {key}")
+        elif self.capturing and self.in_warm_up:
+            self.optimizer_graphs[key] = self._capture(fn, f"optimizer update {key[0]}")
         else:
-            self.eager_runs += self.capturing and key in self.seen
-            self.seen.add(key)
+            self.eager_runs += self.capturing
             fn()
 
     def _capture(self, fn, what):
@@ -2765,10 +2763,12 @@ def warm_up(trainer, train_files, val_slices):
     saved = trainer.snapshot()
     loader = TrainLoader(train_files, batch_tokens(h))
     trainer.graphs.in_warm_up = True
+    # with CUDA graphs, enough steps per graph key for Adam to update under it (and be captured)
+    steps_per_key = max(h.warmup_steps, h.adam_step_every if h.cuda_graphs and h.warmup_steps else 0)
     for step in graph_changes(h):
         trainer.advance_to(step)
         stage = h.stages[stage_index(h, step)]
-        for _ in range(h.warmup_steps):
+        for _ in range(steps_per_key):
             trainer.train_step(step, loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks,
                                                        trainer.mine))
         if h.warmup_steps:

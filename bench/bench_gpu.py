@@ -466,9 +466,9 @@ def wall_ms(fn, device):
 def time_stage_steps(h, train_files, device, deadline, graphs=False):
     """Median ms of an optimizer step at the first step of each stage, eager, in this process
     (None for stages left untimed when the time budget ran out). With `graphs`, as the
-    trainer's warm-up does: one more untimed step (Muon's bank updates are captured at their
-    second call), then the stage's forward+backward is captured, and the timed steps replay
-    both (on a CPU: the same path with eager bodies)."""
+    trainer's warm-up does: the untimed steps capture the optimizers' updates, then the stage's
+    forward+backward is captured, and the timed steps replay both (on a CPU: the same path with
+    eager bodies)."""
     import train_gpt as tg
     trainer = tg.Trainer(dataclasses.replace(h, cuda_graphs=graphs), tg.Dist(0, 1, 0, device),
                          tg.RunLog("unused", active=False))
@@ -480,7 +480,7 @@ def time_stage_steps(h, train_files, device, deadline, graphs=False):
             continue
         stage = h.stages[index]
         trainer.advance_to(step)
-        untimed = UNTIMED_STEPS + graphs
+        untimed = UNTIMED_STEPS
         batches = [loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, trainer.mine)
                    for _ in range(untimed + TIMED_STEPS)]
         if device.type == "cuda":
@@ -598,7 +598,7 @@ def compiled_run_line(run, eager_last_ms, dry):
              if eager_last_ms else "")
     graphs = f"compile: {run['warm_up_graphs']} graphs in the warm-up, {run['timed_graphs']} in the timed run"
     if "captured_steps" in run:
-        graphs += (f"; CUDA graphs: {run['captured_steps']} training steps and {run['captured_updates']} Muon bank "
+        graphs += (f"; CUDA graphs: {run['captured_steps']} training steps and {run['captured_updates']} optimizer "
                    f"updates captured, {run['eager_runs']} eager runs in the timed run")
     verdict = "" if run["ok"] else " (FAILED: graphs built, or steps run without their CUDA graph, in the timed run)"
     return (f"compiled run: step_avg {run['step_ms']:.1f} ms{eager}; {graphs}{verdict}; "

@@ -82,10 +82,10 @@ def make_muon(variant, run_bank=None):
     return build
 
 
-def make_adam(step_every):
+def make_adam(step_every, run_bank=None):
     def build():
         return optim.Adam(adam_params(), lr=0.01, betas=(0.8, 0.95), eps=ADAM_EPS,
-                          weight_decay=1.0, step_every=step_every)
+                          weight_decay=1.0, step_every=step_every, run_bank=run_bank)
     return build
 
 
@@ -96,6 +96,7 @@ CASES = {
     "anvil_fixed_buffers": make_muon("anvil", run_eagerly),
     "adam": make_adam(1),
     "adam_every2": make_adam(2),
+    "adam_every2_fixed_buffers": make_adam(2, run_eagerly),
 }
 
 

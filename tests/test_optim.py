@@ -395,6 +395,39 @@ def test_muon_bank_updates_replayed_as_graphs_equal_eager_updates(variant, sched
         assert torch.equal(eager, other)
 
 
+def test_adam_updates_replayed_as_graphs_equal_eager_updates():
+    """With run_bank, Adam's update of all its parameters keeps its gradients, state and
+    per-parameter scalars (LR over the bias correction, 1 / sqrt(1 - beta2^t), lr^2 wd) at fixed
+    addresses: run eagerly through it, or captured once per set of parameters with gradients and
+    replayed, it gives plain Adam's bits, with updates every second call, a changing LR, a bf16
+    parameter, and a head that gets gradients only from the fourth call on, starting from the
+    embedding's state copied in place."""
+    gen = torch.Generator().manual_seed(25)
+    start = [torch.randn(8, 4, generator=gen), torch.randn(8, 4, generator=gen).bfloat16(), torch.randn(5, generator=gen),
+             torch.randn(8, 4, generator=gen)]
+    grads = [[torch.randn(t.shape, generator=gen).to(t.dtype) for t in start] for _ in range(8)]
+    results = []
+    for run_bank in (None, lambda key, fn: fn(), CapturingBankRunner()):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = optim.Adam([dict(params=params[:2], lr=0.05, weight_decay=3.0), dict(params=params[2:], lr=0.1)],
+                         step_every=2, run_bank=run_bank)
+        for step, step_grads in enumerate(grads):
+            for group in opt.param_groups:
+                group["lr"] = group["initial_lr"] * (1 - step / 10)
+            if step == 3:
+                opt.copy_state(params[0], params[3])
+            for i, (p, g) in enumerate(zip(params, step_grads)):
+                if i < 3 or step >= 3:
+                    p.grad = g.clone() if p.grad is None else p.grad + g
+            if opt.step():
+                opt.zero_grad(set_to_none=False)
+        results.append([p.detach().clone() for p in params])
+        if isinstance(run_bank, CapturingBankRunner):  # without the head's gradient once, with it three times
+            assert len(run_bank.seen) == 2 and [g.replays for g in run_bank.graphs.values()] == [1]
+    for eager, other in zip(results[0], results[1] + results[2]):
+        assert torch.equal(eager, other)
+
+
 def test_muon_with_run_bank_loads_state_into_its_tensors():
     """A captured bank keeps the state tensors it was captured with: load_state_dict copies into
     them (and zeroes what the saved state lacks, as a fresh start would have it)."""

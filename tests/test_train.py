@@ -1074,10 +1074,11 @@ def cpu_graphs(monkeypatch, trainer, fail=None):
 
 def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeypatch):
     """Capture and replay with CUDA graph semantics on a CPU (CPUGraph): the warm-up captures
-    each graph key's forward+backward once and each Muon bank's update; every timed micro-batch
-    and bank update replays a graph (none runs eagerly), and the run's losses and weights still
-    equal plain eager steps bit for bit, through a stage change, the untie, Adam's accumulation
-    and the scheduled LR and momentum (device scalars refilled before each replay). A capture that fails ends in one line saying how to run
+    each graph key's forward+backward once, each Muon bank's update and Adam's update (tied and
+    untied); every timed micro-batch and optimizer update replays a graph (none runs eagerly),
+    and the run's losses and weights still equal plain eager steps bit for bit, through a stage
+    change, the untie (the head's Adam state copied in place), Adam every second step and the
+    scheduled LR and momentum (device scalars refilled before each replay). A capture that fails ends in one line saying how to run
     without graphs."""
     args = data_args(shards) + ["--num_iterations=6", "--untie_frac=0.8", "--adam_step_every=2", "--batch_ranks=2",
                                 "--warmup_steps=1"]
@@ -1092,17 +1093,26 @@ def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeyp
     graphs = cpu_graphs(monkeypatch, trainer)
     val = tg.validation_data(h, trainer.env, tg.find_shards(h.val_files))
     tg.warm_up(trainer, tg.find_shards(h.train_files), val)
-    banks = len(trainer.graphs.optimizer_graphs)   # Muon's bank updates, captured at their second call
-    assert trainer.graphs.captured() == 3 and banks >= 3 and len(graphs) == 3 + banks
+    updates = trainer.graphs.optimizer_graphs      # Muon's banks; Adam with the head tied and untied
+    assert {key[0] for key in updates} == {"muon", "adam"} and sum(key[0] == "adam" for key in updates) == 2
+    assert trainer.graphs.captured() == 3 and len(graphs) == 3 + len(updates)
     assert all(len(g.ops) > 20 for g in graphs)
     eager_runs, replays = trainer.graphs.eager_runs, [g.replays for g in graphs]
     assert train_steps(trainer, h, h.num_iterations) == eager_losses
     replays = {g: g.replays - before for g, before in zip(graphs, replays)}
     assert sum(replays[step.graph] for step in trainer.graphs.steps.values()) == h.num_iterations * 2
-    assert all(replays[g] == h.num_iterations for g in trainer.graphs.optimizer_graphs.values())
-    assert trainer.graphs.eager_runs == eager_runs, "every micro-batch and bank update replays"
+    assert all(replays[g] == h.num_iterations for key, g in updates.items() if key[0] == "muon")
+    assert sum(replays[g] for key, g in updates.items() if key[0] == "adam") == h.num_iterations // 2
+    assert trainer.graphs.eager_runs == eager_runs, "every micro-batch and optimizer update replays"
     for name, value in eager.model.state_dict().items():
         assert torch.equal(trainer.model.state_dict()[name], value), name
+    for eager_opt, opt in zip(eager.optimizers, trainer.optimizers):   # the state the graphs updated in place
+        for p_eager, p in zip(eager.model.parameters(), trainer.model.parameters()):
+            want, got = eager_opt.state.get(p_eager, {}), opt.state.get(p, {})
+            assert want.keys() == got.keys()
+            for key in want:
+                pairs = zip(want[key], got[key]) if isinstance(want[key], list) else [(want[key], got[key])]
+                assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in pairs), key
 
     trainer = cpu_trainer(h)
     cpu_graphs(monkeypatch, trainer, fail="operation not permitted when stream is capturing")
