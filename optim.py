@@ -249,7 +249,10 @@ def _load_keeping_state_tensors(optimizer, load):
                 saved = loaded.get(key)
                 for i, tensor in enumerate(value if isinstance(value, list) else [value]):
                     source = saved[i] if isinstance(saved, list) else saved
-                    tensor.copy_(source) if source is not None else tensor.zero_()
+                    if source is None:
+                        tensor.zero_()
+                    else:
+                        tensor.copy_(source)
             elif key in loaded:
                 old[key] = loaded[key]
             else:

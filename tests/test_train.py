@@ -253,6 +253,44 @@ def test_forward_shapes_and_candidate_columns():
     assert torch.equal(columns, tg.candidate_columns(targets, 1000, offset))
 
 
+def test_sampled_softmax_over_the_whole_vocabulary_is_the_full_softmax():
+    """With every vocabulary id a candidate, the sampled objective, its next-token loss and all
+    gradients equal the full softmax's (fp32: the same sums over the same columns, the head
+    gathered in order)."""
+    h = tiny_config(["--compute_dtype=float32"])
+    tokens, cu = packed([100, 156])
+    targets = torch.stack([torch.roll(tokens, -k).long() for k in (1, 2, 3)], 1)
+    args, weights = tg.AttentionArgs(cu, 128, 256), tg.target_weights(h.stages[0], "cpu")
+    columns = tg.candidate_columns(targets, tg.PADDED_VOCAB_SIZE, tg.candidate_offset(3, 0))
+    assert torch.equal(columns, torch.arange(tg.PADDED_VOCAB_SIZE))
+    results = []
+    for cols in (None, columns):
+        model = tiny_model(h)
+        objective, next_token = model(tokens, targets, args, weights, cols)
+        objective.backward()
+        results.append((objective.detach(), next_token, {n: p.grad for n, p in model.named_parameters()
+                                                          if p.grad is not None}))
+    (full, full_next, full_grads), (sampled, sampled_next, sampled_grads) = results
+    torch.testing.assert_close(sampled, full, rtol=1e-6, atol=0)
+    torch.testing.assert_close(sampled_next, full_next, rtol=1e-6, atol=0)
+    assert full_grads.keys() == sampled_grads.keys()
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(sampled_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_sampling_settings_never_change_the_validation_loss(shards):
+    """Validation is the full softmax whatever the stages' candidate counts (or the candidate
+    walk) say: the same weights give the same val loss, bit for bit."""
+    losses = []
+    for candidates in (None, 2048, 600):
+        stages = [{"end": 1.0, "tokens_per_rank": 512, "max_doc_len": 256, "short_window": 1, "long_window": 2}
+                  | ({"candidates": candidates} if candidates else {})]
+        h = tiny_config(data_args(shards) + ["--stages=" + json.dumps(stages)])
+        trainer = cpu_trainer(h)
+        losses.append(trainer.validate(tg.validation_data(h, trainer.env, tg.find_shards(h.val_files)), 0, False))
+    assert losses[0] == losses[1] == losses[2] and math.isfinite(losses[0])
+
+
 def test_yarn_at_the_final_window_is_a_choice():
     """Record 89 widens the long window for the final validation and keeps the rotary tables;
     with yarn_at_final_window they are adjusted for the widening as for any other."""
