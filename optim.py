@@ -235,13 +235,14 @@ def _restore_saved_state(optimizer, state_dict):
                     optimizer.state[p][key] = [v.to(device=p.device, copy=True) for v in value]
 
 
-def _load_keeping_state_tensors(optimizer, load):
-    """load() (the optimizer's own loading of a state dict), then keep the state tensors that
-    existed before, with the loaded values written into them (zeros where the loaded state has
-    none: what a fresh start would create). Code captured as a CUDA graph keeps reading and
-    writing the tensors it was captured with."""
-    current = {p: dict(optimizer.state[p]) for p in optimizer.state}
-    load()
+def _load_state(optimizer, state_dict, in_place):
+    """torch's Optimizer.load_state_dict with the saved dtypes kept (_restore_saved_state). With
+    in_place, the state tensors that existed before stay, with the loaded values written into
+    them (zeros where the loaded state has none: what a fresh start would create): an update
+    captured as a CUDA graph keeps reading and writing the tensors it was captured with."""
+    current = {p: dict(optimizer.state[p]) for p in optimizer.state} if in_place else {}
+    torch.optim.Optimizer.load_state_dict(optimizer, state_dict)
+    _restore_saved_state(optimizer, state_dict)
     for p, old in current.items():
         loaded = optimizer.state[p]
         for key, value in list(old.items()):
@@ -490,13 +491,7 @@ class Muon(torch.optim.Optimizer):
         _check_param_dtypes(group["params"], "Muon")
 
     def load_state_dict(self, state_dict):
-        def load():
-            super(Muon, self).load_state_dict(state_dict)
-            _restore_saved_state(self, state_dict)
-        if self.run_bank is None:
-            load()
-        else:
-            _load_keeping_state_tensors(self, load)
+        _load_state(self, state_dict, in_place=self.run_bank is not None)
 
     def _banks(self):
         """(group, [params]) for each run of same-shape, same-dtype matrices of a group, in a
@@ -718,14 +713,7 @@ class Adam(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         self.step_every = state_dict.pop("step_every")
         self.pending_calls = state_dict.pop("pending_calls")
-
-        def load():
-            super(Adam, self).load_state_dict(state_dict)
-            _restore_saved_state(self, state_dict)
-        if self.run_bank is None:
-            load()
-        else:
-            _load_keeping_state_tensors(self, load)
+        _load_state(self, state_dict, in_place=self.run_bank is not None)
 
     def copy_state(self, source, target):
         """Start `target`'s state (moments, step count, mantissa sidecar) as a copy of `source`'s,
