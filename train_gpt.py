@@ -113,6 +113,7 @@ class ModelConfig:
     value_embed_gate_dim: int = 12 # inputs of the per-head value-embedding gates
     value_embed_gate_reads_value: bool = False  # gates read half their inputs from the value embedding
     bigram_rows: int = 251_520     # rows of the bigram hash embedding
+    ngram_rows: int = 0            # rows of the hashed bigram+trigram table trained sparsely (0: the bigram embedding)
     embed_init_std: float = 0.0    # std of the (tied) embedding's normal init; 0: model_dim^-0.5
     rope_base: float = 1024.0      # RoPE base period
     attn_scale: float = 0.1        # softmax scale of QK-normed attention before any YaRN growth
@@ -209,6 +210,10 @@ class Hyperparameters(ModelConfig):
     value_embed_wd: float = 0.0    # (scalars and gates are never decayed)
     adam_eps: float = 1e-10
     adam_step_every: int = 1       # Adam updates every this-many steps, from the gradients' mean over them
+    ngram_lr: float = 0.01         # the n-gram table's sparse Adam (beta1 = 0, one second moment per row)
+    ngram_beta2: float = 0.95
+    ngram_wd: float = 0.0
+    ngram_step_every: int = 1      # the table updates every this-many steps, from the entries' mean over them
     # system
     seed: int = 0
     device: str = "auto"           # auto | cuda | cpu
@@ -223,7 +228,7 @@ class Hyperparameters(ModelConfig):
     fp8_head: bool = True          # the head at the candidate width as an FP8 linear (kernels.HEAD_SCALES)
     fp8_on_cpu: bool = False       # on a CPU, run the FP8 layers through their torch references (checks numerics)
     warmup_steps: int = 3          # untimed steps per graph before timing starts (when something compiles)
-    cuda_graphs: bool = True       # capture the forward+backward and the optimizers' updates in the warm-up, replay them
+    cuda_graphs: bool = True       # capture forward+backward and the optimizers' updates in the warm-up, replay them
     sync_check: bool = False       # CUDA: any host sync inside a timed training step is an error
     log_every: int = 10            # print a train-loss line every this many steps
     log_dir: str = "logs"
@@ -540,6 +545,7 @@ NUMERIC_RULES = [
     ("num_value_embeds", int, 0, None, "0 or more tables"),
     ("value_embed_gate_dim", int, 1, None, "a positive number of dims, at most model_dim"),
     ("bigram_rows", int, 2, None, "at least 2 rows"),
+    ("ngram_rows", int, 0, None, "0 (off) or an even number of rows, at least 4"),
     ("embed_init_std", float, 0.0, None, "a std >= 0 (0: model_dim^-0.5)"),
     ("rope_base", float, 1e-9, None, "a positive period"),
     ("attn_scale", float, 1e-9, None, "a positive scale"),
@@ -578,6 +584,10 @@ NUMERIC_RULES = [
     ("value_embed_wd", float, 0.0, None, "a weight decay >= 0"),
     ("adam_eps", float, 0.0, None, "an epsilon >= 0"),
     ("adam_step_every", int, 1, None, "a positive number of steps"),
+    ("ngram_lr", float, 0.0, None, "a learning rate >= 0"),
+    ("ngram_beta2", float, 0.0, 1.0, "a beta in [0, 1]"),
+    ("ngram_wd", float, 0.0, None, "a weight decay >= 0"),
+    ("ngram_step_every", int, 1, None, "a positive number of steps"),
     ("seed", int, 0, 2**63 - 1, "a whole number in [0, 2^63)"),
     ("warmup_steps", int, 0, None, "0 or more steps"),
     ("log_every", int, 1, None, "a positive number of steps"),
@@ -673,6 +683,9 @@ def check_model_config(m):
         in_range = all(_number(i, integer=True) and 0 <= i < m.num_layers for i in layers)
         if not in_range or len(set(layers)) < len(layers):
             _refuse(key, list(layers), f"a list of distinct layer indices in [0, {m.num_layers})")
+    if m.ngram_rows and (m.ngram_rows < 4 or m.ngram_rows % 2):
+        _refuse("ngram_rows", m.ngram_rows, "0 (off) or an even number of rows, at least 4 (two halves: bigrams, "
+                "trigrams)")
     if m.value_embed_gate_dim > m.model_dim:
         _conflict(m, ("value_embed_gate_dim", "model_dim"), "the gates read at most model_dim residual dims")
     if 2 * m.num_value_embeds > m.num_layers:
@@ -852,6 +865,10 @@ SIGN_ROWS = 8192                   # rows of the fixed random +/-1 sign table
 SIGN_MULT_CUR = 40351              # sign-row hash: multiplier of the current token
 SIGN_MULT_PREV = 51349             # sign-row hash: multiplier of the previous token
 SIGN_TABLE_SEED = 1234             # the sign table is the same in every run
+TRIGRAM_MULT_CUR = 17351           # trigram row hash: multiplier of the current token
+TRIGRAM_MULT_PREV = 60961          # trigram row hash: multiplier of the previous token
+TRIGRAM_MULT_PREV2 = 45259         # trigram row hash: multiplier of the token before that
+TRIGRAM_SIGN_MULTS = (29363, 47119, 13709)  # the trigram channel's sign-row hash (current, previous, before)
 YARN_ALPHA = 1.0                   # YaRN: frequencies with fewer rotations per window than this are interpolated fully
 YARN_BETA = 32.0                   # YaRN: ... and those with more than this are kept as they are
 MAX_TARGETS = 4                    # next token, two more multi-token targets, the prefix target
@@ -940,7 +957,7 @@ class KVCache:
     def __init__(self, capacity):
         self.capacity = capacity
         self.length = 0            # tokens cached so far (the position of the next token)
-        self.last_token = None     # (1,) the last cached token: the bigram of the next one needs it
+        self.last_tokens = None    # (up to 2,) the last cached tokens: the n-grams of the next one need them
         self.layers = {}           # attention module -> (keys, values), each (capacity, heads, dim)
 
     def extend(self, layer, k, v, rows_per_token=1):
@@ -958,7 +975,7 @@ class KVCache:
     def advance(self, tokens):
         """The forward pass over `tokens` is done: they are now part of the cached document."""
         self.length += tokens.size(0)
-        self.last_token = tokens[-1:]
+        self.last_tokens = (tokens if self.last_tokens is None else torch.cat([self.last_tokens, tokens]))[-2:]
 
 
 def cached_attention(q, k, v, window, softmax_scale):
@@ -1337,6 +1354,12 @@ class DenseConnections(nn.Module):
         return dict(zip(self.mixes[which], out.split(1, dim=-1)))
 
 
+def document_starts(context):
+    """Whether each token starts a document: BOS, or the first token of the slice (whose
+    predecessor, if any, is not known)."""
+    return torch.cat([context.new_ones(1, dtype=torch.bool), context[1:] == BOS_ID])
+
+
 def previous_tokens(tokens, is_doc_start):
     """Each token's predecessor in its document; BOS for a document's first token, whose real
     predecessor (another document's last token, or nothing) it must not see."""
@@ -1353,6 +1376,60 @@ def bigram_rows(tokens, is_doc_start, rows):
 def bigram_sign_rows(tokens, is_doc_start):
     cur, prev = tokens.long(), previous_tokens(tokens, is_doc_start).long()
     return ((SIGN_MULT_CUR * cur) ^ (SIGN_MULT_PREV * prev)) % SIGN_ROWS
+
+
+def ngram_rows(tokens, is_doc_start, rows):
+    """(T, 2) rows of the n-gram table: each token's bigram row in [0, rows/2) and its trigram
+    row in [rows/2, rows). A document's first token takes the bigram half's last row, and its
+    first two tokens the trigram half's last row (they have no full n-gram)."""
+    half = rows // 2
+    cur, prev = tokens.long(), previous_tokens(tokens, is_doc_start).long()
+    second = torch.roll(is_doc_start, 1) & ~is_doc_start     # the token right after a document start
+    second[0] = False
+    prev2 = torch.where(is_doc_start | second, BOS_ID, torch.roll(tokens, 2)).long()
+    bigram = ((BIGRAM_MULT_CUR * cur) ^ (BIGRAM_MULT_PREV * prev)) % (half - 1)
+    trigram = ((TRIGRAM_MULT_CUR * cur) ^ (TRIGRAM_MULT_PREV * prev) ^ (TRIGRAM_MULT_PREV2 * prev2)) % (rows - half - 1)
+    return torch.stack([torch.where(is_doc_start, half - 1, bigram),
+                        torch.where(is_doc_start | second, rows - 1, trigram + half)], dim=1)
+
+
+def trigram_sign_rows(tokens, is_doc_start):
+    second = torch.roll(is_doc_start, 1) & ~is_doc_start
+    second[0] = False
+    cur, prev = tokens.long(), previous_tokens(tokens, is_doc_start).long()
+    prev2 = torch.where(is_doc_start | second, BOS_ID, torch.roll(tokens, 2)).long()
+    a, b, c = TRIGRAM_SIGN_MULTS
+    return ((a * cur) ^ (b * prev) ^ (c * prev2)) % SIGN_ROWS
+
+
+class NgramTable(nn.Module):
+    """The hashed bigram+trigram embedding: one table of `rows` x dim, bigram rows in the first
+    half and trigram rows in the second, zero at the start. A token's output is its bigram row
+    times a sign row plus its trigram row times another (the sign trick: tokens that share a
+    hashed row see it with different signs in each dim).
+
+    The table is a buffer, not a parameter: no dense gradient or optimizer state of its size
+    exists. In training the gathered rows add `sink[:T]` (zeros), so the backward leaves each
+    token's two row gradients in sink.grad[:T] (T, 2, dim), the entries the trainer hands to
+    optim.SparseRowAdam with the rows they belong to (`rows_of`)."""
+
+    def __init__(self, rows, dim, max_tokens):
+        super().__init__()
+        self.register_buffer("table", torch.zeros(rows, dim))
+        self.sink = nn.Parameter(torch.zeros(max_tokens, 2, dim))
+
+    def rows_of(self, context, is_start):
+        return ngram_rows(context, is_start, self.table.shape[0])
+
+    def forward(self, context, is_start, seen, signs):
+        """(T, dim) for the last T = len(context) - seen tokens of `context`."""
+        rows = self.rows_of(context, is_start)[seen:]
+        entries = self.table[rows]
+        if self.training:
+            entries = entries + self.sink[:rows.shape[0]]
+        sign = torch.stack([signs[bigram_sign_rows(context, is_start)[seen:]],
+                            signs[trigram_sign_rows(context, is_start)[seen:]]], dim=1)
+        return (entries * sign).sum(1)
 
 
 def head_dims(cfg: ModelConfig, layer):
@@ -1397,8 +1474,11 @@ class GPT(nn.Module):
             self.smear_lambda = nn.Parameter(torch.zeros(()))
         else:
             self.smear_gate = None
-        self.bigram = nn.Embedding(cfg.bigram_rows, cfg.model_dim)
-        nn.init.zeros_(self.bigram.weight)
+        if cfg.ngram_rows:
+            self.bigram, self.ngram = None, NgramTable(cfg.ngram_rows, cfg.model_dim, max_tokens)
+        else:
+            self.bigram, self.ngram = nn.Embedding(cfg.bigram_rows, cfg.model_dim), None
+            nn.init.zeros_(self.bigram.weight)
         signs = torch.randint(0, 2, (SIGN_ROWS, cfg.model_dim),
                               generator=torch.Generator().manual_seed(SIGN_TABLE_SEED)) * 2 - 1
         self.register_buffer("signs", signs.float(), persistent=False)
@@ -1431,6 +1511,12 @@ class GPT(nn.Module):
                                      cfg.yarn_scale_growth, rotate_all=True) if cfg.narrow_qk_layers else None)
         self.register_buffer("prefix_table", torch.from_numpy(prefix_token_table()).long(), persistent=False)
         self.canonical_mask = NoncanonicalPairs() if cfg.canonical_mask else None
+
+    def num_parameters(self):
+        """Trained values: the parameters (but the n-gram table's gradient sink) and the table."""
+        sink = self.ngram.sink if self.ngram is not None else None
+        table = self.ngram.table.numel() if self.ngram is not None else 0
+        return sum(p.numel() for p in self.parameters() if p is not sink) + table
 
     def set_windows(self, long_windows):
         """RoPE tables and attention scales after the long window grew through `long_windows`."""
@@ -1473,20 +1559,23 @@ class GPT(nn.Module):
         return x + torch.where(doc_start[:, None], 0.0, gate * torch.roll(x, 1, dims=0))
 
     def hidden_states(self, tokens, args: AttentionArgs):
-        # With a cache the tokens continue its document: the bigram (and the smear) of the first
-        # one needs the cache's last token. A slice may begin inside a document: its first token has no known
-        # predecessor either.
+        # With a cache the tokens continue its document: the bigram and trigram (and the smear) of
+        # the first ones need the cache's last two tokens. A slice may begin inside a document: its
+        # first token has no known predecessor either.
         cache = args.cache
-        context = tokens if cache is None or cache.length == 0 else torch.cat([cache.last_token, tokens])
+        context = tokens if cache is None or cache.length == 0 else torch.cat([cache.last_tokens, tokens])
         seen = context.size(0) - tokens.size(0)
-        is_start = torch.cat([context.new_ones(1, dtype=torch.bool), context[1:] == BOS_ID])
+        is_start = document_starts(context)
         doc_start = is_start[seen:]
         if self.smear_gate is None:
             x = self.embed(tokens)
         else:
             x = self.smear(self.embed(context), is_start)[seen:]
-        bigram = self.bigram(bigram_rows(context, is_start, self.bigram.num_embeddings)[seen:])
-        bigram = bigram * self.signs[bigram_sign_rows(context, is_start)[seen:]]
+        if self.ngram is not None:
+            bigram = self.ngram(context, is_start, seen, self.signs)
+        else:
+            bigram = self.bigram(bigram_rows(context, is_start, self.bigram.num_embeddings)[seen:])
+            bigram = bigram * self.signs[bigram_sign_rows(context, is_start)[seen:]]
         ves = [ve(tokens) for ve in self.value_embeds]
         if self.trunk == "dense":
             x = self.dense_trunk(rms_norm(x), bigram, ves, doc_start, args)
@@ -2299,7 +2388,8 @@ def adam_groups(h, model):
     token_gates = list(model.token_gates.parameters()) if model.token_gates is not None else []
     dense = list(model.dense.parameters()) if model.trunk == "dense" else []
     scalars = [p for p in model.parameters() if p.ndim < 2 and all(p is not q for q in token_gates + dense)]
-    value_embeds = [model.bigram.weight] + [ve.weight for ve in model.value_embeds]
+    bigram = [model.bigram.weight] if model.bigram is not None else []    # (the n-gram table is SparseRowAdam's)
+    value_embeds = bigram + [ve.weight for ve in model.value_embeds]
     groups = [
         dict(name="embed", params=[model.embed.weight], lr=h.embed_lr, betas=h.embed_betas, weight_decay=h.embed_wd),
         dict(name="lm_head", params=[model.lm_head], lr=h.head_lr, betas=h.embed_betas, weight_decay=h.embed_wd),
@@ -2563,6 +2653,32 @@ class StepGraphs:
 
 
 FP8_CALIBRATION_PASSES = 1         # forward+backward passes that record the FP8 amaxes before the first step
+NGRAM_TABLE_KEY = "ngram.table"    # the n-gram table in the model's state dict
+NGRAM_ROW_STATE_BYTES = 8          # sparse Adam's state per table row: an fp32 moment and an int32 event
+
+
+def available_memory_bytes(device):
+    """Free memory of the device (CUDA) or available host memory (/proc/meminfo), or None."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check_ngram_memory(h, device):
+    """Refuse, before anything is allocated, an n-gram table that cannot fit where it would live."""
+    if not h.ngram_rows:
+        return
+    needed = h.ngram_rows * (h.model_dim * 4 + NGRAM_ROW_STATE_BYTES)
+    available = available_memory_bytes(device)
+    if available is not None and needed > available:
+        raise ConfigError(f"--ngram_rows={h.ngram_rows} needs {needed / 2**30:.1f} GiB on the {device.type} "
+                          f"(fp32 rows of {h.model_dim} and {NGRAM_ROW_STATE_BYTES} B of optimizer state each), "
+                          f"{available / 2**30:.1f} GiB are available: lower --ngram_rows")
 
 
 class Trainer:
@@ -2572,11 +2688,19 @@ class Trainer:
         self.h, self.env, self.log = h, env, log
         torch.manual_seed(h.seed)
         self.kernels = select_kernels(h, env.device)
+        check_ngram_memory(h, env.device)
         self.model = build_model(h, self.kernels).to(env.device)
         self.graphs = StepGraphs(self.model, env.device, h.cuda_graphs)
         self.optimizers = build_optimizers(h, self.model, self.kernels,
                                            self.graphs.run_captured if h.cuda_graphs else None)
         self.adam = next(opt for opt in self.optimizers if isinstance(opt, optim.Adam))
+        self.ngram_adam = None     # the n-gram table's sparse Adam, its pending gradient entries and calls
+        if self.model.ngram is not None:
+            self.ngram_adam = optim.SparseRowAdam(self.model.ngram.table, lr=h.ngram_lr, beta2=h.ngram_beta2,
+                                                  eps=h.adam_eps, weight_decay=h.ngram_wd,
+                                                  use_triton=self.kernels.xxt is not None)
+        self.ngram_entries, self.ngram_calls = [], 0
+        self.freeze_table = False  # set by the warm-up: the table keeps its values
         self.forward, self.validation_loss_sum = self.model, self.model.validation_loss_sum
         if h.compile:
             fullgraph = not any(kernels.breaks_graphs(fn) for fn in (self.kernels.attention,
@@ -2610,6 +2734,8 @@ class Trainer:
         self.model.set_windows(long_window_history(h, step, final_validation))
         self.set_tied(step < untie_step(h))
         lr = lr_multiplier(h, step)
+        if self.ngram_adam is not None:
+            self.ngram_adam.lr = h.ngram_lr * lr
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = group["initial_lr"] * lr
@@ -2657,7 +2783,29 @@ class Trainer:
         for slice_index, s in zip(self.mine, slices):
             self.model.set_fp8_loss_unit(1.0 / (s.tokens.numel() * self.accum))  # the objective's weight per token
             self.graphs.run(graph_key(self.h, step), body, s, candidate_offset(step, slice_index))
+            if self.ngram_adam is not None:
+                self.take_ngram_entries(s)
         return self.step_losses.clone()
+
+    def take_ngram_entries(self, s):
+        """Keep the n-gram table's gradient entries of the micro-batch that just ran (its two rows
+        per token and their gradients, from the sink) and clear the sink for the next one."""
+        ngram = self.model.ngram
+        tokens = s.tokens.to(self.env.device, non_blocking=True)
+        rows = ngram.rows_of(tokens, document_starts(tokens)).reshape(-1)
+        grads = ngram.sink.grad[:tokens.numel()]
+        self.ngram_entries.append((rows, grads.reshape(rows.numel(), -1).clone()))
+        grads.zero_()
+
+    def step_ngram_table(self):
+        """Every ngram_step_every-th step: update the table's touched rows from the mean of their
+        entries over those steps (repeats add up). The warm-up discards its entries."""
+        self.ngram_calls += 1
+        if self.freeze_table or self.ngram_calls >= self.h.ngram_step_every:
+            rows, grads = (torch.cat(parts) for parts in zip(*self.ngram_entries))
+            if not self.freeze_table:
+                self.ngram_adam.step(rows, grads / self.ngram_calls if self.ngram_calls > 1 else grads)
+            self.ngram_entries, self.ngram_calls = [], 0
 
     def train_step(self, step, slices):
         """One optimizer step on the global batch; advance_to(step) has set the schedule."""
@@ -2667,6 +2815,9 @@ class Trainer:
                 stepped = opt.step()
             if stepped is not False:   # an Adam between its updates keeps accumulating gradients
                 opt.zero_grad(set_to_none=not self.h.cuda_graphs)  # a graph adds into the same tensors
+        if self.ngram_adam is not None:
+            with record_function("optimizer: SparseRowAdam"):
+                self.step_ngram_table()
         return loss
 
     def capture_graph(self, step):
@@ -2689,6 +2840,9 @@ class Trainer:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.graphs.zero_grads()
+        if self.model.ngram is not None:
+            self.model.ngram.sink.grad = None
+        self.ngram_entries, self.ngram_calls = [], 0
 
     @torch.no_grad()
     def validate(self, slices, step, final_validation):
@@ -2708,14 +2862,16 @@ class Trainer:
 
     # -- state
     def snapshot(self):
-        """Copies of the model's and the optimizers' state (see restore)."""
-        return ({k: v.clone() for k, v in self.model.state_dict().items()},
+        """Copies of the model's and the optimizers' state (see restore), but the n-gram table's:
+        it can be as large as memory, and it does not move while `freeze_table` is set."""
+        return ({k: v.clone() for k, v in self.model.state_dict().items() if k != NGRAM_TABLE_KEY},
                 [copy.deepcopy(opt.state_dict()) for opt in self.optimizers])
 
     def restore(self, snapshot):
         """The snapshot's model and optimizer state, with no gradient pending."""
         model_state, optimizer_states = snapshot
-        self.model.load_state_dict(model_state)
+        missing, unexpected = self.model.load_state_dict(model_state, strict=False)
+        assert set(missing) <= {NGRAM_TABLE_KEY} and not unexpected, (missing, unexpected)
         for opt, state in zip(self.optimizers, optimizer_states):
             opt.load_state_dict(copy.deepcopy(state))
         self.zero_grads()
@@ -2762,7 +2918,7 @@ def warm_up(trainer, train_files, val_slices):
     before = compiled_graphs()
     saved = trainer.snapshot()
     loader = TrainLoader(train_files, batch_tokens(h))
-    trainer.graphs.in_warm_up = True
+    trainer.graphs.in_warm_up = trainer.freeze_table = True
     # with CUDA graphs, enough steps per graph key for Adam to update under it (and be captured)
     steps_per_key = max(h.warmup_steps, h.adam_step_every if h.cuda_graphs and h.warmup_steps else 0)
     for step in graph_changes(h):
@@ -2773,7 +2929,7 @@ def warm_up(trainer, train_files, val_slices):
                                                        trainer.mine))
         if h.warmup_steps:
             trainer.capture_graph(step)
-    trainer.graphs.in_warm_up = False
+    trainer.graphs.in_warm_up = trainer.freeze_table = False
     seen = set()
     for step, final in validation_points(h):
         graph = (attention_windows(h, step, final), step < untie_step(h))
@@ -2821,7 +2977,7 @@ def train(h, env, log):
                [fingerprint(f) for f in val_files + train_files], logged_config(h))
     val_slices = validation_data(h, env, val_files)
     trainer = Trainer(h, env, log)
-    log.write(f"model parameters: {sum(p.numel() for p in trainer.model.parameters()):,}", echo=True)
+    log.write(f"model parameters: {trainer.model.num_parameters():,}", echo=True)
     log.progress = "in the warm-up"
     untimed_t0 = time.perf_counter()
     warm_graphs = warm_up(trainer, train_files, val_slices) if trainer.needs_warm_up() else 0

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from test_failures import run_main  # noqa: F401 (a fixture)
-from test_train import DENSE, FEATURES, REPO, TINY, data_args, run_trainer, synthetic_documents, tiny_config, tiny_model
+from test_train import (DENSE, FEATURES, NGRAM, REPO, TINY, data_args, run_trainer, synthetic_documents,
+                        tiny_config, tiny_model)
 
 sys.path.insert(0, REPO)
 import kernels  # noqa: E402
@@ -174,7 +175,7 @@ def document(length, seed=0):
     return tokens
 
 
-@pytest.mark.parametrize("features", [[], FEATURES, DENSE], ids=["plain", "features", "dense"])
+@pytest.mark.parametrize("features", [[], FEATURES, DENSE, NGRAM], ids=["plain", "features", "dense", "ngram"])
 def test_kv_cache_gives_the_logits_of_the_full_forward(features):
     model = tiny_model(tiny_config(features), seed=2).eval()
     short, long = 64, 160          # tokens: both windows end inside the 300-token document

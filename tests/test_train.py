@@ -166,9 +166,11 @@ def tiny_model(h, seed=0):
     torch.manual_seed(seed)
     model = tg.build_model(h, tg.KernelFns(kernels.attention_reference, kernels.softcap_cross_entropy_reference))
     with torch.no_grad():          # make every sublayer matter (zero-initialized weights hide leaks)
-        for p in model.parameters():
-            if p.abs().sum() == 0:
+        for name, p in model.named_parameters():
+            if p.abs().sum() == 0 and name != "ngram.sink":   # (the sink only collects gradients)
                 p.normal_(0, 0.05) if p.ndim >= 2 else p.fill_(0.5)
+        if model.ngram is not None:
+            model.ngram.table.normal_(0, 0.05)
     return model
 
 
@@ -181,6 +183,7 @@ FEATURES = ["--smear_gate=true", "--key_offset=true", "--xsa_layers=[2]",  # the
 
 DENSE = ["--trunk=dense", "--token_gates=true", "--token_gates_split=1", "--skip_layers=[0,1]",  # record 89's trunk
          "--snapshot_layer=1", "--xsa_layers=[0]", "--attn_gate_layers=[2]", "--key_offset=true"]
+NGRAM = ["--ngram_rows=2048", "--smear_gate=true"]   # the hashed bigram+trigram table instead of the bigram
 
 
 def packed(doc_lengths, seed=0):
@@ -191,7 +194,7 @@ def packed(doc_lengths, seed=0):
     return tokens.int(), cu
 
 
-@pytest.mark.parametrize("features", [[], FEATURES, DENSE], ids=["plain", "features", "dense"])
+@pytest.mark.parametrize("features", [[], FEATURES, DENSE, NGRAM], ids=["plain", "features", "dense", "ngram"])
 def test_a_token_never_sees_another_document_or_the_future(features):
     h = tiny_config(features)
     model = tiny_model(h)
@@ -289,6 +292,69 @@ def test_sampling_settings_never_change_the_validation_loss(shards):
         trainer = cpu_trainer(h)
         losses.append(trainer.validate(tg.validation_data(h, trainer.env, tg.find_shards(h.val_files)), 0, False))
     assert losses[0] == losses[1] == losses[2] and math.isfinite(losses[0])
+
+
+def test_ngram_hashes_follow_the_published_formulas():
+    """Rows of a 1000-row table (bigrams in [0, 500), trigrams in [500, 1000)) for two documents,
+    worked out from the formulas: bigram ((36313 x[t]) XOR (27191 x[t-1])) mod 499, trigram
+    ((17351 x[t]) XOR (60961 x[t-1]) XOR (45259 x[t-2])) mod 499 + 500; a document's first
+    token takes row 499 and its first two row 999."""
+    tokens = torch.tensor([BOS_ID, 5, 7, 9, BOS_ID, 11], dtype=torch.int32)
+    rows = tg.ngram_rows(tokens, tg.document_starts(tokens), 1000).tolist()
+    bigram = lambda cur, prev: ((36313 * cur) ^ (27191 * prev)) % 499  # noqa: E731
+    trigram = lambda cur, prev, prev2: ((17351 * cur) ^ (60961 * prev) ^ (45259 * prev2)) % 499 + 500  # noqa: E731
+    assert rows == [[499, 999], [bigram(5, BOS_ID), 999], [bigram(7, 5), trigram(7, 5, BOS_ID)],
+                    [bigram(9, 7), trigram(9, 7, 5)], [499, 999], [bigram(11, BOS_ID), 999]]
+    assert rows[2] == [(36313 * 7 ^ 27191 * 5) % 499, (17351 * 7 ^ 60961 * 5 ^ 45259 * 50256) % 499 + 500]
+
+
+def test_ngram_entries_are_the_tables_gradient(shards):
+    """The sink's entries, summed per row, are the table's dense gradient (the same backward
+    with the table itself differentiable), and no dense gradient is kept in training."""
+    h = tiny_config(data_args(shards) + NGRAM)
+    model = tiny_model(h)
+    s = tg.TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])[0]
+    model.ngram.table.requires_grad_(True)
+    objective, _ = model(s.tokens, s.targets, tg.AttentionArgs(s.cu_seqlens, 128, 256),
+                         tg.target_weights(h.stages[0], "cpu"))
+    objective.backward()
+    rows = model.ngram.rows_of(s.tokens, tg.document_starts(s.tokens)).reshape(-1)
+    entries = model.ngram.sink.grad[:512].reshape(rows.numel(), -1)
+    summed = torch.zeros_like(model.ngram.table).index_add_(0, rows, entries)
+    assert rows.unique().numel() > 500 and entries.abs().sum() > 0
+    torch.testing.assert_close(summed, model.ngram.table.grad, rtol=1e-5, atol=1e-9)
+    assert not any(p is model.ngram.table for p in model.parameters()), "the table is no parameter"
+
+
+@pytest.mark.parametrize("step_every", [1, 2])
+def test_the_ngram_table_moves_only_the_rows_a_batch_touches(shards, step_every):
+    """Steps of the trainer with the table: the touched rows move (every step_every-th step,
+    from the entries of those steps), every other row keeps its value bit for bit, and the
+    dense optimizers never see the table or its sink."""
+    h = tiny_config(data_args(shards) + NGRAM + [f"--ngram_step_every={step_every}", "--ngram_lr=0.05"])
+    trainer = cpu_trainer(h)
+    table = trainer.model.ngram.table
+    assert all(p is not trainer.model.ngram.sink for opt in trainer.optimizers for g in opt.param_groups
+               for p in g["params"])
+    loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
+    touched = torch.zeros(table.shape[0], dtype=torch.bool)
+    before = table.clone()
+    for step in range(2):
+        trainer.advance_to(step)
+        batch = loader.next_batch(512, 256, 1, [0])
+        touched[trainer.model.ngram.rows_of(batch[0].tokens, tg.document_starts(batch[0].tokens)).reshape(-1)] = True
+        trainer.train_step(step, batch)
+        moved = (table != before).any(1)
+        if step + 1 < step_every:
+            assert not moved.any(), "the table waits for its step"
+    assert torch.equal(moved, touched) and 0 < touched.sum() < table.shape[0]
+
+
+def test_an_ngram_table_too_large_for_memory_is_refused():
+    h = tiny_config(["--ngram_rows=" + str(2 ** 40)])
+    with pytest.raises(tg.ConfigError, match=r"--ngram_rows=1099511627776 needs .* GiB on the cpu .* lower "
+                                             r"--ngram_rows"):
+        tg.check_ngram_memory(h, torch.device("cpu"))
 
 
 def test_yarn_at_the_final_window_is_a_choice():
@@ -1116,8 +1182,8 @@ def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeyp
     untied); every timed micro-batch and optimizer update replays a graph (none runs eagerly),
     and the run's losses and weights still equal plain eager steps bit for bit, through a stage
     change, the untie (the head's Adam state copied in place), Adam every second step and the
-    scheduled LR and momentum (device scalars refilled before each replay). A capture that fails ends in one line saying how to run
-    without graphs."""
+    scheduled LR and momentum (device scalars refilled before each replay). A capture that
+    fails ends in one line saying how to run without graphs."""
     args = data_args(shards) + ["--num_iterations=6", "--untie_frac=0.8", "--adam_step_every=2", "--batch_ranks=2",
                                 "--warmup_steps=1"]
     select = tg.select_kernels
