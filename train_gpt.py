@@ -2688,6 +2688,9 @@ class Trainer:
         self.h, self.env, self.log = h, env, log
         torch.manual_seed(h.seed)
         self.kernels = select_kernels(h, env.device)
+        if h.ngram_rows and env.world_size > 1:
+            raise ConfigError(f"--ngram_rows={h.ngram_rows} trains the table in one process (its rows are not "
+                              f"sharded across the {env.world_size} processes): run one, or set --ngram_rows=0")
         check_ngram_memory(h, env.device)
         self.model = build_model(h, self.kernels).to(env.device)
         self.graphs = StepGraphs(self.model, env.device, h.cuda_graphs)

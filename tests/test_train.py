@@ -350,7 +350,10 @@ def test_the_ngram_table_moves_only_the_rows_a_batch_touches(shards, step_every)
     assert torch.equal(moved, touched) and 0 < touched.sum() < table.shape[0]
 
 
-def test_an_ngram_table_too_large_for_memory_is_refused():
+def test_an_ngram_table_too_large_for_memory_or_across_processes_is_refused():
+    h = tiny_config(["--ngram_rows=2048"])
+    with pytest.raises(tg.ConfigError, match="in one process .* sharded across the 2 processes"):
+        tg.Trainer(h, tg.Dist(0, 2, 0, torch.device("cpu")), tg.RunLog("unused", active=False))
     h = tiny_config(["--ngram_rows=" + str(2 ** 40)])
     with pytest.raises(tg.ConfigError, match=r"--ngram_rows=1099511627776 needs .* GiB on the cpu .* lower "
                                              r"--ngram_rows"):
