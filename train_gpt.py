@@ -114,6 +114,7 @@ class ModelConfig:
     value_embed_gate_reads_value: bool = False  # gates read half their inputs from the value embedding
     bigram_rows: int = 251_520     # rows of the bigram hash embedding
     ngram_rows: int = 0            # rows of the hashed bigram+trigram table trained sparsely (0: the bigram embedding)
+    ngram_dtype: str = "float32"   # the table's storage: float32 | bfloat16 (half the bytes; updates rounded to nearest)
     embed_init_std: float = 0.0    # std of the (tied) embedding's normal init; 0: model_dim^-0.5
     rope_base: float = 1024.0      # RoPE base period
     attn_scale: float = 0.1        # softmax scale of QK-normed attention before any YaRN growth
@@ -603,6 +604,7 @@ CHOICE_RULES = [
     ("compute_dtype", ("bfloat16", "float32")),
     ("trunk", ("unet", "dense")),
     ("fp8_mlp_scales", tuple(kernels.MLP_SCALES)),
+    ("ngram_dtype", ("float32", "bfloat16")),
 ]
 BOOL_KEYS = ("compile", "cuda_graphs", "fp8_mlp", "fp8_qkv", "fp8_head", "fp8_on_cpu", "sync_check", "save_checkpoint",
              "canonical_mask", "smear_gate", "key_offset", "yarn_at_final_window", "value_embed_gate_reads_value",
@@ -1413,9 +1415,9 @@ class NgramTable(nn.Module):
     token's two row gradients in sink.grad[:T] (T, 2, dim), the entries the trainer hands to
     optim.SparseRowAdam with the rows they belong to (`rows_of`)."""
 
-    def __init__(self, rows, dim, max_tokens):
+    def __init__(self, rows, dim, max_tokens, dtype=torch.float32):
         super().__init__()
-        self.register_buffer("table", torch.zeros(rows, dim))
+        self.register_buffer("table", torch.zeros(rows, dim, dtype=dtype))
         self.sink = nn.Parameter(torch.zeros(max_tokens, 2, dim))
 
     def rows_of(self, context, is_start):
@@ -1475,7 +1477,8 @@ class GPT(nn.Module):
         else:
             self.smear_gate = None
         if cfg.ngram_rows:
-            self.bigram, self.ngram = None, NgramTable(cfg.ngram_rows, cfg.model_dim, max_tokens)
+            self.bigram, self.ngram = None, NgramTable(cfg.ngram_rows, cfg.model_dim, max_tokens,
+                                                       getattr(torch, cfg.ngram_dtype))
         else:
             self.bigram, self.ngram = nn.Embedding(cfg.bigram_rows, cfg.model_dim), None
             nn.init.zeros_(self.bigram.weight)
@@ -2673,12 +2676,12 @@ def check_ngram_memory(h, device):
     """Refuse, before anything is allocated, an n-gram table that cannot fit where it would live."""
     if not h.ngram_rows:
         return
-    needed = h.ngram_rows * (h.model_dim * 4 + NGRAM_ROW_STATE_BYTES)
+    needed = h.ngram_rows * (h.model_dim * getattr(torch, h.ngram_dtype).itemsize + NGRAM_ROW_STATE_BYTES)
     available = available_memory_bytes(device)
     if available is not None and needed > available:
         raise ConfigError(f"--ngram_rows={h.ngram_rows} needs {needed / 2**30:.1f} GiB on the {device.type} "
-                          f"(fp32 rows of {h.model_dim} and {NGRAM_ROW_STATE_BYTES} B of optimizer state each), "
-                          f"{available / 2**30:.1f} GiB are available: lower --ngram_rows")
+                          f"({h.ngram_dtype} rows of {h.model_dim} and {NGRAM_ROW_STATE_BYTES} B of optimizer state "
+                          f"each), {available / 2**30:.1f} GiB are available: lower --ngram_rows")
 
 
 class Trainer:

@@ -326,14 +326,16 @@ def test_ngram_entries_are_the_tables_gradient(shards):
     assert not any(p is model.ngram.table for p in model.parameters()), "the table is no parameter"
 
 
-@pytest.mark.parametrize("step_every", [1, 2])
-def test_the_ngram_table_moves_only_the_rows_a_batch_touches(shards, step_every):
+@pytest.mark.parametrize("step_every,dtype", [(1, "float32"), (2, "float32"), (1, "bfloat16")])
+def test_the_ngram_table_moves_only_the_rows_a_batch_touches(shards, step_every, dtype):
     """Steps of the trainer with the table: the touched rows move (every step_every-th step,
     from the entries of those steps), every other row keeps its value bit for bit, and the
     dense optimizers never see the table or its sink."""
-    h = tiny_config(data_args(shards) + NGRAM + [f"--ngram_step_every={step_every}", "--ngram_lr=0.05"])
+    h = tiny_config(data_args(shards) + NGRAM + [f"--ngram_step_every={step_every}", "--ngram_lr=0.05",
+                                                 f"--ngram_dtype={dtype}"])
     trainer = cpu_trainer(h)
     table = trainer.model.ngram.table
+    assert table.dtype == getattr(torch, dtype)
     assert all(p is not trainer.model.ngram.sink for opt in trainer.optimizers for g in opt.param_groups
                for p in g["params"])
     loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
