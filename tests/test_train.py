@@ -1181,16 +1181,18 @@ def cpu_graphs(monkeypatch, trainer, fail=None):
     return graphs
 
 
-def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeypatch):
+@pytest.mark.parametrize("features", [[], NGRAM], ids=["bigram", "ngram"])
+def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeypatch, features):
     """Capture and replay with CUDA graph semantics on a CPU (CPUGraph): the warm-up captures
     each graph key's forward+backward once, each Muon bank's update and Adam's update (tied and
     untied); every timed micro-batch and optimizer update replays a graph (none runs eagerly),
     and the run's losses and weights still equal plain eager steps bit for bit, through a stage
     change, the untie (the head's Adam state copied in place), Adam every second step and the
-    scheduled LR and momentum (device scalars refilled before each replay). A capture that
-    fails ends in one line saying how to run without graphs."""
-    args = data_args(shards) + ["--num_iterations=6", "--untie_frac=0.8", "--adam_step_every=2", "--batch_ranks=2",
-                                "--warmup_steps=1"]
+    scheduled LR and momentum (device scalars refilled before each replay); with the n-gram
+    table too (its entries taken from the sink after each replay). A capture that fails ends in
+    one line saying how to run without graphs."""
+    args = data_args(shards) + features + ["--num_iterations=6", "--untie_frac=0.8", "--adam_step_every=2",
+                                           "--batch_ranks=2", "--warmup_steps=1"]
     select = tg.select_kernels
     monkeypatch.setattr(tg, "select_kernels", lambda h, device: dataclasses.replace(select(h, device),
                                                                                     attention=dense_attention))
