@@ -1380,26 +1380,31 @@ def bigram_sign_rows(tokens, is_doc_start):
     return ((SIGN_MULT_CUR * cur) ^ (SIGN_MULT_PREV * prev)) % SIGN_ROWS
 
 
-def ngram_rows(tokens, is_doc_start, rows):
-    """(T, 2) rows of the n-gram table: each token's bigram row in [0, rows/2) and its trigram
-    row in [rows/2, rows). A document's first token takes the bigram half's last row, and its
-    first two tokens the trigram half's last row (they have no full n-gram)."""
-    half = rows // 2
-    cur, prev = tokens.long(), previous_tokens(tokens, is_doc_start).long()
+def two_tokens_back(tokens, is_doc_start):
+    """(the token two positions back in its document, BOS where there is none; whether the
+    token is one of its document's first two, which have no trigram)."""
     second = torch.roll(is_doc_start, 1) & ~is_doc_start     # the token right after a document start
     second[0] = False
-    prev2 = torch.where(is_doc_start | second, BOS_ID, torch.roll(tokens, 2)).long()
-    bigram = ((BIGRAM_MULT_CUR * cur) ^ (BIGRAM_MULT_PREV * prev)) % (half - 1)
-    trigram = ((TRIGRAM_MULT_CUR * cur) ^ (TRIGRAM_MULT_PREV * prev) ^ (TRIGRAM_MULT_PREV2 * prev2)) % (rows - half - 1)
-    return torch.stack([torch.where(is_doc_start, half - 1, bigram),
-                        torch.where(is_doc_start | second, rows - 1, trigram + half)], dim=1)
+    first_two = is_doc_start | second
+    return torch.where(first_two, BOS_ID, torch.roll(tokens, 2)), first_two
+
+
+def ngram_rows(tokens, is_doc_start, rows):
+    """(T, 2) rows of the n-gram table: each token's bigram row in [0, rows/2) (bigram_rows of
+    that half: a document's first token takes its last row) and its trigram row in
+    [rows/2, rows), where a document's first two tokens take the last row."""
+    half = rows // 2
+    cur, prev = tokens.long(), previous_tokens(tokens, is_doc_start).long()
+    prev2, first_two = two_tokens_back(tokens, is_doc_start)
+    trigram = ((TRIGRAM_MULT_CUR * cur) ^ (TRIGRAM_MULT_PREV * prev) ^ (TRIGRAM_MULT_PREV2 * prev2.long())) \
+        % (rows - half - 1)
+    return torch.stack([bigram_rows(tokens, is_doc_start, half), torch.where(first_two, rows - 1, trigram + half)],
+                       dim=1)
 
 
 def trigram_sign_rows(tokens, is_doc_start):
-    second = torch.roll(is_doc_start, 1) & ~is_doc_start
-    second[0] = False
     cur, prev = tokens.long(), previous_tokens(tokens, is_doc_start).long()
-    prev2 = torch.where(is_doc_start | second, BOS_ID, torch.roll(tokens, 2)).long()
+    prev2 = two_tokens_back(tokens, is_doc_start)[0].long()
     a, b, c = TRIGRAM_SIGN_MULTS
     return ((a * cur) ^ (b * prev) ^ (c * prev2)) % SIGN_ROWS
 
