@@ -215,6 +215,9 @@ class Hyperparameters(ModelConfig):
     ngram_beta2: float = 0.95
     ngram_wd: float = 0.0
     ngram_step_every: int = 1      # the table updates every this-many steps, from the entries' mean over them
+    ngram_late_step: int = 0       # from this step on (0: never) the table's beta2 and cadence are the late ones
+    ngram_late_beta2: float = 0.9025
+    ngram_late_step_every: int = 4
     # system
     seed: int = 0
     device: str = "auto"           # auto | cuda | cpu
@@ -589,6 +592,9 @@ NUMERIC_RULES = [
     ("ngram_beta2", float, 0.0, 1.0, "a beta in [0, 1]"),
     ("ngram_wd", float, 0.0, None, "a weight decay >= 0"),
     ("ngram_step_every", int, 1, None, "a positive number of steps"),
+    ("ngram_late_step", int, 0, None, "a step >= 0 (0: never)"),
+    ("ngram_late_beta2", float, 0.0, 1.0, "a beta in [0, 1]"),
+    ("ngram_late_step_every", int, 1, None, "a positive number of steps"),
     ("seed", int, 0, 2**63 - 1, "a whole number in [0, 2^63)"),
     ("warmup_steps", int, 0, None, "0 or more steps"),
     ("log_every", int, 1, None, "a positive number of steps"),
@@ -1418,22 +1424,34 @@ class NgramTable(nn.Module):
     The table is a buffer, not a parameter: no dense gradient or optimizer state of its size
     exists. In training the gathered rows add `sink[:T]` (zeros), so the backward leaves each
     token's two row gradients in sink.grad[:T] (T, 2, dim), the entries the trainer hands to
-    optim.SparseRowAdam with the rows they belong to (`rows_of`)."""
+    optim.SparseRowAdam with the rows they belong to (`rows_of`).
 
-    def __init__(self, rows, dim, max_tokens, dtype=torch.float32):
+    Split across `shards` processes, this one holds rows [first_row, first_row + rows / shards)
+    in `table` (its shard), and a forward reads its slice's rows from `fetched` at `slots`
+    (T, 2), which the trainer fills from the rows' owners before each forward (ShardedNgramRows)."""
+
+    def __init__(self, rows, dim, max_tokens, dtype=torch.float32, shard=0, shards=1):
         super().__init__()
-        self.register_buffer("table", torch.zeros(rows, dim, dtype=dtype))
+        self.rows, self.gathered = rows, shards > 1
+        self.first_row = shard * (rows // shards)
+        self.register_buffer("table", torch.zeros(rows // shards, dim, dtype=dtype))
         self.sink = nn.Parameter(torch.zeros(max_tokens, 2, dim))
+        if self.gathered:          # a slice's distinct rows, and each token's two places among them
+            self.register_buffer("fetched", torch.zeros(2 * max_tokens, dim, dtype=dtype), persistent=False)
+            self.register_buffer("slots", torch.zeros(max_tokens, 2, dtype=torch.int64), persistent=False)
 
     def rows_of(self, context, is_start):
-        return ngram_rows(context, is_start, self.table.shape[0])
+        return ngram_rows(context, is_start, self.rows)
 
     def forward(self, context, is_start, seen, signs):
         """(T, dim) for the last T = len(context) - seen tokens of `context`."""
-        rows = self.rows_of(context, is_start)[seen:]
-        entries = self.table[rows]
+        count = context.shape[0] - seen
+        if self.gathered:
+            entries = self.fetched[self.slots[:count]]
+        else:
+            entries = self.table[self.rows_of(context, is_start)[seen:]]
         if self.training:
-            entries = entries + self.sink[:rows.shape[0]]
+            entries = entries + self.sink[:count]
         sign = torch.stack([signs[bigram_sign_rows(context, is_start)[seen:]],
                             signs[trigram_sign_rows(context, is_start)[seen:]]], dim=1)
         return (entries * sign).sum(1)
@@ -1463,9 +1481,10 @@ class GPT(nn.Module):
     until `untie`) -> softcapped
     cross-entropy over all or a sampled subset of vocabulary columns, with multi-token and
     prefix targets. max_tokens: the longest slice a forward pass will see (RoPE's table).
+    ngram_shard: (this process, processes) across which the n-gram table's rows are split.
     """
 
-    def __init__(self, cfg: ModelConfig, fns: "KernelFns", max_tokens: int):
+    def __init__(self, cfg: ModelConfig, fns: "KernelFns", max_tokens: int, ngram_shard=(0, 1)):
         super().__init__()
         self.cross_entropy_fn = fns.cross_entropy
         self.embed = nn.Embedding(PADDED_VOCAB_SIZE, cfg.model_dim)
@@ -1483,7 +1502,7 @@ class GPT(nn.Module):
             self.smear_gate = None
         if cfg.ngram_rows:
             self.bigram, self.ngram = None, NgramTable(cfg.ngram_rows, cfg.model_dim, max_tokens,
-                                                       getattr(torch, cfg.ngram_dtype))
+                                                       getattr(torch, cfg.ngram_dtype), *ngram_shard)
         else:
             self.bigram, self.ngram = nn.Embedding(cfg.bigram_rows, cfg.model_dim), None
             nn.init.zeros_(self.bigram.weight)
@@ -1523,7 +1542,7 @@ class GPT(nn.Module):
     def num_parameters(self):
         """Trained values: the parameters (but the n-gram table's gradient sink) and the table."""
         sink = self.ngram.sink if self.ngram is not None else None
-        table = self.ngram.table.numel() if self.ngram is not None else 0
+        table = self.ngram.rows * self.ngram.table.shape[1] if self.ngram is not None else 0
         return sum(p.numel() for p in self.parameters() if p is not sink) + table
 
     def set_windows(self, long_windows):
@@ -1721,8 +1740,9 @@ def max_positions(h: Hyperparameters):
     return max(max(s.tokens_per_rank for s in h.stages), h.val_tokens_per_rank)
 
 
-def build_model(h: Hyperparameters, fns: "KernelFns"):
-    return GPT(model_config(h), fns, max_positions(h))
+def build_model(h: Hyperparameters, fns: "KernelFns", ngram_shard=(0, 1)):
+    """The model; ngram_shard (this process, processes): the n-gram table rows it holds."""
+    return GPT(model_config(h), fns, max_positions(h), ngram_shard)
 
 
 MASKED_LOGIT = -60.0               # a masked pair's softcapped logit: exp(-60 - 23) ~ 1e-36 of the mass
@@ -2677,16 +2697,77 @@ def available_memory_bytes(device):
         return None
 
 
-def check_ngram_memory(h, device):
-    """Refuse, before anything is allocated, an n-gram table that cannot fit where it would live."""
+def check_ngram_table(h, env):
+    """Refuse, before anything is allocated, an n-gram table that cannot be split evenly across
+    the processes or whose shard cannot fit where it would live."""
     if not h.ngram_rows:
         return
-    needed = h.ngram_rows * (h.model_dim * getattr(torch, h.ngram_dtype).itemsize + NGRAM_ROW_STATE_BYTES)
-    available = available_memory_bytes(device)
+    if h.ngram_rows % env.world_size:
+        raise ConfigError(f"--ngram_rows={h.ngram_rows} does not split evenly across {env.world_size} processes: "
+                          f"use a multiple of {env.world_size}")
+    if h.save_checkpoint and env.world_size > 1:
+        raise ConfigError(f"--save_checkpoint=true writes one file from one process, but the n-gram table is split "
+                          f"across {env.world_size}: train without a checkpoint, or in one process")
+    shard = h.ngram_rows // env.world_size
+    needed = shard * (h.model_dim * getattr(torch, h.ngram_dtype).itemsize + NGRAM_ROW_STATE_BYTES)
+    available = available_memory_bytes(env.device)
     if available is not None and needed > available:
-        raise ConfigError(f"--ngram_rows={h.ngram_rows} needs {needed / 2**30:.1f} GiB on the {device.type} "
-                          f"({h.ngram_dtype} rows of {h.model_dim} and {NGRAM_ROW_STATE_BYTES} B of optimizer state "
-                          f"each), {available / 2**30:.1f} GiB are available: lower --ngram_rows")
+        where = f"{shard} rows in each of {env.world_size} processes" if env.world_size > 1 else "all in one process"
+        raise ConfigError(f"--ngram_rows={h.ngram_rows} needs {needed / 2**30:.1f} GiB on the {env.device.type} "
+                          f"({where}; {h.ngram_dtype} rows of {h.model_dim} and {NGRAM_ROW_STATE_BYTES} B of "
+                          f"optimizer state each), {available / 2**30:.1f} GiB are available: lower --ngram_rows")
+
+
+class ShardedNgramRows:
+    """The n-gram table split by rows across the processes: process r holds rows [r S, (r + 1) S)
+    (S = rows / processes) and their optimizer state, nothing else of the table.
+
+    fetch(tokens), before a forward: the slice's distinct rows (worked out on the host from its
+    host tokens) go to their owners, which send back their values into the model's `fetched`
+    buffer; `slots` says where each token's two rows landed. Three all_to_all calls: counts,
+    row ids, values.
+    send_gradients(grads), after the backward: each distinct row's gradient, summed over the
+    slice's tokens (in token order: deterministic), goes back to its owner by the same routes,
+    which returns the entries it received, for its own rows (repeats across senders add up in
+    SparseRowAdam). Traffic and memory per slice: its distinct rows, whatever the table's size.
+
+    The gradients are divided by the processes: each process's loss is scaled to its share of
+    the micro-batches, so the owners' sum is that many times the mean gradient the dense
+    parameters get (their all-reduce averages)."""
+
+    def __init__(self, table: NgramTable, sum_rows, env: Dist):
+        self.table, self.sum_rows, self.env = table, sum_rows, env
+        self.shard_rows = table.table.shape[0]
+        self.route = None          # the last fetch's (distinct rows on the device, send counts, receive counts, asked rows)
+
+    @torch.no_grad()
+    def fetch(self, tokens):
+        """Fill the table's `fetched` and `slots` for the host tokens (T,) of the next forward."""
+        device, world = self.env.device, self.env.world_size
+        rows = ngram_rows(tokens, document_starts(tokens), self.table.rows).reshape(-1)
+        distinct, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+        send_counts = torch.bincount(distinct // self.shard_rows, minlength=world)
+        recv_counts = torch.empty_like(send_counts, device=device)
+        dist.all_to_all_single(recv_counts, send_counts.to(device))
+        send_counts, recv_counts = send_counts.tolist(), recv_counts.tolist()   # the host waits for the counts
+        asked = torch.empty(sum(recv_counts), dtype=torch.int64, device=device)
+        distinct = distinct.to(device)
+        dist.all_to_all_single(asked, distinct, output_split_sizes=recv_counts, input_split_sizes=send_counts)
+        asked -= self.table.first_row
+        dist.all_to_all_single(self.table.fetched[:distinct.numel()], self.table.table[asked],
+                               output_split_sizes=send_counts, input_split_sizes=recv_counts)
+        self.table.slots[:tokens.numel()].copy_(inverse.view(-1, 2), non_blocking=True)
+        self.route = (rows.to(device, non_blocking=True), send_counts, recv_counts, asked)
+
+    @torch.no_grad()
+    def send_gradients(self, grads):
+        """(rows of this shard, their gradients) for the entries `grads` (T * 2, D) of the last
+        fetched slice: this process's share of every process's summed gradients."""
+        rows, send_counts, recv_counts, asked = self.route
+        summed = self.sum_rows(grads, kernels.distinct_rows(rows))[:sum(send_counts)]
+        received = grads.new_empty(len(asked), grads.shape[1])
+        dist.all_to_all_single(received, summed, output_split_sizes=recv_counts, input_split_sizes=send_counts)
+        return asked, received / self.env.world_size
 
 
 class Trainer:
@@ -2696,21 +2777,22 @@ class Trainer:
         self.h, self.env, self.log = h, env, log
         torch.manual_seed(h.seed)
         self.kernels = select_kernels(h, env.device)
-        if h.ngram_rows and env.world_size > 1:
-            raise ConfigError(f"--ngram_rows={h.ngram_rows} trains the table in one process (its rows are not "
-                              f"sharded across the {env.world_size} processes): run one, or set --ngram_rows=0")
-        check_ngram_memory(h, env.device)
-        self.model = build_model(h, self.kernels).to(env.device)
+        check_ngram_table(h, env)
+        self.model = build_model(h, self.kernels, (env.rank, env.world_size)).to(env.device)
         self.graphs = StepGraphs(self.model, env.device, h.cuda_graphs)
         self.optimizers = build_optimizers(h, self.model, self.kernels,
                                            self.graphs.run_captured if h.cuda_graphs else None)
         self.adam = next(opt for opt in self.optimizers if isinstance(opt, optim.Adam))
-        self.ngram_adam = None     # the n-gram table's sparse Adam, its pending gradient entries and calls
+        self.ngram_adam = None     # the n-gram table's (or this process's shard's) sparse Adam
+        self.ngram_shards = None   # with several processes, the exchange of rows and gradients
         if self.model.ngram is not None:
             self.ngram_adam = optim.SparseRowAdam(self.model.ngram.table, lr=h.ngram_lr, beta2=h.ngram_beta2,
                                                   eps=h.adam_eps, weight_decay=h.ngram_wd,
                                                   use_triton=self.kernels.xxt is not None)
-        self.ngram_entries, self.ngram_calls = [], 0
+            if self.model.ngram.gathered:
+                self.ngram_shards = ShardedNgramRows(self.model.ngram, self.ngram_adam.sum_rows, env)
+        self.ngram_entries, self.ngram_calls = [], 0  # pending gradient entries, and the steps they span
+        self.ngram_step_every = h.ngram_step_every
         self.freeze_table = False  # set by the warm-up: the table keeps its values
         self.forward, self.validation_loss_sum = self.model, self.model.validation_loss_sum
         if h.compile:
@@ -2746,7 +2828,10 @@ class Trainer:
         self.set_tied(step < untie_step(h))
         lr = lr_multiplier(h, step)
         if self.ngram_adam is not None:
+            late = 0 < h.ngram_late_step <= step
             self.ngram_adam.lr = h.ngram_lr * lr
+            self.ngram_adam.beta2 = h.ngram_late_beta2 if late else h.ngram_beta2
+            self.ngram_step_every = h.ngram_late_step_every if late else h.ngram_step_every
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = group["initial_lr"] * lr
@@ -2793,6 +2878,8 @@ class Trainer:
         self.step_losses.zero_()
         for slice_index, s in zip(self.mine, slices):
             self.model.set_fp8_loss_unit(1.0 / (s.tokens.numel() * self.accum))  # the objective's weight per token
+            if self.ngram_shards is not None:
+                self.ngram_shards.fetch(s.tokens)
             self.graphs.run(graph_key(self.h, step), body, s, candidate_offset(step, slice_index))
             if self.ngram_adam is not None:
                 self.take_ngram_entries(s)
@@ -2800,19 +2887,24 @@ class Trainer:
 
     def take_ngram_entries(self, s):
         """Keep the n-gram table's gradient entries of the micro-batch that just ran (its two rows
-        per token and their gradients, from the sink) and clear the sink for the next one."""
+        per token and their gradients, from the sink; with a split table, the entries the other
+        processes sent for this one's rows) and clear the sink for the next one."""
         ngram = self.model.ngram
-        tokens = s.tokens.to(self.env.device, non_blocking=True)
-        rows = ngram.rows_of(tokens, document_starts(tokens)).reshape(-1)
-        grads = ngram.sink.grad[:tokens.numel()]
-        self.ngram_entries.append((rows, grads.reshape(rows.numel(), -1).clone()))
+        grads = ngram.sink.grad[:s.tokens.numel()]
+        entries = grads.reshape(2 * s.tokens.numel(), -1)
+        if self.ngram_shards is not None:
+            self.ngram_entries.append(self.ngram_shards.send_gradients(entries))
+        else:
+            tokens = s.tokens.to(self.env.device, non_blocking=True)
+            self.ngram_entries.append((ngram.rows_of(tokens, document_starts(tokens)).reshape(-1), entries.clone()))
         grads.zero_()
 
     def step_ngram_table(self):
-        """Every ngram_step_every-th step: update the table's touched rows from the mean of their
-        entries over those steps (repeats add up). The warm-up discards its entries."""
+        """Every ngram_step_every-th step (ngram_late_step_every from ngram_late_step): update the
+        table's touched rows from the mean of their entries over those steps (repeats add up).
+        The warm-up discards its entries."""
         self.ngram_calls += 1
-        if self.freeze_table or self.ngram_calls >= self.h.ngram_step_every:
+        if self.freeze_table or self.ngram_calls >= self.ngram_step_every:
             rows, grads = (torch.cat(parts) for parts in zip(*self.ngram_entries))
             if not self.freeze_table:
                 self.ngram_adam.step(rows, grads / self.ngram_calls if self.ngram_calls > 1 else grads)
@@ -2862,6 +2954,8 @@ class Trainer:
         self.model.eval()
         total = torch.zeros((), device=self.env.device)
         for s in slices:
+            if self.ngram_shards is not None:
+                self.ngram_shards.fetch(s.tokens)
             s = s.to(self.env.device)
             with self.autocast:
                 args = self.attention_args(s.cu_seqlens, attention_windows(self.h, step, final_validation))

@@ -352,14 +352,71 @@ def test_the_ngram_table_moves_only_the_rows_a_batch_touches(shards, step_every,
     assert torch.equal(moved, touched) and 0 < touched.sum() < table.shape[0]
 
 
-def test_an_ngram_table_too_large_for_memory_or_across_processes_is_refused():
-    h = tiny_config(["--ngram_rows=2048"])
-    with pytest.raises(tg.ConfigError, match="in one process .* sharded across the 2 processes"):
-        tg.Trainer(h, tg.Dist(0, 2, 0, torch.device("cpu")), tg.RunLog("unused", active=False))
+def test_the_ngram_tables_late_phase_changes_its_beta2_and_cadence(shards):
+    """From ngram_late_step the table's Adam events use the late beta2 and come every
+    ngram_late_step_every steps (the entries between them wait); each event's decay enters the
+    catch-up table."""
+    h = tiny_config(data_args(shards) + NGRAM + ["--ngram_lr=0.05", "--ngram_beta2=0.9", "--ngram_late_step=1",
+                                                 "--ngram_late_beta2=0.81", "--ngram_late_step_every=2"])
+    trainer = cpu_trainer(h)
+    table, adam = trainer.model.ngram.table, trainer.ngram_adam
+    loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
+    betas, moved = [], []
+    for step in range(4):
+        trainer.advance_to(step)
+        before = table.clone()
+        trainer.train_step(step, loader.next_batch(512, 256, 1, [0]))
+        betas.append(adam.beta2)
+        moved.append(not torch.equal(table, before))
+    assert betas == [0.9, 0.81, 0.81, 0.81] and moved == [True, False, True, False]
+    assert adam.log_decay == pytest.approx([0.0, math.log(0.9), math.log(0.9) + math.log(0.81)])
+    assert len(trainer.ngram_entries) == 1, "step 3's entries wait for the next event"
+
+
+def test_an_ngram_table_that_cannot_be_split_or_does_not_fit_is_refused():
+    h = tiny_config(["--ngram_rows=2050"])
+    with pytest.raises(tg.ConfigError, match="does not split evenly across 4 processes: use a multiple of 4"):
+        tg.check_ngram_table(h, tg.Dist(0, 4, 0, torch.device("cpu")))
+    h = tiny_config(["--ngram_rows=2048", "--save_checkpoint=true"])
+    with pytest.raises(tg.ConfigError, match="split across 2: train without a checkpoint"):
+        tg.check_ngram_table(h, tg.Dist(0, 2, 0, torch.device("cpu")))
     h = tiny_config(["--ngram_rows=" + str(2 ** 40)])
-    with pytest.raises(tg.ConfigError, match=r"--ngram_rows=1099511627776 needs .* GiB on the cpu .* lower "
-                                             r"--ngram_rows"):
-        tg.check_ngram_memory(h, torch.device("cpu"))
+    with pytest.raises(tg.ConfigError, match=r"--ngram_rows=1099511627776 needs .* GiB on the cpu \(all in one "
+                                             r"process.* lower --ngram_rows"):
+        tg.check_ngram_table(h, tg.Dist(0, 1, 0, torch.device("cpu")))
+    with pytest.raises(tg.ConfigError, match=r"needs 33792.0 GiB on the cpu \(137438953472 rows in each of 8 "):
+        tg.check_ngram_table(h, tg.Dist(0, 8, 0, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["every_step", "late_every_2"])
+def test_a_table_split_across_two_processes_trains_as_one(shards, tmp_path, late):
+    """Two processes (gloo), each holding half the table's rows and its slices' rows fetched from
+    their owners, end with the table, step losses (the mean of the processes' micro-batch losses)
+    and validation loss of one process holding the whole table, up to the order of float sums
+    (fp32 compute, so that the dense weights' tiny differences are not rounded to bf16). With
+    `late`, the table switches to its late beta2 and updates every 2nd step from step 2."""
+    from ngram_dist_worker import train_and_validate
+    steps = 4
+    args = ["--preset", "cpu", *TINY, *data_args(shards), *NGRAM, f"--num_iterations={steps}", "--batch_ranks=2",
+            "--ngram_lr=0.05", "--compute_dtype=float32"] + \
+        (["--ngram_late_step=2", "--ngram_late_step_every=2"] if late else [])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(REPO, "tests", "ngram_dist_worker.py"), str(tmp_path), str(steps), *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    h = tg.parse_config(args)
+    trainer = cpu_trainer(h)
+    losses, val = train_and_validate(trainer, h, steps)
+    table = trainer.model.ngram.table
+    assert [r["first_row"] for r in ranks] == [0, table.shape[0] // 2]
+    split = torch.cat([r["shard"] for r in ranks])
+    moved = (table != 0).any(1)
+    assert 0 < moved.sum() < table.shape[0] and torch.equal((split != 0).any(1), moved)
+    torch.testing.assert_close(split, table, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose((np.array(ranks[0]["losses"]) + ranks[1]["losses"]) / 2, losses, rtol=1e-5)
+    assert ranks[0]["val"] == ranks[1]["val"] == pytest.approx(val, rel=1e-5)
 
 
 def test_yarn_at_the_final_window_is_a_choice():

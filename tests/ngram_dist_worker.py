@@ -1,0 +1,46 @@
+"""Train the tiny model with its n-gram table split across the processes of a torch.distributed
+job, and save what each process ends with.
+
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=2 \\
+        tests/ngram_dist_worker.py OUT STEPS --key=value ...
+
+Each process writes OUT/rank<r>.pt: {"first_row", "shard" (its rows of the table), "losses"
+(per step), "val" (the validation loss after the last step)}. tests/test_train.py imports
+`train_and_validate` to run the same steps in one process, where the table is whole.
+"""
+import os
+import sys
+
+import torch
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(TESTS))
+import train_gpt as tg  # noqa: E402
+
+
+def train_and_validate(trainer, h, steps):
+    """(per-step [next-token loss, objective], val loss after the steps) from the start of h's data."""
+    loader = tg.TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+    losses = []
+    for step in range(steps):
+        trainer.advance_to(step)
+        stage = h.stages[tg.stage_index(h, step)]
+        slices = loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, trainer.mine)
+        losses.append(trainer.train_step(step, slices).tolist())
+    val = trainer.validate(tg.validation_data(h, trainer.env, tg.find_shards(h.val_files)), steps, False)
+    return losses, val
+
+
+def main(out, steps, args):
+    h = tg.parse_config(args)
+    env = tg.start_process(h)
+    trainer = tg.Trainer(h, env, tg.RunLog("unused", active=False))
+    losses, val = train_and_validate(trainer, h, steps)
+    ngram = trainer.model.ngram
+    torch.save({"first_row": ngram.first_row, "shard": ngram.table.clone(), "losses": losses, "val": val},
+               os.path.join(out, f"rank{env.rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:])
