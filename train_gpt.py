@@ -218,6 +218,7 @@ class Hyperparameters(ModelConfig):
     ngram_late_step: int = 0       # from this step on (0: never) the table's beta2 and cadence are the late ones
     ngram_late_beta2: float = 0.9025
     ngram_late_step_every: int = 4
+    ngram_cache_rows: int = 0      # > 0: the table lives in host memory and this many of its rows on the device
     # system
     seed: int = 0
     device: str = "auto"           # auto | cuda | cpu
@@ -287,6 +288,10 @@ def _cpu_preset(h):
     h.cuda_graphs = False
 
 
+NGRAM_RECORD_ROWS = 84_602_880     # record 92's n-gram table: 10,575,360 rows on each of 8 GPUs
+NGRAM_LATE_STEP = 336              # record 92's step from which the table's beta2 is squared and updates every 4th
+
+
 def _record89_features(h):
     """The model features and optimizer constants that records 89 and 92 share."""
     h.smear_gate = True
@@ -334,6 +339,9 @@ def _speedrun_preset(h):
     h.attn_gate_layers = (3, 9)                # record 89's 3, 10
     h.snapshot_layer = 6                       # record 89's 7 is gone: the layers after 6 read its output
     h.dc_layers = (9,)                         # record 89's 10: composed attention over 112 tokens
+    h.ngram_rows, h.ngram_dtype = NGRAM_RECORD_ROWS, "bfloat16"   # the hashed n-gram table, split across the GPUs
+    h.ngram_lr, h.ngram_wd = h.value_embed_lr, h.value_embed_wd   # record 89's bigram table's LR and decay
+    h.ngram_late_step = NGRAM_LATE_STEP                           # then beta2 0.95^2, an update every 4th step
     N = h.num_iterations           # 1194
     h.stages = [                   # record 92's boundaries; the tails' batches as the public ANVIL record's
         Stage(end=320 / N, tokens_per_rank=16_384, max_doc_len=896, short_window=1, long_window=3,
@@ -387,6 +395,9 @@ def _record89_preset(h):
 def _one_gpu_preset(h):
     _speedrun_preset(h)
     h.track = "none"               # the same dynamics as speedrun, but not an 8xH100 record
+    # the table (130 GB in bf16) in host memory; the device caches the rows of 5 steps (more than
+    # min_cache_rows: an update every 4th step, the next step's prefetch and a validation slice)
+    h.ngram_cache_rows = 4_194_304
 
 
 PRESETS = {"speedrun": _speedrun_preset, "1gpu": _one_gpu_preset, "cpu": _cpu_preset, "record89": _record89_preset}
@@ -595,6 +606,7 @@ NUMERIC_RULES = [
     ("ngram_late_step", int, 0, None, "a step >= 0 (0: never)"),
     ("ngram_late_beta2", float, 0.0, 1.0, "a beta in [0, 1]"),
     ("ngram_late_step_every", int, 1, None, "a positive number of steps"),
+    ("ngram_cache_rows", int, 0, None, "0 (the table on the device) or a number of rows"),
     ("seed", int, 0, 2**63 - 1, "a whole number in [0, 2^63)"),
     ("warmup_steps", int, 0, None, "0 or more steps"),
     ("log_every", int, 1, None, "a positive number of steps"),
@@ -1415,6 +1427,17 @@ def trigram_sign_rows(tokens, is_doc_start):
     return ((a * cur) ^ (b * prev) ^ (c * prev2)) % SIGN_ROWS
 
 
+@dataclass(frozen=True)
+class TablePlacement:
+    """Where the n-gram table's rows live: this process's share (shard of shards), on the device,
+    or (cache_rows > 0, one process) in host memory with that many rows cached on the device.
+    The table and its cache are made on `device` directly, not copied there: they can be most of it."""
+    shard: int = 0
+    shards: int = 1
+    cache_rows: int = 0
+    device: torch.device = torch.device("cpu")
+
+
 class NgramTable(nn.Module):
     """The hashed bigram+trigram embedding: one table of `rows` x dim, bigram rows in the first
     half and trigram rows in the second, zero at the start. A token's output is its bigram row
@@ -1426,30 +1449,51 @@ class NgramTable(nn.Module):
     token's two row gradients in sink.grad[:T] (T, 2, dim), the entries the trainer hands to
     optim.SparseRowAdam with the rows they belong to (`rows_of`).
 
-    Split across `shards` processes, this one holds rows [first_row, first_row + rows / shards)
-    in `table` (its shard), and a forward reads its slice's rows from `fetched` at `slots`
-    (T, 2), which the trainer fills from the rows' owners before each forward (ShardedNgramRows)."""
+    Where the rows live (TablePlacement): all in `table` on the device; or split across
+    processes, this one holding rows [first_row, first_row + rows / shards) in `table`; or in
+    `table` in host memory (which .to(device) leaves there), with `fetched` a device cache of
+    cache_rows of them. Split or on the host, a forward reads each token's two rows from
+    `fetched` at `slots` (T, 2), which the trainer fills before the forward (ShardedNgramRows,
+    HostNgramRows)."""
 
-    def __init__(self, rows, dim, max_tokens, dtype=torch.float32, shard=0, shards=1):
+    def __init__(self, rows, dim, max_tokens, dtype=torch.float32, placement=None):
         super().__init__()
-        self.rows, self.gathered = rows, shards > 1
-        self.first_row = shard * (rows // shards)
-        self.register_buffer("table", torch.zeros(rows // shards, dim, dtype=dtype))
+        placement = placement or TablePlacement()
+        self.rows, self.on_host = rows, placement.cache_rows > 0
+        self.gathered = placement.shards > 1 or self.on_host
+        self.first_row = placement.shard * (rows // placement.shards)
+        device = placement.device
+        table = (torch.zeros(rows, dim, dtype=dtype, pin_memory=torch.cuda.is_available()) if self.on_host else
+                 torch.zeros(rows // placement.shards, dim, dtype=dtype, device=device))
+        self.register_buffer("table", table)
         self.sink = nn.Parameter(torch.zeros(max_tokens, 2, dim))
-        if self.gathered:          # a slice's distinct rows, and each token's two places among them
-            self.register_buffer("fetched", torch.zeros(2 * max_tokens, dim, dtype=dtype), persistent=False)
+        if self.gathered:          # split: a slice's distinct rows; on the host: the cache
+            fetched = placement.cache_rows or 2 * max_tokens
+            self.register_buffer("fetched", torch.zeros(fetched, dim, dtype=dtype, device=device), persistent=False)
             self.register_buffer("slots", torch.zeros(max_tokens, 2, dtype=torch.int64), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        """Module.to() and friends, but a table in host memory stays there."""
+        if not self.on_host:
+            return super()._apply(fn, recurse)
+        table = self._buffers.pop("table")
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._buffers["table"] = table
 
     def rows_of(self, context, is_start):
         return ngram_rows(context, is_start, self.rows)
 
-    def forward(self, context, is_start, seen, signs):
-        """(T, dim) for the last T = len(context) - seen tokens of `context`."""
+    def forward(self, context, is_start, seen, signs, lookup=False):
+        """(T, dim) for the last T = len(context) - seen tokens of `context`; with `lookup` (a
+        generation step) the rows are read from `table` even if the trainer fetches them."""
         count = context.shape[0] - seen
-        if self.gathered:
+        if self.gathered and not lookup:
             entries = self.fetched[self.slots[:count]]
         else:
-            entries = self.table[self.rows_of(context, is_start)[seen:]]
+            rows = self.rows_of(context, is_start)[seen:]
+            entries = self.table[rows.to(self.table.device)].to(context.device)
         if self.training:
             entries = entries + self.sink[:count]
         sign = torch.stack([signs[bigram_sign_rows(context, is_start)[seen:]],
@@ -1481,10 +1525,10 @@ class GPT(nn.Module):
     until `untie`) -> softcapped
     cross-entropy over all or a sampled subset of vocabulary columns, with multi-token and
     prefix targets. max_tokens: the longest slice a forward pass will see (RoPE's table).
-    ngram_shard: (this process, processes) across which the n-gram table's rows are split.
+    placement: where the n-gram table's rows live (TablePlacement).
     """
 
-    def __init__(self, cfg: ModelConfig, fns: "KernelFns", max_tokens: int, ngram_shard=(0, 1)):
+    def __init__(self, cfg: ModelConfig, fns: "KernelFns", max_tokens: int, placement: TablePlacement = None):
         super().__init__()
         self.cross_entropy_fn = fns.cross_entropy
         self.embed = nn.Embedding(PADDED_VOCAB_SIZE, cfg.model_dim)
@@ -1502,7 +1546,7 @@ class GPT(nn.Module):
             self.smear_gate = None
         if cfg.ngram_rows:
             self.bigram, self.ngram = None, NgramTable(cfg.ngram_rows, cfg.model_dim, max_tokens,
-                                                       getattr(torch, cfg.ngram_dtype), *ngram_shard)
+                                                       getattr(torch, cfg.ngram_dtype), placement)
         else:
             self.bigram, self.ngram = nn.Embedding(cfg.bigram_rows, cfg.model_dim), None
             nn.init.zeros_(self.bigram.weight)
@@ -1599,7 +1643,7 @@ class GPT(nn.Module):
         else:
             x = self.smear(self.embed(context), is_start)[seen:]
         if self.ngram is not None:
-            bigram = self.ngram(context, is_start, seen, self.signs)
+            bigram = self.ngram(context, is_start, seen, self.signs, lookup=cache is not None)
         else:
             bigram = self.bigram(bigram_rows(context, is_start, self.bigram.num_embeddings)[seen:])
             bigram = bigram * self.signs[bigram_sign_rows(context, is_start)[seen:]]
@@ -1740,9 +1784,8 @@ def max_positions(h: Hyperparameters):
     return max(max(s.tokens_per_rank for s in h.stages), h.val_tokens_per_rank)
 
 
-def build_model(h: Hyperparameters, fns: "KernelFns", ngram_shard=(0, 1)):
-    """The model; ngram_shard (this process, processes): the n-gram table rows it holds."""
-    return GPT(model_config(h), fns, max_positions(h), ngram_shard)
+def build_model(h: Hyperparameters, fns: "KernelFns", placement: TablePlacement = None):
+    return GPT(model_config(h), fns, max_positions(h), placement)
 
 
 MASKED_LOGIT = -60.0               # a masked pair's softcapped logit: exp(-60 - 23) ~ 1e-36 of the mass
@@ -1956,6 +1999,10 @@ class BatchPrefetcher:
         stage = self.h.stages[stage_index(self.h, step)]
         slices = self.loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, self.h.batch_ranks, self.mine)
         return [s.pinned() for s in slices] if self.pin else slices
+
+    def peek(self):
+        """The slices of the step after the last one got (waiting for them to be built)."""
+        return self.future.result()
 
     def get(self, step):
         if step != self.step:
@@ -2683,6 +2730,7 @@ class StepGraphs:
 FP8_CALIBRATION_PASSES = 1         # forward+backward passes that record the FP8 amaxes before the first step
 NGRAM_TABLE_KEY = "ngram.table"    # the n-gram table in the model's state dict
 NGRAM_ROW_STATE_BYTES = 8          # sparse Adam's state per table row: an fp32 moment and an int32 event
+NGRAM_ROW_MAP_BYTES = 4            # a host table's map from each row to its cache slot (int32)
 
 
 def available_memory_bytes(device):
@@ -2708,14 +2756,38 @@ def check_ngram_table(h, env):
     if h.save_checkpoint and env.world_size > 1:
         raise ConfigError(f"--save_checkpoint=true writes one file from one process, but the n-gram table is split "
                           f"across {env.world_size}: train without a checkpoint, or in one process")
-    shard = h.ngram_rows // env.world_size
-    needed = shard * (h.model_dim * getattr(torch, h.ngram_dtype).itemsize + NGRAM_ROW_STATE_BYTES)
-    available = available_memory_bytes(env.device)
-    if available is not None and needed > available:
-        where = f"{shard} rows in each of {env.world_size} processes" if env.world_size > 1 else "all in one process"
-        raise ConfigError(f"--ngram_rows={h.ngram_rows} needs {needed / 2**30:.1f} GiB on the {env.device.type} "
-                          f"({where}; {h.ngram_dtype} rows of {h.model_dim} and {NGRAM_ROW_STATE_BYTES} B of "
-                          f"optimizer state each), {available / 2**30:.1f} GiB are available: lower --ngram_rows")
+    row_bytes = h.model_dim * getattr(torch, h.ngram_dtype).itemsize + NGRAM_ROW_STATE_BYTES
+    if h.ngram_cache_rows:
+        if env.world_size > 1:
+            raise ConfigError(f"--ngram_cache_rows={h.ngram_cache_rows} keeps the table in one process's host "
+                              f"memory, but {env.world_size} processes split it: set --ngram_cache_rows=0")
+        least = min_cache_rows(h, env)
+        if h.ngram_cache_rows < least:
+            raise ConfigError(f"--ngram_cache_rows={h.ngram_cache_rows} is fewer than the {least} rows the device "
+                              f"cache must hold at once (an update's slices, the next step's and a validation "
+                              f"slice's, 2 rows per token): raise it to at least {least}")
+        places = [(h.ngram_rows, row_bytes + NGRAM_ROW_MAP_BYTES, torch.device("cpu"), "in host memory"),
+                  (h.ngram_cache_rows, row_bytes, env.device, f"its cache of {h.ngram_cache_rows} rows")]
+    else:
+        shard = h.ngram_rows // env.world_size
+        places = [(shard, row_bytes, env.device, f"{shard} rows in each of {env.world_size} processes"
+                   if env.world_size > 1 else "all in one process")]
+    for rows, per_row, device, where in places:
+        available = available_memory_bytes(device)
+        if available is not None and rows * per_row > available:
+            raise ConfigError(f"--ngram_rows={h.ngram_rows} needs {rows * per_row / 2**30:.1f} GiB on the "
+                              f"{device.type} ({where}: {per_row} B per row, {h.ngram_dtype} values of "
+                              f"{h.model_dim} and the optimizer state), {available / 2**30:.1f} GiB are "
+                              f"available: lower --ngram_rows{' or --ngram_cache_rows' if h.ngram_cache_rows else ''}")
+
+
+def min_cache_rows(h, env):
+    """Rows the device cache of a host table must hold at once: those of the slices since the
+    table's last Adam event (its longest cadence), of the next step's (prefetched) and of a
+    validation slice, 2 per token."""
+    cadence = max(h.ngram_step_every, h.ngram_late_step_every if h.ngram_late_step else 1)
+    longest = max(s.tokens_per_rank for s in h.stages)
+    return 2 * ((cadence + 1) * (h.batch_ranks // env.world_size) * longest + h.val_tokens_per_rank)
 
 
 class ShardedNgramRows:
@@ -2741,7 +2813,7 @@ class ShardedNgramRows:
         self.route = None          # the last fetch's (distinct rows on the device, send counts, receive counts, asked rows)
 
     @torch.no_grad()
-    def fetch(self, tokens):
+    def fetch(self, tokens, training=True):
         """Fill the table's `fetched` and `slots` for the host tokens (T,) of the next forward."""
         device, world = self.env.device, self.env.world_size
         rows = ngram_rows(tokens, document_starts(tokens), self.table.rows).reshape(-1)
@@ -2760,7 +2832,7 @@ class ShardedNgramRows:
         self.route = (rows.to(device, non_blocking=True), send_counts, recv_counts, asked)
 
     @torch.no_grad()
-    def send_gradients(self, grads):
+    def entries(self, grads):
         """(rows of this shard, their gradients) for the entries `grads` (T * 2, D) of the last
         fetched slice: this process's share of every process's summed gradients."""
         rows, send_counts, recv_counts, asked = self.route
@@ -2768,6 +2840,139 @@ class ShardedNgramRows:
         received = grads.new_empty(len(asked), grads.shape[1])
         dist.all_to_all_single(received, summed, output_split_sizes=recv_counts, input_split_sizes=send_counts)
         return asked, received / self.env.world_size
+
+
+class HostNgramRows:
+    """The n-gram table in host memory (pinned with a GPU) and a device cache of its rows.
+
+    The cache is the table's `fetched` (cache_rows x dim). SparseRowAdam trains the cached rows
+    in place, with each slot's moment and last event, so the math is the resident table's, row
+    for row and bit for bit. The host keeps every row's value, moment and last event, and each
+    row's slot (-1: not cached).
+
+    fetch(tokens), before a forward: the slice's distinct rows that are not cached are copied
+    from the host into free slots with their state (prefetch() does this for the next step's
+    slices while the current one runs, on a copy stream with a GPU), and `slots` gets each
+    token's two slots. A training slice's rows stay pinned in the cache until the table's next
+    Adam event has used their gradients (release()). When free slots run short, the least
+    recently used unpinned rows go back to the host (values and state), a quarter of the cache
+    at a time: the host waits for the device then, once per such round. flush() writes every
+    cached row back, so that the host table is whole (for a checkpoint)."""
+
+    def __init__(self, table: NgramTable, adam: optim.SparseRowAdam, device):
+        self.table, self.adam, self.device = table, adam, device
+        capacity, pin = table.fetched.shape[0], device.type == "cuda"
+        self.moment = torch.zeros(table.rows, dtype=torch.float32, pin_memory=pin)  # every row's Adam state
+        self.last = torch.zeros(table.rows, dtype=torch.int32, pin_memory=pin)
+        self.slot_of = torch.full((table.rows,), -1, dtype=torch.int32)
+        self.row_of = torch.full((capacity,), -1, dtype=torch.int64)  # -1: a free slot
+        self.used = torch.zeros(capacity, dtype=torch.int64)          # the fetch that last read the slot
+        self.pinned = torch.zeros(capacity, dtype=torch.bool)
+        self.copies = torch.cuda.Stream(device) if pin else None
+        self.last_slots = None     # the last fetched slice's slots, 2 per token, on the device
+        self.reset_counts()
+
+    def reset_counts(self):
+        """Start counting fetches, row lookups, hits and write-backs anew."""
+        self.fetches = self.lookups = self.hits = self.evicted = self.rounds = 0
+
+    def _rows(self, tokens):
+        return ngram_rows(tokens, document_starts(tokens), self.table.rows).reshape(-1)
+
+    @torch.no_grad()
+    def fetch(self, tokens, training=True):
+        """Make the rows of the host tokens (T,) cached and fill the table's `slots` for them;
+        a training slice's rows are pinned until release()."""
+        distinct, inverse = torch.unique(self._rows(tokens), sorted=True, return_inverse=True)
+        token_slots = self._cache(distinct, pin=training)[inverse]
+        if self.copies is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.copies)
+        self.last_slots = token_slots.to(self.device, non_blocking=True)
+        self.table.slots[:tokens.numel()].copy_(self.last_slots.view(-1, 2))
+
+    @torch.no_grad()
+    def prefetch(self, slices):
+        """Copy the rows of the next step's slices into the cache now, and pin them."""
+        stream = torch.cuda.stream(self.copies) if self.copies is not None else contextlib.nullcontext()
+        with stream:
+            for s in slices:
+                self._cache(torch.unique(self._rows(s.tokens)), pin=True)
+
+    def entries(self, grads):
+        """(cache slots, gradients) for the entries `grads` (T * 2, D) of the last fetched slice."""
+        return self.last_slots, grads.clone()
+
+    def release(self):
+        """The table's Adam event has used every pending gradient: no row needs to stay cached."""
+        self.pinned.zero_()
+
+    def _cache(self, distinct, pin):
+        """The slots of the (host) rows `distinct`, loading those not cached."""
+        slots = self.slot_of[distinct].long()
+        missing = slots < 0
+        count = int(missing.sum())
+        self.fetches, self.lookups, self.hits = self.fetches + 1, self.lookups + distinct.numel(), \
+            self.hits + distinct.numel() - count
+        if count:
+            free = self._free_slots(count, keep=slots[~missing])
+            rows = distinct[missing]
+            self._load(rows, free)
+            slots[missing] = free
+            self.slot_of[rows], self.row_of[free] = free.int(), rows
+        self.used[slots] = self.fetches
+        if pin:
+            self.pinned[slots] = True
+        return slots
+
+    def _free_slots(self, count, keep):
+        free = torch.nonzero(self.row_of < 0).squeeze(1)
+        if free.numel() < count:
+            self._evict(max(count - free.numel(), self.row_of.numel() // 4), keep)
+            free = torch.nonzero(self.row_of < 0).squeeze(1)
+        if free.numel() < count:
+            raise TrainingError(f"the n-gram table's device cache of {self.row_of.numel()} rows has no room for "
+                                f"{count} more: raise --ngram_cache_rows")
+        return free[:count]
+
+    def _evict(self, count, keep):
+        """Write the `count` least recently used unpinned rows (but `keep`) back to the host."""
+        candidate = (self.row_of >= 0) & ~self.pinned
+        candidate[keep] = False
+        count = min(count, int(candidate.sum()))
+        if not count:
+            return
+        victims = torch.topk(torch.where(candidate, self.used, torch.iinfo(torch.int64).max), count,
+                             largest=False).indices
+        self._write_back(victims)
+        self.slot_of[self.row_of[victims]] = -1
+        self.row_of[victims] = -1
+        self.evicted, self.rounds = self.evicted + count, self.rounds + 1
+
+    def _write_back(self, slots):
+        """Host rows of `slots` <- their cached values and state (the host waits for the device)."""
+        rows, on_device = self.row_of[slots], slots.to(self.device)
+        self.table.table[rows] = self.table.fetched[on_device].cpu()
+        self.moment[rows] = self.adam.moment[on_device].cpu()
+        self.last[rows] = self.adam.last[on_device].cpu()
+
+    def _load(self, rows, slots):
+        """Cache slots <- host rows with their state, queued on the current stream."""
+        pin = self.copies is not None
+        on_device = slots.to(self.device, non_blocking=True)
+        for host, cached in ((self.table.table, self.table.fetched), (self.moment, self.adam.moment),
+                             (self.last, self.adam.last)):
+            picked = torch.empty((rows.numel(), *host.shape[1:]), dtype=host.dtype, pin_memory=pin)
+            torch.index_select(host, 0, rows, out=picked)
+            cached.index_copy_(0, on_device, picked.to(self.device, non_blocking=True))
+
+    def flush(self):
+        """Write every cached row back; they stay cached."""
+        self._write_back(torch.nonzero(self.row_of >= 0).squeeze(1))
+
+    def summary(self):
+        return (f"n-gram cache: {self.table.fetched.shape[0]} rows on the device, hit rate "
+                f"{self.hits / max(self.lookups, 1):.1%} ({self.hits}/{self.lookups} distinct rows of "
+                f"{self.fetches} slices), {self.evicted} rows written back in {self.rounds} rounds")
 
 
 class Trainer:
@@ -2778,19 +2983,24 @@ class Trainer:
         torch.manual_seed(h.seed)
         self.kernels = select_kernels(h, env.device)
         check_ngram_table(h, env)
-        self.model = build_model(h, self.kernels, (env.rank, env.world_size)).to(env.device)
+        self.model = build_model(h, self.kernels, TablePlacement(env.rank, env.world_size, h.ngram_cache_rows,
+                                                                 env.device))
+        self.model.to(env.device)
         self.graphs = StepGraphs(self.model, env.device, h.cuda_graphs)
         self.optimizers = build_optimizers(h, self.model, self.kernels,
                                            self.graphs.run_captured if h.cuda_graphs else None)
         self.adam = next(opt for opt in self.optimizers if isinstance(opt, optim.Adam))
-        self.ngram_adam = None     # the n-gram table's (or this process's shard's) sparse Adam
-        self.ngram_shards = None   # with several processes, the exchange of rows and gradients
-        if self.model.ngram is not None:
-            self.ngram_adam = optim.SparseRowAdam(self.model.ngram.table, lr=h.ngram_lr, beta2=h.ngram_beta2,
-                                                  eps=h.adam_eps, weight_decay=h.ngram_wd,
+        self.ngram_adam = None     # the n-gram table's (its shard's, its cache's) sparse Adam
+        self.ngram_fetch = None    # split or on the host: what fetches a slice's rows (and routes their gradients)
+        ngram = self.model.ngram
+        if ngram is not None:
+            self.ngram_adam = optim.SparseRowAdam(ngram.fetched if ngram.on_host else ngram.table, lr=h.ngram_lr,
+                                                  beta2=h.ngram_beta2, eps=h.adam_eps, weight_decay=h.ngram_wd,
                                                   use_triton=self.kernels.xxt is not None)
-            if self.model.ngram.gathered:
-                self.ngram_shards = ShardedNgramRows(self.model.ngram, self.ngram_adam.sum_rows, env)
+            if ngram.on_host:
+                self.ngram_fetch = HostNgramRows(ngram, self.ngram_adam, env.device)
+            elif ngram.gathered:
+                self.ngram_fetch = ShardedNgramRows(ngram, self.ngram_adam.sum_rows, env)
         self.ngram_entries, self.ngram_calls = [], 0  # pending gradient entries, and the steps they span
         self.ngram_step_every = h.ngram_step_every
         self.freeze_table = False  # set by the warm-up: the table keeps its values
@@ -2878,8 +3088,8 @@ class Trainer:
         self.step_losses.zero_()
         for slice_index, s in zip(self.mine, slices):
             self.model.set_fp8_loss_unit(1.0 / (s.tokens.numel() * self.accum))  # the objective's weight per token
-            if self.ngram_shards is not None:
-                self.ngram_shards.fetch(s.tokens)
+            if self.ngram_fetch is not None:
+                self.ngram_fetch.fetch(s.tokens)
             self.graphs.run(graph_key(self.h, step), body, s, candidate_offset(step, slice_index))
             if self.ngram_adam is not None:
                 self.take_ngram_entries(s)
@@ -2892,8 +3102,8 @@ class Trainer:
         ngram = self.model.ngram
         grads = ngram.sink.grad[:s.tokens.numel()]
         entries = grads.reshape(2 * s.tokens.numel(), -1)
-        if self.ngram_shards is not None:
-            self.ngram_entries.append(self.ngram_shards.send_gradients(entries))
+        if self.ngram_fetch is not None:
+            self.ngram_entries.append(self.ngram_fetch.entries(entries))
         else:
             tokens = s.tokens.to(self.env.device, non_blocking=True)
             self.ngram_entries.append((ngram.rows_of(tokens, document_starts(tokens)).reshape(-1), entries.clone()))
@@ -2908,7 +3118,13 @@ class Trainer:
             rows, grads = (torch.cat(parts) for parts in zip(*self.ngram_entries))
             if not self.freeze_table:
                 self.ngram_adam.step(rows, grads / self.ngram_calls if self.ngram_calls > 1 else grads)
-            self.ngram_entries, self.ngram_calls = [], 0
+            self.drop_ngram_entries()
+
+    def drop_ngram_entries(self):
+        """No n-gram gradient entry pending (a host table's cache may let their rows go)."""
+        self.ngram_entries, self.ngram_calls = [], 0
+        if isinstance(self.ngram_fetch, HostNgramRows):
+            self.ngram_fetch.release()
 
     def train_step(self, step, slices):
         """One optimizer step on the global batch; advance_to(step) has set the schedule."""
@@ -2945,7 +3161,7 @@ class Trainer:
         self.graphs.zero_grads()
         if self.model.ngram is not None:
             self.model.ngram.sink.grad = None
-        self.ngram_entries, self.ngram_calls = [], 0
+        self.drop_ngram_entries()
 
     @torch.no_grad()
     def validate(self, slices, step, final_validation):
@@ -2954,8 +3170,8 @@ class Trainer:
         self.model.eval()
         total = torch.zeros((), device=self.env.device)
         for s in slices:
-            if self.ngram_shards is not None:
-                self.ngram_shards.fetch(s.tokens)
+            if self.ngram_fetch is not None:
+                self.ngram_fetch.fetch(s.tokens, training=False)
             s = s.to(self.env.device)
             with self.autocast:
                 args = self.attention_args(s.cu_seqlens, attention_windows(self.h, step, final_validation))
@@ -3092,6 +3308,8 @@ def train(h, env, log):
               f"capture, FP8 calibration); train_time counts from step 0", echo=True)
     gc.collect()
     gc.freeze()                    # the warm-up's objects leave the collector's view: shorter pauses in the timed run
+    if isinstance(trainer.ngram_fetch, HostNgramRows):
+        trainer.ngram_fetch.reset_counts()
     batches = BatchPrefetcher(TrainLoader(train_files, batch_tokens(h)), h, trainer.mine,
                               pin=env.device.type == "cuda")
     losses = DeferredLossLines(env.device)
@@ -3123,6 +3341,8 @@ def train(h, env, log):
             with host_syncs_are_errors(h.sync_check and env.device.type == "cuda"):
                 loss = trainer.train_step(step, slices)
             trainer.averages.sample(step)
+            if isinstance(trainer.ngram_fetch, HostNgramRows) and step + 1 < N:
+                trainer.ngram_fetch.prefetch(batches.peek())
             if step % h.log_every == 0 or step == N - 1:
                 if env.world_size > 1:
                     dist.all_reduce(loss)
@@ -3135,6 +3355,9 @@ def train(h, env, log):
         log.write(f"averages: {shipped} blends into the weights before the final validation", echo=True)
     timed_graphs = compiled_graphs() - graphs_before_timing
     log.write(f"compile: {warm_graphs} graphs in the warm-up, {timed_graphs} in the timed run", echo=True)
+    if isinstance(trainer.ngram_fetch, HostNgramRows):
+        trainer.ngram_fetch.flush()  # the host table whole: for the checkpoint, and for the model after the run
+        log.write(trainer.ngram_fetch.summary(), echo=True)
     if trainer.graphs.capturing:
         log.write(f"cuda graphs: {trainer.graphs.captured()} training steps and "
                   f"{len(trainer.graphs.optimizer_graphs)} optimizer updates captured in the warm-up, "

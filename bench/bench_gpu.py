@@ -76,7 +76,9 @@ ATTENTION_MATMULS = 7     # per visible pair and head dim: 2 forward (QK^T, PV),
 # Training: the 1gpu preset eager in this process. The dry mode shrinks the cpu preset to two
 # stages of a 2-layer model with sampled softmax, no FP8 layers and Adam only, so that the interpreter
 # runs only the attention and a cheap cross-entropy (the kernel part runs the others).
-GPU_TRAIN_CONFIG = ["--preset", "1gpu"]
+# Its n-gram table is one GPU's share of the speedrun's, resident: the per-GPU work of a speedrun
+# step (the preset's whole table, 130 GB in host memory, does not fit the bench machine's RAM).
+GPU_TRAIN_CONFIG = ["--preset", "1gpu", f"--ngram_rows={GPU_SHAPES['ngram_rows']}", "--ngram_cache_rows=0"]
 DRY_TRAIN_CONFIG = [
     "--preset", "cpu", "--device=cpu", "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64",
     "--mlp_hidden=128", "--bigram_rows=1024", "--long_window_layers=[1]", "--narrow_qk_layers=[]", "--fp8_mlp=false",

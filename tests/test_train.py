@@ -373,6 +373,64 @@ def test_the_ngram_tables_late_phase_changes_its_beta2_and_cadence(shards):
     assert len(trainer.ngram_entries) == 1, "step 3's entries wait for the next event"
 
 
+def test_a_host_table_with_a_device_cache_trains_bit_for_bit_as_a_resident_one(shards, tmp_path):
+    """The table in host memory with a device cache (of the fewest rows allowed, so that rows
+    go back to the host and return, and with the next step's rows prefetched) against the table
+    on the device: the same step losses, validation losses, table and optimizer state, bit for
+    bit, across Adam events every 2nd step. (Documents over a wide vocabulary: many n-grams.)"""
+    from ngram_dist_worker import train_and_validate
+    rng = np.random.default_rng(1)
+    write_shard(tmp_path / "w_train_000001.bin", synthetic_documents(rng, 30_000, vocab=50_000))
+    write_shard(tmp_path / "w_val_000000.bin", synthetic_documents(rng, 4_096, vocab=50_000))
+    steps = 8
+    args = [f"--train_files={tmp_path}/w_train_*.bin", f"--val_files={tmp_path}/w_val_*.bin", "--ngram_rows=65536", "--smear_gate=true", "--ngram_lr=0.05", "--batch_ranks=2",
+                                "--ngram_step_every=2", f"--num_iterations={steps}"]
+    h = tiny_config(args)
+    resident = cpu_trainer(h)
+    losses, val = train_and_validate(resident, h, steps)
+    least = tg.min_cache_rows(h, tg.Dist(0, 1, 0, torch.device("cpu")))
+    assert least == 2 * (3 * 2 * 512 + 1024)
+    h = tiny_config(args + [f"--ngram_cache_rows={least}"])
+    host = cpu_trainer(h)
+    cache = host.ngram_fetch
+    loader = tg.TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+    batches = [loader.next_batch(512, h.stages[tg.stage_index(h, step)].max_doc_len, 2, [0, 1])
+               for step in range(steps + 1)]
+    host_losses = []
+    for step in range(steps):
+        host.advance_to(step)
+        host_losses.append(host.train_step(step, batches[step]).tolist())
+        cache.prefetch(batches[step + 1])
+    host_val = host.validate(tg.validation_data(h, host.env, tg.find_shards(h.val_files)), steps, False)
+    assert host_losses == losses and host_val == val
+    assert cache.rounds > 0 and 0 < cache.hits < cache.lookups, "rows left the cache, and some were found there"
+    assert host.model.ngram.table.device.type == "cpu" and host.model.ngram.fetched.shape[0] == least
+    cache.flush()
+    assert torch.equal(host.model.ngram.table, resident.model.ngram.table)
+    assert torch.equal(cache.moment, resident.ngram_adam.moment) and torch.equal(cache.last, resident.ngram_adam.last)
+    assert (resident.model.ngram.table != 0).any(1).sum() > least, "the table outgrew the cache"
+
+
+def test_a_host_tables_cache_keeps_pending_rows_and_lets_the_least_recently_used_go():
+    """A training slice's rows stay cached until release(), however many rows later fetches
+    need; the rows that go back to the host are the least recently used; released, they may go."""
+    table = tg.NgramTable(4096, 8, max_tokens=64, placement=tg.TablePlacement(cache_rows=256))
+    cache = tg.HostNgramRows(table, tg.optim.SparseRowAdam(table.fetched, lr=0.1), torch.device("cpu"))
+    slice_of = lambda seed: torch.randint(1, 50_000, (64,), generator=torch.Generator().manual_seed(seed))  # noqa: E731
+    cached = lambda: set(cache.row_of[cache.row_of >= 0].tolist())  # noqa: E731
+    cache.fetch(slice_of(0))                                          # training: pinned
+    pending = cached()
+    for seed in range(1, 12):      # up to 128 new rows each: 11 of them overflow 256 slots
+        cache.fetch(slice_of(seed), training=False)
+        assert pending <= cached()
+    assert cache.rounds > 0
+    cache.release()
+    newest = set(tg.ngram_rows(slice_of(11), tg.document_starts(slice_of(11)), 4096).reshape(-1).tolist())
+    cache.fetch(slice_of(12), training=False)
+    assert not pending <= cached(), "released, the oldest rows go first"
+    assert newest <= cached(), "the last slice's rows stay"
+
+
 def test_an_ngram_table_that_cannot_be_split_or_does_not_fit_is_refused():
     h = tiny_config(["--ngram_rows=2050"])
     with pytest.raises(tg.ConfigError, match="does not split evenly across 4 processes: use a multiple of 4"):
@@ -381,11 +439,22 @@ def test_an_ngram_table_that_cannot_be_split_or_does_not_fit_is_refused():
     with pytest.raises(tg.ConfigError, match="split across 2: train without a checkpoint"):
         tg.check_ngram_table(h, tg.Dist(0, 2, 0, torch.device("cpu")))
     h = tiny_config(["--ngram_rows=" + str(2 ** 40)])
-    with pytest.raises(tg.ConfigError, match=r"--ngram_rows=1099511627776 needs .* GiB on the cpu \(all in one "
-                                             r"process.* lower --ngram_rows"):
+    with pytest.raises(tg.ConfigError, match=r"--ngram_rows=1099511627776 needs 270336.0 GiB on the cpu \(all in one "
+                                             r"process: 264 B per row.* lower --ngram_rows$"):
         tg.check_ngram_table(h, tg.Dist(0, 1, 0, torch.device("cpu")))
     with pytest.raises(tg.ConfigError, match=r"needs 33792.0 GiB on the cpu \(137438953472 rows in each of 8 "):
         tg.check_ngram_table(h, tg.Dist(0, 8, 0, torch.device("cpu")))
+    one = tg.Dist(0, 1, 0, torch.device("cpu"))
+    h = tiny_config(["--ngram_rows=" + str(2 ** 40), "--ngram_cache_rows=4096"])   # 2 * (2 * 512 + 1024) rows
+    with pytest.raises(tg.ConfigError, match=r"needs 274432.0 GiB on the cpu \(in host memory: 268 B per row"):
+        tg.check_ngram_table(h, one)
+    h = tiny_config(["--ngram_rows=65536", "--ngram_cache_rows=4095"])
+    with pytest.raises(tg.ConfigError, match="fewer than the 4096 rows the device cache must hold at once .* raise"):
+        tg.check_ngram_table(h, one)
+    h = tiny_config(["--ngram_rows=65536", "--ngram_cache_rows=4096"])
+    tg.check_ngram_table(h, one)
+    with pytest.raises(tg.ConfigError, match="host memory, but 2 processes split it: set --ngram_cache_rows=0"):
+        tg.check_ngram_table(h, tg.Dist(0, 2, 0, torch.device("cpu")))
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["every_step", "late_every_2"])
