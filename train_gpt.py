@@ -233,6 +233,7 @@ class Hyperparameters(ModelConfig):
     fp8_head: bool = True          # the head at the candidate width as an FP8 linear (kernels.HEAD_SCALES)
     fp8_on_cpu: bool = False       # on a CPU, run the FP8 layers through their torch references (checks numerics)
     warmup_steps: int = 3          # untimed steps per graph before timing starts (when something compiles)
+    warm_up: str = "auto"          # auto: warm up when something compiles; always: also to map each shape's memory
     cuda_graphs: bool = True       # capture forward+backward and the optimizers' updates in the warm-up, replay them
     sync_check: bool = False       # CUDA: any host sync inside a timed training step is an error
     log_every: int = 10            # print a train-loss line every this many steps
@@ -620,6 +621,7 @@ CHOICE_RULES = [
     ("kernels", ("auto", "triton", "reference")),
     ("compile_backend", ("inductor", "aot_eager", "eager")),
     ("compute_dtype", ("bfloat16", "float32")),
+    ("warm_up", ("auto", "always")),
     ("trunk", ("unet", "dense")),
     ("fp8_mlp_scales", tuple(kernels.MLP_SCALES)),
     ("ngram_dtype", ("float32", "bfloat16")),
@@ -3022,9 +3024,12 @@ class Trainer:
         self.advance_to(0)
 
     def needs_warm_up(self):
-        """Whether the first steps would compile something: torch.compile or the Triton JIT."""
+        """Whether the first steps would compile something (torch.compile or the Triton JIT), or
+        the config asks for a warm-up anyway: the first step of each shape also maps its memory,
+        page faults whose cost on a CPU grows with the memory the process already holds (a 16M-row
+        n-gram table made them 7x slower than a 1M-row one)."""
         triton_kernels = self.kernels.attention is kernels.flash_attn_varlen
-        return self.h.warmup_steps > 0 and (self.h.compile or triton_kernels)
+        return self.h.warmup_steps > 0 and (self.h.compile or triton_kernels or self.h.warm_up == "always")
 
     # -- the schedule
     def advance_to(self, step, final_validation=False):
