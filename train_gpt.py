@@ -2800,9 +2800,9 @@ class ShardedNgramRows:
     host tokens) go to their owners, which send back their values into the model's `fetched`
     buffer; `slots` says where each token's two rows landed. Three all_to_all calls: counts,
     row ids, values.
-    send_gradients(grads), after the backward: each distinct row's gradient, summed over the
-    slice's tokens (in token order: deterministic), goes back to its owner by the same routes,
-    which returns the entries it received, for its own rows (repeats across senders add up in
+    entries(grads), after the backward: each distinct row's gradient, summed over the slice's
+    tokens (in token order: deterministic), goes back to its owner by the same routes, and each
+    process returns the entries it received for its own rows (repeats across senders add up in
     SparseRowAdam). Traffic and memory per slice: its distinct rows, whatever the table's size.
 
     The gradients are divided by the processes: each process's loss is scaled to its share of
@@ -2812,11 +2812,12 @@ class ShardedNgramRows:
     def __init__(self, table: NgramTable, sum_rows, env: Dist):
         self.table, self.sum_rows, self.env = table, sum_rows, env
         self.shard_rows = table.table.shape[0]
-        self.route = None          # the last fetch's (distinct rows on the device, send counts, receive counts, asked rows)
+        self.route = None          # the last fetch's (slice rows on the device, send counts, receive counts, asked rows)
 
     @torch.no_grad()
     def fetch(self, tokens, training=True):
-        """Fill the table's `fetched` and `slots` for the host tokens (T,) of the next forward."""
+        """Fill the table's `fetched` and `slots` for the host tokens (T,) of the next forward
+        (`training` matters to a host table's cache, not here)."""
         device, world = self.env.device, self.env.world_size
         rows = ngram_rows(tokens, document_starts(tokens), self.table.rows).reshape(-1)
         distinct, inverse = torch.unique(rows, sorted=True, return_inverse=True)
@@ -2951,7 +2952,10 @@ class HostNgramRows:
         self.evicted, self.rounds = self.evicted + count, self.rounds + 1
 
     def _write_back(self, slots):
-        """Host rows of `slots` <- their cached values and state (the host waits for the device)."""
+        """Host rows of `slots` <- their cached values and state. The host waits for the device
+        (both streams): the rows' last update must be done, and no queued work may still read a
+        slot that a load is about to fill."""
+        synchronize(self.device)
         rows, on_device = self.row_of[slots], slots.to(self.device)
         self.table.table[rows] = self.table.fetched[on_device].cpu()
         self.moment[rows] = self.adam.moment[on_device].cpu()

@@ -1127,6 +1127,22 @@ def test_two_processes_match_one_with_the_same_global_batch(shards, tmp_path):
     assert abs(loss[0] - loss[1]) <= 1e-3, loss
 
 
+def test_a_warm_up_on_a_cpu_changes_nothing_but_the_clock(shards, tmp_path):
+    """--warm_up=always runs the untimed warm-up with nothing to compile (every stage shape, the
+    untie, each validation, then the initial state restored): the run then trains exactly as
+    without it, n-gram table included."""
+    args = ["--preset", "cpu", *TINY, *data_args(shards), *NGRAM, "--num_iterations=4", "--untie_frac=0.5",
+            "--warmup_steps=1"]
+    finals = []
+    for warm in ("auto", "always"):
+        res = run_trainer([*args, f"--warm_up={warm}", f"--log_dir={tmp_path}/{warm}"])
+        assert res.returncode == 0, res.stderr
+        untimed = float(res.stdout.split("warm-up: ")[1].split("s untimed")[0])
+        assert untimed > 0.5 if warm == "always" else untimed < 0.5
+        finals.append(final_line(os.path.join(tmp_path, warm, os.listdir(tmp_path / warm)[0])).split()[1])
+    assert finals[0] == finals[1]
+
+
 def test_corrupt_shard_is_named(shards, tmp_path):
     bad = tmp_path / "bad_train_000001.bin"
     bad.write_bytes(open(f"{shards}/t_train_000001.bin", "rb").read()[:5000])
