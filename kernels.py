@@ -1984,3 +1984,343 @@ def sparse_adam_rows_reference_(table, grads, groups: RowGroups, moment, last, l
     table.index_put_((rows,), w.to(table.dtype))
     moment.index_put_((rows,), v)
     last.index_put_((rows,), torch.full_like(rows, step.event, dtype=last.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Composed local attention: the heads' maps mixed per token
+# ---------------------------------------------------------------------------------------------
+#
+# Each head's map of a query over the last `window` keys of its document, P_h = softmax(scale
+# q_h.k_h), is mixed per token into one map A = sum_h mix_in[:, h] P_h, and head h outputs
+# mix_out[:, h] * (A @ V_h). A block of BLOCK_Q queries reads a span of SPAN keys that ends with
+# its last query, so every window up to COMPOSED_MAX_WINDOW fits (SPAN >= BLOCK_Q + window - 1).
+#
+# Forward, one program per query block: the heads' scores and softmaxes, summed into A
+# (BLOCK_Q x SPAN fp32, on chip), then A @ V_h per head. It stores the output, A and each head's
+# row log-sum-exp. Traffic per block: its queries, SPAN keys and values of every head (each key
+# is read by SPAN / BLOCK_Q blocks), the output, and A (SPAN fp32 per token).
+# Backward, in three passes without atomics (every sum in a fixed order):
+#   per query block: dA = sum_h mix_out_h dO_h V_h^T (stored, like A) and
+#     d mix_out_h = rowsum(dO_h * (A V_h));
+#   per query block and head, with P_h recomputed from the log-sum-exp: dP_h = mix_in_h dA,
+#     d mix_in_h = rowsum(dA * P_h), Delta_h = rowsum(dP_h * P_h) = mix_in_h d mix_in_h (stored)
+#     and dQ_h = scale (P_h * (dP_h - Delta_h)) K_h, over the span in two halves;
+#   per key block and head: dV_h = sum over the SPAN / BLOCK_Q query blocks whose spans hold the
+#     keys of (mix_out_h A)^T dO_h, and dK_h likewise of scale dS_h^T Q_h, from the stored A and
+#     dA tiles.
+# No pass keeps more than two BLOCK_Q x SPAN fp32 tiles live: an H100's registers hold them at
+# 8 warps without spilling (bench/sm90_report.py checks).
+
+COMPOSED_MAX_WINDOW = 128          # the longest window of composed attention (the reference's block)
+COMPOSED_FORWARD = LaunchConfig(block_m=64, block_n=256, num_warps=8)     # block_m queries, block_n keys (the span)
+COMPOSED_BACKWARD_MIX = LaunchConfig(block_m=64, block_n=256, num_warps=8)
+COMPOSED_BACKWARD_Q = LaunchConfig(block_m=64, block_n=256, num_warps=8)
+COMPOSED_BACKWARD_KV = LaunchConfig(block_m=64, block_n=256, num_warps=8)  # block_m keys per program
+COMPOSED_CONFIGS = [value for config in (COMPOSED_FORWARD, COMPOSED_BACKWARD_MIX, COMPOSED_BACKWARD_Q,
+                                         COMPOSED_BACKWARD_KV) for value in config.as_list()]
+
+
+@triton.jit
+def _dc_visible(rows, cols, doc_start_ptr, num_tokens, window):
+    """(rows, cols): key col is visible to query row: at or before it, inside the window, in its
+    document. Rows past the end see nothing."""
+    row_ok = rows < num_tokens
+    first = tl.load(doc_start_ptr + rows, mask=row_ok, other=0)
+    return (row_ok[:, None] & (cols[None, :] <= rows[:, None]) & (rows[:, None] - cols[None, :] < window)
+            & (cols[None, :] >= first[:, None]))
+
+
+@triton.jit
+def _dc_load_heads(x_ptr, positions, h, stride_t, stride_h, num_tokens, D: tl.constexpr):
+    """(len(positions), D) of head h; positions outside [0, num_tokens) read zeros."""
+    ok = (positions >= 0) & (positions < num_tokens)
+    return tl.load(x_ptr + positions[:, None] * stride_t + h * stride_h + tl.arange(0, D)[None, :],
+                   mask=ok[:, None], other=0.0)
+
+
+@triton.jit
+def _dc_head_map(q, k, lse_ptr, rows, visible, h, num_tokens, scale):
+    """P_h of the queries `rows` over keys k, from their stored log-sum-exp."""
+    lse = tl.load(lse_ptr + h * num_tokens + rows, mask=rows < num_tokens, other=0.0)
+    return tl.where(visible, tl.exp(tl.dot(q, tl.trans(k)) * scale - lse[:, None]), 0.0)
+
+
+@triton.jit
+def _dc_fwd_kernel(q_ptr, k_ptr, v_ptr, mix_in_ptr, mix_out_ptr, doc_start_ptr, scale_ptr, o_ptr, a_ptr, lse_ptr,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                   num_tokens, num_heads, window,
+                   D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_Q: tl.constexpr, SPAN: tl.constexpr):
+    block = tl.program_id(0)
+    rows = block * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    cols = block * BLOCK_Q + BLOCK_Q - SPAN + tl.arange(0, SPAN)
+    row_ok = rows < num_tokens
+    visible = _dc_visible(rows, cols, doc_start_ptr, num_tokens, window)
+    scale = tl.load(scale_ptr)
+    mixed = tl.zeros((BLOCK_Q, SPAN), dtype=tl.float32)
+    for h in range(num_heads):
+        q = _dc_load_heads(q_ptr, rows, h, stride_qt, stride_qh, num_tokens, D_QK)
+        k = _dc_load_heads(k_ptr, cols, h, stride_kt, stride_kh, num_tokens, D_QK)
+        s = tl.where(visible, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+        m = tl.where(row_ok, tl.max(s, axis=1), 0.0)    # every real query sees at least itself
+        p = tl.exp(s - m[:, None])
+        total = tl.where(row_ok, tl.sum(p, axis=1), 1.0)
+        tl.store(lse_ptr + h * num_tokens + rows, m + tl.log(total), mask=row_ok)
+        mix = tl.load(mix_in_ptr + rows * num_heads + h, mask=row_ok, other=0.0)
+        mixed += (mix / total)[:, None] * p
+    tile = block * BLOCK_Q * SPAN + tl.arange(0, BLOCK_Q)[:, None] * SPAN + tl.arange(0, SPAN)[None, :]
+    tl.store(a_ptr + tile, mixed)
+    for h in range(num_heads):
+        v = _dc_load_heads(v_ptr, cols, h, stride_vt, stride_vh, num_tokens, D_V)
+        mix = tl.load(mix_out_ptr + rows * num_heads + h, mask=row_ok, other=0.0).to(tl.float32)
+        out = tl.dot(mixed.to(v.dtype), v) * mix[:, None]
+        tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + tl.arange(0, D_V)[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _dc_bwd_mix_kernel(v_ptr, do_ptr, mix_out_ptr, a_ptr, da_ptr, dmix_out_ptr,
+                       stride_vt, stride_vh, stride_dot, stride_doh, num_tokens, num_heads,
+                       D_V: tl.constexpr, BLOCK_Q: tl.constexpr, SPAN: tl.constexpr):
+    """dA = sum_h mix_out_h dO_h V_h^T of one query block (stored) and d mix_out."""
+    block = tl.program_id(0)
+    rows = block * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    cols = block * BLOCK_Q + BLOCK_Q - SPAN + tl.arange(0, SPAN)
+    row_ok = rows < num_tokens
+    tile = block * BLOCK_Q * SPAN + tl.arange(0, BLOCK_Q)[:, None] * SPAN + tl.arange(0, SPAN)[None, :]
+    mixed = tl.load(a_ptr + tile).to(v_ptr.dtype.element_ty)    # only a dot operand here
+    grad_mixed = tl.zeros((BLOCK_Q, SPAN), dtype=tl.float32)
+    for h in range(num_heads):
+        v = _dc_load_heads(v_ptr, cols, h, stride_vt, stride_vh, num_tokens, D_V)
+        do = _dc_load_heads(do_ptr, rows, h, stride_dot, stride_doh, num_tokens, D_V)
+        mix = tl.load(mix_out_ptr + rows * num_heads + h, mask=row_ok, other=0.0).to(tl.float32)
+        unmixed = tl.dot(mixed, v)                              # A @ V_h, before the output mix
+        tl.store(dmix_out_ptr + rows * num_heads + h,
+                 tl.sum(do.to(tl.float32) * unmixed, axis=1).to(dmix_out_ptr.dtype.element_ty), mask=row_ok)
+        grad_mixed += mix[:, None] * tl.dot(do, tl.trans(v))
+    tl.store(da_ptr + tile, grad_mixed)
+
+
+@triton.jit
+def _dc_bwd_q_kernel(q_ptr, k_ptr, mix_in_ptr, doc_start_ptr, scale_ptr, lse_ptr, da_ptr, delta_ptr, dq_ptr,
+                     dmix_in_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_dqt, stride_dqh, num_tokens,
+                     num_heads, window, D_QK: tl.constexpr, BLOCK_Q: tl.constexpr, SPAN: tl.constexpr):
+    """For one query block and head, with P_h recomputed from the log-sum-exp, in two sweeps over
+    the span's halves: d mix_in_h = rowsum(dA * P_h) and Delta_h = mix_in_h d mix_in_h (stored),
+    then dQ_h = scale (P_h * (mix_in_h dA - Delta_h)) K_h."""
+    block, h = tl.program_id(0), tl.program_id(1)
+    rows = block * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    row_ok = rows < num_tokens
+    scale = tl.load(scale_ptr)
+    q = _dc_load_heads(q_ptr, rows, h, stride_qt, stride_qh, num_tokens, D_QK)
+    mix = tl.load(mix_in_ptr + rows * num_heads + h, mask=row_ok, other=0.0)
+    grad_mix = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+    for half in range(2):
+        offsets = half * (SPAN // 2) + tl.arange(0, SPAN // 2)
+        cols = block * BLOCK_Q + BLOCK_Q - SPAN + offsets
+        k = _dc_load_heads(k_ptr, cols, h, stride_kt, stride_kh, num_tokens, D_QK)
+        p = _dc_head_map(q, k, lse_ptr, rows, _dc_visible(rows, cols, doc_start_ptr, num_tokens, window), h,
+                         num_tokens, scale)
+        grad_mixed = tl.load(da_ptr + block * BLOCK_Q * SPAN + tl.arange(0, BLOCK_Q)[:, None] * SPAN + offsets[None, :])
+        grad_mix += tl.sum(grad_mixed * p, axis=1)
+    tl.store(dmix_in_ptr + rows * num_heads + h, grad_mix, mask=row_ok)
+    delta = mix * grad_mix
+    tl.store(delta_ptr + h * num_tokens + rows, delta, mask=row_ok)
+    dq = tl.zeros((BLOCK_Q, D_QK), dtype=tl.float32)
+    for half in range(2):
+        offsets = half * (SPAN // 2) + tl.arange(0, SPAN // 2)
+        cols = block * BLOCK_Q + BLOCK_Q - SPAN + offsets
+        k = _dc_load_heads(k_ptr, cols, h, stride_kt, stride_kh, num_tokens, D_QK)
+        p = _dc_head_map(q, k, lse_ptr, rows, _dc_visible(rows, cols, doc_start_ptr, num_tokens, window), h,
+                         num_tokens, scale)
+        grad_mixed = tl.load(da_ptr + block * BLOCK_Q * SPAN + tl.arange(0, BLOCK_Q)[:, None] * SPAN + offsets[None, :])
+        dq += tl.dot((p * (mix[:, None] * grad_mixed - delta[:, None])).to(k.dtype), k)
+    tl.store(dq_ptr + rows[:, None] * stride_dqt + h * stride_dqh + tl.arange(0, D_QK)[None, :],
+             (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _dc_bwd_kv_kernel(q_ptr, k_ptr, do_ptr, mix_in_ptr, mix_out_ptr, doc_start_ptr, scale_ptr, a_ptr, lse_ptr,
+                      da_ptr, delta_ptr, dk_ptr, dv_ptr,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_dot, stride_doh,
+                      stride_dkt, stride_dkh, stride_dvt, stride_dvh, num_tokens, num_heads, window,
+                      D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_Q: tl.constexpr, SPAN: tl.constexpr):
+    block, h = tl.program_id(0), tl.program_id(1)
+    keys = block * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    key_ok = keys < num_tokens
+    k = _dc_load_heads(k_ptr, keys, h, stride_kt, stride_kh, num_tokens, D_QK)
+    scale = tl.load(scale_ptr)
+    dk = tl.zeros((BLOCK_Q, D_QK), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_Q, D_V), dtype=tl.float32)
+    for m in range(SPAN // BLOCK_Q):      # query block `block + m` holds these keys in its span
+        rows = (block + m) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        row_ok = rows < num_tokens
+        first_col = SPAN - BLOCK_Q - m * BLOCK_Q
+        tile = ((block + m) * BLOCK_Q * SPAN + tl.arange(0, BLOCK_Q)[:, None] * SPAN + first_col
+                + tl.arange(0, BLOCK_Q)[None, :])
+        mixed = tl.load(a_ptr + tile, mask=row_ok[:, None], other=0.0)
+        grad_mixed = tl.load(da_ptr + tile, mask=row_ok[:, None], other=0.0)
+        do = _dc_load_heads(do_ptr, rows, h, stride_dot, stride_doh, num_tokens, D_V)
+        mix_out = tl.load(mix_out_ptr + rows * num_heads + h, mask=row_ok, other=0.0).to(tl.float32)
+        dv += tl.dot(tl.trans((mixed * mix_out[:, None]).to(do.dtype)), do)
+        q = _dc_load_heads(q_ptr, rows, h, stride_qt, stride_qh, num_tokens, D_QK)
+        visible = _dc_visible(rows, keys, doc_start_ptr, num_tokens, window)
+        p = _dc_head_map(q, k, lse_ptr, rows, visible, h, num_tokens, scale)
+        mix_in = tl.load(mix_in_ptr + rows * num_heads + h, mask=row_ok, other=0.0)
+        delta = tl.load(delta_ptr + h * num_tokens + rows, mask=row_ok, other=0.0)
+        grad_s = p * (mix_in[:, None] * grad_mixed - delta[:, None])
+        dk += tl.dot(tl.trans(grad_s.to(q.dtype)), q)
+    tl.store(dk_ptr + keys[:, None] * stride_dkt + h * stride_dkh + tl.arange(0, D_QK)[None, :],
+             (dk * scale).to(dk_ptr.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(dv_ptr + keys[:, None] * stride_dvt + h * stride_dvh + tl.arange(0, D_V)[None, :],
+             dv.to(dv_ptr.dtype.element_ty), mask=key_ok[:, None])
+
+
+def _composed_configs(configs):
+    """(forward, backward dA, backward dQ, backward dK dV) launch configs from their flat list."""
+    return tuple(_config_from_list(configs[i * 6:(i + 1) * 6]) for i in range(4))
+
+
+def _launch_dc_fwd(q: Tensor, k: Tensor, v: Tensor, mix_in: Tensor, mix_out: Tensor, doc_start: Tensor,
+                   scale: Tensor, window: int, configs: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    config = _composed_configs(configs)[0]
+    T, H, d_qk = q.shape
+    d_v = v.shape[2]
+    blocks = triton.cdiv(T, config.block_m)
+    o = torch.empty(T, H, d_v, dtype=v.dtype, device=q.device)
+    mixed = torch.empty(blocks, config.block_m, config.block_n, dtype=torch.float32, device=q.device)
+    lse = torch.empty(H, T, dtype=torch.float32, device=q.device)
+    _launch(_dc_fwd_kernel, (blocks,), config, q_ptr=q, k_ptr=k, v_ptr=v, mix_in_ptr=mix_in, mix_out_ptr=mix_out,
+            doc_start_ptr=doc_start, scale_ptr=scale, o_ptr=o, a_ptr=mixed, lse_ptr=lse,
+            stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
+            stride_vt=v.stride(0), stride_vh=v.stride(1), stride_ot=o.stride(0), stride_oh=o.stride(1),
+            num_tokens=T, num_heads=H, window=window, D_QK=d_qk, D_V=d_v, BLOCK_Q=config.block_m,
+            SPAN=config.block_n)
+    return o, mixed, lse
+
+
+def _launch_dc_bwd(grad_o: Tensor, q: Tensor, k: Tensor, v: Tensor, mix_in: Tensor, mix_out: Tensor,
+                   doc_start: Tensor, scale: Tensor, mixed: Tensor, lse: Tensor, window: int,
+                   configs: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _, mix_config, q_config, kv_config = _composed_configs(configs)
+    T, H, d_qk = q.shape
+    d_v = v.shape[2]
+    grad_mixed, delta = torch.empty_like(mixed), torch.empty_like(lse)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dmix_in, dmix_out = torch.empty_like(mix_in), torch.empty_like(mix_out)
+    blocks, block, span = triton.cdiv(T, q_config.block_m), q_config.block_m, q_config.block_n
+    _launch(_dc_bwd_mix_kernel, (blocks,), mix_config, v_ptr=v, do_ptr=grad_o, mix_out_ptr=mix_out, a_ptr=mixed,
+            da_ptr=grad_mixed, dmix_out_ptr=dmix_out, stride_vt=v.stride(0), stride_vh=v.stride(1),
+            stride_dot=grad_o.stride(0), stride_doh=grad_o.stride(1), num_tokens=T, num_heads=H, D_V=d_v,
+            BLOCK_Q=block, SPAN=span)
+    common = dict(q_ptr=q, k_ptr=k, mix_in_ptr=mix_in, doc_start_ptr=doc_start, scale_ptr=scale, lse_ptr=lse,
+                  da_ptr=grad_mixed, delta_ptr=delta, stride_qt=q.stride(0), stride_qh=q.stride(1),
+                  stride_kt=k.stride(0), stride_kh=k.stride(1), num_tokens=T, num_heads=H, window=window,
+                  D_QK=d_qk, BLOCK_Q=block, SPAN=span)
+    _launch(_dc_bwd_q_kernel, (blocks, H), q_config, dq_ptr=dq, dmix_in_ptr=dmix_in, stride_dqt=dq.stride(0),
+            stride_dqh=dq.stride(1), **common)
+    _launch(_dc_bwd_kv_kernel, (blocks, H), kv_config, do_ptr=grad_o, mix_out_ptr=mix_out, a_ptr=mixed, dk_ptr=dk,
+            dv_ptr=dv, stride_dot=grad_o.stride(0), stride_doh=grad_o.stride(1), stride_dkt=dk.stride(0),
+            stride_dkh=dk.stride(1), stride_dvt=dv.stride(0), stride_dvh=dv.stride(1), D_V=d_v, **common)
+    return dq, dk, dv, dmix_in, dmix_out
+
+
+_dc_fwd_op = torch.library.custom_op(f"{_OPS}::composed_attn_fwd", _launch_dc_fwd, mutates_args=())
+_dc_bwd_op = torch.library.custom_op(f"{_OPS}::composed_attn_bwd", _launch_dc_bwd, mutates_args=())
+
+
+@_dc_fwd_op.register_fake
+def _(q, k, v, mix_in, mix_out, doc_start, scale, window, configs):
+    config = _composed_configs(configs)[0]
+    T, H, _ = q.shape
+    return (v.new_empty(T, H, v.shape[2]),
+            q.new_empty(triton.cdiv(T, config.block_m), config.block_m, config.block_n, dtype=torch.float32),
+            q.new_empty(H, T, dtype=torch.float32))
+
+
+@_dc_bwd_op.register_fake
+def _(grad_o, q, k, v, mix_in, mix_out, doc_start, scale, mixed, lse, window, configs):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(mix_in),
+            torch.empty_like(mix_out))
+
+
+class _ComposedAttention(torch.autograd.Function):
+    """Differentiable composed attention: forward saves A and the heads' log-sum-exps."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mix_in, mix_out, doc_start, scale, window, configs):
+        o, mixed, lse = _dc_fwd_op(q, k, v, mix_in, mix_out, doc_start, scale, window, configs)
+        ctx.save_for_backward(q, k, v, mix_in, mix_out, doc_start, scale, mixed, lse)
+        ctx.args = (window, configs)
+        return o
+
+    @staticmethod
+    def backward(ctx, grad_o):
+        q, k, v, mix_in, mix_out, doc_start, scale, mixed, lse = ctx.saved_tensors
+        dq, dk, dv, dmix_in, dmix_out = _dc_bwd_op(_last_dim_contiguous(grad_o), q, k, v, mix_in, mix_out,
+                                                   doc_start, scale, mixed, lse, *ctx.args)
+        return dq, dk, dv, dmix_in, dmix_out, None, None, None, None
+
+
+def _check_composed_inputs(q, k, v, doc_start, window, mix_in, mix_out, configs):
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"composed_attention needs q, k (T, H, Dqk) and v (T, H, Dv); got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    T, H = q.shape[:2]
+    if mix_in.shape != (T, H) or mix_out.shape != (T, H) or mix_in.dtype != torch.float32:
+        raise ValueError(f"composed_attention needs mix_in (fp32) and mix_out of shape {(T, H)}; got "
+                         f"{tuple(mix_in.shape)} {mix_in.dtype}, {tuple(mix_out.shape)}")
+    if doc_start.shape != (T,) or doc_start.dtype not in (torch.int32, torch.int64):
+        raise ValueError("composed_attention needs doc_start: (T,) int, the first position of each token's document")
+    if not 1 <= window <= COMPOSED_MAX_WINDOW:
+        raise ValueError(f"composed_attention takes windows of 1 to {COMPOSED_MAX_WINDOW} tokens; got {window}")
+    if len(configs) != len(COMPOSED_CONFIGS):
+        raise ValueError("composed_attention takes four launch configs (forward, dA, dQ, dK and dV), flattened")
+    for config in _composed_configs(configs):
+        if (config.block_m, config.block_n) != (configs[0], configs[1]) or \
+                config.block_n < config.block_m + COMPOSED_MAX_WINDOW - 1 or config.block_n % config.block_m:
+            raise ValueError("composed_attention's four configs need one query block and one key span, the span "
+                             "a multiple of the block holding the block and the longest window")
+
+
+def composed_attention(q, k, v, doc_start, window, scale, mix_in, mix_out, configs=COMPOSED_CONFIGS):
+    """Composed local attention (see the section's notes): (T, H, Dv), the additions to the heads'
+    outputs. q, k (T, H, Dqk), v (T, H, Dv) in one dtype; doc_start (T,) the first position of
+    each token's document; window <= COMPOSED_MAX_WINDOW; scale a number or a one-element fp32
+    tensor; mix_in (T, H) fp32 and mix_out (T, H), the per-token head mixes."""
+    _check_composed_inputs(q, k, v, doc_start, window, mix_in, mix_out, configs)
+    _check_attention_dtypes(q, k, v)
+    scale = softmax_scale_tensor(scale, q.device).float()
+    return _ComposedAttention.apply(_last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v),
+                                    mix_in.contiguous(), mix_out.contiguous(), doc_start.contiguous(), scale,
+                                    window, configs)
+
+
+COMPOSED_REFERENCE_BLOCK = COMPOSED_MAX_WINDOW  # the reference's queries per block (its own and the previous block's keys)
+
+
+def composed_attention_reference(q, k, v, doc_start, window, scale, mix_in, mix_out, configs=None):
+    """The definition in plain torch: each head's map P_h[t] over the last `window` keys of the
+    query's document (softmax of the same scaled q.k) is mixed into one map per token,
+    A[t] = sum_h mix_in[t, h] P_h[t]; head h gets mix_out[t, h] * A[t] @ V_h. Queries go in blocks,
+    each against its own and the previous block's keys, so the maps take O(T x 2 block x H)
+    memory and every shape is static."""
+    T, H, _ = q.shape
+    block = COMPOSED_REFERENCE_BLOCK
+    n, pad = -(-T // block), -T % block
+
+    def blocks(x, front):          # (T, ...) -> (n, block, ...), `front` zero blocks before
+        return F.pad(x, (0, 0) * (x.dim() - 1) + (front * block, pad)).view(n + front, block, *x.shape[1:])
+
+    def key_windows(x):            # (n, 2 block, ...): the block before each query block, then that block
+        b = blocks(x, 1)
+        return torch.cat([b[:-1], b[1:]], dim=1)
+    q_pos = torch.arange(n * block, device=q.device).view(n, block)
+    k_pos = q_pos[:, :1] - block + torch.arange(2 * block, device=q.device)
+    first = F.pad(doc_start, (0, pad)).view(n, block)
+    visible = ((k_pos[:, None, :] <= q_pos[:, :, None]) & (q_pos[:, :, None] - k_pos[:, None, :] < window)
+               & (k_pos[:, None, :] >= first[:, :, None]))                       # (n, queries, keys)
+    scores = torch.einsum("nihd,njhd->nhij", blocks(q, 0), key_windows(k)).float() * scale
+    maps = scores.masked_fill(~visible[:, None], float("-inf")).softmax(dim=-1)
+    mixed = torch.einsum("nhij,nih->nij", maps, blocks(mix_in.float(), 0))
+    out = torch.einsum("nij,njhd->nihd", mixed.to(v.dtype), key_windows(v)) * blocks(mix_out, 0)[..., None].to(v.dtype)
+    return out.reshape(n * block, H, -1)[:T]

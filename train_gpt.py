@@ -60,7 +60,6 @@ TINY_HINT = "python data/tiny_corpus.py"
 VOCAB_SIZE = 50257                 # GPT-2 tokens
 PADDED_VOCAB_SIZE = 50304          # vocab rounded up to a multiple of 128 for the matmuls
 WINDOW_BLOCK = 128                 # sliding windows are counted in blocks of this many tokens
-DC_BLOCK = 128                     # composed attention: queries per block; a block sees itself and the one before
 
 
 @dataclass
@@ -134,7 +133,7 @@ class ModelConfig:
     token_gates_split: int = 4     # layers before this take gates made from x0, later ones from the residual there
     attn_gate_layers: tuple = ()   # layers whose heads' outputs are scaled by a per-token gate (needs token_gates)
     dc_layers: tuple = ()          # layers that add composed local attention (needs token_gates; not paired layers)
-    dc_window: int = 112           # its window, in tokens (at most DC_BLOCK)
+    dc_window: int = 112           # its window, in tokens (at most kernels.COMPOSED_MAX_WINDOW)
     trunk: str = "unet"            # unet: U-net skips, x0 mixed into every block | dense: see DenseConnections
     skip_layers: tuple = (3, 6)    # dense: layer [1] (attention-free) adds a gated copy of layer [0]'s output
     snapshot_layer: int = 7        # dense: the layers after it read its output as their attention input
@@ -555,7 +554,7 @@ NUMERIC_RULES = [
     ("narrow_qk_attn_scale", float, 1e-9, None, "a positive scale"),
     ("narrow_vo_dim", int, 1, None, "a positive width"),
     ("token_gates_split", int, 0, None, "a layer index in [0, num_layers]"),
-    ("dc_window", int, 1, DC_BLOCK, f"a window of 1 to {DC_BLOCK} tokens"),
+    ("dc_window", int, 1, kernels.COMPOSED_MAX_WINDOW, f"a window of 1 to {kernels.COMPOSED_MAX_WINDOW} tokens"),
     ("snapshot_layer", int, 0, None, "a layer index"),
     ("mlp_hidden", int, 1, None, "a positive width"),
     ("num_value_embeds", int, 0, None, "0 or more tables"),
@@ -1033,37 +1032,6 @@ def remove_self_value(y, v, alpha):
 DC_MIX_EPS = 1e-6                  # the RMS norm over heads of the map mix
 
 
-def composed_local_attention(q, k, v, doc_start, window, scale, mix_in, mix_out):
-    """Composed attention, mixing after the softmax: each head's map over the last `window` keys
-    of the query's document (its own softmax of the same scaled q.k), P_h[t], is mixed into one
-    map per token, A[t] = sum_h mix_in[t, h] P_h[t]; head h gets mix_out[t, h] * A[t] @ V_h.
-
-    q, k (T, H, Dqk), v (T, H, Dv); doc_start (T,) int: the first position of each token's
-    document; mix_in, mix_out (T, H). Returns the (T, H, Dv) addition to the heads' outputs.
-    Queries go in blocks of DC_BLOCK, each against its own and the previous block's keys
-    (window <= DC_BLOCK), so the maps take O(T x 2 DC_BLOCK x H) memory and every shape is static.
-    """
-    T, H, _ = q.shape
-    n, pad = -(-T // DC_BLOCK), -T % DC_BLOCK
-
-    def blocks(x, front):          # (T, ...) -> (n, DC_BLOCK, ...), `front` zero blocks before
-        return F.pad(x, (0, 0) * (x.dim() - 1) + (front * DC_BLOCK, pad)).view(n + front, DC_BLOCK, *x.shape[1:])
-
-    def key_windows(x):            # (n, 2 DC_BLOCK, ...): the block before each query block, then that block
-        b = blocks(x, 1)
-        return torch.cat([b[:-1], b[1:]], dim=1)
-    q_pos = torch.arange(n * DC_BLOCK, device=q.device).view(n, DC_BLOCK)
-    k_pos = q_pos[:, :1] - DC_BLOCK + torch.arange(2 * DC_BLOCK, device=q.device)
-    first = F.pad(doc_start, (0, pad)).view(n, DC_BLOCK)
-    visible = ((k_pos[:, None, :] <= q_pos[:, :, None]) & (q_pos[:, :, None] - k_pos[:, None, :] < window)
-               & (k_pos[:, None, :] >= first[:, :, None]))                       # (n, queries, keys)
-    scores = torch.einsum("nihd,njhd->nhij", blocks(q, 0), key_windows(k)).float() * scale
-    maps = scores.masked_fill(~visible[:, None], float("-inf")).softmax(dim=-1)
-    mixed = torch.einsum("nhij,nih->nij", maps, blocks(mix_in.float(), 0))
-    out = torch.einsum("nij,njhd->nihd", mixed.to(v.dtype), key_windows(v)) * blocks(mix_out, 0)[..., None].to(v.dtype)
-    return out.reshape(n * DC_BLOCK, H, -1)[:T]
-
-
 def interleave_head_pairs(x):
     """(T, H, D) -> (2T, H/2, D): heads 2h and 2h+1 of token t become head h at positions 2t and
     2t+1. Under one causal mask over the doubled sequence, each of the two queries then sees
@@ -1089,7 +1057,7 @@ class CausalSelfAttention(nn.Module):
         self.paired = paired
         self.qkv = nn.Parameter(torch.empty(cfg.num_heads * (2 * self.qk_dim + self.v_dim), cfg.model_dim))
         self.out = nn.Parameter(torch.zeros(cfg.model_dim, cfg.num_heads * self.v_dim))
-        self.attention_fn, self.qk_norm_rope = fns.attention, fns.qk_norm_rope
+        self.attention_fn, self.qk_norm_rope, self.composed_fn = fns.attention, fns.qk_norm_rope, fns.composed_attention
         self.fp8_qkv = fns.fp8_qkv  # in training, the projection runs in FP8 with its state in fp8_state
         if fns.fp8_qkv is not None:
             self.register_buffer("fp8_state", kernels.new_fp8_linear_state())
@@ -1108,11 +1076,10 @@ class CausalSelfAttention(nn.Module):
         nn.init.uniform_(self.qkv, -bound, bound)
 
     def composed(self, q, k, v, doc_start, rotary, gates):
-        """composed_local_attention with this layer's head mixes from the token gates (the input
-        mix RMS-normed over the heads)."""
+        """Composed attention (kernels.composed_attention) with this layer's head mixes from the
+        token gates (the input mix RMS-normed over the heads)."""
         mix_in = F.rms_norm(gates["dc_in"].float(), (self.num_heads,), eps=DC_MIX_EPS)
-        return composed_local_attention(q, k, v, doc_start, self.dc_window, rotary.attn_scale, mix_in,
-                                        gates["dc_out"])
+        return self.composed_fn(q, k, v, doc_start, self.dc_window, rotary.attn_scale, mix_in, gates["dc_out"])
 
     def value_embed_gate(self, x, ve):
         """(T, heads) gates in (0, 2), 1 at the start: 2 sigmoid(W g), where g holds the first dims
@@ -1403,9 +1370,8 @@ def bigram_sign_rows(tokens, is_doc_start):
 def two_tokens_back(tokens, is_doc_start):
     """(the token two positions back in its document, BOS where there is none; whether the
     token is one of its document's first two, which have no trigram)."""
-    second = torch.roll(is_doc_start, 1) & ~is_doc_start     # the token right after a document start
-    second[0] = False
-    first_two = is_doc_start | second
+    after_start = torch.cat([is_doc_start.new_zeros(1), is_doc_start[:-1]])  # the token before starts a document
+    first_two = is_doc_start | after_start
     return torch.where(first_two, BOS_ID, torch.roll(tokens, 2)), first_two
 
 
@@ -2416,6 +2382,7 @@ class KernelFns:
     fp8_qkv: object = None         # fn(x, weight, state); None: the QKV projection runs in the autocast dtype
     fp8_head: object = None        # fn(x, weight, state); None: the head runs in the autocast dtype
     qk_norm_rope: object = kernels.qk_norm_rope_reference  # fn(q, k, cos, sin, stationary, key_doc_start)
+    composed_attention: object = kernels.composed_attention_reference  # fn(q, k, v, doc_start, window, scale, mixes)
 
     @property
     def any_fp8(self):
@@ -2445,7 +2412,7 @@ def select_kernels(h, device):
     mlp, qkv, head = fp8_kernels(h, use_triton) if with_fp8 else (None, None, None)
     if use_triton:
         return KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy, mlp, kernels.xxt, qkv, head,
-                         kernels.qk_norm_rope)
+                         kernels.qk_norm_rope, kernels.composed_attention)
     # Here auto means CPU: the chunked cross-entropy is the kernel's algorithm, ~3x faster than the
     # reference there; `kernels=reference` keeps the plain reference for A/B runs.
     cross_entropy = (kernels.softcap_cross_entropy_reference if h.kernels == "reference"

@@ -416,9 +416,38 @@ def bench_sparse_rows(shapes, device, timer, dry):
     return lines
 
 
+COMPOSED_WINDOW = 112     # the speedrun preset's composed-attention window (dc_window)
+
+
+def bench_composed_attention(shapes, device, timer, dry):
+    """Composed local attention (the last layer's: the heads' maps over the last COMPOSED_WINDOW
+    tokens, mixed per token) against its blocked torch reference, forward and backward on bf16
+    inputs with documents of SYNTHETIC_DOC_LEN tokens (informational)."""
+    import torch
+    import kernels
+    T, D = shapes["tokens"], shapes["width"]
+    head_dim = 16 if dry else 128
+    heads = D // head_dim
+    q, k, v = (torch.randn(T, heads, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    mix_in = torch.randn(T, heads, device=device, requires_grad=True)
+    mix_out = torch.randn(T, heads, device=device, dtype=torch.bfloat16, requires_grad=True)
+    doc_start = (torch.arange(T, device=device) // SYNTHETIC_DOC_LEN * SYNTHETIC_DOC_LEN).int()
+    grad = torch.randn(T, heads, head_dim, device=device, dtype=torch.bfloat16)
+
+    def run(fn):
+        def step():
+            out = fn(q, k, v, doc_start, COMPOSED_WINDOW, head_dim ** -0.5, mix_in, mix_out)
+            torch.autograd.grad(out, [q, k, v, mix_in, mix_out], grad)
+        return step
+    ours, theirs = timer(run(kernels.composed_attention)), timer(run(kernels.composed_attention_reference))
+    return [Line("composed attention fwd+bwd vs torch reference (eager)",
+                 f"{T}x{heads}x{head_dim}, window {COMPOSED_WINDOW}", ours, theirs)]
+
+
 # Each takes (shapes, device, timer, dry) and returns its Lines.
 KERNEL_BENCHES = (bench_fp8_matmul, bench_fp8_layers, bench_attention, bench_cross_entropy, bench_xxt,
-                  bench_qk_norm_rope, bench_sparse_rows)
+                  bench_qk_norm_rope, bench_sparse_rows, bench_composed_attention)
 
 
 # -----------------------------------------------------------------------------------------------

@@ -73,7 +73,8 @@ XXT_SHAPES = ((16, 768, 768), (8, 768, 3072))
 
 # Kernels that must run on the tensor cores (wgmma in PTX, HGMMA/QGMMA in SASS).
 MATRIX_KERNELS = ("_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_attn_fwd_kernel", "_attn_bwd_kv_kernel",
-                  "_attn_bwd_q_kernel", "_xxt_kernel")
+                  "_attn_bwd_q_kernel", "_xxt_kernel", "_dc_fwd_kernel", "_dc_bwd_mix_kernel", "_dc_bwd_q_kernel",
+                  "_dc_bwd_kv_kernel")
 SASS_COUNTED = ("HGMMA", "QGMMA", "HMMA", "LDL", "STL", "LDS", "STS", "LDG", "STG", "BAR", "MUFU")
 
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
@@ -125,6 +126,14 @@ def _library_calls():
 
     for shape in XXT_SHAPES:
         kernels.xxt(_untouched(*shape))
+
+    # composed attention (the last layer's), at the model's head width
+    heads = s["heads_by_dim"][128]
+    q, k, v = (_untouched(T, heads, 128, requires_grad=True) for _ in range(3))
+    mix_in = _untouched(T, heads, dtype=torch.float32, requires_grad=True)
+    mix_out = _untouched(T, heads, requires_grad=True)
+    o = kernels.composed_attention(q, k, v, _untouched(T, dtype=torch.int32), 112, 128 ** -0.5, mix_in, mix_out)
+    o.backward(torch.empty_like(o))
 
     # the hashed n-gram table: a bigram and a trigram row per token, their gradients summed per
     # distinct row, sparse Adam on those rows of a table shard (its row count changes no launch)
@@ -207,7 +216,7 @@ def trainer_kernel_calls(preset=TRAINER_PRESET):
     h = train_gpt.parse_config(["--preset", preset])
     mlp, qkv, head = train_gpt.fp8_kernels(h, use_triton=True)
     fns = train_gpt.KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy, mlp, kernels.xxt, qkv, head,
-                              kernels.qk_norm_rope)
+                              kernels.qk_norm_rope, kernels.composed_attention)
     with cuda_autocast_rules(), FakeTensorMode(allow_non_fake_inputs=True), KernelOpCalls() as recorder:
         model = train_gpt.build_model(h, fns)
         optimizers = train_gpt.build_optimizers(h, model, fns)

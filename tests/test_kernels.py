@@ -662,6 +662,101 @@ def test_attention_launches_one_program_per_block_of_the_packed_batch():
 # Softcapped cross-entropy
 # ---------------------------------------------------------------------------------------------
 
+# Composed local attention: the tests' blocks hold the longest window (span >= block + 127).
+SMALL_COMPOSED = [value for _ in range(4) for value in kernels.LaunchConfig(block_m=16, block_n=256).as_list()]
+
+
+def composed_oracle(q, k, v, cu_seqlens, window, scale, mix_in, mix_out):
+    """float64 composed attention from the definition, with the (T, T) visibility mask: every
+    head's softmax over the visible keys, mixed per token by mix_in into one map, applied to each
+    head's values and scaled by mix_out (pass float64 leaves for gradients)."""
+    visible = visibility_mask(cu_seqlens, q.shape[0], window)
+    maps = (scale * torch.einsum("ihd,jhd->hij", q, k)).masked_fill(~visible, float("-inf")).softmax(-1)
+    mixed = torch.einsum("hij,ih->ij", maps, mix_in)
+    return torch.einsum("ij,jhd->ihd", mixed, v) * mix_out[..., None]
+
+
+def _composed_inputs(T, H, d_qk, d_v, seed, dtype=torch.float32):
+    q, k, v, grad_o, generator = _attention_inputs(T, H, d_qk, d_v, seed, dtype)
+    mix_in, mix_out = torch.randn(T, H, generator=generator), torch.randn(T, H, generator=generator).to(dtype)
+    cu_seqlens, _ = uneven_documents(T, generator)
+    return (q, k, v, mix_in, mix_out), grad_o, cu_seqlens
+
+
+def _composed_and_grads(composed, inputs, grad_o, doc_start, window, scale, *configs):
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    q, k, v, mix_in, mix_out = leaves
+    o = composed(q, k, v, doc_start, window, scale, mix_in, mix_out, *configs)
+    return [o.detach(), *torch.autograd.grad(o, leaves, grad_o.to(o.dtype))]
+
+
+COMPOSED_OUTPUTS = ("out", "dq", "dk", "dv", "dmix_in", "dmix_out")
+
+
+@pytest.mark.parametrize("window", [1, 40, kernels.COMPOSED_MAX_WINDOW])
+def test_composed_attention_reference_equals_its_definition(window):
+    """The blocked reference, forward and every gradient, against the float64 oracle."""
+    inputs, grad_o, cu_seqlens = _composed_inputs(300, 3, 8, 8, seed=9)
+    doc_start = kernels.document_bounds(cu_seqlens, 300)[0]
+    got = _composed_and_grads(kernels.composed_attention_reference, inputs, grad_o, doc_start, window, 0.3)
+    want = _composed_and_grads(lambda q, k, v, _, w, s, mi, mo: composed_oracle(q, k, v, cu_seqlens, w, s, mi, mo),
+                               [t.double() for t in inputs], grad_o.double(), doc_start, window, 0.3)
+    for name, g, w in zip(COMPOSED_OUTPUTS, got, want):
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@interpreted
+@pytest.mark.parametrize("d_qk,d_v,window,configs", [
+    (16, 16, 1, SMALL_COMPOSED), (32, 16, 40, SMALL_COMPOSED), (16, 32, 128, SMALL_COMPOSED),
+    (16, 16, 112, kernels.COMPOSED_CONFIGS)])
+def test_composed_attention_matches_float64(d_qk, d_v, window, configs):
+    """ATTN: the kernel's output and the gradients of q, k, v and both mixes against the float64
+    oracle and the reference, fp32 inputs, uneven documents (one of a single token), a length
+    that is no multiple of the block; the scale is a one-element tensor, as the model's."""
+    T = 150
+    inputs, grad_o, cu_seqlens = _composed_inputs(T, 2, d_qk, d_v, seed=21)
+    doc_start = kernels.document_bounds(cu_seqlens, T)[0]
+    scale = d_qk ** -0.5
+    got = _composed_and_grads(kernels.composed_attention, inputs, grad_o, doc_start, window, torch.tensor([scale]),
+                              configs)
+    oracle = _composed_and_grads(lambda q, k, v, _, w, s, mi, mo: composed_oracle(q, k, v, cu_seqlens, w, s, mi, mo),
+                                 [t.double() for t in inputs], grad_o.double(), doc_start, window, scale)
+    reference = _composed_and_grads(kernels.composed_attention_reference, inputs, grad_o, doc_start, window, scale)
+    for name, g, o, r in zip(COMPOSED_OUTPUTS, got, oracle, reference):
+        atol = 1e-4 * max(1.0, float(o.abs().max()))
+        torch.testing.assert_close(g.double(), o, rtol=1e-4, atol=atol, msg=lambda m: f"{name} vs float64: {m}")
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=atol, msg=lambda m: f"{name} vs reference: {m}")
+
+
+@interpreted
+def test_composed_attention_bf16_error_at_most_twice_the_references():
+    """bf16 inputs (the model's): the kernel's error against float64, per output and gradient,
+    is at most twice the bf16 reference's, plus 1e-5 of the output scale."""
+    T, window = 150, 112
+    inputs, grad_o, cu_seqlens = _composed_inputs(T, 2, 32, 32, seed=22, dtype=torch.bfloat16)
+    doc_start = kernels.document_bounds(cu_seqlens, T)[0]
+    got = _composed_and_grads(kernels.composed_attention, inputs, grad_o, doc_start, window, torch.tensor([0.2]),
+                              SMALL_COMPOSED)
+    reference = _composed_and_grads(kernels.composed_attention_reference, inputs, grad_o, doc_start, window, 0.2)
+    oracle = _composed_and_grads(lambda q, k, v, _, w, s, mi, mo: composed_oracle(q, k, v, cu_seqlens, w, s, mi, mo),
+                                 [t.double() for t in inputs], grad_o.double(), doc_start, window, 0.2)
+    for name, g, r, o in zip(COMPOSED_OUTPUTS, got, reference, oracle):
+        kernel_error, reference_error = ((t.double() - o).abs().max() for t in (g, r))
+        assert kernel_error <= 2 * reference_error + 1e-5 * o.abs().max(), (name, kernel_error, reference_error)
+
+
+def test_composed_attention_rejects_bad_inputs():
+    q = torch.randn(20, 2, 16)
+    mix, doc_start = torch.randn(20, 2), torch.zeros(20, dtype=torch.int32)
+    with pytest.raises(ValueError, match="windows of 1 to 128"):
+        kernels.composed_attention(q, q, q, doc_start, 129, 0.25, mix, mix)
+    with pytest.raises(ValueError, match=r"mix_in \(fp32\) and mix_out of shape \(20, 2\)"):
+        kernels.composed_attention(q, q, q, doc_start, 8, 0.25, mix.bfloat16(), mix)
+    with pytest.raises(ValueError, match="one query block and one key span"):
+        kernels.composed_attention(q, q, q, doc_start, 8, 0.25, mix, mix,
+                                   kernels.LaunchConfig(block_m=16, block_n=128).as_list() * 4)
+
+
 def cross_entropy_oracle(logits, targets, weights):
     """float64 loss (differentiable, for the gradient) and softmax from the formula of the reference."""
     z = 23.0 * torch.sigmoid((logits + 5.0) / 7.5)
@@ -828,6 +923,13 @@ def test_custom_ops_pass_opcheck():
         (kernels._sparse_adam_rows_op, (table, kernels.sum_rows_reference(values, groups), groups.distinct,
                                         groups.count, moment, last, log_decay_at, *dataclasses.astuple(row_step),
                                         kernels.SPARSE_ADAM.as_list())),
+    ]
+    (q, k, v, mix_in, mix_out), grad_c, cu_composed = _composed_inputs(24, 2, 16, 16, seed=10)
+    start = kernels.document_bounds(cu_composed, 24)[0]
+    c, mixed, c_lse = kernels._dc_fwd_op(q, k, v, mix_in, mix_out, start, scale, 9, SMALL_COMPOSED)
+    cases += [
+        (kernels._dc_fwd_op, (q, k, v, mix_in, mix_out, start, scale, 9, SMALL_COMPOSED)),
+        (kernels._dc_bwd_op, (grad_c, q, k, v, mix_in, mix_out, start, scale, mixed, c_lse, 9, SMALL_COMPOSED)),
     ]
     fp8_operand_ops = (kernels._fp8_matmul_op, kernels._fp8_matmul_quant_op)
     for op, args in cases:

@@ -972,27 +972,6 @@ def test_attention_output_gates_scale_each_heads_output_per_token():
         torch.testing.assert_close(got[t], attn(x, None, no_doc_start, model.rotary, args)[t])
 
 
-@pytest.mark.parametrize("window", [1, 40, tg.DC_BLOCK])
-def test_composed_local_attention_equals_its_definition(window):
-    """Every head's softmax over the last `window` keys of the query's own document, mixed over
-    heads by mix_in into one map, applied to each head's values and scaled by mix_out: a float64
-    loop over queries."""
-    gen = torch.Generator().manual_seed(9)
-    T, H, D = 300, 3, 8
-    q, k, v = (torch.randn(T, H, D, generator=gen) for _ in range(3))
-    mix_in, mix_out = torch.randn(T, H, generator=gen), torch.randn(T, H, generator=gen)
-    cu = torch.tensor([0, 90, 240, 300], dtype=torch.int32)
-    doc_start = kernels.document_bounds(cu, T)[0]
-    got = tg.composed_local_attention(q, k, v, doc_start, window, 0.3, mix_in, mix_out)
-    for t in range(T):
-        keys = list(range(max(int(doc_start[t]), t - window + 1), t + 1))
-        maps = [(0.3 * (k[keys, h].double() @ q[t, h].double())).softmax(0) for h in range(H)]
-        mixed = sum(mix_in[t, h].double() * maps[h] for h in range(H))
-        for h in range(H):
-            want = mix_out[t, h].double() * (mixed @ v[keys, h].double())
-            torch.testing.assert_close(got[t, h].double(), want, rtol=1e-5, atol=1e-5)
-
-
 def test_xsa_with_per_token_strengths_equals_its_definition():
     gen = torch.Generator().manual_seed(8)
     y, v = torch.randn(5, 3, 8, generator=gen), torch.randn(5, 3, 8, generator=gen)
