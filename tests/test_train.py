@@ -1122,6 +1122,27 @@ def test_a_warm_up_on_a_cpu_changes_nothing_but_the_clock(shards, tmp_path):
     assert finals[0] == finals[1]
 
 
+def test_a_run_with_the_table_in_host_memory_ends_as_with_it_on_the_device(shards, tmp_path):
+    """train_gpt.py end to end with a host table and the smallest device cache (prefetching the
+    next step's rows, writing rows back, flushing before the checkpoint): the same final val
+    loss as with the table on the device, a hit-rate line, and a checkpoint whose evaluation
+    gives the logged val loss."""
+    args = ["--preset", "cpu", *TINY, *data_args(shards), "--ngram_rows=65536", "--ngram_lr=0.05",
+            "--num_iterations=6"]
+    finals = []
+    for cache in (0, 4096):
+        res = run_trainer([*args, f"--ngram_cache_rows={cache}", f"--log_dir={tmp_path}/{cache}",
+                           "--save_checkpoint=true"])
+        assert res.returncode == 0, res.stderr
+        assert ("n-gram cache: 4096 rows on the device, hit rate" in res.stdout) == (cache > 0)
+        finals.append(final_line(next((tmp_path / str(cache)).glob("*.txt"))).split()[1])
+    assert finals[0] == finals[1]
+    checkpoint = next((tmp_path / "4096").glob("*_model.safetensors"))
+    res = run_trainer([f"--eval={checkpoint}"])
+    assert res.returncode == 0, res.stderr
+    assert f"val_loss:{finals[1].split(':')[1]}" in res.stdout
+
+
 def test_corrupt_shard_is_named(shards, tmp_path):
     bad = tmp_path / "bad_train_000001.bin"
     bad.write_bytes(open(f"{shards}/t_train_000001.bin", "rb").read()[:5000])
