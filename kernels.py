@@ -2008,8 +2008,9 @@ def sparse_adam_rows_reference_(table, grads, groups: RowGroups, moment, last, l
 #   per key block and head: dV_h = sum over the SPAN / BLOCK_Q query blocks whose spans hold the
 #     keys of (mix_out_h A)^T dO_h, and dK_h likewise of scale dS_h^T Q_h, from the stored A and
 #     dA tiles.
-# No pass keeps more than two BLOCK_Q x SPAN fp32 tiles live: an H100's registers hold them at
-# 8 warps without spilling (bench/sm90_report.py checks).
+# Registers bound the split: the dA pass holds A (as a bf16 dot operand) and dA, the dQ pass
+# half-span tiles, the dK dV pass BLOCK_Q x BLOCK_Q tiles; at 8 warps none spills on sm_90
+# (bench/sm90_report.py checks), where one pass for dA and dQ together did.
 
 COMPOSED_MAX_WINDOW = 128          # the longest window of composed attention (the reference's block)
 COMPOSED_FORWARD = LaunchConfig(block_m=64, block_n=256, num_warps=8)     # block_m queries, block_n keys (the span)
@@ -2101,6 +2102,19 @@ def _dc_bwd_mix_kernel(v_ptr, do_ptr, mix_out_ptr, a_ptr, da_ptr, dmix_out_ptr,
 
 
 @triton.jit
+def _dc_half_span(q, k_ptr, lse_ptr, da_ptr, doc_start_ptr, block, half, rows, h, stride_kt, stride_kh, num_tokens,
+                  window, scale, D_QK: tl.constexpr, BLOCK_Q: tl.constexpr, SPAN: tl.constexpr):
+    """(K_h, P_h, dA) on one half of a query block's span."""
+    offsets = half * (SPAN // 2) + tl.arange(0, SPAN // 2)
+    cols = block * BLOCK_Q + BLOCK_Q - SPAN + offsets
+    k = _dc_load_heads(k_ptr, cols, h, stride_kt, stride_kh, num_tokens, D_QK)
+    p = _dc_head_map(q, k, lse_ptr, rows, _dc_visible(rows, cols, doc_start_ptr, num_tokens, window), h, num_tokens,
+                     scale)
+    grad_mixed = tl.load(da_ptr + block * BLOCK_Q * SPAN + tl.arange(0, BLOCK_Q)[:, None] * SPAN + offsets[None, :])
+    return k, p, grad_mixed
+
+
+@triton.jit
 def _dc_bwd_q_kernel(q_ptr, k_ptr, mix_in_ptr, doc_start_ptr, scale_ptr, lse_ptr, da_ptr, delta_ptr, dq_ptr,
                      dmix_in_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_dqt, stride_dqh, num_tokens,
                      num_heads, window, D_QK: tl.constexpr, BLOCK_Q: tl.constexpr, SPAN: tl.constexpr):
@@ -2115,24 +2129,16 @@ def _dc_bwd_q_kernel(q_ptr, k_ptr, mix_in_ptr, doc_start_ptr, scale_ptr, lse_ptr
     mix = tl.load(mix_in_ptr + rows * num_heads + h, mask=row_ok, other=0.0)
     grad_mix = tl.zeros((BLOCK_Q,), dtype=tl.float32)
     for half in range(2):
-        offsets = half * (SPAN // 2) + tl.arange(0, SPAN // 2)
-        cols = block * BLOCK_Q + BLOCK_Q - SPAN + offsets
-        k = _dc_load_heads(k_ptr, cols, h, stride_kt, stride_kh, num_tokens, D_QK)
-        p = _dc_head_map(q, k, lse_ptr, rows, _dc_visible(rows, cols, doc_start_ptr, num_tokens, window), h,
-                         num_tokens, scale)
-        grad_mixed = tl.load(da_ptr + block * BLOCK_Q * SPAN + tl.arange(0, BLOCK_Q)[:, None] * SPAN + offsets[None, :])
+        k, p, grad_mixed = _dc_half_span(q, k_ptr, lse_ptr, da_ptr, doc_start_ptr, block, half, rows, h, stride_kt,
+                                         stride_kh, num_tokens, window, scale, D_QK, BLOCK_Q, SPAN)
         grad_mix += tl.sum(grad_mixed * p, axis=1)
     tl.store(dmix_in_ptr + rows * num_heads + h, grad_mix, mask=row_ok)
     delta = mix * grad_mix
     tl.store(delta_ptr + h * num_tokens + rows, delta, mask=row_ok)
     dq = tl.zeros((BLOCK_Q, D_QK), dtype=tl.float32)
     for half in range(2):
-        offsets = half * (SPAN // 2) + tl.arange(0, SPAN // 2)
-        cols = block * BLOCK_Q + BLOCK_Q - SPAN + offsets
-        k = _dc_load_heads(k_ptr, cols, h, stride_kt, stride_kh, num_tokens, D_QK)
-        p = _dc_head_map(q, k, lse_ptr, rows, _dc_visible(rows, cols, doc_start_ptr, num_tokens, window), h,
-                         num_tokens, scale)
-        grad_mixed = tl.load(da_ptr + block * BLOCK_Q * SPAN + tl.arange(0, BLOCK_Q)[:, None] * SPAN + offsets[None, :])
+        k, p, grad_mixed = _dc_half_span(q, k_ptr, lse_ptr, da_ptr, doc_start_ptr, block, half, rows, h, stride_kt,
+                                         stride_kh, num_tokens, window, scale, D_QK, BLOCK_Q, SPAN)
         dq += tl.dot((p * (mix[:, None] * grad_mixed - delta[:, None])).to(k.dtype), k)
     tl.store(dq_ptr + rows[:, None] * stride_dqt + h * stride_dqh + tl.arange(0, D_QK)[None, :],
              (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
