@@ -2301,7 +2301,8 @@ def composed_attention(q, k, v, doc_start, window, scale, mix_in, mix_out, confi
                                     window, configs)
 
 
-COMPOSED_REFERENCE_BLOCK = COMPOSED_MAX_WINDOW  # the reference's queries per block (its own and the previous block's keys)
+# the reference's queries per block, each block against its own and the previous block's keys
+COMPOSED_REFERENCE_BLOCK = COMPOSED_MAX_WINDOW
 
 
 def composed_attention_reference(q, k, v, doc_start, window, scale, mix_in, mix_out, configs=None):

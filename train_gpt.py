@@ -2779,7 +2779,7 @@ class ShardedNgramRows:
     def __init__(self, table: NgramTable, sum_rows, env: Dist):
         self.table, self.sum_rows, self.env = table, sum_rows, env
         self.shard_rows = table.table.shape[0]
-        self.route = None          # the last fetch's (slice rows on the device, send counts, receive counts, asked rows)
+        self.route = None          # the last fetch's slice rows (device), send and receive counts, asked rows
 
     @torch.no_grad()
     def fetch(self, tokens, training=True):

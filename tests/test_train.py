@@ -383,8 +383,9 @@ def test_a_host_table_with_a_device_cache_trains_bit_for_bit_as_a_resident_one(s
     write_shard(tmp_path / "w_train_000001.bin", synthetic_documents(rng, 30_000, vocab=50_000))
     write_shard(tmp_path / "w_val_000000.bin", synthetic_documents(rng, 4_096, vocab=50_000))
     steps = 8
-    args = [f"--train_files={tmp_path}/w_train_*.bin", f"--val_files={tmp_path}/w_val_*.bin", "--ngram_rows=65536", "--smear_gate=true", "--ngram_lr=0.05", "--batch_ranks=2",
-                                "--ngram_step_every=2", f"--num_iterations={steps}"]
+    args = [f"--train_files={tmp_path}/w_train_*.bin", f"--val_files={tmp_path}/w_val_*.bin", "--ngram_rows=65536",
+            "--smear_gate=true", "--ngram_lr=0.05", "--batch_ranks=2", "--ngram_step_every=2",
+            f"--num_iterations={steps}"]
     h = tiny_config(args)
     resident = cpu_trainer(h)
     losses, val = train_and_validate(resident, h, steps)
