@@ -215,8 +215,8 @@ class Hyperparameters(ModelConfig):
     ngram_wd: float = 0.0
     ngram_step_every: int = 1      # the table updates every this-many steps, from the entries' mean over them
     ngram_late_step: int = 0       # from this step on (0: never) the table's beta2 and cadence are the late ones
-    ngram_late_beta2: float = 0.9025
-    ngram_late_step_every: int = 4
+    ngram_late_beta2: float = 0.9025   # record 92's late beta2: 0.95 squared
+    ngram_late_step_every: int = 4     # record 92's late cadence: an update every 4th step
     ngram_cache_rows: int = 0      # > 0: the table lives in host memory and this many of its rows on the device
     # system
     seed: int = 0
