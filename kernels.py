@@ -1140,15 +1140,15 @@ def _last_dim_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _check_attention_dtypes(*tensors):
+def _check_attention_dtypes(*tensors, name="flash_attn_varlen"):
     """One dtype for q, k, v (and dO) that the tensor cores take; fp32 only off the GPU."""
     dtypes = {t.dtype for t in tensors}
     dtype = tensors[0].dtype
     if len(dtypes) != 1 or dtype not in ATTENTION_DTYPES:
-        raise ValueError(f"flash_attn_varlen needs q, k and v (and their gradient) in one dtype of "
+        raise ValueError(f"{name} needs q, k and v (and their gradient) in one dtype of "
                          f"{ATTENTION_DTYPES}; got {[str(t.dtype) for t in tensors]}: cast them before the call")
     if dtype == torch.float32 and tensors[0].device.type == "cuda":
-        raise ValueError("flash_attn_varlen takes bf16 or fp16 on the GPU (fp32 tiles do not fit in shared "
+        raise ValueError(f"{name} takes bf16 or fp16 on the GPU (fp32 tiles do not fit in shared "
                          "memory): cast q, k and v to bf16")
 
 
@@ -2294,7 +2294,7 @@ def composed_attention(q, k, v, doc_start, window, scale, mix_in, mix_out, confi
     each token's document; window <= COMPOSED_MAX_WINDOW; scale a number or a one-element fp32
     tensor; mix_in (T, H) fp32 and mix_out (T, H), the per-token head mixes."""
     _check_composed_inputs(q, k, v, doc_start, window, mix_in, mix_out, configs)
-    _check_attention_dtypes(q, k, v)
+    _check_attention_dtypes(q, k, v, name="composed_attention")
     scale = softmax_scale_tensor(scale, q.device).float()
     return _ComposedAttention.apply(_last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v),
                                     mix_in.contiguous(), mix_out.contiguous(), doc_start.contiguous(), scale,

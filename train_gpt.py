@@ -2779,7 +2779,7 @@ class ShardedNgramRows:
     def __init__(self, table: NgramTable, sum_rows, env: Dist):
         self.table, self.sum_rows, self.env = table, sum_rows, env
         self.shard_rows = table.table.shape[0]
-        self.route = None          # the last fetch's slice rows (device), send and receive counts, asked rows
+        self.route = None          # the last fetch's RowGroups (device), send and receive counts, asked rows
 
     @torch.no_grad()
     def fetch(self, tokens, training=True):
@@ -2787,7 +2787,8 @@ class ShardedNgramRows:
         (`training` matters to a host table's cache, not here)."""
         device, world = self.env.device, self.env.world_size
         rows = ngram_rows(tokens, document_starts(tokens), self.table.rows).reshape(-1)
-        distinct, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+        groups = kernels.distinct_rows(rows)        # on the host, where the tokens are
+        distinct = groups.distinct[:int(groups.count)]
         send_counts = torch.bincount(distinct // self.shard_rows, minlength=world)
         recv_counts = torch.empty_like(send_counts, device=device)
         dist.all_to_all_single(recv_counts, send_counts.to(device))
@@ -2798,15 +2799,16 @@ class ShardedNgramRows:
         asked -= self.table.first_row
         dist.all_to_all_single(self.table.fetched[:distinct.numel()], self.table.table[asked],
                                output_split_sizes=send_counts, input_split_sizes=recv_counts)
-        self.table.slots[:tokens.numel()].copy_(inverse.view(-1, 2), non_blocking=True)
-        self.route = (rows.to(device, non_blocking=True), send_counts, recv_counts, asked)
+        self.table.slots[:tokens.numel()].copy_(groups.inverse.view(-1, 2), non_blocking=True)
+        groups = kernels.RowGroups(**{f.name: getattr(groups, f.name).to(device) for f in dataclasses.fields(groups)})
+        self.route = (groups, send_counts, recv_counts, asked)
 
     @torch.no_grad()
     def entries(self, grads):
         """(rows of this shard, their gradients) for the entries `grads` (T * 2, D) of the last
         fetched slice: this process's share of every process's summed gradients."""
-        rows, send_counts, recv_counts, asked = self.route
-        summed = self.sum_rows(grads, kernels.distinct_rows(rows))[:sum(send_counts)]
+        groups, send_counts, recv_counts, asked = self.route
+        summed = self.sum_rows(grads, groups)[:sum(send_counts)]
         received = grads.new_empty(len(asked), grads.shape[1])
         dist.all_to_all_single(received, summed, output_split_sizes=recv_counts, input_split_sizes=send_counts)
         return asked, received / self.env.world_size
@@ -2965,13 +2967,14 @@ class Trainer:
         self.adam = next(opt for opt in self.optimizers if isinstance(opt, optim.Adam))
         self.ngram_adam = None     # the n-gram table's (its shard's, its cache's) sparse Adam
         self.ngram_fetch = None    # split or on the host: what fetches a slice's rows (and routes their gradients)
+        self.ngram_cache = None    # on the host: that same HostNgramRows (its prefetch, flush, counts)
         ngram = self.model.ngram
         if ngram is not None:
             self.ngram_adam = optim.SparseRowAdam(ngram.fetched if ngram.on_host else ngram.table, lr=h.ngram_lr,
                                                   beta2=h.ngram_beta2, eps=h.adam_eps, weight_decay=h.ngram_wd,
                                                   use_triton=self.kernels.xxt is not None)
             if ngram.on_host:
-                self.ngram_fetch = HostNgramRows(ngram, self.ngram_adam, env.device)
+                self.ngram_fetch = self.ngram_cache = HostNgramRows(ngram, self.ngram_adam, env.device)
             elif ngram.gathered:
                 self.ngram_fetch = ShardedNgramRows(ngram, self.ngram_adam.sum_rows, env)
         self.ngram_entries, self.ngram_calls = [], 0  # pending gradient entries, and the steps they span
@@ -3099,8 +3102,8 @@ class Trainer:
     def drop_ngram_entries(self):
         """No n-gram gradient entry pending (a host table's cache may let their rows go)."""
         self.ngram_entries, self.ngram_calls = [], 0
-        if isinstance(self.ngram_fetch, HostNgramRows):
-            self.ngram_fetch.release()
+        if self.ngram_cache is not None:
+            self.ngram_cache.release()
 
     def train_step(self, step, slices):
         """One optimizer step on the global batch; advance_to(step) has set the schedule."""
@@ -3284,8 +3287,8 @@ def train(h, env, log):
               f"capture, FP8 calibration); train_time counts from step 0", echo=True)
     gc.collect()
     gc.freeze()                    # the warm-up's objects leave the collector's view: shorter pauses in the timed run
-    if isinstance(trainer.ngram_fetch, HostNgramRows):
-        trainer.ngram_fetch.reset_counts()
+    if trainer.ngram_cache is not None:
+        trainer.ngram_cache.reset_counts()
     batches = BatchPrefetcher(TrainLoader(train_files, batch_tokens(h)), h, trainer.mine,
                               pin=env.device.type == "cuda")
     losses = DeferredLossLines(env.device)
@@ -3317,8 +3320,8 @@ def train(h, env, log):
             with host_syncs_are_errors(h.sync_check and env.device.type == "cuda"):
                 loss = trainer.train_step(step, slices)
             trainer.averages.sample(step)
-            if isinstance(trainer.ngram_fetch, HostNgramRows) and step + 1 < N:
-                trainer.ngram_fetch.prefetch(batches.peek())
+            if trainer.ngram_cache is not None and step + 1 < N:
+                trainer.ngram_cache.prefetch(batches.peek())
             if step % h.log_every == 0 or step == N - 1:
                 if env.world_size > 1:
                     dist.all_reduce(loss)
@@ -3331,9 +3334,9 @@ def train(h, env, log):
         log.write(f"averages: {shipped} blends into the weights before the final validation", echo=True)
     timed_graphs = compiled_graphs() - graphs_before_timing
     log.write(f"compile: {warm_graphs} graphs in the warm-up, {timed_graphs} in the timed run", echo=True)
-    if isinstance(trainer.ngram_fetch, HostNgramRows):
-        trainer.ngram_fetch.flush()  # the host table whole: for the checkpoint, and for the model after the run
-        log.write(trainer.ngram_fetch.summary(), echo=True)
+    if trainer.ngram_cache is not None:
+        trainer.ngram_cache.flush()  # the host table whole: for the checkpoint, and for the model after the run
+        log.write(trainer.ngram_cache.summary(), echo=True)
     if trainer.graphs.capturing:
         log.write(f"cuda graphs: {trainer.graphs.captured()} training steps and "
                   f"{len(trainer.graphs.optimizer_graphs)} optimizer updates captured in the warm-up, "
