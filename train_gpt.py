@@ -111,6 +111,7 @@ class ModelConfig:
     value_embed_layers: tuple = () # or: these layers, each with a table of its own (then num_value_embeds = 0)
     value_embed_gate_dim: int = 12 # inputs of the per-head value-embedding gates
     value_embed_gate_reads_value: bool = False  # gates read half their inputs from the value embedding
+    value_embed_sparse: bool = False  # value embeddings trained like the n-gram table: sparse Adam, its cadence
     bigram_rows: int = 251_520     # rows of the bigram hash embedding
     ngram_rows: int = 0            # rows of the hashed bigram+trigram table trained sparsely (0: the bigram embedding)
     ngram_dtype: str = "float32"   # the table's storage: float32 | bfloat16 (half the bytes; updates rounded to nearest)
@@ -204,7 +205,7 @@ class Hyperparameters(ModelConfig):
     token_gate_lr: float = 0.0008  # the token-gate MLPs
     dense_lr: float = 0.002        # the dense-connection MLPs
     embed_betas: tuple = (0.8, 0.95)   # embedding and head
-    value_embed_betas: tuple = (0.8, 0.95)
+    value_embed_betas: tuple = (0.8, 0.95)  # (sparse value embeddings: beta1 = 0, beta2 their rows' moments')
     scalar_betas: tuple = (0.8, 0.95)  # scalars and gates
     embed_wd: float = 0.0          # embedding and head
     value_embed_wd: float = 0.0    # (scalars and gates are never decayed)
@@ -213,10 +214,11 @@ class Hyperparameters(ModelConfig):
     ngram_lr: float = 0.01         # the n-gram table's sparse Adam (beta1 = 0, one second moment per row)
     ngram_beta2: float = 0.95
     ngram_wd: float = 0.0
-    ngram_step_every: int = 1      # the table updates every this-many steps, from the entries' mean over them
-    ngram_late_step: int = 0       # from this step on (0: never) the table's beta2 and cadence are the late ones
+    ngram_step_every: int = 1      # the table (and sparse value embeddings) update every this-many steps
+    ngram_late_step: int = 0       # from this step on (0: never) the sparse tables' beta2 and cadence are the late ones
     ngram_late_beta2: float = 0.9025   # record 92's late beta2: 0.95 squared
     ngram_late_step_every: int = 4     # record 92's late cadence: an update every 4th step
+    value_embed_late_beta2: float = 0.9025  # sparse value embeddings' beta2 from ngram_late_step (0.95 squared)
     ngram_cache_rows: int = 0      # > 0: the table lives in host memory and this many of its rows on the device
     # system
     seed: int = 0
@@ -342,6 +344,7 @@ def _speedrun_preset(h):
     h.ngram_rows, h.ngram_dtype = NGRAM_RECORD_ROWS, "bfloat16"   # the hashed n-gram table, split across the GPUs
     h.ngram_lr, h.ngram_wd = h.value_embed_lr, h.value_embed_wd   # record 89's bigram table's LR and decay
     h.ngram_late_step = NGRAM_LATE_STEP                           # then beta2 0.95^2, an update every 4th step
+    h.value_embed_sparse = True    # the value embeddings on the table's path: sparse Adam, the same cadence
     N = h.num_iterations           # 1194
     h.stages = [                   # record 92's boundaries; the tails' batches as the public ANVIL record's
         Stage(end=320 / N, tokens_per_rank=16_384, max_doc_len=896, short_window=1, long_window=3,
@@ -605,6 +608,7 @@ NUMERIC_RULES = [
     ("ngram_step_every", int, 1, None, "a positive number of steps"),
     ("ngram_late_step", int, 0, None, "a step >= 0 (0: never)"),
     ("ngram_late_beta2", float, 0.0, 1.0, "a beta in [0, 1]"),
+    ("value_embed_late_beta2", float, 0.0, 1.0, "a beta in [0, 1]"),
     ("ngram_late_step_every", int, 1, None, "a positive number of steps"),
     ("ngram_cache_rows", int, 0, None, "0 (the table on the device) or a number of rows"),
     ("seed", int, 0, 2**63 - 1, "a whole number in [0, 2^63)"),
@@ -627,7 +631,7 @@ CHOICE_RULES = [
 ]
 BOOL_KEYS = ("compile", "cuda_graphs", "fp8_mlp", "fp8_qkv", "fp8_head", "fp8_on_cpu", "sync_check", "save_checkpoint",
              "canonical_mask", "smear_gate", "key_offset", "yarn_at_final_window", "value_embed_gate_reads_value",
-             "token_gates")
+             "token_gates", "value_embed_sparse")
 NONEMPTY_STRING_KEYS = ("train_files", "val_files", "log_dir")
 BETAS_KEYS = ("embed_betas", "value_embed_betas", "scalar_betas")
 
@@ -1528,6 +1532,12 @@ class GPT(nn.Module):
                                           for table in sorted(value_widths))
         for ve in self.value_embeds:
             nn.init.normal_(ve.weight, std=0.01)
+        self.value_sinks = None
+        if cfg.value_embed_sparse:  # as the n-gram table's sink: each token's gradient, no dense table gradient
+            for ve in self.value_embeds:
+                ve.weight.requires_grad_(False)
+            self.value_sinks = nn.ParameterList(nn.Parameter(torch.zeros(max_tokens, ve.embedding_dim))
+                                                for ve in self.value_embeds)
         n = cfg.num_layers
         self.blocks = nn.ModuleList(Block(cfg, i, fns, i in self.value_embed_layer) for i in range(n))
         self.trunk = cfg.trunk
@@ -1552,10 +1562,14 @@ class GPT(nn.Module):
         self.canonical_mask = NoncanonicalPairs() if cfg.canonical_mask else None
 
     def num_parameters(self):
-        """Trained values: the parameters (but the n-gram table's gradient sink) and the table."""
-        sink = self.ngram.sink if self.ngram is not None else None
+        """Trained values: the parameters (but the gradient sinks) and the n-gram table."""
+        sinks = self.gradient_sinks()
         table = self.ngram.rows * self.ngram.table.shape[1] if self.ngram is not None else 0
-        return sum(p.numel() for p in self.parameters() if p is not sink) + table
+        return sum(p.numel() for p in self.parameters() if all(p is not s for s in sinks)) + table
+
+    def gradient_sinks(self):
+        """The zero parameters whose gradients are the sparse tables' per-token gradients."""
+        return ([self.ngram.sink] if self.ngram is not None else []) + list(self.value_sinks or [])
 
     def set_windows(self, long_windows):
         """RoPE tables and attention scales after the long window grew through `long_windows`."""
@@ -1615,7 +1629,7 @@ class GPT(nn.Module):
         else:
             bigram = self.bigram(bigram_rows(context, is_start, self.bigram.num_embeddings)[seen:])
             bigram = bigram * self.signs[bigram_sign_rows(context, is_start)[seen:]]
-        ves = [ve(tokens) for ve in self.value_embeds]
+        ves = self.value_embeddings(tokens)
         if self.trunk == "dense":
             x = self.dense_trunk(rms_norm(x), bigram, ves, doc_start, args)
         elif self.token_gates is None:   # the bigram joins the embedding once, before the norm
@@ -1625,6 +1639,13 @@ class GPT(nn.Module):
         if cache is not None:
             cache.advance(tokens)
         return rms_norm(x)
+
+    def value_embeddings(self, tokens):
+        """Each value-embedding table's rows of `tokens`; sparse and in training, plus its sink."""
+        ves = [ve(tokens) for ve in self.value_embeds]
+        if self.value_sinks is not None and self.training:
+            ves = [v + sink[:tokens.shape[0]] for v, sink in zip(ves, self.value_sinks)]
+        return ves
 
     def layer_inputs(self, i, ves):
         """(value embeddings or None, rotary) of layer i."""
@@ -2433,7 +2454,7 @@ def adam_groups(h, model):
     dense = list(model.dense.parameters()) if model.trunk == "dense" else []
     scalars = [p for p in model.parameters() if p.ndim < 2 and all(p is not q for q in token_gates + dense)]
     bigram = [model.bigram.weight] if model.bigram is not None else []    # (the n-gram table is SparseRowAdam's)
-    value_embeds = bigram + [ve.weight for ve in model.value_embeds]
+    value_embeds = bigram + ([] if model.value_sinks is not None else [ve.weight for ve in model.value_embeds])
     groups = [
         dict(name="embed", params=[model.embed.weight], lr=h.embed_lr, betas=h.embed_betas, weight_decay=h.embed_wd),
         dict(name="lm_head", params=[model.lm_head], lr=h.head_lr, betas=h.embed_betas, weight_decay=h.embed_wd),
@@ -2722,9 +2743,6 @@ def check_ngram_table(h, env):
     if h.ngram_rows % env.world_size:
         raise ConfigError(f"--ngram_rows={h.ngram_rows} does not split evenly across {env.world_size} processes: "
                           f"use a multiple of {env.world_size}")
-    if h.save_checkpoint and env.world_size > 1:
-        raise ConfigError(f"--save_checkpoint=true writes one file from one process, but the n-gram table is split "
-                          f"across {env.world_size}: train without a checkpoint, or in one process")
     row_bytes = h.model_dim * getattr(torch, h.ngram_dtype).itemsize + NGRAM_ROW_STATE_BYTES
     if h.ngram_cache_rows:
         if env.world_size > 1:
@@ -2757,6 +2775,27 @@ def min_cache_rows(h, env):
     cadence = max(h.ngram_step_every, h.ngram_late_step_every if h.ngram_late_step else 1)
     longest = max(s.tokens_per_rank for s in h.stages)
     return 2 * ((cadence + 1) * (h.batch_ranks // env.world_size) * longest + h.val_tokens_per_rank)
+
+
+def entries_averaged_over_processes(rows, grads, table_rows, sum_rows, world):
+    """The gradient entries (rows, grads) of a table every process holds whole, as one entry per
+    table row: the mean over the processes of each one's sum per row. Each process sums its
+    entries per row (in entry order: deterministic), places the sums in a (table_rows, D) fp32
+    buffer, and the buffers are all-reduced, so every process makes the same update. A row that
+    no process touched gets a zero gradient, with which sparse Adam leaves it as it is and only
+    decays its moment, which its catch-up would do anyway: the update is the sparse one.
+
+    Traffic per update: the buffer, as a dense all-reduce, with no host sync. The tables this is
+    for (value embeddings) have one row per vocabulary entry, and the tokens of all processes'
+    slices since the last update touch a large share of them: routing rows to owners would save
+    little and need the counts on the host."""
+    groups = kernels.distinct_rows(rows)
+    summed = sum_rows(grads, groups)
+    buffer = torch.zeros(table_rows + 1, grads.shape[1], dtype=torch.float32, device=grads.device)
+    spare = torch.full_like(groups.distinct, table_rows)  # the slots past the count (zero sums) land in row N
+    buffer.index_add_(0, torch.where(groups.distinct >= 0, groups.distinct, spare), summed)
+    dist.all_reduce(buffer)
+    return torch.arange(table_rows, device=grads.device), buffer[:table_rows] / world
 
 
 class ShardedNgramRows:
@@ -2977,8 +3016,15 @@ class Trainer:
                 self.ngram_fetch = self.ngram_cache = HostNgramRows(ngram, self.ngram_adam, env.device)
             elif ngram.gathered:
                 self.ngram_fetch = ShardedNgramRows(ngram, self.ngram_adam.sum_rows, env)
-        self.ngram_entries, self.ngram_calls = [], 0  # pending gradient entries, and the steps they span
-        self.ngram_step_every = h.ngram_step_every
+        self.value_adams = []      # sparse value embeddings: each table's sparse Adam (every process's table whole)
+        if self.model.value_sinks is not None:
+            self.value_adams = [optim.SparseRowAdam(ve.weight, lr=h.value_embed_lr, beta2=h.value_embed_betas[1],
+                                                    eps=h.adam_eps, weight_decay=h.value_embed_wd,
+                                                    use_triton=self.kernels.xxt is not None)
+                                for ve in self.model.value_embeds]
+        self.sparse = ngram is not None or bool(self.value_adams)  # any table trained from gradient entries
+        self.drop_sparse_entries()  # the pending gradient entries of each table, and the steps they span
+        self.sparse_step_every = h.ngram_step_every
         self.freeze_table = False  # set by the warm-up: the table keeps its values
         self.forward, self.validation_loss_sum = self.model, self.model.validation_loss_sum
         if h.compile:
@@ -3016,11 +3062,14 @@ class Trainer:
         self.model.set_windows(long_window_history(h, step, final_validation))
         self.set_tied(step < untie_step(h))
         lr = lr_multiplier(h, step)
+        late = 0 < h.ngram_late_step <= step
+        self.sparse_step_every = h.ngram_late_step_every if late else h.ngram_step_every
         if self.ngram_adam is not None:
-            late = 0 < h.ngram_late_step <= step
             self.ngram_adam.lr = h.ngram_lr * lr
             self.ngram_adam.beta2 = h.ngram_late_beta2 if late else h.ngram_beta2
-            self.ngram_step_every = h.ngram_late_step_every if late else h.ngram_step_every
+        for adam in self.value_adams:
+            adam.lr = h.value_embed_lr * lr
+            adam.beta2 = h.value_embed_late_beta2 if late else h.value_embed_betas[1]
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = group["initial_lr"] * lr
@@ -3070,38 +3119,59 @@ class Trainer:
             if self.ngram_fetch is not None:
                 self.ngram_fetch.fetch(s.tokens)
             self.graphs.run(graph_key(self.h, step), body, s, candidate_offset(step, slice_index))
-            if self.ngram_adam is not None:
-                self.take_ngram_entries(s)
+            if self.sparse:
+                self.take_sparse_entries(s)
         return self.step_losses.clone()
 
-    def take_ngram_entries(self, s):
-        """Keep the n-gram table's gradient entries of the micro-batch that just ran (its two rows
-        per token and their gradients, from the sink; with a split table, the entries the other
-        processes sent for this one's rows) and clear the sink for the next one."""
+    def take_sparse_entries(self, s):
+        """Keep the sparse tables' gradient entries of the micro-batch that just ran, from their
+        sinks, and clear the sinks for the next one: the n-gram table's two rows per token (with a
+        split table, the entries the other processes sent for this one's rows) and each sparse
+        value-embedding table's row per token (the token itself)."""
+        count = s.tokens.numel()
+        tokens = s.tokens.to(self.env.device, non_blocking=True)
         ngram = self.model.ngram
-        grads = ngram.sink.grad[:s.tokens.numel()]
-        entries = grads.reshape(2 * s.tokens.numel(), -1)
-        if self.ngram_fetch is not None:
-            self.ngram_entries.append(self.ngram_fetch.entries(entries))
-        else:
-            tokens = s.tokens.to(self.env.device, non_blocking=True)
-            self.ngram_entries.append((ngram.rows_of(tokens, document_starts(tokens)).reshape(-1), entries.clone()))
-        grads.zero_()
+        if ngram is not None:
+            grads = ngram.sink.grad[:count]
+            entries = grads.reshape(2 * count, -1)
+            if self.ngram_fetch is not None:
+                self.ngram_entries.append(self.ngram_fetch.entries(entries))
+            else:
+                rows = ngram.rows_of(tokens, document_starts(tokens)).reshape(-1)
+                self.ngram_entries.append((rows, entries.clone()))
+            grads.zero_()
+        for sink, pending in zip(self.model.value_sinks or [], self.value_entries):
+            grads = sink.grad[:count]
+            pending.append((tokens.long(), grads.clone()))
+            grads.zero_()
 
-    def step_ngram_table(self):
+    def step_sparse_tables(self):
         """Every ngram_step_every-th step (ngram_late_step_every from ngram_late_step): update the
-        table's touched rows from the mean of their entries over those steps (repeats add up).
+        sparse tables' touched rows from the mean of their entries over those steps (repeats add
+        up). Sparse value embeddings, whole on every process, update from every process's entries.
         The warm-up discards its entries."""
-        self.ngram_calls += 1
-        if self.freeze_table or self.ngram_calls >= self.ngram_step_every:
-            rows, grads = (torch.cat(parts) for parts in zip(*self.ngram_entries))
+        self.sparse_calls += 1
+        if self.freeze_table or self.sparse_calls >= self.sparse_step_every:
             if not self.freeze_table:
-                self.ngram_adam.step(rows, grads / self.ngram_calls if self.ngram_calls > 1 else grads)
-            self.drop_ngram_entries()
+                if self.ngram_adam is not None:
+                    self.ngram_adam.step(*self.mean_entries(self.ngram_entries))
+                for adam, pending in zip(self.value_adams, self.value_entries):
+                    rows, grads = self.mean_entries(pending)
+                    if self.env.world_size > 1:
+                        rows, grads = entries_averaged_over_processes(rows, grads, adam.table.shape[0],
+                                                                      adam.sum_rows, self.env.world_size)
+                    adam.step(rows, grads)
+            self.drop_sparse_entries()
 
-    def drop_ngram_entries(self):
-        """No n-gram gradient entry pending (a host table's cache may let their rows go)."""
-        self.ngram_entries, self.ngram_calls = [], 0
+    def mean_entries(self, pending):
+        """(rows, gradients) of the entries pending since the last update, averaged over its steps."""
+        rows, grads = (torch.cat(parts) for parts in zip(*pending))
+        return rows, grads / self.sparse_calls if self.sparse_calls > 1 else grads
+
+    def drop_sparse_entries(self):
+        """No gradient entry pending (a host table's cache may let their rows go)."""
+        self.ngram_entries, self.sparse_calls = [], 0
+        self.value_entries = [[] for _ in self.value_adams]
         if self.ngram_cache is not None:
             self.ngram_cache.release()
 
@@ -3113,9 +3183,9 @@ class Trainer:
                 stepped = opt.step()
             if stepped is not False:   # an Adam between its updates keeps accumulating gradients
                 opt.zero_grad(set_to_none=not self.h.cuda_graphs)  # a graph adds into the same tensors
-        if self.ngram_adam is not None:
+        if self.sparse:
             with record_function("optimizer: SparseRowAdam"):
-                self.step_ngram_table()
+                self.step_sparse_tables()
         return loss
 
     def capture_graph(self, step):
@@ -3138,9 +3208,9 @@ class Trainer:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.graphs.zero_grads()
-        if self.model.ngram is not None:
-            self.model.ngram.sink.grad = None
-        self.drop_ngram_entries()
+        for sink in self.model.gradient_sinks():
+            sink.grad = None
+        self.drop_sparse_entries()
 
     @torch.no_grad()
     def validate(self, slices, step, final_validation):
@@ -3350,6 +3420,8 @@ def train(h, env, log):
         path = os.path.join(h.log_dir, f"{log.run_id}_model.safetensors")
         data_sha256 = save_checkpoint(path, trainer.model, h, log.run_id, log.seal(), val_loss, trainer.train_time_ms)
         log.write(f"checkpoint: {path} data_sha256={data_sha256}", echo=True)
+    elif h.save_checkpoint and (shard := split_ngram_table(trainer.model)) is not None:
+        send_table_shard(shard)    # rank 0 writes this process's rows of the table into the checkpoint
     log.write(f"final val_loss:{val_loss:.4f} train_time:{trainer.train_time_ms:.0f}ms steps:{N} "
               f"peak_memory:{peak}MiB", echo=True)
     return val_loss
@@ -3384,13 +3456,45 @@ def _tensor_bytes(t):
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
+@dataclass
+class RowPieces:
+    """A tensor that write_safetensors takes in pieces, never whole: its shape and dtype, and
+    `pieces`, an iterable of tensors (that dtype, any device) whose rows, one piece after the
+    other, are the tensor's rows. The iterable is consumed once, a piece at a time."""
+    shape: tuple
+    dtype: torch.dtype
+    pieces: object
+
+
+def _data_bytes(path, name, t):
+    """The bytes of the tensor or RowPieces t, in order, a piece at a time; refuses pieces that
+    do not make up exactly t's bytes."""
+    if not isinstance(t, RowPieces):
+        yield _tensor_bytes(t)
+        return
+    expected, count = math.prod(t.shape) * t.dtype.itemsize, 0
+    for piece in t.pieces:
+        if piece.dtype != t.dtype or piece.shape[1:] != tuple(t.shape[1:]):
+            raise CheckpointError(f"{path}: a piece of tensor {name} is {piece.dtype} {list(piece.shape)}, "
+                                  f"not rows of {t.dtype} {list(t.shape)}")
+        data = _tensor_bytes(piece)
+        count += data.nbytes
+        yield data
+    if count != expected:
+        raise CheckpointError(f"{path}: the pieces of tensor {name} hold {count} bytes, its shape and dtype "
+                              f"{expected}")
+
+
 def write_safetensors(path, tensors, metadata):
-    """Write {name: tensor} and metadata {str: str} as a safetensors file: 8 bytes of little-endian
-    header size, the JSON header (per tensor its dtype, shape and [begin, end) byte offsets into
-    the data; "__metadata__"), then the tensors' bytes back to back. One pass over the data,
-    which is hashed on the way into the metadata's data_sha256 (patched into the header at the
-    end). Written here, not by the safetensors package, so that saving works on any image torch
-    runs on; the tests read these files with that package.
+    """Write {name: tensor or RowPieces} and metadata {str: str} as a safetensors file: 8 bytes of
+    little-endian header size, the JSON header (per tensor its dtype, shape and [begin, end) byte
+    offsets into the data; "__metadata__"), then the tensors' bytes back to back. One pass over
+    the data, which is hashed on the way into the metadata's data_sha256 (patched into the header
+    at the end). Written here, not by the safetensors package, so that saving works on any image
+    torch runs on; the tests read these files with that package.
+
+    Memory: a host copy of one tensor at a time (none for a tensor already in host memory), or
+    of one piece at a time for RowPieces, which is how a tensor larger than memory is written.
 
     The file is written under a temporary name and renamed when complete: it appears whole or not
     at all, and an existing file is never replaced.
@@ -3401,7 +3505,7 @@ def write_safetensors(path, tensors, metadata):
         t = tensors[name]
         if t.dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{path}: tensor {name} has dtype {t.dtype}, which safetensors cannot store")
-        nbytes = t.numel() * t.element_size()
+        nbytes = math.prod(t.shape) * t.dtype.itemsize
         header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
@@ -3418,9 +3522,9 @@ def write_safetensors(path, tensors, metadata):
         with open(partial, "xb") as f:
             f.write(struct.pack("<Q", len(text)) + text)
             for name in names:
-                data = _tensor_bytes(tensors[name])
-                digest.update(data)
-                f.write(data)
+                for data in _data_bytes(path, name, tensors[name]):
+                    digest.update(data)
+                    f.write(data)
             f.seek(hash_at)
             f.write(digest.hexdigest().encode())
             f.flush()
@@ -3485,17 +3589,70 @@ def read_safetensors(path):
     return tensors, metadata
 
 
+CHECKPOINT_CHUNK_BYTES = 64 * 2**20  # a split n-gram table travels to the writer in chunks of at most this many bytes
+
+
+def split_ngram_table(model):
+    """This process's rows of the model's n-gram table when the table is split across the
+    processes (ShardedNgramRows), else None (no table, or the whole table here or on the host)."""
+    ngram = model.ngram
+    return ngram.table if ngram is not None and ngram.table.shape[0] < ngram.rows else None
+
+
+def row_chunks(shard):
+    """The rows of `shard` as views of at most CHECKPOINT_CHUNK_BYTES (at least one row each)."""
+    rows = max(1, CHECKPOINT_CHUNK_BYTES // max(1, math.prod(shard.shape[1:]) * shard.element_size()))
+    return [shard[i:i + rows] for i in range(0, shard.shape[0], rows)]
+
+
+def whole_table_pieces(shard, processes):
+    """On rank 0, the whole n-gram table split across `processes` as RowPieces, in row order:
+    rank 0's own shard, then each other rank's, received chunk by chunk (dist.recv into one
+    buffer on the shard's device, the chunks send_table_shard sends). Memory beyond rank 0's
+    shard: one chunk, and write_safetensors's host copy of it."""
+    def pieces():
+        chunks = row_chunks(shard)
+        yield from chunks
+        buffer = torch.empty_like(chunks[0])
+        for rank in range(1, processes):
+            for chunk in chunks:   # every shard has the same rows, so the same chunks
+                received = buffer[:chunk.shape[0]]
+                dist.recv(received, src=rank)
+                yield received
+    return RowPieces((shard.shape[0] * processes, *shard.shape[1:]), shard.dtype, pieces())
+
+
+def send_table_shard(shard):
+    """On a rank other than 0: send its shard of the n-gram table to rank 0, chunk by chunk
+    (see whole_table_pieces), and wait until the device has sent the last one."""
+    for chunk in row_chunks(shard):
+        dist.send(chunk, dst=0)
+    synchronize(shard.device)
+
+
+def checkpoint_tensors(model):
+    """The tensors of the model's checkpoint, {state-dict key: tensor or RowPieces}: its state
+    dict, where a split n-gram table is whole (whole_table_pieces: every other rank must call
+    send_table_shard at the same time). Every other tensor is replicated on every rank."""
+    tensors = model.state_dict()
+    shard = split_ngram_table(model)
+    if shard is not None:
+        tensors[NGRAM_TABLE_KEY] = whole_table_pieces(shard, model.ngram.rows // shard.shape[0])
+    return tensors
+
+
 def save_checkpoint(path, model, h, run_id, log_seal, val_loss, train_time_ms):
-    """The trained model as logs/<run id>_model.safetensors: every parameter and persistent buffer
-    (the head too, tied or not), with the metadata to rebuild and judge it: the resolved config,
-    whether the head is tied, the run id, the seal of the log's last line before the checkpoint
-    (the log then names the checkpoint's data_sha256), the final val loss and train time. Every
-    tensor is replicated on every rank (nothing is sharded across ranks), so rank 0 writes alone."""
+    """The trained model as logs/<run id>_model.safetensors, written by rank 0: every parameter and
+    persistent buffer (the head too, tied or not; the n-gram table whole, even when it is split
+    across the processes: see checkpoint_tensors), with the metadata to rebuild and judge it:
+    the resolved config, whether the head is tied, the run id, the seal of the log's last line
+    before the checkpoint (the log then names the checkpoint's data_sha256), the final val loss
+    and train time."""
     metadata = {
         "format": CHECKPOINT_FORMAT, "config": json.dumps(config_to_dict(h)), "tied": json.dumps(model.tied),
         "run_id": run_id, "log_seal": log_seal, "val_loss": repr(val_loss), "train_time_ms": repr(train_time_ms),
     }
-    return write_safetensors(path, model.state_dict(), metadata)
+    return write_safetensors(path, checkpoint_tensors(model), metadata)
 
 
 def load_checkpoint(path):
@@ -3513,8 +3670,21 @@ def load_checkpoint(path):
     return normalize_config(h), state, metadata
 
 
-EVAL_KEYS = ("val_files", "val_tokens", "val_tokens_per_rank", "device", "kernels", "compile", "compile_backend")
-SAMPLE_KEYS = ("device",)           # config keys a --sample command may override
+EVAL_KEYS = ("val_files", "val_tokens", "val_tokens_per_rank", "device", "kernels", "compile", "compile_backend",
+             "ngram_cache_rows")    # config keys an --eval command may override
+SAMPLE_KEYS = ("device", "ngram_cache_rows")   # config keys a --sample command may override
+# (--ngram_cache_rows: one process can hold, in host memory, a table trained split across several devices)
+
+
+def this_process_rows(state, model):
+    """The checkpoint's state dict with its whole n-gram table cut to this process's rows when
+    the model's table is split across the processes (a view: no copy); else `state` as it is."""
+    shard = split_ngram_table(model)
+    table = state.get(NGRAM_TABLE_KEY)
+    if shard is None or table is None or table.shape[0] != model.ngram.rows:
+        return state
+    first = model.ngram.first_row
+    return {**state, NGRAM_TABLE_KEY: table[first:first + shard.shape[0]]}
 
 
 def trained_model(path, overrides, allowed):
@@ -3534,6 +3704,7 @@ def trained_model(path, overrides, allowed):
     if trainer.model.tied != metadata["tied"]:
         raise CheckpointError(f"{path}: its head is {'tied' if metadata['tied'] else 'untied'}, but its config "
                               f"ends {'tied' if trainer.model.tied else 'untied'}: the file is damaged")
+    state = this_process_rows(state, trainer.model)
     expected = trainer.model.state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     wrong = [k for k in expected if k in state and (state[k].shape, state[k].dtype) != (expected[k].shape,

@@ -4,8 +4,9 @@ job, and save what each process ends with.
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=2 \\
         tests/ngram_dist_worker.py OUT STEPS --key=value ...
 
-Each process writes OUT/rank<r>.pt: {"first_row", "shard" (its rows of the table), "losses"
-(per step), "val" (the validation loss after the last step)}. tests/test_train.py imports
+Each process writes OUT/rank<r>.pt: {"first_row", "shard" (its rows of the table), "values"
+(the value-embedding tables), "losses" (per step), "val" (the validation loss after the last
+step)}. tests/test_train.py imports
 `train_and_validate` to run the same steps in one process, where the table is whole.
 """
 import os
@@ -37,7 +38,9 @@ def main(out, steps, args):
     trainer = tg.Trainer(h, env, tg.RunLog("unused", active=False))
     losses, val = train_and_validate(trainer, h, steps)
     ngram = trainer.model.ngram
-    torch.save({"first_row": ngram.first_row, "shard": ngram.table.clone(), "losses": losses, "val": val},
+    values = [ve.weight.detach().clone() for ve in trainer.model.value_embeds]
+    torch.save({"first_row": ngram.first_row, "shard": ngram.table.clone(), "values": values, "losses": losses,
+                "val": val},
                os.path.join(out, f"rank{env.rank}.pt"))
     torch.distributed.destroy_process_group()
 

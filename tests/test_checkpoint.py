@@ -1,12 +1,14 @@
 """Checkpoints: the safetensors file and its round trip, --eval reproducing a run's final val loss,
 sampling with a KV cache (the same logits as the full forward), and damaged or foreign files."""
 import contextlib
+import hashlib
 import importlib.util
 import io
 import json
 import os
 import re
 import struct
+import subprocess
 import sys
 
 import numpy as np
@@ -82,6 +84,27 @@ def test_a_checkpoint_is_never_overwritten(tmp_path):
     assert torch.equal(tg.read_safetensors(path)[0]["a"], torch.ones(2))
 
 
+def test_a_tensor_written_in_pieces_makes_the_file_of_the_whole_tensor(tmp_path):
+    table = torch.randn(10, 6, generator=torch.Generator().manual_seed(1)).bfloat16()
+    tensors = random_tensors()
+    tg.write_safetensors(tmp_path / "whole.safetensors", {**tensors, "table": table}, {"note": "x"})
+    pieces = tg.RowPieces(table.shape, table.dtype, iter([table[:3], table[3:3], table[3:9], table[9:]]))
+    tg.write_safetensors(tmp_path / "pieces.safetensors", {**tensors, "table": pieces}, {"note": "x"})
+    assert (tmp_path / "pieces.safetensors").read_bytes() == (tmp_path / "whole.safetensors").read_bytes()
+
+
+def test_pieces_that_do_not_make_up_their_tensor_are_refused_and_nothing_is_kept(tmp_path):
+    table = torch.arange(12.0).view(4, 3)
+    cases = {"a row short": ([table[:1], table[1:3]], r"the pieces of tensor t hold 36 bytes, its shape and dtype 48$"),
+             "a row over": ([table, table[:1]], r"hold 60 bytes, its shape and dtype 48$"),
+             "another dtype": ([table[:2], table[2:].double()],
+                               r"a piece of tensor t is torch.float64 \[2, 3\], not rows of torch.float32 \[4, 3\]$")}
+    for pieces, line in cases.values():
+        with pytest.raises(tg.CheckpointError, match=line):
+            tg.write_safetensors(tmp_path / "t.safetensors", {"t": tg.RowPieces(table.shape, table.dtype, pieces)}, {})
+        assert not os.listdir(tmp_path)
+
+
 @pytest.mark.skipif(not HAS_SAFETENSORS, reason="the safetensors package is not installed")
 def test_files_agree_with_the_safetensors_package(tmp_path):
     from safetensors import safe_open
@@ -155,6 +178,75 @@ def test_eval_on_other_tokens_and_refused_keys(trained, tmp_path):
     assert np.isfinite(other) and other != tg.load_checkpoint(path)[2]["val_loss"]
     with pytest.raises(tg.ConfigError, match="with a checkpoint only --key=value of val_files"):
         tg.evaluate_checkpoint(str(path), ["--num_layers=5"])
+
+
+# ---------------------------------------------------------------------------------------------
+# an n-gram table split across processes
+
+SPLIT_STEPS = 4
+SPLIT_CHUNK_BYTES = 300 * 64 * 2   # 300 rows of the tiny bf16 table: a 1024-row shard goes in 4 chunks, 1 short
+
+
+@pytest.fixture(scope="module")
+def split_run(tmp_path_factory):
+    """A run of train_gpt.py's main in 2 processes (gloo) with the tiny model's n-gram table (bf16)
+    split between them, which saves its checkpoint: (checkpoint path, parsed log, each rank's
+    final state dict)."""
+    d = tmp_path_factory.mktemp("split_checkpoint_run")
+    rng = np.random.default_rng(0)
+    write_shard(d / "t_train_000001.bin", synthetic_documents(rng, 40_000))
+    write_shard(d / "t_val_000000.bin", synthetic_documents(rng, 8_000))
+    args = ["--preset", "cpu", *TINY, *data_args(d), *NGRAM, "--ngram_dtype=bfloat16", "--batch_ranks=2",
+            f"--num_iterations={SPLIT_STEPS}", f"--log_dir={d}/logs", "--save_checkpoint=true"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(REPO, "tests", "split_checkpoint_worker.py"), str(d), str(SPLIT_CHUNK_BYTES), *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    ranks = [torch.load(d / f"rank{r}.pt") for r in range(2)]
+    assert [r["exit"] for r in ranks] == [0, 0]
+    (log_name,) = [p for p in os.listdir(d / "logs") if p.endswith(".txt")]
+    return (d / "logs" / log_name.replace(".txt", "_model.safetensors"), parse_log(d / "logs" / log_name),
+            [r["state"] for r in ranks])
+
+
+def test_a_split_table_is_checkpointed_whole_in_row_order(split_run):
+    path, log, states = split_run
+    raw = open(path, "rb").read()
+    data = raw[8 + struct.unpack("<Q", raw[:8])[0]:]
+    _, tensors, metadata = tg.load_checkpoint(path)
+    assert hashlib.sha256(data).hexdigest() == metadata["data_sha256"]
+    assert [line for line in log.info if line.startswith("checkpoint: ")] == \
+        [f"checkpoint: {path} data_sha256={metadata['data_sha256']}"]
+    shards = [s[tg.NGRAM_TABLE_KEY] for s in states]
+    assert shards[0].shape == (1024, 64) and all((s != 0).any(1).sum() > 0 for s in shards), "both shards trained"
+    assert_identical({"t": tensors[tg.NGRAM_TABLE_KEY]}, {"t": torch.cat(shards)})
+    others = {k: v for k, v in tensors.items() if k != tg.NGRAM_TABLE_KEY}
+    for state in states:
+        assert_identical(others, {k: v for k, v in state.items() if k != tg.NGRAM_TABLE_KEY})
+
+
+def logged_final_val_line(log):
+    """The run's final val line, without its seal."""
+    lines = open(log.path, encoding="utf-8").read().splitlines()
+    line = next(line for line in lines if line.startswith(f"step:{SPLIT_STEPS}/{SPLIT_STEPS} val_loss:"))
+    return line.rsplit(" #", 1)[0]
+
+
+@pytest.mark.parametrize("args", [[], ["--ngram_cache_rows=8192"]], ids=["device_table", "host_table"])
+def test_eval_in_one_process_reproduces_the_val_loss_of_a_split_run(split_run, args):
+    """The file's whole table serves one process: on the device, or in host memory with a cache."""
+    path, log, _ = split_run
+    res = run_trainer([f"--eval={path}", *args])
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[0] == logged_final_val_line(log)
+
+
+def test_eval_in_two_processes_splits_the_table_again(split_run):
+    path, log, _ = split_run
+    res = run_trainer([f"--eval={path}"], nproc=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.splitlines()[0] == logged_final_val_line(log)
 
 
 # ---------------------------------------------------------------------------------------------

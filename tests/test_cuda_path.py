@@ -60,8 +60,10 @@ REHEARSAL = [
     "--dc_layers=[2]", "--dc_window=32", "--attn_gate_layers=[2]", "--xsa_layers=[0]", "--narrow_qk_layers=[0]",
     "--narrow_qk_dim=32", "--parallel_mlp_layers=[1]", "--qk_ortho_heads=1",
     '--averages=[{"params":"qk","window":2}]',
-    # record 92's hashed n-gram table (sparse Adam) in place of the bigram embedding
-    "--ngram_rows=4096", "--ngram_dtype=bfloat16", "--ngram_lr=0.02",
+    # record 92's hashed n-gram table in place of the bigram embedding, and the value embeddings,
+    # trained by sparse Adam, every step and then (from step 3) every 2nd
+    "--ngram_rows=4096", "--ngram_dtype=bfloat16", "--ngram_lr=0.02", "--value_embed_sparse=true",
+    "--ngram_late_step=3", "--ngram_late_step_every=2",
     '--stages=[{"end":0.2,"tokens_per_rank":32,"max_doc_len":32,"short_window":1,"long_window":1,'
     '"mtp_weights":[1,0.5,0.25],"prefix_weight":0.25},'
     '{"end":0.6,"tokens_per_rank":96,"max_doc_len":96,"short_window":1,"long_window":2,'
@@ -361,8 +363,8 @@ def _traced_launches(launches):
     return record
 
 
-# The n-gram table's sparse Adam runs eagerly after each replay: its scalars (the event, its
-# decay) change every step.
+# The sparse tables' Adam runs eagerly after each replay: its scalars (the event, its decay)
+# change every update.
 EAGER_LAUNCHES = ("_sum_rows_kernel", "_sparse_adam_rows_kernel")
 
 

@@ -165,12 +165,19 @@ def tiny_config(extra=()):
 def tiny_model(h, seed=0):
     torch.manual_seed(seed)
     model = tg.build_model(h, tg.KernelFns(kernels.attention_reference, kernels.softcap_cross_entropy_reference))
-    with torch.no_grad():          # make every sublayer matter (zero-initialized weights hide leaks)
-        for name, p in model.named_parameters():
-            if p.abs().sum() == 0 and name != "ngram.sink":   # (the sink only collects gradients)
-                p.normal_(0, 0.05) if p.ndim >= 2 else p.fill_(0.5)
-        if model.ngram is not None:
-            model.ngram.table.normal_(0, 0.05)
+    return with_every_sublayer_on(model)
+
+
+@torch.no_grad()
+def with_every_sublayer_on(model):
+    """The model with its zero-initialized weights made random (zeros hide leaks, and keep early
+    gradients from reaching some weights), but the gradient sinks, which only collect gradients."""
+    sinks = model.gradient_sinks()
+    for p in model.parameters():
+        if p.abs().sum() == 0 and all(p is not sink for sink in sinks):
+            p.normal_(0, 0.05) if p.ndim >= 2 else p.fill_(0.5)
+    if model.ngram is not None:
+        model.ngram.table.normal_(0, 0.05)
     return model
 
 
@@ -184,6 +191,7 @@ FEATURES = ["--smear_gate=true", "--key_offset=true", "--xsa_layers=[2]",  # the
 DENSE = ["--trunk=dense", "--token_gates=true", "--token_gates_split=1", "--skip_layers=[0,1]",  # record 89's trunk
          "--snapshot_layer=1", "--xsa_layers=[0]", "--attn_gate_layers=[2]", "--key_offset=true"]
 NGRAM = ["--ngram_rows=2048", "--smear_gate=true"]   # the hashed bigram+trigram table instead of the bigram
+SPARSE_VALUES = ["--value_embed_sparse=true", "--value_embed_lr=0.05"]  # value embeddings trained as the table is
 
 
 def packed(doc_lengths, seed=0):
@@ -326,6 +334,59 @@ def test_ngram_entries_are_the_tables_gradient(shards):
     assert not any(p is model.ngram.table for p in model.parameters()), "the table is no parameter"
 
 
+def test_sparse_value_embedding_entries_are_the_tables_gradient(shards):
+    """With value_embed_sparse, each value-embedding table's sink entries, summed per token, are
+    the table's dense gradient (the same backward with the table differentiable), no dense
+    gradient of a table is kept in training, and Adam's groups leave the tables out."""
+    h = tiny_config(data_args(shards) + SPARSE_VALUES + ["--num_value_embeds=1", "--compute_dtype=float32"])
+    model = tiny_model(h)
+    s = tg.TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])[0]
+    (ve,), (sink,) = model.value_embeds, model.value_sinks
+    assert not ve.weight.requires_grad
+    ve.weight.requires_grad_(True)
+    objective, _ = model(s.tokens, s.targets, tg.AttentionArgs(s.cu_seqlens, 128, 256),
+                         tg.target_weights(h.stages[0], "cpu"))
+    objective.backward()
+    summed = torch.zeros_like(ve.weight).index_add_(0, s.tokens.long(), sink.grad[:512])
+    assert sink.grad[:512].abs().sum() > 0
+    torch.testing.assert_close(summed, ve.weight.grad, rtol=1e-5, atol=1e-9)
+    trainer = cpu_trainer(h)
+    trained = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]]
+    assert all(p is not q for p in trained for q in [*trainer.model.value_sinks, trainer.model.value_embeds[0].weight])
+    assert trainer.model.num_parameters() == tiny_model(tiny_config(data_args(shards))).num_parameters()
+
+
+def test_sparse_value_embeddings_update_by_sparse_adam_from_the_steps_mean_entries(shards):
+    """An update every 2nd step: the value-embedding table keeps its values at step 0, and at
+    step 1 its touched rows take one beta1 = 0 Adam step with a per-row second moment from the
+    mean of the two steps' entries (a float64 reference), cautious decay included; every other
+    row keeps its value bit for bit."""
+    h = tiny_config(data_args(shards) + SPARSE_VALUES + ["--ngram_step_every=2", "--value_embed_wd=3.0",
+                                                         "--compute_dtype=float32"])
+    trainer = cpu_trainer(h)
+    with_every_sublayer_on(trainer.model)   # a gradient for the table from the first step on
+    table = trainer.model.value_embeds[0].weight
+    table.requires_grad_(True)     # the reference: its dense gradient, summed over the steps (no optimizer has it)
+    loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
+    start = table.detach().clone()
+    trainer.advance_to(0)
+    trainer.train_step(0, loader.next_batch(512, 256, 1, [0]))
+    assert torch.equal(table, start) and len(trainer.value_entries[0]) == 1
+    trainer.advance_to(1)
+    trainer.train_step(1, loader.next_batch(512, 256, 1, [0]))
+    g = table.grad.double() / 2
+    beta2, lr, wd = h.value_embed_betas[1], h.value_embed_lr * tg.lr_multiplier(h, 1), h.value_embed_wd
+    v = (1 - beta2) * g.square().mean(1, keepdim=True)
+    u = g / ((v / (1 - beta2)).sqrt() + h.adam_eps)
+    theta = start.double()
+    expected = theta - lr * lr * wd * theta * (u * theta > 0) - lr * u
+    touched = (g != 0).any(1)
+    assert (lr * lr * wd * theta.abs() * (u * theta > 0))[touched].max() > 1e-7, "the decay matters here"
+    torch.testing.assert_close(table[touched].double(), expected[touched], rtol=1e-5, atol=1e-7)
+    assert torch.equal(table[~touched].detach(), start[~touched]) and 0 < touched.sum() < table.shape[0]
+    assert trainer.value_adams[0].events == 1 and trainer.value_entries == [[]]
+
+
 @pytest.mark.parametrize("step_every,dtype", [(1, "float32"), (2, "float32"), (1, "bfloat16")])
 def test_the_ngram_table_moves_only_the_rows_a_batch_touches(shards, step_every, dtype):
     """Steps of the trainer with the table: the touched rows move (every step_every-th step,
@@ -357,20 +418,25 @@ def test_the_ngram_tables_late_phase_changes_its_beta2_and_cadence(shards):
     ngram_late_step_every steps (the entries between them wait); each event's decay enters the
     catch-up table."""
     h = tiny_config(data_args(shards) + NGRAM + ["--ngram_lr=0.05", "--ngram_beta2=0.9", "--ngram_late_step=1",
-                                                 "--ngram_late_beta2=0.81", "--ngram_late_step_every=2"])
+                                                 "--ngram_late_beta2=0.81", "--ngram_late_step_every=2"] +
+                    SPARSE_VALUES + ["--value_embed_betas=[0.8,0.8]", "--value_embed_late_beta2=0.64"])
     trainer = cpu_trainer(h)
-    table, adam = trainer.model.ngram.table, trainer.ngram_adam
+    tables = [trainer.model.ngram.table] + [ve.weight for ve in trainer.model.value_embeds]
+    adams = [trainer.ngram_adam] + trainer.value_adams
     loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
     betas, moved = [], []
     for step in range(4):
         trainer.advance_to(step)
-        before = table.clone()
+        before = [t.clone() for t in tables]
         trainer.train_step(step, loader.next_batch(512, 256, 1, [0]))
-        betas.append(adam.beta2)
-        moved.append(not torch.equal(table, before))
-    assert betas == [0.9, 0.81, 0.81, 0.81] and moved == [True, False, True, False]
-    assert adam.log_decay == pytest.approx([0.0, math.log(0.9), math.log(0.9) + math.log(0.81)])
-    assert len(trainer.ngram_entries) == 1, "step 3's entries wait for the next event"
+        betas.append([adam.beta2 for adam in adams])
+        moved.append([not torch.equal(t, b) for t, b in zip(tables, before)])
+    assert betas == [[0.9, 0.8], [0.81, 0.64], [0.81, 0.64], [0.81, 0.64]]
+    # (the value embeddings' first gradient is 0: they reach the loss through zero-initialized projections)
+    assert moved == [[True, False], [False, False], [True, True], [False, False]], "value embeddings on its cadence"
+    assert adams[0].log_decay == pytest.approx([0.0, math.log(0.9), math.log(0.9) + math.log(0.81)])
+    assert adams[1].log_decay == pytest.approx([0.0, math.log(0.8), math.log(0.8) + math.log(0.64)])
+    assert len(trainer.ngram_entries) == len(trainer.value_entries[0]) == 1, "step 3's entries wait for the next event"
 
 
 def test_a_host_table_with_a_device_cache_trains_bit_for_bit_as_a_resident_one(shards, tmp_path):
@@ -436,9 +502,8 @@ def test_an_ngram_table_that_cannot_be_split_or_does_not_fit_is_refused():
     h = tiny_config(["--ngram_rows=2050"])
     with pytest.raises(tg.ConfigError, match="does not split evenly across 4 processes: use a multiple of 4"):
         tg.check_ngram_table(h, tg.Dist(0, 4, 0, torch.device("cpu")))
-    h = tiny_config(["--ngram_rows=2048", "--save_checkpoint=true"])
-    with pytest.raises(tg.ConfigError, match="split across 2: train without a checkpoint"):
-        tg.check_ngram_table(h, tg.Dist(0, 2, 0, torch.device("cpu")))
+    tg.check_ngram_table(tiny_config(["--ngram_rows=2048", "--save_checkpoint=true"]),
+                         tg.Dist(0, 2, 0, torch.device("cpu")))   # a split table is checkpointed whole
     h = tiny_config(["--ngram_rows=" + str(2 ** 40)])
     with pytest.raises(tg.ConfigError, match=r"--ngram_rows=1099511627776 needs 270336.0 GiB on the cpu \(all in one "
                                              r"process: 264 B per row.* lower --ngram_rows$"):
@@ -464,11 +529,12 @@ def test_a_table_split_across_two_processes_trains_as_one(shards, tmp_path, late
     their owners, end with the table, step losses (the mean of the processes' micro-batch losses)
     and validation loss of one process holding the whole table, up to the order of float sums
     (fp32 compute, so that the dense weights' tiny differences are not rounded to bf16). With
-    `late`, the table switches to its late beta2 and updates every 2nd step from step 2."""
+    `late`, the table switches to its late beta2 and updates every 2nd step from step 2. The value
+    embeddings are sparse too: every process ends with the same tables, those of one process."""
     from ngram_dist_worker import train_and_validate
     steps = 4
     args = ["--preset", "cpu", *TINY, *data_args(shards), *NGRAM, f"--num_iterations={steps}", "--batch_ranks=2",
-            "--ngram_lr=0.05", "--compute_dtype=float32"] + \
+            "--ngram_lr=0.05", "--compute_dtype=float32", *SPARSE_VALUES] + \
         (["--ngram_late_step=2", "--ngram_late_step_every=2"] if late else [])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(REPO, "tests", "ngram_dist_worker.py"), str(tmp_path), str(steps), *args]
@@ -478,6 +544,7 @@ def test_a_table_split_across_two_processes_trains_as_one(shards, tmp_path, late
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     h = tg.parse_config(args)
     trainer = cpu_trainer(h)
+    initial = [ve.weight.detach().clone() for ve in trainer.model.value_embeds]
     losses, val = train_and_validate(trainer, h, steps)
     table = trainer.model.ngram.table
     assert [r["first_row"] for r in ranks] == [0, table.shape[0] // 2]
@@ -485,6 +552,10 @@ def test_a_table_split_across_two_processes_trains_as_one(shards, tmp_path, late
     moved = (table != 0).any(1)
     assert 0 < moved.sum() < table.shape[0] and torch.equal((split != 0).any(1), moved)
     torch.testing.assert_close(split, table, rtol=1e-4, atol=1e-5)
+    for ve, start, one, other in zip(trainer.model.value_embeds, initial, ranks[0]["values"], ranks[1]["values"]):
+        assert torch.equal(one, other), "every process makes the same update"
+        assert ((one - start).abs() > 1e-3).any(1).sum() > 100, "the tables moved"
+        torch.testing.assert_close(one, ve.weight.detach(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose((np.array(ranks[0]["losses"]) + ranks[1]["losses"]) / 2, losses, rtol=1e-5)
     assert ranks[0]["val"] == ranks[1]["val"] == pytest.approx(val, rel=1e-5)
 
