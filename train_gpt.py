@@ -2802,10 +2802,13 @@ class ShardedNgramRows:
     """The n-gram table split by rows across the processes: process r holds rows [r S, (r + 1) S)
     (S = rows / processes) and their optimizer state, nothing else of the table.
 
-    fetch(tokens), before a forward: the slice's distinct rows (worked out on the host from its
-    host tokens) go to their owners, which send back their values into the model's `fetched`
-    buffer; `slots` says where each token's two rows landed. Three all_to_all calls: counts,
-    row ids, values.
+    fetch(tokens), before a forward: the processes gather each other's host tokens of the slice
+    (an all_gather on a host group: the hosts wait for each other, never for a device), so that
+    each works out on the host both the distinct rows it needs from every owner and the rows of
+    its own that every process needs. One all_to_all then moves the values, owners to askers,
+    with sizes the host knows: no host sync. The values land in the model's `fetched` buffer and
+    `slots` says where each token's two rows landed. Host work per slice: the hashes of every
+    process's tokens, and the distinct rows of its own slice and of its rows in the others'.
     entries(grads), after the backward: each distinct row's gradient, summed over the slice's
     tokens (in token order: deterministic), goes back to its owner by the same routes, and each
     process returns the entries it received for its own rows (repeats across senders add up in
@@ -2818,28 +2821,43 @@ class ShardedNgramRows:
     def __init__(self, table: NgramTable, sum_rows, env: Dist):
         self.table, self.sum_rows, self.env = table, sum_rows, env
         self.shard_rows = table.table.shape[0]
+        # host tokens travel on gloo; a CPU run's default group is one already
+        self.host_group = dist.new_group(backend="gloo") if env.device.type == "cuda" else None
         self.route = None          # the last fetch's RowGroups (device), send and receive counts, asked rows
+
+    def _rows(self, tokens):
+        return ngram_rows(tokens, document_starts(tokens), self.table.rows).reshape(-1)
+
+    def _pinned(self, host):
+        """`host`, in pinned memory on CUDA, from where a copy to the device does not make the host wait."""
+        return host.pin_memory() if self.env.device.type == "cuda" else host
+
+    def _rows_asked_of_me(self, tokens):
+        """The distinct rows of this process's shard that a slice of host `tokens` reads, sorted
+        (the order in which the process holding the slice asks for them)."""
+        rows = self._rows(tokens)
+        return torch.unique(rows[rows // self.shard_rows == self.env.rank])
 
     @torch.no_grad()
     def fetch(self, tokens, training=True):
         """Fill the table's `fetched` and `slots` for the host tokens (T,) of the next forward
-        (`training` matters to a host table's cache, not here)."""
-        device, world = self.env.device, self.env.world_size
-        rows = ngram_rows(tokens, document_starts(tokens), self.table.rows).reshape(-1)
-        groups = kernels.distinct_rows(rows)        # on the host, where the tokens are
-        distinct = groups.distinct[:int(groups.count)]
-        send_counts = torch.bincount(distinct // self.shard_rows, minlength=world)
-        recv_counts = torch.empty_like(send_counts, device=device)
-        dist.all_to_all_single(recv_counts, send_counts.to(device))
-        send_counts, recv_counts = send_counts.tolist(), recv_counts.tolist()   # the host waits for the counts
-        asked = torch.empty(sum(recv_counts), dtype=torch.int64, device=device)
-        distinct = distinct.to(device)
-        dist.all_to_all_single(asked, distinct, output_split_sizes=recv_counts, input_split_sizes=send_counts)
-        asked -= self.table.first_row
+        (`training` matters to a host table's cache, not here). Every process calls it for a
+        slice of the same length."""
+        everyone = [torch.empty_like(tokens) for _ in range(self.env.world_size)]
+        dist.all_gather(everyone, tokens, group=self.host_group)
+        groups = kernels.distinct_rows(self._rows(tokens))   # on the host, where the tokens are
+        distinct = groups.distinct[:int(groups.count)]        # sorted, so grouped by owner
+        send_counts = torch.bincount(distinct // self.shard_rows, minlength=self.env.world_size).tolist()
+        asked = [distinct[distinct // self.shard_rows == self.env.rank] if process == self.env.rank
+                 else self._rows_asked_of_me(theirs) for process, theirs in enumerate(everyone)]
+        recv_counts = [len(rows) for rows in asked]
+        device = self.env.device
+        asked = self._pinned(torch.cat(asked) - self.table.first_row).to(device, non_blocking=True)
         dist.all_to_all_single(self.table.fetched[:distinct.numel()], self.table.table[asked],
                                output_split_sizes=send_counts, input_split_sizes=recv_counts)
-        self.table.slots[:tokens.numel()].copy_(groups.inverse.view(-1, 2), non_blocking=True)
-        groups = kernels.RowGroups(**{f.name: getattr(groups, f.name).to(device) for f in dataclasses.fields(groups)})
+        self.table.slots[:tokens.numel()].copy_(self._pinned(groups.inverse.view(-1, 2)), non_blocking=True)
+        groups = kernels.RowGroups(**{f.name: self._pinned(getattr(groups, f.name)).to(device, non_blocking=True)
+                                      for f in dataclasses.fields(groups)})
         self.route = (groups, send_counts, recv_counts, asked)
 
     @torch.no_grad()
