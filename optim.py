@@ -875,9 +875,14 @@ class SparseRowAdam:
     def step(self, rows, grads):
         """One Adam event from the gradient entries `grads` (N, D) of table rows `rows` (N,),
         repeats allowed (their gradients add up)."""
+        groups = importlib.import_module("kernels").distinct_rows(rows.long())
+        self.step_summed(groups, self.sum_rows(grads, groups))
+
+    @torch.no_grad()
+    def step_summed(self, groups, summed):
+        """One Adam event from the rows' gradients summed already: summed[s] (fp32) is the
+        gradient of row groups.distinct[s], for the slots s below groups.count."""
         kernels = importlib.import_module("kernels")
-        groups = kernels.distinct_rows(rows.long())
-        summed = self.sum_rows(grads, groups)
         self._record_event()
         event = kernels.RowAdamStep(
             event=self.events, log_decay=self.log_decay[-1], one_minus_beta2=1.0 - self.beta2,

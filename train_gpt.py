@@ -2777,27 +2777,6 @@ def min_cache_rows(h, env):
     return 2 * ((cadence + 1) * (h.batch_ranks // env.world_size) * longest + h.val_tokens_per_rank)
 
 
-def entries_averaged_over_processes(rows, grads, table_rows, sum_rows, world):
-    """The gradient entries (rows, grads) of a table every process holds whole, as one entry per
-    table row: the mean over the processes of each one's sum per row. Each process sums its
-    entries per row (in entry order: deterministic), places the sums in a (table_rows, D) fp32
-    buffer, and the buffers are all-reduced, so every process makes the same update. A row that
-    no process touched gets a zero gradient, with which sparse Adam leaves it as it is and only
-    decays its moment, which its catch-up would do anyway: the update is the sparse one.
-
-    Traffic per update: the buffer, as a dense all-reduce, with no host sync. The tables this is
-    for (value embeddings) have one row per vocabulary entry, and the tokens of all processes'
-    slices since the last update touch a large share of them: routing rows to owners would save
-    little and need the counts on the host."""
-    groups = kernels.distinct_rows(rows)
-    summed = sum_rows(grads, groups)
-    buffer = torch.zeros(table_rows + 1, grads.shape[1], dtype=torch.float32, device=grads.device)
-    spare = torch.full_like(groups.distinct, table_rows)  # the slots past the count (zero sums) land in row N
-    buffer.index_add_(0, torch.where(groups.distinct >= 0, groups.distinct, spare), summed)
-    dist.all_reduce(buffer)
-    return torch.arange(table_rows, device=grads.device), buffer[:table_rows] / world
-
-
 class ShardedNgramRows:
     """The n-gram table split by rows across the processes: process r holds rows [r S, (r + 1) S)
     (S = rows / processes) and their optimizer state, nothing else of the table.
@@ -3035,11 +3014,14 @@ class Trainer:
             elif ngram.gathered:
                 self.ngram_fetch = ShardedNgramRows(ngram, self.ngram_adam.sum_rows, env)
         self.value_adams = []      # sparse value embeddings: each table's sparse Adam (every process's table whole)
+        self.value_grads = []      # and its rows' summed gradients since its last update, and a spare row
         if self.model.value_sinks is not None:
-            self.value_adams = [optim.SparseRowAdam(ve.weight, lr=h.value_embed_lr, beta2=h.value_embed_betas[1],
-                                                    eps=h.adam_eps, weight_decay=h.value_embed_wd,
-                                                    use_triton=self.kernels.xxt is not None)
-                                for ve in self.model.value_embeds]
+            for ve in self.model.value_embeds:
+                self.value_adams.append(optim.SparseRowAdam(
+                    ve.weight, lr=h.value_embed_lr, beta2=h.value_embed_betas[1], eps=h.adam_eps,
+                    weight_decay=h.value_embed_wd, use_triton=self.kernels.xxt is not None))
+                self.value_grads.append(torch.zeros(PADDED_VOCAB_SIZE + 1, ve.embedding_dim, device=env.device))
+            self.every_value_row = kernels.distinct_rows(torch.arange(PADDED_VOCAB_SIZE, device=env.device))
         self.sparse = ngram is not None or bool(self.value_adams)  # any table trained from gradient entries
         self.drop_sparse_entries()  # the pending gradient entries of each table, and the steps they span
         self.sparse_step_every = h.ngram_step_every
@@ -3158,38 +3140,45 @@ class Trainer:
                 rows = ngram.rows_of(tokens, document_starts(tokens)).reshape(-1)
                 self.ngram_entries.append((rows, entries.clone()))
             grads.zero_()
-        for sink, pending in zip(self.model.value_sinks or [], self.value_entries):
-            grads = sink.grad[:count]
-            pending.append((tokens.long(), grads.clone()))
-            grads.zero_()
+        if self.value_adams:
+            groups = kernels.distinct_rows(tokens.long())
+            spare = torch.full_like(groups.distinct, PADDED_VOCAB_SIZE)
+            rows = torch.where(groups.distinct >= 0, groups.distinct, spare)  # slots past the count hold zeros
+            for sink, adam, summed in zip(self.model.value_sinks, self.value_adams, self.value_grads):
+                grads = sink.grad[:count]
+                summed.index_add_(0, rows, adam.sum_rows(grads, groups))  # distinct rows: one addition each
+                grads.zero_()
 
     def step_sparse_tables(self):
         """Every ngram_step_every-th step (ngram_late_step_every from ngram_late_step): update the
-        sparse tables' touched rows from the mean of their entries over those steps (repeats add
-        up). Sparse value embeddings, whole on every process, update from every process's entries.
-        The warm-up discards its entries."""
+        sparse tables from the mean of their gradients over those steps. The n-gram table's touched
+        rows take its entries (repeats add up); the value-embedding tables' rows, see
+        step_value_table. The warm-up discards its gradients."""
         self.sparse_calls += 1
         if self.freeze_table or self.sparse_calls >= self.sparse_step_every:
             if not self.freeze_table:
                 if self.ngram_adam is not None:
-                    self.ngram_adam.step(*self.mean_entries(self.ngram_entries))
-                for adam, pending in zip(self.value_adams, self.value_entries):
-                    rows, grads = self.mean_entries(pending)
-                    if self.env.world_size > 1:
-                        rows, grads = entries_averaged_over_processes(rows, grads, adam.table.shape[0],
-                                                                      adam.sum_rows, self.env.world_size)
-                    adam.step(rows, grads)
+                    rows, grads = (torch.cat(parts) for parts in zip(*self.ngram_entries))
+                    self.ngram_adam.step(rows, grads / self.sparse_calls if self.sparse_calls > 1 else grads)
+                for adam, summed in zip(self.value_adams, self.value_grads):
+                    self.step_value_table(adam, summed)
             self.drop_sparse_entries()
 
-    def mean_entries(self, pending):
-        """(rows, gradients) of the entries pending since the last update, averaged over its steps."""
-        rows, grads = (torch.cat(parts) for parts in zip(*pending))
-        return rows, grads / self.sparse_calls if self.sparse_calls > 1 else grads
+    def step_value_table(self, adam, summed):
+        """Update a value-embedding table from its rows' summed gradients, the mean over the steps
+        and processes. The tables are vocabulary-sized, so each keeps a buffer of its rows' sums
+        (smaller than the steps' entries), the processes all-reduce it and all make the same
+        update, of every row: a row without a gradient keeps its value, and its moment decays as
+        the catch-up would decay it when the row is next touched."""
+        if self.env.world_size > 1:
+            dist.all_reduce(summed)
+        adam.step_summed(self.every_value_row, summed[:-1] / (self.sparse_calls * self.env.world_size))
 
     def drop_sparse_entries(self):
-        """No gradient entry pending (a host table's cache may let their rows go)."""
+        """No gradient pending (a host table's cache may let their rows go)."""
         self.ngram_entries, self.sparse_calls = [], 0
-        self.value_entries = [[] for _ in self.value_adams]
+        for summed in self.value_grads:
+            summed.zero_()
         if self.ngram_cache is not None:
             self.ngram_cache.release()
 
