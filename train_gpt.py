@@ -1533,7 +1533,7 @@ class GPT(nn.Module):
         for ve in self.value_embeds:
             nn.init.normal_(ve.weight, std=0.01)
         self.value_sinks = None
-        if cfg.value_embed_sparse:  # as the n-gram table's sink: each token's gradient, no dense table gradient
+        if cfg.value_embed_sparse:  # as the n-gram table: a sink takes each token's gradient, sparse Adam the rest
             for ve in self.value_embeds:
                 ve.weight.requires_grad_(False)
             self.value_sinks = nn.ParameterList(nn.Parameter(torch.zeros(max_tokens, ve.embedding_dim))
