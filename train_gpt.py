@@ -2777,6 +2777,50 @@ def min_cache_rows(h, env):
     return 2 * ((cadence + 1) * (h.batch_ranks // env.world_size) * longest + h.val_tokens_per_rank)
 
 
+class VocabRowGradients:
+    """The gradients of a vocabulary-sized table (a value-embedding table) summed per row since
+    its last update, and which rows have one. Memory: the table's size in fp32, however far apart
+    the updates are; keeping the entries instead would grow with the tokens in between (32
+    micro-batches of 49,152 in the 1gpu preset's late phase: about 4 GB per table).
+
+    add(rows, groups, grads), after each micro-batch: its entries summed per row in token order
+    (sum_rows: deterministic), then added, one addition per row. touched(capacity): the
+    RowGroups of the rows with a gradient, at a capacity the host knows (no host sync)."""
+
+    def __init__(self, rows, dim, device, sum_rows):
+        self.sums = torch.zeros(rows + 1, dim, device=device)   # row `rows` takes the unused slots' zeros
+        self.flags = torch.zeros(rows, dtype=torch.uint8, device=device)  # 1: the row has a gradient
+        self.entries = 0           # entries added since the last clear (host)
+        self.sum_rows = sum_rows
+
+    def add(self, rows, groups, grads):
+        spare = torch.full_like(groups.distinct, self.flags.numel())
+        self.sums.index_add_(0, torch.where(groups.distinct >= 0, groups.distinct, spare),
+                             self.sum_rows(grads, groups))
+        self.flags.index_fill_(0, rows, 1)
+        self.entries += rows.numel()
+
+    def all_reduce(self):
+        """Every process's sums and flags, added and merged."""
+        dist.all_reduce(self.sums)
+        dist.all_reduce(self.flags, op=dist.ReduceOp.MAX)
+
+    def touched(self, capacity):
+        """RowGroups of an index vector of `capacity` entries (at least the flagged rows' number)
+        that lists every flagged row once and then repeats the first: its distinct rows are the
+        flagged ones."""
+        flagged = self.flags.bool()
+        vector = flagged.int().argmax().expand(capacity + 1).clone()   # the first flagged row
+        slot = torch.where(flagged, flagged.cumsum(0) - 1, capacity)   # unflagged rows land past the end
+        vector.scatter_(0, slot, torch.arange(flagged.numel(), device=flagged.device))
+        return kernels.distinct_rows(vector[:capacity])
+
+    def clear(self):
+        self.sums.zero_()
+        self.flags.zero_()
+        self.entries = 0
+
+
 class ShardedNgramRows:
     """The n-gram table split by rows across the processes: process r holds rows [r S, (r + 1) S)
     (S = rows / processes) and their optimizer state, nothing else of the table.
@@ -3014,14 +3058,15 @@ class Trainer:
             elif ngram.gathered:
                 self.ngram_fetch = ShardedNgramRows(ngram, self.ngram_adam.sum_rows, env)
         self.value_adams = []      # sparse value embeddings: each table's sparse Adam (every process's table whole)
-        self.value_grads = []      # and its rows' summed gradients since its last update, and a spare row
+        self.value_grads = []      # and its rows' gradients since its last update (VocabRowGradients)
         if self.model.value_sinks is not None:
             for ve in self.model.value_embeds:
-                self.value_adams.append(optim.SparseRowAdam(
-                    ve.weight, lr=h.value_embed_lr, beta2=h.value_embed_betas[1], eps=h.adam_eps,
-                    weight_decay=h.value_embed_wd, use_triton=self.kernels.xxt is not None))
-                self.value_grads.append(torch.zeros(PADDED_VOCAB_SIZE + 1, ve.embedding_dim, device=env.device))
-            self.every_value_row = kernels.distinct_rows(torch.arange(PADDED_VOCAB_SIZE, device=env.device))
+                adam = optim.SparseRowAdam(ve.weight, lr=h.value_embed_lr, beta2=h.value_embed_betas[1],
+                                           eps=h.adam_eps, weight_decay=h.value_embed_wd,
+                                           use_triton=self.kernels.xxt is not None)
+                self.value_adams.append(adam)
+                self.value_grads.append(VocabRowGradients(PADDED_VOCAB_SIZE, ve.embedding_dim, env.device,
+                                                          adam.sum_rows))
         self.sparse = ngram is not None or bool(self.value_adams)  # any table trained from gradient entries
         self.drop_sparse_entries()  # the pending gradient entries of each table, and the steps they span
         self.sparse_step_every = h.ngram_step_every
@@ -3141,12 +3186,11 @@ class Trainer:
                 self.ngram_entries.append((rows, entries.clone()))
             grads.zero_()
         if self.value_adams:
-            groups = kernels.distinct_rows(tokens.long())
-            spare = torch.full_like(groups.distinct, PADDED_VOCAB_SIZE)
-            rows = torch.where(groups.distinct >= 0, groups.distinct, spare)  # slots past the count hold zeros
-            for sink, adam, summed in zip(self.model.value_sinks, self.value_adams, self.value_grads):
+            rows = tokens.long()
+            groups = kernels.distinct_rows(rows)
+            for sink, pending in zip(self.model.value_sinks, self.value_grads):
                 grads = sink.grad[:count]
-                summed.index_add_(0, rows, adam.sum_rows(grads, groups))  # distinct rows: one addition each
+                pending.add(rows, groups, grads)
                 grads.zero_()
 
     def step_sparse_tables(self):
@@ -3160,25 +3204,25 @@ class Trainer:
                 if self.ngram_adam is not None:
                     rows, grads = (torch.cat(parts) for parts in zip(*self.ngram_entries))
                     self.ngram_adam.step(rows, grads / self.sparse_calls if self.sparse_calls > 1 else grads)
-                for adam, summed in zip(self.value_adams, self.value_grads):
-                    self.step_value_table(adam, summed)
+                for adam, pending in zip(self.value_adams, self.value_grads):
+                    self.step_value_table(adam, pending)
             self.drop_sparse_entries()
 
-    def step_value_table(self, adam, summed):
-        """Update a value-embedding table from its rows' summed gradients, the mean over the steps
-        and processes. The tables are vocabulary-sized, so each keeps a buffer of its rows' sums
-        (smaller than the steps' entries), the processes all-reduce it and all make the same
-        update, of every row: a row without a gradient keeps its value, and its moment decays as
-        the catch-up would decay it when the row is next touched."""
-        if self.env.world_size > 1:
-            dist.all_reduce(summed)
-        adam.step_summed(self.every_value_row, summed[:-1] / (self.sparse_calls * self.env.world_size))
+    def step_value_table(self, adam, pending: VocabRowGradients):
+        """Update a value-embedding table's rows with a gradient from the mean over the steps and
+        the processes. Every process holds the table whole: they all-reduce their sums and make
+        the same update."""
+        world = self.env.world_size
+        if world > 1:
+            pending.all_reduce()
+        groups = pending.touched(min(PADDED_VOCAB_SIZE, pending.entries * world))
+        adam.step_summed(groups, pending.sums[groups.distinct.clamp(min=0)] / (self.sparse_calls * world))
 
     def drop_sparse_entries(self):
         """No gradient pending (a host table's cache may let their rows go)."""
         self.ngram_entries, self.sparse_calls = [], 0
-        for summed in self.value_grads:
-            summed.zero_()
+        for pending in self.value_grads:
+            pending.clear()
         if self.ngram_cache is not None:
             self.ngram_cache.release()
 

@@ -356,6 +356,25 @@ def test_sparse_value_embedding_entries_are_the_tables_gradient(shards):
     assert trainer.model.num_parameters() == tiny_model(tiny_config(data_args(shards))).num_parameters()
 
 
+def test_vocab_row_gradients_sum_per_row_and_list_the_rows_they_hold():
+    """Two micro-batches' entries, repeats included, summed per row (a plain index_add_
+    reference); the rows with a gradient as RowGroups of a given capacity: each once, sorted."""
+    g = torch.Generator().manual_seed(0)
+    pending = tg.VocabRowGradients(50, 3, torch.device("cpu"), kernels.sum_rows_reference)
+    expected = torch.zeros(50, 3)
+    for rows in (torch.tensor([7, 3, 7, 41]), torch.tensor([3, 0, 12])):
+        grads = torch.randn(len(rows), 3, generator=g)
+        pending.add(rows, kernels.distinct_rows(rows), grads)
+        expected.index_add_(0, rows, grads)
+    torch.testing.assert_close(pending.sums[:50], expected)
+    assert not pending.sums[50].any() and pending.entries == 7
+    groups = pending.touched(6)
+    assert groups.distinct.numel() == 6 and int(groups.count) == 5
+    assert groups.distinct[:5].tolist() == [0, 3, 7, 12, 41]
+    pending.clear()
+    assert not (pending.sums.any() or pending.flags.any() or pending.entries)
+
+
 def test_sparse_value_embeddings_update_by_sparse_adam_from_the_steps_mean_entries(shards):
     """An update every 2nd step: the value-embedding table keeps its values at step 0, and at
     step 1 its touched rows take one beta1 = 0 Adam step with a per-row second moment from the
@@ -371,7 +390,7 @@ def test_sparse_value_embeddings_update_by_sparse_adam_from_the_steps_mean_entri
     start = table.detach().clone()
     trainer.advance_to(0)
     trainer.train_step(0, loader.next_batch(512, 256, 1, [0]))
-    assert torch.equal(table, start) and trainer.value_grads[0].any(), "step 0's gradients wait"
+    assert torch.equal(table, start) and trainer.value_grads[0].sums.any(), "step 0's gradients wait"
     trainer.advance_to(1)
     trainer.train_step(1, loader.next_batch(512, 256, 1, [0]))
     g = table.grad.double() / 2
@@ -384,7 +403,8 @@ def test_sparse_value_embeddings_update_by_sparse_adam_from_the_steps_mean_entri
     assert (lr * lr * wd * theta.abs() * (u * theta > 0))[touched].max() > 1e-7, "the decay matters here"
     torch.testing.assert_close(table[touched].double(), expected[touched], rtol=1e-5, atol=1e-7)
     assert torch.equal(table[~touched].detach(), start[~touched]) and 0 < touched.sum() < table.shape[0]
-    assert trainer.value_adams[0].events == 1 and not trainer.value_grads[0].any()
+    pending = trainer.value_grads[0]
+    assert trainer.value_adams[0].events == 1 and not (pending.sums.any() or pending.flags.any() or pending.entries)
 
 
 @pytest.mark.parametrize("step_every,dtype", [(1, "float32"), (2, "float32"), (1, "bfloat16")])
@@ -436,7 +456,7 @@ def test_the_ngram_tables_late_phase_changes_its_beta2_and_cadence(shards):
     assert moved == [[True, False], [False, False], [True, True], [False, False]], "value embeddings on its cadence"
     assert adams[0].log_decay == pytest.approx([0.0, math.log(0.9), math.log(0.9) + math.log(0.81)])
     assert adams[1].log_decay == pytest.approx([0.0, math.log(0.8), math.log(0.8) + math.log(0.64)])
-    assert len(trainer.ngram_entries) == 1 and trainer.value_grads[0].any(), "step 3's gradients wait for the next event"
+    assert len(trainer.ngram_entries) == 1 and trainer.value_grads[0].sums.any(), "step 3's gradients wait for the next event"
 
 
 def test_a_host_table_with_a_device_cache_trains_bit_for_bit_as_a_resident_one(shards, tmp_path):
