@@ -2781,7 +2781,7 @@ class VocabRowGradients:
     """The gradients of a vocabulary-sized table (a value-embedding table) summed per row since
     its last update, and which rows have one. Memory: the table's size in fp32, however far apart
     the updates are; keeping the entries instead would grow with the tokens in between (32
-    micro-batches of 49,152 in the 1gpu preset's late phase: about 4 GB per table).
+    micro-batches of 49,152 in the 1gpu preset's late phase: 4.8 GB for a 768-wide table).
 
     add(rows, groups, grads), after each micro-batch: its entries summed per row in token order
     (sum_rows: deterministic), then added, one addition per row. touched(capacity): the
