@@ -1457,6 +1457,10 @@ class NgramTable(nn.Module):
     def rows_of(self, context, is_start):
         return ngram_rows(context, is_start, self.rows)
 
+    def slice_rows(self, tokens):
+        """The (2T,) rows of a slice's tokens (T,): each token's bigram row, then its trigram row."""
+        return self.rows_of(tokens, document_starts(tokens)).reshape(-1)
+
     def forward(self, context, is_start, seen, signs, lookup=False):
         """(T, dim) for the last T = len(context) - seen tokens of `context`; with `lookup` (a
         generation step) the rows are read from `table` even if the trainer fetches them."""
@@ -2779,37 +2783,32 @@ def min_cache_rows(h, env):
 
 class VocabRowGradients:
     """The gradients of a vocabulary-sized table (a value-embedding table) summed per row since
-    its last update, and which rows have one. Memory: the table's size in fp32, however far apart
+    its last update. Memory: the table's size in fp32, however far apart
     the updates are; keeping the entries instead would grow with the tokens in between (32
     micro-batches of 49,152 in the 1gpu preset's late phase: 4.8 GB for a 768-wide table).
 
-    add(rows, groups, grads), after each micro-batch: its entries summed per row in token order
+    add(groups, grads), after each micro-batch: its entries summed per row in token order
     (sum_rows: deterministic), then added, one addition per row. touched(capacity): the
-    RowGroups of the rows with a gradient, at a capacity the host knows (no host sync)."""
+    RowGroups of the rows whose sum is not zero, at a capacity the host knows (no host sync). A row
+    whose gradients summed to exactly zero is left out: its update would be its moment's decay
+    alone, which the catch-up applies when the row is next updated."""
 
     def __init__(self, rows, dim, device, sum_rows):
         self.sums = torch.zeros(rows + 1, dim, device=device)   # row `rows` takes the unused slots' zeros
-        self.flags = torch.zeros(rows, dtype=torch.uint8, device=device)  # 1: the row has a gradient
         self.entries = 0           # entries added since the last clear (host)
         self.sum_rows = sum_rows
 
-    def add(self, rows, groups, grads):
-        spare = torch.full_like(groups.distinct, self.flags.numel())
+    def add(self, groups, grads):
+        spare = torch.full_like(groups.distinct, self.sums.shape[0] - 1)
         self.sums.index_add_(0, torch.where(groups.distinct >= 0, groups.distinct, spare),
                              self.sum_rows(grads, groups))
-        self.flags.index_fill_(0, rows, 1)
-        self.entries += rows.numel()
-
-    def all_reduce(self):
-        """Every process's sums and flags, added and merged."""
-        dist.all_reduce(self.sums)
-        dist.all_reduce(self.flags, op=dist.ReduceOp.MAX)
+        self.entries += grads.shape[0]
 
     def touched(self, capacity):
-        """RowGroups of an index vector of `capacity` entries (at least the flagged rows' number)
-        that lists every flagged row once and then repeats the first: its distinct rows are the
-        flagged ones."""
-        flagged = self.flags.bool()
+        """RowGroups of an index vector of `capacity` entries (at least the number of rows with a
+        gradient) that lists every such row once and then repeats the first: its distinct rows are
+        those rows."""
+        flagged = self.sums[:-1].ne(0).any(1)
         vector = flagged.int().argmax().expand(capacity + 1).clone()   # the first flagged row
         slot = torch.where(flagged, flagged.cumsum(0) - 1, capacity)   # unflagged rows land past the end
         vector.scatter_(0, slot, torch.arange(flagged.numel(), device=flagged.device))
@@ -2817,7 +2816,6 @@ class VocabRowGradients:
 
     def clear(self):
         self.sums.zero_()
-        self.flags.zero_()
         self.entries = 0
 
 
@@ -2848,9 +2846,6 @@ class ShardedNgramRows:
         self.host_group = dist.new_group(backend="gloo") if env.device.type == "cuda" else None
         self.route = None          # the last fetch's RowGroups (device), send and receive counts, asked rows
 
-    def _rows(self, tokens):
-        return ngram_rows(tokens, document_starts(tokens), self.table.rows).reshape(-1)
-
     def _pinned(self, host):
         """`host`, in pinned memory on CUDA, from where a copy to the device does not make the host wait."""
         return host.pin_memory() if self.env.device.type == "cuda" else host
@@ -2858,7 +2853,7 @@ class ShardedNgramRows:
     def _rows_asked_of_me(self, tokens):
         """The distinct rows of this process's shard that a slice of host `tokens` reads, sorted
         (the order in which the process holding the slice asks for them)."""
-        rows = self._rows(tokens)
+        rows = self.table.slice_rows(tokens)
         return torch.unique(rows[rows // self.shard_rows == self.env.rank])
 
     @torch.no_grad()
@@ -2868,7 +2863,7 @@ class ShardedNgramRows:
         slice of the same length."""
         everyone = [torch.empty_like(tokens) for _ in range(self.env.world_size)]
         dist.all_gather(everyone, tokens, group=self.host_group)
-        groups = kernels.distinct_rows(self._rows(tokens))   # on the host, where the tokens are
+        groups = kernels.distinct_rows(self.table.slice_rows(tokens))   # on the host, where the tokens are
         distinct = groups.distinct[:int(groups.count)]        # sorted, so grouped by owner
         send_counts = torch.bincount(distinct // self.shard_rows, minlength=self.env.world_size).tolist()
         asked = [distinct[distinct // self.shard_rows == self.env.rank] if process == self.env.rank
@@ -2928,14 +2923,11 @@ class HostNgramRows:
         """Start counting fetches, row lookups, hits and write-backs anew."""
         self.fetches = self.lookups = self.hits = self.evicted = self.rounds = 0
 
-    def _rows(self, tokens):
-        return ngram_rows(tokens, document_starts(tokens), self.table.rows).reshape(-1)
-
     @torch.no_grad()
     def fetch(self, tokens, training=True):
         """Make the rows of the host tokens (T,) cached and fill the table's `slots` for them;
         a training slice's rows are pinned until release()."""
-        distinct, inverse = torch.unique(self._rows(tokens), sorted=True, return_inverse=True)
+        distinct, inverse = torch.unique(self.table.slice_rows(tokens), sorted=True, return_inverse=True)
         token_slots = self._cache(distinct, pin=training)[inverse]
         if self.copies is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.copies)
@@ -2948,7 +2940,7 @@ class HostNgramRows:
         stream = torch.cuda.stream(self.copies) if self.copies is not None else contextlib.nullcontext()
         with stream:
             for s in slices:
-                self._cache(torch.unique(self._rows(s.tokens)), pin=True)
+                self._cache(torch.unique(self.table.slice_rows(s.tokens)), pin=True)
 
     def entries(self, grads):
         """(cache slots, gradients) for the entries `grads` (T * 2, D) of the last fetched slice."""
@@ -3174,23 +3166,22 @@ class Trainer:
         split table, the entries the other processes sent for this one's rows) and each sparse
         value-embedding table's row per token (the token itself)."""
         count = s.tokens.numel()
-        tokens = s.tokens.to(self.env.device, non_blocking=True)
         ngram = self.model.ngram
+        resident = ngram is not None and self.ngram_fetch is None   # its rows come from the device tokens
+        tokens = s.tokens.to(self.env.device, non_blocking=True) if resident or self.value_adams else None
         if ngram is not None:
             grads = ngram.sink.grad[:count]
             entries = grads.reshape(2 * count, -1)
             if self.ngram_fetch is not None:
                 self.ngram_entries.append(self.ngram_fetch.entries(entries))
             else:
-                rows = ngram.rows_of(tokens, document_starts(tokens)).reshape(-1)
-                self.ngram_entries.append((rows, entries.clone()))
+                self.ngram_entries.append((ngram.slice_rows(tokens), entries.clone()))
             grads.zero_()
         if self.value_adams:
-            rows = tokens.long()
-            groups = kernels.distinct_rows(rows)
+            groups = kernels.distinct_rows(tokens.long())
             for sink, pending in zip(self.model.value_sinks, self.value_grads):
                 grads = sink.grad[:count]
-                pending.add(rows, groups, grads)
+                pending.add(groups, grads)
                 grads.zero_()
 
     def step_sparse_tables(self):
@@ -3214,7 +3205,7 @@ class Trainer:
         the same update."""
         world = self.env.world_size
         if world > 1:
-            pending.all_reduce()
+            dist.all_reduce(pending.sums)
         groups = pending.touched(min(PADDED_VOCAB_SIZE, pending.entries * world))
         adam.step_summed(groups, pending.sums[groups.distinct.clamp(min=0)] / (self.sparse_calls * world))
 
