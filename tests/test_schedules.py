@@ -1,0 +1,354 @@
+"""The schedules of train_gpt.py and the presets' published constants, against values worked out
+by hand from each schedule's definition: stage multipliers and the LR cooldown, momentum, ANVIL's
+mu and blend, stage boundaries, multi-token and prefix weights, attention windows and their
+YaRN history, the untie, graph changes, validations, the weight averages' samples, the n-gram
+table's late phase, and what Trainer.advance_to writes into the optimizers."""
+import os
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import optim  # noqa: E402
+import train_gpt as tg  # noqa: E402
+
+
+def preset(name, *extra):
+    return tg.parse_config(["--preset", name, *extra])
+
+
+# ---------------------------------------------------------------------------------------------
+# The presets' published constants
+# ---------------------------------------------------------------------------------------------
+
+def test_speedrun_preset_publishes_record_92s_stages_averages_and_anvil_constants():
+    h = preset("speedrun")
+    N = 1194
+    assert h.num_iterations == N
+    stages = [(s.end, s.tokens_per_rank, s.max_doc_len, s.short_window, s.long_window, s.mtp_weights,
+               s.mtp_weights_end, s.prefix_weight, s.prefix_weight_end, s.lr_mult, s.candidates) for s in h.stages]
+    assert stages == [
+        (320 / N, 16_384, 896, 1, 3, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 0.25, None, 1.0, 0),
+        (681 / N, 32_768, 2048, 3, 7, (1.0, 0.5), (1.0, 0.0), 0.25, 0.0, 1.52, 0),
+        (1107 / N, 49_152, 3072, 5, 11, (1.0,), (), 0.0, None, 1.73, 0),
+        (1175 / N, 32_768, 3072, 5, 11, (1.0,), (), 0.0, None, 1.579, 0),
+        (1.0, 16_384, 3072, 6, 13, (1.0,), (), 0.0, None, 1.0, 0),
+    ]
+    assert (h.cooldown_start, h.cooldown_end, h.cooldown_floor) == (0.2, 1.0, 0.30)
+    assert (h.optimizer, h.orthogonalize, h.matrix_lr, h.mlp_down_lr_scale) == ("anvil", "anvil", 0.023, 2.0)
+    assert (h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start) == (0.85, 0.98, 0.4385, 0.43)
+    assert (h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall) == (0.85, 0.93, 0.2, 0.042)
+    assert (h.val_long_window, h.yarn_at_final_window, h.batch_ranks) == (20, False, 8)
+    assert (h.ngram_rows, h.ngram_dtype, h.ngram_beta2, h.value_embed_betas[1]) == (84_602_880, "bfloat16", 0.95, 0.95)
+    assert (h.ngram_late_step, h.ngram_late_step_every, h.ngram_late_beta2, h.value_embed_late_beta2) == (
+        336, 4, 0.9025, 0.9025)
+    assert (h.ngram_step_every, h.value_embed_sparse) == (1, True)
+    averages = [(a.params, a.window, a.every, a.rate, a.blend, a.renormalize) for a in h.averages]
+    assert averages == [
+        ("embed_head", 298, 1, 2 / 299, 0.65, False),
+        ("value_embeds", 298, 1, 2 / 299, 0.65, False),
+        ("vo_mlp", 250, 4, 4 / 53, 1.0, False),
+        ("qk", 298, 4, 2 / 75, 0.55, True),
+        ("vo_mlp", 298, 4, 2 / 75, 0.3493, True),
+    ]
+
+
+def test_record89_and_cpu_presets_publish_their_schedules():
+    h = preset("record89")
+    N = 1285
+    assert h.num_iterations == N
+    assert [(s.end, s.short_window, s.long_window, s.lr_mult) for s in h.stages] == [
+        (423 / N, 1, 3, 1.0), (847 / N, 3, 7, 1.52), (1270 / N, 5, 11, 1.73), (1.0, 6, 13, 1.0)]
+    assert (h.cooldown_start, h.cooldown_end, h.cooldown_floor) == (508 / N, 1270 / N, 0.15)
+    assert (h.optimizer, h.orthogonalize) == ("normuon", "polar_express")
+    assert (h.momentum_warmup_start, h.momentum, h.momentum_warmup_steps, h.momentum_cooldown_steps) == (
+        0.85, 0.95, 300, 50)
+    h = preset("cpu")
+    assert h.num_iterations == 30 and (h.cooldown_start, h.cooldown_end, h.cooldown_floor) == (0.4, 1.0, 0.15)
+    assert [(s.end, s.tokens_per_rank, s.short_window, s.long_window, s.lr_mult) for s in h.stages] == [
+        (0.5, 2048, 1, 2, 1.0), (0.8, 4096, 2, 4, 1.52), (1.0, 4096, 2, 6, 1.52)]
+    assert (h.val_long_window, h.yarn_at_final_window, h.untie_frac) == (8, True, 2 / 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning rate
+# ---------------------------------------------------------------------------------------------
+
+def test_speedrun_lr_is_the_stage_multiplier_then_a_line_to_the_floor():
+    """1194 steps, stages from steps 320, 681, 1107 and 1175 with multipliers 1, 1.52, 1.73,
+    1.579, 1; from 20% of training (step 238.8) each step's value is its stage's multiplier m
+    moved toward 0.30 by (step / 1194 - 0.2) / 0.8."""
+    h = preset("speedrun")
+
+    def cooling(m, step):
+        return m + (0.30 - m) * (step / 1194 - 0.2) / 0.8
+    expected = {
+        0: 1.0, 100: 1.0, 238: 1.0,            # before the cooldown: stage 0's multiplier
+        239: cooling(1.0, 239), 319: cooling(1.0, 319),
+        320: cooling(1.52, 320), 600: 1.0586683417085427, 680: cooling(1.52, 680),
+        681: cooling(1.73, 681), 1106: cooling(1.73, 1106),
+        1107: cooling(1.579, 1107), 1174: cooling(1.579, 1174),
+        1175: cooling(1.0, 1175), 1193: 1.0 + (0.30 - 1.0) * (1193 / 1194 - 0.2) / 0.8,
+        1194: 0.30,                             # the final validation: the floor
+    }
+    assert cooling(1.52, 600) == pytest.approx(1.52 - 1.22 * 0.378140703517588)
+    assert {step: tg.lr_multiplier(h, step) for step in expected} == pytest.approx(expected)
+
+
+def test_record89_lr_cools_from_step_508_to_the_floor_at_step_1270():
+    h = preset("record89")
+
+    def cooling(m, step):
+        return m + (0.15 - m) * (step - 508) / 762
+    expected = {0: 1.0, 422: 1.0, 423: 1.52, 507: 1.52, 508: 1.52, 846: cooling(1.52, 846),
+                847: cooling(1.73, 847), 1269: cooling(1.73, 1269), 1270: 0.15, 1284: 0.15, 1285: 0.15}
+    assert expected[847] == pytest.approx(1.73 - 1.58 * 339 / 762)
+    assert {step: tg.lr_multiplier(h, step) for step in expected} == pytest.approx(expected)
+
+
+def test_cpu_lr_cools_from_40_percent_to_the_floor_at_the_end():
+    """30 steps, stages from steps 15 and 24 with multipliers 1, 1.52, 1.52; from step 12 the
+    value moves from the multiplier toward 0.15 by (step / 30 - 0.4) / 0.6."""
+    h = preset("cpu")
+    expected = {0: 1.0, 11: 1.0, 12: 1.0, 14: 1 - 0.85 / 9, 15: 1.52 - 1.37 / 6, 23: 1.52 - 1.37 * 11 / 18,
+                24: 1.52 - 1.37 * 2 / 3, 29: 1.52 - 1.37 * 17 / 18, 30: 0.15}
+    assert {step: tg.lr_multiplier(h, step) for step in expected} == pytest.approx(expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Momentum, mu, blend
+# ---------------------------------------------------------------------------------------------
+
+def test_record89_momentum_warms_up_over_300_steps_and_cools_over_the_last_50():
+    h = preset("record89")
+    expected = {0: 0.85, 1: 0.85 + 0.1 / 300, 150: 0.90, 299: 0.85 + 0.1 * 299 / 300, 300: 0.95, 1000: 0.95,
+                1235: 0.95, 1236: 0.948, 1260: 0.90, 1284: 0.852, 1285: 0.85}
+    assert {step: tg.matrix_momentum(h, step) for step in expected} == pytest.approx(expected)
+    h = preset("cpu")              # 30 steps: the warm-up is a tenth done at the end, no cooldown
+    assert [tg.matrix_momentum(h, s) for s in (0, 29)] == pytest.approx([0.85, 0.85 + 0.1 * 29 / 300])
+
+
+def test_speedrun_anvil_mu_rises_over_the_first_20_percent_and_falls_over_the_last_4_2():
+    """0.85 -> 0.93 over steps 0-238.8, held, and back to 0.85 over the last 50.148 steps
+    (from step 1143.852)."""
+    h = preset("speedrun")
+    expected = {
+        0: 0.85, 120: 0.85 + 0.08 * 120 / 238.8, 238: 0.85 + 0.08 * 238 / 238.8, 239: 0.93, 240: 0.93, 600: 0.93,
+        1143: 0.93, 1144: 0.85 + 0.08 * 50 / 50.148, 1170: 0.85 + 0.08 * 24 / 50.148,
+        1193: 0.85 + 0.08 * 1 / 50.148, 1194: 0.85,
+    }
+    assert expected[120] == pytest.approx(0.8902010050251256)
+    assert expected[1170] == pytest.approx(0.8882866714525006)
+    assert {step: tg.anvil_mu(h, step) for step in expected} == pytest.approx(expected)
+
+
+def test_speedrun_anvil_blend_is_one_before_43_percent_then_0_4385():
+    h = preset("speedrun")        # 0.43 * 1194 = 513.42: step 514 is the first to blend
+    expected = {0: 1.0, 120: 1.0, 239: 1.0, 240: 1.0, 513: 1.0, 514: 0.4385, 600: 0.4385, 1143: 0.4385,
+                1170: 0.4385, 1193: 0.4385, 1194: 0.4385}
+    assert {step: tg.anvil_blend(h, step) for step in expected} == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# Stages and what they carry
+# ---------------------------------------------------------------------------------------------
+
+# The first step of each stage after the first: the first step with step / N >= the end of the
+# stage before (320/1194 ...: exactly those steps; 423/1285 ...; 0.5 * 30 = 15, 0.8 * 30 = 24).
+STAGE_STARTS = {"speedrun": (1194, [320, 681, 1107, 1175]), "record89": (1285, [423, 847, 1270]),
+                "cpu": (30, [15, 24])}
+
+
+@pytest.mark.parametrize("name", sorted(STAGE_STARTS))
+def test_stage_of_every_step_and_the_steps_per_stage(name):
+    h = preset(name)
+    N, starts = STAGE_STARTS[name]
+    assert [tg.stage_index(h, step) for step in range(N + 1)] == [
+        sum(step >= first for first in starts) for step in range(N + 1)]
+    assert tg.steps_per_stage(h) == {"speedrun": [320, 361, 426, 68, 19], "record89": [423, 424, 423, 15],
+                                     "cpu": [15, 9, 6]}[name]
+
+
+def test_steps_per_stage_counts_what_stage_index_decides_where_floats_round():
+    """Ends 0.07, 0.075, 0.078, 0.29 of 100 steps: stage 0 is steps 0-6 (step 7 is at 7 / 100 =
+    0.07, where it ends, though 0.07 * 100 is 7.000000000000001 in floats), stage 1 step 7,
+    stage 2 none (no step from 7.5 to 7.8), stage 3 steps 8-28 (0.29 * 100 is 28.999999999999996;
+    29 / 100 = 0.29), stage 4 steps 29-99."""
+    stages = ",".join('{"end":%s,"tokens_per_rank":512,"max_doc_len":256,"short_window":1,"long_window":2}' % end
+                      for end in ("0.07", "0.075", "0.078", "0.29", "1.0"))
+    h = preset("cpu", f"--stages=[{stages}]", "--num_iterations=100")
+    assert tg.steps_per_stage(h) == [7, 1, 0, 21, 71]
+    assert [tg.stage_index(h, step) for step in range(100)] == [0] * 7 + [1] + [3] * 21 + [4] * 71
+
+
+def test_speedrun_target_weights_move_linearly_across_each_stage():
+    """Stage 0 (320 steps): t+3's weight from 0.25 toward 0, prefix 0.25 throughout; stage 1 (361
+    steps): t+2's from 0.5 toward 0 and the prefix's from 0.25 toward 0; then t+1 alone."""
+    h = preset("speedrun")
+    weights = tg.step_target_weights(h, "cpu")
+    assert weights.shape == (1194, 4) and weights.dtype == torch.float32
+    expected = {
+        0: [1, 0.5, 0.25, 0.25], 160: [1, 0.5, 0.125, 0.25], 319: [1, 0.5, 0.25 / 320, 0.25],
+        320: [1, 0.5, 0, 0.25], 500: [1, 0.5 * (1 - 180 / 361), 0, 0.25 * (1 - 180 / 361)],
+        680: [1, 0.5 / 361, 0, 0.25 / 361], 681: [1, 0, 0, 0], 1175: [1, 0, 0, 0], 1193: [1, 0, 0, 0],
+    }
+    for step, want in expected.items():
+        assert weights[step].tolist() == pytest.approx(want, rel=1e-6, abs=1e-12), step
+    assert tg.target_weights(h.stages[1], "cpu", 0.5).tolist() == pytest.approx([1, 0.25, 0, 0.125])
+    assert tg.target_weights(h.stages[0], "cpu", 0.75).tolist() == pytest.approx([1, 0.5, 0.0625, 0.25])
+
+
+def test_attention_windows_per_stage_and_at_the_final_validation():
+    h = preset("speedrun")
+    assert [tg.attention_windows(h, s) for s in (0, 319, 320, 680, 681, 1106, 1107, 1174, 1175, 1193)] == [
+        (1, 3), (1, 3), (3, 7), (3, 7), (5, 11), (5, 11), (5, 11), (5, 11), (6, 13), (6, 13)]
+    assert tg.attention_windows(h, 1194, final_validation=True) == (6, 20)
+    h = preset("cpu")
+    assert [tg.attention_windows(h, s) for s in (0, 14, 15, 23, 24, 29)] == [
+        (1, 2), (1, 2), (2, 4), (2, 4), (2, 6), (2, 6)]
+    assert tg.attention_windows(h, 30, final_validation=True) == (2, 8)
+
+
+def test_long_window_history_grows_with_the_stages_and_yarn_at_the_final_window_adds_one():
+    """Blocks of 128 tokens. The speedrun's long window: 3, 7, 11, 11 (no growth), 13 blocks; the
+    final validation's 20 adds to the history only with yarn_at_final_window (cpu: 8 blocks)."""
+    h = preset("speedrun")
+    assert [tg.long_window_history(h, s) for s in (0, 319, 320, 681, 1107, 1174, 1175)] == [
+        [384], [384], [384, 896], [384, 896, 1408], [384, 896, 1408], [384, 896, 1408], [384, 896, 1408, 1664]]
+    assert tg.long_window_history(h, 1194, final_validation=True) == [384, 896, 1408, 1664]
+    h = preset("speedrun", "--yarn_at_final_window=true")
+    assert tg.long_window_history(h, 1194, final_validation=True) == [384, 896, 1408, 1664, 2560]
+    assert tg.long_window_history(h, 1193) == [384, 896, 1408, 1664], "only the final validation widens"
+    h = preset("cpu")
+    assert tg.long_window_history(h, 29) == [256, 512, 768]
+    assert tg.long_window_history(h, 30, final_validation=True) == [256, 512, 768, 1024]
+
+
+def test_untie_step_and_graph_changes():
+    """The untie: speedrun 1175/1194 of 1194 steps, record89 (847.5/1285) * 1285 rounded down,
+    cpu 2/3 of 30. The graphs change at 0, at every stage start and at the untie."""
+    assert [tg.untie_step(preset(name)) for name in ("speedrun", "record89", "cpu")] == [1175, 847, 20]
+    assert tg.graph_changes(preset("speedrun")) == [0, 320, 681, 1107, 1175]
+    assert tg.graph_changes(preset("record89")) == [0, 423, 847, 1270]
+    assert tg.graph_changes(preset("cpu")) == [0, 15, 20, 24]
+    assert tg.graph_changes(preset("cpu", "--untie_frac=1.0")) == [0, 15, 24], "an untie at N never happens"
+
+
+def test_validation_points():
+    assert tg.validation_points(preset("speedrun")) == [(1194, True)]
+    assert tg.validation_points(preset("speedrun", "--val_every=400")) == [(400, False), (800, False), (1194, True)]
+    assert tg.validation_points(preset("speedrun", "--val_every=597")) == [(597, False), (1194, True)]
+    assert tg.validation_points(preset("cpu", "--val_every=10")) == [(10, False), (20, False), (30, True)]
+
+
+def test_speedrun_weight_averages_sample_their_windows_counted_back_from_the_last_step():
+    """Steps 0-1193: the two 298-step averages sample 896-1193; every 4th step back from 1193,
+    the 250-step one samples 945, 949, ..., 1193 (63 samples) and the 298-step ones 897, ...,
+    1193 (75 samples)."""
+    h = preset("speedrun")
+    averages = tg.WeightAverages(h.averages, None, h.num_iterations)
+    sampled = [[step for step in range(1194) if averages.samples_at(a, step)] for a in h.averages]
+    assert sampled == [list(range(896, 1194)), list(range(896, 1194)), list(range(945, 1194, 4)),
+                       list(range(897, 1194, 4)), list(range(897, 1194, 4))]
+    assert [len(s) for s in sampled] == [298, 298, 63, 75, 75]
+
+
+def test_speedrun_train_shards_needed():
+    """Steps per stage times each stage's tokens per rank, 8 ranks, 1.5 times that for the
+    documents' cut tails, in shards of 100M tokens: 486,604,800 tokens -> 5 shards."""
+    tokens = 320 * 16_384 + 361 * 32_768 + 426 * 49_152 + 68 * 32_768 + 19 * 16_384
+    assert tokens == 40_550_400 and tokens * 8 * 1.5 == 486_604_800
+    assert tg.train_shards_needed(preset("speedrun")) == 5
+    tokens = 423 * 16_384 + 424 * 32_768 + (423 + 15) * 49_152      # record 89: 508,231,680 -> 6
+    assert tokens * 8 * 1.5 == 508_231_680 and tg.train_shards_needed(preset("record89")) == 6
+
+
+# ---------------------------------------------------------------------------------------------
+# What the Trainer's advance_to writes
+# ---------------------------------------------------------------------------------------------
+
+# A tiny model with the n-gram table and sparse value embeddings, 10 steps in two stages
+# (multipliers 1 and 2), a cooldown from step 6 to the floor 0.3 at step 9, momentum 0.85 -> 0.95
+# over 4 steps and back over the last 3, mu 0.85 -> 0.93 over 2 steps and back over the last
+# 2.5, blending from step 5, rails of betas 0.8 and 0.9, the tables' late phase from step 3.
+SCHEDULED = [
+    "--num_layers=3", "--model_dim=64", "--num_heads=2", "--head_dim=32", "--mlp_hidden=128",
+    "--long_window_layers=[2]", "--attention_free_layers=[1]", "--num_value_embeds=1", "--narrow_qk_layers=[]",
+    "--bigram_rows=1024", "--val_long_window=4", "--batch_ranks=1", "--num_iterations=10",
+    '--stages=[{"end":0.5,"tokens_per_rank":512,"max_doc_len":256,"short_window":1,"long_window":2},'
+    '{"end":1.0,"tokens_per_rank":512,"max_doc_len":512,"short_window":1,"long_window":3,"lr_mult":2.0}]',
+    "--cooldown_start=0.6", "--cooldown_end=0.9", "--cooldown_floor=0.3",
+    "--momentum_warmup_steps=4", "--momentum_cooldown_steps=3",
+    "--anvil_mu_rise=0.2", "--anvil_mu_fall=0.25", "--anvil_blend_start=0.5", "--anvil_blend=0.4",
+    "--ngram_rows=2048", "--smear_gate=true", "--value_embed_sparse=true",
+    "--ngram_lr=0.05", "--ngram_beta2=0.9", "--ngram_late_step=3", "--ngram_late_beta2=0.81",
+    "--ngram_step_every=2", "--ngram_late_step_every=4", "--anvil_fast_beta=0.8", "--anvil_slow_beta=0.9",
+    "--value_embed_lr=0.03", "--value_embed_betas=[0.8,0.8]", "--value_embed_late_beta2=0.64",
+]
+# step: (lr multiplier, momentum, mu, blend), from the definitions
+ADVANCED = {
+    0: (1.0, 0.85, 0.85, 1.0),
+    1: (1.0, 0.875, 0.89, 1.0),
+    2: (1.0, 0.90, 0.93, 1.0),
+    3: (1.0, 0.925, 0.93, 1.0),
+    4: (1.0, 0.95, 0.93, 1.0),
+    5: (2.0, 0.95, 0.93, 0.4),
+    6: (2.0, 0.95, 0.93, 0.4),
+    7: (2.0 - 1.7 / 3, 0.95, 0.93, 0.4),
+    8: (2.0 - 1.7 * 2 / 3, 0.85 + 0.1 * 2 / 3, 0.85 + 0.08 * 0.8, 0.4),
+    9: (0.3, 0.85 + 0.1 / 3, 0.85 + 0.08 * 0.4, 0.4),
+    10: (0.3, 0.85, 0.85, 0.4),
+}
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    h = preset("cpu", *SCHEDULED)
+    return tg.Trainer(h, tg.Dist(0, 1, 0, torch.device("cpu")), tg.RunLog("unused", active=False))
+
+
+def test_advance_to_writes_every_groups_lr_and_the_muon_momenta(trainer):
+    h = trainer.h
+    adam, muon = trainer.optimizers
+    assert isinstance(adam, optim.Adam) and isinstance(muon, optim.Muon)
+    initial = {g["name"]: g["initial_lr"] for opt in trainer.optimizers for g in opt.param_groups}
+    # (no bigram beside the n-gram table, and the sparse value embeddings are SparseRowAdam's)
+    assert initial == {"embed": h.embed_lr, "lm_head": h.head_lr, "scalars": h.scalar_lr, "gates": h.gate_lr,
+                       "smear_gate": h.smear_gate_lr, "matrices": h.matrix_lr, "mlp_down": h.matrix_lr,
+                       "qkv": h.matrix_lr}
+    scale = {g["name"]: g["lr_scale"] for g in muon.param_groups}
+    assert scale == {"matrices": 1.0, "mlp_down": 2.0, "qkv": 1.0}, "the MLP output matrices move twice as far"
+    downs = next(g for g in muon.param_groups if g["name"] == "mlp_down")["params"]
+    assert len(downs) == 3 and all(any(p is b.mlp.down for b in trainer.model.blocks) for p in downs)
+    assert {(g["fast_beta"], g["slow_beta"]) for g in muon.param_groups} == {(0.8, 0.9)}
+    for step in (9, 0, 1, 2, 3, 4, 5, 6, 7, 8, 10):          # in any order
+        trainer.advance_to(step, final_validation=step == 10)
+        lr, momentum, mu, blend = ADVANCED[step]
+        for opt in trainer.optimizers:
+            for group in opt.param_groups:
+                assert group["lr"] == pytest.approx(group["initial_lr"] * lr), (step, group["name"])
+        for group in muon.param_groups:
+            assert (group["momentum"], group["mu"], group["blend"]) == pytest.approx((momentum, mu, blend)), step
+        assert trainer.ngram_adam.lr == pytest.approx(0.05 * lr)
+        assert [adam.lr for adam in trainer.value_adams] == pytest.approx([0.03 * lr])
+        assert trainer.model.tied == (step < 6), "the head unties at int(2/3 * 10) = 6"
+
+
+def test_advance_to_starts_the_tables_late_phase_at_ngram_late_step(trainer):
+    """Before step 3: beta2 0.9 (the table) and 0.8 (value embeddings), an update every 2nd step;
+    from step 3 on: 0.81 and 0.64, an update every 4th step. ngram_late_step = 0: never."""
+    for step in (5, 0, 2, 3, 4, 10, 1):
+        trainer.advance_to(step)
+        late = step >= 3
+        assert trainer.sparse_step_every == (4 if late else 2), step
+        assert trainer.ngram_adam.beta2 == (0.81 if late else 0.9), step
+        assert [adam.beta2 for adam in trainer.value_adams] == [0.64 if late else 0.8], step
+    trainer.h.ngram_late_step = 0
+    try:
+        trainer.advance_to(9)
+        assert (trainer.sparse_step_every, trainer.ngram_adam.beta2, trainer.value_adams[0].beta2) == (2, 0.9, 0.8)
+    finally:
+        trainer.h.ngram_late_step = 3
