@@ -1,0 +1,502 @@
+"""The model and its objective stated a second time, apart from train_gpt: plain torch in float64.
+
+Nothing here calls train_gpt's or kernels' functions or modules. The statement reads the
+model's parameters by their state-dict names and its config's fields, and restates everything
+else from the definitions, with the published constants written as literals: the n-gram hashes,
+the sign table, RoPE with YaRN, attention over documents and windows (narrow, paired, offset
+keys, XSA, gates, composed maps), the MLPs, the U-net and dense trunks, the softcap, the
+multi-token, prefix and sampled-softmax objective, the canonical mask, and the loader's targets.
+
+The tests compare it with train_gpt.GPT (tests/test_model_statement.py); a wiring change in
+either shows up as a difference far above the rounding both make.
+"""
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+VOCAB = 50304                      # GPT-2's 50,257 ids padded to a multiple of 128
+BOS = 50256                        # <|endoftext|>: every document starts with it
+SOFTCAP, SOFTCAP_SHIFT, SOFTCAP_TEMP = 23.0, 5.0, 7.5   # z = 23 sigmoid((logit + 5) / 7.5)
+MASKED_LOGIT = -60.0               # a non-canonical pair's softcapped logit at validation
+SIGN_ROWS, SIGN_SEED = 8192, 1234  # the fixed +/-1 sign table and its generator's seed
+BIGRAM = (36313, 27191)            # row hash: (current, previous)
+BIGRAM_SIGN = (40351, 51349)
+TRIGRAM = (17351, 60961, 45259)    # row hash: (current, previous, the one before)
+TRIGRAM_SIGN = (29363, 47119, 13709)
+YARN_ALPHA, YARN_BETA = 1.0, 32.0  # YaRN's ramp: rotations per old window below alpha interpolate, above beta keep
+XSA_EPS = 1e-4                     # F.normalize's floor on |v|
+COMPOSED_MIX_EPS = 1e-6            # the RMS norm over heads of composed attention's input mix
+SMEAR_DIMS = 12                    # the smear gate reads a token's first 12 embedding dims
+TOKEN_GATE_INIT_SCALE = 0.1        # not read: the learned scale is a parameter (token_gates.scale)
+DENSE_SCALE = 0.1                  # the dense connections' fixed output scale
+LAST_LAYER_MIX = ("v_input", "v_snapshot", "v_residual", "input", "snapshot", "residual", "ve_lane0", "ve_lane1",
+                  "attn_residual", "attn_out", "x0", "bigram", "mlp_residual", "mlp_out")
+FINAL_MIX = ("input", "snapshot", "last_input", "value_embed", "skip_source")
+CANDIDATE_STRIDE, CANDIDATE_OFFSET_MULT, CANDIDATE_SLICES = 20011, 7919, 8191
+EPS64 = torch.finfo(torch.float64).eps
+
+
+def rms(x, eps=EPS64):
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def mlp(up, down, x):
+    return torch.relu(x @ up.T).pow(2) @ down.T
+
+
+def softcap(logits):
+    return SOFTCAP * torch.sigmoid((logits + SOFTCAP_SHIFT) / SOFTCAP_TEMP)
+
+
+# ---------------------------------------------------------------------------------------------
+# data: the loader's slice and its targets, and the sampled-softmax candidates
+
+
+def loader_slice(stream, T, max_doc_len, targets=3):
+    """(tokens (T,), targets (T, targets), cu_seqlens) of the first slice of a BOS-separated
+    stream: whole documents from its start, each cut to max_doc_len and the last to fit, at most
+    T // 16 of them, BOS-padded. Target k of the token at stream position p is stream[p + k + 1]
+    if that is at most the next document's BOS, else -1 (so the last token of a document predicts
+    the next BOS; a cut document's last kept token still predicts its true successor)."""
+    stream = np.asarray(stream)
+    starts = [p for p in range(len(stream)) if stream[p] == BOS]
+    tokens, tgts, cu, filled, d = [], [], [0], 0, 0
+    while filled < T and len(cu) - 1 < T // 16:
+        start = starts[d]
+        end = starts[d + 1] if d + 1 < len(starts) else len(stream)
+        d += 1
+        length = min(end - start, max_doc_len, T - filled)
+        for p in range(start, start + length):
+            tokens.append(int(stream[p]))
+            tgts.append([int(stream[p + k + 1]) if p + k + 1 <= end and p + k + 1 < len(stream) else -1
+                         for k in range(targets)])
+        filled += length
+        cu.append(filled)
+    while len(tokens) < T:
+        tokens.append(BOS)
+        tgts.append([-1] * targets)
+    if cu[-1] < T:
+        cu.append(T)
+    return torch.tensor(tokens), torch.tensor(tgts), torch.tensor(cu)
+
+
+def candidate_offset(step, slice_index):
+    return ((step * CANDIDATE_SLICES + slice_index) * CANDIDATE_OFFSET_MULT) % VOCAB
+
+
+def candidates(targets, count, offset):
+    """Sorted ids: every distinct target id, then the first ids of the walk
+    k -> (k * 20011 + offset) mod 50304 (k = 0, 1, ...) that are not targets, `count` in all."""
+    chosen = sorted({int(t) for t in targets.flatten().tolist() if t >= 0})
+    assert len(chosen) <= count
+    taken = set(chosen)
+    k = 0
+    while len(chosen) < count:
+        idx = (k * CANDIDATE_STRIDE + offset) % VOCAB
+        if idx not in taken:
+            taken.add(idx)
+            chosen.append(idx)
+        k += 1
+    return torch.tensor(sorted(chosen))
+
+
+def prefix_targets(next_tokens, token_bytes, ids_of_bytes):
+    """The longest proper byte prefix of each next token that is itself a token, -1 where there is
+    none or no next token."""
+    out = []
+    for t in next_tokens.tolist():
+        found = -1
+        if 0 <= t < len(token_bytes):
+            b = token_bytes[t]
+            for length in range(len(b) - 1, 0, -1):
+                if b[:length] in ids_of_bytes:
+                    found = ids_of_bytes[b[:length]]
+                    break
+        out.append(found)
+    return torch.tensor(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# the parts of a token: starts, n-gram rows, signs
+
+
+def sign_table(dim):
+    g = torch.Generator().manual_seed(SIGN_SEED)
+    return (torch.randint(0, 2, (SIGN_ROWS, dim), generator=g) * 2 - 1).double()
+
+
+def token_context(tokens):
+    """(starts, previous, two back, first two): a token starts a document at position 0 or at a
+    BOS; a start's predecessor is BOS; the first two tokens of a document have no token two back
+    (BOS instead)."""
+    T = len(tokens)
+    cur = tokens.long()
+    starts = torch.tensor([t == 0 or int(tokens[t]) == BOS for t in range(T)])
+    prev = torch.tensor([BOS if starts[t] else int(tokens[t - 1]) for t in range(T)])
+    first_two = torch.tensor([bool(starts[t]) or (t >= 1 and bool(starts[t - 1])) for t in range(T)])
+    prev2 = torch.tensor([BOS if first_two[t] else int(tokens[t - 2]) for t in range(T)])
+    return cur, starts, prev, prev2, first_two
+
+
+def ngram_rows(cfg, tokens):
+    """(bigram row, trigram row, bigram sign row, trigram sign row), each (T,), of the n-gram table
+    of cfg.ngram_rows rows: bigrams hash into the first half, whose last row takes a document's
+    first token; trigrams into the second half, whose last row takes its first two tokens."""
+    cur, starts, prev, prev2, first_two = token_context(tokens)
+    R = cfg.ngram_rows
+    half = R // 2
+    brow = torch.where(starts, half - 1, ((BIGRAM[0] * cur) ^ (BIGRAM[1] * prev)) % (half - 1))
+    trow = torch.where(first_two, R - 1,
+                       ((TRIGRAM[0] * cur) ^ (TRIGRAM[1] * prev) ^ (TRIGRAM[2] * prev2)) % (R - half - 1) + half)
+    sign_b = ((BIGRAM_SIGN[0] * cur) ^ (BIGRAM_SIGN[1] * prev)) % SIGN_ROWS
+    sign_t = ((TRIGRAM_SIGN[0] * cur) ^ (TRIGRAM_SIGN[1] * prev) ^ (TRIGRAM_SIGN[2] * prev2)) % SIGN_ROWS
+    return brow, trow, sign_b, sign_t
+
+
+def bigram_part(P, cfg, tokens, signs):
+    """The bigram embedding's (or the n-gram table's) output per token: each hashed row times its
+    sign row (the sign trick)."""
+    cur, starts, prev, prev2, first_two = token_context(tokens)
+    if cfg.ngram_rows:
+        brow, trow, sign_b, sign_t = ngram_rows(cfg, tokens)
+        table = P["ngram.table"]
+        return table[brow] * signs[sign_b] + table[trow] * signs[sign_t]
+    sign_b = ((BIGRAM_SIGN[0] * cur) ^ (BIGRAM_SIGN[1] * prev)) % SIGN_ROWS
+    rows = cfg.bigram_rows
+    row = torch.where(starts, rows - 1, ((BIGRAM[0] * cur) ^ (BIGRAM[1] * prev)) % (rows - 1))
+    return P["bigram.weight"][row] * signs[sign_b]
+
+
+def value_table_of_layer(cfg):
+    if cfg.value_embed_layers:
+        return {layer: i for i, layer in enumerate(cfg.value_embed_layers)}
+    n, k = cfg.num_layers, cfg.num_value_embeds
+    out = {i: i for i in range(k)}
+    out.update({n - k + i: i for i in range(k)})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# rotary tables
+
+
+def rotary(cfg, narrow, history, positions):
+    """(cos, sin) (positions, D/2) and the softmax scale of a layer after the long window grew
+    through `history` (tokens). Base frequencies base^(-i/(n-1)), i < n, are float32 values as the
+    model stores them: n = D/4 followed by D/4 zeros (stationary dims), or n = D/2 (narrow
+    layers, all dims rotate)."""
+    D = cfg.narrow_qk_dim if narrow else cfg.head_dim
+    n = D // 2 if narrow else D // 4
+    freq = ((1.0 / cfg.rope_base) ** torch.linspace(0, 1, n, dtype=torch.float32)).double()
+    if not narrow:
+        freq = torch.cat([freq, torch.zeros(n, dtype=torch.float64)])
+    scale = cfg.narrow_qk_attn_scale if narrow else cfg.attn_scale
+    for old, new in zip(history, history[1:]):
+        turns = old * freq / (2 * math.pi)
+        keep = ((turns - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0, 1)
+        freq = freq * (old / new + keep * (1 - old / new))
+        scale = scale * (1 + cfg.yarn_scale_growth * math.log(new / old))
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * freq[None, :]
+    return angles.cos(), angles.sin(), scale, freq == 0
+
+
+def rope(x, cos, sin):
+    """x (N, H, D): dim i and dim i + D/2 turn together by angle[position, i]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c + x2 * s, x2 * c - x1 * s], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+
+
+def masked_softmax_attention(q, k, v, visible, scale):
+    """q, k (N, H, d), v (N, H, dv), visible (N, N) bool: softmax over the visible keys."""
+    scores = torch.einsum("ihd,jhd->hij", q, k) * scale
+    weights = scores.masked_fill(~visible[None], float("-inf")).softmax(-1)
+    return torch.einsum("hij,jhd->ihd", weights, v)
+
+
+def attention_layer(P, cfg, i, x, ve, starts, doc, history, windows, gates):
+    """Layer i's attention on the normed residual x (T, dim): returns (T, dim)."""
+    a = f"blocks.{i}.attn."
+    T, H = x.shape[0], cfg.num_heads
+    narrow_qk, narrow_vo = i in cfg.narrow_qk_layers, i in cfg.narrow_vo_layers
+    dqk = cfg.narrow_qk_dim if narrow_qk else cfg.head_dim
+    dv = cfg.narrow_vo_dim if narrow_vo else cfg.head_dim
+    qkv = x @ P[a + "qkv"].T
+    dense = cfg.trunk == "dense"
+    if dense:
+        qkv = qkv * P[a + "sa_lambdas"][0]
+    q = qkv[:, :H * dqk].reshape(T, H, dqk)
+    k = qkv[:, H * dqk:2 * H * dqk].reshape(T, H, dqk)
+    v = qkv[:, 2 * H * dqk:].reshape(T, H, dv)
+    if ve is not None:
+        if "ve" in gates:
+            gate = gates["ve"]
+        else:
+            g = cfg.value_embed_gate_dim
+            inputs = torch.cat([x[:, :g // 2], ve[:, :g // 2]], -1) if cfg.value_embed_gate_reads_value else x[:, :g]
+            gate = 2 * torch.sigmoid(inputs @ P[a + "ve_gate"].T)
+        v = v + gate[:, :, None] * ve.reshape(T, H, dv)
+    if "v" in gates:
+        v = v + gates["v"].reshape(T, H, dv)
+    paired = i in cfg.paired_head_layers
+    if paired:                     # position 2t + j holds head 2h + j of token t as head h
+        def pair(t):
+            return torch.stack([t[:, 0::2], t[:, 1::2]], dim=1).reshape(2 * T, H // 2, t.shape[-1])
+        q, k, v = pair(q), pair(k), pair(v)
+        pos_doc = doc.repeat_interleave(2)
+    else:
+        pos_doc = doc
+    N = q.shape[0]
+    cos, sin, scale, stationary = rotary(cfg, narrow_qk, history, N)
+    q, k = rope(rms(q), cos, sin), rope(rms(k), cos, sin)
+    long = i in cfg.long_window_layers
+    if cfg.key_offset and long:    # a key's stationary dims come from the previous token of its document
+        still = stationary.repeat(2)
+        shifted = torch.cat([k[:1], k[:-1]])
+        k = torch.where(still[None, None, :] & ~starts[:, None, None], shifted, k)
+    window = windows[1] if long else windows[0]
+    pos = torch.arange(N)
+    visible = (pos_doc[:, None] == pos_doc[None, :]) & (pos[None, :] <= pos[:, None]) \
+        & (pos[:, None] - pos[None, :] < window)
+    y = masked_softmax_attention(q, k, v, visible, scale)
+    if i in cfg.dc_layers:         # composed: the heads' maps over the last dc_window keys, mixed per token
+        dc_visible = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None]) \
+            & (pos[:, None] - pos[None, :] < cfg.dc_window)
+        scores = torch.einsum("ihd,jhd->hij", q, k) * scale
+        maps = scores.masked_fill(~dc_visible[None], float("-inf")).softmax(-1)      # (H, T, T)
+        mix_in = rms(gates["dc_in"], COMPOSED_MIX_EPS)
+        mixed = torch.einsum("hij,ih->ij", maps, mix_in)
+        y = y + gates["dc_out"][:, :, None] * torch.einsum("ij,jhd->ihd", mixed, v)
+    if i in cfg.xsa_layers:
+        alpha = gates["xsa"] if "xsa" in gates else P[a + "xsa_alpha"]
+        unit = v / v.norm(dim=-1, keepdim=True).clamp_min(XSA_EPS)
+        y = y - torch.tanh(alpha)[..., None] * (y * unit).sum(-1, keepdim=True) * unit
+    if paired:
+        y = torch.stack([y[0::2], y[1::2]], dim=2).reshape(T, H, dv)
+    if "attn" in gates:
+        y = y * gates["attn"][:, :, None]
+    out = y.reshape(T, H * dv) @ P[a + "out"].T
+    return out * P[a + "sa_lambdas"][1] if dense else out
+
+
+def mlps(P, cfg, i, x):
+    out = mlp(P[f"blocks.{i}.mlp.up"], P[f"blocks.{i}.mlp.down"], x)
+    if i in cfg.parallel_mlp_layers:
+        out = out + mlp(P[f"blocks.{i}.parallel_mlp.up"], P[f"blocks.{i}.parallel_mlp.down"], x)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# gates
+
+
+def token_gate_layouts(cfg):
+    """Two lists of (layer, kind, width), in output order: attention layers before the split
+    feed the first MLP, the others the second; per layer: the skip's gate (dense, the skip's
+    target), XSA strengths, output gates, composed mixes (in, out), the x0 and bigram injections
+    (not the dense trunk's last layer)."""
+    out = ([], [])
+    dense, last = cfg.trunk == "dense", cfg.num_layers - 1
+    for i in range(cfg.num_layers):
+        group = out[1 if i >= cfg.token_gates_split else 0]
+        if dense and i == cfg.skip_layers[1]:
+            group.append((i, "skip", 1))
+        if i in cfg.attention_free_layers:
+            continue
+        if i in cfg.xsa_layers:
+            group.append((i, "xsa", cfg.num_heads))
+        if i in cfg.attn_gate_layers:
+            group.append((i, "attn", cfg.num_heads))
+        if i in cfg.dc_layers:
+            group.append((i, "dc_in", cfg.num_heads))
+            group.append((i, "dc_out", cfg.num_heads))
+        if not (dense and i == last):
+            group.append((i, "x0", 1))
+            group.append((i, "bigram", 1))
+    return out
+
+
+def token_gates(P, cfg, which, x):
+    hidden = F.gelu(x @ P[f"token_gates.w1.{which}"].T)
+    out = (hidden @ P[f"token_gates.w2.{which}"].T + P[f"token_gates.b2.{which}"]) * P["token_gates.scale"]
+    gates, col = {}, 0
+    for layer, kind, width in token_gate_layouts(cfg)[which]:
+        gates.setdefault(layer, {})[kind] = out[:, col:col + width]
+        col += width
+    return gates
+
+
+def dense_mix(P, which, x):
+    hidden = F.gelu(x @ P[f"dense.w1.{which}"].T)
+    out = (hidden @ P[f"dense.w2.{which}"].T + P[f"dense.b2.{which}"]) * DENSE_SCALE
+    return {name: out[:, j:j + 1] for j, name in enumerate((LAST_LAYER_MIX, FINAL_MIX)[which])}
+
+
+# ---------------------------------------------------------------------------------------------
+# the model
+
+
+def document_index(cu_seqlens, T):
+    cu = cu_seqlens.tolist()
+    doc = torch.empty(T, dtype=torch.long)
+    for d in range(len(cu) - 1):
+        doc[cu[d]:cu[d + 1]] = d
+    return doc
+
+
+def hidden_states(P, cfg, tokens, cu_seqlens, windows, history):
+    """The final normed residual (T, dim) of a packed slice; windows (short, long) in tokens,
+    history the long windows (tokens) the RoPE tables were grown through."""
+    T = len(tokens)
+    cur, starts, *_ = token_context(tokens)
+    doc = document_index(cu_seqlens, T)
+    signs = sign_table(cfg.model_dim)
+    x = P["embed.weight"][cur]
+    if cfg.smear_gate:             # x[t] + lambda sigmoid(w . x[t, :12]) x[t - 1], not at a document start
+        gate = P["smear_lambda"] * torch.sigmoid(x[:, :SMEAR_DIMS] @ P["smear_gate"][0])
+        x = x + torch.where(starts[:, None], 0.0, gate[:, None] * torch.cat([x[-1:], x[:-1]]))
+    bigram = bigram_part(P, cfg, tokens, signs)
+    tables = value_table_of_layer(cfg)
+    ves = {layer: P[f"value_embeds.{table}.weight"][cur] for layer, table in tables.items()}
+    if cfg.trunk == "dense":
+        x = dense_trunk(P, cfg, rms(x), bigram, ves, starts, doc, history, windows)
+    else:
+        x = unet_trunk(P, cfg, x, bigram, ves, starts, doc, history, windows)
+    return rms(x)
+
+
+def unet_trunk(P, cfg, embedded, bigram, ves, starts, doc, history, windows):
+    """Layer i of the second half adds its mirror n - 1 - i's output (weights skip_weights); every
+    block first mixes x <- lambdas . (x, x0). Without token gates the bigram joins the embedding
+    before the norm; with them it enters at the first gated layer and after later attention."""
+    n, gated = cfg.num_layers, cfg.token_gates
+    x0 = rms(embedded) if gated else rms(embedded + bigram)
+    x, outputs, gates = x0, {}, {}
+    first = None
+    if gated:
+        gates = token_gates(P, cfg, 0, x0)
+        first = min(layer for group in token_gate_layouts(cfg) for layer, kind, _ in group if kind == "bigram")
+    half = n // 2
+    for i in range(n):
+        if i >= n - half:
+            x = x + P["skip_weights"][i - (n - half)] * outputs[n - 1 - i]
+        if gated and i == cfg.token_gates_split:
+            gates.update(token_gates(P, cfg, 1, x))
+        g = gates.get(i, {})
+        if gated and i == first:
+            x = x + g["bigram"] * bigram
+        lam = P[f"blocks.{i}.lambdas"]
+        x = lam[0] * x + lam[1] * x0
+        if i not in cfg.attention_free_layers:
+            x = x + attention_layer(P, cfg, i, rms(x), ves.get(i), starts, doc, history, windows, g)
+            if gated:
+                x = x + g["x0"] * x0
+                if i != first:
+                    x = x + g["bigram"] * bigram
+        x = x + mlps(P, cfg, i, rms(x))
+        outputs[i] = x
+    return x
+
+
+def dense_trunk(P, cfg, x0, bigram, ves, starts, doc, history, windows):
+    """Record 89's trunk: sublayer scales per layer; layer 0's gate lets the bigram in, later
+    attention layers inject x0 and the bigram through their gates; the attention-free layer
+    skip_layers[1] adds sigmoid(skip_lambda) x gate x layer skip_layers[0]'s output; layers after
+    the snapshot layer attend from its output; the last layer's mixes and a final mix come from
+    the dense connections."""
+    n, last = cfg.num_layers, cfg.num_layers - 1
+    gates = token_gates(P, cfg, 0, x0)
+    x = x0 + gates[0]["bigram"] * bigram
+    saved = {"input": x}
+    source, target = cfg.skip_layers
+    for i in range(n):
+        if i == cfg.token_gates_split:
+            gates.update(token_gates(P, cfg, 1, x))
+        g = gates.get(i, {})
+        attn_in = saved["snapshot"] if i > cfg.snapshot_layer else x
+        if i == target:
+            x = x + torch.sigmoid(P["skip_lambda"]) * g["skip"] * saved["skip_source"]
+        has_attn = i not in cfg.attention_free_layers
+        if i < last:
+            s = P[f"blocks.{i}.scales"]
+            if has_attn:
+                y = attention_layer(P, cfg, i, rms(attn_in), ves.get(i), starts, doc, history, windows, g)
+                x = s[0] * x + s[1] * y + g["x0"] * x0
+                if i != 0:
+                    x = x + g["bigram"] * bigram
+            x = s[2] * x + s[3] * mlps(P, cfg, i, rms(x))
+        else:
+            saved["last_input"] = x
+            m = dense_mix(P, 0, x)
+            lg = dict(g)
+            lg["v"] = m["v_input"] * saved["input"] + m["v_snapshot"] * saved["snapshot"] + m["v_residual"] * x
+            if i in ves:
+                lanes = torch.cat([m["ve_lane0"], m["ve_lane1"]], -1)
+                lg["ve"] = lanes.repeat_interleave(cfg.num_heads // 2, dim=-1)
+            x = (1 + m["residual"]) * x + m["input"] * saved["input"] + m["snapshot"] * saved["snapshot"]
+            y = attention_layer(P, cfg, i, rms(attn_in), ves.get(i), starts, doc, history, windows, lg)
+            x = m["attn_residual"] * x + m["attn_out"] * y + m["x0"] * saved["input"] + m["bigram"] * bigram
+            x = m["mlp_residual"] * x + m["mlp_out"] * mlps(P, cfg, i, rms(x))
+        if i == source:
+            saved["skip_source"] = x
+        if i == cfg.snapshot_layer:
+            saved["snapshot"] = x
+    f = dense_mix(P, 1, x)
+    wide = [layer for layer in sorted(ves) if cfg.num_heads * (cfg.narrow_vo_dim if layer in cfg.narrow_vo_layers
+                                                               else cfg.head_dim) == cfg.model_dim]
+    first_ve = ves[wide[0]] if wide else 0.0
+    return (x + f["input"] * saved["input"] + f["snapshot"] * saved["snapshot"] + f["last_input"] * saved["last_input"]
+            + f["value_embed"] * first_ve + f["skip_source"] * saved["skip_source"])
+
+
+# ---------------------------------------------------------------------------------------------
+# objectives
+
+
+def head_weight(P, tied):
+    return P["embed.weight"] if tied else P["lm_head"]
+
+
+def objective(P, cfg, tokens, targets, cu_seqlens, windows, history, weights, prefix, tied=True, columns=None):
+    """(objective, next-token loss), means over the T rows. Row t's objective is
+    sum_k weights[k] (logsumexp(z) - z[target k]) over its present targets: t+1, t+2, t+3 and the
+    prefix of t+1, each counted only if it is among the softmax's columns (all, or the sampled
+    `columns`); z the softcapped logits over those columns."""
+    x = hidden_states(P, cfg, tokens, cu_seqlens, windows, history)
+    W = head_weight(P, tied)
+    all_targets = torch.cat([targets, prefix[:, None]], dim=1)
+    if columns is not None:
+        W = W[columns]
+        index = {int(c): j for j, c in enumerate(columns.tolist())}
+        all_targets = torch.tensor([[index.get(int(t), -1) if t >= 0 else -1 for t in row]
+                                    for row in all_targets.tolist()])
+    z = softcap(x @ W.T)
+    present = all_targets >= 0
+    losses = torch.where(present, torch.logsumexp(z, -1, keepdim=True) - z.gather(1, all_targets.clamp(min=0)), 0.0)
+    T = len(tokens)
+    return (losses * weights.double()).sum() / T, losses[:, 0].detach().sum() / T
+
+
+def validation_loss_sum(P, cfg, tokens, targets, cu_seqlens, windows, history, tied=True, masked_pairs=None):
+    """Summed full-vocabulary next-token loss over the rows with a target; with the canonical mask
+    the pairs (token, c) in masked_pairs get the logit -60 after the softcap."""
+    x = hidden_states(P, cfg, tokens, cu_seqlens, windows, history)
+    z = softcap(x @ head_weight(P, tied).T)
+    if masked_pairs is not None:
+        mask = torch.zeros_like(z, dtype=torch.bool)
+        for t, tok in enumerate(tokens.tolist()):
+            cols = masked_pairs.get(tok)
+            if cols is not None:
+                mask[t, cols] = True
+        z = z.masked_fill(mask, MASKED_LOGIT)
+    lse = torch.logsumexp(z, -1)
+    present = targets[:, 0] >= 0
+    picked = z.gather(1, targets[:, :1].clamp(min=0))[:, 0]
+    return torch.where(present, lse - picked, 0.0).sum()

@@ -1,0 +1,277 @@
+"""Plant plausible one-line bugs, one at a time, and check that the tests catch each.
+
+    python tests/mutation_check.py            # every mutation; prints the kill rate and the survivors
+    python tests/mutation_check.py --list     # the mutations, numbered
+    python tests/mutation_check.py 3 17       # only these
+
+Each mutation replaces one exact line fragment of train_gpt.py, optim.py or kernels.py (the
+references the trainer runs on a CPU) in a copy of the repository, then runs the test selection
+that should catch it there. A mutation is killed when that selection fails. The repository itself
+is never written. Not collected by pytest (its name does not start with test_).
+"""
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT_S = 600                    # per mutation: a hung selection counts as a kill, and says so
+
+STATEMENT = "tests/test_model_statement.py"
+MODEL = [STATEMENT, "-k", "objective_equal"]
+VALIDATION = [STATEMENT, "-k", "validation_loss"]
+TRAINER_STEP = [STATEMENT, "-k", "trainer_step"]
+SCHEDULES = ["tests/test_schedules.py"]
+OPTIM = ["tests/test_optim.py"]
+STARTS_CLOSED = ["tests/test_train.py", "-k", "start_as_the_plain_model"]
+
+
+@dataclasses.dataclass
+class Mutation:
+    path: str
+    old: str                       # must occur exactly once in the file
+    new: str
+    tests: list
+    what: str
+
+
+MUTATIONS = [
+    # the model's wiring
+    Mutation("train_gpt.py", "prefix = torch.where(targets[:, :1] >= 0, self.prefix_table[targets[:, :1].clamp(min=0)], -1)",
+             "prefix = torch.where(targets[:, 1:2] >= 0, self.prefix_table[targets[:, 1:2].clamp(min=0)], -1)",
+             MODEL, "the prefix target read from the second target's column"),
+    Mutation("train_gpt.py", "x = x + self.skip_weights[j] * skips.pop()",
+             "x = x + self.skip_weights[j] * skips.pop(0)", MODEL, "U-net skips paired first-to-first"),
+    Mutation("train_gpt.py", "x = self.lambdas[0] * x + self.lambdas[1] * x0",
+             "x = self.lambdas[1] * x + self.lambdas[0] * x0", MODEL, "the residual mix's lambdas swapped"),
+    Mutation("train_gpt.py", "return x + torch.where(doc_start[:, None], 0.0, gate * torch.roll(x, 1, dims=0))",
+             "return x + torch.where(doc_start[:, None], 0.0, gate * torch.roll(x, -1, dims=0))",
+             MODEL, "the smear gate takes the next token"),
+    Mutation("train_gpt.py", "BIGRAM_MULT_PREV = 27191", "BIGRAM_MULT_PREV = 27197", MODEL,
+             "a typo in the bigram hash"),
+    Mutation("train_gpt.py", "        % (rows - half - 1)", "        % (rows - half)", MODEL,
+             "the trigram hash reaches the reserved row"),
+    Mutation("train_gpt.py", "return torch.where(first_two, BOS_ID, torch.roll(tokens, 2)), first_two",
+             "return torch.where(first_two, BOS_ID, torch.roll(tokens, 1)), first_two", MODEL,
+             "the trigram's second token is the previous one"),
+    Mutation("train_gpt.py", "signs[trigram_sign_rows(context, is_start)[seen:]]],",
+             "signs[bigram_sign_rows(context, is_start)[seen:]]],", MODEL,
+             "the trigram channel takes the bigram's signs"),
+    Mutation("train_gpt.py", "return torch.cat([context.new_ones(1, dtype=torch.bool), context[1:] == BOS_ID])",
+             "return torch.cat([context.new_ones(1, dtype=torch.bool), context[:-1] == BOS_ID])", MODEL,
+             "a document starts after its BOS"),
+    Mutation("train_gpt.py", "return 2 * torch.sigmoid(F.linear(inputs, self.ve_gate.type_as(x)))",
+             "return torch.sigmoid(F.linear(inputs, self.ve_gate.type_as(x)))", MODEL,
+             "the value-embedding gate in (0, 1)"),
+    Mutation("train_gpt.py", "return {**{i: i for i in range(tables)}, **{n - tables + i: i for i in range(tables)}}",
+             "return {**{i: i for i in range(tables)}, **{n - tables + i - 1: i for i in range(tables)}}", MODEL,
+             "shared value embeddings one layer early"),
+    Mutation("train_gpt.py", "return y - torch.tanh(alpha).type_as(y)[..., None] * along * direction",
+             "return y + torch.tanh(alpha).type_as(y)[..., None] * along * direction", MODEL,
+             "XSA adds the own-value share"),
+    Mutation("train_gpt.py", "return x.view(T, H // 2, 2, D).transpose(1, 2).reshape(2 * T, H // 2, D)",
+             "return x.view(T, 2, H // 2, D).reshape(2 * T, H // 2, D)", MODEL,
+             "paired heads: head h with head h + H/2"),
+    Mutation("train_gpt.py", "q, k, v = (t.view(T, H, -1) for t in qkv.split(",
+             "k, q, v = (t.view(T, H, -1) for t in qkv.split(", MODEL, "queries and keys swapped"),
+    Mutation("train_gpt.py", "        if \"attn\" in gates:\n            y = y * gates[\"attn\"]",
+             "        if \"attn\" in gates:\n            y = y * 2 * gates[\"attn\"]", MODEL,
+             "the output gate doubled"),
+    Mutation("train_gpt.py", "mix_in = F.rms_norm(gates[\"dc_in\"].float(), (self.num_heads,), eps=DC_MIX_EPS)",
+             "mix_in = gates[\"dc_in\"].float()", MODEL, "composed attention's input mix not normed"),
+    Mutation("train_gpt.py", "return F.linear(F.relu(F.linear(x, self.up.type_as(x))).square(), self.down.type_as(x))",
+             "return F.linear(F.relu(F.linear(x, self.up.type_as(x))), self.down.type_as(x))", MODEL,
+             "ReLU instead of ReLU^2"),
+    Mutation("train_gpt.py", "return self.mlp(normed) + self.parallel_mlp(normed)",
+             "return self.mlp(normed) + self.mlp(normed)", MODEL, "the parallel MLP's weights unused"),
+    Mutation("train_gpt.py", "                x = x + gates[\"x0\"] * x0",
+             "                x = x + gates[\"bigram\"] * x0", MODEL, "the x0 injection through the bigram's gate"),
+    Mutation("train_gpt.py", "attn_in = saved[\"snapshot\"] if i > self.snapshot_layer else x",
+             "attn_in = saved[\"snapshot\"] if i >= self.snapshot_layer + 2 else x", MODEL,
+             "the layer after the snapshot attends from its own residual"),
+    Mutation("train_gpt.py", "x = x + torch.sigmoid(self.skip_lambda) * gates[i][\"skip\"] * saved[\"skip_source\"]",
+             "x = x + torch.sigmoid(self.skip_lambda) * saved[\"skip_source\"]", MODEL, "the dense skip ungated"),
+    Mutation("train_gpt.py", "+ final[\"last_input\"] * saved[\"last_input\"]",
+             "+ final[\"last_input\"] * saved[\"input\"]", MODEL, "the final mix reads the input twice"),
+    Mutation("train_gpt.py", "\"attn_residual\": 1.1 ** 0.5, \"attn_out\": 1.0,",
+             "\"attn_out\": 1.0, \"attn_residual\": 1.1 ** 0.5,", MODEL,
+             "the last layer's coefficients in another order"),
+    Mutation("train_gpt.py", "            if i == self.token_gates_split:\n                gates.update(self.token_gates(1, x))",
+             "            if i == self.token_gates_split + 1:\n                gates.update(self.token_gates(1, x))",
+             MODEL, "the second gate MLP reads a later residual"),
+    Mutation("train_gpt.py", "        if not (dense and layer == cfg.num_layers - 1):\n            layout += [(layer, \"x0\", 1), "
+             "(layer, \"bigram\", 1)]",
+             "        if not (dense and layer == cfg.num_layers - 1):\n            layout += [(layer, \"bigram\", 1), "
+             "(layer, \"x0\", 1)]", MODEL, "the token gates' outputs in another order"),
+    Mutation("train_gpt.py", "scale *= 1 + self.scale_growth * math.log(new / old)",
+             "scale *= 1 + self.scale_growth * math.log(new / old) / 2", MODEL, "YaRN's scale growth halved"),
+    Mutation("train_gpt.py", "return freq * (ratio + keep * (1 - ratio))", "return freq * (ratio + keep * ratio)",
+             MODEL, "YaRN's ramp inverted"),
+    Mutation("train_gpt.py", "pos = torch.searchsorted(columns, ids.clamp(min=0)).clamp(max=columns.numel() - 1)\n"
+             "    return torch.where((ids >= 0) & (columns[pos] == ids), pos, -1)",
+             "pos = torch.searchsorted(columns, ids.clamp(min=0)).clamp(max=columns.numel() - 1)\n"
+             "    return torch.where(ids >= 0, pos, -1)", MODEL, "a target outside the candidates scored anyway"),
+    Mutation("train_gpt.py", "priority = walk_position + V * (~is_target)", "priority = walk_position + V * is_target",
+             [STATEMENT, "-k", "candidates"], "candidates: negatives first"),
+    Mutation("train_gpt.py", "return kernels.softcap(logits).masked_fill(mask.flatten(1), MASKED_LOGIT)",
+             "return kernels.softcap(logits).masked_fill(mask.flatten(1), 0.0)", VALIDATION,
+             "masked pairs at 0 instead of -60"),
+    Mutation("train_gpt.py", "total += self.cross_entropy_fn(logits, targets[s:s + chunk_rows, :1], one)[0].sum()",
+             "total += self.cross_entropy_fn(logits, targets[s:s + chunk_rows, 1:2], one)[0].sum()", VALIDATION,
+             "validation scores the second target"),
+    Mutation("train_gpt.py", "ok = (p <= doc_end) & (p < stream.size)", "ok = (p < doc_end) & (p < stream.size)",
+             [STATEMENT, "-k", "loader"], "a document's last token predicts nothing"),
+    Mutation("train_gpt.py", "self.xsa_alpha = nn.Parameter(torch.zeros(cfg.num_heads)) if xsa and not cfg.token_gates else None",
+             "self.xsa_alpha = nn.Parameter(torch.full((cfg.num_heads,), 3.0)) if xsa and not cfg.token_gates else None",
+             STARTS_CLOSED, "XSA starts open"),
+    Mutation("train_gpt.py", "self.smear_lambda = nn.Parameter(torch.zeros(()))",
+             "self.smear_lambda = nn.Parameter(torch.full((), 0.5))", STARTS_CLOSED, "the smear gate starts open"),
+    # the trainer's wiring
+    Mutation("train_gpt.py", "(objective / self.accum).backward()", "objective.backward()", TRAINER_STEP,
+             "micro-batch gradients summed, not averaged"),
+    Mutation("train_gpt.py", "self.graphs.run(graph_key(self.h, step), body, s, candidate_offset(step, slice_index))",
+             "self.graphs.run(graph_key(self.h, step), body, s, candidate_offset(step, 0))", TRAINER_STEP,
+             "every micro-batch draws the same negatives"),
+    Mutation("train_gpt.py", "            grads.zero_()\n        if self.value_adams:",
+             "        if self.value_adams:", TRAINER_STEP, "the n-gram sink not cleared between micro-batches"),
+    Mutation("train_gpt.py", "mtp = [a + (b - a) * progress for a, b in zip(stage.mtp_weights, end)]",
+             "mtp = [a + (b - a) * (1 - progress) for a, b in zip(stage.mtp_weights, end)]", TRAINER_STEP + ["tests/test_schedules.py"],
+             "multi-token weights move backwards"),
+    # the schedules
+    Mutation("train_gpt.py", "return mult + (h.cooldown_floor - mult) * t", "return h.cooldown_floor + (mult - h.cooldown_floor) * t",
+             SCHEDULES, "the cooldown runs from the floor up"),
+    Mutation("train_gpt.py", "return h.anvil_mu_low + (h.anvil_mu_high - h.anvil_mu_low) * min(rise, fall)",
+             "return h.anvil_mu_low + (h.anvil_mu_high - h.anvil_mu_low) * max(rise, fall)", SCHEDULES,
+             "ANVIL's mu never falls"),
+    Mutation("train_gpt.py", "return 1.0 if step / h.num_iterations < h.anvil_blend_start else h.anvil_blend",
+             "return h.anvil_blend if step / h.num_iterations < h.anvil_blend_start else 1.0", SCHEDULES,
+             "ANVIL's blend phases swapped"),
+    Mutation("train_gpt.py", "frac = min(frac, (h.num_iterations - step) / h.momentum_cooldown_steps)",
+             "frac = min(frac, (h.num_iterations - step - 1) / h.momentum_cooldown_steps)", SCHEDULES,
+             "momentum cooldown off by one"),
+    Mutation("train_gpt.py", "    if final_validation and h.yarn_at_final_window:",
+             "    if final_validation:", SCHEDULES, "YaRN at the final window regardless of the setting"),
+    Mutation("train_gpt.py", "late = 0 < h.ngram_late_step <= step", "late = 0 < h.ngram_late_step < step",
+             SCHEDULES, "the late phase a step late"),
+    # the optimizers
+    Mutation("optim.py", "blended = torch.lerp(state[\"slow_rail\"], state[\"fast_rail\"], hyper[\"blend\"])",
+             "blended = torch.lerp(state[\"fast_rail\"], state[\"slow_rail\"], hyper[\"blend\"])", OPTIM,
+             "ANVIL's blend weights the wrong rail"),
+    Mutation("optim.py", "return torch.lerp(g, blended, hyper[\"mu\"])", "return torch.lerp(blended, g, hyper[\"mu\"])",
+             OPTIM, "Nesterov's lerp reversed"),
+    Mutation("optim.py", "return max(1.0, rows / cols) ** 0.5", "return max(1.0, cols / rows) ** 0.5", OPTIM,
+             "the shape multiplier favours wide matrices"),
+    Mutation("optim.py", "return torch.sign(a) * torch.sign(b) >= 0", "return torch.sign(a) * torch.sign(b) > 0",
+             OPTIM, "cautious decay skips zero signs"),
+    Mutation("optim.py", "(3.505298394150, -5.137358782410, 1.968325560615),",
+             "(3.505298394150, -5.137358782410, 1.968352560615),", OPTIM, "a typo in an ANVIL coefficient"),
+    Mutation("optim.py", "norm_factor=1.02,", "norm_factor=1.05,", OPTIM, "Polar Express normalized as ANVIL"),
+    Mutation("optim.py", "mean_square = update.square().mean(dim=-1 if rows >= cols else -2, keepdim=True)",
+             "mean_square = update.square().mean(dim=-2 if rows >= cols else -1, keepdim=True)", OPTIM,
+             "NorMuon equalizes the short lanes"),
+    Mutation("optim.py", "return dict(step_scale=lr / (1 - beta1 ** t), inv_sqrt_bias2=(1 - beta2 ** t) ** -0.5,",
+             "return dict(step_scale=lr / (1 - beta1 ** t), inv_sqrt_bias2=(1 - beta2 ** t) ** 0.5,", OPTIM,
+             "Adam's second-moment bias correction inverted"),
+    Mutation("optim.py", "decayed = (update * master > 0) * master", "decayed = (update * master < 0) * master",
+             OPTIM, "Adam's cautious decay on the wrong side"),
+    # a Triton kernel (the interpreter runs it against the reference path)
+    Mutation("kernels.py", "grad_x = grad_z * z * (1.0 - z / SOFTCAP) / TEMP", "grad_x = grad_z * z * (1.0 - z / SOFTCAP)",
+             ["tests/test_triton_trainer.py"], "the Triton cross-entropy's gradient misses the softcap's 1/temperature"),
+    # the kernels' references the trainer runs on a CPU
+    Mutation("kernels.py", "return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)",
+             "return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)", MODEL, "RoPE turns the other way"),
+    Mutation("kernels.py", "take_previous = stationary & ~doc_start[:, None, None]",
+             "take_previous = ~stationary & ~doc_start[:, None, None]", MODEL, "the key offset moves the rotating dims"),
+    Mutation("kernels.py", "            visible &= qi - kj < window", "            visible &= qi - kj <= window", MODEL,
+             "the attention window one key wider"),
+    Mutation("kernels.py", "& (k_pos[:, None, :] >= first[:, :, None]))",
+             "& (k_pos[:, None, :] >= first[:, :, None] - 1))", MODEL,
+             "composed attention sees the previous document's last token"),
+    Mutation("kernels.py", "return SOFTCAP * torch.sigmoid((logits.float() + SOFTCAP_SHIFT) / SOFTCAP_TEMP)",
+             "return SOFTCAP * torch.sigmoid((logits.float() - SOFTCAP_SHIFT) / SOFTCAP_TEMP)", MODEL,
+             "the softcap shifted the other way"),
+    Mutation("kernels.py", "    return (losses * weights.to(losses)).sum(dim=1), losses[:, 0].detach()",
+             "    return (losses * weights.to(losses)).sum(dim=1), losses[:, 1].detach()", MODEL,
+             "the next-token loss read from the second target"),
+    Mutation("kernels.py", "g.scatter_add_(1, columns[s:e], w * -slope)", "g.scatter_add_(1, columns[s:e], w * slope)",
+             TRAINER_STEP, "the CPU cross-entropy's gradient pushes targets down"),
+    Mutation("kernels.py", "v = moment[rows] * torch.exp(missed).float() + step.one_minus_beta2 * ((g * g).sum(1) / g.shape[1])",
+             "v = moment[rows] + step.one_minus_beta2 * ((g * g).sum(1) / g.shape[1])", OPTIM,
+             "sparse Adam forgets the missed decay"),
+]
+
+
+def repository_files():
+    """Tracked files and untracked ones git does not ignore, relative to the repository."""
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=REPO,
+                         capture_output=True, check=True, timeout=60).stdout
+    return [p for p in out.decode().split("\0") if p and os.path.isfile(os.path.join(REPO, p))]
+
+
+def copy_repository(dest):
+    for rel in repository_files():
+        os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
+        shutil.copy2(os.path.join(REPO, rel), os.path.join(dest, rel))
+
+
+def run_selection(copy, tests):
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    try:
+        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests], cwd=copy,
+                             env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return True, f"timed out after {TIMEOUT_S} s"
+    last = (res.stdout.strip().splitlines() or [""])[-1]
+    if res.returncode == 0:
+        return False, last
+    if res.returncode != 1:        # 2-5: interrupted, internal error, usage, nothing collected
+        raise SystemExit(f"mutation_check: the selection {' '.join(tests)} did not run (exit {res.returncode}): "
+                         f"{last}")
+    return True, last
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("only", nargs="*", type=int, help="numbers of the mutations to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    args = parser.parse_args()
+    chosen = [(i, m) for i, m in enumerate(MUTATIONS, 1) if not args.only or i in args.only]
+    if args.list:
+        for i, m in chosen:
+            print(f"{i:3d}  {m.path:12s} {m.what}")
+        return 0
+    survivors = []
+    with tempfile.TemporaryDirectory(prefix="mutation_check_") as copy:
+        copy_repository(copy)
+        for i, m in chosen:
+            path = os.path.join(copy, m.path)
+            with open(path) as f:
+                original = f.read()
+            if original.count(m.old) != 1:
+                raise SystemExit(f"mutation_check: mutation {i} ({m.what}): its line occurs {original.count(m.old)} "
+                                 f"times in {m.path}, not once: update the mutation")
+            with open(path, "w") as f:
+                f.write(original.replace(m.old, m.new))
+            start = time.perf_counter()
+            try:
+                killed, last = run_selection(copy, m.tests)
+            finally:
+                with open(path, "w") as f:
+                    f.write(original)
+            print(f"{i:3d} {'killed ' if killed else 'SURVIVED'} {time.perf_counter() - start:5.0f} s  "
+                  f"{m.path}: {m.what}  [{last}]", flush=True)
+            if not killed:
+                survivors.append((i, m))
+    print(f"\nkilled {len(chosen) - len(survivors)} of {len(chosen)} mutations "
+          f"({100 * (len(chosen) - len(survivors)) / len(chosen):.0f}%)")
+    for i, m in survivors:
+        print(f"survived: {i} {m.path}: {m.what}")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

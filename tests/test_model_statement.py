@@ -1,0 +1,311 @@
+"""train_gpt's model, objective and trainer step against the float64 statement in
+tests/model_statement.py.
+
+Two feature sets, each a preset narrowed in width only: the `cpu` preset's (a U-net trunk of 4
+layers with two skip pairs, the bigram embedding, a shared value-embedding table, narrow QK
+layers, full softmax) and the `speedrun` preset's 10 layers with every feature it turns on (the
+dense trunk, token gates, smear gate, n-gram table, sparse per-layer value embeddings, paired
+heads, XSA, key offset, narrow QK and VO, a parallel MLP, output gates, composed attention, the
+canonical mask at validation), here with sampled softmax too. Every parameter is first moved away
+from its initial value, so that no path hides behind a zero or a one.
+
+Tolerances. Both sides hold float64 parameters, but the model runs the softcap, the
+cross-entropy and composed attention's maps in fp32 (the kernels' references cast there), so the
+two agree to fp32 rounding, not to float64's: measured, the losses differ by ~1e-7 relative and
+each gradient by ~1e-6 of its largest entry (1e-5 for the smallest gradients, where fp32 rounding
+of larger terms cancels). The bounds are 1e-5 (losses, hidden states) and 1e-4 of the largest
+entry (gradients), with an absolute floor of 1e-9 for gradients that are all near zero. A wiring
+change moves them by far more: tests/mutation_check.py plants such changes.
+"""
+import dataclasses
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import kernels  # noqa: E402
+import model_statement as ref  # noqa: E402
+import train_gpt as tg  # noqa: E402
+from data.shards import write_shard  # noqa: E402
+from data.tokenizer import gpt2_encoding, noncanonical_pairs  # noqa: E402
+
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-4                   # of the largest entry of each gradient
+GRAD_ATOL = 1e-9
+
+# The presets' own layer lists, features and schedules; narrower, and computing in fp32 (no
+# autocast) so that float64 parameters stay float64.
+CPU_SET = ["--preset", "cpu", "--model_dim=64", "--head_dim=32", "--narrow_qk_dim=16", "--mlp_hidden=128",
+           "--bigram_rows=1024", "--compute_dtype=float32"]
+SPEEDRUN_SET = ["--preset", "speedrun", "--model_dim=96", "--head_dim=16", "--narrow_qk_dim=8", "--narrow_vo_dim=8",
+                "--mlp_hidden=128", "--ngram_rows=4096", "--dc_window=24", "--batch_ranks=1",
+                "--compute_dtype=float32", "--compile=false", "--cuda_graphs=false"]
+SETS = {"cpu": CPU_SET, "speedrun": SPEEDRUN_SET}
+T = 256                            # tokens per slice
+WINDOWS = (48, 160)                # (short, long) in tokens: both bind in a 256-token slice
+HISTORY = [128, 384, 640]          # the long windows the RoPE tables grew through (two YaRN steps)
+CANDIDATES = 2048                  # sampled-softmax columns (the speedrun set)
+
+
+@torch.no_grad()
+def away_from_init(model, seed):
+    """Every parameter moved by noise of its own scale (zeros and ones included), the n-gram
+    table filled; the gradient sinks stay zero (they only collect gradients)."""
+    g = torch.Generator().manual_seed(seed)
+    sinks = model.gradient_sinks()
+    for p in model.parameters():
+        if any(p is s for s in sinks):
+            continue
+        scale = 0.5 * p.abs().mean().item() if p.ndim >= 2 else 0.3
+        p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * (scale or 0.05))
+    if model.ngram is not None:
+        model.ngram.table.copy_(torch.randn(model.ngram.table.shape, generator=g) * 0.05)
+    return model
+
+
+@torch.no_grad()
+def in_float64(model):
+    """The model in float64, its RoPE tables recomputed there (not converted from fp32's)."""
+    model.double()
+    for rotary in (model.rotary, model.narrow_rotary):
+        if rotary is not None:
+            windows, rotary.windows = rotary.windows, None
+            rotary.set_windows(windows)
+    return model
+
+
+def built(name, seed=0):
+    h = tg.parse_config(SETS[name])
+    torch.manual_seed(seed)
+    fns = tg.KernelFns(kernels.attention_reference, kernels.softcap_cross_entropy_reference)
+    model = in_float64(away_from_init(tg.build_model(h, fns), seed + 1))
+    model.set_windows(HISTORY)
+    return h, model
+
+
+def token_stream(seed, length=4000):
+    """A BOS-separated stream of documents of 5 to 150 tokens over a 4,000-id vocabulary."""
+    rng = np.random.default_rng(seed)
+    out, total = [], 0
+    while total < length:
+        doc = np.concatenate([[ref.BOS], rng.integers(0, 4000, int(rng.integers(5, 150)))])
+        out.append(doc)
+        total += doc.size
+    return np.concatenate(out)[:length]
+
+
+def leaves(model):
+    """The statement's inputs: every parameter and trained table, as float64 leaves."""
+    out = {name: p.detach().clone().requires_grad_(True) for name, p in model.named_parameters()}
+    if model.ngram is not None:
+        out["ngram.table"] = model.ngram.table.detach().clone().requires_grad_(True)
+    for i, ve in enumerate(model.value_embeds):   # sparse value embeddings: no requires_grad on the model
+        out[f"value_embeds.{i}.weight"] = ve.weight.detach().clone().requires_grad_(True)
+    return out
+
+
+def model_gradients(model, cfg, tokens):
+    """{name: gradient} of what the model trains: its parameters, and the sparse tables'
+    per-token gradients (their sinks') summed into the tables' rows."""
+    sinks = {id(s) for s in model.gradient_sinks()}
+    out = {name: p.grad for name, p in model.named_parameters() if id(p) not in sinks}
+    n = len(tokens)
+    if model.ngram is not None:
+        brow, trow, _, _ = ref.ngram_rows(cfg, tokens)
+        entries = model.ngram.sink.grad[:n]
+        out["ngram.table"] = torch.zeros_like(model.ngram.table).index_add_(0, brow, entries[:, 0]) \
+            .index_add_(0, trow, entries[:, 1])
+    if model.value_sinks is not None:
+        for i, (ve, sink) in enumerate(zip(model.value_embeds, model.value_sinks)):
+            out[f"value_embeds.{i}.weight"] = torch.zeros_like(ve.weight).index_add_(0, tokens.long(), sink.grad[:n])
+    return out
+
+
+def assert_close(name, got, want, rtol, atol=0.0):
+    assert got is not None and want is not None, f"{name}: a gradient is missing ({got is None}, {want is None})"
+    scale = want.abs().max().item()
+    err = (got.double() - want).abs().max().item()
+    assert err <= rtol * scale + atol, f"{name}: differs by {err:.3g} (largest entry {scale:.3g})"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_bytes():
+    """Each GPT-2 id's bytes, and the id of each token's bytes: the prefix targets' definition."""
+    enc = gpt2_encoding()
+    token_bytes = [enc.decode_single_token_bytes(i) for i in range(ref.BOS)]
+    return token_bytes, {b: i for i, b in enumerate(token_bytes)}
+
+
+@pytest.fixture(scope="module")
+def masked_pairs():
+    pairs = {}
+    for p, c in noncanonical_pairs().tolist():
+        pairs.setdefault(p, []).append(c)
+    return pairs
+
+
+def a_slice(seed=1, max_doc_len=96):
+    tokens, targets, cu = ref.loader_slice(token_stream(seed), T, max_doc_len)
+    return tokens, targets, cu
+
+
+# ---------------------------------------------------------------------------------------------
+# the model and its objective
+
+
+@pytest.mark.parametrize("name, tied", [("cpu", True), ("speedrun", False)])
+def test_the_model_and_its_objective_equal_their_statement(name, tied, tokenizer_bytes):
+    """Objective, next-token loss, hidden states and every trained gradient; the speedrun set
+    with sampled softmax and the head untied, the cpu set with the full softmax and the head tied."""
+    h, model = built(name)
+    if not tied:
+        model.untie()
+        with torch.no_grad():
+            model.lm_head.add_(torch.randn_like(model.lm_head) * 0.01)
+    cfg = tg.model_config(h)
+    tokens, targets, cu = a_slice()
+    weights = torch.tensor([1.0, 0.5, 0.25, 0.25])
+    columns = ref.candidates(targets, CANDIDATES, ref.candidate_offset(5, 0)) if name == "speedrun" else None
+    args = tg.AttentionArgs(cu.int(), *WINDOWS)
+    objective, next_token = model(tokens.int(), targets, args, weights, columns)
+    objective.backward()
+    hidden = model.hidden_states(tokens.int(), args)
+
+    P = leaves(model)
+    prefix = ref.prefix_targets(targets[:, 0], *tokenizer_bytes)
+    want, want_next = ref.objective(P, cfg, tokens, targets, cu, WINDOWS, HISTORY, weights, prefix, tied, columns)
+    want.backward()
+    assert abs(objective.item() - want.item()) <= LOSS_RTOL * abs(want.item())
+    assert abs(next_token.item() - want_next.item()) <= LOSS_RTOL * abs(want_next.item())
+    with torch.no_grad():
+        assert_close("hidden states", hidden, ref.hidden_states(P, cfg, tokens, cu, WINDOWS, HISTORY), LOSS_RTOL)
+    grads = model_gradients(model, cfg, tokens)
+    assert (grads["lm_head"] is None) == tied
+    for key, grad in grads.items():
+        if key == "lm_head" and tied:
+            continue
+        assert_close(key, grad, P[key].grad, GRAD_RTOL, GRAD_ATOL)
+    trained = {key for key, p in P.items() if p.grad is not None}
+    assert trained == {key for key, g in grads.items() if g is not None}, "both train the same tensors"
+
+
+@pytest.mark.parametrize("name", ["cpu", "speedrun"])
+def test_the_validation_loss_equals_its_statement(name, masked_pairs):
+    """The full-vocabulary validation sum at the final window, in eval mode: the speedrun set with
+    the canonical mask (masked pairs at -60 after the softcap), the cpu set without."""
+    h, model = built(name)
+    assert h.canonical_mask == (name == "speedrun")
+    model.eval()
+    cfg = tg.model_config(h)
+    tokens, targets, cu = a_slice(seed=2)
+    windows, history = (64, 224), HISTORY + [1024]
+    model.set_windows(history)
+    got = model.validation_loss_sum(tokens.int(), targets, tg.AttentionArgs(cu.int(), *windows), chunk_rows=100)
+    P = leaves(model)
+    with torch.no_grad():
+        want = ref.validation_loss_sum(P, cfg, tokens, targets, cu, windows, history,
+                                       masked_pairs=masked_pairs if h.canonical_mask else None)
+        plain = ref.validation_loss_sum(P, cfg, tokens, targets, cu, windows, history)
+    assert abs(got.item() - want.item()) <= LOSS_RTOL * abs(want.item())
+    if h.canonical_mask:
+        assert plain.item() - want.item() > 1e-3, "the mask takes probability from pairs the slice never has"
+
+
+# ---------------------------------------------------------------------------------------------
+# the objective's inputs: the loader's targets and the candidates
+
+
+def test_the_loaders_slice_and_targets_equal_their_statement(tmp_path):
+    """The first slice of a shard: whole documents cut at max_doc_len, the last cut to fit, and
+    targets t+1, t+2, t+3 that stop at each document's end (its next BOS)."""
+    stream = token_stream(3, 20_000)
+    write_shard(tmp_path / "s_000000.bin", stream)
+    for T_, max_doc_len in ((256, 96), (512, 40), (64, 1000)):
+        loader = tg.TrainLoader([str(tmp_path / "s_000000.bin")], T_)
+        got = loader.next_batch(T_, max_doc_len, 1, [0])[0]
+        tokens, targets, cu = ref.loader_slice(stream, T_, max_doc_len)
+        assert torch.equal(got.tokens.long(), tokens) and torch.equal(got.targets, targets)
+        real = got.cu_seqlens.tolist()
+        assert real[:len(cu)] == cu.tolist() and set(real[len(cu):]) <= {T_}
+
+
+@pytest.mark.parametrize("count", [900, 2048, 50304])
+def test_candidates_equal_their_statement(count):
+    tokens, targets, cu = a_slice()
+    for step, slice_index in ((0, 0), (7, 3), (1193, 7)):
+        offset = ref.candidate_offset(step, slice_index)
+        assert tg.candidate_offset(step, slice_index) == offset
+        got = tg.candidate_columns(targets, count, torch.tensor(offset))
+        assert torch.equal(got, ref.candidates(targets, count, offset))
+
+
+def test_the_prefix_targets_equal_their_statement(tokenizer_bytes):
+    """The model's prefix table on every id (the longest proper byte prefix that is a token)."""
+    _, model = built("cpu")
+    ids = torch.arange(ref.BOS)
+    assert torch.equal(model.prefix_table[ids], ref.prefix_targets(ids, *tokenizer_bytes))
+
+
+# ---------------------------------------------------------------------------------------------
+# a trainer step
+
+
+SMALL_STAGES = ('--stages=[{"end":0.5,"tokens_per_rank":128,"max_doc_len":96,"short_window":1,"long_window":1,'
+                '"mtp_weights":[1,0.5,0.25],"mtp_weights_end":[1,0.5,0],"prefix_weight":0.25,"candidates":1024},'
+                '{"end":1.0,"tokens_per_rank":256,"max_doc_len":200,"short_window":1,"long_window":2,'
+                '"mtp_weights":[1,0.5],"prefix_weight":0.25,"prefix_weight_end":0,"lr_mult":1.5}]')
+
+
+def test_a_trainer_step_equals_the_statement_with_its_schedule(tmp_path, tokenizer_bytes):
+    """Trainer.forward_backward at step 3 of 8 (the second micro-batch's offsets, the first stage's
+    sampled softmax with its multi-token weights part-way along) and at step 6 (the second stage:
+    wider windows, the long window grown once, the prefix weight part-way to 0), on the speedrun
+    set with two micro-batches per step: the trainer's losses, dense gradients and the sparse
+    tables' pending gradients equal the statement's mean over the micro-batches, with the schedule
+    computed here by hand."""
+    stream = token_stream(4, 30_000)
+    write_shard(tmp_path / "t_train_000000.bin", stream)
+    h = tg.parse_config(SPEEDRUN_SET + ["--num_iterations=8", "--batch_ranks=2", SMALL_STAGES,
+                                        f"--train_files={tmp_path}/t_train_*.bin"])
+    trainer = tg.Trainer(h, tg.Dist(0, 1, 0, torch.device("cpu")), tg.RunLog("unused", active=False))
+    model = in_float64(away_from_init(trainer.model, 7))
+    cfg = tg.model_config(h)
+    # by hand: step s of 8 is in stage 0 while s / 8 < 0.5; windows in blocks of 128 tokens
+    schedule = {3: dict(T=128, doc=96, windows=(128, 128), history=[128], columns=1024,
+                        weights=[1.0, 0.5, 0.25 * (1 - 3 / 4), 0.25]),
+                6: dict(T=256, doc=200, windows=(128, 256), history=[128, 256], columns=0,
+                        weights=[1.0, 0.5, 0.0, 0.25 * (1 - 2 / 4)])}
+    loader = tg.TrainLoader([str(tmp_path / "t_train_000000.bin")], 2 * 256)
+    for step, s in schedule.items():
+        trainer.advance_to(step)
+        slices = loader.next_batch(s["T"], s["doc"], 2, [0, 1])
+        trainer.zero_grads()
+        losses = trainer.forward_backward(step, slices)
+        P = leaves(model)
+        objective, next_token = 0.0, 0.0
+        for index, piece in enumerate(slices):
+            tokens, targets, cu = piece.tokens.long(), piece.targets, piece.cu_seqlens
+            columns = (ref.candidates(targets, s["columns"], ref.candidate_offset(step, index)) if s["columns"]
+                       else None)
+            prefix = ref.prefix_targets(targets[:, 0], *tokenizer_bytes)
+            o, n = ref.objective(P, cfg, tokens, targets, cu, s["windows"], s["history"],
+                                 torch.tensor(s["weights"]), prefix, True, columns)
+            objective, next_token = objective + o / 2, next_token + n / 2
+        objective.backward()
+        assert abs(losses[1].item() - objective.item()) <= LOSS_RTOL * objective.item(), step
+        assert abs(losses[0].item() - next_token.item()) <= LOSS_RTOL * next_token.item(), step
+        sinks = {id(p) for p in model.gradient_sinks()}
+        for key, p in model.named_parameters():
+            if id(p) not in sinks and p.requires_grad and key != "lm_head":
+                assert_close(f"step {step}: {key}", p.grad, P[key].grad, GRAD_RTOL, GRAD_ATOL)
+        rows, entries = (torch.cat(parts) for parts in zip(*trainer.ngram_entries))
+        table = torch.zeros_like(model.ngram.table).index_add_(0, rows, entries.double())
+        assert_close(f"step {step}: ngram.table", table, P["ngram.table"].grad, GRAD_RTOL, GRAD_ATOL)
+        for i, pending in enumerate(trainer.value_grads):
+            assert_close(f"step {step}: value_embeds.{i}", pending.sums[:tg.PADDED_VOCAB_SIZE],
+                         P[f"value_embeds.{i}.weight"].grad, GRAD_RTOL, GRAD_ATOL)
