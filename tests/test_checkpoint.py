@@ -8,13 +8,13 @@ import json
 import os
 import re
 import struct
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
 
+from launch import cpu_env, run_distributed
 from test_failures import run_main  # noqa: F401 (a fixture)
 from test_train import (DENSE, FEATURES, NGRAM, REPO, TINY, data_args, run_trainer, synthetic_documents,
                         tiny_config, tiny_model)
@@ -117,7 +117,8 @@ def test_files_agree_with_the_safetensors_package(tmp_path):
         assert f.metadata()["note"] == "x"
     save_file(tensors, tmp_path / "theirs.safetensors", metadata={"note": "y"})
     back, metadata = tg.read_safetensors(tmp_path / "theirs.safetensors")
-    assert_identical(tensors, back) and metadata == {"note": "y"}
+    assert_identical(tensors, back)
+    assert metadata == {"note": "y"}
 
 
 def test_model_checkpoint_round_trip_is_bit_exact(tmp_path):
@@ -162,7 +163,7 @@ def test_eval_reproduces_the_logged_final_val_loss(trained):
     assert f"run {log.run_id}" in res.stdout
 
 
-def test_eval_in_process_equals_the_runs_own_value(trained):
+def test_eval_in_process_equals_the_runs_own_value(trained, cpu_only):
     path, _ = trained
     _, _, metadata = tg.load_checkpoint(path)
     with contextlib.redirect_stdout(io.StringIO()):
@@ -170,7 +171,7 @@ def test_eval_in_process_equals_the_runs_own_value(trained):
     assert abs(val_loss - metadata["val_loss"]) < 1e-6
 
 
-def test_eval_on_other_tokens_and_refused_keys(trained, tmp_path):
+def test_eval_on_other_tokens_and_refused_keys(trained, tmp_path, cpu_only):
     path, _ = trained
     write_shard(tmp_path / "other_val_000000.bin", synthetic_documents(np.random.default_rng(5), 8_000))
     with contextlib.redirect_stdout(io.StringIO()):
@@ -198,10 +199,8 @@ def split_run(tmp_path_factory):
     write_shard(d / "t_val_000000.bin", synthetic_documents(rng, 8_000))
     args = ["--preset", "cpu", *TINY, *data_args(d), *NGRAM, "--ngram_dtype=bfloat16", "--batch_ranks=2",
             f"--num_iterations={SPLIT_STEPS}", f"--log_dir={d}/logs", "--save_checkpoint=true"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(REPO, "tests", "split_checkpoint_worker.py"), str(d), str(SPLIT_CHUNK_BYTES), *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
-                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+    res = run_distributed(2, [os.path.join(REPO, "tests", "split_checkpoint_worker.py"), str(d), str(SPLIT_CHUNK_BYTES),
+                              *args], env=cpu_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     ranks = [torch.load(d / f"rank{r}.pt") for r in range(2)]
     assert [r["exit"] for r in ranks] == [0, 0]

@@ -319,6 +319,8 @@ def test_download_skips_valid_shards_and_refetches_damaged_ones(tmp_path, monkey
     (tmp_path / "fineweb_train_000002.bin").write_bytes(b"junk")
     hub = FakeHub(lambda path: write_shard(path, [7, 8, 9]))
     monkeypatch.setattr(fineweb, "hf_hub_download", hub)
+    # The fake stands in for a reachable hub: online, whatever HF_HUB_OFFLINE was at import.
+    monkeypatch.setattr(fineweb.hub_constants, "HF_HUB_OFFLINE", False)
     before = (tmp_path / "fineweb_train_000001.bin").stat().st_mtime_ns
     paths = fineweb.download(3, tmp_path)
     assert paths == [str(tmp_path / n) for n in fineweb.shard_names(3)]

@@ -12,11 +12,11 @@ import resource
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
+from launch import LineReader, cpu_env, finish
 from test_train import REPO, synthetic_documents
 
 sys.path.insert(0, REPO)
@@ -55,8 +55,9 @@ def files(d, train="ok_train", val="ok_val"):
 
 
 @pytest.fixture
-def run_main(capsys):
-    """tg.main(argv) in this process: (exit status, stderr lines); signal handlers restored after."""
+def run_main(capsys, cpu_only):
+    """tg.main(argv) in this process, which sees no GPU (the cases below are those of a CPU-only
+    machine): (exit status, stderr lines); signal handlers restored after."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGXFSZ)}
 
     def run(argv):
@@ -144,9 +145,10 @@ def test_a_log_dir_that_is_a_file(data, run_main):
 
 
 def trainer(argv, **kwargs):
+    """train_gpt.py started in a process that sees no GPU."""
     return subprocess.Popen([sys.executable, os.path.join(REPO, "train_gpt.py"), *argv], cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), **kwargs)
+                            env=cpu_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), **kwargs)
 
 
 def log_path_of(stdout):
@@ -156,17 +158,21 @@ def log_path_of(stdout):
 @pytest.mark.parametrize("signal_name, status", [("SIGINT", 130), ("SIGTERM", 143)])
 def test_a_signal_ends_the_run_with_one_line_and_the_step(data, signal_name, status):
     process = trainer(TINY + files(data) + ["--num_iterations=100000", "--log_every=1"])
-    lines = []
-    for line in process.stdout:    # wait until training runs
-        lines.append(line)
-        if line.startswith("step:2/"):
-            break
-    process.send_signal(getattr(signal, signal_name))
-    stdout, stderr = process.communicate(timeout=120)
+    stdout, stderr = LineReader(process.stdout), LineReader(process.stderr)
+    try:
+        running = stdout.wait_for(lambda line: line.startswith("step:2/"), timeout=120)   # training runs
+        assert running, "".join(stderr.lines)[-3000:]
+        process.send_signal(getattr(signal, signal_name))
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+    stdout, stderr = stdout.text(timeout=30), stderr.text(timeout=30)
     assert process.returncode == status, stderr
     err = stderr.strip().splitlines()
     assert len(err) == 1 and re.fullmatch(rf"interrupted: {signal_name} at step \d+/100000 \(log: .*\)", err[0]), err
-    log = parse_log(log_path_of("".join(lines)))
+    log = parse_log(log_path_of(stdout))
     assert log.ending == "interrupted" and re.fullmatch(rf"interrupted: {signal_name} at step \d+/100000",
                                                         log.info[-1])
 
@@ -175,14 +181,14 @@ def test_a_full_disk_mid_run_ends_with_one_line_and_a_whole_last_line(data, tmp_
     """A file-size limit stands in for a full disk: the first run measures where the log's run
     section starts, the second may write only a few lines past it."""
     done = trainer(TINY + files(data) + [f"--log_dir={tmp_path}/first"])
-    stdout, stderr = done.communicate(timeout=300)
+    stdout, stderr = finish(done, timeout=300)
     assert done.returncode == 0, stderr
     raw = open(log_path_of(stdout), "rb").read()
     run_section = raw.rindex(b"\n=== run === #")
     limit = run_section + 300
     process = trainer(TINY + files(data) + [f"--log_dir={tmp_path}/second"],
                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
-    stdout, stderr = process.communicate(timeout=300)
+    stdout, stderr = finish(process, timeout=300)
     assert process.returncode == 2, stderr
     err = stderr.strip().splitlines()
     assert len(err) == 1 and re.fullmatch(r"error: .*: writing the log failed \(File too large\): free some space "
@@ -196,7 +202,8 @@ def test_a_full_disk_mid_run_ends_with_one_line_and_a_whole_last_line(data, tmp_
 
 
 def run_command(argv, **env):
-    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120, env=dict(os.environ, **env))
+    """argv run in a process that sees no GPU: (exit status, stderr lines)."""
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120, env=cpu_env(**env))
     return done.returncode, done.stderr.strip().splitlines()
 
 
@@ -213,14 +220,33 @@ def test_download_into_a_folder_that_cannot_be_created():
     assert code == 1 and err == ["error: /proc/fineweb: No such file or directory; choose a writable --dir"], err
 
 
+PYTHON_LINES_FOR_THE_SHARD_COUNT = 10_000   # a count per step of a billion steps runs ~1e9
+
+
 def test_shards_needed_is_computed_not_counted():
+    """The shard count of a billion-step run takes a bounded number of Python lines (counted with
+    a trace function, which stops the call at the bound), not a number that grows with the steps."""
     h = tg.parse_config(["--preset", "speedrun", "--num_iterations=1000000000"])
-    start = time.perf_counter()
-    assert tg.train_shards_needed(h) > 1000
-    assert time.perf_counter() - start < 1.0
+    executed = 0
+
+    def count_lines(frame, event, arg):
+        nonlocal executed
+        if event == "line":
+            executed += 1
+            if executed > PYTHON_LINES_FOR_THE_SHARD_COUNT:
+                raise AssertionError(f"train_shards_needed ran over {PYTHON_LINES_FOR_THE_SHARD_COUNT} lines")
+        return count_lines
+
+    previous = sys.gettrace()
+    sys.settrace(count_lines)
+    try:
+        shards = tg.train_shards_needed(h)
+    finally:
+        sys.settrace(previous)
+    assert shards > 1000 and 0 < executed <= PYTHON_LINES_FOR_THE_SHARD_COUNT
 
 
-@pytest.mark.parametrize("argv, env, line", [
+@pytest.mark.parametrize("argv, env, line", [     # run.sh on a machine without a GPU (run_command)
     (["--preset=speedrun"], {}, "run.sh: the speedrun preset needs GPUs and FineWeb; this machine has none"),
     (["--preset", "1gpu"], {}, "run.sh: the 1gpu preset needs GPUs and FineWeb; this machine has none"),
     ([], {"PYTHON": "/nonexistent/python"}, "run.sh: /nonexistent/python: no such Python"),

@@ -581,7 +581,7 @@ def test_baseline_script_writes_a_valid_log_and_reproduces(tmp_path):
     tiny += ["--val_tokens=256", "--val_every=2", "--warmup_iters=1", f"--log_dir={tmp_path / 'logs'}"]
     tiny += [f"--train_files={tmp_path / 't_train_*.bin'}", f"--val_files={tmp_path / 't_val_000000.bin'}"]
     script = REPO / "records" / "track_cpu" / "baseline_adamw.py"
-    subprocess.run([sys.executable, str(script), *tiny], check=True, capture_output=True, cwd=tmp_path)
+    subprocess.run([sys.executable, str(script), *tiny], check=True, capture_output=True, cwd=tmp_path, timeout=300)
     (log_path,) = (tmp_path / "logs").iterdir()
     log = parse_log(log_path)
     verify(log)
@@ -600,6 +600,7 @@ def test_baseline_script_writes_a_valid_log_and_reproduces(tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     (rerun_path,) = set((tmp_path / "logs").iterdir()) - {log_path}

@@ -23,6 +23,7 @@ from data.shards import write_shard  # noqa: E402
 from data.tokenizer import BOS_ID, TOKENIZER_PACKAGE, gpt2_encoding, noncanonical_pairs  # noqa: E402
 from records.logfile import parse_log, verify  # noqa: E402
 from cuda_graph_emulation import CPUCapture, CPUGraph  # noqa: E402
+from launch import cpu_env, run_distributed  # noqa: E402
 
 # A model small enough for a CPU test: every feature on, tiny widths.
 TINY = [
@@ -550,16 +551,26 @@ def test_a_table_split_across_two_processes_trains_as_one(shards, tmp_path, late
     and validation loss of one process holding the whole table, up to the order of float sums
     (fp32 compute, so that the dense weights' tiny differences are not rounded to bf16). With
     `late`, the table switches to its late beta2 and updates every 2nd step from step 2. The value
-    embeddings are sparse too: every process ends with the same tables, those of one process."""
+    embeddings are sparse too: every process ends with the same tables, those of one process.
+
+    Adam's epsilon is 1e-4 here (the presets' 1e-10 would make the comparison chaotic). Adam
+    divides an update by the size of its gradient (per entry, or per row in the sparse tables),
+    so any gradient well above eps moves its weights by about lr, in the direction of its sign.
+    The two runs sum the same gradients in another order and differ by rounding (up to 1.4e-9 at
+    the first step here): with eps 1e-10 (or 1e-6) an entry whose gradient is of rounding size
+    can get +lr in one run and -lr in the other, and the difference spreads through the later
+    steps (the tables ended up to 1.5e-3 apart, over 100 times the tolerance). With eps 1e-4
+    such an entry moves by lr * 1e-9 / 1e-4, about 1e-5 of lr, and the tables agree within a
+    tenth of the tolerance, while the n-gram rows' gradients (rms mostly 1e-4 to 2e-3) still get
+    Adam-sized updates: a moved entry moves by ~lr, and a row updated from another row's
+    gradient ends ~lr off."""
     from ngram_dist_worker import train_and_validate
     steps = 4
     args = ["--preset", "cpu", *TINY, *data_args(shards), *NGRAM, f"--num_iterations={steps}", "--batch_ranks=2",
-            "--ngram_lr=0.05", "--compute_dtype=float32", *SPARSE_VALUES] + \
+            "--ngram_lr=0.05", "--compute_dtype=float32", *SPARSE_VALUES, "--adam_eps=1e-4"] + \
         (["--ngram_late_step=2", "--ngram_late_step_every=2"] if late else [])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(REPO, "tests", "ngram_dist_worker.py"), str(tmp_path), str(steps), *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    res = run_distributed(2, [os.path.join(REPO, "tests", "ngram_dist_worker.py"), str(tmp_path), str(steps), *args],
+                          env=cpu_env(OMP_NUM_THREADS="1"), timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     h = tg.parse_config(args)
@@ -746,17 +757,37 @@ def test_smear_gate_adds_a_gated_share_of_the_previous_token():
         torch.testing.assert_close(out[t], x[t] + share, rtol=0, atol=1e-12)
 
 
+@torch.no_grad()
+def live_sublayers(model, seed):
+    """The blocks' output matrices (zero at init, which makes every block the identity) and the
+    bigram table given random values, the same for every model of the same widths: whatever
+    feeds them shows in the output."""
+    g = torch.Generator().manual_seed(seed)
+    matrices = [block.mlp.down for block in model.blocks] + [block.attn.out for block in model.blocks
+                                                              if block.attn is not None] + [model.bigram.weight]
+    for matrix in matrices:
+        matrix.copy_(torch.randn(matrix.shape, generator=g) * 0.05)
+    return model
+
+
 def test_features_start_as_the_plain_model_where_they_are_gated_off():
-    """The smear gate and XSA start closed (their strengths are zero): the model computes what it
-    computes without them, from the same seed."""
+    """The smear gate and XSA start closed (their strengths are zero): with every sublayer live,
+    the model computes what it computes without them, from the same seed; opened, they change it."""
     tokens, cu = packed([90, 150])
     args = tg.AttentionArgs(cu, 128, 384)
     fns = tg.KernelFns(kernels.attention_reference, kernels.softcap_cross_entropy_reference)
-    outs = []
+    models = []
     for extra in ([], ["--smear_gate=true", "--xsa_layers=[0,2]"]):
         torch.manual_seed(0)
-        outs.append(tg.build_model(tiny_config(extra), fns).hidden_states(tokens, args))
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+        models.append(live_sublayers(tg.build_model(tiny_config(extra), fns), seed=1))
+    plain, gated = (model.hidden_states(tokens, args) for model in models)
+    torch.testing.assert_close(plain, gated, rtol=0, atol=0)
+    for strength in (models[1].smear_lambda, models[1].blocks[0].attn.xsa_alpha):
+        with torch.no_grad():
+            strength.fill_(0.5)
+        assert (models[1].hidden_states(tokens, args) - plain).abs().max() > 1e-3, "the opened feature changes it"
+        with torch.no_grad():
+            strength.zero_()
 
 
 def test_embedding_init_std_is_a_setting():
@@ -1140,12 +1171,11 @@ def test_training_steps_lower_the_loss(shards):
 
 
 def run_trainer(args, nproc=1, env_extra=None, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
-    if nproc == 1:
-        cmd = [sys.executable, os.path.join(REPO, "train_gpt.py"), *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               os.path.join(REPO, "train_gpt.py"), *args]
+    """train_gpt.py in nproc processes that see no GPU (the runs of a CPU-only machine)."""
+    env = cpu_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
+    if nproc > 1:
+        return run_distributed(nproc, [os.path.join(REPO, "train_gpt.py"), *args], env=env, timeout=timeout)
+    cmd = [sys.executable, os.path.join(REPO, "train_gpt.py"), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
@@ -1624,7 +1654,7 @@ def test_cpu_comparison_runs_resumes_and_never_overwrites(shards, tmp_path):
     tool = [sys.executable, os.path.join(REPO, "bench", "cpu_comparison.py"), "--seeds", "1", "--results", "",
             "--out", str(tmp_path / "runs")]
     variant = ["--variant", "tiny", *TINY, *data_args(shards), "--num_iterations=2"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = cpu_env(PYTHONUNBUFFERED="1")   # the tool's runs are those of a CPU-only machine
     first = subprocess.run([*tool, *variant], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert first.returncode == 0, first.stderr
     log_name, = os.listdir(tmp_path / "runs" / "tiny_seed1")
