@@ -1685,7 +1685,11 @@ def test_canonical_mask_matches_a_float64_statement():
     # a target each that is not masked (only those occur in real text), and one absent target
     targets = torch.tensor([next(i for i in range(100, 50_000, 7) if i not in m) for m in masked])
     targets[4] = -1
-    got = tg.NoncanonicalPairs().cross_entropy_sum(logits, previous, targets)
+    mask = tg.NoncanonicalPairs()
+    at_masked_logit = mask.masked_logits(logits, previous) == tg.MASKED_LOGIT
+    for row in range(len(previous)):             # exactly the listed pairs, column by column
+        assert torch.equal(torch.nonzero(at_masked_logit[row])[:, 0], torch.from_numpy(np.sort(masked[row])))
+    got = mask.cross_entropy_sum(logits, previous, targets)
     expected = 0.0
     for row, target in enumerate(targets.tolist()):
         z = kernels.SOFTCAP / (1 + np.exp(-(logits[row].double().numpy() + kernels.SOFTCAP_SHIFT)
