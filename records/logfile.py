@@ -67,7 +67,7 @@ def new_run_id():
 def cpu_model():
     """The CPU's model name from /proc/cpuinfo (the environment section's `cpu`), or "unknown"."""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
     except OSError:
         return "unknown"
@@ -232,11 +232,33 @@ def _parse_sources(raw, pos, log_path):
         pos = end + len(footer)
 
 
+def _check_source_hashes(sources, declared, log_path):
+    """Raise LogError naming the first embedded source whose bytes do not have its declared sha256."""
+    for relpath, content in sorted(sources.items()):
+        actual = hashlib.sha256(content).hexdigest()
+        if actual != declared[relpath]:
+            raise LogError(
+                f"{log_path}: embedded source {relpath} has sha256 {actual}, "
+                f"but the log declares {declared[relpath]}: the log was edited"
+            )
+
+
+def _refuse_unterminated_last_line(last, seal, log_path):
+    """A last line that matches its seal but lacks its newline was whole when written (the writer
+    writes a line and its newline at once): the file lost its final byte afterwards."""
+    m = SEALED_LINE.fullmatch(last)
+    if m and next_seal(seal, m["text"]).hex()[:SEAL_HEX_DIGITS] == m["seal"]:
+        raise LogError(f"{log_path}: the last line ({m['text'][:80]!r}) is whole and matches its seal but has no "
+                       "final newline: the file lost its last byte after it was written (an editor or a copy "
+                       "that strips final newlines); use the original log, or add the newline back")
+
+
 def _unseal(text, prefix, log_path):
     """The text lines of a version-2 log with their seals checked; (lines, cut) where cut says
     the file ends in a partial line (dropped)."""
     lines = text.split("\n")
     cut = lines[-1] != ""          # a partial last line: the write that should have ended it failed
+    last = lines[-1]
     lines = lines[:-1]
     seal = hashlib.sha256(prefix).digest()
     first_line_number = prefix.count(b"\n") + 1
@@ -248,9 +270,13 @@ def _unseal(text, prefix, log_path):
             raise LogError(f"{log_path}: line {number} has no seal ({line[:80]!r}): it was added or edited by hand")
         seal = next_seal(seal, m["text"])
         if seal.hex()[:SEAL_HEX_DIGITS] != m["seal"]:
+            where = ("here, in the first line or in a source block's header" if i == 0
+                     else "here or in an earlier line")
             raise LogError(f"{log_path}: line {number} ({m['text'][:80]!r}) does not match its seal: the log was "
-                           f"changed after it was written (here or in an earlier line)")
+                           f"changed after it was written ({where})")
         out.append(m["text"])
+    if cut:
+        _refuse_unterminated_last_line(last, seal, log_path)
     return out, cut
 
 
@@ -339,9 +365,18 @@ def _parse_run(lines, log, log_path):
                 log.ending = "error"
 
 
+def _refuse_crlf(first, path):
+    """A first line ending in a carriage return: the file's line endings were converted to CRLF."""
+    if re.fullmatch(rb"speedrun-log v\d+ run_id=\S+\r", first):
+        raise LogError(f"{path}: has CRLF (Windows) line endings: a copy converted them (git's autocrlf, an editor, "
+                       "a file transfer), which changes the sealed bytes; use the original log, or convert it back "
+                       "to LF line endings (e.g. dos2unix)")
+
+
 def parse_log(path):
-    """Parse the log at `path` into a Log; raise LogError if it is not a well-formed log or a
-    version-2 line does not match its seal. Source hashes are checked by verify(log)."""
+    """Parse the log at `path` into a Log; raise LogError if it is not a well-formed log, an embedded
+    source does not have its declared sha256 (named before the seals, which it also breaks), or a
+    version-2 line does not match its seal. verify(log) checks the hashes again and the entry script."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -349,6 +384,7 @@ def parse_log(path):
         raise LogError(f"{path}: cannot read the log ({e.strerror})") from None
     first_end = raw.find(b"\n")
     first = raw[: first_end if first_end >= 0 else len(raw)]
+    _refuse_crlf(first, path)
     m = re.fullmatch(rb"(speedrun-log v\d+) run_id=(\S+)", first)
     if m is None or m[1].decode() not in FORMAT_HEADERS:
         try:
@@ -364,6 +400,7 @@ def parse_log(path):
     sources, declared, pos = _parse_sources(raw, first_end + 1, path)
     if not sources:
         raise LogError(f"{path}: the log embeds no source files")
+    _check_source_hashes(sources, declared, path)
     try:
         text = raw[pos:].decode("utf-8")
     except UnicodeDecodeError as e:
@@ -394,13 +431,7 @@ def verify(log):
 
     Also checks that the config names its entry script and that the entry script is embedded.
     """
-    for relpath, content in sorted(log.sources.items()):
-        actual = hashlib.sha256(content).hexdigest()
-        if actual != log.declared_sha256[relpath]:
-            raise LogError(
-                f"{log.path}: embedded source {relpath} has sha256 {actual}, "
-                f"but the log declares {log.declared_sha256[relpath]}: the log was edited"
-            )
+    _check_source_hashes(log.sources, log.declared_sha256, log.path)
     entry = log.config.get("entry")
     if entry not in log.sources:
         raise LogError(f"{log.path}: the config's entry script {entry!r} is not among the embedded sources")

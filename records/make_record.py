@@ -1,7 +1,8 @@
 """Turn the logs of N runs into a record folder and update the README's table for the track.
 
     python records/make_record.py --track track_cpu --name MyChange --logs logs/a.txt logs/b.txt logs/c.txt \
-        [--baseline-logs ...] [--description "what changed"] [--date YYYY-MM-DD]
+        [--baseline-logs ...] [--description "what changed"] [--date YYYY-MM-DD] \
+        [--mixed-machines-reason "why"] [--mixed-commits-reason "why"]
 
 Every log is parsed and verified (records/logfile.py): it must be sealed (format
 version 2) with every line matching its seal, each embedded source must match
@@ -9,13 +10,26 @@ its declared sha256, every run must have finished, and the track's rules hold:
 the config names the track, the run evaluated on the track's val data (by
 fingerprint) and val_tokens, on the track's hardware; all logs come from the
 same code (the same set of (path, sha256) pairs) and the same config apart from
-the seed; no run id is already part of a record. Baseline logs must agree among
-themselves and be part of a record already (they are referenced, not copied).
+the seed; every run (and every baseline run) ran on one machine (the environment's
+`cpu` and `hostname`) and every run at one commit (`git_commit`), unless
+--mixed-machines-reason / --mixed-commits-reason says why not; no run id is
+already part of a record. Baseline logs must agree among themselves and be part
+of a record already (they are referenced, not copied). Every other record of the
+track must still be what its logs give: its statistics.json is recomputed from
+its sealed logs and compared, value for value, before any table is built from it.
 Any refusal prints one line and exits with code 2 before anything is written.
+
+The tables are rewritten in the main README (--readme) and in the track's own
+README.md where it holds the track's markers (records/README.md, "The README
+table"). Nothing is visible before every check has passed: the record folder is built in
+a hidden folder next to its destination, the README tables (and track.json, with
+--set-target-from-these-logs) in temporary files next to theirs; then the folder
+is renamed into place and each temporary file renamed over its destination.
 
 The record folder records/<track>/<date>_<name>/ holds the logs and what this
 tool computes from them: statistics.json and statistics.txt, val_loss.png and a
-README. A log is its run's snapshot (records/reproduce.py recreates the sources
+README, which names the machine (CPU model, hostname) and the commit the runs
+ran on. A log is its run's snapshot (records/reproduce.py recreates the sources
 from it). The statistics: n, mean and sample std of the final val loss, a
 one-sided one-sample t-test of H1 "mean < target", train time summaries, and
 with baseline logs one-sided Welch t-tests of H1 "record < baseline" on final
@@ -41,6 +55,7 @@ import os
 import fnmatch
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import warnings
@@ -66,6 +81,14 @@ RECORD_FILES = ("README.md", "statistics.json", "statistics.txt", PLOT_NAME)  # 
 FREE_CONFIG_KEYS = ("seed", "log_dir")  # the only config values the runs of one record may differ in
 FINGERPRINT_KEYS = ("bytes", "tokens", "header_sha256", "head_sha256", "tail_sha256")  # a data file's identity
 TRAIN_LOSS_SMOOTHING = 0.8  # EMA weight of the plotted train loss curve
+STATISTICS_FORMAT = 3  # what this tool writes; 3 adds each run's machine and commit and the reasons for mixing them
+READ_FORMATS = (2, 3)  # the statistics.json formats this tool recomputes and checks
+FORMAT_WITH_MACHINES = 3  # the first format whose statistics name each run's machine and commit
+MACHINE_KEYS = ("cpu", "hostname")  # the environment lines that name the machine a run ran on
+COMMIT_KEY = "git_commit"  # the environment line that names the commit a run ran at
+UNKNOWN = "unknown"  # a machine or commit value of a log whose environment lacks the line
+METADATA_KEYS = ("format", "track", "name", "date", "made", "description")  # statistics.json's command-line values
+REASON_KEYS = ("mixed_machines_reason", "mixed_commits_reason")  # also from the command line, format 3 on
 
 
 class RecordError(Exception):
@@ -103,21 +126,27 @@ def check_evaluation(log, track):
                           f"({', '.join(fp['path'] for fp in required)}, by size and content hashes)")
 
 
+def read_log(path):
+    """Parse and verify the log at `path`; refuse an unsealed log and an unfinished run."""
+    try:
+        log = parse_log(path)
+        verify(log)
+    except LogError as e:
+        raise RecordError(str(e)) from None
+    if not log.sealed:
+        raise RecordError(f"{path}: a version-{log.version} log is not sealed; records are made from sealed "
+                          f"logs (this repository's trainer writes them): rerun the run")
+    if not log.finished:
+        raise RecordError(f"{path}: the run {log.describe_ending()}; only finished runs make a record")
+    return log
+
+
 def load_logs(paths, track, role, required_environment=None):
-    """Parse and verify `paths`; refuse unsealed, unfinished or other tracks' runs, other hardware
-    or evaluation, and mixed code or configs."""
+    """Read `paths` (read_log); refuse other tracks' runs, other hardware or evaluation, and mixed
+    code or configs."""
     logs = []
     for path in paths:
-        try:
-            log = parse_log(path)
-            verify(log)
-        except LogError as e:
-            raise RecordError(str(e)) from None
-        if not log.sealed:
-            raise RecordError(f"{path}: a version-{log.version} log is not sealed; records are made from sealed "
-                              f"logs (this repository's trainer writes them): rerun the run")
-        if not log.finished:
-            raise RecordError(f"{path}: the run {log.describe_ending()}; only finished runs make a record")
+        log = read_log(path)
         if log.config.get("track") != track["name"]:
             raise RecordError(f"{path}: the run's config says track {log.config.get('track')!r}, not {track['name']!r}")
         check_hardware(log, required_environment or {})
@@ -155,7 +184,8 @@ def recorded_run_ids(records_dir):
     for log_path in sorted(records_dir.glob("*/*/*.txt")):
         if log_path.parent.name.startswith("."):
             continue
-        first = log_path.open("rb").readline()
+        with log_path.open("rb") as f:
+            first = f.readline()
         m = re.fullmatch(rb"speedrun-log v\d+ run_id=(\S+)\n?", first)
         if m:
             found[m[1].decode("ascii", errors="replace")] = log_path.parent
@@ -178,7 +208,7 @@ def expand_record_folders(paths, records_dir):
     for path in map(Path, paths):
         if path.is_dir():
             try:
-                runs = json.loads((path / "statistics.json").read_text())["runs"]
+                runs = json.loads((path / "statistics.json").read_text(encoding="utf-8"))["runs"]
                 expanded += [str(path / run["log"]) for run in runs]
             except (OSError, json.JSONDecodeError, KeyError, TypeError):
                 raise RecordError(f"{path}: a folder given as baseline logs must be a record folder "
@@ -201,6 +231,48 @@ def describe_code_difference(a, b):
         if a.declared_sha256.get(path) != b.declared_sha256.get(path)
     )
     return f"{a.path} and {b.path} differ in {', '.join(differing)}"
+
+
+def machine_of(log):
+    """The machine a run ran on: {cpu, hostname} from its environment."""
+    return {key: log.environment.get(key, UNKNOWN) for key in MACHINE_KEYS}
+
+
+def commit_of(log):
+    return log.environment.get(COMMIT_KEY, UNKNOWN)
+
+
+def describe_machine(machine):
+    return f"cpu {machine['cpu']!r}, hostname {machine['hostname']!r}"
+
+
+def check_one_machine(logs, baseline_logs, reason):
+    """Refuse runs, the baseline's included, from more than one machine unless `reason` says why;
+    refuse a reason where every run ran on one machine."""
+    runs = list(logs) + list(baseline_logs)
+    other = next((log for log in runs if machine_of(log) != machine_of(runs[0])), None)
+    if other is not None and not reason:
+        raise RecordError(
+            f"{runs[0].path} ran on {describe_machine(machine_of(runs[0]))}, {other.path} on "
+            f"{describe_machine(machine_of(other))}: a record's runs and its baseline's run on one machine "
+            '(--mixed-machines-reason "why" makes the record anyway and states the reason)'
+        )
+    if other is None and reason is not None:
+        raise RecordError(f"--mixed-machines-reason is given, but every run ran on "
+                          f"{describe_machine(machine_of(runs[0]))}")
+
+
+def check_one_commit(logs, reason):
+    """Refuse runs at more than one commit unless `reason` says why; refuse a reason where they ran at one."""
+    other = next((log for log in logs if commit_of(log) != commit_of(logs[0])), None)
+    if other is not None and not reason:
+        raise RecordError(
+            f"{logs[0].path} ran at {COMMIT_KEY} {commit_of(logs[0])}, {other.path} at {commit_of(other)}: "
+            'a record\'s runs run at one commit (--mixed-commits-reason "why" makes the record anyway and states '
+            "the reason)"
+        )
+    if other is None and reason is not None:
+        raise RecordError(f"--mixed-commits-reason is given, but every run ran at {COMMIT_KEY} {commit_of(logs[0])}")
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -256,20 +328,21 @@ def welch_test(record, baseline):
     }
 
 
-def run_rows(logs):
-    return [
-        {
-            "run_id": log.run_id,
-            "log": Path(log.path).name,
-            "final_val_loss": log.final["val_loss"],
-            "train_time_ms": log.final["train_time_ms"],
-            "steps": log.final["steps"],
-        }
-        for log in logs
-    ]
+def run_row(log, statistics_format):
+    """One run's line of statistics.json; from format 3 on with its machine and commit."""
+    row = {
+        "run_id": log.run_id,
+        "log": Path(log.path).name,
+        "final_val_loss": log.final["val_loss"],
+        "train_time_ms": log.final["train_time_ms"],
+        "steps": log.final["steps"],
+    }
+    if statistics_format >= FORMAT_WITH_MACHINES:
+        row |= {**machine_of(log), COMMIT_KEY: commit_of(log)}
+    return row
 
 
-def group_statistics(logs):
+def group_statistics(logs, statistics_format=STATISTICS_FORMAT):
     """Statistics of one group of runs that need no target: val loss and train time summaries."""
     losses = [log.final["val_loss"] for log in logs]
     times_ms = [float(log.final["train_time_ms"]) for log in logs]
@@ -278,14 +351,14 @@ def group_statistics(logs):
         "val_loss": val_loss_summary(losses),
         "train_time_ms": summary(times_ms),
         "train_time_s": summary([t / MS_PER_S for t in times_ms]),
-        "runs": run_rows(logs),
+        "runs": [run_row(log, statistics_format) for log in logs],
         "code": dict(sorted(logs[0].declared_sha256.items())),
     }
 
 
-def baseline_statistics(logs, baseline_logs, repo_root):
+def baseline_statistics(logs, baseline_logs, repo_root, statistics_format=STATISTICS_FORMAT):
     """The baseline group's statistics, where its logs are, and how the record compares with it."""
-    base = group_statistics(baseline_logs)
+    base = group_statistics(baseline_logs, statistics_format)
     base["logs"] = [Path(os.path.relpath(Path(log.path).resolve(), repo_root)).as_posix() for log in baseline_logs]
     record_losses = [log.final["val_loss"] for log in logs]
     record_times = [float(log.final["train_time_ms"]) for log in logs]
@@ -313,9 +386,10 @@ def decide_status(n, p_value, track, set_target, remeasured_baseline=False):
     return STATUS_RECORD, f"mean final val loss is below the target {target:.6f} with p = {p_value:.4g} < {threshold}"
 
 
-def record_statistics(logs, baseline_logs, track, set_target, repo_root, remeasured_baseline=False):
-    """Everything statistics.json holds except the names and dates."""
-    group = group_statistics(logs)
+def record_statistics(logs, baseline_logs, track, set_target, repo_root, remeasured_baseline=False,
+                      statistics_format=STATISTICS_FORMAT):
+    """Everything statistics.json holds except what the command line gives (METADATA_KEYS, REASON_KEYS)."""
+    group = group_statistics(logs, statistics_format)
     target = group["val_loss"]["mean"] if set_target else track["target_val_loss"]
     t, p = (None, None) if set_target else one_sample_test(group["val_loss"]["values"], target)
     status, reason = decide_status(len(logs), p, track, set_target, remeasured_baseline)
@@ -329,8 +403,126 @@ def record_statistics(logs, baseline_logs, track, set_target, repo_root, remeasu
         "p_value": p,
         **group,
     }
-    result["baseline"] = baseline_statistics(logs, baseline_logs, repo_root) if baseline_logs else None
+    result["baseline"] = (baseline_statistics(logs, baseline_logs, repo_root, statistics_format)
+                          if baseline_logs else None)
     return result
+
+
+# ----------------------------------------------------------------------------- checking existing records
+
+
+def read_statistics(path):
+    """A record's statistics.json, with the values needed to recompute it checked for their types."""
+    try:
+        s = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise RecordError(f"{path}: not valid JSON ({e}); restore what make_record.py wrote, or re-make the record") \
+            from None
+    except UnicodeDecodeError:
+        raise RecordError(f"{path}: not UTF-8 text; restore what make_record.py wrote, or re-make the record") from None
+    shape_error = statistics_shape_error(s)
+    if shape_error:
+        raise RecordError(f"{path}: not the statistics make_record.py writes ({shape_error})")
+    return s
+
+
+def statistics_shape_error(s):
+    """What keeps `s` from being recomputed (a missing key, a wrong type), or None."""
+    if not isinstance(s, dict):
+        return "not a JSON object"
+    if s.get("format") not in READ_FORMATS:
+        return f"format {s.get('format')!r}; this tool reads formats {', '.join(map(str, READ_FORMATS))}"
+    keys = METADATA_KEYS + ("status",) + (REASON_KEYS if s["format"] >= FORMAT_WITH_MACHINES else ())
+    missing = [key for key in keys + ("runs", "baseline") if key not in s]
+    if missing:
+        return f"no {', '.join(missing)}"
+    runs, baseline = s["runs"], s["baseline"]
+    if not isinstance(runs, list) or not runs or not all(isinstance(r, dict) and isinstance(r.get("log"), str)
+                                                          for r in runs):
+        return "runs is not a list of runs with their log files"
+    if baseline is not None and not (isinstance(baseline, dict) and isinstance(baseline.get("logs"), list)
+                                     and all(isinstance(p, str) for p in baseline["logs"])):
+        return "baseline is neither null nor a group with its logs"
+    return None
+
+
+def record_folder_logs(folder, s):
+    """The record's logs in the order its statistics list them; the folder must hold exactly those logs."""
+    listed = [run["log"] for run in s["runs"]]
+    present = sorted(p.name for p in folder.glob("*.txt") if p.name not in RECORD_FILES)
+    if sorted(listed) != present:
+        raise RecordError(f"{folder / 'statistics.json'}: lists the logs {', '.join(listed)}, but the folder holds "
+                          f"{', '.join(present) or 'none'}")
+    return [read_log(folder / name) for name in listed]
+
+
+def recomputed_statistics(folder, s, track, repo_root):
+    """What make_record.py writes for the record in `folder`, recomputed from its sealed logs (and its
+    baseline's), with the command-line values (METADATA_KEYS, REASON_KEYS) and status flags taken from `s`."""
+    statistics_format = s["format"]
+    logs = record_folder_logs(folder, s)
+    baseline_logs = [read_log(repo_root / path) for path in s["baseline"]["logs"]] if s["baseline"] else []
+    given = {key: s[key] for key in METADATA_KEYS}
+    if statistics_format >= FORMAT_WITH_MACHINES:
+        given |= {key: s[key] for key in REASON_KEYS}
+        check_one_machine(logs, baseline_logs, s["mixed_machines_reason"])
+        check_one_commit(logs, s["mixed_commits_reason"])
+    computed = record_statistics(logs, baseline_logs, track, s["status"] == STATUS_TARGET, repo_root,
+                                 s["status"] == STATUS_BASELINE, statistics_format)
+    return json.loads(json.dumps({**given, **computed}))
+
+
+def first_difference(stored, expected, where=""):
+    """Where two JSON values first differ ('val_loss.mean is 3.0, recomputed 5.68'), or None.
+    Numbers compare exactly, as json writes and reads them back (int and float apart)."""
+    if isinstance(stored, dict) and isinstance(expected, dict):
+        for key in [*expected, *(k for k in stored if k not in expected)]:
+            if key not in stored:
+                return f"{where}{key} is missing"
+            if key not in expected:
+                return f"{where}{key} is not a value make_record.py writes"
+            difference = first_difference(stored[key], expected[key], f"{where}{key}.")
+            if difference:
+                return difference
+        return None
+    if isinstance(stored, list) and isinstance(expected, list) and len(stored) == len(expected):
+        for i, (a, b) in enumerate(zip(stored, expected)):
+            difference = first_difference(a, b, f"{where.rstrip('.')}[{i}].")
+            if difference:
+                return difference
+        return None
+    if type(stored) is not type(expected) or stored != expected:
+        return f"{where.rstrip('.')} is {json.dumps(stored)}, recomputed {json.dumps(expected)}"
+    return None
+
+
+def check_record(folder, s, track, repo_root):
+    """Refuse a record whose statistics.json is not what its logs give, or that is not the track's."""
+    path = folder / "statistics.json"
+    if s["track"] != track["name"] or folder.name != f"{s['date']}_{s['name']}":
+        raise RecordError(f"{path}: names the record {s['track']}/{s['date']}_{s['name']}, but lies in "
+                          f"{folder.parent.name}/{folder.name}")
+    expected = recomputed_statistics(folder, s, track, repo_root)
+    difference = first_difference(s, expected)
+    if difference:
+        raise RecordError(f"{path}: {difference} from the record's logs (and track.json): the file is not what "
+                          "make_record.py wrote; restore it, or re-make the record")
+    if s["status"] == STATUS_TARGET and s["target_val_loss"] != track["target_val_loss"]:
+        raise RecordError(f"{path}: sets the target {s['target_val_loss']!r}, but the track's target_val_loss is "
+                          f"{track['target_val_loss']!r}")
+
+
+def checked_track_records(track_dir, track, repo_root):
+    """(folder, statistics) of every record of the track (its folders holding a statistics.json), each
+    checked against its logs (check_record)."""
+    found = []
+    for path in sorted(track_dir.glob("*/statistics.json")):
+        if path.parent.name.startswith("."):  # a folder being built, or left by a killed make_record.py
+            continue
+        s = read_statistics(path)
+        check_record(path.parent, s, track, repo_root)
+        found.append((path.parent, s))
+    return found
 
 
 # ----------------------------------------------------------------------------- writing the record
@@ -403,7 +595,10 @@ def readme_text(s, folder_rel, first_log):
     lines += ["", "## Statistics", "", "```text", statistics_text(s).rstrip("\n"), "```", ""]
     if s["baseline"]:
         lines += ["Baseline runs (referenced, not copied): " + ", ".join(f"`{p}`" for p in s["baseline"]["logs"]), ""]
-    lines += [f"![train and val loss against train time]({PLOT_NAME})", "", "## Code", ""]
+    lines += [f"![train and val loss against train time]({PLOT_NAME})", ""]
+    if s["format"] >= FORMAT_WITH_MACHINES:
+        lines += machine_lines(s)
+    lines += ["## Code", ""]
     lines += [f"Every log embeds the same {len(s['code'])} source file(s), verbatim, with these sha256 "
               f"(`records/reproduce.py` recreates them from any log):", ""]
     lines += ["| file | sha256 |", "|---|---|"] + [f"| `{p}` | `{h}` |" for p, h in s["code"].items()]
@@ -421,6 +616,26 @@ def readme_text(s, folder_rel, first_log):
         "",
     ]
     return "\n".join(lines)
+
+
+def machine_lines(s):
+    """The record README's "Machine" section: the machines (CPU model, hostname) and commits the runs
+    and the baseline's runs ran on, with the reasons given for more than one."""
+    groups = [("", s["runs"])] + ([("baseline ", s["baseline"]["runs"])] if s["baseline"] else [])
+    lines = ["## Machine", ""]
+    for what, key, reason_key in (("machine", MACHINE_KEYS, "mixed_machines_reason"),
+                                  ("commit", (COMMIT_KEY,), "mixed_commits_reason")):
+        used = {}
+        for prefix, runs in groups:
+            for run in runs:
+                used.setdefault(tuple(run[k] for k in key), []).append(prefix + run["run_id"])
+        for value, run_ids in used.items():
+            shown = f"CPU `{value[0]}`, hostname `{value[1]}`" if what == "machine" else f"`{value[0]}`"
+            runs_text = "every run" if len(used) == 1 else "runs " + ", ".join(run_ids)
+            lines.append(f"- {what}: {shown} ({runs_text})")
+        if s[reason_key]:
+            lines.append(f"- more than one {what}, because: {s[reason_key]}")
+    return lines + [""]
 
 
 def smoothed(values, weight=TRAIN_LOSS_SMOOTHING):
@@ -469,18 +684,50 @@ def write_record(folder, s, logs, baseline_logs, folder_rel):
     """Fill `folder` (empty) with the record's logs, statistics, plot and README."""
     for log in logs:
         shutil.copyfile(log.path, folder / Path(log.path).name)
-    (folder / "statistics.json").write_text(json.dumps(s, indent=2) + "\n")
-    (folder / "statistics.txt").write_text(statistics_text(s))
+    (folder / "statistics.json").write_text(json.dumps(s, indent=2) + "\n", encoding="utf-8")
+    (folder / "statistics.txt").write_text(statistics_text(s), encoding="utf-8")
     title = f"{s['track']}: {s['name']} ({s['date']})"
     write_plot(folder / PLOT_NAME, logs, baseline_logs, s["target_val_loss"], title)
-    (folder / "README.md").write_text(readme_text(s, folder_rel, Path(logs[0].path).name))
+    (folder / "README.md").write_text(readme_text(s, folder_rel, Path(logs[0].path).name), encoding="utf-8")
 
 
-def write_json_atomically(path, value):
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
+def refuse_read_only(path):
+    """Refuse to replace a file that is read-only: no write permission for its owner, or for this user."""
+    if path.exists() and (not path.stat().st_mode & stat.S_IWUSR or not os.access(path, os.W_OK)):
+        raise RecordError(f"{path} is read-only; make it writable (chmod u+w) for this tool to update it")
+
+
+def staged_file(path, text):
+    """A temporary file next to `path` holding `text` (UTF-8) with path's permission bits, for
+    os.replace(tmp, path) to put in place in one step."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o644)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return Path(tmp)
+
+
+def publish(staging, folder, files):
+    """Make the record built in `staging` (a hidden folder next to `folder`) and the {path: text} of
+    `files` visible: each text goes to a temporary file next to its path, then the folder is renamed into
+    place and each file over its destination. When anything fails before the folder's rename, the
+    staging folder and the temporary files are removed."""
+    staged = {}
+    try:
+        for path, text in files.items():
+            staged[path] = staged_file(path, text)
+        staging.rename(folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for tmp in staged.values():
+            tmp.unlink(missing_ok=True)
+        raise
+    for path, tmp in staged.items():
+        os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- the README table
@@ -488,16 +735,6 @@ def write_json_atomically(path, value):
 
 def table_markers(track):
     return f"<!-- records:{track}:start -->", f"<!-- records:{track}:end -->"
-
-
-def load_track_records(track_dir):
-    """(folder, statistics) of every record in the track that belongs in the table (status record or target)."""
-    found = []
-    for stats_path in sorted(track_dir.glob("*/statistics.json")):
-        s = json.loads(stats_path.read_text())
-        if s.get("status") in (STATUS_RECORD, STATUS_TARGET):
-            found.append((stats_path.parent, s))
-    return found
 
 
 def speedup(s, first_time):
@@ -510,9 +747,10 @@ def speedup(s, first_time):
     return first_time / s["train_time_ms"]["mean"]
 
 
-def records_table(track_dir, link_base):
-    """The markdown table of a track's records, largest speed-up first; links are relative to link_base."""
-    found = load_track_records(track_dir)
+def records_table(records, link_base):
+    """The markdown table of the (folder, statistics) `records` whose status is record or target,
+    largest speed-up first; links are relative to link_base."""
+    found = [(folder, s) for folder, s in records if s["status"] in (STATUS_RECORD, STATUS_TARGET)]
     if not found:
         return "_No records yet._"
     first_time = min(found, key=lambda item: (item[1]["date"], item[1]["made"]))[1]["train_time_ms"]["mean"]
@@ -531,21 +769,22 @@ def records_table(track_dir, link_base):
     return "\n".join(lines)
 
 
-def update_readme_table(readme, track_dir, track):
-    """Regenerate the track's table between its markers in `readme`; warn (do not fail) if they are missing."""
+def with_table(readme, records, track):
+    """The text of `readme` with the track's table between its markers rebuilt from `records`, or None
+    where the file or its markers are missing."""
     start, end = table_markers(track)
-    text = readme.read_text() if readme.is_file() else ""
+    text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
     i, j = text.find(start), text.find(end)
     if i < 0 or j < i:
-        print(
-            f"warning: {readme} has no '{start}' ... '{end}' markers; "
-            f"add both where the {track} table should go and run this tool again to fill it",
-            file=sys.stderr,
-        )
-        return False
-    table = records_table(track_dir, readme.resolve().parent)
-    readme.write_text(text[: i + len(start)] + "\n" + table + "\n" + text[j:])
-    return True
+        return None
+    table = records_table(records, readme.resolve().parent)
+    return text[: i + len(start)] + "\n" + table + "\n" + text[j:]
+
+
+def missing_markers_warning(readme, track):
+    start, end = table_markers(track)
+    return (f"warning: {readme} has no '{start}' ... '{end}' markers; "
+            f"add both where the {track} table should go and run this tool again to fill it")
 
 
 # ----------------------------------------------------------------------------- command line
@@ -576,6 +815,16 @@ def parse_args(argv):
         help="these runs re-measure the track's baseline on another machine: written with status "
         "'baseline', kept out of the README table, for records made there to pass as --baseline-logs",
     )
+    parser.add_argument(
+        "--mixed-machines-reason",
+        help="why the runs (or the baseline's runs) ran on more than one machine (cpu, hostname): without it such "
+        "logs are refused; the record's README and statistics state it",
+    )
+    parser.add_argument(
+        "--mixed-commits-reason",
+        help="why the runs ran at more than one git commit: without it such logs are refused; the record's README "
+        "and statistics state it",
+    )
     parser.add_argument("--records-dir", type=Path, default=RECORDS_DIR, help="root of the track folders")
     parser.add_argument("--readme", type=Path, default=RECORDS_DIR.parent / "README.md", help="README to update")
     return parser.parse_args(argv)
@@ -584,12 +833,30 @@ def parse_args(argv):
 def load_track(track_dir):
     path = track_dir / "track.json"
     try:
-        track = json.loads(path.read_text())
+        track = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise RecordError(f"{path}: no such track definition; is --track spelled right?") from None
     except json.JSONDecodeError as e:
         raise RecordError(f"{path}: not valid JSON ({e})") from None
     return track
+
+
+def utf8_argument(value, flag):
+    """A command-line value as text. Under a locale whose encoding is not UTF-8, Python hands the
+    non-ASCII bytes of argv over as surrogate escapes; os.fsencode gives the bytes back, read as UTF-8."""
+    if value is None:
+        return None
+    try:
+        return os.fsencode(value).decode("utf-8")
+    except UnicodeError:
+        raise RecordError(f"{flag}: not UTF-8 text") from None
+
+
+def decode_text_arguments(args):
+    """The free-text arguments (which records keep) as UTF-8 text (utf8_argument)."""
+    args.description = utf8_argument(args.description, "--description")
+    args.mixed_machines_reason = utf8_argument(args.mixed_machines_reason, "--mixed-machines-reason")
+    args.mixed_commits_reason = utf8_argument(args.mixed_commits_reason, "--mixed-commits-reason")
 
 
 def check_arguments(args, track):
@@ -619,7 +886,9 @@ def check_arguments(args, track):
 
 
 def make_record(args):
-    """Validate everything, then write the record folder, the target (if asked) and the README table."""
+    """Check everything, then make the record folder, the target (if asked) and the README tables
+    visible together (publish)."""
+    decode_text_arguments(args)
     track_dir = args.records_dir / args.track
     track = load_track(track_dir)
     check_arguments(args, track)
@@ -632,34 +901,51 @@ def make_record(args):
         raise RecordError("a run with 0 ms of training is not a run: check its num_iterations")
     baseline_paths = expand_record_folders(args.baseline_logs, args.records_dir)
     baseline_logs = load_logs(baseline_paths, track, "baseline") if baseline_paths else []
+    check_one_machine(logs, baseline_logs, args.mixed_machines_reason)
+    check_one_commit(logs, args.mixed_commits_reason)
+    repo_root = args.readme.resolve().parent
     s = {
-        "format": 2,  # 2: logs and computed files only; baseline runs referenced by path
+        "format": STATISTICS_FORMAT,
         "track": args.track,
         "name": args.name,
         "date": args.date,
         "made": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "description": args.description,
-        **record_statistics(logs, baseline_logs, track, args.set_target_from_these_logs, args.readme.resolve().parent,
+        "mixed_machines_reason": args.mixed_machines_reason,
+        "mixed_commits_reason": args.mixed_commits_reason,
+        **record_statistics(logs, baseline_logs, track, args.set_target_from_these_logs, repo_root,
                             args.remeasured_baseline),
     }
     if s["status"] == STATUS_NOT_RECORD and not args.allow_non_record:
         raise RecordError(f"not a record: {s['status_reason']} (use --allow-non-record to keep it anyway)")
 
-    staging = Path(tempfile.mkdtemp(dir=track_dir, prefix=f".{folder.name}."))
-    try:
-        folder_rel = os.path.relpath(folder, args.readme.resolve().parent)
-        write_record(staging, s, logs, baseline_logs, Path(folder_rel).as_posix())
-        staging.rename(folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    records = checked_track_records(track_dir, track, repo_root) + [(folder, s)]
+    files, notes = {}, []
+    for readme in (args.readme, track_dir / "README.md"):
+        text = with_table(readme, records, args.track)
+        if text is not None:
+            files[readme] = text
+        elif readme == args.readme:
+            notes.append(missing_markers_warning(readme, args.track))
     if args.set_target_from_these_logs:
         track["target_val_loss"] = s["target_val_loss"]
         track["target_note"] = f"mean final val loss of the {s['n']} runs of record {folder.name}"
-        write_json_atomically(track_dir / "track.json", track)
+        files[track_dir / "track.json"] = json.dumps(track, indent=2) + "\n"
+    for path in files:
+        refuse_read_only(path)
+
+    staging = Path(tempfile.mkdtemp(dir=track_dir, prefix=f".{folder.name}."))
+    try:
+        folder_rel = Path(os.path.relpath(folder, repo_root)).as_posix()
+        write_record(staging, s, logs, baseline_logs, folder_rel)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    publish(staging, folder, files)
     print(statistics_text(s), end="")
     print(f"wrote {folder}")
-    update_readme_table(args.readme, track_dir, args.track)
+    for warning in notes:
+        print(warning, file=sys.stderr)
 
 
 def main(argv=None):

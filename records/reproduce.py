@@ -1,14 +1,23 @@
 """Recreate the exact source files a log embeds, and optionally rerun them with the logged config.
 
-    python records/reproduce.py LOG [--dir OUT] [--run] [-- extra args for the training script]
+    python records/reproduce.py LOG [--dir OUT] [--run [--other-data]] [-- extra args for the training script]
 
 The log is verified first (every line must match its seal, every embedded
 source its sha256; the earliest, version-1 logs have no seals). The
 sources are written to OUT (default: reproduce_<run_id> in the system's temp
 folder; OUT must not exist or be empty) under their logged paths, and the
-logged config to OUT/config.json. The command that reruns the run is printed;
-with --run it is executed from the current directory (run this from the
-repository root, which the data paths in the config are relative to):
+logged config to OUT/config.json. Next to them go the data files the sources
+read from their own folder: an embedded source that defines
+`<NAME>_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "<file>")`
+and `<NAME>_SHA256 = "<hex>"` (data/tokenizer.py's prefix-token table and
+non-canonical pairs) gets a copy of this checkout's <file>, which must have the
+sha256 that the embedded source pins. The command that reruns the run is
+printed; with --run it is executed from the current directory (run this from the
+repository root, which the data paths in the config are relative to), after the
+data files the rerun will read (the config's train_files and val_files, or their
+--key=value overrides after `--`) are compared with the log's fingerprints of the
+files the run read: other, missing or extra files are refused unless --other-data
+is given. Nothing is written when the log or the data are refused.
 
     python OUT/<entry> --config OUT/config.json                      (world_size 1)
     python -m torch.distributed.run --standalone --nproc_per_node=N \\
@@ -16,34 +25,124 @@ repository root, which the data paths in the config are relative to):
 """
 
 import argparse
+import glob
+import hashlib
 import json
+import posixpath
+import re
 import shlex
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]  # the checkout whose data files are copied next to the sources
+sys.path.insert(0, str(REPO))
+from data.shards import ShardError, fingerprint  # noqa: E402
 from records.logfile import LogError, parse_log, verify  # noqa: E402
 
-EXIT_REFUSED = 2  # exit code when the log or the output folder is refused
+EXIT_REFUSED = 2  # exit code when the log, the data or the output folder is refused
 CONFIG_NAME = "config.json"
+DATA_PATTERN_KEYS = ("val_files", "train_files")  # config keys naming the data files a run reads (glob patterns)
+FINGERPRINT_KEYS = ("bytes", "tokens", "header_sha256", "head_sha256", "tail_sha256")  # a data file's identity
+PINNED_PATH = re.compile(  # a source's data file next to it: NAME_PATH = os.path.join(<its folder>, "file")
+    r'^(?P<name>[A-Z][A-Z0-9_]*)_PATH = os\.path\.join\(os\.path\.dirname\(os\.path\.abspath\(__file__\)\), '
+    r'"(?P<file>(?!\.\.?")[^"/\\]+)"\)$', re.M)
 
 
 def default_output_dir(run_id):
     return Path(tempfile.gettempdir()) / f"reproduce_{run_id}"
 
 
-def recreate_sources(log, out):
-    """Write the log's sources under `out` and its config to out/config.json; `out` must be absent or empty."""
+def pinned_data_files(log):
+    """{relpath: sha256} of the data files the log's sources read from their own folder and pin
+    (PINNED_PATH with a NAME_SHA256 constant of 64 hex digits in the same source)."""
+    pinned = {}
+    for relpath, content in sorted(log.sources.items()):
+        text = content.decode("utf-8", errors="replace")
+        for m in PINNED_PATH.finditer(text):
+            sha = re.search(rf'^{m["name"]}_SHA256 = "([0-9a-f]{{64}})"$', text, re.M)
+            if sha:
+                pinned[posixpath.join(posixpath.dirname(relpath), m["file"])] = sha[1]
+    return pinned
+
+
+def checkout_data_files(log, checkout=REPO):
+    """{relpath: bytes} of the pinned data files (pinned_data_files), read from `checkout`; refuses a
+    file that is missing or whose sha256 is not the pinned one."""
+    files = {}
+    for relpath, expected in pinned_data_files(log).items():
+        path = checkout / relpath
+        try:
+            content = path.read_bytes()
+        except OSError as e:
+            raise LogError(f"{path}: cannot read it ({e.strerror}); the log's sources read it (its sha256 is pinned "
+                           f"in the log's copy of {posixpath.dirname(relpath) or '.'}/): restore it") from None
+        actual = hashlib.sha256(content).hexdigest()
+        if actual != expected:
+            raise LogError(f"{path}: sha256 is {actual}, but the log's sources pin {expected}: this checkout has "
+                           f"another version of the file than the run read (the run's commit: "
+                           f"{log.environment.get('git_commit', 'unknown')})")
+        files[relpath] = content
+    return files
+
+
+def recreate_sources(log, out, data_files=None):
+    """Write the log's sources under `out`, the `data_files` {relpath: bytes} next to them and the
+    config to out/config.json; `out` must be absent or empty."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise LogError(f"{out}: exists and is not an empty folder; choose another --dir or remove it")
     out.mkdir(parents=True, exist_ok=True)
-    for relpath, content in log.sources.items():
+    for relpath, content in {**log.sources, **(data_files or {})}.items():
         dest = out / relpath
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_bytes(content)
-    (out / CONFIG_NAME).write_text(json.dumps(log.config, indent=2) + "\n")
+    (out / CONFIG_NAME).write_text(json.dumps(log.config, indent=2) + "\n", encoding="utf-8")
+
+
+def data_patterns(log, extra_args):
+    """The glob patterns of the data the rerun reads: the config's, or their last --key=value in extra_args."""
+    patterns = {key: log.config[key] for key in DATA_PATTERN_KEYS if isinstance(log.config.get(key), str)}
+    for arg in extra_args:
+        key, sep, value = arg.removeprefix("--").partition("=")
+        if arg.startswith("--") and sep and key in DATA_PATTERN_KEYS:
+            patterns[key] = value
+    return patterns
+
+
+def data_difference(log, extra_args):
+    """The first way the data the rerun would read (from the current directory) differs from what the
+    logged run read (its fingerprints), as a phrase; None when they are the same files."""
+    logged = {fp.get("path"): fp for fp in log.data}
+    patterns = data_patterns(log, extra_args)
+    read = {}
+    for key, pattern in patterns.items():
+        for path in sorted(glob.glob(pattern)):
+            read.setdefault(path, key)
+    for path in logged:
+        if path not in read:
+            where = "is not matched by the rerun's patterns" if Path(path).exists() else f"is missing in {Path.cwd()}"
+            return f"the run read {path}, which {where}"
+    for path, key in read.items():
+        if path not in logged:
+            return f"{path} matches the rerun's {key} ({patterns[key]}), but the run did not read it"
+        try:
+            now = fingerprint(path)
+        except ShardError as e:
+            return str(e)
+        changed = [k for k in FINGERPRINT_KEYS if now.get(k) != logged[path].get(k)]
+        if changed:
+            return f"{path} is not the file the run read (its {', '.join(changed)} differ from the log's fingerprint)"
+    return None
+
+
+def check_data(log, extra_args):
+    """Refuse a rerun on other data than the logged run's (data_difference)."""
+    difference = data_difference(log, extra_args)
+    if difference:
+        raise LogError(f"{log.path}: {difference}; a rerun on other data does not reproduce the run: fetch or build "
+                       "the run's data (the CPU track's: python data/tiny_corpus.py), "
+                       "or pass --other-data to run anyway")
 
 
 def rerun_command(log, out, extra_args):
@@ -71,6 +170,8 @@ def parse_args(argv):
     parser.add_argument("log", help="a run log")
     parser.add_argument("--dir", type=Path, help="output folder (default: <tmp>/reproduce_<run_id>)")
     parser.add_argument("--run", action="store_true", help="run the recreated script from the current directory")
+    parser.add_argument("--other-data", action="store_true",
+                        help="with --run: run even if the data files differ from the logged run's fingerprints")
     args = parser.parse_args(argv)
     args.extra = extra
     return args
@@ -82,15 +183,19 @@ def main(argv=None):
         log = parse_log(args.log)
         verify(log)
         out = args.dir or default_output_dir(log.run_id)
-        recreate_sources(log, out)
         command = rerun_command(log, out, args.extra)
+        if args.run and not args.other_data:
+            check_data(log, args.extra)
+        recreate_sources(log, out, checkout_data_files(log))
     except LogError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_REFUSED
     except OSError as e:
         print(f"error: {e.filename or out}: {e.strerror}; choose another --dir", file=sys.stderr)
         return EXIT_REFUSED
-    print(f"recreated {len(log.sources)} source file(s) and {CONFIG_NAME} in {out}")
+    data_files = pinned_data_files(log)
+    shipped = f", {len(data_files)} data file(s) they read ({', '.join(data_files)})" if data_files else ""
+    print(f"recreated {len(log.sources)} source file(s){shipped} and {CONFIG_NAME} in {out}")
     if not log.sealed:
         print(f"note: a version-{log.version} log has no seals: only its sources' sha256 were checked")
     if not log.finished:

@@ -6,9 +6,13 @@ Logs are written by write_log below, an independent writer of the version-2 form
 that scans for markers instead of counting bytes.
 """
 
+import ast
+import errno
 import hashlib
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +23,7 @@ from scipy import stats
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from data.shards import fingerprint  # noqa: E402
 from records import make_record, reproduce  # noqa: E402
 from records.logfile import LogError, LogWriteError, LogWriter, parse_log, verify  # noqa: E402
 
@@ -41,6 +46,7 @@ VAL_DATA = {"path": "data/x_val_000000.bin", "bytes": 2048, "tokens": 512, "head
 TRAIN_DATA = {**VAL_DATA, "path": "data/x_train_000001.bin", "head_sha256": "d" * 64}
 SHARD_MAGIC = 20240520
 SHARD_HEADER_INTS = 256
+CPU, HOSTNAME, GIT_COMMIT = "Test CPU 9000", "testhost", "0123456789abcdef0123456789abcdef01234567"
 
 
 def sha256(data):
@@ -57,9 +63,11 @@ def sealed(prefix, lines):
 
 
 def write_log(path, final_loss, train_ms, sources=SOURCES, track=TRACK, ending="final", world_size=1, gpu="none",
-              seed=0, config_changes=None, val_data=VAL_DATA, version=2):
+              seed=0, config_changes=None, val_data=VAL_DATA, version=2, cpu=CPU, hostname=HOSTNAME,
+              git_commit=GIT_COMMIT, data=None):
     """Write a log of a fake 4-step run ending at (final_loss, train_ms); return its path.
-    ending: "final", "error" or "interrupted"."""
+    ending: "final", "error" or "interrupted"; data: the data section's fingerprints (default: val_data
+    and TRAIN_DATA)."""
     run_id = Path(path).stem
     out = bytearray(f"speedrun-log v{version} run_id={run_id}\n".encode())
     for relpath in sorted(sources):
@@ -74,16 +82,18 @@ def write_log(path, final_loss, train_ms, sources=SOURCES, track=TRACK, ending="
         "cuda": "none",
         "gpu": gpu,
         "world_size": world_size,
-        "hostname": "testhost",
+        "cpu": cpu,
+        "hostname": hostname,
         "command": "python train_gpt.py --preset cpu",
-        "git_commit": "none",
+        "git_commit": git_commit,
         "started": "2026-11-30T10:00:00+00:00",
     }
     config = {"preset": "cpu", "track": track, "num_iterations": TOTAL_STEPS, "seed": seed}
     config |= {"val_tokens": VAL_TOKENS, "val_files": "data/x_val_*.bin", "entry": "train_gpt.py"}
     config |= config_changes or {}
     text = ["=== environment ===", *(f"{k}: {v}" for k, v in environment.items())]
-    text += ["=== data ===", json.dumps(val_data), json.dumps(TRAIN_DATA), "=== config ===", json.dumps(config)]
+    data = [val_data, TRAIN_DATA] if data is None else data
+    text += ["=== data ===", *map(json.dumps, data), "=== config ===", json.dumps(config)]
     text += ["=== run ==="]
     for step in range(1, TOTAL_STEPS + 1):
         ms = round(train_ms * step / TOTAL_STEPS)
@@ -216,11 +226,18 @@ def test_an_added_line_has_no_seal(tmp_path):
 
 
 def test_verify_names_the_tampered_source(tmp_path):
+    """An edited source breaks the seals too (they start from every byte before the text), but the
+    message names the source."""
     path = Path(write_log(tmp_path / "r1.txt", 3.25, 5000))
     raw = path.read_bytes()
     path.write_bytes(raw.replace(b"def train():", b"def trair():", 1))
-    with pytest.raises(LogError, match="does not match its seal"):
-        parse_log(path)            # the seal chain starts from every byte before the text
+    with pytest.raises(LogError, match=r"r1\.txt: embedded source train_gpt\.py has sha256 [0-9a-f]{64}, but the log "
+                                       r"declares [0-9a-f]{64}: the log was edited"):
+        parse_log(path)
+    path.write_bytes(raw.replace(b"run_id=r1", b"run_id=r9", 1))
+    with pytest.raises(LogError, match=r"line \d+ \('=== environment ==='\) does not match its seal: .* \(here, in "
+                                       r"the first line or in a source block's header\)"):
+        parse_log(path)
     log = parse_log(write_log(tmp_path / "r2.txt", 3.25, 5000, version=1))
     Path(log.path).write_bytes(Path(log.path).read_bytes().replace(b"def train():", b"def trair():", 1))
     with pytest.raises(LogError, match=r"r2\.txt: embedded source train_gpt\.py has sha256"):
@@ -253,6 +270,33 @@ def test_a_binary_file_is_not_echoed(tmp_path):
     path.write_bytes(bytes(range(256)) * 4)
     with pytest.raises(LogError, match=r"not a run log \(its first line is 'binary data'"):
         parse_log(path)
+
+
+def test_a_crlf_copy_is_named_as_such(tmp_path):
+    path = Path(write_log(tmp_path / "r1.txt", 3.25, 5000))
+    path.write_bytes(path.read_bytes().replace(b"\n", b"\r\n"))
+    with pytest.raises(LogError, match=r"r1\.txt: has CRLF \(Windows\) line endings: .*convert it back to LF"):
+        parse_log(path)
+
+
+def test_a_log_missing_only_its_final_newline_says_so(tmp_path):
+    """A whole, sealed last line without its newline is not a write cut short by a full disk."""
+    path = Path(write_log(tmp_path / "r1.txt", 3.25, 5000))
+    path.write_bytes(path.read_bytes()[:-1])
+    with pytest.raises(LogError, match=r"r1\.txt: the last line \('final val_loss:3\.2500 .*'\) is whole and matches "
+                                       r"its seal but has no final newline"):
+        parse_log(path)
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (REPO / ".git").exists(), reason="needs a git checkout")
+def test_git_keeps_logs_byte_exact_and_out_of_diffs():
+    done = subprocess.run(["git", "check-attr", "text", "linguist-generated", "--",
+                           "records/track_cpu/2026-12-01_X/20261201-000000-00000000.txt"],
+                          cwd=REPO, capture_output=True, text=True, timeout=30, check=True)
+    assert done.stdout.splitlines() == [
+        "records/track_cpu/2026-12-01_X/20261201-000000-00000000.txt: text: unset",
+        "records/track_cpu/2026-12-01_X/20261201-000000-00000000.txt: linguist-generated: set",
+    ]
 
 
 def test_writer_cuts_back_a_failed_write_to_the_last_whole_line(tmp_path):
@@ -320,6 +364,10 @@ def test_record_folder_statistics_plot_and_readme_table(site, capsys):
     assert s["code"] == {p: sha256(c) for p, c in sorted(SOURCES.items())}
     assert s["baseline"] is None
     assert "did a thing" in (folder / "README.md").read_text()
+    assert f"- machine: CPU `{CPU}`, hostname `{HOSTNAME}` (every run)" in (folder / "README.md").read_text()
+    assert f"- commit: `{GIT_COMMIT}` (every run)" in (folder / "README.md").read_text()
+    assert s["runs"][0] | {"cpu": CPU, "hostname": HOSTNAME, "git_commit": GIT_COMMIT} == s["runs"][0]
+    assert s["mixed_machines_reason"] is None and s["mixed_commits_reason"] is None
     assert "status           record" in (folder / "statistics.txt").read_text()
     assert (folder / "val_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     readme = (site / "README.md").read_text()
@@ -341,7 +389,7 @@ def test_tampered_log_refused(site, capsys):
     logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
     raw = Path(logs[1]).read_bytes()
     Path(logs[1]).write_bytes(raw.replace(b"SHARD_MAGIC = 2", b"SHARD_MAGIC = 3", 1))
-    assert_refused(site, capsys, "does not match its seal", "--logs", *logs)
+    assert_refused(site, capsys, "run1.txt: embedded source data/shards.py has sha256", "--logs", *logs)
 
 
 def test_edited_results_refused(site, capsys):
@@ -538,6 +586,162 @@ def test_missing_markers_warn_but_do_not_fail(site, capsys):
     assert (site / "README.md").read_text() == "# no markers\n"
 
 
+def make_first_record(site):
+    """A record 2026-11-30_First in the site; its folder."""
+    logs = write_logs(site / "first", [3.40, 3.42, 3.41], [5000, 5600, 5300], prefix="first")
+    assert run_tool(site, "--name", "First", "--date", "2026-11-30", "--logs", *logs) == 0
+    return site / "records" / TRACK / "2026-11-30_First"
+
+
+def test_another_records_invalid_statistics_refused_before_anything_is_written(site, capsys):
+    stats_path = make_first_record(site) / "statistics.json"
+    stats_path.write_text("{not json", encoding="utf-8")
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
+    assert_refused(site, capsys, f"{stats_path}: not valid JSON (", "--logs", *logs)
+
+
+def test_a_read_only_readme_refused_before_anything_is_written(site, capsys):
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
+    readme = site / "README.md"
+    readme.chmod(0o444)
+    try:
+        assert_refused(site, capsys, f"{readme} is read-only; make it writable", "--logs", *logs)
+    finally:
+        readme.chmod(0o644)
+
+
+def test_a_failed_readme_write_leaves_nothing(site, capsys, monkeypatch):
+    """The disk filling up while the new README table is written: one line, no record folder, the old README."""
+    staged_file = make_record.staged_file
+
+    def full_disk(path, text):
+        if path.name == "README.md":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return staged_file(path, text)
+
+    monkeypatch.setattr(make_record, "staged_file", full_disk)
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
+    assert_refused(site, capsys, f"{site / 'README.md'}: No space left on device", "--logs", *logs)
+
+
+def test_the_readme_table_is_replaced_in_one_step(site):
+    """The new README is a new file renamed over the old one (a reader sees the old table or the new one)
+    with the old one's permissions."""
+    readme = site / "README.md"
+    readme.chmod(0o640)
+    inode = readme.stat().st_ino
+    make_first_record(site)
+    assert readme.stat().st_ino != inode and readme.stat().st_mode & 0o777 == 0o640
+    assert "[First]" in readme.read_text()
+    assert [p.name for p in site.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_track_readme_with_the_markers_gets_the_table_too(site):
+    track_readme = site / "records" / TRACK / "README.md"
+    track_readme.write_text("# Track\n\n<!-- records:track_test:start -->\n<!-- records:track_test:end -->\n")
+    make_first_record(site)
+    assert "| [First](2026-11-30_First) |" in track_readme.read_text()
+    assert "| [First](records/track_test/2026-11-30_First) |" in (site / "README.md").read_text()
+
+
+@pytest.mark.parametrize("key, edit, message", [
+    ("val_loss", lambda s: s["val_loss"] | {"mean": 3.0}, "val_loss.mean is 3.0, recomputed 3.41"),
+    ("baseline", lambda s: s["baseline"] | {"speedup": 99}, "baseline.speedup is 99, recomputed 1.7"),
+    ("runs", lambda s: s["runs"][:2], "lists the logs first0.txt, first1.txt, but the folder holds first0.txt, "
+                                      "first1.txt, first2.txt"),
+])
+def test_an_edited_statistics_json_is_refused_naming_it(site, capsys, key, edit, message):
+    """The table is built from every record's statistics.json, recomputed from its sealed logs first."""
+    base = write_logs(site / "base", [3.43, 3.44, 3.40], [9000, 9500, 8800], prefix="base", sources=OTHER_SOURCES)
+    assert run_tool(site, "--name", "Base", "--date", "2026-11-29", "--allow-non-record", "--logs", *base) == 0
+    first = write_logs(site / "first", [3.40, 3.42, 3.41], [5000, 5600, 5300], prefix="first")
+    base_folder = site / "records" / TRACK / "2026-11-29_Base"
+    assert run_tool(site, "--name", "First", "--date", "2026-11-30", "--logs", *first, "--baseline-logs",
+                    base_folder) == 0
+    stats_path = site / "records" / TRACK / "2026-11-30_First" / "statistics.json"
+    s = json.loads(stats_path.read_text())
+    stats_path.write_text(json.dumps(s | {key: edit(s)}, indent=2) + "\n")
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
+    assert_refused(site, capsys, f"{stats_path}: {message}", "--logs", *logs)
+
+
+def test_the_cpu_records_are_what_their_logs_give():
+    """Every record of records/track_cpu recomputes exactly (as json writes the numbers) from its logs,
+    and the main README's table is the one they give."""
+    track_dir = REPO / "records" / "track_cpu"
+    track = json.loads((track_dir / "track.json").read_text())
+    records = make_record.checked_track_records(track_dir, track, REPO)
+    assert len(records) >= 8
+    assert make_record.with_table(REPO / "README.md", records, "track_cpu") == (REPO / "README.md").read_text()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hostname": "otherhost"}, f"ran on cpu '{CPU}', hostname '{HOSTNAME}', "),
+    ({"cpu": "Other CPU"}, "run2.txt on cpu 'Other CPU', hostname 'testhost': a record's runs and its baseline's run "
+                           "on one machine"),
+    ({"git_commit": "f" * 40}, f"run2.txt at {'f' * 40}: a record's runs run at one commit"),
+])
+def test_runs_on_two_machines_or_commits_need_a_reason(site, capsys, change, message):
+    logs = write_logs(site / "logs", [3.40, 3.42], [5000, 5600])
+    logs.append(write_log(site / "logs" / "run2.txt", 3.41, 5300, seed=2, **change))
+    assert_refused(site, capsys, message, "--logs", *logs)
+    flag = "--mixed-commits-reason" if "git_commit" in change else "--mixed-machines-reason"
+    assert run_tool(site, "--name", "Mixed", "--date", "2026-11-30", flag, "a test of the flag", "--logs", *logs) == 0
+    folder = site / "records" / TRACK / "2026-11-30_Mixed"
+    s = json.loads((folder / "statistics.json").read_text())
+    assert s[flag.removeprefix("--").replace("-", "_")] == "a test of the flag"
+    readme = (folder / "README.md").read_text()
+    assert "because: a test of the flag" in readme and f"(runs {Path(logs[2]).stem})" in readme
+    more = write_logs(site / "more", [3.40, 3.42, 3.41], [5000, 5600, 5300], prefix="more")
+    assert run_tool(site, "--name", "Next", "--logs", *more) == 0, "the mixed record passes its check"
+
+
+def test_a_reason_for_mixing_without_mixed_runs_refused(site, capsys):
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
+    assert_refused(site, capsys, f"--mixed-machines-reason is given, but every run ran on cpu '{CPU}'",
+                   "--mixed-machines-reason", "x", "--logs", *logs)
+
+
+def test_a_baseline_from_another_machine_refused(site, capsys):
+    base = write_logs(site / "base", [3.43, 3.44, 3.40], [9000, 9500, 8800], prefix="base", hostname="elsewhere")
+    assert run_tool(site, "--name", "Base", "--date", "2026-11-29", "--allow-non-record", "--logs", *base) == 0
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
+    assert_refused(site, capsys, "base0.txt on cpu 'Test CPU 9000', hostname 'elsewhere'", "--logs", *logs,
+                   "--baseline-logs", site / "records" / TRACK / "2026-11-29_Base")
+
+
+def test_make_record_under_a_locale_that_is_not_utf8(site):
+    """LC_ALL=C without Python's UTF-8 mode: the files are UTF-8 all the same (the README's '·')."""
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LC_", "LANG"))}
+    env |= {"LC_ALL": "C", "PYTHONUTF8": "0"}
+    done = subprocess.run([sys.executable, str(REPO / "records" / "make_record.py"), "--track", TRACK, "--name", "C",
+                           "--date", "2026-11-30", "--description", "caf\u00e9", "--records-dir", site / "records",
+                           "--readme", site / "README.md", "--logs", *logs],
+                          env=env, capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    readme = (site / "records" / TRACK / "2026-11-30_C" / "README.md").read_text(encoding="utf-8")
+    assert "\u00b7 date: 2026-11-30" in readme and "caf\u00e9" in readme
+
+
+def test_records_tools_name_the_encoding_of_every_text_file():
+    """open(), read_text(), write_text() and os.fdopen() in text mode pass encoding= (the locale's is not UTF-8
+    everywhere)."""
+    unnamed = []
+    for path in sorted((REPO / "records").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "attr", getattr(node.func, "id", None))
+            if name not in ("open", "read_text", "write_text", "fdopen"):
+                continue
+            modes = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            modes += [k.value.value for k in node.keywords if k.arg == "mode" and isinstance(k.value, ast.Constant)]
+            if not any("b" in m for m in modes) and not any(k.arg == "encoding" for k in node.keywords):
+                unnamed.append(f"{path.name}:{node.lineno}")
+    assert unnamed == []
+
+
 # ----------------------------------------------------------------------------- reproduce
 
 
@@ -560,6 +764,62 @@ def test_reproduce_refuses_a_tampered_log(tmp_path, capsys):
     path.write_bytes(path.read_bytes().replace(b"def train():", b"def trair():", 1))
     assert reproduce.main([str(path), "--dir", str(tmp_path / "out")]) == 2
     assert not (tmp_path / "out").exists()
+
+
+def test_reproduce_copies_the_data_files_its_sources_pin(tmp_path, capsys):
+    """A run of train_gpt.py reads data/gpt2_prefix_tokens.bin (and the pairs file) next to the log's
+    data/tokenizer.py: the recreated tree gets this checkout's copies, checked against the sha256 the
+    log's tokenizer.py pins."""
+    tokenizer = (REPO / "data" / "tokenizer.py").read_bytes()
+    log_path = write_log(tmp_path / "r1.txt", 3.25, 5000, sources={**SOURCES, "data/tokenizer.py": tokenizer})
+    shipped = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "data").glob("*.bin"))
+    assert sorted(reproduce.pinned_data_files(parse_log(log_path))) == shipped
+    assert reproduce.main([log_path, "--dir", str(tmp_path / "out")]) == 0
+    for relpath in shipped:
+        assert (tmp_path / "out" / relpath).read_bytes() == (REPO / relpath).read_bytes()
+    assert f"{len(shipped)} data file(s) they read" in capsys.readouterr().out
+
+    pin = reproduce.pinned_data_files(parse_log(log_path))["data/gpt2_prefix_tokens.bin"].encode()
+    other = write_log(tmp_path / "r2.txt", 3.25, 5000, sources={**SOURCES, "data/tokenizer.py":
+                                                                tokenizer.replace(pin, b"0" * 64)})
+    assert reproduce.main([other, "--dir", str(tmp_path / "out2")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "gpt2_prefix_tokens.bin: sha256 is " in err and f"pin {'0' * 64}" in err
+    assert not (tmp_path / "out2").exists()
+
+
+def test_reproduce_run_refuses_other_data_than_the_logs(tmp_path, monkeypatch, capfd):
+    """--run compares the files the rerun would read with the log's fingerprints first."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    write_shard(tmp_path / "d" / "x_val_000000.bin", range(100))
+    write_shard(tmp_path / "d" / "x_train_000000.bin", range(300))
+    fingerprints = [fingerprint(f"d/x_{name}_000000.bin") for name in ("val", "train")]
+    sources = {**SOURCES, "train_gpt.py": b"open('ran', 'w').close()\n"}
+    log_path = write_log(tmp_path / "r1.txt", 3.25, 5000, sources=sources, data=fingerprints,
+                         config_changes={"val_files": "d/x_val_*.bin", "train_files": "d/x_train_*.bin"})
+
+    def rerun(*args):
+        code = reproduce.main([log_path, "--dir", str(tmp_path / "out"), "--run", *args])
+        ran = (tmp_path / "ran").exists()
+        shutil.rmtree(tmp_path / "out", ignore_errors=True)
+        (tmp_path / "ran").unlink(missing_ok=True)
+        return code, ran, capfd.readouterr().err
+
+    assert rerun()[:2] == (0, True)
+    write_shard(tmp_path / "d" / "x_train_000000.bin", range(1, 301))
+    code, ran, err = rerun()
+    assert (code, ran) == (2, False) and err.count("\n") == 1
+    assert "d/x_train_000000.bin is not the file the run read (its head_sha256, tail_sha256 differ" in err
+    assert rerun("--other-data")[:2] == (0, True)
+    write_shard(tmp_path / "d" / "x_train_000000.bin", range(300))
+    write_shard(tmp_path / "d" / "x_train_000001.bin", range(300))
+    assert "d/x_train_000001.bin matches the rerun's train_files (d/x_train_*.bin), but the run did not" in rerun()[2]
+    (tmp_path / "d" / "x_train_000001.bin").unlink()
+    assert "the run read d/x_val_000000.bin, which is not matched by the rerun's patterns" in \
+        rerun("--", "--val_files=d/x_train_*.bin")[2]
+    (tmp_path / "d" / "x_val_000000.bin").unlink()
+    assert "the run read d/x_val_000000.bin, which is missing in" in rerun()[2]
 
 
 # ----------------------------------------------------------------------------- the CPU baseline script
