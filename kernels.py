@@ -26,7 +26,11 @@ with the module and lands in checkpoints:
 
 Weights use nn.Linear's (out, in) layout and any float dtype (their gradients come back in it);
 x is bf16 of shape (..., in) and y has x's dtype. Forward operands are e4m3, gradients e5m2, all
-with per-tensor scales that map an amax to the fp8 maximum. Each operand's scale follows a rule
+with per-tensor scales that map an amax to the fp8 maximum. The forward GEMMs accumulate in the
+tensor cores' fast fp8 accumulator (as torch._scaled_mm(use_fast_accum=True)); the backward GEMMs,
+whose sums run over up to 49,152 tokens (weight gradients) or 50,304 vocabulary columns (the
+head's input gradient), add that accumulator into an fp32 sum after every BLOCK_K products
+(fp8_matmul's fast_accumulation=False). Each operand's scale follows a rule
 (FP8LinearScales, FP8MLPScales): Exact (this call's amax: one more pass over the tensor),
 Delayed (the amax the previous call recorded, times a headroom: no extra pass), Static (a
 constant; for gradients, one of the summed loss times the state's loss unit, which
@@ -52,6 +56,8 @@ backend); the kernels stay opaque to Inductor. Two CPU functions are marked `run
 compiled model calls them outside its graphs (see the mark).
 """
 import dataclasses
+import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -121,7 +127,9 @@ def _sm_count(device):
 FP8_E4M3_MAX = 448.0       # largest finite float8_e4m3fn value (forward operands)
 FP8_E5M2_MAX = 57344.0     # largest finite float8_e5m2 value (gradients)
 
-# Output tiles of 128 x 256 when they fill every SM at least twice, else 128 x 128.
+# Output tiles of 128 x 256 when they fill every SM at least twice, else 128 x 128. The backward
+# GEMMs (fp32 accumulation every BLOCK_K) keep a second accumulator of the tile's size for the
+# fast partial sums: at 128 x 256 that spills on sm_90 (84 LDL, 113 STL), so they take 128 x 128.
 FP8_MATMUL_LARGE = LaunchConfig(block_m=128, block_n=256, block_k=128, group_m=8, num_warps=8, num_stages=3)
 FP8_MATMUL_SMALL = LaunchConfig(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=4)
 # The relu2_grad epilogue (activation tile, square root, two fp8 stores) spills with 128 x 256.
@@ -224,10 +232,11 @@ UNCALIBRATED_SCALE = {FP8_E4M3_MAX: 1.0, FP8_E5M2_MAX: 2.0 ** -14}
 _FP8_MAX = {torch.float8_e4m3fn: FP8_E4M3_MAX, torch.float8_e5m2: FP8_E5M2_MAX}
 
 
-def fp8_matmul_config(m, n, device):
-    """The production tile for an (m, n) output on `device`."""
+def fp8_matmul_config(m, n, device, fast_accumulation=True):
+    """The production tile for an (m, n) output on `device` (see FP8_MATMUL_LARGE)."""
     large_tiles = triton.cdiv(m, FP8_MATMUL_LARGE.block_m) * triton.cdiv(n, FP8_MATMUL_LARGE.block_n)
-    return FP8_MATMUL_LARGE if large_tiles >= 2 * _sm_count(device) else FP8_MATMUL_SMALL
+    large = fast_accumulation and large_tiles >= 2 * _sm_count(device)
+    return FP8_MATMUL_LARGE if large else FP8_MATMUL_SMALL
 
 
 @triton.jit
@@ -246,12 +255,19 @@ def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
 
 @triton.jit
 def _fp8_dot_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, tile_m, tile_n,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                  FAST_ACC: tl.constexpr):
     """fp32 accumulator of A[rows, :] @ B[:, cols] for one (BLOCK_M, BLOCK_N) output tile.
 
     Rows and columns past the matrix wrap around (modulo M, N) so the loads need no mask; those
     results are never stored. K is masked only when it is not a multiple of BLOCK_K. Offsets are
     64-bit: the lm_head's operands can exceed 2^31 elements.
+
+    FAST_ACC: on sm_90 the tensor cores sum every fp8 product of the K loop in their fast
+    accumulator (about 14 significand bits; Triton's default for fp8 dots there). Otherwise each
+    BLOCK_K step's products are summed in it and then added into the fp32 accumulator
+    (max_num_imprecise_acc = BLOCK_K, the dot's K: the largest value tl.dot accepts), so the fast
+    accumulator never holds a sum of more than BLOCK_K products.
     """
     rows = ((tile_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M).to(tl.int64)
     cols = ((tile_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N).to(tl.int64)
@@ -267,7 +283,10 @@ def _fp8_dot_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride
             k_left = K - step * BLOCK_K
             a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=ks[:, None] < k_left, other=0.0)
-        acc = tl.dot(a, b, acc)
+        if FAST_ACC:
+            acc = tl.dot(a, b, acc)
+        else:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     return acc
@@ -277,17 +296,18 @@ def _fp8_dot_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride
 def _fp8_matmul_kernel(a_ptr, b_ptr, c_ptr, scale_a_ptr, scale_b_ptr, M, N, K,
                        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, FAST_ACC: tl.constexpr):
     """C = (A @ B) * scale_a * scale_b for fp8 A (M, K), B (K, N), any strides.
 
     One program per output tile; the K loop streams a (BLOCK_M, BLOCK_K) slab of A and a
-    (BLOCK_K, BLOCK_N) slab of B through shared memory into the tensor cores (fp32 accumulator).
+    (BLOCK_K, BLOCK_N) slab of B through shared memory into the tensor cores (fp32 accumulator;
+    FAST_ACC as in _fp8_dot_tile).
     Traffic: A is read N / BLOCK_N times and B M / BLOCK_M times (mostly from L2 thanks to the
     grouped order), C written once.
     """
     tile_m, tile_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = _fp8_dot_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, tile_m, tile_n,
-                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FAST_ACC)
     acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_b_ptr))
     rows = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -333,18 +353,20 @@ def _fp8_matmul_quant_kernel(a_ptr, b_ptr, scale_a_ptr, scale_b_ptr, act_ptr, ac
                              GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
     """Y = (A @ B) * scale_a * scale_b, transformed and stored as fp8 (row-major and transposed).
 
-    EPILOGUE "relu2":      out = relu(Y)^2, the MLP activation (act_ptr unused).
+    EPILOGUE "relu2":      out = relu(Y)^2, the MLP activation (act_ptr unused); a forward GEMM,
+                           in the fast accumulator (FAST_ACC in _fp8_dot_tile).
     EPILOGUE "relu2_grad": out = Y * 2 relu(h), the gradient of the MLP pre-activation h, where
                            relu(h) = sqrt(act * act_scale) comes from the fp8 activation relu(h)^2
                            saved by the forward (so h itself is never stored). The GPU takes
                            its fast square root (within a few fp32 ulp; out keeps 2 mantissa
                            bits in e5m2): the exact one costs 30% more registers on sm_90.
+                           A backward GEMM: the fast accumulator is added into fp32 every BLOCK_K.
     Like _fp8_matmul_kernel, plus: the activation tile read once ("relu2_grad"), out written twice
     in fp8 (M*N bytes each) instead of once in bf16, max |out| recorded for the next delayed scale.
     """
     tile_m, tile_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = _fp8_dot_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, tile_m, tile_n,
-                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EPILOGUE == "relu2")
     y = acc * (tl.load(scale_a_ptr) * tl.load(scale_b_ptr))
     rows = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -382,12 +404,12 @@ def _matmul_grid(a, b, config):
 
 
 def _launch_fp8_matmul(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
-                       config: list[int]) -> Tensor:
+                       config: list[int], fast_accumulation: bool) -> Tensor:
     config = _config_from_list(config)
     c = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
     _launch(_fp8_matmul_kernel, _matmul_grid(a, b, config), config,
             a_ptr=a, b_ptr=b, c_ptr=c, scale_a_ptr=scale_a, scale_b_ptr=scale_b,
-            stride_cm=c.stride(0), stride_cn=c.stride(1), **_matmul_args(a, b, config))
+            stride_cm=c.stride(0), stride_cn=c.stride(1), FAST_ACC=fast_accumulation, **_matmul_args(a, b, config))
     return c
 
 
@@ -426,7 +448,7 @@ _fp8_matmul_quant_op = torch.library.custom_op(f"{_OPS}::fp8_matmul_quant", _lau
 
 
 @_fp8_matmul_op.register_fake
-def _(a, b, scale_a, scale_b, out_dtype, config):
+def _(a, b, scale_a, scale_b, out_dtype, config, fast_accumulation):
     return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
 
 
@@ -441,20 +463,23 @@ def _(a, b, scale_a, scale_b, act, act_scale, out_scale, out_amax, out_dtype, ep
     return a.new_empty(M, N, dtype=out_dtype), a.new_empty(N, M, dtype=out_dtype)
 
 
-def fp8_matmul(a, b, scale_a, scale_b, out_dtype=torch.bfloat16, config=None):
+def fp8_matmul(a, b, scale_a, scale_b, out_dtype=torch.bfloat16, config=None, fast_accumulation=True):
     """(a @ b) * scale_a * scale_b, what torch._scaled_mm returns for per-tensor fp32 scales.
 
     a (M, K), b (K, N): float8_e4m3fn or float8_e5m2 (not both e5m2), any strides (b row- or
-    column-major; column-major b, i.e. b = w.t() for a row-major w, is the fast layout). The
-    tensor cores accumulate fp8 products with their fast, reduced-precision accumulator, as
-    torch._scaled_mm(..., use_fast_accum=True). out_dtype: bf16, fp16 or fp32.
+    column-major; column-major b, i.e. b = w.t() for a row-major w, is the fast layout).
+    out_dtype: bf16, fp16 or fp32. fast_accumulation: the tensor cores sum all K products in
+    their fast, reduced-precision accumulator, as torch._scaled_mm(..., use_fast_accum=True);
+    False: that accumulator is added into an fp32 sum after every config.block_k products, as
+    use_fast_accum=False (the backward GEMMs).
     """
     _check_fp8_operands(a, b, scale_a, scale_b)
-    config = config or fp8_matmul_config(a.shape[0], b.shape[1], a.device)
-    return _fp8_matmul_op(a, b, scale_a.reshape(1), scale_b.reshape(1), out_dtype, config.as_list())
+    config = config or fp8_matmul_config(a.shape[0], b.shape[1], a.device, fast_accumulation)
+    return _fp8_matmul_op(a, b, scale_a.reshape(1), scale_b.reshape(1), out_dtype, config.as_list(),
+                          bool(fast_accumulation))
 
 
-def fp8_matmul_reference(a, b, scale_a, scale_b, out_dtype=torch.bfloat16, config=None):
+def fp8_matmul_reference(a, b, scale_a, scale_b, out_dtype=torch.bfloat16, config=None, fast_accumulation=True):
     """C = (a @ b) * scale_a * scale_b for fp8 operands with per-tensor fp32 scales.
 
     The semantics of torch._scaled_mm with per-tensor scales: the fp8 values are exact in
@@ -493,7 +518,8 @@ def fp8_matmul_relu2_reference(a, b, scale_a, scale_b, out_scale, out_amax, conf
 def fp8_matmul_relu2_grad(a, b, scale_a, scale_b, act, act_scale, out_scale, out_amax, config=None):
     """(q, qt): (a @ b * scale_a * scale_b) * 2 sqrt(act * act_scale) as float8_e5m2 with scale
     out_scale, row-major and transposed; out_amax records its max. act (M, N) is the fp8
-    activation relu(h)^2 (any strides), so the result is the gradient at the pre-activation h."""
+    activation relu(h)^2 (any strides), so the result is the gradient at the pre-activation h.
+    A backward GEMM: the fast accumulator is added into fp32 every config.block_k products."""
     config = config or FP8_MATMUL_RELU2_GRAD
     return _fp8_matmul_quant_op(a, b, scale_a, scale_b, act, act_scale, out_scale, out_amax,
                                 torch.float8_e5m2, "relu2_grad", config.as_list())
@@ -584,10 +610,19 @@ def _count_call(state, slots):
     state[slots["calls"]:slots["calls"] + 1].add_(1.0)
 
 
+def _backward_matmul(prims):
+    """The backward GEMMs' matmul: fp32 accumulation every BLOCK_K products. Their sums run over
+    the tokens (weight gradients: 49,152 in the speedrun) or the layer's outputs (input
+    gradients: 50,304 for the head), where the fast accumulator's ~14 significand bits would
+    drop the low bits of every later product."""
+    return functools.partial(prims.matmul, fast_accumulation=False)
+
+
 class _FP8Linear(torch.autograd.Function):
     """y = x W^T with e4m3 operands; backward with e5m2 output gradients. Three GEMMs:
-    forward x8 W8^T, input gradient g8 W8, weight gradient g8^T x8. Each operand is cast once
-    into a row-major and a transposed copy, so every GEMM reads both operands K-major."""
+    forward x8 W8^T (fast accumulator), input gradient g8 W8 and weight gradient g8^T x8 (fp32
+    accumulation every BLOCK_K). Each operand is cast once into a row-major and a transposed
+    copy, so every GEMM reads both operands K-major."""
 
     @staticmethod
     def forward(ctx, x, weight, state, scales, prims, config):
@@ -611,14 +646,16 @@ class _FP8Linear(torch.autograd.Function):
                                          FP8_E5M2_MAX, grad_y)
         g8, g8_t = prims.cast(grad_y, g_scale, g_amax, torch.float8_e5m2)
         need_x, need_w = ctx.needs_input_grad[:2]
-        grad_x = prims.matmul(g8, w8_t.t(), g_scale, w_scale, ctx.dtypes[0], config) if need_x else None
-        grad_w = prims.matmul(g8_t, x8_t.t(), g_scale, x_scale, ctx.dtypes[1], config) if need_w else None
+        matmul = _backward_matmul(prims)
+        grad_x = matmul(g8, w8_t.t(), g_scale, w_scale, ctx.dtypes[0], config) if need_x else None
+        grad_w = matmul(g8_t, x8_t.t(), g_scale, x_scale, ctx.dtypes[1], config) if need_w else None
         return grad_x, grad_w, None, None, None, None
 
 
 class _FP8ReLU2MLP(torch.autograd.Function):
     """y = relu(x W_up^T)^2 W_down^T with all six GEMMs in fp8.
 
+    Accumulation as in _FP8Linear: fast in the forward GEMMs, fp32 every BLOCK_K in the backward.
     Forward: the up-projection's epilogue squares the ReLU and emits the activation
     a = relu(h)^2 in e4m3 twice (row-major for the down-projection, transposed for the W_down
     gradient); h is never stored. Backward: the input-gradient GEMM of the down-projection
@@ -654,17 +691,18 @@ class _FP8ReLU2MLP(torch.autograd.Function):
         g8, g8_t = prims.cast(grad_y, g_scale, g_amax, torch.float8_e5m2)
         need_x, need_up, need_down = ctx.needs_input_grad[:3]
         grad_x = grad_up = grad_down = None
+        matmul = _backward_matmul(prims)
         if need_down:
-            grad_down = prims.matmul(g8_t, a8_t.t(), g_scale, a_scale, ctx.dtypes[2], config)
+            grad_down = matmul(g8_t, a8_t.t(), g_scale, a_scale, ctx.dtypes[2], config)
         if need_x or need_up:
             h_scale, h_amax = _operand_scale(state, FP8_MLP_SLOTS, scales.grad_hidden, "grad_hidden",
                                              FP8_E5M2_MAX, None)
             gh8, gh8_t = prims.matmul_relu2_grad(g8, down8_t.t(), g_scale, down_scale, a8_t.t(), a_scale,
                                                  h_scale, h_amax, config)
             if need_x:
-                grad_x = prims.matmul(gh8, up8_t.t(), h_scale, up_scale, ctx.dtypes[0], config)
+                grad_x = matmul(gh8, up8_t.t(), h_scale, up_scale, ctx.dtypes[0], config)
             if need_up:
-                grad_up = prims.matmul(gh8_t, x8_t.t(), h_scale, x_scale, ctx.dtypes[1], config)
+                grad_up = matmul(gh8_t, x8_t.t(), h_scale, x_scale, ctx.dtypes[1], config)
         return grad_x, grad_up, grad_down, None, None, None, None
 
 
@@ -1255,7 +1293,7 @@ SOFTCAP_TEMP = 7.5    # sigmoid temperature: the slope at the centre is SOFTCAP 
 
 # One row per program, block_n columns per step.
 CROSS_ENTROPY = LaunchConfig(block_m=1, block_n=4096, num_warps=8)
-# Rows x columns per program of the backward's row scaling.
+# Rows x columns per program of the backward's in-place row scaling.
 CROSS_ENTROPY_SCALE = LaunchConfig(block_m=1, block_n=4096, num_warps=8)
 
 
@@ -1267,13 +1305,14 @@ def _softcap_tile(x, SOFTCAP: tl.constexpr, SHIFT: tl.constexpr, TEMP: tl.conste
 
 @triton.jit
 def _softcap_ce_kernel(logits_ptr, grad_ptr, targets_ptr, weights_ptr, loss_ptr, next_loss_ptr, num_cols,
-                       stride_lr, stride_gr, stride_tr,
+                       stride_lr, stride_gr, stride_tr, grad_scale,
                        NUM_TARGETS: tl.constexpr, TARGETS_PAD: tl.constexpr, SOFTCAP: tl.constexpr,
                        SHIFT: tl.constexpr, TEMP: tl.constexpr, BLOCK_C: tl.constexpr, WITH_GRAD: tl.constexpr):
     """Loss and logit gradient of one row: z = softcap(x), lse = log sum exp z,
     loss = sum_k w_k (lse - z[t_k]), dloss/dx = (W softmax(z) - sum_k w_k onehot(t_k)) * dz/dx,
     with W = sum of the weights of the targets present among the columns; also the unweighted
-    loss of the first target alone, lse - z[t_0] (0 when absent): the next-token loss.
+    loss of the first target alone, lse - z[t_0] (0 when absent): the next-token loss. The
+    gradient is stored times grad_scale (the upstream gradient the caller expects; 1: none).
 
     Two passes over the row: the first sums exp(z - SOFTCAP) (z < SOFTCAP, so no running max is
     needed), the second writes the gradient (WITH_GRAD only). Traffic: the row read twice (the
@@ -1312,20 +1351,25 @@ def _softcap_ce_kernel(logits_ptr, grad_ptr, targets_ptr, weights_ptr, loss_ptr,
         grad_z = weight_total * tl.exp(z - lse) - hits
         # dz/dx = SOFTCAP * s (1 - s) / TEMP with s = z / SOFTCAP
         grad_x = grad_z * z * (1.0 - z / SOFTCAP) / TEMP
-        tl.store(grad_ptr + start + cols, grad_x.to(grad_ptr.dtype.element_ty), mask=mask)
+        tl.store(grad_ptr + start + cols, (grad_x * grad_scale).to(grad_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _scale_rows_kernel(x_ptr, scale_ptr, out_ptr, num_cols, stride_xr, stride_or, BLOCK_C: tl.constexpr):
-    """out[r, :] = x[r, :] * scale[r], computed in fp32. Traffic: x read once, out written once."""
+def _scale_rows_kernel(x_ptr, factor_ptr, num_cols, stride_xr, BLOCK_C: tl.constexpr):
+    """x[r, :] *= factor[r] in place, in fp32, for one row and one block of columns per program.
+    A row whose factor is exactly 1 is left as it is. Traffic: the factors read once, each row
+    with another factor read and written once."""
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = cols < num_cols
-    x = tl.load(x_ptr + row * stride_xr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_or + cols, (x * tl.load(scale_ptr + row)).to(out_ptr.dtype.element_ty), mask=mask)
+    factor = tl.load(factor_ptr + row)
+    if factor != 1.0:
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = cols < num_cols
+        x_ptrs = x_ptr + row * stride_xr + cols
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(x_ptrs, (x * factor).to(x_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_softcap_ce(logits: Tensor, targets: Tensor, weights: Tensor, with_grad: bool,
+def _launch_softcap_ce(logits: Tensor, targets: Tensor, weights: Tensor, with_grad: bool, grad_scale: float,
                        config: list[int]) -> tuple[Tensor, Tensor, Tensor]:
     config = _config_from_list(config)
     N, C = logits.shape
@@ -1335,72 +1379,87 @@ def _launch_softcap_ce(logits: Tensor, targets: Tensor, weights: Tensor, with_gr
     _launch(_softcap_ce_kernel, (N,), config,
             logits_ptr=logits, grad_ptr=grad, targets_ptr=targets, weights_ptr=weights, loss_ptr=loss,
             next_loss_ptr=next_loss, num_cols=C, stride_lr=logits.stride(0), stride_gr=grad.stride(0),
-            stride_tr=targets.stride(0),
+            stride_tr=targets.stride(0), grad_scale=grad_scale,
             NUM_TARGETS=targets.shape[1], TARGETS_PAD=triton.next_power_of_2(targets.shape[1]),
             SOFTCAP=SOFTCAP, SHIFT=SOFTCAP_SHIFT, TEMP=SOFTCAP_TEMP, BLOCK_C=config.block_n, WITH_GRAD=with_grad)
     return loss, next_loss, grad
 
 
-def _launch_scale_rows(x: Tensor, scale: Tensor, config: list[int]) -> Tensor:
+def _launch_scale_rows_(x: Tensor, factor: Tensor, config: list[int]) -> None:
     config = _config_from_list(config)
-    out = torch.empty_like(x)
     _launch(_scale_rows_kernel, (x.shape[0], triton.cdiv(x.shape[1], config.block_n)), config,
-            x_ptr=x, scale_ptr=scale, out_ptr=out, num_cols=x.shape[1], stride_xr=x.stride(0),
-            stride_or=out.stride(0), BLOCK_C=config.block_n)
-    return out
+            x_ptr=x, factor_ptr=factor, num_cols=x.shape[1], stride_xr=x.stride(0), BLOCK_C=config.block_n)
 
 
 _softcap_ce_op = torch.library.custom_op(f"{_OPS}::softcap_ce", _launch_softcap_ce, mutates_args=())
-_scale_rows_op = torch.library.custom_op(f"{_OPS}::scale_rows", _launch_scale_rows, mutates_args=())
+_scale_rows_op = torch.library.custom_op(f"{_OPS}::scale_rows_", _launch_scale_rows_, mutates_args=("x",))
 
 
 @_softcap_ce_op.register_fake
-def _(logits, targets, weights, with_grad, config):
+def _(logits, targets, weights, with_grad, grad_scale, config):
     N, C = logits.shape
     return (logits.new_empty(N, dtype=torch.float32), logits.new_empty(N, dtype=torch.float32),
             logits.new_empty((N, C) if with_grad else (0, C)))
 
 
 @_scale_rows_op.register_fake
-def _(x, scale, config):
-    return torch.empty_like(x)
+def _(x, factor, config):
+    return None
 
 
 class _SoftcapCrossEntropy(torch.autograd.Function):
     """The forward computes loss and logit gradient together (the gradient only when the logits
-    require one); backward scales the saved gradient by the upstream gradient of each row. The
-    next-token loss is a by-product for logging, not differentiable."""
+    require one), the gradient times grad_scale; backward scales the saved gradient's rows in
+    place by upstream gradient / grad_scale, skipping the rows where that is exactly 1, and
+    returns it. Correct for any upstream gradient; with the one the caller announced (a uniform
+    grad_scale), no row is read or written again. The saved gradient is modified in place, so
+    a second backward through the same forward fails autograd's version check (in eager mode).
+    Under torch.compile, functionalization copies the saved gradient before the in-place op, and
+    inductor writes that copy into the saved (donated) buffer itself: no second (N, C) buffer,
+    one copy pass over it (as seen in inductor's CPU output code).
+    The next-token loss is a by-product for logging, not differentiable."""
 
     @staticmethod
-    def forward(ctx, logits, targets, weights, config, scale_config):
-        loss, next_loss, grad = _softcap_ce_op(logits, targets, weights, ctx.needs_input_grad[0], config)
+    def forward(ctx, logits, targets, weights, grad_scale, config, scale_config):
+        loss, next_loss, grad = _softcap_ce_op(logits, targets, weights, ctx.needs_input_grad[0], grad_scale,
+                                               config)
         ctx.save_for_backward(grad)
-        ctx.scale_config = scale_config
+        ctx.grad_scale, ctx.scale_config = grad_scale, scale_config
         ctx.mark_non_differentiable(next_loss)
         return loss, next_loss
 
     @staticmethod
     def backward(ctx, grad_loss, grad_next_loss):
         grad, = ctx.saved_tensors
-        return _scale_rows_op(grad, grad_loss.float().contiguous(), ctx.scale_config), None, None, None, None
+        _scale_rows_op(grad, (grad_loss.float() / ctx.grad_scale).contiguous(), ctx.scale_config)
+        return grad, None, None, None, None, None
 
 
-def softcap_cross_entropy(logits, targets, weights, config=CROSS_ENTROPY, scale_config=CROSS_ENTROPY_SCALE):
+def softcap_cross_entropy(logits, targets, weights, config=CROSS_ENTROPY, scale_config=CROSS_ENTROPY_SCALE,
+                          grad_scale=1.0):
     """Per-row weighted softcapped cross-entropy (see softcap_cross_entropy_reference), with the
     gradient with respect to the logits computed in the forward pass when the logits require
-    one (a (N, C) buffer in the logits' dtype, kept until backward). logits (N, C) with unit
-    column stride, for all vocabulary columns or a candidate subset; targets (N, K) int64 column
-    indices (outside [0, C): no target); weights (K,). Returns (loss, next_token_loss), both (N,)
-    fp32; only the first is differentiable."""
+    one (a (N, C) buffer in the logits' dtype, kept until backward, which scales it in place and
+    hands it on). logits (N, C) with unit column stride, for all vocabulary columns or a
+    candidate subset; targets (N, K) int64 column indices (outside [0, C): no target); weights
+    (K,). Returns (loss, next_token_loss), both (N,) fp32; only the first is differentiable.
+
+    grad_scale (a nonzero finite number): the upstream gradient the caller expects for every row
+    of the loss, e.g. 1 / (N x micro-batches) for a mean over the tokens of each of the step's
+    micro-batches. The forward stores the gradient times it (one rounding instead of two), so
+    the backward passes over the (N, C) gradient only for rows whose upstream gradient differs;
+    any upstream gradient gives the right result."""
     if logits.dim() != 2 or targets.dim() != 2 or targets.shape[0] != logits.shape[0]:
         raise ValueError(f"softcap_cross_entropy needs logits (N, C) and targets (N, K); got "
                          f"{tuple(logits.shape)} and {tuple(targets.shape)}")
     if weights.shape != (targets.shape[1],):
         raise ValueError(f"softcap_cross_entropy needs one weight per target column; got {tuple(weights.shape)}")
+    if not (math.isfinite(grad_scale) and grad_scale != 0):
+        raise ValueError(f"softcap_cross_entropy: grad_scale must be a nonzero finite number; got {grad_scale}")
     logits = _last_dim_contiguous(logits)
     targets = _last_dim_contiguous(targets.long())
-    return _SoftcapCrossEntropy.apply(logits, targets, weights.float().contiguous(), config.as_list(),
-                                      scale_config.as_list())
+    return _SoftcapCrossEntropy.apply(logits, targets, weights.float().contiguous(), float(grad_scale),
+                                      config.as_list(), scale_config.as_list())
 
 
 def softcap(logits):
@@ -1408,7 +1467,7 @@ def softcap(logits):
     return SOFTCAP * torch.sigmoid((logits.float() + SOFTCAP_SHIFT) / SOFTCAP_TEMP)
 
 
-def softcap_cross_entropy_reference(logits, targets, weights):
+def softcap_cross_entropy_reference(logits, targets, weights, grad_scale=1.0):
     """Per-row weighted sum of softcapped cross-entropies over the given columns.
 
     logits: (N, C), the head's raw outputs for C vocabulary columns (all of them, or a sampled
@@ -1417,7 +1476,8 @@ def softcap_cross_entropy_reference(logits, targets, weights):
     and it contributes nothing. weights: (K,) float.
     Returns (loss, next_token_loss), both (N,) fp32: loss = sum_k weights[k] * (logsumexp(z) -
     z[targets[:, k]]) with z = softcap(logits), and the unweighted loss of the first target alone
-    (0 where it is absent), detached.
+    (0 where it is absent), detached. grad_scale: softcap_cross_entropy's hint, which changes no
+    result (accepted so that the functions are interchangeable).
     """
     z = softcap(logits)
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
@@ -1484,10 +1544,11 @@ class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
 # Eager in a compiled model: its row loop is a memory plan. Inductor compiled it into one graph
 # that ran a 24 GB machine out of memory on the cpu preset's 2,048 x 50,304 logits (measured).
 @runs_eagerly
-def softcap_cross_entropy_chunked(logits, targets, weights, rows=CHUNKED_CE_ROWS):
+def softcap_cross_entropy_chunked(logits, targets, weights, rows=CHUNKED_CE_ROWS, grad_scale=1.0):
     """softcap_cross_entropy for CPUs (same arguments and result), in row blocks with the
     gradient formed in the forward pass: on the CPU preset's 4096 x 50,304 logits it replaces
-    the reference's chain of full-size fp32 tensors and their autograd copies."""
+    the reference's chain of full-size fp32 tensors and their autograd copies. grad_scale
+    changes no result (as in softcap_cross_entropy_reference)."""
     return _ChunkedSoftcapCrossEntropy.apply(logits, targets.long(), weights, rows)
 
 
@@ -1836,8 +1897,9 @@ def _sum_rows_kernel(values_ptr, order_ptr, starts_ptr, out_ptr, D, stride_v, st
     slot s and one block of columns per program. Slots past the count have an empty range and
     store zeros. Each value row is read once and each slot written once: (N + capacity) * D
     elements of traffic, and the sum runs in token order, so the result does not depend on
-    scheduling (no atomics)."""
-    s = tl.program_id(0)
+    scheduling (no atomics). Row offsets are 64-bit: a late-phase n-gram update sums 3,145,728
+    entries of width 768 (1gpu preset), 2.4e9 elements."""
+    s = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     in_row = cols < D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -1903,7 +1965,9 @@ class RowAdamStep:
 SPARSE_ADAM = LaunchConfig(block_m=1, block_n=0, num_warps=4)  # one row per program (block_n: the row width)
 
 
-@triton.jit
+# `event` changes with every update: not specialized (its value 1 and multiples of 16 would each
+# compile a variant of their own, the first of them inside the timed run).
+@triton.jit(do_not_specialize=["event"])
 def _sparse_adam_rows_kernel(table_ptr, grad_ptr, distinct_ptr, count_ptr, moment_ptr, last_ptr, log_decay_ptr,
                              D, stride_t, stride_g, event, log_decay, one_minus_beta2, bias, lr, decay, eps,
                              BLOCK_D: tl.constexpr):
@@ -1911,8 +1975,9 @@ def _sparse_adam_rows_kernel(table_ptr, grad_ptr, distinct_ptr, count_ptr, momen
     moment first decays by exp(log_decay - log_decay_at[last[row]]), the product of the beta2
     of every event since its last update, this one included; then it takes (1 - beta2) mean(g^2)
     and the row moves by -lr g / (sqrt(v / bias) + eps), after the cautious decay. Traffic per
-    touched row: its gradient and its table row read, the row written, three scalars."""
-    s = tl.program_id(0)
+    touched row: its gradient and its table row read, the row written, three scalars. Offsets are
+    64-bit: slots (the gradient's rows) reach 3,145,728 x 768 elements, table rows 8.1e9."""
+    s = tl.program_id(0).to(tl.int64)
     if s < tl.load(count_ptr):
         row = tl.load(distinct_ptr + s)
         cols = tl.arange(0, BLOCK_D)

@@ -890,6 +890,17 @@ class SparseRowAdam:
             eps=self.eps)
         self.update_rows(self.table, summed, groups, self.moment, self.last, self.log_decay_at, event)
 
+    @torch.no_grad()
+    def launch_on_scratch(self):
+        """Run one event on a scratch table of this table's dtype and width (two rows, fresh
+        state): the kernels an event launches get compiled, and this optimizer's table and state
+        do not change. The trainer's warm-up calls it, so that nothing compiles on the clock."""
+        width, device = self.table.shape[1], self.table.device
+        scratch = SparseRowAdam(torch.zeros(2, width, dtype=self.table.dtype, device=device), self.lr,
+                                self.beta2, self.eps, self.weight_decay)
+        scratch.sum_rows, scratch.update_rows = self.sum_rows, self.update_rows
+        scratch.step(torch.tensor([1, 0, 1], device=device), torch.ones(3, width, device=device))
+
     def state_dict(self):
         return dict(moment=self.moment, last=self.last, events=self.events, log_decay=list(self.log_decay),
                     log_decay_at=self.log_decay_at)

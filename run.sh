@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Reproduce the current record on whatever machine this runs on.
-#   8 GPUs: the speedrun preset on all of them (an 8xH100 record attempt).
-#   1-7 GPUs: the 1gpu preset (same global batch by gradient accumulation) on the largest
-#             number of them that divides the 8-rank batch.
+#   GPUs: what `train_gpt.py --plan` picks for their count and memory (train_gpt.launch_plan):
+#         the speedrun preset on 8 of them (an 8xH100 record attempt); else the 1gpu preset
+#         (the same global batch by gradient accumulation) on 4 or 2 of them with the n-gram
+#         table split across their memory, or on one with the table in host memory; it prints
+#         the one line that says what it chose and why, or the one line that says what to change.
 #   no GPU: the cpu preset (the CPU track) on the tiny offline corpus.
 # Missing data is fetched or built first. Extra arguments pass through to train_gpt.py,
 # e.g. ./run.sh --num_iterations=100 --seed=1; a --preset or --config of your own replaces
@@ -37,18 +39,14 @@ if [ "$gpus" -eq 0 ]; then
     exec "$PYTHON" train_gpt.py --preset cpu "$@"
 fi
 
-if [ "$gpus" -ge 8 ]; then
-    preset=speedrun; nproc=8
-else
-    preset=1gpu; nproc=1
-    for n in 4 2; do [ "$gpus" -ge "$n" ] && { nproc=$n; break; }; done
-fi
-preset_args=(--preset "$preset")
-[ -n "$chosen" ] && preset_args=()
+# Three lines: the process count, the preset arguments (none with the user's own), the reason.
+plan=$("$PYTHON" train_gpt.py --plan "$@") || exit $?
+nproc=$(sed -n 1p <<< "$plan")
+read -ra preset_args <<< "$(sed -n 2p <<< "$plan")"
 
 shards=$("$PYTHON" -c "import sys, train_gpt as t; print(t.train_shards_needed(t.parse_config(sys.argv[1:])))" \
     "${preset_args[@]}" "$@") || fail "bad arguments for train_gpt.py (see above)"
 "$PYTHON" data/cached_fineweb10B.py "$shards" || exit $?
 
-echo "run.sh: $gpus GPU(s): ${chosen:-preset $preset} on $nproc process(es)"
+echo "run.sh: $(sed -n 3p <<< "$plan")"
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc" train_gpt.py "${preset_args[@]}" "$@"

@@ -4,12 +4,14 @@ Read top-down: the config and its presets; the model; the data loader; the sched
 the log; the training loop; main(). Kernels live in kernels.py, optimizers in optim.py.
 
     ./run.sh                                              # picks the preset for this machine
+    python train_gpt.py --plan                            # what run.sh starts here, and why (launch_plan)
     python train_gpt.py --preset cpu                      # CPU track, tiny offline corpus
     python -m torch.distributed.run --standalone --nproc_per_node=8 train_gpt.py --preset speedrun
     python train_gpt.py --preset cpu --num_iterations=50 --seed=1   # any config key: --key=value
 
-Presets: `speedrun` (8 GPUs), `1gpu` (the same global batch on 1 GPU by gradient accumulation),
-`cpu` (the CPU track). Every run writes logs/<run id>.txt: the verbatim source of every project
+Presets: `speedrun` (8 GPUs), `1gpu` (the same global batch on fewer GPUs by gradient
+accumulation: on one, the n-gram table in host memory; with --ngram_cache_rows=0, split across
+2 or 4), `cpu` (the CPU track). Every run writes logs/<run id>.txt: the verbatim source of every project
 file it imported, the environment, the data fingerprints, the resolved config, then step lines.
 """
 import argparse
@@ -31,6 +33,7 @@ import struct
 import subprocess
 import sys
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -40,6 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import record_function
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
 import optim
@@ -243,19 +247,17 @@ class Hyperparameters(ModelConfig):
 
 
 def _cpu_preset(h):
-    """The CPU track: a 4-layer, width-256 model on the tiny corpus, 2 cores, a few minutes.
+    """The CPU track's current record (NgramTable1M27Steps): a 4-layer, width-256 model with the
+    hashed n-gram table on the tiny corpus, 2 cores, under a minute. Measurements behind each
+    choice: bench/cpu_results.md.
 
-    Full-vocabulary softmax throughout: at this scale sampled softmax learns much more slowly
-    per step and per second (the rare tokens' logits are rarely pushed down), measured on
-    this machine: val 7.42 (16,384 candidates) vs 6.09 (full) after 20 steps.
-
-    The compute dtype is the CPU's fast one: bf16 where it has bf16 units (AVX512-BF16 or AMX;
-    a 36-step run took 35.5 s in bf16 and 83 s in fp32 on a 2-core AMD EPYC with AVX512-BF16),
-    fp32 elsewhere (there a bf16 product runs as an fp32 GEMM plus casts anyway, cpu_runtime.py,
-    so fp32 saves the casts: 3.60 vs 4.04 s per 2,048-token step on a 2-core AVX2 EPYC). The val
-    loss is the same either way (3 seeds each, bench/cpu_results.md). Eager: compiling (inductor)
-    saved 4% in interleaved bf16 runs (34.0 against 35.4 s, 3 seeds), less than the machine's drift.
-    Validation without the canonical mask: the track's rule is the full softmax, as the baseline's.
+    Full-vocabulary softmax throughout: at this scale sampled softmax learns much more slowly per
+    step (the rare tokens' logits are rarely pushed down): val 7.42 (16,384 candidates) against
+    6.09 (full) after 20 steps. The compute dtype is the CPU's fast one: bf16 where it has bf16
+    units (AVX512-BF16 or AMX), fp32 elsewhere (there a bf16 product runs as an fp32 GEMM plus
+    casts, cpu_runtime.py); the val loss is the same either way. Eager: inductor saves less than
+    the machine's drift. Validation without the canonical mask: the track's rule is the full
+    softmax, as the baseline's.
     """
     h.track = "track_cpu"
     h.train_files = "data/tiny_corpus/tiny_train_*.bin"
@@ -265,9 +267,10 @@ def _cpu_preset(h):
     h.batch_ranks = 1
     h.num_layers, h.model_dim, h.num_heads, h.head_dim, h.mlp_hidden = 4, 256, 2, 128, 1024
     h.long_window_layers, h.attention_free_layers = (3,), ()
-    h.num_value_embeds, h.bigram_rows = 1, 8192
+    h.num_value_embeds, h.bigram_rows = 1, 8192   # the bigram embedding's rows with --ngram_rows=0
+    h.ngram_rows, h.ngram_lr = 1 << 20, 0.02   # hashed bigram+trigram table, sparse Adam at twice the default LR
     h.val_long_window = 8
-    h.num_iterations = 30          # the CPU-track budget: val ~5.67 against the target 5.7264 (36 steps: ~5.54)
+    h.num_iterations = 27          # the CPU-track record NgramTable1M27Steps: val 5.689 against the target 5.7264
     h.stages = [                   # twice the batch: LR x1.52 = (4096/2048)^0.6, as record 89 scales it
         Stage(end=0.5, tokens_per_rank=2048, max_doc_len=512, short_window=1, long_window=2,
               mtp_weights=(1.0, 0.5, 0.25), prefix_weight=0.25),
@@ -1419,7 +1422,8 @@ class NgramTable(nn.Module):
     The table is a buffer, not a parameter: no dense gradient or optimizer state of its size
     exists. In training the gathered rows add `sink[:T]` (zeros), so the backward leaves each
     token's two row gradients in sink.grad[:T] (T, 2, dim), the entries the trainer hands to
-    optim.SparseRowAdam with the rows they belong to (`rows_of`).
+    optim.SparseRowAdam with the rows they belong to (`rows_of`). (The trainer cuts the sink to T
+    rows while it trains, GPT.sinks_of: then the sink is added whole.)
 
     Where the rows live (TablePlacement): all in `table` on the device; or split across
     processes, this one holding rows [first_row, first_row + rows / shards) in `table`; or in
@@ -1471,10 +1475,16 @@ class NgramTable(nn.Module):
             rows = self.rows_of(context, is_start)[seen:]
             entries = self.table[rows.to(self.table.device)].to(context.device)
         if self.training:
-            entries = entries + self.sink[:count]
+            entries = entries + first_rows(self.sink, count)
         sign = torch.stack([signs[bigram_sign_rows(context, is_start)[seen:]],
                             signs[trigram_sign_rows(context, is_start)[seen:]]], dim=1)
         return (entries * sign).sum(1)
+
+
+def first_rows(t, n):
+    """t[:n], or t itself when it has n rows: a slice's backward makes a zero-filled gradient of
+    all of t's rows."""
+    return t if t.shape[0] == n else t[:n]
 
 
 def head_dims(cfg: ModelConfig, layer):
@@ -1575,6 +1585,23 @@ class GPT(nn.Module):
         """The zero parameters whose gradients are the sparse tables' per-token gradients."""
         return ([self.ngram.sink] if self.ngram is not None else []) + list(self.value_sinks or [])
 
+    @contextlib.contextmanager
+    def sinks_of(self, count):
+        """The gradient sinks cut to their first `count` rows, values and gradients alike (views
+        of the whole ones, at fixed addresses), while micro-batches of `count` tokens run: their
+        backward then adds a gradient of `count` rows into each sink's, not a zero-filled one of
+        max_tokens rows. Between uses each sink is whole, with its whole gradient (made, zero,
+        on the first use)."""
+        sinks = self.gradient_sinks()
+        whole = [(s.data, torch.zeros_like(s) if s.grad is None else s.grad) for s in sinks]
+        for s, (value, grad) in zip(sinks, whole):
+            s.data, s.grad = value[:count], grad[:count]
+        try:
+            yield
+        finally:
+            for s, (value, grad) in zip(sinks, whole):
+                s.data, s.grad = value, grad
+
     def set_windows(self, long_windows):
         """RoPE tables and attention scales after the long window grew through `long_windows`."""
         for rotary in (self.rotary, self.narrow_rotary):
@@ -1648,7 +1675,7 @@ class GPT(nn.Module):
         """Each value-embedding table's rows of `tokens`; sparse and in training, plus its sink."""
         ves = [ve(tokens) for ve in self.value_embeds]
         if self.value_sinks is not None and self.training:
-            ves = [v + sink[:tokens.shape[0]] for v, sink in zip(ves, self.value_sinks)]
+            ves = [v + first_rows(sink, tokens.shape[0]) for v, sink in zip(ves, self.value_sinks)]
         return ves
 
     def layer_inputs(self, i, ves):
@@ -1861,10 +1888,12 @@ class Slice:
     tokens: torch.Tensor           # (T,) int32
     targets: torch.Tensor          # (T, MAX_TARGETS - 1) int64 vocab ids of t+1, t+2, ...; -1 = none
     cu_seqlens: torch.Tensor       # (T // MIN_DOC_TOKENS + 2,) int32, padded by repeating T
+    route: object = None           # a split n-gram table: its Route, worked out ahead (BatchPrefetcher)
 
     def pinned(self):
         """The same slice in page-locked memory, so that copies to the GPU need not wait."""
-        return Slice(*(t.pin_memory() for t in (self.tokens, self.targets, self.cu_seqlens)))
+        return dataclasses.replace(self, **{name: getattr(self, name).pin_memory()
+                                            for name in ("tokens", "targets", "cu_seqlens")})
 
     def to(self, device):
         """The slice on `device`; from pinned memory the copies are queued, not waited for."""
@@ -1904,6 +1933,12 @@ def _targets(stream, starts, lengths, ends, num_targets):
         ok = (p <= doc_end) & (p < stream.size)
         out[ok, k] = stream[p[ok]]
     return out
+
+
+def _packed_tokens(pieces, T):
+    """The (T,) int32 tokens _pack makes of the pieces, without their targets."""
+    tokens = np.concatenate([stream[start:start + length] for stream, start, length, _ in pieces]).astype(np.int32)
+    return torch.from_numpy(np.concatenate([tokens, np.full(T - tokens.size, BOS_ID, dtype=np.int32)]))
 
 
 def _pack(pieces, T):
@@ -1962,9 +1997,10 @@ class TrainLoader:
         self.doc += 1
         return self.stream, start, min(end - start, max_len), end
 
-    def next_batch(self, T, max_doc_len, num_slices, mine):
-        """The slices with indices in `mine` of the next global batch of num_slices slices."""
-        out = []
+    def next_batch(self, T, max_doc_len, num_slices, mine, every_tokens=False):
+        """The slices with indices in `mine` of the next global batch of num_slices slices; with
+        every_tokens, also the tokens (T,) of each of its slices, in order (a list)."""
+        out, tokens = [], []
         for i in range(num_slices):
             pieces, filled = [], 0
             while filled < T and len(pieces) < T // MIN_DOC_TOKENS:
@@ -1973,24 +2009,37 @@ class TrainLoader:
                 filled += length
             if i in mine:
                 out.append(_pack(pieces, T))
-        return out
+            if every_tokens:
+                tokens.append(out[-1].tokens if i in mine else _packed_tokens(pieces, T))
+        return (out, tokens) if every_tokens else out
 
 
 class BatchPrefetcher:
     """The slices of each step's batch, built in a background thread one step ahead.
 
     The loader reads, packs and (for a GPU) pins the next step's slices while the current step
-    runs, so the training loop only queues their copies. Steps must be asked for in order.
+    runs, so the training loop only queues their copies. With a split n-gram table (`router`, its
+    ShardedNgramRows) the thread also packs the tokens of every process's slices of the step, all
+    processes' loaders being the same, and works out each of this process's slices' Route from
+    them: the loop then only moves the rows, with no gather of the tokens and no hashing on its
+    way. Steps must be asked for in order.
     """
 
-    def __init__(self, loader, h, mine, pin):
-        self.loader, self.h, self.mine, self.pin = loader, h, mine, pin
+    def __init__(self, loader, h, mine, pin, router=None):
+        self.loader, self.h, self.mine, self.pin, self.router = loader, h, mine, pin, router
         self.pool = ThreadPoolExecutor(max_workers=1)
         self.step, self.future = 0, self.pool.submit(self._build, 0)
 
     def _build(self, step):
-        stage = self.h.stages[stage_index(self.h, step)]
-        slices = self.loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, self.h.batch_ranks, self.mine)
+        stage, h = self.h.stages[stage_index(self.h, step)], self.h
+        if self.router is None:
+            slices = self.loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, self.mine)
+        else:                      # micro-batch j of process p is slice p + j * processes
+            slices, tokens = self.loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks,
+                                                    self.mine, every_tokens=True)
+            world = self.router.env.world_size
+            slices = [dataclasses.replace(s, route=self.router.route_of(
+                s.tokens, [tokens[i - i % world + p] for p in range(world)])) for i, s in zip(self.mine, slices)]
         return [s.pinned() for s in slices] if self.pin else slices
 
     def peek(self):
@@ -2601,13 +2650,15 @@ class StepGraphs:
 
     Gradients: a captured backward adds into .grad tensors that exist at capture and keep their
     addresses. So every parameter has one gradient tensor for the whole run (`grads`), zeroed in
-    place after each update. Each key attaches the gradients of the parameters it trains (its
-    first, eager run finds which) and detaches the others, so an optimizer never sees a zero
-    gradient for a parameter that got none (the head while it is tied).
+    place after each update (but the gradient sinks', which are the model's: GPT.sinks_of). Each
+    key attaches the gradients of the parameters it trains (its first, eager run finds which) and
+    detaches the others, so an optimizer never sees a zero gradient for a parameter that got none
+    (the head while it is tied).
     """
 
     def __init__(self, model, device, enabled):
-        self.params = list(model.parameters())
+        sinks = model.gradient_sinks()
+        self.params = [p for p in model.parameters() if all(p is not s for s in sinks)]
         self.device, self.enabled = device, enabled
         self.capturing = enabled and device.type == "cuda"
         self.grads = {}            # parameter -> its gradient tensor for the run
@@ -2699,6 +2750,9 @@ class StepGraphs:
         with torch.cuda.stream(side):
             fn()
         torch.cuda.current_stream().wait_stream(side)
+        # The eager runs' freed blocks go back to the driver: a capture allocates in the graphs'
+        # own pool, and while it is under way the allocator frees no cached block to make room.
+        torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
@@ -2739,9 +2793,10 @@ def available_memory_bytes(device):
         return None
 
 
-def check_ngram_table(h, env):
+def check_ngram_table(h, env, available=None):
     """Refuse, before anything is allocated, an n-gram table that cannot be split evenly across
-    the processes or whose shard cannot fit where it would live."""
+    the processes or whose shard cannot fit where it would live (`available`: device -> free
+    bytes, available_memory_bytes)."""
     if not h.ngram_rows:
         return
     if h.ngram_rows % env.world_size:
@@ -2764,12 +2819,22 @@ def check_ngram_table(h, env):
         places = [(shard, row_bytes, env.device, f"{shard} rows in each of {env.world_size} processes"
                    if env.world_size > 1 else "all in one process")]
     for rows, per_row, device, where in places:
-        available = available_memory_bytes(device)
-        if available is not None and rows * per_row > available:
+        free = (available or available_memory_bytes)(device)
+        if free is not None and rows * per_row > free:
             raise ConfigError(f"--ngram_rows={h.ngram_rows} needs {rows * per_row / 2**30:.1f} GiB on the "
                               f"{device.type} ({where}: {per_row} B per row, {h.ngram_dtype} values of "
-                              f"{h.model_dim} and the optimizer state), {available / 2**30:.1f} GiB are "
+                              f"{h.model_dim} and the optimizer state), {free / 2**30:.1f} GiB are "
                               f"available: lower --ngram_rows{' or --ngram_cache_rows' if h.ngram_cache_rows else ''}")
+
+
+def ngram_event_rows(h, world_size):
+    """The most distinct rows of the n-gram table one process's Adam event can take gradients for:
+    every entry since the last event (2 per token of every slice of the longest cadence's steps,
+    all processes' when the table is split, each process then asked for its own rows), and no
+    more than the rows it trains (its shard, or the device cache of a host table)."""
+    cadence = max(h.ngram_step_every, h.ngram_late_step_every if h.ngram_late_step else 1)
+    entries = 2 * cadence * h.batch_ranks * max(s.tokens_per_rank for s in h.stages)
+    return min(entries, h.ngram_cache_rows or h.ngram_rows // world_size)
 
 
 def min_cache_rows(h, env):
@@ -2819,17 +2884,82 @@ class VocabRowGradients:
         self.entries = 0
 
 
+class RowGradientSums:
+    """A sparse table's gradients since its last Adam event, summed per row, in memory fixed at
+    the start: `capacity` fp32 rows of sums, at least the distinct rows an event can see.
+
+    add(rows, grads), after each micro-batch: its entries, (N,) rows of the table the Adam trains
+    and their (N, D) gradients, summed per row in entry order (sum_rows: deterministic), each
+    row's sum then added to the row's slot; a row takes the next free slot when it first has a
+    gradient since the last event. Slots are handed out on the device (slot_of, row_of, count):
+    no host sync. summed(calls): the RowGroups of the rows with a slot and their sums divided in
+    place by `calls`, for SparseRowAdam.step_summed. The sums add the same entries as one sum
+    over all of them, in another order: equal up to float rounding."""
+
+    def __init__(self, rows, dim, capacity, device, sum_rows):
+        self.rows, self.capacity, self.sum_rows = rows, capacity, sum_rows
+        self.sums = torch.zeros(capacity + 1, dim, device=device)   # slot `capacity` takes the padding's zeros
+        self.slot_of = torch.full((rows + 1,), -1, dtype=torch.int32, device=device)  # row `rows`: the padding
+        self.row_of = torch.full((capacity + 1,), rows, dtype=torch.int64, device=device)
+        self.count = torch.zeros(1, dtype=torch.int64, device=device)   # slots in use
+        self.entries = 0           # entries added since the last clear (host): at least the slots in use
+        self.clear()
+
+    def add(self, rows, grads):
+        groups = kernels.distinct_rows(rows)
+        row = torch.where(groups.distinct >= 0, groups.distinct, self.rows)
+        slot = self.slot_of[row].long()
+        new = slot < 0
+        slot = torch.where(new, self.count + new.cumsum(0) - 1, slot)
+        self.slot_of[row], self.row_of[slot] = slot.int(), row   # the padding's writes repeat its values
+        self.count += new.sum()
+        self.sums.index_add_(0, slot, self.sum_rows(grads, groups))   # one addition per slot
+        self.entries += rows.numel()
+
+    def in_use(self):
+        """A host bound on the slots in use: they are the first this many."""
+        return min(self.entries, self.capacity)
+
+    def summed(self, calls):
+        n = self.in_use()
+        if calls > 1:
+            self.sums[:n].div_(calls)
+        return kernels.RowGroups(self.row_of[:n], self.count, None, None, None), self.sums[:n]
+
+    def clear(self):
+        n = self.in_use()
+        self.slot_of[self.row_of[:n]] = -1
+        self.slot_of[self.rows] = self.capacity
+        self.row_of[:n] = self.rows
+        self.sums[:n].zero_()
+        self.count.zero_()
+        self.entries = 0
+
+
+@dataclass
+class Route:
+    """Where a slice's n-gram rows come from and where their gradients go, with the table split
+    across the processes (ShardedNgramRows), worked out on the host (pinned with a GPU)."""
+    groups: object                 # kernels.RowGroups of the slice's rows (2 per token)
+    send_counts: list              # how many of its distinct rows each process holds
+    recv_counts: list              # how many rows of this process's shard each process asks for
+    asked: torch.Tensor            # those rows, as indices into this shard, process by process
+
+
 class ShardedNgramRows:
     """The n-gram table split by rows across the processes: process r holds rows [r S, (r + 1) S)
     (S = rows / processes) and their optimizer state, nothing else of the table.
 
-    fetch(tokens), before a forward: the processes gather each other's host tokens of the slice
-    (an all_gather on a host group: the hosts wait for each other, never for a device), so that
-    each works out on the host both the distinct rows it needs from every owner and the rows of
-    its own that every process needs. One all_to_all then moves the values, owners to askers,
-    with sizes the host knows: no host sync. The values land in the model's `fetched` buffer and
-    `slots` says where each token's two rows landed. Host work per slice: the hashes of every
-    process's tokens, and the distinct rows of its own slice and of its rows in the others'.
+    route_of(tokens, everyone), on the host: from the host tokens of this process's slice and of
+    every process's slice of the same micro-batch, the Route: the distinct rows it needs from
+    every owner and the rows of its own that every process needs. Host work per slice: the
+    hashes of every process's tokens, and the distinct rows of its own slice and of its rows in
+    the others'; the batch prefetcher's thread does it a step ahead (BatchPrefetcher). fetch(tokens,
+    route), before a forward: with no route, the processes gather each other's tokens first (an
+    all_gather on a host group: the hosts wait for each other, never for a device) and work it
+    out. One all_to_all then moves the values, owners to askers, with sizes the host knows: no
+    host sync. The values land in the model's `fetched` buffer and `slots` says where each
+    token's two rows landed.
     entries(grads), after the backward: each distinct row's gradient, summed over the slice's
     tokens (in token order: deterministic), goes back to its owner by the same routes, and each
     process returns the entries it received for its own rows (repeats across senders add up in
@@ -2857,26 +2987,35 @@ class ShardedNgramRows:
         return torch.unique(rows[rows // self.shard_rows == self.env.rank])
 
     @torch.no_grad()
-    def fetch(self, tokens, training=True):
-        """Fill the table's `fetched` and `slots` for the host tokens (T,) of the next forward
-        (`training` matters to a host table's cache, not here). Every process calls it for a
-        slice of the same length."""
-        everyone = [torch.empty_like(tokens) for _ in range(self.env.world_size)]
-        dist.all_gather(everyone, tokens, group=self.host_group)
+    def route_of(self, tokens, everyone):
+        """The Route of this process's slice of host `tokens` (T,), `everyone` holding every
+        process's slice of the micro-batch (this one's included). Host work only."""
         groups = kernels.distinct_rows(self.table.slice_rows(tokens))   # on the host, where the tokens are
         distinct = groups.distinct[:int(groups.count)]        # sorted, so grouped by owner
         send_counts = torch.bincount(distinct // self.shard_rows, minlength=self.env.world_size).tolist()
         asked = [distinct[distinct // self.shard_rows == self.env.rank] if process == self.env.rank
                  else self._rows_asked_of_me(theirs) for process, theirs in enumerate(everyone)]
-        recv_counts = [len(rows) for rows in asked]
+        return Route(kernels.RowGroups(**{f.name: self._pinned(getattr(groups, f.name))
+                                          for f in dataclasses.fields(groups)}),
+                     send_counts, [len(rows) for rows in asked], self._pinned(torch.cat(asked) - self.table.first_row))
+
+    @torch.no_grad()
+    def fetch(self, tokens, training=True, route=None):
+        """Fill the table's `fetched` and `slots` for the host tokens (T,) of the next forward
+        (`training` matters to a host table's cache, not here), by `route` (None: gathered and
+        worked out here). Every process calls it for a slice of the same length."""
+        if route is None:
+            everyone = [torch.empty_like(tokens) for _ in range(self.env.world_size)]
+            dist.all_gather(everyone, tokens, group=self.host_group)
+            route = self.route_of(tokens, everyone)
         device = self.env.device
-        asked = self._pinned(torch.cat(asked) - self.table.first_row).to(device, non_blocking=True)
-        dist.all_to_all_single(self.table.fetched[:distinct.numel()], self.table.table[asked],
-                               output_split_sizes=send_counts, input_split_sizes=recv_counts)
-        self.table.slots[:tokens.numel()].copy_(self._pinned(groups.inverse.view(-1, 2)), non_blocking=True)
-        groups = kernels.RowGroups(**{f.name: self._pinned(getattr(groups, f.name)).to(device, non_blocking=True)
-                                      for f in dataclasses.fields(groups)})
-        self.route = (groups, send_counts, recv_counts, asked)
+        asked = route.asked.to(device, non_blocking=True)
+        dist.all_to_all_single(self.table.fetched[:sum(route.send_counts)], self.table.table[asked],
+                               output_split_sizes=route.send_counts, input_split_sizes=route.recv_counts)
+        self.table.slots[:tokens.numel()].copy_(route.groups.inverse.view(-1, 2), non_blocking=True)
+        groups = kernels.RowGroups(**{f.name: getattr(route.groups, f.name).to(device, non_blocking=True)
+                                      for f in dataclasses.fields(route.groups)})
+        self.route = (groups, route.send_counts, route.recv_counts, asked)
 
     @torch.no_grad()
     def entries(self, grads):
@@ -2924,9 +3063,9 @@ class HostNgramRows:
         self.fetches = self.lookups = self.hits = self.evicted = self.rounds = 0
 
     @torch.no_grad()
-    def fetch(self, tokens, training=True):
+    def fetch(self, tokens, training=True, route=None):
         """Make the rows of the host tokens (T,) cached and fill the table's `slots` for them;
-        a training slice's rows are pinned until release()."""
+        a training slice's rows are pinned until release(). (`route` is a split table's.)"""
         distinct, inverse = torch.unique(self.table.slice_rows(tokens), sorted=True, return_inverse=True)
         token_slots = self._cache(distinct, pin=training)[inverse]
         if self.copies is not None:
@@ -2944,7 +3083,7 @@ class HostNgramRows:
 
     def entries(self, grads):
         """(cache slots, gradients) for the entries `grads` (T * 2, D) of the last fetched slice."""
-        return self.last_slots, grads.clone()
+        return self.last_slots, grads
 
     def release(self):
         """The table's Adam event has used every pending gradient: no row needs to stay cached."""
@@ -3022,14 +3161,362 @@ class HostNgramRows:
                 f"{self.fetches} slices), {self.evicted} rows written back in {self.rounds} rounds")
 
 
+# -----------------------------------------------------------------------------------------------
+# Memory budget
+# -----------------------------------------------------------------------------------------------
+
+# Allowances, not measurements (no GPU run yet):
+MEMORY_MARGIN_BYTES = 3 * 2**30    # a GPU's memory beside the budget's items: the CUDA context, cuBLAS, NCCL
+MEMORY_MARGIN_FRACTION = 0.05      # and this share of the GPU: the caching allocator's rounding and fragmentation
+HOST_MARGIN_BYTES = 16 * 2**30     # host memory beside a host table: the processes, the data shards, the OS
+# What shrinks each item, for a refusal to name.
+BUDGET_SETTINGS = {
+    "n-gram table": "--ngram_rows or --ngram_cache_rows, or more processes to split the table",
+    "pending n-gram gradients": "--ngram_late_step_every (the longest cadence) or the stages' tokens_per_rank",
+    "step": "the stages' tokens_per_rank (or candidates)",
+    "n-gram table (host)": "--ngram_rows",
+}
+
+
+@dataclass
+class MemoryBudget:
+    """The bytes a run needs on each process's GPU and in the host's memory, by item, from the
+    shapes alone (memory_budget), so that a run that cannot fit is refused before anything large
+    is allocated.
+
+    Held on the GPU for the whole run:
+      parameters, buffers      the model's (but the n-gram table, its gathered rows, the mask)
+      gradients                one per trained parameter, for the whole run (StepGraphs)
+      optimizer state          Adam's moments (and its summed gradients with several processes
+                               and CUDA graphs); the Muon family's momentum (ANVIL: two rails),
+                               lane moments and banks (stacked gradients, new values)
+      weight averages          the end-of-training EMAs (fp32)
+      n-gram table             this device's rows (all, a shard, or a host table's cache) and
+                               their sparse Adam state (NGRAM_ROW_STATE_BYTES a row)
+      n-gram rows in flight    a split table's gathered rows (`fetched`) and every table's slots
+      gradient sinks           values and gradients, max_tokens rows
+      value tables' sums       the sparse value-embedding tables' row sums and sparse Adam state
+      pending n-gram gradients RowGradientSums: ngram_event_rows fp32 rows and their maps
+      canonical mask           the validation's bit matrix
+    The step: one micro-batch's forward and backward at the largest stage (activations, the logits
+    and their gradient, the backward's transients; step_memory's dry run); with CUDA graphs it
+    stays held in their pool, else it is freed after each backward. Never at once, and not
+    during a step: the table update (per micro-batch, its entries summed per row and grouped,
+    and a split table's rows and gradients on their way; per event, the value tables' touched
+    rows) and a validation forward (validation_memory). Then the margin: MEMORY_MARGIN_BYTES
+    and MEMORY_MARGIN_FRACTION of the GPU.
+
+    In host memory, with the table there: the table and its row state, pinned (the CUDA host
+    allocator rounds each block up to a power of two), the row-to-slot map, the cache's slot
+    bookkeeping, and HOST_MARGIN_BYTES."""
+    device: dict                   # held item -> bytes
+    passing: dict                  # item -> bytes, one at a time
+    step: int
+    logits: int                    # of the step, at its peak
+    graphs: bool                   # the step stays in the CUDA-graph pool
+    host: dict = field(default_factory=dict)
+
+    def device_total(self, gpu_bytes):
+        held = sum(self.device.values()) + (self.step if self.graphs else 0)
+        passing = max([*self.passing.values(), 0 if self.graphs else self.step])
+        return held + passing + MEMORY_MARGIN_BYTES + MEMORY_MARGIN_FRACTION * gpu_bytes
+
+    def host_total(self):
+        return sum(self.host.values()) + HOST_MARGIN_BYTES if self.host else 0
+
+    def refusal(self, what, needed, available, items):
+        """The one line that refuses the run: what it needs, what there is, its largest items."""
+        largest = sorted(items.items(), key=lambda item: -item[1])[:3]
+        named = ", ".join(f"{name} {size / 2**30:.1f}" + (f" ({BUDGET_SETTINGS[name]})" if name in BUDGET_SETTINGS
+                                                         else "") for name, size in largest)
+        return (f"the run needs {needed / 2**30:.1f} GiB of {what}, {available / 2**30:.1f} GiB are there; "
+                f"its largest items (GiB): {named}: lower one of those")
+
+    def check(self, gpu_bytes, host_bytes):
+        """None, or the refusal of a run on a GPU of gpu_bytes with host_bytes of host memory
+        (either None: not checked)."""
+        needed = self.device_total(gpu_bytes or 0)
+        if gpu_bytes is not None and needed > gpu_bytes:
+            return self.refusal("memory on each GPU", needed, gpu_bytes,
+                                {**self.device, **self.passing, "step": self.step})
+        if host_bytes is not None and self.host and self.host_total() > host_bytes:
+            return self.refusal("host memory", self.host_total(), host_bytes, self.host)
+        return None
+
+    def summary(self, gpu_bytes):
+        return f"{self.device_total(gpu_bytes) / 2**30:.1f} of {gpu_bytes / 2**30:.1f} GiB"
+
+
+def pinned_bytes(nbytes):
+    """What pinning `nbytes` of host memory takes: the CUDA host allocator's power of two."""
+    return 1 << max(nbytes - 1, 0).bit_length()
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of the storages the ops under it make while they are alive, and their peak;
+    `logits` counts those of 2-d tensors `logits_width` wide (the head's), at that peak. The
+    storages of `existing` tensors (parameters, gradients, buffers) are not counted."""
+
+    def __init__(self, logits_width, existing=()):
+        super().__init__()
+        self.live = self.peak = self.logits = self.peak_logits = 0
+        self.width, self.seen = logits_width, {id(t.untyped_storage()) for t in existing}
+
+    def _free(self, key, nbytes, logits):
+        self.seen.discard(key)
+        self.live -= nbytes
+        self.logits -= nbytes if logits else 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in self.seen:
+                storage, logits = t.untyped_storage(), t.ndim == 2 and t.shape[-1] == self.width
+                self.seen.add(id(storage))
+                self.live += storage.nbytes()
+                self.logits += storage.nbytes() if logits else 0
+                weakref.finalize(storage, self._free, id(storage), storage.nbytes(), logits)
+        if self.live > self.peak:
+            self.peak, self.peak_logits = self.live, self.logits
+        return out
+
+
+def largest_stage(h):
+    """The index of the stage whose step makes the most memory: the most tokens times head width."""
+    return max(range(len(h.stages)), key=lambda i: h.stages[i].tokens_per_rank * (h.stages[i].candidates or
+                                                                                  PADDED_VOCAB_SIZE))
+
+
+def fake_model(h):
+    """The run's model on fake tensors (shapes without memory) with the Triton kernels' functions,
+    its n-gram table whole; no canonical mask (validation_memory fakes one)."""
+    fns = select_kernels(dataclasses.replace(h, kernels="auto"), torch.device("cuda"))
+    cfg = dataclasses.replace(model_config(h), canonical_mask=False)
+    return GPT(cfg, fns, max_positions(h))
+
+
+def dry_run(h, run):
+    """run(model) on the fake model, under a LiveBytes of the head's width and h's autocast, with
+    the global random state left as it was: (its LiveBytes, the model)."""
+    with torch.random.fork_rng(devices=[]), torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
+        model = fake_model(h)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=h.compute_dtype == "bfloat16")
+        tracker = run(model, autocast)
+    return tracker, model
+
+
+# Keys that do not change what the dry runs count (the table's placement: they run it whole).
+DRY_RUN_FREE_KEYS = ("preset", "track", "seed", "ngram_cache_rows", "train_files", "val_files", "log_dir", "log_every",
+                     "save_checkpoint", "sync_check")
+
+
+def dry_run_key(h):
+    return json.dumps({k: v for k, v in config_to_dict(h).items() if k not in DRY_RUN_FREE_KEYS}, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=8)
+def step_memory(config_json):
+    """(peak bytes, logits bytes at the peak) of one micro-batch's forward and backward at the
+    run's largest stage (largest_stage), with the Triton kernels: the tensors it makes, alive at
+    once at its peak, counted on fake tensors (no memory, no compute). The parameters and their
+    gradients exist before it (the budget counts them apart), as in a run after its first step.
+    The eager step: a compiled one fuses ops and may keep less."""
+    h = config_from_dict(json.loads(config_json))
+    index = largest_stage(h)
+    stage, step = h.stages[index], sum(steps_per_stage(h)[:index])   # the stage and its first step
+
+    def run(model, autocast):
+        model.set_windows(long_window_history(h, step))
+        model.tied = step < untie_step(h)
+        T = stage.tokens_per_rank
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
+        tokens = torch.zeros(T, dtype=torch.int32)
+        targets = torch.zeros(T, MAX_TARGETS - 1, dtype=torch.int64)
+        args = Trainer.attention_args(torch.zeros(T // MIN_DOC_TOKENS + 2, dtype=torch.int32),
+                                      attention_windows(h, step))
+        with model.sinks_of(T):
+            existing = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters()
+                                                                 if p.grad is not None)]
+            tracker = LiveBytes(stage.candidates or PADDED_VOCAB_SIZE, existing)
+            with tracker, autocast:
+                columns = candidate_columns(targets, stage.candidates, 0) if stage.candidates else None
+                objective, _ = model(tokens, targets, args, target_weights(stage, "cpu"), columns)
+                objective.backward()
+        return tracker
+    tracker, _ = dry_run(h, run)
+    return tracker.peak, tracker.peak_logits
+
+
+@functools.lru_cache(maxsize=8)
+def validation_memory(config_json):
+    """Peak bytes of a final validation forward of one slice (val_tokens_per_rank tokens, the
+    canonical mask if on), counted as step_memory counts."""
+    h = config_from_dict(json.loads(config_json))
+
+    def run(model, autocast):
+        if h.canonical_mask:       # its bits' shape, not GPT-2's pairs
+            model.canonical_mask = mask = NoncanonicalPairs.__new__(NoncanonicalPairs)
+            nn.Module.__init__(mask)
+            mask.register_buffer("bits", torch.zeros(PADDED_VOCAB_SIZE, PADDED_VOCAB_SIZE // 8, dtype=torch.uint8))
+            mask.register_buffer("bit_values", 1 << torch.arange(8, dtype=torch.uint8))
+        model.eval()
+        model.set_windows(long_window_history(h, h.num_iterations, final_validation=True))
+        T = h.val_tokens_per_rank
+        args = Trainer.attention_args(torch.zeros(T // MIN_DOC_TOKENS + 2, dtype=torch.int32),
+                                      attention_windows(h, h.num_iterations, final_validation=True))
+        tracker = LiveBytes(PADDED_VOCAB_SIZE, [*model.parameters(), *model.buffers()])
+        with tracker, autocast, torch.no_grad():
+            model.validation_loss_sum(torch.zeros(T, dtype=torch.int32), torch.zeros(T, MAX_TARGETS - 1,
+                                                                                     dtype=torch.int64), args)
+        return tracker
+    return dry_run(h, run)[0].peak
+
+
+def optimizer_bytes(h, model, world_size):
+    """Bytes of the optimizers' state for the model (fake tensors will do), as build_optimizers
+    makes them and their first steps fill them in: see MemoryBudget."""
+    optimizers = build_optimizers(h, model, KernelFns(None, None), run_bank=None)
+    nbytes = lambda p: p.numel() * 4                             # noqa: E731  (fp32 state of fp32 parameters)
+    total = 0
+    for opt in optimizers:
+        params = [p for group in opt.param_groups for p in group["params"]]
+        if isinstance(opt, optim.Adam):
+            total += 2 * sum(map(nbytes, params))                 # exp_avg, exp_avg_sq
+            if world_size > 1 and h.cuda_graphs:                  # the summed gradients at fixed addresses
+                total += sum(nbytes(p) // (world_size if optim.shards_rows(p, world_size) else 1) for p in params)
+            continue
+        rails = 2 if h.optimizer == "anvil" else 1
+        total += rails * sum(map(nbytes, params))
+        for group in opt.param_groups:
+            banks = {}             # Muon's banks: a group's matrices of one shape and dtype
+            for p in group["params"]:
+                banks.setdefault((tuple(p.shape), p.dtype), []).append(p)
+                if group["equalize"]:                             # one second moment per lane of each block
+                    total += 4 * sum(max(rows, p.shape[1]) for rows in group.get("row_splits") or (p.shape[0],))
+            for bank in banks.values():                          # stacked gradients, new values, the shard
+                per_rank = -(-len(bank) // world_size)
+                total += nbytes(bank[0]) * per_rank * (world_size + 1 + (world_size > 1))
+    return total
+
+
+def memory_budget(h, world_size):
+    """The MemoryBudget of h on world_size processes (one GPU each)."""
+    config_json = dry_run_key(h)
+    step, logits = step_memory(config_json)
+    with torch.random.fork_rng(devices=[]), torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
+        model = fake_model(h)
+        sinks = model.gradient_sinks()
+        params = [p for p in model.parameters() if all(p is not s for s in sinks)]
+        table_buffers = {"ngram.table", "ngram.fetched", "ngram.slots"}
+        device = {
+            "parameters": sum(p.nbytes for p in params),
+            "buffers": sum(b.nbytes for name, b in model.named_buffers() if name not in table_buffers),
+            "gradients": sum(p.nbytes for p in params if p.requires_grad),
+            "optimizer state": optimizer_bytes(h, model, world_size),
+            "weight averages": sum(4 * w.numel() for a in h.averages for _, w in averaged_pieces(model, a.params)),
+            "gradient sinks": 2 * sum(s.nbytes for s in sinks),
+        }
+        value_widths = [ve.embedding_dim for ve in model.value_embeds] if model.value_sinks is not None else []
+    D, passing = h.model_dim, {}
+    longest, tokens = max(s.tokens_per_rank for s in h.stages), max_positions(h)
+    device["value tables' sums"] = sum(4 * (PADDED_VOCAB_SIZE + 1) * w + NGRAM_ROW_STATE_BYTES * PADDED_VOCAB_SIZE
+                                       for w in value_widths)
+    passing["table update"] = sum(2 * 4 * PADDED_VOCAB_SIZE * w for w in value_widths)   # the touched rows' sums
+    host = {}
+    if h.ngram_rows:
+        cache, dtype_bytes = h.ngram_cache_rows, getattr(torch, h.ngram_dtype).itemsize
+        rows = cache or h.ngram_rows // world_size
+        split = world_size > 1 and not cache
+        capacity = ngram_event_rows(h, world_size)
+        device["n-gram table"] = rows * (D * dtype_bytes + NGRAM_ROW_STATE_BYTES)
+        if split or cache:     # the slots of a slice's rows; split, the rows gathered for it
+            device["n-gram rows in flight"] = 8 * 2 * tokens + (2 * tokens * D * dtype_bytes if split else 0)
+        device["pending n-gram gradients"] = (capacity + 1) * (4 * D + 8) + 4 * (rows + 1) + 8
+        # per micro-batch: its entries summed per row and their grouping (7 int64 vectors); split:
+        # every process's asks of this one, the rows sent, the gradients received and sent
+        entries = 2 * longest * (world_size if split else 1)
+        update = entries * (4 * D + 7 * 8)
+        if split:
+            update += entries * (dtype_bytes * D + 4 * D) + 2 * longest * (4 * D + 7 * 8)
+        passing["table update"] = max(passing["table update"], update)
+        if cache:
+            host = {"n-gram table (host)": pinned_bytes(h.ngram_rows * D * dtype_bytes),
+                    "n-gram row state (host)": 2 * pinned_bytes(4 * h.ngram_rows) + 4 * h.ngram_rows,
+                    "n-gram cache slots (host)": cache * (8 + 8 + 1)}
+    if h.canonical_mask:
+        device["canonical mask"] = PADDED_VOCAB_SIZE * PADDED_VOCAB_SIZE // 8
+    passing["validation"] = validation_memory(config_json)
+    return MemoryBudget(device, passing, step, logits, h.cuda_graphs, host)
+
+
+def check_memory(h, env, available=None):
+    """Refuse, before anything large is allocated, a run whose MemoryBudget does not fit this
+    process's GPU (its free memory) or, with the table in host memory, the host's. `available`:
+    device -> free bytes (available_memory_bytes)."""
+    available = available or available_memory_bytes
+    budget = memory_budget(h, env.world_size)
+    refusal = budget.check(available(env.device), available(torch.device("cpu")) if budget.host else None)
+    if refusal:
+        raise ConfigError(refusal)
+    return budget
+
+
+def launch_plan(gpus, argv=(), available=None):
+    """(preset arguments, processes, reason): what run.sh starts on `gpus` GPUs, for train_gpt.py's
+    arguments `argv`. Without a --preset or --config among them, the first of these that passes
+    the start-up checks (the config's, the batch and validation splits, check_ngram_table,
+    check_memory): the speedrun preset on 8 GPUs (the record's configuration); the 1gpu preset
+    (the same training, off the record track) with its n-gram table split across the GPUs
+    (--ngram_cache_rows=0) on the largest process count below 8 that divides the batch's slices;
+    the 1gpu preset on one process, its table in host memory. With one, the user's config on the
+    most processes that pass. `available`: device -> free bytes (available_memory_bytes; GPU 0
+    stands for every GPU). ConfigError when nothing passes, with each refusal."""
+    available = available or available_memory_bytes
+    gpu, host = available(torch.device("cuda", 0)), available(torch.device("cpu"))
+    if any(a in ("--preset", "--config") or a.startswith(("--preset=", "--config=")) for a in argv):
+        ranks = parse_config(argv).batch_ranks
+        candidates = [((), n, "the most processes it passes on") for n in range(min(gpus, ranks), 0, -1)
+                      if ranks % n == 0]
+    else:
+        ranks = parse_config(["--preset", "1gpu", *argv]).batch_ranks
+        candidates = ([(("--preset", "speedrun"), 8, "the record's configuration")] if gpus >= 8 else []) + [
+            (("--preset", "1gpu", "--ngram_cache_rows=0"), n, f"the n-gram table split across the {n} GPUs")
+            for n in range(min(gpus, ranks - 1), 1, -1) if ranks % n == 0] + [
+            (("--preset", "1gpu"), 1, "the n-gram table in host memory")]
+    refused = []
+    for args, n, why in candidates:
+        h = parse_config([*args, *argv])
+        env = Dist(0, n, 0, torch.device("cuda", 0))
+        what = f"{' '.join(args) or 'the config'} on {n} process{'es' * (n > 1)}"
+        try:
+            if h.batch_ranks % n:
+                raise ConfigError(f"batch_ranks={h.batch_ranks} is not divisible by {n}")
+            check_validation_split(h, env)
+            check_ngram_table(h, env, available)
+            budget = check_memory(h, env, available)
+        except ConfigError as e:
+            refused.append(f"{what}: {e}")
+            continue
+        fits = f"the budget: {budget.summary(gpu)} on each GPU" + (
+            f", {budget.host_total() / 2**30:.1f} of {host / 2**30:.1f} GiB of host memory" if budget.host else "")
+        not_chosen = f"; not {refused[-1].split('; ')[0]}" if refused else ""   # its first clause
+        return args, n, f"{gpus} GPU(s) of {gpu / 2**30:.1f} GiB: {what} ({why}; {fits}){not_chosen}"
+    raise ConfigError(f"nothing fits {gpus} GPU(s) of {gpu / 2**30:.1f} GiB and {host / 2**30:.1f} GiB of host "
+                      f"memory: {'; '.join(refused)}")
+
+
 class Trainer:
     """The model, its optimizers and the schedules that drive them, on one process."""
 
-    def __init__(self, h: Hyperparameters, env: Dist, log: RunLog):
+    def __init__(self, h: Hyperparameters, env: Dist, log: RunLog, training=True):
+        """training=False: for an evaluation or sampling, which needs no training's memory budget."""
         self.h, self.env, self.log = h, env, log
         torch.manual_seed(h.seed)
         self.kernels = select_kernels(h, env.device)
         check_ngram_table(h, env)
+        if training and env.device.type == "cuda":
+            check_memory(h, env)
         self.model = build_model(h, self.kernels, TablePlacement(env.rank, env.world_size, h.ngram_cache_rows,
                                                                  env.device))
         self.model.to(env.device)
@@ -3040,6 +3527,8 @@ class Trainer:
         self.ngram_adam = None     # the n-gram table's (its shard's, its cache's) sparse Adam
         self.ngram_fetch = None    # split or on the host: what fetches a slice's rows (and routes their gradients)
         self.ngram_cache = None    # on the host: that same HostNgramRows (its prefetch, flush, counts)
+        self.ngram_grads = None    # the table's gradients since its last Adam event (RowGradientSums)
+        self.ngram_router = None   # split: that same ShardedNgramRows (the batch prefetcher works out its routes)
         ngram = self.model.ngram
         if ngram is not None:
             self.ngram_adam = optim.SparseRowAdam(ngram.fetched if ngram.on_host else ngram.table, lr=h.ngram_lr,
@@ -3048,7 +3537,10 @@ class Trainer:
             if ngram.on_host:
                 self.ngram_fetch = self.ngram_cache = HostNgramRows(ngram, self.ngram_adam, env.device)
             elif ngram.gathered:
-                self.ngram_fetch = ShardedNgramRows(ngram, self.ngram_adam.sum_rows, env)
+                self.ngram_fetch = self.ngram_router = ShardedNgramRows(ngram, self.ngram_adam.sum_rows, env)
+            self.ngram_grads = RowGradientSums(self.ngram_adam.table.shape[0], h.model_dim,
+                                               ngram_event_rows(h, env.world_size), env.device,
+                                               self.ngram_adam.sum_rows)
         self.value_adams = []      # sparse value embeddings: each table's sparse Adam (every process's table whole)
         self.value_grads = []      # and its rows' gradients since its last update (VocabRowGradients)
         if self.model.value_sinks is not None:
@@ -3060,7 +3552,7 @@ class Trainer:
                 self.value_grads.append(VocabRowGradients(PADDED_VOCAB_SIZE, ve.embedding_dim, env.device,
                                                           adam.sum_rows))
         self.sparse = ngram is not None or bool(self.value_adams)  # any table trained from gradient entries
-        self.drop_sparse_entries()  # the pending gradient entries of each table, and the steps they span
+        self.drop_sparse_entries()  # no pending gradients, and no steps since the last event
         self.sparse_step_every = h.ngram_step_every
         self.freeze_table = False  # set by the warm-up: the table keeps its values
         self.forward, self.validation_loss_sum = self.model, self.model.validation_loss_sum
@@ -3151,20 +3643,21 @@ class Trainer:
         body = functools.partial(self.micro_batch, stage, attention_windows(self.h, step))
         self.weights.copy_(self.step_weights[step])
         self.step_losses.zero_()
-        for slice_index, s in zip(self.mine, slices):
-            self.model.set_fp8_loss_unit(1.0 / (s.tokens.numel() * self.accum))  # the objective's weight per token
-            if self.ngram_fetch is not None:
-                self.ngram_fetch.fetch(s.tokens)
-            self.graphs.run(graph_key(self.h, step), body, s, candidate_offset(step, slice_index))
-            if self.sparse:
-                self.take_sparse_entries(s)
+        with self.model.sinks_of(stage.tokens_per_rank):
+            for slice_index, s in zip(self.mine, slices):
+                self.model.set_fp8_loss_unit(1.0 / (s.tokens.numel() * self.accum))  # the objective's weight per token
+                if self.ngram_fetch is not None:
+                    self.ngram_fetch.fetch(s.tokens, route=s.route)
+                self.graphs.run(graph_key(self.h, step), body, s, candidate_offset(step, slice_index))
+                if self.sparse:
+                    self.take_sparse_entries(s)
         return self.step_losses.clone()
 
     def take_sparse_entries(self, s):
-        """Keep the sparse tables' gradient entries of the micro-batch that just ran, from their
-        sinks, and clear the sinks for the next one: the n-gram table's two rows per token (with a
-        split table, the entries the other processes sent for this one's rows) and each sparse
-        value-embedding table's row per token (the token itself)."""
+        """Add the sparse tables' gradient entries of the micro-batch that just ran, from their
+        sinks, to the tables' row sums, and clear the sinks for the next one: the n-gram table's
+        two rows per token (with a split table, the entries the other processes sent for this
+        one's rows) and each sparse value-embedding table's row per token (the token itself)."""
         count = s.tokens.numel()
         ngram = self.model.ngram
         resident = ngram is not None and self.ngram_fetch is None   # its rows come from the device tokens
@@ -3172,10 +3665,8 @@ class Trainer:
         if ngram is not None:
             grads = ngram.sink.grad[:count]
             entries = grads.reshape(2 * count, -1)
-            if self.ngram_fetch is not None:
-                self.ngram_entries.append(self.ngram_fetch.entries(entries))
-            else:
-                self.ngram_entries.append((ngram.slice_rows(tokens), entries.clone()))
+            self.ngram_grads.add(*(self.ngram_fetch.entries(entries) if self.ngram_fetch is not None
+                                   else (ngram.slice_rows(tokens), entries)))
             grads.zero_()
         if self.value_adams:
             groups = kernels.distinct_rows(tokens.long())
@@ -3187,17 +3678,20 @@ class Trainer:
     def step_sparse_tables(self):
         """Every ngram_step_every-th step (ngram_late_step_every from ngram_late_step): update the
         sparse tables from the mean of their gradients over those steps. The n-gram table's touched
-        rows take its entries (repeats add up); the value-embedding tables' rows, see
+        rows take their summed entries (RowGradientSums); the value-embedding tables' rows, see
         step_value_table. The warm-up discards its gradients."""
         self.sparse_calls += 1
         if self.freeze_table or self.sparse_calls >= self.sparse_step_every:
             if not self.freeze_table:
                 if self.ngram_adam is not None:
-                    rows, grads = (torch.cat(parts) for parts in zip(*self.ngram_entries))
-                    self.ngram_adam.step(rows, grads / self.sparse_calls if self.sparse_calls > 1 else grads)
+                    self.ngram_adam.step_summed(*self.ngram_grads.summed(self.sparse_calls))
                 for adam, pending in zip(self.value_adams, self.value_grads):
                     self.step_value_table(adam, pending)
             self.drop_sparse_entries()
+
+    def sparse_adams(self):
+        """The sparse tables' optimizers: the n-gram table's and the value-embedding tables'."""
+        return [adam for adam in (self.ngram_adam, *self.value_adams) if adam is not None]
 
     def step_value_table(self, adam, pending: VocabRowGradients):
         """Update a value-embedding table's rows with a gradient from the mean over the steps and
@@ -3211,11 +3705,21 @@ class Trainer:
 
     def drop_sparse_entries(self):
         """No gradient pending (a host table's cache may let their rows go)."""
-        self.ngram_entries, self.sparse_calls = [], 0
+        self.sparse_calls = 0
+        if self.ngram_grads is not None:
+            self.ngram_grads.clear()
         for pending in self.value_grads:
             pending.clear()
         if self.ngram_cache is not None:
             self.ngram_cache.release()
+
+    @property
+    def ngram_entries(self):
+        """The n-gram table's pending gradients as [(rows, their summed gradients)], each row with
+        a gradient once ([] when none), for inspection: it waits for the device."""
+        pending = self.ngram_grads
+        count = int(pending.count) if pending is not None and pending.entries else 0
+        return [(pending.row_of[:count], pending.sums[:count])] if count else []
 
     def train_step(self, step, slices):
         """One optimizer step on the global batch; advance_to(step) has set the schedule."""
@@ -3233,7 +3737,8 @@ class Trainer:
     def capture_graph(self, step):
         """Capture the forward+backward of `step`'s graph key (on CUDA with cuda_graphs; a step of
         that key must have run)."""
-        self.graphs.capture(graph_key(self.h, step))
+        with self.model.sinks_of(self.h.stages[stage_index(self.h, step)].tokens_per_rank):
+            self.graphs.capture(graph_key(self.h, step))
 
     def calibrate_fp8(self, slices):
         """Record the FP8 amaxes of the initial weights on the first step's batch (gradients
@@ -3250,8 +3755,9 @@ class Trainer:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.graphs.zero_grads()
-        for sink in self.model.gradient_sinks():
-            sink.grad = None
+        for sink in self.model.gradient_sinks():   # zeroed in place: captured graphs add into them
+            if sink.grad is not None:
+                sink.grad.zero_()
         self.drop_sparse_entries()
 
     @torch.no_grad()
@@ -3341,6 +3847,8 @@ def warm_up(trainer, train_files, val_slices):
                                                        trainer.mine))
         if h.warmup_steps:
             trainer.capture_graph(step)
+    for adam in trainer.sparse_adams():     # the frozen tables' updates, on scratch tables
+        adam.launch_on_scratch()
     trainer.graphs.in_warm_up = trainer.freeze_table = False
     seen = set()
     for step, final in validation_points(h):
@@ -3402,7 +3910,7 @@ def train(h, env, log):
     if trainer.ngram_cache is not None:
         trainer.ngram_cache.reset_counts()
     batches = BatchPrefetcher(TrainLoader(train_files, batch_tokens(h)), h, trainer.mine,
-                              pin=env.device.type == "cuda")
+                              pin=env.device.type == "cuda", router=trainer.ngram_router)
     losses = DeferredLossLines(env.device)
     N = h.num_iterations
     synchronize(env.device)
@@ -3741,7 +4249,7 @@ def trained_model(path, overrides, allowed):
         setattr(h, key, _parse_value(key, text, getattr(h, key)))
     h = normalize_config(h)
     check_config(h)
-    trainer = Trainer(h, start_process(h), log=None)
+    trainer = Trainer(h, start_process(h), log=None, training=False)
     trainer.advance_to(h.num_iterations, final_validation=True)
     if trainer.model.tied != metadata["tied"]:
         raise CheckpointError(f"{path}: its head is {'tied' if metadata['tied'] else 'untied'}, but its config "
@@ -3884,14 +4392,45 @@ def stop(log, line, code):
     return code
 
 
+def cpu_threads():
+    """The threads of one CPU process: OMP_NUM_THREADS when set, else this process's cores shared
+    by the processes of its machine (LOCAL_WORLD_SIZE)."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
+    local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, cores // local_procs)
+
+
 def start_process(h):
     """This process's rank and device (see setup_distributed), with the CPU settings of a CPU run."""
     env = setup_distributed(h)
     if env.device.type == "cpu":
         keep_freed_memory_for_reuse()
-        local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, os.cpu_count() // local_procs))
+        torch.set_num_threads(cpu_threads())
     return env
+
+
+def plan_command(argv):
+    """--plan [--gpus=N --gpu_gib=X --host_gib=Y] [train_gpt.py arguments]: print launch_plan's
+    answer for this machine (or for N GPUs of X GiB and Y GiB of host memory), in three lines:
+    the processes, the preset arguments, the reason. run.sh asks it."""
+    parser = argparse.ArgumentParser(prog="train_gpt.py --plan", allow_abbrev=False)
+    parser.add_argument("--plan", action="store_true")
+    parser.add_argument("--gpus", type=int, default=None)
+    parser.add_argument("--gpu_gib", type=float, default=None)
+    parser.add_argument("--host_gib", type=float, default=None)
+    args, rest = parser.parse_known_args(argv)
+    gpus = torch.cuda.device_count() if args.gpus is None else args.gpus
+    if gpus < 1:
+        raise ConfigError("--plan is for GPUs and this machine has none: ./run.sh runs the cpu preset here")
+
+    def available(device):
+        given = args.gpu_gib if device.type == "cuda" else args.host_gib
+        return available_memory_bytes(device) if given is None else int(given * 2**30)
+    preset_args, processes, reason = launch_plan(gpus, rest, available)
+    print(processes, " ".join(preset_args), reason, sep="\n")
+    return 0
 
 
 def checkpoint_command(argv):
@@ -3909,6 +4448,8 @@ def main(argv=None):
     try:
         stop_on_signals()
         command = checkpoint_command(argv)
+        if "--plan" in argv:
+            return plan_command(argv)
         if command == "sample":
             return sample_from_checkpoint(argv)
         if command == "eval":

@@ -100,7 +100,7 @@ ATTENTION_MATMULS = 7     # per visible pair and head dim: 2 forward (QK^T, PV),
 GPU_TRAIN_CONFIG = ["--preset", "1gpu", f"--ngram_rows={GPU_SHAPES['ngram_rows']}", "--ngram_cache_rows=0"]
 DRY_TRAIN_CONFIG = [
     "--preset", "cpu", "--device=cpu", "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64",
-    "--mlp_hidden=128", "--bigram_rows=1024", "--long_window_layers=[1]", "--narrow_qk_layers=[]", "--fp8_mlp=false",
+    "--mlp_hidden=128", "--bigram_rows=1024", "--ngram_rows=0", "--long_window_layers=[1]", "--narrow_qk_layers=[]", "--fp8_mlp=false",
     "--fp8_qkv=false", "--fp8_head=false", "--optimizer=adamw",
     "--batch_ranks=1", "--num_iterations=4", "--val_tokens=128", "--val_tokens_per_rank=128",
     '--stages=[{"end":0.5,"tokens_per_rank":16,"max_doc_len":16,"short_window":1,"long_window":1,"candidates":128},'
@@ -114,6 +114,12 @@ SYNTHETIC_DOC_LEN = 1000  # tokens between <|endoftext|> tokens in the synthetic
 BOS = 50256               # <|endoftext|>, which starts every document
 TRAIN_SHARD_TOKENS = dict(gpu=1 << 23, dry=1 << 14)  # the loader cycles through the shard
 VAL_SHARD_TOKENS = 1 << 17  # more than the compiled run's validation reads
+
+# The split n-gram table's host routing (train_gpt.ShardedNgramRows.route_of), timed on the host:
+# rank 0 of SPEEDRUN_PROCESSES, one micro-batch per stage shape, on synthetic tokens.
+SPEEDRUN_PROCESSES = 8
+ROUTING_SLICES = 8        # micro-batches timed per shape (the median is reported)
+ZIPF_OFFSET = 2.7         # synthetic token ids: p(rank r) ~ 1 / (r + 2.7) over a shuffled vocabulary (Zipf-Mandelbrot)
 
 # Projection: per-GPU share of the 1-GPU step; memory-bound kernels slow down by the bandwidth ratio.
 H100_BANDWIDTH_TBS = 3.35  # H100 SXM HBM3
@@ -278,6 +284,71 @@ def uneven_document_lengths(num_tokens, median, max_len, generator):
         lengths.append(int(np.clip(length, MIN_DOC_LEN, max_len)))
     lengths[-1] -= sum(lengths) - num_tokens
     return lengths
+
+
+def zipf_slices(count, num_tokens, median_doc, generator):
+    """`count` slices of num_tokens synthetic token ids (int32), each id drawn independently with
+    p(rank r) ~ 1 / (r + ZIPF_OFFSET) over a shuffled vocabulary, a document start (BOS) before
+    each log-normal document. Independent draws: more distinct bigrams and trigrams than text."""
+    import torch
+    vocab = np.arange(BOS)
+    p = 1.0 / (vocab + ZIPF_OFFSET)
+    ids = generator.permutation(BOS)
+    out = []
+    for _ in range(count):
+        tokens = ids[generator.choice(vocab, size=num_tokens, p=p / p.sum())].astype(np.int32)
+        tokens[np.cumsum([0] + uneven_document_lengths(num_tokens, median_doc, num_tokens, generator))[:-1]] = BOS
+        out.append(torch.from_numpy(tokens))
+    return out
+
+
+ROUTING_WAYS = ("route_of", "fetch with the route", "fetch gathering")
+
+
+def routing_host_ms(shapes, token_counts, pin, way="route_of"):
+    """{tokens per slice: median ms of the split table's host routing of one micro-batch} on this
+    host, as rank 0 of SPEEDRUN_PROCESSES with the speedrun's table, `way` one of ROUTING_WAYS:
+    ShardedNgramRows.route_of from every process's slice (`pin`: into pinned memory, as on a GPU;
+    the batch prefetcher's work); the training loop's fetch given that route; or the fetch that
+    gathers the tokens first (the gather simulated, its time left out) and works the route out on
+    its way. The fetches' collectives are left out; on a CPU their gather of the asked rows is
+    host work, on a GPU a kernel."""
+    import torch
+    import torch.distributed as dist
+    import train_gpt as tg
+    world, generator = SPEEDRUN_PROCESSES, np.random.default_rng(0)
+    cpu = torch.device("cpu")
+    table = tg.NgramTable(shapes["ngram_rows"] * world, 8, max(token_counts), torch.bfloat16,
+                          tg.TablePlacement(0, world, 0, cpu))    # 8 wide: the routing does not read the values
+    router = tg.ShardedNgramRows(table, None, tg.Dist(0, world, 0, cpu))
+    router._pinned = (lambda host: host.pin_memory()) if pin else router._pinned
+    medians = {}
+    for tokens in token_counts:
+        times = []
+        for _ in range(ROUTING_SLICES + 1):     # the first one untimed
+            everyone = zipf_slices(world, tokens, shapes["doc_median"], generator)
+            route = router.route_of(everyone[0], everyone) if way == "fetch with the route" else None
+            gather, move = dist.all_gather, dist.all_to_all_single
+            dist.all_gather = lambda out, mine, group=None: [o.copy_(t) for o, t in zip(out, everyone)]
+            dist.all_to_all_single = lambda *args, **kwargs: None
+            try:
+                start = time.perf_counter()
+                if way == "route_of":
+                    router.route_of(everyone[0], everyone)
+                else:
+                    router.fetch(everyone[0], route=route)
+                times.append(1000 * (time.perf_counter() - start))
+            finally:
+                dist.all_gather, dist.all_to_all_single = gather, move
+        medians[tokens] = statistics.median(times[1:])
+    return medians
+
+
+def routing_line(routing_ms):
+    return ("split n-gram table's host routing per micro-batch (ShardedNgramRows.route_of, rank 0 of "
+            f"{SPEEDRUN_PROCESSES}, synthetic Zipf tokens, median of {ROUTING_SLICES}): "
+            + ", ".join(f"{t:,} tokens {ms:.1f} ms" for t, ms in sorted(routing_ms.items()))
+            + "; the batch prefetcher's thread does it a step ahead")
 
 
 def visible_pairs(lengths, window):
@@ -717,10 +788,13 @@ def compiled_run_line(run, eager_last_ms, dry):
 
 def projection(plan, triton_ms, compiled_ratio):
     """Projected training time (s) of the whole schedule on plan["batch_ranks"] GPUs: per stage, its
-    steps x its 1-GPU eager Triton step time, x the compiled/eager ratio, / the GPUs. A stage
-    without a step time counts 0."""
-    eager_ms = sum(count * ms for count, ms in zip(plan["stage_steps"], triton_ms) if ms is not None)
-    return eager_ms * compiled_ratio / plan["batch_ranks"] / 1e3
+    steps x the longer of its GPU step (its 1-GPU eager Triton step time x the compiled/eager
+    ratio / the GPUs) and the split table's host routing of one micro-batch (plan["routing_ms"],
+    done a step ahead in the batch prefetcher's thread: hidden when shorter). A stage without a
+    step time counts 0."""
+    gpus, routing = plan["batch_ranks"], plan.get("routing_ms") or [0.0] * len(plan["stage_steps"])
+    return sum(count * max(ms * compiled_ratio / gpus, host) for count, ms, host
+               in zip(plan["stage_steps"], triton_ms, routing) if ms is not None) / 1e3
 
 
 def projection_line(plan, seconds, compiled_ratio, lacks):
@@ -729,12 +803,17 @@ def projection_line(plan, seconds, compiled_ratio, lacks):
     gpus = plan["batch_ranks"]
     ratio = (f"compiled/eager ratio {compiled_ratio:.2f}, measured at the last stage's shape"
              if compiled_ratio is not None else "no compiled/eager ratio: eager times as they are")
+    routing = plan.get("routing_ms")
+    host = (f"the longer of that and the split n-gram table's host routing of one micro-batch (measured on this "
+            f"host: {', '.join(f'{ms:.1f}' for ms in routing)} ms by stage), which the batch prefetcher's thread "
+            f"does a step ahead (assumes that thread has a core of its own and holds the GIL only between torch ops)"
+            if routing else "no host routing time (not measured)")
     line = (f"projection (an estimate, not a measurement): {gpus}xH100 training time {seconds:.0f} s "
             f"({seconds / 60:.2f} min) for {plan['num_iterations']} steps, up to {seconds * slowdown:.0f} s if every "
             f"kernel were memory-bound. Method: the sum over stages of (its steps in the schedule) x (its 1-GPU "
-            f"eager Triton step time) x ({ratio}) / {gpus}. Assumes perfect {gpus}-way scaling with no "
-            f"communication time, H100 compute equal to this GPU's, and memory-bound kernels up to {slowdown:.2f}x "
-            f"slower on an H100 ({H100_BANDWIDTH_TBS} vs {H200_BANDWIDTH_TBS} TB/s).")
+            f"eager Triton step time) x ({ratio}) / {gpus}, per step {host}. Assumes perfect {gpus}-way scaling "
+            f"with no communication time, H100 compute equal to this GPU's, and memory-bound kernels up to "
+            f"{slowdown:.2f}x slower on an H100 ({H100_BANDWIDTH_TBS} vs {H200_BANDWIDTH_TBS} TB/s).")
     return line + (f" Incomplete: it lacks {'; '.join(lacks)}." if lacks else "")
 
 
@@ -1008,10 +1087,14 @@ def time_kernel(task, progress):
 
 
 def make_training_plan(task, progress):
-    """The training plan (`training_plan`) and the synthetic shards, written to task.params["data_dir"]."""
+    """The training plan (`training_plan`), the synthetic shards, written to task.params["data_dir"],
+    and the host routing time of the speedrun's split table at each stage's slice length."""
     h = training_config(task.dry, "triton")
     train_files, val_files = write_synthetic_data(task.params["data_dir"], task.dry)
-    return training_plan(h) | dict(train_files=train_files, val_files=val_files)
+    counts = sorted({s.tokens_per_rank for s in h.stages})
+    routing = routing_host_ms(DRY_SHAPES if task.dry else GPU_SHAPES, counts, pin=not task.dry)
+    return training_plan(h) | dict(train_files=train_files, val_files=val_files,
+                                   routing_ms=[routing[s.tokens_per_rank] for s in h.stages])
 
 
 def time_training(task, progress):
@@ -1297,6 +1380,9 @@ def parse_flags():
                         help="for tests: make the child of part NAME raise")
     parser.add_argument("--crash-part", action="append", default=[], metavar="NAME",
                         help="for tests: make the child of part NAME exit at once, reporting nothing")
+    parser.add_argument("--routing", action="store_true",
+                        help="only time the split n-gram table's host routing on this host (no GPU needed), "
+                             "as the projection does, and the fetch that worked it out before")
     flags = parser.parse_args()
     flags.parts = set(flags.parts.split(","))
     if not flags.parts <= set(PARTS):
@@ -1323,9 +1409,20 @@ def bench_time_line(part_seconds, total_s):
     return "bench time: " + "".join(f"{name} {s:.0f} s, " for name, s in seconds.items()) + f"total {total_s:.0f} s"
 
 
+def routing_main():
+    """--routing: the host routing's times each way (ROUTING_WAYS), on this host's CPU."""
+    counts = sorted({s.tokens_per_rank for s in training_config(False, "triton").stages})
+    print(routing_line(routing_host_ms(GPU_SHAPES, counts, pin=False)))
+    for way in ROUTING_WAYS[1:]:
+        ms = routing_host_ms(GPU_SHAPES, counts, pin=False, way=way)
+        print(f"{way} (its collectives left out): " + ", ".join(f"{t:,} tokens {m:.1f} ms" for t, m in ms.items()))
+
+
 def main():
     start = time.monotonic()
     flags = parse_flags()
+    if flags.routing:
+        return routing_main()
     deadline = Deadline(flags.budget)
     if flags.dry:
         prepare_dry_mode()

@@ -3,31 +3,45 @@ report its resources: registers, shared memory, spills, instruction counts, tens
 
 Two sets of launches, recorded with kernels._launch replaced by a recorder, so that the
 arguments carry the block sizes, dtypes, layouts and specializations (unit strides, 16-aligned
-pointers, 16-divisible sizes) exactly as the JIT sees them:
-  - the trainer's: one training step of every stage of the speedrun preset, the optimizer
-    step and the final validation, at full size, traced on fake tensors under CUDA's autocast
-    rules (tests/cuda_autocast.py); each kernel op it calls is then made again on real CPU
-    tensors that are allocated but never touched, which records the launch without running it;
+pointers, 16-divisible sizes) exactly as the JIT sees them, with each launch's grid and each
+tensor argument's largest element offset:
+  - the trainer's, for each run of TRAINER_RUNS (the speedrun, 1gpu and record89 presets and
+    the schedule of bench/bench_gpu.py's training part): one training step of every stage, the
+    optimizer step and the final validation, at full size, traced on fake tensors under CUDA's
+    autocast rules (tests/cuda_autocast.py), and the sparse tables' updates at the largest
+    sizes the run makes (sparse_row_calls); each kernel op it calls is then made again on real
+    CPU tensors that are allocated but never touched, which records the launch without running it;
   - the library's other production variants (LIBRARY_SHAPES: head dims 64, the FP8 linear,
-    sampled-softmax widths, both weight dtypes), from the public wrappers on untouched tensors.
+    sampled-softmax widths, both weight dtypes, both value-table widths), from the public
+    wrappers on untouched tensors.
 Each distinct launch is compiled with triton.compile for GPUTarget("cuda", 90, 32) and
 inspected with the cuobjdump that ships inside the triton wheel; "trainer" in an entry says
-whether the trainer makes that launch.
+whether a trainer run makes that launch.
 
-    python bench/sm90_report.py            # print the report
+The index audit (index_findings) reads each compiled variant's TTIR: for every pointer argument
+whose largest offset in some launch is >= 2^31 elements, each offset added to it (tt.addptr,
+traced back through splat, broadcast, expand_dims, loop-carried pointers ... to the argument)
+must be computable without overflow: an i32 offset, or an i64 one extended (arith.extsi) from an
+i32 value that multiplies a program id, has its value bounded from the launch's grid and scalar
+arguments (interval arithmetic over the TTIR), and a bound >= 2^31 or none is a finding.
+
+    python bench/sm90_report.py            # print the report and the audit's findings
     python bench/sm90_report.py --write    # also store it in bench/sm90_resources.json (another
                                            # triton than requirements.txt's: sm90_resources_triton<v>.json)
 
-tests/test_kernels_sm90.py runs the same compiles and checks the limits below.
+tests/test_kernels_sm90.py runs the same compiles and checks the limits below and the audit.
 """
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
+import typing
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -37,6 +51,7 @@ from torch.utils._pytree import tree_map
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "tests"))
+sys.path.insert(0, str(REPO_ROOT / "bench"))
 
 import kernels  # noqa: E402
 import train_gpt  # noqa: E402
@@ -59,7 +74,14 @@ REPORT_PATH = report_path()        # this process's triton
 HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes of shared memory one block may use on H100/H200
 
-TRAINER_PRESET = "speedrun"        # its per-GPU shapes are also the 1gpu preset's
+# The trainer runs whose launches are recorded: (config arguments, processes, schedule). A
+# preset's schedule is its timed run, steps 0 .. N-1 in order; "bench" is bench/bench_gpu.py's
+# training part (the 1gpu preset with one GPU's share of the n-gram table resident, UNTIMED_STEPS
+# + TIMED_STEPS steps at the first step of each stage, in stage order).
+TRAINER_RUNS = {"speedrun": (["--preset", "speedrun"], 8, "preset"),
+                "1gpu": (["--preset", "1gpu"], 1, "preset"),
+                "record89": (["--preset", "record89"], 8, "preset"),
+                "bench": (None, 1, "bench")}
 # Shapes of the library variants: packed tokens per GPU, model width, MLP width, vocabulary
 # (full and the smallest sampled-softmax candidate set), a document length and window.
 LIBRARY_SHAPES = dict(tokens=49152, width=768, hidden=3072, vocab=50304, candidates=10240,
@@ -68,6 +90,9 @@ ATTENTION_HEAD_DIMS = ((128, 128), (64, 64), (128, 64), (64, 128))  # (Dqk, Dv)
 WEIGHT_DTYPES = (torch.bfloat16, torch.float32)  # master weights of the fp8 layers (bf16 or fp32)
 CE_TARGET_COUNTS = (1, 2, 3, 4)  # next token alone ... three future tokens plus the prefix target
 NGRAM_TABLE_ROWS = 65536          # rows of the n-gram table shard the report's launches address
+# Sparse Adam events of the library launches: the first (1: a constant for a specializing JIT),
+# a multiple of 16 and another; the kernel does not specialize on the event, so they share one variant.
+SPARSE_ADAM_EVENTS = (1, 16, 7)
 # Muon's Gram matrices: a bank of square attention matrices and the wide MLP matrices.
 XXT_SHAPES = ((16, 768, 768), (8, 768, 3072))
 
@@ -135,39 +160,62 @@ def _library_calls():
     o = kernels.composed_attention(q, k, v, _untouched(T, dtype=torch.int32), 112, 128 ** -0.5, mix_in, mix_out)
     o.backward(torch.empty_like(o))
 
-    # the hashed n-gram table: a bigram and a trigram row per token, their gradients summed per
-    # distinct row, sparse Adam on those rows of a table shard (its row count changes no launch)
+    # the hashed n-gram table (width D) and the value-embedding tables (D and, for the narrow_vo
+    # layers, D / 2): a token's rows' gradients summed per distinct row, sparse Adam on those
+    # rows of a table (its row count changes no launch), at several events
     groups = kernels.distinct_rows(torch.randint(0, NGRAM_TABLE_ROWS, (2 * T,)))
-    for dtype in WEIGHT_DTYPES:
-        grads = kernels.sum_rows(_untouched(2 * T, D, dtype=dtype), groups)
-        step = kernels.RowAdamStep(event=7, log_decay=-0.35, one_minus_beta2=0.05, bias=0.05, lr=0.01, decay=0.0,
-                                   eps=1e-10)
-        kernels.sparse_adam_rows_(_untouched(NGRAM_TABLE_ROWS, D, dtype=dtype), grads, groups,
-                                  _untouched(NGRAM_TABLE_ROWS, dtype=torch.float32),
-                                  _untouched(NGRAM_TABLE_ROWS, dtype=torch.int32),
-                                  _untouched(NGRAM_TABLE_ROWS, dtype=torch.float64), step)
+    for width in (D, D // 2):
+        for dtype in WEIGHT_DTYPES:
+            grads = kernels.sum_rows(_untouched(2 * T, width, dtype=dtype), groups)
+            for event in SPARSE_ADAM_EVENTS:
+                step = kernels.RowAdamStep(event=event, log_decay=-0.35, one_minus_beta2=0.05, bias=0.05, lr=0.01,
+                                           decay=0.0, eps=1e-10)
+                kernels.sparse_adam_rows_(_untouched(NGRAM_TABLE_ROWS, width, dtype=dtype), grads, groups,
+                                          _untouched(NGRAM_TABLE_ROWS, dtype=torch.float32),
+                                          _untouched(NGRAM_TABLE_ROWS, dtype=torch.int32),
+                                          _untouched(NGRAM_TABLE_ROWS, dtype=torch.float64), step)
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorArg:
     """What the JIT specializes on for a tensor argument (the recorder keeps no tensors, so
-    that autograd can still reuse their memory)."""
+    that autograd can still reuse their memory), and the largest element offset the tensor
+    spans from its data pointer (what the kernel's index arithmetic must reach)."""
     dtype: torch.dtype
     aligned: bool  # data pointer divisible by 16
+    max_offset: int = 0
+
+
+def largest_offset(t):
+    """sum over dims of (size - 1) * stride: the largest element offset of t from its data pointer."""
+    return sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
 
 
 def recorded_argument(value):
-    """A launch argument as the JIT specializes on it (tensors: dtype and 16-byte alignment)."""
-    return TensorArg(value.dtype, value.data_ptr() % 16 == 0) if isinstance(value, torch.Tensor) else value
+    """A launch argument as the JIT specializes on it (tensors: dtype and 16-byte alignment,
+    and their largest offset)."""
+    if isinstance(value, torch.Tensor):
+        return TensorArg(value.dtype, value.data_ptr() % 16 == 0, largest_offset(value))
+    return value
+
+
+class Launch(typing.NamedTuple):
+    """One recorded kernel launch: the kernel, its LaunchConfig, its arguments as recorded_argument
+    gives them, and its grid (a tuple of program counts)."""
+    kernel: object
+    config: object
+    args: dict
+    grid: tuple = (1,)
 
 
 def record_launches(calls):
-    """[(kernel, config, args)] of every launch that calls() makes, none of them run."""
+    """[Launch] of every launch that calls() makes, none of them run."""
     recorded = []
     original = kernels._launch
 
     def record(kernel, grid, config, **args):
-        recorded.append((kernel, config, {name: recorded_argument(value) for name, value in args.items()}))
+        recorded.append(Launch(kernel, config, {name: recorded_argument(value) for name, value in args.items()},
+                               tuple(grid)))
 
     kernels._launch = record
     try:
@@ -209,14 +257,105 @@ class KernelOpCalls(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def trainer_kernel_calls(preset=TRAINER_PRESET):
-    """Every kernel op call of the trainer for `preset`, at full size: a training step of each
-    stage (forward, backward, optimizer) and the final validation, on fake tensors under CUDA's
-    autocast rules, with the Triton kernel functions. No memory is used and nothing launches."""
-    h = train_gpt.parse_config(["--preset", preset])
+def run_config(run):
+    """(config, processes, train steps in order) of a run of TRAINER_RUNS."""
+    args, processes, schedule = TRAINER_RUNS[run]
+    if schedule == "bench":
+        import bench_gpu
+        h = train_gpt.parse_config(bench_gpu.GPU_TRAIN_CONFIG)
+        steps_per_stage = bench_gpu.UNTIMED_STEPS + bench_gpu.TIMED_STEPS
+        return h, processes, [step for step in bench_gpu.stage_first_steps(h) for _ in range(steps_per_stage)]
+    h = train_gpt.parse_config(args)
+    return h, processes, list(range(h.num_iterations))
+
+
+def sparse_update_entries(h, processes, steps):
+    """The largest number of gradient entries one process's n-gram table update takes in a run
+    of `steps`, and the largest number of tokens one update of the value tables spans, counted
+    as Trainer.step_sparse_tables does: every step adds 2 entries and 1 token per token of each
+    of the process's micro-batches (batch_ranks / processes), and the tables update once
+    ngram_step_every steps (ngram_late_step_every from ngram_late_step) have accumulated."""
+    accum = h.batch_ranks // processes
+    calls = tokens = largest = 0
+    for step in steps:
+        late = 0 < h.ngram_late_step <= step
+        every = h.ngram_late_step_every if late else h.ngram_step_every
+        calls += 1
+        tokens += h.stages[train_gpt.stage_index(h, step)].tokens_per_rank * accum
+        if calls >= every:
+            largest = max(largest, tokens)
+            calls = tokens = 0
+    return 2 * largest, largest
+
+
+def sparse_row_calls(h, model, processes, steps):
+    """The sparse tables' kernel calls at the largest sizes of the run (sparse_update_entries),
+    made as the trainer makes them on fake tensors: the n-gram table's update (SparseRowAdam.step:
+    the entries summed per distinct row, then Adam on the table the trainer trains: this
+    process's shard, or the device cache of a table in host memory), and per value-embedding
+    table a micro-batch's row sums (VocabRowGradients.add) and Adam on every vocabulary row
+    (step_summed on VocabRowGradients.touched's capacity)."""
+    entries, tokens = sparse_update_entries(h, processes, steps)
+    event = kernels.RowAdamStep(event=2, log_decay=-0.1, one_minus_beta2=0.05, bias=0.1, lr=0.01, decay=0.0, eps=1e-10)
+    ngram = model.ngram
+    if ngram is not None and entries:
+        table = ngram.fetched if ngram.on_host else ngram.table
+        grads = torch.zeros(entries, table.shape[1])
+        groups = kernels.distinct_rows(torch.zeros(entries, dtype=torch.int64))
+        summed = kernels.sum_rows(grads, groups)
+        rows = table.shape[0]
+        kernels.sparse_adam_rows_(table, summed, groups, torch.zeros(rows), torch.zeros(rows, dtype=torch.int32),
+                                  torch.zeros(64, dtype=torch.float64), event)
+    if model.value_sinks is not None and tokens:
+        micro_batch = max(stage.tokens_per_rank for stage in h.stages)
+        capacity = min(train_gpt.PADDED_VOCAB_SIZE, tokens * processes)
+        for ve, sink in zip(model.value_embeds, model.value_sinks):
+            token_groups = kernels.distinct_rows(torch.zeros(micro_batch, dtype=torch.int64))
+            kernels.sum_rows(torch.zeros(micro_batch, sink.shape[1], dtype=sink.dtype), token_groups)
+            groups = kernels.distinct_rows(torch.zeros(capacity, dtype=torch.int64))
+            rows = ve.weight.shape[0]
+            kernels.sparse_adam_rows_(ve.weight.detach(), torch.zeros(capacity, ve.weight.shape[1]), groups,
+                                      torch.zeros(rows), torch.zeros(rows, dtype=torch.int32),
+                                      torch.zeros(64, dtype=torch.float64), event)
+
+
+def trainer_kernel_calls(run="speedrun"):
+    """Every kernel op call of a trainer run of TRAINER_RUNS, at full size: a training step of
+    each stage (forward, backward, optimizer) and the final validation (training_step_calls),
+    then the sparse tables' largest updates with the run's n-gram table placement
+    (sparse_row_calls). No memory is used and nothing launches."""
+    h, processes, steps = run_config(run)
+    with FakeTensorMode(allow_non_fake_inputs=True), KernelOpCalls() as recorder, torch.no_grad():
+        model = train_gpt.build_model(h, _kernel_fns(h), train_gpt.TablePlacement(0, processes, h.ngram_cache_rows))
+        sparse_row_calls(h, model, processes, steps)
+    return training_step_calls(h) + recorder.calls
+
+
+def _kernel_fns(h):
     mlp, qkv, head = train_gpt.fp8_kernels(h, use_triton=True)
-    fns = train_gpt.KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy, mlp, kernels.xxt, qkv, head,
-                              kernels.qk_norm_rope, kernels.composed_attention)
+    return train_gpt.KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy, mlp, kernels.xxt, qkv,
+                               head, kernels.qk_norm_rope, kernels.composed_attention)
+
+
+# Config fields that move the n-gram table or name the run, and change no training step's kernel calls.
+_TABLE_AND_NAME_FIELDS = ("preset", "track", "ngram_rows", "ngram_cache_rows")
+_STEP_CALLS = {}
+
+
+def training_step_calls(h):
+    """The kernel op calls of a training step of every stage (forward, backward, optimizer) and
+    of the final validation, at full size, on fake tensors under CUDA's autocast rules, with the
+    Triton kernel functions; traced once per process for configs that differ only in
+    _TABLE_AND_NAME_FIELDS."""
+    config = {k: v for k, v in dataclasses.asdict(h).items() if k not in _TABLE_AND_NAME_FIELDS}
+    key = json.dumps(config, sort_keys=True, default=repr)
+    if key not in _STEP_CALLS:
+        _STEP_CALLS[key] = _trace_training_steps(h)
+    return _STEP_CALLS[key]
+
+
+def _trace_training_steps(h):
+    fns = _kernel_fns(h)
     with cuda_autocast_rules(), FakeTensorMode(allow_non_fake_inputs=True), KernelOpCalls() as recorder:
         model = train_gpt.build_model(h, fns)
         optimizers = train_gpt.build_optimizers(h, model, fns)
@@ -255,7 +394,8 @@ def replay_untouched(calls):
 def specialize(kernel, args):
     """(signature, constexprs, attrs) as Triton's JIT derives them from these arguments: tensors
     become typed pointers (16-byte aligned ones marked divisible by 16), integers equal to 1
-    become constants, integers divisible by 16 are marked so, floats are fp32."""
+    become constants, integers divisible by 16 are marked so, floats are fp32; a parameter in
+    the kernel's do_not_specialize gets neither of the integer specializations."""
     signature, constexprs, attrs = {}, {}, {}
     for index, param in enumerate(kernel.params):
         name, value = param.name, args[param.name]
@@ -264,18 +404,18 @@ def specialize(kernel, args):
             constexprs[name] = value
         elif isinstance(value, TensorArg):
             signature[name] = "*" + _TRITON_TYPES[value.dtype]
-            if value.aligned:
+            if value.aligned and not param.do_not_specialize_on_alignment:
                 attrs[(index,)] = _DIVISIBILITY
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{kernel.__name__}: unexpected argument {name}={value!r}")
         elif isinstance(value, float):
             signature[name] = "fp32"
-        elif value == 1:
+        elif value == 1 and not param.do_not_specialize:
             signature[name] = "constexpr"
             constexprs[name] = 1
         else:
             signature[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
-            if value % 16 == 0:
+            if value % 16 == 0 and not (param.do_not_specialize or param.do_not_specialize_on_alignment):
                 attrs[(index,)] = _DIVISIBILITY
     return signature, constexprs, attrs
 
@@ -311,13 +451,24 @@ def _describe(kernel, config, signature, constexprs):
     return f"{kernel.__name__} ({pointers}) {shown} warps={config.num_warps} stages={config.num_stages}"
 
 
+_COMPILED = {}   # variant key -> triton's compiled kernel, for the report and the audit
+
+
+def compiled_variant(kernel, config, args):
+    """triton.compile of the launch's variant for sm_90, once per variant and process."""
+    key = _variant_key(kernel, config, args)
+    if key not in _COMPILED:
+        signature, constexprs, attrs = specialize(kernel, args)
+        _COMPILED[key] = triton.compile(
+            triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+            target=HOPPER, options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    return _COMPILED[key]
+
+
 def compile_launch(kernel, config, args):
     """Compile one recorded launch for sm_90 and return its report entry."""
-    signature, constexprs, attrs = specialize(kernel, args)
-    compiled = triton.compile(triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
-                                                        attrs=attrs),
-                              target=HOPPER, options={"num_warps": config.num_warps,
-                                                      "num_stages": config.num_stages})
+    signature, constexprs, _ = specialize(kernel, args)
+    compiled = compiled_variant(kernel, config, args)
     cubin = compiled.asm["cubin"]
     sass = _cuobjdump("--dump-sass", cubin)
     instructions = [line for line in sass.splitlines() if line.strip().startswith("/*") and ";" in line]
@@ -341,28 +492,366 @@ def _variant_key(kernel, config, args):
             repr(sorted(attrs)), config.num_warps, config.num_stages)
 
 
+@functools.cache
+def trainer_launches(run):
+    """The recorded launches of a trainer run (TRAINER_RUNS), once per process."""
+    return record_launches(lambda: replay_untouched(trainer_kernel_calls(run)))
+
+
 def production_launches():
-    """(trainer launches, library launches) as record_launches gives them."""
-    trainer = record_launches(lambda: replay_untouched(trainer_kernel_calls()))
-    return trainer, record_launches(_library_calls)
+    """({run: its trainer launches}, library launches) as record_launches gives them."""
+    return {run: trainer_launches(run) for run in TRAINER_RUNS}, record_launches(_library_calls)
 
 
 def build_report(launches=None):
-    """The report: Triton version and one entry per distinct launch of `launches` (default: the
-    trainer's and the library's production launches)."""
+    """The report: Triton version and one entry per distinct launch of `launches` (Launch or
+    (kernel, config, args); default: the trainer runs' and the library's production launches)."""
     trainer_keys = set()
     if launches is None:
-        trainer, library = production_launches()
-        trainer_keys = {_variant_key(*launch) for launch in trainer}
+        runs, library = production_launches()
+        trainer = [launch for run_launches in runs.values() for launch in run_launches]
+        trainer_keys = {_variant_key(*launch[:3]) for launch in trainer}
         launches = trainer + library
     entries, seen = [], set()
-    for kernel, config, args in launches:
+    for kernel, config, args in (launch[:3] for launch in launches):
         key = _variant_key(kernel, config, args)
         if key not in seen:
             seen.add(key)
             entries.append({**compile_launch(kernel, config, args), "trainer": key in trainer_keys})
     entries.sort(key=lambda e: e["variant"])
     return {"triton": triton.__version__, "target": "cuda sm_90", "kernels": entries}
+
+
+# ---------------------------------------------------------------------------------------------
+# The index audit
+# ---------------------------------------------------------------------------------------------
+
+I32_LIMIT = 2 ** 31               # element offsets from here on need 64-bit index arithmetic
+_PASS_THROUGH = ("tt.splat", "tt.broadcast", "tt.expand_dims", "tt.reshape", "tt.trans", "arith.extsi",
+                 "arith.extui", "arith.trunci")
+_WRAPPING = ("arith.addi", "arith.subi", "arith.muli", "arith.shli")  # the i32 ops that can overflow
+_STOPS = ("arg", "tt.load", "scf.for.iter_arg", "scf.for.result", "scf.if.result")  # no value arithmetic behind
+
+
+@dataclasses.dataclass
+class TTIROp:
+    """An operation of a TTIR function that defines a value: its name, its operand values, its
+    result type and its text (attributes, constants); loop headers and the function's arguments
+    define values too (names "scf.for.iv", "scf.for.iter_arg", "scf.for.result", "arg")."""
+    name: str
+    operands: list
+    type: str = ""
+    text: str = ""
+
+
+_RESULT = re.compile(r"^\s*(%[\w.$-]+)(?::(\d+))? = (\S+) ?(.*)$")
+_VALUE = re.compile(r"%[\w.$-]+(?:#\d+)?")
+_FOR = re.compile(r"scf\.for (%[\w.$-]+) = (%[\w.$#-]+) to (%[\w.$#-]+) step (%[\w.$#-]+)(?: iter_args\((.*?)\))?")
+_ARGUMENT = re.compile(r"(%[\w.$-]+): ([^ ,{)]+)")
+
+
+@dataclasses.dataclass
+class TTIRFunction:
+    """A kernel's TTIR as the audit reads it: its arguments in order (name, type), the defining
+    op of every value, and every tt.addptr as (pointer value, offset value, offset type)."""
+    arguments: list
+    ops: dict
+    addptrs: list
+
+
+def parse_ttir(ttir):
+    """The TTIRFunction of a compiled kernel's asm["ttir"] (triton 3.6 and 3.7 print the same
+    syntax; value names differ, positions do not)."""
+    raw = [line for line in ttir.splitlines() if not line.startswith("#")]
+    header = next(line for line in raw if "tt.func" in line)
+    arguments = _ARGUMENT.findall(header[header.index("(") + 1:])   # loc("name"(#loc)) holds no %
+    lines = [re.sub(r"\s*loc\(.*$", "", line) for line in raw]
+    ops = {name: TTIROp("arg", [], type_) for name, type_ in arguments}
+    addptrs, regions = [], []          # regions: (op name, results of an scf.if) of each open region
+    for line in lines[raw.index(header) + 1:]:
+        body = line.strip()
+        if body.startswith("}"):
+            closed = regions.pop() if regions else None
+            if body.endswith("{"):     # } else {
+                regions.append(closed)
+            continue
+        match = _RESULT.match(line)
+        result, count, name, rest = match.groups() if match else (None, None, body.split(" ")[0], body)
+        results = [f"{result}#{i}" for i in range(int(count))] if count else [result] if result else []
+        if name == "scf.for":
+            iv, lb, ub, step, iter_args = _FOR.search(body).groups()
+            ops[iv] = TTIROp("scf.for.iv", [lb, ub, step])
+            for i, pair in enumerate(iter_args.split(", ") if iter_args else []):
+                block_arg, init = pair.split(" = ")
+                ops[block_arg] = TTIROp("scf.for.iter_arg", [init])
+                if i < len(results):
+                    ops[results[i]] = TTIROp("scf.for.result", [init])
+        elif name == "scf.if":
+            for value in results:
+                ops[value] = TTIROp("scf.if.result", [])
+        elif name == "scf.yield":
+            if regions and regions[-1][0] == "scf.if":
+                for value, yielded in zip(regions[-1][1], _VALUE.findall(rest.split(" : ")[0])):
+                    ops[value].operands.append(yielded)
+        elif results:
+            operand_text, _, type_text = rest.rpartition(" : ")
+            operands = _VALUE.findall(operand_text)
+            for value in results:
+                ops[value] = TTIROp(name, operands, re.split(r" -> | to ", type_text)[-1], operand_text)
+            if name == "tt.addptr":
+                addptrs.append((operands[0], operands[1], type_text.rsplit(", ", 1)[1]))
+        if body.endswith("{"):
+            regions.append((name, results))
+    return TTIRFunction(arguments, ops, addptrs)
+
+
+def _element_type(type_text):
+    """'i32' of 'tensor<128x256xi32>' or of 'i32'; 'ptr' for pointers."""
+    if "ptr" in type_text:
+        return "ptr"
+    found = re.findall(r"(?:^|x|<)([if]\d+|bf16)>?$", type_text.strip())
+    return found[0] if found else type_text.strip()
+
+
+def _tdiv(a, b):
+    """a / b rounded toward zero (arith.divsi)."""
+    q = abs(a) // abs(b)
+    return q if (a >= 0) == (b > 0) else -q
+
+
+class IndexBounds:
+    """Bounds of the integer values of one launch of a TTIR function: program ids from the
+    grid, scalar arguments from their recorded values, constants, ranges and loop counters,
+    carried through the integer ops by interval arithmetic on unbounded integers. A value with
+    no bound (loaded, loop-carried, or an op not modelled) is None."""
+
+    def __init__(self, function: TTIRFunction, scalars: dict, grid: tuple):
+        self.ops, self.scalars, self.grid = function.ops, scalars, tuple(grid) + (1, 1)
+        self._intervals, self._pid = {}, {}
+
+    def interval(self, value):
+        if value not in self._intervals:
+            self._intervals[value] = None           # a cycle (loop-carried value) has no bound
+            self._intervals[value] = self._interval(value)
+        return self._intervals[value]
+
+    def _interval(self, value):
+        op = self.ops.get(value)
+        if op is None:
+            return None
+        get = [self.interval(v) for v in op.operands] if op.name not in _STOPS else []
+        if op.name == "arg":
+            v = self.scalars.get(value)
+            return (v, v) if isinstance(v, int) else None
+        if op.name == "arith.constant":
+            number = re.fullmatch(r"(?:dense<)?(-?\d+|true|false)>?", op.text.strip())
+            if not number:
+                return None
+            v = {"true": 1, "false": 0}.get(number[1], None)
+            v = int(number[1]) if v is None else v
+            return (v, v)
+        if op.name == "tt.get_program_id":
+            return (0, self.grid["xyz".index(op.text.strip())] - 1)
+        if op.name == "tt.get_num_programs":
+            n = self.grid["xyz".index(op.text.strip())]
+            return (n, n)
+        if op.name == "tt.make_range":
+            start, end = (int(re.search(rf"{k} = (-?\d+)", op.text)[1]) for k in ("start", "end"))
+            return (start, end - 1)
+        if op.name == "scf.for.iv":
+            lb, ub, step = get
+            if lb is None or ub is None or step is None or step[0] <= 0:
+                return None
+            return (lb[0], max(lb[0], ub[1] - 1))
+        if op.name == "arith.cmpi":
+            return (0, 1)
+        if op.name == "arith.select":
+            a, b = get[1], get[2]
+            return None if a is None or b is None else (min(a[0], b[0]), max(a[1], b[1]))
+        if any(g is None for g in get):
+            return None
+        if op.name in _PASS_THROUGH:
+            return get[0]
+        if op.name in ("arith.addi", "arith.subi", "arith.muli"):
+            (a0, a1), (b0, b1) = get
+            if op.name == "arith.addi":
+                return (a0 + b0, a1 + b1)
+            if op.name == "arith.subi":
+                return (a0 - b1, a1 - b0)
+            products = [a0 * b0, a0 * b1, a1 * b0, a1 * b1]
+            return (min(products), max(products))
+        if op.name in ("arith.divsi", "arith.divui"):
+            (a0, a1), (b0, b1) = get
+            if b0 <= 0:
+                return None
+            quotients = [_tdiv(a, b) for a in (a0, a1) for b in (b0, b1)]
+            return (min(quotients), max(quotients))
+        if op.name in ("arith.remsi", "arith.remui"):
+            (a0, a1), (b0, b1) = get
+            if b0 <= 0:
+                return None
+            return (0, min(a1, b1 - 1)) if a0 >= 0 else (-(b1 - 1), b1 - 1)
+        if op.name in ("arith.minsi", "arith.maxsi"):
+            (a0, a1), (b0, b1) = get
+            pick = min if op.name == "arith.minsi" else max
+            return (pick(a0, b0), pick(a1, b1))
+        if op.name == "arith.andi" and get[0][0] >= 0 and get[1][0] >= 0:
+            return (0, min(get[0][1], get[1][1]))
+        if op.name == "arith.shli" and get[1][0] == get[1][1] >= 0:
+            return (get[0][0] << get[1][0], get[0][1] << get[1][0])
+        return None
+
+    def uses_program_id(self, value):
+        """Whether the value is computed from a program id."""
+        if value not in self._pid:
+            self._pid[value] = False
+            op = self.ops.get(value)
+            self._pid[value] = op is not None and (op.name == "tt.get_program_id" or any(
+                self.uses_program_id(v) for v in op.operands))
+        return self._pid[value]
+
+    def i32_overflow(self, value, seen=None):
+        """The first i32 op (add, sub, mul, shift) computing `value` whose result has no bound or
+        one outside the i32 range, as 'op: bound', or None if there is none."""
+        seen = set() if seen is None else seen
+        op = self.ops.get(value)
+        if op is None or value in seen or op.name in _STOPS:
+            return None
+        seen.add(value)
+        for v in op.operands:
+            found = self.i32_overflow(v, seen)
+            if found:
+                return found
+        if op.name in _WRAPPING and _element_type(op.type) == "i32":
+            excess = _beyond_i32(self.interval(value))
+            if excess:
+                return f"{op.name} {op.text} in i32, {excess}"
+        return None
+
+    def i64_overflow(self, value, seen=None):
+        """For an i64 offset: an i32 value it extends (arith.extsi) that multiplies a program id
+        and can overflow (i32_overflow), or None."""
+        seen = set() if seen is None else seen
+        op = self.ops.get(value)
+        if op is None or value in seen or op.name in _STOPS:
+            return None
+        seen.add(value)
+        if op.name == "arith.extsi":
+            source = op.operands[0]
+            if self._multiplies_program_id(source, set()):
+                return self.i32_overflow(source)
+            return None
+        for v in op.operands:
+            found = self.i64_overflow(v, seen)
+            if found:
+                return found
+        return None
+
+    def _multiplies_program_id(self, value, seen):
+        op = self.ops.get(value)
+        if op is None or value in seen or op.name in _STOPS:
+            return False
+        seen.add(value)
+        if op.name == "arith.muli" and any(self.uses_program_id(v) for v in op.operands):
+            return True
+        return any(self._multiplies_program_id(v, seen) for v in op.operands)
+
+
+def pointer_roots(function: TTIRFunction, value):
+    """The function arguments a pointer value is derived from (through addptr, splat, broadcast,
+    loop-carried values, selects and ifs)."""
+    roots, todo, seen = set(), [value], set()
+    while todo:
+        v = todo.pop()
+        op = function.ops.get(v)
+        if v in seen or op is None:
+            continue
+        seen.add(v)
+        if op.name == "arg":
+            roots.add(v)
+        elif op.name in ("tt.addptr",) + _PASS_THROUGH or op.name.startswith("scf.for."):
+            todo.append(op.operands[0])
+        elif op.name == "arith.select":
+            todo += op.operands[1:]
+        elif op.name == "scf.if.result":
+            todo += op.operands
+    return roots
+
+
+@functools.cache
+def _variant_function(key):
+    return parse_ttir(_COMPILED[key].asm["ttir"])
+
+
+def launch_offset_risks(launch):
+    """[(pointer argument, reason)] of one launch: each pointer argument whose largest offset is
+    >= 2^31 elements and whose address arithmetic can overflow there (an i32 offset, or an i64
+    one extended from an i32 product with a program id, without a bound < 2^31)."""
+    kernel, config, args, grid = launch
+    large = {name for name, v in args.items() if isinstance(v, TensorArg) and v.max_offset >= I32_LIMIT}
+    if not large:
+        return []
+    compiled_variant(kernel, config, args)
+    function = _variant_function(_variant_key(kernel, config, args))
+    signature, _, _ = specialize(kernel, args)
+    runtime = [name for name, type_ in signature.items() if type_ != "constexpr"]
+    assert len(runtime) == len(function.arguments), (kernel.__name__, runtime, function.arguments)
+    by_value = {value: name for (value, _), name in zip(function.arguments, runtime)}
+    bounds = IndexBounds(function, {value: args[name] for value, name in by_value.items()}, grid)
+    risks, traced = set(), set()
+    for pointer, offset, offset_type in function.addptrs:
+        for root in pointer_roots(function, pointer):
+            name = by_value[root]
+            if name not in large:
+                continue
+            traced.add(name)
+            if _element_type(offset_type) == "i32":
+                reason = bounds.i32_overflow(offset) or _bounded(bounds, offset)
+            else:
+                reason = bounds.i64_overflow(offset)
+                reason = reason and f"i64 offset from an i32 product with a program id: {reason}"
+            if reason:
+                risks.add((name, reason))
+    risks |= {(name, "no address arithmetic traced back to it") for name in large - traced}
+    return sorted(risks)
+
+
+def _beyond_i32(bound):
+    """None for a bound inside the i32 range, else what it is ('unbounded', 'up to N')."""
+    if bound is None:
+        return "unbounded"
+    if bound[0] < -I32_LIMIT or bound[1] >= I32_LIMIT:
+        return f"up to {max(map(abs, bound)):,}"
+    return None
+
+
+def _bounded(bounds, offset):
+    """None when the i32 offset's bound lies inside the i32 range, else why not."""
+    excess = _beyond_i32(bounds.interval(offset))
+    return excess and f"i32 offset {excess}"
+
+
+def _audit_key(launch):
+    kernel, config, args, grid = launch
+    scalars = tuple(sorted((k, v.max_offset if isinstance(v, TensorArg) else repr(v)) for k, v in args.items()))
+    return _variant_key(kernel, config, args), tuple(grid), scalars
+
+
+def index_findings(launches):
+    """One line per (kernel variant, pointer argument, reason) of the launches' offset risks
+    (launch_offset_risks), each launch with a distinct variant, grid and arguments checked once."""
+    findings, seen = set(), set()
+    for launch in launches:
+        key = _audit_key(launch)
+        if key in seen:
+            continue
+        seen.add(key)
+        signature, constexprs, _ = specialize(launch.kernel, launch.args)
+        variant = _describe(launch.kernel, launch.config, signature, constexprs)
+        for name, reason in launch_offset_risks(launch):
+            offset = launch.args[name].max_offset
+            findings.add(f"{variant}: {name} reaches offset {offset:,} (grid {launch.grid}): {reason}")
+    return sorted(findings)
 
 
 def problems(report):

@@ -92,3 +92,29 @@ class LineReader:
         if self._thread.is_alive():
             raise TimeoutError(f"the stream did not end within {timeout} s")
         return "".join(self.lines)
+
+
+def run_nodes(nnodes, argv, env, timeout, cwd=REPO):
+    """`python -m torch.distributed.run --nnodes=nnodes --nproc_per_node=1` of argv started
+    nnodes times at once on this machine, as the agents of nnodes machines would be, meeting at a
+    c10d rendezvous on a free loopback port that the first agent hosts: their CompletedProcesses.
+    Launched again on another port, up to LAUNCH_ATTEMPTS times, when the port was taken."""
+    for _ in range(LAUNCH_ATTEMPTS):
+        endpoint, run_id = f"127.0.0.1:{free_port()}", str(uuid.uuid4())
+        agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+                                    "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}",
+                                    f"--rdzv_id={run_id}", f"--rdzv_conf=is_host={int(node == 0)}", *argv],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+                  for node in range(nnodes)]
+        try:
+            outputs = [finish(agent, timeout) for agent in agents]
+        finally:
+            for agent in agents:
+                if agent.poll() is None:
+                    agent.kill()
+                    agent.communicate(timeout=30)
+        done = [subprocess.CompletedProcess(agent.args, agent.returncode, out, err)
+                for agent, (out, err) in zip(agents, outputs)]
+        if all(d.returncode == 0 for d in done) or not any(port_was_taken(d) for d in done):
+            return done
+    return done

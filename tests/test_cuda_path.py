@@ -12,7 +12,9 @@ module runs that path anyway, at a tiny scale:
 through every stage of a three-stage schedule with sampled softmax, multi-token and prefix
 targets, the untie, intermediate and final validations. It asserts that the warm-up builds every
 graph and the timed run none, and records every kernel launch (dtypes, strides, constexprs) to
-compile it for sm_90 (bench/sm90_report.py) with the tensor-core, shared-memory and spill checks.
+compile it for sm_90 (bench/sm90_report.py) with the tensor-core, shared-memory and spill checks,
+and to check that every kernel variant the timed run launches was launched in the warm-up (so
+that the Triton JIT compiles nothing on the clock).
 """
 import json
 import math
@@ -178,10 +180,29 @@ def _recorded_launches(launches):
     return original, record_and_launch
 
 
+# The line tg.train writes when the warm-up (and the FP8 calibration) is over: every launch after
+# it belongs to the timed run, validations included.
+WARM_UP_LINE = "warm-up: "
+
+
+class TimedRunStart:
+    """Wraps a RunLog's write: `at` becomes the number of launches recorded when the trainer
+    logged WARM_UP_LINE (None until then)."""
+
+    def __init__(self, log, launches):
+        self.write, self.launches, self.at = log.write, launches, None
+
+    def __call__(self, line, echo=False):
+        if self.at is None and line.startswith(WARM_UP_LINE):
+            self.at = len(self.launches)
+        return self.write(line, echo)
+
+
 @interpreted
 def rehearse(shards, log_dir):
     """Train the rehearsal config on the CUDA path (interpreter, CUDA autocast rules, aot_eager)
-    through tg.train; returns the final val loss, the log path and every kernel launch."""
+    through tg.train; returns the final val loss, the log path, every kernel launch, the graph
+    breaks and the index of the timed run's first launch."""
     torch._dynamo.reset()
     launches = []
     original, kernels._launch = _recorded_launches(launches)
@@ -189,6 +210,7 @@ def rehearse(shards, log_dir):
         with cuda_autocast_rules():
             h = tg.parse_config(REHEARSAL + data_args(shards, log_dir))
             log = tg.RunLog(str(log_dir), active=True)
+            log.write = timed = TimedRunStart(log, launches)
             try:
                 val_loss = tg.train(h, tg.Dist(0, 1, 0, torch.device("cpu")), log)
             finally:
@@ -196,7 +218,7 @@ def rehearse(shards, log_dir):
     finally:
         kernels._launch = original
     breaks = dict(torch._dynamo.utils.counters["graph_break"])
-    return val_loss, log.path, launches, breaks
+    return val_loss, log.path, launches, breaks, timed.at
 
 
 @compiled
@@ -206,13 +228,28 @@ def compile_for_hopper(launches):
     return report, sm90_report.problems(report)
 
 
+def kernel_variants(launches):
+    """The distinct kernel variants of recorded launches, as the Triton JIT tells them apart
+    (sm90_report._variant_key: the specialized signature, constexprs, options)."""
+    return {sm90_report._variant_key(getattr(kernels, name), config, args) for name, config, _, args in launches}
+
+
+def variants_missing_from_the_warm_up(launches, timed_from):
+    """The kernel variants the timed run launches that the warm-up did not: each one is a
+    Triton compile inside the timed run on a GPU. Readable lines, one per variant."""
+    warm = kernel_variants(launches[:timed_from])
+    missing = kernel_variants(launches[timed_from:]) - warm
+    return sorted(f"{name}: {signature} constexprs {constexprs} attrs {attrs}"
+                  for name, signature, constexprs, attrs, *_ in missing)
+
+
 @pytest.fixture(scope="module")
 def rehearsal(shards, tmp_path_factory):
     return rehearse(str(shards), str(tmp_path_factory.mktemp("rehearsal_logs")))
 
 
 def test_rehearsal_trains_through_every_transition(rehearsal):
-    val_loss, log_path, _, breaks = rehearsal
+    val_loss, log_path, _, breaks, _ = rehearsal
     log = parse_log(log_path)
     assert log.finished and math.isfinite(val_loss) and breaks == {}
     assert [step for step, _, _ in log.val_points] == [3, 5]
@@ -238,6 +275,30 @@ def test_rehearsal_launches_every_kernel_with_one_dtype(rehearsal):
     for name, _, _, args in launches:
         if name.startswith("_attn") and name != "_attn_bwd_delta_kernel":
             assert {args[p].dtype for p in ("q_ptr", "k_ptr", "v_ptr")} == {torch.bfloat16}, name
+
+
+def test_rehearsal_warm_up_launches_every_variant_of_the_timed_run(rehearsal):
+    """Every kernel variant the timed run launches (the JIT's specializations included: an
+    integer argument that is 1 or a multiple of 16, 16-byte alignment) was launched in the
+    warm-up, so on a GPU nothing compiles on the clock."""
+    launches, timed_from = rehearsal[2], rehearsal[4]
+    assert timed_from is not None and 0 < timed_from < len(launches)
+    missing = variants_missing_from_the_warm_up(launches, timed_from)
+    assert not missing, "launched first in the timed run:\n" + "\n".join(missing)
+
+
+def test_the_warm_up_coverage_check_has_teeth():
+    """A variant that only the timed run launches is reported; one the warm-up launched too is
+    not: the integer 1 specializes (a constexpr), 7 does not, 16 is marked divisible."""
+    T = sm90_report.TensorArg
+    config = kernels.SUM_ROWS
+
+    def launch(width):
+        pointers = dict(values_ptr=T(torch.float32, True), order_ptr=T(torch.int64, True),
+                        starts_ptr=T(torch.int64, True), out_ptr=T(torch.float32, True))
+        return "_sum_rows_kernel", config, (4, 1), dict(pointers, D=width, stride_v=width, stride_o=width, BLOCK_D=256)
+    assert variants_missing_from_the_warm_up([launch(7), launch(7)], 1) == []
+    assert len(variants_missing_from_the_warm_up([launch(7), launch(16), launch(1)], 1)) == 2
 
 
 def test_rehearsal_attention_grid_is_the_packed_batch(rehearsal):

@@ -26,7 +26,7 @@ from records.logfile import parse_log  # noqa: E402
 
 # The smallest trainer config that exercises the loop (2 layers, one stage).
 TINY = ["--preset", "cpu", "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64", "--mlp_hidden=128",
-        "--long_window_layers=[1]", "--num_value_embeds=1", "--narrow_qk_layers=[]", "--bigram_rows=1024",
+        "--long_window_layers=[1]", "--num_value_embeds=1", "--narrow_qk_layers=[]", "--bigram_rows=1024", "--ngram_rows=0",
         "--num_iterations=3",
         "--val_tokens=1024", "--val_tokens_per_rank=1024",
         '--stages=[{"end":1.0,"tokens_per_rank":512,"max_doc_len":256,"short_window":1,"long_window":2}]']
@@ -254,6 +254,16 @@ def test_shards_needed_is_computed_not_counted():
 def test_run_sh_says_what_is_wrong_in_one_line(argv, env, line):
     code, err = run_command(["./run.sh", *argv], **env)
     assert code == 2 and len(err) == 1 and err[0].startswith(line), err
+
+
+def test_a_machine_that_no_configuration_fits_ends_with_one_line():
+    """What run.sh asks (--plan) for 2 GPUs of 24 GiB and 64 GiB of host memory: one line naming
+    each configuration it tried and what each needs."""
+    code, err = run_command([sys.executable, "train_gpt.py", "--plan", "--gpus=2", "--gpu_gib=24", "--host_gib=64"])
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: nothing fits 2 GPU(s) of 24.0 GiB and 64.0 GiB of host memory: "
+                             "--preset 1gpu --ngram_cache_rows=0 on 2 processes: --ngram_rows=84602880 needs "), err
+    assert "; --preset 1gpu on 1 process: --ngram_rows=84602880 needs " in err[0] and "lower --ngram_rows" in err[0]
 
 
 def test_run_sh_passes_a_config_without_adding_a_preset(data):

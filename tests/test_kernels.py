@@ -116,15 +116,17 @@ def _fp8_operands(m, k, n, a_dtype, b_dtype, b_column_major, generator, limit=8)
 ])
 def test_fp8_matmul_matches_scaled_mm_exactly(a_dtype, b_dtype, b_column_major, out_dtype, k):
     """EXACT: grid operands, power-of-two scales; both layouts of b; K both a multiple of
-    BLOCK_K and not; M, N not multiples of the tile."""
+    BLOCK_K and not; M, N not multiples of the tile; both accumulation modes."""
     generator = torch.Generator().manual_seed(k)
     a, b = _fp8_operands(37, k, 45, a_dtype, b_dtype, b_column_major, generator)
     scale_a, scale_b = torch.tensor(0.5), torch.tensor(4.0)
-    out = kernels.fp8_matmul(a, b, scale_a, scale_b, out_dtype, config=SMALL_MATMUL)
-    assert out.dtype == out_dtype and out.shape == (37, 45)
-    assert torch.equal(out, matmul_oracle(a, b, scale_a, scale_b, out_dtype))
-    assert torch.equal(out, torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype))
-    assert torch.equal(out, kernels.fp8_matmul_reference(a, b, scale_a, scale_b, out_dtype))
+    for fast_accumulation in (True, False):   # (the interpreter sums in fp32 either way)
+        out = kernels.fp8_matmul(a, b, scale_a, scale_b, out_dtype, config=SMALL_MATMUL,
+                                 fast_accumulation=fast_accumulation)
+        assert out.dtype == out_dtype and out.shape == (37, 45)
+        assert torch.equal(out, matmul_oracle(a, b, scale_a, scale_b, out_dtype))
+        assert torch.equal(out, torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype))
+        assert torch.equal(out, kernels.fp8_matmul_reference(a, b, scale_a, scale_b, out_dtype))
 
 
 @interpreted
@@ -858,9 +860,54 @@ def test_chunked_cross_entropy_matches_float64(rows, columns, num_targets, dtype
     _check_cross_entropy(ce, 1, *_cross_entropy_inputs(rows, columns, num_targets, columns + 1, dtype))
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_with_an_announced_upstream_gradient(dtype):
+    """grad_scale: the forward stores the gradient times the announced upstream gradient. The
+    trainer's (the mean over 24 tokens of one of 2 micro-batches: 1/48 for every row) leaves the
+    stored gradient as the backward's result, bitwise; any other upstream gradient (non-uniform)
+    stays within the float64 oracle's bounds."""
+    logits, targets, weights, grad_loss = _cross_entropy_inputs(24, 300, 3, 21, dtype)
+    ce = functools.partial(kernels.softcap_cross_entropy, config=SMALL_CE, scale_config=SMALL_CE, grad_scale=1 / 48)
+    _check_cross_entropy(ce, SMALL_CE.block_n, logits, targets, weights, grad_loss)
+    _check_cross_entropy(ce, SMALL_CE.block_n, logits, targets, weights, torch.full((24,), 1 / 48))
+    x = logits.clone().requires_grad_(True)
+    (ce(x, targets, weights)[0].mean() / 2).backward()
+    _, _, stored = kernels._softcap_ce_op(logits, targets, weights.float(), True, 1 / 48, SMALL_CE.as_list())
+    assert torch.equal(x.grad, stored)
+
+
+@interpreted
+def test_cross_entropy_backward_scales_its_gradient_in_place_once():
+    """The backward returns the saved gradient, scaled in place: a second backward through the
+    same forward is refused by autograd's version check instead of scaling it twice."""
+    logits, targets, weights, _ = _cross_entropy_inputs(6, 100, 2, 22, torch.float32)
+    x = logits.clone().requires_grad_(True)
+    loss, _ = kernels.softcap_cross_entropy(x, targets, weights, config=SMALL_CE, scale_config=SMALL_CE)
+    loss.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.sum().backward()
+
+
+@interpreted
+def test_scale_rows_scales_in_place_and_skips_unit_factors():
+    """x[r] *= factor[r] in place, in fp32 then rounded to x's dtype (bitwise against torch);
+    rows with factor 1 keep their values; C not a multiple of the column block."""
+    generator = torch.Generator().manual_seed(23)
+    x = torch.randn(5, 300, generator=generator).bfloat16()
+    factor = torch.tensor([1.0, 0.37, 1.0, 3.0, -2.0])
+    y = x.clone()
+    kernels._scale_rows_op(y, factor, SMALL_CE.as_list())
+    assert torch.equal(y, (x.float() * factor[:, None]).bfloat16())
+    assert torch.equal(y[[0, 2]], x[[0, 2]]) and not torch.equal(y[1], x[1])
+
+
 def test_cross_entropy_rejects_bad_shapes():
     with pytest.raises(ValueError, match="one weight per target"):
         kernels.softcap_cross_entropy(torch.zeros(4, 10), torch.zeros(4, 2, dtype=torch.long), torch.ones(3))
+    with pytest.raises(ValueError, match="grad_scale must be a nonzero finite number"):
+        kernels.softcap_cross_entropy(torch.zeros(4, 10), torch.zeros(4, 2, dtype=torch.long), torch.ones(2),
+                                      grad_scale=0.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -906,14 +953,15 @@ def test_custom_ops_pass_opcheck():
     o, lse = kernels._attn_fwd_op(q, k, v, doc_start, doc_end, scale, 5, attention_configs)
     logits, targets, weights, grad_loss = _cross_entropy_inputs(4, 50, 2, 10, torch.float32)
     cases = [
-        (kernels._fp8_matmul_op, (a, b, one, one, torch.bfloat16, config)),
+        (kernels._fp8_matmul_op, (a, b, one, one, torch.bfloat16, config, True)),
+        (kernels._fp8_matmul_op, (a, b, one, one, torch.bfloat16, config, False)),
         (kernels._fp8_cast_op, (torch.randn(20, 24), one, torch.zeros(1), E4M3, SMALL_CAST.as_list())),
         (kernels._fp8_matmul_quant_op, (a, b, one, one, a, one, one, torch.zeros(1), E4M3, "relu2", config)),
         (kernels._attn_fwd_op, (q, k, v, doc_start, doc_end, scale, 5, attention_configs)),
         (kernels._attn_bwd_op, (grad_o, q, k, v, o, lse, doc_start, doc_end, scale, 5, attention_configs)),
-        (kernels._softcap_ce_op, (logits, targets, weights, True, SMALL_CE.as_list())),
-        (kernels._softcap_ce_op, (logits, targets, weights, False, SMALL_CE.as_list())),
-        (kernels._scale_rows_op, (logits, grad_loss, SMALL_CE.as_list())),
+        (kernels._softcap_ce_op, (logits, targets, weights, True, 0.125, SMALL_CE.as_list())),
+        (kernels._softcap_ce_op, (logits, targets, weights, False, 1.0, SMALL_CE.as_list())),
+        (kernels._scale_rows_op, (logits.clone(), grad_loss, SMALL_CE.as_list())),
         (kernels._xxt_op, (torch.randn(2, 20, 24), SMALL_XXT.as_list())),
     ]
     _, values, groups = _row_batch(32, 20, 12, torch.float32, seed=10)
@@ -1145,7 +1193,8 @@ def test_sparse_adam_rows_kernel_matches_reference_and_touches_only_its_rows(dty
 # ---------------------------------------------------------------------------------------------
 
 # Hopper's fp8 tensor cores accumulate with about 14 significand bits (DeepSeek-V3 report) in
-# the fast mode the kernels use: GPU tests that demand exact sums keep them within 13 bits.
+# their fast mode: the forward GEMMs sum all of K there, the backward GEMMs each BLOCK_K products
+# before adding them into fp32. GPU tests that demand exact sums keep those sums within 13 bits.
 FAST_ACCUMULATOR_BITS = 13
 
 
@@ -1189,6 +1238,53 @@ def test_gpu_fp8_layers_match_oracle():
     for name, g, e in zip(("out", "grad_x", "grad_up", "grad_down"), got, expected):
         error = (g.cpu().double() - e.double()).norm() / e.double().norm()
         assert error <= 2 ** -4, f"fp8_relu2_mlp {name}: relative error {error}"
+
+
+def _positive_grid(*shape, generator, dtype):
+    """Multiples of 1/4 in [1/4, 1]: exact in e4m3 and e5m2 at scale 1/4 (1, 2, 3, 4)."""
+    return (torch.randint(1, 5, shape, generator=generator).float() / 4).to(dtype)
+
+
+def _chunk_sums_exact(a, b, chunk, bits):
+    """exact_sums for every chunk of `chunk` consecutive terms of the K sum of a @ b."""
+    return all(exact_sums(a[:, k:k + chunk], b[k:k + chunk], bits) for k in range(0, a.shape[1], chunk))
+
+
+def _check_fp8_backward_accumulation(tokens, outputs, device):
+    """fp8_linear's gradients against the float64 product of the same dequantized operands.
+
+    Static power-of-two scales (1/4) quantize positive multiples of 1/4 up to 1 exactly, so the
+    dequantized operands are the inputs themselves, every product is a multiple of 1/16 <= 1,
+    each BLOCK_K = 128 chunk of a sum is at most 128 (2^11 sixteenths: exact within
+    FAST_ACCUMULATOR_BITS) and a whole sum at most 50,304 (2^20 sixteenths: exact in fp32). So
+    fp32 accumulation of the chunks (max_num_imprecise_acc = BLOCK_K) gives the float64 result
+    exactly, and the check is equality: grad_w sums over `tokens`, grad_x over `outputs`. The
+    whole sums do not fit in FAST_ACCUMULATOR_BITS (asserted): the fast accumulator alone would
+    hold sums of ~0.39 K (K/4 on average for K = 49,152: 19,000, spacing 2 at ~14 bits) and lose
+    the low bits of every product added past 2^13 / 16 = 512, leaving them off by thousands of
+    sixteenths (near 2^14 if it truncates)."""
+    generator = torch.Generator().manual_seed(tokens + outputs)
+    x = _positive_grid(tokens, 128, generator=generator, dtype=torch.bfloat16)
+    w = _positive_grid(outputs, 128, generator=generator, dtype=torch.float32)
+    grad_y = _positive_grid(tokens, outputs, generator=generator, dtype=torch.bfloat16)
+    quarter = kernels.Static(0.25)
+    scales = kernels.FP8LinearScales(input=quarter, weight=quarter, grad_output=quarter)
+    leaves = [t.to(device).requires_grad_(True) for t in (x, w)]
+    y = kernels.fp8_linear(*leaves, kernels.new_fp8_linear_state(device), scales=scales)
+    grad_x, grad_w = torch.autograd.grad(y, leaves, grad_y.to(device))
+    for a, b, got, what in ((grad_y, w, grad_x, "input gradient"), (grad_y.t(), x, grad_w, "weight gradient")):
+        assert _chunk_sums_exact(a, b, kernels.FP8_MATMUL_SMALL.block_k, FAST_ACCUMULATOR_BITS)
+        assert exact_sums(a, b) and (a.shape[1] < 1024 or not exact_sums(a, b, FAST_ACCUMULATOR_BITS))
+        assert torch.equal(got.cpu().double(), (a.double() @ b.double()).to(got.dtype).double()), what
+
+
+@needs_cuda
+@on_gpu
+def test_gpu_fp8_backward_gemms_accumulate_in_fp32():
+    """The FP8 weight gradient at K = 49,152 tokens and the input gradient at K = 50,304 outputs
+    (the head's) are exact where fp32 accumulation is (_check_fp8_backward_accumulation)."""
+    _check_fp8_backward_accumulation(49152, 256, "cuda")
+    _check_fp8_backward_accumulation(256, 50304, "cuda")
 
 
 @needs_cuda

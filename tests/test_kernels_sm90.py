@@ -1,17 +1,21 @@
 """Hopper (sm_90) compile checks of every production kernel launch, on a machine without a GPU.
 
-bench/sm90_report.py records the launches of the trainer at the speedrun shapes (a step of
-every stage, the optimizer and the final validation, traced under CUDA's autocast rules) and
+bench/sm90_report.py records the launches of the trainer runs (the speedrun, 1gpu and record89
+presets and bench/bench_gpu.py's training schedule: a step of every stage, the optimizer, the
+final validation, traced under CUDA's autocast rules, and the sparse tables' largest updates) and
 the library's other production variants, and compiles each for GPUTarget("cuda", 90, 32). The
 compiles run once, in a worker process whose Triton is not in interpreter mode
-(tests/interpreter_shim.py), and take one to three minutes on two cores; the tests share them.
+(tests/interpreter_shim.py), and take one to three minutes on two cores; the tests share them,
+and the index audit reads the same compiles' TTIR.
 """
 import functools
 import json
 import sys
 
 import pytest
+import torch
 import triton
+import triton.language as tl
 
 from interpreter_shim import REPO_ROOT, isolated
 
@@ -44,13 +48,14 @@ def test_every_kernel_the_trainer_launches_is_in_the_report():
     """The speedrun trainer's own launches (not a hand-written list) feed the report: the FP8
     casts and GEMMs (MLP, QKV, head), the QK norm + RoPE, attention forward and backward at head
     dims 64 and 128 with bf16 q, k, v, composed attention, the cross-entropy and its backward, and
-    the optimizer's X X^T."""
+    the optimizer's X X^T, the sparse tables' row sums and Adam."""
     trainer = [e for e in hopper_report()["kernels"] if e["trainer"]]
     assert {e["kernel"] for e in trainer} == {
         "_fp8_cast_kernel", "_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_attn_fwd_kernel",
         "_attn_bwd_delta_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel", "_softcap_ce_kernel",
         "_scale_rows_kernel", "_xxt_kernel", "_qk_norm_rope_fwd_kernel", "_qk_norm_rope_bwd_kernel",
-        "_dc_fwd_kernel", "_dc_bwd_mix_kernel", "_dc_bwd_q_kernel", "_dc_bwd_kv_kernel"}
+        "_dc_fwd_kernel", "_dc_bwd_mix_kernel", "_dc_bwd_q_kernel", "_dc_bwd_kv_kernel", "_sum_rows_kernel",
+        "_sparse_adam_rows_kernel"}
     for e in trainer:
         if e["kernel"] in ("_attn_fwd_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel"):
             assert e["variant"].split("(")[1].startswith("bf16,bf16,bf16,"), e["variant"]
@@ -73,3 +78,113 @@ def test_committed_resource_report_is_current():
     assert hopper_report() == json.loads(sm90_report.REPORT_PATH.read_text()), (
         f"bench/{sm90_report.REPORT_PATH.name} is out of date: run `python bench/sm90_report.py --write` "
         f"and review the diff")
+
+
+@compiled
+def test_sparse_row_kernels_cover_both_table_widths():
+    """The value tables are 768 wide and, on the narrow_vo layers, 6 heads x 64 = 384: both
+    widths of sum_rows (BLOCK_D 256 either way) and of sparse Adam (BLOCK_D 1024 and 512) are
+    compiled, the fp32 value tables' launches by the trainer, the bf16 n-gram table's at 768."""
+    adam = {e["variant"].split(") ")[0].split("(")[1] + " " + e["variant"].split()[2]: e["trainer"]
+            for e in hopper_report()["kernels"] if e["kernel"] == "_sparse_adam_rows_kernel"}
+    assert adam == {"fp32,fp32,i64,i64,fp32,i32,fp64 BLOCK_D=1024": True,
+                    "fp32,fp32,i64,i64,fp32,i32,fp64 BLOCK_D=512": True,
+                    "bf16,fp32,i64,i64,fp32,i32,fp64 BLOCK_D=1024": True,
+                    "bf16,fp32,i64,i64,fp32,i32,fp64 BLOCK_D=512": False}, adam
+
+
+def test_sparse_adam_event_is_not_specialized():
+    """The event number changes with every update: 1 (which the JIT would make a constant), a
+    multiple of 16 and any other value give one variant, so no update compiles a new one."""
+    T = sm90_report.TensorArg
+    config = sm90_report.kernels.SPARSE_ADAM
+
+    def key(event):
+        args = dict(table_ptr=T(torch.bfloat16, True), grad_ptr=T(torch.float32, True),
+                    distinct_ptr=T(torch.int64, True), count_ptr=T(torch.int64, True),
+                    moment_ptr=T(torch.float32, True), last_ptr=T(torch.int32, True),
+                    log_decay_ptr=T(torch.float64, True), D=768, stride_t=768, stride_g=768, event=event,
+                    log_decay=-0.1, one_minus_beta2=0.05, bias=0.1, lr=0.01, decay=0.0, eps=1e-10, BLOCK_D=1024)
+        return sm90_report._variant_key(sm90_report.kernels._sparse_adam_rows_kernel, config, args)
+    assert key(1) == key(16) == key(7) == key(2 ** 20)
+    assert json.loads(key(1)[1])["event"] == "i32"
+
+
+@compiled
+def test_sparse_updates_are_recorded_at_the_runs_largest_sizes():
+    """The recorded n-gram updates have the entry counts a run makes at its longest cadence with
+    all its micro-batches: 2 rows x 49,152 tokens x 8 micro-batches x 4 steps for the 1gpu preset,
+    one micro-batch for each of 8 processes (speedrun), and bench_gpu.py's schedule, whose late
+    update spans three 49,152-token steps and one of 32,768 (x 8 micro-batches x 2 rows)."""
+    expected = {"speedrun": 2 * 49152 * 4, "1gpu": 2 * 49152 * 8 * 4, "bench": 2 * 8 * (3 * 49152 + 32768)}
+    for run, entries in expected.items():
+        grids = {launch.grid[0] for launch in sm90_report.trainer_launches(run)
+                 if launch.kernel.__name__ == "_sum_rows_kernel"}
+        assert max(grids) == entries, (run, sorted(grids))
+    assert not any(launch.kernel.__name__ == "_sparse_adam_rows_kernel"
+                   for launch in sm90_report.trainer_launches("record89"))
+
+
+@compiled
+def test_index_audit_finds_no_overflow_in_the_production_launches():
+    """Every launch of the trainer runs and the library, at its largest sizes: no pointer
+    argument whose offsets reach 2^31 elements is indexed in i32 (or in i64 extended from an i32
+    product with a program id) beyond what the launch's grid and arguments bound below 2^31. The
+    audit sees the large arguments: the logits and their gradient, the head's fp8 gradient
+    operands, the n-gram table, and the 1gpu and bench n-gram updates' summed gradients."""
+    hopper_report()        # the compiles, shared
+    runs, library = sm90_report.production_launches()
+    launches = [launch for run in runs.values() for launch in run] + library
+    large = {launch.kernel.__name__ for launch in launches if any(
+        isinstance(v, sm90_report.TensorArg) and v.max_offset >= sm90_report.I32_LIMIT for v in launch.args.values())}
+    assert {"_softcap_ce_kernel", "_scale_rows_kernel", "_fp8_cast_kernel", "_fp8_matmul_kernel", "_sum_rows_kernel",
+            "_sparse_adam_rows_kernel"} <= large, large
+    findings = sm90_report.index_findings(launches)
+    assert not findings, "\n".join(findings)
+
+
+@triton.jit
+def _rows_i32_kernel(x_ptr, out_ptr, stride, BLOCK: tl.constexpr):
+    """out[row] = x[row] for one row per program, the row offset computed in i32."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    tl.store(out_ptr + row * stride + cols, tl.load(x_ptr + row * stride + cols))
+
+
+@triton.jit
+def _rows_widened_kernel(x_ptr, out_ptr, stride, BLOCK: tl.constexpr):
+    """The same with the i32 product widened to i64 after it is formed (still overflows)."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    offset = (row * stride).to(tl.int64)
+    tl.store(out_ptr + offset + cols, tl.load(x_ptr + offset + cols))
+
+
+@triton.jit
+def _rows_i64_kernel(x_ptr, out_ptr, stride, BLOCK: tl.constexpr):
+    """The same with the program id widened before the product."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    tl.store(out_ptr + row * stride + cols, tl.load(x_ptr + row * stride + cols))
+
+
+def _row_copy_launch(kernel, rows, width=768):
+    arg = sm90_report.TensorArg(torch.float32, True, rows * width - 1)
+    return sm90_report.Launch(kernel, sm90_report.kernels.LaunchConfig(block_m=1, block_n=1024),
+                              dict(x_ptr=arg, out_ptr=arg, stride=width, BLOCK=1024), (rows,))
+
+
+@compiled
+def test_index_audit_finds_a_program_id_times_stride_in_i32():
+    """The audit has teeth: a row copy whose offset row * stride is i32 (the pattern of the sum
+    and Adam row kernels' output and gradient rows) is found at 3,145,728 rows of 768 (2.4e9
+    elements), for both arguments, and so is the same product widened to i64 after it is formed;
+    not at 2,796,202 rows (offsets below 2^31), nor with the program id widened first."""
+    big, small = 3_145_728, 2_796_202
+    findings = sm90_report.index_findings([_row_copy_launch(_rows_i32_kernel, big)])
+    assert len(findings) == 2 and all("arith.muli" in f and "i32" in f for f in findings), findings
+    assert {f.split(": ")[1].split()[0] for f in findings} == {"x_ptr", "out_ptr"}
+    widened = sm90_report.index_findings([_row_copy_launch(_rows_widened_kernel, big)])
+    assert len(widened) == 2 and all("i64 offset from an i32 product" in f for f in widened), widened
+    assert sm90_report.index_findings([_row_copy_launch(_rows_i32_kernel, small)]) == []
+    assert sm90_report.index_findings([_row_copy_launch(_rows_i64_kernel, big)]) == []

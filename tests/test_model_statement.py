@@ -43,7 +43,7 @@ VALIDATION_RTOL = 1e-6             # no backward, fp32 only in the softcap: meas
 # The presets' own layer lists, features and schedules; narrower, and computing in fp32 (no
 # autocast) so that float64 parameters stay float64.
 CPU_SET = ["--preset", "cpu", "--model_dim=64", "--head_dim=32", "--narrow_qk_dim=16", "--mlp_hidden=128",
-           "--bigram_rows=1024", "--compute_dtype=float32"]
+           "--bigram_rows=1024", "--ngram_rows=0", "--compute_dtype=float32"]
 SPEEDRUN_SET = ["--preset", "speedrun", "--model_dim=96", "--head_dim=16", "--narrow_qk_dim=8", "--narrow_vo_dim=8",
                 "--mlp_hidden=128", "--ngram_rows=4096", "--dc_window=24", "--batch_ranks=1",
                 "--compute_dtype=float32", "--compile=false", "--cuda_graphs=false"]

@@ -29,7 +29,7 @@ from launch import cpu_env, run_distributed  # noqa: E402
 TINY = [
     "--num_layers=3", "--model_dim=64", "--num_heads=2", "--head_dim=32", "--mlp_hidden=128",
     "--long_window_layers=[2]", "--attention_free_layers=[1]", "--num_value_embeds=1", "--narrow_qk_layers=[]",
-    "--bigram_rows=1024", "--val_long_window=4", "--batch_ranks=1",
+    "--bigram_rows=1024", "--ngram_rows=0", "--val_long_window=4", "--batch_ranks=1",
     '--stages=[{"end":0.5,"tokens_per_rank":512,"max_doc_len":256,"short_window":1,"long_window":2,'
     '"mtp_weights":[1,0.5,0.25],"prefix_weight":0.25,"candidates":2048},'
     '{"end":1.0,"tokens_per_rank":512,"max_doc_len":512,"short_window":1,"long_window":3,'
@@ -1720,3 +1720,20 @@ def test_canonical_mask_only_lowers_the_loss_of_real_text():
     listed = set((pairs := noncanonical_pairs())[:, 0] * tg.PADDED_VOCAB_SIZE + pairs[:, 1])
     assert not listed & {a * tg.PADDED_VOCAB_SIZE + b for a, b in zip(ids, ids[1:])}
     assert masked < plain
+
+
+def test_cpu_preset_is_the_current_cpu_record(tmp_path):
+    """`./run.sh` on a CPU (the cpu preset) trains what the CPU track's current record (the first
+    row of the README's table) ran: its logged config, apart from the seed and the log folder."""
+    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    table = readme.split("<!-- records:track_cpu:start -->")[1].split("<!-- records:track_cpu:end -->")[0]
+    first = next(line for line in table.splitlines() if line.startswith("| 1 "))
+    folder = os.path.join(REPO, first.split("](")[1].split(")")[0])
+    log = parse_log(os.path.join(folder, sorted(f for f in os.listdir(folder) if f.endswith(".txt")
+                                                and f[0].isdigit())[0]))
+    logged = {k: v for k, v in log.config.items() if k not in ("seed", "log_dir", "entry")}
+    preset = tg.config_to_dict(tg.parse_config(["--preset", "cpu"]))
+    preset = json.loads(json.dumps({k: v for k, v in preset.items() if k not in ("seed", "log_dir", "entry")}))
+    assert {k: v for k, v in preset.items() if k in logged} == logged
+    (tmp_path / "record.json").write_text(json.dumps(logged))
+    assert tg.parse_config(["--config", str(tmp_path / "record.json")]) == tg.parse_config(["--preset", "cpu"])

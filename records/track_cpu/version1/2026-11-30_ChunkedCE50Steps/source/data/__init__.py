@@ -1,1 +1,0 @@
-"""Token shards, the offline GPT-2 tokenizer, the FineWeb download and the tiny offline corpus."""
