@@ -15,6 +15,7 @@ Families:
   5. QK norm + RoPE   qk_norm_rope                                   qk_norm_rope_reference
   6. Sparse rows      distinct_rows (plain torch), sum_rows,         sum_rows_reference,
                       sparse_adam_rows_                              sparse_adam_rows_reference_
+  7. Composed attn    composed_attention                             composed_attention_reference
 
 How the trainer uses the FP8 layers. A module that owns an FP8 weight also owns a small fp32
 state buffer, created once with `new_fp8_linear_state(device)` (a plain linear) or

@@ -1,7 +1,8 @@
 """Train a GPT-2-small-class language model on FineWeb as fast as possible.
 
-Read top-down: the config and its presets; the model; the data loader; the schedules;
-the log; the training loop; main(). Kernels live in kernels.py, optimizers in optim.py.
+Read top-down: the config and its presets; the model; the data loader; the schedules; the log;
+the training loop and its memory budget; checkpoints, evaluation and sampling; main(). Kernels
+live in kernels.py, optimizers in optim.py.
 
     ./run.sh                                              # picks the preset for this machine
     python train_gpt.py --plan                            # what run.sh starts here, and why (launch_plan)
@@ -20,6 +21,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import errno
 import functools
 import gc
 import hashlib
@@ -27,11 +29,15 @@ import json
 import math
 import os
 import platform
+import re
+import select
 import signal
 import socket
 import struct
 import subprocess
+import stat
 import sys
+import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +57,7 @@ from cpu_runtime import bf16_gemm_path, bf16_gemms, cpu_has_native_bf16, keep_fr
 from data.shards import ShardError, find_shards, fingerprint, read_shard
 from data.tokenizer import BOS_ID, TokenizerError, gpt2_encoding, noncanonical_pairs, prefix_token_table
 from records.logfile import (ERROR_PREFIX, INTERRUPTED_PREFIX, SEAL_HEX_DIGITS, LogWriteError, LogWriter, cpu_model,
-                             new_run_id)
+                             new_run_id, write_failure)
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 FINEWEB_HINT = "python data/cached_fineweb10B.py N"
@@ -406,7 +412,92 @@ def _one_gpu_preset(h):
     h.ngram_cache_rows = 4_194_304
 
 
-PRESETS = {"speedrun": _speedrun_preset, "1gpu": _one_gpu_preset, "cpu": _cpu_preset, "record89": _record89_preset}
+MEDIUM_SCHEDULED_STEPS = 4700      # public medium record: the steps its batch, window and LR schedules span
+MEDIUM_EXTENSION_STEPS = 40        # public medium record: then this many at the last batch and windows, LR 0.1
+MEDIUM_DOC_LEN = 4096              # public medium record: train_max_seq_len 128 x 16 x 2, in every phase
+MEDIUM_BATCH_RANKS = 16            # rank slices of a global batch: the public 8, halved to fit (docs/medium.md)
+
+
+def _medium_preset(h):
+    """The GPT-2 medium track (val loss 2.92 on 8xH100): the public medium record's facts
+    (modded-nanogpt's train_gpt_medium.py, 4700 scheduled steps + 40) on this repository's model
+    code and kernels. Its schedule has 12 phases; phase k starts at the first step s with
+    12 s / 4700 >= k (392, 784, 1175, 1567, 1959, 2350, 2742, 3134, 3525, 3917, 4309). Each
+    phase where the batch, the windows or the LR multiplier change is a stage; phases 8-11 are
+    equal and one stage; the 40 extension steps are the last (the same batch and windows, at
+    the floor of the cooldown). Nothing is added to the model: what the public model has that
+    ours lacks, and every value that maps with a difference, is in docs/medium.md."""
+    h.track = "track_2_medium"
+    h.num_layers, h.model_dim, h.num_heads, h.head_dim = 16, 1024, 8, 128  # public: 16 layers of 1024, 8 heads of 128
+    h.mlp_hidden = 4096            # public medium record: MLP hidden 4 x 1024, ReLU^2
+    h.attention_free_layers = ()   # public medium record: attention in all 16 layers
+    h.long_window_layers = (0, 4, 11, 15)  # public medium record: bm_sizes long on layers 0, 4, 11, 15
+    h.num_value_embeds = 5         # public medium record: 5 value embeddings, table i on layers i and 11 + i
+    h.value_embed_gate_dim = 16    # public medium record: value-embedding gates 2 sigmoid(W x[:16])
+    h.smear_gate = True            # public medium record: smear gate (ours reads SMEAR_GATE_DIMS = 12 dims, not 16)
+    h.key_offset = True            # public medium record: partial key offset on the long-window layers
+    h.embed_init_std = 0.005       # public medium record: lm_head N(0, 0.005), the embedding tied to it
+    h.yarn_scale_growth = 0.2      # public medium record: YaRN attention scale x (0.2 ln(new / old) + 1), from 0.1
+    h.yarn_at_final_window = False # public medium record: no YaRN for the final validation's widening
+    h.val_long_window = 27         # public medium record: ws_validate_post_yarn_ext 27 blocks
+    h.fp8_mlp = h.fp8_qkv = h.fp8_head = False  # public medium record: bf16 products (CastedLinear's FP8 off)
+    h.val_tokens_per_rank = 262_144  # public medium record: val_batch_size 4 x 64 x 1024 x 8 over 8 ranks
+    h.val_every = 250              # public medium record: val_loss_every 250
+    h.num_iterations = N = MEDIUM_SCHEDULED_STEPS + MEDIUM_EXTENSION_STEPS   # public medium record: 4740
+    h.batch_ranks = R = MEDIUM_BATCH_RANKS  # the public global batches, in 16 slices: two per GPU on 8
+    d = MEDIUM_DOC_LEN
+    h.stages = [                   # tokens_per_rank: the public global batch over R slices
+        # public phase 0, steps 0-391: 131,072 tokens, windows (1, 3), LR x1, MTP [1, .5, .25 -> 0]
+        Stage(end=392 / N, tokens_per_rank=131_072 // R, max_doc_len=d, short_window=1, long_window=3,
+              mtp_weights=(1.0, 0.5, 0.25), mtp_weights_end=(1.0, 0.5, 0.0), lr_mult=1.0),
+        # public phase 1, steps 392-783: 262,144 tokens, windows (3, 7), LR x1.52, MTP [1, .5 -> 0]
+        Stage(end=784 / N, tokens_per_rank=262_144 // R, max_doc_len=d, short_window=3, long_window=7,
+              mtp_weights=(1.0, 0.5), mtp_weights_end=(1.0, 0.0), lr_mult=1.52),
+        # public phase 2, steps 784-1174: 393,216 tokens, windows (5, 11), LR x1.73, MTP [1]
+        Stage(end=1175 / N, tokens_per_rank=393_216 // R, max_doc_len=d, short_window=5, long_window=11, lr_mult=1.73),
+        # public phase 3, steps 1175-1566: 524,288 tokens, windows (6, 13), LR x2.0 (public: x1.73 at step 1175)
+        Stage(end=1567 / N, tokens_per_rank=524_288 // R, max_doc_len=d, short_window=6, long_window=13, lr_mult=2.0),
+        # public phase 4, steps 1567-1958: windows (7, 15)
+        Stage(end=1959 / N, tokens_per_rank=524_288 // R, max_doc_len=d, short_window=7, long_window=15, lr_mult=2.0),
+        # public phase 5, steps 1959-2349: windows (8, 17)
+        Stage(end=2350 / N, tokens_per_rank=524_288 // R, max_doc_len=d, short_window=8, long_window=17, lr_mult=2.0),
+        # public phase 6, steps 2350-2741: windows (9, 19)
+        Stage(end=2742 / N, tokens_per_rank=524_288 // R, max_doc_len=d, short_window=9, long_window=19, lr_mult=2.0),
+        # public phase 7, steps 2742-3133: windows (10, 21)
+        Stage(end=3134 / N, tokens_per_rank=524_288 // R, max_doc_len=d, short_window=10, long_window=21, lr_mult=2.0),
+        # public phases 8-11, steps 3134-4699: windows (11, 23) (short: min(11, long // 2))
+        Stage(end=4700 / N, tokens_per_rank=524_288 // R, max_doc_len=d, short_window=11, long_window=23, lr_mult=2.0),
+        # public extension, steps 4700-4739: train_bs_extension 32 x 2048 x 8, ws_final 23 (short 11), LR 0.1
+        Stage(end=1.0, tokens_per_rank=524_288 // R, max_doc_len=d, short_window=11, long_window=23, lr_mult=2.0),
+    ]
+    h.cooldown_start = 1410 / N    # public medium record: cooldown_frac 0.70 of 4700: from step 1410 (x = 0.3)
+    h.cooldown_end = 4700 / N      # public medium record: ... linearly to 0.1 at step 4700, the end of the schedule
+    h.cooldown_floor = 0.1         # public medium record: LR multiplier 0.1 at the end and through the extension
+    h.untie_frac = 786.5 / N       # public medium record: split_embed_frac 2/3/4: split after step 785, 786 untied
+    # optimizers: NorMuon with Polar Express for the matrices
+    h.optimizer, h.orthogonalize = "normuon", "polar_express"  # public medium record: NorMuon, polar_express
+    h.matrix_lr, h.matrix_wd = 0.015, 1.2  # public medium record: NorMuon lr 0.015, weight_decay 1.2 (cautious)
+    h.mlp_down_lr_scale = 4.0      # public medium record: c_proj lr_mul 2 x its stored (4096, 1024) shape's 2
+    # (the public shape factor max(1, 4096 / 1024)^0.5 = 2 also lifts Q, K, V and O; ours gives square blocks 1)
+    h.qk_ortho_heads = 8           # public medium record: Q, K and V orthogonalized as separate 1024 x 1024 blocks
+    h.momentum, h.momentum_warmup_start = 0.95, 0.85  # public medium record: momentum_max 0.95, momentum_min 0.85
+    h.momentum_warmup_steps = 300  # public medium record: muon_warmup_steps 300
+    h.momentum_cooldown_steps = 50 # public medium record: muon_cooldown_steps 50 (down to 0.85 at step 4740)
+    # Adam (DistAdam lr 0.004, betas (0.8, 0.95), eps 1e-8, wd 0.005 as lr^2 x wd, per-parameter multipliers)
+    h.embed_lr = h.head_lr = 0.004     # public medium record: DistAdam lr 0.004 for lm_head and embed
+    h.value_embed_lr = 0.004 * 75      # public medium record: value_embeds lr_mul 75
+    h.embed_wd, h.value_embed_wd = 0.005 * 150, 0.005 * 5  # public medium record: wd 0.005, wd_mul 150 and 5
+    h.embed_betas = h.value_embed_betas = (0.8, 0.95)   # public medium record: DistAdam betas (0.8, 0.95)
+    h.smear_gate_lr = 0.004 * 0.01     # public medium record: smear_gate lr_mul 0.01, no decay
+    h.scalar_lr = 0.008 * 5            # public medium record: scalar DistAdam lr 0.008, scalars lr_mul 5
+    h.scalar_betas = (0.9, 0.99)       # public medium record: scalar DistAdam betas (0.9, 0.99)
+    h.gate_lr = 0.015 * 0.1            # public medium record: value_embed_gate NorMuon lr_mul 0.1 (ours: Adam)
+    h.adam_eps = 1e-8                  # public medium record: DistAdam eps 1e-8
+    h.adam_step_every = 2              # public medium record: Adam on odd steps only
+
+
+PRESETS = {"speedrun": _speedrun_preset, "1gpu": _one_gpu_preset, "cpu": _cpu_preset, "record89": _record89_preset,
+           "medium": _medium_preset}
 
 
 class ConfigError(Exception):
@@ -414,6 +505,33 @@ class ConfigError(Exception):
 
 
 TYPE_NAMES = {int: "a whole number", float: "a number", str: "a string"}  # for the messages of _parse_value
+MAX_JSON_DEPTH = 32                # lists and objects nest at most this deep in a config (a resolved one: 3)
+CONFIG_FILE_MAX_BYTES = 2**20      # the largest --config file read (a resolved config is ~5 KB)
+
+
+def json_depth(value):
+    """How deep lists and dicts nest in a parsed JSON value (1 for a flat list; 0 for a number)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if isinstance(value, (list, dict)):
+            deepest = max(deepest, depth)
+            todo.extend((item, depth + 1) for item in (value.values() if isinstance(value, dict) else value))
+    return deepest
+
+
+def load_json(what, text):
+    """json.loads(text); a ConfigError naming `what` when lists and objects nest deeper than
+    MAX_JSON_DEPTH (json.JSONDecodeError when it is not JSON)."""
+    too_deep = ConfigError(f"{what}: lists and objects nest deeper than {MAX_JSON_DEPTH} levels; a config nests "
+                           f"them a few levels deep")
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise too_deep from None
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise too_deep
+    return value
 
 
 def _parse_value(key, text, current):
@@ -429,7 +547,7 @@ def _parse_value(key, text, current):
         except ValueError:
             raise ConfigError(f"--{key} expects {TYPE_NAMES[type(current)]}, got {text!r}") from None
     try:
-        return json.loads(text)
+        return load_json(f"--{key}", text)
     except json.JSONDecodeError:
         raise ConfigError(f"--{key} expects JSON (a list), got {text!r}") from None
 
@@ -450,8 +568,9 @@ def _upgrade_legacy_keys(d):
     return d
 
 
-def config_from_dict(d):
-    """A Hyperparameters from a resolved-config dict (as written into a log)."""
+def config_from_dict(d, base=None):
+    """A Hyperparameters from a resolved-config dict (as written into a log): its keys set on
+    `base` (a Hyperparameters, e.g. a preset's), or on the defaults when base is None."""
     if not isinstance(d, dict):
         raise ConfigError(f"a config must be a JSON object of key: value, got {type(d).__name__}")
     d = _upgrade_legacy_keys({k: v for k, v in d.items() if k not in LOG_ONLY_KEYS})
@@ -459,7 +578,12 @@ def config_from_dict(d):
     unknown = sorted(set(d) - known)
     if unknown:
         raise ConfigError(f"unknown config key(s) {unknown}")
-    h = Hyperparameters(**d)
+    if base is None:
+        h = Hyperparameters(**d)
+    else:
+        h = base
+        for key, value in d.items():
+            setattr(h, key, value)
     return normalize_config(h)
 
 
@@ -502,10 +626,10 @@ def _check_averages(averages):
             raise ConfigError(f"--averages: average {i} ({a.params}) {what}")
         if a.params not in AVERAGED_PARAMS:
             refuse(f"has params={a.params!r}: expects one of {', '.join(AVERAGED_PARAMS)}")
-        if not _number(a.window, integer=True) or a.window < 1:
-            refuse(f"has window={a.window!r}: expects a number of steps >= 1")
-        if not _number(a.every, integer=True) or a.every < 1:
-            refuse(f"has every={a.every!r}: expects a number of steps >= 1")
+        if not _number(a.window, integer=True) or not 1 <= a.window <= MAX_STEPS:
+            refuse(f"has window={a.window!r}: expects a number of steps >= 1, at most {MAX_STEPS:,}")
+        if not _number(a.every, integer=True) or not 1 <= a.every <= MAX_STEPS:
+            refuse(f"has every={a.every!r}: expects a number of steps >= 1, at most {MAX_STEPS:,}")
         if not _number(a.rate) or not 0 < a.rate <= 1:
             refuse(f"has rate={a.rate!r}: expects an EMA weight in (0, 1]")
         if not _number(a.blend) or not 0 <= a.blend <= 1:
@@ -545,33 +669,47 @@ def _number(value, integer=False):
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
+# Upper bounds of the whole-number keys: far above any run's, finite so that no value loops or
+# allocates without end.
+MAX_STEPS = 10_000_000             # steps of a run (and every count of steps)
+MAX_VAL_TOKENS = 2**40             # tokens of a validation
+MAX_SLICE_TOKENS = 2**24           # tokens of one rank's slice (a stage's tokens_per_rank, val_tokens_per_rank)
+MAX_BATCH_RANKS = 4096             # rank slices of a global batch
+MAX_LAYERS = 256                   # layers
+MAX_WIDTH = 65_536                 # model_dim and the widths read from it
+MAX_HIDDEN = 262_144               # mlp_hidden
+MAX_HEADS = 1024                   # attention heads
+MAX_HEAD_DIM = 1024                # dims of one head
+MAX_TABLE_ROWS = 2**31             # rows of a hashed table (bigram, n-gram, the n-gram cache)
+MAX_WINDOW_BLOCKS = 65_536         # an attention window, in WINDOW_BLOCKs
+
 # (key, kind, low, high, what is allowed): numbers must lie in [low, high] (None: no bound).
 NUMERIC_RULES = [
-    ("num_iterations", int, 1, None, "a whole number of steps >= 1"),
-    ("val_tokens", int, 1, None, "a positive number of tokens"),
-    ("val_tokens_per_rank", int, 1, None, "a positive number of tokens"),
-    ("val_every", int, 0, None, "0 (only at the end) or a positive number of steps"),
-    ("batch_ranks", int, 1, None, "a positive number of rank slices"),
-    ("num_layers", int, 1, None, "a positive number of layers"),
-    ("model_dim", int, 1, None, "a positive width"),
-    ("num_heads", int, 1, None, "a positive number of heads"),
-    ("head_dim", int, 4, None, "a multiple of 4 (RoPE rotates pairs in half of the dims)"),
-    ("narrow_qk_dim", int, 4, None, "a multiple of 4"),
+    ("num_iterations", int, 1, MAX_STEPS, f"a whole number of steps >= 1, at most {MAX_STEPS:,}"),
+    ("val_tokens", int, 1, MAX_VAL_TOKENS, f"a positive number of tokens, at most {MAX_VAL_TOKENS:,}"),
+    ("val_tokens_per_rank", int, 1, MAX_SLICE_TOKENS, f"a positive number of tokens, at most {MAX_SLICE_TOKENS:,}"),
+    ("val_every", int, 0, MAX_STEPS, f"0 (only at the end) or a positive number of steps, at most {MAX_STEPS:,}"),
+    ("batch_ranks", int, 1, MAX_BATCH_RANKS, f"a positive number of rank slices, at most {MAX_BATCH_RANKS:,}"),
+    ("num_layers", int, 1, MAX_LAYERS, f"a positive number of layers, at most {MAX_LAYERS}"),
+    ("model_dim", int, 1, MAX_WIDTH, f"a positive width, at most {MAX_WIDTH:,}"),
+    ("num_heads", int, 1, MAX_HEADS, f"a positive number of heads, at most {MAX_HEADS:,}"),
+    ("head_dim", int, 4, MAX_HEAD_DIM, f"a multiple of 4 (RoPE rotates pairs in half of the dims), at most {MAX_HEAD_DIM:,}"),
+    ("narrow_qk_dim", int, 4, MAX_HEAD_DIM, f"a multiple of 4, at most {MAX_HEAD_DIM:,}"),
     ("narrow_qk_attn_scale", float, 1e-9, None, "a positive scale"),
-    ("narrow_vo_dim", int, 1, None, "a positive width"),
-    ("token_gates_split", int, 0, None, "a layer index in [0, num_layers]"),
+    ("narrow_vo_dim", int, 1, MAX_HEAD_DIM, f"a positive width, at most {MAX_HEAD_DIM:,}"),
+    ("token_gates_split", int, 0, MAX_LAYERS, "a layer index in [0, num_layers]"),
     ("dc_window", int, 1, kernels.COMPOSED_MAX_WINDOW, f"a window of 1 to {kernels.COMPOSED_MAX_WINDOW} tokens"),
-    ("snapshot_layer", int, 0, None, "a layer index"),
-    ("mlp_hidden", int, 1, None, "a positive width"),
-    ("num_value_embeds", int, 0, None, "0 or more tables"),
-    ("value_embed_gate_dim", int, 1, None, "a positive number of dims, at most model_dim"),
-    ("bigram_rows", int, 2, None, "at least 2 rows"),
-    ("ngram_rows", int, 0, None, "0 (off) or an even number of rows, at least 4"),
+    ("snapshot_layer", int, 0, MAX_LAYERS, "a layer index"),
+    ("mlp_hidden", int, 1, MAX_HIDDEN, f"a positive width, at most {MAX_HIDDEN:,}"),
+    ("num_value_embeds", int, 0, MAX_LAYERS // 2, "0 or more tables, at most num_layers / 2"),
+    ("value_embed_gate_dim", int, 1, MAX_WIDTH, "a positive number of dims, at most model_dim"),
+    ("bigram_rows", int, 2, MAX_TABLE_ROWS, f"at least 2 rows, at most {MAX_TABLE_ROWS:,}"),
+    ("ngram_rows", int, 0, MAX_TABLE_ROWS, f"0 (off) or an even number of rows, at least 4, at most {MAX_TABLE_ROWS:,}"),
     ("embed_init_std", float, 0.0, None, "a std >= 0 (0: model_dim^-0.5)"),
     ("rope_base", float, 1e-9, None, "a positive period"),
     ("attn_scale", float, 1e-9, None, "a positive scale"),
     ("yarn_scale_growth", float, 0.0, None, "a growth rate >= 0"),
-    ("val_long_window", int, 1, None, "a positive number of window blocks"),
+    ("val_long_window", int, 1, MAX_WINDOW_BLOCKS, f"a positive number of window blocks, at most {MAX_WINDOW_BLOCKS:,}"),
     ("untie_frac", float, 0.0, 1.0, "a fraction of training in [0, 1]"),
     ("cooldown_start", float, 0.0, 1.0, "a fraction of training in [0, 1]"),
     ("cooldown_floor", float, 0.0, 1.0, "an LR multiplier in [0, 1]"),
@@ -580,11 +718,11 @@ NUMERIC_RULES = [
     ("adamw_matrix_lr", float, 0.0, None, "a learning rate >= 0"),
     ("matrix_wd", float, 0.0, None, "a weight decay >= 0"),
     ("mlp_down_lr_scale", float, 0.0, None, "an LR multiplier >= 0"),
-    ("qk_ortho_heads", int, 0, None, "0 (QKV as one matrix) or a number of heads that divides num_heads"),
+    ("qk_ortho_heads", int, 0, MAX_HEADS, "0 (QKV as one matrix) or a number of heads that divides num_heads"),
     ("momentum", float, 0.0, 1.0, "a momentum in [0, 1]"),
     ("momentum_warmup_start", float, 0.0, 1.0, "a momentum in [0, 1]"),
-    ("momentum_warmup_steps", int, 0, None, "0 or more steps"),
-    ("momentum_cooldown_steps", int, 0, None, "0 or more steps"),
+    ("momentum_warmup_steps", int, 0, MAX_STEPS, f"0 or more steps, at most {MAX_STEPS:,}"),
+    ("momentum_cooldown_steps", int, 0, MAX_STEPS, f"0 or more steps, at most {MAX_STEPS:,}"),
     ("anvil_fast_beta", float, 0.0, 1.0, "a beta in [0, 1]"),
     ("anvil_slow_beta", float, 0.0, 1.0, "a beta in [0, 1]"),
     ("anvil_blend", float, 0.0, 1.0, "a weight in [0, 1]"),
@@ -604,23 +742,23 @@ NUMERIC_RULES = [
     ("embed_wd", float, 0.0, None, "a weight decay >= 0"),
     ("value_embed_wd", float, 0.0, None, "a weight decay >= 0"),
     ("adam_eps", float, 0.0, None, "an epsilon >= 0"),
-    ("adam_step_every", int, 1, None, "a positive number of steps"),
+    ("adam_step_every", int, 1, MAX_STEPS, f"a positive number of steps, at most {MAX_STEPS:,}"),
     ("ngram_lr", float, 0.0, None, "a learning rate >= 0"),
     ("ngram_beta2", float, 0.0, 1.0, "a beta in [0, 1]"),
     ("ngram_wd", float, 0.0, None, "a weight decay >= 0"),
-    ("ngram_step_every", int, 1, None, "a positive number of steps"),
-    ("ngram_late_step", int, 0, None, "a step >= 0 (0: never)"),
+    ("ngram_step_every", int, 1, MAX_STEPS, f"a positive number of steps, at most {MAX_STEPS:,}"),
+    ("ngram_late_step", int, 0, MAX_STEPS, f"a step >= 0 (0: never), at most {MAX_STEPS:,}"),
     ("ngram_late_beta2", float, 0.0, 1.0, "a beta in [0, 1]"),
-    ("ngram_late_step_every", int, 1, None, "a positive number of steps"),
+    ("ngram_late_step_every", int, 1, MAX_STEPS, f"a positive number of steps, at most {MAX_STEPS:,}"),
     ("value_embed_late_beta2", float, 0.0, 1.0, "a beta in [0, 1]"),
-    ("ngram_cache_rows", int, 0, None, "0 (the table on the device) or a number of rows"),
+    ("ngram_cache_rows", int, 0, MAX_TABLE_ROWS, f"0 (the table on the device) or a number of rows, at most {MAX_TABLE_ROWS:,}"),
     ("seed", int, 0, 2**63 - 1, "a whole number in [0, 2^63)"),
-    ("warmup_steps", int, 0, None, "0 or more steps"),
-    ("log_every", int, 1, None, "a positive number of steps"),
+    ("warmup_steps", int, 0, MAX_STEPS, f"0 or more steps, at most {MAX_STEPS:,}"),
+    ("log_every", int, 1, MAX_STEPS, f"a positive number of steps, at most {MAX_STEPS:,}"),
 ]
 # (key, allowed values)
 CHOICE_RULES = [
-    ("track", ("track_1_short", "track_cpu", "none")),
+    ("track", ("track_1_short", "track_2_medium", "track_cpu", "none")),
     ("optimizer", ("muon", "normuon", "anvil", "adamw")),
     ("orthogonalize", tuple(optim.SCHEDULES)),
     ("device", ("auto", "cuda", "cpu")),
@@ -649,9 +787,36 @@ def _check_range(key, value, kind, low, high, allowed):
         _refuse(key, value, allowed)
 
 
+def loggable(text):
+    """Whether `text` can be one line of a log, which is UTF-8: no line breaks, and no lone
+    surrogates (what Python makes of a command-line or file-name byte that is not UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return text.splitlines() in ([text], [])
+
+
+def json_strings(value):
+    """Every string in a JSON-like value: the value itself, or inside its lists, tuples and
+    dicts (keys included)."""
+    todo = [value]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, dict):
+            todo.extend([*value.keys(), *value.values()])
+        elif isinstance(value, (list, tuple)):
+            todo.extend(value)
+
+
 def check_config(h):
     """Every value's type and range, so that a bad one ends the run before any work, with one
     line naming the key, the value and what is allowed."""
+    for key, value in config_to_dict(h).items():
+        if not all(loggable(text) for text in json_strings(value)):
+            _refuse(key, value, "UTF-8 text without line breaks (the log records it)")
     for key, kind, low, high, allowed in NUMERIC_RULES:
         _check_range(key, getattr(h, key), kind, low, high, allowed)
     for key, choices in CHOICE_RULES:
@@ -815,9 +980,10 @@ def _check_stages(stages):
         if not _number(s.end) or not previous_end < s.end <= 1.0:
             refuse(i, f"ends at {s.end!r}: stage ends must increase within (0, 1]")
         previous_end = s.end
-        for key in ("tokens_per_rank", "max_doc_len", "short_window", "long_window"):
-            if not _number(getattr(s, key), integer=True) or getattr(s, key) < 1:
-                refuse(i, f"has {key}={getattr(s, key)!r}: expects a positive whole number")
+        for key, high in (("tokens_per_rank", MAX_SLICE_TOKENS), ("max_doc_len", MAX_SLICE_TOKENS),
+                          ("short_window", MAX_WINDOW_BLOCKS), ("long_window", MAX_WINDOW_BLOCKS)):
+            if not _number(getattr(s, key), integer=True) or not 1 <= getattr(s, key) <= high:
+                refuse(i, f"has {key}={getattr(s, key)!r}: expects a positive whole number, at most {high:,}")
         if s.tokens_per_rank < MIN_DOC_TOKENS:
             refuse(i, f"has tokens_per_rank={s.tokens_per_rank}: expects at least {MIN_DOC_TOKENS}")
         if not 1 <= len(s.mtp_weights) <= MAX_TARGETS - 1 or not all(_number(w) and w >= 0 for w in s.mtp_weights):
@@ -830,36 +996,71 @@ def _check_stages(stages):
             refuse(i, f"has prefix_weight={s.prefix_weight!r}: expects a weight >= 0")
         if s.prefix_weight_end is not None and (not _number(s.prefix_weight_end) or s.prefix_weight_end < 0):
             refuse(i, f"has prefix_weight_end={s.prefix_weight_end!r}: expects null (constant) or a weight >= 0")
-        if not _number(s.candidates, integer=True) or not (s.candidates == 0 or 1 <= s.candidates <= PADDED_VOCAB_SIZE):
-            refuse(i, f"has candidates={s.candidates!r}: expects 0 (full vocabulary) or 1 to {PADDED_VOCAB_SIZE}")
+        if not _number(s.candidates, integer=True) or not (s.candidates == 0 or 2 <= s.candidates <= PADDED_VOCAB_SIZE):
+            refuse(i, f"has candidates={s.candidates!r}: expects 0 (full vocabulary) or 2 to {PADDED_VOCAB_SIZE}: "
+                      f"the candidates are the target and negatives, and a softmax over the target alone is 1 "
+                      f"whatever the logits (loss 0, no gradient)")
         if not _number(s.lr_mult) or s.lr_mult < 0:
             refuse(i, f"has lr_mult={s.lr_mult!r}: expects a multiplier >= 0")
     if stages[-1].end != 1.0:
         raise ConfigError("--stages: the last stage must end at 1.0 (the fraction of num_iterations)")
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """An argparse parser whose refusals are ConfigErrors (one `error:` line), not a usage
+    message and an exit."""
+
+    def error(self, message):
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+def preset_config(preset):
+    """The Hyperparameters of the preset named `preset`."""
+    if not isinstance(preset, str) or preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    h = Hyperparameters(preset=preset)
+    PRESETS[preset](h)
+    return h
+
+
+def read_config_file(path):
+    """The JSON value of the --config file at `path`: a regular file of at most
+    CONFIG_FILE_MAX_BYTES of UTF-8 JSON, nested at most MAX_JSON_DEPTH deep (ConfigError saying
+    which it is not). Opened without blocking, so a FIFO is refused rather than waited on."""
+    try:
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ConfigError(f"--config {path} is not a regular file: give a JSON file")
+            raw = f.read(CONFIG_FILE_MAX_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"cannot read --config {path}: {e.strerror}") from None
+    if len(raw) > CONFIG_FILE_MAX_BYTES:
+        raise ConfigError(f"--config {path} is larger than {CONFIG_FILE_MAX_BYTES // 2**20} MiB: a config file holds "
+                          f"one resolved config (a few KB of JSON)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}): "
+                          f"save it as UTF-8") from None
+    try:
+        return load_json(f"--config {path}", text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--config {path} is not valid JSON ({e})") from None
+
+
 def parse_config(argv):
     """--preset NAME, --config PATH (a resolved config from a log), then --key=value overrides."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=True)
+    parser = ArgumentParser(description=__doc__.split("\n")[0], add_help=True)
     parser.add_argument("--preset", default=None, help=f"one of {sorted(PRESETS)}")
     parser.add_argument("--config", default=None, help="JSON file of a resolved config")
     args, rest = parser.parse_known_args(argv)
     if args.config and args.preset:
         raise ConfigError("give --preset or --config, not both (a config file already names its preset)")
     if args.config:
-        try:
-            with open(args.config) as f:
-                h = config_from_dict(json.load(f))
-        except OSError as e:
-            raise ConfigError(f"cannot read --config {args.config}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--config {args.config} is not valid JSON ({e})") from None
+        d = read_config_file(args.config)
+        h = config_from_dict(d, base=preset_config(d["preset"]) if isinstance(d, dict) and "preset" in d else None)
     else:
-        preset = args.preset or "speedrun"
-        if preset not in PRESETS:
-            raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-        h = Hyperparameters(preset=preset)
-        PRESETS[preset](h)
+        h = preset_config(args.preset or "speedrun")
     fields = {f.name: f for f in dataclasses.fields(Hyperparameters)}
     for item in rest:
         if not item.startswith("--") or "=" not in item:
@@ -868,7 +1069,12 @@ def parse_config(argv):
         if key not in fields or key == "preset":
             raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(fields))}")
         setattr(h, key, _parse_value(key, text, getattr(h, key)))
-    return normalize_config(h)
+    h = normalize_config(h)
+    for item in argv:
+        if not loggable(item):
+            raise ConfigError(f"the argument {json.dumps(item)} cannot be written into the log (it records the "
+                              f"command line): expects UTF-8 text without line breaks")
+    return h
 
 
 LOG_ONLY_KEYS = ("entry",)          # written into a log's config for the records tools, not settings
@@ -2132,21 +2338,25 @@ def lr_multiplier(h, step):
     return mult + (h.cooldown_floor - mult) * t
 
 
+def rise_hold_fall(x, low, high, rise, fall, end=1.0):
+    """The momenta's schedule shape: low at x = 0, linearly up to high at x = rise, high until
+    end - fall, then linearly back to low at x = end (rise or fall 0: no ramp that side)."""
+    up = min(x / rise, 1.0) if rise > 0 else 1.0
+    down = min(max((end - x) / fall, 0.0), 1.0) if fall > 0 else 1.0
+    return low + (high - low) * min(up, down)
+
+
 def matrix_momentum(h, step):
-    """muon/normuon momentum: from momentum_warmup_start up to `momentum` over the warm-up steps,
-    and back down over the last momentum_cooldown_steps."""
-    frac = min(step / max(h.momentum_warmup_steps, 1), 1.0)
-    if h.momentum_cooldown_steps:
-        frac = min(frac, (h.num_iterations - step) / h.momentum_cooldown_steps)
-    return (1 - frac) * h.momentum_warmup_start + frac * h.momentum
+    """muon/normuon momentum, in steps: from momentum_warmup_start up to `momentum` over the
+    warm-up steps (at least one), back down over the last momentum_cooldown_steps."""
+    return rise_hold_fall(step, h.momentum_warmup_start, h.momentum, max(h.momentum_warmup_steps, 1),
+                          h.momentum_cooldown_steps, end=h.num_iterations)
 
 
 def anvil_mu(h, step):
-    """Nesterov mu: rises from low to high, holds, and falls back to low at the very end."""
-    frac = step / h.num_iterations
-    rise = min(frac / h.anvil_mu_rise, 1.0)
-    fall = min(max((1.0 - frac) / h.anvil_mu_fall, 0.0), 1.0)
-    return h.anvil_mu_low + (h.anvil_mu_high - h.anvil_mu_low) * min(rise, fall)
+    """ANVIL's Nesterov mu, in fractions of the run: from anvil_mu_low up to anvil_mu_high over the
+    first anvil_mu_rise, back down over the last anvil_mu_fall."""
+    return rise_hold_fall(step / h.num_iterations, h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall)
 
 
 def anvil_blend(h, step):
@@ -2354,6 +2564,13 @@ class DeferredLossLines:
         return out
 
 
+def inside_records(path):
+    """Whether `path` (which need not exist) lies in the repository's records/ folder, symbolic
+    links followed."""
+    records = os.path.realpath(os.path.join(REPO_DIR, "records"))
+    return os.path.commonpath([os.path.realpath(path), records]) == records
+
+
 class RunLog:
     """logs/<run id>.txt through records/logfile.py's LogWriter (the one writer of the format);
     only rank 0 writes. The folder is checked at once, the file created with the header, so a run
@@ -2366,6 +2583,10 @@ class RunLog:
         self.path = os.path.join(log_dir, f"{self.run_id}.txt")
         self.writer = None
         self.progress = "before training"
+        if inside_records(log_dir):
+            raise ConfigError(f"--log_dir={log_dir} is inside the repository's records/ folder, which only "
+                              f"records/make_record.py writes: log elsewhere (the default is logs/), then make a "
+                              f"record from the logs")
         if active:
             self._refuse_unusable_folder(lambda: os.makedirs(log_dir, exist_ok=True))
 
@@ -2413,6 +2634,189 @@ class TrainingError(Exception):
     """The run cannot go on (e.g. a non-finite loss); the log is kept."""
 
 
+RENDEZVOUS_TIMEOUT_S = 300.0       # how long init_process_group waits for the other processes (RENDEZVOUS_TIMEOUT_S=)
+AGENT_STORE_TIMEOUT_S = 5.0        # how long a process waits for torch.distributed.run's store to answer
+LAUNCH_HINT = "torch.distributed.run sets it; unset it for a single process"
+GLOO_PEER_CLOSED = "Connection closed by peer"  # in gloo's error when a peer's socket closes (its process ended)
+
+
+@dataclass
+class Launch:
+    """The processes of this job as their launcher's environment describes them: WORLD_SIZE, RANK,
+    LOCAL_WORLD_SIZE and LOCAL_RANK (1, 0, WORLD_SIZE, 0 when unset), where they meet
+    (MASTER_ADDR:MASTER_PORT) and for how long rank 0 waits for the others (RENDEZVOUS_TIMEOUT_S,
+    seconds). `agent_store` is (host, port) of the store torch.distributed.run keeps for its
+    processes (TORCHELASTIC_USE_AGENT_STORE=True), else None; `attempt` its restart count."""
+    world_size: int
+    rank: int
+    local_world_size: int
+    local_rank: int
+    master: str
+    rendezvous_timeout_s: float
+    agent_store: tuple
+    attempt: str
+
+
+def _whole_variable(environ, name, default, low, high, what):
+    """The whole number in the environment variable `name` (`default` when unset); a ConfigError
+    unless it lies in [low, high] (high None: no bound)."""
+    text = environ.get(name)
+    if text is None:
+        return default
+    if not re.fullmatch(r"[0-9]{1,18}", text) or int(text) < low or (high is not None and int(text) > high):
+        raise ConfigError(f"{name}={json.dumps(text)} is not allowed: expects {what} ({LAUNCH_HINT})")
+    return int(text)
+
+
+def launch_environment(environ=None):
+    """The Launch that os.environ (or `environ`) describes; a ConfigError naming the variable
+    that does not fit: not a whole number, out of its range (a RANK left from another job), or
+    missing (RANK or MASTER_ADDR of a job of several processes)."""
+    environ = os.environ if environ is None else environ
+    world_size = _whole_variable(environ, "WORLD_SIZE", 1, 1, None, "the number of processes, a whole number >= 1")
+    if world_size > 1 and "RANK" not in environ:
+        raise ConfigError(f"WORLD_SIZE={world_size} but RANK is not set: give each process its RANK (0 to "
+                          f"{world_size - 1}), or launch with python -m torch.distributed.run")
+    rank = _whole_variable(environ, "RANK", 0, 0, world_size - 1,
+                           f"this process's rank, a whole number in [0, WORLD_SIZE={world_size})")
+    local_world_size = _whole_variable(environ, "LOCAL_WORLD_SIZE", world_size, 1, world_size,
+                                       f"the processes on this machine, a whole number from 1 to WORLD_SIZE={world_size}")
+    local_rank = _whole_variable(environ, "LOCAL_RANK", 0, 0, local_world_size - 1, f"this process's rank on this "
+                                 f"machine, a whole number in [0, LOCAL_WORLD_SIZE={local_world_size})")
+    text = environ.get("RENDEZVOUS_TIMEOUT_S", str(RENDEZVOUS_TIMEOUT_S))
+    try:
+        timeout = float(text)
+    except ValueError:
+        timeout = math.nan
+    if not 0 < timeout <= 1e6:
+        raise ConfigError(f"RENDEZVOUS_TIMEOUT_S={json.dumps(text)} is not allowed: expects the seconds to wait "
+                          f"for the other processes, a number in (0, 1000000]")
+    master = ""
+    if world_size > 1:
+        if not environ.get("MASTER_ADDR"):
+            raise ConfigError(f"WORLD_SIZE={world_size} but MASTER_ADDR is not set: give every process the host of "
+                              f"rank 0 in MASTER_ADDR, or launch with python -m torch.distributed.run")
+        port = _whole_variable(environ, "MASTER_PORT", None, 1, 65535, "the port rank 0 listens on, 1 to 65535")
+        if port is None:
+            raise ConfigError(f"WORLD_SIZE={world_size} but MASTER_PORT is not set: give every process the port rank "
+                              f"0 listens on, or launch with python -m torch.distributed.run")
+        master = f"{environ['MASTER_ADDR']}:{port}"
+    agent = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and master
+    return Launch(world_size, rank, local_world_size, local_rank, master, timeout,
+                  tuple(master.rsplit(":", 1)) if agent else None, environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def init_processes(launch, backend, device_id):
+    """dist.init_process_group, which waits in C++ code for the other processes, where Python's
+    signal handlers do not run until it returns. Meanwhile a watchdog thread, woken by the
+    C-level signal handler through signal.set_wakeup_fd, ends the process (one line on stderr,
+    then os._exit) when SIGINT or SIGTERM arrives, or when the others have not joined within
+    launch.rendezvous_timeout_s; the process group's own timeout, for collectives, is torch's
+    default. A rendezvous that fails (a port taken) is a ConfigError with torch's first line."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    joined = threading.Event()
+
+    def watch():
+        deadline = time.monotonic() + launch.rendezvous_timeout_s
+        while True:
+            ready, _, _ = select.select([read_fd], [], [], max(0.0, deadline - time.monotonic()))
+            if joined.is_set():
+                return
+            if not ready:
+                line = (f"{ERROR_PREFIX}no peer process joined within {launch.rendezvous_timeout_s:g} s: rank "
+                        f"{launch.rank} of WORLD_SIZE={launch.world_size} waited at MASTER_ADDR:MASTER_PORT="
+                        f"{launch.master}; start the other processes (or launch with python -m torch.distributed.run), "
+                        f"or wait longer with RENDEZVOUS_TIMEOUT_S")
+                code, show = EXIT_USER_ERROR, True
+                break
+            name = signal.Signals(os.read(read_fd, 1)[0]).name
+            if name in SIGNAL_EXIT_CODES:
+                line = interruption_line(launch, name, "while waiting for the other processes")
+                code, show = SIGNAL_EXIT_CODES[name], shows_interruptions(launch)
+                break
+        if show:
+            print(line, file=sys.stderr, flush=True)
+        os._exit(code)
+
+    watchdog = threading.Thread(target=watch, name="rendezvous watchdog", daemon=True)
+    watchdog.start()
+    try:
+        dist.init_process_group(backend=backend, device_id=device_id)
+    except dist.DistError as e:
+        raise ConfigError(f"the processes could not meet at MASTER_ADDR:MASTER_PORT={launch.master}: "
+                          f"{str(e).splitlines()[0]}") from None
+    finally:
+        joined.set()
+        os.write(write_fd, b"\0")
+        watchdog.join()
+        signal.set_wakeup_fd(previous)
+        os.close(read_fd)
+        os.close(write_fd)
+
+
+def agent_store(launch):
+    """A client of the store torch.distributed.run keeps for this job's processes (up before they
+    start, and while any runs), or None: outside torch.distributed.run, or when it does not answer
+    within AGENT_STORE_TIMEOUT_S."""
+    if launch is None or launch.agent_store is None:
+        return None
+    host, port = launch.agent_store
+    try:
+        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=AGENT_STORE_TIMEOUT_S))
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _job_key(launch, name):
+    return f"train_gpt/attempt_{launch.attempt}/{name}"
+
+
+def report_error(launch, line):
+    """Record in the job's store (agent_store) that this process ends with the error `line`, and
+    say whether it is the first of the job's processes to report that line, which alone prints it:
+    a bad input fails every process alike, and its line is printed once. Without a store, True."""
+    store = agent_store(launch)
+    if store is None:
+        return True
+    try:
+        store.compare_set(_job_key(launch, "failed_rank"), "", str(launch.rank))
+        digest = hashlib.sha256(line.encode("utf-8", "backslashreplace")).hexdigest()[:16]
+        return store.add(_job_key(launch, f"line_{digest}"), 1) == 1
+    except RuntimeError:
+        return True
+
+
+def failed_peer(launch):
+    """The rank of the first of this job's processes that reported an error (report_error), or
+    None (none did, or no store)."""
+    store = agent_store(launch)
+    key = _job_key(launch, "failed_rank") if store is not None else None
+    try:
+        return int(store.get(key)) if store is not None and store.check([key]) else None
+    except (RuntimeError, ValueError):
+        return None
+
+
+def interruption_line(launch, signal_name, where):
+    """The line of a process stopped `where` ("at step 3/100") by `signal_name`, or by a peer's
+    end (None: a collective found it gone). A SIGTERM after a peer's error is torch.distributed.run
+    ending the job's other processes, and says so."""
+    peer = failed_peer(launch) if signal_name != "SIGINT" else None
+    if signal_name is not None and peer is None:
+        return f"{INTERRUPTED_PREFIX}{signal_name} {where}"
+    which = f" (rank {peer}, with the error above)" if peer is not None else ""
+    return f"{INTERRUPTED_PREFIX}a peer process exited{which} {where}"
+
+
+def shows_interruptions(launch):
+    """Whether this process prints its interruption line: every process of a job gets the signal
+    (or its peer's error is printed already), so rank 0 alone prints it."""
+    return launch is None or launch.rank == 0
+
+
 @dataclass
 class Dist:
     rank: int
@@ -2426,13 +2830,14 @@ class Dist:
 
 
 def setup_distributed(h):
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    """This process's Dist: its rank (launch_environment) and device, the processes met."""
+    launch = launch_environment()
+    world_size, rank, local_rank = launch.world_size, launch.rank, launch.local_rank
     want_cuda = h.device == "cuda" or (h.device == "auto" and torch.cuda.is_available())
     if want_cuda and not torch.cuda.is_available():
         raise ConfigError("--device=cuda but no CUDA GPU is visible; use --device=cpu or --preset cpu")
-    if want_cuda and local_rank >= torch.cuda.device_count():
-        raise ConfigError(f"{world_size} processes per node but only {torch.cuda.device_count()} GPUs: "
+    if want_cuda and launch.local_world_size > torch.cuda.device_count():
+        raise ConfigError(f"{launch.local_world_size} processes per node but only {torch.cuda.device_count()} GPUs: "
                           f"run with --nproc_per_node={torch.cuda.device_count()}")
     if h.batch_ranks % world_size:
         divisors = [d for d in range(1, h.batch_ranks + 1) if h.batch_ranks % d == 0]
@@ -2442,7 +2847,7 @@ def setup_distributed(h):
     if want_cuda:
         torch.cuda.set_device(device)
     if world_size > 1:
-        dist.init_process_group(backend="nccl" if want_cuda else "gloo", device_id=device if want_cuda else None)
+        init_processes(launch, "nccl" if want_cuda else "gloo", device if want_cuda else None)
     return Dist(rank, world_size, local_rank, device)
 
 
@@ -3994,6 +4399,9 @@ SAFETENSORS_DTYPES = {             # torch dtype -> its name in a safetensors he
 }
 SAFETENSORS_HEADER_ALIGN = 8       # the JSON header is padded with spaces to a multiple of this many bytes
 SAFETENSORS_MAX_HEADER = 100 * 2**20  # the format's limit on the JSON header, in bytes
+SAFETENSORS_MAX_DIMS = 8           # dimensions of a tensor read (the model's have at most 3)
+SAFETENSORS_MAX_ELEMENTS = 2**48   # elements of a tensor read, a zero dimension counted as 1
+TRUST_HINT = "--trust_checkpoint=true uses it anyway"
 HASH_PLACEHOLDER = "0" * 64        # the header's data_sha256 while the data is written (then patched)
 
 
@@ -4081,16 +4489,18 @@ def write_safetensors(path, tensors, metadata):
             os.fsync(f.fileno())
         os.replace(partial, path)
     except OSError as e:
-        raise CheckpointError(f"{path}: writing the checkpoint failed ({e.strerror}); nothing was kept") from None
+        raise CheckpointError(f"{write_failure(path, e)}; nothing was kept") from None
     finally:
         if os.path.exists(partial):
             os.remove(partial)
     return digest.hexdigest()
 
 
-def read_safetensors(path):
-    """(tensors, metadata) of a safetensors file. Every size and offset is checked before a byte
-    of data is used, so a truncated, damaged or foreign file ends in one CheckpointError line."""
+def read_safetensors(path, trust=False):
+    """(tensors, metadata) of a safetensors file. Every size, shape and offset is checked before a
+    byte of data is used or a tensor allocated, so a truncated, damaged or foreign file ends in one
+    CheckpointError line. A data_sha256 in the metadata is checked against the data, unless
+    `trust`."""
     def refuse(why):
         return CheckpointError(f"{path}: {why}")
     try:
@@ -4105,9 +4515,9 @@ def read_safetensors(path):
     if n > min(SAFETENSORS_MAX_HEADER, len(raw) - 8):
         raise refuse("not a safetensors checkpoint (its first 8 bytes are not a header size that fits the file)")
     try:
-        header = json.loads(raw[8:8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise refuse("not a safetensors checkpoint (its header is not JSON)") from None
+        header = load_json("its header", raw[8:8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError, ConfigError):
+        raise refuse("not a safetensors checkpoint (its header is not JSON of the format)") from None
     if not isinstance(header, dict):
         raise refuse("not a safetensors checkpoint (its header is not a JSON object)")
     metadata = header.pop("__metadata__", None) or {}
@@ -4118,10 +4528,16 @@ def read_safetensors(path):
     entries, end = [], 0
     for name, entry in header.items():
         try:
-            dtype, shape = dtypes[entry["dtype"]], [int(d) for d in entry["shape"]]
-            begin, stop = (int(x) for x in entry["data_offsets"])
+            dtype, shape, (begin, stop) = dtypes[entry["dtype"]], list(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise refuse(f"tensor {name!r} has an unreadable header entry") from None
+        if len(shape) > SAFETENSORS_MAX_DIMS or not all(_number(d, integer=True) and d >= 0 for d in shape) \
+                or math.prod(max(d, 1) for d in shape) > SAFETENSORS_MAX_ELEMENTS:
+            raise refuse(f"tensor {name!r} has shape {json.dumps(shape)[:200]}: expects at most "
+                         f"{SAFETENSORS_MAX_DIMS} whole numbers >= 0 whose product (zeros counted as 1) is at most 2^48")
+        if not all(_number(x, integer=True) and x >= 0 for x in (begin, stop)):
+            raise refuse(f"tensor {name!r} has data_offsets {json.dumps([begin, stop])[:200]}: expects two whole "
+                         f"numbers >= 0")
         if stop - begin != math.prod(shape) * dtype.itemsize:
             raise refuse(f"tensor {name!r}: its byte range does not fit its shape and dtype")
         entries.append((begin, stop, name, dtype, shape))
@@ -4132,8 +4548,8 @@ def read_safetensors(path):
     if end != len(data):
         raise refuse(f"truncated or damaged: its header describes {end} bytes of data, the file holds {len(data)}")
     expected = metadata.get("data_sha256")
-    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
-        raise refuse("damaged: its data does not match the data_sha256 in its metadata")
+    if expected is not None and not trust and hashlib.sha256(data).hexdigest() != expected:
+        raise refuse(f"damaged: its data does not match the data_sha256 in its metadata ({TRUST_HINT})")
     tensors = {name: torch.frombuffer(data[begin:stop], dtype=dtype).reshape(shape).clone() if stop > begin
                else torch.empty(shape, dtype=dtype) for begin, stop, name, dtype, shape in entries}
     return tensors, metadata
@@ -4205,14 +4621,18 @@ def save_checkpoint(path, model, h, run_id, log_seal, val_loss, train_time_ms):
     return write_safetensors(path, checkpoint_tensors(model), metadata)
 
 
-def load_checkpoint(path):
-    """(config, state dict, metadata) of a file written by save_checkpoint."""
-    state, metadata = read_safetensors(path)
+def load_checkpoint(path, trust=False):
+    """(config, state dict, metadata) of a file written by save_checkpoint, whose data matches the
+    data_sha256 of its metadata (unless `trust`), and whose config passes check_config."""
+    state, metadata = read_safetensors(path, trust)
     if metadata.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path}: a safetensors file, but not a checkpoint written by train_gpt.py "
                               f"(its metadata has no format {CHECKPOINT_FORMAT!r})")
+    if "data_sha256" not in metadata and not trust:
+        raise CheckpointError(f"{path}: its metadata has no data_sha256, so its data cannot be verified "
+                              f"({TRUST_HINT})")
     try:
-        h = config_from_dict(json.loads(metadata["config"]))
+        h = config_from_dict(load_json("its config", metadata["config"]))
         metadata = {**metadata, "tied": json.loads(metadata["tied"]), "val_loss": float(metadata["val_loss"]),
                     "train_time_ms": float(metadata["train_time_ms"])}
     except (KeyError, ValueError, TypeError, ConfigError) as e:
@@ -4237,11 +4657,12 @@ def this_process_rows(state, model):
     return {**state, NGRAM_TABLE_KEY: table[first:first + shard.shape[0]]}
 
 
-def trained_model(path, overrides, allowed):
+def trained_model(path, overrides, allowed, trust=False):
     """A Trainer holding the checkpoint's model, put where the schedule has it at the final
     validation (windows, YaRN, head tied or not), with `overrides` ["--key=value"] of the
-    `allowed` config keys applied. Returns (trainer, metadata)."""
-    h, state, metadata = load_checkpoint(path)
+    `allowed` config keys applied; `trust` skips the check of its data_sha256. Returns
+    (trainer, metadata)."""
+    h, state, metadata = load_checkpoint(path, trust)
     for item in overrides:
         key, _, text = item.removeprefix("--").partition("=")
         if key not in allowed or not item.startswith("--") or "=" not in item:
@@ -4266,19 +4687,32 @@ def trained_model(path, overrides, allowed):
     return trainer, metadata
 
 
+def checkpoint_arguments(parser, command):
+    """Add --COMMAND=PATH (a checkpoint, not empty) and --trust_checkpoint=BOOL to `parser`."""
+    def path(text):
+        if not text:
+            raise ConfigError(f"--{command}= names no file: give --{command}=PATH of a checkpoint (a run's "
+                              f"logs/<run id>_model.safetensors)")
+        return text
+    parser.add_argument(f"--{command}", required=True, type=path)
+    parser.add_argument("--trust_checkpoint", default=False, type=lambda text: _parse_value("trust_checkpoint",
+                                                                                             text, False))
+
+
 def eval_arguments(argv):
-    """(PATH, the other arguments) of --eval=PATH [--key=value ...]."""
-    parser = argparse.ArgumentParser(prog="train_gpt.py --eval=PATH")
-    parser.add_argument("--eval", required=True)
+    """(PATH, the other arguments, whether to trust the file) of --eval=PATH
+    [--trust_checkpoint=BOOL] [--key=value ...]."""
+    parser = ArgumentParser(prog="train_gpt.py --eval=PATH")
+    checkpoint_arguments(parser, "eval")
     args, rest = parser.parse_known_args(argv)
-    return args.eval, rest
+    return args.eval, rest, args.trust_checkpoint
 
 
-def evaluate_checkpoint(path, overrides):
+def evaluate_checkpoint(path, overrides, trust=False):
     """Recompute the final validation of the run that wrote `path` (same tokens, windows and full
     softmax) and print its val line; with the run's config on the same machine it equals the
     logged one. Returns the val loss."""
-    trainer, metadata = trained_model(path, overrides, EVAL_KEYS)
+    trainer, metadata = trained_model(path, overrides, EVAL_KEYS, trust)
     h, env = trainer.h, trainer.env
     val_slices = validation_data(h, env, shards_of(h.val_files))
     N = h.num_iterations
@@ -4328,18 +4762,20 @@ def generate(model, h, prompt_ids, max_new_tokens, temperature, top_k, seed, aut
 def sample_from_checkpoint(argv):
     """--sample=PATH --prompt=TEXT [--max_new_tokens --temperature --top_k --seed --device]:
     print the prompt, then the continuation as it is generated."""
-    parser = argparse.ArgumentParser(prog="train_gpt.py --sample=PATH")
-    parser.add_argument("--sample", required=True)
+    parser = ArgumentParser(prog="train_gpt.py --sample=PATH")
+    checkpoint_arguments(parser, "sample")
     parser.add_argument("--prompt", default="")
     parser.add_argument("--max_new_tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top_k", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     args, rest = parser.parse_known_args(argv)
-    if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0 or not math.isfinite(args.temperature):
-        raise ConfigError("--sample expects --max_new_tokens >= 1, a finite --temperature >= 0 and --top_k >= 0")
+    if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0 or not math.isfinite(args.temperature) \
+            or not 0 <= args.seed < 2**63:
+        raise ConfigError("--sample expects --max_new_tokens >= 1, a finite --temperature >= 0, --top_k >= 0 and "
+                          "--seed in [0, 2^63)")
     enc = gpt2_encoding()
-    trainer, _ = trained_model(args.sample, rest, SAMPLE_KEYS)
+    trainer, _ = trained_model(args.sample, rest, SAMPLE_KEYS, args.trust_checkpoint)
     prompt_ids = [BOS_ID] + enc.encode_ordinary(args.prompt)
     positions = trainer.model.max_tokens
     if len(prompt_ids) + args.max_new_tokens > positions:
@@ -4370,6 +4806,7 @@ class Interrupted(Exception):
 
 EXIT_USER_ERROR = 2                # a bad input or environment: one `error:` line says what to do
 SIGNAL_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}  # 128 + the signal number, as shells report them
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write failed for want of room (write_failure)
 
 
 def stop_on_signals():
@@ -4382,14 +4819,29 @@ def stop_on_signals():
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
-def stop(log, line, code):
-    """End the run: `line` as the log's last line (if there is a log and room), and on stderr."""
+def stop(log, line, code, show=True):
+    """End the run: `line` as the log's last line (if there is a log and room), and on stderr when
+    `show`. A line a log cannot hold (a file name with a line break in an error) is escaped as in
+    JSON, so that it stays one line."""
+    line = line if loggable(line) else json.dumps(line)[1:-1]
     if log is not None:
         log.write_last_line(line)
         if log.writer is not None:
             line += f" (log: {log.path})"
-    print(line, file=sys.stderr, flush=True)
+    if show:
+        print(line, file=sys.stderr, flush=True)
     return code
+
+
+def peer_exited(launch, error):
+    """Whether the RuntimeError `error` of a collective means that a peer process ended: it
+    reported an error (failed_peer), or gloo found its socket closed."""
+    return dist.is_initialized() and (GLOO_PEER_CLOSED in str(error) or failed_peer(launch) is not None)
+
+
+def where_the_run_is(log, command):
+    """Where a stopped process was, for its line: the log's progress, or the command."""
+    return log.progress if log is not None else (f"during --{command}" if command else "before training")
 
 
 def cpu_threads():
@@ -4397,7 +4849,7 @@ def cpu_threads():
     by the processes of its machine (LOCAL_WORLD_SIZE)."""
     if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
         return int(os.environ["OMP_NUM_THREADS"])
-    local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_procs = launch_environment().local_world_size
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, cores // local_procs)
 
@@ -4415,7 +4867,7 @@ def plan_command(argv):
     """--plan [--gpus=N --gpu_gib=X --host_gib=Y] [train_gpt.py arguments]: print launch_plan's
     answer for this machine (or for N GPUs of X GiB and Y GiB of host memory), in three lines:
     the processes, the preset arguments, the reason. run.sh asks it."""
-    parser = argparse.ArgumentParser(prog="train_gpt.py --plan", allow_abbrev=False)
+    parser = ArgumentParser(prog="train_gpt.py --plan", allow_abbrev=False)
     parser.add_argument("--plan", action="store_true")
     parser.add_argument("--gpus", type=int, default=None)
     parser.add_argument("--gpu_gib", type=float, default=None)
@@ -4444,8 +4896,9 @@ def checkpoint_command(argv):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    log, command = None, None
+    log, command, launch = None, None, None
     try:
+        launch = launch_environment()
         stop_on_signals()
         command = checkpoint_command(argv)
         if "--plan" in argv:
@@ -4453,8 +4906,8 @@ def main(argv=None):
         if command == "sample":
             return sample_from_checkpoint(argv)
         if command == "eval":
-            path, rest = eval_arguments(argv)
-            evaluate_checkpoint(path, rest)
+            path, rest, trust = eval_arguments(argv)
+            evaluate_checkpoint(path, rest, trust)
             return 0
         h = parse_config(argv)
         env = start_process(h)
@@ -4463,16 +4916,22 @@ def main(argv=None):
             train(h, env, log)
         return 0
     except Interrupted as e:
-        where = log.progress if log is not None else (f"during --{command}" if command else "before training")
-        return stop(log, f"{INTERRUPTED_PREFIX}{e.signal_name} {where}", SIGNAL_EXIT_CODES[e.signal_name])
+        return stop(log, interruption_line(launch, e.signal_name, where_the_run_is(log, command)),
+                    SIGNAL_EXIT_CODES[e.signal_name], shows_interruptions(launch))
     except (ConfigError, DataError, ShardError, TrainingError, optim.OptimConfigError, CheckpointError,
             TokenizerError) as e:
-        return stop(log, f"{ERROR_PREFIX}{e}", EXIT_USER_ERROR)
+        return stop(log, f"{ERROR_PREFIX}{e}", EXIT_USER_ERROR, report_error(launch, f"{ERROR_PREFIX}{e}"))
     except LogWriteError as e:
-        return stop(None, f"{ERROR_PREFIX}{e}: free some space (or raise the file-size limit); the log "
-                          f"ends at its last whole line", EXIT_USER_ERROR)
+        return stop(None, f"{ERROR_PREFIX}{e}", EXIT_USER_ERROR, report_error(launch, f"{ERROR_PREFIX}{e}"))
     except OSError as e:
-        return stop(log, f"{ERROR_PREFIX}{e.filename or 'a file'}: {e.strerror}", EXIT_USER_ERROR)
+        path = e.filename or "a file"
+        line = ERROR_PREFIX + (write_failure(path, e) if e.errno in DISK_FULL_ERRNOS else f"{path}: {e.strerror}")
+        return stop(log, line, EXIT_USER_ERROR, report_error(launch, line))
+    except RuntimeError as e:
+        if not peer_exited(launch, e):
+            raise
+        return stop(log, interruption_line(launch, None, where_the_run_is(log, command)), EXIT_USER_ERROR,
+                    shows_interruptions(launch))
     finally:
         if log is not None:
             log.close()

@@ -5,7 +5,7 @@ Two sets of launches, recorded with kernels._launch replaced by a recorder, so t
 arguments carry the block sizes, dtypes, layouts and specializations (unit strides, 16-aligned
 pointers, 16-divisible sizes) exactly as the JIT sees them, with each launch's grid and each
 tensor argument's largest element offset:
-  - the trainer's, for each run of TRAINER_RUNS (the speedrun, 1gpu and record89 presets and
+  - the trainer's, for each run of TRAINER_RUNS (the speedrun, 1gpu, record89 and medium presets and
     the schedule of bench/bench_gpu.py's training part): one training step of every stage, the
     optimizer step and the final validation, at full size, traced on fake tensors under CUDA's
     autocast rules (tests/cuda_autocast.py), and the sparse tables' updates at the largest
@@ -81,6 +81,7 @@ SHARED_MEMORY_LIMIT = 227 * 1024  # bytes of shared memory one block may use on 
 TRAINER_RUNS = {"speedrun": (["--preset", "speedrun"], 8, "preset"),
                 "1gpu": (["--preset", "1gpu"], 1, "preset"),
                 "record89": (["--preset", "record89"], 8, "preset"),
+                "medium": (["--preset", "medium"], 8, "preset"),
                 "bench": (None, 1, "bench")}
 # Shapes of the library variants: packed tokens per GPU, model width, MLP width, vocabulary
 # (full and the smallest sampled-softmax candidate set), a document length and window.

@@ -7,9 +7,12 @@ truncated download or a half-copied file is refused with a message that names
 the file, instead of silently training on garbage.
 """
 
+import errno
 import glob
 import hashlib
 import os
+import re
+import stat
 import tempfile
 
 import numpy as np
@@ -67,15 +70,36 @@ def write_shard(path, tokens):
         raise
 
 
+def _regular_file_size(path):
+    """The size of the regular file at `path`; a ShardError saying what is there instead (nothing,
+    a folder, a FIFO, a symbolic link that leads nowhere or in a loop) or why it cannot be read."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise ShardError(f"{path}: is a symbolic link to a missing file, not a shard file: fix or remove the link") from None
+        raise ShardError(f"{path}: no such shard file; fetch or build it first") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ShardError(f"{path}: is a symbolic link in a loop (it leads back to itself), not a shard file: "
+                             f"fix or remove the link") from None
+        raise ShardError(f"{path}: cannot be read ({e.strerror}); fix the path or its permissions") from None
+    kinds = {stat.S_ISDIR: "a folder", stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISSOCK: "a socket",
+             stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}
+    kind = next((name for test, name in kinds.items() if test(info.st_mode)), None)
+    if kind is not None:
+        raise ShardError(f"{path}: is {kind}, not a shard file: give a pattern that matches only shard files "
+                         f"(e.g. ending in .bin)")
+    return info.st_size
+
+
 def read_header(path):
     """Validate the shard at `path` and return its token count.
 
-    Checks, in order: the file exists, holds a whole header, carries the magic
-    and version, and is exactly HEADER_BYTES + 2 * count bytes long.
+    Checks, in order: the file exists and is a regular file, holds a whole header,
+    carries the magic and version, and is exactly HEADER_BYTES + 2 * count bytes long.
     """
-    if not os.path.isfile(path):
-        raise ShardError(f"{path}: no such shard file; fetch or build it first")
-    size = os.path.getsize(path)
+    size = _regular_file_size(path)
     if size < HEADER_BYTES:
         raise ShardError(
             f"{path}: file is {size} bytes, shorter than the {HEADER_BYTES}-byte shard header; "
@@ -96,10 +120,10 @@ def read_header(path):
         )
     expected = HEADER_BYTES + TOKEN_DTYPE.itemsize * num_tokens
     if num_tokens < 0 or size != expected:
-        damage = "truncated" if size < expected else "has extra bytes"
+        damage = "is truncated or corrupt" if size < expected else "has extra bytes or is corrupt"
         raise ShardError(
             f"{path}: file is {size} bytes but its header declares {num_tokens} tokens "
-            f"(expected {expected} bytes); the file {damage} or is corrupt: {REFETCH}"
+            f"(expected {expected} bytes); the file {damage}: {REFETCH}"
         )
     return num_tokens
 
@@ -141,6 +165,25 @@ def find_shards(pattern, hint=None):
     """
     paths = sorted(glob.glob(pattern))
     if not paths:
+        folder = _fixed_folder(pattern)
+        try:
+            os.listdir(folder)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise ShardError(f"{pattern}: the folder {folder} cannot be read ({e.strerror}): give this user "
+                             f"access to it, or choose another folder") from None
         remedy = f"create them with `{hint}`" if hint else "fetch or build them first"
         raise ShardError(f"{pattern}: no shard files match this pattern; {remedy}")
     return paths
+
+
+def _fixed_folder(pattern):
+    """The folder of a glob pattern before its first wildcard: "a/b" of "a/b/x_*.bin" and of
+    "a/b/*/x.bin"; "." for a pattern without a folder."""
+    fixed = []
+    for part in pattern.split(os.sep)[:-1]:
+        if re.search(r"[*?[]", part):
+            break
+        fixed.append(part)
+    return os.sep.join(fixed) or (os.sep if pattern.startswith(os.sep) else ".")

@@ -17,6 +17,7 @@ both use it.
 """
 
 import datetime
+import errno
 import hashlib
 import json
 import os
@@ -53,7 +54,20 @@ class LogError(Exception):
 
 
 class LogWriteError(OSError):
-    """Writing a log failed (a full disk, a file-size limit, ...); the log ends at its last whole line."""
+    """Writing a log failed (a full disk, a file-size limit, ...); the log ends at its last whole line.
+    str() is the line saying so and what to do (write_failure)."""
+
+    def __str__(self):
+        return self.strerror
+
+
+def write_failure(path, error):
+    """The line saying that writing `path` failed with the OSError `error`, and what to do."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"the disk is full while writing {path}: free space or choose another --log_dir"
+    if error.errno == errno.EFBIG:
+        return f"the file-size limit was reached while writing {path}: raise it (ulimit -f) or choose another --log_dir"
+    return f"writing {path} failed ({error.strerror}): choose another --log_dir"
 
 
 # ----------------------------------------------------------------------------- writing
@@ -105,7 +119,7 @@ class LogWriter:
                 view = view[self.file.write(view):]
         except OSError as e:
             self._cut_back()
-            raise LogWriteError(e.errno, f"{self.path}: writing the log failed ({e.strerror})") from None
+            raise LogWriteError(e.errno, write_failure(self.path, e), self.path) from None
         if self.seal is None:
             self.prefix.update(data)
         self.size += len(data)

@@ -4,19 +4,26 @@ opened) ending in a whole line that says why. records/README.md lists these case
 each gets; the records tools' own refusals are tested in tests/test_records.py.
 """
 import contextlib
+import errno
+import importlib.util
 import io
 import json
+import math
 import os
 import re
 import resource
 import signal
+import socket
+import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
+import torch
 
-from launch import LineReader, cpu_env, finish
+from launch import LineReader, cpu_env, finish, run_distributed
 from test_train import REPO, synthetic_documents
 
 sys.path.insert(0, REPO)
@@ -47,6 +54,15 @@ def data(tmp_path_factory):
     (d / "a_file").write_text("x")
     (d / "list.json").write_text(json.dumps([1, 2]))
     (d / "null.json").write_text("null")
+    (d / "not_utf8.json").write_bytes(b'{"track": "x\xff"}')
+    (d / "deep.json").write_text('{"stages": ' + "[" * 40 + "]" * 40 + "}")
+    (d / "very_deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (d / "large.json").write_text(json.dumps({"track": "x" * tg.CONFIG_FILE_MAX_BYTES}))
+    os.mkfifo(d / "fifo.json")
+    (d / "newline.json").write_text(json.dumps({"train_files": "a\nb"}))
+    (d / "nonsense_preset.json").write_text(json.dumps({"preset": "nonsense"}))
+    (d / "huge_iterations.json").write_text(json.dumps({"preset": "cpu", "num_iterations": 10**12}))
+    (d / "float_iterations.json").write_text(json.dumps({"preset": "cpu", "num_iterations": 1e12}))
     return d
 
 
@@ -101,6 +117,29 @@ BAD_CONFIGS = [
      r"--log_dir=/proc/speedrun-logs: cannot create a log there"),
     ("the loss diverging", ["--embed_lr=1e30", "--matrix_lr=1e30", "--log_every=1"],
      r"the train loss became nan at step \d+ .*lower the learning rates"),
+    ("--seed=-1", ["--seed=-1"], r"--seed=-1 is not allowed: expects a whole number in \[0, 2\^63\)"),
+    ("--seed=2**63", [f"--seed={2**63}"], r"--seed=9223372036854775808 is not allowed: expects a whole number in"),
+    ("--batch_ranks=10**12", ["--batch_ranks=1000000000000"], r"--batch_ranks=1000000000000 is not allowed: .*at most"),
+    ("--ngram_rows=2**40", [f"--ngram_rows={2**40}"], r"--ngram_rows=1099511627776 is not allowed: .*at most 2,147"),
+    ("a stage of 10**12 tokens", ['--stages=[{"end":1.0,"tokens_per_rank":1000000000000,"max_doc_len":256,'
+                                  '"short_window":1,"long_window":2}]'],
+     r"stage 0 has tokens_per_rank=1000000000000: expects a positive whole number, at most 16,777,216"),
+    ("a stage with candidates=1", ['--stages=[{"end":1.0,"tokens_per_rank":512,"max_doc_len":256,"short_window":1,'
+                                   '"long_window":2,"candidates":1}]'],
+     r"stage 0 has candidates=1: expects 0 \(full vocabulary\) or 2 to 50304: .*a softmax over the target alone is 1"),
+    ("--stages nested 40 deep", ["--stages=" + "[" * 40 + "]" * 40], r"--stages: lists and objects nest deeper than 32"),
+    ("--stages nested 100000 deep", ["--stages=" + "[" * 100_000 + "]" * 100_000],
+     r"--stages: lists and objects nest deeper than 32"),
+    ("--log_dir with a byte that is not UTF-8", [f"--log_dir=/tmp/speedrun-{os.getpid()}-\udcff"],
+     r'--log_dir="/tmp/speedrun-\d+-\\udcff" is not allowed: expects UTF-8 text without line breaks'),
+    ("--log_dir with a line break", [f"--log_dir=/tmp/speedrun-{os.getpid()}\nlogs"],
+     r'--log_dir="/tmp/speedrun-\d+\\nlogs" is not allowed: expects UTF-8 text without line breaks'),
+    ("a JSON value with a line break", ['--stages=[\n{"end":1.0,"tokens_per_rank":512,"max_doc_len":256,'
+                                        '"short_window":1,"long_window":2}]'],
+     r'the argument "--stages=\[\\n.*" cannot be written into the log .*: expects UTF-8 text without line breaks'),
+    ("--log_dir inside records/", [f"--log_dir={REPO}/records/speedrun-logs"],
+     r"--log_dir=.*/records/speedrun-logs is inside the repository's records/ folder, which only "
+     r"records/make_record.py writes"),
 ]
 
 
@@ -108,6 +147,8 @@ BAD_CONFIGS = [
 def test_bad_config_values_end_with_one_line(data, run_main, what, argv, line):
     code, err = run_main(TINY + files(data) + argv)
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and re.search(line, err[0]), err
+    log_dirs = [a.split("=", 1)[1] for a in argv if a.startswith("--log_dir=")]
+    assert not any(os.path.lexists(d) for d in log_dirs if d), "a refused --log_dir is never created"
 
 
 @pytest.mark.parametrize("argv, line", [
@@ -116,6 +157,16 @@ def test_bad_config_values_end_with_one_line(data, run_main, what, argv, line):
     (["--config", "{d}/missing.json"], r"cannot read --config .*missing\.json: No such file or directory"),
     (["--preset", "cpu", "--config", "{d}/list.json"], r"give --preset or --config, not both"),
     (["--preset", "nonsense"], r"unknown preset 'nonsense'"),
+    (["--config", "{d}/not_utf8.json"], r"--config .*not_utf8\.json is not UTF-8 text \(byte 0xff at offset 12\): "
+                                        r"save it as UTF-8"),
+    (["--config", "{d}/deep.json"], r"--config .*deep\.json: lists and objects nest deeper than 32 levels"),
+    (["--config", "{d}/very_deep.json"], r"--config .*very_deep\.json: lists and objects nest deeper than 32 levels"),
+    (["--config", "{d}/large.json"], r"--config .*large\.json is larger than 1 MiB"),
+    (["--config", "{d}/fifo.json"], r"--config .*fifo\.json is not a regular file"),
+    (["--config", "{d}/newline.json"], r'--train_files="a\\nb" is not allowed: expects UTF-8 text without line breaks'),
+    (["--config", "{d}/nonsense_preset.json"], r"unknown preset 'nonsense'"),
+    (["--config", "{d}/huge_iterations.json"], r"--num_iterations=1000000000000 is not allowed: .*at most 10,000,000"),
+    (["--config", "{d}/float_iterations.json"], r"--num_iterations=1000000000000.0 is not allowed"),
 ])
 def test_bad_configs_end_with_one_line(data, run_main, argv, line):
     code, err = run_main([a.format(d=data) for a in argv])
@@ -191,8 +242,8 @@ def test_a_full_disk_mid_run_ends_with_one_line_and_a_whole_last_line(data, tmp_
     stdout, stderr = finish(process, timeout=300)
     assert process.returncode == 2, stderr
     err = stderr.strip().splitlines()
-    assert len(err) == 1 and re.fullmatch(r"error: .*: writing the log failed \(File too large\): free some space "
-                                          r"\(or raise the file-size limit\); the log ends at its last whole line", err[0])
+    assert len(err) == 1 and re.fullmatch(r"error: the file-size limit was reached while writing .*\.txt: raise it "
+                                          r"\(ulimit -f\) or choose another --log_dir", err[0]), err
     cut = open(log_path_of(stdout), "rb").read()
     assert cut.endswith(b"\n") and len(cut) <= limit
     assert parse_log(log_path_of(stdout)).ending == "unfinished"
@@ -220,13 +271,13 @@ def test_download_into_a_folder_that_cannot_be_created():
     assert code == 1 and err == ["error: /proc/fineweb: No such file or directory; choose a writable --dir"], err
 
 
-PYTHON_LINES_FOR_THE_SHARD_COUNT = 10_000   # a count per step of a billion steps runs ~1e9
+PYTHON_LINES_FOR_THE_SHARD_COUNT = 10_000   # a count per step of the longest run allowed runs ~1e7
 
 
 def test_shards_needed_is_computed_not_counted():
-    """The shard count of a billion-step run takes a bounded number of Python lines (counted with
-    a trace function, which stops the call at the bound), not a number that grows with the steps."""
-    h = tg.parse_config(["--preset", "speedrun", "--num_iterations=1000000000"])
+    """The shard count of the longest run allowed takes a bounded number of Python lines (counted
+    with a trace function, which stops the call at the bound), not a number that grows with the steps."""
+    h = tg.parse_config(["--preset", "speedrun", f"--num_iterations={tg.MAX_STEPS}"])
     executed = 0
 
     def count_lines(frame, event, arg):
@@ -271,3 +322,358 @@ def test_run_sh_passes_a_config_without_adding_a_preset(data):
     complaint about --preset and --config together."""
     code, err = run_command(["./run.sh", "--config", f"{data}/list.json"])
     assert code == 2 and err[-1] == "error: a config must be a JSON object of key: value, got list", err
+
+
+# ----------------------------------------------------------------------------- a config file's preset
+
+
+def test_a_config_file_with_a_preset_starts_from_that_preset(tmp_path):
+    """{"preset": "cpu", ...} is the cpu preset with the file's other keys on top; a file without
+    a preset key starts from the defaults."""
+    (tmp_path / "cpu.json").write_text(json.dumps({"preset": "cpu", "num_iterations": 7}))
+    (tmp_path / "plain.json").write_text(json.dumps({"num_iterations": 7}))
+    assert tg.parse_config(["--config", str(tmp_path / "cpu.json")]) == tg.parse_config(["--preset", "cpu",
+                                                                                         "--num_iterations=7"])
+    plain = tg.parse_config(["--config", str(tmp_path / "plain.json")])
+    assert plain == tg.normalize_config(tg.Hyperparameters(num_iterations=7))
+
+
+# ----------------------------------------------------------------------------- the launch environment
+
+BAD_LAUNCHES = [
+    ({"WORLD_SIZE": "abc"}, r'WORLD_SIZE="abc" is not allowed: expects the number of processes, a whole number >= 1'),
+    ({"WORLD_SIZE": "0"}, r'WORLD_SIZE="0" is not allowed: expects the number of processes'),
+    ({"LOCAL_WORLD_SIZE": "0"}, r'LOCAL_WORLD_SIZE="0" is not allowed: expects the processes on this machine'),
+    ({"WORLD_SIZE": "2"}, r"WORLD_SIZE=2 but RANK is not set: give each process its RANK \(0 to 1\)"),
+    ({"RANK": "3", "WORLD_SIZE": "1"}, r'RANK="3" is not allowed: expects this process\'s rank, a whole number in '
+                                       r'\[0, WORLD_SIZE=1\) \(torch.distributed.run sets it; unset it'),
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "2"},
+     r'LOCAL_RANK="2" is not allowed: .*\[0, LOCAL_WORLD_SIZE=2\)'),
+    ({"WORLD_SIZE": "2", "RANK": "0"}, r"WORLD_SIZE=2 but MASTER_ADDR is not set"),
+    ({"RENDEZVOUS_TIMEOUT_S": "soon"}, r'RENDEZVOUS_TIMEOUT_S="soon" is not allowed'),
+]
+
+
+@pytest.mark.parametrize("env, line", BAD_LAUNCHES, ids=[" ".join(f"{k}={v}" for k, v in e.items()) for e, _ in BAD_LAUNCHES])
+def test_a_bad_launch_environment_is_refused_before_anything(data, run_main, monkeypatch, tmp_path, env, line):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    for argv in (TINY + files(data) + [f"--log_dir={tmp_path}/logs"], [f"--eval={tmp_path}/missing.safetensors"]):
+        code, err = run_main(argv)
+        assert code == 2 and len(err) == 1 and re.fullmatch(f"error: {line}.*", err[0]), err
+    assert not (tmp_path / "logs").exists()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening(port):
+    """Whether a socket of this machine listens on TCP `port` (/proc/net/tcp, tcp6)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                fields = row.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
+                    return True
+    return False
+
+
+def lone_rank(data, tmp_path, **env):
+    """train_gpt.py as rank 0 of 2 processes whose peer never starts."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "train_gpt.py"), *TINY, *files(data), "--batch_ranks=2",
+         f"--log_dir={tmp_path}/logs"], cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=cpu_env(OMP_NUM_THREADS="1", WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                    **env))
+    return process, port
+
+
+def test_a_rank_whose_peers_never_come_gives_up_with_one_line(data, tmp_path):
+    process, port = lone_rank(data, tmp_path, RENDEZVOUS_TIMEOUT_S="3")
+    _, stderr = finish(process, timeout=60)
+    err = stderr.strip().splitlines()
+    assert process.returncode == 2 and len(err) == 1, stderr
+    assert re.fullmatch(rf"error: no peer process joined within 3 s: rank 0 of WORLD_SIZE=2 waited at "
+                        rf"MASTER_ADDR:MASTER_PORT=127\.0\.0\.1:{port}; start the other processes .*RENDEZVOUS_TIMEOUT_S",
+                        err[0]), err
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("signal_name, status", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_while_waiting_for_peers_ends_the_process_at_once(data, tmp_path, signal_name, status):
+    process, port = lone_rank(data, tmp_path)       # the default wait, minutes
+    try:
+        deadline = time.monotonic() + 60
+        while not listening(port) and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert listening(port), "rank 0 never waited for its peer"
+        process.send_signal(getattr(signal, signal_name))
+        sent = time.monotonic()
+        _, stderr = finish(process, timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+    assert process.returncode == status and time.monotonic() - sent < 10, stderr
+    assert stderr.strip().splitlines() == [f"interrupted: {signal_name} while waiting for the other processes"]
+
+
+# ----------------------------------------------------------------------------- under torch.distributed.run
+
+TWO_RANKS = ["--batch_ranks=2", "--val_tokens=2048", "--num_iterations=100", "--log_every=1"]
+
+
+def own_lines(stderr):
+    """The lines train_gpt.py's processes printed (torch.distributed.run adds its own report,
+    with a traceback of its ChildFailedError, which a child process cannot leave out)."""
+    return [line for line in stderr.splitlines() if line.startswith(("error:", "interrupted:"))]
+
+
+def test_under_torchrun_a_bad_input_is_one_line(data, tmp_path):
+    done = run_distributed(2, [os.path.join(REPO, "train_gpt.py"), *TINY, *files(data), *TWO_RANKS,
+                               f"--log_dir={tmp_path}/logs", "--num_iterations=0"],
+                           env=cpu_env(OMP_NUM_THREADS="1"), timeout=60)
+    assert done.returncode != 0 and 'train_gpt.py", line' not in done.stderr, done.stderr
+    assert own_lines(done.stderr) == ["error: --num_iterations=0 is not allowed: expects a whole number of steps >= 1, "
+                                      "at most 10,000,000"], done.stderr
+
+
+@pytest.mark.parametrize("failing_rank", [1, 0])
+def test_under_torchrun_the_failing_rank_says_why_and_its_peer_that_it_exited(data, tmp_path, failing_rank):
+    done = run_distributed(2, [os.path.join(REPO, "tests", "peer_failure_worker.py"), str(failing_rank), "2", *TINY,
+                               *files(data), *TWO_RANKS, f"--log_dir={tmp_path}/logs"],
+                           env=cpu_env(OMP_NUM_THREADS="1"), timeout=60)
+    lines = own_lines(done.stderr)
+    errors = [line for line in lines if line.startswith("error:")]
+    assert done.returncode != 0 and 'worker.py", line' not in done.stderr, done.stderr
+    assert len(errors) == 1 and errors[0].startswith(f"error: rank {failing_rank}: its own shard holds"), lines
+    assert not any("SIGTERM" in line for line in lines), lines
+    if failing_rank == 0:
+        assert lines == errors
+    else:                          # rank 0, which holds the log, says why it stopped
+        (peer,) = set(lines) - set(errors)
+        assert re.fullmatch(r"interrupted: a peer process exited \(rank 1, with the error above\) at step \d+/100 "
+                            r"\(log: .*\)", peer), lines
+        assert parse_log(peer.rsplit("(log: ", 1)[1].rstrip(")")).ending == "interrupted"
+
+
+# ----------------------------------------------------------------------------- what the data paths name
+
+
+@pytest.fixture
+def odd_files(tmp_path):
+    """train_files matches that are not shard files."""
+    (tmp_path / "folder_train_000001.bin").mkdir()
+    os.symlink("loop_train_000001.bin", tmp_path / "loop_train_000001.bin")
+    os.symlink(tmp_path / "missing", tmp_path / "dangling_train_000001.bin")
+    os.mkfifo(tmp_path / "fifo_train_000001.bin")
+    return tmp_path
+
+
+@pytest.mark.parametrize("name, line", [
+    ("folder", r"is a folder, not a shard file: give a pattern that matches only shard files"),
+    ("loop", r"is a symbolic link in a loop \(it leads back to itself\), not a shard file: fix or remove the link"),
+    ("dangling", r"is a symbolic link to a missing file, not a shard file: fix or remove the link"),
+])
+def test_a_match_that_is_not_a_shard_file_says_what_it_is(data, run_main, odd_files, name, line):
+    code, err = run_main(TINY + files(data) + [f"--train_files={odd_files}/{name}_train_*.bin"])
+    assert code == 2 and err == [f"error: {odd_files}/{name}_train_000001.bin: " + err[0].split(".bin: ", 1)[1]], err
+    assert re.search(line, err[0]), err
+
+
+def test_a_match_that_is_a_fifo_says_so_without_waiting_on_it(data, odd_files):
+    done = subprocess.run([sys.executable, os.path.join(REPO, "train_gpt.py"), *TINY, *files(data),
+                           f"--train_files={odd_files}/fifo_train_*.bin"], capture_output=True, text=True, timeout=60,
+                          cwd=REPO, env=cpu_env(OMP_NUM_THREADS="1"))
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"error: {odd_files}/fifo_train_000001.bin: is a FIFO (named pipe), not a shard file: give a pattern that "
+        f"matches only shard files (e.g. ending in .bin)"], done.stderr
+
+
+def test_a_data_folder_that_cannot_be_read_says_so(data, run_main, tmp_path, monkeypatch):
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    write_shard(secret / "ok_train_000001.bin", np.ones(2048, dtype=np.uint16))
+    secret.chmod(0)
+    if os.geteuid() == 0:          # root reads any folder: the kernel's refusal to another user, made here
+        for name in ("scandir", "listdir"):
+            def refuse(path=".", real=getattr(os, name)):
+                if os.fspath(path).startswith(str(secret)):
+                    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+                return real(path)
+            monkeypatch.setattr(os, name, refuse)
+    try:
+        code, err = run_main(TINY + files(data) + [f"--train_files={secret}/ok_train_*.bin"])
+    finally:
+        secret.chmod(0o755)
+    assert code == 2 and err == [f"error: {secret}/ok_train_*.bin: the folder {secret} cannot be read (Permission "
+                                 f"denied): give this user access to it, or choose another folder"], err
+
+
+def test_a_truncated_shard_is_called_truncated_or_corrupt(data, run_main, tmp_path):
+    (tmp_path / "cut_val_000000.bin").write_bytes((data / "ok_val_000000.bin").read_bytes()[:-10])
+    code, err = run_main(TINY + files(data) + [f"--val_files={tmp_path}/cut_val_*.bin"])
+    assert code == 2 and len(err) == 1 and err[0].endswith(
+        "; the file is truncated or corrupt: delete it and fetch/build it again"), err
+
+
+# ----------------------------------------------------------------------------- a full disk
+
+
+def test_a_full_disk_ends_with_one_line_saying_so(data, run_main, monkeypatch, tmp_path):
+    class FullDisk(tg.LogWriter):
+        """A log whose writes after its first line go to /dev/full, where every write fails with ENOSPC."""
+
+        def __init__(self, path, run_id):
+            super().__init__(path, run_id)
+            self.file.close()
+            self.file = open("/dev/full", "wb", buffering=0)
+
+    monkeypatch.setattr(tg, "LogWriter", FullDisk)
+    code, err = run_main(TINY + files(data) + [f"--log_dir={tmp_path}/logs"])
+    assert code == 2 and len(err) == 1 and re.fullmatch(
+        rf"error: the disk is full while writing {re.escape(str(tmp_path))}/logs/[0-9a-f-]+\.txt: free space or "
+        rf"choose another --log_dir", err[0]), err
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def with_header(path, out, change):
+    """A copy of the safetensors file `path` at `out`, its JSON header changed by change(header)."""
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    change(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    open(out, "wb").write(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    return out
+
+
+def _first_matrix(header):
+    return next(name for name, entry in header.items() if name != "__metadata__" and len(entry["shape"]) == 2)
+
+
+CHANGED_HEADERS = {
+    "no_hash": lambda h: h["__metadata__"].pop("data_sha256"),
+    "wrong_hash": lambda h: h["__metadata__"].update(data_sha256="1" * 64),
+    "negative_shape": lambda h: h[_first_matrix(h)].update(shape=[-1, -math.prod(h[_first_matrix(h)]["shape"])]),
+    "absurd_shape": lambda h: h.update(absurd={"dtype": "F32", "shape": [2**60, 2**60, 0], "data_offsets": [0, 0]}),
+    "huge_iterations": lambda h: h["__metadata__"].update(
+        config=json.dumps({**json.loads(h["__metadata__"]["config"]), "num_iterations": 10**22})),
+}
+CHECKPOINT_LINES = {
+    "no_hash": r"its metadata has no data_sha256, so its data cannot be verified \(--trust_checkpoint=true uses it "
+               r"anyway\)",
+    "wrong_hash": r"damaged: its data does not match the data_sha256 in its metadata \(--trust_checkpoint=true uses "
+                  r"it anyway\)",
+    "negative_shape": r"tensor '[\w.]+' has shape \[-1, -\d+\]: expects at most 8 whole numbers >= 0 whose product",
+    "absurd_shape": r"tensor 'absurd' has shape \[1152921504606846976, 1152921504606846976, 0\]: expects at most 8",
+    "huge_iterations": r"its metadata is damaged \(--num_iterations=10000000000000000000000 is not allowed: expects a "
+                       r"whole number of steps >= 1, at most 10,000,000\)",
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(data, tmp_path_factory):
+    """{name: path}: the untrained TINY model's checkpoint as save_checkpoint writes it ("good"; the
+    model where the schedule has it at the final validation, as --eval rebuilds it), and copies
+    with the CHANGED_HEADERS."""
+    d = tmp_path_factory.mktemp("checkpoints")
+    h = tg.parse_config(TINY + files(data) + ["--device=cpu"])
+    trainer = tg.Trainer(h, tg.Dist(0, 1, 0, torch.device("cpu")), log=None, training=False)
+    trainer.advance_to(h.num_iterations, final_validation=True)
+    good = d / "good.safetensors"
+    tg.save_checkpoint(good, trainer.model, h, "20261201-000000-abcdef12", "0" * 16, 5.0, 100.0)
+    return {"good": good, **{name: with_header(good, d / f"{name}.safetensors", change)
+                             for name, change in CHANGED_HEADERS.items()}}
+
+
+@pytest.mark.parametrize("name", [name for name in CHECKPOINT_LINES if name != "huge_iterations"])
+def test_a_checkpoint_that_cannot_be_verified_or_read_is_refused(checkpoints, run_main, name):
+    for argv in ([f"--eval={checkpoints[name]}"], [f"--sample={checkpoints[name]}", "--prompt=x", "--max_new_tokens=2"]):
+        code, err = run_main(argv)
+        assert code == 2 and len(err) == 1, err
+        assert re.fullmatch(rf"error: {re.escape(str(checkpoints[name]))}: {CHECKPOINT_LINES[name]}.*", err[0]), err
+
+
+def test_a_checkpoint_whose_config_is_out_of_range_is_refused_by_eval(checkpoints):
+    done = subprocess.run([sys.executable, os.path.join(REPO, "train_gpt.py"), f"--eval={checkpoints['huge_iterations']}"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO, env=cpu_env(OMP_NUM_THREADS="1"))
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1, done.stderr
+    assert re.fullmatch(rf"error: .*huge_iterations\.safetensors: {CHECKPOINT_LINES['huge_iterations']}", err[0]), err
+
+
+@pytest.mark.parametrize("name", ["good", "no_hash", "wrong_hash"])
+def test_trust_checkpoint_uses_a_file_that_cannot_be_verified(checkpoints, run_main, name):
+    code, err = run_main([f"--eval={checkpoints[name]}", "--trust_checkpoint=true"])
+    assert code == 0 and err == [], err
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--eval="], r"--eval= names no file: give --eval=PATH of a checkpoint \(a run's logs/<run id>_model\.safetensors\)"),
+    (["--sample="], r"--sample= names no file: give --sample=PATH of a checkpoint \(a run's .*\)"),
+    (["--eval"], r"train_gpt.py --eval=PATH: argument --eval: expected one argument"),
+    (["--eval=x.safetensors", "--trust_checkpoint=maybe"], r"--trust_checkpoint expects true or false, got 'maybe'"),
+    (["--sample=x.safetensors", "--seed=-1"], r"--sample expects .* and --seed in \[0, 2\^63\)"),
+    (["--sample=x.safetensors", f"--seed={2**63}"], r"--sample expects .* and --seed in \[0, 2\^63\)"),
+])
+def test_checkpoint_commands_name_the_bad_argument(run_main, argv, line):
+    code, err = run_main(argv)
+    assert code == 2 and len(err) == 1 and re.fullmatch(f"error: {line}", err[0]), err
+
+
+def test_num_iterations_beyond_the_bound_ends_at_once(data, tmp_path):
+    """A run of 10^22 steps is refused, not started (its schedules are made step by step)."""
+    done = subprocess.run([sys.executable, os.path.join(REPO, "train_gpt.py"), *TINY, *files(data),
+                           "--num_iterations=10000000000000000000000", f"--log_dir={tmp_path}/logs"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO, env=cpu_env(OMP_NUM_THREADS="1"))
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "error: --num_iterations=10000000000000000000000 is not allowed: expects a whole number of steps >= 1, at most "
+        "10,000,000"], done.stderr
+
+
+# ----------------------------------------------------------------------------- the CPU track's baseline script
+
+BASELINE = os.path.join(REPO, "records", "track_cpu", "baseline_adamw.py")
+BAD_BASELINE_CONFIGS = [
+    (b'{"seed": 1, "track": "\xff"}', r"is not UTF-8 text \(byte 0xff at offset 22\): save it as UTF-8"),
+    (b"[1, 2]", r": a config must be a JSON object of key: value, got list"),
+    (b"{", r"is not valid JSON \(Expecting property name"),
+    (b"[" * 100_000 + b"]" * 100_000, r": lists and objects nest too deeply; a config is one flat object"),
+    (b'{"n_layer": [[1]]}', r": n_layer expects a whole number, got \[\[1\]\]"),
+    (b'{"no_such_key": 1}', r": unknown config keys \['no_such_key'\]"),
+    (None, r"cannot read --config .*config\.json: No such file or directory"),
+]
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    spec = importlib.util.spec_from_file_location("baseline_adamw", BASELINE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("content, line", BAD_BASELINE_CONFIGS, ids=[line for _, line in BAD_BASELINE_CONFIGS])
+def test_the_baseline_refuses_a_bad_config_file_in_one_line(baseline, tmp_path, content, line):
+    path = tmp_path / "config.json"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(SystemExit) as stopped:
+        baseline.parse_hyperparameters(["--config", str(path)])
+    assert re.fullmatch(rf"error: (--config )?.*{line}.*", stopped.value.code) and "\n" not in stopped.value.code
+
+
+def test_the_baseline_script_ends_with_that_line(tmp_path):
+    (tmp_path / "config.json").write_bytes(BAD_BASELINE_CONFIGS[0][0])
+    done = subprocess.run([sys.executable, BASELINE, "--config", str(tmp_path / "config.json")], capture_output=True,
+                          text=True, timeout=60, cwd=REPO, env=cpu_env())
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        f"error: --config {tmp_path}/config.json is not UTF-8 text (byte 0xff at offset 22): save it as UTF-8"]

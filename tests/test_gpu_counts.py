@@ -75,6 +75,15 @@ def test_the_users_preset_gets_the_most_processes_that_pass():
     assert tg.launch_plan(8, ["--preset=1gpu"], memory_of(H200))[:2] == ((), 1)
 
 
+def test_the_medium_preset_runs_on_8_processes_of_8_h100s():
+    """--preset medium (16 slices of a global batch) on 8 H100s: all 8, two slices each; on 3
+    the most that divide 16 is 2. Each passes the start-up checks on its process count."""
+    for gpus, processes in ((8, 8), (3, 2)):
+        args, n, reason = tg.launch_plan(gpus, ["--preset", "medium"], memory_of(H100))
+        assert (args, n) == ((), processes), reason
+        start_up_checks(("--preset", "medium"), n, memory_of(H100))
+
+
 def test_no_configuration_fits_a_small_machine():
     """16 GB GPUs and 64 GiB of host memory: every candidate refused, each refusal in the message."""
     with pytest.raises(tg.ConfigError, match=r"nothing fits 4 GPU\(s\) of 15.0 GiB and 64.0 GiB of host memory: "
@@ -102,13 +111,13 @@ exec "$REAL_PYTHON" "$@"
 """
 
 
-def run_sh_launch(tmp_path, gpus, gpu):
-    """(processes, train_gpt.py arguments, its run.sh: lines) of what ./run.sh launches on that
-    machine."""
+def run_sh_launch(tmp_path, gpus, gpu, *args):
+    """(processes, train_gpt.py arguments, its run.sh: lines) of what ./run.sh `args` launches on
+    that machine."""
     python = tmp_path / "python"
     python.write_text(FAKE_PYTHON)
     python.chmod(python.stat().st_mode | stat.S_IEXEC)
-    done = subprocess.run(["./run.sh"], cwd=REPO, capture_output=True, text=True, timeout=300,
+    done = subprocess.run(["./run.sh", *args], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env=cpu_env(PYTHON=str(python), REAL_PYTHON=sys.executable, FAKE_GPUS=str(gpus),
                                       FAKE_GPU_GIB=str(gpu / GiB), FAKE_HOST_GIB=str(HOST / GiB)))
     assert done.returncode == 0, done.stderr
@@ -128,3 +137,10 @@ def test_run_sh_launches_a_configuration_that_passes_its_start_up_checks(tmp_pat
     start_up_checks(args, processes, memory_of(H100))
     assert (tuple(args), processes) == EXPECTED[H100][gpus]
     assert said == [f"run.sh: {tg.launch_plan(gpus, [], memory_of(H100))[2]}"]
+
+
+def test_run_sh_with_the_medium_preset_launches_it_on_8_processes(tmp_path):
+    """./run.sh --preset medium on 8 H100s: the user's preset (run.sh adds none), 8 processes."""
+    processes, args, said = run_sh_launch(tmp_path, 8, H100, "--preset", "medium")
+    assert (processes, args) == (8, ["--preset", "medium"])
+    assert said == [f"run.sh: {tg.launch_plan(8, ['--preset', 'medium'], memory_of(H100))[2]}"]

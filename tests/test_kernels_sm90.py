@@ -1,6 +1,6 @@
 """Hopper (sm_90) compile checks of every production kernel launch, on a machine without a GPU.
 
-bench/sm90_report.py records the launches of the trainer runs (the speedrun, 1gpu and record89
+bench/sm90_report.py records the launches of the trainer runs (the speedrun, 1gpu, record89 and medium
 presets and bench/bench_gpu.py's training schedule: a step of every stage, the optimizer, the
 final validation, traced under CUDA's autocast rules, and the sparse tables' largest updates) and
 the library's other production variants, and compiles each for GPUTarget("cuda", 90, 32). The

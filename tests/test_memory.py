@@ -172,6 +172,27 @@ def test_1gpu_on_an_h100_with_its_pending_gradients_summed_per_row_and_as_entrie
     assert budget.host["n-gram table (host)"] == 2**37 and budget.host_total() < 150 * 2**30
 
 
+def test_medium_fits_8_h100s_in_16_slices_and_not_in_the_public_8():
+    """The medium preset on 8 H100s: 819,463,477 fp32 parameters (7 tables of 50,304 x 1024: the
+    embedding, the head, 5 value embeddings; the bigram table's 251,520 x 1024; 16 layers of
+    (3072 + 1024 + 4096 + 4096) x 1024 matrices; 10 value-embedding gates of 8 x 16; 32 + 8 + 13
+    scalars), no host table. The public global batch in 16 slices (two 32,768-token micro-batches
+    per GPU) fits with over 5 GiB to spare; in the public's 8 (one 65,536-token slice per GPU) the
+    budget's step, about twice as large, does not."""
+    h = tg.parse_config(["--preset", "medium"])
+    params = 7 * 50_304 * 1024 + 251_520 * 1024 + 16 * 12_288 * 1024 + 10 * 8 * 16 + 32 + 8 + 13
+    assert params == 819_463_477
+    budget = tg.memory_budget(h, 8)
+    assert budget.device["parameters"] == budget.device["gradients"] == 4 * params and not budget.host
+    assert budget.check(H100, HOST) is None and H100 - budget.device_total(H100) > 5 * 2**30
+    whole = [dict(vars(s), tokens_per_rank=2 * s.tokens_per_rank) for s in h.stages]
+    public = tg.parse_config(["--preset", "medium", "--batch_ranks=8", "--stages=" + json.dumps(whole)])
+    assert [s.tokens_per_rank for s in public.stages[:4]] == [16_384, 32_768, 49_152, 65_536]
+    budget_8 = tg.memory_budget(public, 8)
+    assert budget_8.step > 1.9 * budget.step
+    assert budget_8.check(H100, HOST).startswith("the run needs ")
+
+
 def test_row_gradient_sums_equal_the_entries_summed_per_row():
     """Three micro-batches' entries, rows repeated within and across them, into a buffer of exactly
     as many slots as distinct rows: the sums of each row (a float64 index_add_ reference), each

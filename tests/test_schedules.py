@@ -75,6 +75,49 @@ def test_record89_and_cpu_presets_publish_their_schedules():
     assert (h.val_long_window, h.yarn_at_final_window, h.untie_frac) == (8, True, 2 / 3)
 
 
+def test_medium_preset_publishes_the_public_medium_records_schedule_and_constants():
+    """The public train_gpt_medium.py: 4700 + 40 steps; 12 phases of the batch schedule
+    (131,072, 262,144, 393,216, then 524,288 global tokens) and of the long window (3, 7, 11, 13,
+    ..., 21, 23, 23, 23, 23 blocks, the short one min(11, long // 2)), phase k from the first step s
+    with 12 s / 4700 >= k; the extension at 524,288 tokens and windows (11, 23). Here in 16 slices
+    of a global batch (docs/medium.md: the public 8 do not fit the memory budget)."""
+    h = preset("medium")
+    N = 4740
+    assert (h.num_iterations, h.batch_ranks, h.track) == (N, 16, "track_2_medium")
+    stages = [(s.end, s.tokens_per_rank * h.batch_ranks, s.max_doc_len, s.short_window, s.long_window, s.mtp_weights,
+               s.mtp_weights_end, s.prefix_weight, s.lr_mult, s.candidates) for s in h.stages]
+    assert stages == [
+        (392 / N, 131_072, 4096, 1, 3, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 0.0, 1.0, 0),
+        (784 / N, 262_144, 4096, 3, 7, (1.0, 0.5), (1.0, 0.0), 0.0, 1.52, 0),
+        (1175 / N, 393_216, 4096, 5, 11, (1.0,), (), 0.0, 1.73, 0),
+        (1567 / N, 524_288, 4096, 6, 13, (1.0,), (), 0.0, 2.0, 0),
+        (1959 / N, 524_288, 4096, 7, 15, (1.0,), (), 0.0, 2.0, 0),
+        (2350 / N, 524_288, 4096, 8, 17, (1.0,), (), 0.0, 2.0, 0),
+        (2742 / N, 524_288, 4096, 9, 19, (1.0,), (), 0.0, 2.0, 0),
+        (3134 / N, 524_288, 4096, 10, 21, (1.0,), (), 0.0, 2.0, 0),
+        (4700 / N, 524_288, 4096, 11, 23, (1.0,), (), 0.0, 2.0, 0),      # phases 8-11
+        (1.0, 524_288, 4096, 11, 23, (1.0,), (), 0.0, 2.0, 0),           # the 40 extension steps
+    ]
+    assert (h.cooldown_start, h.cooldown_end, h.cooldown_floor) == (1410 / N, 4700 / N, 0.1)
+    assert (h.optimizer, h.orthogonalize, h.matrix_lr, h.matrix_wd, h.mlp_down_lr_scale, h.qk_ortho_heads) == (
+        "normuon", "polar_express", 0.015, 1.2, 4.0, 8)
+    assert (h.momentum_warmup_start, h.momentum, h.momentum_warmup_steps, h.momentum_cooldown_steps) == (
+        0.85, 0.95, 300, 50)
+    assert (h.embed_lr, h.head_lr, h.embed_betas, h.value_embed_betas, h.adam_eps, h.adam_step_every) == (
+        0.004, 0.004, (0.8, 0.95), (0.8, 0.95), 1e-8, 2)
+    assert (h.value_embed_lr, h.embed_wd, h.value_embed_wd, h.smear_gate_lr) == pytest.approx((0.3, 0.75, 0.025, 4e-5))
+    assert (h.scalar_lr, h.scalar_betas, h.gate_lr) == (0.04, (0.9, 0.99), pytest.approx(0.0015))
+    assert (h.num_layers, h.model_dim, h.num_heads, h.head_dim, h.mlp_hidden) == (16, 1024, 8, 128, 4096)
+    assert (h.attention_free_layers, h.long_window_layers, h.num_value_embeds, h.value_embed_gate_dim) == (
+        (), (0, 4, 11, 15), 5, 16)
+    assert tg.value_embed_tables(tg.model_config(h)) == {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 11: 0, 12: 1, 13: 2, 14: 3,
+                                                        15: 4}
+    assert (h.smear_gate, h.key_offset, h.embed_init_std, h.attn_scale, h.yarn_scale_growth) == (
+        True, True, 0.005, 0.1, 0.2)
+    assert (h.val_long_window, h.yarn_at_final_window, h.val_tokens_per_rank, h.val_every) == (27, False, 262_144, 250)
+    assert (h.fp8_mlp, h.fp8_qkv, h.fp8_head, h.canonical_mask, h.averages) == (False, False, False, False, [])
+
+
 # ---------------------------------------------------------------------------------------------
 # Learning rate
 # ---------------------------------------------------------------------------------------------
@@ -120,6 +163,21 @@ def test_cpu_lr_cools_from_40_percent_to_the_floor_at_the_end():
     assert {step: tg.lr_multiplier(h, step) for step in expected} == pytest.approx(expected)
 
 
+def test_medium_lr_is_the_public_get_lr():
+    """The public get_lr, x = step / 4700: 1 up to x = 1/12, 1.52 above it, 1.73 above 2/12, 2.0
+    above 3/12; from x >= 0.3 (step 1411; at 1410 the line still gives 2.0) w = (1 - x) / 0.7 and
+    the LR is 2.0 w + 0.1 (1 - w); 0.1 after step 4700. Step 1175 is x = 3/12 exactly: the public
+    LR is 1.73 there for one step, ours is already the next stage's 2.0 (docs/medium.md)."""
+    h = preset("medium")
+    expected = {
+        0: 1.0, 391: 1.0, 392: 1.52, 783: 1.52, 784: 1.73, 1174: 1.73, 1176: 2.0, 1409: 2.0, 1410: 2.0,
+        1411: 2.0 - 1.9 / 3290, 3055: 1.05, 4699: 0.1 + 1.9 / 3290, 4700: 0.1, 4701: 0.1, 4739: 0.1,
+        4740: 0.1,                             # the final validation
+    }
+    assert {step: tg.lr_multiplier(h, step) for step in expected} == pytest.approx(expected)
+    assert tg.lr_multiplier(h, 1175) == 2.0, "public: 1.73 (x > 3/12 is false at x = 3/12)"
+
+
 # ---------------------------------------------------------------------------------------------
 # Momentum, mu, blend
 # ---------------------------------------------------------------------------------------------
@@ -131,6 +189,15 @@ def test_record89_momentum_warms_up_over_300_steps_and_cools_over_the_last_50():
     assert {step: tg.matrix_momentum(h, step) for step in expected} == pytest.approx(expected)
     h = preset("cpu")              # 30 steps: the warm-up is a tenth done at the end, no cooldown
     assert [tg.matrix_momentum(h, s) for s in (0, 29)] == pytest.approx([0.85, 0.85 + 0.1 * 29 / 300])
+
+
+def test_medium_momentum_is_the_public_get_muon_momentum():
+    """0.85 + 0.1 step / 300 below step 300; 0.95; above step 4740 - 50 = 4690,
+    0.95 - 0.1 (step - 4690) / 50."""
+    h = preset("medium")
+    expected = {0: 0.85, 1: 0.85 + 0.1 / 300, 150: 0.90, 299: 0.85 + 0.1 * 299 / 300, 300: 0.95, 2000: 0.95,
+                4690: 0.95, 4691: 0.948, 4700: 0.93, 4715: 0.90, 4739: 0.852, 4740: 0.85}
+    assert {step: tg.matrix_momentum(h, step) for step in expected} == pytest.approx(expected)
 
 
 def test_speedrun_anvil_mu_rises_over_the_first_20_percent_and_falls_over_the_last_4_2():
@@ -159,9 +226,10 @@ def test_speedrun_anvil_blend_is_one_before_43_percent_then_0_4385():
 # ---------------------------------------------------------------------------------------------
 
 # The first step of each stage after the first: the first step with step / N >= the end of the
-# stage before (320/1194 ...: exactly those steps; 423/1285 ...; 0.5 * 30 = 15, 0.8 * 30 = 24).
+# stage before (320/1194 ...: exactly those steps; 423/1285 ...; 0.5 * 30 = 15, 0.8 * 30 = 24; medium:
+# the public phases' first steps ceil(4700 k / 12) for k = 1-8, then the extension's 4700).
 STAGE_STARTS = {"speedrun": (1194, [320, 681, 1107, 1175]), "record89": (1285, [423, 847, 1270]),
-                "cpu": (30, [15, 24])}
+                "cpu": (30, [15, 24]), "medium": (4740, [392, 784, 1175, 1567, 1959, 2350, 2742, 3134, 4700])}
 
 
 @pytest.mark.parametrize("name", sorted(STAGE_STARTS))
@@ -171,7 +239,8 @@ def test_stage_of_every_step_and_the_steps_per_stage(name):
     assert [tg.stage_index(h, step) for step in range(N + 1)] == [
         sum(step >= first for first in starts) for step in range(N + 1)]
     assert tg.steps_per_stage(h) == {"speedrun": [320, 361, 426, 68, 19], "record89": [423, 424, 423, 15],
-                                     "cpu": [15, 9, 6]}[name]
+                                     "cpu": [15, 9, 6],
+                                     "medium": [392, 392, 391, 392, 392, 391, 392, 392, 1566, 40]}[name]
 
 
 def test_steps_per_stage_counts_what_stage_index_decides_where_floats_round():
@@ -266,6 +335,47 @@ def test_speedrun_train_shards_needed():
     assert tg.train_shards_needed(preset("speedrun")) == 5
     tokens = 423 * 16_384 + 424 * 32_768 + (423 + 15) * 49_152      # record 89: 508,231,680 -> 6
     assert tokens * 8 * 1.5 == 508_231_680 and tg.train_shards_needed(preset("record89")) == 6
+
+
+def test_medium_target_weights_follow_the_public_multi_token_schedule():
+    """The public weights, x = step / 1175: [1, .5, .25 (1 - 3x)] below x = 1/3 (steps 0-391),
+    [1, .5 (2 - 3x)] below 2/3 (392-783), then [1]. Ours go linearly across the stage's own
+    steps (392 each), so they differ from the public by at most 0.25 / 392 (0.0006) and
+    0.5 / 392 (0.0013); no prefix target."""
+    h = preset("medium")
+    weights = tg.step_target_weights(h, "cpu")
+    assert weights.shape == (4740, 4)
+    ours = {0: [1, 0.5, 0.25, 0], 196: [1, 0.5, 0.125, 0], 391: [1, 0.5, 0.25 / 392, 0], 392: [1, 0.5, 0, 0],
+            588: [1, 0.25, 0, 0], 783: [1, 0.5 / 392, 0, 0], 784: [1, 0, 0, 0], 4739: [1, 0, 0, 0]}
+    public = {0: [1, 0.5, 0.25, 0], 196: [1, 0.5, 0.25 * (1 - 3 * 196 / 1175), 0],
+              391: [1, 0.5, 0.25 * (1 - 3 * 391 / 1175), 0], 392: [1, 0.5 * (2 - 3 * 392 / 1175), 0, 0],
+              588: [1, 0.5 * (2 - 3 * 588 / 1175), 0, 0], 783: [1, 0.5 * (2 - 3 * 783 / 1175), 0, 0],
+              784: [1, 0, 0, 0], 4739: [1, 0, 0, 0]}
+    for step in ours:
+        assert weights[step].tolist() == pytest.approx(ours[step], rel=1e-6, abs=1e-12), step
+        assert weights[step].tolist() == pytest.approx(public[step], abs=0.0013), step
+
+
+def test_medium_windows_untie_validations_and_shards():
+    """The public get_ws at each phase's first step, (11, 23) through the extension, (11, 27) at
+    the final validation; the untie after the public split step ceil(4700 * 2/3/4) | 1 = 785, so
+    step 786 is the first untied; a validation every 250 steps; the shards for 4740 steps."""
+    h = preset("medium")
+    steps = (0, 391, 392, 784, 1175, 1567, 1959, 2350, 2742, 3133, 3134, 4699, 4700, 4739)
+    assert [tg.attention_windows(h, s) for s in steps] == [
+        (1, 3), (1, 3), (3, 7), (5, 11), (6, 13), (7, 15), (8, 17), (9, 19), (10, 21), (10, 21), (11, 23), (11, 23),
+        (11, 23), (11, 23)]
+    assert tg.attention_windows(h, 4740, final_validation=True) == (11, 27)
+    # ours applies YaRN at every growth of the long window; the public stops after 13 blocks (1664 tokens)
+    assert tg.long_window_history(h, 4740, final_validation=True) == [
+        384, 896, 1408, 1664, 1920, 2176, 2432, 2688, 2944]
+    assert tg.untie_step(h) == 786
+    assert tg.graph_changes(h) == [0, 392, 784, 786, 1175, 1567, 1959, 2350, 2742, 3134, 4700]
+    assert tg.validation_points(h) == [(250 * k, False) for k in range(1, 19)] + [(4740, True)]
+    # global tokens: 392 x 131,072 + 392 x 262,144 + 391 x 393,216 + (4740 - 1175) x 524,288
+    tokens = 51_380_224 + 102_760_448 + 153_747_456 + 1_869_086_720
+    assert tokens == 2_176_974_848 and tokens * 1.5 == 3_265_462_272
+    assert tg.train_shards_needed(h) == 33
 
 
 # ---------------------------------------------------------------------------------------------

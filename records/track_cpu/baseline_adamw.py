@@ -25,6 +25,7 @@ import os
 import platform
 import resource
 import shlex
+import stat
 import subprocess
 import sys
 import time
@@ -44,6 +45,7 @@ from records.logfile import (ERROR_PREFIX, INTERRUPTED_PREFIX, LogWriteError, Lo
                              cpu_model, new_run_id)
 
 BUILD_CORPUS = "python data/tiny_corpus.py"  # the command that creates the tiny corpus shards
+CONFIG_MAX_BYTES = 2**20  # the largest --config file read (a resolved config is ~1 KB)
 KIB_PER_MIB = 1024  # ru_maxrss is in KiB on Linux
 
 
@@ -223,6 +225,49 @@ def evaluate(model, val_inputs, val_targets, batch_size):
 # ----------------------------------------------------------------------------- config and log
 
 
+def refuse(message):
+    """End the script before the run starts, with one `error:` line (exit status 1)."""
+    sys.exit(f"{ERROR_PREFIX}{message}")
+
+
+def read_config(path):
+    """The settings of the --config file at `path`: a regular file of at most CONFIG_MAX_BYTES of
+    UTF-8 JSON, an object whose keys are Hyperparameters fields (and "entry", which the log adds)
+    with values of their types; refused with one line otherwise. Opened without blocking, so a
+    FIFO is refused rather than waited on."""
+    try:
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                refuse(f"--config {path} is not a regular file: give a JSON file")
+            raw = f.read(CONFIG_MAX_BYTES + 1)
+    except OSError as e:
+        refuse(f"cannot read --config {path}: {e.strerror}")
+    if len(raw) > CONFIG_MAX_BYTES:
+        refuse(f"--config {path} is larger than {CONFIG_MAX_BYTES // 2**20} MiB: a config file holds one resolved "
+               f"config (a few hundred bytes of JSON)")
+    try:
+        loaded = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        refuse(f"--config {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}): save it as UTF-8")
+    except json.JSONDecodeError as e:
+        refuse(f"--config {path} is not valid JSON ({e})")
+    except RecursionError:
+        refuse(f"--config {path}: lists and objects nest too deeply; a config is one flat object")
+    if not isinstance(loaded, dict):
+        refuse(f"--config {path}: a config must be a JSON object of key: value, got {type(loaded).__name__}")
+    loaded.pop("entry", None)  # derived from where the script lives, not a setting
+    fields = {f.name: f for f in dataclasses.fields(Hyperparameters)}
+    unknown = sorted(set(loaded) - set(fields))
+    if unknown:
+        refuse(f"--config {path}: unknown config keys {unknown}")
+    for name, value in loaded.items():
+        kinds, what = {int: ((int,), "a whole number"), float: ((int, float), "a number"),
+                       str: ((str,), "a string")}[fields[name].type]
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            refuse(f"--config {path}: {name} expects {what}, got {json.dumps(value)[:80]}")
+    return loaded
+
+
 def parse_hyperparameters(argv):
     """Defaults, then the JSON file given by --config, then --key=value overrides."""
     fields = {f.name: f for f in dataclasses.fields(Hyperparameters)}
@@ -231,21 +276,11 @@ def parse_hyperparameters(argv):
     for name, f in fields.items():
         parser.add_argument(f"--{name}", type=f.type, default=None)
     args = parser.parse_args(argv)
-    values = {}
-    if args.config:
-        try:
-            loaded = json.loads(Path(args.config).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            parser.error(f"cannot read the config {args.config}: {e}")
-        loaded.pop("entry", None)  # derived from where the script lives, not a setting
-        unknown = sorted(set(loaded) - set(fields))
-        if unknown:
-            parser.error(f"{args.config}: unknown config keys {unknown}")
-        values.update(loaded)
+    values = read_config(args.config) if args.config else {}
     values.update({name: getattr(args, name) for name in fields if getattr(args, name) is not None})
     hp = Hyperparameters(**values)
     if hp.n_embd % hp.n_head:
-        parser.error(f"n_embd={hp.n_embd} must be a multiple of n_head={hp.n_head}")
+        refuse(f"n_embd={hp.n_embd} must be a multiple of n_head={hp.n_head}")
     return hp
 
 
