@@ -80,7 +80,7 @@ def finished_log(log_dir, config):
 def launch(overrides, seed, log_dir):
     cmd = [sys.executable, os.path.join(REPO, "train_gpt.py"), "--preset", "cpu", *overrides, f"--seed={seed}",
            f"--log_dir={log_dir}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE=str(os.cpu_count()))
+    env = dict(os.environ, OMP_NUM_THREADS="1")   # one thread per run: the runs share the cores
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 

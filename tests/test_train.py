@@ -525,16 +525,17 @@ def test_an_ngram_table_that_cannot_be_split_or_does_not_fit_is_refused():
         tg.check_ngram_table(h, tg.Dist(0, 4, 0, torch.device("cpu")))
     tg.check_ngram_table(tiny_config(["--ngram_rows=2048", "--save_checkpoint=true"]),
                          tg.Dist(0, 2, 0, torch.device("cpu")))   # a split table is checkpointed whole
-    h = tiny_config(["--ngram_rows=" + str(2 ** 40)])
-    with pytest.raises(tg.ConfigError, match=r"--ngram_rows=1099511627776 needs 270336.0 GiB on the cpu \(all in one "
+    memory = lambda device: 16 * 2**30   # 16 GiB free wherever the table would live
+    h = tiny_config(["--ngram_rows=" + str(2 ** 31)])
+    with pytest.raises(tg.ConfigError, match=r"--ngram_rows=2147483648 needs 528.0 GiB on the cpu \(all in one "
                                              r"process: 264 B per row.* lower --ngram_rows$"):
-        tg.check_ngram_table(h, tg.Dist(0, 1, 0, torch.device("cpu")))
-    with pytest.raises(tg.ConfigError, match=r"needs 33792.0 GiB on the cpu \(137438953472 rows in each of 8 "):
-        tg.check_ngram_table(h, tg.Dist(0, 8, 0, torch.device("cpu")))
+        tg.check_ngram_table(h, tg.Dist(0, 1, 0, torch.device("cpu")), memory)
+    with pytest.raises(tg.ConfigError, match=r"needs 66.0 GiB on the cpu \(268435456 rows in each of 8 "):
+        tg.check_ngram_table(h, tg.Dist(0, 8, 0, torch.device("cpu")), memory)
     one = tg.Dist(0, 1, 0, torch.device("cpu"))
-    h = tiny_config(["--ngram_rows=" + str(2 ** 40), "--ngram_cache_rows=4096"])   # 2 * (2 * 512 + 1024) rows
-    with pytest.raises(tg.ConfigError, match=r"needs 274432.0 GiB on the cpu \(in host memory: 268 B per row"):
-        tg.check_ngram_table(h, one)
+    h = tiny_config(["--ngram_rows=" + str(2 ** 31), "--ngram_cache_rows=4096"])   # 2 * (2 * 512 + 1024) rows
+    with pytest.raises(tg.ConfigError, match=r"needs 536.0 GiB on the cpu \(in host memory: 268 B per row"):
+        tg.check_ngram_table(h, one, memory)
     h = tiny_config(["--ngram_rows=65536", "--ngram_cache_rows=4095"])
     with pytest.raises(tg.ConfigError, match="fewer than the 4096 rows the device cache must hold at once .* raise"):
         tg.check_ngram_table(h, one)
