@@ -51,8 +51,13 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import config
 import kernels
 import optim
+from config import (MAX_TARGETS, MIN_DOC_TOKENS, MODEL_FIELDS, PADDED_VOCAB_SIZE, SMEAR_GATE_DIMS, VOCAB_SIZE, WINDOW_BLOCK,
+                    ArgumentParser, Average, ConfigError, Hyperparameters, ModelConfig, Stage, apply_overrides,
+                    config_from_dict, config_to_dict, head_dims, is_number, load_json, loggable, normalize_config,
+                    parse_value, value_embed_tables)
 from cpu_runtime import bf16_gemm_path, bf16_gemms, cpu_has_native_bf16, keep_freed_memory_for_reuse
 from data.shards import ShardError, find_shards, fingerprint, read_shard
 from data.tokenizer import BOS_ID, TokenizerError, gpt2_encoding, noncanonical_pairs, prefix_token_table
@@ -64,193 +69,8 @@ FINEWEB_HINT = "python data/cached_fineweb10B.py N"
 TINY_HINT = "python data/tiny_corpus.py"
 
 # -----------------------------------------------------------------------------------------------
-# Config
+# Presets
 # -----------------------------------------------------------------------------------------------
-
-VOCAB_SIZE = 50257                 # GPT-2 tokens
-PADDED_VOCAB_SIZE = 50304          # vocab rounded up to a multiple of 128 for the matmuls
-WINDOW_BLOCK = 128                 # sliding windows are counted in blocks of this many tokens
-
-
-@dataclass
-class Stage:
-    """A stretch of training with one batch shape, one attention window and one loss mix."""
-    end: float                     # fraction of num_iterations at which this stage ends
-    tokens_per_rank: int           # tokens in one rank's slice of the global batch
-    max_doc_len: int               # documents are cut to this many tokens
-    short_window: int              # window of the short-window layers, in WINDOW_BLOCKs
-    long_window: int               # window of the long-window layers, in WINDOW_BLOCKs
-    mtp_weights: tuple = (1.0,)    # loss weights of the targets t+1, t+2, ...
-    prefix_weight: float = 0.0     # weight of the byte-prefix auxiliary target
-    candidates: int = 0            # sampled-softmax candidate columns; 0 = full vocabulary
-    lr_mult: float = 1.0           # learning-rate multiplier for this stage
-    mtp_weights_end: tuple = ()    # if given: mtp_weights move linearly to these across the stage
-    prefix_weight_end: float = None  # if given: prefix_weight moves linearly to this across the stage
-
-
-@dataclass
-class Average:
-    """One end-of-training weight average: an EMA of some parameters over the last steps,
-    blended into them after the last step, before the final validation (and on the clock)."""
-    params: str                    # which parameters: one of AVERAGED_PARAMS
-    window: int                    # sampled over the last this-many steps
-    every: int = 1                 # one sample every this-many steps, counted back from the last step
-    rate: float = 0.1              # EMA weight of each sample after the first (which seeds the average)
-    blend: float = 1.0             # at the end p <- lerp(p, average, blend); 1 replaces p
-    renormalize: bool = False      # then rescale each matrix to its Frobenius norm before any average
-
-
-# Parameter families an Average can take: the token embedding and the head; the value-embedding
-# tables; the query and key rows of each QKV weight; its value rows with the attention output
-# and both MLP matrices.
-AVERAGED_PARAMS = ("embed_head", "value_embeds", "qk", "vo_mlp")
-NORM_FLOOR = 1e-12                 # an all-zero matrix keeps its zeros when renormalized
-
-
-@dataclass
-class ModelConfig:
-    """The model's shape and features: everything GPT reads, and nothing else."""
-    num_layers: int = 11
-    model_dim: int = 768
-    num_heads: int = 6
-    head_dim: int = 128
-    mlp_hidden: int = 3072
-    long_window_layers: tuple = (3, 10)  # layers that use the long window; others the short one
-    attention_free_layers: tuple = (6,)  # layers with no attention sublayer
-    num_value_embeds: int = 3      # value-embedding tables, each shared by one of the first and one of the last layers
-    value_embed_layers: tuple = () # or: these layers, each with a table of its own (then num_value_embeds = 0)
-    value_embed_gate_dim: int = 12 # inputs of the per-head value-embedding gates
-    value_embed_gate_reads_value: bool = False  # gates read half their inputs from the value embedding
-    value_embed_sparse: bool = False  # value embeddings trained like the n-gram table: sparse Adam, its cadence
-    bigram_rows: int = 251_520     # rows of the bigram hash embedding
-    ngram_rows: int = 0            # rows of the hashed bigram+trigram table trained sparsely (0: the bigram embedding)
-    ngram_dtype: str = "float32"   # the table's storage: float32 | bfloat16 (half the bytes; updates rounded to nearest)
-    embed_init_std: float = 0.0    # std of the (tied) embedding's normal init; 0: model_dim^-0.5
-    rope_base: float = 1024.0      # RoPE base period
-    attn_scale: float = 0.1        # softmax scale of QK-normed attention before any YaRN growth
-    yarn_scale_growth: float = 0.1 # YaRN: the attention scale grows by this times ln(window growth)
-    canonical_mask: bool = False   # validation: no probability for token pairs GPT-2's encoder never emits
-    smear_gate: bool = False       # each token's embedding gets a gated share of its predecessor's
-    key_offset: bool = False       # long-window layers: a key's stationary dims come from the previous token
-    xsa_layers: tuple = ()         # layers whose heads remove a learned share of their output along their own value
-    paired_head_layers: tuple = () # layers where adjacent heads' queries also attend to each other's keys
-    narrow_qk_layers: tuple = ()   # layers whose queries and keys are narrow_qk_dim wide per head, rotated in full
-    narrow_qk_dim: int = 64
-    narrow_qk_attn_scale: float = 0.13  # their softmax scale before any YaRN growth (attn_scale: the others')
-    narrow_vo_layers: tuple = ()   # layers whose values (and head outputs) are narrow_vo_dim wide per head
-    narrow_vo_dim: int = 64
-    parallel_mlp_layers: tuple = ()  # layers with a second MLP beside the first, on the same input
-    token_gates: bool = False      # per-token gates from two small MLPs (TokenGates): XSA, output, injections
-    token_gates_split: int = 4     # layers before this take gates made from x0, later ones from the residual there
-    attn_gate_layers: tuple = ()   # layers whose heads' outputs are scaled by a per-token gate (needs token_gates)
-    dc_layers: tuple = ()          # layers that add composed local attention (needs token_gates; not paired layers)
-    dc_window: int = 112           # its window, in tokens (at most kernels.COMPOSED_MAX_WINDOW)
-    trunk: str = "unet"            # unet: U-net skips, x0 mixed into every block | dense: see DenseConnections
-    skip_layers: tuple = (3, 6)    # dense: layer [1] (attention-free) adds a gated copy of layer [0]'s output
-    snapshot_layer: int = 7        # dense: the layers after it read its output as their attention input
-
-
-MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
-
-
-@dataclass
-class Hyperparameters(ModelConfig):
-    """A run's config: the model's fields (ModelConfig) plus data, schedule, optimizers and system.
-    One flat set of keys, so that every key is one --key=value and one entry of a logged config."""
-    preset: str = "speedrun"
-    track: str = "track_1_short"   # records track a run of this preset belongs to, or "none"
-    # data
-    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
-    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
-    val_tokens: int = 10_485_760   # first tokens of the val shard(s) every run is judged on
-    val_tokens_per_rank: int = 65_536  # val tokens per rank per forward pass
-    val_every: int = 0             # validate every this many steps (0: only at the end)
-    batch_ranks: int = 8           # the global batch is this many rank slices; fewer processes accumulate
-    # model schedule (the model's own fields are ModelConfig's)
-    val_long_window: int = 20      # long window (blocks) of the final validation
-    yarn_at_final_window: bool = True  # YaRN also for the final validation's wider window (else RoPE stays)
-    untie_frac: float = 2 / 3      # fraction of training after which lm_head is untied from the embedding
-    # schedule
-    num_iterations: int = 1194
-    stages: list = field(default_factory=lambda: [
-        # multi-token weights as record 89 moves them: [1, .5, .25] -> [1, .5, 0] -> [1, 0] -> [1]
-        Stage(end=0.268, tokens_per_rank=16_384, max_doc_len=896, short_window=1, long_window=3,
-              mtp_weights=(1.0, 0.5, 0.25), mtp_weights_end=(1.0, 0.5, 0.0), prefix_weight=0.25),
-        Stage(end=0.570, tokens_per_rank=32_768, max_doc_len=2048, short_window=3, long_window=7,
-              mtp_weights=(1.0, 0.5), mtp_weights_end=(1.0, 0.0), prefix_weight=0.25),
-        Stage(end=0.927, tokens_per_rank=49_152, max_doc_len=3072, short_window=5, long_window=11),
-        Stage(end=1.000, tokens_per_rank=49_152, max_doc_len=3072, short_window=6, long_window=13),
-    ])
-    cooldown_start: float = 0.4    # fraction of training where the linear LR cooldown starts
-    cooldown_floor: float = 0.15   # LR multiplier at the end of the cooldown
-    cooldown_end: float = 1.0      # fraction of training where the cooldown reaches the floor
-    averages: list = field(default_factory=list)  # end-of-training weight averages (Average), applied in order
-    # optimizers
-    optimizer: str = "anvil"       # matrix optimizer: muon | normuon | anvil | adamw (Adam for everything)
-    orthogonalize: str = "auto"    # polar_express (record 89) | anvil (record 92) | auto: anvil for anvil
-    matrix_lr: float = 0.05
-    adamw_matrix_lr: float = 0.008 # Adam's LR for the hidden matrices when optimizer=adamw
-    matrix_wd: float = 0.0
-    mlp_down_lr_scale: float = 2.0 # extra LR multiplier of the MLP output matrices
-    qk_ortho_heads: int = 0        # 0: QKV orthogonalized as one matrix; n: queries and keys in blocks of n heads
-    momentum: float = 0.95         # muon/normuon momentum after warm-up
-    momentum_warmup_start: float = 0.85  # muon/normuon (anvil's Nesterov mu schedule replaces the warm-up)
-    momentum_warmup_steps: int = 300     # muon/normuon: steps from the start momentum to `momentum`
-    momentum_cooldown_steps: int = 0     # muon/normuon: last steps over which momentum falls back to the start
-    anvil_fast_beta: float = 0.85  # beta of the fast momentum rail
-    anvil_slow_beta: float = 0.98  # beta of the slow momentum rail
-    anvil_blend: float = 0.4385    # weight of the fast rail once blending starts (1.0 before)
-    anvil_blend_start: float = 0.43  # fraction of training where blending starts (step 514 of 1194)
-    anvil_mu_low: float = 0.85     # Nesterov mu at the start and the end
-    anvil_mu_high: float = 0.93    # Nesterov mu in the middle
-    anvil_mu_rise: float = 0.2     # fraction of training over which mu rises (240 of 1194 steps)
-    anvil_mu_fall: float = 0.042   # final fraction over which mu falls back (50 of 1194 steps)
-    # Adam groups; weight decay is cautious and of strength lr^2 * wd per update (optim.Adam)
-    embed_lr: float = 0.01         # token embedding (and the head while tied)
-    head_lr: float = 0.008
-    value_embed_lr: float = 0.01   # value embeddings and the bigram table
-    scalar_lr: float = 0.04        # scalars: residual mixes, skip weights, XSA and smear strengths
-    gate_lr: float = 0.04          # value-embedding gate matrices
-    smear_gate_lr: float = 0.04    # the smear gate's weights
-    token_gate_lr: float = 0.0008  # the token-gate MLPs
-    dense_lr: float = 0.002        # the dense-connection MLPs
-    embed_betas: tuple = (0.8, 0.95)   # embedding and head
-    value_embed_betas: tuple = (0.8, 0.95)  # (sparse value embeddings: beta1 = 0, beta2 their rows' moments')
-    scalar_betas: tuple = (0.8, 0.95)  # scalars and gates
-    embed_wd: float = 0.0          # embedding and head
-    value_embed_wd: float = 0.0    # (scalars and gates are never decayed)
-    adam_eps: float = 1e-10
-    adam_step_every: int = 1       # Adam updates every this-many steps, from the gradients' mean over them
-    ngram_lr: float = 0.01         # the n-gram table's sparse Adam (beta1 = 0, one second moment per row)
-    ngram_beta2: float = 0.95
-    ngram_wd: float = 0.0
-    ngram_step_every: int = 1      # the table (and sparse value embeddings) update every this-many steps
-    ngram_late_step: int = 0       # from this step on (0: never) the sparse tables' beta2 and cadence are the late ones
-    ngram_late_beta2: float = 0.9025   # record 92's late beta2: 0.95 squared
-    ngram_late_step_every: int = 4     # record 92's late cadence: an update every 4th step
-    value_embed_late_beta2: float = 0.9025  # sparse value embeddings' beta2 from ngram_late_step (0.95 squared)
-    ngram_cache_rows: int = 0      # > 0: the table lives in host memory and this many of its rows on the device
-    # system
-    seed: int = 0
-    device: str = "auto"           # auto | cuda | cpu
-    kernels: str = "auto"          # auto (Triton on CUDA; references on CPU, CE chunked) | triton | reference
-    compile: bool = True           # torch.compile the training step and the validation
-    compile_backend: str = "inductor"  # torch.compile backend; aot_eager traces the same graphs without codegen
-    compute_dtype: str = "bfloat16"  # activations and matrix products: bfloat16 (autocast) | float32 (no autocast)
-    # FP8 layers run with the Triton kernels or on CUDA (or emulated: fp8_on_cpu); evaluation is bf16
-    fp8_mlp: bool = True           # MLPs as the fused FP8 ReLU^2 kernel pair
-    fp8_mlp_scales: str = "record92"  # the MLP's scale rules: record92 | record89 | delayed (kernels.MLP_SCALES)
-    fp8_qkv: bool = True           # the packed QKV projection as an FP8 linear (kernels.QKV_SCALES)
-    fp8_head: bool = True          # the head at the candidate width as an FP8 linear (kernels.HEAD_SCALES)
-    fp8_on_cpu: bool = False       # on a CPU, run the FP8 layers through their torch references (checks numerics)
-    warmup_steps: int = 3          # untimed steps per graph before timing starts (when something compiles)
-    warm_up: str = "auto"          # auto: warm up when something compiles; always: also to map each shape's memory
-    cuda_graphs: bool = True       # capture forward+backward and the optimizers' updates in the warm-up, replay them
-    sync_check: bool = False       # CUDA: any host sync inside a timed training step is an error
-    log_every: int = 10            # print a train-loss line every this many steps
-    log_dir: str = "logs"
-    save_checkpoint: bool = False  # write logs/<run id>_model.safetensors at the end
-
 
 def _cpu_preset(h):
     """The CPU track's current record (NgramTable1M27Steps): a 4-layer, width-256 model with the
@@ -500,588 +320,10 @@ PRESETS = {"speedrun": _speedrun_preset, "1gpu": _one_gpu_preset, "cpu": _cpu_pr
            "medium": _medium_preset}
 
 
-class ConfigError(Exception):
-    """A bad preset, key or value: the message says which and what is allowed."""
-
-
-TYPE_NAMES = {int: "a whole number", float: "a number", str: "a string"}  # for the messages of _parse_value
-MAX_JSON_DEPTH = 32                # lists and objects nest at most this deep in a config (a resolved one: 3)
-CONFIG_FILE_MAX_BYTES = 2**20      # the largest --config file read (a resolved config is ~5 KB)
-
-
-def json_depth(value):
-    """How deep lists and dicts nest in a parsed JSON value (1 for a flat list; 0 for a number)."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        value, depth = todo.pop()
-        if isinstance(value, (list, dict)):
-            deepest = max(deepest, depth)
-            todo.extend((item, depth + 1) for item in (value.values() if isinstance(value, dict) else value))
-    return deepest
-
-
-def load_json(what, text):
-    """json.loads(text); a ConfigError naming `what` when lists and objects nest deeper than
-    MAX_JSON_DEPTH (json.JSONDecodeError when it is not JSON)."""
-    too_deep = ConfigError(f"{what}: lists and objects nest deeper than {MAX_JSON_DEPTH} levels; a config nests "
-                           f"them a few levels deep")
-    try:
-        value = json.loads(text)
-    except RecursionError:
-        raise too_deep from None
-    if json_depth(value) > MAX_JSON_DEPTH:
-        raise too_deep
-    return value
-
-
-def _parse_value(key, text, current):
-    if isinstance(current, bool):
-        if text.lower() in ("1", "true", "yes"):
-            return True
-        if text.lower() in ("0", "false", "no"):
-            return False
-        raise ConfigError(f"--{key} expects true or false, got {text!r}")
-    if isinstance(current, (int, float, str)):
-        try:
-            return type(current)(text)
-        except ValueError:
-            raise ConfigError(f"--{key} expects {TYPE_NAMES[type(current)]}, got {text!r}") from None
-    try:
-        return load_json(f"--{key}", text)
-    except json.JSONDecodeError:
-        raise ConfigError(f"--{key} expects JSON (a list), got {text!r}") from None
-
-
-# Keys of configs logged before Adam's groups had their own betas and decay -> the keys that replaced them.
-LEGACY_KEYS = {"adam_betas": ("embed_betas", "value_embed_betas", "scalar_betas"),
-               "adam_wd": ("embed_wd", "value_embed_wd")}
-
-
-def _upgrade_legacy_keys(d):
-    """A logged config in today's keys: a legacy key's value goes to every key that replaced it
-    (the scalars were decayed with the embeddings then; adam_wd was 0 in every preset)."""
-    d = dict(d)
-    for old, new_keys in LEGACY_KEYS.items():
-        if old in d:
-            value = d.pop(old)
-            d.update({key: value for key in new_keys if key not in d})
-    return d
-
-
-def config_from_dict(d, base=None):
-    """A Hyperparameters from a resolved-config dict (as written into a log): its keys set on
-    `base` (a Hyperparameters, e.g. a preset's), or on the defaults when base is None."""
-    if not isinstance(d, dict):
-        raise ConfigError(f"a config must be a JSON object of key: value, got {type(d).__name__}")
-    d = _upgrade_legacy_keys({k: v for k, v in d.items() if k not in LOG_ONLY_KEYS})
-    known = {f.name for f in dataclasses.fields(Hyperparameters)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-        raise ConfigError(f"unknown config key(s) {unknown}")
-    if base is None:
-        h = Hyperparameters(**d)
-    else:
-        h = base
-        for key, value in d.items():
-            setattr(h, key, value)
-    return normalize_config(h)
-
-
-STAGE_FIELDS = [f.name for f in dataclasses.fields(Stage)]
-
-
-def _stage(value):
-    """A Stage from a Stage, a JSON object or a JSON list; ConfigError naming what is wrong."""
-    if isinstance(value, Stage):
-        return value
-    try:
-        stage = Stage(**value) if isinstance(value, dict) else Stage(*value)
-    except TypeError:
-        raise ConfigError(f"--stages: {json.dumps(value)} is not a stage; a stage is a JSON object with keys "
-                          f"{STAGE_FIELDS} (the first five required)") from None
-    for key in ("mtp_weights", "mtp_weights_end"):
-        if not isinstance(getattr(stage, key), (list, tuple)):
-            raise ConfigError(f"--stages: {key} must be a list of numbers, got {getattr(stage, key)!r}")
-        setattr(stage, key, tuple(getattr(stage, key)))
-    return stage
-
-
-AVERAGE_FIELDS = [f.name for f in dataclasses.fields(Average)]
-
-
-def _average(value):
-    """An Average from an Average or a JSON object; ConfigError naming what is wrong."""
-    if isinstance(value, Average):
-        return value
-    try:
-        return Average(**value)
-    except TypeError:
-        raise ConfigError(f"--averages: {json.dumps(value)} is not an average; an average is a JSON object with "
-                          f"keys {AVERAGE_FIELDS} (params and window required)") from None
-
-
-def _check_averages(averages):
-    for i, a in enumerate(averages):
-        def refuse(what):
-            raise ConfigError(f"--averages: average {i} ({a.params}) {what}")
-        if a.params not in AVERAGED_PARAMS:
-            refuse(f"has params={a.params!r}: expects one of {', '.join(AVERAGED_PARAMS)}")
-        if not _number(a.window, integer=True) or not 1 <= a.window <= MAX_STEPS:
-            refuse(f"has window={a.window!r}: expects a number of steps >= 1, at most {MAX_STEPS:,}")
-        if not _number(a.every, integer=True) or not 1 <= a.every <= MAX_STEPS:
-            refuse(f"has every={a.every!r}: expects a number of steps >= 1, at most {MAX_STEPS:,}")
-        if not _number(a.rate) or not 0 < a.rate <= 1:
-            refuse(f"has rate={a.rate!r}: expects an EMA weight in (0, 1]")
-        if not _number(a.blend) or not 0 <= a.blend <= 1:
-            refuse(f"has blend={a.blend!r}: expects a weight in [0, 1]")
-        if not isinstance(a.renormalize, bool):
-            refuse(f"has renormalize={a.renormalize!r}: expects true or false")
-
-
-def _sequence(key, value):
-    if not isinstance(value, (list, tuple)):
-        raise ConfigError(f"--{key}={json.dumps(value)}: expects a JSON list, e.g. --{key}=[1,2]")
-    return tuple(value)
-
-
-def normalize_config(h):
-    """Turn JSON-ish values (lists, dicts) into the dataclass's types, then check every value."""
-    if not isinstance(h.stages, (list, tuple)) or not h.stages:
-        raise ConfigError(f"--stages: expects a non-empty JSON list of stages, got {json.dumps(h.stages)}")
-    h.stages = [_stage(s) for s in h.stages]
-    if not isinstance(h.averages, (list, tuple)):
-        raise ConfigError(f"--averages: expects a JSON list of averages, got {json.dumps(h.averages)}")
-    h.averages = [_average(a) for a in h.averages]
-    for key in LAYER_LIST_KEYS + BETAS_KEYS + ("skip_layers",):
-        setattr(h, key, _sequence(key, getattr(h, key)))
-    if h.orthogonalize == "auto":
-        h.orthogonalize = "anvil" if h.optimizer == "anvil" else "polar_express"
-    check_config(h)
-    return h
-
-
-def _number(value, integer=False):
-    """Whether value is a finite number (an int, not a bool, when integer)."""
-    if isinstance(value, bool):
-        return False
-    if integer:
-        return isinstance(value, int)
-    return isinstance(value, (int, float)) and math.isfinite(value)
-
-
-# Upper bounds of the whole-number keys: far above any run's, finite so that no value loops or
-# allocates without end.
-MAX_STEPS = 10_000_000             # steps of a run (and every count of steps)
-MAX_VAL_TOKENS = 2**40             # tokens of a validation
-MAX_SLICE_TOKENS = 2**24           # tokens of one rank's slice (a stage's tokens_per_rank, val_tokens_per_rank)
-MAX_BATCH_RANKS = 4096             # rank slices of a global batch
-MAX_LAYERS = 256                   # layers
-MAX_WIDTH = 65_536                 # model_dim and the widths read from it
-MAX_HIDDEN = 262_144               # mlp_hidden
-MAX_HEADS = 1024                   # attention heads
-MAX_HEAD_DIM = 1024                # dims of one head
-MAX_TABLE_ROWS = 2**31             # rows of a hashed table (bigram, n-gram, the n-gram cache)
-MAX_WINDOW_BLOCKS = 65_536         # an attention window, in WINDOW_BLOCKs
-
-# (key, kind, low, high, what is allowed): numbers must lie in [low, high] (None: no bound).
-NUMERIC_RULES = [
-    ("num_iterations", int, 1, MAX_STEPS, f"a whole number of steps >= 1, at most {MAX_STEPS:,}"),
-    ("val_tokens", int, 1, MAX_VAL_TOKENS, f"a positive number of tokens, at most {MAX_VAL_TOKENS:,}"),
-    ("val_tokens_per_rank", int, 1, MAX_SLICE_TOKENS, f"a positive number of tokens, at most {MAX_SLICE_TOKENS:,}"),
-    ("val_every", int, 0, MAX_STEPS, f"0 (only at the end) or a positive number of steps, at most {MAX_STEPS:,}"),
-    ("batch_ranks", int, 1, MAX_BATCH_RANKS, f"a positive number of rank slices, at most {MAX_BATCH_RANKS:,}"),
-    ("num_layers", int, 1, MAX_LAYERS, f"a positive number of layers, at most {MAX_LAYERS}"),
-    ("model_dim", int, 1, MAX_WIDTH, f"a positive width, at most {MAX_WIDTH:,}"),
-    ("num_heads", int, 1, MAX_HEADS, f"a positive number of heads, at most {MAX_HEADS:,}"),
-    ("head_dim", int, 4, MAX_HEAD_DIM, f"a multiple of 4 (RoPE rotates pairs in half of the dims), at most {MAX_HEAD_DIM:,}"),
-    ("narrow_qk_dim", int, 4, MAX_HEAD_DIM, f"a multiple of 4, at most {MAX_HEAD_DIM:,}"),
-    ("narrow_qk_attn_scale", float, 1e-9, None, "a positive scale"),
-    ("narrow_vo_dim", int, 1, MAX_HEAD_DIM, f"a positive width, at most {MAX_HEAD_DIM:,}"),
-    ("token_gates_split", int, 0, MAX_LAYERS, "a layer index in [0, num_layers]"),
-    ("dc_window", int, 1, kernels.COMPOSED_MAX_WINDOW, f"a window of 1 to {kernels.COMPOSED_MAX_WINDOW} tokens"),
-    ("snapshot_layer", int, 0, MAX_LAYERS, "a layer index"),
-    ("mlp_hidden", int, 1, MAX_HIDDEN, f"a positive width, at most {MAX_HIDDEN:,}"),
-    ("num_value_embeds", int, 0, MAX_LAYERS // 2, "0 or more tables, at most num_layers / 2"),
-    ("value_embed_gate_dim", int, 1, MAX_WIDTH, "a positive number of dims, at most model_dim"),
-    ("bigram_rows", int, 2, MAX_TABLE_ROWS, f"at least 2 rows, at most {MAX_TABLE_ROWS:,}"),
-    ("ngram_rows", int, 0, MAX_TABLE_ROWS, f"0 (off) or an even number of rows, at least 4, at most {MAX_TABLE_ROWS:,}"),
-    ("embed_init_std", float, 0.0, None, "a std >= 0 (0: model_dim^-0.5)"),
-    ("rope_base", float, 1e-9, None, "a positive period"),
-    ("attn_scale", float, 1e-9, None, "a positive scale"),
-    ("yarn_scale_growth", float, 0.0, None, "a growth rate >= 0"),
-    ("val_long_window", int, 1, MAX_WINDOW_BLOCKS, f"a positive number of window blocks, at most {MAX_WINDOW_BLOCKS:,}"),
-    ("untie_frac", float, 0.0, 1.0, "a fraction of training in [0, 1]"),
-    ("cooldown_start", float, 0.0, 1.0, "a fraction of training in [0, 1]"),
-    ("cooldown_floor", float, 0.0, 1.0, "an LR multiplier in [0, 1]"),
-    ("cooldown_end", float, 1e-9, 1.0, "a fraction of training in (0, 1], after cooldown_start"),
-    ("matrix_lr", float, 0.0, None, "a learning rate >= 0"),
-    ("adamw_matrix_lr", float, 0.0, None, "a learning rate >= 0"),
-    ("matrix_wd", float, 0.0, None, "a weight decay >= 0"),
-    ("mlp_down_lr_scale", float, 0.0, None, "an LR multiplier >= 0"),
-    ("qk_ortho_heads", int, 0, MAX_HEADS, "0 (QKV as one matrix) or a number of heads that divides num_heads"),
-    ("momentum", float, 0.0, 1.0, "a momentum in [0, 1]"),
-    ("momentum_warmup_start", float, 0.0, 1.0, "a momentum in [0, 1]"),
-    ("momentum_warmup_steps", int, 0, MAX_STEPS, f"0 or more steps, at most {MAX_STEPS:,}"),
-    ("momentum_cooldown_steps", int, 0, MAX_STEPS, f"0 or more steps, at most {MAX_STEPS:,}"),
-    ("anvil_fast_beta", float, 0.0, 1.0, "a beta in [0, 1]"),
-    ("anvil_slow_beta", float, 0.0, 1.0, "a beta in [0, 1]"),
-    ("anvil_blend", float, 0.0, 1.0, "a weight in [0, 1]"),
-    ("anvil_blend_start", float, 0.0, 1.0, "a fraction of training in [0, 1]"),
-    ("anvil_mu_low", float, 0.0, 1.0, "a Nesterov weight in [0, 1]"),
-    ("anvil_mu_high", float, 0.0, 1.0, "a Nesterov weight in [0, 1]"),
-    ("anvil_mu_rise", float, 1e-9, 1.0, "a fraction of training in (0, 1]"),
-    ("anvil_mu_fall", float, 1e-9, 1.0, "a fraction of training in (0, 1]"),
-    ("embed_lr", float, 0.0, None, "a learning rate >= 0"),
-    ("head_lr", float, 0.0, None, "a learning rate >= 0"),
-    ("value_embed_lr", float, 0.0, None, "a learning rate >= 0"),
-    ("scalar_lr", float, 0.0, None, "a learning rate >= 0"),
-    ("gate_lr", float, 0.0, None, "a learning rate >= 0"),
-    ("smear_gate_lr", float, 0.0, None, "a learning rate >= 0"),
-    ("token_gate_lr", float, 0.0, None, "a learning rate >= 0"),
-    ("dense_lr", float, 0.0, None, "a learning rate >= 0"),
-    ("embed_wd", float, 0.0, None, "a weight decay >= 0"),
-    ("value_embed_wd", float, 0.0, None, "a weight decay >= 0"),
-    ("adam_eps", float, 0.0, None, "an epsilon >= 0"),
-    ("adam_step_every", int, 1, MAX_STEPS, f"a positive number of steps, at most {MAX_STEPS:,}"),
-    ("ngram_lr", float, 0.0, None, "a learning rate >= 0"),
-    ("ngram_beta2", float, 0.0, 1.0, "a beta in [0, 1]"),
-    ("ngram_wd", float, 0.0, None, "a weight decay >= 0"),
-    ("ngram_step_every", int, 1, MAX_STEPS, f"a positive number of steps, at most {MAX_STEPS:,}"),
-    ("ngram_late_step", int, 0, MAX_STEPS, f"a step >= 0 (0: never), at most {MAX_STEPS:,}"),
-    ("ngram_late_beta2", float, 0.0, 1.0, "a beta in [0, 1]"),
-    ("ngram_late_step_every", int, 1, MAX_STEPS, f"a positive number of steps, at most {MAX_STEPS:,}"),
-    ("value_embed_late_beta2", float, 0.0, 1.0, "a beta in [0, 1]"),
-    ("ngram_cache_rows", int, 0, MAX_TABLE_ROWS, f"0 (the table on the device) or a number of rows, at most {MAX_TABLE_ROWS:,}"),
-    ("seed", int, 0, 2**63 - 1, "a whole number in [0, 2^63)"),
-    ("warmup_steps", int, 0, MAX_STEPS, f"0 or more steps, at most {MAX_STEPS:,}"),
-    ("log_every", int, 1, MAX_STEPS, f"a positive number of steps, at most {MAX_STEPS:,}"),
-]
-# (key, allowed values)
-CHOICE_RULES = [
-    ("track", ("track_1_short", "track_2_medium", "track_cpu", "none")),
-    ("optimizer", ("muon", "normuon", "anvil", "adamw")),
-    ("orthogonalize", tuple(optim.SCHEDULES)),
-    ("device", ("auto", "cuda", "cpu")),
-    ("kernels", ("auto", "triton", "reference")),
-    ("compile_backend", ("inductor", "aot_eager", "eager")),
-    ("compute_dtype", ("bfloat16", "float32")),
-    ("warm_up", ("auto", "always")),
-    ("trunk", ("unet", "dense")),
-    ("fp8_mlp_scales", tuple(kernels.MLP_SCALES)),
-    ("ngram_dtype", ("float32", "bfloat16")),
-]
-BOOL_KEYS = ("compile", "cuda_graphs", "fp8_mlp", "fp8_qkv", "fp8_head", "fp8_on_cpu", "sync_check", "save_checkpoint",
-             "canonical_mask", "smear_gate", "key_offset", "yarn_at_final_window", "value_embed_gate_reads_value",
-             "token_gates", "value_embed_sparse")
-NONEMPTY_STRING_KEYS = ("train_files", "val_files", "log_dir")
-BETAS_KEYS = ("embed_betas", "value_embed_betas", "scalar_betas")
-
-
-def _refuse(key, value, allowed):
-    raise ConfigError(f"--{key}={json.dumps(value)} is not allowed: expects {allowed}")
-
-
-def _check_range(key, value, kind, low, high, allowed):
-    if not _number(value, integer=kind is int) or (low is not None and value < low) or \
-            (high is not None and value > high):
-        _refuse(key, value, allowed)
-
-
-def loggable(text):
-    """Whether `text` can be one line of a log, which is UTF-8: no line breaks, and no lone
-    surrogates (what Python makes of a command-line or file-name byte that is not UTF-8)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return text.splitlines() in ([text], [])
-
-
-def json_strings(value):
-    """Every string in a JSON-like value: the value itself, or inside its lists, tuples and
-    dicts (keys included)."""
-    todo = [value]
-    while todo:
-        value = todo.pop()
-        if isinstance(value, str):
-            yield value
-        elif isinstance(value, dict):
-            todo.extend([*value.keys(), *value.values()])
-        elif isinstance(value, (list, tuple)):
-            todo.extend(value)
-
-
-def check_config(h):
-    """Every value's type and range, so that a bad one ends the run before any work, with one
-    line naming the key, the value and what is allowed."""
-    for key, value in config_to_dict(h).items():
-        if not all(loggable(text) for text in json_strings(value)):
-            _refuse(key, value, "UTF-8 text without line breaks (the log records it)")
-    for key, kind, low, high, allowed in NUMERIC_RULES:
-        _check_range(key, getattr(h, key), kind, low, high, allowed)
-    for key, choices in CHOICE_RULES:
-        if getattr(h, key) not in choices:
-            _refuse(key, getattr(h, key), "one of " + ", ".join(choices))
-    for key in BOOL_KEYS:
-        if not isinstance(getattr(h, key), bool):
-            _refuse(key, getattr(h, key), "true or false")
-    for key in NONEMPTY_STRING_KEYS:
-        if not isinstance(getattr(h, key), str) or not getattr(h, key):
-            _refuse(key, getattr(h, key), "a non-empty path")
-    check_model_config(h)
-    if h.cooldown_end <= h.cooldown_start < 1.0:
-        _conflict(h, ("cooldown_start", "cooldown_end"), "the cooldown must end after it starts")
-    if h.qk_ortho_heads and h.num_heads % h.qk_ortho_heads:
-        _conflict(h, ("qk_ortho_heads", "num_heads"), "the query and key blocks must split the heads evenly")
-    for key in BETAS_KEYS:
-        betas = getattr(h, key)
-        if len(betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in betas):
-            _refuse(key, list(betas), "two numbers in [0, 1), e.g. [0.8, 0.95]")
-    _check_stages(h.stages)
-    _check_averages(h.averages)
-    _check_fp8(h)
-
-
-def _check_fp8(h):
-    """The static scale of rms-normed FP8 inputs holds rows up to kernels.NORMED_INPUT_MAX_DIM wide."""
-    static = [key for key, on in (("fp8_qkv", h.fp8_qkv),
-                                  ("fp8_mlp_scales", h.fp8_mlp and h.fp8_mlp_scales == "record92")) if on]
-    if static and h.model_dim > kernels.NORMED_INPUT_MAX_DIM:
-        _conflict(h, ("model_dim", *static), f"their static input scale saturates rows wider than "
-                  f"{kernels.NORMED_INPUT_MAX_DIM}; use --fp8_qkv=false and --fp8_mlp_scales=delayed")
-
-
-SMEAR_GATE_DIMS = 12               # the smear gate reads the first this-many dims of a token's embedding
-
-
-def _conflict(m, keys, why):
-    settings = " and ".join(f"--{key}={json.dumps(getattr(m, key))}" for key in keys)
-    raise ConfigError(f"{settings} do not fit together: {why}")
-
-
-LAYER_LIST_KEYS = ("long_window_layers", "attention_free_layers", "xsa_layers", "value_embed_layers",
-                   "paired_head_layers", "narrow_qk_layers", "narrow_vo_layers", "parallel_mlp_layers",
-                   "attn_gate_layers", "dc_layers")
-
-
-def check_model_config(m):
-    """The rules a model config must meet to be built (each value's own range is checked with the
-    rest of the config): a broken one is refused with one line naming the keys involved."""
-    if m.head_dim % 4:
-        _refuse("head_dim", m.head_dim, "a multiple of 4 (RoPE rotates pairs in half of the dims)")
-    if m.narrow_qk_dim % 4:
-        _refuse("narrow_qk_dim", m.narrow_qk_dim, "a multiple of 4 (RoPE rotates pairs of dims)")
-    for key in LAYER_LIST_KEYS:
-        layers = getattr(m, key)
-        in_range = all(_number(i, integer=True) and 0 <= i < m.num_layers for i in layers)
-        if not in_range or len(set(layers)) < len(layers):
-            _refuse(key, list(layers), f"a list of distinct layer indices in [0, {m.num_layers})")
-    if m.ngram_rows and (m.ngram_rows < 4 or m.ngram_rows % 2):
-        _refuse("ngram_rows", m.ngram_rows, "0 (off) or an even number of rows, at least 4 (two halves: bigrams, "
-                "trigrams)")
-    if m.value_embed_gate_dim > m.model_dim:
-        _conflict(m, ("value_embed_gate_dim", "model_dim"), "the gates read at most model_dim residual dims")
-    if 2 * m.num_value_embeds > m.num_layers:
-        _conflict(m, ("num_value_embeds", "num_layers"), f"at most num_layers / 2 = {m.num_layers // 2} tables "
-                  "(each serves one of the first and one of the last layers)")
-    if m.num_value_embeds and m.value_embed_layers:
-        _conflict(m, ("num_value_embeds", "value_embed_layers"), "give shared tables or per-layer tables, not both: "
-                  "set one of them to 0 or []")
-    ve_key = "value_embed_layers" if m.value_embed_layers else "num_value_embeds"
-    unused = sorted(set(value_embed_tables(m)) & set(m.attention_free_layers))
-    if unused:
-        _conflict(m, (ve_key, "attention_free_layers"), f"value embeddings go to layers {unused}, "
-                  "which have no attention to add them to")
-    if m.value_embed_gate_reads_value and m.value_embed_gate_dim % 2:
-        _conflict(m, ("value_embed_gate_reads_value", "value_embed_gate_dim"), "the gates read half their inputs "
-                  "from the residual and half from the value embedding: an even number")
-    if set(m.long_window_layers) & set(m.attention_free_layers):
-        _conflict(m, ("long_window_layers", "attention_free_layers"), "a long-window layer needs attention")
-    if set(m.xsa_layers) & set(m.attention_free_layers):
-        _conflict(m, ("xsa_layers", "attention_free_layers"), "XSA acts on a layer's attention output")
-    if set(m.paired_head_layers) & set(m.attention_free_layers):
-        _conflict(m, ("paired_head_layers", "attention_free_layers"), "pairing acts on a layer's attention")
-    if m.paired_head_layers and m.num_heads % 2:
-        _conflict(m, ("paired_head_layers", "num_heads"), "heads pair up: an even number of heads")
-    if set(m.paired_head_layers) & set(m.xsa_layers):
-        _conflict(m, ("paired_head_layers", "xsa_layers"), "a paired layer's values do not line up with its "
-                  "outputs head by head, which XSA needs")
-    if m.key_offset and set(m.paired_head_layers) & set(m.long_window_layers):
-        _conflict(m, ("key_offset", "paired_head_layers", "long_window_layers"), "the key offset shifts by one "
-                  "token, which a paired layer's doubled sequence does not have")
-    if m.key_offset and not m.long_window_layers:
-        _conflict(m, ("key_offset", "long_window_layers"), "the key offset acts on long-window layers only: "
-                  "name one, or set --key_offset=false")
-    for key in ("narrow_qk_layers", "narrow_vo_layers"):
-        if set(getattr(m, key)) & set(m.attention_free_layers):
-            _conflict(m, (key, "attention_free_layers"), "a narrow layer needs attention")
-    if m.key_offset and set(m.narrow_qk_layers) & set(m.long_window_layers):
-        _conflict(m, ("key_offset", "narrow_qk_layers", "long_window_layers"), "a narrow layer rotates all of "
-                  "its query and key dims, so it has no stationary dims for the key offset")
-    widths = {}
-    for layer, table in value_embed_tables(m).items():
-        widths.setdefault(table, set()).add(head_dims(m, layer)[1])
-    if any(len(w) > 1 for w in widths.values()):
-        _conflict(m, ("num_value_embeds", "narrow_vo_layers"), "a shared value-embedding table serves layers "
-                  "of one value width: give per-layer tables with --value_embed_layers")
-    if m.attn_gate_layers and not m.token_gates:
-        _conflict(m, ("attn_gate_layers", "token_gates"), "the output gates come from the token gates: "
-                  "set --token_gates=true")
-    if set(m.attn_gate_layers) & set(m.attention_free_layers):
-        _conflict(m, ("attn_gate_layers", "attention_free_layers"), "an output gate acts on a layer's attention")
-    if m.dc_layers and not m.token_gates:
-        _conflict(m, ("dc_layers", "token_gates"), "the head mixes come from the token gates: set --token_gates=true")
-    if set(m.dc_layers) & (set(m.attention_free_layers) | set(m.paired_head_layers)):
-        _conflict(m, ("dc_layers", "attention_free_layers", "paired_head_layers"), "composed attention mixes the "
-                  "maps of a layer's own heads: a layer with attention, not paired")
-    if m.token_gates and m.token_gates_split > m.num_layers:
-        _conflict(m, ("token_gates_split", "num_layers"), "the split is a layer index, or num_layers for one MLP")
-    if m.token_gates and len(m.attention_free_layers) == m.num_layers:
-        _conflict(m, ("token_gates", "attention_free_layers"), "the token gates act on attention layers: "
-                  "there are none")
-    if m.trunk == "dense":
-        _check_dense_trunk(m)
-    if m.smear_gate and m.model_dim < SMEAR_GATE_DIMS:
-        _conflict(m, ("smear_gate", "model_dim"), f"the smear gate reads the first {SMEAR_GATE_DIMS} dims")
-
-
-def _check_dense_trunk(m):
-    last = m.num_layers - 1
-    if not m.token_gates:
-        _conflict(m, ("trunk", "token_gates"), "the dense trunk injects x0 and the bigram through the token gates: "
-                  "set --token_gates=true")
-    source, target = (tuple(m.skip_layers) + (None, None))[:2]
-    if len(m.skip_layers) != 2 or not all(_number(i, integer=True) for i in m.skip_layers) \
-            or not 0 <= source < target <= last:
-        _refuse("skip_layers", list(m.skip_layers), f"[from, to]: two layer indices, from < to < {m.num_layers}")
-    if target not in m.attention_free_layers:
-        _conflict(m, ("skip_layers", "attention_free_layers"), "the skip takes the place of the attention of "
-                  "an attention-free layer")
-    if 0 in m.attention_free_layers or m.token_gates_split < 1:
-        _conflict(m, ("trunk", "attention_free_layers", "token_gates_split"), "the dense trunk's input is x0 with "
-                  "the bigram let in by layer 0's gate from the first token-gate MLP: layer 0 needs attention, "
-                  "and the split must come after it")
-    if m.snapshot_layer >= last:
-        _conflict(m, ("snapshot_layer", "num_layers"), "the snapshot is read by later layers: it comes before the last")
-    if last in m.attention_free_layers or m.num_heads * head_dims(m, last)[1] != m.model_dim:
-        _conflict(m, ("trunk", "attention_free_layers", "narrow_vo_layers"), "the dense connections mix residual "
-                  "vectors into the last layer's values: it needs attention with num_heads x head_dim = model_dim")
-    if m.num_heads % 2:
-        _conflict(m, ("trunk", "num_heads"), "the last layer's value-embedding gate has one lane per half of the "
-                  "heads: an even number")
-
-
-def _check_stages(stages):
-    def refuse(i, what):
-        raise ConfigError(f"--stages: stage {i} {what}")
-
-    previous_end = 0.0
-    for i, s in enumerate(stages):
-        if not _number(s.end) or not previous_end < s.end <= 1.0:
-            refuse(i, f"ends at {s.end!r}: stage ends must increase within (0, 1]")
-        previous_end = s.end
-        for key, high in (("tokens_per_rank", MAX_SLICE_TOKENS), ("max_doc_len", MAX_SLICE_TOKENS),
-                          ("short_window", MAX_WINDOW_BLOCKS), ("long_window", MAX_WINDOW_BLOCKS)):
-            if not _number(getattr(s, key), integer=True) or not 1 <= getattr(s, key) <= high:
-                refuse(i, f"has {key}={getattr(s, key)!r}: expects a positive whole number, at most {high:,}")
-        if s.tokens_per_rank < MIN_DOC_TOKENS:
-            refuse(i, f"has tokens_per_rank={s.tokens_per_rank}: expects at least {MIN_DOC_TOKENS}")
-        if not 1 <= len(s.mtp_weights) <= MAX_TARGETS - 1 or not all(_number(w) and w >= 0 for w in s.mtp_weights):
-            refuse(i, f"has mtp_weights={list(s.mtp_weights)}: expects 1 to {MAX_TARGETS - 1} weights >= 0")
-        if s.mtp_weights_end and (len(s.mtp_weights_end) != len(s.mtp_weights) or
-                                  not all(_number(w) and w >= 0 for w in s.mtp_weights_end)):
-            refuse(i, f"has mtp_weights_end={list(s.mtp_weights_end)}: expects [] (constant weights) or "
-                      f"{len(s.mtp_weights)} weights >= 0, one per mtp_weights entry")
-        if not _number(s.prefix_weight) or s.prefix_weight < 0:
-            refuse(i, f"has prefix_weight={s.prefix_weight!r}: expects a weight >= 0")
-        if s.prefix_weight_end is not None and (not _number(s.prefix_weight_end) or s.prefix_weight_end < 0):
-            refuse(i, f"has prefix_weight_end={s.prefix_weight_end!r}: expects null (constant) or a weight >= 0")
-        if not _number(s.candidates, integer=True) or not (s.candidates == 0 or 2 <= s.candidates <= PADDED_VOCAB_SIZE):
-            refuse(i, f"has candidates={s.candidates!r}: expects 0 (full vocabulary) or 2 to {PADDED_VOCAB_SIZE}: "
-                      f"the candidates are the target and negatives, and a softmax over the target alone is 1 "
-                      f"whatever the logits (loss 0, no gradient)")
-        if not _number(s.lr_mult) or s.lr_mult < 0:
-            refuse(i, f"has lr_mult={s.lr_mult!r}: expects a multiplier >= 0")
-    if stages[-1].end != 1.0:
-        raise ConfigError("--stages: the last stage must end at 1.0 (the fraction of num_iterations)")
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """An argparse parser whose refusals are ConfigErrors (one `error:` line), not a usage
-    message and an exit."""
-
-    def error(self, message):
-        raise ConfigError(f"{self.prog}: {message}")
-
-
-def preset_config(preset):
-    """The Hyperparameters of the preset named `preset`."""
-    if not isinstance(preset, str) or preset not in PRESETS:
-        raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    h = Hyperparameters(preset=preset)
-    PRESETS[preset](h)
-    return h
-
-
-def read_config_file(path):
-    """The JSON value of the --config file at `path`: a regular file of at most
-    CONFIG_FILE_MAX_BYTES of UTF-8 JSON, nested at most MAX_JSON_DEPTH deep (ConfigError saying
-    which it is not). Opened without blocking, so a FIFO is refused rather than waited on."""
-    try:
-        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise ConfigError(f"--config {path} is not a regular file: give a JSON file")
-            raw = f.read(CONFIG_FILE_MAX_BYTES + 1)
-    except OSError as e:
-        raise ConfigError(f"cannot read --config {path}: {e.strerror}") from None
-    if len(raw) > CONFIG_FILE_MAX_BYTES:
-        raise ConfigError(f"--config {path} is larger than {CONFIG_FILE_MAX_BYTES // 2**20} MiB: a config file holds "
-                          f"one resolved config (a few KB of JSON)")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"--config {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}): "
-                          f"save it as UTF-8") from None
-    try:
-        return load_json(f"--config {path}", text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--config {path} is not valid JSON ({e})") from None
-
-
 def parse_config(argv):
-    """--preset NAME, --config PATH (a resolved config from a log), then --key=value overrides."""
-    parser = ArgumentParser(description=__doc__.split("\n")[0], add_help=True)
-    parser.add_argument("--preset", default=None, help=f"one of {sorted(PRESETS)}")
-    parser.add_argument("--config", default=None, help="JSON file of a resolved config")
-    args, rest = parser.parse_known_args(argv)
-    if args.config and args.preset:
-        raise ConfigError("give --preset or --config, not both (a config file already names its preset)")
-    if args.config:
-        d = read_config_file(args.config)
-        h = config_from_dict(d, base=preset_config(d["preset"]) if isinstance(d, dict) and "preset" in d else None)
-    else:
-        h = preset_config(args.preset or "speedrun")
-    fields = {f.name: f for f in dataclasses.fields(Hyperparameters)}
-    for item in rest:
-        if not item.startswith("--") or "=" not in item:
-            raise ConfigError(f"expected --key=value, got {item!r}")
-        key, text = item[2:].split("=", 1)
-        if key not in fields or key == "preset":
-            raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(fields))}")
-        setattr(h, key, _parse_value(key, text, getattr(h, key)))
-    h = normalize_config(h)
-    for item in argv:
-        if not loggable(item):
-            raise ConfigError(f"the argument {json.dumps(item)} cannot be written into the log (it records the "
-                              f"command line): expects UTF-8 text without line breaks")
-    return h
-
-
-LOG_ONLY_KEYS = ("entry",)          # written into a log's config for the records tools, not settings
-
-
-def config_to_dict(h):
-    return dataclasses.asdict(h)
+    """The run's config from the command line: --preset NAME (default speedrun) or --config PATH,
+    then --key=value overrides (config.parse_config)."""
+    return config.parse_config(argv, PRESETS, "speedrun", description=__doc__.split("\n")[0])
 
 
 def logged_config(h):
@@ -1105,7 +347,6 @@ TRIGRAM_MULT_PREV2 = 45259         # trigram row hash: multiplier of the token b
 TRIGRAM_SIGN_MULTS = (29363, 47119, 13709)  # the trigram channel's sign-row hash (current, previous, before)
 YARN_ALPHA = 1.0                   # YaRN: frequencies with fewer rotations per window than this are interpolated fully
 YARN_BETA = 32.0                   # YaRN: ... and those with more than this are kept as they are
-MAX_TARGETS = 4                    # next token, two more multi-token targets, the prefix target
 
 
 def rms_norm(x):
@@ -1693,21 +934,6 @@ def first_rows(t, n):
     return t if t.shape[0] == n else t[:n]
 
 
-def head_dims(cfg: ModelConfig, layer):
-    """(query and key, value) widths per head of a layer's attention."""
-    return (cfg.narrow_qk_dim if layer in cfg.narrow_qk_layers else cfg.head_dim,
-            cfg.narrow_vo_dim if layer in cfg.narrow_vo_layers else cfg.head_dim)
-
-
-def value_embed_tables(cfg: ModelConfig):
-    """{layer: its value-embedding table}: with value_embed_layers, table i serves the i-th layer
-    listed; otherwise table i serves layer i and layer num_layers - num_value_embeds + i."""
-    if cfg.value_embed_layers:
-        return {layer: i for i, layer in enumerate(cfg.value_embed_layers)}
-    n, tables = cfg.num_layers, cfg.num_value_embeds
-    return {**{i: i for i in range(tables)}, **{n - tables + i: i for i in range(tables)}}
-
-
 class GPT(nn.Module):
     """The speedrun GPT on a packed stream of documents.
 
@@ -2108,7 +1334,6 @@ class Slice:
         return Slice(*(t.to(device, non_blocking=True) for t in (self.tokens, self.targets, self.cu_seqlens)))
 
 
-MIN_DOC_TOKENS = 16                # cu_seqlens has room for T / MIN_DOC_TOKENS documents per slice
 
 
 def check_token_ids(tokens, path, offset=0):
@@ -2409,6 +1634,9 @@ def averaged_pieces(model, params):
             if block.parallel_mlp is not None:
                 pieces += [(f"mlp2_up{i}", block.parallel_mlp.up.data), (f"mlp2_down{i}", block.parallel_mlp.down.data)]
     return pieces
+
+
+NORM_FLOOR = 1e-12                 # an all-zero matrix keeps its zeros when renormalized
 
 
 class WeightAverages:
@@ -3726,7 +2954,7 @@ def step_memory(config_json):
     once at its peak, counted on fake tensors (no memory, no compute). The parameters and their
     gradients exist before it (the budget counts them apart), as in a run after its first step.
     The eager step: a compiled one fuses ops and may keep less."""
-    h = config_from_dict(json.loads(config_json))
+    h = normalize_config(config_from_dict(json.loads(config_json)))
     index = largest_stage(h)
     stage, step = h.stages[index], sum(steps_per_stage(h)[:index])   # the stage and its first step
 
@@ -3757,7 +2985,7 @@ def step_memory(config_json):
 def validation_memory(config_json):
     """Peak bytes of a final validation forward of one slice (val_tokens_per_rank tokens, the
     canonical mask if on), counted as step_memory counts."""
-    h = config_from_dict(json.loads(config_json))
+    h = normalize_config(config_from_dict(json.loads(config_json)))
 
     def run(model, autocast):
         if h.canonical_mask:       # its bits' shape, not GPT-2's pairs
@@ -4531,11 +3759,11 @@ def read_safetensors(path, trust=False):
             dtype, shape, (begin, stop) = dtypes[entry["dtype"]], list(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise refuse(f"tensor {name!r} has an unreadable header entry") from None
-        if len(shape) > SAFETENSORS_MAX_DIMS or not all(_number(d, integer=True) and d >= 0 for d in shape) \
+        if len(shape) > SAFETENSORS_MAX_DIMS or not all(is_number(d, integer=True) and d >= 0 for d in shape) \
                 or math.prod(max(d, 1) for d in shape) > SAFETENSORS_MAX_ELEMENTS:
             raise refuse(f"tensor {name!r} has shape {json.dumps(shape)[:200]}: expects at most "
                          f"{SAFETENSORS_MAX_DIMS} whole numbers >= 0 whose product (zeros counted as 1) is at most 2^48")
-        if not all(_number(x, integer=True) and x >= 0 for x in (begin, stop)):
+        if not all(is_number(x, integer=True) and x >= 0 for x in (begin, stop)):
             raise refuse(f"tensor {name!r} has data_offsets {json.dumps([begin, stop])[:200]}: expects two whole "
                          f"numbers >= 0")
         if stop - begin != math.prod(shape) * dtype.itemsize:
@@ -4632,12 +3860,12 @@ def load_checkpoint(path, trust=False):
         raise CheckpointError(f"{path}: its metadata has no data_sha256, so its data cannot be verified "
                               f"({TRUST_HINT})")
     try:
-        h = config_from_dict(load_json("its config", metadata["config"]))
+        h = normalize_config(config_from_dict(load_json("its config", metadata["config"])))
         metadata = {**metadata, "tied": json.loads(metadata["tied"]), "val_loss": float(metadata["val_loss"]),
                     "train_time_ms": float(metadata["train_time_ms"])}
     except (KeyError, ValueError, TypeError, ConfigError) as e:
         raise CheckpointError(f"{path}: its metadata is damaged ({e})") from None
-    return normalize_config(h), state, metadata
+    return h, state, metadata
 
 
 EVAL_KEYS = ("val_files", "val_tokens", "val_tokens_per_rank", "device", "kernels", "compile", "compile_backend",
@@ -4663,13 +3891,7 @@ def trained_model(path, overrides, allowed, trust=False):
     `allowed` config keys applied; `trust` skips the check of its data_sha256. Returns
     (trainer, metadata)."""
     h, state, metadata = load_checkpoint(path, trust)
-    for item in overrides:
-        key, _, text = item.removeprefix("--").partition("=")
-        if key not in allowed or not item.startswith("--") or "=" not in item:
-            raise ConfigError(f"{item!r}: with a checkpoint only --key=value of {', '.join(allowed)} may be given")
-        setattr(h, key, _parse_value(key, text, getattr(h, key)))
-    h = normalize_config(h)
-    check_config(h)
+    config.check_config(apply_overrides(h, overrides, allowed))  # scalars: nothing to normalize
     trainer = Trainer(h, start_process(h), log=None, training=False)
     trainer.advance_to(h.num_iterations, final_validation=True)
     if trainer.model.tied != metadata["tied"]:
@@ -4695,8 +3917,8 @@ def checkpoint_arguments(parser, command):
                               f"logs/<run id>_model.safetensors)")
         return text
     parser.add_argument(f"--{command}", required=True, type=path)
-    parser.add_argument("--trust_checkpoint", default=False, type=lambda text: _parse_value("trust_checkpoint",
-                                                                                             text, False))
+    parser.add_argument("--trust_checkpoint", default=False, type=lambda text: parse_value("trust_checkpoint", text,
+                                                                                            bool))
 
 
 def eval_arguments(argv):

@@ -59,7 +59,8 @@ def same_run(a, b):
     a logged config (a key added since the log was written takes its default, which keeps the
     old behaviour), wherever the log was written."""
     def settings(config):
-        return {k: v for k, v in tg.config_to_dict(tg.config_from_dict(config)).items() if k != "log_dir"}
+        read = tg.normalize_config(tg.config_from_dict(config))
+        return {k: v for k, v in tg.config_to_dict(read).items() if k != "log_dir"}
     return settings(a) == settings(b)
 
 

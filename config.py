@@ -1,0 +1,801 @@
+"""The run's config: one schema, read once.
+
+`Hyperparameters` is every key of a run (the model's keys are `ModelConfig`'s, which is all GPT
+reads); each field's type is its annotation and its range or choices stand beside it (`count`,
+`real`, `choice`, `layers`, ...). `parse_config` reads --preset NAME or --config PATH (a logged
+config) and then --key=value overrides; `normalize_config` turns JSON values into the schema's
+types and checks every value once, each field by its own rule and then the rules that tie keys
+together, so that a bad value ends the run before any work with one line naming the key, the
+value and what is allowed. The presets themselves are in train_gpt.py.
+"""
+import argparse
+import dataclasses
+import json
+import math
+import os
+import stat
+from dataclasses import dataclass, field
+
+import kernels
+import optim
+
+VOCAB_SIZE = 50257                 # GPT-2 tokens
+PADDED_VOCAB_SIZE = 50304          # vocab rounded up to a multiple of 128 for the matmuls
+WINDOW_BLOCK = 128                 # sliding windows are counted in blocks of this many tokens
+MAX_TARGETS = 4                    # next token, two more multi-token targets, the prefix target
+MIN_DOC_TOKENS = 16                # a slice's cu_seqlens has room for T / MIN_DOC_TOKENS documents
+SMEAR_GATE_DIMS = 12               # the smear gate reads the first this-many dims of a token's embedding
+
+# Upper bounds of the whole-number keys: far above any run's, finite so that no value loops or
+# allocates without end.
+MAX_STEPS = 10_000_000             # steps of a run (and every count of steps)
+MAX_VAL_TOKENS = 2**40             # tokens of a validation
+MAX_SLICE_TOKENS = 2**24           # tokens of one rank's slice (a stage's tokens_per_rank, val_tokens_per_rank)
+MAX_BATCH_RANKS = 4096             # rank slices of a global batch
+MAX_LAYERS = 256                   # layers
+MAX_WIDTH = 65_536                 # model_dim and the widths read from it
+MAX_HIDDEN = 262_144               # mlp_hidden
+MAX_HEADS = 1024                   # attention heads
+MAX_HEAD_DIM = 1024                # dims of one head
+MAX_TABLE_ROWS = 2**31             # rows of a hashed table (bigram, n-gram, the n-gram cache)
+MAX_WINDOW_BLOCKS = 65_536         # an attention window, in WINDOW_BLOCKs
+MAX_SEED = 2**63 - 1               # torch's seeds are signed 64-bit
+MLP_SCALE_RULES = tuple(kernels.MLP_SCALES)  # the FP8 MLP's scale rules (a field named kernels hides the module)
+ORTHOGONALIZATIONS = tuple(optim.SCHEDULES)  # the Muon family's orthogonalization schedules
+
+
+class ConfigError(Exception):
+    """A bad preset, key or value: the message says which and what is allowed."""
+
+
+# -----------------------------------------------------------------------------------------------
+# The rules a field can carry (dataclass field metadata), written beside the field
+# -----------------------------------------------------------------------------------------------
+
+def count(default, low, high, unit, multiple=1):
+    """A whole number in [low, high] (a multiple of `multiple`); `unit` names what it counts
+    ("steps"), or is the whole description when it starts with "a " ("a layer index")."""
+    what = unit if unit.startswith("a ") else f"a whole number of {unit}"
+    allowed = f"{what} in [{low:,}, {high:,}]" + (f", a multiple of {multiple}" if multiple > 1 else "")
+    return field(default=default, metadata={"low": low, "high": high, "integer": True, "multiple": multiple,
+                                            "allowed": allowed})
+
+
+def real(default, what, low=0.0, high=None, above=None):
+    """A finite number >= low (> above when given), at most high (None: no bound)."""
+    if above is not None:
+        allowed = f"{what} in ({above:g}, {high:g}]" if high is not None else f"{what} > {above:g}"
+    else:
+        allowed = f"{what} in [{low:g}, {high:g}]" if high is not None else f"{what} >= {low:g}"
+    return field(default=default, metadata={"low": low, "high": high, "above": above, "allowed": allowed})
+
+
+def rate(default):
+    return real(default, "a learning rate")
+
+
+def decay(default):
+    return real(default, "a weight decay")
+
+
+def fraction(default, above=None):
+    """A fraction of training, in [0, 1] (or (above, 1])."""
+    return real(default, "a fraction of training", high=1.0, above=above)
+
+
+def beta(default):
+    return real(default, "a beta", high=1.0)
+
+
+def choice(default, *others):
+    """The default or one of `others`."""
+    return field(default=default, metadata={"choices": (default, *[c for c in others if c != default])})
+
+
+def layers(default=()):
+    """A list of distinct layer indices in [0, num_layers)."""
+    return field(default=default, metadata={"layers": True})
+
+
+def betas(default):
+    """Adam's (beta1, beta2), each in [0, 1)."""
+    return field(default=default, metadata={"betas": True})
+
+
+def path(default):
+    """A non-empty path (or glob)."""
+    return field(default=default, metadata={"path": True})
+
+
+# -----------------------------------------------------------------------------------------------
+# The schema
+# -----------------------------------------------------------------------------------------------
+
+@dataclass
+class Stage:
+    """A stretch of training with one batch shape, one attention window and one loss mix."""
+    end: float                     # fraction of num_iterations at which this stage ends
+    tokens_per_rank: int           # tokens in one rank's slice of the global batch
+    max_doc_len: int               # documents are cut to this many tokens
+    short_window: int              # window of the short-window layers, in WINDOW_BLOCKs
+    long_window: int               # window of the long-window layers, in WINDOW_BLOCKs
+    mtp_weights: tuple = (1.0,)    # loss weights of the targets t+1, t+2, ...
+    prefix_weight: float = 0.0     # weight of the byte-prefix auxiliary target
+    candidates: int = 0            # sampled-softmax candidate columns; 0 = full vocabulary
+    lr_mult: float = 1.0           # learning-rate multiplier for this stage
+    mtp_weights_end: tuple = ()    # if given: mtp_weights move linearly to these across the stage
+    prefix_weight_end: float = None  # if given: prefix_weight moves linearly to this across the stage
+
+
+@dataclass
+class Average:
+    """One end-of-training weight average: an EMA of some parameters over the last steps,
+    blended into them after the last step, before the final validation (and on the clock)."""
+    params: str                    # which parameters: one of AVERAGED_PARAMS
+    window: int                    # sampled over the last this-many steps
+    every: int = 1                 # one sample every this-many steps, counted back from the last step
+    rate: float = 0.1              # EMA weight of each sample after the first (which seeds the average)
+    blend: float = 1.0             # at the end p <- lerp(p, average, blend); 1 replaces p
+    renormalize: bool = False      # then rescale each matrix to its Frobenius norm before any average
+
+
+# Parameter families an Average can take: the token embedding and the head; the value-embedding
+# tables; the query and key rows of each QKV weight; its value rows with the attention output
+# and both MLP matrices.
+AVERAGED_PARAMS = ("embed_head", "value_embeds", "qk", "vo_mlp")
+NORM_FLOOR = 1e-12                 # an all-zero matrix keeps its zeros when renormalized
+
+
+@dataclass
+class ModelConfig:
+    """The model's shape and features: everything GPT reads, and nothing else."""
+    num_layers: int = count(11, 1, MAX_LAYERS, "layers")
+    model_dim: int = count(768, 1, MAX_WIDTH, "dims")
+    num_heads: int = count(6, 1, MAX_HEADS, "heads")
+    head_dim: int = count(128, 4, MAX_HEAD_DIM, "dims", multiple=4)  # (RoPE rotates pairs in half of them)
+    mlp_hidden: int = count(3072, 1, MAX_HIDDEN, "dims")
+    long_window_layers: tuple = layers((3, 10))  # layers that use the long window; others the short one
+    attention_free_layers: tuple = layers((6,))  # layers with no attention sublayer
+    # value-embedding tables, each shared by one of the first and one of the last layers
+    num_value_embeds: int = count(3, 0, MAX_LAYERS // 2, "tables")
+    # or: these layers, each with a table of its own (then num_value_embeds = 0)
+    value_embed_layers: tuple = layers(())
+    value_embed_gate_dim: int = count(12, 1, MAX_WIDTH, "dims")  # inputs of the per-head value-embedding gates
+    value_embed_gate_reads_value: bool = False  # gates read half their inputs from the value embedding
+    value_embed_sparse: bool = False   # value embeddings trained like the n-gram table: sparse Adam, its cadence
+    bigram_rows: int = count(251_520, 2, MAX_TABLE_ROWS, "rows")  # rows of the bigram hash embedding
+    # rows of the hashed bigram+trigram table trained sparsely (0: the bigram embedding); even, >= 4
+    ngram_rows: int = count(0, 0, MAX_TABLE_ROWS, "rows", multiple=2)
+    # the table's storage: float32 | bfloat16 (half the bytes; updates rounded to nearest)
+    ngram_dtype: str = choice("float32", "bfloat16")
+    embed_init_std: float = real(0.0, "a standard deviation")  # std of the (tied) embedding's normal init; 0: model_dim^-0.5
+    rope_base: float = real(1024.0, "a period", above=0.0)  # RoPE base period
+    # softmax scale of QK-normed attention before any YaRN growth
+    attn_scale: float = real(0.1, "a scale", above=0.0)
+    # YaRN: the attention scale grows by this times ln(window growth)
+    yarn_scale_growth: float = real(0.1, "a growth rate")
+    canonical_mask: bool = False       # validation: no probability for token pairs GPT-2's encoder never emits
+    smear_gate: bool = False           # each token's embedding gets a gated share of its predecessor's
+    key_offset: bool = False           # long-window layers: a key's stationary dims come from the previous token
+    xsa_layers: tuple = layers(())     # layers whose heads remove a learned share of their output along their own value
+    paired_head_layers: tuple = layers(())  # layers where adjacent heads' queries also attend to each other's keys
+    # layers whose queries and keys are narrow_qk_dim wide per head, rotated in full
+    narrow_qk_layers: tuple = layers(())
+    narrow_qk_dim: int = count(64, 4, MAX_HEAD_DIM, "dims", multiple=4)
+    # their softmax scale before any YaRN growth (attn_scale: the others')
+    narrow_qk_attn_scale: float = real(0.13, "a scale", above=0.0)
+    narrow_vo_layers: tuple = layers(())  # layers whose values (and head outputs) are narrow_vo_dim wide per head
+    narrow_vo_dim: int = count(64, 1, MAX_HEAD_DIM, "dims")
+    parallel_mlp_layers: tuple = layers(())  # layers with a second MLP beside the first, on the same input
+    token_gates: bool = False          # per-token gates from two small MLPs (TokenGates): XSA, output, injections
+    # layers before this take gates made from x0, later ones from the residual there
+    token_gates_split: int = count(4, 0, MAX_LAYERS, "a layer index")
+    # layers whose heads" outputs are scaled by a per-token gate (needs token_gates)
+    attn_gate_layers: tuple = layers(())
+    dc_layers: tuple = layers(())      # layers that add composed local attention (needs token_gates; not paired layers)
+    # its window, in tokens (at most kernels.COMPOSED_MAX_WINDOW)
+    dc_window: int = count(112, 1, kernels.COMPOSED_MAX_WINDOW, "tokens")
+    trunk: str = choice("unet", "dense")  # unet: U-net skips, x0 mixed into every block | dense: see DenseConnections
+    skip_layers: tuple = (3, 6)        # dense: layer [1] (attention-free) adds a gated copy of layer [0]'s output
+    # dense: the layers after it read its output as their attention input
+    snapshot_layer: int = count(7, 0, MAX_LAYERS, "a layer index")
+
+
+MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
+
+
+@dataclass
+class Hyperparameters(ModelConfig):
+    """A run's config: the model's fields (ModelConfig) plus data, schedule, optimizers and system.
+    One flat set of keys, so that every key is one --key=value and one entry of a logged config."""
+    preset: str = "none"              # the preset the run started from ("none": these defaults)
+    # records track a run of this preset belongs to, or "none"
+    track: str = choice("track_1_short", "track_2_medium", "track_cpu", "none")
+    # data
+    train_files: str = path("data/fineweb10B/fineweb_train_*.bin")
+    val_files: str = path("data/fineweb10B/fineweb_val_*.bin")
+    # first tokens of the val shard(s) every run is judged on
+    val_tokens: int = count(10_485_760, 1, MAX_VAL_TOKENS, "tokens")
+    val_tokens_per_rank: int = count(65_536, 1, MAX_SLICE_TOKENS, "tokens")  # val tokens per rank per forward pass
+    val_every: int = count(0, 0, MAX_STEPS, "steps")  # validate every this many steps (0: only at the end)
+    # the global batch is this many rank slices; fewer processes accumulate
+    batch_ranks: int = count(8, 1, MAX_BATCH_RANKS, "rank slices")
+    # model schedule (the model's own fields are ModelConfig's)
+    # long window (blocks) of the final validation
+    val_long_window: int = count(20, 1, MAX_WINDOW_BLOCKS, "window blocks")
+    yarn_at_final_window: bool = True  # YaRN also for the final validation's wider window (else RoPE stays)
+    untie_frac: float = fraction(2 / 3)  # fraction of training after which lm_head is untied from the embedding
+    # schedule
+    num_iterations: int = count(1194, 1, MAX_STEPS, "steps")
+    stages: list = field(default_factory=lambda: [
+        # multi-token weights as record 89 moves them: [1, .5, .25] -> [1, .5, 0] -> [1, 0] -> [1]
+        Stage(end=0.268, tokens_per_rank=16_384, max_doc_len=896, short_window=1, long_window=3,
+              mtp_weights=(1.0, 0.5, 0.25), mtp_weights_end=(1.0, 0.5, 0.0), prefix_weight=0.25),
+        Stage(end=0.570, tokens_per_rank=32_768, max_doc_len=2048, short_window=3, long_window=7,
+              mtp_weights=(1.0, 0.5), mtp_weights_end=(1.0, 0.0), prefix_weight=0.25),
+        Stage(end=0.927, tokens_per_rank=49_152, max_doc_len=3072, short_window=5, long_window=11),
+        Stage(end=1.000, tokens_per_rank=49_152, max_doc_len=3072, short_window=6, long_window=13),
+    ])
+    cooldown_start: float = fraction(0.4)  # fraction of training where the linear LR cooldown starts
+    cooldown_floor: float = real(0.15, "an LR multiplier", high=1.0)  # LR multiplier at the end of the cooldown
+    # fraction of training where the cooldown reaches the floor
+    cooldown_end: float = fraction(1.0, above=0.0)
+    averages: list = field(default_factory=list)  # end-of-training weight averages (Average), applied in order
+    # optimizers
+    # matrix optimizer: muon | normuon | anvil | adamw (Adam for everything)
+    optimizer: str = choice("anvil", "muon", "normuon", "adamw")
+    orthogonalize: str = choice("auto", *ORTHOGONALIZATIONS)  # polar_express (record 89) | anvil (record 92) | auto: anvil for anvil
+    matrix_lr: float = rate(0.05)
+    adamw_matrix_lr: float = rate(0.008)  # Adam's LR for the hidden matrices when optimizer=adamw
+    matrix_wd: float = decay(0.0)
+    mlp_down_lr_scale: float = real(2.0, "an LR multiplier")  # extra LR multiplier of the MLP output matrices
+    # 0: QKV orthogonalized as one matrix; n: queries and keys in blocks of n heads
+    qk_ortho_heads: int = count(0, 0, MAX_HEADS, "heads")
+    momentum: float = real(0.95, "a momentum", high=1.0)  # muon/normuon momentum after warm-up
+    # muon/normuon (anvil's Nesterov mu schedule replaces the warm-up)
+    momentum_warmup_start: float = real(0.85, "a momentum", high=1.0)
+    # muon/normuon: steps from the start momentum to `momentum`
+    momentum_warmup_steps: int = count(300, 0, MAX_STEPS, "steps")
+    # muon/normuon: last steps over which momentum falls back to the start
+    momentum_cooldown_steps: int = count(0, 0, MAX_STEPS, "steps")
+    anvil_fast_beta: float = beta(0.85)  # beta of the fast momentum rail
+    anvil_slow_beta: float = beta(0.98)  # beta of the slow momentum rail
+    # weight of the fast rail once blending starts (1.0 before)
+    anvil_blend: float = real(0.4385, "a weight", high=1.0)
+    anvil_blend_start: float = fraction(0.43)  # fraction of training where blending starts (step 514 of 1194)
+    anvil_mu_low: float = real(0.85, "a Nesterov weight", high=1.0)  # Nesterov mu at the start and the end
+    anvil_mu_high: float = real(0.93, "a Nesterov weight", high=1.0)  # Nesterov mu in the middle
+    # fraction of training over which mu rises (240 of 1194 steps)
+    anvil_mu_rise: float = fraction(0.2, above=0.0)
+    # final fraction over which mu falls back (50 of 1194 steps)
+    anvil_mu_fall: float = fraction(0.042, above=0.0)
+    # Adam groups; weight decay is cautious and of strength lr^2 * wd per update (optim.Adam)
+    embed_lr: float = rate(0.01)       # token embedding (and the head while tied)
+    head_lr: float = rate(0.008)
+    value_embed_lr: float = rate(0.01)  # value embeddings and the bigram table
+    scalar_lr: float = rate(0.04)      # scalars: residual mixes, skip weights, XSA and smear strengths
+    gate_lr: float = rate(0.04)        # value-embedding gate matrices
+    smear_gate_lr: float = rate(0.04)  # the smear gate's weights
+    token_gate_lr: float = rate(0.0008)  # the token-gate MLPs
+    dense_lr: float = rate(0.002)      # the dense-connection MLPs
+    embed_betas: tuple = betas((0.8, 0.95))  # embedding and head
+    value_embed_betas: tuple = betas((0.8, 0.95))  # (sparse value embeddings: beta1 = 0, beta2 their rows" moments")
+    scalar_betas: tuple = betas((0.8, 0.95))  # scalars and gates
+    embed_wd: float = decay(0.0)       # embedding and head
+    value_embed_wd: float = decay(0.0)  # (scalars and gates are never decayed)
+    adam_eps: float = real(1e-10, "an epsilon")
+    # Adam updates every this-many steps, from the gradients' mean over them
+    adam_step_every: int = count(1, 1, MAX_STEPS, "steps")
+    ngram_lr: float = rate(0.01)       # the n-gram table's sparse Adam (beta1 = 0, one second moment per row)
+    ngram_beta2: float = beta(0.95)
+    ngram_wd: float = decay(0.0)
+    # the table (and sparse value embeddings) update every this-many steps
+    ngram_step_every: int = count(1, 1, MAX_STEPS, "steps")
+    # from this step on (0: never) the sparse tables" beta2 and cadence are the late ones
+    ngram_late_step: int = count(0, 0, MAX_STEPS, "a step")
+    ngram_late_beta2: float = beta(0.9025)  # record 92's late beta2: 0.95 squared
+    ngram_late_step_every: int = count(4, 1, MAX_STEPS, "steps")  # record 92's late cadence: an update every 4th step
+    value_embed_late_beta2: float = beta(0.9025)  # sparse value embeddings' beta2 from ngram_late_step (0.95 squared)
+    # > 0: the table lives in host memory and this many of its rows on the device
+    ngram_cache_rows: int = count(0, 0, MAX_TABLE_ROWS, "rows")
+    # system
+    seed: int = count(0, 0, MAX_SEED, "a whole number")
+    device: str = choice("auto", "cuda", "cpu")  # auto | cuda | cpu
+    # auto (Triton on CUDA; references on CPU, CE chunked) | triton | reference
+    kernels: str = choice("auto", "triton", "reference")
+    compile: bool = True               # torch.compile the training step and the validation
+    # torch.compile backend; aot_eager traces the same graphs without codegen
+    compile_backend: str = choice("inductor", "aot_eager", "eager")
+    # activations and matrix products: bfloat16 (autocast) | float32 (no autocast)
+    compute_dtype: str = choice("bfloat16", "float32")
+    # FP8 layers run with the Triton kernels or on CUDA (or emulated: fp8_on_cpu); evaluation is bf16
+    fp8_mlp: bool = True               # MLPs as the fused FP8 ReLU^2 kernel pair
+    # the MLP's scale rules: record92 | record89 | delayed (kernels.MLP_SCALES)
+    fp8_mlp_scales: str = choice(*MLP_SCALE_RULES)
+    fp8_qkv: bool = True               # the packed QKV projection as an FP8 linear (kernels.QKV_SCALES)
+    fp8_head: bool = True              # the head at the candidate width as an FP8 linear (kernels.HEAD_SCALES)
+    fp8_on_cpu: bool = False           # on a CPU, run the FP8 layers through their torch references (checks numerics)
+    # untimed steps per graph before timing starts (when something compiles)
+    warmup_steps: int = count(3, 0, MAX_STEPS, "steps")
+    # auto: warm up when something compiles; always: also to map each shape's memory
+    warm_up: str = choice("auto", "always")
+    cuda_graphs: bool = True           # capture forward+backward and the optimizers' updates in the warm-up, replay them
+    sync_check: bool = False           # CUDA: any host sync inside a timed training step is an error
+    log_every: int = count(10, 1, MAX_STEPS, "steps")  # print a train-loss line every this many steps
+    log_dir: str = path("logs")
+    save_checkpoint: bool = False      # write logs/<run id>_model.safetensors at the end
+
+
+MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
+STAGE_FIELDS = [f.name for f in dataclasses.fields(Stage)]
+AVERAGE_FIELDS = [f.name for f in dataclasses.fields(Average)]
+LOG_ONLY_KEYS = ("entry",)          # written into a log's config for the records tools, not settings
+
+
+def head_dims(cfg: ModelConfig, layer):
+    """(query and key, value) widths per head of a layer's attention."""
+    return (cfg.narrow_qk_dim if layer in cfg.narrow_qk_layers else cfg.head_dim,
+            cfg.narrow_vo_dim if layer in cfg.narrow_vo_layers else cfg.head_dim)
+
+
+def value_embed_tables(cfg: ModelConfig):
+    """{layer: its value-embedding table}: with value_embed_layers, table i serves the i-th layer
+    listed; otherwise table i serves layer i and layer num_layers - num_value_embeds + i."""
+    if cfg.value_embed_layers:
+        return {layer: i for i, layer in enumerate(cfg.value_embed_layers)}
+    n, tables = cfg.num_layers, cfg.num_value_embeds
+    return {**{i: i for i in range(tables)}, **{n - tables + i: i for i in range(tables)}}
+
+
+# -----------------------------------------------------------------------------------------------
+# Reading a config: presets, config files, --key=value
+# -----------------------------------------------------------------------------------------------
+
+MAX_JSON_DEPTH = 32                # lists and objects nest at most this deep in a config (a resolved one: 3)
+CONFIG_FILE_MAX_BYTES = 2**20      # the largest --config file read (a resolved config is ~5 KB)
+TYPE_NAMES = {int: "a whole number", float: "a number", str: "a string"}  # for the messages of parse_value
+SCHEMA = {f.name: f for f in dataclasses.fields(Hyperparameters)}
+
+
+def json_depth(value):
+    """How deep lists and dicts nest in a parsed JSON value (1 for a flat list; 0 for a number)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if isinstance(value, (list, dict)):
+            deepest = max(deepest, depth)
+            todo.extend((item, depth + 1) for item in (value.values() if isinstance(value, dict) else value))
+    return deepest
+
+
+def load_json(what, text):
+    """json.loads(text); a ConfigError naming `what` when lists and objects nest deeper than
+    MAX_JSON_DEPTH (json.JSONDecodeError when it is not JSON)."""
+    too_deep = ConfigError(f"{what}: lists and objects nest deeper than {MAX_JSON_DEPTH} levels; a config nests "
+                           f"them a few levels deep")
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise too_deep from None
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise too_deep
+    return value
+
+
+def parse_value(key, text, kind):
+    """The value of --key=text for a field of type `kind` (bool, int, float, str; else JSON)."""
+    if kind is bool:
+        if text.lower() in ("1", "true", "yes"):
+            return True
+        if text.lower() in ("0", "false", "no"):
+            return False
+        raise ConfigError(f"--{key} expects true or false, got {text!r}")
+    if kind in (int, float, str):
+        try:
+            return kind(text)
+        except ValueError:
+            raise ConfigError(f"--{key} expects {TYPE_NAMES[kind]}, got {text!r}") from None
+    try:
+        return load_json(f"--{key}", text)
+    except json.JSONDecodeError:
+        raise ConfigError(f"--{key} expects JSON (a list), got {text!r}") from None
+
+
+def config_from_dict(d, base=None):
+    """A Hyperparameters from a resolved-config dict (as written into a log): its keys set on
+    `base` (a Hyperparameters, e.g. a preset's), or on the defaults when base is None. Not yet
+    normalized: normalize_config does that once all values are in."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"a config must be a JSON object of key: value, got {type(d).__name__}")
+    d = {k: v for k, v in d.items() if k not in LOG_ONLY_KEYS}
+    unknown = sorted(set(d) - set(SCHEMA))
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {unknown}")
+    h = Hyperparameters() if base is None else base
+    for key, value in d.items():
+        setattr(h, key, value)
+    return h
+
+
+def preset_config(name, presets):
+    """The Hyperparameters of the preset `name`: the defaults, then presets[name](h)."""
+    if not isinstance(name, str) or name not in presets:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(presets)}")
+    h = Hyperparameters(preset=name)
+    presets[name](h)
+    return h
+
+
+def read_config_file(path):
+    """The JSON value of the --config file at `path`: a regular file of at most
+    CONFIG_FILE_MAX_BYTES of UTF-8 JSON, nested at most MAX_JSON_DEPTH deep (ConfigError saying
+    which it is not). Opened without blocking, so a FIFO is refused rather than waited on."""
+    try:
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ConfigError(f"--config {path} is not a regular file: give a JSON file")
+            raw = f.read(CONFIG_FILE_MAX_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"cannot read --config {path}: {e.strerror}") from None
+    if len(raw) > CONFIG_FILE_MAX_BYTES:
+        raise ConfigError(f"--config {path} is larger than {CONFIG_FILE_MAX_BYTES // 2**20} MiB: a config file holds "
+                          f"one resolved config (a few KB of JSON)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}): "
+                          f"save it as UTF-8") from None
+    try:
+        return load_json(f"--config {path}", text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--config {path} is not valid JSON ({e})") from None
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An argparse parser whose refusals are ConfigErrors (one `error:` line), not a usage
+    message and an exit."""
+
+    def error(self, message):
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+def apply_overrides(h, items, allowed=None):
+    """Set each "--key=value" of `items` on h (parsed by the key's annotated type); `allowed`:
+    the keys that may be given (None: every key but preset)."""
+    for item in items:
+        key, _, text = item.removeprefix("--").partition("=")
+        if not item.startswith("--") or "=" not in item:
+            raise ConfigError(f"expected --key=value, got {item!r}")
+        if allowed is not None and key not in allowed:
+            raise ConfigError(f"{item!r}: with a checkpoint only --key=value of {', '.join(allowed)} may be given")
+        if key not in SCHEMA or key == "preset":
+            raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(SCHEMA))}")
+        setattr(h, key, parse_value(key, text, SCHEMA[key].type))
+    return h
+
+
+def parse_config(argv, presets, default_preset, description=None):
+    """--preset NAME (of `presets`, else default_preset), or --config PATH (a resolved config
+    from a log), then --key=value overrides; normalized and checked."""
+    parser = ArgumentParser(description=description, add_help=True)
+    parser.add_argument("--preset", default=None, help=f"one of {sorted(presets)}")
+    parser.add_argument("--config", default=None, help="JSON file of a resolved config")
+    args, rest = parser.parse_known_args(argv)
+    if args.config and args.preset:
+        raise ConfigError("give --preset or --config, not both (a config file already names its preset)")
+    if args.config:
+        d = read_config_file(args.config)
+        named = isinstance(d, dict) and d.get("preset", "none") != "none"   # "none": the schema's defaults
+        h = config_from_dict(d, base=preset_config(d["preset"], presets) if named else None)
+    else:
+        h = preset_config(args.preset or default_preset, presets)
+    h = normalize_config(apply_overrides(h, rest))
+    for item in argv:
+        if not loggable(item):
+            raise ConfigError(f"the argument {json.dumps(item)} cannot be written into the log (it records the "
+                              f"command line): expects UTF-8 text without line breaks")
+    return h
+
+
+def config_to_dict(h):
+    return dataclasses.asdict(h)
+
+
+# -----------------------------------------------------------------------------------------------
+# Normalizing and checking, once
+# -----------------------------------------------------------------------------------------------
+
+def _stage(value):
+    """A Stage from a Stage, a JSON object or a JSON list; ConfigError naming what is wrong."""
+    if isinstance(value, Stage):
+        return value
+    try:
+        stage = Stage(**value) if isinstance(value, dict) else Stage(*value)
+    except TypeError:
+        raise ConfigError(f"--stages: {json.dumps(value)} is not a stage; a stage is a JSON object with keys "
+                          f"{STAGE_FIELDS} (the first five required)") from None
+    for key in ("mtp_weights", "mtp_weights_end"):
+        if not isinstance(getattr(stage, key), (list, tuple)):
+            raise ConfigError(f"--stages: {key} must be a list of numbers, got {getattr(stage, key)!r}")
+        setattr(stage, key, tuple(getattr(stage, key)))
+    return stage
+
+
+def _average(value):
+    """An Average from an Average or a JSON object; ConfigError naming what is wrong."""
+    if isinstance(value, Average):
+        return value
+    try:
+        return Average(**value)
+    except TypeError:
+        raise ConfigError(f"--averages: {json.dumps(value)} is not an average; an average is a JSON object with "
+                          f"keys {AVERAGE_FIELDS} (params and window required)") from None
+
+
+def normalize_config(h):
+    """Turn JSON values (lists, dicts) into the schema's types, resolve orthogonalize=auto, then
+    check every value (check_config). Returns h."""
+    if not isinstance(h.stages, (list, tuple)) or not h.stages:
+        raise ConfigError(f"--stages: expects a non-empty JSON list of stages, got {json.dumps(h.stages)}")
+    h.stages = [_stage(s) for s in h.stages]
+    if not isinstance(h.averages, (list, tuple)):
+        raise ConfigError(f"--averages: expects a JSON list of averages, got {json.dumps(h.averages)}")
+    h.averages = [_average(a) for a in h.averages]
+    for key, f in SCHEMA.items():
+        if f.type is tuple:
+            value = getattr(h, key)
+            if not isinstance(value, (list, tuple)):
+                raise ConfigError(f"--{key}={json.dumps(value)}: expects a JSON list, e.g. --{key}=[1,2]")
+            setattr(h, key, tuple(value))
+    if h.orthogonalize == "auto":
+        h.orthogonalize = "anvil" if h.optimizer == "anvil" else "polar_express"
+    check_config(h)
+    return h
+
+
+def is_number(value, integer=False):
+    """Whether value is a finite number (an int, not a bool, when integer)."""
+    if isinstance(value, bool):
+        return False
+    if integer:
+        return isinstance(value, int)
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _refuse(key, value, allowed):
+    raise ConfigError(f"--{key}={json.dumps(value)} is not allowed: expects {allowed}")
+
+
+def _conflict(m, keys, why):
+    settings = " and ".join(f"--{key}={json.dumps(getattr(m, key))}" for key in keys)
+    raise ConfigError(f"{settings} do not fit together: {why}")
+
+
+def loggable(text):
+    """Whether `text` can be one line of a log, which is UTF-8: no line breaks, and no lone
+    surrogates (what Python makes of a command-line or file-name byte that is not UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return text.splitlines() in ([text], [])
+
+
+def json_strings(value):
+    """Every string in a JSON-like value: the value itself, or inside its lists, tuples and
+    dicts (keys included)."""
+    todo = [value]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, dict):
+            todo.extend([*value.keys(), *value.values()])
+        elif isinstance(value, (list, tuple)):
+            todo.extend(value)
+
+
+def check_field(h, f):
+    """The rule of field `f` (its annotation and metadata) on h's value."""
+    value, rule = getattr(h, f.name), f.metadata
+    if f.type is bool and not isinstance(value, bool):
+        _refuse(f.name, value, "true or false")
+    if "allowed" in rule:
+        low, high, above = rule["low"], rule["high"], rule.get("above")
+        if not is_number(value, integer=rule.get("integer", False)) or value < low or \
+                (above is not None and value <= above) or (high is not None and value > high) or \
+                (rule.get("integer") and value % rule["multiple"]):
+            _refuse(f.name, value, rule["allowed"])
+    if "choices" in rule and value not in rule["choices"]:
+        _refuse(f.name, value, "one of " + ", ".join(rule["choices"]))
+    if rule.get("path") and (not isinstance(value, str) or not value):
+        _refuse(f.name, value, "a non-empty path")
+    if rule.get("layers"):
+        in_range = all(is_number(i, integer=True) and 0 <= i < h.num_layers for i in value)
+        if not in_range or len(set(value)) < len(value):
+            _refuse(f.name, list(value), f"a list of distinct layer indices in [0, {h.num_layers})")
+    if rule.get("betas") and (len(value) != 2 or not all(is_number(b) and 0 <= b < 1 for b in value)):
+        _refuse(f.name, list(value), "two numbers in [0, 1), e.g. [0.8, 0.95]")
+
+
+def check_config(h):
+    """Every value's own rule (check_field, in the schema's order), then the rules that tie keys
+    together: a bad value ends the run before any work, with one line naming the key, the
+    value and what is allowed."""
+    for key, value in config_to_dict(h).items():
+        if not all(loggable(text) for text in json_strings(value)):
+            _refuse(key, value, "UTF-8 text without line breaks (the log records it)")
+    for f in SCHEMA.values():
+        if not f.metadata.get("layers"):
+            check_field(h, f)
+    for f in SCHEMA.values():                # layer lists once num_layers is known to be valid
+        if f.metadata.get("layers"):
+            check_field(h, f)
+    check_model_config(h)
+    if h.cooldown_end <= h.cooldown_start < 1.0:
+        _conflict(h, ("cooldown_start", "cooldown_end"), "the cooldown must end after it starts")
+    if h.qk_ortho_heads and h.num_heads % h.qk_ortho_heads:
+        _conflict(h, ("qk_ortho_heads", "num_heads"), "the query and key blocks must split the heads evenly")
+    _check_stages(h.stages)
+    _check_averages(h.averages)
+    _check_fp8(h)
+
+
+def _check_fp8(h):
+    """The static scale of rms-normed FP8 inputs holds rows up to kernels.NORMED_INPUT_MAX_DIM wide."""
+    static = [key for key, on in (("fp8_qkv", h.fp8_qkv),
+                                  ("fp8_mlp_scales", h.fp8_mlp and h.fp8_mlp_scales == "record92")) if on]
+    if static and h.model_dim > kernels.NORMED_INPUT_MAX_DIM:
+        _conflict(h, ("model_dim", *static), f"their static input scale saturates rows wider than "
+                  f"{kernels.NORMED_INPUT_MAX_DIM}; use --fp8_qkv=false and --fp8_mlp_scales=delayed")
+
+
+def check_model_config(m):
+    """The rules that tie a model config's keys together (each value's own rule is its field's):
+    a broken one is refused with one line naming the keys involved."""
+    if 0 < m.ngram_rows < 4:
+        _refuse("ngram_rows", m.ngram_rows, "0 (off) or an even number of rows, at least 4 (two halves: bigrams, "
+                "trigrams)")
+    if m.value_embed_gate_dim > m.model_dim:
+        _conflict(m, ("value_embed_gate_dim", "model_dim"), "the gates read at most model_dim residual dims")
+    if 2 * m.num_value_embeds > m.num_layers:
+        _conflict(m, ("num_value_embeds", "num_layers"), f"at most num_layers / 2 = {m.num_layers // 2} tables "
+                  "(each serves one of the first and one of the last layers)")
+    if m.num_value_embeds and m.value_embed_layers:
+        _conflict(m, ("num_value_embeds", "value_embed_layers"), "give shared tables or per-layer tables, not both: "
+                  "set one of them to 0 or []")
+    ve_key = "value_embed_layers" if m.value_embed_layers else "num_value_embeds"
+    unused = sorted(set(value_embed_tables(m)) & set(m.attention_free_layers))
+    if unused:
+        _conflict(m, (ve_key, "attention_free_layers"), f"value embeddings go to layers {unused}, "
+                  "which have no attention to add them to")
+    if m.value_embed_gate_reads_value and m.value_embed_gate_dim % 2:
+        _conflict(m, ("value_embed_gate_reads_value", "value_embed_gate_dim"), "the gates read half their inputs "
+                  "from the residual and half from the value embedding: an even number")
+    if set(m.long_window_layers) & set(m.attention_free_layers):
+        _conflict(m, ("long_window_layers", "attention_free_layers"), "a long-window layer needs attention")
+    if set(m.xsa_layers) & set(m.attention_free_layers):
+        _conflict(m, ("xsa_layers", "attention_free_layers"), "XSA acts on a layer's attention output")
+    if set(m.paired_head_layers) & set(m.attention_free_layers):
+        _conflict(m, ("paired_head_layers", "attention_free_layers"), "pairing acts on a layer's attention")
+    if m.paired_head_layers and m.num_heads % 2:
+        _conflict(m, ("paired_head_layers", "num_heads"), "heads pair up: an even number of heads")
+    if set(m.paired_head_layers) & set(m.xsa_layers):
+        _conflict(m, ("paired_head_layers", "xsa_layers"), "a paired layer's values do not line up with its "
+                  "outputs head by head, which XSA needs")
+    if m.key_offset and set(m.paired_head_layers) & set(m.long_window_layers):
+        _conflict(m, ("key_offset", "paired_head_layers", "long_window_layers"), "the key offset shifts by one "
+                  "token, which a paired layer's doubled sequence does not have")
+    if m.key_offset and not m.long_window_layers:
+        _conflict(m, ("key_offset", "long_window_layers"), "the key offset acts on long-window layers only: "
+                  "name one, or set --key_offset=false")
+    for key in ("narrow_qk_layers", "narrow_vo_layers"):
+        if set(getattr(m, key)) & set(m.attention_free_layers):
+            _conflict(m, (key, "attention_free_layers"), "a narrow layer needs attention")
+    if m.key_offset and set(m.narrow_qk_layers) & set(m.long_window_layers):
+        _conflict(m, ("key_offset", "narrow_qk_layers", "long_window_layers"), "a narrow layer rotates all of "
+                  "its query and key dims, so it has no stationary dims for the key offset")
+    widths = {}
+    for layer, table in value_embed_tables(m).items():
+        widths.setdefault(table, set()).add(head_dims(m, layer)[1])
+    if any(len(w) > 1 for w in widths.values()):
+        _conflict(m, ("num_value_embeds", "narrow_vo_layers"), "a shared value-embedding table serves layers "
+                  "of one value width: give per-layer tables with --value_embed_layers")
+    if m.attn_gate_layers and not m.token_gates:
+        _conflict(m, ("attn_gate_layers", "token_gates"), "the output gates come from the token gates: "
+                  "set --token_gates=true")
+    if set(m.attn_gate_layers) & set(m.attention_free_layers):
+        _conflict(m, ("attn_gate_layers", "attention_free_layers"), "an output gate acts on a layer's attention")
+    if m.dc_layers and not m.token_gates:
+        _conflict(m, ("dc_layers", "token_gates"), "the head mixes come from the token gates: set --token_gates=true")
+    if set(m.dc_layers) & (set(m.attention_free_layers) | set(m.paired_head_layers)):
+        _conflict(m, ("dc_layers", "attention_free_layers", "paired_head_layers"), "composed attention mixes the "
+                  "maps of a layer's own heads: a layer with attention, not paired")
+    if m.token_gates and m.token_gates_split > m.num_layers:
+        _conflict(m, ("token_gates_split", "num_layers"), "the split is a layer index, or num_layers for one MLP")
+    if m.token_gates and len(m.attention_free_layers) == m.num_layers:
+        _conflict(m, ("token_gates", "attention_free_layers"), "the token gates act on attention layers: "
+                  "there are none")
+    if m.trunk == "dense":
+        _check_dense_trunk(m)
+    if m.smear_gate and m.model_dim < SMEAR_GATE_DIMS:
+        _conflict(m, ("smear_gate", "model_dim"), f"the smear gate reads the first {SMEAR_GATE_DIMS} dims")
+
+
+def _check_dense_trunk(m):
+    last = m.num_layers - 1
+    if not m.token_gates:
+        _conflict(m, ("trunk", "token_gates"), "the dense trunk injects x0 and the bigram through the token gates: "
+                  "set --token_gates=true")
+    source, target = (tuple(m.skip_layers) + (None, None))[:2]
+    if len(m.skip_layers) != 2 or not all(is_number(i, integer=True) for i in m.skip_layers) \
+            or not 0 <= source < target <= last:
+        _refuse("skip_layers", list(m.skip_layers), f"[from, to]: two layer indices, from < to < {m.num_layers}")
+    if target not in m.attention_free_layers:
+        _conflict(m, ("skip_layers", "attention_free_layers"), "the skip takes the place of the attention of "
+                  "an attention-free layer")
+    if 0 in m.attention_free_layers or m.token_gates_split < 1:
+        _conflict(m, ("trunk", "attention_free_layers", "token_gates_split"), "the dense trunk's input is x0 with "
+                  "the bigram let in by layer 0's gate from the first token-gate MLP: layer 0 needs attention, "
+                  "and the split must come after it")
+    if m.snapshot_layer >= last:
+        _conflict(m, ("snapshot_layer", "num_layers"), "the snapshot is read by later layers: it comes before the last")
+    if last in m.attention_free_layers or m.num_heads * head_dims(m, last)[1] != m.model_dim:
+        _conflict(m, ("trunk", "attention_free_layers", "narrow_vo_layers"), "the dense connections mix residual "
+                  "vectors into the last layer's values: it needs attention with num_heads x head_dim = model_dim")
+    if m.num_heads % 2:
+        _conflict(m, ("trunk", "num_heads"), "the last layer's value-embedding gate has one lane per half of the "
+                  "heads: an even number")
+
+
+def _check_stages(stages):
+    def refuse(i, what):
+        raise ConfigError(f"--stages: stage {i} {what}")
+
+    previous_end = 0.0
+    for i, s in enumerate(stages):
+        if not is_number(s.end) or not previous_end < s.end <= 1.0:
+            refuse(i, f"ends at {s.end!r}: stage ends must increase within (0, 1]")
+        previous_end = s.end
+        for key, high in (("tokens_per_rank", MAX_SLICE_TOKENS), ("max_doc_len", MAX_SLICE_TOKENS),
+                          ("short_window", MAX_WINDOW_BLOCKS), ("long_window", MAX_WINDOW_BLOCKS)):
+            if not is_number(getattr(s, key), integer=True) or not 1 <= getattr(s, key) <= high:
+                refuse(i, f"has {key}={getattr(s, key)!r}: expects a positive whole number, at most {high:,}")
+        if s.tokens_per_rank < MIN_DOC_TOKENS:
+            refuse(i, f"has tokens_per_rank={s.tokens_per_rank}: expects at least {MIN_DOC_TOKENS}")
+        if not 1 <= len(s.mtp_weights) <= MAX_TARGETS - 1 or not all(is_number(w) and w >= 0 for w in s.mtp_weights):
+            refuse(i, f"has mtp_weights={list(s.mtp_weights)}: expects 1 to {MAX_TARGETS - 1} weights >= 0")
+        if s.mtp_weights_end and (len(s.mtp_weights_end) != len(s.mtp_weights) or
+                                  not all(is_number(w) and w >= 0 for w in s.mtp_weights_end)):
+            refuse(i, f"has mtp_weights_end={list(s.mtp_weights_end)}: expects [] (constant weights) or "
+                      f"{len(s.mtp_weights)} weights >= 0, one per mtp_weights entry")
+        if not is_number(s.prefix_weight) or s.prefix_weight < 0:
+            refuse(i, f"has prefix_weight={s.prefix_weight!r}: expects a weight >= 0")
+        if s.prefix_weight_end is not None and (not is_number(s.prefix_weight_end) or s.prefix_weight_end < 0):
+            refuse(i, f"has prefix_weight_end={s.prefix_weight_end!r}: expects null (constant) or a weight >= 0")
+        if not is_number(s.candidates, integer=True) or not (s.candidates == 0 or 2 <= s.candidates <= PADDED_VOCAB_SIZE):
+            refuse(i, f"has candidates={s.candidates!r}: expects 0 (full vocabulary) or 2 to {PADDED_VOCAB_SIZE}: "
+                      f"the candidates are the target and negatives, and a softmax over the target alone is 1 "
+                      f"whatever the logits (loss 0, no gradient)")
+        if not is_number(s.lr_mult) or s.lr_mult < 0:
+            refuse(i, f"has lr_mult={s.lr_mult!r}: expects a multiplier >= 0")
+    if stages[-1].end != 1.0:
+        raise ConfigError("--stages: the last stage must end at 1.0 (the fraction of num_iterations)")
+
+
+def _check_averages(averages):
+    for i, a in enumerate(averages):
+        def refuse(what):
+            raise ConfigError(f"--averages: average {i} ({a.params}) {what}")
+        if a.params not in AVERAGED_PARAMS:
+            refuse(f"has params={a.params!r}: expects one of {', '.join(AVERAGED_PARAMS)}")
+        if not is_number(a.window, integer=True) or not 1 <= a.window <= MAX_STEPS:
+            refuse(f"has window={a.window!r}: expects a number of steps >= 1, at most {MAX_STEPS:,}")
+        if not is_number(a.every, integer=True) or not 1 <= a.every <= MAX_STEPS:
+            refuse(f"has every={a.every!r}: expects a number of steps >= 1, at most {MAX_STEPS:,}")
+        if not is_number(a.rate) or not 0 < a.rate <= 1:
+            refuse(f"has rate={a.rate!r}: expects an EMA weight in (0, 1]")
+        if not is_number(a.blend) or not 0 <= a.blend <= 1:
+            refuse(f"has blend={a.blend!r}: expects a weight in [0, 1]")
+        if not isinstance(a.renormalize, bool):
+            refuse(f"has renormalize={a.renormalize!r}: expects true or false")
