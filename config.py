@@ -192,9 +192,9 @@ class ModelConfig:
     token_gates_split: int = count(4, 0, MAX_LAYERS, "a layer index")
     # layers whose heads" outputs are scaled by a per-token gate (needs token_gates)
     attn_gate_layers: tuple = layers(())
-    dc_layers: tuple = layers(())      # layers that add composed local attention (needs token_gates; not paired layers)
+    composed_layers: tuple = layers(())      # layers that add composed local attention (needs token_gates; not paired layers)
     # its window, in tokens (at most kernels.COMPOSED_MAX_WINDOW)
-    dc_window: int = count(112, 1, kernels.COMPOSED_MAX_WINDOW, "tokens")
+    composed_window: int = count(112, 1, kernels.COMPOSED_MAX_WINDOW, "tokens")
     trunk: str = choice("unet", "dense")  # unet: U-net skips, x0 mixed into every block | dense: see DenseConnections
     skip_layers: tuple = (3, 6)        # dense: layer [1] (attention-free) adds a gated copy of layer [0]'s output
     # dense: the layers after it read its output as their attention input
@@ -706,10 +706,10 @@ def check_model_config(m):
                   "set --token_gates=true")
     if set(m.attn_gate_layers) & set(m.attention_free_layers):
         _conflict(m, ("attn_gate_layers", "attention_free_layers"), "an output gate acts on a layer's attention")
-    if m.dc_layers and not m.token_gates:
-        _conflict(m, ("dc_layers", "token_gates"), "the head mixes come from the token gates: set --token_gates=true")
-    if set(m.dc_layers) & (set(m.attention_free_layers) | set(m.paired_head_layers)):
-        _conflict(m, ("dc_layers", "attention_free_layers", "paired_head_layers"), "composed attention mixes the "
+    if m.composed_layers and not m.token_gates:
+        _conflict(m, ("composed_layers", "token_gates"), "the head mixes come from the token gates: set --token_gates=true")
+    if set(m.composed_layers) & (set(m.attention_free_layers) | set(m.paired_head_layers)):
+        _conflict(m, ("composed_layers", "attention_free_layers", "paired_head_layers"), "composed attention mixes the "
                   "maps of a layer's own heads: a layer with attention, not paired")
     if m.token_gates and m.token_gates_split > m.num_layers:
         _conflict(m, ("token_gates_split", "num_layers"), "the split is a layer index, or num_layers for one MLP")

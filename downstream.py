@@ -34,9 +34,12 @@ from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, ma
 
 # Everything this module takes from the training code.
 import kernels
+from checkpoint import CheckpointError
+from config import VOCAB_SIZE, WINDOW_BLOCK, ConfigError
+from cpu_runtime import bf16_gemms
 from data.tokenizer import BOS_ID, ENDOFTEXT, TokenizerError, gpt2_encoding
-from train_gpt import (VOCAB_SIZE, WINDOW_BLOCK, AttentionArgs, CheckpointError, ConfigError, attention_windows,
-                       bf16_gemms, gemm_path, generate, trained_model)
+from evaluate import generate, trained_model
+from train_gpt import AttentionArgs, attention_windows, gemm_path
 
 MODEL_NAME = "speedrun"            # the name lm-eval knows SpeedrunLM by
 CHECKPOINT_KEYS = ("device", "ngram_cache_rows", "compute_dtype")  # config keys SpeedrunLM may override
@@ -131,7 +134,7 @@ class SpeedrunLM(TemplateLM):
         self.trainer, self.metadata = trained_model(checkpoint, overrides, CHECKPOINT_KEYS)
         self.checkpoint = str(checkpoint)
         self.model, self.h = self.trainer.model.eval(), self.trainer.h
-        self._device = self.trainer.env.device
+        self._device = self.trainer.pg.device
         self.max_length = self.model.max_tokens
         self.max_documents = parse_batch_size(batch_size) or parse_batch_size(max_batch_size)
         self.seed = int(seed)
@@ -164,8 +167,8 @@ class SpeedrunLM(TemplateLM):
         """(log-probability, whether it is the argmax) (R,) of each target token after its row of
         the packed documents `tokens` (int32, offsets cu_seqlens): the log_softmax of the
         softcapped fp32 logits over the GPT-2 vocabulary, in blocks of HEAD_ROWS rows."""
-        if self.trainer.ngram_fetch is not None:   # a table split or in host memory: its rows for this pass
-            self.trainer.ngram_fetch.fetch(tokens, training=False)
+        if self.trainer.tables.fetcher is not None:   # a table split or in host memory: its rows for this pass
+            self.trainer.tables.fetcher.fetch(tokens, training=False)
         args = AttentionArgs(cu_seqlens.to(self._device), *self.windows)
         targets = targets.to(self._device)
         logprobs, greedy = [], []

@@ -1,8 +1,13 @@
 """Train a GPT-2-small-class language model on FineWeb as fast as possible.
 
-Read top-down: the config and its presets; the model; the data loader; the schedules; the log;
-the training loop and its memory budget; checkpoints, evaluation and sampling; main(). Kernels
-live in kernels.py, optimizers in optim.py.
+This file is the recipe a record changes. Read top-down: the presets; the model; the data
+loader; the schedules; the kernels and optimizers a run picks; the Trainer and the training
+loop; main(). The machinery beside it: config.py (the config's schema and checks),
+kernels.py (Triton kernels and their references), optim.py (the optimizers), sparse_tables.py
+(the n-gram table split across processes or in host memory, sparse row gradients),
+cuda_graphs.py, memory_budget.py (what a run needs, what run.sh starts), processes.py (launch,
+process group, signals), checkpoint.py (the checkpoint format) and evaluate.py (--eval and
+--sample of a checkpoint), records/logfile.py (the run log).
 
     ./run.sh                                              # picks the preset for this machine
     python train_gpt.py --plan                            # what run.sh starts here, and why (launch_plan)
@@ -15,8 +20,6 @@ accumulation: on one, the n-gram table in host memory; with --ngram_cache_rows=0
 2 or 4), `cpu` (the CPU track). Every run writes logs/<run id>.txt: the verbatim source of every project
 file it imported, the environment, the data fingerprints, the resolved config, then step lines.
 """
-import argparse
-import codecs
 import contextlib
 import copy
 import dataclasses
@@ -24,24 +27,16 @@ import datetime
 import errno
 import functools
 import gc
-import hashlib
 import json
 import math
 import os
 import platform
-import re
-import select
-import signal
 import socket
-import struct
 import subprocess
-import stat
 import sys
-import threading
 import time
-import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -54,15 +49,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import config
 import kernels
 import optim
-from config import (MAX_TARGETS, MIN_DOC_TOKENS, MODEL_FIELDS, PADDED_VOCAB_SIZE, SMEAR_GATE_DIMS, VOCAB_SIZE, WINDOW_BLOCK,
-                    ArgumentParser, Average, ConfigError, Hyperparameters, ModelConfig, Stage, apply_overrides,
-                    config_from_dict, config_to_dict, head_dims, is_number, load_json, loggable, normalize_config,
-                    parse_value, value_embed_tables)
-from cpu_runtime import bf16_gemm_path, bf16_gemms, cpu_has_native_bf16, keep_freed_memory_for_reuse
+from checkpoint import NGRAM_TABLE_KEY, CheckpointError, save_checkpoint, send_table_shard, split_ngram_table
+from config import (MAX_TARGETS, MIN_DOC_TOKENS, MODEL_FIELDS, PADDED_VOCAB_SIZE, SMEAR_GATE_DIMS, VOCAB_SIZE,
+                    WINDOW_BLOCK, ArgumentParser, Average, ConfigError, Hyperparameters, ModelConfig, Stage,
+                    config_to_dict, head_dims, loggable, value_embed_tables)
+from cpu_runtime import bf16_gemm_path, bf16_gemms, cpu_has_native_bf16
+from cuda_graphs import MicroBatch, StepGraphs
 from data.shards import ShardError, find_shards, fingerprint, read_shard
-from data.tokenizer import BOS_ID, TokenizerError, gpt2_encoding, noncanonical_pairs, prefix_token_table
-from records.logfile import (ERROR_PREFIX, INTERRUPTED_PREFIX, SEAL_HEX_DIGITS, LogWriteError, LogWriter, cpu_model,
-                             new_run_id, write_failure)
+from data.tokenizer import BOS_ID, TokenizerError, noncanonical_pairs, prefix_token_table
+from memory_budget import check_memory, launch_plan
+from processes import (DISK_FULL_ERRNOS, EXIT_USER_ERROR, SIGNAL_EXIT_CODES, Interrupted, ProcessGroup, TrainingError,
+                       interruption_line, launch_environment, peer_exited, report_error, shows_interruptions,
+                       start_process, stop_on_signals, synchronize)
+from records.logfile import (ERROR_PREFIX, LogFolderError, LogWriteError, RunLog, cpu_model, project_sources,
+                             write_failure)
+from sparse_tables import SparseTables, available_memory_bytes, check_ngram_table
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 FINEWEB_HINT = "python data/cached_fineweb10B.py N"
@@ -169,7 +170,7 @@ def _speedrun_preset(h):
     h.paired_head_layers = (0, 2, 5)           # record 89's 0, 2, 5 (its 9 lost its attention)
     h.attn_gate_layers = (3, 9)                # record 89's 3, 10
     h.snapshot_layer = 6                       # record 89's 7 is gone: the layers after 6 read its output
-    h.dc_layers = (9,)                         # record 89's 10: composed attention over 112 tokens
+    h.composed_layers = (9,)                         # record 89's 10: composed attention over 112 tokens
     h.ngram_rows, h.ngram_dtype = NGRAM_RECORD_ROWS, "bfloat16"   # the hashed n-gram table, split across the GPUs
     h.ngram_lr, h.ngram_wd = h.value_embed_lr, h.value_embed_wd   # record 89's bigram table's LR and decay
     h.ngram_late_step = NGRAM_LATE_STEP                           # then beta2 0.95^2, an update every 4th step
@@ -220,7 +221,7 @@ def _record89_preset(h):
     h.bigram_rows = 50304 * 15 // 2  # 377,280
     h.attn_gate_layers = (3, 10)
     h.snapshot_layer = 7
-    h.dc_layers = (10,)
+    h.composed_layers = (10,)
     h.fp8_qkv, h.fp8_mlp_scales = False, "record89"  # record 89: FP8 MLP forward and head, QKV in bf16
 
 
@@ -483,7 +484,7 @@ def remove_self_value(y, v, alpha):
     return y - torch.tanh(alpha).type_as(y)[..., None] * along * direction
 
 
-DC_MIX_EPS = 1e-6                  # the RMS norm over heads of the map mix
+COMPOSED_MIX_EPS = 1e-6                  # the RMS norm over heads of the map mix
 
 
 def interleave_head_pairs(x):
@@ -522,7 +523,7 @@ class CausalSelfAttention(nn.Module):
             self.ve_gate = None
         self.ve_gate_reads_value = cfg.value_embed_gate_reads_value
         self.xsa = xsa             # with token gates the strengths come per token from them
-        self.dc_window = cfg.dc_window if layer in cfg.dc_layers else 0
+        self.composed_window = cfg.composed_window if layer in cfg.composed_layers else 0
         self.xsa_alpha = nn.Parameter(torch.zeros(cfg.num_heads)) if xsa and not cfg.token_gates else None
         # dense trunk: learned scales of the QKV projection's output and of the output projection
         self.sa_lambdas = nn.Parameter(torch.tensor(DENSE_SA_LAMBDAS)) if cfg.trunk == "dense" else None
@@ -532,8 +533,9 @@ class CausalSelfAttention(nn.Module):
     def composed(self, q, k, v, doc_start, rotary, gates):
         """Composed attention (kernels.composed_attention) with this layer's head mixes from the
         token gates (the input mix RMS-normed over the heads)."""
-        mix_in = F.rms_norm(gates["dc_in"].float(), (self.num_heads,), eps=DC_MIX_EPS)
-        return self.composed_fn(q, k, v, doc_start, self.dc_window, rotary.attn_scale, mix_in, gates["dc_out"])
+        mix_in = F.rms_norm(gates["composed_in"].float(), (self.num_heads,), eps=COMPOSED_MIX_EPS)
+        return self.composed_fn(q, k, v, doc_start, self.composed_window, rotary.attn_scale, mix_in,
+                                gates["composed_out"])
 
     def value_embed_gate(self, x, ve):
         """(T, heads) gates in (0, 2), 1 at the start: 2 sigmoid(W g), where g holds the first dims
@@ -556,48 +558,13 @@ class CausalSelfAttention(nn.Module):
         token: RoPE, the document offsets and the cache count positions, and the window (in
         positions) spans half as many tokens."""
         T = x.size(0)
-        if self.fp8_qkv is not None and self.training:
-            qkv = self.fp8_qkv(x.to(torch.bfloat16), self.qkv, self.fp8_state)
-        else:
-            qkv = F.linear(x, self.qkv.type_as(x))
-        if self.sa_lambdas is not None:
-            qkv = qkv * self.sa_lambdas[0].type_as(qkv)
-        H, qk_rows = self.num_heads, self.num_heads * self.qk_dim
-        q, k, v = (t.view(T, H, -1) for t in qkv.split([qk_rows, qk_rows, H * self.v_dim], dim=-1))
         gates = gates or {}
-        if ve is not None:
-            gate = gates["ve"] if "ve" in gates else self.value_embed_gate(x, ve)
-            v = v + gate[..., None] * ve.view_as(v)
-        if "v" in gates:
-            v = v + gates["v"].view_as(v)
-        rows_per_token = 2 if self.paired else 1
+        q, k, v = self.project(x, ve, gates)
         if self.paired:
             q, k, v = (interleave_head_pairs(t) for t in (q, k, v))
-        start = args.cache.length * rows_per_token if args.cache is not None else 0
-        # The key offset (a key's stationary dims from the previous token: with them one layer can
-        # do induction, a query matching token a finding the token after an earlier a) comes with
-        # the norm and RoPE; with a cache, after the new keys join the cached ones.
-        key_starts = doc_start if self.key_offset and args.cache is None else None
-        q, k = self.qk_norm_rope(q, k, *rotary.angles(start, q.size(0)), rotary.stationary, key_starts)
-        # Attention takes one dtype, the projection's: CUDA autocast runs the value-embedding sum in fp32.
-        q, k, v = (t.to(qkv.dtype) for t in (q, k, v))
-        own_values = v
         window = args.long_window if self.long_window else args.short_window
-        if args.cache is None:
-            y = self.attention_fn(q, k, v, args.cu_seqlens * rows_per_token, window, rotary.attn_scale)
-            if self.dc_window:
-                y = y + self.composed(q, k, v, kernels.document_bounds(args.cu_seqlens, T)[0], rotary, gates)
-        else:
-            k, v = args.cache.extend(self, k, v, rows_per_token)  # the cache keeps the keys as computed
-            if self.key_offset:
-                k = kernels.offset_keys_reference(k, rotary.stationary,
-                                                  torch.arange(k.size(0), device=k.device) == 0)
-            y = cached_attention(q, k, v, window, rotary.attn_scale)
-            if self.dc_window:     # the new tokens are the last T of the cached document: pad in front
-                earlier = k.size(0) - T
-                padded = {kind: F.pad(gates[kind], (0, 0, earlier, 0)) for kind in ("dc_in", "dc_out")}
-                one_document = torch.zeros(k.size(0), dtype=torch.long, device=k.device)
-                y = y + self.composed(F.pad(q, (0, 0, 0, 0, earlier, 0)), k, v, one_document, rotary, padded)[earlier:]
+        attend = self.attend_packed if args.cache is None else self.attend_cached
+        y, own_values = attend(q, k, v, doc_start, rotary, args, window, gates)
         if self.xsa:
             y = remove_self_value(y, own_values, gates["xsa"] if "xsa" in gates else self.xsa_alpha)
         if self.paired:
@@ -606,6 +573,61 @@ class CausalSelfAttention(nn.Module):
             y = y * gates["attn"].type_as(y)[..., None]
         y = F.linear(y.reshape(T, -1), self.out.type_as(y))
         return y if self.sa_lambdas is None else y * self.sa_lambdas[1].type_as(y)
+
+    def project(self, x, ve, gates):
+        """q, k, v (T, heads, dims) of the normed x: the packed QKV projection (FP8 in training),
+        the value embedding added through its gate, and the dense connections' values."""
+        T = x.size(0)
+        if self.fp8_qkv is not None and self.training:
+            qkv = self.fp8_qkv(x.to(torch.bfloat16), self.qkv, self.fp8_state)
+        else:
+            qkv = F.linear(x, self.qkv.type_as(x))
+        if self.sa_lambdas is not None:
+            qkv = qkv * self.sa_lambdas[0].type_as(qkv)
+        H, qk_rows = self.num_heads, self.num_heads * self.qk_dim
+        q, k, v = (t.view(T, H, -1) for t in qkv.split([qk_rows, qk_rows, H * self.v_dim], dim=-1))
+        if ve is not None:
+            gate = gates["ve"] if "ve" in gates else self.value_embed_gate(x, ve)
+            v = v + gate[..., None] * ve.view_as(v)
+        if "v" in gates:
+            v = v + gates["v"].view_as(v)
+        # Attention takes one dtype, the projection's: CUDA autocast runs the value-embedding sum in fp32.
+        return q, k, v.to(qkv.dtype)
+
+    def attend_packed(self, q, k, v, doc_start, rotary, args, window, gates):
+        """Training and validation: attention within each document of the packed slice
+        (args.cu_seqlens), plus composed attention on its layers. The key offset (a key's
+        stationary dims from the previous token: with them one layer can do induction, a query
+        matching token a finding the token after an earlier a) comes with the norm and RoPE.
+        Returns the heads' outputs and the values XSA removes."""
+        rows_per_token = 2 if self.paired else 1
+        key_starts = doc_start if self.key_offset else None
+        q, k = self.qk_norm_rope(q, k, *rotary.angles(0, q.size(0)), rotary.stationary, key_starts)
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        y = self.attention_fn(q, k, v, args.cu_seqlens * rows_per_token, window, rotary.attn_scale)
+        if self.composed_window:   # (never on a paired layer: q has one row per token)
+            y = y + self.composed(q, k, v, kernels.document_bounds(args.cu_seqlens, q.size(0))[0], rotary, gates)
+        return y, v
+
+    def attend_cached(self, q, k, v, doc_start, rotary, args, window, gates):
+        """Generation: the new tokens of one document over all its keys so far (args.cache, which
+        keeps the keys as computed); the key offset applies to the whole cached sequence, whose
+        first key starts the document. The same math as attend_packed on the whole document."""
+        cache, rows_per_token = args.cache, 2 if self.paired else 1
+        q, k = self.qk_norm_rope(q, k, *rotary.angles(cache.length * rows_per_token, q.size(0)), rotary.stationary,
+                                 None)
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        own_values = v
+        k, v = cache.extend(self, k, v, rows_per_token)
+        if self.key_offset:
+            k = kernels.offset_keys_reference(k, rotary.stationary, torch.arange(k.size(0), device=k.device) == 0)
+        y = cached_attention(q, k, v, window, rotary.attn_scale)
+        if self.composed_window:   # the new tokens are the last T of the cached document: pad in front
+            earlier = k.size(0) - q.size(0)
+            padded = {kind: F.pad(gates[kind], (0, 0, earlier, 0)) for kind in ("composed_in", "composed_out")}
+            one_document = torch.zeros(k.size(0), dtype=torch.long, device=k.device)
+            y = y + self.composed(F.pad(q, (0, 0, 0, 0, earlier, 0)), k, v, one_document, rotary, padded)[earlier:]
+        return y, own_values
 
 
 class MLP(nn.Module):
@@ -661,31 +683,31 @@ class Block(nn.Module):
             return self.mlp(normed) + self.parallel_mlp(normed)
         return self.mlp(normed)
 
-    def forward(self, x, x0, ve, doc_start, rotary, args, gates=None, bigram=None):
+    def forward(self, x, x0, ve, doc_start, rotary, args, gates=None, hashed=None):
         """gates: this layer's TokenGates or None; with them the attention sublayer is followed by
-        the gated injections of x0 and (unless None) of the bigram embedding."""
+        the gated injections of x0 and (unless None) of the hashed embedding."""
         x = self.lambdas[0] * x + self.lambdas[1] * x0
         if self.attn is not None:
             x = x + self.attn(rms_norm(x), ve, doc_start, rotary, args, gates)
             if gates is not None:
                 x = x + gates["x0"] * x0
-                if bigram is not None:
-                    x = x + gates["bigram"] * bigram
+                if hashed is not None:
+                    x = x + gates["hashed"] * hashed
         return x + self.mlps(rms_norm(x))
 
-    def forward_dense(self, x, attn_in, x0, ve, doc_start, rotary, args, gates, bigram, mix=None):
+    def forward_dense(self, x, attn_in, x0, ve, doc_start, rotary, args, gates, hashed, mix=None):
         """The dense trunk's layer: attention reads attn_in (the residual, or a snapshot), then x0
-        and the bigram are injected through the token gates; `mix`, the last layer's coefficients
+        and the hashed embedding enter through the token gates; `mix`, the last layer's coefficients
         from the dense connections, replaces the scales and the injections (its x0 is the
         trunk's input)."""
         if self.attn is not None:
             y = self.attn(rms_norm(attn_in), ve, doc_start, rotary, args, gates)
             if mix is not None:
-                x = mix["attn_residual"] * x + mix["attn_out"] * y + mix["x0"] * x0 + mix["bigram"] * bigram
+                x = mix["attn_residual"] * x + mix["attn_out"] * y + mix["x0"] * x0 + mix["hashed"] * hashed
             else:
                 x = self.scales[0] * x + self.scales[1] * y + gates["x0"] * x0
-                if bigram is not None:
-                    x = x + gates["bigram"] * bigram
+                if hashed is not None:
+                    x = x + gates["hashed"] * hashed
         out = self.mlps(rms_norm(x))
         if mix is not None:
             return mix["mlp_residual"] * x + mix["mlp_out"] * out
@@ -694,15 +716,15 @@ class Block(nn.Module):
 
 TOKEN_GATE_HIDDEN = 64             # hidden width of the token-gate MLPs
 TOKEN_GATE_SCALE = 0.1             # initial output scale: a gate is (W2 gelu(W1 x) + b) * scale, scale learned
-TOKEN_GATE_INIT = {"xsa": 0.0, "attn": 0.25, "x0": 0.0, "bigram": 0.05, "skip": 0.5,  # values at init (W2 = 0)
-                   "dc_in": 1.0, "dc_out": 0.0}
+TOKEN_GATE_INIT = {"xsa": 0.0, "attn": 0.25, "x0": 0.0, "hashed": 0.05, "skip": 0.5,  # values at init (W2 = 0)
+                   "composed_in": 1.0, "composed_out": 0.0}
 
 
 def token_gate_layout(cfg: ModelConfig):
     """[(layer, kind, width)] of the gates each of the two MLPs makes, in output order: for
     every attention layer before token_gates_split (first MLP) or from it on (second), the
     per-head XSA strengths (on XSA layers), the per-head output gates (on attn_gate_layers),
-    the head mixes of composed attention (on dc_layers), then the x0 and bigram injection
+    the head mixes of composed attention (on composed_layers), then the x0 and hashed-embedding injection
     gates. The dense trunk adds the skip's gate, and takes the last layer's injections from its
     dense connections instead."""
     layouts = ([], [])
@@ -717,10 +739,10 @@ def token_gate_layout(cfg: ModelConfig):
             layout.append((layer, "xsa", cfg.num_heads))
         if layer in cfg.attn_gate_layers:
             layout.append((layer, "attn", cfg.num_heads))
-        if layer in cfg.dc_layers:
-            layout += [(layer, "dc_in", cfg.num_heads), (layer, "dc_out", cfg.num_heads)]
+        if layer in cfg.composed_layers:
+            layout += [(layer, "composed_in", cfg.num_heads), (layer, "composed_out", cfg.num_heads)]
         if not (dense and layer == cfg.num_layers - 1):
-            layout += [(layer, "x0", 1), (layer, "bigram", 1)]
+            layout += [(layer, "x0", 1), (layer, "hashed", 1)]
     return layouts
 
 
@@ -728,15 +750,15 @@ class TokenGates(nn.Module):
     """Two small MLPs that make per-token gates for the layers: the first from x0 (the normed
     embedding) for the layers before token_gates_split, the second from the residual entering
     that layer for the rest. Each gate starts at TOKEN_GATE_INIT[kind] for every token (W2 is
-    zero, the bias holds the value) and learns to depend on the token. The bigram embedding
+    zero, the bias holds the value) and learns to depend on the token. The hashed embedding
     enters the residual through them: before the first attention layer, after the others'
     attention."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.layouts = token_gate_layout(cfg)
-        self.first_layer = min(layer for layout in self.layouts for layer, kind, _ in layout  # gets the bigram first
-                               if kind == "bigram")
+        self.first_layer = min(layer for layout in self.layouts for layer, kind, _ in layout
+                               if kind == "hashed")    # takes the hashed embedding first
         widths = [sum(width for _, _, width in layout) for layout in self.layouts]
         self.w1 = nn.ParameterList(nn.Parameter(torch.empty(TOKEN_GATE_HIDDEN, cfg.model_dim)) for _ in widths)
         self.w2 = nn.ParameterList(nn.Parameter(torch.zeros(w, TOKEN_GATE_HIDDEN)) for w in widths)
@@ -763,11 +785,11 @@ DENSE_SCALE = 0.1                  # their fixed output scale: coefficients are 
 # The last layer's coefficients, in output order, with their values at init (W2 = 0): its values
 # take a mix of the trunk's input, the snapshot and the residual; the residual itself is
 # recombined from them; its value-embedding gate (one lane per half of the heads); the scales of
-# its residual and attention output; the injections of the trunk's input and of the bigram; the
+# its residual and attention output; the injections of the trunk's input and the hashed embedding; the
 # scales of its residual and MLP output.
 LAST_LAYER_MIX = {"v_input": 0.0, "v_snapshot": 0.0, "v_residual": 0.0, "input": 0.0, "snapshot": 0.0,
                   "residual": 0.0, "ve_lane0": 2.0, "ve_lane1": 2.0, "attn_residual": 1.1 ** 0.5, "attn_out": 1.0,
-                  "x0": 0.0, "bigram": 0.05, "mlp_residual": 1.1 ** 0.5, "mlp_out": 1.0}
+                  "x0": 0.0, "hashed": 0.05, "mlp_residual": 1.1 ** 0.5, "mlp_out": 1.0}
 # After the last layer the residual adds these times the trunk's input, the snapshot, the last
 # layer's input, the value embedding of the first layer whose values are as wide as the
 # residual (none: 0), and the skip's source; the snapshot's -0.5 at init takes half of it back
@@ -1088,17 +1110,17 @@ class GPT(nn.Module):
         else:
             x = self.smear(self.embed(context), is_start)[seen:]
         if self.ngram is not None:
-            bigram = self.ngram(context, is_start, seen, self.signs, lookup=cache is not None)
+            hashed = self.ngram(context, is_start, seen, self.signs, lookup=cache is not None)
         else:
-            bigram = self.bigram(bigram_rows(context, is_start, self.bigram.num_embeddings)[seen:])
-            bigram = bigram * self.signs[bigram_sign_rows(context, is_start)[seen:]]
+            hashed = self.bigram(bigram_rows(context, is_start, self.bigram.num_embeddings)[seen:])
+            hashed = hashed * self.signs[bigram_sign_rows(context, is_start)[seen:]]
         ves = self.value_embeddings(tokens)
         if self.trunk == "dense":
-            x = self.dense_trunk(rms_norm(x), bigram, ves, doc_start, args)
-        elif self.token_gates is None:   # the bigram joins the embedding once, before the norm
-            x = self.unet_trunk(rms_norm(x + bigram), None, ves, doc_start, args)
+            x = self.dense_trunk(rms_norm(x), hashed, ves, doc_start, args)
+        elif self.token_gates is None:   # the hashed embedding joins the token's once, before the norm
+            x = self.unet_trunk(rms_norm(x + hashed), None, ves, doc_start, args)
         else:                            # or enters through the token gates
-            x = self.unet_trunk(rms_norm(x), bigram, ves, doc_start, args)
+            x = self.unet_trunk(rms_norm(x), hashed, ves, doc_start, args)
         if cache is not None:
             cache.advance(tokens)
         return rms_norm(x)
@@ -1117,10 +1139,10 @@ class GPT(nn.Module):
         return (ves[self.value_embed_layer[i]] if i in self.value_embed_layer else None,
                 self.narrow_rotary if narrow else self.rotary)
 
-    def unet_trunk(self, x0, bigram, ves, doc_start, args):
+    def unet_trunk(self, x0, hashed, ves, doc_start, args):
         """U-net: the first half's outputs are added, with learned weights, to the second half's
-        inputs; x0 is mixed into every block. With token gates, the bigram (otherwise already in
-        x0) enters before the first gated layer and after the later ones' attention."""
+        inputs; x0 is mixed into every block. With token gates, the hashed embedding (otherwise
+        already in x0) enters before the first gated layer and after the later ones' attention."""
         x, gates, skips = x0, {}, []
         if self.token_gates is not None:
             gates = self.token_gates(0, x0)
@@ -1132,21 +1154,21 @@ class GPT(nn.Module):
                 gates.update(self.token_gates(1, x))
             first = self.token_gates is not None and i == self.token_gates.first_layer
             if first:
-                x = x + gates[i]["bigram"] * bigram
+                x = x + gates[i]["hashed"] * hashed
             ve, rotary = self.layer_inputs(i, ves)
-            x = block(x, x0, ve, doc_start, rotary, args, gates.get(i), None if first else bigram)
+            x = block(x, x0, ve, doc_start, rotary, args, gates.get(i), None if first else hashed)
             if i < self.num_skips:
                 skips.append(x)
         return x
 
-    def dense_trunk(self, x0, bigram, ves, doc_start, args):
-        """Record 89's trunk: the bigram enters through the token gates (before the first layer,
+    def dense_trunk(self, x0, hashed, ves, doc_start, args):
+        """Record 89's trunk: the hashed embedding enters through the token gates (before the first layer,
         then after each attention); the attention-free layer skip_layers[1] adds a gated copy of
         layer skip_layers[0]'s output; the layers after snapshot_layer read its output as their
         attention input; the last layer's mixes and a final mix of earlier states come from the
         dense connections."""
         gates = self.token_gates(0, x0)
-        x = x0 + gates[self.token_gates.first_layer]["bigram"] * bigram
+        x = x0 + gates[self.token_gates.first_layer]["hashed"] * hashed
         saved = {"input": x}
         last = len(self.blocks) - 1
         for i, block in enumerate(self.blocks):
@@ -1159,7 +1181,7 @@ class GPT(nn.Module):
             if i < last:
                 first = i == self.token_gates.first_layer
                 x = block.forward_dense(x, attn_in, x0, ve, doc_start, rotary, args, gates.get(i),
-                                        None if first else bigram)
+                                        None if first else hashed)
             else:
                 saved["last_input"] = x
                 mix = self.dense(0, x)
@@ -1170,7 +1192,7 @@ class GPT(nn.Module):
                     lanes = torch.cat([mix["ve_lane0"], mix["ve_lane1"]], dim=-1)
                     layer_gates["ve"] = lanes.repeat_interleave(block.attn.num_heads // 2, dim=-1)
                 x = (1 + mix["residual"]) * x + mix["input"] * saved["input"] + mix["snapshot"] * saved["snapshot"]
-                x = block.forward_dense(x, attn_in, saved["input"], ve, doc_start, rotary, args, layer_gates, bigram,
+                x = block.forward_dense(x, attn_in, saved["input"], ve, doc_start, rotary, args, layer_gates, hashed,
                                         mix)
             if i == self.skip_layers[0]:
                 saved["skip_source"] = x
@@ -1334,8 +1356,6 @@ class Slice:
         return Slice(*(t.to(device, non_blocking=True) for t in (self.tokens, self.targets, self.cu_seqlens)))
 
 
-
-
 def check_token_ids(tokens, path, offset=0):
     """Refuse a shard holding ids outside GPT-2's vocabulary, naming the file and the first one."""
     bad = np.flatnonzero(tokens >= VOCAB_SIZE)
@@ -1468,7 +1488,7 @@ class BatchPrefetcher:
         else:                      # micro-batch j of process p is slice p + j * processes
             slices, tokens = self.loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks,
                                                     self.mine, every_tokens=True)
-            world = self.router.env.world_size
+            world = self.router.pg.world_size
             slices = [dataclasses.replace(s, route=self.router.route_of(
                 s.tokens, [tokens[i - i % world + p] for p in range(world)])) for i, s in zip(self.mine, slices)]
         return [s.pinned() for s in slices] if self.pin else slices
@@ -1720,22 +1740,8 @@ def validation_points(h):
 
 
 # -----------------------------------------------------------------------------------------------
-# Logging
+# The log's environment
 # -----------------------------------------------------------------------------------------------
-
-def project_sources():
-    """(relpath, bytes) of every imported module that lives in this repository, sorted."""
-    files = {os.path.abspath(__file__)}
-    for module in list(sys.modules.values()):
-        path = getattr(module, "__file__", None)
-        if (path and os.path.isabs(path) and path.startswith(REPO_DIR + os.sep) and path.endswith(".py")
-                and os.path.isfile(path)):
-            files.add(path)
-    out = []
-    for path in sorted(files):
-        with open(path, "rb") as f:
-            out.append((os.path.relpath(path, REPO_DIR).replace(os.sep, "/"), f.read()))
-    return out
 
 
 def environment(world_size, bf16_gemm):
@@ -1792,291 +1798,9 @@ class DeferredLossLines:
         return out
 
 
-def inside_records(path):
-    """Whether `path` (which need not exist) lies in the repository's records/ folder, symbolic
-    links followed."""
-    records = os.path.realpath(os.path.join(REPO_DIR, "records"))
-    return os.path.commonpath([os.path.realpath(path), records]) == records
-
-
-class RunLog:
-    """logs/<run id>.txt through records/logfile.py's LogWriter (the one writer of the format);
-    only rank 0 writes. The folder is checked at once, the file created with the header, so a run
-    that cannot start (missing data) leaves no log. `progress` says where the run is, for the
-    line of an interrupted run."""
-
-    def __init__(self, log_dir, active):
-        self.run_id = new_run_id()
-        self.log_dir, self.active = log_dir, active
-        self.path = os.path.join(log_dir, f"{self.run_id}.txt")
-        self.writer = None
-        self.progress = "before training"
-        if inside_records(log_dir):
-            raise ConfigError(f"--log_dir={log_dir} is inside the repository's records/ folder, which only "
-                              f"records/make_record.py writes: log elsewhere (the default is logs/), then make a "
-                              f"record from the logs")
-        if active:
-            self._refuse_unusable_folder(lambda: os.makedirs(log_dir, exist_ok=True))
-
-    def _refuse_unusable_folder(self, action):
-        try:
-            return action()
-        except OSError as e:
-            raise ConfigError(f"--log_dir={self.log_dir}: cannot create a log there ({e.strerror}); "
-                              f"give a writable folder") from None
-
-    def write(self, line, echo=False):
-        if self.writer is not None:
-            self.writer.line(line)
-            if echo:
-                print(line, flush=True)
-
-    def header(self, sources, env, data, config):
-        """Create the log with its snapshot part (sources, environment, data, config)."""
-        if self.active:
-            self.writer = self._refuse_unusable_folder(lambda: LogWriter(self.path, self.run_id))
-            print(f"logging to {self.path}", flush=True)
-            self.writer.header(sources, env, data, config)
-
-    def seal(self):
-        """The seal of the last line written (what a checkpoint records), or "" on other ranks."""
-        return self.writer.seal.hex()[:SEAL_HEX_DIGITS] if self.writer is not None else ""
-
-    def write_last_line(self, line):
-        """The line saying why the run ended (error, interrupt), written if the disk still allows."""
-        try:
-            self.write(line)
-        except LogWriteError:
-            pass
-
-    def close(self):
-        if self.writer is not None:
-            self.writer.close()
-
-
 # -----------------------------------------------------------------------------------------------
-# Training
+# Kernels and optimizers
 # -----------------------------------------------------------------------------------------------
-
-class TrainingError(Exception):
-    """The run cannot go on (e.g. a non-finite loss); the log is kept."""
-
-
-RENDEZVOUS_TIMEOUT_S = 300.0       # how long init_process_group waits for the other processes (RENDEZVOUS_TIMEOUT_S=)
-AGENT_STORE_TIMEOUT_S = 5.0        # how long a process waits for torch.distributed.run's store to answer
-LAUNCH_HINT = "torch.distributed.run sets it; unset it for a single process"
-GLOO_PEER_CLOSED = "Connection closed by peer"  # in gloo's error when a peer's socket closes (its process ended)
-
-
-@dataclass
-class Launch:
-    """The processes of this job as their launcher's environment describes them: WORLD_SIZE, RANK,
-    LOCAL_WORLD_SIZE and LOCAL_RANK (1, 0, WORLD_SIZE, 0 when unset), where they meet
-    (MASTER_ADDR:MASTER_PORT) and for how long rank 0 waits for the others (RENDEZVOUS_TIMEOUT_S,
-    seconds). `agent_store` is (host, port) of the store torch.distributed.run keeps for its
-    processes (TORCHELASTIC_USE_AGENT_STORE=True), else None; `attempt` its restart count."""
-    world_size: int
-    rank: int
-    local_world_size: int
-    local_rank: int
-    master: str
-    rendezvous_timeout_s: float
-    agent_store: tuple
-    attempt: str
-
-
-def _whole_variable(environ, name, default, low, high, what):
-    """The whole number in the environment variable `name` (`default` when unset); a ConfigError
-    unless it lies in [low, high] (high None: no bound)."""
-    text = environ.get(name)
-    if text is None:
-        return default
-    if not re.fullmatch(r"[0-9]{1,18}", text) or int(text) < low or (high is not None and int(text) > high):
-        raise ConfigError(f"{name}={json.dumps(text)} is not allowed: expects {what} ({LAUNCH_HINT})")
-    return int(text)
-
-
-def launch_environment(environ=None):
-    """The Launch that os.environ (or `environ`) describes; a ConfigError naming the variable
-    that does not fit: not a whole number, out of its range (a RANK left from another job), or
-    missing (RANK or MASTER_ADDR of a job of several processes)."""
-    environ = os.environ if environ is None else environ
-    world_size = _whole_variable(environ, "WORLD_SIZE", 1, 1, None, "the number of processes, a whole number >= 1")
-    if world_size > 1 and "RANK" not in environ:
-        raise ConfigError(f"WORLD_SIZE={world_size} but RANK is not set: give each process its RANK (0 to "
-                          f"{world_size - 1}), or launch with python -m torch.distributed.run")
-    rank = _whole_variable(environ, "RANK", 0, 0, world_size - 1,
-                           f"this process's rank, a whole number in [0, WORLD_SIZE={world_size})")
-    local_world_size = _whole_variable(environ, "LOCAL_WORLD_SIZE", world_size, 1, world_size,
-                                       f"the processes on this machine, a whole number from 1 to WORLD_SIZE={world_size}")
-    local_rank = _whole_variable(environ, "LOCAL_RANK", 0, 0, local_world_size - 1, f"this process's rank on this "
-                                 f"machine, a whole number in [0, LOCAL_WORLD_SIZE={local_world_size})")
-    text = environ.get("RENDEZVOUS_TIMEOUT_S", str(RENDEZVOUS_TIMEOUT_S))
-    try:
-        timeout = float(text)
-    except ValueError:
-        timeout = math.nan
-    if not 0 < timeout <= 1e6:
-        raise ConfigError(f"RENDEZVOUS_TIMEOUT_S={json.dumps(text)} is not allowed: expects the seconds to wait "
-                          f"for the other processes, a number in (0, 1000000]")
-    master = ""
-    if world_size > 1:
-        if not environ.get("MASTER_ADDR"):
-            raise ConfigError(f"WORLD_SIZE={world_size} but MASTER_ADDR is not set: give every process the host of "
-                              f"rank 0 in MASTER_ADDR, or launch with python -m torch.distributed.run")
-        port = _whole_variable(environ, "MASTER_PORT", None, 1, 65535, "the port rank 0 listens on, 1 to 65535")
-        if port is None:
-            raise ConfigError(f"WORLD_SIZE={world_size} but MASTER_PORT is not set: give every process the port rank "
-                              f"0 listens on, or launch with python -m torch.distributed.run")
-        master = f"{environ['MASTER_ADDR']}:{port}"
-    agent = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and master
-    return Launch(world_size, rank, local_world_size, local_rank, master, timeout,
-                  tuple(master.rsplit(":", 1)) if agent else None, environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def init_processes(launch, backend, device_id):
-    """dist.init_process_group, which waits in C++ code for the other processes, where Python's
-    signal handlers do not run until it returns. Meanwhile a watchdog thread, woken by the
-    C-level signal handler through signal.set_wakeup_fd, ends the process (one line on stderr,
-    then os._exit) when SIGINT or SIGTERM arrives, or when the others have not joined within
-    launch.rendezvous_timeout_s; the process group's own timeout, for collectives, is torch's
-    default. A rendezvous that fails (a port taken) is a ConfigError with torch's first line."""
-    read_fd, write_fd = os.pipe()
-    os.set_blocking(write_fd, False)
-    previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-    joined = threading.Event()
-
-    def watch():
-        deadline = time.monotonic() + launch.rendezvous_timeout_s
-        while True:
-            ready, _, _ = select.select([read_fd], [], [], max(0.0, deadline - time.monotonic()))
-            if joined.is_set():
-                return
-            if not ready:
-                line = (f"{ERROR_PREFIX}no peer process joined within {launch.rendezvous_timeout_s:g} s: rank "
-                        f"{launch.rank} of WORLD_SIZE={launch.world_size} waited at MASTER_ADDR:MASTER_PORT="
-                        f"{launch.master}; start the other processes (or launch with python -m torch.distributed.run), "
-                        f"or wait longer with RENDEZVOUS_TIMEOUT_S")
-                code, show = EXIT_USER_ERROR, True
-                break
-            name = signal.Signals(os.read(read_fd, 1)[0]).name
-            if name in SIGNAL_EXIT_CODES:
-                line = interruption_line(launch, name, "while waiting for the other processes")
-                code, show = SIGNAL_EXIT_CODES[name], shows_interruptions(launch)
-                break
-        if show:
-            print(line, file=sys.stderr, flush=True)
-        os._exit(code)
-
-    watchdog = threading.Thread(target=watch, name="rendezvous watchdog", daemon=True)
-    watchdog.start()
-    try:
-        dist.init_process_group(backend=backend, device_id=device_id)
-    except dist.DistError as e:
-        raise ConfigError(f"the processes could not meet at MASTER_ADDR:MASTER_PORT={launch.master}: "
-                          f"{str(e).splitlines()[0]}") from None
-    finally:
-        joined.set()
-        os.write(write_fd, b"\0")
-        watchdog.join()
-        signal.set_wakeup_fd(previous)
-        os.close(read_fd)
-        os.close(write_fd)
-
-
-def agent_store(launch):
-    """A client of the store torch.distributed.run keeps for this job's processes (up before they
-    start, and while any runs), or None: outside torch.distributed.run, or when it does not answer
-    within AGENT_STORE_TIMEOUT_S."""
-    if launch is None or launch.agent_store is None:
-        return None
-    host, port = launch.agent_store
-    try:
-        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=AGENT_STORE_TIMEOUT_S))
-    except (RuntimeError, ValueError):
-        return None
-
-
-def _job_key(launch, name):
-    return f"train_gpt/attempt_{launch.attempt}/{name}"
-
-
-def report_error(launch, line):
-    """Record in the job's store (agent_store) that this process ends with the error `line`, and
-    say whether it is the first of the job's processes to report that line, which alone prints it:
-    a bad input fails every process alike, and its line is printed once. Without a store, True."""
-    store = agent_store(launch)
-    if store is None:
-        return True
-    try:
-        store.compare_set(_job_key(launch, "failed_rank"), "", str(launch.rank))
-        digest = hashlib.sha256(line.encode("utf-8", "backslashreplace")).hexdigest()[:16]
-        return store.add(_job_key(launch, f"line_{digest}"), 1) == 1
-    except RuntimeError:
-        return True
-
-
-def failed_peer(launch):
-    """The rank of the first of this job's processes that reported an error (report_error), or
-    None (none did, or no store)."""
-    store = agent_store(launch)
-    key = _job_key(launch, "failed_rank") if store is not None else None
-    try:
-        return int(store.get(key)) if store is not None and store.check([key]) else None
-    except (RuntimeError, ValueError):
-        return None
-
-
-def interruption_line(launch, signal_name, where):
-    """The line of a process stopped `where` ("at step 3/100") by `signal_name`, or by a peer's
-    end (None: a collective found it gone). A SIGTERM after a peer's error is torch.distributed.run
-    ending the job's other processes, and says so."""
-    peer = failed_peer(launch) if signal_name != "SIGINT" else None
-    if signal_name is not None and peer is None:
-        return f"{INTERRUPTED_PREFIX}{signal_name} {where}"
-    which = f" (rank {peer}, with the error above)" if peer is not None else ""
-    return f"{INTERRUPTED_PREFIX}a peer process exited{which} {where}"
-
-
-def shows_interruptions(launch):
-    """Whether this process prints its interruption line: every process of a job gets the signal
-    (or its peer's error is printed already), so rank 0 alone prints it."""
-    return launch is None or launch.rank == 0
-
-
-@dataclass
-class Dist:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-
-    @property
-    def master(self):
-        return self.rank == 0
-
-
-def setup_distributed(h):
-    """This process's Dist: its rank (launch_environment) and device, the processes met."""
-    launch = launch_environment()
-    world_size, rank, local_rank = launch.world_size, launch.rank, launch.local_rank
-    want_cuda = h.device == "cuda" or (h.device == "auto" and torch.cuda.is_available())
-    if want_cuda and not torch.cuda.is_available():
-        raise ConfigError("--device=cuda but no CUDA GPU is visible; use --device=cpu or --preset cpu")
-    if want_cuda and launch.local_world_size > torch.cuda.device_count():
-        raise ConfigError(f"{launch.local_world_size} processes per node but only {torch.cuda.device_count()} GPUs: "
-                          f"run with --nproc_per_node={torch.cuda.device_count()}")
-    if h.batch_ranks % world_size:
-        divisors = [d for d in range(1, h.batch_ranks + 1) if h.batch_ranks % d == 0]
-        raise ConfigError(f"batch_ranks={h.batch_ranks} is not divisible by the {world_size} processes: "
-                          f"run with one of {divisors} processes")
-    device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
-    if want_cuda:
-        torch.cuda.set_device(device)
-    if world_size > 1:
-        init_processes(launch, "nccl" if want_cuda else "gloo", device if want_cuda else None)
-    return Dist(rank, world_size, local_rank, device)
 
 
 @dataclass
@@ -2219,10 +1943,6 @@ def compile_fn(h, fn, fullgraph=True):
     return torch.compile(fn, dynamic=False, fullgraph=fullgraph, backend=h.compile_backend)
 
 
-# -----------------------------------------------------------------------------------------------
-# CUDA graphs
-# -----------------------------------------------------------------------------------------------
-
 def graph_key(h, step):
     """What a training step's forward+backward fixes besides its tensors' values: the stage
     (shapes, windows, candidate count, targets) and whether the head is tied. Steps with one key
@@ -2230,977 +1950,46 @@ def graph_key(h, step):
     return stage_index(h, step), step < untie_step(h)
 
 
-@dataclass
-class MicroBatch:
-    """One micro-batch on the device, as the step's body reads it."""
-    tokens: torch.Tensor
-    targets: torch.Tensor
-    cu_seqlens: torch.Tensor
-    candidate_offset: torch.Tensor  # 0-d int64: candidate_offset(step, slice)
-
-    @staticmethod
-    def of(s: Slice, offset, device):
-        """The slice's own tensors on `device` (a step that is not replayed)."""
-        s = s.to(device)
-        return MicroBatch(s.tokens, s.targets, s.cu_seqlens, torch.full((), offset, device=device))
-
-    @staticmethod
-    def buffers_like(s: Slice, device):
-        """Zeroed buffers shaped like `s`, at addresses a captured graph can keep reading."""
-        return MicroBatch(*(torch.zeros_like(t, device=device) for t in (s.tokens, s.targets, s.cu_seqlens)),
-                          torch.zeros((), dtype=torch.int64, device=device))
-
-    def fill(self, s: Slice, offset):
-        """Copy the next slice in (queued behind the previous replay; from pinned memory the
-        host does not wait)."""
-        for buffer, value in ((self.tokens, s.tokens), (self.targets, s.targets), (self.cu_seqlens, s.cu_seqlens)):
-            buffer.copy_(value, non_blocking=True)
-        self.candidate_offset.fill_(offset)
-
-
-@dataclass
-class StepGraph:
-    """One graph key's forward+backward: its body, its input buffers, the parameters it trains,
-    and, once captured, the CUDA graph."""
-    body: object                   # body(MicroBatch): forward, backward, loss sums
-    inputs: MicroBatch
-    trained: list                  # the parameters that get a gradient
-    graph: object = None           # torch.cuda.CUDAGraph once captured
-
-
-class StepGraphs:
-    """The training step's forward+backward, one per graph key, at fixed addresses.
-
-    On CUDA, each key's micro-batch is captured once as a CUDA graph in the untimed warm-up,
-    after the eager steps that compile it, and replayed in the timed run: one launch per
-    micro-batch instead of one per kernel, and no Python in between. The graphs share one memory
-    pool: they never run at once, and nothing they allocate outlives a replay. What a replay
-    leaves behind (gradients, loss sums, FP8 states) lives in ordinary tensors made before the
-    capture. On a CPU (or on CUDA for a key the warm-up did not capture) the same body runs
-    eagerly on the same buffers, so one code path is tested everywhere. Disabled (cuda_graphs
-    off), every micro-batch runs eagerly from its own tensors, gradients are freed after each
-    update, and nothing here is kept.
-
-    Gradients: a captured backward adds into .grad tensors that exist at capture and keep their
-    addresses. So every parameter has one gradient tensor for the whole run (`grads`), zeroed in
-    place after each update (but the gradient sinks', which are the model's: GPT.sinks_of). Each
-    key attaches the gradients of the parameters it trains (its first, eager run finds which) and
-    detaches the others, so an optimizer never sees a zero gradient for a parameter that got none
-    (the head while it is tied).
-    """
-
-    def __init__(self, model, device, enabled):
-        sinks = model.gradient_sinks()
-        self.params = [p for p in model.parameters() if all(p is not s for s in sinks)]
-        self.device, self.enabled = device, enabled
-        self.capturing = enabled and device.type == "cuda"
-        self.grads = {}            # parameter -> its gradient tensor for the run
-        self.steps = {}            # graph key -> StepGraph
-        self.attached = None       # the StepGraph whose gradients are attached
-        self.pool = torch.cuda.graph_pool_handle() if self.capturing else None
-        self.optimizer_graphs = {}  # run_captured's key -> its CUDA graph
-        self.in_warm_up = False    # run_captured may capture (set by the warm-up)
-        self.eager_runs = 0        # CUDA runs of a key already seen that had no graph
-
-    def run(self, key, body, s: Slice, offset):
-        """Forward and backward of micro-batch `s` with the graph of `key` (body makes it)."""
-        if not self.enabled:
-            body(MicroBatch.of(s, offset, self.device))
-            return
-        step = self.steps.get(key)
-        if step is None:
-            self.steps[key] = self._first_run(body, s, offset)
-            return
-        self._attach(step)
-        step.inputs.fill(s, offset)
-        if step.graph is not None:
-            step.graph.replay()
-        else:
-            self.eager_runs += self.capturing
-            step.body(step.inputs)
-
-    def _first_run(self, body, s, offset):
-        """Run a new key eagerly from fresh buffers and find the parameters it trains: the ones
-        with a gradient after a backward that starts with none. Gradients pending from earlier
-        micro-batches (accumulation) are added back."""
-        step = StepGraph(body, MicroBatch.buffers_like(s, self.device), [])
-        step.inputs.fill(s, offset)
-        pending = {p: p.grad for p in self.params if p.grad is not None}
-        for p in self.params:
-            p.grad = None
-        body(step.inputs)
-        step.trained = [p for p in self.params if p.grad is not None]
-        for p in step.trained:
-            if p in self.grads:
-                self.grads[p].add_(p.grad)
-            else:
-                self.grads[p] = p.grad
-        trained = set(step.trained)
-        for p, grad in pending.items():
-            if p not in trained:
-                self.grads[p] = grad   # kept for a later key that trains p
-        self.attached = None
-        self._attach(step)
-        return step
-
-    def _attach(self, step):
-        if self.attached is step:
-            return
-        trained = set(step.trained)
-        for p in self.params:
-            p.grad = self.grads[p] if p in trained else None
-        self.attached = step
-
-    def capture(self, key):
-        """Capture `key`'s forward+backward (CUDA, enabled; its first run done). Runs it once
-        more eagerly first, so the gradients, loss sums and FP8 states change: the warm-up
-        restores them afterwards."""
-        if not self.capturing or self.steps[key].graph is not None:
-            return
-        step = self.steps[key]
-        self._attach(step)
-        step.graph = self._capture(functools.partial(step.body, step.inputs), f"training step of graph {key}")
-
-    def run_captured(self, key, fn):
-        """fn() (an optimizer's update on tensors at fixed addresses) as a CUDA graph: the first
-        call with `key` in the warm-up captures it (after running it eagerly, which does that
-        call's work and creates any state lazily), later calls replay it. Off CUDA, or for a key
-        the warm-up did not meet, fn runs eagerly."""
-        graph = self.optimizer_graphs.get(key)
-        if graph is not None:
-            graph.replay()
-        elif self.capturing and self.in_warm_up:
-            self.optimizer_graphs[key] = self._capture(fn, f"optimizer update {key[0]}")
-        else:
-            self.eager_runs += self.capturing
-            fn()
-
-    def _capture(self, fn, what):
-        """A CUDA graph of fn(), after one eager run of it on a side stream, as capture requires
-        (that run also does this call's work: a capture only records)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        # The eager runs' freed blocks go back to the driver: a capture allocates in the graphs'
-        # own pool, and while it is under way the allocator frees no cached block to make room.
-        torch.cuda.empty_cache()
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                fn()
-        except RuntimeError as error:
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise TrainingError(f"capturing the {what} as a CUDA graph failed ({first_line}): rerun with "
-                                f"--cuda_graphs=false") from error
-        return graph
-
-    def zero_grads(self):
-        """Zero every run gradient in place and detach them all (the state of a fresh run)."""
-        for grad in self.grads.values():
-            grad.zero_()
-        for p in self.params:
-            p.grad = None
-        self.attached = None
-
-    def captured(self):
-        return sum(step.graph is not None for step in self.steps.values())
-
-
 FP8_CALIBRATION_PASSES = 1         # forward+backward passes that record the FP8 amaxes before the first step
-NGRAM_TABLE_KEY = "ngram.table"    # the n-gram table in the model's state dict
-NGRAM_ROW_STATE_BYTES = 8          # sparse Adam's state per table row: an fp32 moment and an int32 event
-NGRAM_ROW_MAP_BYTES = 4            # a host table's map from each row to its cache slot (int32)
-
-
-def available_memory_bytes(device):
-    """Free memory of the device (CUDA) or available host memory (/proc/meminfo), or None."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def check_ngram_table(h, env, available=None):
-    """Refuse, before anything is allocated, an n-gram table that cannot be split evenly across
-    the processes or whose shard cannot fit where it would live (`available`: device -> free
-    bytes, available_memory_bytes)."""
-    if not h.ngram_rows:
-        return
-    if h.ngram_rows % env.world_size:
-        raise ConfigError(f"--ngram_rows={h.ngram_rows} does not split evenly across {env.world_size} processes: "
-                          f"use a multiple of {env.world_size}")
-    row_bytes = h.model_dim * getattr(torch, h.ngram_dtype).itemsize + NGRAM_ROW_STATE_BYTES
-    if h.ngram_cache_rows:
-        if env.world_size > 1:
-            raise ConfigError(f"--ngram_cache_rows={h.ngram_cache_rows} keeps the table in one process's host "
-                              f"memory, but {env.world_size} processes split it: set --ngram_cache_rows=0")
-        least = min_cache_rows(h, env)
-        if h.ngram_cache_rows < least:
-            raise ConfigError(f"--ngram_cache_rows={h.ngram_cache_rows} is fewer than the {least} rows the device "
-                              f"cache must hold at once (an update's slices, the next step's and a validation "
-                              f"slice's, 2 rows per token): raise it to at least {least}")
-        places = [(h.ngram_rows, row_bytes + NGRAM_ROW_MAP_BYTES, torch.device("cpu"), "in host memory"),
-                  (h.ngram_cache_rows, row_bytes, env.device, f"its cache of {h.ngram_cache_rows} rows")]
-    else:
-        shard = h.ngram_rows // env.world_size
-        places = [(shard, row_bytes, env.device, f"{shard} rows in each of {env.world_size} processes"
-                   if env.world_size > 1 else "all in one process")]
-    for rows, per_row, device, where in places:
-        free = (available or available_memory_bytes)(device)
-        if free is not None and rows * per_row > free:
-            raise ConfigError(f"--ngram_rows={h.ngram_rows} needs {rows * per_row / 2**30:.1f} GiB on the "
-                              f"{device.type} ({where}: {per_row} B per row, {h.ngram_dtype} values of "
-                              f"{h.model_dim} and the optimizer state), {free / 2**30:.1f} GiB are "
-                              f"available: lower --ngram_rows{' or --ngram_cache_rows' if h.ngram_cache_rows else ''}")
-
-
-def ngram_event_rows(h, world_size):
-    """The most distinct rows of the n-gram table one process's Adam event can take gradients for:
-    every entry since the last event (2 per token of every slice of the longest cadence's steps,
-    all processes' when the table is split, each process then asked for its own rows), and no
-    more than the rows it trains (its shard, or the device cache of a host table)."""
-    cadence = max(h.ngram_step_every, h.ngram_late_step_every if h.ngram_late_step else 1)
-    entries = 2 * cadence * h.batch_ranks * max(s.tokens_per_rank for s in h.stages)
-    return min(entries, h.ngram_cache_rows or h.ngram_rows // world_size)
-
-
-def min_cache_rows(h, env):
-    """Rows the device cache of a host table must hold at once: those of the slices since the
-    table's last Adam event (its longest cadence), of the next step's (prefetched) and of a
-    validation slice, 2 per token."""
-    cadence = max(h.ngram_step_every, h.ngram_late_step_every if h.ngram_late_step else 1)
-    longest = max(s.tokens_per_rank for s in h.stages)
-    return 2 * ((cadence + 1) * (h.batch_ranks // env.world_size) * longest + h.val_tokens_per_rank)
-
-
-class VocabRowGradients:
-    """The gradients of a vocabulary-sized table (a value-embedding table) summed per row since
-    its last update. Memory: the table's size in fp32, however far apart
-    the updates are; keeping the entries instead would grow with the tokens in between (32
-    micro-batches of 49,152 in the 1gpu preset's late phase: 4.8 GB for a 768-wide table).
-
-    add(groups, grads), after each micro-batch: its entries summed per row in token order
-    (sum_rows: deterministic), then added, one addition per row. touched(capacity): the
-    RowGroups of the rows whose sum is not zero, at a capacity the host knows (no host sync). A row
-    whose gradients summed to exactly zero is left out: its update would be its moment's decay
-    alone, which the catch-up applies when the row is next updated."""
-
-    def __init__(self, rows, dim, device, sum_rows):
-        self.sums = torch.zeros(rows + 1, dim, device=device)   # row `rows` takes the unused slots' zeros
-        self.entries = 0           # entries added since the last clear (host)
-        self.sum_rows = sum_rows
-
-    def add(self, groups, grads):
-        spare = torch.full_like(groups.distinct, self.sums.shape[0] - 1)
-        self.sums.index_add_(0, torch.where(groups.distinct >= 0, groups.distinct, spare),
-                             self.sum_rows(grads, groups))
-        self.entries += grads.shape[0]
-
-    def touched(self, capacity):
-        """RowGroups of an index vector of `capacity` entries (at least the number of rows with a
-        gradient) that lists every such row once and then repeats the first: its distinct rows are
-        those rows."""
-        flagged = self.sums[:-1].ne(0).any(1)
-        vector = flagged.int().argmax().expand(capacity + 1).clone()   # the first flagged row
-        slot = torch.where(flagged, flagged.cumsum(0) - 1, capacity)   # unflagged rows land past the end
-        vector.scatter_(0, slot, torch.arange(flagged.numel(), device=flagged.device))
-        return kernels.distinct_rows(vector[:capacity])
-
-    def clear(self):
-        self.sums.zero_()
-        self.entries = 0
-
-
-class RowGradientSums:
-    """A sparse table's gradients since its last Adam event, summed per row, in memory fixed at
-    the start: `capacity` fp32 rows of sums, at least the distinct rows an event can see.
-
-    add(rows, grads), after each micro-batch: its entries, (N,) rows of the table the Adam trains
-    and their (N, D) gradients, summed per row in entry order (sum_rows: deterministic), each
-    row's sum then added to the row's slot; a row takes the next free slot when it first has a
-    gradient since the last event. Slots are handed out on the device (slot_of, row_of, count):
-    no host sync. summed(calls): the RowGroups of the rows with a slot and their sums divided in
-    place by `calls`, for SparseRowAdam.step_summed. The sums add the same entries as one sum
-    over all of them, in another order: equal up to float rounding."""
-
-    def __init__(self, rows, dim, capacity, device, sum_rows):
-        self.rows, self.capacity, self.sum_rows = rows, capacity, sum_rows
-        self.sums = torch.zeros(capacity + 1, dim, device=device)   # slot `capacity` takes the padding's zeros
-        self.slot_of = torch.full((rows + 1,), -1, dtype=torch.int32, device=device)  # row `rows`: the padding
-        self.row_of = torch.full((capacity + 1,), rows, dtype=torch.int64, device=device)
-        self.count = torch.zeros(1, dtype=torch.int64, device=device)   # slots in use
-        self.entries = 0           # entries added since the last clear (host): at least the slots in use
-        self.clear()
-
-    def add(self, rows, grads):
-        groups = kernels.distinct_rows(rows)
-        row = torch.where(groups.distinct >= 0, groups.distinct, self.rows)
-        slot = self.slot_of[row].long()
-        new = slot < 0
-        slot = torch.where(new, self.count + new.cumsum(0) - 1, slot)
-        self.slot_of[row], self.row_of[slot] = slot.int(), row   # the padding's writes repeat its values
-        self.count += new.sum()
-        self.sums.index_add_(0, slot, self.sum_rows(grads, groups))   # one addition per slot
-        self.entries += rows.numel()
-
-    def in_use(self):
-        """A host bound on the slots in use: they are the first this many."""
-        return min(self.entries, self.capacity)
-
-    def summed(self, calls):
-        n = self.in_use()
-        if calls > 1:
-            self.sums[:n].div_(calls)
-        return kernels.RowGroups(self.row_of[:n], self.count, None, None, None), self.sums[:n]
-
-    def clear(self):
-        n = self.in_use()
-        self.slot_of[self.row_of[:n]] = -1
-        self.slot_of[self.rows] = self.capacity
-        self.row_of[:n] = self.rows
-        self.sums[:n].zero_()
-        self.count.zero_()
-        self.entries = 0
-
-
-@dataclass
-class Route:
-    """Where a slice's n-gram rows come from and where their gradients go, with the table split
-    across the processes (ShardedNgramRows), worked out on the host (pinned with a GPU)."""
-    groups: object                 # kernels.RowGroups of the slice's rows (2 per token)
-    send_counts: list              # how many of its distinct rows each process holds
-    recv_counts: list              # how many rows of this process's shard each process asks for
-    asked: torch.Tensor            # those rows, as indices into this shard, process by process
-
-
-class ShardedNgramRows:
-    """The n-gram table split by rows across the processes: process r holds rows [r S, (r + 1) S)
-    (S = rows / processes) and their optimizer state, nothing else of the table.
-
-    route_of(tokens, everyone), on the host: from the host tokens of this process's slice and of
-    every process's slice of the same micro-batch, the Route: the distinct rows it needs from
-    every owner and the rows of its own that every process needs. Host work per slice: the
-    hashes of every process's tokens, and the distinct rows of its own slice and of its rows in
-    the others'; the batch prefetcher's thread does it a step ahead (BatchPrefetcher). fetch(tokens,
-    route), before a forward: with no route, the processes gather each other's tokens first (an
-    all_gather on a host group: the hosts wait for each other, never for a device) and work it
-    out. One all_to_all then moves the values, owners to askers, with sizes the host knows: no
-    host sync. The values land in the model's `fetched` buffer and `slots` says where each
-    token's two rows landed.
-    entries(grads), after the backward: each distinct row's gradient, summed over the slice's
-    tokens (in token order: deterministic), goes back to its owner by the same routes, and each
-    process returns the entries it received for its own rows (repeats across senders add up in
-    SparseRowAdam). Traffic and memory per slice: its distinct rows, whatever the table's size.
-
-    The gradients are divided by the processes: each process's loss is scaled to its share of
-    the micro-batches, so the owners' sum is that many times the mean gradient the dense
-    parameters get (their all-reduce averages)."""
-
-    def __init__(self, table: NgramTable, sum_rows, env: Dist):
-        self.table, self.sum_rows, self.env = table, sum_rows, env
-        self.shard_rows = table.table.shape[0]
-        # host tokens travel on gloo; a CPU run's default group is one already
-        self.host_group = dist.new_group(backend="gloo") if env.device.type == "cuda" else None
-        self.route = None          # the last fetch's RowGroups (device), send and receive counts, asked rows
-
-    def _pinned(self, host):
-        """`host`, in pinned memory on CUDA, from where a copy to the device does not make the host wait."""
-        return host.pin_memory() if self.env.device.type == "cuda" else host
-
-    def _rows_asked_of_me(self, tokens):
-        """The distinct rows of this process's shard that a slice of host `tokens` reads, sorted
-        (the order in which the process holding the slice asks for them)."""
-        rows = self.table.slice_rows(tokens)
-        return torch.unique(rows[rows // self.shard_rows == self.env.rank])
-
-    @torch.no_grad()
-    def route_of(self, tokens, everyone):
-        """The Route of this process's slice of host `tokens` (T,), `everyone` holding every
-        process's slice of the micro-batch (this one's included). Host work only."""
-        groups = kernels.distinct_rows(self.table.slice_rows(tokens))   # on the host, where the tokens are
-        distinct = groups.distinct[:int(groups.count)]        # sorted, so grouped by owner
-        send_counts = torch.bincount(distinct // self.shard_rows, minlength=self.env.world_size).tolist()
-        asked = [distinct[distinct // self.shard_rows == self.env.rank] if process == self.env.rank
-                 else self._rows_asked_of_me(theirs) for process, theirs in enumerate(everyone)]
-        return Route(kernels.RowGroups(**{f.name: self._pinned(getattr(groups, f.name))
-                                          for f in dataclasses.fields(groups)}),
-                     send_counts, [len(rows) for rows in asked], self._pinned(torch.cat(asked) - self.table.first_row))
-
-    @torch.no_grad()
-    def fetch(self, tokens, training=True, route=None):
-        """Fill the table's `fetched` and `slots` for the host tokens (T,) of the next forward
-        (`training` matters to a host table's cache, not here), by `route` (None: gathered and
-        worked out here). Every process calls it for a slice of the same length."""
-        if route is None:
-            everyone = [torch.empty_like(tokens) for _ in range(self.env.world_size)]
-            dist.all_gather(everyone, tokens, group=self.host_group)
-            route = self.route_of(tokens, everyone)
-        device = self.env.device
-        asked = route.asked.to(device, non_blocking=True)
-        dist.all_to_all_single(self.table.fetched[:sum(route.send_counts)], self.table.table[asked],
-                               output_split_sizes=route.send_counts, input_split_sizes=route.recv_counts)
-        self.table.slots[:tokens.numel()].copy_(route.groups.inverse.view(-1, 2), non_blocking=True)
-        groups = kernels.RowGroups(**{f.name: getattr(route.groups, f.name).to(device, non_blocking=True)
-                                      for f in dataclasses.fields(route.groups)})
-        self.route = (groups, route.send_counts, route.recv_counts, asked)
-
-    @torch.no_grad()
-    def entries(self, grads):
-        """(rows of this shard, their gradients) for the entries `grads` (T * 2, D) of the last
-        fetched slice: this process's share of every process's summed gradients."""
-        groups, send_counts, recv_counts, asked = self.route
-        summed = self.sum_rows(grads, groups)[:sum(send_counts)]
-        received = grads.new_empty(len(asked), grads.shape[1])
-        dist.all_to_all_single(received, summed, output_split_sizes=recv_counts, input_split_sizes=send_counts)
-        return asked, received / self.env.world_size
-
-
-class HostNgramRows:
-    """The n-gram table in host memory (pinned with a GPU) and a device cache of its rows.
-
-    The cache is the table's `fetched` (cache_rows x dim). SparseRowAdam trains the cached rows
-    in place, with each slot's moment and last event, so the math is the resident table's, row
-    for row and bit for bit. The host keeps every row's value, moment and last event, and each
-    row's slot (-1: not cached).
-
-    fetch(tokens), before a forward: the slice's distinct rows that are not cached are copied
-    from the host into free slots with their state (prefetch() does this for the next step's
-    slices while the current one runs, on a copy stream with a GPU), and `slots` gets each
-    token's two slots. A training slice's rows stay pinned in the cache until the table's next
-    Adam event has used their gradients (release()). When free slots run short, the least
-    recently used unpinned rows go back to the host (values and state), a quarter of the cache
-    at a time: the host waits for the device then, once per such round. flush() writes every
-    cached row back, so that the host table is whole (for a checkpoint)."""
-
-    def __init__(self, table: NgramTable, adam: optim.SparseRowAdam, device):
-        self.table, self.adam, self.device = table, adam, device
-        capacity, pin = table.fetched.shape[0], device.type == "cuda"
-        self.moment = torch.zeros(table.rows, dtype=torch.float32, pin_memory=pin)  # every row's Adam state
-        self.last = torch.zeros(table.rows, dtype=torch.int32, pin_memory=pin)
-        self.slot_of = torch.full((table.rows,), -1, dtype=torch.int32)
-        self.row_of = torch.full((capacity,), -1, dtype=torch.int64)  # -1: a free slot
-        self.used = torch.zeros(capacity, dtype=torch.int64)          # the fetch that last read the slot
-        self.pinned = torch.zeros(capacity, dtype=torch.bool)
-        self.copies = torch.cuda.Stream(device) if pin else None
-        self.last_slots = None     # the last fetched slice's slots, 2 per token, on the device
-        self.reset_counts()
-
-    def reset_counts(self):
-        """Start counting fetches, row lookups, hits and write-backs anew."""
-        self.fetches = self.lookups = self.hits = self.evicted = self.rounds = 0
-
-    @torch.no_grad()
-    def fetch(self, tokens, training=True, route=None):
-        """Make the rows of the host tokens (T,) cached and fill the table's `slots` for them;
-        a training slice's rows are pinned until release(). (`route` is a split table's.)"""
-        distinct, inverse = torch.unique(self.table.slice_rows(tokens), sorted=True, return_inverse=True)
-        token_slots = self._cache(distinct, pin=training)[inverse]
-        if self.copies is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.copies)
-        self.last_slots = token_slots.to(self.device, non_blocking=True)
-        self.table.slots[:tokens.numel()].copy_(self.last_slots.view(-1, 2))
-
-    @torch.no_grad()
-    def prefetch(self, slices):
-        """Copy the rows of the next step's slices into the cache now, and pin them."""
-        stream = torch.cuda.stream(self.copies) if self.copies is not None else contextlib.nullcontext()
-        with stream:
-            for s in slices:
-                self._cache(torch.unique(self.table.slice_rows(s.tokens)), pin=True)
-
-    def entries(self, grads):
-        """(cache slots, gradients) for the entries `grads` (T * 2, D) of the last fetched slice."""
-        return self.last_slots, grads
-
-    def release(self):
-        """The table's Adam event has used every pending gradient: no row needs to stay cached."""
-        self.pinned.zero_()
-
-    def _cache(self, distinct, pin):
-        """The slots of the (host) rows `distinct`, loading those not cached."""
-        slots = self.slot_of[distinct].long()
-        missing = slots < 0
-        count = int(missing.sum())
-        self.fetches, self.lookups, self.hits = self.fetches + 1, self.lookups + distinct.numel(), \
-            self.hits + distinct.numel() - count
-        if count:
-            free = self._free_slots(count, keep=slots[~missing])
-            rows = distinct[missing]
-            self._load(rows, free)
-            slots[missing] = free
-            self.slot_of[rows], self.row_of[free] = free.int(), rows
-        self.used[slots] = self.fetches
-        if pin:
-            self.pinned[slots] = True
-        return slots
-
-    def _free_slots(self, count, keep):
-        free = torch.nonzero(self.row_of < 0).squeeze(1)
-        if free.numel() < count:
-            self._evict(max(count - free.numel(), self.row_of.numel() // 4), keep)
-            free = torch.nonzero(self.row_of < 0).squeeze(1)
-        if free.numel() < count:
-            raise TrainingError(f"the n-gram table's device cache of {self.row_of.numel()} rows has no room for "
-                                f"{count} more: raise --ngram_cache_rows")
-        return free[:count]
-
-    def _evict(self, count, keep):
-        """Write the `count` least recently used unpinned rows (but `keep`) back to the host."""
-        candidate = (self.row_of >= 0) & ~self.pinned
-        candidate[keep] = False
-        count = min(count, int(candidate.sum()))
-        if not count:
-            return
-        victims = torch.topk(torch.where(candidate, self.used, torch.iinfo(torch.int64).max), count,
-                             largest=False).indices
-        self._write_back(victims)
-        self.slot_of[self.row_of[victims]] = -1
-        self.row_of[victims] = -1
-        self.evicted, self.rounds = self.evicted + count, self.rounds + 1
-
-    def _write_back(self, slots):
-        """Host rows of `slots` <- their cached values and state. The host waits for the device
-        (both streams): the rows' last update must be done, and no queued work may still read a
-        slot that a load is about to fill."""
-        synchronize(self.device)
-        rows, on_device = self.row_of[slots], slots.to(self.device)
-        self.table.table[rows] = self.table.fetched[on_device].cpu()
-        self.moment[rows] = self.adam.moment[on_device].cpu()
-        self.last[rows] = self.adam.last[on_device].cpu()
-
-    def _load(self, rows, slots):
-        """Cache slots <- host rows with their state, queued on the current stream."""
-        pin = self.copies is not None
-        on_device = slots.to(self.device, non_blocking=True)
-        for host, cached in ((self.table.table, self.table.fetched), (self.moment, self.adam.moment),
-                             (self.last, self.adam.last)):
-            picked = torch.empty((rows.numel(), *host.shape[1:]), dtype=host.dtype, pin_memory=pin)
-            torch.index_select(host, 0, rows, out=picked)
-            cached.index_copy_(0, on_device, picked.to(self.device, non_blocking=True))
-
-    def flush(self):
-        """Write every cached row back; they stay cached."""
-        self._write_back(torch.nonzero(self.row_of >= 0).squeeze(1))
-
-    def summary(self):
-        return (f"n-gram cache: {self.table.fetched.shape[0]} rows on the device, hit rate "
-                f"{self.hits / max(self.lookups, 1):.1%} ({self.hits}/{self.lookups} distinct rows of "
-                f"{self.fetches} slices), {self.evicted} rows written back in {self.rounds} rounds")
 
 
 # -----------------------------------------------------------------------------------------------
-# Memory budget
+# The Trainer and the training loop
 # -----------------------------------------------------------------------------------------------
-
-# Allowances, not measurements (no GPU run yet):
-MEMORY_MARGIN_BYTES = 3 * 2**30    # a GPU's memory beside the budget's items: the CUDA context, cuBLAS, NCCL
-MEMORY_MARGIN_FRACTION = 0.05      # and this share of the GPU: the caching allocator's rounding and fragmentation
-HOST_MARGIN_BYTES = 16 * 2**30     # host memory beside a host table: the processes, the data shards, the OS
-# What shrinks each item, for a refusal to name.
-BUDGET_SETTINGS = {
-    "n-gram table": "--ngram_rows or --ngram_cache_rows, or more processes to split the table",
-    "pending n-gram gradients": "--ngram_late_step_every (the longest cadence) or the stages' tokens_per_rank",
-    "step": "the stages' tokens_per_rank (or candidates)",
-    "n-gram table (host)": "--ngram_rows",
-}
-
-
-@dataclass
-class MemoryBudget:
-    """The bytes a run needs on each process's GPU and in the host's memory, by item, from the
-    shapes alone (memory_budget), so that a run that cannot fit is refused before anything large
-    is allocated.
-
-    Held on the GPU for the whole run:
-      parameters, buffers      the model's (but the n-gram table, its gathered rows, the mask)
-      gradients                one per trained parameter, for the whole run (StepGraphs)
-      optimizer state          Adam's moments (and its summed gradients with several processes
-                               and CUDA graphs); the Muon family's momentum (ANVIL: two rails),
-                               lane moments and banks (stacked gradients, new values)
-      weight averages          the end-of-training EMAs (fp32)
-      n-gram table             this device's rows (all, a shard, or a host table's cache) and
-                               their sparse Adam state (NGRAM_ROW_STATE_BYTES a row)
-      n-gram rows in flight    a split table's gathered rows (`fetched`) and every table's slots
-      gradient sinks           values and gradients, max_tokens rows
-      value tables' sums       the sparse value-embedding tables' row sums and sparse Adam state
-      pending n-gram gradients RowGradientSums: ngram_event_rows fp32 rows and their maps
-      canonical mask           the validation's bit matrix
-    The step: one micro-batch's forward and backward at the largest stage (activations, the logits
-    and their gradient, the backward's transients; step_memory's dry run); with CUDA graphs it
-    stays held in their pool, else it is freed after each backward. Never at once, and not
-    during a step: the table update (per micro-batch, its entries summed per row and grouped,
-    and a split table's rows and gradients on their way; per event, the value tables' touched
-    rows) and a validation forward (validation_memory). Then the margin: MEMORY_MARGIN_BYTES
-    and MEMORY_MARGIN_FRACTION of the GPU.
-
-    In host memory, with the table there: the table and its row state, pinned (the CUDA host
-    allocator rounds each block up to a power of two), the row-to-slot map, the cache's slot
-    bookkeeping, and HOST_MARGIN_BYTES."""
-    device: dict                   # held item -> bytes
-    passing: dict                  # item -> bytes, one at a time
-    step: int
-    logits: int                    # of the step, at its peak
-    graphs: bool                   # the step stays in the CUDA-graph pool
-    host: dict = field(default_factory=dict)
-
-    def device_total(self, gpu_bytes):
-        held = sum(self.device.values()) + (self.step if self.graphs else 0)
-        passing = max([*self.passing.values(), 0 if self.graphs else self.step])
-        return held + passing + MEMORY_MARGIN_BYTES + MEMORY_MARGIN_FRACTION * gpu_bytes
-
-    def host_total(self):
-        return sum(self.host.values()) + HOST_MARGIN_BYTES if self.host else 0
-
-    def refusal(self, what, needed, available, items):
-        """The one line that refuses the run: what it needs, what there is, its largest items."""
-        largest = sorted(items.items(), key=lambda item: -item[1])[:3]
-        named = ", ".join(f"{name} {size / 2**30:.1f}" + (f" ({BUDGET_SETTINGS[name]})" if name in BUDGET_SETTINGS
-                                                         else "") for name, size in largest)
-        return (f"the run needs {needed / 2**30:.1f} GiB of {what}, {available / 2**30:.1f} GiB are there; "
-                f"its largest items (GiB): {named}: lower one of those")
-
-    def check(self, gpu_bytes, host_bytes):
-        """None, or the refusal of a run on a GPU of gpu_bytes with host_bytes of host memory
-        (either None: not checked)."""
-        needed = self.device_total(gpu_bytes or 0)
-        if gpu_bytes is not None and needed > gpu_bytes:
-            return self.refusal("memory on each GPU", needed, gpu_bytes,
-                                {**self.device, **self.passing, "step": self.step})
-        if host_bytes is not None and self.host and self.host_total() > host_bytes:
-            return self.refusal("host memory", self.host_total(), host_bytes, self.host)
-        return None
-
-    def summary(self, gpu_bytes):
-        return f"{self.device_total(gpu_bytes) / 2**30:.1f} of {gpu_bytes / 2**30:.1f} GiB"
-
-
-def pinned_bytes(nbytes):
-    """What pinning `nbytes` of host memory takes: the CUDA host allocator's power of two."""
-    return 1 << max(nbytes - 1, 0).bit_length()
-
-
-class LiveBytes(TorchDispatchMode):
-    """Counts the bytes of the storages the ops under it make while they are alive, and their peak;
-    `logits` counts those of 2-d tensors `logits_width` wide (the head's), at that peak. The
-    storages of `existing` tensors (parameters, gradients, buffers) are not counted."""
-
-    def __init__(self, logits_width, existing=()):
-        super().__init__()
-        self.live = self.peak = self.logits = self.peak_logits = 0
-        self.width, self.seen = logits_width, {id(t.untyped_storage()) for t in existing}
-
-    def _free(self, key, nbytes, logits):
-        self.seen.discard(key)
-        self.live -= nbytes
-        self.logits -= nbytes if logits else 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in self.seen:
-                storage, logits = t.untyped_storage(), t.ndim == 2 and t.shape[-1] == self.width
-                self.seen.add(id(storage))
-                self.live += storage.nbytes()
-                self.logits += storage.nbytes() if logits else 0
-                weakref.finalize(storage, self._free, id(storage), storage.nbytes(), logits)
-        if self.live > self.peak:
-            self.peak, self.peak_logits = self.live, self.logits
-        return out
-
-
-def largest_stage(h):
-    """The index of the stage whose step makes the most memory: the most tokens times head width."""
-    return max(range(len(h.stages)), key=lambda i: h.stages[i].tokens_per_rank * (h.stages[i].candidates or
-                                                                                  PADDED_VOCAB_SIZE))
-
-
-def fake_model(h):
-    """The run's model on fake tensors (shapes without memory) with the Triton kernels' functions,
-    its n-gram table whole; no canonical mask (validation_memory fakes one)."""
-    fns = select_kernels(dataclasses.replace(h, kernels="auto"), torch.device("cuda"))
-    cfg = dataclasses.replace(model_config(h), canonical_mask=False)
-    return GPT(cfg, fns, max_positions(h))
-
-
-def dry_run(h, run):
-    """run(model) on the fake model, under a LiveBytes of the head's width and h's autocast, with
-    the global random state left as it was: (its LiveBytes, the model)."""
-    with torch.random.fork_rng(devices=[]), torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
-        model = fake_model(h)
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=h.compute_dtype == "bfloat16")
-        tracker = run(model, autocast)
-    return tracker, model
-
-
-# Keys that do not change what the dry runs count (the table's placement: they run it whole).
-DRY_RUN_FREE_KEYS = ("preset", "track", "seed", "ngram_cache_rows", "train_files", "val_files", "log_dir", "log_every",
-                     "save_checkpoint", "sync_check")
-
-
-def dry_run_key(h):
-    return json.dumps({k: v for k, v in config_to_dict(h).items() if k not in DRY_RUN_FREE_KEYS}, sort_keys=True)
-
-
-@functools.lru_cache(maxsize=8)
-def step_memory(config_json):
-    """(peak bytes, logits bytes at the peak) of one micro-batch's forward and backward at the
-    run's largest stage (largest_stage), with the Triton kernels: the tensors it makes, alive at
-    once at its peak, counted on fake tensors (no memory, no compute). The parameters and their
-    gradients exist before it (the budget counts them apart), as in a run after its first step.
-    The eager step: a compiled one fuses ops and may keep less."""
-    h = normalize_config(config_from_dict(json.loads(config_json)))
-    index = largest_stage(h)
-    stage, step = h.stages[index], sum(steps_per_stage(h)[:index])   # the stage and its first step
-
-    def run(model, autocast):
-        model.set_windows(long_window_history(h, step))
-        model.tied = step < untie_step(h)
-        T = stage.tokens_per_rank
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p) if p.requires_grad else None
-        tokens = torch.zeros(T, dtype=torch.int32)
-        targets = torch.zeros(T, MAX_TARGETS - 1, dtype=torch.int64)
-        args = Trainer.attention_args(torch.zeros(T // MIN_DOC_TOKENS + 2, dtype=torch.int32),
-                                      attention_windows(h, step))
-        with model.sinks_of(T):
-            existing = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters()
-                                                                 if p.grad is not None)]
-            tracker = LiveBytes(stage.candidates or PADDED_VOCAB_SIZE, existing)
-            with tracker, autocast:
-                columns = candidate_columns(targets, stage.candidates, 0) if stage.candidates else None
-                objective, _ = model(tokens, targets, args, target_weights(stage, "cpu"), columns)
-                objective.backward()
-        return tracker
-    tracker, _ = dry_run(h, run)
-    return tracker.peak, tracker.peak_logits
-
-
-@functools.lru_cache(maxsize=8)
-def validation_memory(config_json):
-    """Peak bytes of a final validation forward of one slice (val_tokens_per_rank tokens, the
-    canonical mask if on), counted as step_memory counts."""
-    h = normalize_config(config_from_dict(json.loads(config_json)))
-
-    def run(model, autocast):
-        if h.canonical_mask:       # its bits' shape, not GPT-2's pairs
-            model.canonical_mask = mask = NoncanonicalPairs.__new__(NoncanonicalPairs)
-            nn.Module.__init__(mask)
-            mask.register_buffer("bits", torch.zeros(PADDED_VOCAB_SIZE, PADDED_VOCAB_SIZE // 8, dtype=torch.uint8))
-            mask.register_buffer("bit_values", 1 << torch.arange(8, dtype=torch.uint8))
-        model.eval()
-        model.set_windows(long_window_history(h, h.num_iterations, final_validation=True))
-        T = h.val_tokens_per_rank
-        args = Trainer.attention_args(torch.zeros(T // MIN_DOC_TOKENS + 2, dtype=torch.int32),
-                                      attention_windows(h, h.num_iterations, final_validation=True))
-        tracker = LiveBytes(PADDED_VOCAB_SIZE, [*model.parameters(), *model.buffers()])
-        with tracker, autocast, torch.no_grad():
-            model.validation_loss_sum(torch.zeros(T, dtype=torch.int32), torch.zeros(T, MAX_TARGETS - 1,
-                                                                                     dtype=torch.int64), args)
-        return tracker
-    return dry_run(h, run)[0].peak
-
-
-def optimizer_bytes(h, model, world_size):
-    """Bytes of the optimizers' state for the model (fake tensors will do), as build_optimizers
-    makes them and their first steps fill them in: see MemoryBudget."""
-    optimizers = build_optimizers(h, model, KernelFns(None, None), run_bank=None)
-    nbytes = lambda p: p.numel() * 4                             # noqa: E731  (fp32 state of fp32 parameters)
-    total = 0
-    for opt in optimizers:
-        params = [p for group in opt.param_groups for p in group["params"]]
-        if isinstance(opt, optim.Adam):
-            total += 2 * sum(map(nbytes, params))                 # exp_avg, exp_avg_sq
-            if world_size > 1 and h.cuda_graphs:                  # the summed gradients at fixed addresses
-                total += sum(nbytes(p) // (world_size if optim.shards_rows(p, world_size) else 1) for p in params)
-            continue
-        rails = 2 if h.optimizer == "anvil" else 1
-        total += rails * sum(map(nbytes, params))
-        for group in opt.param_groups:
-            banks = {}             # Muon's banks: a group's matrices of one shape and dtype
-            for p in group["params"]:
-                banks.setdefault((tuple(p.shape), p.dtype), []).append(p)
-                if group["equalize"]:                             # one second moment per lane of each block
-                    total += 4 * sum(max(rows, p.shape[1]) for rows in group.get("row_splits") or (p.shape[0],))
-            for bank in banks.values():                          # stacked gradients, new values, the shard
-                per_rank = -(-len(bank) // world_size)
-                total += nbytes(bank[0]) * per_rank * (world_size + 1 + (world_size > 1))
-    return total
-
-
-def memory_budget(h, world_size):
-    """The MemoryBudget of h on world_size processes (one GPU each)."""
-    config_json = dry_run_key(h)
-    step, logits = step_memory(config_json)
-    with torch.random.fork_rng(devices=[]), torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
-        model = fake_model(h)
-        sinks = model.gradient_sinks()
-        params = [p for p in model.parameters() if all(p is not s for s in sinks)]
-        table_buffers = {"ngram.table", "ngram.fetched", "ngram.slots"}
-        device = {
-            "parameters": sum(p.nbytes for p in params),
-            "buffers": sum(b.nbytes for name, b in model.named_buffers() if name not in table_buffers),
-            "gradients": sum(p.nbytes for p in params if p.requires_grad),
-            "optimizer state": optimizer_bytes(h, model, world_size),
-            "weight averages": sum(4 * w.numel() for a in h.averages for _, w in averaged_pieces(model, a.params)),
-            "gradient sinks": 2 * sum(s.nbytes for s in sinks),
-        }
-        value_widths = [ve.embedding_dim for ve in model.value_embeds] if model.value_sinks is not None else []
-    D, passing = h.model_dim, {}
-    longest, tokens = max(s.tokens_per_rank for s in h.stages), max_positions(h)
-    device["value tables' sums"] = sum(4 * (PADDED_VOCAB_SIZE + 1) * w + NGRAM_ROW_STATE_BYTES * PADDED_VOCAB_SIZE
-                                       for w in value_widths)
-    passing["table update"] = sum(2 * 4 * PADDED_VOCAB_SIZE * w for w in value_widths)   # the touched rows' sums
-    host = {}
-    if h.ngram_rows:
-        cache, dtype_bytes = h.ngram_cache_rows, getattr(torch, h.ngram_dtype).itemsize
-        rows = cache or h.ngram_rows // world_size
-        split = world_size > 1 and not cache
-        capacity = ngram_event_rows(h, world_size)
-        device["n-gram table"] = rows * (D * dtype_bytes + NGRAM_ROW_STATE_BYTES)
-        if split or cache:     # the slots of a slice's rows; split, the rows gathered for it
-            device["n-gram rows in flight"] = 8 * 2 * tokens + (2 * tokens * D * dtype_bytes if split else 0)
-        device["pending n-gram gradients"] = (capacity + 1) * (4 * D + 8) + 4 * (rows + 1) + 8
-        # per micro-batch: its entries summed per row and their grouping (7 int64 vectors); split:
-        # every process's asks of this one, the rows sent, the gradients received and sent
-        entries = 2 * longest * (world_size if split else 1)
-        update = entries * (4 * D + 7 * 8)
-        if split:
-            update += entries * (dtype_bytes * D + 4 * D) + 2 * longest * (4 * D + 7 * 8)
-        passing["table update"] = max(passing["table update"], update)
-        if cache:
-            host = {"n-gram table (host)": pinned_bytes(h.ngram_rows * D * dtype_bytes),
-                    "n-gram row state (host)": 2 * pinned_bytes(4 * h.ngram_rows) + 4 * h.ngram_rows,
-                    "n-gram cache slots (host)": cache * (8 + 8 + 1)}
-    if h.canonical_mask:
-        device["canonical mask"] = PADDED_VOCAB_SIZE * PADDED_VOCAB_SIZE // 8
-    passing["validation"] = validation_memory(config_json)
-    return MemoryBudget(device, passing, step, logits, h.cuda_graphs, host)
-
-
-def check_memory(h, env, available=None):
-    """Refuse, before anything large is allocated, a run whose MemoryBudget does not fit this
-    process's GPU (its free memory) or, with the table in host memory, the host's. `available`:
-    device -> free bytes (available_memory_bytes)."""
-    available = available or available_memory_bytes
-    budget = memory_budget(h, env.world_size)
-    refusal = budget.check(available(env.device), available(torch.device("cpu")) if budget.host else None)
-    if refusal:
-        raise ConfigError(refusal)
-    return budget
-
-
-def launch_plan(gpus, argv=(), available=None):
-    """(preset arguments, processes, reason): what run.sh starts on `gpus` GPUs, for train_gpt.py's
-    arguments `argv`. Without a --preset or --config among them, the first of these that passes
-    the start-up checks (the config's, the batch and validation splits, check_ngram_table,
-    check_memory): the speedrun preset on 8 GPUs (the record's configuration); the 1gpu preset
-    (the same training, off the record track) with its n-gram table split across the GPUs
-    (--ngram_cache_rows=0) on the largest process count below 8 that divides the batch's slices;
-    the 1gpu preset on one process, its table in host memory. With one, the user's config on the
-    most processes that pass. `available`: device -> free bytes (available_memory_bytes; GPU 0
-    stands for every GPU). ConfigError when nothing passes, with each refusal."""
-    available = available or available_memory_bytes
-    gpu, host = available(torch.device("cuda", 0)), available(torch.device("cpu"))
-    if any(a in ("--preset", "--config") or a.startswith(("--preset=", "--config=")) for a in argv):
-        ranks = parse_config(argv).batch_ranks
-        candidates = [((), n, "the most processes it passes on") for n in range(min(gpus, ranks), 0, -1)
-                      if ranks % n == 0]
-    else:
-        ranks = parse_config(["--preset", "1gpu", *argv]).batch_ranks
-        candidates = ([(("--preset", "speedrun"), 8, "the record's configuration")] if gpus >= 8 else []) + [
-            (("--preset", "1gpu", "--ngram_cache_rows=0"), n, f"the n-gram table split across the {n} GPUs")
-            for n in range(min(gpus, ranks - 1), 1, -1) if ranks % n == 0] + [
-            (("--preset", "1gpu"), 1, "the n-gram table in host memory")]
-    refused = []
-    for args, n, why in candidates:
-        h = parse_config([*args, *argv])
-        env = Dist(0, n, 0, torch.device("cuda", 0))
-        what = f"{' '.join(args) or 'the config'} on {n} process{'es' * (n > 1)}"
-        try:
-            if h.batch_ranks % n:
-                raise ConfigError(f"batch_ranks={h.batch_ranks} is not divisible by {n}")
-            check_validation_split(h, env)
-            check_ngram_table(h, env, available)
-            budget = check_memory(h, env, available)
-        except ConfigError as e:
-            refused.append(f"{what}: {e}")
-            continue
-        fits = f"the budget: {budget.summary(gpu)} on each GPU" + (
-            f", {budget.host_total() / 2**30:.1f} of {host / 2**30:.1f} GiB of host memory" if budget.host else "")
-        not_chosen = f"; not {refused[-1].split('; ')[0]}" if refused else ""   # its first clause
-        return args, n, f"{gpus} GPU(s) of {gpu / 2**30:.1f} GiB: {what} ({why}; {fits}){not_chosen}"
-    raise ConfigError(f"nothing fits {gpus} GPU(s) of {gpu / 2**30:.1f} GiB and {host / 2**30:.1f} GiB of host "
-                      f"memory: {'; '.join(refused)}")
 
 
 class Trainer:
     """The model, its optimizers and the schedules that drive them, on one process."""
 
-    def __init__(self, h: Hyperparameters, env: Dist, log: RunLog, training=True):
+    def __init__(self, h: Hyperparameters, pg: ProcessGroup, log: RunLog, training=True):
         """training=False: for an evaluation or sampling, which needs no training's memory budget."""
-        self.h, self.env, self.log = h, env, log
+        self.h, self.pg, self.log = h, pg, log
         torch.manual_seed(h.seed)
-        self.kernels = select_kernels(h, env.device)
-        check_ngram_table(h, env)
-        if training and env.device.type == "cuda":
-            check_memory(h, env)
-        self.model = build_model(h, self.kernels, TablePlacement(env.rank, env.world_size, h.ngram_cache_rows,
-                                                                 env.device))
-        self.model.to(env.device)
-        self.graphs = StepGraphs(self.model, env.device, h.cuda_graphs)
+        self.kernels = select_kernels(h, pg.device)
+        check_ngram_table(h, pg)
+        if training and pg.device.type == "cuda":
+            check_memory(h, pg)
+        self.model = build_model(h, self.kernels, TablePlacement(pg.rank, pg.world_size, h.ngram_cache_rows,
+                                                                 pg.device))
+        self.model.to(pg.device)
+        self.graphs = StepGraphs(self.model, pg.device, h.cuda_graphs)
         self.optimizers = build_optimizers(h, self.model, self.kernels,
                                            self.graphs.run_captured if h.cuda_graphs else None)
         self.adam = next(opt for opt in self.optimizers if isinstance(opt, optim.Adam))
-        self.ngram_adam = None     # the n-gram table's (its shard's, its cache's) sparse Adam
-        self.ngram_fetch = None    # split or on the host: what fetches a slice's rows (and routes their gradients)
-        self.ngram_cache = None    # on the host: that same HostNgramRows (its prefetch, flush, counts)
-        self.ngram_grads = None    # the table's gradients since its last Adam event (RowGradientSums)
-        self.ngram_router = None   # split: that same ShardedNgramRows (the batch prefetcher works out its routes)
-        ngram = self.model.ngram
-        if ngram is not None:
-            self.ngram_adam = optim.SparseRowAdam(ngram.fetched if ngram.on_host else ngram.table, lr=h.ngram_lr,
-                                                  beta2=h.ngram_beta2, eps=h.adam_eps, weight_decay=h.ngram_wd,
-                                                  use_triton=self.kernels.xxt is not None)
-            if ngram.on_host:
-                self.ngram_fetch = self.ngram_cache = HostNgramRows(ngram, self.ngram_adam, env.device)
-            elif ngram.gathered:
-                self.ngram_fetch = self.ngram_router = ShardedNgramRows(ngram, self.ngram_adam.sum_rows, env)
-            self.ngram_grads = RowGradientSums(self.ngram_adam.table.shape[0], h.model_dim,
-                                               ngram_event_rows(h, env.world_size), env.device,
-                                               self.ngram_adam.sum_rows)
-        self.value_adams = []      # sparse value embeddings: each table's sparse Adam (every process's table whole)
-        self.value_grads = []      # and its rows' gradients since its last update (VocabRowGradients)
-        if self.model.value_sinks is not None:
-            for ve in self.model.value_embeds:
-                adam = optim.SparseRowAdam(ve.weight, lr=h.value_embed_lr, beta2=h.value_embed_betas[1],
-                                           eps=h.adam_eps, weight_decay=h.value_embed_wd,
-                                           use_triton=self.kernels.xxt is not None)
-                self.value_adams.append(adam)
-                self.value_grads.append(VocabRowGradients(PADDED_VOCAB_SIZE, ve.embedding_dim, env.device,
-                                                          adam.sum_rows))
-        self.sparse = ngram is not None or bool(self.value_adams)  # any table trained from gradient entries
-        self.drop_sparse_entries()  # no pending gradients, and no steps since the last event
-        self.sparse_step_every = h.ngram_step_every
-        self.freeze_table = False  # set by the warm-up: the table keeps its values
+        self.tables = SparseTables(h, self.model, pg, use_triton=self.kernels.xxt is not None)
         self.forward, self.validation_loss_sum = self.model, self.model.validation_loss_sum
         if h.compile:
             fullgraph = not any(kernels.breaks_graphs(fn) for fn in (self.kernels.attention,
                                                                      self.kernels.cross_entropy))
             self.forward = compile_fn(h, self.model, fullgraph)
             self.validation_loss_sum = compile_fn(h, self.model.validation_loss_sum, fullgraph)
-        self.autocast = torch.autocast(env.device.type, dtype=torch.bfloat16,
+        self.autocast = torch.autocast(pg.device.type, dtype=torch.bfloat16,
                                        enabled=h.compute_dtype == "bfloat16")
-        self.accum = h.batch_ranks // env.world_size
-        self.mine = list(range(env.rank, h.batch_ranks, env.world_size))
-        self.step_weights = step_target_weights(h, env.device)
+        self.accum = h.batch_ranks // pg.world_size
+        self.mine = list(range(pg.rank, h.batch_ranks, pg.world_size))
+        self.step_weights = step_target_weights(h, pg.device)
         self.weights = self.step_weights[0].clone()  # this step's row: one tensor the model always reads
-        self.step_losses = torch.zeros(2, device=env.device)  # the step's (next-token loss, objective)
+        self.step_losses = torch.zeros(2, device=pg.device)  # the step's (next-token loss, objective)
         self.train_time_ms = 0.0
         self.averages = WeightAverages(h.averages, self.model, h.num_iterations)
         self.advance_to(0)
@@ -3224,14 +2013,7 @@ class Trainer:
         self.model.set_windows(long_window_history(h, step, final_validation))
         self.set_tied(step < untie_step(h))
         lr = lr_multiplier(h, step)
-        late = 0 < h.ngram_late_step <= step
-        self.sparse_step_every = h.ngram_late_step_every if late else h.ngram_step_every
-        if self.ngram_adam is not None:
-            self.ngram_adam.lr = h.ngram_lr * lr
-            self.ngram_adam.beta2 = h.ngram_late_beta2 if late else h.ngram_beta2
-        for adam in self.value_adams:
-            adam.lr = h.value_embed_lr * lr
-            adam.beta2 = h.value_embed_late_beta2 if late else h.value_embed_betas[1]
+        self.tables.set_schedule(step, lr)
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = group["initial_lr"] * lr
@@ -3279,80 +2061,10 @@ class Trainer:
         with self.model.sinks_of(stage.tokens_per_rank):
             for slice_index, s in zip(self.mine, slices):
                 self.model.set_fp8_loss_unit(1.0 / (s.tokens.numel() * self.accum))  # the objective's weight per token
-                if self.ngram_fetch is not None:
-                    self.ngram_fetch.fetch(s.tokens, route=s.route)
+                self.tables.fetch(s.tokens, route=s.route)
                 self.graphs.run(graph_key(self.h, step), body, s, candidate_offset(step, slice_index))
-                if self.sparse:
-                    self.take_sparse_entries(s)
+                self.tables.take_entries(s)
         return self.step_losses.clone()
-
-    def take_sparse_entries(self, s):
-        """Add the sparse tables' gradient entries of the micro-batch that just ran, from their
-        sinks, to the tables' row sums, and clear the sinks for the next one: the n-gram table's
-        two rows per token (with a split table, the entries the other processes sent for this
-        one's rows) and each sparse value-embedding table's row per token (the token itself)."""
-        count = s.tokens.numel()
-        ngram = self.model.ngram
-        resident = ngram is not None and self.ngram_fetch is None   # its rows come from the device tokens
-        tokens = s.tokens.to(self.env.device, non_blocking=True) if resident or self.value_adams else None
-        if ngram is not None:
-            grads = ngram.sink.grad[:count]
-            entries = grads.reshape(2 * count, -1)
-            self.ngram_grads.add(*(self.ngram_fetch.entries(entries) if self.ngram_fetch is not None
-                                   else (ngram.slice_rows(tokens), entries)))
-            grads.zero_()
-        if self.value_adams:
-            groups = kernels.distinct_rows(tokens.long())
-            for sink, pending in zip(self.model.value_sinks, self.value_grads):
-                grads = sink.grad[:count]
-                pending.add(groups, grads)
-                grads.zero_()
-
-    def step_sparse_tables(self):
-        """Every ngram_step_every-th step (ngram_late_step_every from ngram_late_step): update the
-        sparse tables from the mean of their gradients over those steps. The n-gram table's touched
-        rows take their summed entries (RowGradientSums); the value-embedding tables' rows, see
-        step_value_table. The warm-up discards its gradients."""
-        self.sparse_calls += 1
-        if self.freeze_table or self.sparse_calls >= self.sparse_step_every:
-            if not self.freeze_table:
-                if self.ngram_adam is not None:
-                    self.ngram_adam.step_summed(*self.ngram_grads.summed(self.sparse_calls))
-                for adam, pending in zip(self.value_adams, self.value_grads):
-                    self.step_value_table(adam, pending)
-            self.drop_sparse_entries()
-
-    def sparse_adams(self):
-        """The sparse tables' optimizers: the n-gram table's and the value-embedding tables'."""
-        return [adam for adam in (self.ngram_adam, *self.value_adams) if adam is not None]
-
-    def step_value_table(self, adam, pending: VocabRowGradients):
-        """Update a value-embedding table's rows with a gradient from the mean over the steps and
-        the processes. Every process holds the table whole: they all-reduce their sums and make
-        the same update."""
-        world = self.env.world_size
-        if world > 1:
-            dist.all_reduce(pending.sums)
-        groups = pending.touched(min(PADDED_VOCAB_SIZE, pending.entries * world))
-        adam.step_summed(groups, pending.sums[groups.distinct.clamp(min=0)] / (self.sparse_calls * world))
-
-    def drop_sparse_entries(self):
-        """No gradient pending (a host table's cache may let their rows go)."""
-        self.sparse_calls = 0
-        if self.ngram_grads is not None:
-            self.ngram_grads.clear()
-        for pending in self.value_grads:
-            pending.clear()
-        if self.ngram_cache is not None:
-            self.ngram_cache.release()
-
-    @property
-    def ngram_entries(self):
-        """The n-gram table's pending gradients as [(rows, their summed gradients)], each row with
-        a gradient once ([] when none), for inspection: it waits for the device."""
-        pending = self.ngram_grads
-        count = int(pending.count) if pending is not None and pending.entries else 0
-        return [(pending.row_of[:count], pending.sums[:count])] if count else []
 
     def train_step(self, step, slices):
         """One optimizer step on the global batch; advance_to(step) has set the schedule."""
@@ -3362,9 +2074,9 @@ class Trainer:
                 stepped = opt.step()
             if stepped is not False:   # an Adam between its updates keeps accumulating gradients
                 opt.zero_grad(set_to_none=not self.h.cuda_graphs)  # a graph adds into the same tensors
-        if self.sparse:
+        if self.tables.any:
             with record_function("optimizer: SparseRowAdam"):
-                self.step_sparse_tables()
+                self.tables.step()
         return loss
 
     def capture_graph(self, step):
@@ -3391,25 +2103,24 @@ class Trainer:
         for sink in self.model.gradient_sinks():   # zeroed in place: captured graphs add into them
             if sink.grad is not None:
                 sink.grad.zero_()
-        self.drop_sparse_entries()
+        self.tables.drop_entries()
 
     @torch.no_grad()
     def validate(self, slices, step, final_validation):
         """Mean full-vocabulary loss over `slices` (and the other ranks' as many), in the compute
         dtype with no FP8."""
         self.model.eval()
-        total = torch.zeros((), device=self.env.device)
+        total = torch.zeros((), device=self.pg.device)
         for s in slices:
-            if self.ngram_fetch is not None:
-                self.ngram_fetch.fetch(s.tokens, training=False)
-            s = s.to(self.env.device)
+            self.tables.fetch(s.tokens, training=False)
+            s = s.to(self.pg.device)
             with self.autocast:
                 args = self.attention_args(s.cu_seqlens, attention_windows(self.h, step, final_validation))
                 total += self.validation_loss_sum(s.tokens, s.targets, args)
-        if self.env.world_size > 1:
+        if self.pg.world_size > 1:
             dist.all_reduce(total)
         self.model.train()
-        return total.item() / (len(slices) * self.h.val_tokens_per_rank * self.env.world_size)
+        return total.item() / (len(slices) * self.h.val_tokens_per_rank * self.pg.world_size)
 
     # -- state
     def snapshot(self):
@@ -3433,11 +2144,6 @@ def check_finite(name, loss, step, log):
     if not math.isfinite(loss):
         raise TrainingError(f"the {name} loss became {loss} at step {step} (train loss checked every "
                             f"log_every steps): lower the learning rates or check the data")
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @contextlib.contextmanager
@@ -3469,7 +2175,7 @@ def warm_up(trainer, train_files, val_slices):
     before = compiled_graphs()
     saved = trainer.snapshot()
     loader = TrainLoader(train_files, batch_tokens(h))
-    trainer.graphs.in_warm_up = trainer.freeze_table = True
+    trainer.graphs.in_warm_up = trainer.tables.frozen = True
     # with CUDA graphs, enough steps per graph key for Adam to update under it (and be captured)
     steps_per_key = max(h.warmup_steps, h.adam_step_every if h.cuda_graphs and h.warmup_steps else 0)
     for step in graph_changes(h):
@@ -3480,9 +2186,9 @@ def warm_up(trainer, train_files, val_slices):
                                                        trainer.mine))
         if h.warmup_steps:
             trainer.capture_graph(step)
-    for adam in trainer.sparse_adams():     # the frozen tables' updates, on scratch tables
+    for adam in trainer.tables.adams():     # the frozen tables' updates, on scratch tables
         adam.launch_on_scratch()
-    trainer.graphs.in_warm_up = trainer.freeze_table = False
+    trainer.graphs.in_warm_up = trainer.tables.frozen = False
     seen = set()
     for step, final in validation_points(h):
         graph = (attention_windows(h, step, final), step < untie_step(h))
@@ -3492,7 +2198,7 @@ def warm_up(trainer, train_files, val_slices):
             trainer.validate(val_slices[:1], step, final)
     trainer.restore(saved)
     trainer.advance_to(0)
-    synchronize(trainer.env.device)
+    synchronize(trainer.pg.device)
     return compiled_graphs() - before
 
 
@@ -3509,27 +2215,27 @@ def shards_of(pattern):
     return find_shards(pattern, hint=FINEWEB_HINT if "fineweb" in pattern else TINY_HINT)
 
 
-def check_validation_split(h, env):
-    if h.val_tokens % (h.val_tokens_per_rank * env.world_size):
+def check_validation_split(h, pg):
+    if h.val_tokens % (h.val_tokens_per_rank * pg.world_size):
         raise ConfigError(f"val_tokens={h.val_tokens} must be a multiple of val_tokens_per_rank x processes "
-                          f"= {h.val_tokens_per_rank * env.world_size}")
+                          f"= {h.val_tokens_per_rank * pg.world_size}")
 
 
-def validation_data(h, env, val_files):
+def validation_data(h, pg, val_files):
     """This rank's share of the val_tokens every validation reads."""
-    check_validation_split(h, env)
+    check_validation_split(h, pg)
     num_slices = h.val_tokens // h.val_tokens_per_rank
     return validation_slices(val_files, h.val_tokens, h.val_tokens_per_rank, num_slices,
-                             range(env.rank, num_slices, env.world_size))
+                             range(pg.rank, num_slices, pg.world_size))
 
 
-def train(h, env, log):
+def train(h, pg, log):
     train_files, val_files = shards_of(h.train_files), shards_of(h.val_files)
-    check_validation_split(h, env)
-    log.header(project_sources(), environment(env.world_size, gemm_path(h, env.device)),
+    check_validation_split(h, pg)
+    log.header(project_sources(), environment(pg.world_size, gemm_path(h, pg.device)),
                [fingerprint(f) for f in val_files + train_files], logged_config(h))
-    val_slices = validation_data(h, env, val_files)
-    trainer = Trainer(h, env, log)
+    val_slices = validation_data(h, pg, val_files)
+    trainer = Trainer(h, pg, log)
     log.write(f"model parameters: {trainer.model.num_parameters():,}", echo=True)
     log.progress = "in the warm-up"
     untimed_t0 = time.perf_counter()
@@ -3540,13 +2246,13 @@ def train(h, env, log):
               f"capture, FP8 calibration); train_time counts from step 0", echo=True)
     gc.collect()
     gc.freeze()                    # the warm-up's objects leave the collector's view: shorter pauses in the timed run
-    if trainer.ngram_cache is not None:
-        trainer.ngram_cache.reset_counts()
+    if trainer.tables.host is not None:
+        trainer.tables.host.reset_counts()
     batches = BatchPrefetcher(TrainLoader(train_files, batch_tokens(h)), h, trainer.mine,
-                              pin=env.device.type == "cuda", router=trainer.ngram_router)
-    losses = DeferredLossLines(env.device)
+                              pin=pg.device.type == "cuda", router=trainer.tables.router)
+    losses = DeferredLossLines(pg.device)
     N = h.num_iterations
-    synchronize(env.device)
+    synchronize(pg.device)
     graphs_before_timing, eager_before_timing = compiled_graphs(), trainer.graphs.eager_runs
     t0 = time.perf_counter()
     try:
@@ -3556,7 +2262,7 @@ def train(h, env, log):
             if last and h.averages:
                 shipped = trainer.averages.ship()
             if last or (h.val_every and step % h.val_every == 0 and step > 0):
-                synchronize(env.device)
+                synchronize(pg.device)
                 trainer.train_time_ms += 1000 * (time.perf_counter() - t0)
                 write_loss_lines(log, losses.ready(wait=True), N)
                 trainer.advance_to(step, final_validation=last)
@@ -3564,22 +2270,22 @@ def train(h, env, log):
                 log.write(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{trainer.train_time_ms:.0f}ms "
                           f"step_avg:{trainer.train_time_ms / max(step, 1):.2f}ms", echo=True)
                 check_finite("val", val_loss, step, log)
-                synchronize(env.device)
+                synchronize(pg.device)
                 t0 = time.perf_counter()
             if last:
                 break
             trainer.advance_to(step)
             slices = batches.get(step)
-            with host_syncs_are_errors(h.sync_check and env.device.type == "cuda"):
+            with host_syncs_are_errors(h.sync_check and pg.device.type == "cuda"):
                 loss = trainer.train_step(step, slices)
             trainer.averages.sample(step)
-            if trainer.ngram_cache is not None and step + 1 < N:
-                trainer.ngram_cache.prefetch(batches.peek())
+            if trainer.tables.host is not None and step + 1 < N:
+                trainer.tables.host.prefetch(batches.peek())
             if step % h.log_every == 0 or step == N - 1:
-                if env.world_size > 1:
+                if pg.world_size > 1:
                     dist.all_reduce(loss)
                 elapsed = trainer.train_time_ms + 1000 * (time.perf_counter() - t0)
-                losses.add(step + 1, elapsed, loss / env.world_size)
+                losses.add(step + 1, elapsed, loss / pg.world_size)
             write_loss_lines(log, losses.ready(), N)
     finally:
         batches.close()
@@ -3587,9 +2293,9 @@ def train(h, env, log):
         log.write(f"averages: {shipped} blends into the weights before the final validation", echo=True)
     timed_graphs = compiled_graphs() - graphs_before_timing
     log.write(f"compile: {warm_graphs} graphs in the warm-up, {timed_graphs} in the timed run", echo=True)
-    if trainer.ngram_cache is not None:
-        trainer.ngram_cache.flush()  # the host table whole: for the checkpoint, and for the model after the run
-        log.write(trainer.ngram_cache.summary(), echo=True)
+    if trainer.tables.host is not None:
+        trainer.tables.host.flush()  # the host table whole: for the checkpoint, and for the model after the run
+        log.write(trainer.tables.host.summary(), echo=True)
     if trainer.graphs.capturing:
         log.write(f"cuda graphs: {trainer.graphs.captured()} training steps and "
                   f"{len(trainer.graphs.optimizer_graphs)} optimizer updates captured in the warm-up, "
@@ -3597,9 +2303,9 @@ def train(h, env, log):
     if timed_graphs:
         log.write(f"warning: torch.compile built {timed_graphs} graph(s) inside the timed run: the warm-up "
                   f"missed a shape or a guard, and the train time includes compilation", echo=True)
-    peak = (torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda"
+    peak = (torch.cuda.max_memory_allocated(pg.device) if pg.device.type == "cuda"
             else _peak_rss_bytes()) // 2**20
-    if h.save_checkpoint and env.master:
+    if h.save_checkpoint and pg.master:
         path = os.path.join(h.log_dir, f"{log.run_id}_model.safetensors")
         data_sha256 = save_checkpoint(path, trainer.model, h, log.run_id, log.seal(), val_loss, trainer.train_time_ms)
         log.write(f"checkpoint: {path} data_sha256={data_sha256}", echo=True)
@@ -3616,429 +2322,11 @@ def _peak_rss_bytes():
 
 
 # -----------------------------------------------------------------------------------------------
-# Checkpoints: keep the trained model, evaluate it again, sample from it
+# main: how a run ends
 # -----------------------------------------------------------------------------------------------
 
-CHECKPOINT_FORMAT = "speedrun-checkpoint v1"  # the metadata "format" of the files save_checkpoint writes
-SAFETENSORS_DTYPES = {             # torch dtype -> its name in a safetensors header
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
-    torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-}
-SAFETENSORS_HEADER_ALIGN = 8       # the JSON header is padded with spaces to a multiple of this many bytes
-SAFETENSORS_MAX_HEADER = 100 * 2**20  # the format's limit on the JSON header, in bytes
-SAFETENSORS_MAX_DIMS = 8           # dimensions of a tensor read (the model's have at most 3)
-SAFETENSORS_MAX_ELEMENTS = 2**48   # elements of a tensor read, a zero dimension counted as 1
-TRUST_HINT = "--trust_checkpoint=true uses it anyway"
-HASH_PLACEHOLDER = "0" * 64        # the header's data_sha256 while the data is written (then patched)
 
-
-class CheckpointError(Exception):
-    """A checkpoint cannot be written or read, or does not fit the request; the message names the file."""
-
-
-def _tensor_bytes(t):
-    """The bytes of t, row-major, in the machine's (little-endian) byte order."""
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-
-
-@dataclass
-class RowPieces:
-    """A tensor that write_safetensors takes in pieces, never whole: its shape and dtype, and
-    `pieces`, an iterable of tensors (that dtype, any device) whose rows, one piece after the
-    other, are the tensor's rows. The iterable is consumed once, a piece at a time."""
-    shape: tuple
-    dtype: torch.dtype
-    pieces: object
-
-
-def _data_bytes(path, name, t):
-    """The bytes of the tensor or RowPieces t, in order, a piece at a time; refuses pieces that
-    do not make up exactly t's bytes."""
-    if not isinstance(t, RowPieces):
-        yield _tensor_bytes(t)
-        return
-    expected, count = math.prod(t.shape) * t.dtype.itemsize, 0
-    for piece in t.pieces:
-        if piece.dtype != t.dtype or piece.shape[1:] != tuple(t.shape[1:]):
-            raise CheckpointError(f"{path}: a piece of tensor {name} is {piece.dtype} {list(piece.shape)}, "
-                                  f"not rows of {t.dtype} {list(t.shape)}")
-        data = _tensor_bytes(piece)
-        count += data.nbytes
-        yield data
-    if count != expected:
-        raise CheckpointError(f"{path}: the pieces of tensor {name} hold {count} bytes, its shape and dtype "
-                              f"{expected}")
-
-
-def write_safetensors(path, tensors, metadata):
-    """Write {name: tensor or RowPieces} and metadata {str: str} as a safetensors file: 8 bytes of
-    little-endian header size, the JSON header (per tensor its dtype, shape and [begin, end) byte
-    offsets into the data; "__metadata__"), then the tensors' bytes back to back. One pass over
-    the data, which is hashed on the way into the metadata's data_sha256 (patched into the header
-    at the end). Written here, not by the safetensors package, so that saving works on any image
-    torch runs on; the tests read these files with that package.
-
-    Memory: a host copy of one tensor at a time (none for a tensor already in host memory), or
-    of one piece at a time for RowPieces, which is how a tensor larger than memory is written.
-
-    The file is written under a temporary name and renamed when complete: it appears whole or not
-    at all, and an existing file is never replaced.
-    """
-    names = sorted(tensors)
-    header, offset = {}, 0
-    for name in names:
-        t = tensors[name]
-        if t.dtype not in SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name} has dtype {t.dtype}, which safetensors cannot store")
-        nbytes = math.prod(t.shape) * t.dtype.itemsize
-        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    header["__metadata__"] = {**metadata, "data_sha256": HASH_PLACEHOLDER}
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % SAFETENSORS_HEADER_ALIGN)
-    hash_key = f'"data_sha256":"{HASH_PLACEHOLDER}"'.encode()
-    hash_at = 8 + text.index(hash_key) + len(hash_key) - len(HASH_PLACEHOLDER) - 1
-    if os.path.exists(path):
-        raise CheckpointError(f"{path} exists already; a checkpoint is never overwritten")
-    partial = f"{path}.partial-{os.getpid()}"
-    digest = hashlib.sha256()
-    try:
-        with open(partial, "xb") as f:
-            f.write(struct.pack("<Q", len(text)) + text)
-            for name in names:
-                for data in _data_bytes(path, name, tensors[name]):
-                    digest.update(data)
-                    f.write(data)
-            f.seek(hash_at)
-            f.write(digest.hexdigest().encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, path)
-    except OSError as e:
-        raise CheckpointError(f"{write_failure(path, e)}; nothing was kept") from None
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
-    return digest.hexdigest()
-
-
-def read_safetensors(path, trust=False):
-    """(tensors, metadata) of a safetensors file. Every size, shape and offset is checked before a
-    byte of data is used or a tensor allocated, so a truncated, damaged or foreign file ends in one
-    CheckpointError line. A data_sha256 in the metadata is checked against the data, unless
-    `trust`."""
-    def refuse(why):
-        return CheckpointError(f"{path}: {why}")
-    try:
-        with open(path, "rb") as f:
-            raw = bytearray(os.fstat(f.fileno()).st_size)
-            del raw[f.readinto(raw):]
-    except OSError as e:
-        raise refuse(f"cannot read it ({e.strerror})") from None
-    if len(raw) < 8:
-        raise refuse(f"not a safetensors checkpoint (only {len(raw)} bytes)")
-    n = struct.unpack("<Q", raw[:8])[0]
-    if n > min(SAFETENSORS_MAX_HEADER, len(raw) - 8):
-        raise refuse("not a safetensors checkpoint (its first 8 bytes are not a header size that fits the file)")
-    try:
-        header = load_json("its header", raw[8:8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError, ConfigError):
-        raise refuse("not a safetensors checkpoint (its header is not JSON of the format)") from None
-    if not isinstance(header, dict):
-        raise refuse("not a safetensors checkpoint (its header is not a JSON object)")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise refuse("not a safetensors checkpoint (its __metadata__ is not a JSON object)")
-    dtypes = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
-    data = memoryview(raw)[8 + n:]
-    entries, end = [], 0
-    for name, entry in header.items():
-        try:
-            dtype, shape, (begin, stop) = dtypes[entry["dtype"]], list(entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise refuse(f"tensor {name!r} has an unreadable header entry") from None
-        if len(shape) > SAFETENSORS_MAX_DIMS or not all(is_number(d, integer=True) and d >= 0 for d in shape) \
-                or math.prod(max(d, 1) for d in shape) > SAFETENSORS_MAX_ELEMENTS:
-            raise refuse(f"tensor {name!r} has shape {json.dumps(shape)[:200]}: expects at most "
-                         f"{SAFETENSORS_MAX_DIMS} whole numbers >= 0 whose product (zeros counted as 1) is at most 2^48")
-        if not all(is_number(x, integer=True) and x >= 0 for x in (begin, stop)):
-            raise refuse(f"tensor {name!r} has data_offsets {json.dumps([begin, stop])[:200]}: expects two whole "
-                         f"numbers >= 0")
-        if stop - begin != math.prod(shape) * dtype.itemsize:
-            raise refuse(f"tensor {name!r}: its byte range does not fit its shape and dtype")
-        entries.append((begin, stop, name, dtype, shape))
-    for begin, stop, name, dtype, shape in sorted(entries):
-        if begin != end:
-            raise refuse(f"tensor {name!r} does not start where the previous one ends (a damaged file)")
-        end = stop
-    if end != len(data):
-        raise refuse(f"truncated or damaged: its header describes {end} bytes of data, the file holds {len(data)}")
-    expected = metadata.get("data_sha256")
-    if expected is not None and not trust and hashlib.sha256(data).hexdigest() != expected:
-        raise refuse(f"damaged: its data does not match the data_sha256 in its metadata ({TRUST_HINT})")
-    tensors = {name: torch.frombuffer(data[begin:stop], dtype=dtype).reshape(shape).clone() if stop > begin
-               else torch.empty(shape, dtype=dtype) for begin, stop, name, dtype, shape in entries}
-    return tensors, metadata
-
-
-CHECKPOINT_CHUNK_BYTES = 64 * 2**20  # a split n-gram table travels to the writer in chunks of at most this many bytes
-
-
-def split_ngram_table(model):
-    """This process's rows of the model's n-gram table when the table is split across the
-    processes (ShardedNgramRows), else None (no table, or the whole table here or on the host)."""
-    ngram = model.ngram
-    return ngram.table if ngram is not None and ngram.table.shape[0] < ngram.rows else None
-
-
-def row_chunks(shard):
-    """The rows of `shard` as views of at most CHECKPOINT_CHUNK_BYTES (at least one row each)."""
-    rows = max(1, CHECKPOINT_CHUNK_BYTES // max(1, math.prod(shard.shape[1:]) * shard.element_size()))
-    return [shard[i:i + rows] for i in range(0, shard.shape[0], rows)]
-
-
-def whole_table_pieces(shard, processes):
-    """On rank 0, the whole n-gram table split across `processes` as RowPieces, in row order:
-    rank 0's own shard, then each other rank's, received chunk by chunk (dist.recv into one
-    buffer on the shard's device, the chunks send_table_shard sends). Memory beyond rank 0's
-    shard: one chunk, and write_safetensors's host copy of it."""
-    def pieces():
-        chunks = row_chunks(shard)
-        yield from chunks
-        buffer = torch.empty_like(chunks[0])
-        for rank in range(1, processes):
-            for chunk in chunks:   # every shard has the same rows, so the same chunks
-                received = buffer[:chunk.shape[0]]
-                dist.recv(received, src=rank)
-                yield received
-    return RowPieces((shard.shape[0] * processes, *shard.shape[1:]), shard.dtype, pieces())
-
-
-def send_table_shard(shard):
-    """On a rank other than 0: send its shard of the n-gram table to rank 0, chunk by chunk
-    (see whole_table_pieces), and wait until the device has sent the last one."""
-    for chunk in row_chunks(shard):
-        dist.send(chunk, dst=0)
-    synchronize(shard.device)
-
-
-def checkpoint_tensors(model):
-    """The tensors of the model's checkpoint, {state-dict key: tensor or RowPieces}: its state
-    dict, where a split n-gram table is whole (whole_table_pieces: every other rank must call
-    send_table_shard at the same time). Every other tensor is replicated on every rank."""
-    tensors = model.state_dict()
-    shard = split_ngram_table(model)
-    if shard is not None:
-        tensors[NGRAM_TABLE_KEY] = whole_table_pieces(shard, model.ngram.rows // shard.shape[0])
-    return tensors
-
-
-def save_checkpoint(path, model, h, run_id, log_seal, val_loss, train_time_ms):
-    """The trained model as logs/<run id>_model.safetensors, written by rank 0: every parameter and
-    persistent buffer (the head too, tied or not; the n-gram table whole, even when it is split
-    across the processes: see checkpoint_tensors), with the metadata to rebuild and judge it:
-    the resolved config, whether the head is tied, the run id, the seal of the log's last line
-    before the checkpoint (the log then names the checkpoint's data_sha256), the final val loss
-    and train time."""
-    metadata = {
-        "format": CHECKPOINT_FORMAT, "config": json.dumps(config_to_dict(h)), "tied": json.dumps(model.tied),
-        "run_id": run_id, "log_seal": log_seal, "val_loss": repr(val_loss), "train_time_ms": repr(train_time_ms),
-    }
-    return write_safetensors(path, checkpoint_tensors(model), metadata)
-
-
-def load_checkpoint(path, trust=False):
-    """(config, state dict, metadata) of a file written by save_checkpoint, whose data matches the
-    data_sha256 of its metadata (unless `trust`), and whose config passes check_config."""
-    state, metadata = read_safetensors(path, trust)
-    if metadata.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{path}: a safetensors file, but not a checkpoint written by train_gpt.py "
-                              f"(its metadata has no format {CHECKPOINT_FORMAT!r})")
-    if "data_sha256" not in metadata and not trust:
-        raise CheckpointError(f"{path}: its metadata has no data_sha256, so its data cannot be verified "
-                              f"({TRUST_HINT})")
-    try:
-        h = normalize_config(config_from_dict(load_json("its config", metadata["config"])))
-        metadata = {**metadata, "tied": json.loads(metadata["tied"]), "val_loss": float(metadata["val_loss"]),
-                    "train_time_ms": float(metadata["train_time_ms"])}
-    except (KeyError, ValueError, TypeError, ConfigError) as e:
-        raise CheckpointError(f"{path}: its metadata is damaged ({e})") from None
-    return h, state, metadata
-
-
-EVAL_KEYS = ("val_files", "val_tokens", "val_tokens_per_rank", "device", "kernels", "compile", "compile_backend",
-             "ngram_cache_rows")    # config keys an --eval command may override
-SAMPLE_KEYS = ("device", "ngram_cache_rows")   # config keys a --sample command may override
 # (--ngram_cache_rows: one process can hold, in host memory, a table trained split across several devices)
-
-
-def this_process_rows(state, model):
-    """The checkpoint's state dict with its whole n-gram table cut to this process's rows when
-    the model's table is split across the processes (a view: no copy); else `state` as it is."""
-    shard = split_ngram_table(model)
-    table = state.get(NGRAM_TABLE_KEY)
-    if shard is None or table is None or table.shape[0] != model.ngram.rows:
-        return state
-    first = model.ngram.first_row
-    return {**state, NGRAM_TABLE_KEY: table[first:first + shard.shape[0]]}
-
-
-def trained_model(path, overrides, allowed, trust=False):
-    """A Trainer holding the checkpoint's model, put where the schedule has it at the final
-    validation (windows, YaRN, head tied or not), with `overrides` ["--key=value"] of the
-    `allowed` config keys applied; `trust` skips the check of its data_sha256. Returns
-    (trainer, metadata)."""
-    h, state, metadata = load_checkpoint(path, trust)
-    config.check_config(apply_overrides(h, overrides, allowed))  # scalars: nothing to normalize
-    trainer = Trainer(h, start_process(h), log=None, training=False)
-    trainer.advance_to(h.num_iterations, final_validation=True)
-    if trainer.model.tied != metadata["tied"]:
-        raise CheckpointError(f"{path}: its head is {'tied' if metadata['tied'] else 'untied'}, but its config "
-                              f"ends {'tied' if trainer.model.tied else 'untied'}: the file is damaged")
-    state = this_process_rows(state, trainer.model)
-    expected = trainer.model.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    wrong = [k for k in expected if k in state and (state[k].shape, state[k].dtype) != (expected[k].shape,
-                                                                                          expected[k].dtype)]
-    if missing or unexpected or wrong:
-        raise CheckpointError(f"{path}: its tensors do not fit the model its config describes (missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]}, other shape or dtype {wrong[:3]})")
-    trainer.model.load_state_dict(state)
-    return trainer, metadata
-
-
-def checkpoint_arguments(parser, command):
-    """Add --COMMAND=PATH (a checkpoint, not empty) and --trust_checkpoint=BOOL to `parser`."""
-    def path(text):
-        if not text:
-            raise ConfigError(f"--{command}= names no file: give --{command}=PATH of a checkpoint (a run's "
-                              f"logs/<run id>_model.safetensors)")
-        return text
-    parser.add_argument(f"--{command}", required=True, type=path)
-    parser.add_argument("--trust_checkpoint", default=False, type=lambda text: parse_value("trust_checkpoint", text,
-                                                                                            bool))
-
-
-def eval_arguments(argv):
-    """(PATH, the other arguments, whether to trust the file) of --eval=PATH
-    [--trust_checkpoint=BOOL] [--key=value ...]."""
-    parser = ArgumentParser(prog="train_gpt.py --eval=PATH")
-    checkpoint_arguments(parser, "eval")
-    args, rest = parser.parse_known_args(argv)
-    return args.eval, rest, args.trust_checkpoint
-
-
-def evaluate_checkpoint(path, overrides, trust=False):
-    """Recompute the final validation of the run that wrote `path` (same tokens, windows and full
-    softmax) and print its val line; with the run's config on the same machine it equals the
-    logged one. Returns the val loss."""
-    trainer, metadata = trained_model(path, overrides, EVAL_KEYS, trust)
-    h, env = trainer.h, trainer.env
-    val_slices = validation_data(h, env, shards_of(h.val_files))
-    N = h.num_iterations
-    with bf16_gemms(gemm_path(h, env.device)):
-        val_loss = trainer.validate(val_slices, N, final_validation=True)
-    if env.master:
-        ms = metadata["train_time_ms"]
-        print(f"step:{N}/{N} val_loss:{val_loss:.4f} train_time:{ms:.0f}ms step_avg:{ms / N:.2f}ms", flush=True)
-        print(f"checkpoint of run {metadata['run_id']}: the run logged final val_loss:{metadata['val_loss']:.4f}",
-              flush=True)
-    return val_loss
-
-
-def pick_token(logits, temperature, top_k, generator):
-    """A token id drawn from softmax(logits / temperature) restricted to the top_k largest logits
-    (top_k = 0: all of them); temperature 0 is greedy decoding (the argmax)."""
-    if temperature == 0:
-        return int(logits.argmax())
-    logits = logits.float() / temperature
-    if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, -math.inf)
-    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
-
-
-@torch.no_grad()
-def generate(model, h, prompt_ids, max_new_tokens, temperature, top_k, seed, autocast=contextlib.nullcontext()):
-    """Yield up to max_new_tokens sampled token ids that continue the document prompt_ids (which
-    starts with BOS), one at a time, with a KV cache; stops after an end-of-text token. The model
-    attends with the final validation's windows."""
-    device = model.embed.weight.device
-    model.eval()
-    short, long = attention_windows(h, h.num_iterations, final_validation=True)
-    args = AttentionArgs(None, short * WINDOW_BLOCK, long * WINDOW_BLOCK, KVCache(len(prompt_ids) + max_new_tokens))
-    generator = torch.Generator(device=device).manual_seed(seed)
-    tokens = torch.tensor(prompt_ids, dtype=torch.int32, device=device)
-    for _ in range(max_new_tokens):
-        with autocast:
-            logits = model.next_token_logits(tokens, args)
-        token = pick_token(logits, temperature, top_k, generator)
-        yield token
-        if token == BOS_ID:
-            return
-        tokens = torch.tensor([token], dtype=torch.int32, device=device)
-
-
-def sample_from_checkpoint(argv):
-    """--sample=PATH --prompt=TEXT [--max_new_tokens --temperature --top_k --seed --device]:
-    print the prompt, then the continuation as it is generated."""
-    parser = ArgumentParser(prog="train_gpt.py --sample=PATH")
-    checkpoint_arguments(parser, "sample")
-    parser.add_argument("--prompt", default="")
-    parser.add_argument("--max_new_tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top_k", type=int, default=50)
-    parser.add_argument("--seed", type=int, default=0)
-    args, rest = parser.parse_known_args(argv)
-    if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0 or not math.isfinite(args.temperature) \
-            or not 0 <= args.seed < 2**63:
-        raise ConfigError("--sample expects --max_new_tokens >= 1, a finite --temperature >= 0, --top_k >= 0 and "
-                          "--seed in [0, 2^63)")
-    enc = gpt2_encoding()
-    trainer, _ = trained_model(args.sample, rest, SAMPLE_KEYS, args.trust_checkpoint)
-    prompt_ids = [BOS_ID] + enc.encode_ordinary(args.prompt)
-    positions = trainer.model.max_tokens
-    if len(prompt_ids) + args.max_new_tokens > positions:
-        raise ConfigError(f"the prompt ({len(prompt_ids)} tokens) and --max_new_tokens={args.max_new_tokens} exceed "
-                          f"the {positions} positions this model has tables for")
-    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    print(args.prompt, end="", flush=True)
-    count, t0 = 0, time.perf_counter()
-    with bf16_gemms(gemm_path(trainer.h, trainer.env.device, compiling=False)):
-        for token in generate(trainer.model, trainer.h, prompt_ids, args.max_new_tokens, args.temperature, args.top_k,
-                              args.seed, trainer.autocast):
-            count += 1
-            if token != BOS_ID:
-                print(text.decode(enc.decode_single_token_bytes(token)), end="", flush=True)
-    print(text.decode(b"", final=True), flush=True)
-    elapsed = time.perf_counter() - t0
-    print(f"[{count} tokens in {elapsed:.1f} s: {count / elapsed:.1f} tokens/s]", file=sys.stderr, flush=True)
-    return 0
-
-
-class Interrupted(Exception):
-    """SIGINT or SIGTERM arrived: the run stops and its log says where."""
-
-    def __init__(self, signal_name):
-        super().__init__(signal_name)
-        self.signal_name = signal_name
-
-
-EXIT_USER_ERROR = 2                # a bad input or environment: one `error:` line says what to do
-SIGNAL_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}  # 128 + the signal number, as shells report them
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write failed for want of room (write_failure)
-
-
-def stop_on_signals():
-    """SIGINT and SIGTERM raise Interrupted in the main thread; a file-size limit makes a write
-    fail with an error (EFBIG) instead of killing the process without a word (SIGXFSZ)."""
-    def interrupt(signum, frame):
-        raise Interrupted(signal.Signals(signum).name)
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
 def stop(log, line, code, show=True):
@@ -4055,34 +2343,9 @@ def stop(log, line, code, show=True):
     return code
 
 
-def peer_exited(launch, error):
-    """Whether the RuntimeError `error` of a collective means that a peer process ended: it
-    reported an error (failed_peer), or gloo found its socket closed."""
-    return dist.is_initialized() and (GLOO_PEER_CLOSED in str(error) or failed_peer(launch) is not None)
-
-
 def where_the_run_is(log, command):
     """Where a stopped process was, for its line: the log's progress, or the command."""
     return log.progress if log is not None else (f"during --{command}" if command else "before training")
-
-
-def cpu_threads():
-    """The threads of one CPU process: OMP_NUM_THREADS when set, else this process's cores shared
-    by the processes of its machine (LOCAL_WORLD_SIZE)."""
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
-        return int(os.environ["OMP_NUM_THREADS"])
-    local_procs = launch_environment().local_world_size
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, cores // local_procs)
-
-
-def start_process(h):
-    """This process's rank and device (see setup_distributed), with the CPU settings of a CPU run."""
-    env = setup_distributed(h)
-    if env.device.type == "cpu":
-        keep_freed_memory_for_reuse()
-        torch.set_num_threads(cpu_threads())
-    return env
 
 
 def plan_command(argv):
@@ -4107,41 +2370,33 @@ def plan_command(argv):
     return 0
 
 
-def checkpoint_command(argv):
-    """"eval" or "sample" when argv asks to use a checkpoint (--eval=PATH, --sample=PATH), else None."""
-    for item in argv:
-        for command in ("eval", "sample"):
-            if item.startswith(f"--{command}=") or item == f"--{command}":
-                return command
-    return None
-
-
-def main(argv=None):
+def main(argv=None, command=None, run=None):
+    """Train (or --plan) from the command line; `run(argv)` instead runs another entry point's
+    `command` (evaluate.py's eval and sample) under the same ending: an error or a signal is
+    one line on stderr and in the log, with an exit code, never a traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    log, command, launch = None, None, None
+    log, launch = None, None
     try:
         launch = launch_environment()
         stop_on_signals()
-        command = checkpoint_command(argv)
+        if run is not None:
+            return run(argv)
         if "--plan" in argv:
             return plan_command(argv)
-        if command == "sample":
-            return sample_from_checkpoint(argv)
-        if command == "eval":
-            path, rest, trust = eval_arguments(argv)
-            evaluate_checkpoint(path, rest, trust)
-            return 0
+        if any(a.startswith(("--eval", "--sample")) for a in argv):
+            raise ConfigError("a checkpoint is evaluated or sampled by evaluate.py: python evaluate.py --eval=PATH "
+                              "or --sample=PATH")
         h = parse_config(argv)
-        env = start_process(h)
-        log = RunLog(h.log_dir, env.master)
-        with bf16_gemms(gemm_path(h, env.device)):
-            train(h, env, log)
+        pg = start_process(h)
+        log = RunLog(h.log_dir, pg.master)
+        with bf16_gemms(gemm_path(h, pg.device)):
+            train(h, pg, log)
         return 0
     except Interrupted as e:
         return stop(log, interruption_line(launch, e.signal_name, where_the_run_is(log, command)),
                     SIGNAL_EXIT_CODES[e.signal_name], shows_interruptions(launch))
     except (ConfigError, DataError, ShardError, TrainingError, optim.OptimConfigError, CheckpointError,
-            TokenizerError) as e:
+            TokenizerError, LogFolderError) as e:
         return stop(log, f"{ERROR_PREFIX}{e}", EXIT_USER_ERROR, report_error(launch, f"{ERROR_PREFIX}{e}"))
     except LogWriteError as e:
         return stop(None, f"{ERROR_PREFIX}{e}", EXIT_USER_ERROR, report_error(launch, f"{ERROR_PREFIX}{e}"))
@@ -4162,4 +2417,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    sys.modules.setdefault("train_gpt", sys.modules[__name__])  # the modules that import the recipe get this run's
     sys.exit(main())

@@ -115,7 +115,7 @@ BOS = 50256               # <|endoftext|>, which starts every document
 TRAIN_SHARD_TOKENS = dict(gpu=1 << 23, dry=1 << 14)  # the loader cycles through the shard
 VAL_SHARD_TOKENS = 1 << 17  # more than the compiled run's validation reads
 
-# The split n-gram table's host routing (train_gpt.ShardedNgramRows.route_of), timed on the host:
+# The split n-gram table's host routing (sparse_tables.ShardedNgramRows.route_of), timed on the host:
 # rank 0 of SPEEDRUN_PROCESSES, one micro-batch per stage shape, on synthetic tokens.
 SPEEDRUN_PROCESSES = 8
 ROUTING_SLICES = 8        # micro-batches timed per shape (the median is reported)
@@ -315,12 +315,13 @@ def routing_host_ms(shapes, token_counts, pin, way="route_of"):
     host work, on a GPU a kernel."""
     import torch
     import torch.distributed as dist
+    import sparse_tables
     import train_gpt as tg
     world, generator = SPEEDRUN_PROCESSES, np.random.default_rng(0)
     cpu = torch.device("cpu")
     table = tg.NgramTable(shapes["ngram_rows"] * world, 8, max(token_counts), torch.bfloat16,
                           tg.TablePlacement(0, world, 0, cpu))    # 8 wide: the routing does not read the values
-    router = tg.ShardedNgramRows(table, None, tg.Dist(0, world, 0, cpu))
+    router = sparse_tables.ShardedNgramRows(table, None, tg.ProcessGroup(0, world, 0, cpu))
     router._pinned = (lambda host: host.pin_memory()) if pin else router._pinned
     medians = {}
     for tokens in token_counts:
@@ -521,7 +522,7 @@ def bench_sparse_rows(shapes, device, timer, dry):
     return lines
 
 
-COMPOSED_WINDOW = 112     # the speedrun preset's composed-attention window (dc_window)
+COMPOSED_WINDOW = 112     # the speedrun preset's composed-attention window (composed_window)
 
 
 def bench_composed_attention(shapes, device, timer, dry):
@@ -640,7 +641,7 @@ def time_stage_steps(h, train_files, device, deadline, graphs=False, progress=la
     the optimizers' updates, then the stage's forward+backward is captured, and the timed steps
     replay both (on a CPU: the same path with eager bodies)."""
     import train_gpt as tg
-    trainer = tg.Trainer(dataclasses.replace(h, cuda_graphs=graphs), tg.Dist(0, 1, 0, device),
+    trainer = tg.Trainer(dataclasses.replace(h, cuda_graphs=graphs), tg.ProcessGroup(0, 1, 0, device),
                          tg.RunLog("unused", active=False))
     loader = tg.TrainLoader(train_files, tg.batch_tokens(h))
     medians = []

@@ -25,6 +25,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+import config  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from records.logfile import cpu_model, parse_log  # noqa: E402
 
@@ -59,7 +60,7 @@ def same_run(a, b):
     a logged config (a key added since the log was written takes its default, which keeps the
     old behaviour), wherever the log was written."""
     def settings(config):
-        read = tg.normalize_config(tg.config_from_dict(config))
+        read = config.normalize_config(config.config_from_dict(config))
         return {k: v for k, v in tg.config_to_dict(read).items() if k != "log_dir"}
     return settings(a) == settings(b)
 

@@ -273,7 +273,7 @@ def run_config(run):
 def sparse_update_entries(h, processes, steps):
     """The largest number of gradient entries one process's n-gram table update takes in a run
     of `steps`, and the largest number of tokens one update of the value tables spans, counted
-    as Trainer.step_sparse_tables does: every step adds 2 entries and 1 token per token of each
+    as SparseTables.step does: every step adds 2 entries and 1 token per token of each
     of the process's micro-batches (batch_ranks / processes), and the tables update once
     ngram_step_every steps (ngram_late_step_every from ngram_late_step) have accumulated."""
     accum = h.batch_ranks // processes

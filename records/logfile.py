@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -450,3 +451,91 @@ def verify(log):
     if entry not in log.sources:
         raise LogError(f"{log.path}: the config's entry script {entry!r} is not among the embedded sources")
 
+
+# -----------------------------------------------------------------------------------------------
+# A training run's log: what train_gpt.py writes through LogWriter
+# -----------------------------------------------------------------------------------------------
+
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class LogFolderError(Exception):
+    """The log folder given cannot hold a run's log; the message says what to give instead."""
+
+
+def project_sources():
+    """(relpath, bytes) of every imported module that lives in this repository (the entry script
+    among them), sorted: what a log embeds so that records/reproduce.py can recreate the run."""
+    files = set()
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if (path and os.path.isabs(path) and path.startswith(REPO_DIR + os.sep) and path.endswith(".py")
+                and os.path.isfile(path)):
+            files.add(path)
+    out = []
+    for path in sorted(files):
+        with open(path, "rb") as f:
+            out.append((os.path.relpath(path, REPO_DIR).replace(os.sep, "/"), f.read()))
+    return out
+
+
+def inside_records(path):
+    """Whether `path` (which need not exist) lies in the repository's records/ folder, symbolic
+    links followed."""
+    records = os.path.realpath(os.path.join(REPO_DIR, "records"))
+    return os.path.commonpath([os.path.realpath(path), records]) == records
+
+
+class RunLog:
+    """logs/<run id>.txt through records/logfile.py's LogWriter (the one writer of the format);
+    only rank 0 writes. The folder is checked at once, the file created with the header, so a run
+    that cannot start (missing data) leaves no log. `progress` says where the run is, for the
+    line of an interrupted run."""
+
+    def __init__(self, log_dir, active):
+        self.run_id = new_run_id()
+        self.log_dir, self.active = log_dir, active
+        self.path = os.path.join(log_dir, f"{self.run_id}.txt")
+        self.writer = None
+        self.progress = "before training"
+        if inside_records(log_dir):
+            raise LogFolderError(f"--log_dir={log_dir} is inside the repository's records/ folder, which only "
+                              f"records/make_record.py writes: log elsewhere (the default is logs/), then make a "
+                              f"record from the logs")
+        if active:
+            self._refuse_unusable_folder(lambda: os.makedirs(log_dir, exist_ok=True))
+
+    def _refuse_unusable_folder(self, action):
+        try:
+            return action()
+        except OSError as e:
+            raise LogFolderError(f"--log_dir={self.log_dir}: cannot create a log there ({e.strerror}); "
+                              f"give a writable folder") from None
+
+    def write(self, line, echo=False):
+        if self.writer is not None:
+            self.writer.line(line)
+            if echo:
+                print(line, flush=True)
+
+    def header(self, sources, pg, data, config):
+        """Create the log with its snapshot part (sources, environment, data, config)."""
+        if self.active:
+            self.writer = self._refuse_unusable_folder(lambda: LogWriter(self.path, self.run_id))
+            print(f"logging to {self.path}", flush=True)
+            self.writer.header(sources, pg, data, config)
+
+    def seal(self):
+        """The seal of the last line written (what a checkpoint records), or "" on other ranks."""
+        return self.writer.seal.hex()[:SEAL_HEX_DIGITS] if self.writer is not None else ""
+
+    def write_last_line(self, line):
+        """The line saying why the run ended (error, interrupt), written if the disk still allows."""
+        try:
+            self.write(line)
+        except LogWriteError:
+            pass
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()

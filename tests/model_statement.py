@@ -32,7 +32,7 @@ SMEAR_DIMS = 12                    # the smear gate reads a token's first 12 emb
 TOKEN_GATE_INIT_SCALE = 0.1        # not read: the learned scale is a parameter (token_gates.scale)
 DENSE_SCALE = 0.1                  # the dense connections' fixed output scale
 LAST_LAYER_MIX = ("v_input", "v_snapshot", "v_residual", "input", "snapshot", "residual", "ve_lane0", "ve_lane1",
-                  "attn_residual", "attn_out", "x0", "bigram", "mlp_residual", "mlp_out")
+                  "attn_residual", "attn_out", "x0", "hashed", "mlp_residual", "mlp_out")
 FINAL_MIX = ("input", "snapshot", "last_input", "value_embed", "skip_source")
 CANDIDATE_STRIDE, CANDIDATE_OFFSET_MULT, CANDIDATE_SLICES = 20011, 7919, 8191
 EPS64 = torch.finfo(torch.float64).eps
@@ -266,14 +266,14 @@ def attention_layer(P, cfg, i, x, ve, starts, doc, history, windows, gates):
     visible = (pos_doc[:, None] == pos_doc[None, :]) & (pos[None, :] <= pos[:, None]) \
         & (pos[:, None] - pos[None, :] < window)
     y = masked_softmax_attention(q, k, v, visible, scale)
-    if i in cfg.dc_layers:         # composed: the heads' maps over the last dc_window keys, mixed per token
-        dc_visible = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None]) \
-            & (pos[:, None] - pos[None, :] < cfg.dc_window)
+    if i in cfg.composed_layers:         # composed: the heads' maps over the last composed_window keys, mixed per token
+        composed_visible = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None]) \
+            & (pos[:, None] - pos[None, :] < cfg.composed_window)
         scores = torch.einsum("ihd,jhd->hij", q, k) * scale
-        maps = scores.masked_fill(~dc_visible[None], float("-inf")).softmax(-1)      # (H, T, T)
-        mix_in = rms(gates["dc_in"], COMPOSED_MIX_EPS)
+        maps = scores.masked_fill(~composed_visible[None], float("-inf")).softmax(-1)      # (H, T, T)
+        mix_in = rms(gates["composed_in"], COMPOSED_MIX_EPS)
         mixed = torch.einsum("hij,ih->ij", maps, mix_in)
-        y = y + gates["dc_out"][:, :, None] * torch.einsum("ij,jhd->ihd", mixed, v)
+        y = y + gates["composed_out"][:, :, None] * torch.einsum("ij,jhd->ihd", mixed, v)
     if i in cfg.xsa_layers:
         alpha = gates["xsa"] if "xsa" in gates else P[a + "xsa_alpha"]
         unit = v / v.norm(dim=-1, keepdim=True).clamp_min(XSA_EPS)
@@ -314,12 +314,12 @@ def token_gate_layouts(cfg):
             group.append((i, "xsa", cfg.num_heads))
         if i in cfg.attn_gate_layers:
             group.append((i, "attn", cfg.num_heads))
-        if i in cfg.dc_layers:
-            group.append((i, "dc_in", cfg.num_heads))
-            group.append((i, "dc_out", cfg.num_heads))
+        if i in cfg.composed_layers:
+            group.append((i, "composed_in", cfg.num_heads))
+            group.append((i, "composed_out", cfg.num_heads))
         if not (dense and i == last):
             group.append((i, "x0", 1))
-            group.append((i, "bigram", 1))
+            group.append((i, "hashed", 1))
     return out
 
 
@@ -382,7 +382,7 @@ def unet_trunk(P, cfg, embedded, bigram, ves, starts, doc, history, windows):
     first = None
     if gated:
         gates = token_gates(P, cfg, 0, x0)
-        first = min(layer for group in token_gate_layouts(cfg) for layer, kind, _ in group if kind == "bigram")
+        first = min(layer for group in token_gate_layouts(cfg) for layer, kind, _ in group if kind == "hashed")
     half = n // 2
     for i in range(n):
         if i >= n - half:
@@ -391,7 +391,7 @@ def unet_trunk(P, cfg, embedded, bigram, ves, starts, doc, history, windows):
             gates.update(token_gates(P, cfg, 1, x))
         g = gates.get(i, {})
         if gated and i == first:
-            x = x + g["bigram"] * bigram
+            x = x + g["hashed"] * bigram
         lam = P[f"blocks.{i}.lambdas"]
         x = lam[0] * x + lam[1] * x0
         if i not in cfg.attention_free_layers:
@@ -399,7 +399,7 @@ def unet_trunk(P, cfg, embedded, bigram, ves, starts, doc, history, windows):
             if gated:
                 x = x + g["x0"] * x0
                 if i != first:
-                    x = x + g["bigram"] * bigram
+                    x = x + g["hashed"] * bigram
         x = x + mlps(P, cfg, i, rms(x))
         outputs[i] = x
     return x
@@ -413,7 +413,7 @@ def dense_trunk(P, cfg, x0, bigram, ves, starts, doc, history, windows):
     the dense connections."""
     n, last = cfg.num_layers, cfg.num_layers - 1
     gates = token_gates(P, cfg, 0, x0)
-    x = x0 + gates[0]["bigram"] * bigram
+    x = x0 + gates[0]["hashed"] * bigram
     saved = {"input": x}
     source, target = cfg.skip_layers
     for i in range(n):
@@ -430,7 +430,7 @@ def dense_trunk(P, cfg, x0, bigram, ves, starts, doc, history, windows):
                 y = attention_layer(P, cfg, i, rms(attn_in), ves.get(i), starts, doc, history, windows, g)
                 x = s[0] * x + s[1] * y + g["x0"] * x0
                 if i != 0:
-                    x = x + g["bigram"] * bigram
+                    x = x + g["hashed"] * bigram
             x = s[2] * x + s[3] * mlps(P, cfg, i, rms(x))
         else:
             saved["last_input"] = x
@@ -442,7 +442,7 @@ def dense_trunk(P, cfg, x0, bigram, ves, starts, doc, history, windows):
                 lg["ve"] = lanes.repeat_interleave(cfg.num_heads // 2, dim=-1)
             x = (1 + m["residual"]) * x + m["input"] * saved["input"] + m["snapshot"] * saved["snapshot"]
             y = attention_layer(P, cfg, i, rms(attn_in), ves.get(i), starts, doc, history, windows, lg)
-            x = m["attn_residual"] * x + m["attn_out"] * y + m["x0"] * saved["input"] + m["bigram"] * bigram
+            x = m["attn_residual"] * x + m["attn_out"] * y + m["x0"] * saved["input"] + m["hashed"] * bigram
             x = m["mlp_residual"] * x + m["mlp_out"] * mlps(P, cfg, i, rms(x))
         if i == source:
             saved["skip_source"] = x

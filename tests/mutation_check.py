@@ -4,10 +4,10 @@
     python tests/mutation_check.py --list     # the mutations, numbered
     python tests/mutation_check.py 3 17       # only these
 
-Each mutation replaces one exact line fragment of train_gpt.py, optim.py or kernels.py (the
-references the trainer runs on a CPU) in a copy of the repository, then runs the test selection
-that should catch it there. A mutation is killed when that selection fails. The repository itself
-is never written. Not collected by pytest (its name does not start with test_).
+Each mutation replaces one exact line fragment of a module (train_gpt.py, config.py, optim.py,
+sparse_tables.py, kernels.py: the references the trainer runs on a CPU) in a copy of the
+repository, then runs the test selection that should catch it there. A mutation is killed when
+that selection fails. The repository itself is never written. Not collected by pytest (its name does not start with test_).
 """
 import argparse
 import dataclasses
@@ -67,7 +67,7 @@ MUTATIONS = [
     Mutation("train_gpt.py", "return 2 * torch.sigmoid(F.linear(inputs, self.ve_gate.type_as(x)))",
              "return torch.sigmoid(F.linear(inputs, self.ve_gate.type_as(x)))", MODEL,
              "the value-embedding gate in (0, 1)"),
-    Mutation("train_gpt.py", "return {**{i: i for i in range(tables)}, **{n - tables + i: i for i in range(tables)}}",
+    Mutation("config.py", "return {**{i: i for i in range(tables)}, **{n - tables + i: i for i in range(tables)}}",
              "return {**{i: i for i in range(tables)}, **{n - tables + i - 1: i for i in range(tables)}}", MODEL,
              "shared value embeddings one layer early"),
     Mutation("train_gpt.py", "return y - torch.tanh(alpha).type_as(y)[..., None] * along * direction",
@@ -81,8 +81,8 @@ MUTATIONS = [
     Mutation("train_gpt.py", "        if \"attn\" in gates:\n            y = y * gates[\"attn\"]",
              "        if \"attn\" in gates:\n            y = y * 2 * gates[\"attn\"]", MODEL,
              "the output gate doubled"),
-    Mutation("train_gpt.py", "mix_in = F.rms_norm(gates[\"dc_in\"].float(), (self.num_heads,), eps=DC_MIX_EPS)",
-             "mix_in = gates[\"dc_in\"].float()", MODEL, "composed attention's input mix not normed"),
+    Mutation("train_gpt.py", "mix_in = F.rms_norm(gates[\"composed_in\"].float(), (self.num_heads,), eps=COMPOSED_MIX_EPS)",
+             "mix_in = gates[\"composed_in\"].float()", MODEL, "composed attention's input mix not normed"),
     Mutation("train_gpt.py", "return F.linear(F.relu(F.linear(x, self.up.type_as(x))).square(), self.down.type_as(x))",
              "return F.linear(F.relu(F.linear(x, self.up.type_as(x))), self.down.type_as(x))", MODEL,
              "ReLU instead of ReLU^2"),
@@ -103,8 +103,8 @@ MUTATIONS = [
              "            if i == self.token_gates_split + 1:\n                gates.update(self.token_gates(1, x))",
              MODEL, "the second gate MLP reads a later residual"),
     Mutation("train_gpt.py", "        if not (dense and layer == cfg.num_layers - 1):\n            layout += [(layer, \"x0\", 1), "
-             "(layer, \"bigram\", 1)]",
-             "        if not (dense and layer == cfg.num_layers - 1):\n            layout += [(layer, \"bigram\", 1), "
+             "(layer, \"hashed\", 1)]",
+             "        if not (dense and layer == cfg.num_layers - 1):\n            layout += [(layer, \"hashed\", 1), "
              "(layer, \"x0\", 1)]", MODEL, "the token gates' outputs in another order"),
     Mutation("train_gpt.py", "scale *= 1 + self.scale_growth * math.log(new / old)",
              "scale *= 1 + self.scale_growth * math.log(new / old) / 2", MODEL, "YaRN's scale growth halved"),
@@ -139,7 +139,7 @@ MUTATIONS = [
     Mutation("train_gpt.py", "self.graphs.run(graph_key(self.h, step), body, s, candidate_offset(step, slice_index))",
              "self.graphs.run(graph_key(self.h, step), body, s, candidate_offset(step, 0))", TRAINER_STEP,
              "every micro-batch draws the same negatives"),
-    Mutation("train_gpt.py", "            grads.zero_()\n        if self.value_adams:",
+    Mutation("sparse_tables.py", "            grads.zero_()\n        if self.value_adams:",
              "        if self.value_adams:", TRAINER_STEP, "the n-gram sink not cleared between micro-batches"),
     Mutation("train_gpt.py", "mtp = [a + (b - a) * progress for a, b in zip(stage.mtp_weights, end)]",
              "mtp = [a + (b - a) * (1 - progress) for a, b in zip(stage.mtp_weights, end)]", [STATEMENT, "tests/test_schedules.py", "-k", "trainer_step or target_weights"],
@@ -147,18 +147,17 @@ MUTATIONS = [
     # the schedules
     Mutation("train_gpt.py", "return mult + (h.cooldown_floor - mult) * t", "return h.cooldown_floor + (mult - h.cooldown_floor) * t",
              SCHEDULES, "the cooldown runs from the floor up"),
-    Mutation("train_gpt.py", "return h.anvil_mu_low + (h.anvil_mu_high - h.anvil_mu_low) * min(rise, fall)",
-             "return h.anvil_mu_low + (h.anvil_mu_high - h.anvil_mu_low) * max(rise, fall)", SCHEDULES,
-             "ANVIL's mu never falls"),
+    Mutation("train_gpt.py", "return low + (high - low) * min(up, down)", "return low + (high - low) * max(up, down)",
+             SCHEDULES, "the momenta never fall back"),
     Mutation("train_gpt.py", "return 1.0 if step / h.num_iterations < h.anvil_blend_start else h.anvil_blend",
              "return h.anvil_blend if step / h.num_iterations < h.anvil_blend_start else 1.0", SCHEDULES,
              "ANVIL's blend phases swapped"),
-    Mutation("train_gpt.py", "frac = min(frac, (h.num_iterations - step) / h.momentum_cooldown_steps)",
-             "frac = min(frac, (h.num_iterations - step - 1) / h.momentum_cooldown_steps)", SCHEDULES,
-             "momentum cooldown off by one"),
+    Mutation("train_gpt.py", "down = min(max((end - x) / fall, 0.0), 1.0) if fall > 0 else 1.0",
+             "down = min(max((end - x - 1) / fall, 0.0), 1.0) if fall > 0 else 1.0", SCHEDULES,
+             "the momenta's fall off by one step"),
     Mutation("train_gpt.py", "    if final_validation and h.yarn_at_final_window:",
              "    if final_validation:", SCHEDULES, "YaRN at the final window regardless of the setting"),
-    Mutation("train_gpt.py", "late = 0 < h.ngram_late_step <= step", "late = 0 < h.ngram_late_step < step",
+    Mutation("sparse_tables.py", "late = 0 < h.ngram_late_step <= step", "late = 0 < h.ngram_late_step < step",
              SCHEDULES, "the late phase a step late"),
     # the optimizers
     Mutation("optim.py", "blended = torch.lerp(state[\"slow_rail\"], state[\"fast_rail\"], hyper[\"blend\"])",

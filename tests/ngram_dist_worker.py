@@ -28,7 +28,7 @@ def train_and_validate(trainer, h, steps):
         stage = h.stages[tg.stage_index(h, step)]
         slices = loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, trainer.mine)
         losses.append(trainer.train_step(step, slices).tolist())
-    val = trainer.validate(tg.validation_data(h, trainer.env, tg.find_shards(h.val_files)), steps, False)
+    val = trainer.validate(tg.validation_data(h, trainer.pg, tg.find_shards(h.val_files)), steps, False)
     return losses, val
 
 

@@ -17,7 +17,7 @@ FAILURE = "its own shard holds token 60000 at 321, outside GPT-2's vocabulary: r
 def main(rank, step, args):
     class FailingTrainer(tg.Trainer):
         def train_step(self, at, slices):
-            if self.env.rank == rank and at == step:
+            if self.pg.rank == rank and at == step:
                 raise tg.DataError(f"rank {rank}: {FAILURE}")
             return super().train_step(at, slices)
 

@@ -28,11 +28,11 @@ def route_fields(route):
 def train(h, env, steps, ahead):
     trainer = tg.Trainer(h, env, tg.RunLog("unused", active=False))
     loader = tg.TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
-    routes, route_of = [], trainer.ngram_router.route_of
+    routes, route_of = [], trainer.tables.router.route_of
     if ahead:
-        batches = tg.BatchPrefetcher(loader, h, trainer.mine, pin=False, router=trainer.ngram_router)
+        batches = tg.BatchPrefetcher(loader, h, trainer.mine, pin=False, router=trainer.tables.router)
     else:                          # the routes fetch works out from the gathered tokens
-        trainer.ngram_router.route_of = lambda *a: routes.append(route_of(*a)) or routes[-1]
+        trainer.tables.router.route_of = lambda *a: routes.append(route_of(*a)) or routes[-1]
     losses = []
     for step in range(steps):
         trainer.advance_to(step)

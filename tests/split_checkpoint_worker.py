@@ -15,11 +15,12 @@ import torch
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(TESTS))
+import checkpoint  # noqa: E402
 import train_gpt as tg  # noqa: E402
 
 
 def main(out, chunk_bytes, args):
-    tg.CHECKPOINT_CHUNK_BYTES = chunk_bytes
+    checkpoint.CHECKPOINT_CHUNK_BYTES = chunk_bytes
     trainers = []
 
     class KeptTrainer(tg.Trainer):
@@ -31,7 +32,7 @@ def main(out, chunk_bytes, args):
     code = tg.main(args)
     (trainer,) = trainers
     torch.save({"exit": code, "state": trainer.model.state_dict()},
-               os.path.join(out, f"rank{trainer.env.rank}.pt"))
+               os.path.join(out, f"rank{trainer.pg.rank}.pt"))
     return code
 
 

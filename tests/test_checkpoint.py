@@ -21,6 +21,8 @@ from test_train import (DENSE, FEATURES, NGRAM, REPO, TINY, data_args, run_train
 
 sys.path.insert(0, REPO)
 import kernels  # noqa: E402
+import checkpoint  # noqa: E402
+import evaluate  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data.shards import write_shard  # noqa: E402
 from data.tokenizer import BOS_ID  # noqa: E402
@@ -69,8 +71,8 @@ def assert_identical(a, b):
 
 def test_safetensors_round_trip_is_bit_exact(tmp_path):
     tensors = random_tensors()
-    tg.write_safetensors(tmp_path / "t.safetensors", tensors, {"note": "x"})
-    back, metadata = tg.read_safetensors(tmp_path / "t.safetensors")
+    checkpoint.write_safetensors(tmp_path / "t.safetensors", tensors, {"note": "x"})
+    back, metadata = checkpoint.read_safetensors(tmp_path / "t.safetensors")
     assert_identical(tensors, back)
     assert metadata["note"] == "x" and re.fullmatch(r"[0-9a-f]{64}", metadata["data_sha256"])
     assert not [p for p in os.listdir(tmp_path) if "partial" in p]
@@ -78,18 +80,18 @@ def test_safetensors_round_trip_is_bit_exact(tmp_path):
 
 def test_a_checkpoint_is_never_overwritten(tmp_path):
     path = tmp_path / "t.safetensors"
-    tg.write_safetensors(path, {"a": torch.ones(2)}, {})
+    checkpoint.write_safetensors(path, {"a": torch.ones(2)}, {})
     with pytest.raises(tg.CheckpointError, match="exists already; a checkpoint is never overwritten"):
-        tg.write_safetensors(path, {"a": torch.zeros(2)}, {})
-    assert torch.equal(tg.read_safetensors(path)[0]["a"], torch.ones(2))
+        checkpoint.write_safetensors(path, {"a": torch.zeros(2)}, {})
+    assert torch.equal(checkpoint.read_safetensors(path)[0]["a"], torch.ones(2))
 
 
 def test_a_tensor_written_in_pieces_makes_the_file_of_the_whole_tensor(tmp_path):
     table = torch.randn(10, 6, generator=torch.Generator().manual_seed(1)).bfloat16()
     tensors = random_tensors()
-    tg.write_safetensors(tmp_path / "whole.safetensors", {**tensors, "table": table}, {"note": "x"})
-    pieces = tg.RowPieces(table.shape, table.dtype, iter([table[:3], table[3:3], table[3:9], table[9:]]))
-    tg.write_safetensors(tmp_path / "pieces.safetensors", {**tensors, "table": pieces}, {"note": "x"})
+    checkpoint.write_safetensors(tmp_path / "whole.safetensors", {**tensors, "table": table}, {"note": "x"})
+    pieces = checkpoint.RowPieces(table.shape, table.dtype, iter([table[:3], table[3:3], table[3:9], table[9:]]))
+    checkpoint.write_safetensors(tmp_path / "pieces.safetensors", {**tensors, "table": pieces}, {"note": "x"})
     assert (tmp_path / "pieces.safetensors").read_bytes() == (tmp_path / "whole.safetensors").read_bytes()
 
 
@@ -101,7 +103,7 @@ def test_pieces_that_do_not_make_up_their_tensor_are_refused_and_nothing_is_kept
                                r"a piece of tensor t is torch.float64 \[2, 3\], not rows of torch.float32 \[4, 3\]$")}
     for pieces, line in cases.values():
         with pytest.raises(tg.CheckpointError, match=line):
-            tg.write_safetensors(tmp_path / "t.safetensors", {"t": tg.RowPieces(table.shape, table.dtype, pieces)}, {})
+            checkpoint.write_safetensors(tmp_path / "t.safetensors", {"t": checkpoint.RowPieces(table.shape, table.dtype, pieces)}, {})
         assert not os.listdir(tmp_path)
 
 
@@ -111,12 +113,12 @@ def test_files_agree_with_the_safetensors_package(tmp_path):
     from safetensors.torch import load_file, save_file
     tensors = random_tensors()
     del tensors["empty"]           # the package refuses nothing here, but keep the comparison on data
-    tg.write_safetensors(tmp_path / "ours.safetensors", tensors, {"note": "x"})
+    checkpoint.write_safetensors(tmp_path / "ours.safetensors", tensors, {"note": "x"})
     assert_identical(tensors, load_file(tmp_path / "ours.safetensors"))
     with safe_open(tmp_path / "ours.safetensors", framework="pt") as f:
         assert f.metadata()["note"] == "x"
     save_file(tensors, tmp_path / "theirs.safetensors", metadata={"note": "y"})
-    back, metadata = tg.read_safetensors(tmp_path / "theirs.safetensors")
+    back, metadata = checkpoint.read_safetensors(tmp_path / "theirs.safetensors")
     assert_identical(tensors, back)
     assert metadata == {"note": "y"}
 
@@ -129,7 +131,7 @@ def test_model_checkpoint_round_trip_is_bit_exact(tmp_path):
         model.lm_head.add_(0.01)   # the untied head differs from the embedding
     path = tmp_path / "m.safetensors"
     tg.save_checkpoint(path, model, h, "20261201-000000-abcdef12", "0123456789abcdef", 4.25, 1234.5)
-    h2, state, metadata = tg.load_checkpoint(path)
+    h2, state, metadata = checkpoint.load_checkpoint(path)
     assert h2 == h
     assert_identical(model.state_dict(), state)
     assert metadata["tied"] is False and metadata["run_id"] == "20261201-000000-abcdef12"
@@ -138,7 +140,7 @@ def test_model_checkpoint_round_trip_is_bit_exact(tmp_path):
 
 def test_a_run_saves_a_checkpoint_named_in_its_log(trained):
     path, log = trained
-    _, state, metadata = tg.load_checkpoint(path)
+    _, state, metadata = checkpoint.load_checkpoint(path)
     line = next(line for line in log.info if line.startswith("checkpoint: "))
     assert line == f"checkpoint: {path} data_sha256={metadata['data_sha256']}"
     assert metadata["run_id"] == log.run_id and metadata["tied"] is False   # untie_frac 2/3 of 6 steps
@@ -165,9 +167,9 @@ def test_eval_reproduces_the_logged_final_val_loss(trained):
 
 def test_eval_in_process_equals_the_runs_own_value(trained, cpu_only):
     path, _ = trained
-    _, _, metadata = tg.load_checkpoint(path)
+    _, _, metadata = checkpoint.load_checkpoint(path)
     with contextlib.redirect_stdout(io.StringIO()):
-        val_loss = tg.evaluate_checkpoint(str(path), [])
+        val_loss = evaluate.evaluate_checkpoint(str(path), [])
     assert abs(val_loss - metadata["val_loss"]) < 1e-6
 
 
@@ -175,10 +177,10 @@ def test_eval_on_other_tokens_and_refused_keys(trained, tmp_path, cpu_only):
     path, _ = trained
     write_shard(tmp_path / "other_val_000000.bin", synthetic_documents(np.random.default_rng(5), 8_000))
     with contextlib.redirect_stdout(io.StringIO()):
-        other = tg.evaluate_checkpoint(str(path), [f"--val_files={tmp_path}/other_val_*.bin", "--val_tokens=4096"])
-    assert np.isfinite(other) and other != tg.load_checkpoint(path)[2]["val_loss"]
+        other = evaluate.evaluate_checkpoint(str(path), [f"--val_files={tmp_path}/other_val_*.bin", "--val_tokens=4096"])
+    assert np.isfinite(other) and other != checkpoint.load_checkpoint(path)[2]["val_loss"]
     with pytest.raises(tg.ConfigError, match="with a checkpoint only --key=value of val_files"):
-        tg.evaluate_checkpoint(str(path), ["--num_layers=5"])
+        evaluate.evaluate_checkpoint(str(path), ["--num_layers=5"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,7 +215,7 @@ def test_a_split_table_is_checkpointed_whole_in_row_order(split_run):
     path, log, states = split_run
     raw = open(path, "rb").read()
     data = raw[8 + struct.unpack("<Q", raw[:8])[0]:]
-    _, tensors, metadata = tg.load_checkpoint(path)
+    _, tensors, metadata = checkpoint.load_checkpoint(path)
     assert hashlib.sha256(data).hexdigest() == metadata["data_sha256"]
     assert [line for line in log.info if line.startswith("checkpoint: ")] == \
         [f"checkpoint: {path} data_sha256={metadata['data_sha256']}"]
@@ -294,7 +296,7 @@ def test_top_k_1_is_greedy_decoding_and_sampling_follows_the_seed():
     prompt = document(9, seed=4)
     with torch.no_grad():
         greedy = greedy_by_full_forward(model, h, prompt, 12)
-    sample = lambda **kw: list(tg.generate(model, h, prompt.tolist(), 12, **kw))  # noqa: E731
+    sample = lambda **kw: list(evaluate.generate(model, h, prompt.tolist(), 12, **kw))  # noqa: E731
     assert sample(temperature=1.0, top_k=1, seed=0) == greedy
     assert sample(temperature=0.0, top_k=0, seed=0) == greedy
     first = sample(temperature=1.0, top_k=0, seed=7)
@@ -305,7 +307,7 @@ def test_top_k_1_is_greedy_decoding_and_sampling_follows_the_seed():
 def test_top_k_keeps_only_the_k_largest_logits():
     logits = torch.tensor([0.0, 5.0, 1.0, 4.0, 3.0])
     g = torch.Generator().manual_seed(0)
-    drawn = {tg.pick_token(logits, 1.0, 2, g) for _ in range(200)}
+    drawn = {evaluate.pick_token(logits, 1.0, 2, g) for _ in range(200)}
     assert drawn == {1, 3}
 
 
@@ -352,7 +354,7 @@ def test_damaged_or_foreign_files_end_with_one_line(trained, tmp_path, run_main)
     path, _ = trained
     damaged_copies(path, tmp_path)
     torch.save({"model": torch.ones(3)}, tmp_path / "pickle.pt")
-    tg.write_safetensors(tmp_path / "foreign.safetensors", {"w": torch.ones(2)}, {"framework": "pt"})
+    checkpoint.write_safetensors(tmp_path / "foreign.safetensors", {"w": torch.ones(2)}, {"framework": "pt"})
     cases = {**{f"{name}.safetensors": line for name, line in DAMAGE_LINES.items()},
              "pickle.pt": r"not a safetensors checkpoint",
              "foreign.safetensors": r"a safetensors file, but not a checkpoint written by train_gpt\.py",

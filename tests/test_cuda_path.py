@@ -59,7 +59,7 @@ REHEARSAL = [
     # record 89's features: token gates, the dense trunk, composed attention, a narrow QK layer, a
     # parallel MLP, per-head QK orthogonalization and an end-of-training average
     "--token_gates=true", "--token_gates_split=2", "--trunk=dense", "--skip_layers=[0,1]", "--snapshot_layer=1",
-    "--dc_layers=[2]", "--dc_window=32", "--attn_gate_layers=[2]", "--xsa_layers=[0]", "--narrow_qk_layers=[0]",
+    "--composed_layers=[2]", "--composed_window=32", "--attn_gate_layers=[2]", "--xsa_layers=[0]", "--narrow_qk_layers=[0]",
     "--narrow_qk_dim=32", "--parallel_mlp_layers=[1]", "--qk_ortho_heads=1",
     '--averages=[{"params":"qk","window":2}]',
     # record 92's hashed n-gram table in place of the bigram embedding, and the value embeddings,
@@ -212,7 +212,7 @@ def rehearse(shards, log_dir):
             log = tg.RunLog(str(log_dir), active=True)
             log.write = timed = TimedRunStart(log, launches)
             try:
-                val_loss = tg.train(h, tg.Dist(0, 1, 0, torch.device("cpu")), log)
+                val_loss = tg.train(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), log)
             finally:
                 log.close()
     finally:
@@ -356,7 +356,7 @@ def test_a_training_step_never_waits_for_the_device(shards, tmp_path, monkeypatc
     h = tg.parse_config(REHEARSAL + data_args(shards, tmp_path) + ["--compile=false"])
     checked = []
     with cuda_autocast_rules():
-        trainer = tg.Trainer(h, tg.Dist(0, 1, 0, torch.device("cpu")), tg.RunLog(str(tmp_path), active=False))
+        trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog(str(tmp_path), active=False))
         assert trainer.kernels.attention is kernels.flash_attn_varlen and trainer.kernels.fp8_mlp is not None
         loader = tg.TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
         for step in tg.graph_changes(h):
@@ -440,7 +440,7 @@ def test_two_steps_of_one_graph_key_make_the_same_calls_on_the_same_tensors(shar
     h = tg.parse_config(REHEARSAL + data_args(shards, tmp_path) + ["--compile=false", "--num_iterations=15"])
     keys, traces = {}, []
     with cuda_autocast_rules():
-        trainer = tg.Trainer(h, tg.Dist(0, 1, 0, torch.device("cpu")), tg.RunLog(str(tmp_path), active=False))
+        trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog(str(tmp_path), active=False))
         body = trainer.micro_batch
 
         def traced_body(*args):    # what a capture records: the body, not the buffer fills around it

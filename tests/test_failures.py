@@ -24,10 +24,12 @@ import pytest
 import torch
 
 from launch import LineReader, cpu_env, finish, run_distributed
-from test_train import REPO, synthetic_documents
+from test_train import REPO, synthetic_documents, uses_checkpoint
 
 sys.path.insert(0, REPO)
 import config  # noqa: E402
+import evaluate  # noqa: E402
+import records.logfile  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data.shards import write_shard  # noqa: E402
 from records.logfile import parse_log  # noqa: E402
@@ -73,13 +75,13 @@ def files(d, train="ok_train", val="ok_val"):
 
 @pytest.fixture
 def run_main(capsys, cpu_only):
-    """tg.main(argv) in this process, which sees no GPU (the cases below are those of a CPU-only
+    """tg.main(argv) (evaluate.main for a checkpoint's argv) in this process, which sees no GPU (the cases below are those of a CPU-only
     machine): (exit status, stderr lines); signal handlers restored after."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGXFSZ)}
 
     def run(argv):
         with contextlib.redirect_stdout(io.StringIO()):
-            code = tg.main(argv)
+            code = (evaluate.main if uses_checkpoint(argv) else tg.main)(argv)
         return code, capsys.readouterr().err.strip().splitlines()
     yield run
     for s, handler in saved.items():
@@ -336,7 +338,7 @@ def test_a_config_file_with_a_preset_starts_from_that_preset(tmp_path):
     assert tg.parse_config(["--config", str(tmp_path / "cpu.json")]) == tg.parse_config(["--preset", "cpu",
                                                                                          "--num_iterations=7"])
     plain = tg.parse_config(["--config", str(tmp_path / "plain.json")])
-    assert plain == tg.normalize_config(tg.Hyperparameters(num_iterations=7))
+    assert plain == config.normalize_config(tg.Hyperparameters(num_iterations=7))
 
 
 # ----------------------------------------------------------------------------- the launch environment
@@ -526,7 +528,7 @@ def test_a_truncated_shard_is_called_truncated_or_corrupt(data, run_main, tmp_pa
 
 
 def test_a_full_disk_ends_with_one_line_saying_so(data, run_main, monkeypatch, tmp_path):
-    class FullDisk(tg.LogWriter):
+    class FullDisk(records.logfile.LogWriter):
         """A log whose writes after its first line go to /dev/full, where every write fails with ENOSPC."""
 
         def __init__(self, path, run_id):
@@ -534,7 +536,7 @@ def test_a_full_disk_ends_with_one_line_saying_so(data, run_main, monkeypatch, t
             self.file.close()
             self.file = open("/dev/full", "wb", buffering=0)
 
-    monkeypatch.setattr(tg, "LogWriter", FullDisk)
+    monkeypatch.setattr(records.logfile, "LogWriter", FullDisk)
     code, err = run_main(TINY + files(data) + [f"--log_dir={tmp_path}/logs"])
     assert code == 2 and len(err) == 1 and re.fullmatch(
         rf"error: the disk is full while writing {re.escape(str(tmp_path))}/logs/[0-9a-f-]+\.txt: free space or "
@@ -587,7 +589,7 @@ def checkpoints(data, tmp_path_factory):
     with the CHANGED_HEADERS."""
     d = tmp_path_factory.mktemp("checkpoints")
     h = tg.parse_config(TINY + files(data) + ["--device=cpu"])
-    trainer = tg.Trainer(h, tg.Dist(0, 1, 0, torch.device("cpu")), log=None, training=False)
+    trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), log=None, training=False)
     trainer.advance_to(h.num_iterations, final_validation=True)
     good = d / "good.safetensors"
     tg.save_checkpoint(good, trainer.model, h, "20261201-000000-abcdef12", "0" * 16, 5.0, 100.0)
@@ -604,7 +606,7 @@ def test_a_checkpoint_that_cannot_be_verified_or_read_is_refused(checkpoints, ru
 
 
 def test_a_checkpoint_whose_config_is_out_of_range_is_refused_by_eval(checkpoints):
-    done = subprocess.run([sys.executable, os.path.join(REPO, "train_gpt.py"), f"--eval={checkpoints['huge_iterations']}"],
+    done = subprocess.run([sys.executable, os.path.join(REPO, "evaluate.py"), f"--eval={checkpoints['huge_iterations']}"],
                           capture_output=True, text=True, timeout=60, cwd=REPO, env=cpu_env(OMP_NUM_THREADS="1"))
     err = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(err) == 1, done.stderr
@@ -620,7 +622,7 @@ def test_trust_checkpoint_uses_a_file_that_cannot_be_verified(checkpoints, run_m
 @pytest.mark.parametrize("argv, line", [
     (["--eval="], r"--eval= names no file: give --eval=PATH of a checkpoint \(a run's logs/<run id>_model\.safetensors\)"),
     (["--sample="], r"--sample= names no file: give --sample=PATH of a checkpoint \(a run's .*\)"),
-    (["--eval"], r"train_gpt.py --eval=PATH: argument --eval: expected one argument"),
+    (["--eval"], r"evaluate.py --eval=PATH: argument --eval: expected one argument"),
     (["--eval=x.safetensors", "--trust_checkpoint=maybe"], r"--trust_checkpoint expects true or false, got 'maybe'"),
     (["--sample=x.safetensors", "--seed=-1"], r"--sample expects .* and --seed in \[0, 2\^63\)"),
     (["--sample=x.safetensors", f"--seed={2**63}"], r"--sample expects .* and --seed in \[0, 2\^63\)"),

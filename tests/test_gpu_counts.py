@@ -14,6 +14,7 @@ from launch import cpu_env
 from test_train import REPO
 
 sys.path.insert(0, REPO)
+import memory_budget  # noqa: E402
 import train_gpt as tg  # noqa: E402
 
 GiB = 2**30
@@ -42,7 +43,7 @@ def start_up_checks(args, processes, available):
     """The checks of a run of train_gpt.py `args` on `processes` processes, one GPU each, made as
     each process makes them before it allocates anything; ConfigError names the first that fails."""
     h = tg.parse_config(list(args))
-    env = tg.Dist(0, processes, 0, torch.device("cuda", 0))
+    env = tg.ProcessGroup(0, processes, 0, torch.device("cuda", 0))
     if h.batch_ranks % processes:
         raise tg.ConfigError(f"batch_ranks={h.batch_ranks} is not divisible by the {processes} processes")
     tg.check_validation_split(h, env)
@@ -64,7 +65,7 @@ def test_a_configuration_passed_over_is_named_in_the_reason():
     _, _, reason = tg.launch_plan(2, [], memory_of(H100))
     assert "(the n-gram table in host memory; the budget: " in reason
     assert reason.endswith("; not --preset 1gpu --ngram_cache_rows=0 on 2 processes: the run needs "
-                           f"{tg.memory_budget(tg.parse_config(list(SPLIT)), 2).device_total(H100) / GiB:.1f} GiB "
+                           f"{memory_budget.memory_budget(tg.parse_config(list(SPLIT)), 2).device_total(H100) / GiB:.1f} GiB "
                            "of memory on each GPU, 79.6 GiB are there")
 
 

@@ -1,4 +1,4 @@
-"""The memory budget (train_gpt.MemoryBudget) against what a CPU run holds, item by item, and
+"""The memory budget (memory_budget.MemoryBudget) against what a CPU run holds, item by item, and
 against the peak of a CPU run's micro-batch; what it decides for the 1gpu preset on an 80 GB H100
 with the n-gram table's pending gradients kept as entries and as row sums; RowGradientSums
 against a plain sum of the entries, and the trainer's table update against the update from the
@@ -18,6 +18,8 @@ from test_train import (NGRAM, REPO, SPARSE_VALUES, cpu_trainer, data_args, shar
 sys.path.insert(0, REPO)
 import kernels  # noqa: E402
 import optim  # noqa: E402
+import sparse_tables  # noqa: E402
+import memory_budget  # noqa: E402
 import train_gpt as tg  # noqa: E402
 
 H100 = 81_559 * 2**20              # an 80 GB H100 SXM's memory as nvidia-smi reports it (MiB)
@@ -49,7 +51,7 @@ def held_by_the_run(trainer):
             state += sum(t.nbytes for t in (value if isinstance(value, list) else [value]) if torch.is_tensor(t))
         for bank in getattr(opt, "bank_buffers", {}).values():
             state += sum(t.nbytes for t in (bank.stacked, bank.shard, bank.new_values) if t is not None)
-    pending = trainer.ngram_grads
+    pending = trainer.tables.ngram_grads
     return {
         "parameters": sum(p.nbytes for p in params),
         "buffers": sum(b.nbytes for name, b in model.named_buffers()
@@ -58,9 +60,9 @@ def held_by_the_run(trainer):
         "optimizer state": state,
         "weight averages": sum(t.nbytes for ema in trainer.averages.ema for t in ema.values()),
         "gradient sinks": sum(s.nbytes + s.grad.nbytes for s in sinks),
-        "value tables' sums": sum(p.sums.nbytes for p in trainer.value_grads)
-        + sum(a.moment.nbytes + a.last.nbytes for a in trainer.value_adams),
-        "n-gram table": model.ngram.table.nbytes + trainer.ngram_adam.moment.nbytes + trainer.ngram_adam.last.nbytes,
+        "value tables' sums": sum(p.sums.nbytes for p in trainer.tables.value_grads)
+        + sum(a.moment.nbytes + a.last.nbytes for a in trainer.tables.value_adams),
+        "n-gram table": model.ngram.table.nbytes + trainer.tables.ngram_adam.moment.nbytes + trainer.tables.ngram_adam.last.nbytes,
         "pending n-gram gradients": sum(t.nbytes for t in (pending.sums, pending.slot_of, pending.row_of,
                                                            pending.count)),
     }
@@ -86,7 +88,7 @@ def test_the_budget_counts_what_a_cpu_run_holds(shards):
     scalars, a few floats, are in neither.)"""
     h = budget_config(shards)
     held = held_by_the_run(train_past_the_untie(h))
-    budget = tg.memory_budget(h, 1)
+    budget = memory_budget.memory_budget(h, 1)
     assert held["optimizer state"] > held["parameters"] > 0 and held["weight averages"] > 0
     assert {item: budget.device[item] for item in held} == held
 
@@ -123,7 +125,7 @@ def test_the_budgets_step_is_a_cpu_micro_batchs_peak_within_the_stated_factor(sh
     holds; and its logits' share, against the logits and their gradient of that stage."""
     h = budget_config(shards, "--batch_ranks=1")
     trainer = cpu_trainer(h)       # bf16 layers (the FP8 references dequantize to fp32: no GPU's memory)
-    index = tg.largest_stage(h)
+    index = memory_budget.largest_stage(h)
     step, stage = sum(tg.steps_per_stage(h)[:index]), h.stages[index]
     assert stage.candidates == 0 and index == len(h.stages) - 1
     batch = tg.TrainLoader(tg.find_shards(h.train_files), stage.tokens_per_rank).next_batch(
@@ -132,11 +134,11 @@ def test_the_budgets_step_is_a_cpu_micro_batchs_peak_within_the_stated_factor(sh
     trainer.forward_backward(step, batch)          # every gradient made, as after a first step
     model = trainer.model
     held = [*model.parameters(), *model.buffers(), *trainer.graphs.grads.values(),
-            *(s.grad for s in model.gradient_sinks()), *vars(trainer.ngram_grads).values(),
-            *(p.sums for p in trainer.value_grads)]
+            *(s.grad for s in model.gradient_sinks()), *vars(trainer.tables.ngram_grads).values(),
+            *(p.sums for p in trainer.tables.value_grads)]
     with PeakBytes([t for t in held if torch.is_tensor(t)]) as peak:
         trainer.forward_backward(step, batch)
-    budget = tg.memory_budget(h, 1)
+    budget = memory_budget.memory_budget(h, 1)
     assert 1 / STEP_FACTOR <= budget.step / peak.peak <= STEP_FACTOR, (budget.step, peak.peak)
     logits = stage.tokens_per_rank * tg.PADDED_VOCAB_SIZE * 2       # bf16
     assert logits <= budget.logits <= 2 * logits and budget.logits < budget.step
@@ -152,7 +154,7 @@ def entries_kept_as_before(budget, h):
     device = {**budget.device, "pending n-gram gradients": entries * (4 * h.model_dim + 8)}
     passing = {**budget.passing, "table update": 3 * entries * 4 * h.model_dim}
     step = budget.step + budget.device["gradient sinks"] // 2
-    return tg.MemoryBudget(device, passing, step, budget.logits, budget.graphs, budget.host)
+    return memory_budget.MemoryBudget(device, passing, step, budget.logits, budget.graphs, budget.host)
 
 
 def test_1gpu_on_an_h100_with_its_pending_gradients_summed_per_row_and_as_entries():
@@ -162,7 +164,7 @@ def test_1gpu_on_an_h100_with_its_pending_gradients_summed_per_row_and_as_entrie
     margin; summed per row in one buffer, the budget accepts the run with over 20 GiB to spare.
     Its host memory: the pinned table's 2^37 bytes (130 GB rounded up), under 150 GiB in all."""
     h = tg.parse_config(["--preset", "1gpu"])
-    budget = tg.memory_budget(h, 1)
+    budget = memory_budget.memory_budget(h, 1)
     old = entries_kept_as_before(budget, h)
     assert old.device["pending n-gram gradients"] == 4 * 8 * 49_152 * 2 * (768 * 4 + 8)
     assert H100 - 2 * 2**30 < old.device_total(H100), old.device_total(H100) / 2**30
@@ -182,13 +184,13 @@ def test_medium_fits_8_h100s_in_16_slices_and_not_in_the_public_8():
     h = tg.parse_config(["--preset", "medium"])
     params = 7 * 50_304 * 1024 + 251_520 * 1024 + 16 * 12_288 * 1024 + 10 * 8 * 16 + 32 + 8 + 13
     assert params == 819_463_477
-    budget = tg.memory_budget(h, 8)
+    budget = memory_budget.memory_budget(h, 8)
     assert budget.device["parameters"] == budget.device["gradients"] == 4 * params and not budget.host
     assert budget.check(H100, HOST) is None and H100 - budget.device_total(H100) > 5 * 2**30
     whole = [dict(vars(s), tokens_per_rank=2 * s.tokens_per_rank) for s in h.stages]
     public = tg.parse_config(["--preset", "medium", "--batch_ranks=8", "--stages=" + json.dumps(whole)])
     assert [s.tokens_per_rank for s in public.stages[:4]] == [16_384, 32_768, 49_152, 65_536]
-    budget_8 = tg.memory_budget(public, 8)
+    budget_8 = memory_budget.memory_budget(public, 8)
     assert budget_8.step > 1.9 * budget.step
     assert budget_8.check(H100, HOST).startswith("the run needs ")
 
@@ -200,7 +202,7 @@ def test_row_gradient_sums_equal_the_entries_summed_per_row():
     g = torch.Generator().manual_seed(0)
     batches = [torch.tensor([5, 9, 5, 0, 63]), torch.tensor([9, 9, 17, 40]), torch.tensor([63, 2, 5])]
     distinct = sorted({int(r) for rows in batches for r in rows})
-    sums = tg.RowGradientSums(64, 3, len(distinct), torch.device("cpu"), kernels.sum_rows_reference)
+    sums = sparse_tables.RowGradientSums(64, 3, len(distinct), torch.device("cpu"), kernels.sum_rows_reference)
     expected = torch.zeros(64, 3, dtype=torch.float64)
     for rows in batches:
         grads = torch.randn(len(rows), 3, generator=g)
@@ -225,14 +227,14 @@ def test_the_table_update_equals_the_one_from_the_concatenated_entries(shards):
     h = budget_config(shards, "--ngram_lr=0.05")
     trainer = cpu_trainer(h)
     entries = []
-    add = trainer.ngram_grads.add
-    trainer.ngram_grads.add = lambda rows, grads: (entries.append((rows.clone(), grads.clone())), add(rows, grads))
+    add = trainer.tables.ngram_grads.add
+    trainer.tables.ngram_grads.add = lambda rows, grads: (entries.append((rows.clone(), grads.clone())), add(rows, grads))
     loader = tg.TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
     for step in range(2):          # the event of step 1 takes steps 0 and 1
         trainer.advance_to(step)
         trainer.train_step(step, loader.next_batch(512, 256, 2, [0, 1]))
     entries.clear()
-    adam = trainer.ngram_adam
+    adam = trainer.tables.ngram_adam
     before = (trainer.model.ngram.table.clone(), adam.moment.clone(), adam.last.clone(), adam.events,
               list(adam.log_decay), adam.log_decay_at.clone())
     for step in (2, 3):            # step 3's event takes steps 2 and 3
@@ -287,8 +289,8 @@ def test_a_micro_batch_gives_the_sinks_gradients_of_its_own_rows(shards):
     trainer.forward_backward(0, loader.next_batch(256, 256, 1, [0]))   # the sinks' gradients made
     whole = [s.grad for s in sinks]
     captured = []
-    take = trainer.take_sparse_entries
-    trainer.take_sparse_entries = lambda s: (captured.append([sink.grad[:256].clone() for sink in sinks]), take(s))
+    take = trainer.tables.take_entries
+    trainer.tables.take_entries = lambda s: (captured.append([sink.grad[:256].clone() for sink in sinks]), take(s))
     with Shapes() as shapes:
         trainer.forward_backward(0, loader.next_batch(256, 256, 1, [0]))
     assert rows not in shapes.rows and 256 in shapes.rows
@@ -299,4 +301,4 @@ def test_a_micro_batch_gives_the_sinks_gradients_of_its_own_rows(shards):
 
 @pytest.mark.parametrize("rows, pinned", [(1, 1), (3, 4), (4096, 4096), (4097, 8192), (129_952_542_720, 2**37)])
 def test_pinned_host_memory_rounds_up_to_a_power_of_two(rows, pinned):
-    assert tg.pinned_bytes(rows) == pinned and math.log2(pinned).is_integer()
+    assert memory_budget.pinned_bytes(rows) == pinned and math.log2(pinned).is_integer()

@@ -45,11 +45,11 @@ VALIDATION_RTOL = 1e-6             # no backward, fp32 only in the softcap: meas
 CPU_SET = ["--preset", "cpu", "--model_dim=64", "--head_dim=32", "--narrow_qk_dim=16", "--mlp_hidden=128",
            "--bigram_rows=1024", "--ngram_rows=0", "--compute_dtype=float32"]
 SPEEDRUN_SET = ["--preset", "speedrun", "--model_dim=96", "--head_dim=16", "--narrow_qk_dim=8", "--narrow_vo_dim=8",
-                "--mlp_hidden=128", "--ngram_rows=4096", "--dc_window=24", "--batch_ranks=1",
+                "--mlp_hidden=128", "--ngram_rows=4096", "--composed_window=24", "--batch_ranks=1",
                 "--compute_dtype=float32", "--compile=false", "--cuda_graphs=false"]
 # The U-net trunk with the token gates and the attention features no preset combines with it.
 UNET_GATED_SET = CPU_SET + ["--token_gates=true", "--token_gates_split=2", "--xsa_layers=[1]", "--attn_gate_layers=[3]",
-                            "--dc_layers=[3]", "--dc_window=24", "--paired_head_layers=[2]", "--key_offset=true",
+                            "--composed_layers=[3]", "--composed_window=24", "--paired_head_layers=[2]", "--key_offset=true",
                             "--smear_gate=true", "--ngram_rows=2048", "--parallel_mlp_layers=[1]"]
 SETS = {"cpu": CPU_SET, "speedrun": SPEEDRUN_SET, "unet_gated": UNET_GATED_SET}
 T = 256                            # tokens per slice
@@ -278,7 +278,7 @@ def test_a_trainer_step_equals_the_statement_with_its_schedule(tmp_path, tokeniz
     write_shard(tmp_path / "t_train_000000.bin", stream)
     h = tg.parse_config(SPEEDRUN_SET + ["--num_iterations=8", "--batch_ranks=2", SMALL_STAGES,
                                         f"--train_files={tmp_path}/t_train_*.bin"])
-    trainer = tg.Trainer(h, tg.Dist(0, 1, 0, torch.device("cpu")), tg.RunLog("unused", active=False))
+    trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog("unused", active=False))
     model = in_float64(away_from_init(trainer.model, 7))
     cfg = tg.model_config(h)
     # by hand: step s of 8 is in stage 0 while s / 8 < 0.5; windows in blocks of 128 tokens
@@ -309,9 +309,9 @@ def test_a_trainer_step_equals_the_statement_with_its_schedule(tmp_path, tokeniz
         for key, p in model.named_parameters():
             if id(p) not in sinks and p.requires_grad and key != "lm_head":
                 assert_close(f"step {step}: {key}", p.grad, P[key].grad, GRAD_RTOL, GRAD_ATOL)
-        rows, entries = (torch.cat(parts) for parts in zip(*trainer.ngram_entries))
+        rows, entries = (torch.cat(parts) for parts in zip(*trainer.tables.ngram_entries))
         table = torch.zeros_like(model.ngram.table).index_add_(0, rows, entries.double())
         assert_close(f"step {step}: ngram.table", table, P["ngram.table"].grad, GRAD_RTOL, GRAD_ATOL)
-        for i, pending in enumerate(trainer.value_grads):
+        for i, pending in enumerate(trainer.tables.value_grads):
             assert_close(f"step {step}: value_embeds.{i}", pending.sums[:tg.PADDED_VOCAB_SIZE],
                          P[f"value_embeds.{i}.weight"].grad, GRAD_RTOL, GRAD_ATOL)

@@ -1,4 +1,4 @@
-"""The routes of a split n-gram table (train_gpt.ShardedNgramRows): worked out on the host from
+"""The routes of a split n-gram table (sparse_tables.ShardedNgramRows): worked out on the host from
 the slices' tokens against a reference made of sets, and worked out ahead by the batch
 prefetcher against those of the tokens gathered before each forward, in a 2-process job."""
 import os
@@ -12,6 +12,7 @@ from launch import cpu_env, run_distributed
 from test_train import NGRAM, REPO, SPARSE_VALUES, TINY, data_args, synthetic_documents  # noqa: F401
 
 sys.path.insert(0, REPO)
+import sparse_tables  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data.shards import write_shard  # noqa: E402
 
@@ -25,7 +26,7 @@ def test_a_route_asks_each_owner_for_its_rows_and_answers_every_process():
     (reference: Python sets, sorted)."""
     rank, world, rows = 1, 4, 4096
     table = tg.NgramTable(rows, 8, max_tokens=300, placement=tg.TablePlacement(rank, world))
-    router = tg.ShardedNgramRows(table, None, tg.Dist(rank, world, rank, torch.device("cpu")))
+    router = sparse_tables.ShardedNgramRows(table, None, tg.ProcessGroup(rank, world, rank, torch.device("cpu")))
     g = torch.Generator().manual_seed(0)
     slices = [torch.randint(0, 3000, (300,), generator=g, dtype=torch.int32) for _ in range(world)]
     for s in slices:

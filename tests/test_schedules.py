@@ -419,7 +419,7 @@ ADVANCED = {
 @pytest.fixture(scope="module")
 def trainer():
     h = preset("cpu", *SCHEDULED)
-    return tg.Trainer(h, tg.Dist(0, 1, 0, torch.device("cpu")), tg.RunLog("unused", active=False))
+    return tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog("unused", active=False))
 
 
 def test_advance_to_writes_every_groups_lr_and_the_muon_momenta(trainer):
@@ -444,8 +444,8 @@ def test_advance_to_writes_every_groups_lr_and_the_muon_momenta(trainer):
                 assert group["lr"] == pytest.approx(group["initial_lr"] * lr), (step, group["name"])
         for group in muon.param_groups:
             assert (group["momentum"], group["mu"], group["blend"]) == pytest.approx((momentum, mu, blend)), step
-        assert trainer.ngram_adam.lr == pytest.approx(0.05 * lr)
-        assert [adam.lr for adam in trainer.value_adams] == pytest.approx([0.03 * lr])
+        assert trainer.tables.ngram_adam.lr == pytest.approx(0.05 * lr)
+        assert [adam.lr for adam in trainer.tables.value_adams] == pytest.approx([0.03 * lr])
         assert trainer.model.tied == (step < 6), "the head unties at int(2/3 * 10) = 6"
 
 
@@ -455,12 +455,12 @@ def test_advance_to_starts_the_tables_late_phase_at_ngram_late_step(trainer):
     for step in (5, 0, 2, 3, 4, 10, 1):
         trainer.advance_to(step)
         late = step >= 3
-        assert trainer.sparse_step_every == (4 if late else 2), step
-        assert trainer.ngram_adam.beta2 == (0.81 if late else 0.9), step
-        assert [adam.beta2 for adam in trainer.value_adams] == [0.64 if late else 0.8], step
+        assert trainer.tables.step_every == (4 if late else 2), step
+        assert trainer.tables.ngram_adam.beta2 == (0.81 if late else 0.9), step
+        assert [adam.beta2 for adam in trainer.tables.value_adams] == [0.64 if late else 0.8], step
     trainer.h.ngram_late_step = 0
     try:
         trainer.advance_to(9)
-        assert (trainer.sparse_step_every, trainer.ngram_adam.beta2, trainer.value_adams[0].beta2) == (2, 0.9, 0.8)
+        assert (trainer.tables.step_every, trainer.tables.ngram_adam.beta2, trainer.tables.value_adams[0].beta2) == (2, 0.9, 0.8)
     finally:
         trainer.h.ngram_late_step = 3

@@ -147,7 +147,7 @@ CONFIG = [
     "--num_layers=3", "--model_dim=128", "--num_heads=2", "--head_dim=64", "--mlp_hidden=128",
     "--long_window_layers=[2]", "--attention_free_layers=[1]", "--num_value_embeds=1",
     "--narrow_qk_layers=[0]", "--narrow_qk_dim=32", "--paired_head_layers=[0]",
-    "--xsa_layers=[2]", "--dc_layers=[2]", "--dc_window=32", "--attn_gate_layers=[2]",
+    "--xsa_layers=[2]", "--composed_layers=[2]", "--composed_window=32", "--attn_gate_layers=[2]",
     "--token_gates=true", "--token_gates_split=2", "--trunk=dense", "--skip_layers=[0,1]", "--snapshot_layer=1",
     "--parallel_mlp_layers=[1]", "--qk_ortho_heads=0",
     "--ngram_rows=4096", "--ngram_dtype=bfloat16", "--ngram_lr=0.02", "--value_embed_sparse=true",
@@ -176,7 +176,7 @@ def shards(tmp_path_factory):
 def _trainer(which, shards_dir):
     h = tg.parse_config(CONFIG + [f"--kernels={which}", f"--train_files={shards_dir}/e_train_*.bin",
                                   f"--val_files={shards_dir}/e_train_*.bin", f"--log_dir={shards_dir}"])
-    trainer = tg.Trainer(h, tg.Dist(0, 1, 0, torch.device("cpu")), tg.RunLog(shards_dir, active=False))
+    trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog(shards_dir, active=False))
     for opt in trainer.optimizers:
         if isinstance(opt, optim.Muon):
             opt.ortho_dtype = torch.float32          # see the module docstring
@@ -185,9 +185,9 @@ def _trainer(which, shards_dir):
 
 def _sparse_adams(trainer):
     """name -> (SparseRowAdam, the state-dict key of its table)."""
-    adams = {"ngram": (trainer.ngram_adam, tg.NGRAM_TABLE_KEY)}
+    adams = {"ngram": (trainer.tables.ngram_adam, tg.NGRAM_TABLE_KEY)}
     adams.update({f"value_embeds.{i}": (adam, f"value_embeds.{i}.weight")
-                  for i, adam in enumerate(trainer.value_adams)})
+                  for i, adam in enumerate(trainer.tables.value_adams)})
     return adams
 
 
@@ -198,7 +198,7 @@ def _capture_gradients(trainer):
     grads = {}
     names = {id(p): name for name, p in trainer.model.named_parameters()}
     first = trainer.optimizers[0]
-    first_step, sparse_step = first.step, trainer.step_sparse_tables
+    first_step, sparse_step = first.step, trainer.tables.step
 
     def step():
         for opt in trainer.optimizers:
@@ -210,14 +210,14 @@ def _capture_gradients(trainer):
 
     def step_sparse_tables():
         table = trainer.model.ngram.table
-        rows, entries = (torch.cat(parts) for parts in zip(*trainer.ngram_entries))
+        rows, entries = (torch.cat(parts) for parts in zip(*trainer.tables.ngram_entries))
         grads[tg.NGRAM_TABLE_KEY] = torch.zeros(table.shape, dtype=torch.float64).index_add_(0, rows,
                                                                                              entries.double())
-        for i, pending in enumerate(trainer.value_grads):
+        for i, pending in enumerate(trainer.tables.value_grads):
             grads[f"value_embeds.{i}.weight"] = pending.sums[:-1].double().clone()
         return sparse_step()
 
-    first.step, trainer.step_sparse_tables = step, step_sparse_tables
+    first.step, trainer.tables.step = step, step_sparse_tables
     return grads
 
 

@@ -1,0 +1,189 @@
+"""CUDA graphs of the training step: the forward and backward of each graph key (stage, windows,
+tied head) captured once in the untimed warm-up on inputs at fixed addresses (MicroBatch), then
+replayed with each micro-batch copied into those inputs; the optimizers' updates likewise
+(run_captured). Where graphs are off (a CPU, --cuda_graphs=false) every call runs eagerly.
+"""
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from processes import TrainingError
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch on the device, as the step's body reads it."""
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    cu_seqlens: torch.Tensor
+    candidate_offset: torch.Tensor  # 0-d int64: candidate_offset(step, slice)
+
+    @staticmethod
+    def of(s, offset, device):
+        """The slice's own tensors on `device` (a step that is not replayed)."""
+        s = s.to(device)
+        return MicroBatch(s.tokens, s.targets, s.cu_seqlens, torch.full((), offset, device=device))
+
+    @staticmethod
+    def buffers_like(s, device):
+        """Zeroed buffers shaped like `s`, at addresses a captured graph can keep reading."""
+        return MicroBatch(*(torch.zeros_like(t, device=device) for t in (s.tokens, s.targets, s.cu_seqlens)),
+                          torch.zeros((), dtype=torch.int64, device=device))
+
+    def fill(self, s, offset):
+        """Copy the next slice in (queued behind the previous replay; from pinned memory the
+        host does not wait)."""
+        for buffer, value in ((self.tokens, s.tokens), (self.targets, s.targets), (self.cu_seqlens, s.cu_seqlens)):
+            buffer.copy_(value, non_blocking=True)
+        self.candidate_offset.fill_(offset)
+
+
+@dataclass
+class StepGraph:
+    """One graph key's forward+backward: its body, its input buffers, the parameters it trains,
+    and, once captured, the CUDA graph."""
+    body: object                   # body(MicroBatch): forward, backward, loss sums
+    inputs: MicroBatch
+    trained: list                  # the parameters that get a gradient
+    graph: object = None           # torch.cuda.CUDAGraph once captured
+
+
+class StepGraphs:
+    """The training step's forward+backward, one per graph key, at fixed addresses.
+
+    On CUDA, each key's micro-batch is captured once as a CUDA graph in the untimed warm-up,
+    after the eager steps that compile it, and replayed in the timed run: one launch per
+    micro-batch instead of one per kernel, and no Python in between. The graphs share one memory
+    pool: they never run at once, and nothing they allocate outlives a replay. What a replay
+    leaves behind (gradients, loss sums, FP8 states) lives in ordinary tensors made before the
+    capture. On a CPU (or on CUDA for a key the warm-up did not capture) the same body runs
+    eagerly on the same buffers, so one code path is tested everywhere. Disabled (cuda_graphs
+    off), every micro-batch runs eagerly from its own tensors, gradients are freed after each
+    update, and nothing here is kept.
+
+    Gradients: a captured backward adds into .grad tensors that exist at capture and keep their
+    addresses. So every parameter has one gradient tensor for the whole run (`grads`), zeroed in
+    place after each update (but the gradient sinks', which are the model's: GPT.sinks_of). Each
+    key attaches the gradients of the parameters it trains (its first, eager run finds which) and
+    detaches the others, so an optimizer never sees a zero gradient for a parameter that got none
+    (the head while it is tied).
+    """
+
+    def __init__(self, model, device, enabled):
+        sinks = model.gradient_sinks()
+        self.params = [p for p in model.parameters() if all(p is not s for s in sinks)]
+        self.device, self.enabled = device, enabled
+        self.capturing = enabled and device.type == "cuda"
+        self.grads = {}            # parameter -> its gradient tensor for the run
+        self.steps = {}            # graph key -> StepGraph
+        self.attached = None       # the StepGraph whose gradients are attached
+        self.pool = torch.cuda.graph_pool_handle() if self.capturing else None
+        self.optimizer_graphs = {}  # run_captured's key -> its CUDA graph
+        self.in_warm_up = False    # run_captured may capture (set by the warm-up)
+        self.eager_runs = 0        # CUDA runs of a key already seen that had no graph
+
+    def run(self, key, body, s, offset):
+        """Forward and backward of micro-batch `s` with the graph of `key` (body makes it)."""
+        if not self.enabled:
+            body(MicroBatch.of(s, offset, self.device))
+            return
+        step = self.steps.get(key)
+        if step is None:
+            self.steps[key] = self._first_run(body, s, offset)
+            return
+        self._attach(step)
+        step.inputs.fill(s, offset)
+        if step.graph is not None:
+            step.graph.replay()
+        else:
+            self.eager_runs += self.capturing
+            step.body(step.inputs)
+
+    def _first_run(self, body, s, offset):
+        """Run a new key eagerly from fresh buffers and find the parameters it trains: the ones
+        with a gradient after a backward that starts with none. Gradients pending from earlier
+        micro-batches (accumulation) are added back."""
+        step = StepGraph(body, MicroBatch.buffers_like(s, self.device), [])
+        step.inputs.fill(s, offset)
+        pending = {p: p.grad for p in self.params if p.grad is not None}
+        for p in self.params:
+            p.grad = None
+        body(step.inputs)
+        step.trained = [p for p in self.params if p.grad is not None]
+        for p in step.trained:
+            if p in self.grads:
+                self.grads[p].add_(p.grad)
+            else:
+                self.grads[p] = p.grad
+        trained = set(step.trained)
+        for p, grad in pending.items():
+            if p not in trained:
+                self.grads[p] = grad   # kept for a later key that trains p
+        self.attached = None
+        self._attach(step)
+        return step
+
+    def _attach(self, step):
+        if self.attached is step:
+            return
+        trained = set(step.trained)
+        for p in self.params:
+            p.grad = self.grads[p] if p in trained else None
+        self.attached = step
+
+    def capture(self, key):
+        """Capture `key`'s forward+backward (CUDA, enabled; its first run done). Runs it once
+        more eagerly first, so the gradients, loss sums and FP8 states change: the warm-up
+        restores them afterwards."""
+        if not self.capturing or self.steps[key].graph is not None:
+            return
+        step = self.steps[key]
+        self._attach(step)
+        step.graph = self._capture(functools.partial(step.body, step.inputs), f"training step of graph {key}")
+
+    def run_captured(self, key, fn):
+        """fn() (an optimizer's update on tensors at fixed addresses) as a CUDA graph: the first
+        call with `key` in the warm-up captures it (after running it eagerly, which does that
+        call's work and creates any state lazily), later calls replay it. Off CUDA, or for a key
+        the warm-up did not meet, fn runs eagerly."""
+        graph = self.optimizer_graphs.get(key)
+        if graph is not None:
+            graph.replay()
+        elif self.capturing and self.in_warm_up:
+            self.optimizer_graphs[key] = self._capture(fn, f"optimizer update {key[0]}")
+        else:
+            self.eager_runs += self.capturing
+            fn()
+
+    def _capture(self, fn, what):
+        """A CUDA graph of fn(), after one eager run of it on a side stream, as capture requires
+        (that run also does this call's work: a capture only records)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        # The eager runs' freed blocks go back to the driver: a capture allocates in the graphs'
+        # own pool, and while it is under way the allocator frees no cached block to make room.
+        torch.cuda.empty_cache()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                fn()
+        except RuntimeError as error:
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise TrainingError(f"capturing the {what} as a CUDA graph failed ({first_line}): rerun with "
+                                f"--cuda_graphs=false") from error
+        return graph
+
+    def zero_grads(self):
+        """Zero every run gradient in place and detach them all (the state of a fresh run)."""
+        for grad in self.grads.values():
+            grad.zero_()
+        for p in self.params:
+            p.grad = None
+        self.attached = None
+
+    def captured(self):
+        return sum(step.graph is not None for step in self.steps.values())

@@ -1,0 +1,378 @@
+"""What a run needs in memory, and where it fits.
+
+memory_budget(h, world_size) counts, from the shapes alone, the bytes each process's GPU and the
+host hold for a run: named items (parameters, gradients, optimizer state, the n-gram table, ...)
+plus one training step's and one validation's peak, measured by running them on fake tensors
+(no memory, no compute). check_memory refuses a run that does not fit with one line naming what
+shrinks each item; launch_plan picks what run.sh starts on a machine's GPUs. The model and the
+step come from train_gpt.py, imported when first needed (train_gpt imports this module).
+"""
+import dataclasses
+import functools
+import json
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import optim
+from config import (MAX_TARGETS, MIN_DOC_TOKENS, PADDED_VOCAB_SIZE, ConfigError, config_from_dict, config_to_dict,
+                    normalize_config)
+from processes import ProcessGroup
+from sparse_tables import NGRAM_ROW_STATE_BYTES, available_memory_bytes, check_ngram_table, ngram_event_rows
+
+
+def _recipe():
+    """train_gpt, whose model and training step the budget runs on fake tensors."""
+    import train_gpt
+    return train_gpt
+
+
+# Allowances, not measurements (no GPU run yet):
+MEMORY_MARGIN_BYTES = 3 * 2**30    # a GPU's memory beside the budget's items: the CUDA context, cuBLAS, NCCL
+MEMORY_MARGIN_FRACTION = 0.05      # and this share of the GPU: the caching allocator's rounding and fragmentation
+HOST_MARGIN_BYTES = 16 * 2**30     # host memory beside a host table: the processes, the data shards, the OS
+# What shrinks each item, for a refusal to name.
+BUDGET_SETTINGS = {
+    "n-gram table": "--ngram_rows or --ngram_cache_rows, or more processes to split the table",
+    "pending n-gram gradients": "--ngram_late_step_every (the longest cadence) or the stages' tokens_per_rank",
+    "step": "the stages' tokens_per_rank (or candidates)",
+    "n-gram table (host)": "--ngram_rows",
+}
+
+
+@dataclass
+class MemoryBudget:
+    """The bytes a run needs on each process's GPU and in the host's memory, by item, from the
+    shapes alone (memory_budget), so that a run that cannot fit is refused before anything large
+    is allocated.
+
+    Held on the GPU for the whole run:
+      parameters, buffers      the model's (but the n-gram table, its gathered rows, the mask)
+      gradients                one per trained parameter, for the whole run (StepGraphs)
+      optimizer state          Adam's moments (and its summed gradients with several processes
+                               and CUDA graphs); the Muon family's momentum (ANVIL: two rails),
+                               lane moments and banks (stacked gradients, new values)
+      weight averages          the end-of-training EMAs (fp32)
+      n-gram table             this device's rows (all, a shard, or a host table's cache) and
+                               their sparse Adam state (NGRAM_ROW_STATE_BYTES a row)
+      n-gram rows in flight    a split table's gathered rows (`fetched`) and every table's slots
+      gradient sinks           values and gradients, max_tokens rows
+      value tables' sums       the sparse value-embedding tables' row sums and sparse Adam state
+      pending n-gram gradients RowGradientSums: ngram_event_rows fp32 rows and their maps
+      canonical mask           the validation's bit matrix
+    The step: one micro-batch's forward and backward at the largest stage (activations, the logits
+    and their gradient, the backward's transients; step_memory's dry run); with CUDA graphs it
+    stays held in their pool, else it is freed after each backward. Never at once, and not
+    during a step: the table update (per micro-batch, its entries summed per row and grouped,
+    and a split table's rows and gradients on their way; per event, the value tables' touched
+    rows) and a validation forward (validation_memory). Then the margin: MEMORY_MARGIN_BYTES
+    and MEMORY_MARGIN_FRACTION of the GPU.
+
+    In host memory, with the table there: the table and its row state, pinned (the CUDA host
+    allocator rounds each block up to a power of two), the row-to-slot map, the cache's slot
+    bookkeeping, and HOST_MARGIN_BYTES."""
+    device: dict                   # held item -> bytes
+    passing: dict                  # item -> bytes, one at a time
+    step: int
+    logits: int                    # of the step, at its peak
+    graphs: bool                   # the step stays in the CUDA-graph pool
+    host: dict = field(default_factory=dict)
+
+    def device_total(self, gpu_bytes):
+        held = sum(self.device.values()) + (self.step if self.graphs else 0)
+        passing = max([*self.passing.values(), 0 if self.graphs else self.step])
+        return held + passing + MEMORY_MARGIN_BYTES + MEMORY_MARGIN_FRACTION * gpu_bytes
+
+    def host_total(self):
+        return sum(self.host.values()) + HOST_MARGIN_BYTES if self.host else 0
+
+    def refusal(self, what, needed, available, items):
+        """The one line that refuses the run: what it needs, what there is, its largest items."""
+        largest = sorted(items.items(), key=lambda item: -item[1])[:3]
+        named = ", ".join(f"{name} {size / 2**30:.1f}" + (f" ({BUDGET_SETTINGS[name]})" if name in BUDGET_SETTINGS
+                                                         else "") for name, size in largest)
+        return (f"the run needs {needed / 2**30:.1f} GiB of {what}, {available / 2**30:.1f} GiB are there; "
+                f"its largest items (GiB): {named}: lower one of those")
+
+    def check(self, gpu_bytes, host_bytes):
+        """None, or the refusal of a run on a GPU of gpu_bytes with host_bytes of host memory
+        (either None: not checked)."""
+        needed = self.device_total(gpu_bytes or 0)
+        if gpu_bytes is not None and needed > gpu_bytes:
+            return self.refusal("memory on each GPU", needed, gpu_bytes,
+                                {**self.device, **self.passing, "step": self.step})
+        if host_bytes is not None and self.host and self.host_total() > host_bytes:
+            return self.refusal("host memory", self.host_total(), host_bytes, self.host)
+        return None
+
+    def summary(self, gpu_bytes):
+        return f"{self.device_total(gpu_bytes) / 2**30:.1f} of {gpu_bytes / 2**30:.1f} GiB"
+
+
+def pinned_bytes(nbytes):
+    """What pinning `nbytes` of host memory takes: the CUDA host allocator's power of two."""
+    return 1 << max(nbytes - 1, 0).bit_length()
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of the storages the ops under it make while they are alive, and their peak;
+    `logits` counts those of 2-d tensors `logits_width` wide (the head's), at that peak. The
+    storages of `existing` tensors (parameters, gradients, buffers) are not counted."""
+
+    def __init__(self, logits_width, existing=()):
+        super().__init__()
+        self.live = self.peak = self.logits = self.peak_logits = 0
+        self.width, self.seen = logits_width, {id(t.untyped_storage()) for t in existing}
+
+    def _free(self, key, nbytes, logits):
+        self.seen.discard(key)
+        self.live -= nbytes
+        self.logits -= nbytes if logits else 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in self.seen:
+                storage, logits = t.untyped_storage(), t.ndim == 2 and t.shape[-1] == self.width
+                self.seen.add(id(storage))
+                self.live += storage.nbytes()
+                self.logits += storage.nbytes() if logits else 0
+                weakref.finalize(storage, self._free, id(storage), storage.nbytes(), logits)
+        if self.live > self.peak:
+            self.peak, self.peak_logits = self.live, self.logits
+        return out
+
+
+def largest_stage(h):
+    """The index of the stage whose step makes the most memory: the most tokens times head width."""
+    return max(range(len(h.stages)), key=lambda i: h.stages[i].tokens_per_rank * (h.stages[i].candidates or
+                                                                                  PADDED_VOCAB_SIZE))
+
+
+def fake_model(h):
+    """The run's model on fake tensors (shapes without memory) with the Triton kernels' functions,
+    its n-gram table whole; no canonical mask (validation_memory fakes one)."""
+    recipe = _recipe()
+    fns = recipe.select_kernels(dataclasses.replace(h, kernels="auto"), torch.device("cuda"))
+    cfg = dataclasses.replace(recipe.model_config(h), canonical_mask=False)
+    return recipe.GPT(cfg, fns, recipe.max_positions(h))
+
+
+def dry_run(h, run):
+    """run(model) on the fake model, under a LiveBytes of the head's width and h's autocast, with
+    the global random state left as it was: (its LiveBytes, the model)."""
+    with torch.random.fork_rng(devices=[]), torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
+        model = fake_model(h)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=h.compute_dtype == "bfloat16")
+        tracker = run(model, autocast)
+    return tracker, model
+
+
+# Keys that do not change what the dry runs count (the table's placement: they run it whole).
+DRY_RUN_FREE_KEYS = ("preset", "track", "seed", "ngram_cache_rows", "train_files", "val_files", "log_dir", "log_every",
+                     "save_checkpoint", "sync_check")
+
+
+def dry_run_key(h):
+    return json.dumps({k: v for k, v in config_to_dict(h).items() if k not in DRY_RUN_FREE_KEYS}, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=8)
+def step_memory(config_json):
+    """(peak bytes, logits bytes at the peak) of one micro-batch's forward and backward at the
+    run's largest stage (largest_stage), with the Triton kernels: the tensors it makes, alive at
+    once at its peak, counted on fake tensors (no memory, no compute). The parameters and their
+    gradients exist before it (the budget counts them apart), as in a run after its first step.
+    The eager step: a compiled one fuses ops and may keep less."""
+    recipe = _recipe()
+    h = normalize_config(config_from_dict(json.loads(config_json)))
+    index = largest_stage(h)
+    stage, step = h.stages[index], sum(recipe.steps_per_stage(h)[:index])   # the stage and its first step
+
+    def run(model, autocast):
+        model.set_windows(recipe.long_window_history(h, step))
+        model.tied = step < recipe.untie_step(h)
+        T = stage.tokens_per_rank
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
+        tokens = torch.zeros(T, dtype=torch.int32)
+        targets = torch.zeros(T, MAX_TARGETS - 1, dtype=torch.int64)
+        args = recipe.Trainer.attention_args(torch.zeros(T // MIN_DOC_TOKENS + 2, dtype=torch.int32),
+                                             recipe.attention_windows(h, step))
+        with model.sinks_of(T):
+            existing = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters()
+                                                                 if p.grad is not None)]
+            tracker = LiveBytes(stage.candidates or PADDED_VOCAB_SIZE, existing)
+            with tracker, autocast:
+                columns = recipe.candidate_columns(targets, stage.candidates, 0) if stage.candidates else None
+                objective, _ = model(tokens, targets, args, recipe.target_weights(stage, "cpu"), columns)
+                objective.backward()
+        return tracker
+    tracker, _ = dry_run(h, run)
+    return tracker.peak, tracker.peak_logits
+
+
+@functools.lru_cache(maxsize=8)
+def validation_memory(config_json):
+    """Peak bytes of a final validation forward of one slice (val_tokens_per_rank tokens, the
+    canonical mask if on), counted as step_memory counts."""
+    recipe = _recipe()
+    h = normalize_config(config_from_dict(json.loads(config_json)))
+
+    def run(model, autocast):
+        if h.canonical_mask:       # its bits' shape, not GPT-2's pairs
+            model.canonical_mask = mask = recipe.NoncanonicalPairs.__new__(recipe.NoncanonicalPairs)
+            nn.Module.__init__(mask)
+            mask.register_buffer("bits", torch.zeros(PADDED_VOCAB_SIZE, PADDED_VOCAB_SIZE // 8, dtype=torch.uint8))
+            mask.register_buffer("bit_values", 1 << torch.arange(8, dtype=torch.uint8))
+        model.eval()
+        model.set_windows(recipe.long_window_history(h, h.num_iterations, final_validation=True))
+        T = h.val_tokens_per_rank
+        args = recipe.Trainer.attention_args(torch.zeros(T // MIN_DOC_TOKENS + 2, dtype=torch.int32),
+                                             recipe.attention_windows(h, h.num_iterations, final_validation=True))
+        tracker = LiveBytes(PADDED_VOCAB_SIZE, [*model.parameters(), *model.buffers()])
+        with tracker, autocast, torch.no_grad():
+            model.validation_loss_sum(torch.zeros(T, dtype=torch.int32), torch.zeros(T, MAX_TARGETS - 1,
+                                                                                     dtype=torch.int64), args)
+        return tracker
+    return dry_run(h, run)[0].peak
+
+
+def optimizer_bytes(h, model, world_size):
+    """Bytes of the optimizers' state for the model (fake tensors will do), as train_gpt.build_optimizers
+    makes them and their first steps fill them in: see MemoryBudget."""
+    recipe = _recipe()
+    optimizers = recipe.build_optimizers(h, model, recipe.KernelFns(None, None), run_bank=None)
+    nbytes = lambda p: p.numel() * 4                             # noqa: E731  (fp32 state of fp32 parameters)
+    total = 0
+    for opt in optimizers:
+        params = [p for group in opt.param_groups for p in group["params"]]
+        if isinstance(opt, optim.Adam):
+            total += 2 * sum(map(nbytes, params))                 # exp_avg, exp_avg_sq
+            if world_size > 1 and h.cuda_graphs:                  # the summed gradients at fixed addresses
+                total += sum(nbytes(p) // (world_size if optim.shards_rows(p, world_size) else 1) for p in params)
+            continue
+        rails = 2 if h.optimizer == "anvil" else 1
+        total += rails * sum(map(nbytes, params))
+        for group in opt.param_groups:
+            banks = {}             # Muon's banks: a group's matrices of one shape and dtype
+            for p in group["params"]:
+                banks.setdefault((tuple(p.shape), p.dtype), []).append(p)
+                if group["equalize"]:                             # one second moment per lane of each block
+                    total += 4 * sum(max(rows, p.shape[1]) for rows in group.get("row_splits") or (p.shape[0],))
+            for bank in banks.values():                          # stacked gradients, new values, the shard
+                per_rank = -(-len(bank) // world_size)
+                total += nbytes(bank[0]) * per_rank * (world_size + 1 + (world_size > 1))
+    return total
+
+
+def memory_budget(h, world_size):
+    """The MemoryBudget of h on world_size processes (one GPU each)."""
+    recipe = _recipe()
+    config_json = dry_run_key(h)
+    step, logits = step_memory(config_json)
+    with torch.random.fork_rng(devices=[]), torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
+        model = fake_model(h)
+        sinks = model.gradient_sinks()
+        params = [p for p in model.parameters() if all(p is not s for s in sinks)]
+        table_buffers = {"ngram.table", "ngram.fetched", "ngram.slots"}
+        device = {
+            "parameters": sum(p.nbytes for p in params),
+            "buffers": sum(b.nbytes for name, b in model.named_buffers() if name not in table_buffers),
+            "gradients": sum(p.nbytes for p in params if p.requires_grad),
+            "optimizer state": optimizer_bytes(h, model, world_size),
+            "weight averages": sum(4 * w.numel() for a in h.averages
+                                   for _, w in recipe.averaged_pieces(model, a.params)),
+            "gradient sinks": 2 * sum(s.nbytes for s in sinks),
+        }
+        value_widths = [ve.embedding_dim for ve in model.value_embeds] if model.value_sinks is not None else []
+    D, passing = h.model_dim, {}
+    longest, tokens = max(s.tokens_per_rank for s in h.stages), recipe.max_positions(h)
+    device["value tables' sums"] = sum(4 * (PADDED_VOCAB_SIZE + 1) * w + NGRAM_ROW_STATE_BYTES * PADDED_VOCAB_SIZE
+                                       for w in value_widths)
+    passing["table update"] = sum(2 * 4 * PADDED_VOCAB_SIZE * w for w in value_widths)   # the touched rows' sums
+    host = {}
+    if h.ngram_rows:
+        cache, dtype_bytes = h.ngram_cache_rows, getattr(torch, h.ngram_dtype).itemsize
+        rows = cache or h.ngram_rows // world_size
+        split = world_size > 1 and not cache
+        capacity = ngram_event_rows(h, world_size)
+        device["n-gram table"] = rows * (D * dtype_bytes + NGRAM_ROW_STATE_BYTES)
+        if split or cache:     # the slots of a slice's rows; split, the rows gathered for it
+            device["n-gram rows in flight"] = 8 * 2 * tokens + (2 * tokens * D * dtype_bytes if split else 0)
+        device["pending n-gram gradients"] = (capacity + 1) * (4 * D + 8) + 4 * (rows + 1) + 8
+        # per micro-batch: its entries summed per row and their grouping (7 int64 vectors); split:
+        # every process's asks of this one, the rows sent, the gradients received and sent
+        entries = 2 * longest * (world_size if split else 1)
+        update = entries * (4 * D + 7 * 8)
+        if split:
+            update += entries * (dtype_bytes * D + 4 * D) + 2 * longest * (4 * D + 7 * 8)
+        passing["table update"] = max(passing["table update"], update)
+        if cache:
+            host = {"n-gram table (host)": pinned_bytes(h.ngram_rows * D * dtype_bytes),
+                    "n-gram row state (host)": 2 * pinned_bytes(4 * h.ngram_rows) + 4 * h.ngram_rows,
+                    "n-gram cache slots (host)": cache * (8 + 8 + 1)}
+    if h.canonical_mask:
+        device["canonical mask"] = PADDED_VOCAB_SIZE * PADDED_VOCAB_SIZE // 8
+    passing["validation"] = validation_memory(config_json)
+    return MemoryBudget(device, passing, step, logits, h.cuda_graphs, host)
+
+
+def check_memory(h, pg, available=None):
+    """Refuse, before anything large is allocated, a run whose MemoryBudget does not fit this
+    process's GPU (its free memory) or, with the table in host memory, the host's. `available`:
+    device -> free bytes (available_memory_bytes)."""
+    available = available or available_memory_bytes
+    budget = memory_budget(h, pg.world_size)
+    refusal = budget.check(available(pg.device), available(torch.device("cpu")) if budget.host else None)
+    if refusal:
+        raise ConfigError(refusal)
+    return budget
+
+
+def launch_plan(gpus, argv=(), available=None):
+    """(preset arguments, processes, reason): what run.sh starts on `gpus` GPUs, for train_gpt.py's
+    arguments `argv`. Without a --preset or --config among them, the first of these that passes
+    the start-up checks (the config's, the batch and validation splits, check_ngram_table,
+    check_memory): the speedrun preset on 8 GPUs (the record's configuration); the 1gpu preset
+    (the same training, off the record track) with its n-gram table split across the GPUs
+    (--ngram_cache_rows=0) on the largest process count below 8 that divides the batch's slices;
+    the 1gpu preset on one process, its table in host memory. With one, the user's config on the
+    most processes that pass. `available`: device -> free bytes (available_memory_bytes; GPU 0
+    stands for every GPU). ConfigError when nothing passes, with each refusal."""
+    recipe = _recipe()
+    available = available or available_memory_bytes
+    gpu, host = available(torch.device("cuda", 0)), available(torch.device("cpu"))
+    if any(a in ("--preset", "--config") or a.startswith(("--preset=", "--config=")) for a in argv):
+        ranks = recipe.parse_config(argv).batch_ranks
+        candidates = [((), n, "the most processes it passes on") for n in range(min(gpus, ranks), 0, -1)
+                      if ranks % n == 0]
+    else:
+        ranks = recipe.parse_config(["--preset", "1gpu", *argv]).batch_ranks
+        candidates = ([(("--preset", "speedrun"), 8, "the record's configuration")] if gpus >= 8 else []) + [
+            (("--preset", "1gpu", "--ngram_cache_rows=0"), n, f"the n-gram table split across the {n} GPUs")
+            for n in range(min(gpus, ranks - 1), 1, -1) if ranks % n == 0] + [
+            (("--preset", "1gpu"), 1, "the n-gram table in host memory")]
+    refused = []
+    for args, n, why in candidates:
+        h = recipe.parse_config([*args, *argv])
+        pg = ProcessGroup(0, n, 0, torch.device("cuda", 0))
+        what = f"{' '.join(args) or 'the config'} on {n} process{'es' * (n > 1)}"
+        try:
+            if h.batch_ranks % n:
+                raise ConfigError(f"batch_ranks={h.batch_ranks} is not divisible by {n}")
+            recipe.check_validation_split(h, pg)
+            check_ngram_table(h, pg, available)
+            budget = check_memory(h, pg, available)
+        except ConfigError as e:
+            refused.append(f"{what}: {e}")
+            continue
+        fits = f"the budget: {budget.summary(gpu)} on each GPU" + (
+            f", {budget.host_total() / 2**30:.1f} of {host / 2**30:.1f} GiB of host memory" if budget.host else "")
+        not_chosen = f"; not {refused[-1].split('; ')[0]}" if refused else ""   # its first clause
+        return args, n, f"{gpus} GPU(s) of {gpu / 2**30:.1f} GiB: {what} ({why}; {fits}){not_chosen}"
+    raise ConfigError(f"nothing fits {gpus} GPU(s) of {gpu / 2**30:.1f} GiB and {host / 2**30:.1f} GiB of host "
+                      f"memory: {'; '.join(refused)}")

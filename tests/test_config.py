@@ -1,0 +1,150 @@
+"""The config's schema (config.py): presets resolve, values parse by their annotated types and
+round-trip through a log, bad values and keys that do not fit together are refused naming them,
+every field carries the rule its type needs, and the cpu preset is the CPU track's current record."""
+import json
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import config  # noqa: E402
+import train_gpt as tg  # noqa: E402
+from records.logfile import parse_log  # noqa: E402
+from test_train import DENSE, tiny_config  # noqa: E402
+
+
+def test_presets_resolve_and_overrides_parse():
+    for name in tg.PRESETS:
+        h = tg.parse_config(["--preset", name])
+        assert h.preset == name and h.stages[-1].end == 1.0
+    h = tg.parse_config(["--preset", "cpu", "--num_iterations=7", "--seed=3", "--compile=false",
+                         "--long_window_layers=[0,2]"])
+    assert (h.num_iterations, h.seed, h.compile, h.long_window_layers) == (7, 3, False, (0, 2))
+    assert tg.parse_config(["--preset", "1gpu"]).batch_ranks == tg.parse_config([]).batch_ranks == 8
+
+
+def test_config_round_trips_through_json(tmp_path):
+    h = tg.parse_config(["--preset", "cpu", "--seed=5"])
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(tg.config_to_dict(h)))
+    assert tg.parse_config(["--config", str(path)]) == h
+
+
+@pytest.mark.parametrize("args, keys", [
+    (["--head_dim=30"], ["head_dim"]),
+    (["--long_window_layers=[5]"], ["long_window_layers"]),
+    (["--value_embed_gate_dim=100"], ["value_embed_gate_dim", "model_dim"]),
+    (["--num_value_embeds=2"], ["num_value_embeds", "num_layers"]),
+    (["--attention_free_layers=[0]"], ["num_value_embeds", "attention_free_layers"]),
+    (["--num_value_embeds=0", "--attention_free_layers=[2]"], ["long_window_layers", "attention_free_layers"]),
+    (["--key_offset=true", "--long_window_layers=[]"], ["key_offset", "long_window_layers"]),
+    (["--xsa_layers=[3]"], ["xsa_layers"]),
+    (["--paired_head_layers=[1]"], ["paired_head_layers", "attention_free_layers"]),
+    (["--paired_head_layers=[0]", "--xsa_layers=[0]"], ["paired_head_layers", "xsa_layers"]),
+    (["--paired_head_layers=[2]", "--key_offset=true"], ["key_offset", "paired_head_layers", "long_window_layers"]),
+    (["--paired_head_layers=[0]", "--num_heads=3"], ["paired_head_layers", "num_heads"]),
+    (["--value_embed_layers=[0]"], ["num_value_embeds", "value_embed_layers"]),
+    (["--num_value_embeds=0", "--value_embed_layers=[1]"], ["value_embed_layers", "attention_free_layers"]),
+    (["--value_embed_gate_reads_value=true", "--value_embed_gate_dim=5"],
+     ["value_embed_gate_reads_value", "value_embed_gate_dim"]),
+    (["--xsa_layers=[1]"], ["xsa_layers", "attention_free_layers"]),
+    (["--smear_gate=true", "--model_dim=8", "--value_embed_gate_dim=4"], ["smear_gate", "model_dim"]),
+    (["--qk_ortho_heads=3", "--num_heads=2"], ["qk_ortho_heads", "num_heads"]),
+    (["--narrow_qk_layers=[1]"], ["narrow_qk_layers", "attention_free_layers"]),
+    (["--narrow_vo_layers=[1]"], ["narrow_vo_layers", "attention_free_layers"]),
+    (["--narrow_qk_layers=[2]", "--key_offset=true"], ["key_offset", "narrow_qk_layers", "long_window_layers"]),
+    (["--narrow_vo_layers=[0]"], ["num_value_embeds", "narrow_vo_layers"]),
+    (["--narrow_qk_layers=[3]"], ["narrow_qk_layers"]),
+    (["--attn_gate_layers=[0]"], ["attn_gate_layers", "token_gates"]),
+    (["--token_gates=true", "--attn_gate_layers=[1]"], ["attn_gate_layers", "attention_free_layers"]),
+    (["--token_gates=true", "--token_gates_split=4"], ["token_gates_split", "num_layers"]),
+    (["--trunk=dense"], ["trunk", "token_gates"]),
+    (["--composed_layers=[2]"], ["composed_layers", "token_gates"]),
+    (["--token_gates=true", "--composed_layers=[0]", "--paired_head_layers=[0]"],
+     ["composed_layers", "attention_free_layers", "paired_head_layers"]),
+    ([*DENSE, "--skip_layers=[0,2]"], ["skip_layers", "attention_free_layers"]),
+    ([*DENSE, "--snapshot_layer=2"], ["snapshot_layer", "num_layers"]),
+    ([*DENSE, "--narrow_vo_layers=[2]", "--num_value_embeds=0"], ["trunk", "attention_free_layers", "narrow_vo_layers"]),
+    (["--cooldown_start=0.5", "--cooldown_end=0.4"], ["cooldown_start", "cooldown_end"]),
+])
+def test_a_model_config_that_cannot_be_built_is_refused_naming_its_keys(args, keys):
+    with pytest.raises(tg.ConfigError) as refused:
+        tiny_config(args)
+    message = str(refused.value)
+    assert "\n" not in message and all(f"--{key}=" in message for key in keys), message
+
+
+def test_a_config_with_keys_the_schema_does_not_have_is_refused_by_name():
+    d = tg.config_to_dict(tiny_config())
+    with pytest.raises(tg.ConfigError, match=r"unknown config key\(s\) \['adam_betas', 'adam_wd'\]"):
+        config.config_from_dict({**d, "adam_betas": [0.7, 0.9], "adam_wd": 0.5})
+
+
+def test_averages_refuse_unknown_params_and_bad_values():
+    for bad, what in [('{"params":"all","window":3}', "params"), ('{"params":"qk","window":0}', "window"),
+                      ('{"params":"qk","window":3,"rate":0}', "rate"), ('{"params":"qk","window":3,"blend":2}', "blend"),
+                      ('{"params":"qk"}', "window required")]:
+        with pytest.raises(tg.ConfigError, match=what):
+            tiny_config([f"--averages=[{bad}]"])
+
+
+# Config keys renamed since the CPU track's current record was logged (the record reproduces
+# with the sources its log embeds; this map lets the current preset be compared with it).
+RENAMED_SINCE_THE_RECORD = {"dc_layers": "composed_layers", "dc_window": "composed_window"}
+
+
+def test_cpu_preset_is_the_current_cpu_record(tmp_path):
+    """`./run.sh` on a CPU (the cpu preset) trains what the CPU track's current record (the first
+    row of the README's table) ran: its logged config, apart from the seed and the log folder
+    (keys renamed since keep their values; keys added since take defaults that change nothing)."""
+    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    table = readme.split("<!-- records:track_cpu:start -->")[1].split("<!-- records:track_cpu:end -->")[0]
+    first = next(line for line in table.splitlines() if line.startswith("| 1 "))
+    folder = os.path.join(REPO, first.split("](")[1].split(")")[0])
+    log = parse_log(os.path.join(folder, sorted(f for f in os.listdir(folder) if f.endswith(".txt")
+                                                and f[0].isdigit())[0]))
+    logged = {RENAMED_SINCE_THE_RECORD.get(k, k): v for k, v in log.config.items()
+              if k not in ("seed", "log_dir", "entry")}
+    preset = tg.config_to_dict(tg.parse_config(["--preset", "cpu"]))
+    preset = json.loads(json.dumps({k: v for k, v in preset.items() if k not in ("seed", "log_dir", "entry")}))
+    assert {k: v for k, v in preset.items() if k in logged} == logged   # keys added since: their defaults
+    (tmp_path / "record.json").write_text(json.dumps(logged))
+    assert tg.parse_config(["--config", str(tmp_path / "record.json")]) == tg.parse_config(["--preset", "cpu"])
+
+
+def test_every_field_carries_the_rule_its_type_needs():
+    """A number has a range, a string its choices (or is a path), a tuple is a list of layers or
+    betas (skip_layers: the dense trunk's pair); so no key escapes the checks."""
+    for f in config.SCHEMA.values():
+        rule = f.metadata
+        if f.type in (int, float):
+            assert "allowed" in rule and rule.get("integer", False) == (f.type is int), f.name
+        elif f.type is str:
+            assert "choices" in rule or rule.get("path") or f.name == "preset", f.name
+        elif f.type is tuple:
+            assert rule.get("layers") or rule.get("betas") or f.name == "skip_layers", f.name
+        else:
+            assert f.type in (bool, list), f.name
+
+
+@pytest.mark.parametrize("key, value, allowed", [
+    ("num_iterations", 0, r"a whole number of steps in \[1, 10,000,000\]"),
+    ("head_dim", 30, r"a multiple of 4"),
+    ("ngram_rows", 3, r"a multiple of 2"),
+    ("cooldown_end", 0.0, r"a fraction of training in \(0, 1\]"),
+    ("matrix_lr", -1e-3, r"a learning rate >= 0"),
+    ("anvil_slow_beta", 1.5, r"a beta in \[0, 1\]"),
+    ("trunk", "tree", r"one of unet, dense"),
+    ("log_dir", "", r"a non-empty path"),
+    ("xsa_layers", (0, 0), r"distinct layer indices"),
+    ("fp8_head", 1, r"true or false"),
+])
+def test_each_rule_refuses_a_value_outside_it(key, value, allowed):
+    h = tg.parse_config(["--preset", "cpu"])
+    setattr(h, key, value)
+    with pytest.raises(config.ConfigError, match=rf"--{key}=.* is not allowed: expects .*{allowed}"):
+        config.check_config(h)
+    config.check_config(tg.parse_config(["--preset", "cpu"]))     # the preset itself passes
