@@ -128,6 +128,17 @@ class Stage:
 
 
 @dataclass
+class TablePhase:
+    """From step `start` on (until a later phase starts), the sparse tables' Adam: the n-gram
+    table's beta2, the sparse value embeddings' beta2, and one update every `step_every` steps.
+    Before the first phase they are ngram_beta2, value_embed_betas[1] and ngram_step_every."""
+    start: int
+    ngram_beta2: float
+    value_embed_beta2: float
+    step_every: int
+
+
+@dataclass
 class Average:
     """One end-of-training weight average: an EMA of some parameters over the last steps,
     blended into them after the last step, before the final validation (and on the clock)."""
@@ -190,7 +201,7 @@ class ModelConfig:
     token_gates: bool = False          # per-token gates from two small MLPs (TokenGates): XSA, output, injections
     # layers before this take gates made from x0, later ones from the residual there
     token_gates_split: int = count(4, 0, MAX_LAYERS, "a layer index")
-    # layers whose heads" outputs are scaled by a per-token gate (needs token_gates)
+    # layers whose heads' outputs are scaled by a per-token gate (needs token_gates)
     attn_gate_layers: tuple = layers(())
     composed_layers: tuple = layers(())      # layers that add composed local attention (needs token_gates; not paired layers)
     # its window, in tokens (at most kernels.COMPOSED_MAX_WINDOW)
@@ -279,7 +290,7 @@ class Hyperparameters(ModelConfig):
     token_gate_lr: float = rate(0.0008)  # the token-gate MLPs
     dense_lr: float = rate(0.002)      # the dense-connection MLPs
     embed_betas: tuple = betas((0.8, 0.95))  # embedding and head
-    value_embed_betas: tuple = betas((0.8, 0.95))  # (sparse value embeddings: beta1 = 0, beta2 their rows" moments")
+    value_embed_betas: tuple = betas((0.8, 0.95))  # (sparse value embeddings: beta1 = 0, beta2 their rows' moments')
     scalar_betas: tuple = betas((0.8, 0.95))  # scalars and gates
     embed_wd: float = decay(0.0)       # embedding and head
     value_embed_wd: float = decay(0.0)  # (scalars and gates are never decayed)
@@ -291,11 +302,7 @@ class Hyperparameters(ModelConfig):
     ngram_wd: float = decay(0.0)
     # the table (and sparse value embeddings) update every this-many steps
     ngram_step_every: int = count(1, 1, MAX_STEPS, "steps")
-    # from this step on (0: never) the sparse tables" beta2 and cadence are the late ones
-    ngram_late_step: int = count(0, 0, MAX_STEPS, "a step")
-    ngram_late_beta2: float = beta(0.9025)  # record 92's late beta2: 0.95 squared
-    ngram_late_step_every: int = count(4, 1, MAX_STEPS, "steps")  # record 92's late cadence: an update every 4th step
-    value_embed_late_beta2: float = beta(0.9025)  # sparse value embeddings' beta2 from ngram_late_step (0.95 squared)
+    table_phases: list = field(default_factory=list)  # later phases of the sparse tables' Adam (TablePhase)
     # > 0: the table lives in host memory and this many of its rows on the device
     ngram_cache_rows: int = count(0, 0, MAX_TABLE_ROWS, "rows")
     # system
@@ -329,6 +336,7 @@ class Hyperparameters(ModelConfig):
 MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
 STAGE_FIELDS = [f.name for f in dataclasses.fields(Stage)]
 AVERAGE_FIELDS = [f.name for f in dataclasses.fields(Average)]
+TABLE_PHASE_FIELDS = [f.name for f in dataclasses.fields(TablePhase)]
 LOG_ONLY_KEYS = ("entry",)          # written into a log's config for the records tools, not settings
 
 
@@ -532,6 +540,17 @@ def _average(value):
                           f"keys {AVERAGE_FIELDS} (params and window required)") from None
 
 
+def _table_phase(value):
+    """A TablePhase from a TablePhase or a JSON object; ConfigError naming what is wrong."""
+    if isinstance(value, TablePhase):
+        return value
+    try:
+        return TablePhase(**value)
+    except TypeError:
+        raise ConfigError(f"--table_phases: {json.dumps(value)} is not a phase; a phase is a JSON object with keys "
+                          f"{TABLE_PHASE_FIELDS}") from None
+
+
 def normalize_config(h):
     """Turn JSON values (lists, dicts) into the schema's types, resolve orthogonalize=auto, then
     check every value (check_config). Returns h."""
@@ -541,6 +560,9 @@ def normalize_config(h):
     if not isinstance(h.averages, (list, tuple)):
         raise ConfigError(f"--averages: expects a JSON list of averages, got {json.dumps(h.averages)}")
     h.averages = [_average(a) for a in h.averages]
+    if not isinstance(h.table_phases, (list, tuple)):
+        raise ConfigError(f"--table_phases: expects a JSON list of phases, got {json.dumps(h.table_phases)}")
+    h.table_phases = [_table_phase(p) for p in h.table_phases]
     for key, f in SCHEMA.items():
         if f.type is tuple:
             value = getattr(h, key)
@@ -638,6 +660,7 @@ def check_config(h):
         _conflict(h, ("qk_ortho_heads", "num_heads"), "the query and key blocks must split the heads evenly")
     _check_stages(h.stages)
     _check_averages(h.averages)
+    _check_table_phases(h.table_phases)
     _check_fp8(h)
 
 
@@ -799,3 +822,18 @@ def _check_averages(averages):
             refuse(f"has blend={a.blend!r}: expects a weight in [0, 1]")
         if not isinstance(a.renormalize, bool):
             refuse(f"has renormalize={a.renormalize!r}: expects true or false")
+
+
+def _check_table_phases(phases):
+    previous = 0
+    for i, p in enumerate(phases):
+        def refuse(what):
+            raise ConfigError(f"--table_phases: phase {i} {what}")
+        if not is_number(p.start, integer=True) or not previous < p.start <= MAX_STEPS:
+            refuse(f"starts at {p.start!r}: phases start at increasing steps >= 1, at most {MAX_STEPS:,}")
+        previous = p.start
+        for key in ("ngram_beta2", "value_embed_beta2"):
+            if not is_number(getattr(p, key)) or not 0 <= getattr(p, key) <= 1:
+                refuse(f"has {key}={getattr(p, key)!r}: expects a beta in [0, 1]")
+        if not is_number(p.step_every, integer=True) or not 1 <= p.step_every <= MAX_STEPS:
+            refuse(f"has step_every={p.step_every!r}: expects a whole number of steps in [1, {MAX_STEPS:,}]")

@@ -37,7 +37,7 @@ HOST_MARGIN_BYTES = 16 * 2**30     # host memory beside a host table: the proces
 # What shrinks each item, for a refusal to name.
 BUDGET_SETTINGS = {
     "n-gram table": "--ngram_rows or --ngram_cache_rows, or more processes to split the table",
-    "pending n-gram gradients": "--ngram_late_step_every (the longest cadence) or the stages' tokens_per_rank",
+    "pending n-gram gradients": "the longest cadence (--ngram_step_every, --table_phases) or the stages' tokens_per_rank",
     "step": "the stages' tokens_per_rank (or candidates)",
     "n-gram table (host)": "--ngram_rows",
 }

@@ -75,7 +75,7 @@ def ngram_event_rows(h, world_size):
     every entry since the last event (2 per token of every slice of the longest cadence's steps,
     all processes' when the table is split, each process then asked for its own rows), and no
     more than the rows it trains (its shard, or the device cache of a host table)."""
-    cadence = max(h.ngram_step_every, h.ngram_late_step_every if h.ngram_late_step else 1)
+    cadence = max([h.ngram_step_every, *(p.step_every for p in h.table_phases)])
     entries = 2 * cadence * h.batch_ranks * max(s.tokens_per_rank for s in h.stages)
     return min(entries, h.ngram_cache_rows or h.ngram_rows // world_size)
 
@@ -84,7 +84,7 @@ def min_cache_rows(h, pg):
     """Rows the device cache of a host table must hold at once: those of the slices since the
     table's last Adam event (its longest cadence), of the next step's (prefetched) and of a
     validation slice, 2 per token."""
-    cadence = max(h.ngram_step_every, h.ngram_late_step_every if h.ngram_late_step else 1)
+    cadence = max([h.ngram_step_every, *(p.step_every for p in h.table_phases)])
     longest = max(s.tokens_per_rank for s in h.stages)
     return 2 * ((cadence + 1) * (h.batch_ranks // pg.world_size) * longest + h.val_tokens_per_rank)
 
@@ -453,18 +453,16 @@ class SparseTables:
         """The split table's ShardedNgramRows (the batch prefetcher works out its routes), or None."""
         return self.fetcher if isinstance(self.fetcher, ShardedNgramRows) else None
 
-    def set_schedule(self, step, lr):
-        """The tables' learning rates at LR multiplier `lr`, and from ngram_late_step on their late
-        beta2 and cadence."""
-        h = self.h
-        late = 0 < h.ngram_late_step <= step
-        self.step_every = h.ngram_late_step_every if late else h.ngram_step_every
+    def set_schedule(self, lr, ngram_beta2, value_embed_beta2, step_every):
+        """The tables' learning rates at LR multiplier `lr`, their beta2 and their cadence (one
+        update every `step_every` calls of step())."""
+        self.step_every = step_every
         if self.ngram_adam is not None:
-            self.ngram_adam.lr = h.ngram_lr * lr
-            self.ngram_adam.beta2 = h.ngram_late_beta2 if late else h.ngram_beta2
+            self.ngram_adam.lr = self.h.ngram_lr * lr
+            self.ngram_adam.beta2 = ngram_beta2
         for adam in self.value_adams:
-            adam.lr = h.value_embed_lr * lr
-            adam.beta2 = h.value_embed_late_beta2 if late else h.value_embed_betas[1]
+            adam.lr = self.h.value_embed_lr * lr
+            adam.beta2 = value_embed_beta2
 
     def fetch(self, tokens, **kwargs):
         """Bring the rows of `tokens` to the device when the table is not whole there."""
@@ -496,9 +494,9 @@ class SparseTables:
                 grads.zero_()
 
     def step(self):
-        """Every ngram_step_every-th step (ngram_late_step_every from ngram_late_step): update the
-        sparse tables from the mean of their gradients over those steps. The n-gram table's touched
-        rows take their summed entries (RowGradientSums); the value-embedding tables' rows, see
+        """Every step_every-th call (the cadence set_schedule set): update the sparse tables from
+        the mean of their gradients over those steps. The n-gram table's touched rows take their
+        summed entries (RowGradientSums); the value-embedding tables' rows, see
         _step_value_table. The warm-up discards its gradients."""
         self.calls += 1
         if self.frozen or self.calls >= self.step_every:

@@ -51,7 +51,7 @@ import kernels
 import optim
 from checkpoint import NGRAM_TABLE_KEY, CheckpointError, save_checkpoint, send_table_shard, split_ngram_table
 from config import (MAX_TARGETS, MIN_DOC_TOKENS, MODEL_FIELDS, PADDED_VOCAB_SIZE, SMEAR_GATE_DIMS, VOCAB_SIZE,
-                    WINDOW_BLOCK, ArgumentParser, Average, ConfigError, Hyperparameters, ModelConfig, Stage,
+                    WINDOW_BLOCK, ArgumentParser, Average, ConfigError, Hyperparameters, ModelConfig, Stage, TablePhase,
                     config_to_dict, head_dims, loggable, value_embed_tables)
 from cpu_runtime import bf16_gemm_path, bf16_gemms, cpu_has_native_bf16
 from cuda_graphs import MicroBatch, StepGraphs
@@ -121,7 +121,7 @@ def _cpu_preset(h):
 
 
 NGRAM_RECORD_ROWS = 84_602_880     # record 92's n-gram table: 10,575,360 rows on each of 8 GPUs
-NGRAM_LATE_STEP = 336              # record 92's step from which the table's beta2 is squared and updates every 4th
+NGRAM_LATE_STEP = 336              # record 92's step from which the tables' beta2 is squared, an update every 4th
 
 
 def _record89_features(h):
@@ -173,7 +173,8 @@ def _speedrun_preset(h):
     h.composed_layers = (9,)                         # record 89's 10: composed attention over 112 tokens
     h.ngram_rows, h.ngram_dtype = NGRAM_RECORD_ROWS, "bfloat16"   # the hashed n-gram table, split across the GPUs
     h.ngram_lr, h.ngram_wd = h.value_embed_lr, h.value_embed_wd   # record 89's bigram table's LR and decay
-    h.ngram_late_step = NGRAM_LATE_STEP                           # then beta2 0.95^2, an update every 4th step
+    h.table_phases = [TablePhase(start=NGRAM_LATE_STEP, ngram_beta2=0.95 ** 2, value_embed_beta2=0.95 ** 2,
+                                 step_every=4)]   # record 92's late phase: beta2 squared, an update every 4th step
     h.value_embed_sparse = True    # the value embeddings on the table's path: sparse Adam, the same cadence
     N = h.num_iterations           # 1194
     h.stages = [                   # record 92's boundaries; the tails' batches as the public ANVIL record's
@@ -1628,6 +1629,15 @@ def step_target_weights(h, device):
     return torch.stack(rows).to(device)
 
 
+def table_schedule(h, step):
+    """(n-gram beta2, value-embedding beta2, update cadence) of the sparse tables at `step`: those
+    of the last TablePhase started by then, before the first the base keys."""
+    started = [p for p in h.table_phases if p.start <= step]
+    if not started:
+        return h.ngram_beta2, h.value_embed_betas[1], h.ngram_step_every
+    return started[-1].ngram_beta2, started[-1].value_embed_beta2, started[-1].step_every
+
+
 def untie_step(h):
     """The first step at which lm_head is its own parameter."""
     return int(h.untie_frac * h.num_iterations)
@@ -2013,7 +2023,7 @@ class Trainer:
         self.model.set_windows(long_window_history(h, step, final_validation))
         self.set_tied(step < untie_step(h))
         lr = lr_multiplier(h, step)
-        self.tables.set_schedule(step, lr)
+        self.tables.set_schedule(lr, *table_schedule(h, step))
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = group["initial_lr"] * lr

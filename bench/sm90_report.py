@@ -275,12 +275,11 @@ def sparse_update_entries(h, processes, steps):
     of `steps`, and the largest number of tokens one update of the value tables spans, counted
     as SparseTables.step does: every step adds 2 entries and 1 token per token of each
     of the process's micro-batches (batch_ranks / processes), and the tables update once
-    ngram_step_every steps (ngram_late_step_every from ngram_late_step) have accumulated."""
+    as many steps as the tables' cadence (train_gpt.table_schedule) have accumulated."""
     accum = h.batch_ranks // processes
     calls = tokens = largest = 0
     for step in steps:
-        late = 0 < h.ngram_late_step <= step
-        every = h.ngram_late_step_every if late else h.ngram_step_every
+        every = train_gpt.table_schedule(h, step)[2]
         calls += 1
         tokens += h.stages[train_gpt.stage_index(h, step)].tokens_per_rank * accum
         if calls >= every:

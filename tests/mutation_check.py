@@ -157,8 +157,8 @@ MUTATIONS = [
              "the momenta's fall off by one step"),
     Mutation("train_gpt.py", "    if final_validation and h.yarn_at_final_window:",
              "    if final_validation:", SCHEDULES, "YaRN at the final window regardless of the setting"),
-    Mutation("sparse_tables.py", "late = 0 < h.ngram_late_step <= step", "late = 0 < h.ngram_late_step < step",
-             SCHEDULES, "the late phase a step late"),
+    Mutation("train_gpt.py", "started = [p for p in h.table_phases if p.start <= step]",
+             "started = [p for p in h.table_phases if p.start < step]", SCHEDULES, "a table phase a step late"),
     # the optimizers
     Mutation("optim.py", "blended = torch.lerp(state[\"slow_rail\"], state[\"fast_rail\"], hyper[\"blend\"])",
              "blended = torch.lerp(state[\"fast_rail\"], state[\"slow_rail\"], hyper[\"blend\"])", OPTIM,

@@ -94,6 +94,8 @@ def test_averages_refuse_unknown_params_and_bad_values():
 # Config keys renamed since the CPU track's current record was logged (the record reproduces
 # with the sources its log embeds; this map lets the current preset be compared with it).
 RENAMED_SINCE_THE_RECORD = {"dc_layers": "composed_layers", "dc_window": "composed_window"}
+# Keys that table_phases replaced: a late step of 0 was no late phase, table_phases=[] now.
+LATE_PHASE_KEYS = ("ngram_late_step", "ngram_late_beta2", "ngram_late_step_every", "value_embed_late_beta2")
 
 
 def test_cpu_preset_is_the_current_cpu_record(tmp_path):
@@ -108,6 +110,9 @@ def test_cpu_preset_is_the_current_cpu_record(tmp_path):
                                                 and f[0].isdigit())[0]))
     logged = {RENAMED_SINCE_THE_RECORD.get(k, k): v for k, v in log.config.items()
               if k not in ("seed", "log_dir", "entry")}
+    if "ngram_late_step" in logged:
+        assert logged["ngram_late_step"] == 0
+        logged = {**{k: v for k, v in logged.items() if k not in LATE_PHASE_KEYS}, "table_phases": []}
     preset = tg.config_to_dict(tg.parse_config(["--preset", "cpu"]))
     preset = json.loads(json.dumps({k: v for k, v in preset.items() if k not in ("seed", "log_dir", "entry")}))
     assert {k: v for k, v in preset.items() if k in logged} == logged   # keys added since: their defaults
@@ -148,3 +153,20 @@ def test_each_rule_refuses_a_value_outside_it(key, value, allowed):
     with pytest.raises(config.ConfigError, match=rf"--{key}=.* is not allowed: expects .*{allowed}"):
         config.check_config(h)
     config.check_config(tg.parse_config(["--preset", "cpu"]))     # the preset itself passes
+
+
+PHASE = '{{"start":{},"ngram_beta2":{},"value_embed_beta2":0.9,"step_every":{}}}'
+
+
+@pytest.mark.parametrize("phases, refusal", [
+    (f"[{PHASE.format(0, 0.9, 2)}]", r"phase 0 starts at 0: phases start at increasing steps >= 1"),
+    (f"[{PHASE.format(5, 0.9, 2)},{PHASE.format(5, 0.8, 4)}]", r"phase 1 starts at 5"),
+    (f"[{PHASE.format(5, 1.5, 2)}]", r"phase 0 has ngram_beta2=1.5: expects a beta in \[0, 1\]"),
+    (f"[{PHASE.format(5, 0.9, 0)}]", r"phase 0 has step_every=0"),
+    ('[{"start":5}]', r"is not a phase; a phase is a JSON object with keys"),
+])
+def test_bad_table_phases_are_refused_naming_the_phase(phases, refusal):
+    with pytest.raises(config.ConfigError, match=r"--table_phases: .*" + refusal):
+        tg.parse_config(["--preset", "cpu", f"--table_phases={phases}"])
+    h = tg.parse_config(["--preset", "cpu", f"--table_phases=[{PHASE.format(5, 0.9, 2)},{PHASE.format(9, 0.8, 4)}]"])
+    assert [(p.start, p.step_every) for p in h.table_phases] == [(5, 2), (9, 4)]

@@ -65,7 +65,7 @@ REHEARSAL = [
     # record 92's hashed n-gram table in place of the bigram embedding, and the value embeddings,
     # trained by sparse Adam, every step and then (from step 3) every 2nd
     "--ngram_rows=4096", "--ngram_dtype=bfloat16", "--ngram_lr=0.02", "--value_embed_sparse=true",
-    "--ngram_late_step=3", "--ngram_late_step_every=2",
+    '--table_phases=[{"start":3,"ngram_beta2":0.9025,"value_embed_beta2":0.9025,"step_every":2}]',
     '--stages=[{"end":0.2,"tokens_per_rank":32,"max_doc_len":32,"short_window":1,"long_window":1,'
     '"mtp_weights":[1,0.5,0.25],"prefix_weight":0.25},'
     '{"end":0.6,"tokens_per_rank":96,"max_doc_len":96,"short_window":1,"long_window":2,'

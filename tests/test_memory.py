@@ -149,7 +149,7 @@ def entries_kept_as_before(budget, h):
     every entry since the last event (2 per token, fp32, and its row), and at the event their
     concatenation, its division by the steps and sum_rows's output, each as large; and the
     sinks' whole zero-filled gradient within the step (a slice's backward)."""
-    cadence = h.ngram_late_step_every
+    cadence = max([h.ngram_step_every, *(p.step_every for p in h.table_phases)])
     entries = cadence * h.batch_ranks * 2 * max(s.tokens_per_rank for s in h.stages)
     device = {**budget.device, "pending n-gram gradients": entries * (4 * h.model_dim + 8)}
     passing = {**budget.passing, "table update": 3 * entries * 4 * h.model_dim}

@@ -45,8 +45,8 @@ def test_speedrun_preset_publishes_record_92s_stages_averages_and_anvil_constant
     assert (h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall) == (0.85, 0.93, 0.2, 0.042)
     assert (h.val_long_window, h.yarn_at_final_window, h.batch_ranks) == (20, False, 8)
     assert (h.ngram_rows, h.ngram_dtype, h.ngram_beta2, h.value_embed_betas[1]) == (84_602_880, "bfloat16", 0.95, 0.95)
-    assert (h.ngram_late_step, h.ngram_late_step_every, h.ngram_late_beta2, h.value_embed_late_beta2) == (
-        336, 4, 0.9025, 0.9025)
+    phases = [(p.start, p.step_every, p.ngram_beta2, p.value_embed_beta2) for p in h.table_phases]
+    assert phases == [(336, 4, 0.9025, 0.9025)]
     assert (h.ngram_step_every, h.value_embed_sparse) == (1, True)
     averages = [(a.params, a.window, a.every, a.rate, a.blend, a.renormalize) for a in h.averages]
     assert averages == [
@@ -396,9 +396,10 @@ SCHEDULED = [
     "--momentum_warmup_steps=4", "--momentum_cooldown_steps=3",
     "--anvil_mu_rise=0.2", "--anvil_mu_fall=0.25", "--anvil_blend_start=0.5", "--anvil_blend=0.4",
     "--ngram_rows=2048", "--smear_gate=true", "--value_embed_sparse=true",
-    "--ngram_lr=0.05", "--ngram_beta2=0.9", "--ngram_late_step=3", "--ngram_late_beta2=0.81",
-    "--ngram_step_every=2", "--ngram_late_step_every=4", "--anvil_fast_beta=0.8", "--anvil_slow_beta=0.9",
-    "--value_embed_lr=0.03", "--value_embed_betas=[0.8,0.8]", "--value_embed_late_beta2=0.64",
+    "--ngram_lr=0.05", "--ngram_beta2=0.9", "--ngram_step_every=2", "--anvil_fast_beta=0.8", "--anvil_slow_beta=0.9",
+    '--table_phases=[{"start":3,"ngram_beta2":0.81,"value_embed_beta2":0.64,"step_every":4},'
+    '{"start":7,"ngram_beta2":0.5,"value_embed_beta2":0.25,"step_every":3}]',
+    "--value_embed_lr=0.03", "--value_embed_betas=[0.8,0.8]",
 ]
 # step: (lr multiplier, momentum, mu, blend), from the definitions
 ADVANCED = {
@@ -449,18 +450,21 @@ def test_advance_to_writes_every_groups_lr_and_the_muon_momenta(trainer):
         assert trainer.model.tied == (step < 6), "the head unties at int(2/3 * 10) = 6"
 
 
-def test_advance_to_starts_the_tables_late_phase_at_ngram_late_step(trainer):
+def test_advance_to_moves_the_tables_through_their_phases(trainer):
     """Before step 3: beta2 0.9 (the table) and 0.8 (value embeddings), an update every 2nd step;
-    from step 3 on: 0.81 and 0.64, an update every 4th step. ngram_late_step = 0: never."""
-    for step in (5, 0, 2, 3, 4, 10, 1):
+    from step 3: 0.81 and 0.64, every 4th; from step 7: 0.5 and 0.25, every 3rd. No phases: the
+    base values throughout."""
+    expected = {0: (2, 0.9, 0.8), 3: (4, 0.81, 0.64), 7: (3, 0.5, 0.25)}
+    for step in (5, 0, 2, 3, 4, 10, 7, 6, 1, 8):
         trainer.advance_to(step)
-        late = step >= 3
-        assert trainer.tables.step_every == (4 if late else 2), step
-        assert trainer.tables.ngram_adam.beta2 == (0.81 if late else 0.9), step
-        assert [adam.beta2 for adam in trainer.tables.value_adams] == [0.64 if late else 0.8], step
-    trainer.h.ngram_late_step = 0
+        cadence, beta2, value_beta2 = expected[max(s for s in expected if s <= step)]
+        assert trainer.tables.step_every == cadence, step
+        assert trainer.tables.ngram_adam.beta2 == beta2, step
+        assert [adam.beta2 for adam in trainer.tables.value_adams] == [value_beta2], step
+    phases, trainer.h.table_phases = trainer.h.table_phases, []
     try:
         trainer.advance_to(9)
-        assert (trainer.tables.step_every, trainer.tables.ngram_adam.beta2, trainer.tables.value_adams[0].beta2) == (2, 0.9, 0.8)
+        tables = trainer.tables
+        assert (tables.step_every, tables.ngram_adam.beta2, tables.value_adams[0].beta2) == (2, 0.9, 0.8)
     finally:
-        trainer.h.ngram_late_step = 3
+        trainer.h.table_phases = phases

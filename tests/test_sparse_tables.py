@@ -140,12 +140,12 @@ def test_the_ngram_table_moves_only_the_rows_a_batch_touches(shards, step_every,
 
 
 def test_the_ngram_tables_late_phase_changes_its_beta2_and_cadence(shards):
-    """From ngram_late_step the table's Adam events use the late beta2 and come every
-    ngram_late_step_every steps (the entries between them wait); each event's decay enters the
+    """From a table phase's start the table's Adam events use its beta2 and come every
+    step_every steps (the entries between them wait); each event's decay enters the
     catch-up table."""
-    h = tiny_config(data_args(shards) + NGRAM + ["--ngram_lr=0.05", "--ngram_beta2=0.9", "--ngram_late_step=1",
-                                                 "--ngram_late_beta2=0.81", "--ngram_late_step_every=2"] +
-                    SPARSE_VALUES + ["--value_embed_betas=[0.8,0.8]", "--value_embed_late_beta2=0.64"])
+    phase = '[{"start":1,"ngram_beta2":0.81,"value_embed_beta2":0.64,"step_every":2}]'
+    h = tiny_config(data_args(shards) + NGRAM + ["--ngram_lr=0.05", "--ngram_beta2=0.9", f"--table_phases={phase}"] +
+                    SPARSE_VALUES + ["--value_embed_betas=[0.8,0.8]"])
     trainer = cpu_trainer(h)
     tables = [trainer.model.ngram.table] + [ve.weight for ve in trainer.model.value_embeds]
     adams = [trainer.tables.ngram_adam] + trainer.tables.value_adams
@@ -276,7 +276,7 @@ def test_a_table_split_across_two_processes_trains_as_one(shards, tmp_path, late
     steps = 4
     args = ["--preset", "cpu", *TINY, *data_args(shards), *NGRAM, f"--num_iterations={steps}", "--batch_ranks=2",
             "--ngram_lr=0.05", "--compute_dtype=float32", *SPARSE_VALUES, "--adam_eps=1e-4"] + \
-        (["--ngram_late_step=2", "--ngram_late_step_every=2"] if late else [])
+        (['--table_phases=[{"start":2,"ngram_beta2":0.95,"value_embed_beta2":0.95,"step_every":2}]'] if late else [])
     res = run_distributed(2, [os.path.join(REPO, "tests", "ngram_dist_worker.py"), str(tmp_path), str(steps), *args],
                           env=cpu_env(OMP_NUM_THREADS="1"), timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
