@@ -75,16 +75,14 @@ TINY_HINT = "python data/tiny_corpus.py"
 
 def _cpu_preset(h):
     """The CPU track's current record (NgramTable1M27Steps): a 4-layer, width-256 model with the
-    hashed n-gram table on the tiny corpus, 2 cores, under a minute. Measurements behind each
-    choice: bench/cpu_results.md.
+    hashed n-gram table on the tiny corpus, 2 cores, under a minute. Each choice's measurement
+    is in bench/cpu_results.md, under the heading named beside it.
 
-    Full-vocabulary softmax throughout: at this scale sampled softmax learns much more slowly per
-    step (the rare tokens' logits are rarely pushed down): val 7.42 (16,384 candidates) against
-    6.09 (full) after 20 steps. The compute dtype is the CPU's fast one: bf16 where it has bf16
-    units (AVX512-BF16 or AMX), fp32 elsewhere (there a bf16 product runs as an fp32 GEMM plus
-    casts, cpu_runtime.py); the val loss is the same either way. Eager: inductor saves less than
-    the machine's drift. Validation without the canonical mask: the track's rule is the full
-    softmax, as the baseline's.
+    The full softmax throughout (at this scale a sampled softmax learns much more slowly per
+    step: "Two earlier cpu-preset measurements"); validation without the canonical mask
+    (the track's rule is the full softmax, as the baseline's). The compute dtype is the CPU's
+    fast one: bf16 where it has bf16 units (AVX512-BF16 or AMX), fp32 elsewhere, where a bf16
+    product runs as an fp32 GEMM plus casts (cpu_runtime.py); the val loss is the same either way.
     """
     h.track = "track_cpu"
     h.train_files = "data/tiny_corpus/tiny_train_*.bin"
@@ -95,9 +93,10 @@ def _cpu_preset(h):
     h.num_layers, h.model_dim, h.num_heads, h.head_dim, h.mlp_hidden = 4, 256, 2, 128, 1024
     h.long_window_layers, h.attention_free_layers = (3,), ()
     h.num_value_embeds, h.bigram_rows = 1, 8192   # the bigram embedding's rows with --ngram_rows=0
-    h.ngram_rows, h.ngram_lr = 1 << 20, 0.02   # hashed bigram+trigram table, sparse Adam at twice the default LR
+    # the hashed bigram+trigram table, sparse Adam at twice the default LR ("the hashed bigram+trigram table")
+    h.ngram_rows, h.ngram_lr = 1 << 20, 0.02
     h.val_long_window = 8
-    h.num_iterations = 27          # the CPU-track record NgramTable1M27Steps: val 5.689 against the target 5.7264
+    h.num_iterations = 27          # the fewest that beat the target ("the 1M-row n-gram table at 25 and 26 steps")
     h.stages = [                   # twice the batch: LR x1.52 = (4096/2048)^0.6, as record 89 scales it
         Stage(end=0.5, tokens_per_rank=2048, max_doc_len=512, short_window=1, long_window=2,
               mtp_weights=(1.0, 0.5, 0.25), prefix_weight=0.25),
@@ -105,19 +104,16 @@ def _cpu_preset(h):
               mtp_weights=(1.0, 0.5), prefix_weight=0.25, lr_mult=1.52),
         Stage(end=1.0, tokens_per_rank=4096, max_doc_len=1024, short_window=2, long_window=6, lr_mult=1.52),
     ]
-    # twice the default LRs: at 36-40 steps val -0.08; three times is worse
-    h.embed_lr, h.value_embed_lr, h.head_lr = 0.02, 0.02, 0.016
-    # record 89's Adam betas and decay: at 36 steps val 5.562 against 5.655 (3 seeds each)
+    h.embed_lr, h.value_embed_lr, h.head_lr = 0.02, 0.02, 0.016  # twice the defaults ("steps, Adam LRs, ...")
+    # record 89's Adam betas and decay ("record-89 Adam betas and decay, fewer steps")
     h.embed_betas, h.value_embed_betas, h.scalar_betas = (0.5, 0.95), (0.75, 0.95), (0.9, 0.99)
     h.embed_wd, h.value_embed_wd = 0.005 * 150, 0.005 * 5
-    h.qk_ortho_heads = 1           # queries and keys orthogonalized per head: val -0.005
-    h.narrow_qk_layers, h.narrow_qk_dim = (0, 1, 2), 64  # QK 64 with full RoPE on the short layers: val -0.011
+    h.qk_ortho_heads = 1           # queries and keys orthogonalized per head ("record-89/92 constants ...")
+    h.narrow_qk_layers, h.narrow_qk_dim = (0, 1, 2), 64  # QK 64 with full RoPE on the short layers (same heading)
     h.log_every = 5
     h.compute_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
-    h.compile = False
-    # No launches to save on a CPU, and the replay path's fixed buffers cost time there: 29.9 s
-    # against 29.3 s (medians of 6 interleaved 30-step runs, bit-identical losses)
-    h.cuda_graphs = False
+    h.compile = False              # inductor saves less than the drift ("Eager against compiled, interleaved")
+    h.cuda_graphs = False          # no launches to save on a CPU; the replay's buffers cost time ("Two earlier ...")
 
 
 NGRAM_RECORD_ROWS = 84_602_880     # record 92's n-gram table: 10,575,360 rows on each of 8 GPUs
