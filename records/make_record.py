@@ -45,6 +45,12 @@ target in track.json, and the record is marked as the one that set it.
 "baseline", not in the table) for the records made there: the README table
 gives each record's speed-up over its own --baseline-logs where it has them,
 so that records made on different machines are never divided by each other.
+
+A track whose track.json says "metric": "steps" (the optimization tracks) ranks its records by
+the steps their runs trained, fewest first; a run that changes a value of the track's
+fixed_config (its model, data, batch, validation) is refused; with z_margin the public
+optimization track's rule decides a record, (target - mean) x sqrt(n) >= z_margin, else the
+t-test; its table gives each record's pairwise statistic against the previous record.
 """
 
 import argparse
@@ -825,6 +831,8 @@ def steps_table(found, link_base, definition):
         old = previous_record(s, found)
         if old is None:
             pairwise = "first record"
+        elif definition.get("loss_per_step") is None or definition.get("pairwise_margin") is None:
+            pairwise = "n/a (track.json sets no loss_per_step and pairwise_margin)"
         else:
             stat = pairwise_statistic(s, old, definition["loss_per_step"])
             verdict = "significant" if stat >= definition["pairwise_margin"] else "not significant"
