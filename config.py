@@ -221,7 +221,8 @@ class Hyperparameters(ModelConfig):
     One flat set of keys, so that every key is one --key=value and one entry of a logged config."""
     preset: str = "none"              # the preset the run started from ("none": these defaults)
     # records track a run of this preset belongs to, or "none"
-    track: str = choice("track_1_short", "track_2_medium", "track_cpu", "none")
+    track: str = choice("track_1_short", "track_2_medium", "track_cpu", "track_3_optimization",
+                        "track_3_cpu_optimization", "none")
     # data
     train_files: str = path("data/fineweb10B/fineweb_train_*.bin")
     val_files: str = path("data/fineweb10B/fineweb_val_*.bin")

@@ -17,8 +17,10 @@ process group, signals), checkpoint.py (the checkpoint format) and evaluate.py (
 
 Presets: `speedrun` (8 GPUs), `1gpu` (the same global batch on fewer GPUs by gradient
 accumulation: on one, the n-gram table in host memory; with --ngram_cache_rows=0, split across
-2 or 4), `cpu` (the CPU track). Every run writes logs/<run id>.txt: the verbatim source of every project
-file it imported, the environment, the data fingerprints, the resolved config, then step lines.
+2 or 4), `cpu` (the CPU track), `record89` (a control run), `medium` (the GPT-2 medium track),
+`optimization` (the optimization track's fixed setup). Every run writes logs/<run id>.txt: the
+verbatim source of every project file it imported, the environment, the data fingerprints, the
+resolved config, then step lines.
 """
 import contextlib
 import copy
@@ -314,8 +316,53 @@ def _medium_preset(h):
     h.adam_step_every = 2              # public medium record: Adam on odd steps only
 
 
+OPT_STEPS = 3250                   # public optimization track baseline: train_steps
+OPT_CONTEXT = 1024                 # public optimization track baseline: causal context of every sequence (tokens)
+OPT_VAL_EVERY = 125                # public optimization track baseline: validation every 125 steps
+
+
+def _optimization_preset(h):
+    """The optimization track (fewest steps to val loss 3.28): the public optimization track's
+    baseline (modded-nanogpt's records/track_3_optimization/train_gpt_simple.py, tuned Muon and
+    AdamW, 3250 steps) on this repository's model code. A 12-layer, width-768 model with 6 heads
+    of 128, ReLU^2 MLP 3072, QK norm, half RoPE at base 1024, every layer causal over 1024
+    tokens; one global batch of 8 x 64 x 1024 tokens a step; Muon lr 0.025 for the hidden
+    matrices, AdamW for the rest; the LR flat for 30% of the steps, then linear to 0. Facts
+    that our model cannot express, and every value mapped with a difference, are listed in
+    records/track_3_optimization/README.md."""
+    h.track = "track_3_optimization"
+    h.num_layers, h.model_dim, h.num_heads, h.head_dim = 12, 768, 6, 128  # public: 12 x 768, head_dim 128
+    h.mlp_hidden = 4 * 768         # public: MLP 4 x dim, ReLU^2
+    h.attention_free_layers, h.long_window_layers = (), ()  # public: attention in every layer, one window
+    h.num_value_embeds, h.value_embed_layers = 0, ()        # public: no value embeddings
+    h.bigram_rows, h.value_embed_lr = 2, 0.0  # public: no bigram table; ours, the smallest, stays at its zero init
+    h.attn_scale, h.rope_base = 0.12, 1024.0  # public: scale=0.12, angular_freq (1/1024)^linspace on half the dims
+    h.fp8_mlp = h.fp8_qkv = h.fp8_head = False  # public: bf16 products
+    h.untie_frac = 0.0             # public: untied embedding and head from the start
+    h.num_iterations = OPT_STEPS
+    w = OPT_CONTEXT // WINDOW_BLOCK
+    h.stages = [Stage(end=1.0, tokens_per_rank=64 * OPT_CONTEXT, max_doc_len=OPT_CONTEXT, short_window=w,
+                      long_window=w)]  # public: 8 x 64 sequences of 1024 tokens a step, one loss: next token
+    h.val_long_window = w
+    h.val_every = OPT_VAL_EVERY    # public: every 125 steps (then every 25 in the last 10%: not expressible)
+    h.cooldown_start, h.cooldown_end, h.cooldown_floor = 0.3, 1.0, 0.0  # public: cooldown_frac 0.7, linear to 0
+    h.optimizer, h.orthogonalize = "muon", "polar_express"  # public: Muon (Newton-Schulz, 12 cubic iterations)
+    h.matrix_lr = 0.025            # public: Muon lr 0.025
+    h.matrix_wd = 0.05 / 0.025     # public: p *= 1 - lr x 0.05; ours decays lr x lr_eff x wd: equal at the peak LR
+    h.mlp_down_lr_scale = 1.0      # public: max(1, rows / cols)^0.5 only: 2 for the MLP up, 1 for its down
+    h.qk_ortho_heads = h.num_heads  # public: q, k and v are separate 768 x 768 matrices
+    h.momentum = h.momentum_warmup_start = 0.95  # public: mu 0.95 (Nesterov) from the first step
+    h.momentum_warmup_steps, h.momentum_cooldown_steps = 0, 0
+    h.embed_lr, h.head_lr, h.scalar_lr = 0.7, 0.004, 0.015  # public: AdamW lr 0.7 / 0.004 / 0.015
+    h.embed_betas = h.scalar_betas = (0.8, 0.95)  # public: betas (0.8, 0.95)
+    h.adam_eps = 1e-10             # public: eps 1e-10
+    h.embed_wd = 0.001 / 0.7       # public: p *= 1 - lr x 0.001; ours lr^2 x wd: equal for the embedding at its peak
+    # public: embedding N(0, 1), head zero; ours unties at step 0 by copying the embedding into the head,
+    # so the embedding keeps its default N(0, 1 / 768) (logits ~N(0, 1) at the start, not N(0, 768))
+
+
 PRESETS = {"speedrun": _speedrun_preset, "1gpu": _one_gpu_preset, "cpu": _cpu_preset, "record89": _record89_preset,
-           "medium": _medium_preset}
+           "medium": _medium_preset, "optimization": _optimization_preset}
 
 
 def parse_config(argv):

@@ -45,6 +45,12 @@ target in track.json, and the record is marked as the one that set it.
 "baseline", not in the table) for the records made there: the README table
 gives each record's speed-up over its own --baseline-logs where it has them,
 so that records made on different machines are never divided by each other.
+
+A track whose track.json says "metric": "steps" (the optimization tracks) ranks its records by
+the steps their runs trained, fewest first; a run that changes a value of the track's
+fixed_config (its model, data, batch, validation) is refused; with z_margin the public
+optimization track's rule decides a record, (target - mean) x sqrt(n) >= z_margin, else the
+t-test; its table gives each record's pairwise statistic against the previous record.
 """
 
 import argparse
@@ -89,6 +95,7 @@ COMMIT_KEY = "git_commit"  # the environment line that names the commit a run ra
 UNKNOWN = "unknown"  # a machine or commit value of a log whose environment lacks the line
 METADATA_KEYS = ("format", "track", "name", "date", "made", "description")  # statistics.json's command-line values
 REASON_KEYS = ("mixed_machines_reason", "mixed_commits_reason")  # also from the command line, format 3 on
+METRIC_STEPS = "steps"  # track.json "metric" of a track ranked by steps (fewest first) instead of train time
 
 
 class RecordError(Exception):
@@ -141,15 +148,24 @@ def read_log(path):
     return log
 
 
-def load_logs(paths, track, role, required_environment=None):
-    """Read `paths` (read_log); refuse other tracks' runs, other hardware or evaluation, and mixed
-    code or configs."""
+def check_fixed_config(log, fixed):
+    """Refuse a run whose config differs from the track's fixed_config: the setup an entry may not change."""
+    for key, value in fixed.items():
+        if key not in log.config or log.config[key] != value:
+            raise RecordError(f"{log.path}: the run's config changes {key}, which the track fixes (track.json "
+                              "fixed_config): an entry may change the optimizer and its schedule, not the setup")
+
+
+def load_logs(paths, track, role, required_environment=None, fixed_config=None):
+    """Read `paths` (read_log); refuse other tracks' runs, other hardware, evaluation or fixed config,
+    and mixed code or configs."""
     logs = []
     for path in paths:
         log = read_log(path)
         if log.config.get("track") != track["name"]:
             raise RecordError(f"{path}: the run's config says track {log.config.get('track')!r}, not {track['name']!r}")
         check_hardware(log, required_environment or {})
+        check_fixed_config(log, fixed_config or {})
         check_evaluation(log, track)
         logs.append(log)
     for other in logs[1:]:
@@ -368,8 +384,23 @@ def baseline_statistics(logs, baseline_logs, repo_root, statistics_format=STATIS
     return base
 
 
-def decide_status(n, p_value, track, set_target, remeasured_baseline=False):
-    """(status, one-line reason) for a group of n runs with t-test p-value p_value."""
+def margin_statistic(values, target):
+    """The public optimization track's significance statistic: (target - mean) x sqrt(n)."""
+    return (target - float(np.mean(values))) * math.sqrt(len(values))
+
+
+def common_steps(logs):
+    """The steps every run of a record trained (a steps track ranks records by them)."""
+    steps = sorted({log.final["steps"] for log in logs})
+    if len(steps) != 1:
+        raise RecordError(f"the runs trained {', '.join(map(str, steps))} steps: the runs of a record on a steps "
+                          "track train the same number of steps")
+    return steps[0]
+
+
+def decide_status(n, p_value, track, set_target, remeasured_baseline=False, margin_value=None):
+    """(status, one-line reason) for a group of n runs with t-test p-value p_value; on a track with
+    `z_margin` (margin_value given), by the margin rule instead of the t-test."""
     min_runs, threshold = track.get("min_runs", 1), track["p_threshold"]
     if set_target:
         return STATUS_TARGET, f"sets the track's target: the mean final val loss of these {n} runs"
@@ -378,6 +409,13 @@ def decide_status(n, p_value, track, set_target, remeasured_baseline=False):
                                  "there compare their train time with it, not with the first record's")
     if n < min_runs:
         return STATUS_NOT_RECORD, f"only {n} run(s); the track requires at least {min_runs}"
+    if margin_value is not None:
+        margin = track["z_margin"]
+        if margin_value < margin:
+            return STATUS_NOT_RECORD, (f"(target - mean) x sqrt(n) = {margin_value:.4g} is not at least {margin}: "
+                                       "the target is not met significantly")
+        return STATUS_RECORD, (f"(target - mean) x sqrt(n) = {margin_value:.4g} >= {margin}: the mean final val "
+                               f"loss is below the target {track['target_val_loss']:.6f} by the margin rule")
     if p_value is None:
         return STATUS_NOT_RECORD, "the t-test is undefined (fewer than 2 runs or identical final losses)"
     if p_value >= threshold:
@@ -392,7 +430,10 @@ def record_statistics(logs, baseline_logs, track, set_target, repo_root, remeasu
     group = group_statistics(logs, statistics_format)
     target = group["val_loss"]["mean"] if set_target else track["target_val_loss"]
     t, p = (None, None) if set_target else one_sample_test(group["val_loss"]["values"], target)
-    status, reason = decide_status(len(logs), p, track, set_target, remeasured_baseline)
+    by_steps = track.get("metric") == METRIC_STEPS
+    margin_value = (margin_statistic(group["val_loss"]["values"], target)
+                    if by_steps and "z_margin" in track and not set_target else None)
+    status, reason = decide_status(len(logs), p, track, set_target, remeasured_baseline, margin_value)
     result = {
         "status": status,
         "status_reason": reason,
@@ -403,6 +444,9 @@ def record_statistics(logs, baseline_logs, track, set_target, repo_root, remeasu
         "p_value": p,
         **group,
     }
+    if by_steps:
+        result |= {"metric": METRIC_STEPS, "steps": common_steps(logs), "z_margin": track.get("z_margin"),
+                   "margin_statistic": margin_value}
     result["baseline"] = (baseline_statistics(logs, baseline_logs, repo_root, statistics_format)
                           if baseline_logs else None)
     return result
@@ -545,6 +589,11 @@ def statistics_text(s):
         f"p = {fmt(s['p_value'], '.4g')}",
         f"train time (s)   mean {ts['mean']:.3f}  median {ts['median']:.3f}  min {ts['min']:.3f}  max {ts['max']:.3f}",
     ]
+    if s.get("metric") == METRIC_STEPS:
+        lines.insert(2, f"steps            {s['steps']} (the track ranks records by steps, fewest first)")
+        if s["z_margin"] is not None:
+            lines.insert(5, f"margin rule      (target - mean) x sqrt(n) = {fmt(s['margin_statistic'], '.4f')}, "
+                            f"at least {s['z_margin']} for a record")
     base = s["baseline"]
     if base:
         wv, wt = base["welch_val_loss"] or {}, base["welch_train_time"] or {}
@@ -747,12 +796,63 @@ def speedup(s, first_time):
     return first_time / s["train_time_ms"]["mean"]
 
 
-def records_table(records, link_base):
+def steps_rank(s):
+    """A steps track's order: fewest steps first, then the lower mean final val loss."""
+    return s["steps"], s["val_loss"]["mean"]
+
+
+def pairwise_statistic(new, old, loss_per_step):
+    """The public optimization track's pairwise statistic of record `new` over record `old`:
+    (old mean - new mean + (old steps - new steps) x loss_per_step) / sqrt(1 / n_old + 1 / n_new)."""
+    gain = old["val_loss"]["mean"] - new["val_loss"]["mean"] + (old["steps"] - new["steps"]) * loss_per_step
+    return gain / math.sqrt(1 / old["n"] + 1 / new["n"])
+
+
+def previous_record(s, found):
+    """The record that was the track's best (steps_rank) when `s` was made: among those made
+    before it (date, then time made), or None for the first."""
+    earlier = [t for _, t in found if (t["date"], t["made"]) < (s["date"], s["made"])]
+    return min(earlier, key=steps_rank) if earlier else None
+
+
+def steps_table(found, link_base, definition):
+    """A steps track's table: fewest steps first, each record's significance and its pairwise
+    statistic against the previous record (previous_record)."""
+    margin_rule = "z_margin" in definition
+    significance = "(target - mean) x sqrt(n)" if margin_rule else "p"
+    lines = [
+        f"| # | date | record | steps | mean val loss | {significance} | runs | pairwise vs previous record |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    ranked = sorted(found, key=lambda item: steps_rank(item[1]))
+    for rank, (folder, s) in enumerate(ranked, start=1):
+        link = Path(os.path.relpath(folder, link_base)).as_posix()
+        value = fmt(s["margin_statistic"], ".4f") if margin_rule else fmt(s["p_value"], ".2g")
+        old = previous_record(s, found)
+        if old is None:
+            pairwise = "first record"
+        elif definition.get("loss_per_step") is None or definition.get("pairwise_margin") is None:
+            pairwise = "n/a (track.json sets no loss_per_step and pairwise_margin)"
+        else:
+            stat = pairwise_statistic(s, old, definition["loss_per_step"])
+            verdict = "significant" if stat >= definition["pairwise_margin"] else "not significant"
+            pairwise = f"{stat:.4f} vs {old['name']} ({verdict} at {definition['pairwise_margin']})"
+        lines.append(
+            f"| {rank} | {s['date']} | [{s['name']}]({link}) | {s['steps']} | {s['val_loss']['mean']:.4f} | {value} "
+            f"| {s['n']} | {pairwise} |"
+        )
+    return "\n".join(lines)
+
+
+def records_table(records, link_base, definition=None):
     """The markdown table of the (folder, statistics) `records` whose status is record or target,
-    largest speed-up first; links are relative to link_base."""
+    largest speed-up first (a steps track: steps_table); links are relative to link_base.
+    definition: the track's track.json (default: a track ranked by train time)."""
     found = [(folder, s) for folder, s in records if s["status"] in (STATUS_RECORD, STATUS_TARGET)]
     if not found:
         return "_No records yet._"
+    if definition and definition.get("metric") == METRIC_STEPS:
+        return steps_table(found, link_base, definition)
     first_time = min(found, key=lambda item: (item[1]["date"], item[1]["made"]))[1]["train_time_ms"]["mean"]
     lines = [
         "| # | date | record | mean val loss | p | mean train time | runs | speed-up vs baseline |",
@@ -769,15 +869,15 @@ def records_table(records, link_base):
     return "\n".join(lines)
 
 
-def with_table(readme, records, track):
+def with_table(readme, records, track, definition=None):
     """The text of `readme` with the track's table between its markers rebuilt from `records`, or None
-    where the file or its markers are missing."""
+    where the file or its markers are missing. definition: the track's track.json (records_table)."""
     start, end = table_markers(track)
     text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
     i, j = text.find(start), text.find(end)
     if i < 0 or j < i:
         return None
-    table = records_table(records, readme.resolve().parent)
+    table = records_table(records, readme.resolve().parent, definition)
     return text[: i + len(start)] + "\n" + table + "\n" + text[j:]
 
 
@@ -895,7 +995,7 @@ def make_record(args):
     folder = track_dir / f"{args.date}_{args.name}"
     if folder.exists():
         raise RecordError(f"{folder} already exists; choose another --name or --date")
-    logs = load_logs(args.logs, track, "the", track.get("required_environment"))
+    logs = load_logs(args.logs, track, "the", track.get("required_environment"), track.get("fixed_config"))
     refuse_recorded_runs(logs, args.records_dir)
     if any(log.final["train_time_ms"] <= 0 for log in logs):
         raise RecordError("a run with 0 ms of training is not a run: check its num_iterations")
@@ -922,7 +1022,7 @@ def make_record(args):
     records = checked_track_records(track_dir, track, repo_root) + [(folder, s)]
     files, notes = {}, []
     for readme in (args.readme, track_dir / "README.md"):
-        text = with_table(readme, records, args.track)
+        text = with_table(readme, records, args.track, track)
         if text is not None:
             files[readme] = text
         elif readme == args.readme:

@@ -85,6 +85,16 @@ def test_the_medium_preset_runs_on_8_processes_of_8_h100s():
         start_up_checks(("--preset", "medium"), n, memory_of(H100))
 
 
+def test_the_optimization_preset_runs_on_every_gpu_count_that_divides_its_8_slices():
+    """--preset optimization (8 slices of 65,536 tokens) on 1 to 8 H100s or H200s: the most processes
+    that divide 8, each passing the start-up checks (about 51 GiB of an H100 on each)."""
+    for gpu in (H100, H200):
+        for gpus, processes in ((8, 8), (7, 4), (4, 4), (3, 2), (2, 2), (1, 1)):
+            args, n, reason = tg.launch_plan(gpus, ["--preset", "optimization"], memory_of(gpu))
+            assert (args, n) == ((), processes), reason
+            start_up_checks(("--preset", "optimization"), n, memory_of(gpu))
+
+
 def test_no_configuration_fits_a_small_machine():
     """16 GB GPUs and 64 GiB of host memory: every candidate refused, each refusal in the message."""
     with pytest.raises(tg.ConfigError, match=r"nothing fits 4 GPU\(s\) of 15.0 GiB and 64.0 GiB of host memory: "

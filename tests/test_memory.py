@@ -195,6 +195,20 @@ def test_medium_fits_8_h100s_in_16_slices_and_not_in_the_public_8():
     assert budget_8.check(H100, HOST).startswith("the run needs ")
 
 
+def test_the_optimization_preset_fits_an_h100_in_its_8_slices():
+    """The optimization preset: 162,203,166 fp32 parameters (the embedding and the head, 50,304 x
+    768 each; the 2-row bigram table; 12 layers of (2304 + 768 + 3072 + 3072) x 768 matrices; 6
+    skip weights and 12 x 2 residual mixes), no host table; one 65,536-token slice per GPU fits an
+    80 GB H100 with over 25 GiB to spare, on 8 processes and on one."""
+    h = tg.parse_config(["--preset", "optimization"])
+    params = 2 * 50_304 * 768 + 2 * 768 + 12 * (2304 + 768 + 3072 + 3072) * 768 + 6 + 12 * 2
+    assert params == 162_203_166
+    for processes in (8, 1):
+        budget = memory_budget.memory_budget(h, processes)
+        assert budget.device["parameters"] == 4 * params and not budget.host
+        assert budget.check(H100, HOST) is None and H100 - budget.device_total(H100) > 25 * 2**30
+
+
 def test_row_gradient_sums_equal_the_entries_summed_per_row():
     """Three micro-batches' entries, rows repeated within and across them, into a buffer of exactly
     as many slots as distinct rows: the sums of each row (a float64 index_add_ reference), each

@@ -64,8 +64,8 @@ def sealed(prefix, lines):
 
 def write_log(path, final_loss, train_ms, sources=SOURCES, track=TRACK, ending="final", world_size=1, gpu="none",
               seed=0, config_changes=None, val_data=VAL_DATA, version=2, cpu=CPU, hostname=HOSTNAME,
-              git_commit=GIT_COMMIT, data=None):
-    """Write a log of a fake 4-step run ending at (final_loss, train_ms); return its path.
+              git_commit=GIT_COMMIT, data=None, total_steps=TOTAL_STEPS):
+    """Write a log of a fake run of total_steps (4) steps ending at (final_loss, train_ms); return its path.
     ending: "final", "error" or "interrupted"; data: the data section's fingerprints (default: val_data
     and TRAIN_DATA)."""
     run_id = Path(path).stem
@@ -88,24 +88,24 @@ def write_log(path, final_loss, train_ms, sources=SOURCES, track=TRACK, ending="
         "git_commit": git_commit,
         "started": "2026-11-30T10:00:00+00:00",
     }
-    config = {"preset": "cpu", "track": track, "num_iterations": TOTAL_STEPS, "seed": seed}
+    config = {"preset": "cpu", "track": track, "num_iterations": total_steps, "seed": seed}
     config |= {"val_tokens": VAL_TOKENS, "val_files": "data/x_val_*.bin", "entry": "train_gpt.py"}
     config |= config_changes or {}
     text = ["=== environment ===", *(f"{k}: {v}" for k, v in environment.items())]
     data = [val_data, TRAIN_DATA] if data is None else data
     text += ["=== data ===", *map(json.dumps, data), "=== config ===", json.dumps(config)]
     text += ["=== run ==="]
-    for step in range(1, TOTAL_STEPS + 1):
-        ms = round(train_ms * step / TOTAL_STEPS)
+    for step in range(1, total_steps + 1):
+        ms = round(train_ms * step / total_steps)
         timing = f"train_time:{ms}ms step_avg:{ms / step:.2f}ms"
-        text.append(f"step:{step}/{TOTAL_STEPS} train_loss:{final_loss + 1 / step:.4f} "
+        text.append(f"step:{step}/{total_steps} train_loss:{final_loss + 1 / step:.4f} "
                     f"objective:{final_loss + 2 / step:.4f} {timing}")
         if step % 2 == 0:
-            val = final_loss + 0.5 * (TOTAL_STEPS - step)
-            text.append(f"step:{step}/{TOTAL_STEPS} val_loss:{val:.4f} {timing}")
+            val = final_loss + 0.5 * (total_steps - step)
+            text.append(f"step:{step}/{total_steps} val_loss:{val:.4f} {timing}")
     text.append("an informational line")
     text.append({
-        "final": f"final val_loss:{final_loss:.4f} train_time:{train_ms}ms steps:{TOTAL_STEPS} peak_memory:123MiB",
+        "final": f"final val_loss:{final_loss:.4f} train_time:{train_ms}ms steps:{total_steps} peak_memory:123MiB",
         "error": "error: RuntimeError: something broke",
         "interrupted": "interrupted: SIGINT at step 3/4",
     }[ending])

@@ -163,6 +163,40 @@ def test_cpu_lr_cools_from_40_percent_to_the_floor_at_the_end():
     assert {step: tg.lr_multiplier(h, step) for step in expected} == pytest.approx(expected)
 
 
+def test_optimization_preset_publishes_the_public_optimization_baselines_setup():
+    """The public train_gpt_simple.py: 12 x 768, head_dim 128, MLP 4 x 768, attention scale 0.12,
+    3250 steps of 8 x 64 x 1024 tokens over a 1024-token context, Muon lr 0.025 (mu 0.95 from the
+    start), AdamW lr 0.7 / 0.004 / 0.015, betas (0.8, 0.95), eps 1e-10, validation every 125 steps."""
+    h = preset("optimization")
+    assert (h.track, h.num_iterations, h.batch_ranks, h.val_tokens) == ("track_3_optimization", 3250, 8, 10_485_760)
+    assert (h.num_layers, h.model_dim, h.num_heads, h.head_dim, h.mlp_hidden) == (12, 768, 6, 128, 3072)
+    assert (h.attention_free_layers, h.long_window_layers, h.num_value_embeds, h.value_embed_layers) == ((), (), 0, ())
+    assert (h.attn_scale, h.rope_base, h.untie_frac, h.bigram_rows, h.value_embed_lr) == (0.12, 1024.0, 0.0, 2, 0.0)
+    assert not (h.fp8_mlp or h.fp8_qkv or h.fp8_head or h.canonical_mask or h.smear_gate or h.averages)
+    [stage] = h.stages
+    assert (stage.tokens_per_rank * h.batch_ranks, stage.max_doc_len) == (8 * 64 * 1024, 1024)
+    assert (stage.short_window, stage.long_window, h.val_long_window) == (8, 8, 8)
+    assert (stage.mtp_weights, stage.prefix_weight, stage.candidates, stage.lr_mult) == ((1.0,), 0.0, 0, 1.0)
+    assert (h.optimizer, h.matrix_lr, h.mlp_down_lr_scale, h.qk_ortho_heads) == ("muon", 0.025, 1.0, 6)
+    assert (h.embed_lr, h.head_lr, h.scalar_lr, h.embed_betas, h.scalar_betas, h.adam_eps) == (
+        0.7, 0.004, 0.015, (0.8, 0.95), (0.8, 0.95), 1e-10)
+    assert h.matrix_wd * h.matrix_lr == pytest.approx(0.05) and h.embed_wd * h.embed_lr == pytest.approx(0.001)
+    assert [tg.matrix_momentum(h, step) for step in (0, 1, 1000, 3249)] == [0.95] * 4
+    points = tg.validation_points(h)
+    assert points[:2] == [(125, False), (250, False)] and points[-2:] == [(3125, False), (3250, True)]
+    assert len(points) == 26 and tg.untie_step(h) == 0
+
+
+def test_optimization_lr_is_the_public_set_hparams():
+    """The public set_hparams(step, cooldown_frac=0.7): 1 while step / 3250 < 0.3, then
+    (1 - step / 3250) / 0.7; at every step of the run."""
+    h = preset("optimization")
+    for step in range(3250):
+        progress = step / 3250
+        public = 1.0 if progress < 1 - 0.7 else (1 - progress) / 0.7
+        assert tg.lr_multiplier(h, step) == pytest.approx(public, abs=1e-12), step
+
+
 def test_medium_lr_is_the_public_get_lr():
     """The public get_lr, x = step / 4700: 1 up to x = 1/12, 1.52 above it, 1.73 above 2/12, 2.0
     above 3/12; from x >= 0.3 (step 1411; at 1410 the line still gives 2.0) w = (1 - x) / 0.7 and
@@ -229,7 +263,8 @@ def test_speedrun_anvil_blend_is_one_before_43_percent_then_0_4385():
 # stage before (320/1194 ...: exactly those steps; 423/1285 ...; 0.5 * 30 = 15, 0.8 * 30 = 24; medium:
 # the public phases' first steps ceil(4700 k / 12) for k = 1-8, then the extension's 4700).
 STAGE_STARTS = {"speedrun": (1194, [320, 681, 1107, 1175]), "record89": (1285, [423, 847, 1270]),
-                "cpu": (30, [15, 24]), "medium": (4740, [392, 784, 1175, 1567, 1959, 2350, 2742, 3134, 4700])}
+                "cpu": (30, [15, 24]), "medium": (4740, [392, 784, 1175, 1567, 1959, 2350, 2742, 3134, 4700]),
+                "optimization": (3250, [])}
 
 
 @pytest.mark.parametrize("name", sorted(STAGE_STARTS))
@@ -240,7 +275,8 @@ def test_stage_of_every_step_and_the_steps_per_stage(name):
         sum(step >= first for first in starts) for step in range(N + 1)]
     assert tg.steps_per_stage(h) == {"speedrun": [320, 361, 426, 68, 19], "record89": [423, 424, 423, 15],
                                      "cpu": [15, 9, 6],
-                                     "medium": [392, 392, 391, 392, 392, 391, 392, 392, 1566, 40]}[name]
+                                     "medium": [392, 392, 391, 392, 392, 391, 392, 392, 1566, 40],
+                                     "optimization": [3250]}[name]
 
 
 def test_steps_per_stage_counts_what_stage_index_decides_where_floats_round():
