@@ -59,8 +59,8 @@ def same_run(a, b):
     """Whether two logged configs train the same run: equal once read back as the trainer reads
     a logged config (a key added since the log was written takes its default, which keeps the
     old behaviour), wherever the log was written."""
-    def settings(config):
-        read = config.normalize_config(config.config_from_dict(config))
+    def settings(logged):
+        read = config.normalize_config(config.config_from_dict(logged))
         return {k: v for k, v in tg.config_to_dict(read).items() if k != "log_dir"}
     return settings(a) == settings(b)
 
