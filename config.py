@@ -530,26 +530,20 @@ def _stage(value):
     return stage
 
 
-def _average(value):
-    """An Average from an Average or a JSON object; ConfigError naming what is wrong."""
-    if isinstance(value, Average):
-        return value
-    try:
-        return Average(**value)
-    except TypeError:
-        raise ConfigError(f"--averages: {json.dumps(value)} is not an average; an average is a JSON object with "
-                          f"keys {AVERAGE_FIELDS} (params and window required)") from None
-
-
-def _table_phase(value):
-    """A TablePhase from a TablePhase or a JSON object; ConfigError naming what is wrong."""
-    if isinstance(value, TablePhase):
-        return value
-    try:
-        return TablePhase(**value)
-    except TypeError:
-        raise ConfigError(f"--table_phases: {json.dumps(value)} is not a phase; a phase is a JSON object with keys "
-                          f"{TABLE_PHASE_FIELDS}") from None
+def _objects(key, values, cls, noun, fields, required=""):
+    """A list of `cls` from `values`, a JSON list of objects (or of cls already): --key's list of
+    `noun`s ("an average"); ConfigError naming what is wrong."""
+    plural = noun.split(" ", 1)[1] + "s"
+    if not isinstance(values, (list, tuple)):
+        raise ConfigError(f"--{key}: expects a JSON list of {plural}, got {json.dumps(values)}")
+    out = []
+    for value in values:
+        try:
+            out.append(value if isinstance(value, cls) else cls(**value))
+        except TypeError:
+            raise ConfigError(f"--{key}: {json.dumps(value)} is not {noun}; {noun} is a JSON object with keys "
+                              f"{fields}{required}") from None
+    return out
 
 
 def normalize_config(h):
@@ -558,12 +552,9 @@ def normalize_config(h):
     if not isinstance(h.stages, (list, tuple)) or not h.stages:
         raise ConfigError(f"--stages: expects a non-empty JSON list of stages, got {json.dumps(h.stages)}")
     h.stages = [_stage(s) for s in h.stages]
-    if not isinstance(h.averages, (list, tuple)):
-        raise ConfigError(f"--averages: expects a JSON list of averages, got {json.dumps(h.averages)}")
-    h.averages = [_average(a) for a in h.averages]
-    if not isinstance(h.table_phases, (list, tuple)):
-        raise ConfigError(f"--table_phases: expects a JSON list of phases, got {json.dumps(h.table_phases)}")
-    h.table_phases = [_table_phase(p) for p in h.table_phases]
+    h.averages = _objects("averages", h.averages, Average, "an average", AVERAGE_FIELDS,
+                          " (params and window required)")
+    h.table_phases = _objects("table_phases", h.table_phases, TablePhase, "a phase", TABLE_PHASE_FIELDS)
     for key, f in SCHEMA.items():
         if f.type is tuple:
             value = getattr(h, key)

@@ -196,8 +196,12 @@ def run(argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     command = checkpoint_command(argv)
+    if command is None and any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
     if command is None:
-        print(f"error: give --eval=PATH or --sample=PATH of a checkpoint\n{__doc__}", file=sys.stderr)
+        print("error: give --eval=PATH or --sample=PATH of a checkpoint (python evaluate.py --help: the usage)",
+              file=sys.stderr)
         return train_gpt.EXIT_USER_ERROR
     return train_gpt.main(argv, command=command, run=run)
 
