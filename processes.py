@@ -266,14 +266,37 @@ SIGNAL_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}  # 128 + the signal number, 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write failed for want of room (write_failure)
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGXFSZ)
+
+
 def stop_on_signals():
-    """SIGINT and SIGTERM raise Interrupted in the main thread; a file-size limit makes a write
-    fail with an error (EFBIG) instead of killing the process without a word (SIGXFSZ)."""
+    """SIGINT and SIGTERM raise Interrupted in the main thread, once: from then on the run is
+    ending (hold_signals). A file-size limit makes a write fail with an error (EFBIG) instead of
+    killing the process without a word (SIGXFSZ). Returns the handlers it replaced, for
+    restore_signals."""
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+
     def interrupt(signum, frame):
+        hold_signals()
         raise Interrupted(signal.Signals(signum).name)
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    return previous
+
+
+def hold_signals():
+    """While a run ends (its line, its log, the process group) SIGINT and SIGTERM no longer
+    interrupt it: torch.distributed.run sends SIGTERM to the other processes as soon as one
+    exits, and that signal must not cut the ending short."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def restore_signals(previous):
+    """Put back the handlers stop_on_signals replaced (main can be called again in one process)."""
+    for s, handler in (previous or {}).items():
+        signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
 
 def peer_exited(launch, error):

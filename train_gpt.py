@@ -61,8 +61,8 @@ from data.shards import ShardError, find_shards, fingerprint, read_shard
 from data.tokenizer import BOS_ID, TokenizerError, noncanonical_pairs, prefix_token_table
 from memory_budget import check_memory, launch_plan
 from processes import (DISK_FULL_ERRNOS, EXIT_USER_ERROR, SIGNAL_EXIT_CODES, Interrupted, ProcessGroup, TrainingError,
-                       interruption_line, launch_environment, peer_exited, report_error, shows_interruptions,
-                       start_process, stop_on_signals, synchronize)
+                       hold_signals, interruption_line, launch_environment, peer_exited, report_error,
+                       restore_signals, shows_interruptions, start_process, stop_on_signals, synchronize)
 from records.logfile import (ERROR_PREFIX, LogFolderError, LogWriteError, RunLog, cpu_model, project_sources,
                              write_failure)
 from sparse_tables import SparseTables, available_memory_bytes, check_ngram_table
@@ -2428,10 +2428,10 @@ def main(argv=None, command=None, run=None):
     `command` (evaluate.py's eval and sample) under the same ending: an error or a signal is
     one line on stderr and in the log, with an exit code, never a traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    log, launch = None, None
+    log, launch, handlers = None, None, None
     try:
         launch = launch_environment()
-        stop_on_signals()
+        handlers = stop_on_signals()
         if run is not None:
             return run(argv)
         if "--plan" in argv:
@@ -2450,14 +2450,18 @@ def main(argv=None, command=None, run=None):
                     SIGNAL_EXIT_CODES[e.signal_name], shows_interruptions(launch))
     except (ConfigError, DataError, ShardError, TrainingError, optim.OptimConfigError, CheckpointError,
             TokenizerError, LogFolderError) as e:
+        hold_signals()
         return stop(log, f"{ERROR_PREFIX}{e}", EXIT_USER_ERROR, report_error(launch, f"{ERROR_PREFIX}{e}"))
     except LogWriteError as e:
+        hold_signals()
         return stop(None, f"{ERROR_PREFIX}{e}", EXIT_USER_ERROR, report_error(launch, f"{ERROR_PREFIX}{e}"))
     except OSError as e:
+        hold_signals()
         path = e.filename or "a file"
         line = ERROR_PREFIX + (write_failure(path, e) if e.errno in DISK_FULL_ERRNOS else f"{path}: {e.strerror}")
         return stop(log, line, EXIT_USER_ERROR, report_error(launch, line))
     except RuntimeError as e:
+        hold_signals()
         if not peer_exited(launch, e):
             raise
         return stop(log, interruption_line(launch, None, where_the_run_is(log, command)), EXIT_USER_ERROR,
@@ -2467,6 +2471,7 @@ def main(argv=None, command=None, run=None):
             log.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        restore_signals(handlers)
 
 
 if __name__ == "__main__":

@@ -231,6 +231,41 @@ def test_a_signal_ends_the_run_with_one_line_and_the_step(data, signal_name, sta
                                                         log.info[-1])
 
 
+@pytest.mark.parametrize("first", ["error", "SIGTERM"])
+def test_a_signal_while_the_run_ends_does_not_cut_its_ending_short(monkeypatch, capsys, first):
+    """torch.distributed.run sends SIGTERM to every other process as soon as one exits: one that
+    arrives while a run writes its ending (here, while it reports its error or its interruption)
+    leaves that ending whole: its one line, its exit code, and the handlers main found."""
+    def send_sigterm():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)                            # the handler runs here, in the ending
+
+    def report_error(launch, line):
+        send_sigterm()
+        return True
+
+    def interruption_line(launch, signal_name, where):
+        send_sigterm()
+        return f"interrupted: {signal_name} {where}"
+
+    def run(argv):
+        if first == "error":
+            raise tg.DataError("its own shard is short: rebuild it")
+        send_sigterm()
+        raise AssertionError("SIGTERM did not interrupt the run")
+
+    monkeypatch.setattr(tg, "report_error", report_error)
+    monkeypatch.setattr(tg, "interruption_line", interruption_line)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGXFSZ)}
+    code = tg.main([], command="train", run=run)
+    err = capsys.readouterr().err.strip().splitlines()
+    if first == "error":
+        assert code == 2 and err == ["error: its own shard is short: rebuild it"], err
+    else:
+        assert code == 143 and len(err) == 1 and err[0].startswith("interrupted: SIGTERM"), err
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
 def test_a_full_disk_mid_run_ends_with_one_line_and_a_whole_last_line(data, tmp_path):
     """A file-size limit stands in for a full disk: the first run measures where the log's run
     section starts, the second may write only a few lines past it."""
