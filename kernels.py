@@ -1489,57 +1489,70 @@ def softcap_cross_entropy_reference(logits, targets, weights, grad_scale=1.0):
     return (losses * weights.to(losses)).sum(dim=1), losses[:, 0].detach()
 
 
-CHUNKED_CE_ROWS = 16  # rows per block of the CPU cross-entropy: 16 x 50,304 fp32 = 3.2 MB, in L2
+CHUNKED_CE_ROWS = 8   # rows per block of the CPU cross-entropy: two 8 x 50,304 fp32 scratch blocks = 3.2 MB, in L2
 
 
 class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
     """softcap_cross_entropy's algorithm in plain torch, for CPUs: the forward walks the rows in
     blocks of `rows` and, per block, computes the loss and, when the logits require a gradient,
-    the logit gradient, so each fp32 temporary is one cache-sized block rather than an (N, C)
-    tensor, and autograd keeps one (N, C) gradient in the logits' dtype instead of every
-    intermediate of the reference. Softcapped logits lie in (0, SOFTCAP), so exp(z) cannot
-    overflow and sum(exp(z)) needs no max subtraction; the exponentials are reused for softmax.
-    With a = sum_k weights[k] over the present targets:
-        dloss/dz = a * softmax(z) - sum_k weights[k] * onehot(targets[:, k])
-        dz/dlogits = z * (SOFTCAP - z) / (SOFTCAP * SOFTCAP_TEMP)        (z = softcap(logits))
+    the logit gradient times grad_scale, in two fp32 scratch blocks reused from block to block
+    (cache-sized: no (N, C) temporary), so autograd keeps one (N, C) gradient in the logits'
+    dtype. The softcap is written with tanh, which costs a CPU less than a sigmoid:
+        z = SOFTCAP * sigmoid(u) = H * (1 + tanh(u / 2)),   u = (logits + SOFTCAP_SHIFT) / SOFTCAP_TEMP,
+        H = SOFTCAP / 2,   dz/dlogits = H / (2 SOFTCAP_TEMP) * (1 - tanh(u / 2)^2).
+    z lies in (0, SOFTCAP), so exp(z - H) cannot overflow and its row sum needs no max
+    subtraction; the exponentials are reused for softmax. With a = sum_k weights[k] over the
+    present targets:
+        dloss/dz = a * softmax(z) - sum_k weights[k] * onehot(targets[:, k]).
+    Passes per block: one read of the logits, 10 over the two scratch blocks, one write of the
+    gradient. The backward returns the stored gradient itself when the upstream gradient is
+    grad_scale on every row (the trainer's mean), else a scaled copy.
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, weights, rows):
+    def forward(ctx, logits, targets, weights, rows, grad_scale):
         num_rows, num_cols = logits.shape
         present = (targets >= 0) & (targets < num_cols)
         columns = torch.where(present, targets, 0)
         target_weights = torch.where(present, weights.float(), 0.0)   # (N, K): absent targets weigh 0
-        slope = 1.0 / (SOFTCAP * SOFTCAP_TEMP)
+        half = SOFTCAP / 2
+        slope = grad_scale * half / (2 * SOFTCAP_TEMP)                  # dz/dlogits at tanh = 0, times grad_scale
         loss = torch.empty(num_rows, device=logits.device, dtype=torch.float32)
         next_loss = torch.empty(num_rows, device=logits.device, dtype=torch.float32)
         grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
+        th_block = torch.empty(min(rows, num_rows), num_cols, device=logits.device, dtype=torch.float32)
+        e_block = torch.empty_like(th_block)
         for s in range(0, num_rows, rows):
             e = min(s + rows, num_rows)
-            z = logits[s:e].float().add_(SOFTCAP_SHIFT).div_(SOFTCAP_TEMP).sigmoid_().mul_(SOFTCAP)
-            exp_z = z.exp()
-            total = exp_z.sum(dim=1, keepdim=True)
+            th, ex = th_block[:e - s], e_block[:e - s]
+            th.copy_(logits[s:e]).add_(SOFTCAP_SHIFT).mul_(0.5 / SOFTCAP_TEMP).tanh_()
+            torch.mul(th, half, out=ex).exp_()                          # exp(z - H)
+            total = ex.sum(dim=1, keepdim=True)
             w = target_weights[s:e]
-            per_target = total.log() - z.gather(1, columns[s:e])
+            th_targets = th.gather(1, columns[s:e])
+            per_target = total.log() - half * th_targets                # log sum exp(z) - z at each target
             loss[s:e] = (per_target * w).sum(dim=1)
             next_loss[s:e] = torch.where(present[s:e, 0], per_target[:, 0], 0.0)
             if grad is not None:
-                g = exp_z.mul_(w.sum(dim=1, keepdim=True) * slope / total)
-                g.scatter_add_(1, columns[s:e], w * -slope)
-                grad[s:e] = g.mul_(z).mul_(z.neg_().add_(SOFTCAP))
+                ex.mul_(w.sum(dim=1, keepdim=True) * slope / total)     # a * softmax(z) * slope
+                ex.scatter_add_(1, columns[s:e], w * -slope)            # minus the weighted one-hot targets
+                ex.addcmul_(ex, th.mul_(th), value=-1.0)                # times 1 - tanh^2
+                grad[s:e] = ex
         ctx.save_for_backward(grad)
-        ctx.rows = rows
+        ctx.rows, ctx.grad_scale = rows, grad_scale
         ctx.mark_non_differentiable(next_loss)
         return loss, next_loss
 
     @staticmethod
     def backward(ctx, grad_loss, grad_next_loss):
         grad, = ctx.saved_tensors
+        if bool((grad_loss == ctx.grad_scale).all()):
+            return grad, None, None, None, None
+        scale = grad_loss.float()[:, None] / ctx.grad_scale
         out = torch.empty_like(grad)
-        scale = grad_loss.float()[:, None]
         for s in range(0, grad.shape[0], ctx.rows):
             out[s:s + ctx.rows] = grad[s:s + ctx.rows].float().mul_(scale[s:s + ctx.rows])
-        return out, None, None, None
+        return out, None, None, None, None
 
 
 # Eager in a compiled model: its row loop is a memory plan. Inductor compiled it into one graph
@@ -1548,9 +1561,12 @@ class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
 def softcap_cross_entropy_chunked(logits, targets, weights, rows=CHUNKED_CE_ROWS, grad_scale=1.0):
     """softcap_cross_entropy for CPUs (same arguments and result), in row blocks with the
     gradient formed in the forward pass: on the CPU preset's 4096 x 50,304 logits it replaces
-    the reference's chain of full-size fp32 tensors and their autograd copies. grad_scale
-    changes no result (as in softcap_cross_entropy_reference)."""
-    return _ChunkedSoftcapCrossEntropy.apply(logits, targets.long(), weights, rows)
+    the reference's chain of full-size fp32 tensors and their autograd copies. grad_scale, the
+    upstream gradient the caller expects for every row, lets the backward hand the stored
+    gradient on without a pass over it; any upstream gradient gives the right result."""
+    if not (math.isfinite(grad_scale) and grad_scale != 0):
+        raise ValueError(f"softcap_cross_entropy_chunked: grad_scale must be a nonzero finite number; got {grad_scale}")
+    return _ChunkedSoftcapCrossEntropy.apply(logits, targets.long(), weights, rows, float(grad_scale))
 
 
 # ---------------------------------------------------------------------------------------------

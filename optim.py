@@ -696,6 +696,7 @@ class Adam(torch.optim.Optimizer):
         self.run_bank = run_bank
         self.reduce_buffers = {}   # with run_bank and several processes: parameter -> its summed gradient
         self.scalars = {}          # with run_bank: update key -> _DeviceScalars
+        self.scratch_buffers = {}  # (shape, device) -> the two buffers of scratch()
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -742,22 +743,33 @@ class Adam(torch.optim.Optimizer):
         """One Adam step on `param` (the whole parameter or this rank's rows) with fp32 grad g
         and the step's scalars `hyper` (floats, or 0-d device tensors holding them).
 
-        The bias corrections and the LR are folded into two scalars and the update is built in
-        one scratch buffer, so a step makes ~5 passes over the parameter's size (the tables are
-        large).
+        The bias corrections and the LR are folded into two scalars and the update and the
+        cautious decay are built in two scratch buffers the optimizer keeps per shape (scratch),
+        so a step allocates nothing and makes ~12 in-place passes over the parameter's size (the
+        tables are large; on a CPU a fresh buffer of their size costs more than a pass).
         """
         beta1, beta2 = group["betas"]
         m, v = state["exp_avg"], state["exp_avg_sq"]
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        update = v.sqrt().mul_(hyper["inv_sqrt_bias2"]).add_(group["eps"])
+        update, decayed = self.scratch(m)
+        torch.sqrt(v, out=update).mul_(hyper["inv_sqrt_bias2"]).add_(group["eps"])
         torch.div(m, update, out=update).mul_(hyper["step_scale"])   # lr * u
         master = _load_master(param, state)
         if group["weight_decay"]:
-            decayed = (update * master > 0) * master
+            torch.mul(update, master, out=decayed).gt_(0).mul_(master)   # theta where u * theta > 0, else 0
             master.sub_(decayed.mul_(hyper["decay"]))   # a diverging LR gives inf, not an error
         master.sub_(update)
         _store_master(param, state, master)
+
+    def scratch(self, like):
+        """Two fp32 buffers of `like`'s shape and device, the same ones at every call (_update's
+        update and decay are built in them; one parameter at a time)."""
+        key = (tuple(like.shape), like.device)
+        if key not in self.scratch_buffers:
+            self.scratch_buffers[key] = (torch.empty_like(like, dtype=torch.float32),
+                                         torch.empty_like(like, dtype=torch.float32))
+        return self.scratch_buffers[key]
 
     def _reduce(self, p, world):
         """Launch the sum of p's gradient over ranks: its rows reduce-scattered when shards_rows,

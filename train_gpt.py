@@ -1264,7 +1264,8 @@ class GPT(nn.Module):
         if columns is not None:
             weight = weight[columns]
             all_targets = ids_to_columns(all_targets, columns)
-        objective, next_token = self.cross_entropy_fn(self.head(x, weight), all_targets, target_weights)
+        objective, next_token = self.cross_entropy_fn(self.head(x, weight), all_targets, target_weights,
+                                                      grad_scale=1.0 / x.size(0))   # the mean's upstream gradient
         return objective.mean(), next_token.mean()
 
     @torch.no_grad()

@@ -860,6 +860,22 @@ def test_chunked_cross_entropy_matches_float64(rows, columns, num_targets, dtype
     _check_cross_entropy(ce, 1, *_cross_entropy_inputs(rows, columns, num_targets, columns + 1, dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_cross_entropy_with_an_announced_upstream_gradient(dtype):
+    """The CPU path's grad_scale: with the announced upstream gradient on every row (the mean
+    over 24 tokens of one of 2 micro-batches, 1/48) the backward's result is the gradient the
+    forward stored; a non-uniform one stays within the float64 oracle's bounds."""
+    logits, targets, weights, grad_loss = _cross_entropy_inputs(24, 300, 3, 21, dtype)
+    ce = functools.partial(kernels.softcap_cross_entropy_chunked, rows=5, grad_scale=1 / 48)
+    _check_cross_entropy(ce, 1, logits, targets, weights, grad_loss)
+    _check_cross_entropy(ce, 1, logits, targets, weights, torch.full((24,), 1 / 48))
+    x = logits.clone().requires_grad_(True)
+    loss = ce(x, targets, weights)[0]
+    (stored,) = loss.grad_fn.saved_tensors
+    (loss.mean() / 2).backward()
+    assert torch.equal(x.grad, stored)
+
+
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cross_entropy_with_an_announced_upstream_gradient(dtype):
