@@ -145,7 +145,7 @@ FIXED_KEYS = [k for k in tg.MODEL_FIELDS if k != "embed_init_std"] + [
 
 @pytest.mark.parametrize("track, argv, extra", [
     ("track_3_optimization", ["--preset", "optimization"], ["value_embed_lr"]),
-    ("track_3_cpu_optimization", ["--preset", "cpu", "--track=track_3_cpu_optimization"], []),
+    ("track_3_cpu_optimization", ["--preset", "cpu_optimization"], []),
 ])
 def test_a_steps_tracks_fixed_config_is_its_presets(track, argv, extra):
     """Each fixed key of the track holds the preset's logged value; the optimizer keys stay free."""
