@@ -91,28 +91,17 @@ def test_averages_refuse_unknown_params_and_bad_values():
             tiny_config([f"--averages=[{bad}]"])
 
 
-# Config keys renamed since the CPU track's current record was logged (the record reproduces
-# with the sources its log embeds; this map lets the current preset be compared with it).
-RENAMED_SINCE_THE_RECORD = {"dc_layers": "composed_layers", "dc_window": "composed_window"}
-# Keys that table_phases replaced: a late step of 0 was no late phase, table_phases=[] now.
-LATE_PHASE_KEYS = ("ngram_late_step", "ngram_late_beta2", "ngram_late_step_every", "value_embed_late_beta2")
-
-
 def test_cpu_preset_is_the_current_cpu_record(tmp_path):
     """`./run.sh` on a CPU (the cpu preset) trains what the CPU track's current record (the first
     row of the README's table) ran: its logged config, apart from the seed and the log folder
-    (keys renamed since keep their values; keys added since take defaults that change nothing)."""
+    (keys added since take defaults that change nothing)."""
     readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
     table = readme.split("<!-- records:track_cpu:start -->")[1].split("<!-- records:track_cpu:end -->")[0]
     first = next(line for line in table.splitlines() if line.startswith("| 1 "))
     folder = os.path.join(REPO, first.split("](")[1].split(")")[0])
     log = parse_log(os.path.join(folder, sorted(f for f in os.listdir(folder) if f.endswith(".txt")
                                                 and f[0].isdigit())[0]))
-    logged = {RENAMED_SINCE_THE_RECORD.get(k, k): v for k, v in log.config.items()
-              if k not in ("seed", "log_dir", "entry")}
-    if "ngram_late_step" in logged:
-        assert logged["ngram_late_step"] == 0
-        logged = {**{k: v for k, v in logged.items() if k not in LATE_PHASE_KEYS}, "table_phases": []}
+    logged = {k: v for k, v in log.config.items() if k not in ("seed", "log_dir", "entry")}
     preset = tg.config_to_dict(tg.parse_config(["--preset", "cpu"]))
     preset = json.loads(json.dumps({k: v for k, v in preset.items() if k not in ("seed", "log_dir", "entry")}))
     assert {k: v for k, v in preset.items() if k in logged} == logged   # keys added since: their defaults
