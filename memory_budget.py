@@ -10,6 +10,7 @@ step come from train_gpt.py, imported when first needed (train_gpt imports this 
 import dataclasses
 import functools
 import json
+import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -52,7 +53,8 @@ class MemoryBudget:
     Held on the GPU for the whole run:
       parameters, buffers      the model's (but the n-gram table, its gathered rows, the mask)
       gradients                one per trained parameter, for the whole run (StepGraphs)
-      optimizer state          Adam's moments (and its summed gradients with several processes
+      optimizer state          Adam's moments of this process's rows, its update's two scratch
+                               buffers per shape (and its summed gradients with several processes
                                and CUDA graphs); the Muon family's momentum (ANVIL: two rails),
                                lane moments and banks (stacked gradients, new values)
       weight averages          the end-of-training EMAs (fp32)
@@ -251,9 +253,12 @@ def optimizer_bytes(h, model, world_size):
     for opt in optimizers:
         params = [p for group in opt.param_groups for p in group["params"]]
         if isinstance(opt, optim.Adam):
-            total += 2 * sum(map(nbytes, params))                 # exp_avg, exp_avg_sq
+            sharded = {p: optim.shards_rows(p, world_size) for p in params}
+            mine = {p: (p.shape[0] // world_size, *p.shape[1:]) if sharded[p] else tuple(p.shape) for p in params}
+            total += 2 * 4 * sum(math.prod(shape) for shape in mine.values())  # exp_avg, exp_avg_sq of its rows
+            total += 2 * 4 * sum(math.prod(shape) for shape in set(mine.values()))  # the update's scratch pair
             if world_size > 1 and h.cuda_graphs:                  # the summed gradients at fixed addresses
-                total += sum(nbytes(p) // (world_size if optim.shards_rows(p, world_size) else 1) for p in params)
+                total += 4 * sum(math.prod(shape) for shape in mine.values())
             continue
         rails = 2 if h.optimizer == "anvil" else 1
         total += rails * sum(map(nbytes, params))

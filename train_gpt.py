@@ -1038,7 +1038,7 @@ class GPT(nn.Module):
         self.fp8_head = fns.fp8_head   # in training, the head runs in FP8 with its state in head_fp8_state
         if fns.fp8_head is not None:
             self.register_buffer("head_fp8_state", kernels.new_fp8_linear_state())
-        self.fp8_loss_unit = 1.0
+        self.loss_unit = None   # the weight the objective gives one token's loss, once the trainer sets it
         if cfg.smear_gate:         # both zero: the smear starts off, and its strength learns first
             self.smear_gate = nn.Parameter(torch.zeros(1, SMEAR_GATE_DIMS))
             self.smear_lambda = nn.Parameter(torch.zeros(()))
@@ -1141,14 +1141,15 @@ class GPT(nn.Module):
             return self.fp8_head(x.to(torch.bfloat16), weight, self.head_fp8_state)
         return F.linear(x, weight.type_as(x))
 
-    def set_fp8_loss_unit(self, unit):
-        """Tell the FP8 layers the weight the objective gives one token's loss (their static
-        gradient scales are the summed loss's). Writes the devices' state only when it changes."""
-        if unit != self.fp8_loss_unit:
+    def set_loss_unit(self, unit):
+        """Tell the FP8 layers (their static gradient scales are the summed loss's) and the
+        cross-entropy (the upstream gradient it stores its gradient times) the weight the objective
+        gives one token's loss. Writes the devices' state only when it changes."""
+        if unit != self.loss_unit:
             for name, state in self.named_buffers():
                 if name.endswith("fp8_state"):
                     kernels.set_fp8_loss_unit(state, unit)
-            self.fp8_loss_unit = unit
+            self.loss_unit = unit
 
     def smear(self, x, doc_start):
         """x[t] + lambda * sigmoid(w . x[t, :SMEAR_GATE_DIMS]) * x[t-1]: each token embedding takes a
@@ -1280,8 +1281,11 @@ class GPT(nn.Module):
         if columns is not None:
             weight = weight[columns]
             all_targets = ids_to_columns(all_targets, columns)
+        # The upstream gradient the loss will get (a hint: any value gives the right gradient; with
+        # the right one the backward hands on its stored gradient without a pass over it).
+        upstream = self.loss_unit if self.training and self.loss_unit is not None else 1.0 / x.size(0)
         objective, next_token = self.cross_entropy_fn(self.head(x, weight), all_targets, target_weights,
-                                                      grad_scale=1.0 / x.size(0))   # the mean's upstream gradient
+                                                      grad_scale=upstream)
         return objective.mean(), next_token.mean()
 
     @torch.no_grad()
@@ -2130,7 +2134,7 @@ class Trainer:
         self.step_losses.zero_()
         with self.model.sinks_of(stage.tokens_per_rank):
             for slice_index, s in zip(self.mine, slices):
-                self.model.set_fp8_loss_unit(1.0 / (s.tokens.numel() * self.accum))  # the objective's weight per token
+                self.model.set_loss_unit(1.0 / (s.tokens.numel() * self.accum))  # the objective's weight per token
                 self.tables.fetch(s.tokens, route=s.route)
                 self.graphs.run(graph_key(self.h, step), body, s, candidate_offset(step, slice_index))
                 self.tables.take_entries(s)

@@ -49,6 +49,8 @@ def held_by_the_run(trainer):
     for opt in trainer.optimizers:
         for value in (v for per_param in opt.state.values() for v in per_param.values()):
             state += sum(t.nbytes for t in (value if isinstance(value, list) else [value]) if torch.is_tensor(t))
+        for pair in getattr(opt, "scratch_buffers", {}).values():
+            state += sum(t.nbytes for t in pair)
         for bank in getattr(opt, "bank_buffers", {}).values():
             state += sum(t.nbytes for t in (bank.stacked, bank.shard, bank.new_values) if t is not None)
     pending = trainer.tables.ngram_grads
@@ -82,7 +84,7 @@ def train_past_the_untie(h):
 def test_the_budget_counts_what_a_cpu_run_holds(shards):
     """Every item the budget knows exactly equals what a CPU run holds after its first steps (the
     head untied, every average sampled, Adam events of every optimizer): the parameters, buffers,
-    gradients, optimizer state (Adam's moments; ANVIL's rails, lane moments and banks), the
+    gradients, optimizer state (Adam's moments and scratch pairs; ANVIL's rails, lane moments and banks), the
     averages' EMAs, the sinks with their gradients, the value tables' sums and row state, the
     n-gram table with its row state, and its pending gradients. (Adam's and the banks' device
     scalars, a few floats, are in neither.)"""
