@@ -87,3 +87,10 @@ def cpu_only(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """A folder of synthetic train and val shards (tests/tiny_runs.py's data_args reads it)."""
+    from tiny_runs import write_tiny_shards
+    return write_tiny_shards(tmp_path_factory.mktemp("shards"))

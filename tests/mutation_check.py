@@ -27,7 +27,7 @@ VALIDATION = [STATEMENT, "-k", "validation_loss"]
 TRAINER_STEP = [STATEMENT, "-k", "trainer_step"]
 SCHEDULES = ["tests/test_schedules.py"]
 OPTIM = ["tests/test_optim.py"]
-STARTS_CLOSED = ["tests/test_train.py", "-k", "start_as_the_plain_model"]
+STARTS_CLOSED = ["tests/test_model.py", "-k", "start_as_the_plain_model"]
 
 
 @dataclasses.dataclass
@@ -118,7 +118,7 @@ MUTATIONS = [
              [STATEMENT, "-k", "candidates"], "candidates: negatives first"),
     Mutation("train_gpt.py", "self.register_buffer(\"bit_values\", 1 << torch.arange(8, dtype=torch.uint8), persistent=False)",
              "self.register_buffer(\"bit_values\", 1 << torch.arange(7, -1, -1, dtype=torch.uint8), persistent=False)",
-             [STATEMENT, "tests/test_train.py", "-k", "validation_loss or canonical_mask_matches"],
+             [STATEMENT, "tests/test_model.py", "-k", "validation_loss or canonical_mask_matches"],
              "the canonical mask reads each byte's bits in reverse"),
     Mutation("train_gpt.py", "                total += self.canonical_mask.cross_entropy_sum(logits, tokens[s:s + chunk_rows],",
              "                total += self.canonical_mask.cross_entropy_sum(logits, targets[s:s + chunk_rows, 0],",

@@ -6,7 +6,7 @@ job, and save what each process ends with.
 
 Each process writes OUT/rank<r>.pt: {"first_row", "shard" (its rows of the table), "values"
 (the value-embedding tables), "losses" (per step), "val" (the validation loss after the last
-step)}. tests/test_train.py imports `train_and_validate` to run the same steps in one process,
+step)}. tests/test_sparse_tables.py imports `train_and_validate` to run the same steps in one process,
 where the table is whole.
 """
 import os

@@ -4,7 +4,6 @@ import contextlib
 import hashlib
 import importlib.util
 import io
-import json
 import os
 import re
 import struct
@@ -16,8 +15,8 @@ import torch
 
 from launch import cpu_env, run_distributed
 from test_failures import run_main  # noqa: F401 (a fixture)
-from test_train import (DENSE, FEATURES, NGRAM, REPO, TINY, data_args, run_trainer, synthetic_documents,
-                        tiny_config, tiny_model)
+from tiny_runs import (DENSE, FEATURES, NGRAM, REPO, TINY, data_args, run_trainer, synthetic_documents,
+                       tiny_config, tiny_model)
 
 sys.path.insert(0, REPO)
 import kernels  # noqa: E402

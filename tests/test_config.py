@@ -13,7 +13,7 @@ sys.path.insert(0, REPO)
 import config  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from records.logfile import parse_log  # noqa: E402
-from test_train import DENSE, tiny_config  # noqa: E402
+from tiny_runs import DENSE, tiny_config  # noqa: E402
 
 
 def test_presets_resolve_and_overrides_parse():

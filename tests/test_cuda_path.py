@@ -16,9 +16,7 @@ compile it for sm_90 (bench/sm90_report.py) with the tensor-core, shared-memory 
 and to check that every kernel variant the timed run launches was launched in the warm-up (so
 that the Triton JIT compiles nothing on the clock).
 """
-import json
 import math
-import os
 import sys
 
 import numpy as np
@@ -37,7 +35,7 @@ import train_gpt as tg  # noqa: E402
 from cuda_autocast import Call, TensorMeta, cuda_autocast_rules, replay_with_cuda_autocast  # noqa: E402
 from data.shards import write_shard  # noqa: E402
 from records.logfile import parse_log  # noqa: E402
-from test_train import synthetic_documents  # noqa: E402
+from tiny_runs import synthetic_documents  # noqa: E402
 
 interpreted = isolated(interpret=True)
 compiled = isolated(interpret=False)

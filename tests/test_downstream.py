@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from launch import cpu_env
-from test_train import FEATURES, REPO, TINY, data_args, run_trainer, synthetic_documents
+from tiny_runs import FEATURES, REPO, TINY, data_args, run_trainer, synthetic_documents
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install -r requirements.txt")
 sys.path.insert(0, REPO)

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from launch import LineReader, cpu_env, finish, run_distributed
-from test_train import REPO, synthetic_documents, uses_checkpoint
+from tiny_runs import REPO, synthetic_documents, uses_checkpoint
 
 sys.path.insert(0, REPO)
 import config  # noqa: E402

@@ -2,7 +2,6 @@
 used), and that each of those configurations passes the checks a run makes at its start: the
 config's, the batch split (setup_distributed), the validation split, check_ngram_table and the
 memory budget (check_memory), for its process count."""
-import os
 import stat
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 from launch import cpu_env
-from test_train import REPO
+from tiny_runs import REPO
 
 sys.path.insert(0, REPO)
 import memory_budget  # noqa: E402

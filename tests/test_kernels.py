@@ -26,7 +26,6 @@ import dataclasses
 import functools
 import itertools
 import math
-import subprocess
 import sys
 
 import pytest

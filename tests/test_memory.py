@@ -12,8 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from test_train import (NGRAM, REPO, SPARSE_VALUES, cpu_trainer, data_args, shards, tiny_config,  # noqa: F401
-                        with_every_sublayer_on)
+from tiny_runs import NGRAM, REPO, SPARSE_VALUES, cpu_trainer, data_args, tiny_config, with_every_sublayer_on
 
 sys.path.insert(0, REPO)
 import kernels  # noqa: E402

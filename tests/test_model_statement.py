@@ -18,7 +18,6 @@ of larger terms cancels). The bounds are 1e-5 (losses, hidden states) and 1e-4 o
 entry (gradients), with an absolute floor of 1e-9 for gradients that are all near zero. A wiring
 change moves them by far more: tests/mutation_check.py plants such changes.
 """
-import dataclasses
 import os
 import sys
 

@@ -4,7 +4,6 @@ collectives on the same values): the same step losses and the same final weights
 import os
 import sys
 
-import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -13,7 +12,7 @@ sys.path.insert(0, REPO)
 from launch import cpu_env, run_distributed, run_nodes  # noqa: E402
 from records.logfile import parse_log  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from test_train import TINY, data_args, shards  # noqa: E402,F401
+from tiny_runs import TINY, data_args  # noqa: E402
 
 TIMEOUT_S = 300
 

@@ -9,7 +9,7 @@ from safetensors.numpy import load_file
 
 from data.shards import write_shard
 from records.logfile import parse_log
-from test_train import run_trainer, synthetic_documents
+from tiny_runs import run_trainer, synthetic_documents
 
 SMALL = ["--num_layers=2", "--model_dim=64", "--num_heads=2", "--qk_ortho_heads=2", "--head_dim=32",
          "--mlp_hidden=256",

@@ -4,7 +4,6 @@ steps tracks (their fixed configs against the presets, the CPU twin's records ag
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
 

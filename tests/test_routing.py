@@ -5,11 +5,10 @@ import os
 import sys
 
 import numpy as np
-import pytest
 import torch
 
 from launch import cpu_env, run_distributed
-from test_train import NGRAM, REPO, SPARSE_VALUES, TINY, data_args, synthetic_documents  # noqa: F401
+from tiny_runs import NGRAM, REPO, SPARSE_VALUES, TINY, data_args, synthetic_documents
 
 sys.path.insert(0, REPO)
 import sparse_tables  # noqa: E402

@@ -18,8 +18,8 @@ import sparse_tables  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data.shards import write_shard  # noqa: E402
 from launch import cpu_env, run_distributed  # noqa: E402
-from test_train import (NGRAM, SPARSE_VALUES, TINY, cpu_trainer, data_args, final_line, pending,  # noqa: E402,F401
-                        run_trainer, shards, synthetic_documents, tiny_config, tiny_model, with_every_sublayer_on)
+from tiny_runs import (NGRAM, SPARSE_VALUES, TINY, cpu_trainer, data_args, final_line,  # noqa: E402
+                       run_trainer, synthetic_documents, tiny_config, tiny_model, with_every_sublayer_on)
 
 
 def test_ngram_entries_are_the_tables_gradient(shards):

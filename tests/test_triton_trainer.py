@@ -121,7 +121,7 @@ import kernels  # noqa: E402
 import optim  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data.shards import write_shard  # noqa: E402
-from test_train import synthetic_documents  # noqa: E402
+from tiny_runs import synthetic_documents  # noqa: E402
 
 interpreted = isolated(interpret=True)
 
