@@ -26,7 +26,6 @@ import contextlib
 import copy
 import dataclasses
 import datetime
-import errno
 import functools
 import gc
 import json
@@ -46,7 +45,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import record_function
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import config
 import kernels
@@ -1673,6 +1671,14 @@ def anvil_blend(h, step):
     return 1.0 if step / h.num_iterations < h.anvil_blend_start else h.anvil_blend
 
 
+def momentum_schedule(h, step):
+    """The scheduled scalars of the Muon family at `step`, those its variant reads: ANVIL's
+    Nesterov mu and rail blend, or the muon/normuon momentum."""
+    if h.optimizer == "anvil":
+        return dict(mu=anvil_mu(h, step), blend=anvil_blend(h, step))
+    return dict(momentum=matrix_momentum(h, step))
+
+
 def target_weights(stage, device, progress=0.0):
     """(MAX_TARGETS,) loss weights of the targets t+1, t+2, t+3 and of the prefix target, at
     `progress` in [0, 1) through the stage: the multi-token weights go linearly from mtp_weights
@@ -2092,9 +2098,7 @@ class Trainer:
             for group in opt.param_groups:
                 group["lr"] = group["initial_lr"] * lr
                 if isinstance(opt, optim.Muon):
-                    group["momentum"] = matrix_momentum(h, step)
-                    group["mu"] = anvil_mu(h, step)
-                    group["blend"] = anvil_blend(h, step)
+                    group.update(momentum_schedule(h, step))
 
     def set_tied(self, tied):
         """Tie or untie the head. Untying starts lm_head from the embedding's values and from its
