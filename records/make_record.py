@@ -64,15 +64,15 @@ import shutil
 import stat
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 
 import numpy as np
-from scipy import stats
 
 RECORDS_DIR = Path(__file__).resolve().parent  # default root of the track folders
 sys.path.insert(0, str(RECORDS_DIR.parent))
 from records.logfile import LogError, parse_log, verify  # noqa: E402
+from records.significance import (margin_statistic, one_sample_test, pairwise_statistic, summary,  # noqa: E402
+                                  val_loss_summary, welch_test)
 
 EXIT_REFUSED = 2  # exit code of every refusal
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # record names become folder names
@@ -294,56 +294,6 @@ def check_one_commit(logs, reason):
 # ----------------------------------------------------------------------------- statistics
 
 
-def finite_or_none(x):
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
-def t_test_applicable(*samples):
-    """A t-test needs two or more values per sample and a nonzero standard error (some spread somewhere)."""
-    return all(len(s) >= 2 for s in samples) and any(np.ptp(s) > 0 for s in samples)
-
-
-def summary(values):
-    return {
-        "values": list(values),
-        "mean": float(np.mean(values)),
-        "median": float(np.median(values)),
-        "min": float(np.min(values)),
-        "max": float(np.max(values)),
-    }
-
-
-def val_loss_summary(values):
-    return {
-        "values": list(values),
-        "mean": float(np.mean(values)),
-        "std": float(np.std(values, ddof=1)) if len(values) > 1 else None,
-    }
-
-
-def one_sample_test(values, target):
-    """One-sided one-sample t-test of H1: mean(values) < target; (t, p), or (None, None) when undefined."""
-    if target is None or not t_test_applicable(values):
-        return None, None
-    result = stats.ttest_1samp(values, target, alternative="less")
-    return finite_or_none(result.statistic), finite_or_none(result.pvalue)
-
-
-def welch_test(record, baseline):
-    """One-sided Welch t-test of H1: mean(record) < mean(baseline); a dict, or None when undefined."""
-    if not t_test_applicable(record, baseline):
-        return None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        result = stats.ttest_ind(record, baseline, equal_var=False, alternative="less")
-    return {
-        "alternative": "record mean < baseline mean",
-        "t": finite_or_none(result.statistic),
-        "p": finite_or_none(result.pvalue),
-    }
-
-
 def run_row(log, statistics_format):
     """One run's line of statistics.json; from format 3 on with its machine and commit."""
     row = {
@@ -382,11 +332,6 @@ def baseline_statistics(logs, baseline_logs, repo_root, statistics_format=STATIS
     base["welch_train_time"] = welch_test(record_times, base["train_time_ms"]["values"])
     base["speedup"] = base["train_time_ms"]["mean"] / float(np.mean(record_times))
     return base
-
-
-def margin_statistic(values, target):
-    """The public optimization track's significance statistic: (target - mean) x sqrt(n)."""
-    return (target - float(np.mean(values))) * math.sqrt(len(values))
 
 
 def common_steps(logs):
@@ -799,13 +744,6 @@ def speedup(s, first_time):
 def steps_rank(s):
     """A steps track's order: fewest steps first, then the lower mean final val loss."""
     return s["steps"], s["val_loss"]["mean"]
-
-
-def pairwise_statistic(new, old, loss_per_step):
-    """The public optimization track's pairwise statistic of record `new` over record `old`:
-    (old mean - new mean + (old steps - new steps) x loss_per_step) / sqrt(1 / n_old + 1 / n_new)."""
-    gain = old["val_loss"]["mean"] - new["val_loss"]["mean"] + (old["steps"] - new["steps"]) * loss_per_step
-    return gain / math.sqrt(1 / old["n"] + 1 / new["n"])
 
 
 def previous_record(s, found):
