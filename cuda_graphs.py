@@ -17,13 +17,13 @@ class MicroBatch:
     tokens: torch.Tensor
     targets: torch.Tensor
     cu_seqlens: torch.Tensor
-    candidate_offset: torch.Tensor  # 0-d int64: candidate_offset(step, slice)
+    candidate_start: torch.Tensor  # 0-d int64: candidate_start(slice, slices)
 
     @staticmethod
-    def of(s, offset, device):
+    def of(s, start, device):
         """The slice's own tensors on `device` (a step that is not replayed)."""
         s = s.to(device)
-        return MicroBatch(s.tokens, s.targets, s.cu_seqlens, torch.full((), offset, device=device))
+        return MicroBatch(s.tokens, s.targets, s.cu_seqlens, torch.full((), start, device=device))
 
     @staticmethod
     def buffers_like(s, device):
@@ -31,12 +31,12 @@ class MicroBatch:
         return MicroBatch(*(torch.zeros_like(t, device=device) for t in (s.tokens, s.targets, s.cu_seqlens)),
                           torch.zeros((), dtype=torch.int64, device=device))
 
-    def fill(self, s, offset):
+    def fill(self, s, start):
         """Copy the next slice in (queued behind the previous replay; from pinned memory the
         host does not wait)."""
         for buffer, value in ((self.tokens, s.tokens), (self.targets, s.targets), (self.cu_seqlens, s.cu_seqlens)):
             buffer.copy_(value, non_blocking=True)
-        self.candidate_offset.fill_(offset)
+        self.candidate_start.fill_(start)
 
 
 @dataclass
@@ -83,29 +83,29 @@ class StepGraphs:
         self.in_warm_up = False    # run_captured may capture (set by the warm-up)
         self.eager_runs = 0        # CUDA runs of a key already seen that had no graph
 
-    def run(self, key, body, s, offset):
+    def run(self, key, body, s, start):
         """Forward and backward of micro-batch `s` with the graph of `key` (body makes it)."""
         if not self.enabled:
-            body(MicroBatch.of(s, offset, self.device))
+            body(MicroBatch.of(s, start, self.device))
             return
         step = self.steps.get(key)
         if step is None:
-            self.steps[key] = self._first_run(body, s, offset)
+            self.steps[key] = self._first_run(body, s, start)
             return
         self._attach(step)
-        step.inputs.fill(s, offset)
+        step.inputs.fill(s, start)
         if step.graph is not None:
             step.graph.replay()
         else:
             self.eager_runs += self.capturing
             step.body(step.inputs)
 
-    def _first_run(self, body, s, offset):
+    def _first_run(self, body, s, start):
         """Run a new key eagerly from fresh buffers and find the parameters it trains: the ones
         with a gradient after a backward that starts with none. Gradients pending from earlier
         micro-batches (accumulation) are added back."""
         step = StepGraph(body, MicroBatch.buffers_like(s, self.device), [])
-        step.inputs.fill(s, offset)
+        step.inputs.fill(s, start)
         pending = {p: p.grad for p in self.params if p.grad is not None}
         for p in self.params:
             p.grad = None

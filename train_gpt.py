@@ -132,6 +132,9 @@ def _cpu_optimization_preset(h):
     h.optimizer, h.num_iterations = "anvil", 27
 
 
+# Record 92's sampled softmax: candidate columns per stage (steps 0-680, then the thirds of 681-1106:
+# 14,336 for the first two, 24,576 for the last), the full vocabulary from step 1107.
+SOFTMAX_EARLY, SOFTMAX_LATE, SOFTMAX_LAST = 10_240, 14_336, 24_576
 NGRAM_RECORD_ROWS = 84_602_880     # record 92's n-gram table: 10,575,360 rows on each of 8 GPUs
 NGRAM_LATE_STEP = 336              # record 92's step from which the tables' beta2 is squared, an update every 4th
 
@@ -189,16 +192,21 @@ def _speedrun_preset(h):
                                  step_every=4)]   # record 92's late phase: beta2 squared, an update every 4th step
     h.value_embed_sparse = True    # the value embeddings on the table's path: sparse Adam, the same cadence
     N = h.num_iterations           # 1194
-    h.stages = [                   # record 92's boundaries; the tails' batches as the public ANVIL record's
+    # record 92's boundaries (its third stage in two: the sampled softmax widens for its last third);
+    # the tails' batches as the public ANVIL record's
+    h.stages = [
         Stage(end=320 / N, tokens_per_rank=16_384, max_doc_len=896, short_window=1, long_window=3,
-              mtp_weights=(1.0, 0.5, 0.25), mtp_weights_end=(1.0, 0.5, 0.0), prefix_weight=0.25, lr_mult=1.0),
+              mtp_weights=(1.0, 0.5, 0.25), mtp_weights_end=(1.0, 0.5, 0.0), prefix_weight=0.25,
+              candidates=SOFTMAX_EARLY, lr_mult=1.0),
         Stage(end=681 / N, tokens_per_rank=32_768, max_doc_len=2048, short_window=3, long_window=7,
               mtp_weights=(1.0, 0.5), mtp_weights_end=(1.0, 0.0), prefix_weight=0.25, prefix_weight_end=0.0,
-              lr_mult=1.52),
+              candidates=SOFTMAX_EARLY, lr_mult=1.52),
+        Stage(end=965 / N, tokens_per_rank=49_152, max_doc_len=3072, short_window=5, long_window=11,
+              candidates=SOFTMAX_LATE, lr_mult=1.73),
         Stage(end=1107 / N, tokens_per_rank=49_152, max_doc_len=3072, short_window=5, long_window=11,
-              lr_mult=1.73),
+              candidates=SOFTMAX_LAST, lr_mult=1.73),
         Stage(end=1175 / N, tokens_per_rank=32_768, max_doc_len=3072, short_window=5, long_window=11,
-              lr_mult=1.579),
+              lr_mult=1.579),      # the full softmax from here on
         Stage(end=1.0, tokens_per_rank=16_384, max_doc_len=3072, short_window=6, long_window=13),
     ]
     h.untie_frac = 1175 / N        # record 92 unties at step 1175, where the last tail starts
@@ -1360,31 +1368,31 @@ def ids_to_columns(ids, columns):
     return torch.where((ids >= 0) & (columns[pos] == ids), pos, -1)
 
 
-CANDIDATE_STRIDE = 20011           # coprime to 50304: k -> k * stride mod V visits every id once
+CANDIDATE_STRIDE = 20011           # record 92's walk k -> k * 20011 mod V: coprime to 50304, it visits every id once
 CANDIDATE_STRIDE_INVERSE = pow(CANDIDATE_STRIDE, -1, PADDED_VOCAB_SIZE)  # id -> its position k in the walk
-CANDIDATE_OFFSET_MULT = 7919       # spreads the walk's starting point across steps and slices
-CANDIDATE_SLICES_PER_STEP = 8191   # more than any step's slice count: (step, slice) -> distinct seeds
 
 
-def candidate_offset(step, slice_index):
-    """Where the candidate walk of micro-batch `slice_index` of `step` starts."""
-    return ((step * CANDIDATE_SLICES_PER_STEP + slice_index) * CANDIDATE_OFFSET_MULT) % PADDED_VOCAB_SIZE
+def candidate_start(slice_index, slices):
+    """Where the candidate walk of the global batch's slice `slice_index` of `slices` starts:
+    slice x V / slices, record 92's rank x V / 8 (each GPU's slice, on fewer GPUs each micro-batch)."""
+    return slice_index * PADDED_VOCAB_SIZE // slices
 
 
-def candidate_columns(targets, count, offset):
+def candidate_columns(targets, count, start):
     """Sampled-softmax candidates: `count` sorted vocabulary ids, every distinct target id of the
     batch plus deterministic uniform negatives.
 
-    Negatives are the first non-target ids of the walk k -> (k * CANDIDATE_STRIDE + offset) mod V,
-    offset = candidate_offset(step, slice), an int or a 0-d int64 tensor on targets' device (a
-    captured step reads it from a buffer). Each id gets a priority, its position in the walk,
-    raised by V for non-targets; the `count` lowest win. The size is fixed, so the step needs no
-    host sync: if a batch ever had more than `count` distinct targets, those latest in the walk
-    would be left out of its softmax.
+    Negatives are the first non-target ids of the walk k -> k * CANDIDATE_STRIDE mod V from
+    k = start = candidate_start(slice, slices), an int or a 0-d int64 tensor on targets' device
+    (a captured step reads it from a buffer): record 92's rule (it draws 1.7 x the negatives it
+    needs + 256 from the walk, removes the targets and duplicates, and keeps the first). Each id
+    gets a priority, its position in the walk after `start`, raised by V for non-targets; the
+    `count` lowest win. The size is fixed, so the step needs no host sync: if a batch ever had
+    more than `count` distinct targets, those latest in the walk would be left out of its softmax.
     """
     V = PADDED_VOCAB_SIZE
     ids = torch.arange(V, device=targets.device)
-    walk_position = ((ids - offset) * CANDIDATE_STRIDE_INVERSE) % V
+    walk_position = (ids * CANDIDATE_STRIDE_INVERSE - start) % V
     present = torch.where(targets >= 0, targets, V).flatten()      # absent targets land on a spare slot
     is_target = torch.zeros(V + 1, dtype=torch.bool, device=targets.device).index_fill_(0, present, True)[:V]
     priority = walk_position + V * (~is_target)
@@ -1804,6 +1812,20 @@ def long_window_history(h, step, final_validation=False):
     return history
 
 
+def model_at(model, h, step, final_validation=False):
+    """Put the model where the schedule has it at `step` (or at the final validation): the long
+    window's history (RoPE frequencies and attention scales under YaRN) and the head tied or
+    untied. Returns True when this call untied the head (its optimizer state then follows)."""
+    model.set_windows(long_window_history(h, step, final_validation))
+    tied = step < untie_step(h)
+    if tied and not model.tied:
+        model.tie()
+    elif not tied and model.tied:
+        model.untie()
+        return True
+    return False
+
+
 def graph_changes(h):
     """Steps whose training step differs in shape or structure from the step before: the start
     of every stage and the untie. A compiled model needs one graph for each."""
@@ -2090,8 +2112,8 @@ class Trainer:
         and the warm-up both call it, in any order. Values change in place, so a compiled step
         reads them without recompiling (the tie flag picks one of two graphs the warm-up built)."""
         h = self.h
-        self.model.set_windows(long_window_history(h, step, final_validation))
-        self.set_tied(step < untie_step(h))
+        if model_at(self.model, h, step, final_validation):   # untied here: lm_head continues the embedding
+            self.adam.copy_state(self.model.embed.weight, self.model.lm_head)
         lr = lr_multiplier(h, step)
         self.tables.set_schedule(lr, *table_schedule(h, step))
         for opt in self.optimizers:
@@ -2099,15 +2121,6 @@ class Trainer:
                 group["lr"] = group["initial_lr"] * lr
                 if isinstance(opt, optim.Muon):
                     group.update(momentum_schedule(h, step))
-
-    def set_tied(self, tied):
-        """Tie or untie the head. Untying starts lm_head from the embedding's values and from its
-        Adam state, so that its first update continues the embedding's instead of a sign step."""
-        if tied and not self.model.tied:
-            self.model.tie()
-        elif not tied and self.model.tied:
-            self.model.untie()
-            self.adam.copy_state(self.model.embed.weight, self.model.lm_head)
 
     @staticmethod
     def attention_args(cu_seqlens, windows):
@@ -2119,7 +2132,7 @@ class Trainer:
         """Forward and backward of one micro-batch: the gradients and self.step_losses accumulate.
         Everything it reads is a tensor that keeps its address or fixed by the graph key (stage,
         windows, tied head), so it can be captured and replayed."""
-        columns = (candidate_columns(batch.targets, stage.candidates, batch.candidate_offset) if stage.candidates
+        columns = (candidate_columns(batch.targets, stage.candidates, batch.candidate_start) if stage.candidates
                    else None)
         args = self.attention_args(batch.cu_seqlens, windows)
         with self.autocast, record_function("forward"):
@@ -2140,7 +2153,7 @@ class Trainer:
             for slice_index, s in zip(self.mine, slices):
                 self.model.set_loss_unit(1.0 / (s.tokens.numel() * self.accum))  # the objective's weight per token
                 self.tables.fetch(s.tokens, route=s.route)
-                self.graphs.run(graph_key(self.h, step), body, s, candidate_offset(step, slice_index))
+                self.graphs.run(graph_key(self.h, step), body, s, candidate_start(slice_index, self.h.batch_ranks))
                 self.tables.take_entries(s)
         return self.step_losses.clone()
 

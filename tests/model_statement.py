@@ -34,7 +34,7 @@ DENSE_SCALE = 0.1                  # the dense connections' fixed output scale
 LAST_LAYER_MIX = ("v_input", "v_snapshot", "v_residual", "input", "snapshot", "residual", "ve_lane0", "ve_lane1",
                   "attn_residual", "attn_out", "x0", "hashed", "mlp_residual", "mlp_out")
 FINAL_MIX = ("input", "snapshot", "last_input", "value_embed", "skip_source")
-CANDIDATE_STRIDE, CANDIDATE_OFFSET_MULT, CANDIDATE_SLICES = 20011, 7919, 8191
+CANDIDATE_STRIDE = 20011
 EPS64 = torch.finfo(torch.float64).eps
 
 
@@ -82,24 +82,22 @@ def loader_slice(stream, T, max_doc_len, targets=3):
     return torch.tensor(tokens), torch.tensor(tgts), torch.tensor(cu)
 
 
-def candidate_offset(step, slice_index):
-    return ((step * CANDIDATE_SLICES + slice_index) * CANDIDATE_OFFSET_MULT) % VOCAB
+def candidate_start(slice_index, slices):
+    """Record 92: rank r of 8 starts its walk at r x V / 8."""
+    return slice_index * (VOCAB // slices)
 
 
-def candidates(targets, count, offset):
-    """Sorted ids: every distinct target id, then the first ids of the walk
-    k -> (k * 20011 + offset) mod 50304 (k = 0, 1, ...) that are not targets, `count` in all."""
+def candidates(targets, count, start):
+    """Sorted ids: every distinct target id, then negatives as record 92 draws them: the ids
+    (k * 20011) mod 50304 for k = start, start + 1, ..., 1.7 x as many as it needs + 256, the
+    targets and repeats removed, the first it needs kept; `count` in all."""
     chosen = sorted({int(t) for t in targets.flatten().tolist() if t >= 0})
     assert len(chosen) <= count
-    taken = set(chosen)
-    k = 0
-    while len(chosen) < count:
-        idx = (k * CANDIDATE_STRIDE + offset) % VOCAB
-        if idx not in taken:
-            taken.add(idx)
-            chosen.append(idx)
-        k += 1
-    return torch.tensor(sorted(chosen))
+    need = count - len(chosen)
+    drawn = [((start + j) * CANDIDATE_STRIDE) % VOCAB for j in range(int(1.7 * need) + 256)]
+    negatives = [idx for idx in dict.fromkeys(drawn) if idx not in set(chosen)][:need]
+    assert len(negatives) == need
+    return torch.tensor(sorted(chosen + negatives))
 
 
 def prefix_targets(next_tokens, token_bytes, ids_of_bytes):

@@ -136,8 +136,8 @@ MUTATIONS = [
     # the trainer's wiring
     Mutation("train_gpt.py", "(objective / self.accum).backward()", "objective.backward()", TRAINER_STEP,
              "micro-batch gradients summed, not averaged"),
-    Mutation("train_gpt.py", "self.graphs.run(graph_key(self.h, step), body, s, candidate_offset(step, slice_index))",
-             "self.graphs.run(graph_key(self.h, step), body, s, candidate_offset(step, 0))", TRAINER_STEP,
+    Mutation("train_gpt.py", "self.graphs.run(graph_key(self.h, step), body, s, candidate_start(slice_index, self.h.batch_ranks))",
+             "self.graphs.run(graph_key(self.h, step), body, s, candidate_start(0, self.h.batch_ranks))", TRAINER_STEP,
              "every micro-batch draws the same negatives"),
     Mutation("sparse_tables.py", "            grads.zero_()\n        if self.value_adams:",
              "        if self.value_adams:", TRAINER_STEP, "the n-gram sink not cleared between micro-batches"),

@@ -114,9 +114,9 @@ def test_sparse_adam_event_is_not_specialized():
 def test_sparse_updates_are_recorded_at_the_runs_largest_sizes():
     """The recorded n-gram updates have the entry counts a run makes at its longest cadence with
     all its micro-batches: 2 rows x 49,152 tokens x 8 micro-batches x 4 steps for the 1gpu preset,
-    one micro-batch for each of 8 processes (speedrun), and bench_gpu.py's schedule, whose late
-    update spans three 49,152-token steps and one of 32,768 (x 8 micro-batches x 2 rows)."""
-    expected = {"speedrun": 2 * 49152 * 4, "1gpu": 2 * 49152 * 8 * 4, "bench": 2 * 8 * (3 * 49152 + 32768)}
+    one micro-batch for each of 8 processes (speedrun), and bench_gpu.py's schedule, whose largest
+    late update spans four 49,152-token steps (three at step 681, one at 965; x 8 micro-batches x 2 rows)."""
+    expected = {"speedrun": 2 * 49152 * 4, "1gpu": 2 * 49152 * 8 * 4, "bench": 2 * 8 * 4 * 49152}
     for run, entries in expected.items():
         grids = {launch.grid[0] for launch in sm90_report.trainer_launches(run)
                  if launch.kernel.__name__ == "_sum_rows_kernel"}

@@ -75,7 +75,7 @@ def test_forward_shapes_and_candidate_columns():
     args = tg.AttentionArgs(cu, 128, 256)
     assert model.hidden_states(tokens, args).shape == (256, h.model_dim)
     weights = tg.target_weights(h.stages[0], "cpu")
-    columns = tg.candidate_columns(targets, 1000, tg.candidate_offset(3, 0))
+    columns = tg.candidate_columns(targets, 1000, tg.candidate_start(3, 8))
     assert columns.numel() == 1000 and torch.all(columns[1:] > columns[:-1])
     assert torch.isin(targets.flatten(), columns).all()
     mapped = tg.ids_to_columns(targets, columns)
@@ -85,12 +85,12 @@ def test_forward_shapes_and_candidate_columns():
     sampled, _ = model(tokens, targets, args, weights, columns)
     assert 0 < full_next < full, "the next-token loss is one part of the weighted objective"
     assert full.ndim == 0 and torch.isfinite(full) and 0 < sampled < full
-    # the same candidates every time for the same step and slice; others elsewhere
-    assert torch.equal(columns, tg.candidate_columns(targets, 1000, tg.candidate_offset(3, 0)))
-    assert not torch.equal(columns, tg.candidate_columns(targets, 1000, tg.candidate_offset(4, 0)))
-    # a captured step reads the offset from a device buffer: the same candidates
-    offset = torch.tensor(tg.candidate_offset(3, 0))
-    assert torch.equal(columns, tg.candidate_columns(targets, 1000, offset))
+    # the same candidates every time for the same slice of the batch; others for another slice
+    assert torch.equal(columns, tg.candidate_columns(targets, 1000, tg.candidate_start(3, 8)))
+    assert not torch.equal(columns, tg.candidate_columns(targets, 1000, tg.candidate_start(4, 8)))
+    # a captured step reads the start from a device buffer: the same candidates
+    start = torch.tensor(tg.candidate_start(3, 8))
+    assert torch.equal(columns, tg.candidate_columns(targets, 1000, start))
 
 
 def test_sampled_softmax_over_the_whole_vocabulary_is_the_full_softmax():
@@ -101,7 +101,7 @@ def test_sampled_softmax_over_the_whole_vocabulary_is_the_full_softmax():
     tokens, cu = packed([100, 156])
     targets = torch.stack([torch.roll(tokens, -k).long() for k in (1, 2, 3)], 1)
     args, weights = tg.AttentionArgs(cu, 128, 256), tg.target_weights(h.stages[0], "cpu")
-    columns = tg.candidate_columns(targets, tg.PADDED_VOCAB_SIZE, tg.candidate_offset(3, 0))
+    columns = tg.candidate_columns(targets, tg.PADDED_VOCAB_SIZE, tg.candidate_start(3, 8))
     assert torch.equal(columns, torch.arange(tg.PADDED_VOCAB_SIZE))
     results = []
     for cols in (None, columns):

@@ -175,7 +175,7 @@ def test_the_model_and_its_objective_equal_their_statement(name, tied, tokenizer
     cfg = tg.model_config(h)
     tokens, targets, cu = a_slice()
     weights = torch.tensor([1.0, 0.5, 0.25, 0.25])
-    columns = ref.candidates(targets, CANDIDATES, ref.candidate_offset(5, 0)) if name == "speedrun" else None
+    columns = ref.candidates(targets, CANDIDATES, ref.candidate_start(5, 8)) if name == "speedrun" else None
     args = tg.AttentionArgs(cu.int(), *WINDOWS)
     objective, next_token = model(tokens.int(), targets, args, weights, columns)
     objective.backward()
@@ -242,11 +242,11 @@ def test_the_loaders_slice_and_targets_equal_their_statement(tmp_path):
 @pytest.mark.parametrize("count", [900, 2048, 50304])
 def test_candidates_equal_their_statement(count):
     tokens, targets, cu = a_slice()
-    for step, slice_index in ((0, 0), (7, 3), (1193, 7)):
-        offset = ref.candidate_offset(step, slice_index)
-        assert tg.candidate_offset(step, slice_index) == offset
-        got = tg.candidate_columns(targets, count, torch.tensor(offset))
-        assert torch.equal(got, ref.candidates(targets, count, offset))
+    for slice_index, slices in ((0, 8), (3, 8), (7, 8), (5, 16)):
+        start = ref.candidate_start(slice_index, slices)
+        assert tg.candidate_start(slice_index, slices) == start
+        got = tg.candidate_columns(targets, count, torch.tensor(start))
+        assert torch.equal(got, ref.candidates(targets, count, start))
 
 
 def test_the_prefix_targets_equal_their_statement(tokenizer_bytes):
@@ -295,7 +295,7 @@ def test_a_trainer_step_equals_the_statement_with_its_schedule(tmp_path, tokeniz
         objective, next_token = 0.0, 0.0
         for index, piece in enumerate(slices):
             tokens, targets, cu = piece.tokens.long(), piece.targets, piece.cu_seqlens
-            columns = (ref.candidates(targets, s["columns"], ref.candidate_offset(step, index)) if s["columns"]
+            columns = (ref.candidates(targets, s["columns"], ref.candidate_start(index, 2)) if s["columns"]
                        else None)
             prefix = ref.prefix_targets(targets[:, 0], *tokenizer_bytes)
             o, n = ref.objective(P, cfg, tokens, targets, cu, s["windows"], s["history"],

@@ -34,9 +34,10 @@ def test_speedrun_preset_publishes_record_92s_stages_averages_and_anvil_constant
     stages = [(s.end, s.tokens_per_rank, s.max_doc_len, s.short_window, s.long_window, s.mtp_weights,
                s.mtp_weights_end, s.prefix_weight, s.prefix_weight_end, s.lr_mult, s.candidates) for s in h.stages]
     assert stages == [
-        (320 / N, 16_384, 896, 1, 3, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 0.25, None, 1.0, 0),
-        (681 / N, 32_768, 2048, 3, 7, (1.0, 0.5), (1.0, 0.0), 0.25, 0.0, 1.52, 0),
-        (1107 / N, 49_152, 3072, 5, 11, (1.0,), (), 0.0, None, 1.73, 0),
+        (320 / N, 16_384, 896, 1, 3, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 0.25, None, 1.0, 10_240),
+        (681 / N, 32_768, 2048, 3, 7, (1.0, 0.5), (1.0, 0.0), 0.25, 0.0, 1.52, 10_240),
+        (965 / N, 49_152, 3072, 5, 11, (1.0,), (), 0.0, None, 1.73, 14_336),    # two thirds of 681-1106
+        (1107 / N, 49_152, 3072, 5, 11, (1.0,), (), 0.0, None, 1.73, 24_576),   # its last third
         (1175 / N, 32_768, 3072, 5, 11, (1.0,), (), 0.0, None, 1.579, 0),
         (1.0, 16_384, 3072, 6, 13, (1.0,), (), 0.0, None, 1.0, 0),
     ]
@@ -263,7 +264,7 @@ def test_speedrun_anvil_blend_is_one_before_43_percent_then_0_4385():
 # The first step of each stage after the first: the first step with step / N >= the end of the
 # stage before (320/1194 ...: exactly those steps; 423/1285 ...; 0.5 * 30 = 15, 0.8 * 30 = 24; medium:
 # the public phases' first steps ceil(4700 k / 12) for k = 1-8, then the extension's 4700).
-STAGE_STARTS = {"speedrun": (1194, [320, 681, 1107, 1175]), "record89": (1285, [423, 847, 1270]),
+STAGE_STARTS = {"speedrun": (1194, [320, 681, 965, 1107, 1175]), "record89": (1285, [423, 847, 1270]),
                 "cpu": (30, [15, 24]), "medium": (4740, [392, 784, 1175, 1567, 1959, 2350, 2742, 3134, 4700]),
                 "optimization": (3250, [])}
 
@@ -274,7 +275,7 @@ def test_stage_of_every_step_and_the_steps_per_stage(name):
     N, starts = STAGE_STARTS[name]
     assert [tg.stage_index(h, step) for step in range(N + 1)] == [
         sum(step >= first for first in starts) for step in range(N + 1)]
-    assert tg.steps_per_stage(h) == {"speedrun": [320, 361, 426, 68, 19], "record89": [423, 424, 423, 15],
+    assert tg.steps_per_stage(h) == {"speedrun": [320, 361, 284, 142, 68, 19], "record89": [423, 424, 423, 15],
                                      "cpu": [15, 9, 6],
                                      "medium": [392, 392, 391, 392, 392, 391, 392, 392, 1566, 40],
                                      "optimization": [3250]}[name]
@@ -339,7 +340,7 @@ def test_untie_step_and_graph_changes():
     """The untie: speedrun 1175/1194 of 1194 steps, record89 (847.5/1285) * 1285 rounded down,
     cpu 2/3 of 30. The graphs change at 0, at every stage start and at the untie."""
     assert [tg.untie_step(preset(name)) for name in ("speedrun", "record89", "cpu")] == [1175, 847, 20]
-    assert tg.graph_changes(preset("speedrun")) == [0, 320, 681, 1107, 1175]
+    assert tg.graph_changes(preset("speedrun")) == [0, 320, 681, 965, 1107, 1175]
     assert tg.graph_changes(preset("record89")) == [0, 423, 847, 1270]
     assert tg.graph_changes(preset("cpu")) == [0, 15, 20, 24]
     assert tg.graph_changes(preset("cpu", "--untie_frac=1.0")) == [0, 15, 24], "an untie at N never happens"

@@ -1,0 +1,786 @@
+"""The training step on paper: a performance model of every launch of a preset's run at full size.
+
+    python bench/step_model.py --preset speedrun                  # 8xH100
+    python bench/step_model.py --preset 1gpu --gpu h200 --gpus 1
+    python bench/step_model.py --preset record89                  # with record 89's logged step times
+    python bench/step_model.py --write                            # regenerate bench/step_model.md (STANDARD_RUNS)
+
+The census. One micro-batch of every stage is traced on fake tensors (shapes without memory:
+nothing is allocated or computed) under CUDA's autocast rules (tests/cuda_autocast.py), with the
+Triton kernel functions the GPU path runs and a fake process group of the run's size, so that the
+optimizers' collectives appear as the GPUs would make them: the forward, the backward, each
+optimizer's update and the weight averages' samples, every op recorded with the storages it
+reads and writes. The process traced is rank 0, which owns a full share of every Muon bank (a
+bank's padding is its last matrices), so it is the busiest rank. The sparse tables move rows
+whose routes are host data, so their traffic is counted from the rows a slice touches
+(table_ops), not traced.
+
+The price of an op is a roofline: max(FLOPs / (peak of its dtype x efficiency), HBM bytes /
+(bandwidth x efficiency), KERNEL_FLOOR_S per kernel):
+  - matrix products (aten mm, addmm, bmm, baddbmm, _scaled_mm; the FP8 GEMMs; X X^T): 2 M N K
+    FLOPs at their operands' dtype (X X^T: the tiles of one triangle); bytes: each operand read
+    once, the output written once;
+  - attention: the FLOPs of the tiles the kernels visit (attention_tiles: the kernels' own block
+    ranges, on FineWeb-like document lengths cut at the stage's max_doc_len), at the attention
+    efficiency;
+  - other kernels (cross-entropy, QK norm + RoPE, FP8 casts, row sums, sparse Adam): their
+    inputs read and outputs written once;
+  - the memory-bound aten ops: under torch.compile (the model's forward and backward) Inductor
+    fuses them, modelled so: the ops between two launches it cannot fuse into (matrix products,
+    custom kernels, collectives, sorts) form one region, one pass over memory in which each
+    storage read from outside the region is read once, and a storage the region writes is written
+    only if something after the region reads it or it existed before the region (state updated
+    in place); one kernel per region plus one per reduction in it. Saved activations are kept
+    as eager autograd keeps them (Inductor's partitioner may recompute some instead: the model
+    counts more traffic there, not less). Outside the compiled graphs (the optimizers, eager
+    runs) every op is a kernel of its own;
+  - collectives: ring traffic (all-reduce 2 (n-1)/n of the buffer, reduce-scatter and all-gather
+    (n-1)/n of the full buffer, all-to-all (n-1)/n of what a rank sends) over NVLink's bus
+    bandwidth x efficiency, plus COLLECTIVE_LATENCY_S each; nothing overlaps.
+
+A step is the micro-batches of its stage (batch_ranks / GPUs of them), Muon's update, Adam's on
+the steps it updates (adam_step_every), the tables' per-slice traffic and their events, and the
+averages' samples; the run is the sum of its steps (the validations are off the clock). The host
+is not modelled (CUDA graphs replay the steps; the loader works a step ahead).
+"""
+import argparse
+import collections
+import dataclasses
+import functools
+import math
+import pathlib
+import sys
+
+import numpy as np
+import torch
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "tests"))
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+
+import kernels  # noqa: E402
+import train_gpt  # noqa: E402
+
+# -----------------------------------------------------------------------------------------------
+# Every constant of the model, with its source
+# -----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    """Peak rates of one GPU (dense, no sparsity) and its NVLink bus bandwidth."""
+    name: str
+    tflops: dict                   # operand dtype -> peak TFLOP/s
+    hbm_tb_s: float                # HBM bandwidth
+    link_gb_s: float               # NVLink bandwidth per direction (what a ring's bus bandwidth can reach)
+    memory_gib: float
+
+
+# NVIDIA H100 Tensor Core GPU datasheet, SXM5: FP8 3,958 and BF16 1,979 TFLOP/s with sparsity (half
+# dense), TF32 989 with sparsity, FP32 67; HBM3 3.35 TB/s; NVLink 900 GB/s (both directions); 80 GB.
+H100 = Gpu("H100 SXM", {"fp8": 1979.0, "bf16": 989.5, "fp16": 989.5, "tf32": 494.5, "fp32": 66.9}, 3.35, 450.0, 80)
+# NVIDIA H200 datasheet, SXM: the H100's compute, HBM3e 4.8 TB/s, NVLink 900 GB/s, 141 GB.
+H200 = Gpu("H200 SXM", H100.tflops, 4.8, 450.0, 141)
+GPUS = {"h100": H100, "h200": H200}
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """Shares of the peaks a well-tuned kernel reaches (assumed, not measured here)."""
+    gemm: float = 0.65             # of the tensor cores' peak, large GEMMs
+    attention: float = 0.45        # of the bf16 peak, FlashAttention-2-style kernels on sliding windows
+    hbm: float = 0.80              # of HBM bandwidth, memory-bound kernels
+    link: float = 0.70             # of NVLink bus bandwidth, NCCL collectives
+
+
+REALISTIC = Efficiency()
+PEAK = Efficiency(1.0, 1.0, 1.0, 1.0)
+KERNEL_FLOOR_S = 2e-6              # the shortest kernel a CUDA-graph replay runs (launch and drain)
+COLLECTIVE_LATENCY_S = 15e-6       # per NCCL collective on 8 GPUs of one node, beside its bytes
+# FineWeb-like documents for the attention census: log-normal lengths, median 600 tokens (a mean
+# near 1,000, like FineWeb's GPT-2 tokens), cut at the stage's max_doc_len (bench/kernel_timings.py).
+DOC_MEDIAN, DOC_SEED = 600, 0
+# Record 89's logged step times, ms per step at 16,384 / 32,768 / 49,152 tokens per GPU: the means of
+# its 13 public runs (KellerJordan/modded-nanogpt records/track_1_short/2026-07-17_FP8DownProjection/
+# this_pr/*.txt, train_time from step 5 to 455, 465 to 915 and 925 to 1375 of 1390; 8xH100).
+RECORD89_STEP_MS = {16_384: 31.42, 32_768: 56.95, 49_152: 82.79}
+# The runs bench/step_model.md holds: (preset, GPUs, GPU kind).
+STANDARD_RUNS = (("speedrun", 8, "h100"), ("1gpu", 1, "h200"), ("medium", 8, "h100"), ("record89", 8, "h100"))
+TABLES_PATH = pathlib.Path(__file__).resolve().parent / "step_model.md"
+
+# -----------------------------------------------------------------------------------------------
+# The census: what a step dispatches
+# -----------------------------------------------------------------------------------------------
+
+GEMM_OPS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm", "kernels.fp8_matmul",
+            "kernels.fp8_matmul_quant", "kernels.xxt"}
+ATTENTION_OPS = {"kernels.attn_fwd", "kernels.attn_bwd", "kernels.composed_attn_fwd", "kernels.composed_attn_bwd"}
+COLLECTIVE_OPS = {"c10d.allreduce_", "c10d._reduce_scatter_base_", "c10d._allgather_base_", "c10d.alltoall_base_",
+                  "c10d.reduce_scatter_tensor_coalesced_", "c10d.allgather_into_tensor_coalesced_"}
+# aten ops Inductor leaves to a library kernel of their own (nothing fuses into them)
+EXTERN_ATEN_OPS = {"aten.sort", "aten.topk", "aten.searchsorted", "aten.cumsum", "aten.unique_consecutive",
+                   "aten._unique2", "aten.nonzero"}
+REDUCTION_OPS = {"aten.sum", "aten.mean", "aten.amax", "aten.amin", "aten.max", "aten.min", "aten.linalg_vector_norm",
+                 "aten.norm", "aten.any", "aten.all", "aten.argmax", "aten.var_mean", "aten.prod", "aten.logsumexp"}
+# ops that make a tensor without reading their tensor arguments' values
+NO_READ_OPS = {"aten.empty_like", "aten.zeros_like", "aten.ones_like", "aten.full_like", "aten.new_zeros",
+               "aten.new_empty", "aten.new_full", "aten.new_ones", "aten.empty_strided", "aten.empty",
+               "aten.zeros", "aten.ones", "aten.full", "aten.arange", "aten.scalar_tensor", "aten.zero_",
+               "aten.fill_", "aten.new_empty_strided", "aten.randn", "aten.rand", "aten.normal_"}
+NO_WRITE_OPS = {"aten.empty_like", "aten.new_empty", "aten.empty_strided", "aten.empty", "aten.new_empty_strided"}
+PHASES = ("forward", "backward", "tables", "muon", "adam", "averages")
+COMPILED_PHASES = ("forward", "backward")   # torch.compile's graphs (when the run compiles)
+
+
+@dataclasses.dataclass
+class Event:
+    """One dispatched op: what it reads and writes, as (storage id, bytes), and its tensors' metas."""
+    name: str
+    phase: str
+    reads: list
+    writes: list
+    inputs: list                   # [(shape, dtype)] of its tensor arguments, in order
+    outputs: list
+    args: tuple = ()               # its non-tensor arguments (windows, launch configs)
+    in_place: bool = False         # it writes into tensors it was given (which existed before it)
+
+
+def _op_name(func):
+    return f"{func.namespace}.{func._schema.name.split('::')[-1]}"
+
+
+def _tensor_bytes(t):
+    """Bytes a tensor view spans: its elements, at most its storage (an expanded view reads its storage)."""
+    return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+
+
+class Census(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every op dispatched under it as an Event of the current phase. Storages get ids
+    by identity; every tensor seen is kept alive, so that an id is never reused."""
+
+    def __init__(self):
+        super().__init__()
+        self.events, self.phase, self._ids, self._alive = [], "forward", {}, []
+
+    def storage(self, t):
+        key = t.untyped_storage()._cdata
+        if key not in self._ids:
+            self._ids[key] = len(self._ids)
+            self._alive.append(t)
+        return self._ids[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace == "prim" or func.is_view:
+            return out
+        name = _op_name(func)
+        flat = torch.utils._pytree.tree_leaves((args, kwargs))
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        outputs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        mutated = [a for a, arg in zip(args, func._schema.arguments)
+                   if isinstance(a, torch.Tensor) and arg.alias_info is not None and arg.alias_info.is_write]
+        reads = [] if name in NO_READ_OPS else [(self.storage(t), _tensor_bytes(t)) for t in tensors]
+        if name == "aten.copy_":   # copy_(dst, src) reads src only
+            reads = [(self.storage(args[1]), _tensor_bytes(args[1]))]
+        written = [t for t in (mutated or outputs)]
+        writes = [] if name in NO_WRITE_OPS else [(self.storage(t), _tensor_bytes(t)) for t in written]
+        for t in outputs:
+            self.storage(t)
+        self.events.append(Event(name, self.phase, reads, writes, [(tuple(t.shape), t.dtype) for t in tensors],
+                                 [(tuple(t.shape), t.dtype) for t in outputs],
+                                 tuple(a for a in flat if not isinstance(a, torch.Tensor)), bool(mutated)))
+        return out
+
+
+@dataclasses.dataclass
+class Op:
+    """One priced launch (or fused region) of the census."""
+    name: str                      # the op, or "fused: op, op, ..." for a region
+    family: str                    # gemm | attention | cross-entropy | kernel | pointwise | collective | tables
+    phase: str
+    flops: float = 0.0
+    dtype: str = "bf16"            # of the FLOPs
+    bytes: float = 0.0             # HBM traffic
+    comm: float = 0.0              # bytes a collective moves per rank (ring factor applied)
+    kernels: int = 1
+    count: float = 1.0             # times it runs per micro-batch (or per update)
+
+
+def _dtype_class(dtype):
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return "fp8"
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, "fp32")
+
+
+def _read_write_bytes(event):
+    seen = {}
+    for sid, nbytes in event.reads + event.writes:
+        seen[sid] = max(seen.get(sid, 0), nbytes)
+    return float(sum(dict(event.reads).values()) + sum(dict(event.writes).values()))
+
+
+def gemm_flops(event):
+    """(FLOPs, dtype class) of a matrix-product event."""
+    shapes = [s for s, _ in event.inputs]
+    dtype = _dtype_class(event.inputs[0][1])
+    if event.name == "kernels.xxt":       # X (B, M, K) -> X X^T: the tiles of one triangle
+        *batch, m, k = shapes[0]
+        tiles = math.ceil(m / kernels.XXT.block_m)
+        return 2.0 * math.prod(batch) * tiles * (tiles + 1) / 2 * kernels.XXT.block_m * kernels.XXT.block_n * k, dtype
+    if event.name in ("aten.addmm", "aten.baddbmm"):
+        shapes = shapes[1:3]
+    a, b = shapes[0], shapes[1]
+    batch = math.prod(a[:-2])
+    return 2.0 * batch * a[-2] * a[-1] * b[-1], dtype
+
+
+# -----------------------------------------------------------------------------------------------
+# Attention: the tiles the kernels visit
+# -----------------------------------------------------------------------------------------------
+
+def document_lengths(tokens, max_doc_len, seed=DOC_SEED):
+    """FineWeb-like document lengths filling `tokens` (bench/kernel_timings.uneven_document_lengths)."""
+    from kernel_timings import uneven_document_lengths
+    return uneven_document_lengths(tokens, DOC_MEDIAN, max_doc_len, np.random.default_rng(seed))
+
+
+def _doc_bounds(lengths):
+    """Per token: the first token of its document and one past its last."""
+    lengths = np.asarray(lengths)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    return np.repeat(starts, lengths), np.repeat(ends, lengths)
+
+
+def query_tiles(lengths, window, block_m, block_n):
+    """(query block, key block) tiles the forward and the dQ kernels visit: for each block of
+    block_m queries, the key blocks from (its first query's document start or window edge) to
+    its last query (kernels._key_blocks)."""
+    doc_start, _ = _doc_bounds(lengths)
+    T = len(doc_start)
+    q_first = np.arange(0, T, block_m)
+    q_last = np.minimum(q_first + block_m, T) - 1
+    lo = np.maximum(doc_start[q_first], q_first - window + 1) // block_n
+    hi = q_last // block_n + 1
+    return int(np.sum(hi - lo))
+
+
+def key_tiles(lengths, window, block_m, block_n):
+    """Tiles the dK/dV kernel visits: for each block of block_n keys, the query blocks from its
+    first key to (its last key's window or document end) (kernels._query_blocks)."""
+    _, doc_end = _doc_bounds(lengths)
+    T = len(doc_end)
+    k_first = np.arange(0, T, block_n)
+    k_last = np.minimum(k_first + block_n, T) - 1
+    lo = k_first // block_m
+    hi = -(-np.minimum(k_last + window, doc_end[k_last]) // block_m)
+    return int(np.sum(hi - lo))
+
+
+def visible_pairs(lengths, window):
+    """(query, key) pairs the mask lets through: key <= query in one document, query - key < window."""
+    return sum(min(n, window) * (min(n, window) + 1) // 2 + max(n - window, 0) * window for n in lengths)
+
+
+def attention_flops(event, lengths):
+    """FLOPs of an attention event on documents of `lengths`, from the tiles its kernels visit."""
+    (T, H, d_qk), d_v = event.inputs[0][0], None
+    if event.name == "kernels.attn_fwd":
+        d_v = event.inputs[2][0][2]
+        window, configs = event.args[0], event.args[1:]
+    elif event.name == "kernels.attn_bwd":
+        (T, H, d_qk), d_v = event.inputs[1][0], event.inputs[3][0][2]
+        window, configs = event.args[0], event.args[1:]
+    else:                          # composed attention: a span of block_n keys for every block_m queries
+        d_v = event.inputs[2][0][2]
+        span = kernels.COMPOSED_FORWARD
+        pairs = math.ceil(T / span.block_m) * span.block_m * span.block_n * H
+        per_pair = 2 * (d_qk + d_v) if event.name.endswith("fwd") else 2 * (3 * d_qk + 3 * d_v)
+        return float(pairs * per_pair)
+    window = window if window > 0 else kernels.NO_WINDOW
+    n = len(configs) // 4
+    fwd, kv, q = (kernels._config_from_list(list(configs[i * n:(i + 1) * n])) for i in range(3))
+    if event.name == "kernels.attn_fwd":   # S = Q K^T, O = P V
+        return 2.0 * H * query_tiles(lengths, window, fwd.block_m, fwd.block_n) * fwd.block_m * fwd.block_n * (d_qk + d_v)
+    kv_pairs = key_tiles(lengths, window, kv.block_m, kv.block_n) * kv.block_m * kv.block_n
+    q_pairs = query_tiles(lengths, window, q.block_m, q.block_n) * q.block_m * q.block_n
+    # dK/dV: S again, dV = P^T dO, dP = dO V^T, dK = dS^T Q; dQ: S, dP, dQ = dS K
+    return 2.0 * H * (kv_pairs * (2 * d_qk + 2 * d_v) + q_pairs * (2 * d_qk + d_v))
+
+
+# -----------------------------------------------------------------------------------------------
+# From events to priced ops
+# -----------------------------------------------------------------------------------------------
+
+def _collective_op(event, world):
+    name, nbytes = event.name, float(sum(b for _, b in event.reads))
+    if name in ("c10d.allreduce_",):
+        moved = 2 * (world - 1) / world * nbytes
+    elif "reduce_scatter" in name:
+        moved = (world - 1) / world * float(event.reads[-1][1])
+    elif "allgather" in name:
+        moved = (world - 1) / world * float(event.writes[0][1])
+    else:                          # all-to-all: what this rank sends to the others
+        moved = (world - 1) / world * float(event.reads[-1][1])
+    return Op(name, "collective", event.phase, comm=moved, kernels=0)
+
+
+def _kernel_op(event, lengths):
+    name = event.name
+    if name in GEMM_OPS:
+        flops, dtype = gemm_flops(event)
+        return Op(name, "gemm", event.phase, flops=flops, dtype=dtype, bytes=_read_write_bytes(event))
+    if name in ATTENTION_OPS:
+        return Op(name, "attention", event.phase, flops=attention_flops(event, lengths), dtype="bf16",
+                  bytes=_read_write_bytes(event), kernels=3 if name == "kernels.attn_bwd" else 1)
+    family = "cross-entropy" if name in ("kernels.softcap_ce", "kernels.scale_rows_") else "kernel"
+    return Op(name, family, event.phase, bytes=_read_write_bytes(event))
+
+
+def _fusible(event):
+    return not (event.name in GEMM_OPS or event.name in ATTENTION_OPS or event.name in COLLECTIVE_OPS
+                or event.name in EXTERN_ATEN_OPS or event.name.startswith(("kernels.", "c10d.")))
+
+
+def _later_reads(events):
+    """storage id -> the indices of the events that read it."""
+    readers = collections.defaultdict(list)
+    for i, e in enumerate(events):
+        for sid, _ in e.reads:
+            readers[sid].append(i)
+    return readers
+
+
+def _region_op(events, first, last, readers, created, fused=True):
+    """One fused region: events[first:last] (fusible ops of one phase); not fused: one eager op,
+    which writes every output."""
+    reads, writes = {}, {}
+    made_here = set()
+    for i in range(first, last):
+        e = events[i]
+        for sid, nbytes in e.reads:
+            if sid not in made_here:
+                reads[sid] = max(reads.get(sid, 0), nbytes)
+        for sid, nbytes in e.writes:
+            if created.get(sid, -1) >= first:
+                made_here.add(sid)
+            writes[sid] = max(writes.get(sid, 0), nbytes)
+    kept = {sid: nbytes for sid, nbytes in writes.items()
+            if not fused or created.get(sid, -1) < first or any(j >= last for j in readers[sid])}
+    names = collections.Counter(events[i].name.split(".", 1)[1] for i in range(first, last))
+    reductions = sum(events[i].name in REDUCTION_OPS for i in range(first, last))
+    label = "fused: " + ", ".join(n for n, _ in names.most_common(4)) + (", ..." if len(names) > 4 else "")
+    return Op(label, "pointwise", events[first].phase, bytes=float(sum(reads.values()) + sum(kept.values())),
+              kernels=1 + reductions)
+
+
+def priced_ops(events, lengths, world, compiled):
+    """The Ops of a census: kernels and collectives one each; the fusible aten ops fused into
+    regions inside the compiled phases, one op each elsewhere."""
+    readers = _later_reads(events)
+    created, seen = {}, set()      # storage id -> the event that made it (absent: it existed before)
+    for i, e in enumerate(events):
+        if not e.in_place:
+            created.update({sid: i for sid, _ in e.writes if sid not in seen})
+        seen.update(sid for sid, _ in e.reads + e.writes)
+    ops, i = [], 0
+    while i < len(events):
+        e = events[i]
+        if e.name in COLLECTIVE_OPS:
+            ops.append(_collective_op(e, world))
+        elif not _fusible(e):
+            ops.append(_kernel_op(e, lengths))
+        elif compiled and e.phase in COMPILED_PHASES:
+            j = i + 1
+            while j < len(events) and _fusible(events[j]) and events[j].phase == e.phase:
+                j += 1
+            ops.append(_region_op(events, i, j, readers, created))
+            i = j
+            continue
+        else:
+            ops.append(_region_op(events, i, i + 1, readers, created, fused=False))
+            ops[-1].name = e.name
+        i += 1
+    return [op for op in ops if op.bytes or op.flops or op.comm]
+
+
+# -----------------------------------------------------------------------------------------------
+# Tracing a run's micro-batches and updates
+# -----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class StageCensus:
+    """The priced ops of one stage: per micro-batch, and per update of each optimizer."""
+    micro_batch: list
+    muon: list
+    adam: list
+    averages: dict                 # index of an Average -> ops of one sample of it
+    tables: "TableOps"
+
+
+def kernel_fns(h):
+    """The kernel functions the GPU path runs (train_gpt.select_kernels on CUDA)."""
+    return train_gpt.select_kernels(dataclasses.replace(h, kernels="auto", device="cuda"), torch.device("cuda"))
+
+
+@functools.lru_cache(maxsize=4)
+def _fake_process_group(world):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if world > 1:
+        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    return world
+
+
+def stage_first_step(h, index):
+    return sum(train_gpt.steps_per_stage(h)[:index])
+
+
+def trace_stage(h, index, world):
+    """Events of one micro-batch of stage `index` (forward, backward) and of the updates after it
+    (Muon, Adam, each average's sample), at the stage's first step, on rank 0 of `world`."""
+    from cuda_autocast import cuda_autocast_rules
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    _fake_process_group.cache_clear()
+    _fake_process_group(world)
+    stage, step = h.stages[index], stage_first_step(h, index)
+    fns = kernel_fns(h)
+    census = Census()
+    with torch.random.fork_rng(devices=[]), cuda_autocast_rules(), FakeTensorMode(allow_non_fake_inputs=True):
+        model = train_gpt.build_model(h, fns, train_gpt.TablePlacement(0, world, h.ngram_cache_rows))
+        optimizers = train_gpt.build_optimizers(h, model, fns)
+        train_gpt.model_at(model, h, step)
+        T = stage.tokens_per_rank
+        tokens = torch.zeros(T, dtype=torch.int32)
+        targets = torch.zeros(T, train_gpt.MAX_TARGETS - 1, dtype=torch.int64)
+        cu_seqlens = torch.zeros(T // train_gpt.MIN_DOC_TOKENS + 2, dtype=torch.int32)
+        args = train_gpt.Trainer.attention_args(cu_seqlens, train_gpt.attention_windows(h, step))
+        with model.sinks_of(T), census:
+            for p in model.parameters():   # gradients exist after the first step; the backward adds into them
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
+            columns = (train_gpt.candidate_columns(targets, stage.candidates, train_gpt.candidate_start(0, h.batch_ranks))
+                       if stage.candidates else None)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=h.compute_dtype == "bfloat16"):
+                objective, _ = model(tokens, targets, args, train_gpt.target_weights(stage, "cpu"), columns)
+            census.phase = "backward"
+            objective.backward()
+            for opt in optimizers:
+                census.phase = "muon" if type(opt).__name__ == "Muon" else "adam"
+                if hasattr(opt, "step_every"):
+                    opt.pending_calls = opt.step_every - 1   # this call updates
+                opt.step()
+            ships = {}
+            for i, average in enumerate(h.averages):
+                census.phase = f"averages{i}"
+                single = train_gpt.WeightAverages([average], model, h.num_iterations)
+                single.sample(h.num_iterations - 1)   # seeds the EMA (a copy)
+                start = len(census.events)
+                single.sample(h.num_iterations - 1)   # an EMA update, what the other samples cost
+                ships[i] = start
+        widths = [ve.embedding_dim for ve in model.value_embeds] if h.value_embed_sparse else []
+    _fake_process_group.cache_clear()
+    _fake_process_group(1)
+    return census.events, ships, widths
+
+
+def census_of_stage(h, index, world):
+    stage = h.stages[index]
+    events, ships, widths = trace_stage(h, index, world)
+    lengths = document_lengths(stage.tokens_per_rank, stage.max_doc_len)
+    ops = priced_ops([e for e in events if not e.phase.startswith("averages")], lengths, world, h.compile)
+    averages = {}
+    for i, start in ships.items():
+        sampled = [e for e in events[start:] if e.phase == f"averages{i}"]
+        for e in sampled:
+            e.phase = "averages"
+        averages[i] = priced_ops(sampled, lengths, world, compiled=False)
+    return StageCensus([op for op in ops if op.phase in COMPILED_PHASES],
+                       [op for op in ops if op.phase == "muon"], [op for op in ops if op.phase == "adam"],
+                       averages, table_ops(h, index, world, widths))
+
+
+# -----------------------------------------------------------------------------------------------
+# The sparse tables, from the rows a slice touches
+# -----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class TableOps:
+    per_slice: list                # after each micro-batch
+    ngram_event: list              # the n-gram table's Adam event
+    value_event: list              # the value tables' Adam event
+
+
+def distinct_fraction(h, tokens):
+    """Distinct n-gram rows among a slice's 2 T lookups, measured on the tiny corpus's text when it
+    is built (python data/tiny_corpus.py), else 1 (every lookup a row of its own: an upper bound)."""
+    files = sorted(REPO_ROOT.glob("data/tiny_corpus/tiny_train_*.bin"))
+    if not files or not h.ngram_rows:
+        return 1.0, "upper bound: every lookup a distinct row"
+    from data.shards import read_shard
+    stream = torch.from_numpy(read_shard(str(files[0])).astype(np.int64))[:tokens]
+    starts = stream == train_gpt.BOS_ID
+    rows = train_gpt.ngram_rows(stream, starts, h.ngram_rows).reshape(-1)
+    return torch.unique(rows).numel() / rows.numel(), f"measured on {len(stream):,} tokens of the tiny corpus"
+
+
+def table_ops(h, index, world, value_widths=()):
+    """The sparse tables' traffic: per micro-batch (a split table's rows fetched and their summed
+    gradients sent back by all-to-all; the row sums and their accumulation; the value tables' row
+    sums) and per Adam event (the touched rows' update; the value tables' dense all-reduce)."""
+    stage = h.stages[index]
+    T, D = stage.tokens_per_rank, h.model_dim
+    per_slice, ngram_event, value_event = [], [], []
+    if h.ngram_rows:
+        row = D * getattr(torch, h.ngram_dtype).itemsize
+        fraction, _ = distinct_fraction(h, T)
+        distinct = 2 * T * fraction
+        split = world > 1 and not h.ngram_cache_rows
+        if split:
+            remote = distinct * (world - 1) / world
+            per_slice += [Op("n-gram rows: gather for the askers", "tables", "tables", bytes=2 * distinct * row),
+                          Op("n-gram rows: all-to-all to the askers", "collective", "tables", comm=remote * row,
+                             kernels=0),
+                          Op("n-gram gradients: all-to-all to the owners", "collective", "tables",
+                             comm=remote * D * 4, kernels=0)]
+        per_slice += [Op("n-gram gradients: sum per row", "tables", "tables",
+                         bytes=2 * T * D * 4 + distinct * D * 4 + 2 * T * D * 4),   # read, write, zero the sink
+                      Op("n-gram gradients: add to the pending sums", "tables", "tables", bytes=3 * distinct * D * 4)]
+        every = max([h.ngram_step_every, *(p.step_every for p in h.table_phases)])
+        rows = min(sparse_event_rows(h, world, distinct, every), h.ngram_rows // world)
+        ngram_event.append(Op("n-gram sparse Adam", "tables", "tables",
+                              bytes=rows * (2 * row + D * 4 + 2 * 8)))
+    if h.value_embed_sparse:
+        vocab = train_gpt.PADDED_VOCAB_SIZE + 1
+        for width in value_widths:
+            per_slice.append(Op(f"value table {width}: row sums", "tables", "tables",
+                                bytes=T * width * 4 * 3 + 3 * min(T, vocab) * width * 4))
+            if world > 1:
+                value_event.append(Op(f"value table {width}: all-reduce of the row sums", "collective", "tables",
+                                      comm=2 * (world - 1) / world * vocab * width * 4, kernels=0))
+            value_event.append(Op(f"value table {width}: touched rows, sparse Adam, clear", "tables", "tables",
+                                  bytes=vocab * width * 4 * 3 + vocab * width * (2 * 4 + 4)))
+    return TableOps(per_slice, ngram_event, value_event)
+
+
+def sparse_event_rows(h, world, distinct_per_slice, every):
+    """Rows one process's n-gram Adam event updates: the distinct rows of every slice since the
+    last event (no overlap counted between slices: an upper bound)."""
+    slices = every * h.batch_ranks
+    return distinct_per_slice * slices / world if world > 1 and not h.ngram_cache_rows else distinct_per_slice * slices
+
+
+# -----------------------------------------------------------------------------------------------
+# Prices
+# -----------------------------------------------------------------------------------------------
+
+def op_seconds(op, gpu, eff, world):
+    """The roofline time of one op."""
+    if op.family == "collective":
+        if world <= 1:
+            return 0.0
+        return COLLECTIVE_LATENCY_S * (eff is REALISTIC) + op.comm / (gpu.link_gb_s * 1e9 * eff.link)
+    rate = eff.attention if op.family == "attention" else eff.gemm
+    compute = op.flops / (gpu.tflops[op.dtype] * 1e12 * rate) if op.flops else 0.0
+    memory = op.bytes / (gpu.hbm_tb_s * 1e12 * eff.hbm)
+    return max(compute, memory, KERNEL_FLOOR_S * op.kernels * (eff is REALISTIC))
+
+
+def ops_seconds(ops, gpu, eff, world):
+    return sum(op_seconds(op, gpu, eff, world) * op.count for op in ops)
+
+
+@dataclasses.dataclass
+class RunModel:
+    """A preset's census and its prices on a GPU."""
+    h: object
+    world: int
+    gpu: Gpu
+    stages: list                   # StageCensus per stage
+
+    @property
+    def accum(self):
+        return self.h.batch_ranks // self.world
+
+    def step_ops(self, step):
+        """(op, times it runs) of one training step."""
+        h, index = self.h, train_gpt.stage_index(self.h, step)
+        s = self.stages[index]
+        ops = [(op, self.accum) for op in s.micro_batch + s.tables.per_slice] + [(op, 1) for op in s.muon]
+        if (step + 1) % h.adam_step_every == 0:
+            ops += [(op, 1) for op in s.adam]
+        every = train_gpt.table_schedule(h, step)[2]
+        if (step + 1) % every == 0:    # the tables' cadence (counted from the phase's start: a close enough share)
+            ops += [(op, 1) for op in s.tables.ngram_event + s.tables.value_event]
+        averages = train_gpt.WeightAverages(h.averages, None, h.num_iterations)
+        for i, average in enumerate(h.averages):
+            if averages.samples_at(average, step):
+                ops += [(op, 1) for op in s.averages[i]]
+        return ops
+
+    def step_seconds(self, step, eff):
+        return sum(op_seconds(op, self.gpu, eff, self.world) * n for op, n in self.step_ops(step))
+
+    def run_seconds(self, eff):
+        return sum(self.step_seconds(step, eff) for step in range(self.h.num_iterations))
+
+    def stage_steps(self):
+        steps = collections.defaultdict(list)
+        for step in range(self.h.num_iterations):
+            steps[train_gpt.stage_index(self.h, step)].append(step)
+        return steps
+
+    def sinks(self, eff, key):
+        """Seconds of the whole run by key(op)."""
+        total = collections.Counter()
+        for step in range(self.h.num_iterations):
+            for op, n in self.step_ops(step):
+                total[key(op)] += op_seconds(op, self.gpu, eff, self.world) * n
+        return total
+
+
+def family_of(op):
+    if op.family == "gemm":
+        return f"GEMM {op.dtype}"
+    if op.family == "collective":
+        return "communication"
+    if op.phase in ("muon", "adam", "averages") and op.family != "gemm":
+        return f"{op.phase} (memory)"
+    return {"pointwise": "pointwise, norms, residual (fused)", "kernel": "other kernels"}.get(op.family, op.family)
+
+
+def build_model(h, world, gpu):
+    _fake_process_group(1)
+    return RunModel(h, world, gpu, [census_of_stage(h, i, world) for i in range(len(h.stages))])
+
+
+# -----------------------------------------------------------------------------------------------
+# The report
+# -----------------------------------------------------------------------------------------------
+
+def markdown(header, rows):
+    lines = [header, ["---"] * len(header)] + rows
+    return "\n".join("| " + " | ".join(str(c) for c in row) + " |" for row in lines)
+
+
+def stage_table(m):
+    rows = []
+    for index, steps in sorted(m.stage_steps().items()):
+        stage = m.h.stages[index]
+        ms = [1000 * statistics_mean(m.step_seconds(s, eff) for s in steps) for eff in (REALISTIC, PEAK)]
+        seconds = sum(m.step_seconds(s, REALISTIC) for s in steps)
+        rows.append([index, f"{steps[0]}-{steps[-1]}", f"{stage.tokens_per_rank:,}", m.accum,
+                     stage.candidates or train_gpt.PADDED_VOCAB_SIZE, f"{stage.short_window}/{stage.long_window}",
+                     f"{ms[0]:.1f}", f"{ms[1]:.1f}", f"{seconds:.2f}"])
+    return markdown(["stage", "steps", "tokens/GPU", "micro-batches", "softmax width", "windows (blocks)",
+                     "ms/step", "ms/step at peak", "s in the run"], rows)
+
+
+def statistics_mean(values):
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def family_table(m):
+    by_stage = {}
+    for index, steps in sorted(m.stage_steps().items()):
+        totals = collections.Counter()
+        for step in steps:
+            for op, n in m.step_ops(step):
+                totals[family_of(op)] += op_seconds(op, m.gpu, REALISTIC, m.world) * n / len(steps)
+        by_stage[index] = totals
+    whole = m.sinks(REALISTIC, family_of)
+    families = [f for f, _ in whole.most_common()]
+    rows = [[f] + [f"{1000 * by_stage[i][f]:.2f}" for i in sorted(by_stage)] + [f"{whole[f]:.2f}"]
+            for f in families]
+    return markdown(["family"] + [f"stage {i} ms/step" for i in sorted(by_stage)] + ["s in the run"], rows)
+
+
+def sink_table(m, count=10):
+    sinks = m.sinks(REALISTIC, lambda op: (op.phase, op.family, op.name))
+    total = sum(sinks.values())
+    rows = [[phase, family, name, f"{seconds:.2f}", f"{100 * seconds / total:.1f}%"]
+            for (phase, family, name), seconds in sinks.most_common(count)]
+    return markdown(["phase", "family", "op", "s in the run", "share"], rows)
+
+
+def calibration_table(m):
+    """The model's step time beside record 89's logged one, for each stage with a logged batch."""
+    rows = []
+    for index, steps in sorted(m.stage_steps().items()):
+        stage = m.h.stages[index]
+        logged = RECORD89_STEP_MS.get(stage.tokens_per_rank * m.accum if m.world == 8 else None)
+        if logged is None or index in [r[0] for r in rows]:
+            continue
+        predicted = 1000 * statistics_mean(m.step_seconds(s, REALISTIC) for s in steps)
+        rows.append([index, f"{stage.tokens_per_rank:,}", f"{predicted:.1f}", f"{logged:.2f}",
+                     f"{predicted / logged:.2f}"])
+    return rows
+
+
+def report(h, world, gpu_name):
+    gpu = GPUS[gpu_name]
+    m = build_model(h, world, gpu)
+    realistic, peak = m.run_seconds(REALISTIC), m.run_seconds(PEAK)
+    fraction, source = distinct_fraction(h, h.stages[0].tokens_per_rank)
+    lines = [f"# Step model: `{h.preset}` on {world}x{gpu.name}", "",
+             f"Efficiencies: GEMM {REALISTIC.gemm:.0%}, attention {REALISTIC.attention:.0%}, HBM {REALISTIC.hbm:.0%}, "
+             f"NVLink {REALISTIC.link:.0%} + {COLLECTIVE_LATENCY_S * 1e6:.0f} us a collective, a kernel at least "
+             f"{KERNEL_FLOOR_S * 1e6:.0f} us ('at peak': 100% and no floors). Distinct n-gram rows per lookup: "
+             f"{fraction:.3f} ({source}).", "",
+             "## Per stage", "", stage_table(m), "",
+             "## By family (ms per step, the mean of each stage's steps; seconds in the whole run)", "", family_table(m), "",
+             "## The ten largest time sinks", "", sink_table(m), ""]
+    if h.preset == "record89":
+        rows = calibration_table(m)
+        lines += ["## Calibration against record 89's logged step times", "",
+                  markdown(["stage", "tokens/GPU", "model ms/step", "record 89 ms/step", "ratio"], rows), ""]
+    kind = gpu_name.upper()
+    lines.append(f"predicted: {h.preset} on {world}x{kind}: {realistic:.1f} s realistic, {peak:.1f} s at peak")
+    return "\n".join(lines), m
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="The performance model of a preset's training run at full size: "
+                                            "an op census on fake tensors, priced by a roofline per op.")
+    p.add_argument("--preset", default="speedrun", help="the preset to model (default: speedrun)")
+    p.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="the GPU kind (default: h100)")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs in the run (default: 8; must divide batch_ranks)")
+    p.add_argument("--write", action="store_true", help=f"regenerate {TABLES_PATH.name}: the reports of STANDARD_RUNS")
+    p.add_argument("overrides", nargs="*", help="config overrides, --key=value after '--'")
+    return p.parse_args(argv)
+
+
+def write_tables():
+    """bench/step_model.md: the report of every run of STANDARD_RUNS, regenerated whole."""
+    sections = ["# The step model's predictions", "",
+                "Made by `python bench/step_model.py --write` (every table below is regenerated by it; the "
+                "model and its constants are in bench/step_model.py). Projections, not measurements: no run of "
+                "these presets on a GPU exists yet.", ""]
+    for preset, gpus, kind in STANDARD_RUNS:
+        text, _ = report(train_gpt.parse_config(["--preset", preset]), gpus, kind)
+        sections += ["#" + text.replace("\n## ", "\n### "), ""]
+        print(text.splitlines()[-1], flush=True)
+    TABLES_PATH.write_text("\n".join(sections))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.write:
+        write_tables()
+        return
+    try:
+        h = train_gpt.parse_config(["--preset", args.preset, *args.overrides])
+    except train_gpt.ConfigError as e:
+        raise SystemExit(f"error: {e}")
+    if args.gpus < 1 or h.batch_ranks % args.gpus:
+        raise SystemExit(f"error: --gpus={args.gpus} must divide the preset's batch_ranks ({h.batch_ranks})")
+    text, _ = report(h, args.gpus, args.gpu)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

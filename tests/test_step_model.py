@@ -1,0 +1,158 @@
+"""The performance model of a training step (bench/step_model.py): its attention tile census
+against brute force, its fusion rule and collective prices against hand counts, and the whole
+census moving the right way when a planted change doubles a matrix product, halves a dtype or
+widens a window."""
+import io
+import re
+import sys
+from contextlib import redirect_stdout
+
+import numpy as np
+import pytest
+import torch
+
+from tiny_runs import REPO, tiny_config
+
+sys.path.insert(0, f"{REPO}/bench")
+import step_model as sm  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------
+# attention tiles
+
+
+def brute_force_pairs(lengths, window):
+    starts = np.repeat(np.cumsum([0] + lengths[:-1]), lengths)
+    q = np.arange(len(starts))[:, None]
+    k = np.arange(len(starts))[None, :]
+    return int(((k <= q) & (k >= starts[:, None]) & (q - k < window)).sum())
+
+
+@pytest.mark.parametrize("lengths,window", [([5, 17, 3, 40], 7), ([64], 1000), ([1, 1, 30, 2], 4)])
+def test_single_token_tiles_are_exactly_the_visible_pairs(lengths, window):
+    """With blocks of one query and one key, the forward/dQ and dK/dV kernels' block ranges visit
+    exactly the pairs the mask lets through."""
+    pairs = brute_force_pairs(lengths, window)
+    assert sm.visible_pairs(lengths, window) == pairs
+    assert sm.query_tiles(lengths, window, 1, 1) == pairs
+    assert sm.key_tiles(lengths, window, 1, 1) == pairs
+
+
+def test_production_tiles_cover_the_pairs_and_grow_with_the_window():
+    lengths = sm.document_lengths(16_384, 896)
+    assert sum(lengths) == 16_384
+    for window in (128, 384, 896):
+        fwd = sm.query_tiles(lengths, window, 128, 64) * 128 * 64
+        kv = sm.key_tiles(lengths, window, 32, 128) * 32 * 128
+        assert min(fwd, kv) >= sm.visible_pairs(lengths, window)
+    assert sm.query_tiles(lengths, 128, 128, 64) < sm.query_tiles(lengths, 384, 128, 64) < \
+        sm.query_tiles(lengths, 896, 128, 64)
+
+
+# ---------------------------------------------------------------------------------------------
+# fusion and prices
+
+
+def event(name, phase, reads, writes):
+    return sm.Event(name, phase, reads, writes, [], [], in_place=name.endswith("_"))
+
+
+def test_a_fused_region_reads_its_inputs_once_and_writes_what_is_read_after_it():
+    """x (1) and y (2) exist; a = x * y; b = a + x; then a matrix product reads b. The region
+    reads x and y once and writes only b; when a is also read after the region, a too. An
+    in-place update of state that existed before the region is written back."""
+    MB = 1 << 20
+    region = [event("aten.mul", "forward", [(1, MB), (2, MB)], [(3, MB)]),
+              event("aten.add", "forward", [(3, MB), (1, MB)], [(4, MB)])]
+    gemm = event("aten.mm", "forward", [(4, MB), (9, MB)], [(5, MB)])
+    gemm.inputs = [((256, 1024), torch.bfloat16), ((1024, 256), torch.bfloat16)]
+    ops = sm.priced_ops(region + [gemm], [], 1, compiled=True)
+    assert [op.family for op in ops] == ["pointwise", "gemm"]
+    assert ops[0].bytes == 3 * MB
+    later = event("aten.sum", "backward", [(3, MB)], [(6, 4)])
+    assert sm.priced_ops(region + [gemm, later], [], 1, compiled=True)[0].bytes == 4 * MB
+    state = [event("aten.mul", "forward", [(1, MB)], [(3, MB)]), event("aten.add_", "forward", [(7, MB), (3, MB)],
+                                                                      [(7, MB)])]
+    assert sm.priced_ops(state, [], 1, compiled=True)[0].bytes == 3 * MB
+    # outside a compiled graph every op is a kernel of its own: a is written and read again
+    assert sum(op.bytes for op in sm.priced_ops(region, [], 1, compiled=False)) == 6 * MB
+    assert ops[1].flops == 2 * 256 * 1024 * 256
+
+
+def test_collectives_cost_their_ring_traffic_and_a_latency():
+    S = 10 ** 8
+    all_reduce = event("c10d.allreduce_", "adam", [(1, S)], [(1, S)])
+    (op,) = sm.priced_ops([all_reduce], [], 8, compiled=False)
+    assert op.comm == 2 * 7 / 8 * S
+    seconds = sm.op_seconds(op, sm.H100, sm.REALISTIC, 8)
+    assert seconds == pytest.approx(15e-6 + 2 * 7 / 8 * S / (450e9 * 0.7))
+    assert sm.op_seconds(op, sm.H100, sm.REALISTIC, 1) == 0
+    gather = event("c10d._allgather_base_", "muon", [(2, S // 8)], [(3, S)])
+    assert sm.priced_ops([gather], [], 8, compiled=False)[0].comm == 7 / 8 * S
+
+
+def test_a_roofline_takes_the_slower_of_compute_and_memory():
+    big = sm.Op("mm", "gemm", "forward", flops=2 * 8192 ** 3, dtype="bf16", bytes=3 * 2 * 8192 ** 2)
+    assert sm.op_seconds(big, sm.H100, sm.PEAK, 1) == pytest.approx(2 * 8192 ** 3 / 989.5e12)
+    fp8 = sm.Op("mm", "gemm", "forward", flops=2 * 8192 ** 3, dtype="fp8", bytes=3 * 8192 ** 2)
+    assert sm.op_seconds(fp8, sm.H100, sm.PEAK, 1) == pytest.approx(sm.op_seconds(big, sm.H100, sm.PEAK, 1) / 2)
+    copy = sm.Op("copy", "pointwise", "forward", bytes=2e9)
+    assert sm.op_seconds(copy, sm.H200, sm.REALISTIC, 1) == pytest.approx(2e9 / (4.8e12 * 0.8))
+
+
+# ---------------------------------------------------------------------------------------------
+# the census of a run moves the right way
+
+
+def census(extra=()):
+    h = tiny_config(["--fp8_mlp=false", "--fp8_qkv=false", "--fp8_head=false", "--compile=true", *extra])
+    return h, sm.census_of_stage(h, 0, 1)
+
+
+def flops(ops, family="gemm"):
+    return sum(op.flops for op in ops if op.family == family)
+
+
+def seconds(h, c):
+    """At the peaks (no kernel floor, which the tiny model's kernels all sit on)."""
+    return sum(sm.op_seconds(op, sm.H100, sm.PEAK, 1) for op in c.micro_batch)
+
+
+def test_doubling_the_mlp_adds_its_products_flops_exactly():
+    """An MLP of hidden width H costs 3 products of T x D x H (up, down) forward and twice that
+    backward, on every layer: doubling H adds 2 x 3 x 2 T D H x layers."""
+    h, small = census()
+    _, double = census([f"--mlp_hidden={2 * h.mlp_hidden}"])
+    T, D, H = h.stages[0].tokens_per_rank, h.model_dim, h.mlp_hidden
+    assert flops(double.micro_batch) - flops(small.micro_batch) == 2 * 3 * 2 * T * D * H * h.num_layers
+    assert seconds(h, double) > seconds(h, small)
+
+
+def test_halving_the_dtype_halves_the_products_time_and_cuts_the_traffic():
+    h, bf16 = census()
+    _, fp32 = census(["--compute_dtype=float32"])
+    assert {op.dtype for op in bf16.micro_batch if op.family == "gemm"} == {"bf16"}
+    assert {op.dtype for op in fp32.micro_batch if op.family == "gemm"} == {"fp32"}
+    assert flops(bf16.micro_batch) == flops(fp32.micro_batch)
+    memory = lambda c: sum(op.bytes for op in c.micro_batch if op.family == "pointwise")  # noqa: E731
+    assert memory(bf16) < memory(fp32)
+    assert seconds(h, bf16) < seconds(h, fp32)
+
+
+def test_widening_the_window_adds_attention_work():
+    stages = ('--stages=[{"end":1.0,"tokens_per_rank":1024,"max_doc_len":1024,"short_window":1,'
+              '"long_window":%d}]')
+    h, narrow = census([stages % 1])
+    _, wide = census([stages % 8])
+    assert flops(wide.micro_batch, "attention") > flops(narrow.micro_batch, "attention") > 0
+    assert seconds(h, wide) > seconds(h, narrow)
+
+
+def test_the_command_prints_its_tables_and_ends_with_the_prediction():
+    out = io.StringIO()
+    with redirect_stdout(out):
+        sm.main(["--preset", "cpu", "--gpus", "1", "--gpu", "h200"])
+    text = out.getvalue()
+    assert "## Per stage" in text and "## The ten largest time sinks" in text
+    last = text.strip().splitlines()[-1]
+    match = re.fullmatch(r"predicted: cpu on 1xH200: ([\d.]+) s realistic, ([\d.]+) s at peak", last)
+    assert match and 0 < float(match[2]) < float(match[1])
