@@ -1,4 +1,4 @@
-"""Write, read and check run logs (the format is described in records/README.md).
+"""Write, read and check run logs (the format is described in records/FORMAT.md).
 
 A log is a snapshot of one training run: the verbatim bytes of every project source file the
 run used, each with its declared sha256, then the environment, the data fingerprints, the
@@ -20,8 +20,11 @@ import datetime
 import errno
 import hashlib
 import json
+import math
 import os
 import re
+import stat
+import subprocess
 import sys
 import uuid
 from dataclasses import dataclass, field
@@ -48,6 +51,17 @@ FINAL_LINE = re.compile(
 )
 INTERRUPTED_PREFIX = "interrupted: "  # last line of a run stopped by a signal
 ERROR_PREFIX = "error: "           # last line of a run stopped by an error
+FINGERPRINT_FIELDS = {"path": str, "bytes": int, "tokens": int, "header_sha256": str, "head_sha256": str,
+                      "tail_sha256": str}  # a data line's keys and their types (data/shards.py: fingerprint)
+CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")  # never in a source path (a NUL or a line break names no file)
+MACHINE_ID_FILES = ("/etc/machine-id", "/var/lib/dbus/machine-id")  # the OS's id of this machine (systemd, D-Bus)
+MACHINE_ID_SALT = b"speedrun-log machine id\n"  # hashed with the id: the log tells machines apart, never shows the id
+IDENTITY_HEX_DIGITS = 16           # hex digits of the hashes that name a machine's id and its CPU flags
+UNKNOWN = "unknown"                # an environment value this machine does not say
+DIRTY_MARK = "-dirty"              # after git_commit: the run's sources are not that commit's files
+GIT_TIMEOUT_S = 10                 # for each git command the writer runs
+FILE_KINDS = {stat.S_ISDIR: "a folder", stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISSOCK: "a socket",
+              stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}  # what a path can be besides a file
 
 
 class LogError(Exception):
@@ -71,6 +85,21 @@ def write_failure(path, error):
     return f"writing {path} failed ({error.strerror}): choose another --log_dir"
 
 
+def read_regular_file(path):
+    """The bytes of the regular file at `path`. Anything else (a FIFO, a device, a folder) is refused
+    before it is opened for reading, so that nothing waits on a pipe or reads a device without end:
+    an OSError whose strerror says what the path is."""
+    kind = next((name for test, name in FILE_KINDS.items() if test(os.stat(path).st_mode)), None)
+    if kind is None:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)   # never waits, even on a FIFO put there since
+        with os.fdopen(fd, "rb") as f:
+            mode = os.fstat(fd).st_mode
+            kind = next((name for test, name in FILE_KINDS.items() if test(mode)), None)
+            if kind is None:
+                return f.read()
+    raise OSError(errno.EINVAL, f"it is {kind}, not a regular file", str(path))
+
+
 # ----------------------------------------------------------------------------- writing
 
 
@@ -87,6 +116,84 @@ def cpu_model():
     except OSError:
         return "unknown"
     return names[0] if names else "unknown"
+
+
+LOAD_AVERAGE_WINDOW_S = 60         # the 1-minute load average decays with this time constant (s)
+IDLE_LOAD = 0.5                    # runnable tasks of other work, beyond the CPUs a run leaves free, that make it busy
+
+
+def load_average():
+    """The machine's 1-minute load average (runnable tasks), or None where the OS does not say."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
+def other_load(load, cpus, run_threads, run_seconds):
+    """The load of other work in a 1-minute load average taken run_seconds into a run that keeps
+    run_threads threads busy on `cpus` CPUs, when it takes CPUs the run needs (more than IDLE_LOAD
+    beyond the CPUs the run leaves free); else None. The run's own share of the average after t
+    seconds is run_threads x (1 - exp(-t / LOAD_AVERAGE_WINDOW_S))."""
+    others = load - run_threads * (1 - math.exp(-run_seconds / LOAD_AVERAGE_WINDOW_S))
+    return others if others > max(cpus - run_threads, 0) + IDLE_LOAD else None
+
+
+def track_target(track):
+    """The target val loss of records/<track>/track.json, or None without one."""
+    try:
+        return float(json.loads(read_regular_file(os.path.join(REPO_DIR, "records", track, "track.json")))[
+            "target_val_loss"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def machine_identity():
+    """What tells this machine from another of the same CPU model and hostname: `machine_id`, a
+    hash of the OS's machine id, and `cpu_flags`, a hash of the CPU's flags (/proc/cpuinfo); each
+    "unknown" where the machine does not say."""
+    identity = {"machine_id": UNKNOWN, "cpu_flags": UNKNOWN}
+    for path in MACHINE_ID_FILES:
+        try:
+            with open(path, "rb") as f:
+                machine_id = f.read().strip()
+        except OSError:
+            continue
+        if machine_id:
+            identity["machine_id"] = hashlib.sha256(MACHINE_ID_SALT + machine_id).hexdigest()[:IDENTITY_HEX_DIGITS]
+            break
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+    except OSError:
+        flags = None
+    if flags:
+        identity["cpu_flags"] = hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:IDENTITY_HEX_DIGITS]
+    return identity
+
+
+def git_blob_id(content):
+    """The object id git gives a file of these bytes."""
+    return hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest()
+
+
+def commit_of_sources(commit, sources, repo_dir):
+    """`commit`, marked DIRTY_MARK when a source [(relpath, bytes)] is not that commit's file in the
+    git repository at repo_dir (changed, or not committed); unmarked when it names no commit."""
+    if not re.fullmatch(r"[0-9a-f]{40}", commit):
+        return commit
+    paths = [relpath for relpath, _ in sources]
+    try:
+        listing = subprocess.run(["git", "-C", str(repo_dir), "ls-tree", "-z", commit, "--", *paths],
+                                 capture_output=True, timeout=GIT_TIMEOUT_S, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return commit + DIRTY_MARK       # cannot be shown to be the commit's files
+    committed = {}
+    for entry in filter(None, listing.split(b"\0")):
+        info, _, path = entry.partition(b"\t")
+        committed[path.decode("utf-8", "replace")] = info.split()[-1].decode("ascii", "replace")
+    clean = all(committed.get(relpath) == git_blob_id(content) for relpath, content in sources)
+    return commit if clean else commit + DIRTY_MARK
 
 
 def next_seal(previous, text):
@@ -150,7 +257,13 @@ class LogWriter:
 
     def header(self, sources, environment, data, config):
         """The snapshot part: sources [(relpath, bytes)], environment {key: value}, data
-        fingerprints [dict], the resolved config (a dict); the run section follows."""
+        fingerprints [dict], the resolved config (a dict); the run section follows. The environment
+        gains this machine's identity (machine_identity) where it lacks it, and its git_commit the
+        DIRTY_MARK where the sources are not that commit's files in this repository."""
+        sources = list(sources)
+        environment = {**environment, **{k: v for k, v in machine_identity().items() if k not in environment}}
+        if "git_commit" in environment:
+            environment["git_commit"] = commit_of_sources(str(environment["git_commit"]), sources, REPO_DIR)
         for relpath, content in sources:
             self.source(relpath, content)
         self.line("=== environment ===")
@@ -216,7 +329,8 @@ class Log:
 def _safe_relpath(relpath, log_path):
     """Refuse paths that would escape the folder a source tree is recreated in."""
     parts = PurePosixPath(relpath).parts
-    if not parts or relpath.startswith("/") or "\\" in relpath or any(p in ("..", ".") for p in parts):
+    if (not parts or relpath.startswith("/") or "\\" in relpath or any(p in ("..", ".") for p in parts)
+            or CONTROL_CHARACTER.search(relpath)):
         raise LogError(f"{log_path}: source path {relpath!r} is not a plain relative path inside the project")
     return relpath
 
@@ -336,11 +450,28 @@ def _parse_json_line(line, what, log_path):
     return value
 
 
+def _parse_fingerprint(line, log_path):
+    """A data line: a JSON object with FINGERPRINT_FIELDS of their types (hashes of 64 hex digits)."""
+    fp = _parse_json_line(line, "a data line", log_path)
+    for key, kind in FINGERPRINT_FIELDS.items():
+        value = fp.get(key)
+        if type(value) is not kind or (key.endswith("sha256") and not re.fullmatch(r"[0-9a-f]{64}", value)):
+            raise LogError(f"{log_path}: a data line is not a file's fingerprint (its {key} is {value!r}): "
+                           f"{line[:80]!r}")
+    if CONTROL_CHARACTER.search(fp["path"]):
+        raise LogError(f"{log_path}: a data line's path {fp['path']!r} holds a control character")
+    return fp
+
+
 def _parse_config(lines, log_path):
     lines = [line for line in lines if line]
     if len(lines) != 1:
         raise LogError(f"{log_path}: the config section must be exactly one JSON line, found {len(lines)}")
-    return _parse_json_line(lines[0], "the config", log_path)
+    config = _parse_json_line(lines[0], "the config", log_path)
+    for key in ("entry", "track", "train_files", "val_files"):
+        if key in config and not isinstance(config[key], str):
+            raise LogError(f"{log_path}: the config's {key} is {json.dumps(config[key])[:80]}, not text")
+    return config
 
 
 def _parse_run(lines, log, log_path):
@@ -393,8 +524,7 @@ def parse_log(path):
     source does not have its declared sha256 (named before the seals, which it also breaks), or a
     version-2 line does not match its seal. verify(log) checks the hashes again and the entry script."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = read_regular_file(path)
     except OSError as e:
         raise LogError(f"{path}: cannot read the log ({e.strerror})") from None
     first_end = raw.find(b"\n")
@@ -432,7 +562,7 @@ def parse_log(path):
         sources=sources,
         declared_sha256=declared,
         environment=_parse_environment(sections["environment"], path),
-        data=[_parse_json_line(line, "a data line", path) for line in sections["data"] if line],
+        data=[_parse_fingerprint(line, path) for line in sections["data"] if line],
         config=_parse_config(sections["config"], path),
     )
     _parse_run(sections["run"], log, path)

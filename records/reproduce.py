@@ -5,9 +5,13 @@
 The log is verified first (every line must match its seal, every embedded
 source its sha256; the earliest, version-1 logs have no seals). The
 sources are written to OUT (default: reproduce_<run_id> in the system's temp
-folder; OUT must not exist or be empty) under their logged paths, and the
-logged config to OUT/config.json. Next to them go the data files the sources
-read from their own folder: an embedded source that defines
+folder) under their logged paths, and the logged config to OUT/config.json, its
+log_dir set to OUT/logs: the rerun's log (and checkpoint) go there, never where
+the original run wrote. OUT must not exist, be empty, or hold this log's
+recreation already (from an earlier reproduce.py LOG, then reused); it is filled
+in a hidden folder next to it and renamed into place, so it appears whole or not
+at all. Next to the sources go the data files they read from their own folder:
+an embedded source that defines
 `<NAME>_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "<file>")`
 and `<NAME>_SHA256 = "<hex>"` (data/tokenizer.py's prefix-token table and
 non-canonical pairs) gets a copy of this checkout's <file>, which must have the
@@ -17,7 +21,11 @@ repository root, which the data paths in the config are relative to), after the
 data files the rerun will read (the config's train_files and val_files, or their
 --key=value overrides after `--`) are compared with the log's fingerprints of the
 files the run read: other, missing or extra files are refused unless --other-data
-is given. Nothing is written when the log or the data are refused.
+is given. --run executes the code the log embeds (it says so first): read it in
+OUT before running a log that is not your own. Afterwards it prints the logged
+result beside the rerun's. Nothing is written when the log or the data are
+refused; neither OUT nor a --log_dir given after `--` may lie in this
+repository's records/ folder, which only make_record.py writes.
 
     python OUT/<entry> --config OUT/config.json                      (world_size 1)
     python -m torch.distributed.run --standalone --nproc_per_node=N \\
@@ -28,9 +36,11 @@ import argparse
 import glob
 import hashlib
 import json
+import os
 import posixpath
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,10 +49,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]  # the checkout whose data files are copied next to the sources
 sys.path.insert(0, str(REPO))
 from data.shards import ShardError, fingerprint  # noqa: E402
-from records.logfile import LogError, parse_log, verify  # noqa: E402
+from records.logfile import LogError, parse_log, read_regular_file, verify  # noqa: E402
 
 EXIT_REFUSED = 2  # exit code when the log, the data or the output folder is refused
 CONFIG_NAME = "config.json"
+LOGS_NAME = "logs"  # the rerun's log folder inside OUT
+REBUILT = ("__pycache__",)  # folders a rerun leaves among the recreated sources
 DATA_PATTERN_KEYS = ("val_files", "train_files")  # config keys naming the data files a run reads (glob patterns)
 FINGERPRINT_KEYS = ("bytes", "tokens", "header_sha256", "head_sha256", "tail_sha256")  # a data file's identity
 PINNED_PATH = re.compile(  # a source's data file next to it: NAME_PATH = os.path.join(<its folder>, "file")
@@ -87,17 +99,68 @@ def checkout_data_files(log, checkout=REPO):
     return files
 
 
+def inside_records(path):
+    """Whether `path` (which need not exist) lies in this repository's records/ folder, symbolic
+    links followed."""
+    records = os.path.realpath(REPO / "records")
+    return os.path.commonpath([os.path.realpath(path), records]) == records
+
+
+def rerun_config(log, out):
+    """The logged config, its log_dir (where it has one) OUT/logs: the rerun writes there."""
+    config = dict(log.config)
+    if "log_dir" in config:
+        config["log_dir"] = str(out / LOGS_NAME)
+    return config
+
+
+def recreation(log, out, data_files):
+    """{relpath: bytes} of the files the recreated tree holds: the sources, the data files, the config."""
+    files = {**log.sources, **data_files}
+    top = {relpath.split("/", 1)[0] for relpath in files}
+    clash = next((name for name in (CONFIG_NAME, LOGS_NAME) if name in top), None)
+    if clash:
+        raise LogError(f"{log.path}: an embedded source or data file is named {clash}, which the recreated tree "
+                       f"keeps for the rerun's {'config' if clash == CONFIG_NAME else 'log'}: not a run of this "
+                       f"repository")
+    config = json.dumps(rerun_config(log, out), indent=2) + "\n"
+    return {**files, CONFIG_NAME: config.encode("utf-8")}
+
+
+def existing_files(out):
+    """{relpath: bytes} of the files under `out` but the rerun's logs and byte-code caches."""
+    found = {}
+    for path in sorted(out.rglob("*")):
+        rel = path.relative_to(out)
+        if rel.parts[0] == LOGS_NAME or any(part in REBUILT for part in rel.parts) or path.is_dir():
+            continue
+        found[rel.as_posix()] = read_regular_file(path)
+    return found
+
+
 def recreate_sources(log, out, data_files=None):
     """Write the log's sources under `out`, the `data_files` {relpath: bytes} next to them and the
-    config to out/config.json; `out` must be absent or empty."""
+    config (rerun_config) to out/config.json, in a hidden folder next to `out` renamed into place.
+    `out` must be absent, empty, or hold exactly this recreation (then it is kept: True)."""
+    files = recreation(log, out, data_files or {})
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise LogError(f"{out}: exists and is not an empty folder; choose another --dir or remove it")
-    out.mkdir(parents=True, exist_ok=True)
-    for relpath, content in {**log.sources, **(data_files or {})}.items():
-        dest = out / relpath
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_bytes(content)
-    (out / CONFIG_NAME).write_text(json.dumps(log.config, indent=2) + "\n", encoding="utf-8")
+        if out.is_dir() and existing_files(out) == files:
+            return True
+        raise LogError(f"{out}: exists and is neither empty nor this log's recreation; choose another --dir or "
+                       f"remove it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        for relpath, content in files.items():
+            dest = staging / relpath
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(content)
+        staging.chmod(0o755)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return False
 
 
 def data_patterns(log, extra_args):
@@ -177,25 +240,72 @@ def parse_args(argv):
     return args
 
 
+def refuse_records_folders(log, out, extra_args):
+    """Neither the recreated tree nor a --log_dir given after `--` may lie in this repository's
+    records/ folder (the rerun's own check compares with the recreated tree's records/)."""
+    if inside_records(out):
+        raise LogError(f"--dir {out} is inside the repository's records/ folder, which only records/make_record.py "
+                       f"writes: recreate the run elsewhere (the default is {default_output_dir(log.run_id)})")
+    for arg in extra_args:
+        key, sep, value = arg.removeprefix("--").partition("=")
+        if arg.startswith("--") and sep and key == "log_dir" and value and inside_records(value):
+            raise LogError(f"--log_dir={value} is inside the repository's records/ folder, which only "
+                           f"records/make_record.py writes: log elsewhere (the default is {out / LOGS_NAME})")
+
+
+def run_logs(out):
+    """The logs in the rerun's log folder OUT/logs."""
+    return set((out / LOGS_NAME).glob("*.txt")) if (out / LOGS_NAME).is_dir() else set()
+
+
+def describe_result(log):
+    if not log.finished:
+        return f"the run {log.describe_ending()}"
+    return (f"final val_loss {log.final['val_loss']:.4f}, train_time {log.final['train_time_ms'] / 1000:.1f} s, "
+            f"{log.final['steps']} steps")
+
+
+def compare_with_original(log, new_logs):
+    """The lines that put the rerun's result (its one new log) beside the logged one."""
+    if len(new_logs) != 1:
+        return [f"original run {log.run_id}: {describe_result(log)}"]
+    (path,) = new_logs
+    try:
+        rerun = parse_log(path)
+    except LogError as e:
+        return [f"original run {log.run_id}: {describe_result(log)}", f"rerun: its log cannot be read ({e})"]
+    lines = [f"original run {log.run_id}: {describe_result(log)}",
+             f"this rerun {rerun.run_id}: {describe_result(rerun)}"]
+    if log.finished and rerun.finished:
+        same = "the same" if f"{rerun.final['val_loss']:.4f}" == f"{log.final['val_loss']:.4f}" else \
+            f"{rerun.final['val_loss'] - log.final['val_loss']:+.4f}"
+        ratio = rerun.final["train_time_ms"] / max(log.final["train_time_ms"], 1)
+        lines.append(f"val_loss {same}; train_time {ratio:.2f}x the original's (log: {path})")
+    return lines
+
+
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    out = args.dir
     try:
         log = parse_log(args.log)
         verify(log)
-        out = args.dir or default_output_dir(log.run_id)
+        out = (args.dir or default_output_dir(log.run_id)).absolute()
+        refuse_records_folders(log, out, args.extra)
         command = rerun_command(log, out, args.extra)
+        data_files = checkout_data_files(log)
         if args.run and not args.other_data:
             check_data(log, args.extra)
-        recreate_sources(log, out, checkout_data_files(log))
+        kept = recreate_sources(log, out, data_files)
     except LogError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_REFUSED
     except OSError as e:
         print(f"error: {e.filename or out}: {e.strerror}; choose another --dir", file=sys.stderr)
         return EXIT_REFUSED
-    data_files = pinned_data_files(log)
     shipped = f", {len(data_files)} data file(s) they read ({', '.join(data_files)})" if data_files else ""
-    print(f"recreated {len(log.sources)} source file(s){shipped} and {CONFIG_NAME} in {out}")
+    done = "found" if kept else "recreated"
+    print(f"{done} {len(log.sources)} source file(s){shipped} and {CONFIG_NAME} in {out}")
     if not log.sealed:
         print(f"note: a version-{log.version} log has no seals: only its sources' sha256 were checked")
     if not log.finished:
@@ -203,7 +313,13 @@ def main(argv=None):
     print("rerun with:", shlex.join(command))
     if not args.run:
         return 0
-    return subprocess.run(command).returncode
+    print(f"note: --run executes the code this log embeds ({len(log.sources)} file(s) in {out}, entry "
+          f"{log.config['entry']}): read it first if the log is not your own", flush=True)
+    before = run_logs(out)
+    code = subprocess.run(command).returncode
+    for line in compare_with_original(log, run_logs(out) - before):
+        print(line)
+    return code
 
 
 if __name__ == "__main__":

@@ -69,3 +69,38 @@ def pairwise_statistic(new, old, loss_per_step):
     (old mean - new mean + (old steps - new steps) x loss_per_step) / sqrt(1 / n_old + 1 / n_new)."""
     gain = old["val_loss"]["mean"] - new["val_loss"]["mean"] + (old["steps"] - new["steps"]) * loss_per_step
     return gain / math.sqrt(1 / old["n"] + 1 / new["n"])
+
+
+MAX_RUNS_ESTIMATED = 1000          # runs_needed and welch_runs_needed look no further
+
+
+def runs_needed(values, target, threshold):
+    """The fewest runs whose one-sided t-test of H1: mean < target reaches p < threshold if more runs
+    kept this mean and sample std; None when the mean is not below the target, the runs have no
+    spread, or more than MAX_RUNS_ESTIMATED would be needed."""
+    mean, std = float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+    if not mean < target or not std > 0:
+        return None
+    for n in range(2, MAX_RUNS_ESTIMATED + 1):
+        if stats.t.cdf((mean - target) / (std / math.sqrt(n)), n - 1) < threshold:
+            return n
+    return None
+
+
+def welch_runs_needed(record, other, threshold):
+    """The fewest runs per group whose one-sided Welch t-test of H1: mean(record) < mean(other)
+    reaches p < threshold if both groups kept their means and sample stds; None when the record's
+    mean is not below the other's, a group has fewer than 2 runs or neither has spread, or more than
+    MAX_RUNS_ESTIMATED would be needed."""
+    if len(record) < 2 or len(other) < 2 or not np.mean(record) < np.mean(other):
+        return None
+    v1, v2 = float(np.var(record, ddof=1)), float(np.var(other, ddof=1))
+    if not v1 + v2 > 0:
+        return None
+    gap = float(np.mean(other) - np.mean(record))
+    for n in range(2, MAX_RUNS_ESTIMATED + 1):
+        se2 = (v1 + v2) / n
+        df = se2 ** 2 / ((v1 / n) ** 2 / (n - 1) + (v2 / n) ** 2 / (n - 1))
+        if stats.t.cdf(-gap / math.sqrt(se2), df) < threshold:
+            return n
+    return None

@@ -1,13 +1,18 @@
 """Plant plausible one-line bugs, one at a time, and check that the tests catch each.
 
-    python tests/mutation_check.py            # every mutation; prints the kill rate and the survivors
-    python tests/mutation_check.py --list     # the mutations, numbered
-    python tests/mutation_check.py 3 17       # only these
+    python tests/mutation_check.py                 # every mutation; prints the kill rate and the survivors
+    python tests/mutation_check.py --list          # the mutations, numbered
+    python tests/mutation_check.py 3 17            # only these
+    python tests/mutation_check.py --group tools   # only one group's (see GROUPS)
 
-Each mutation replaces one exact line fragment of a module (train_gpt.py, config.py, optim.py,
-sparse_tables.py, kernels.py: the references the trainer runs on a CPU) in a copy of the
-repository, then runs the test selection that should catch it there. A mutation is killed when
-that selection fails. The repository itself is never written. Not collected by pytest (its name does not start with test_).
+Each mutation replaces one exact line fragment of a module in a copy of the repository, then
+runs the test selection that should catch it there. The groups: the model and trainer
+(train_gpt.py, optim.py, kernels.py: the references the trainer runs on a CPU), and the
+machinery around them (config.py's checks, checkpoint.py, records/ statistics and tools,
+data/shards.py and the downloader, memory_budget.py, sparse_tables.py, processes.py). Every
+selection is first run once on the unmutated copy and must pass there (a selection that fails
+anyway would count every mutation as killed). A mutation is killed when its selection fails.
+The repository itself is never written. Not collected by pytest (its name does not start with test_).
 """
 import argparse
 import dataclasses
@@ -28,6 +33,22 @@ TRAINER_STEP = [STATEMENT, "-k", "trainer_step"]
 SCHEDULES = ["tests/test_schedules.py"]
 OPTIM = ["tests/test_optim.py"]
 STARTS_CLOSED = ["tests/test_model.py", "-k", "start_as_the_plain_model"]
+CONFIG_CHECKS = ["tests/test_failures.py", "-k", "test_bad_config_values_end_with_one_line"]
+CHECKPOINT_FILE = ["tests/test_checkpoint.py", "-k", "safetensors or sha256 or header or byte_range or fifo or pieces"]
+SAMPLING = ["tests/test_checkpoint.py", "-k", "temperature or top_k"]
+STATISTICS = ["tests/test_records.py", "-k", "test_one_sample or spread or welch or runs_needed or too_little"]
+STEPS_TRACK = ["tests/test_records_steps.py", "-k", "pairwise or margin or one_day or t_test"]
+MAKE_RECORD = ["tests/test_records.py", "-k", "not baseline_script_writes and not cpu_records_are and not test_reproduce"]
+LOG_FORMAT = ["tests/test_records.py", "-k", "parse_log or seal or hostile or dirty or machine_and or writer or crlf "
+              "or truncated or escaping or run_id or binary or fifo or newline or tampered"]
+REPRODUCE = ["tests/test_records.py", "-k", "reproduce"]
+SHARDS = ["tests/test_data.py", "-k", "shard or header or fingerprint or download or hubs_size"]
+MEMORY = ["tests/test_memory.py", "-k", "counts_what_a_cpu_run_holds or pinned or row_gradient_sums"]
+CPU_MEMORY = ["tests/test_failures.py", "-k", "too_big"]
+SPARSE = ["tests/test_sparse_tables.py", "-k", "vocab_row_gradients or host_tables_cache or cannot_be_split"]
+UNEVEN_SPLIT = ["tests/test_failures.py", "-k", "does_not_split_across"]
+LAUNCH = ["tests/test_failures.py", "-k", "bad_launch_environment"]
+HANGUP = ["tests/test_failures.py", "-k", "SIGHUP"]
 
 
 @dataclasses.dataclass
@@ -37,6 +58,14 @@ class Mutation:
     new: str
     tests: list
     what: str
+
+    @property
+    def group(self):
+        return "model" if self.path in MODEL_FILES else "machinery"
+
+
+MODEL_FILES = ("train_gpt.py", "optim.py", "kernels.py")  # the model and trainer group; everything else: machinery
+GROUPS = ("model", "machinery")
 
 
 MUTATIONS = [
@@ -53,13 +82,13 @@ MUTATIONS = [
              MODEL, "the smear gate takes the next token"),
     Mutation("train_gpt.py", "BIGRAM_MULT_PREV = 27191", "BIGRAM_MULT_PREV = 27197", MODEL,
              "a typo in the bigram hash"),
-    Mutation("train_gpt.py", "        % (rows - half - 1)", "        % (rows - half)", MODEL,
+    Mutation("train_gpt.py", "        rows - half - 1)", "        rows - half)", MODEL,
              "the trigram hash reaches the reserved row"),
     Mutation("train_gpt.py", "return torch.where(first_two, BOS_ID, torch.roll(tokens, 2)), first_two",
              "return torch.where(first_two, BOS_ID, torch.roll(tokens, 1)), first_two", MODEL,
              "the trigram's second token is the previous one"),
-    Mutation("train_gpt.py", "signs[trigram_sign_rows(context, is_start)[seen:]]],",
-             "signs[bigram_sign_rows(context, is_start)[seen:]]],", MODEL,
+    Mutation("train_gpt.py", "+ entries[:, 1] * signs[trigram_sign_rows(context, is_start)[seen:]])",
+             "+ entries[:, 1] * signs[bigram_sign_rows(context, is_start)[seen:]])", MODEL,
              "the trigram channel takes the bigram's signs"),
     Mutation("train_gpt.py", "return torch.cat([context.new_ones(1, dtype=torch.bool), context[1:] == BOS_ID])",
              "return torch.cat([context.new_ones(1, dtype=torch.bool), context[:-1] == BOS_ID])", MODEL,
@@ -208,6 +237,148 @@ MUTATIONS = [
     Mutation("kernels.py", "v = moment[rows] * torch.exp(missed).float() + step.one_minus_beta2 * ((g * g).sum(1) / g.shape[1])",
              "v = moment[rows] + step.one_minus_beta2 * ((g * g).sum(1) / g.shape[1])", OPTIM,
              "sparse Adam forgets the missed decay"),
+    # the config's range checks
+    Mutation("config.py", 'return real(default, "a beta", below=1.0)', 'return real(default, "a beta", high=1.0)',
+             CONFIG_CHECKS, "a beta of 1 accepted"),
+    Mutation("config.py", "(below is not None and value >= below)", "(below is not None and value > below)",
+             CONFIG_CHECKS, "an open upper bound taken as closed"),
+    Mutation("config.py", "if h.cooldown_end <= h.cooldown_start:", "if h.cooldown_end < h.cooldown_start:",
+             CONFIG_CHECKS, "a cooldown that ends where it starts"),
+    Mutation("config.py", "if not 1 <= len(s.mtp_weights) <= MAX_TARGETS - 1", "if not 1 <= len(s.mtp_weights) <= MAX_TARGETS",
+             CONFIG_CHECKS, "one multi-token weight too many"),
+    Mutation("config.py", "all(is_number(b) and 0 <= b < 1 for b in value)", "all(is_number(b) and 0 <= b <= 1 for b in value)",
+             CONFIG_CHECKS, "Adam's betas accept 1"),
+    Mutation("config.py", "if not is_number(getattr(p, key)) or not 0 <= getattr(p, key) < 1:",
+             "if not is_number(getattr(p, key)) or not 0 <= getattr(p, key) <= 1:", CONFIG_CHECKS,
+             "a table phase's beta of 1"),
+    Mutation("config.py", "(above is not None and value <= above) or (high is not None and value > high)",
+             "(above is not None and value <= above) or (high is not None and value >= high)", CONFIG_CHECKS,
+             "a closed upper bound taken as open"),
+    # the checkpoint file
+    Mutation("checkpoint.py", "metadata = {k: v for k, v in header.get(\"__metadata__\", {}).items() if k not in HASH_KEYS}",
+             "metadata = {k: v for k, v in header.get(\"__metadata__\", {}).items() if k != \"sha256\"}",
+             CHECKPOINT_FILE, "the header's hash covers its own data_sha256 placeholder"),
+    Mutation("checkpoint.py", "        whole.update(data)\n        if whole.hexdigest() != expected:",
+             "        if whole.hexdigest() != expected:", CHECKPOINT_FILE, "the reader hashes the header alone"),
+    Mutation("checkpoint.py", "if stop - begin != math.prod(shape) * dtype.itemsize:",
+             "if stop - begin < math.prod(shape) * dtype.itemsize:", CHECKPOINT_FILE,
+             "a byte range larger than its shape accepted"),
+    Mutation("checkpoint.py", "if \"sha256\" not in metadata and not trust:", "if \"sha256\" not in metadata and trust:",
+             CHECKPOINT_FILE, "a checkpoint without a header hash loads untrusted"),
+    Mutation("checkpoint.py", "    what = kind(os.stat(path).st_mode)\n", "    what = None\n", CHECKPOINT_FILE,
+             "no look at what the path is before opening it"),
+    Mutation("evaluate.py", "scaled = (logits - logits.max()) / temperature", "scaled = logits.float() / temperature",
+             SAMPLING, "sampling divides float32 logits by a tiny temperature"),
+    # the records' statistics
+    Mutation("records/significance.py", "return all(len(s) >= 2 for s in samples) and any(np.ptp(s) > 0 for s in samples)",
+             "return all(len(s) >= 2 for s in samples) and all(np.ptp(s) > 0 for s in samples)", STATISTICS,
+             "a Welch test that gives up when one group has no spread"),
+    Mutation("records/significance.py", "result = stats.ttest_1samp(values, target, alternative=\"less\")",
+             "result = stats.ttest_1samp(values, target, alternative=\"two-sided\")", STATISTICS,
+             "the target's t-test two-sided"),
+    Mutation("records/significance.py", "\"std\": float(np.std(values, ddof=1)) if len(values) > 1 else None,",
+             "\"std\": float(np.std(values)) if len(values) > 1 else None,", STATISTICS, "the population std"),
+    Mutation("records/significance.py", "if stats.t.cdf((mean - target) / (std / math.sqrt(n)), n - 1) < threshold:",
+             "if stats.t.cdf((mean - target) / (std / math.sqrt(n)), n) < threshold:", STATISTICS,
+             "the runs needed counted with a degree of freedom too many"),
+    Mutation("records/significance.py", "return (target - float(np.mean(values))) * math.sqrt(len(values))",
+             "return (target - float(np.mean(values))) * len(values)", STEPS_TRACK, "the margin rule scaled by n"),
+    Mutation("records/significance.py", "return gain / math.sqrt(1 / old[\"n\"] + 1 / new[\"n\"])",
+             "return gain / (1 / old[\"n\"] + 1 / new[\"n\"])", STEPS_TRACK, "the pairwise statistic unscaled"),
+    # the records' tools
+    Mutation("records/make_record.py", "        used = data_read(log, pattern_key)", "        used = data_read(log, \"val_files\")",
+             MAKE_RECORD, "the train data checked by the val pattern"),
+    Mutation("records/make_record.py", "keys = MACHINE_KEYS + (IDENTITY_KEYS if statistics_format >= FORMAT_WITH_IDENTITY else ())",
+             "keys = MACHINE_KEYS", MAKE_RECORD, "a machine known by its name only"),
+    Mutation("records/make_record.py", "if commit_of(log).endswith(DIRTY_MARK):", "if commit_of(log).startswith(DIRTY_MARK):",
+             MAKE_RECORD, "a dirty tree let through"),
+    Mutation("records/make_record.py", "        if date < when.date().isoformat():", "        if date <= when.date().isoformat():",
+             MAKE_RECORD, "a record made on its runs' day refused"),
+    Mutation("records/make_record.py", "    if \"baseline\" in track and base is None:", "    if \"baseline\" in track and base is not None:",
+             MAKE_RECORD, "the interleaved rule without baseline runs"),
+    Mutation("records/make_record.py", "        if not base[\"speedup\"] > current[\"speedup\"]:", "        if base[\"speedup\"] < 1.0:",
+             MAKE_RECORD, "a speed-up only over 1, not over the current record's"),
+    Mutation("records/make_record.py", "    elif not s[\"train_time_ms\"][\"mean\"] < current[\"mean_train_time_ms\"]:",
+             "    elif not s[\"train_time_ms\"][\"mean\"] < 15 * current[\"mean_train_time_ms\"]:", MAKE_RECORD,
+             "a record fifteen times slower than the current one"),
+    Mutation("records/make_record.py", "missing = [run[\"run_id\"] for run in held if run[\"run_id\"] not in given]",
+             "missing = []", MAKE_RECORD, "a not-a-record folder replaced without all of its runs"),
+    Mutation("records/make_record.py", "        if len(folders) > 1:", "        if len(folders) > 2:", MAKE_RECORD,
+             "a run in two records let through"),
+    Mutation("records/make_record.py", "expected = {\"README.md\": readme_text(s, folder_rel, s[\"runs\"][0][\"log\"]), \"statistics.txt\": statistics_text(s)}",
+             "expected = {\"statistics.txt\": statistics_text(s)}", MAKE_RECORD, "a record's README not checked"),
+    Mutation("records/make_record.py", "present = sorted(p.name for p in folder.iterdir() if p.name not in RECORD_FILES)",
+             "present = sorted(p.name for p in folder.glob(\"*.txt\") if p.name not in RECORD_FILES)", MAKE_RECORD,
+             "a record folder's other files not seen"),
+    Mutation("records/make_record.py", "LOG_NAME = re.compile(r\"(?P<run_id>[A-Za-z0-9][A-Za-z0-9_-]*)\\.txt\")",
+             "LOG_NAME = re.compile(r\"(?P<run_id>[^/]+?)\\.\\w+\")", MAKE_RECORD, "any log file name"),
+    Mutation("records/make_record.py", "    with records_lock(args.records_dir):", "    with contextlib.nullcontext():",
+             MAKE_RECORD, "no lock"),
+    Mutation("records/make_record.py", "if folder.parent != track_dir.resolve() or not listed_in_record(folder, Path(path).name):",
+             "if not folder.is_relative_to(track_dir.parent.resolve()):", MAKE_RECORD,
+             "baseline logs from any folder under records/"),
+    Mutation("records/make_record.py", "    if sha not in baseline[\"entry_sha256\"]:", "    if sha is None:", MAKE_RECORD,
+             "a baseline of any version"),
+    Mutation("records/make_record.py", "    last = max(starts) if s[\"format\"] >= FORMAT_WITH_IDENTITY and all(starts) else iso_time(s[\"made\"])",
+             "    last = iso_time(s[\"made\"])", STEPS_TRACK, "the previous record ordered by an editable made"),
+    Mutation("records/make_record.py", "f\"python records/reproduce.py {shlex.quote(f'{folder_rel}/{first_log}')} --run\",",
+             "f\"python records/reproduce.py {folder_rel}/{first_log} --run\",", MAKE_RECORD, "a command unquoted"),
+    Mutation("records/logfile.py", "            or CONTROL_CHARACTER.search(relpath)):", "            ):", LOG_FORMAT,
+             "a NUL in a source path"),
+    Mutation("records/logfile.py", "        value = fp.get(key)\n", "        value = fp.get(key, kind())\n", LOG_FORMAT,
+             "a data line without its path"),
+    Mutation("records/logfile.py", "    clean = all(committed.get(relpath) == git_blob_id(content) for relpath, content in sources)",
+             "    clean = all(relpath in committed for relpath, content in sources)", LOG_FORMAT,
+             "an edited source at a committed path is clean"),
+    Mutation("records/logfile.py", "identity[\"machine_id\"] = hashlib.sha256(MACHINE_ID_SALT + machine_id).hexdigest()[:IDENTITY_HEX_DIGITS]",
+             "identity[\"machine_id\"] = machine_id.decode(\"ascii\", \"replace\")[:IDENTITY_HEX_DIGITS]", LOG_FORMAT,
+             "the machine id logged in clear"),
+    Mutation("records/logfile.py", "        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)   # never waits, even on a FIFO put there since",
+             "        fd = os.open(path, os.O_RDONLY)", LOG_FORMAT, "a blocking open after the look"),
+    Mutation("records/reproduce.py", "    if \"log_dir\" in config:", "    if \"log_dir\" not in config:", REPRODUCE,
+             "the rerun writes where the log said"),
+    Mutation("records/reproduce.py", "    records = os.path.realpath(REPO / \"records\")", "    records = os.path.realpath(REPO / \"record\")",
+             REPRODUCE, "records/ not guarded"),
+    Mutation("records/reproduce.py", "        if out.is_dir() and existing_files(out) == files:", "        if out.is_dir():",
+             REPRODUCE, "any folder taken for the recreation"),
+    # shards and the downloader
+    Mutation("data/shards.py", "SHARD_FILE_MODE = 0o644", "SHARD_FILE_MODE = 0o600", SHARDS,
+             "shard files readable by their owner only"),
+    Mutation("data/shards.py", "    if num_tokens < 0 or size != expected:", "    if num_tokens < 0 or size < expected:", SHARDS,
+             "a shard with extra bytes accepted"),
+    Mutation("data/cached_fineweb10B.py", "if tokens == HUB_SHARD_TOKENS or (last and 0 < tokens < HUB_SHARD_TOKENS):",
+             "if tokens <= HUB_SHARD_TOKENS:", SHARDS, "a shard of any size below the hub's kept"),
+    # the memory budget
+    Mutation("memory_budget.py", "\"gradients\": sum(p.nbytes for p in params if p.requires_grad),", "\"gradients\": 0,", MEMORY,
+             "the budget leaves out the gradients"),
+    Mutation("memory_budget.py", "return 1 << max(nbytes - 1, 0).bit_length()", "return 1 << nbytes.bit_length()", MEMORY,
+             "pinned memory rounded a power of two too far"),
+    Mutation("memory_budget.py", "device[\"n-gram table\"] = rows * (D * dtype_bytes + NGRAM_ROW_STATE_BYTES)",
+             "device[\"n-gram table\"] = rows * D * dtype_bytes", MEMORY, "the n-gram table without its row state"),
+    Mutation("memory_budget.py", "    if pg.device.type == \"cpu\":\n        try:",
+             "    if pg.device.type == \"cuda\":\n        try:", CPU_MEMORY,
+             "a CPU run checked as a GPU's"),
+    # the sparse tables
+    Mutation("sparse_tables.py", "largest=False).indices", "largest=True).indices", SPARSE,
+             "the host cache evicts the most recently used rows"),
+    Mutation("sparse_tables.py", "candidate = (self.row_of >= 0) & ~self.pinned", "candidate = self.row_of >= 0", SPARSE,
+             "the host cache evicts rows a slice still needs"),
+    Mutation("sparse_tables.py", "slot = torch.where(flagged, flagged.cumsum(0) - 1, capacity)",
+             "slot = torch.where(flagged, flagged.cumsum(0), capacity)", SPARSE,
+             "the value tables' touched rows listed one slot late"),
+    Mutation("sparse_tables.py", "slot = torch.where(new, self.count + new.cumsum(0) - 1, slot)",
+             "slot = torch.where(new, self.count + new.cumsum(0), slot)", MEMORY,
+             "the row sums' new slots one late"),
+    Mutation("sparse_tables.py", "    if h.ngram_rows % pg.world_size:", "    if h.ngram_rows % pg.world_size > 1:", UNEVEN_SPLIT,
+             "a table split unevenly across two processes"),
+    # processes
+    Mutation("processes.py", "INTERRUPTING_SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGTERM)",
+             "INTERRUPTING_SIGNALS = (signal.SIGINT, signal.SIGTERM)", HANGUP, "a closed terminal ends the run unlogged"),
+    Mutation("processes.py", "local_rank = _whole_variable(environ, \"LOCAL_RANK\", 0, 0, local_world_size - 1,",
+             "local_rank = _whole_variable(environ, \"LOCAL_RANK\", 0, 0, local_world_size,", LAUNCH,
+             "LOCAL_RANK one past its machine's processes"),
+    Mutation("processes.py", "    if not 0 < timeout <= 1e6:", "    if not 0 <= timeout <= 1e6:", LAUNCH,
+             "a rendezvous timeout of 0 s"),
 ]
 
 
@@ -222,6 +393,15 @@ def copy_repository(dest):
     for rel in repository_files():
         os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
         shutil.copy2(os.path.join(REPO, rel), os.path.join(dest, rel))
+
+
+def selection_passes(copy, tests):
+    """Run a selection on the unmutated copy; SystemExit when it fails there (then every mutation
+    it judges would count as killed)."""
+    killed, last = run_selection(copy, tests)
+    if killed:
+        raise SystemExit(f"mutation_check: the selection {' '.join(tests)} fails without a mutation ({last}): fix the "
+                         f"tests or the code first")
 
 
 def run_selection(copy, tests):
@@ -244,15 +424,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("only", nargs="*", type=int, help="numbers of the mutations to run (default: all)")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--group", choices=GROUPS, help="only the mutations of this group")
     args = parser.parse_args()
-    chosen = [(i, m) for i, m in enumerate(MUTATIONS, 1) if not args.only or i in args.only]
+    chosen = [(i, m) for i, m in enumerate(MUTATIONS, 1)
+              if (not args.only or i in args.only) and (not args.group or m.group == args.group)]
     if args.list:
         for i, m in chosen:
-            print(f"{i:3d}  {m.path:12s} {m.what}")
+            print(f"{i:3d}  {m.group:9s} {m.path:24s} {m.what}")
         return 0
     survivors = []
     with tempfile.TemporaryDirectory(prefix="mutation_check_") as copy:
         copy_repository(copy)
+        for tests in dict.fromkeys(tuple(m.tests) for _, m in chosen):
+            selection_passes(copy, list(tests))
         for i, m in chosen:
             path = os.path.join(copy, m.path)
             with open(path) as f:
@@ -272,6 +456,11 @@ def main():
                   f"{m.path}: {m.what}  [{last}]", flush=True)
             if not killed:
                 survivors.append((i, m))
+    for group in GROUPS:
+        total = sum(m.group == group for _, m in chosen)
+        if total:
+            left = sum(m.group == group for _, m in survivors)
+            print(f"{group}: killed {total - left} of {total} mutations ({100 * (total - left) / total:.0f}%)")
     print(f"\nkilled {len(chosen) - len(survivors)} of {len(chosen)} mutations "
           f"({100 * (len(chosen) - len(survivors)) / len(chosen):.0f}%)")
     for i, m in survivors:

@@ -2,16 +2,19 @@
 reproduce, and the CPU baseline script.
 
 Logs are written by write_log below, an independent writer of the version-2 format
-(records/README.md): its own seal computation, and small fake sources chosen to trip a parser
+(records/FORMAT.md): its own seal computation, and small fake sources chosen to trip a parser
 that scans for markers instead of counting bytes.
 """
 
 import ast
+import dataclasses
 import errno
 import hashlib
+import importlib.util
 import json
 import math
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -25,7 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from data.shards import fingerprint  # noqa: E402
 from records import make_record, reproduce  # noqa: E402
-from records.logfile import LogError, LogWriteError, LogWriter, parse_log, verify  # noqa: E402
+import records.logfile  # noqa: E402
+from records.logfile import LogError, LogWriteError, LogWriter, commit_of_sources, parse_log, verify  # noqa: E402
 
 TRACK = "track_test"
 TARGET = 3.5
@@ -47,6 +51,8 @@ TRAIN_DATA = {**VAL_DATA, "path": "data/x_train_000001.bin", "head_sha256": "d" 
 SHARD_MAGIC = 20240520
 SHARD_HEADER_INTS = 256
 CPU, HOSTNAME, GIT_COMMIT = "Test CPU 9000", "testhost", "0123456789abcdef0123456789abcdef01234567"
+MACHINE = {"cpu_count": "2", "cpu_flags": "f" * 16, "machine_id": "1" * 16}  # what tells machines of one name apart
+STARTED = "2026-11-01T10:00:00+00:00"  # before every --date the tests give
 
 
 def sha256(data):
@@ -64,11 +70,12 @@ def sealed(prefix, lines):
 
 def write_log(path, final_loss, train_ms, sources=SOURCES, track=TRACK, ending="final", world_size=1, gpu="none",
               seed=0, config_changes=None, val_data=VAL_DATA, version=2, cpu=CPU, hostname=HOSTNAME,
-              git_commit=GIT_COMMIT, data=None, total_steps=TOTAL_STEPS):
+              git_commit=GIT_COMMIT, data=None, total_steps=TOTAL_STEPS, started=STARTED, machine=None,
+              run_id=None):
     """Write a log of a fake run of total_steps (4) steps ending at (final_loss, train_ms); return its path.
     ending: "final", "error" or "interrupted"; data: the data section's fingerprints (default: val_data
-    and TRAIN_DATA)."""
-    run_id = Path(path).stem
+    and TRAIN_DATA); machine: the environment's MACHINE values changed; run_id: default the file's stem."""
+    run_id = run_id or Path(path).stem
     out = bytearray(f"speedrun-log v{version} run_id={run_id}\n".encode())
     for relpath in sorted(sources):
         content = sources[relpath]
@@ -86,10 +93,13 @@ def write_log(path, final_loss, train_ms, sources=SOURCES, track=TRACK, ending="
         "hostname": hostname,
         "command": "python train_gpt.py --preset cpu",
         "git_commit": git_commit,
-        "started": "2026-11-30T10:00:00+00:00",
+        "started": started,
+        **MACHINE,
+        **(machine or {}),
     }
     config = {"preset": "cpu", "track": track, "num_iterations": total_steps, "seed": seed}
-    config |= {"val_tokens": VAL_TOKENS, "val_files": "data/x_val_*.bin", "entry": "train_gpt.py"}
+    config |= {"val_tokens": VAL_TOKENS, "val_files": "data/x_val_*.bin", "train_files": "data/x_train_*.bin",
+               "entry": "train_gpt.py"}
     config |= config_changes or {}
     text = ["=== environment ===", *(f"{k}: {v}" for k, v in environment.items())]
     data = [val_data, TRAIN_DATA] if data is None else data
@@ -130,7 +140,8 @@ def site(tmp_path):
     track_dir = tmp_path / "records" / TRACK
     track_dir.mkdir(parents=True)
     track = {"name": TRACK, "target_val_loss": TARGET, "p_threshold": 0.01, "min_runs": 3}
-    track |= {"hardware": "test", "description": "test track", "val_tokens": VAL_TOKENS, "val_data": [VAL_DATA]}
+    track |= {"hardware": "test", "description": "test track", "val_tokens": VAL_TOKENS, "val_data": [VAL_DATA],
+              "train_data": [TRAIN_DATA]}
     (track_dir / "track.json").write_text(json.dumps(track))
     readme = tmp_path / "README.md"
     readme.write_text(
@@ -299,6 +310,51 @@ def test_git_keeps_logs_byte_exact_and_out_of_diffs():
     ]
 
 
+def git(repo, *args):
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True,
+                          timeout=30).stdout.strip()
+
+
+@pytest.fixture
+def small_repo(tmp_path):
+    """A git repository with one commit of a.py and data/b.py; (its folder, that commit)."""
+    repo = tmp_path / "repo"
+    (repo / "data").mkdir(parents=True)
+    (repo / "a.py").write_bytes(b"print('a')\n")
+    (repo / "data" / "b.py").write_bytes(b"B = 2\n")
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    return repo, git(repo, "rev-parse", "HEAD")
+
+
+def test_a_commit_is_marked_dirty_when_the_sources_are_not_its_files(small_repo):
+    repo, head = small_repo
+    committed = [("a.py", b"print('a')\n"), ("data/b.py", b"B = 2\n")]
+    assert commit_of_sources(head, committed, repo) == head
+    assert commit_of_sources(head, [("a.py", b"print('b')\n")], repo) == head + "-dirty"
+    assert commit_of_sources(head, committed + [("c.py", b"new\n")], repo) == head + "-dirty", "not committed"
+    assert commit_of_sources("none", [("a.py", b"x")], repo) == "none"
+
+
+def test_the_writer_logs_the_machine_and_marks_a_dirty_tree(small_repo, tmp_path, monkeypatch):
+    """header() adds machine_id and cpu_flags (kept where given) and marks git_commit when the run's
+    sources differ from that commit's files: what both trainers log, without either computing it."""
+    repo, head = small_repo
+    monkeypatch.setattr(records.logfile, "REPO_DIR", str(repo))
+    (tmp_path / "machine-id").write_bytes(b"0123abcd\n")
+    monkeypatch.setattr(records.logfile, "MACHINE_ID_FILES", (str(tmp_path / "missing"), str(tmp_path / "machine-id")))
+    machine_id = hashlib.sha256(b"speedrun-log machine id\n0123abcd").hexdigest()[:16]
+    for name, sources in (("clean", [("a.py", b"print('a')\n")]), ("dirty", [("a.py", b"print('edited')\n")])):
+        writer = LogWriter(tmp_path / f"{name}.txt", name)
+        writer.header(iter(sources), {"git_commit": head, "started": STARTED, "cpu_flags": "given"}, [],
+                      {"entry": "a.py"})
+        writer.close()
+        environment = parse_log(tmp_path / f"{name}.txt").environment
+        assert environment["git_commit"] == head + ("-dirty" if name == "dirty" else "")
+        assert environment["cpu_flags"] == "given" and environment["machine_id"] == machine_id
+
+
 def test_writer_cuts_back_a_failed_write_to_the_last_whole_line(tmp_path):
     """A file-size limit reached mid-line: LogWriteError, and the file ends at a whole line."""
     import resource
@@ -337,6 +393,17 @@ def test_statistics_are_undefined_without_spread():
     assert make_record.one_sample_test([3.0], 3.3) == (None, None)
     assert make_record.one_sample_test([3.0, 3.0, 3.0], 3.3) == (None, None)
     assert make_record.welch_test([3.0, 3.1], [3.2]) is None
+    assert make_record.welch_test([3.0, 3.0], [3.2, 3.2]) is None
+
+
+def test_a_welch_test_with_one_group_without_spread_is_defined():
+    """Baseline runs that all took the same time still give a test when the record's runs spread."""
+    record, baseline = [3000.0, 3100.0, 2900.0], [5000.0, 5000.0, 5000.0]
+    # Welch with one variance 0: t = (3000 - 5000) / sqrt(100^2 / 3), on n - 1 = 2 degrees of freedom.
+    t = -2000 / math.sqrt(100.0 ** 2 / 3)
+    result = make_record.welch_test(record, baseline)
+    assert result["t"] == pytest.approx(t, rel=1e-9)
+    assert result["p"] == pytest.approx(stats.t.cdf(t, 2), rel=1e-9)
 
 
 # ----------------------------------------------------------------------------- make_record
@@ -345,7 +412,7 @@ def test_statistics_are_undefined_without_spread():
 def test_record_folder_statistics_plot_and_readme_table(site, capsys):
     losses, times = [3.40, 3.42, 3.41], [5000, 5600, 5300]
     logs = write_logs(site / "logs", losses, times)
-    description = ["--description", "did a thing"]
+    description = ["--description", "did a thing", "--changed", "a thing", "--author", "Ada L."]
     assert run_tool(site, "--name", "Faster", "--date", "2026-11-30", *description, "--logs", *logs) == 0
     folder = site / "records" / TRACK / "2026-11-30_Faster"
     for log in logs:
@@ -364,17 +431,23 @@ def test_record_folder_statistics_plot_and_readme_table(site, capsys):
     assert s["code"] == {p: sha256(c) for p, c in sorted(SOURCES.items())}
     assert s["baseline"] is None
     assert "did a thing" in (folder / "README.md").read_text()
-    assert f"- machine: CPU `{CPU}`, hostname `{HOSTNAME}` (every run)" in (folder / "README.md").read_text()
+    assert (f"- machine: CPU `{CPU}`, hostname `{HOSTNAME}`, 2 cores, CPU flags `{MACHINE['cpu_flags']}`, machine id "
+            f"`{MACHINE['machine_id']}` (every run)") in (folder / "README.md").read_text()
     assert f"- commit: `{GIT_COMMIT}` (every run)" in (folder / "README.md").read_text()
-    assert s["runs"][0] | {"cpu": CPU, "hostname": HOSTNAME, "git_commit": GIT_COMMIT} == s["runs"][0]
+    assert "status: record · author: Ada L." in (folder / "README.md").read_text()
+    assert "In short: a thing." in (folder / "README.md").read_text()
+    assert s["runs"][0] | {"cpu": CPU, "hostname": HOSTNAME, "git_commit": GIT_COMMIT, **MACHINE,
+                           "started": STARTED} == s["runs"][0]
     assert s["mixed_machines_reason"] is None and s["mixed_commits_reason"] is None
+    assert (s["author"], s["changed"], s["current_record"]) == ("Ada L.", "a thing", None)
     assert "status           record" in (folder / "statistics.txt").read_text()
     assert (folder / "val_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     readme = (site / "README.md").read_text()
     assert readme.startswith("# Title\n\nintro\n\n<!-- records:track_test:start -->\n|")
     assert readme.endswith("|\n<!-- records:track_test:end -->\n\nafter\n")
     assert "stale table" not in readme
-    assert "[Faster](records/track_test/2026-11-30_Faster)" in readme and "| 5.3 s | 3 | 1.00x |" in readme
+    assert readme.count("\n| 1 | ") == 1 and "| [Faster](records/track_test/2026-11-30_Faster) | a thing | Test 9000 " \
+        "| 3.4100 | 0.002 | 5.3 s | 3 | 1.00x |" in readme
 
 
 def assert_refused(site, capsys, message, *args):
@@ -497,8 +570,8 @@ def test_baseline_welch_tests_and_speedup(site, capsys):
     base_losses, base_times = [3.43, 3.44, 3.40, 3.45], [9000, 9500, 8800, 9100]
     logs = write_logs(site / "logs", losses, times)
     base = write_logs(site / "base", base_losses, base_times, prefix="base", sources=OTHER_SOURCES)
-    assert_refused(site, capsys, "baseline logs are referenced, not copied, so they must be part of a record",
-                   "--logs", *logs, "--baseline-logs", *base)
+    assert_refused(site, capsys, "baseline logs are referenced, not copied, so they must be runs of a record of this "
+                   "track", "--logs", *logs, "--baseline-logs", *base)
     assert run_tool(site, "--name", "Base", "--date", "2026-11-29", "--allow-non-record", "--logs", *base) == 0
     base_folder = site / "records" / TRACK / "2026-11-29_Base"
     base = [str(base_folder / Path(b).name) for b in base]
@@ -515,32 +588,196 @@ def test_baseline_welch_tests_and_speedup(site, capsys):
     assert not (folder / "baseline").exists()
 
     # A record folder given as --baseline-logs stands for the logs of its runs.
-    more = write_logs(site / "more", losses, times, prefix="more")
+    more = write_logs(site / "more", losses, [t - 1000 for t in times], prefix="more")
     assert run_tool(site, "--name", "Z2", "--date", "2026-11-30", "--logs", *more, "--baseline-logs", base_folder) == 0
     again = json.loads((folder.parent / "2026-11-30_Z2" / "statistics.json").read_text())["baseline"]
     assert again["runs"] == json.loads((base_folder / "statistics.json").read_text())["runs"]
 
 
-def test_a_remeasured_baseline_stays_out_of_the_table_and_records_compare_with_it(site, capsys):
-    """Records made on another machine give their speed-up over the baseline measured there,
-    never over a time from a different machine."""
-    base_times, times = [9000, 9500, 8800], [3000, 3100, 2900]
-    base = write_logs(site / "base", [3.43, 3.44, 3.40], base_times, prefix="base", sources=OTHER_SOURCES)
-    assert_refused(site, capsys, "takes only the baseline's own runs", "--remeasured-baseline",
-                   "--logs", *base, "--baseline-logs", *base)
-    assert run_tool(site, "--name", "BaseHere", "--date", "2026-11-29", "--remeasured-baseline", "--logs", *base) == 0
-    base_folder = site / "records" / TRACK / "2026-11-29_BaseHere"
-    s = json.loads((base_folder / "statistics.json").read_text())
+def define_baseline(site, sources=OTHER_SOURCES):
+    """The site's track gets a baseline script: train_gpt.py in the version of `sources`, with the
+    config write_log gives it (the interleaved rule: every record beats baseline runs of its series)."""
+    track_json = site / "records" / TRACK / "track.json"
+    config = {k: v for k, v in parse_log(write_log(site / "probe.txt", 3.5, 1)).config.items() if k != "seed"}
+    baseline = {"entry": "train_gpt.py", "entry_sha256": [sha256(sources["train_gpt.py"])], "config": config}
+    track_json.write_text(json.dumps(json.loads(track_json.read_text()) | {"baseline": baseline}))
+    (site / "probe.txt").unlink()
+
+
+def remeasured_baseline(site, name, times, hostname, date="2026-11-20"):
+    """A record folder of baseline runs (--remeasured-baseline) on the machine `hostname`."""
+    base = write_logs(site / name, [3.43, 3.44, 3.40], times, prefix=name.lower(), sources=OTHER_SOURCES,
+                      hostname=hostname)
+    assert run_tool(site, "--name", name, "--date", date, "--remeasured-baseline", "--logs", *base) == 0
+    return site / "records" / TRACK / f"{date}_{name}"
+
+
+def test_on_an_interleaved_track_a_record_beats_the_current_one_in_its_own_series(site, capsys):
+    """A track with a baseline script (track_cpu's rule): each record beats its own series' baseline
+    runs, and from the second record on the current record re-run in the same series, significantly,
+    with a larger speed-up than the current record's; the table ranks by that ratio and never divides
+    times from two machines."""
+    define_baseline(site)
+    base_a = remeasured_baseline(site, "BaseA", [9000, 9500, 8800], "a")
+    s = json.loads((base_a / "statistics.json").read_text())
     assert s["status"] == "baseline", "a baseline below the target is still the baseline, not a record"
-    assert "BaseHere" not in (site / "README.md").read_text()
-    first = write_logs(site / "first", [3.40, 3.42, 3.41], [5000, 5600, 5300], prefix="first")
-    assert run_tool(site, "--name", "First", "--date", "2026-11-28", "--logs", *first) == 0
-    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], times)
-    assert run_tool(site, "--name", "Here", "--date", "2026-11-30", "--logs", *logs,
-                    "--baseline-logs", base_folder) == 0
+    assert "BaseA" not in (site / "README.md").read_text()
+    first = write_logs(site / "first", [3.40, 3.42, 3.41], [5000, 5600, 5300], prefix="first", hostname="a")
+    assert_refused(site, capsys, "not a record: no baseline runs: a record of this track states its speed-up over "
+                   "baseline runs interleaved", "--logs", *first)
+    assert run_tool(site, "--name", "First", "--date", "2026-11-21", "--logs", *first, "--baseline-logs", base_a) == 0
+
+    base_b = remeasured_baseline(site, "BaseB", [6000, 6100, 5900], "b", date="2026-11-22")
+    new = write_logs(site / "new", [3.40, 3.42, 3.41], [3000, 3100, 2900], prefix="new", hostname="b",
+                     sources=SOURCES | {"data/shards.py": b"# faster\n"})
+    assert_refused(site, capsys, "not a record: no re-runs of the current record 2026-11-21_First",
+                   "--logs", *new, "--baseline-logs", base_b)
+    close = write_logs(site / "close", [3.40, 3.42, 3.41], [3050, 3150, 2850], prefix="close", hostname="b")
+    assert_refused(site, capsys, "not a record: not significantly faster than the current record 2026-11-21_First "
+                   "run in the same series (3.0 s against 3.0 s, Welch p = ", "--logs", *new, "--baseline-logs",
+                   base_b, "--current-record-logs", *close)
+    lower_ratio = write_logs(site / "lower", [3.40, 3.42, 3.41], [3600, 3700, 3500], prefix="lower", hostname="b",
+                             sources=SOURCES | {"data/shards.py": b"# faster\n"})
+    slower_reruns = write_logs(site / "slowreruns", [3.40, 3.42, 3.41], [4000, 4100, 3900], prefix="sr", hostname="b")
+    assert_refused(site, capsys, f"not a record: its speed-up over its baseline runs, {6000 / 3600:.2f}x, is not above "
+                   f"the current record 2026-11-21_First's {9100 / 5300:.2f}x (the table ranks by that ratio)",
+                   "--logs", *lower_ratio, "--baseline-logs", base_b, "--current-record-logs", *slower_reruns)
+    other_code = write_logs(site / "othercode", [3.40, 3.42, 3.41], [3500] * 3, prefix="oc", hostname="b",
+                            sources=OTHER_SOURCES)
+    assert_refused(site, capsys, "--current-record-logs: ", "--logs", *new, "--baseline-logs", base_b,
+                   "--current-record-logs", *other_code)
+    reruns = write_logs(site / "reruns", [3.40, 3.42, 3.41], [3500, 3600, 3400], prefix="rerun", hostname="b")
+    assert run_tool(site, "--name", "Here", "--date", "2026-11-23", "--logs", *new, "--baseline-logs", base_b,
+                    "--current-record-logs", *reruns) == 0
+    folder = site / "records" / TRACK / "2026-11-23_Here"
+    s = json.loads((folder / "statistics.json").read_text())
+    current = s["current_record"]
+    assert (current["record"], current["speedup"]) == ("2026-11-21_First", pytest.approx(9100 / 5300, rel=1e-12))
+    expected = stats.ttest_ind([3000, 3100, 2900], [3500, 3600, 3400], equal_var=False, alternative="less")
+    assert current["reruns"]["welch_train_time"]["p"] == pytest.approx(expected.pvalue, rel=1e-12)
+    assert current["reruns"]["speedup"] == pytest.approx(6000 / 3500, rel=1e-12)
+    assert sorted(p.name for p in folder.glob("*.txt") if p.name != "statistics.txt") == sorted(
+        Path(p).name for p in new + reruns), "the re-runs are kept with the record"
+    readme = (folder / "README.md").read_text()
+    assert "Re-runs of the current record 2026-11-21_First in this series (kept here)" in readme
     rows = [line for line in (site / "README.md").read_text().splitlines() if line.startswith(("| 1 ", "| 2 "))]
-    assert "[Here]" in rows[0] and rows[0].endswith(f"| {np.mean(base_times) / np.mean(times):.2f}x |")
-    assert "[First]" in rows[1] and rows[1].endswith("| 1.00x |")
+    assert "[Here]" in rows[0] and rows[0].endswith(f"| {6000 / 3000:.2f}x |")
+    assert "[First]" in rows[1] and rows[1].endswith(f"| {9100 / 5300:.2f}x |")
+
+    stats_path = folder / "statistics.json"        # its current record's speed-up lowered, every file made to agree
+    s = json.loads(stats_path.read_text())
+    s["current_record"]["speedup"] = 1.5
+    stats_path.write_text(json.dumps(s, indent=2) + "\n")
+    (folder / "statistics.txt").write_text(make_record.statistics_text(s))
+    (folder / "README.md").write_text(make_record.readme_text(s, f"records/{TRACK}/{folder.name}", s["runs"][0]["log"]))
+    argv = ["--track", TRACK, "--records-dir", str(site / "records"), "--readme", str(site / "README.md")]
+    assert make_record.main(argv + ["--tables"]) == 2
+    assert "its current_record (2026-11-21_First) is not a record of the track with these values" in \
+        capsys.readouterr().err
+
+
+def test_a_record_slower_than_the_current_record_is_refused_with_its_numbers(site, capsys):
+    """Fifteen times slower than the current record, following the submit steps literally (no
+    baseline, on a track without a baseline script: compared by mean train time): refused with the
+    statistics; --allow-non-record keeps it as "not a record", out of the table."""
+    first = write_logs(site / "first", [3.40, 3.42, 3.41], [5000, 5600, 5300], prefix="first")
+    assert run_tool(site, "--name", "First", "--date", "2026-11-21", "--logs", *first) == 0
+    slow = write_logs(site / "slow", [3.40, 3.42, 3.41], [75000, 80000, 85000], prefix="slow")
+    assert_refused(site, capsys, "not a record: not faster than the current record 2026-11-21_First (80.0 s against "
+                   "5.3 s) (n = 3, mean final val loss 3.4100 ± 0.0100 (sample std)", "--logs", *slow)
+    assert run_tool(site, "--name", "Slow", "--date", "2026-11-22", "--allow-non-record", "--logs", *slow) == 0
+    assert "[Slow]" not in (site / "README.md").read_text()
+
+
+def test_a_record_slower_than_its_baseline_runs_is_refused(site, capsys):
+    """On a track with a baseline script: no baseline runs, or a speed-up of 0.66x (Welch p near 1)
+    over the series' baseline runs, is no record; the line says by how much and what the runs took."""
+    define_baseline(site)
+    base = remeasured_baseline(site, "Base", [52000, 53000, 54000], HOSTNAME)
+    slow = write_logs(site / "slow", [3.40, 3.42, 3.41], [75000, 80000, 85000], prefix="slow")
+    assert_refused(site, capsys, "not a record: no baseline runs", "--logs", *slow)
+    assert_refused(site, capsys, "not a record: not significantly faster than its baseline runs (speed-up 0.66x, "
+                   "Welch p = 0.995, not below 0.01)", "--logs", *slow, "--baseline-logs", base)
+    assert_refused(site, capsys, "its baseline runs: 53.0 s (n = 3)", "--logs", *slow, "--baseline-logs", base)
+
+
+def test_a_refusal_for_too_little_evidence_says_how_many_runs_would_do(site, capsys):
+    """p just above the threshold: the line gives n, the mean and its spread, and the runs that this
+    mean and spread would need (checked against scipy's t distribution here)."""
+    losses = [3.40, 3.47, 3.44]
+    logs = write_logs(site / "logs", losses, [5000, 5600, 5300])
+    mean, std = np.mean(losses), np.std(losses, ddof=1)
+    needed = next(n for n in range(2, 100) if stats.t.cdf((mean - TARGET) / (std / math.sqrt(n)), n - 1) < 0.01)
+    assert needed > 3
+    assert_refused(site, capsys, f"(n = 3, mean final val loss {mean:.4f} ± {std:.4f} (sample std); target 3.5000; "
+                   f"p = ", "--logs", *logs)
+    assert_refused(site, capsys, f"about {needed} runs would give p < 0.01: run more seeds", "--logs", *logs)
+    assert make_record.runs_needed([3.6, 3.5, 3.7], TARGET, 0.01) is None, "a mean above the target: no number helps"
+
+
+def sample_with(mean, std, n):
+    """n values with exactly this mean and sample std (deviations +-d around the mean, one 0 when n is odd)."""
+    half = n // 2
+    d = std * math.sqrt((n - 1) / (2 * half))
+    return [mean + d] * half + [mean - d] * half + [mean] * (n % 2)
+
+
+def test_runs_needed_is_the_fewest_runs_scipy_finds_significant():
+    """Against scipy's one-sample t-test of samples with the same mean and spread, n runs each."""
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        values = list(3.45 + 0.03 * rng.standard_normal(3))
+        needed = make_record.runs_needed(values, TARGET, 0.01)
+        if needed is None:
+            continue
+
+        def p_at(n):
+            sample = sample_with(np.mean(values), np.std(values, ddof=1), n)
+            return stats.ttest_1samp(sample, TARGET, alternative="less").pvalue
+        assert p_at(needed) < 0.01 and (needed == 2 or p_at(needed - 1) >= 0.01), (values, needed)
+
+
+def test_welch_runs_needed_against_scipy():
+    """The fewest runs per group that scipy's Welch test (on summaries: n runs each, these means and
+    spreads) finds significant, for groups of unequal spread (where Welch's degrees of freedom matter)."""
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        a = list(3000 + rng.uniform(50, 400) * rng.standard_normal(3))
+        b = list(3300 + rng.uniform(1, 50) * rng.standard_normal(3))
+        n = make_record.welch_runs_needed(a, b, 0.01)
+        if n is None:
+            continue
+
+        def p_at(k):
+            return stats.ttest_ind_from_stats(np.mean(a), np.std(a, ddof=1), k, np.mean(b), np.std(b, ddof=1), k,
+                                              equal_var=False, alternative="less").pvalue
+        assert p_at(n) < 0.01 and (n == 2 or p_at(n - 1) >= 0.01), (a, b, n)
+    assert make_record.welch_runs_needed([3300.0, 3400.0], [3000.0, 3100.0], 0.01) is None
+
+
+def test_a_refused_result_kept_as_not_a_record_gives_its_runs_to_a_later_record(site, capsys):
+    """Three seeds refused, kept with --allow-non-record; two more seeds and all five make the record,
+    which replaces the folder that held three of them. Only all of its runs, and never a folder
+    another record uses as its baseline."""
+    losses, times = [3.40, 3.47, 3.44, 3.42, 3.41], [5000, 5600, 5300, 5100, 5200]
+    logs = write_logs(site / "logs", losses, times)
+    assert run_tool(site, "--name", "Try", "--date", "2026-11-21", "--allow-non-record", "--logs", *logs[:3]) == 0
+    kept = site / "records" / TRACK / "2026-11-21_Try"
+    assert json.loads((kept / "statistics.json").read_text())["status"] == "not a record"
+    assert_refused(site, capsys, f"run run0 is part of {kept} (not a record), with run2: give all of its runs",
+                   "--logs", logs[0], logs[1], *logs[3:])
+    assert run_tool(site, "--name", "Five", "--date", "2026-11-22", "--logs", *logs) == 0
+    assert not kept.exists() and "replaced" in capsys.readouterr().out
+    assert json.loads((site / "records" / TRACK / "2026-11-22_Five" / "statistics.json").read_text())["n"] == 5
+
+    base = write_logs(site / "base", [3.43, 3.44, 3.40], [9000, 9500, 8800], prefix="base", sources=OTHER_SOURCES)
+    assert run_tool(site, "--name", "Base", "--date", "2026-11-23", "--allow-non-record", "--logs", *base) == 0
+    base_folder = site / "records" / TRACK / "2026-11-23_Base"
+    faster = write_logs(site / "faster", [3.40, 3.42, 3.41], [4000, 4100, 3900], prefix="faster")
+    assert run_tool(site, "--name", "Faster", "--date", "2026-11-24", "--logs", *faster, "--baseline-logs",
+                    base_folder) == 0
+    assert_refused(site, capsys, "which the record 2026-11-24_Faster uses as its baseline", "--allow-non-record",
+                   "--logs", *base)
 
 
 def test_a_baseline_folder_without_run_logs_is_one_line(site, capsys):
@@ -591,6 +828,254 @@ def make_first_record(site):
     logs = write_logs(site / "first", [3.40, 3.42, 3.41], [5000, 5600, 5300], prefix="first")
     assert run_tool(site, "--name", "First", "--date", "2026-11-30", "--logs", *logs) == 0
     return site / "records" / TRACK / "2026-11-30_First"
+
+
+def test_runs_that_trained_on_the_val_shard_are_refused(site, capsys):
+    """The train data is the track's too (by size and content hashes), not only the val data."""
+    logs = write_logs(site / "logs", [3.40, 3.42], [5000, 5600])
+    logs.append(write_log(site / "logs" / "onval.txt", 3.41, 5300, data=[VAL_DATA],
+                          config_changes={"train_files": "data/x_val_*.bin"}))
+    assert_refused(site, capsys, "onval.txt: the run's train data (data/x_val_000000.bin) is not the track's train "
+                   "data (data/x_train_000001.bin, by size and content hashes)", "--logs", *logs)
+    logs[2] = write_log(site / "logs" / "other.txt", 3.41, 5300, data=[VAL_DATA, TRAIN_DATA | {"tokens": 511}])
+    assert_refused(site, capsys, "other.txt: the run's train data (data/x_train_000001.bin) is not the track's",
+                   "--logs", *logs)
+
+
+def test_baseline_logs_are_runs_of_a_record_of_this_track(site, capsys):
+    """Baseline logs in a folder that is not a record of this track (another track's record, a
+    folder inside a track folder, or beside a record's logs without being listed) are refused."""
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
+    other_track = site / "records" / "track_other"
+    other_track.mkdir()
+    (other_track / "track.json").write_text((site / "records" / TRACK / "track.json").read_text().replace(
+        TRACK, "track_other"))
+    base = write_logs(site / "base", [3.43, 3.44, 3.40], [9000, 9500, 8800], prefix="base", sources=OTHER_SOURCES,
+                      track="track_other")
+    argv = ["--track", "track_other", "--records-dir", str(site / "records"), "--readme", str(site / "README.md")]
+    assert make_record.main(argv + ["--name", "B", "--date", "2026-11-29", "--allow-non-record", "--logs", *base]) == 0
+    capsys.readouterr()
+    elsewhere = other_track / "2026-11-29_B"
+    assert_refused(site, capsys, "must be runs of a record of this track", "--logs", *logs, "--baseline-logs",
+                   elsewhere)
+    nested = site / "records" / TRACK / "version1" / "2026-11-01_Old"
+    nested.mkdir(parents=True)
+    for path in base:
+        shutil.copy(path, nested)
+    assert_refused(site, capsys, "must be runs of a record of this track", "--logs", *logs, "--baseline-logs",
+                   *sorted(map(str, nested.glob("*.txt"))))
+
+
+def test_the_baseline_is_the_tracks_baseline_script_with_its_config(site, capsys):
+    """On a track that names its baseline script: --remeasured-baseline and --baseline-logs take runs of
+    that script, in a version track.json lists, with its config; other code or another config is
+    refused (a baseline made slow on purpose would make any record look fast)."""
+    define_baseline(site)
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
+    record_code = write_logs(site / "rc", [3.43, 3.44, 3.40], [9000, 9500, 8800], prefix="rc")
+    assert_refused(site, capsys, "rc0.txt: its train_gpt.py has sha256 " + sha256(SOURCES["train_gpt.py"]) +
+                   ", which is not a version of the track's baseline script", "--remeasured-baseline",
+                   "--logs", *record_code)
+    longer = write_logs(site / "longer", [3.43, 3.44, 3.40], [90000, 95000, 88000], prefix="longer",
+                        sources=OTHER_SOURCES, config_changes={"num_iterations": 40})
+    assert_refused(site, capsys, "longer0.txt: the baseline run changes num_iterations of the baseline's config",
+                   "--remeasured-baseline", "--logs", *longer)
+    other_entry = write_logs(site / "entry", [3.43, 3.44, 3.40], [9000, 9500, 8800], prefix="entry",
+                             sources=OTHER_SOURCES | {"baseline.py": b"x = 1\n"},
+                             config_changes={"entry": "baseline.py"})
+    assert_refused(site, capsys, "entry0.txt: runs baseline.py, not the track's baseline script train_gpt.py",
+                   "--remeasured-baseline", "--logs", *other_entry)
+    base = remeasured_baseline(site, "Base", [9000, 9500, 8800], HOSTNAME)
+    assert run_tool(site, "--name", "R", "--date", "2026-11-30", "--logs", *logs, "--baseline-logs", base) == 0
+    no_definition = site / "records" / TRACK / "track.json"
+    no_definition.write_text(json.dumps({k: v for k, v in json.loads(no_definition.read_text()).items()
+                                         if k != "baseline"}))
+    assert_refused(site, capsys, "defines no baseline script", "--remeasured-baseline", "--logs", *record_code)
+
+
+def test_a_record_folder_copied_under_a_new_name_is_refused(site, capsys):
+    """Its statistics renamed to match: the same runs in two records."""
+    first = make_first_record(site)
+    copy = first.parent / "2026-11-30_Copy"
+    shutil.copytree(first, copy)
+    s = json.loads((copy / "statistics.json").read_text())
+    (copy / "statistics.json").write_text(json.dumps(s | {"name": "Copy"}, indent=2) + "\n")
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [4000, 4600, 4300])
+    assert_refused(site, capsys, f"run first0 is part of two records, {copy} and {first}: a run counts once",
+                   "--logs", *logs)
+
+
+@pytest.mark.parametrize("name, change, message", [
+    ("README.md", lambda t: t.replace("5.3", "1.3"), "README.md: is not what make_record.py writes"),
+    ("statistics.txt", lambda t: t + "note\n", "statistics.txt: is not what make_record.py writes"),
+    ("val_loss.png", lambda t: "not a picture", "val_loss.png: is not the 800x500 PNG make_record.py draws"),
+    ("notes.md", lambda t: "extra", "but the folder holds first0.txt, first1.txt, first2.txt, notes.md beside"),
+])
+def test_every_file_of_another_record_is_what_the_tool_writes(site, capsys, name, change, message):
+    first = make_first_record(site)
+    path = first / name
+    text = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
+    path.write_text(change(text), encoding="utf-8")
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [4000, 4600, 4300])
+    assert_refused(site, capsys, message, "--logs", *logs)
+
+
+@pytest.mark.parametrize("made, message", [
+    (12345, "made is 12345, not a time with its offset"),
+    ("yesterday", 'made is "yesterday", not a time with its offset'),
+    ("2026-10-01T10:00:00+00:00", "made 2026-10-01T10:00:00+00:00 is before its last run started"),
+])
+def test_another_records_made_is_checked(site, capsys, made, message):
+    """A made that is no time is one line (not a traceback), and a record is not made before its runs
+    started (the order of records comes from their runs' start times, not from made)."""
+    first = make_first_record(site)
+    s = json.loads((first / "statistics.json").read_text())
+    (first / "statistics.json").write_text(json.dumps(s | {"made": made}, indent=2) + "\n")
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [4000, 4600, 4300])
+    before = snapshot(site)
+    assert run_tool(site, "--name", "X", "--logs", *logs) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "statistics.json" in err and message in err, err
+    assert snapshot(site) == before
+
+
+def test_the_date_is_checked_against_the_runs(site, capsys):
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300], started="2026-11-30T23:30:00-05:00")
+    assert_refused(site, capsys, "--date 2026-11-29 is before the run run0 started (2026-11-30)", "--date",
+                   "2026-11-29", "--logs", *logs)
+    assert_refused(site, capsys, "--date 2999-01-01 is in the future", "--date", "2999-01-01", "--logs", *logs)
+    no_start = write_logs(site / "nostart", [3.40, 3.42, 3.41], [5000, 5600, 5300], prefix="n", started="soon")
+    assert_refused(site, capsys, "n0.txt: its environment has no start time", "--date", "2026-12-01", "--logs",
+                   *no_start)
+    assert run_tool(site, "--name", "OnTheDay", "--date", "2026-11-30", "--logs", *logs) == 0
+
+
+@pytest.mark.parametrize("name", ["run0.log", "run0", "run0.txt.bak", "a;touch pwned.txt", "$(id).txt", "r x.txt"])
+def test_log_file_names_are_run_ids(site, capsys, name):
+    """A log is <run id>.txt: other names would escape the folder's checks or break a command."""
+    logs = write_logs(site / "logs", [3.40, 3.42], [5000, 5600])
+    logs.append(write_log(site / "logs" / name, 3.41, 5300, run_id="r2"))
+    assert_refused(site, capsys, f"{name}: a log's file name is its run id and .txt", "--logs", *logs)
+
+
+def test_a_log_named_after_another_run_is_refused(site, capsys):
+    logs = write_logs(site / "logs", [3.40, 3.42], [5000, 5600])
+    logs.append(write_log(site / "logs" / "renamed.txt", 3.41, 5300, run_id="r2"))
+    assert_refused(site, capsys, "renamed.txt: holds run r2, so its name is r2.txt", "--logs", *logs)
+
+
+def test_the_reproduce_command_in_a_readme_is_quoted():
+    """Every path written into a command is quoted for the shell (shlex round trip)."""
+    s = {"format": 4, "name": "N", "track": "t", "date": "2026-11-30", "status": "record", "status_reason": "r",
+         "author": None, "changed": None, "description": "", "runs": [], "code": {}, "baseline": None,
+         "current_record": None, "mixed_machines_reason": None, "mixed_commits_reason": None}
+    s |= {"target_val_loss": 3.5, "p_threshold": 0.01, "min_runs": 3, "n": 0, "t_statistic": None, "p_value": None,
+          "val_loss": {"mean": 0.0, "std": None, "values": []}, "train_time_s": {k: 0.0 for k in ("mean", "median",
+                                                                                                      "min", "max")}}
+    text = make_record.readme_text(s, "records/a b;c", "$(x).txt")
+    line = next(line for line in text.splitlines() if line.startswith("python records/reproduce.py"))
+    assert shlex.split(line) == ["python", "records/reproduce.py", "records/a b;c/$(x).txt", "--run"]
+
+
+def test_a_log_from_a_tree_with_uncommitted_changes_is_refused(site, capsys):
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300], git_commit=GIT_COMMIT + "-dirty")
+    assert_refused(site, capsys, f"run0.txt: ran from a tree with uncommitted changes (git_commit {GIT_COMMIT}-dirty): "
+                   "commit the change", "--logs", *logs)
+
+
+def test_the_records_lock_makes_a_second_writer_wait_and_then_give_up(site, capsys, monkeypatch):
+    """While another make_record.py holds the lock (flock on the records root) this one waits, then
+    ends with one line and writes nothing."""
+    import fcntl
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
+    holder = os.open(site / "records", os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    monkeypatch.setattr(make_record, "LOCK_WAIT_S", 0.3)
+    try:
+        assert_refused(site, capsys, "another make_record.py is writing", "--logs", *logs)
+    finally:
+        os.close(holder)
+    assert run_tool(site, "--name", "Free", "--logs", *logs) == 0
+
+
+def test_two_make_records_at_once_keep_both_rows(site):
+    """Two processes on one track at the same time: both records, both rows, no run in two records."""
+    firsts = write_logs(site / "a", [3.40, 3.42, 3.41], [5000, 5600, 5300], prefix="a")
+    seconds = write_logs(site / "b", [3.40, 3.42, 3.41], [5000, 5600, 5300], prefix="b")
+    argv = [sys.executable, str(REPO / "records" / "make_record.py"), "--track", TRACK, "--records-dir",
+            str(site / "records"), "--readme", str(site / "README.md"), "--allow-non-record", "--date", "2026-11-30"]
+    processes = [subprocess.Popen(argv + ["--name", name, "--logs", *logs], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+                 for name, logs in (("A", firsts), ("B", seconds))]
+    outputs = [p.communicate(timeout=120) for p in processes]
+    assert [p.returncode for p in processes] == [0, 0], outputs
+    readme = (site / "README.md").read_text()
+    assert readme.count("| [A](") + readme.count("| [B](") == 1, "one is the record, the other not faster"
+    assert sorted(p.name for p in (site / "records" / TRACK).iterdir() if p.is_dir()) == [
+        "2026-11-30_A", "2026-11-30_B"]
+
+
+@pytest.mark.parametrize("flag, value", [("--changed", "a | b"), ("--changed", "x" * 61), ("--author", "two\nlines"),
+                                         ("--author", " ")])
+def test_short_texts_fit_a_table_cell(site, capsys, flag, value):
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
+    assert_refused(site, capsys, f"{flag} ", flag, value, "--logs", *logs)
+
+
+def test_a_track_name_is_a_folder_name(site, capsys):
+    logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
+    before = snapshot(site)
+    code = make_record.main(["--track", "../records/track_test", "--records-dir", str(site / "records"),
+                             "--readme", str(site / "README.md"), "--name", "X", "--logs", *logs])
+    assert code == 2 and "is not a track folder name" in capsys.readouterr().err
+    assert snapshot(site) == before
+
+
+def test_a_fifo_given_as_a_log_is_refused_without_waiting(site, capsys):
+    logs = write_logs(site / "logs", [3.40, 3.42], [5000, 5600])
+    os.mkfifo(site / "logs" / "pipe.txt")
+    assert_refused(site, capsys, "pipe.txt: cannot read the log (it is a FIFO (named pipe), not a regular file)",
+                   "--logs", *logs, str(site / "logs" / "pipe.txt"))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda raw: raw.replace(b"=== source data/shards.py", b"=== source data/sh\x00rds.py").replace(
+        b"=== end source data/shards.py", b"=== end source data/sh\x00rds.py"), "is not a plain relative path"),
+    (lambda raw: raw, "a data line is not a file's fingerprint (its path is None)"),
+    (lambda raw: raw, "the config's entry is 5, not text"),
+], ids=["NUL in a source path", "a data line without its path", "a non-string entry"])
+def test_hostile_logs_end_with_one_line(site, capsys, edit, message):
+    """Logs made (and sealed) to break a reader: one line from make_record.py and reproduce.py, nothing written."""
+    logs = write_logs(site / "logs", [3.40, 3.42], [5000, 5600])
+    kwargs = {}
+    if "data line" in message:
+        kwargs["data"] = [VAL_DATA, {k: v for k, v in TRAIN_DATA.items() if k != "path"}]
+    if "entry" in message:
+        kwargs["config_changes"] = {"entry": 5}
+    path = write_log(site / "logs" / "bad.txt", 3.41, 5300, **kwargs)
+    Path(path).write_bytes(edit(Path(path).read_bytes()))
+    assert_refused(site, capsys, message, "--logs", *logs, path)
+    out = site / "out"
+    assert reproduce.main([path, "--dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and not out.exists()
+
+
+def test_remake_rebuilds_a_record_with_the_same_numbers(site, capsys):
+    """--remake rewrites a record's files in the current format from its own logs (with --changed and
+    --author), keeping every number and its status; --tables rewrites the tables alone."""
+    first = make_first_record(site)
+    old = json.loads((first / "statistics.json").read_text())
+    (site / "README.md").write_text((site / "README.md").read_text().replace("| [First]", "| [Stale]"))
+    argv = ["--track", TRACK, "--records-dir", str(site / "records"), "--readme", str(site / "README.md")]
+    assert make_record.main(argv + ["--tables"]) == 0
+    assert "| [First](" in (site / "README.md").read_text()
+    assert make_record.main(argv + ["--remake", str(first), "--changed", "the first", "--author", "B. Liskov"]) == 0
+    new = json.loads((first / "statistics.json").read_text())
+    assert new == old | {"changed": "the first", "author": "B. Liskov"}
+    assert "| [First](records/track_test/2026-11-30_First) | the first |" in (site / "README.md").read_text()
+    assert make_record.main(argv + ["--remake", str(site / "logs")]) == 2
+    assert "not a record folder of" in capsys.readouterr().err
 
 
 def test_another_records_invalid_statistics_refused_before_anything_is_written(site, capsys):
@@ -676,11 +1161,13 @@ def test_the_cpu_records_are_what_their_logs_give():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"hostname": "otherhost"}, f"ran on cpu '{CPU}', hostname '{HOSTNAME}', "),
-    ({"cpu": "Other CPU"}, "run2.txt on cpu 'Other CPU', hostname 'testhost': a record's runs and its baseline's run "
-                           "on one machine"),
+    ({"hostname": "otherhost"}, f"run0.txt ran on hostname '{HOSTNAME}', "),
+    ({"cpu": "Other CPU"}, "run2.txt on cpu 'Other CPU': a record's runs and its baseline's run on one machine"),
     ({"git_commit": "f" * 40}, f"run2.txt at {'f' * 40}: a record's runs run at one commit"),
-])
+    ({"machine": {"machine_id": "2" * 16}}, f"run2.txt on machine_id '{'2' * 16}': a record's runs"),
+    ({"machine": {"cpu_flags": "e" * 16}}, f"run2.txt on cpu_flags '{'e' * 16}': a record's runs"),
+    ({"machine": {"cpu_count": "4"}}, "run2.txt on cpu_count '4': a record's runs"),
+], ids=["hostname", "cpu", "commit", "machine id", "cpu flags", "core count"])
 def test_runs_on_two_machines_or_commits_need_a_reason(site, capsys, change, message):
     logs = write_logs(site / "logs", [3.40, 3.42], [5000, 5600])
     logs.append(write_log(site / "logs" / "run2.txt", 3.41, 5300, seed=2, **change))
@@ -692,7 +1179,7 @@ def test_runs_on_two_machines_or_commits_need_a_reason(site, capsys, change, mes
     assert s[flag.removeprefix("--").replace("-", "_")] == "a test of the flag"
     readme = (folder / "README.md").read_text()
     assert "because: a test of the flag" in readme and f"(runs {Path(logs[2]).stem})" in readme
-    more = write_logs(site / "more", [3.40, 3.42, 3.41], [5000, 5600, 5300], prefix="more")
+    more = write_logs(site / "more", [3.40, 3.42, 3.41], [4000, 4600, 4300], prefix="more")
     assert run_tool(site, "--name", "Next", "--logs", *more) == 0, "the mixed record passes its check"
 
 
@@ -706,7 +1193,7 @@ def test_a_baseline_from_another_machine_refused(site, capsys):
     base = write_logs(site / "base", [3.43, 3.44, 3.40], [9000, 9500, 8800], prefix="base", hostname="elsewhere")
     assert run_tool(site, "--name", "Base", "--date", "2026-11-29", "--allow-non-record", "--logs", *base) == 0
     logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
-    assert_refused(site, capsys, "base0.txt on cpu 'Test CPU 9000', hostname 'elsewhere'", "--logs", *logs,
+    assert_refused(site, capsys, "base0.txt on hostname 'elsewhere'", "--logs", *logs,
                    "--baseline-logs", site / "records" / TRACK / "2026-11-29_Base")
 
 
@@ -733,7 +1220,9 @@ def test_records_tools_name_the_encoding_of_every_text_file():
             if not isinstance(node, ast.Call):
                 continue
             name = getattr(node.func, "attr", getattr(node.func, "id", None))
-            if name not in ("open", "read_text", "write_text", "fdopen"):
+            low_level = isinstance(node.func, ast.Attribute) and getattr(node.func.value, "id", None) == "os" \
+                and name == "open"         # os.open: a file descriptor, bytes only
+            if name not in ("open", "read_text", "write_text", "fdopen") or low_level:
                 continue
             modes = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
             modes += [k.value.value for k in node.keywords if k.arg == "mode" and isinstance(k.value, ast.Constant)]
@@ -755,8 +1244,11 @@ def test_reproduce_recreates_identical_sources_and_config(tmp_path, capsys):
     assert json.loads((out / "config.json").read_text()) == parse_log(log_path).config
     printed = capsys.readouterr().out
     assert f"-m torch.distributed.run --standalone --nproc_per_node=8 {out / 'train_gpt.py'} --config" in printed
+    assert reproduce.main([log_path, "--dir", str(out)]) == 0, "this log's recreation is kept"
+    assert f"found 2 source file(s) and config.json in {out}" in capsys.readouterr().out
+    (out / "train_gpt.py").write_bytes(b"changed")
     assert reproduce.main([log_path, "--dir", str(out)]) == 2
-    assert "not an empty folder" in capsys.readouterr().err
+    assert "exists and is neither empty nor this log's recreation" in capsys.readouterr().err
 
 
 def test_reproduce_refuses_a_tampered_log(tmp_path, capsys):
@@ -822,6 +1314,47 @@ def test_reproduce_run_refuses_other_data_than_the_logs(tmp_path, monkeypatch, c
     assert "the run read d/x_val_000000.bin, which is missing in" in rerun()[2]
 
 
+LOG_DIR_WRITER = (b"import json, os, sys\n"
+                  b"config = json.load(open(sys.argv[sys.argv.index('--config') + 1]))\n"
+                  b"os.makedirs(config['log_dir'], exist_ok=True)\n"
+                  b"open(os.path.join(config['log_dir'], 'wrote'), 'w').close()\n")  # a rerun that writes where told
+
+
+def test_reproduce_run_writes_under_the_reproduction_never_where_the_log_said(tmp_path, monkeypatch, capsys):
+    """The logged log_dir (an absolute temporary folder of the original machine) is not where the
+    rerun writes: its config names OUT/logs. A plain recreation, then --run, reuses the folder."""
+    monkeypatch.chdir(tmp_path)
+    logged_dir = tmp_path / "original_machine_tmp"
+    log_path = write_log(tmp_path / "r1.txt", 3.25, 5000, sources={**SOURCES, "train_gpt.py": LOG_DIR_WRITER},
+                         data=[], config_changes={"log_dir": str(logged_dir)})
+    out = tmp_path / "out"
+    assert reproduce.main([log_path, "--dir", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["log_dir"] == str(out / "logs")
+    assert reproduce.main([log_path, "--dir", str(out), "--run", "--other-data"]) == 0
+    assert (out / "logs" / "wrote").exists() and not logged_dir.exists()
+    printed = capsys.readouterr().out
+    assert f"note: --run executes the code this log embeds (2 file(s) in {out}, entry train_gpt.py)" in printed
+    assert "original run r1: final val_loss 3.2500, train_time 5.0 s, 4 steps" in printed
+
+
+@pytest.mark.parametrize("where", ["dir", "log_dir"])
+def test_reproduce_refuses_to_write_into_records(tmp_path, capsys, where):
+    log_path = write_log(tmp_path / "r1.txt", 3.25, 5000, config_changes={"log_dir": "logs"})
+    inside = REPO / "records" / f"reproduce-test-{os.getpid()}"
+    argv = [log_path, "--dir", str(inside if where == "dir" else tmp_path / "out")]
+    argv += [] if where == "dir" else ["--", f"--log_dir={inside}"]
+    assert reproduce.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is inside the repository's records/ folder" in err
+    assert not inside.exists() and not (tmp_path / "out").exists()
+
+
+def test_reproduce_refuses_a_fifo_without_waiting(tmp_path, capsys):
+    os.mkfifo(tmp_path / "pipe.txt")
+    assert reproduce.main([str(tmp_path / "pipe.txt"), "--dir", str(tmp_path / "out")]) == 2
+    assert "it is a FIFO (named pipe), not a regular file" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- the CPU baseline script
 
 
@@ -829,6 +1362,21 @@ def write_shard(path, tokens):
     header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
     header[:3] = SHARD_MAGIC, 1, len(tokens)
     path.write_bytes(header.tobytes() + np.asarray(tokens, dtype="<u2").tobytes())
+
+
+def test_the_cpu_tracks_baseline_definition_is_this_checkouts_baseline_script():
+    """track_cpu's baseline (track.json "baseline") lists this checkout's baseline_adamw.py among its
+    versions, and its config is the script's defaults as it logs them: a change to either shows
+    here, where a reviewer sees it, not first in a refused record."""
+    script_path = REPO / "records" / "track_cpu" / "baseline_adamw.py"
+    spec = importlib.util.spec_from_file_location("baseline_adamw", script_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    definition = json.loads((REPO / "records" / "track_cpu" / "track.json").read_text())["baseline"]
+    script = (REPO / definition["entry"]).read_bytes()
+    assert sha256(script) in definition["entry_sha256"]
+    defaults = dataclasses.asdict(module.parse_hyperparameters([])) | {"entry": definition["entry"]}
+    assert definition["config"] == {k: v for k, v in defaults.items() if k not in make_record.FREE_CONFIG_KEYS}
 
 
 def test_baseline_script_writes_a_valid_log_and_reproduces(tmp_path):
@@ -863,7 +1411,11 @@ def test_baseline_script_writes_a_valid_log_and_reproduces(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stderr
-    (rerun_path,) = set((tmp_path / "logs").iterdir()) - {log_path}
+    assert [p for p in (tmp_path / "logs").iterdir()] == [log_path], "the rerun logs in the reproduction, not here"
+    (rerun_path,) = (out / "logs").iterdir()
     rerun = parse_log(rerun_path)
-    assert rerun.code_id == log.code_id and rerun.config == log.config
+    assert rerun.code_id == log.code_id and rerun.config == log.config | {"log_dir": str(out / "logs")}
     assert rerun.final["val_loss"] == log.final["val_loss"]
+    assert f"original run {log.run_id}: final val_loss {log.final['val_loss']:.4f}" in done.stdout
+    assert f"this rerun {rerun.run_id}: final val_loss {log.final['val_loss']:.4f}" in done.stdout
+    assert "val_loss the same; train_time " in done.stdout and "executes the code this log embeds" in done.stdout

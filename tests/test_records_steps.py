@@ -99,12 +99,30 @@ def test_the_table_ranks_by_steps_with_the_pairwise_statistic_against_the_previo
     b_over_a = ((3.270 - 3.272) + 10 * LOSS_PER_STEP) / math.sqrt(1 / 1 + 1 / 2)
     c_over_b = ((3.272 - 3.260) - 5 * LOSS_PER_STEP) / math.sqrt(1 / 2 + 1 / 1)
     assert table_rows(site) == [
-        f"| 1 | 2026-12-02 | [B](records/{TRACK}/2026-12-02_B) | 90 | 3.2720 | 0.0113 | 2 "
+        f"| 1 | [B](records/{TRACK}/2026-12-02_B) | - | Test 9000 | 90 | 3.2720 | 0.0113 | 2 "
         f"| {b_over_a:.4f} vs A (not significant at 0.004) |",
-        f"| 2 | 2026-12-03 | [C](records/{TRACK}/2026-12-03_C) | 95 | 3.2600 | 0.0200 | 1 "
+        f"| 2 | [C](records/{TRACK}/2026-12-03_C) | - | Test 9000 | 95 | 3.2600 | 0.0200 | 1 "
         f"| {c_over_b:.4f} vs B (significant at 0.004) |",
-        f"| 3 | 2026-12-01 | [A](records/{TRACK}/2026-12-01_A) | 100 | 3.2700 | 0.0100 | 1 | first record |",
+        f"| 3 | [A](records/{TRACK}/2026-12-01_A) | - | Test 9000 | 100 | 3.2700 | 0.0100 | 1 | first record |",
     ]
+
+
+def test_records_of_one_day_are_ordered_by_when_their_runs_started_not_by_made(tmp_path):
+    """A and B made on one day, B's runs after A's: B is compared with A. Another record's `made`
+    edited (to a time after B's) changes nothing in the table: the order comes from the sealed logs."""
+    site = steps_site(tmp_path)
+    a = logs_at(site, "a", [3.270], 100, started="2026-12-02T08:00:00+00:00")
+    b = logs_at(site, "b", [3.272], 90, started="2026-12-02T09:00:00+00:00")
+    assert run_tool(site, "A", "2026-12-02", a, "--changed", "plain") == 0
+    assert run_tool(site, "B", "2026-12-02", b, "--changed", "fewer steps") == 0
+    rows = table_rows(site)
+    assert rows[0].startswith(f"| 1 | [B](records/{TRACK}/2026-12-02_B) | fewer steps |") and "vs A" in rows[0]
+    path = site / "records" / TRACK / "2026-12-02_A" / "statistics.json"
+    s = json.loads(path.read_text())
+    path.write_text(json.dumps(s | {"made": "2026-12-02T23:59:00+00:00"}, indent=2) + "\n")
+    argv = ["--track", TRACK, "--records-dir", str(site / "records"), "--readme", str(site / "README.md")]
+    assert make_record.main(argv + ["--tables"]) == 0
+    assert table_rows(site) == rows, "B is still compared with A"
 
 
 def test_a_steps_track_with_the_t_test_shows_p(tmp_path):
@@ -113,7 +131,7 @@ def test_a_steps_track_with_the_t_test_shows_p(tmp_path):
     assert run_tool(site, "T", "2026-12-02", logs_at(site, "t", [3.20, 3.21, 3.22], 50)) == 0
     s = statistics(site, "2026-12-02_T")
     assert s["status"] == "record" and s["p_value"] < 0.01 and s["margin_statistic"] is None
-    assert table_rows(site) == [f"| 1 | 2026-12-02 | [T](records/{TRACK}/2026-12-02_T) | 50 | 3.2100 "
+    assert table_rows(site) == [f"| 1 | [T](records/{TRACK}/2026-12-02_T) | - | Test 9000 | 50 | 3.2100 "
                                 f"| {s['p_value']:.2g} | 3 | first record |"]
     assert "| p | runs |" in (site / "README.md").read_text()
 
