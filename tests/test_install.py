@@ -1,0 +1,164 @@
+"""Installing: the requirements split so that training needs only requirements/train.txt (each
+package a module imports pinned in the file of what that module is for), the whole set still
+resolving from requirements.txt; the Python version stated in the README and checked at the start
+of train_gpt.py and run.sh, each with one line; the README's CPU wheel; the Dockerfile; the LICENSE."""
+import ast
+import importlib.metadata
+import pathlib
+import re
+import stat
+import subprocess
+import sys
+
+import pytest
+from packaging.requirements import Requirement
+
+from launch import cpu_env
+from tiny_runs import REPO
+
+sys.path.insert(0, REPO)
+import train_gpt as tg  # noqa: E402
+
+ROOT = pathlib.Path(REPO)
+PIN = re.compile(r"^([A-Za-z0-9_.-]+)==(\S+)$")
+# What each requirements file is for: the project files whose imports it must cover (with those of
+# the files it includes), as globs from the repository root.
+PURPOSES = {
+    "train.txt": ["train_gpt.py", "config.py", "kernels.py", "optim.py", "checkpoint.py", "cpu_runtime.py",
+                  "cuda_graphs.py", "memory_budget.py", "processes.py", "sparse_tables.py", "evaluate.py",
+                  "data/*.py", "records/logfile.py"],
+    "eval.txt": ["downstream.py"],
+    "records.txt": ["records/*.py"],
+    "dev.txt": ["tests/*.py", "bench/*.py"],
+}
+OLDER_PYTHON = (3, 10, 12)         # a Python the pins do not install on
+
+
+def normalized(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pins(name, seen=()):
+    """{distribution: version} of requirements/<name> with the files it includes (-r)."""
+    out = {}
+    for line in (ROOT / "requirements" / name).read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line.startswith("-r "):
+            out |= pins(line[3:].strip(), (*seen, name))
+        elif line:
+            m = PIN.match(line)
+            assert m, f"requirements/{name}: {line!r} is not a pin (name==version)"
+            out[normalized(m[1])] = m[2]
+    return out
+
+
+def imported_distributions(patterns):
+    """The distributions that the files matching `patterns` import (their top-level third-party
+    modules, anywhere in the file), by importlib.metadata."""
+    providers = importlib.metadata.packages_distributions()
+    local = {p.stem for p in ROOT.glob("*.py")} | {"data", "records", "tests", "bench", "launch", "tiny_runs"}
+    names = set()
+    for pattern in patterns:
+        for path in ROOT.glob(pattern):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Import):
+                    names |= {alias.name.split(".")[0] for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    names.add(node.module.split(".")[0])
+    local |= {p.stem for pattern in ("tests/*.py", "bench/*.py") for p in ROOT.glob(pattern)}
+    third_party = {n for n in names if n not in sys.stdlib_module_names and n not in local}
+    missing = sorted(n for n in third_party if n not in providers)
+    assert not missing, f"modules of no installed distribution: {missing}"
+    return {normalized(d) for n in third_party for d in providers[n]}
+
+
+def installed_with(distributions):
+    """The distributions that installing `distributions` installs: they and, recursively, what
+    their metadata requires on this Python (extras aside)."""
+    todo, seen = list(distributions), set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for text in importlib.metadata.requires(name) or ():
+            requirement = Requirement(text)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(normalized(requirement.name))
+    return seen
+
+
+@pytest.mark.parametrize("name", PURPOSES)
+def test_each_requirements_file_installs_what_its_part_imports(name):
+    assert imported_distributions(PURPOSES[name]) <= installed_with(pins(name))
+
+
+def test_training_alone_installs_none_of_the_extras():
+    train = set(pins("train.txt"))
+    assert not train & {"lm-eval", "pytest", "scipy", "matplotlib", "safetensors"}
+    assert pins("dev.txt") == {**pins("train.txt"), **pins("eval.txt"), **pins("records.txt"), **pins("dev.txt")}
+
+
+def test_requirements_txt_is_every_file_and_resolves_here():
+    """requirements.txt includes the whole set, and pip resolves it against this machine's
+    packages without an index (the README's first command, offline)."""
+    lines = [line for line in (ROOT / "requirements.txt").read_text().splitlines() if line and line[0] != "#"]
+    assert lines == ["-r requirements/dev.txt"]
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "-r", "requirements.txt"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "Would install" not in done.stdout     # every pin is what is installed
+
+
+def test_the_readme_states_the_python_version_and_the_cpu_wheel():
+    readme = (ROOT / "README.md").read_text()
+    assert f"Python {tg.MIN_PYTHON[0]}.{tg.MIN_PYTHON[1]} or newer" in readme
+    torch = pins("train.txt")["torch"]
+    assert f"pip install torch=={torch} --index-url https://download.pytorch.org/whl/cpu" in readme
+    assert "`requirements/train.txt`" in readme
+
+
+def test_train_gpt_on_an_older_python_ends_with_one_line():
+    code = (f"import runpy, sys; sys.version_info = {OLDER_PYTHON + ('final', 0)}; sys.argv = ['train_gpt.py']; "
+            f"runpy.run_path('train_gpt.py', run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=cpu_env())
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr.splitlines() == [
+        f"error: train_gpt.py needs Python 3.11 or newer (the pinned numpy and scipy have no wheels for older "
+        f"ones); this is Python 3.10.12 at {sys.executable}: run it with a newer one (./run.sh takes "
+        f"PYTHON=python3.11)"]
+
+
+def test_run_sh_with_an_older_python_ends_with_one_line(tmp_path):
+    python = tmp_path / "python3.10"
+    python.write_text(f"#!/bin/bash\n# a Python that says it is 3.10.12\n"
+                      f"if [ \"$1\" = -c ]; then exec {sys.executable} -c \"import sys; sys.version_info = "
+                      f"{OLDER_PYTHON + ('final', 0)}; exec(sys.argv[1])\" \"$2\"; fi\nexec {sys.executable} \"$@\"\n")
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    done = subprocess.run(["./run.sh"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=cpu_env(PYTHON=str(python)))
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        f"run.sh: Python 3.11 or newer is needed; {python} is Python 3.10.12: set PYTHON to a newer one, e.g. "
+        f"PYTHON=python3.11 ./run.sh"], done
+
+
+def test_the_dockerfile_builds_the_gpu_image_and_runs_the_readmes_command():
+    """A Python the pins install on; torch and triton at versions whose kernel compile report is
+    kept (bench/sm90_resources*.json: the pinned triton's, or the GPU image's); every other pin of
+    requirements.txt; ./run.sh as its command."""
+    text = (ROOT / "Dockerfile").read_text()
+    base = re.search(r"^FROM python:(\d+)\.(\d+)-slim$", text, re.M)
+    assert base and tuple(map(int, base.groups())) >= tg.MIN_PYTHON
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
+    assert args["TRITON"] == pins("train.txt")["triton"] or (ROOT / f"bench/sm90_resources_triton{args['TRITON']}.json").exists()
+    assert '"torch==$TORCH" "triton==$TRITON"' in text
+    assert "sed -i -E '/^(torch|triton)==/d' /tmp/pins/train.txt" in text and "pip install -r /tmp/pins/dev.txt" in text
+    assert re.search(r"^COPY requirements/ requirements/$", text, re.M) and text.rstrip().endswith('CMD ["./run.sh"]')
+
+
+def test_the_license_is_mit():
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("MIT License\n\nCopyright (c) ")
+    assert "Permission is hereby granted, free of charge, to any person obtaining a copy" in text
+    assert 'THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND' in text
