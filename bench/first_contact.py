@@ -1,58 +1,45 @@
-"""GPU check of the speedrun trainer: the GPU tests, kernel timings against torch at the speedrun
-shapes, training-step timings of the 1-GPU preset, one compiled run, and a projection of the
-8xH100 training time, written as one markdown section.
+"""The first GPU minutes: one self-sufficient command that answers, in order, what a first run
+of this trainer on a GPU must tell, each part within its own cap, so that nothing starves the
+compiled run.
 
-    OUT=/tmp/out python bench/bench_gpu.py --commit SHA   # on an H100/H200, from the repository root
-    python bench/bench_gpu.py --dry                         # on CPU: tiny shapes, Triton interpreter
+    python3 bench/first_contact.py              # on an H100/H200, from the repository root
+    python3 bench/first_contact.py --dry        # on a CPU: tiny shapes, the Triton interpreter,
+                                                # the same parts in the same order and budget
 
-In order:
-  1. versions and commit (--commit, else `git rev-parse`, else "unknown");
-  2. pytest tests/test_kernels.py -k gpu;
-  3. kernel lines (the benches of bench/kernel_timings.py): our time and torch's (ms, median of
-     triton.testing.do_bench), TFLOP/s where the work is a matmul (for windowed attention only the
-     visible query-key pairs count), and the speed ratio torch_ms / our_ms with the target it must reach:
-       fp8_matmul >= 0.9 (torch._scaled_mm, fast accumulation, same operands);
-       flash_attn_varlen forward+backward >= 1.0 against compiled flex_attention with the same
-         document + causal + sliding-window mask (its block mask built once, outside the timing),
-         and >= 1.0 against scaled_dot_product_attention's flash backend on equal-length causal
-         documents with no window;
-       softcap_cross_entropy forward+backward >= 2.0 (plain torch softcap + F.cross_entropy);
-     the fp8 layers against bf16 torch, xxt against x @ x.mT, qk_norm_rope and the n-gram table's
-     sparse row kernels (grouping + summing per row, the sparse Adam update) against torch ops
-     are informational;
-  4. training: the 1gpu preset, eager, on synthetic tokens; for each stage, at its first step, one
-     untimed step and the median of TIMED_STEPS timed optimizer steps (8 micro-batches each), with
-     the Triton kernels (without and with the forward+backward captured as a CUDA graph after the
-     untimed step) and with the plain-torch references;
-  5. one compiled run of train_gpt.py (CUDA graphs on, as in a real run): a single stage at the
-     last stage's shape;
-  6. a projection of the 8xH100 training time from 4 and 5 (see `projection`), made from what
-     finished: a missing part is named in its line.
+In order (PART_LIMITS_S: each part gets what is left of the 9-minute budget, at most its cap):
+  1. environment: versions, commit, `nvidia-smi`, and the memory budget's prediction for the
+     compiled run below (memory_budget.py);
+  2. tests: the GPU kernel tests (tests/test_kernels.py -k gpu: the production FP8 tile at a
+     training shape, every kernel family once against its reference);
+  3. training:plan: the data (the tiny corpus's real text when it travelled with the tree,
+     `carry` data/tiny_corpus; else synthetic tokens, said so) and the dominant shape;
+  4. compiled: train_gpt.py, the 1gpu preset compiled with CUDA graphs and the sync check, a
+     dozen steps at the dominant shape (the speedrun's stage 2: 49,152 tokens a micro-batch,
+     windows (5, 11), 14,336 candidates; one GPU's share of the n-gram table resident), with
+     recompile logging: step times, losses, peak allocated and reserved memory beside the budget;
+  5. training:triton and training:reference: a few eager steps at the same shape from the same
+     start, with the Triton kernels and with the plain-torch references: losses side by side;
+  6. kernels: each kernel family against its torch peer (torch._scaled_mm in the accumulation
+     mode production uses, flex_attention and SDPA, F.cross_entropy, ...) at the presets' shapes
+     and widths, outputs compared, with the time that is left;
+  7. the projection of the 8xH100 run: the step model (bench/step_model.py, run beside the parts
+     on the CPU) corrected by the measured compiled step, with the model's communication terms.
+The step model's prediction stands beside every measured time.
 
 Isolation. This process imports neither torch nor triton: every part runs in a process of its
-own, so that a sticky CUDA error or a crash costs that part only. The GPU tests and the compiled
-run are programs of their own (pytest, train_gpt.py). The versions, each kernel bench, the
-training plan (config and synthetic shards) and each training variant run in a child forked from
-a server that has torch and triton imported (`--start-method spawn` starts every child from
-scratch instead). A child reports through a JSON file that it rewrites as it goes. Every part
-gets a deadline: what is left of the budget, and no more than its own limit; a part still running
-at its deadline is killed with its process group and reported as timed out with what it had
-reported. The one timeout that is no failure is the reference timings': the budget cuts them by
-design.
+own (a child forked from a server that has them imported, or a program: pytest, train_gpt.py),
+so a sticky CUDA error or a crash costs that part only. A part still running at its deadline is
+killed with its process group and reported with what it had reported.
 
 Output. The section is printed at the end and appended to bench/results.md; with $OUT set,
-results.md and bench.json there are rewritten after every part, so a run stopped from outside
-still leaves what it measured (bench/README.md lists the files). Exit status 1 when a part failed
-(the GPU tests, a kernel bench, a training run, the compiled run); a missed speed target is
-reported, not a failure; 2 without a CUDA GPU.
+results.md and bench.json there are rewritten after every part (a run stopped from outside still
+leaves what it measured), with parts.log, gpu_tests.txt, compiled_run.txt and model.json: six
+files. Exit status 1 when a part failed; a missed speed target is reported, not a failure; 2
+without a CUDA GPU.
 
 For tests only: `--fail-part NAME` makes the child of part NAME raise once its work is done,
-`--crash-part NAME` makes it exit then without reporting its result, as a process killed by a
-CUDA error does (NAME: a part that runs in a child, see `child_part_names`); what it reported
-as it went is kept.
-
-The dry mode runs every part once at tiny shapes, in the same processes, so that this script
-cannot rot unnoticed; its numbers mean nothing and it writes no file.
+`--crash-part NAME` makes it exit then without reporting its result (NAME: a part that runs in a
+child, see `child_part_names`).
 """
 import argparse
 import collections
@@ -83,51 +70,50 @@ sys.path.insert(0, str(REPO_ROOT))
 from kernel_timings import (BOS, KERNEL_BENCHES, KERNEL_HEADER, ROUTING_WAYS, SYNTHETIC_DOC_LEN,  # noqa: E402
                             Line, Timer, markdown_table, routing_host_ms, routing_line)
 
-# Per-GPU speedrun shapes and the tiny ones of the dry mode. doc_len: the equal documents of the
+# Per-GPU speedrun shapes and the tiny ones of the dry mode. softmax_widths: the speedrun's sampled
+# softmax widths, the dominant stage's first (train_gpt.SOFTMAX_LATE, _EARLY, _LAST; the test checks);
+# windows: the dominant stage's short and long windows in tokens; doc_len: the equal documents of the
 # SDPA comparison; doc_median / max_doc_len: the uneven documents of the flex_attention one.
 # ngram_rows: one rank's share of the full n-gram table (84,602,880 rows over 8 GPUs).
-GPU_SHAPES = dict(tokens=49152, width=768, hidden=2816, vocab=50304, candidates=10240, doc_len=3072,
-                  doc_median=600, max_doc_len=3072, window=1664, muon=((16, 768, 768), (8, 768, 2816)),
-                  ngram_rows=10_575_360)
-DRY_SHAPES = dict(tokens=96, width=32, hidden=64, vocab=300, candidates=100, doc_len=48,
-                  doc_median=20, max_doc_len=48, window=20, muon=((2, 32, 32), (2, 32, 64)), ngram_rows=1000)
+GPU_SHAPES = dict(tokens=49152, width=768, hidden=2816, vocab=50304, softmax_widths=(14336, 10240, 24576),
+                  doc_len=3072, doc_median=600, max_doc_len=3072, windows=(640, 1408),
+                  muon=((16, 768, 768), (8, 768, 2816)), ngram_rows=10_575_360)
+DRY_SHAPES = dict(tokens=96, width=32, hidden=64, vocab=300, softmax_widths=(100, 60, 150), doc_len=48,
+                  doc_median=20, max_doc_len=48, windows=(12, 20), muon=((2, 32, 32), (2, 32, 64)), ngram_rows=1000)
 
-# Training: the 1gpu preset eager, in a child process per variant. The dry mode shrinks the cpu preset to two
-# stages of a 2-layer model with sampled softmax, no FP8 layers and Adam only, so that the interpreter
-# runs only the attention and a cheap cross-entropy (the kernel part runs the others).
-# Its n-gram table is one GPU's share of the speedrun's, resident: the per-GPU work of a speedrun
-# step (the preset's whole table, 130 GB in host memory, does not fit the bench machine's RAM).
+# Training: the 1gpu preset with one GPU's share of the speedrun's n-gram table resident (the
+# preset's whole table, 130 GB in host memory, does not fit the bench machine's RAM), at its
+# DOMINANT_STAGE alone, never untied. The dry mode shrinks the cpu preset to a 2-layer model
+# with sampled softmax, no FP8 layers and Adam only, so that the interpreter runs only the
+# attention and a cheap cross-entropy (the kernel part runs the others).
 GPU_TRAIN_CONFIG = ["--preset", "1gpu", f"--ngram_rows={GPU_SHAPES['ngram_rows']}", "--ngram_cache_rows=0"]
 DRY_TRAIN_CONFIG = [
     "--preset", "cpu", "--device=cpu", "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64",
-    "--mlp_hidden=128", "--bigram_rows=1024", "--ngram_rows=0", "--long_window_layers=[1]", "--narrow_qk_layers=[]", "--fp8_mlp=false",
-    "--fp8_qkv=false", "--fp8_head=false", "--optimizer=adamw",
-    "--batch_ranks=1", "--num_iterations=4", "--val_tokens=128", "--val_tokens_per_rank=128",
-    '--stages=[{"end":0.5,"tokens_per_rank":16,"max_doc_len":16,"short_window":1,"long_window":1,"candidates":128},'
-    '{"end":1.0,"tokens_per_rank":32,"max_doc_len":32,"short_window":1,"long_window":1,"candidates":128}]',
+    "--mlp_hidden=128", "--bigram_rows=1024", "--ngram_rows=0", "--long_window_layers=[1]", "--narrow_qk_layers=[]",
+    "--fp8_mlp=false", "--fp8_qkv=false", "--fp8_head=false", "--optimizer=adamw",
+    "--batch_ranks=1", "--val_tokens=128", "--val_tokens_per_rank=128",
+    '--stages=[{"end":1.0,"tokens_per_rank":32,"max_doc_len":32,"short_window":1,"long_window":1,"candidates":128}]',
 ]
-UNTIMED_STEPS = 1         # steps per stage shape before timing (Triton JIT, allocator warm-up)
-TIMED_STEPS = 2           # timed steps per stage shape and kernel set; their median is reported
+DOMINANT_STAGE = 2        # the speedrun's stage 2 (steps 681-964): the most steps at the largest micro-batch
 COMPILED_STEPS = 12       # timed steps of the compiled run
-GPU_COMPILED_VAL_TOKENS = 65536  # one validation slice: the compiled run's validation is not what it measures
-TRAIN_SHARD_TOKENS = dict(gpu=1 << 23, dry=1 << 14)  # the loader cycles through the shard
+EAGER_STEPS = 3           # eager steps of each kernel set, the first untimed
+COMPILED_VAL_TOKENS = dict(gpu=65536, dry=128)  # one validation slice: the run's validation is not what it measures
+TRAIN_SHARD_TOKENS = dict(gpu=1 << 23, dry=1 << 14)  # synthetic shards: the loader cycles through them
 VAL_SHARD_TOKENS = 1 << 17  # more than the compiled run's validation reads
+TINY_CORPUS = REPO_ROOT / "data" / "tiny_corpus"  # real text, when it travelled with the tree
 
-
-# Projection: per-GPU share of the 1-GPU step; memory-bound kernels slow down by the bandwidth ratio.
-H100_BANDWIDTH_TBS = 3.35  # H100 SXM HBM3
-H200_BANDWIDTH_TBS = 4.8   # H200 HBM3e
-
-BUDGET_S = 420            # default time budget of the whole command: each part gets what is left of it
-REPORT_RESERVE_S = 15     # kept back from the budget for the last part's report
-SETUP_LIMIT_S = 120       # longest the versions or the training plan may take (the first child waits for the server)
-GPU_TESTS_LIMIT_S = 180   # longest the GPU tests may take
-KERNEL_BENCH_LIMIT_S = 150  # longest one kernel bench may take (the attention one compiles flex_attention twice)
-COMPILED_RUN_LIMIT_S = 240  # longest the compiled run may take, compilation included
+# Each part's cap, in the order the parts run; with REPORT_RESERVE_S they fill BUDGET_S, the 9
+# minutes a first GPU command may take (one rerun fits the device's 15 minutes with its start-up).
+PART_LIMITS_S = {"environment": 45, "tests": 75, "training:plan": 30, "compiled": 210,
+                 "training:triton": 40, "training:reference": 40, "kernels": 85}
+REPORT_RESERVE_S = 15     # kept back from the budget for the report
+BUDGET_S = 540
+KERNEL_BENCH_LIMIT_S = 30  # the most one kernel bench may take of the kernels' cap
 MIN_PART_S = 1            # a part with less time left than this is not started
+NVIDIA_SMI_TIMEOUT_S = 20
 DRY_NOTE = ("dry: flex_attention runs uncompiled and forward-only (no CPU backward); SDPA uses its CPU "
             "backend; the compiled run is train_gpt.py with --compile=false")
-PARTS = ("tests", "kernels", "training", "compiled")  # what --parts can select
+PARTS = ("tests", "compiled", "training", "kernels")  # what --parts can select
 
 # Child processes: the modules their server imports once (third-party only: each child imports
 # the trainer's own modules, so that an error in one is that child's to report), how long a
@@ -159,7 +145,11 @@ def kernel_block(outcomes, dry):
         notes.append("not timed: " + "; ".join(untimed))
     missed = [line.name for line in lines if line.missed()]
     if missed and not dry:
-        notes.append("targets missed: " + ", ".join(missed))
+        notes.append("targets missed (the FP8 GEMMs can run on torch._scaled_mm: --fp8_gemm=scaled_mm): "
+                     + ", ".join(missed))
+    differ = [f"{line.name} {line.shape}" for line in lines if line.disagrees()]
+    if differ:
+        notes.append("outputs differ from torch's beyond their tolerance: " + "; ".join(differ))
     return "\n\n".join([markdown_table(KERNEL_HEADER, [line.cells() for line in lines])] + notes)
 
 
@@ -168,12 +158,11 @@ def kernel_lines(outcomes):
 
 
 # -----------------------------------------------------------------------------------------------
-# Training timings
+# The training plan, the eager steps
 # -----------------------------------------------------------------------------------------------
 
-# Each: (--kernels, with CUDA graphs); a variant's key names its part, training:KEY. In run order,
-# the compiled run between graphs and reference.
-TRAINING_VARIANTS = dict(triton=("triton", False), graphs=("triton", True), reference=("reference", False))
+# Each eager variant: its --kernels; a variant's key names its part, training:KEY.
+TRAINING_VARIANTS = dict(triton="triton", reference="reference")
 
 
 def write_synthetic_shard(path, num_tokens, generator):
@@ -184,36 +173,30 @@ def write_synthetic_shard(path, num_tokens, generator):
     write_shard(path, tokens)
 
 
-def write_synthetic_data(data_dir, dry):
-    """(train files, val files) of synthetic shards in data_dir."""
+def training_data(data_dir, dry):
+    """(train files, val files, what they are): the tiny corpus's real text when it is here, else
+    synthetic shards written to data_dir."""
+    train, val = sorted(TINY_CORPUS.glob("tiny_train_*.bin")), sorted(TINY_CORPUS.glob("tiny_val_*.bin"))
+    if train and val:
+        return [str(f) for f in train], [str(f) for f in val], "the tiny corpus (real text)"
     generator = np.random.default_rng(0)
     train, val = os.path.join(data_dir, "train_000000.bin"), os.path.join(data_dir, "val_000000.bin")
     write_synthetic_shard(train, TRAIN_SHARD_TOKENS["dry" if dry else "gpu"], generator)
     write_synthetic_shard(val, VAL_SHARD_TOKENS, generator)
-    return [train], [val]
+    return [train], [val], "synthetic tokens (data/tiny_corpus did not travel with the tree)"
 
 
-def training_config(dry, kernel_set):
+def dominant_args(dry):
+    """train_gpt.py arguments of the runs at the dominant shape: the preset, that stage alone, untied never."""
     import train_gpt as tg
-    return tg.parse_config((DRY_TRAIN_CONFIG if dry else GPU_TRAIN_CONFIG)
-                           + [f"--kernels={kernel_set}", "--compile=false"])
+    base = DRY_TRAIN_CONFIG if dry else GPU_TRAIN_CONFIG
+    h = tg.parse_config(base)
+    stage = dataclasses.asdict(h.stages[0 if dry else DOMINANT_STAGE]) | {"end": 1.0}
+    return [a for a in base if not a.startswith("--stages=")] + [f"--stages={json.dumps([stage])}", "--untie_frac=1.0"]
 
 
-def stage_first_steps(h):
-    """The first step of each stage, in stage order."""
-    import train_gpt as tg
-    return [next(s for s in range(h.num_iterations) if tg.stage_index(h, s) == i) for i in range(len(h.stages))]
-
-
-def training_plan(h):
-    """What the report needs of the training config, as JSON values: each stage's first step,
-    tokens per optimizer step and steps in the schedule, the micro-batches per step, the
-    schedule's length, and the last stage (the compiled run's shape)."""
-    import train_gpt as tg
-    steps = collections.Counter(tg.stage_index(h, s) for s in range(h.num_iterations))
-    return dict(first_steps=stage_first_steps(h), tokens_per_step=[s.tokens_per_rank * h.batch_ranks for s in h.stages],
-                stage_steps=[steps[i] for i in range(len(h.stages))], batch_ranks=h.batch_ranks,
-                num_iterations=h.num_iterations, last_stage=dataclasses.asdict(h.stages[-1]) | {"end": 1.0})
+def files_args(plan):
+    return [f"--train_files={plan['train_files'][0]}", f"--val_files={plan['val_files'][0]}"]
 
 
 def wall_ms(fn, device):
@@ -227,74 +210,56 @@ def wall_ms(fn, device):
     return (time.perf_counter() - start) * 1e3
 
 
-def time_stage_steps(h, train_files, device, deadline, graphs=False, progress=lambda medians: None):
-    """Median ms of an optimizer step at the first step of each stage, eager, in this process
-    (None for stages left untimed when the time budget ran out); `progress` gets the medians so
-    far after each stage. With `graphs`, as the trainer's warm-up does: the untimed steps capture
-    the optimizers' updates, then the stage's forward+backward is captured, and the timed steps
-    replay both (on a CPU: the same path with eager bodies)."""
+def eager_steps(args, device, steps, progress):
+    """(losses, ms) of `steps` optimizer steps of train_gpt's config `args`, eager, from its start;
+    progress(losses=, ms=) after each."""
     import train_gpt as tg
-    trainer = tg.Trainer(dataclasses.replace(h, cuda_graphs=graphs), tg.ProcessGroup(0, 1, 0, device),
-                         tg.RunLog("unused", active=False))
-    loader = tg.TrainLoader(train_files, tg.batch_tokens(h))
-    medians = []
-    for index, step in enumerate(stage_first_steps(h)):
-        medians.append(time_stage(h, trainer, loader, index, step, device, graphs) if deadline.left() else None)
-        progress(medians)
-    return medians
+    h = tg.parse_config(args)
+    trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, device), tg.RunLog("unused", active=False))
+    loader = tg.TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+    stage = h.stages[0]
+    losses, times = [], []
+    for step in range(steps):
+        trainer.advance_to(step)
+        slices = loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, trainer.mine)
+        if device.type == "cuda":
+            slices = [s.pinned() for s in slices]
+        out = []
+        times.append(wall_ms(lambda: out.append(trainer.train_step(step, slices)), device))
+        losses.append(float(out[0][0]))
+        progress(losses=losses, ms=times)
+    return dict(losses=losses, ms=times)
 
 
-def time_stage(h, trainer, loader, index, step, device, graphs):
-    """Median ms of TIMED_STEPS optimizer steps at `step` of stage `index`, after UNTIMED_STEPS
-    untimed ones."""
-    stage = h.stages[index]
-    trainer.advance_to(step)
-    batches = [loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, trainer.mine)
-               for _ in range(UNTIMED_STEPS + TIMED_STEPS)]
-    if device.type == "cuda":
-        batches = [[s.pinned() for s in slices] for slices in batches]
-    trainer.graphs.in_warm_up = graphs
-    for slices in batches[:UNTIMED_STEPS]:
-        trainer.train_step(step, slices)
-    if graphs:
-        trainer.capture_graph(step)
-    trainer.graphs.in_warm_up = False
-    return statistics.median(wall_ms(lambda: trainer.train_step(step, slices), device)
-                             for slices in batches[UNTIMED_STEPS:])
-
-
-TRAINING_HEADER = ["stage", "first step", "tokens/step", "triton ms/step", "with CUDA graphs", "graphs speed-up",
-                   "reference ms/step", "triton tokens/s", "reference tokens/s", "reference/triton", "target", ""]
-
-
-def training_table(plan, triton_ms, graphs_ms, reference_ms):
-    def cell(value, fmt):
-        return format(value, fmt) if value is not None else "-"
-
-    def tokens_per_s(tokens, ms):
-        return tokens / ms * 1e3 if ms else None
+def eager_table(plan, results):
+    """Losses and step times of the eager variants, side by side."""
+    header = ["step"] + [f"{key} {what}" for key in TRAINING_VARIANTS for what in ("loss", "ms")]
     rows = []
-    for index, (step, tokens) in enumerate(zip(plan["first_steps"], plan["tokens_per_step"])):
-        ours, graphed, theirs = triton_ms[index], graphs_ms[index], reference_ms[index]
-        ratio = theirs / ours if ours and theirs else None
-        verdict = "-" if ratio is None else ("ok" if ratio > 1 else "MISSED")
-        rows.append([str(index), str(step), str(tokens), cell(ours, ".1f"), cell(graphed, ".1f"),
-                     cell(ours / graphed if ours and graphed else None, ".2f"), cell(theirs, ".1f"),
-                     cell(tokens_per_s(tokens, ours), ",.0f"), cell(tokens_per_s(tokens, theirs), ",.0f"),
-                     cell(ratio, ".2f"), "> 1", verdict])
-    return markdown_table(TRAINING_HEADER, rows)
+    for step in range(EAGER_STEPS):
+        row = [str(step)]
+        for key in TRAINING_VARIANTS:
+            result = results.get(key, {})
+            loss, ms = (result.get(name, []) for name in ("losses", "ms"))
+            row += [f"{loss[step]:.4f}" if step < len(loss) else "-", f"{ms[step]:.0f}" if step < len(ms) else "-"]
+        rows.append(row)
+    return markdown_table(header, rows)
 
 
 # -----------------------------------------------------------------------------------------------
-# The compiled run and the projection
+# The compiled run, the step model and the projection
 # -----------------------------------------------------------------------------------------------
 
-def run_command(command, timeout_s):
+
+# -----------------------------------------------------------------------------------------------
+# Programs
+# -----------------------------------------------------------------------------------------------
+
+def run_command(command, timeout_s, env=None):
     """(exit status, stdout, stderr) of a program run in a process group of its own; status None
     when it was killed, whole group, at the timeout. An interruption (SIGTERM, Ctrl-C) kills the
     group too before it goes on."""
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
-                          start_new_session=True) as process:
+                          start_new_session=True, env=env) as process:
         try:
             stdout, stderr = process.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -319,20 +284,22 @@ def kill_process_group(pgid):
 
 
 def compiled_run_command(plan, dry, log_dir):
-    """train_gpt.py on one stage at the last stage's shape, the head untied from step 0 (as at the
-    last stage of a real run, and with no second graph for the untie)."""
-    settings = (DRY_TRAIN_CONFIG + ["--compile=false"] if dry else
-                GPU_TRAIN_CONFIG + [f"--num_iterations={COMPILED_STEPS}", f"--val_tokens={GPU_COMPILED_VAL_TOKENS}"])
-    return [sys.executable, "train_gpt.py", *settings, f"--stages={json.dumps([plan['last_stage']])}",
-            "--untie_frac=0.0", "--sync_check=true", f"--train_files={plan['train_files'][0]}",
-            f"--val_files={plan['val_files'][0]}", f"--log_dir={log_dir}"]
+    """train_gpt.py compiled (--compile=false in the dry mode) at the dominant shape, with the sync
+    check (a host sync inside a timed step is an error)."""
+    settings = (["--compile=false", "--num_iterations=4"] if dry else [f"--num_iterations={COMPILED_STEPS}"])
+    return [sys.executable, "train_gpt.py", *plan["args"], *settings,
+            f"--val_tokens={COMPILED_VAL_TOKENS['dry' if dry else 'gpu']}", "--sync_check=true",
+            "--log_every=1", *files_args(plan), f"--log_dir={log_dir}"]
 
 
-# Lines of train_gpt.py's output: the graph counts and the final summary.
+# Lines of train_gpt.py's output: the graph counts, the steps, memory, and the final summary.
 COMPILE_LINE = re.compile(r"compile: (\d+) graphs in the warm-up, (\d+) in the timed run")
 CUDA_GRAPHS_LINE = re.compile(r"cuda graphs: (\d+) training steps and (\d+) optimizer updates captured in the "
                               r"warm-up, (\d+) ran eagerly in the timed run")
-FINAL_LINE = re.compile(r"final val_loss:\S+ train_time:(\d+)ms steps:(\d+)")
+FINAL_LINE = re.compile(r"final val_loss:(\S+) train_time:(\d+)ms steps:(\d+)")
+STEP_LINE = re.compile(r"step:(\d+)/\d+ train_loss:(\S+) .*train_time:(\d+)ms")
+MEMORY_LINES = re.compile(r"^(memory budget: .*|memory: .*)$", re.MULTILINE)
+RECOMPILE_LINE = re.compile(r"Recompiling function|torch._dynamo hit config.recompile_limit")
 
 
 def compiled_run(plan, dry, timeout_s):
@@ -340,10 +307,16 @@ def compiled_run(plan, dry, timeout_s):
     with tempfile.TemporaryDirectory() as log_dir:
         command = compiled_run_command(plan, dry, log_dir)
         start = time.perf_counter()
-        status, stdout, stderr = run_command(command, timeout_s)
+        status, stdout, stderr = run_command(command, timeout_s, env=os.environ | {"TORCH_LOGS": "recompiles"})
         seconds = time.perf_counter() - start
+    output = stdout + stderr
     compile_match, final_match = COMPILE_LINE.search(stdout), FINAL_LINE.search(stdout)
-    result = dict(command=" ".join(command[1:]), exit_status=status, wall_s=seconds, output=stdout + stderr)
+    steps = [(int(m[1]), float(m[2]), int(m[3])) for m in STEP_LINE.finditer(stdout)]
+    result = dict(command=" ".join(command[1:]), exit_status=status, wall_s=seconds, output=output,
+                  losses=[loss for _, loss, _ in steps], memory=MEMORY_LINES.findall(stdout),
+                  recompiles=len(RECOMPILE_LINE.findall(output)))
+    if len(steps) > 2:             # per-step times after the first timed step (its host work differs)
+        result["step_ms"] = [(b[2] - a[2]) / (b[0] - a[0]) for a, b in zip(steps[1:], steps[2:])]
     if compile_match:
         result.update(warm_up_graphs=int(compile_match[1]), timed_graphs=int(compile_match[2]))
     cuda_graphs_match = CUDA_GRAPHS_LINE.search(stdout)   # on CUDA only
@@ -351,90 +324,77 @@ def compiled_run(plan, dry, timeout_s):
         result.update(captured_steps=int(cuda_graphs_match[1]), captured_updates=int(cuda_graphs_match[2]),
                       eager_runs=int(cuda_graphs_match[3]))
     if final_match:
-        result["step_ms"] = int(final_match[1]) / int(final_match[2])
+        result.update(val_loss=float(final_match[1]), mean_step_ms=int(final_match[2]) / int(final_match[3]))
     if status is None:
         result["error"] = f"stopped at the time limit after {seconds:.0f} s"
     elif status != 0 or not (final_match and compile_match):
         last = (stderr.strip() or stdout.strip() or "no output").splitlines()[-1]
         result["error"] = f"exit status {status}: {last}"
-    result["ok"] = "error" not in result and result.get("timed_graphs") == 0 and not result.get("eager_runs")
+    result["ok"] = ("error" not in result and result.get("timed_graphs") == 0 and not result.get("eager_runs")
+                    and result["recompiles"] == 0)
     return result
 
 
-GRAPHS_IN_TIMED_RUN = "graphs built, or steps run without their CUDA graph, in the timed run"
+IN_TIMED_RUN = "graphs built, recompiles, or steps run without their CUDA graph, in the timed run"
 
 
-def compiled_run_line(run, eager_last_ms, dry):
+def compiled_run_block(run, model_ms, dry):
+    """The compiled run's lines: its steps beside the model's, graphs, memory, losses."""
     what = ("train_gpt.py --compile=false (dry), tiny config" if dry else
-            f"train_gpt.py 1gpu preset compiled, one stage at the last stage's shape, {COMPILED_STEPS} steps")
+            f"train_gpt.py, the 1gpu preset compiled, {COMPILED_STEPS} steps at the speedrun's stage {DOMINANT_STAGE}")
     if "error" in run:
         return f"compiled run: FAILED ({run['error']}); {what}"
-    eager = (f" (eager Triton {eager_last_ms:.1f} ms: compiled/eager {run['step_ms'] / eager_last_ms:.2f})"
-             if eager_last_ms else "")
+    times = run.get("step_ms") or [run["mean_step_ms"]]
+    model = f", the step model {model_ms:.1f} ms (measured/model {statistics.median(times) / model_ms:.2f})" \
+        if model_ms else ""
     graphs = f"compile: {run['warm_up_graphs']} graphs in the warm-up, {run['timed_graphs']} in the timed run"
     if "captured_steps" in run:
         graphs += (f"; CUDA graphs: {run['captured_steps']} training steps and {run['captured_updates']} optimizer "
                    f"updates captured, {run['eager_runs']} eager runs in the timed run")
-    verdict = "" if run["ok"] else f" (FAILED: {GRAPHS_IN_TIMED_RUN})"
-    return (f"compiled run: step_avg {run['step_ms']:.1f} ms{eager}; {graphs}{verdict}; "
-            f"{run['wall_s']:.0f} s wall with compilation; {what}")
+    verdict = "" if run["ok"] else f" (FAILED: {IN_TIMED_RUN})"
+    lines = [f"compiled run: median step {statistics.median(times):.1f} ms (steps {', '.join(f'{t:.0f}' for t in times)})"
+             f"{model}; {graphs}; {run['recompiles']} recompiles logged{verdict}; {run['wall_s']:.0f} s wall with "
+             f"compilation; {what}",
+             "losses: " + ", ".join(f"{loss:.4f}" for loss in run["losses"]) + f"; val_loss {run['val_loss']:.4f}"]
+    return "\n\n".join(lines + run["memory"])
 
 
-def projection(plan, triton_ms, compiled_ratio):
-    """Projected training time (s) of the whole schedule on plan["batch_ranks"] GPUs: per stage, its
-    steps x the longer of its GPU step (its 1-GPU eager Triton step time x the compiled/eager
-    ratio / the GPUs) and the split table's host routing of one micro-batch (plan["routing_ms"],
-    done a step ahead in the batch prefetcher's thread: hidden when shorter). A stage without a
-    step time counts 0."""
-    gpus, routing = plan["batch_ranks"], plan.get("routing_ms") or [0.0] * len(plan["stage_steps"])
-    return sum(count * max(ms * compiled_ratio / gpus, host) for count, ms, host
-               in zip(plan["stage_steps"], triton_ms, routing) if ms is not None) / 1e3
+def start_step_model(plan_args, out_dir, dry):
+    """The step model of the dominant-shape run on one H200 and of the speedrun on 8 H100s, in a
+    process of its own on the CPU, beside the parts (its JSON files land in out_dir)."""
+    run = ["--preset", "cpu", "--gpus", "1", "--gpu", "h200"] if dry else ["--preset", "1gpu", "--gpus", "1",
+                                                                           "--gpu", "h200"]
+    overrides = [a for a in plan_args if a not in ("--preset", "cpu", "1gpu")]
+    speedrun = ["--preset", "cpu", "--gpus", "1"] if dry else ["--preset", "speedrun", "--gpus", "8", "--gpu", "h100"]
+    script = ("import subprocess, sys; [subprocess.run(a, stdout=subprocess.DEVNULL) for a in "
+              f"[{[sys.executable, 'bench/step_model.py', *run, '--json', str(out_dir / 'model.json'), '--', *overrides]!r}, "
+              f"{[sys.executable, 'bench/step_model.py', *speedrun, '--json', str(out_dir / 'speedrun.json')]!r}]]")
+    return subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
 
 
-def projection_line(plan, seconds, compiled_ratio, lacks):
-    """The projection and its method; `lacks` (what it is made without) closes the line."""
-    slowdown = H200_BANDWIDTH_TBS / H100_BANDWIDTH_TBS
-    gpus = plan["batch_ranks"]
-    ratio = (f"compiled/eager ratio {compiled_ratio:.2f}, measured at the last stage's shape"
-             if compiled_ratio is not None else "no compiled/eager ratio: eager times as they are")
-    routing = plan.get("routing_ms")
-    host = (f"the longer of that and the split n-gram table's host routing of one micro-batch (measured on this "
-            f"host: {', '.join(f'{ms:.1f}' for ms in routing)} ms by stage), which the batch prefetcher's thread "
-            f"does a step ahead (assumes that thread has a core of its own and holds the GIL only between torch ops)"
-            if routing else "no host routing time (not measured)")
-    line = (f"projection (an estimate, not a measurement): {gpus}xH100 training time {seconds:.0f} s "
-            f"({seconds / 60:.2f} min) for {plan['num_iterations']} steps, up to {seconds * slowdown:.0f} s if every "
-            f"kernel were memory-bound. Method: the sum over stages of (its steps in the schedule) x (its 1-GPU "
-            f"eager Triton step time) x ({ratio}) / {gpus}, per step {host}. Assumes perfect {gpus}-way scaling "
-            f"with no communication time, H100 compute equal to this GPU's, and memory-bound kernels up to "
-            f"{slowdown:.2f}x slower on an H100 ({H100_BANDWIDTH_TBS} vs {H200_BANDWIDTH_TBS} TB/s).")
-    return line + (f" Incomplete: it lacks {'; '.join(lacks)}." if lacks else "")
+def read_model(out_dir, name):
+    try:
+        return json.loads((out_dir / name).read_text())
+    except (OSError, ValueError):
+        return None
 
 
-def projection_block(plan, triton_ms, triton_why, compiled_ratio, ratio_why):
-    """(markdown line, raw numbers) of the projection from what finished, naming what it lacks
-    (the whys say what happened to it)."""
-    if plan is None:
-        lacks = [f"the training plan ({triton_why})"]
-    elif all(ms is None for ms in triton_ms):
-        lacks = [f"every stage's eager Triton step time ({triton_why})"]
-    else:
-        return partial_projection(plan, triton_ms, triton_why, compiled_ratio, ratio_why)
-    return f"projection: not available: it lacks {lacks[0]}", dict(seconds=None, lacks=lacks)
-
-
-def partial_projection(plan, triton_ms, triton_why, compiled_ratio, ratio_why):
-    untimed = [index for index, ms in enumerate(triton_ms) if ms is None]
-    lacks = []
-    if untimed:
-        steps = sum(plan["stage_steps"][index] for index in untimed)
-        lacks.append(f"the eager Triton step time of stages {', '.join(map(str, untimed))} ({triton_why}): "
-                     f"{steps} of the {plan['num_iterations']} steps count 0, so the time is a lower bound")
-    if compiled_ratio is None:
-        lacks.append(f"the compiled/eager ratio ({ratio_why}), so the time is eager")
-    seconds = projection(plan, triton_ms, compiled_ratio or 1.0)
-    return projection_line(plan, seconds, compiled_ratio, lacks), dict(seconds=seconds, compiled_ratio=compiled_ratio,
-                                                                       lacks=lacks)
+def projection_line(compiled, model, speedrun):
+    """The 8xH100 run projected from the measured compiled step: the step model's compute time of
+    the speedrun scaled by measured/model at the dominant shape on this GPU, plus the model's
+    communication time (one GPU has no NCCL to measure)."""
+    if speedrun is None:
+        return "projection: not available: the step model did not finish in time"
+    plain = f"the step model alone: {speedrun['run_s']:.1f} s ({speedrun['peak_s']:.1f} s at the peaks)"
+    if not compiled or "error" in compiled or not model:
+        return f"projection (an estimate, not a measurement): 8xH100 speedrun {plain}; no measured step to correct it"
+    measured = statistics.median(compiled.get("step_ms") or [compiled["mean_step_ms"]])
+    ratio = measured / model["stages"][0]["ms"]
+    seconds = ratio * speedrun["compute_s"] + speedrun["communication_s"]
+    return (f"projection (an estimate, not a measurement): 8xH100 speedrun {seconds:.1f} s = measured/model "
+            f"{ratio:.2f} (this GPU, the dominant shape) x the model's compute {speedrun['compute_s']:.1f} s + its "
+            f"communication {speedrun['communication_s']:.1f} s; {plain}")
 
 
 # -----------------------------------------------------------------------------------------------
@@ -591,7 +551,7 @@ class PartRunner:
         task = Task(name, function, self.dry, seconds, f"{stem}.json", f"{stem}.log", self.injected.get(name, ""),
                     params)
         start = time.monotonic()
-        process = self.context.Process(target=child_main, args=(task,), name=f"bench_gpu {name}")
+        process = self.context.Process(target=child_main, args=(task,), name=f"first_contact {name}")
         try:
             process.start()
         except Exception as error:
@@ -654,8 +614,8 @@ def output_tail(path):
 
 def child_part_names():
     """The parts that run in a child (those that --fail-part and --crash-part take)."""
-    return (["environment"] + [f"kernel:{key}" for key in KERNEL_BENCHES] + ["training:plan"]
-            + [f"training:{key}" for key in TRAINING_VARIANTS])
+    return (["environment", "training:plan"] + [f"training:{key}" for key in TRAINING_VARIANTS]
+            + [f"kernel:{key}" for key in KERNEL_BENCHES])
 
 
 def part_device(dry):
@@ -664,41 +624,45 @@ def part_device(dry):
 
 
 def report_versions(task, progress):
-    """The versions of torch, triton and CUDA, and the GPU's name."""
+    """The versions of torch, triton and CUDA, the GPU's name, and the memory budget of the
+    compiled run (memory_budget.py) on this GPU."""
     import torch
     import triton
     cuda = torch.cuda.is_available()
     gpu = "cpu (dry run)" if task.dry else torch.cuda.get_device_name(0) if cuda else "no CUDA GPU"
-    return dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda or "none",
-                cuda_available=cuda)
+    versions = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda or "none",
+                    cuda_available=cuda)
+    progress(**versions)
+    import memory_budget
+    import train_gpt as tg
+    budget = memory_budget.memory_budget(tg.parse_config(dominant_args(task.dry)), 1)
+    total = torch.cuda.get_device_properties(0).total_memory if cuda and not task.dry else 80 * 2**30
+    largest = sorted(budget.device.items(), key=lambda item: -item[1])[:4]
+    return versions | dict(budget=f"memory budget of the compiled run: {budget.summary(total)} (its step "
+                                  f"{budget.step / 2**30:.1f} GiB; largest held: "
+                                  + ", ".join(f"{name} {size / 2**30:.1f}" for name, size in largest) + " GiB)")
 
 
 def time_kernel(task, progress):
     """The lines of the kernel bench task.params["bench"] (a key of KERNEL_BENCHES)."""
+    sys.path.insert(0, str(REPO_ROOT / "bench"))
     bench = KERNEL_BENCHES[task.params["bench"]]
     lines = bench(DRY_SHAPES if task.dry else GPU_SHAPES, part_device(task.dry), Timer(task.dry), task.dry)
     return dict(lines=[dataclasses.asdict(line) for line in lines])
 
 
 def make_training_plan(task, progress):
-    """The training plan (`training_plan`), the synthetic shards, written to task.params["data_dir"],
-    and the host routing time of the speedrun's split table at each stage's slice length."""
-    h = training_config(task.dry, "triton")
-    train_files, val_files = write_synthetic_data(task.params["data_dir"], task.dry)
-    counts = sorted({s.tokens_per_rank for s in h.stages})
-    routing = routing_host_ms(DRY_SHAPES if task.dry else GPU_SHAPES, counts, pin=not task.dry)
-    return training_plan(h) | dict(train_files=train_files, val_files=val_files,
-                                   routing_ms=[routing[s.tokens_per_rank] for s in h.stages])
+    """The data (training_data) and the arguments of the runs at the dominant shape."""
+    train_files, val_files, data = training_data(task.params["data_dir"], task.dry)
+    return dict(train_files=train_files, val_files=val_files, data=data, args=dominant_args(task.dry))
 
 
 def time_training(task, progress):
-    """Step ms per stage of the training variant task.params["variant"] (a key of TRAINING_VARIANTS),
-    reported stage by stage."""
-    kernel_set, graphs = TRAINING_VARIANTS[task.params["variant"]]
-    medians = time_stage_steps(training_config(task.dry, kernel_set), task.params["train_files"],
-                               part_device(task.dry), Deadline(task.seconds, reserve_s=0), graphs,
-                               lambda medians: progress(ms=medians))
-    return dict(ms=medians)
+    """Losses and ms of EAGER_STEPS eager steps with the kernel set of task.params["variant"]."""
+    plan = task.params["plan"]
+    args = plan["args"] + files_args(plan) + [f"--kernels={TRAINING_VARIANTS[task.params['variant']]}",
+                                              "--compile=false", "--cuda_graphs=false"]
+    return eager_steps(args, part_device(task.dry), EAGER_STEPS, progress)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -798,22 +762,35 @@ class Report:
 # main
 # -----------------------------------------------------------------------------------------------
 
+def nvidia_smi(dry):
+    if dry:
+        return "nvidia-smi: not run (dry)"
+    try:
+        status, stdout, stderr = run_command(["nvidia-smi"], NVIDIA_SMI_TIMEOUT_S)
+    except OSError as error:
+        return f"nvidia-smi: could not run ({error})"
+    return "```\n" + (stdout or stderr).strip() + "\n```"
+
+
 def report_environment(runner, report, flags, deadline):
-    """The header: date, GPU, versions, commit. Exits (status 2) on a machine without a CUDA GPU."""
-    outcome = runner.run("environment", report_versions, deadline.left(SETUP_LIMIT_S))
+    """The header: date, GPU, versions, commit, nvidia-smi, the compiled run's memory budget.
+    Exits (status 2) on a machine without a CUDA GPU."""
+    outcome = runner.run("environment", report_versions, deadline.left(PART_LIMITS_S["environment"]))
     versions = dict(gpu="unknown", torch="unknown", triton="unknown", cuda="unknown") | outcome.result
     if not flags.dry and versions.get("cuda_available") is False:
-        print("bench_gpu.py needs a CUDA GPU; run it with --dry to check it on CPU", file=sys.stderr)
+        print("first_contact.py needs a CUDA GPU; run it with --dry to check it on CPU", file=sys.stderr)
         sys.exit(2)
     report.record("environment", outcome)
     env = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                python=platform.python_version(), commit=flags.commit or git_commit()) | versions
     report.put("header", f"## {env['date']}, {env['gpu']}\n\npython {env['python']}, torch {env['torch']}, triton "
-                         f"{env['triton']}, CUDA {env['cuda']}, commit {env['commit']}", environment=env)
+                         f"{env['triton']}, CUDA {env['cuda']}, commit {env['commit']}\n\n{nvidia_smi(flags.dry)}\n\n"
+                         f"{versions.get('budget', 'memory budget: not computed (' + outcome.describe() + ')')}",
+               environment=env)
 
 
 def run_gpu_tests_part(report, dry, deadline):
-    seconds = deadline.left(GPU_TESTS_LIMIT_S)
+    seconds = deadline.left(PART_LIMITS_S["tests"])
     if seconds < MIN_PART_S:
         report.record("tests", Outcome({}, not_run="out of time budget"))
         return
@@ -828,125 +805,65 @@ def run_gpu_tests_part(report, dry, deadline):
 
 
 def run_kernel_parts(runner, report, dry, deadline):
-    """One child per kernel bench; the table is rewritten as each ends."""
+    """One child per kernel bench, all within the kernels' cap; the table is rewritten as each ends."""
+    kernels_deadline = time.monotonic() + deadline.left(PART_LIMITS_S["kernels"])
     outcomes = {}
     for key in KERNEL_BENCHES:
         name = f"kernel:{key}"
-        outcomes[name] = runner.run(name, time_kernel, deadline.left(KERNEL_BENCH_LIMIT_S), bench=key)
+        left = min(kernels_deadline - time.monotonic(), deadline.left(), KERNEL_BENCH_LIMIT_S)
+        outcomes[name] = runner.run(name, time_kernel, max(0.0, left), bench=key)
         report.record(name, outcomes[name])
         report.put("kernels", kernel_block(outcomes, dry),
                    kernels=[dataclasses.asdict(line) | {"ratio": line.ratio} for line in kernel_lines(outcomes)])
 
 
 class TrainingParts:
-    """The training plan (config and synthetic shards), the timed variants, the compiled run and the
-    projection, each reported as it ends."""
+    """The training plan, the compiled run, the eager variants, each reported as it ends."""
 
     def __init__(self, runner, report, flags, deadline, data_dir):
         self.runner, self.report, self.flags, self.deadline = runner, report, flags, deadline
         self.data_dir = data_dir
         self.plan = None
-        self.outcomes = {}            # part name -> Outcome
         self.compiled = None          # what compiled_run returned
-
-    def run(self):
-        """Triton eager, then with CUDA graphs, then the compiled run, then the references: the
-        slowest, which the projection does not need, so that the time budget cuts them first."""
-        self.make_plan()
-        selected = self.flags.parts
-        for variant in ("triton", "graphs") if "training" in selected else ():
-            self.time_variant(variant)
-        if "compiled" in selected:
-            self.run_compiled()
-        if "training" in selected:
-            self.time_variant("reference")
-        line, numbers = self.projection_block()
-        self.report.put("projection", line, projection=numbers)
+        self.eager = {}               # variant -> its losses and ms
 
     def make_plan(self):
-        outcome = self.record("training:plan", self.runner.run("training:plan", make_training_plan,
-                                                               self.deadline.left(SETUP_LIMIT_S),
-                                                               data_dir=str(self.data_dir)))
+        outcome = self.runner.run("training:plan", make_training_plan, self.deadline.left(PART_LIMITS_S["training:plan"]),
+                                  data_dir=str(self.data_dir))
+        self.report.record("training:plan", outcome)
         self.plan = outcome.result if outcome.finished else None
+        if self.plan:
+            self.report.put("plan", f"data: {self.plan['data']}; arguments: `{' '.join(self.plan['args'])}`")
 
-    def record(self, name, outcome):
-        self.outcomes[name] = outcome
-        self.report.record(name, outcome)
-        return outcome
-
-    def without_plan(self):
-        return Outcome({}, not_run=f"it needs the training plan (training:plan: {self.shortfall('training:plan')})")
+    def run_compiled(self, model_ms):
+        seconds = self.deadline.left(PART_LIMITS_S["compiled"])
+        if self.plan is None or seconds < MIN_PART_S:
+            outcome = Outcome({}, not_run="it needs the training plan" if self.plan is None else "out of time budget")
+            self.report.record("compiled", outcome)
+            self.report.put("compiled", f"compiled run: {outcome.describe()}")
+            return
+        run = compiled_run(self.plan, self.flags.dry, seconds)
+        error = run.get("error") or ("" if run["ok"] else IN_TIMED_RUN)
+        self.report.record("compiled", Outcome({k: v for k, v in run.items() if k != "output"}, run["wall_s"], error,
+                                               run["output"][-4000:], run["exit_status"] is None))
+        self.compiled = run
+        self.report.save_log("compiled_run.txt", f"$ {run['command']}\n{run['output']}")
+        self.report.put("compiled", compiled_run_block(run, model_ms(), self.flags.dry),
+                        compiled_run={k: v for k, v in run.items() if k != "output"})
 
     def time_variant(self, variant):
         name = f"training:{variant}"
         if self.plan is None:
-            self.record(name, self.without_plan())
+            outcome = Outcome({}, not_run="it needs the training plan")
         else:
-            self.record(name, self.runner.run(name, time_training, self.deadline.left(), variant=variant,
-                                              train_files=self.plan["train_files"]))
-        self.report.put("training", self.training_block(),
-                        training=dict(steps=self.plan and self.plan["first_steps"],
-                                      **{f"{key}_ms": self.stage_ms(key) for key in TRAINING_VARIANTS}))
-
-    def stage_ms(self, variant):
-        """The variant's step ms per stage, None where it has none."""
-        stages = len(self.plan["first_steps"]) if self.plan else 0
-        outcome = self.outcomes.get(f"training:{variant}")
-        ms = list(outcome.result.get("ms", [])) if outcome else []
-        return (ms + [None] * stages)[:stages]
-
-    def shortfall(self, name):
-        """Why the part left something out: not in --parts, its error or why it did not start, or,
-        when it finished, the time budget."""
-        outcome = self.outcomes.get(name)
-        if outcome is None:
-            return "not in --parts"
-        return "out of time budget" if outcome.finished else outcome.describe()
-
-    def training_block(self):
-        if self.plan is None:
-            return f"training: not timed: training:plan: {self.shortfall('training:plan')}"
-        triton_ms, graphs_ms, reference_ms = (self.stage_ms(key) for key in TRAINING_VARIANTS)
-        untimed = [index for index, times in enumerate(zip(triton_ms, graphs_ms, reference_ms)) if None in times]
-        notes = [f"not timed (failed or out of time budget): stages {untimed}"] if untimed else []
-        notes += [f"{name}: {outcome.describe()}" for name, outcome in self.outcomes.items()
-                  if name.startswith("training:") and not outcome.finished]
-        return (f"training, eager (not compiled), micro-batches per step: {self.plan['batch_ranks']}, synthetic "
-                f"tokens (median of {TIMED_STEPS} steps after {UNTIMED_STEPS} untimed; with CUDA graphs, the "
-                f"forward+backward captured after the untimed steps and replayed):\n\n"
-                + "\n\n".join([training_table(self.plan, triton_ms, graphs_ms, reference_ms)] + notes))
-
-    def run_compiled(self):
-        seconds = self.deadline.left(COMPILED_RUN_LIMIT_S)
-        if self.plan is None or seconds < MIN_PART_S:
-            outcome = self.record("compiled", self.without_plan() if self.plan is None else
-                                  Outcome({}, not_run="out of time budget"))
-            self.report.put("compiled", f"compiled run: {outcome.describe()}")
-            return
-        run = compiled_run(self.plan, self.flags.dry, seconds)
-        error = run.get("error") or ("" if run["ok"] else GRAPHS_IN_TIMED_RUN)
-        self.record("compiled", Outcome({k: v for k, v in run.items() if k != "output"}, run["wall_s"], error,
-                                        run["output"][-4000:], run["exit_status"] is None))
-        self.compiled = run
-        self.report.save_log("compiled_run.txt", f"$ {run['command']}\n{run['output']}")
-        self.report.put("compiled", compiled_run_line(run, self.stage_ms("triton")[-1], self.flags.dry),
-                        compiled_run=self.outcomes["compiled"].result)
-
-    def compiled_ratio(self):
-        """The compiled run's step time over the eager Triton one at the last stage (None if either is missing)."""
-        eager_last = self.stage_ms("triton")[-1] if self.plan else None
-        if self.compiled and self.compiled["ok"] and eager_last:
-            return self.compiled["step_ms"] / eager_last
-        return None
-
-    def projection_block(self):
-        if self.compiled and self.compiled["ok"]:
-            ratio_why = "no eager Triton step time of the last stage"
-        else:
-            ratio_why = f"compiled: {self.shortfall('compiled')}"
-        lacking = "training:triton" if self.plan else "training:plan"
-        triton_why = f"{lacking}: {self.shortfall(lacking)}"
-        return projection_block(self.plan, self.stage_ms("triton"), triton_why, self.compiled_ratio(), ratio_why)
+            outcome = self.runner.run(name, time_training, self.deadline.left(PART_LIMITS_S[name]), variant=variant,
+                                      plan=self.plan)
+        self.report.record(name, outcome)
+        self.eager[variant] = outcome.result
+        notes = [f"{key}: {o}" for key, o in ((k, self.eager.get(k)) for k in TRAINING_VARIANTS) if o is None]
+        self.report.put("eager", f"eager steps at the dominant shape (the first includes the Triton JIT), the same "
+                                 f"data from the same start:\n\n{eager_table(self.plan, self.eager)}"
+                        + ("" if not notes else "\n\nnot run: " + "; ".join(notes)), eager=self.eager)
 
 
 class Stopped(Exception):
@@ -961,8 +878,11 @@ def injected_failures(flags):
     return {name: "raise" for name in flags.fail_part} | {name: "crash" for name in flags.crash_part}
 
 
-def parse_flags():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_flags(argv=None):
+    parser = argparse.ArgumentParser(description="The first GPU minutes: versions, the memory budget, the GPU "
+                                                 "tests, a compiled run at the dominant shape, eager steps with "
+                                                 "both kernel sets, the kernel benches and the projection, each "
+                                                 "part within its cap.")
     parser.add_argument("--dry", action="store_true", help="CPU, tiny shapes, Triton interpreter; writes nothing")
     parser.add_argument("--commit", default=None, help="commit of the tree (a copy without .git cannot tell)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
@@ -975,9 +895,8 @@ def parse_flags():
     parser.add_argument("--crash-part", action="append", default=[], metavar="NAME",
                         help="for tests: make the child of part NAME exit at once, reporting nothing")
     parser.add_argument("--routing", action="store_true",
-                        help="only time the split n-gram table's host routing on this host (no GPU needed), "
-                             "as the projection does, and the fetch that worked it out before")
-    flags = parser.parse_args()
+                        help="only time the split n-gram table's host routing on this host (no GPU needed)")
+    flags = parser.parse_args(argv)
     flags.parts = set(flags.parts.split(","))
     if not flags.parts <= set(PARTS):
         parser.error(f"--parts takes a comma-separated subset of {','.join(PARTS)}, got {','.join(flags.parts)}")
@@ -1005,16 +924,51 @@ def bench_time_line(part_seconds, total_s):
 
 def routing_main():
     """--routing: the host routing's times each way (ROUTING_WAYS), on this host's CPU."""
-    counts = sorted({s.tokens_per_rank for s in training_config(False, "triton").stages})
+    import train_gpt as tg
+    counts = sorted({s.tokens_per_rank for s in tg.parse_config(GPU_TRAIN_CONFIG).stages})
     print(routing_line(routing_host_ms(GPU_SHAPES, counts, pin=False)))
     for way in ROUTING_WAYS[1:]:
         ms = routing_host_ms(GPU_SHAPES, counts, pin=False, way=way)
         print(f"{way} (its collectives left out): " + ", ".join(f"{t:,} tokens {m:.1f} ms" for t, m in ms.items()))
 
 
-def main():
+def run_parts(runner, report, flags, deadline, work_dir):
+    """The parts in PART_LIMITS_S's order, the step model beside them, then the projection."""
+    model_dir = pathlib.Path(work_dir) / "model"
+    model_dir.mkdir()
+    report_environment(runner, report, flags, deadline)
+    if "tests" in flags.parts:
+        run_gpu_tests_part(report, flags.dry, deadline)
+    training = TrainingParts(runner, report, flags, deadline, work_dir)
+    training.make_plan()
+    model = start_step_model(training.plan["args"], model_dir, flags.dry) if training.plan else None
+
+    def model_step_ms():
+        found = read_model(model_dir, "model.json")
+        return found["stages"][0]["ms"] if found else None
+    try:
+        if "compiled" in flags.parts:
+            training.run_compiled(model_step_ms)
+        for variant in TRAINING_VARIANTS if "training" in flags.parts else ():
+            training.time_variant(variant)
+        if "kernels" in flags.parts:
+            run_kernel_parts(runner, report, flags.dry, deadline)
+        if model is not None:
+            try:
+                model.wait(max(1.0, deadline.left() + REPORT_RESERVE_S / 2))
+            except subprocess.TimeoutExpired:
+                pass
+        report.put("projection", projection_line(training.compiled, read_model(model_dir, "model.json"),
+                                                 read_model(model_dir, "speedrun.json")),
+                   model=read_model(model_dir, "model.json"), speedrun_model=read_model(model_dir, "speedrun.json"))
+    finally:
+        if model is not None:
+            kill_process_group(model.pid)
+
+
+def main(argv=None):
     start = time.monotonic()
-    flags = parse_flags()
+    flags = parse_flags(argv)
     if flags.routing:
         return routing_main()
     deadline = Deadline(flags.budget)
@@ -1023,16 +977,10 @@ def main():
     out = os.environ.get("OUT")
     report = Report(pathlib.Path(out) if out and not flags.dry else None)
     signal.signal(signal.SIGTERM, raise_stopped)
-    with tempfile.TemporaryDirectory(prefix="bench_gpu.") as work_dir:
+    with tempfile.TemporaryDirectory(prefix="first_contact.") as work_dir:
         runner = PartRunner(work_dir, flags.dry, flags.start_method, injected_failures(flags))
         try:
-            report_environment(runner, report, flags, deadline)
-            if "tests" in flags.parts:
-                run_gpu_tests_part(report, flags.dry, deadline)
-            if "kernels" in flags.parts:
-                run_kernel_parts(runner, report, flags.dry, deadline)
-            if flags.parts & {"training", "compiled"}:
-                TrainingParts(runner, report, flags, deadline, work_dir).run()
+            run_parts(runner, report, flags, deadline, work_dir)
         except (Stopped, KeyboardInterrupt) as stop:
             report.stopped(str(stop) or type(stop).__name__)
     report.put("bench time", bench_time_line(report.raw["part_seconds"], time.monotonic() - start))

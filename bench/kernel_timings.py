@@ -1,8 +1,9 @@
-"""The kernel part of bench/bench_gpu.py: each kernel family timed against its torch peer at
-the shapes it is given (the speedrun's per-GPU shapes on a GPU, tiny ones in the dry mode), and
-the split n-gram table's host routing. Every bench takes (shapes, device, timer, dry) and returns
-its table rows (`Line`); `KERNEL_BENCHES` names them. torch and the project's modules are
-imported inside each bench, so that bench_gpu.py's parent process never loads them."""
+"""The kernel part of bench/first_contact.py: each kernel family timed against its torch peer at
+the shapes it is given (the speedrun's per-GPU shapes on a GPU, tiny ones in the dry mode), the
+outputs compared, and the step model's time beside each; and the split n-gram table's host
+routing. Every bench takes (shapes, device, timer, dry) and returns its table rows (`Line`);
+`KERNEL_BENCHES` names them. torch and the project's modules are imported inside each bench, so
+that first_contact.py's parent process never loads them."""
 import dataclasses
 import statistics
 import time
@@ -31,6 +32,9 @@ class Line:
     torch_ms: float
     flops: float = 0.0       # of one call, for TFLOP/s; 0 when not a matmul-bound line
     target: float = 0.0      # minimum torch_ms / ours_ms; 0 when informational
+    model_ms: float = 0.0    # the step model's time of our call (bench/step_model.py, an H200, its efficiencies)
+    error: float = -1.0      # relative Frobenius distance of our output from torch's (-1: not compared)
+    tolerance: float = 0.0   # the largest error expected from the two computations' roundings
 
     @property
     def ratio(self):
@@ -39,14 +43,33 @@ class Line:
     def missed(self):
         return bool(self.target) and self.ratio < self.target
 
+    def disagrees(self):
+        return self.error > self.tolerance
+
     def cells(self):
         tflops = (lambda ms: f"{self.flops / ms / 1e9:.0f}") if self.flops else (lambda ms: "-")
         verdict = "-" if not self.target else ("MISSED" if self.missed() else "ok")
-        return [self.name, self.shape, f"{self.ours_ms:.3f}", f"{self.torch_ms:.3f}", tflops(self.ours_ms),
-                tflops(self.torch_ms), f"{self.ratio:.2f}", f">= {self.target}" if self.target else "-", verdict]
+        agree = "-" if self.error < 0 else f"{self.error:.1e}" + (" DIFFERS" if self.disagrees() else "")
+        return [self.name, self.shape, f"{self.ours_ms:.3f}", f"{self.model_ms:.3f}" if self.model_ms else "-",
+                f"{self.torch_ms:.3f}", tflops(self.ours_ms), tflops(self.torch_ms), f"{self.ratio:.2f}",
+                f">= {self.target}" if self.target else "-", verdict, agree]
 
 
-KERNEL_HEADER = ["kernel", "shape", "ours ms", "torch ms", "ours TFLOP/s", "torch TFLOP/s", "torch/ours", "target", ""]
+KERNEL_HEADER = ["kernel", "shape", "ours ms", "model ms", "torch ms", "ours TFLOP/s", "torch TFLOP/s", "torch/ours",
+                 "target", "", "vs torch"]
+
+
+def modelled_ms(flops=0.0, nbytes=0.0, family="gemm", dtype="fp8"):
+    """The step model's time of a kernel (an H200 at bench/step_model.py's efficiencies)."""
+    import step_model
+    op = step_model.Op("bench", family, "bench", flops=flops, dtype=dtype, bytes=nbytes)
+    return 1e3 * step_model.op_seconds(op, step_model.H200, step_model.REALISTIC, 1)
+
+
+def relative_error(ours, theirs):
+    """||ours - theirs|| / ||theirs||, in float64."""
+    theirs = theirs.double()
+    return float((ours.double() - theirs).norm() / theirs.norm().clamp_min(1e-30))
 
 
 def markdown_table(header, rows):
@@ -75,20 +98,34 @@ def _fp8(shape, device, column_major=False):
     return t.t() if column_major else t
 
 
+FP8_GEMM_TOLERANCE = 2 ** -7  # bf16 outputs of the same exact fp8 products, summed in other orders
+
+
 def bench_fp8_matmul(shapes, device, timer, dry):
+    """Our FP8 GEMM against torch._scaled_mm in the accumulation mode production uses for each:
+    the forward GEMMs with the fast accumulator (the MLP's, QKV's, the head's at every softmax
+    width of the speedrun: the production tile FP8_MATMUL_LARGE where it is chosen), the backward
+    ones with fp32 accumulation every BLOCK_K (the weight gradient over the tokens, the head's
+    input gradient over its columns)."""
     import torch
     import kernels
     T, D, H = shapes["tokens"], shapes["width"], shapes["hidden"]
-    problems = [("mlp up", T, D, H), ("mlp down", T, H, D), ("mlp down wgrad", D, T, H), ("qkv", T, D, 3 * D),
-                ("lm_head", T, D, shapes["candidates"])]
+    forward = [("mlp up", T, D, H), ("mlp down", T, H, D), ("qkv", T, D, 3 * D)]
+    forward += [(f"lm_head {w}", T, D, w) for w in shapes["softmax_widths"]]
+    backward = [("mlp down wgrad", D, T, H), (f"lm_head dgrad {shapes['softmax_widths'][-1]}", T,
+                                             shapes["softmax_widths"][-1], D)]
     scale = torch.ones((), device=device)
     lines = []
-    for name, m, k, n in problems:
-        a, b = _fp8((m, k), device), _fp8((k, n), device, column_major=True)
-        ours = timer(lambda: kernels.fp8_matmul(a, b, scale, scale, torch.bfloat16))
-        theirs = timer(lambda: torch._scaled_mm(a, b, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16,
-                                                use_fast_accum=True))
-        lines.append(Line(f"fp8_matmul {name}", f"{m}x{k}x{n}", ours, theirs, 2.0 * m * n * k, target=0.9))
+    for fast, problems in ((True, forward), (False, backward)):
+        for name, m, k, n in problems:
+            a, b = _fp8((m, k), device), _fp8((k, n), device, column_major=True)
+            ours_fn = lambda: kernels.fp8_matmul(a, b, scale, scale, torch.bfloat16, fast_accumulation=fast)  # noqa: E731
+            theirs_fn = lambda: torch._scaled_mm(a, b, scale_a=scale, scale_b=scale,  # noqa: E731
+                                                 out_dtype=torch.bfloat16, use_fast_accum=fast)
+            flops, nbytes = 2.0 * m * n * k, m * k + k * n + 2 * m * n
+            lines.append(Line(f"fp8_matmul {name} ({'fast' if fast else 'fp32'} accumulation)", f"{m}x{k}x{n}",
+                              timer(ours_fn), timer(theirs_fn), flops, target=0.9, model_ms=modelled_ms(flops, nbytes),
+                              error=relative_error(ours_fn(), theirs_fn()), tolerance=FP8_GEMM_TOLERANCE))
     return lines
 
 
@@ -109,10 +146,10 @@ def bf16_relu2_mlp(x, w_up, w_down):
 
 def bench_fp8_layers(shapes, device, timer, dry):
     """The FP8 layers with the trainer's scale rules against bf16 torch: the MLP, the packed QKV
-    projection and the head at the candidate width."""
+    projection and the head at the dominant stage's candidate width."""
     import torch
     import kernels
-    T, D, H, C = shapes["tokens"], shapes["width"], shapes["hidden"], shapes["candidates"]
+    T, D, H, C = shapes["tokens"], shapes["width"], shapes["hidden"], shapes["softmax_widths"][0]
     x = torch.randn(T, D, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad_y = torch.randn(T, D, device=device, dtype=torch.bfloat16)
     w_up = (torch.randn(H, D, device=device) * 0.02).bfloat16().requires_grad_(True)
@@ -258,10 +295,28 @@ def as_documents(t, num_docs, doc_len):
     return t.view(num_docs, doc_len, *t.shape[1:]).transpose(1, 2)
 
 
+ATTENTION_TOLERANCE = 2 ** -6   # bf16 outputs of two FlashAttention-style kernels (P rounded to bf16 in each)
+
+
+def modelled_attention_ms(lengths, window, d, heads):
+    """The step model's forward+backward time of flash_attn_varlen: the tiles its kernels visit at
+    this window (kernels.attention_configs), at the attention efficiency."""
+    import kernels
+    import step_model
+    fwd, kv, q, _ = kernels.attention_configs(window)
+    pairs = (step_model.query_tiles(lengths, window, fwd.block_m, fwd.block_n) * fwd.block_m * fwd.block_n * 2 * d,
+             step_model.key_tiles(lengths, window, kv.block_m, kv.block_n) * kv.block_m * kv.block_n * 4 * d,
+             step_model.query_tiles(lengths, window, q.block_m, q.block_n) * q.block_m * q.block_n * 3 * d)
+    return modelled_ms(flops=2.0 * heads * sum(pairs), family="attention", dtype="bf16")
+
+
 def bench_attention(shapes, device, timer, dry):
+    """Our attention against compiled flex_attention with the same document and window mask, at
+    the dominant stage's windows (the short layers' and the long ones': each picks its tiles), and
+    against SDPA's flash backend on equal causal documents; the forward outputs compared."""
     import torch
     import kernels
-    T, L, window = shapes["tokens"], shapes["doc_len"], shapes["window"]
+    T, L = shapes["tokens"], shapes["doc_len"]
     lengths = uneven_document_lengths(T, shapes["doc_median"], shapes["max_doc_len"], np.random.default_rng(0))
     uneven_cu_seqlens = torch.tensor(np.cumsum([0] + lengths), device=device, dtype=torch.int32)
     equal_cu_seqlens = torch.arange(0, T + 1, L, device=device, dtype=torch.int32)
@@ -273,14 +328,20 @@ def bench_attention(shapes, device, timer, dry):
         scale = d ** -0.5
         flops_per_pair = ATTENTION_MATMULS * 2.0 * d * heads
 
-        flex = flex_attention_fn(lengths, window, scale, device, dry)
-        ours = timer(_forward_backward(
-            lambda q, k, v: kernels.flash_attn_varlen(q, k, v, uneven_cu_seqlens, window, scale), [q, k, v], grad_o))
-        theirs = timer(lambda: flex(q.detach(), k.detach(), v.detach())) if dry else \
-            timer(_forward_backward(flex, [q, k, v], grad_o))
-        lines.append(Line(f"flash_attn_varlen fwd+bwd d={d} vs flex_attention",
-                          f"{T} tok in {len(lengths)} docs, window {window}, {heads} heads", ours, theirs,
-                          flops_per_pair * visible_pairs(lengths, window), target=1.0))
+        for window in shapes["windows"]:
+            flex = flex_attention_fn(lengths, window, scale, device, dry)
+            ours_fn = lambda q, k, v: kernels.flash_attn_varlen(q, k, v, uneven_cu_seqlens, window, scale)  # noqa: E731
+            ours = timer(_forward_backward(ours_fn, [q, k, v], grad_o))
+            theirs = timer(lambda: flex(q.detach(), k.detach(), v.detach())) if dry else \
+                timer(_forward_backward(flex, [q, k, v], grad_o))
+            with torch.no_grad():
+                detached = [t.detach() for t in (q, k, v)]
+                error = relative_error(ours_fn(*detached), flex(*detached))
+            lines.append(Line(f"flash_attn_varlen fwd+bwd d={d} vs flex_attention",
+                              f"{T} tok in {len(lengths)} docs, window {window}, {heads} heads", ours, theirs,
+                              flops_per_pair * visible_pairs(lengths, window), target=1.0,
+                              model_ms=modelled_attention_ms(lengths, window, d, heads), error=error,
+                              tolerance=ATTENTION_TOLERANCE))
 
         ours = timer(_forward_backward(
             lambda q, k, v: kernels.flash_attn_varlen(q, k, v, equal_cu_seqlens, 0, scale), [q, k, v], grad_o))
@@ -298,16 +359,20 @@ def bench_cross_entropy(shapes, device, timer, dry):
     import kernels
     T = shapes["tokens"]
     lines = []
-    for columns in (shapes["vocab"], shapes["candidates"]):
+    for columns in (*shapes["softmax_widths"], shapes["vocab"]):
         logits = torch.randn(T, columns, device=device, dtype=torch.bfloat16, requires_grad=True)
         targets = torch.randint(0, columns, (T, 1), device=device)
         weights = torch.ones(1, device=device)
         one = torch.ones((), device=device)
-        ours = timer(_forward_backward(lambda x: kernels.softcap_cross_entropy(x, targets, weights)[0].sum(), [logits],
-                                       one))
-        theirs = timer(_forward_backward(
-            lambda x: F.cross_entropy(kernels.softcap(x), targets[:, 0], reduction="sum"), [logits], one))
-        lines.append(Line("softcap_cross_entropy fwd+bwd", f"{T}x{columns}", ours, theirs, target=2.0))
+        ours_fn = lambda x: kernels.softcap_cross_entropy(x, targets, weights)[0].sum()  # noqa: E731
+        theirs_fn = lambda x: F.cross_entropy(kernels.softcap(x), targets[:, 0], reduction="sum")  # noqa: E731
+        ours, theirs = timer(_forward_backward(ours_fn, [logits], one)), timer(_forward_backward(theirs_fn, [logits], one))
+        with torch.no_grad():
+            error = relative_error(ours_fn(logits), theirs_fn(logits))
+        # one pass reading the logits and writing their gradient
+        lines.append(Line("softcap_cross_entropy fwd+bwd", f"{T}x{columns}", ours, theirs, target=2.0,
+                          model_ms=modelled_ms(nbytes=4.0 * T * columns, family="kernel"), error=error,
+                          tolerance=1e-5))
     return lines
 
 
@@ -414,3 +479,14 @@ def bench_composed_attention(shapes, device, timer, dry):
 KERNEL_BENCHES = dict(fp8_matmul=bench_fp8_matmul, fp8_layers=bench_fp8_layers, attention=bench_attention,
                       cross_entropy=bench_cross_entropy, xxt=bench_xxt, qk_norm_rope=bench_qk_norm_rope,
                       sparse_rows=bench_sparse_rows, composed_attention=bench_composed_attention)
+
+
+if __name__ == "__main__":
+    import argparse
+    argparse.ArgumentParser(
+        description=__doc__.split(";")[0] + ".",
+        epilog=f"The benches: {', '.join(KERNEL_BENCHES)}. They run inside bench/first_contact.py, which sets "
+               f"up their shapes, device and timer: python bench/first_contact.py --parts kernels (on a GPU), "
+               f"or --dry (on a CPU, tiny shapes).").parse_args()
+    raise SystemExit("error: bench/kernel_timings.py holds the kernel benches of bench/first_contact.py: run "
+                     "python bench/first_contact.py --parts kernels (see --help)")

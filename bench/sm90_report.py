@@ -6,7 +6,7 @@ arguments carry the block sizes, dtypes, layouts and specializations (unit strid
 pointers, 16-divisible sizes) exactly as the JIT sees them, with each launch's grid and each
 tensor argument's largest element offset:
   - the trainer's, for each run of TRAINER_RUNS (the speedrun, 1gpu, record89 and medium presets and
-    the schedule of bench/bench_gpu.py's training part): one training step of every stage, the
+    bench/first_contact.py's compiled run): one training step of every stage, the
     optimizer step and the final validation, at full size, traced on fake tensors under CUDA's
     autocast rules (tests/cuda_autocast.py), and the sparse tables' updates at the largest
     sizes the run makes (sparse_row_calls); each kernel op it calls is then made again on real
@@ -63,8 +63,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 def report_path(version=triton.__version__):
     """Where the report of a triton version is kept: sm90_resources.json for the version
-    requirements.txt pins, sm90_resources_triton<version>.json for another (the GPU image's)."""
-    pinned = next(line.split("==")[1].strip() for line in (REPO_ROOT / "requirements.txt").read_text().splitlines()
+    requirements pin (requirements/train.txt), sm90_resources_triton<version>.json for another (the GPU image's)."""
+    pinned = next(line.split("==")[1].strip() for line in (REPO_ROOT / "requirements" / "train.txt").read_text().splitlines()
                   if line.startswith("triton=="))
     name = "sm90_resources.json" if version == pinned else f"sm90_resources_triton{version}.json"
     return pathlib.Path(__file__).resolve().parent / name
@@ -75,9 +75,9 @@ HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes of shared memory one block may use on H100/H200
 
 # The trainer runs whose launches are recorded: (config arguments, processes, schedule). A
-# preset's schedule is its timed run, steps 0 .. N-1 in order; "bench" is bench/bench_gpu.py's
-# training part (the 1gpu preset with one GPU's share of the n-gram table resident, UNTIMED_STEPS
-# + TIMED_STEPS steps at the first step of each stage, in stage order).
+# preset's schedule is its timed run, steps 0 .. N-1 in order; "bench" is bench/first_contact.py's
+# compiled run (the 1gpu preset with one GPU's share of the n-gram table resident, at the
+# speedrun's dominant stage alone, COMPILED_STEPS steps).
 TRAINER_RUNS = {"speedrun": (["--preset", "speedrun"], 8, "preset"),
                 "1gpu": (["--preset", "1gpu"], 1, "preset"),
                 "record89": (["--preset", "record89"], 8, "preset"),
@@ -262,10 +262,10 @@ def run_config(run):
     """(config, processes, train steps in order) of a run of TRAINER_RUNS."""
     args, processes, schedule = TRAINER_RUNS[run]
     if schedule == "bench":
-        import bench_gpu
-        h = train_gpt.parse_config(bench_gpu.GPU_TRAIN_CONFIG)
-        steps_per_stage = bench_gpu.UNTIMED_STEPS + bench_gpu.TIMED_STEPS
-        return h, processes, [step for step in bench_gpu.stage_first_steps(h) for _ in range(steps_per_stage)]
+        import first_contact
+        h = train_gpt.parse_config(first_contact.dominant_args(dry=False) +
+                                   [f"--num_iterations={first_contact.COMPILED_STEPS}"])
+        return h, processes, list(range(h.num_iterations))
     h = train_gpt.parse_config(args)
     return h, processes, list(range(h.num_iterations))
 
@@ -360,15 +360,13 @@ def _trace_training_steps(h):
         model = train_gpt.build_model(h, fns)
         optimizers = train_gpt.build_optimizers(h, model, fns)
         for index, stage in enumerate(h.stages):
-            T = stage.tokens_per_rank
-            tokens = torch.zeros(T, dtype=torch.int32)
-            targets = torch.zeros(T, train_gpt.MAX_TARGETS - 1, dtype=torch.int64)
-            cu_seqlens = torch.arange(0, T + 1, stage.max_doc_len, dtype=torch.int32)
-            args = train_gpt.AttentionArgs(cu_seqlens, stage.short_window * train_gpt.WINDOW_BLOCK,
-                                           stage.long_window * train_gpt.WINDOW_BLOCK)
-            columns = torch.arange(stage.candidates) if stage.candidates else None
+            step = sum(train_gpt.steps_per_stage(h)[:index])     # the stage's first
+            train_gpt.model_at(model, h, step)
+            model.set_loss_unit(1.0 / (stage.tokens_per_rank * h.batch_ranks))   # the trainer's objective weight
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss, _ = model(tokens, targets, args, train_gpt.target_weights(stage, "cpu"), columns)
+                loss, _ = train_gpt.micro_batch_losses(model, stage, train_gpt.attention_windows(h, step),
+                                                       train_gpt.empty_micro_batch(stage),
+                                                       train_gpt.target_weights(stage, "cpu"))
             loss.backward()
             for opt in optimizers:
                 opt.step()

@@ -1,7 +1,7 @@
 """Hopper (sm_90) compile checks of every production kernel launch, on a machine without a GPU.
 
 bench/sm90_report.py records the launches of the trainer runs (the speedrun, 1gpu, record89 and medium
-presets and bench/bench_gpu.py's training schedule: a step of every stage, the optimizer, the
+presets and bench/first_contact.py's compiled run: a step of every stage, the optimizer, the
 final validation, traced under CUDA's autocast rules, and the sparse tables' largest updates) and
 the library's other production variants, and compiles each for GPUTarget("cuda", 90, 32). The
 compiles run once, in a worker process whose Triton is not in interpreter mode
@@ -47,13 +47,13 @@ def test_matrix_kernels_use_the_tensor_cores():
 def test_every_kernel_the_trainer_launches_is_in_the_report():
     """The speedrun trainer's own launches (not a hand-written list) feed the report: the FP8
     casts and GEMMs (MLP, QKV, head), the QK norm + RoPE, attention forward and backward at head
-    dims 64 and 128 with bf16 q, k, v, composed attention, the cross-entropy and its backward, and
-    the optimizer's X X^T, the sparse tables' row sums and Adam."""
+    dims 64 and 128 with bf16 q, k, v, composed attention, the cross-entropy (its gradient handed
+    on: no backward kernel), and the optimizer's X X^T, the sparse tables' row sums and Adam."""
     trainer = [e for e in hopper_report()["kernels"] if e["trainer"]]
     assert {e["kernel"] for e in trainer} == {
         "_fp8_cast_kernel", "_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_attn_fwd_kernel",
         "_attn_bwd_delta_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel", "_softcap_ce_kernel",
-        "_scale_rows_kernel", "_xxt_kernel", "_qk_norm_rope_fwd_kernel", "_qk_norm_rope_bwd_kernel",
+        "_xxt_kernel", "_qk_norm_rope_fwd_kernel", "_qk_norm_rope_bwd_kernel",
         "_dc_fwd_kernel", "_dc_bwd_mix_kernel", "_dc_bwd_q_kernel", "_dc_bwd_kv_kernel", "_sum_rows_kernel",
         "_sparse_adam_rows_kernel"}
     for e in trainer:
@@ -84,13 +84,15 @@ def test_committed_resource_report_is_current():
 def test_sparse_row_kernels_cover_both_table_widths():
     """The value tables are 768 wide and, on the narrow_vo layers, 6 heads x 64 = 384: both
     widths of sum_rows (BLOCK_D 256 either way) and of sparse Adam (BLOCK_D 1024 and 512) are
-    compiled, the fp32 value tables' launches by the trainer, the bf16 n-gram table's at 768."""
+    compiled; the trainer launches both on bf16 tables (the value tables are bf16 with the
+    speedrun's bf16 weights, as the n-gram table is), and the fp32 variants (fp32 weights) are
+    compiled besides."""
     adam = {e["variant"].split(") ")[0].split("(")[1] + " " + e["variant"].split()[2]: e["trainer"]
             for e in hopper_report()["kernels"] if e["kernel"] == "_sparse_adam_rows_kernel"}
-    assert adam == {"fp32,fp32,i64,i64,fp32,i32,fp64 BLOCK_D=1024": True,
-                    "fp32,fp32,i64,i64,fp32,i32,fp64 BLOCK_D=512": True,
+    assert adam == {"fp32,fp32,i64,i64,fp32,i32,fp64 BLOCK_D=1024": False,
+                    "fp32,fp32,i64,i64,fp32,i32,fp64 BLOCK_D=512": False,
                     "bf16,fp32,i64,i64,fp32,i32,fp64 BLOCK_D=1024": True,
-                    "bf16,fp32,i64,i64,fp32,i32,fp64 BLOCK_D=512": False}, adam
+                    "bf16,fp32,i64,i64,fp32,i32,fp64 BLOCK_D=512": True}, adam
 
 
 def test_sparse_adam_event_is_not_specialized():
@@ -114,9 +116,9 @@ def test_sparse_adam_event_is_not_specialized():
 def test_sparse_updates_are_recorded_at_the_runs_largest_sizes():
     """The recorded n-gram updates have the entry counts a run makes at its longest cadence with
     all its micro-batches: 2 rows x 49,152 tokens x 8 micro-batches x 4 steps for the 1gpu preset,
-    one micro-batch for each of 8 processes (speedrun), and bench_gpu.py's schedule, whose largest
-    late update spans four 49,152-token steps (three at step 681, one at 965; x 8 micro-batches x 2 rows)."""
-    expected = {"speedrun": 2 * 49152 * 4, "1gpu": 2 * 49152 * 8 * 4, "bench": 2 * 8 * 4 * 49152}
+    one micro-batch for each of 8 processes (speedrun), and first_contact.py's compiled run, whose
+    dozen steps at 49,152 tokens all come before the tables' late phase: one step's 8 micro-batches."""
+    expected = {"speedrun": 2 * 49152 * 4, "1gpu": 2 * 49152 * 8 * 4, "bench": 2 * 8 * 49152}
     for run, entries in expected.items():
         grids = {launch.grid[0] for launch in sm90_report.trainer_launches(run)
                  if launch.kernel.__name__ == "_sum_rows_kernel"}
