@@ -1,14 +1,17 @@
 """The checkpoint format: a trained model as one safetensors file (write_safetensors,
 read_safetensors: the format's header and data, written here without the safetensors package)
 with the metadata to rebuild and judge it (save_checkpoint, load_checkpoint): the resolved
-config, whether the head is tied, the run id, the seal of its log and the sha256 of its data,
-verified on reading. A table split across the processes is gathered into the file whole, chunk
-by chunk. Evaluating and sampling a checkpoint: evaluate.py.
+config, whether the head is tied, the run id, the seal of its log, the sha256 of its data and
+the sha256 of its whole header (metadata, tensor names, shapes, offsets) and data, both verified
+on reading. A table split across the processes is gathered into the file whole, chunk by chunk.
+Evaluating and sampling a checkpoint: evaluate.py.
 """
+import errno
 import hashlib
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 
@@ -34,7 +37,8 @@ SAFETENSORS_MAX_HEADER = 100 * 2**20  # the format's limit on the JSON header, i
 SAFETENSORS_MAX_DIMS = 8           # dimensions of a tensor read (the model's have at most 3)
 SAFETENSORS_MAX_ELEMENTS = 2**48   # elements of a tensor read, a zero dimension counted as 1
 TRUST_HINT = "--trust_checkpoint=true uses it anyway"
-HASH_PLACEHOLDER = "0" * 64        # the header's data_sha256 while the data is written (then patched)
+HASH_PLACEHOLDER = "0" * 64        # the header's data_sha256 and sha256 while the data is written (then patched)
+HASH_KEYS = ("data_sha256", "sha256")  # the metadata's hashes: of the data; of the header without them and the data
 
 
 class CheckpointError(Exception):
@@ -75,13 +79,23 @@ def _data_bytes(path, name, t):
                               f"{expected}")
 
 
+def header_digest(header):
+    """A sha256 that has hashed the header's content, its metadata's HASH_KEYS left out: the JSON
+    of its tensors' names, dtypes, shapes and offsets and its metadata, keys sorted, no spaces (so
+    that the hash covers what the header says, not how it is spaced), and a NUL before the data."""
+    metadata = {k: v for k, v in header.get("__metadata__", {}).items() if k not in HASH_KEYS}
+    content = {**header, "__metadata__": metadata}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode() + b"\0")
+
+
 def write_safetensors(path, tensors, metadata):
     """Write {name: tensor or RowPieces} and metadata {str: str} as a safetensors file: 8 bytes of
     little-endian header size, the JSON header (per tensor its dtype, shape and [begin, end) byte
     offsets into the data; "__metadata__"), then the tensors' bytes back to back. One pass over
-    the data, which is hashed on the way into the metadata's data_sha256 (patched into the header
-    at the end). Written here, not by the safetensors package, so that saving works on any image
-    torch runs on; the tests read these files with that package.
+    the data, which is hashed on the way into the metadata's data_sha256, and with the header's
+    content (header_digest) into its sha256 (both patched into the header at the end). Written
+    here, not by the safetensors package, so that saving works on any image torch runs on; the
+    tests read these files with that package. Returns the data's sha256.
 
     Memory: a host copy of one tensor at a time (none for a tensor already in host memory), or
     of one piece at a time for RowPieces, which is how a tensor larger than memory is written.
@@ -99,24 +113,28 @@ def write_safetensors(path, tensors, metadata):
         header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-    header["__metadata__"] = {**metadata, "data_sha256": HASH_PLACEHOLDER}
+    header["__metadata__"] = {**metadata, **{key: HASH_PLACEHOLDER for key in HASH_KEYS}}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % SAFETENSORS_HEADER_ALIGN)
-    hash_key = f'"data_sha256":"{HASH_PLACEHOLDER}"'.encode()
-    hash_at = 8 + text.index(hash_key) + len(hash_key) - len(HASH_PLACEHOLDER) - 1
+    hash_at = {}
+    for key in HASH_KEYS:
+        quoted = f'"{key}":"{HASH_PLACEHOLDER}"'.encode()
+        hash_at[key] = 8 + text.index(quoted) + len(quoted) - len(HASH_PLACEHOLDER) - 1
     if os.path.exists(path):
         raise CheckpointError(f"{path} exists already; a checkpoint is never overwritten")
     partial = f"{path}.partial-{os.getpid()}"
-    digest = hashlib.sha256()
+    digest, whole = hashlib.sha256(), header_digest(header)
     try:
         with open(partial, "xb") as f:
             f.write(struct.pack("<Q", len(text)) + text)
             for name in names:
                 for data in _data_bytes(path, name, tensors[name]):
                     digest.update(data)
+                    whole.update(data)
                     f.write(data)
-            f.seek(hash_at)
-            f.write(digest.hexdigest().encode())
+            for key, value in (("data_sha256", digest), ("sha256", whole)):
+                f.seek(hash_at[key])
+                f.write(value.hexdigest().encode())
             f.flush()
             os.fsync(f.fileno())
         os.replace(partial, path)
@@ -128,17 +146,37 @@ def write_safetensors(path, tensors, metadata):
     return digest.hexdigest()
 
 
+FILE_KINDS = {stat.S_ISDIR: "a folder", stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISSOCK: "a socket",
+              stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}  # what a path can be besides a file
+
+
+def _read_regular_file(path):
+    """The bytes of the regular file at `path` (a bytearray: one copy in memory); anything else (a
+    FIFO, a device) is refused before it is opened for reading, so that nothing waits on it."""
+    def kind(mode):
+        return next((name for test, name in FILE_KINDS.items() if test(mode)), None)
+    what = kind(os.stat(path).st_mode)
+    if what is None:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(fd)
+            what = kind(info.st_mode)
+            if what is None:
+                raw = bytearray(info.st_size)
+                del raw[f.readinto(raw):]
+                return raw
+    raise OSError(errno.EINVAL, f"it is {what}, not a checkpoint file")
+
+
 def read_safetensors(path, trust=False):
     """(tensors, metadata) of a safetensors file. Every size, shape and offset is checked before a
     byte of data is used or a tensor allocated, so a truncated, damaged or foreign file ends in one
-    CheckpointError line. A data_sha256 in the metadata is checked against the data, unless
-    `trust`."""
+    CheckpointError line. A data_sha256 in the metadata is checked against the data, and a sha256
+    against the header's content and the data (header_digest), unless `trust`."""
     def refuse(why):
         return CheckpointError(f"{path}: {why}")
     try:
-        with open(path, "rb") as f:
-            raw = bytearray(os.fstat(f.fileno()).st_size)
-            del raw[f.readinto(raw):]
+        raw = _read_regular_file(path)
     except OSError as e:
         raise refuse(f"cannot read it ({e.strerror})") from None
     if len(raw) < 8:
@@ -182,6 +220,13 @@ def read_safetensors(path, trust=False):
     expected = metadata.get("data_sha256")
     if expected is not None and not trust and hashlib.sha256(data).hexdigest() != expected:
         raise refuse(f"damaged: its data does not match the data_sha256 in its metadata ({TRUST_HINT})")
+    expected = metadata.get("sha256")
+    if expected is not None and not trust:
+        whole = header_digest({**header, "__metadata__": metadata})
+        whole.update(data)
+        if whole.hexdigest() != expected:
+            raise refuse(f"damaged: its header (tensor names, shapes, offsets, metadata) and data do not match the "
+                         f"sha256 in its metadata ({TRUST_HINT})")
     tensors = {name: torch.frombuffer(data[begin:stop], dtype=dtype).reshape(shape).clone() if stop > begin
                else torch.empty(shape, dtype=dtype) for begin, stop, name, dtype, shape in entries}
     return tensors, metadata
@@ -263,6 +308,10 @@ def load_checkpoint(path, trust=False):
     if "data_sha256" not in metadata and not trust:
         raise CheckpointError(f"{path}: its metadata has no data_sha256, so its data cannot be verified "
                               f"({TRUST_HINT})")
+    if "sha256" not in metadata and not trust:
+        raise CheckpointError(f"{path}: its metadata has no sha256 of its header and data (a checkpoint written "
+                              f"before headers were hashed), so its tensor names, shapes and offsets cannot be "
+                              f"verified ({TRUST_HINT})")
     try:
         h = normalize_config(config_from_dict(load_json("its config", metadata["config"])))
         metadata = {**metadata, "tied": json.loads(metadata["tied"]), "val_loss": float(metadata["val_loss"]),

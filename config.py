@@ -9,11 +9,14 @@ together, so that a bad value ends the run before any work with one line naming 
 value and what is allowed. The presets themselves are in train_gpt.py.
 """
 import argparse
+import ast
 import dataclasses
+import io
 import json
 import math
 import os
 import stat
+import tokenize
 from dataclasses import dataclass, field
 
 import kernels
@@ -61,13 +64,17 @@ def count(default, low, high, unit, multiple=1):
                                             "allowed": allowed})
 
 
-def real(default, what, low=0.0, high=None, above=None):
-    """A finite number >= low (> above when given), at most high (None: no bound)."""
-    if above is not None:
-        allowed = f"{what} in ({above:g}, {high:g}]" if high is not None else f"{what} > {above:g}"
+def real(default, what, low=0.0, high=None, above=None, below=None):
+    """A finite number >= low (> above when given), at most high (None: no bound; < below when given)."""
+    opening = f"({above:g}" if above is not None else f"[{low:g}"
+    if below is not None:
+        allowed = f"{what} in {opening}, {below:g})"
+    elif high is not None:
+        allowed = f"{what} in {opening}, {high:g}]"
     else:
-        allowed = f"{what} in [{low:g}, {high:g}]" if high is not None else f"{what} >= {low:g}"
-    return field(default=default, metadata={"low": low, "high": high, "above": above, "allowed": allowed})
+        allowed = f"{what} > {above:g}" if above is not None else f"{what} >= {low:g}"
+    return field(default=default, metadata={"low": low, "high": high, "above": above, "below": below,
+                                            "allowed": allowed})
 
 
 def rate(default):
@@ -84,7 +91,8 @@ def fraction(default, above=None):
 
 
 def beta(default):
-    return real(default, "a beta", high=1.0)
+    """A moving average's decay in [0, 1): at 1 the average never moves from where it starts."""
+    return real(default, "a beta", below=1.0)
 
 
 def choice(default, *others):
@@ -154,27 +162,26 @@ class Average:
 # tables; the query and key rows of each QKV weight; its value rows with the attention output
 # and both MLP matrices.
 AVERAGED_PARAMS = ("embed_head", "value_embeds", "qk", "vo_mlp")
-NORM_FLOOR = 1e-12                 # an all-zero matrix keeps its zeros when renormalized
 
 
 @dataclass
 class ModelConfig:
     """The model's shape and features: everything GPT reads, and nothing else."""
-    num_layers: int = count(11, 1, MAX_LAYERS, "layers")
+    num_layers: int = count(12, 1, MAX_LAYERS, "layers")
     model_dim: int = count(768, 1, MAX_WIDTH, "dims")
     num_heads: int = count(6, 1, MAX_HEADS, "heads")
     head_dim: int = count(128, 4, MAX_HEAD_DIM, "dims", multiple=4)  # (RoPE rotates pairs in half of them)
     mlp_hidden: int = count(3072, 1, MAX_HIDDEN, "dims")
-    long_window_layers: tuple = layers((3, 10))  # layers that use the long window; others the short one
-    attention_free_layers: tuple = layers((6,))  # layers with no attention sublayer
+    long_window_layers: tuple = layers(())  # layers that use the long window; others the short one
+    attention_free_layers: tuple = layers(())  # layers with no attention sublayer
     # value-embedding tables, each shared by one of the first and one of the last layers
-    num_value_embeds: int = count(3, 0, MAX_LAYERS // 2, "tables")
+    num_value_embeds: int = count(0, 0, MAX_LAYERS // 2, "tables")
     # or: these layers, each with a table of its own (then num_value_embeds = 0)
     value_embed_layers: tuple = layers(())
     value_embed_gate_dim: int = count(12, 1, MAX_WIDTH, "dims")  # inputs of the per-head value-embedding gates
     value_embed_gate_reads_value: bool = False  # gates read half their inputs from the value embedding
     value_embed_sparse: bool = False   # value embeddings trained like the n-gram table: sparse Adam, its cadence
-    bigram_rows: int = count(251_520, 2, MAX_TABLE_ROWS, "rows")  # rows of the bigram hash embedding
+    bigram_rows: int = count(2, 2, MAX_TABLE_ROWS, "rows")  # rows of the bigram hash embedding (zero at init)
     # rows of the hashed bigram+trigram table trained sparsely (0: the bigram embedding); even, >= 4
     ngram_rows: int = count(0, 0, MAX_TABLE_ROWS, "rows", multiple=2)
     # the table's storage: float32 | bfloat16 (half the bytes; updates rounded to nearest)
@@ -184,7 +191,7 @@ class ModelConfig:
     # softmax scale of QK-normed attention before any YaRN growth
     attn_scale: float = real(0.1, "a scale", above=0.0)
     # YaRN: the attention scale grows by this times ln(window growth)
-    yarn_scale_growth: float = real(0.1, "a growth rate")
+    yarn_scale_growth: float = real(0.0, "a growth rate")
     canonical_mask: bool = False       # validation: no probability for token pairs GPT-2's encoder never emits
     smear_gate: bool = False           # each token's embedding gets a gated share of its predecessor's
     key_offset: bool = False           # long-window layers: a key's stationary dims come from the previous token
@@ -210,9 +217,9 @@ class ModelConfig:
     skip_layers: tuple = (3, 6)        # dense: layer [1] (attention-free) adds a gated copy of layer [0]'s output
     # dense: the layers after it read its output as their attention input
     snapshot_layer: int = count(7, 0, MAX_LAYERS, "a layer index")
-
-
-MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
+    # the weights' storage: float32 | bfloat16 (then the activations are bf16 too; the optimizers
+    # keep each weight's fp32 precision in a 16-bit mantissa sidecar)
+    param_dtype: str = choice("float32", "bfloat16")
 
 
 @dataclass
@@ -234,28 +241,21 @@ class Hyperparameters(ModelConfig):
     batch_ranks: int = count(8, 1, MAX_BATCH_RANKS, "rank slices")
     # model schedule (the model's own fields are ModelConfig's)
     # long window (blocks) of the final validation
-    val_long_window: int = count(20, 1, MAX_WINDOW_BLOCKS, "window blocks")
+    val_long_window: int = count(8, 1, MAX_WINDOW_BLOCKS, "window blocks")
     yarn_at_final_window: bool = True  # YaRN also for the final validation's wider window (else RoPE stays)
-    untie_frac: float = fraction(2 / 3)  # fraction of training after which lm_head is untied from the embedding
+    untie_frac: float = fraction(1.0)  # fraction of training after which lm_head is untied from the embedding
     # schedule
-    num_iterations: int = count(1194, 1, MAX_STEPS, "steps")
-    stages: list = field(default_factory=lambda: [
-        # multi-token weights as record 89 moves them: [1, .5, .25] -> [1, .5, 0] -> [1, 0] -> [1]
-        Stage(end=0.268, tokens_per_rank=16_384, max_doc_len=896, short_window=1, long_window=3,
-              mtp_weights=(1.0, 0.5, 0.25), mtp_weights_end=(1.0, 0.5, 0.0), prefix_weight=0.25),
-        Stage(end=0.570, tokens_per_rank=32_768, max_doc_len=2048, short_window=3, long_window=7,
-              mtp_weights=(1.0, 0.5), mtp_weights_end=(1.0, 0.0), prefix_weight=0.25),
-        Stage(end=0.927, tokens_per_rank=49_152, max_doc_len=3072, short_window=5, long_window=11),
-        Stage(end=1.000, tokens_per_rank=49_152, max_doc_len=3072, short_window=6, long_window=13),
-    ])
-    cooldown_start: float = fraction(0.4)  # fraction of training where the linear LR cooldown starts
-    cooldown_floor: float = real(0.15, "an LR multiplier", high=1.0)  # LR multiplier at the end of the cooldown
+    num_iterations: int = count(1000, 1, MAX_STEPS, "steps")
+    stages: list = field(default_factory=lambda: [   # one stage: causal attention over 1024-token documents
+        Stage(end=1.0, tokens_per_rank=16_384, max_doc_len=1024, short_window=8, long_window=8)])
+    cooldown_start: float = fraction(0.5)  # fraction of training where the linear LR cooldown starts
+    cooldown_floor: float = real(0.0, "an LR multiplier", high=1.0)  # LR multiplier at the end of the cooldown
     # fraction of training where the cooldown reaches the floor
     cooldown_end: float = fraction(1.0, above=0.0)
     averages: list = field(default_factory=list)  # end-of-training weight averages (Average), applied in order
     # optimizers
     # matrix optimizer: muon | normuon | anvil | adamw (Adam for everything)
-    optimizer: str = choice("anvil", "muon", "normuon", "adamw")
+    optimizer: str = choice("adamw", "muon", "normuon", "anvil")
     orthogonalize: str = choice("auto", *ORTHOGONALIZATIONS)  # polar_express (record 89) | anvil (record 92) | auto: anvil for anvil
     matrix_lr: float = rate(0.05)
     adamw_matrix_lr: float = rate(0.008)  # Adam's LR for the hidden matrices when optimizer=adamw
@@ -274,12 +274,12 @@ class Hyperparameters(ModelConfig):
     anvil_slow_beta: float = beta(0.98)  # beta of the slow momentum rail
     # weight of the fast rail once blending starts (1.0 before)
     anvil_blend: float = real(0.4385, "a weight", high=1.0)
-    anvil_blend_start: float = fraction(0.43)  # fraction of training where blending starts (step 514 of 1194)
+    anvil_blend_start: float = fraction(0.43)  # fraction of training where blending starts
     anvil_mu_low: float = real(0.85, "a Nesterov weight", high=1.0)  # Nesterov mu at the start and the end
     anvil_mu_high: float = real(0.93, "a Nesterov weight", high=1.0)  # Nesterov mu in the middle
-    # fraction of training over which mu rises (240 of 1194 steps)
+    # fraction of training over which mu rises
     anvil_mu_rise: float = fraction(0.2, above=0.0)
-    # final fraction over which mu falls back (50 of 1194 steps)
+    # final fraction over which mu falls back
     anvil_mu_fall: float = fraction(0.042, above=0.0)
     # Adam groups; weight decay is cautious and of strength lr^2 * wd per update (optim.Adam)
     embed_lr: float = rate(0.01)       # token embedding (and the head while tied)
@@ -317,11 +317,14 @@ class Hyperparameters(ModelConfig):
     # activations and matrix products: bfloat16 (autocast) | float32 (no autocast)
     compute_dtype: str = choice("bfloat16", "float32")
     # FP8 layers run with the Triton kernels or on CUDA (or emulated: fp8_on_cpu); evaluation is bf16
-    fp8_mlp: bool = True               # MLPs as the fused FP8 ReLU^2 kernel pair
+    fp8_mlp: bool = False              # MLPs as the fused FP8 ReLU^2 kernel pair
     # the MLP's scale rules: record92 | record89 | delayed (kernels.MLP_SCALES)
     fp8_mlp_scales: str = choice(*MLP_SCALE_RULES)
-    fp8_qkv: bool = True               # the packed QKV projection as an FP8 linear (kernels.QKV_SCALES)
-    fp8_head: bool = True              # the head at the candidate width as an FP8 linear (kernels.HEAD_SCALES)
+    fp8_qkv: bool = False              # the packed QKV projection as an FP8 linear (kernels.QKV_SCALES)
+    fp8_head: bool = False             # the head at the candidate width as an FP8 linear (kernels.HEAD_SCALES)
+    # the FP8 layers' plain GEMMs: triton | scaled_mm (torch._scaled_mm, cuBLAS: where the Triton
+    # GEMM is slower on the GPU; the casts and the relu2 epilogues stay Triton)
+    fp8_gemm: str = choice("triton", "scaled_mm")
     fp8_on_cpu: bool = False           # on a CPU, run the FP8 layers through their torch references (checks numerics)
     # untimed steps per graph before timing starts (when something compiles)
     warmup_steps: int = count(3, 0, MAX_STEPS, "steps")
@@ -335,6 +338,11 @@ class Hyperparameters(ModelConfig):
 
 
 MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
+# Keys that say how a run executes, not what it trains: a preset may leave them at their defaults.
+# Every other key is the recipe's, which a preset states whole (the schema's defaults are inert).
+RUN_KEYS = ("preset", "seed", "device", "kernels", "compile", "compile_backend", "fp8_gemm", "fp8_on_cpu",
+            "warmup_steps", "warm_up", "cuda_graphs", "sync_check", "val_every", "log_every", "log_dir",
+            "save_checkpoint", "ngram_cache_rows")
 STAGE_FIELDS = [f.name for f in dataclasses.fields(Stage)]
 AVERAGE_FIELDS = [f.name for f in dataclasses.fields(Average)]
 TABLE_PHASE_FIELDS = [f.name for f in dataclasses.fields(TablePhase)]
@@ -426,13 +434,40 @@ def config_from_dict(d, base=None):
     return h
 
 
-def preset_config(name, presets):
-    """The Hyperparameters of the preset `name`: the defaults, then presets[name](h)."""
+class StatedKeys:
+    """A Hyperparameters as a preset function sees it: reads and writes go through to it, and
+    `stated` collects the keys the preset wrote (its recipe, as --print_config shows it)."""
+
+    def __init__(self, h):
+        object.__setattr__(self, "_h", h)
+        object.__setattr__(self, "stated", set())
+
+    def __getattr__(self, key):
+        return getattr(self._h, key)
+
+    def __setattr__(self, key, value):
+        self.stated.add(key)
+        setattr(self._h, key, value)
+
+
+def preset_config(name, presets, stated=None):
+    """The Hyperparameters of the preset `name`: the defaults, then presets[name](h); the keys the
+    preset wrote are added to the set `stated` when one is given."""
     if not isinstance(name, str) or name not in presets:
         raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(presets)}")
     h = Hyperparameters(preset=name)
-    presets[name](h)
+    view = StatedKeys(h)
+    presets[name](view)
+    if stated is not None:
+        stated |= view.stated
     return h
+
+
+def print_config(h, origins):
+    """--print_config: every key of the resolved config, its value and where it came from."""
+    width = max(map(len, SCHEMA))
+    for key, value in config_to_dict(h).items():
+        print(f"{key:<{width}}  {json.dumps(value, default=str):<40}  {origins.get(key, 'default')}")
 
 
 def read_config_file(path):
@@ -468,6 +503,101 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ConfigError(f"{self.prog}: {message}")
 
 
+# -----------------------------------------------------------------------------------------------
+# --help: every key with its type, its range and its meaning, read from the schema
+# -----------------------------------------------------------------------------------------------
+
+HELP_TYPES = {int: "INT", float: "FLOAT", bool: "true|false", str: "STR", tuple: "JSON-LIST", list: "JSON-LIST"}
+LIST_ITEMS = {"stages": Stage, "averages": Average, "table_phases": TablePhase}  # list keys: what each entry is
+SECTION_WORDS = 2                  # a comment line of at most this many words (before any parenthesis) opens a section
+HELP_VALUE_CHARS = 40              # a preset's value is shown when its JSON is at most this long
+HELP_KEY_WIDTH = 38                # the column of --key=TYPE before a key's meaning
+
+
+def field_comments(cls):
+    """{field: its meaning} for a dataclass of this module, from the source's comments: the one on
+    the field's line, else the block of comment lines just above it; and {field: the section it
+    is in}, a section being opened by a comment line of at most SECTION_WORDS words ("# data")."""
+    source = open(__file__, encoding="utf-8").read()
+    comments = {}                  # line -> (text, whether the line is only a comment)
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            comments[token.start[0]] = (token.string.lstrip("#").strip(), token.line.strip().startswith("#"))
+    node = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+    meanings, sections, section = {}, {}, ""
+    for item in node.body:
+        if not isinstance(item, ast.AnnAssign):
+            continue
+        trailing = [comments[line][0] for line in range(item.lineno, item.end_lineno + 1)
+                    if line in comments and not comments[line][1]]
+        above, line = [], item.lineno - 1
+        while line in comments and comments[line][1]:
+            above.insert(0, comments[line][0])
+            line -= 1
+        if above and len(above[0].split("(")[0].split()) <= SECTION_WORDS:
+            section = above.pop(0).split("(")[0].strip()
+        meanings[item.target.id] = trailing[0] if trailing else " ".join(above)
+        sections[item.target.id] = section
+    return meanings, sections
+
+
+def allowed_values(f):
+    """What field f takes, in words, from its metadata and type."""
+    rule = f.metadata
+    if "allowed" in rule:
+        return rule["allowed"]
+    if "choices" in rule or f.type is bool:
+        return ""                  # the type says it
+    if rule.get("layers"):
+        return "distinct layer indices in [0, num_layers)"
+    if rule.get("betas"):
+        return "two numbers in [0, 1), e.g. [0.8, 0.95]"
+    if rule.get("path"):
+        return "a path (or glob)"
+    if f.name in LIST_ITEMS:
+        return f"a list of objects with keys {', '.join(x.name for x in dataclasses.fields(LIST_ITEMS[f.name]))}"
+    return "a list" if f.type is tuple else ""
+
+
+def keys_help(values=None, preset=""):
+    """The help's list of keys: each on one line with its type, meaning and allowed values (and its
+    value in `values`, the named preset's config as a dict), grouped by the schema's sections;
+    then the keys of a stage, an average and a table phase."""
+    meanings, sections = field_comments(Hyperparameters)
+    model_meanings, _ = field_comments(ModelConfig)
+    lines, current = ["every key, as --key=value (lists and objects as JSON):"], None
+    for name, f in SCHEMA.items():
+        if name == "preset":       # --preset NAME, above
+            continue
+        section = "model" if name in model_meanings else sections[name] or "run"
+        if section != current:
+            lines.append(f"\n {section}:")
+            current = section
+        kind = "|".join(f.metadata["choices"]) if "choices" in f.metadata else HELP_TYPES.get(f.type, "JSON")
+        meaning = model_meanings.get(name) or meanings.get(name)
+        value = json.dumps(values[name]) if values and name in values else ""
+        shown = f" [{preset}: {value}]" if value and len(value) <= HELP_VALUE_CHARS else ""
+        said = "; ".join(text for text in (meaning, allowed_values(f)) if text)
+        lines.append(f"  {f'--{name}={kind}':<{HELP_KEY_WIDTH}} {said}{shown}")
+    for key, cls in LIST_ITEMS.items():
+        item_meanings, _ = field_comments(cls)
+        lines.append(f"\n each entry of --{key} ({' '.join(cls.__doc__.split()).split('. ')[0].rstrip('.')}):")
+        lines += [f"  {f.name}: {item_meanings.get(f.name) or f.type.__name__}" for f in dataclasses.fields(cls)]
+    return "\n".join(lines)
+
+
+def preset_named(argv, default_preset):
+    """The --preset NAME or --preset=NAME of argv (else default_preset; None with --config)."""
+    for i, item in enumerate(argv):
+        if item == "--preset" and i + 1 < len(argv):
+            return argv[i + 1]
+        if item.startswith("--preset="):
+            return item.split("=", 1)[1]
+        if item == "--config" or item.startswith("--config="):
+            return None
+    return default_preset
+
+
 def apply_overrides(h, items, allowed=None):
     """Set each "--key=value" of `items` on h (parsed by the key's annotated type); `allowed`:
     the keys that may be given (None: every key but preset)."""
@@ -486,23 +616,40 @@ def apply_overrides(h, items, allowed=None):
 def parse_config(argv, presets, default_preset, description=None):
     """--preset NAME (of `presets`, else default_preset), or --config PATH (a resolved config
     from a log), then --key=value overrides; normalized and checked."""
-    parser = ArgumentParser(description=description, add_help=True)
-    parser.add_argument("--preset", default=None, help=f"one of {sorted(presets)}")
-    parser.add_argument("--config", default=None, help="JSON file of a resolved config")
+    epilog = None
+    if any(item in ("-h", "--help") for item in argv):   # the list of keys, with the named preset's values
+        name = preset_named(argv, default_preset)
+        values = config_to_dict(preset_config(name, presets)) if name in presets else None
+        epilog = keys_help(values, name)
+    parser = ArgumentParser(description=description, add_help=True, epilog=epilog,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default=None, help=f"one of {sorted(presets)} (default {default_preset})")
+    parser.add_argument("--config", default=None, help="JSON file of a resolved config (a log's)")
+    parser.add_argument("--print_config", action="store_true",
+                        help="print the resolved config, each key with its origin (preset, default, --config "
+                             "file, command line), and exit")
     args, rest = parser.parse_known_args(argv)
     if args.config and args.preset:
         raise ConfigError("give --preset or --config, not both (a config file already names its preset)")
+    stated = set()
     if args.config:
         d = read_config_file(args.config)
         named = isinstance(d, dict) and d.get("preset", "none") != "none"   # "none": the schema's defaults
-        h = config_from_dict(d, base=preset_config(d["preset"], presets) if named else None)
+        h = config_from_dict(d, base=preset_config(d["preset"], presets, stated) if named else None)
+        origins = {key: "preset" for key in stated} | {key: "--config file" for key in d}
     else:
-        h = preset_config(args.preset or default_preset, presets)
+        h = preset_config(args.preset or default_preset, presets, stated)
+        origins = {key: "preset" for key in stated}
     h = normalize_config(apply_overrides(h, rest))
+    origins |= {item.removeprefix("--").partition("=")[0]: "command line" for item in rest}
+    origins["preset"] = "--preset" if args.preset else "--config file" if args.config else "default"
     for item in argv:
         if not loggable(item):
             raise ConfigError(f"the argument {json.dumps(item)} cannot be written into the log (it records the "
                               f"command line): expects UTF-8 text without line breaks")
+    if args.print_config:
+        print_config(h, origins)
+        raise SystemExit(0)
     return h
 
 
@@ -615,10 +762,10 @@ def check_field(h, f):
     if f.type is bool and not isinstance(value, bool):
         _refuse(f.name, value, "true or false")
     if "allowed" in rule:
-        low, high, above = rule["low"], rule["high"], rule.get("above")
+        low, high, above, below = rule["low"], rule["high"], rule.get("above"), rule.get("below")
         if not is_number(value, integer=rule.get("integer", False)) or value < low or \
                 (above is not None and value <= above) or (high is not None and value > high) or \
-                (rule.get("integer") and value % rule["multiple"]):
+                (below is not None and value >= below) or (rule.get("integer") and value % rule["multiple"]):
             _refuse(f.name, value, rule["allowed"])
     if "choices" in rule and value not in rule["choices"]:
         _refuse(f.name, value, "one of " + ", ".join(rule["choices"]))
@@ -646,8 +793,9 @@ def check_config(h):
         if f.metadata.get("layers"):
             check_field(h, f)
     check_model_config(h)
-    if h.cooldown_end <= h.cooldown_start < 1.0:
-        _conflict(h, ("cooldown_start", "cooldown_end"), "the cooldown must end after it starts")
+    if h.cooldown_end <= h.cooldown_start:
+        _conflict(h, ("cooldown_start", "cooldown_end"), "the cooldown must end after it starts (its slope divides "
+                  "by its length); to keep the LR up to the end, let it start late, e.g. --cooldown_start=0.99")
     if h.qk_ortho_heads and h.num_heads % h.qk_ortho_heads:
         _conflict(h, ("qk_ortho_heads", "num_heads"), "the query and key blocks must split the heads evenly")
     _check_stages(h.stages)
@@ -825,7 +973,7 @@ def _check_table_phases(phases):
             refuse(f"starts at {p.start!r}: phases start at increasing steps >= 1, at most {MAX_STEPS:,}")
         previous = p.start
         for key in ("ngram_beta2", "value_embed_beta2"):
-            if not is_number(getattr(p, key)) or not 0 <= getattr(p, key) <= 1:
-                refuse(f"has {key}={getattr(p, key)!r}: expects a beta in [0, 1]")
+            if not is_number(getattr(p, key)) or not 0 <= getattr(p, key) < 1:
+                refuse(f"has {key}={getattr(p, key)!r}: expects a beta in [0, 1)")
         if not is_number(p.step_every, integer=True) or not 1 <= p.step_every <= MAX_STEPS:
             refuse(f"has step_every={p.step_every!r}: expects a whole number of steps in [1, {MAX_STEPS:,}]")

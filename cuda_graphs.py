@@ -81,6 +81,8 @@ class StepGraphs:
         self.pool = torch.cuda.graph_pool_handle() if self.capturing else None
         self.optimizer_graphs = {}  # run_captured's key -> its CUDA graph
         self.in_warm_up = False    # run_captured may capture (set by the warm-up)
+        self.capture_stream = None  # the side stream every capture and its eager run use (CUDA)
+        self.prepared = set()      # keys whose eager run on the capture stream is done
         self.eager_runs = 0        # CUDA runs of a key already seen that had no graph
 
     def run(self, key, body, s, start):
@@ -132,15 +134,26 @@ class StepGraphs:
             p.grad = self.grads[p] if p in trained else None
         self.attached = step
 
-    def capture(self, key):
-        """Capture `key`'s forward+backward (CUDA, enabled; its first run done). Runs it once
-        more eagerly first, so the gradients, loss sums and FP8 states change: the warm-up
-        restores them afterwards."""
-        if not self.capturing or self.steps[key].graph is not None:
+    def prepare(self, key):
+        """The eager run a capture of `key` needs before it, on the capture stream (CUDA, enabled;
+        its first run done): the gradients, loss sums and FP8 states change (the warm-up restores
+        them). The warm-up prepares every key before it captures any, so that no eager step runs
+        while the graphs' pool holds captured steps (two steps' memory at once)."""
+        if not self.capturing or key in self.prepared:
             return
         step = self.steps[key]
         self._attach(step)
-        step.graph = self._capture(functools.partial(step.body, step.inputs), f"training step of graph {key}")
+        self._on_capture_stream(functools.partial(step.body, step.inputs))
+        self.prepared.add(key)
+
+    def capture(self, key):
+        """Capture `key`'s forward+backward (prepared first if it was not)."""
+        if not self.capturing or self.steps[key].graph is not None:
+            return
+        self.prepare(key)
+        step = self.steps[key]
+        self._attach(step)
+        step.graph = self._record(functools.partial(step.body, step.inputs), f"training step of graph {key}")
 
     def run_captured(self, key, fn):
         """fn() (an optimizer's update on tensors at fixed addresses) as a CUDA graph: the first
@@ -157,19 +170,29 @@ class StepGraphs:
             fn()
 
     def _capture(self, fn, what):
-        """A CUDA graph of fn(), after one eager run of it on a side stream, as capture requires
-        (that run also does this call's work: a capture only records)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        """A CUDA graph of fn(), after one eager run of it on the capture stream, as capture
+        requires (that run also does this call's work: a capture only records)."""
+        self._on_capture_stream(fn)
+        return self._record(fn, what)
+
+    def _on_capture_stream(self, fn):
+        """fn() eagerly on the stream the captures use (made once), ordered after the current
+        stream's work and before its next."""
+        if self.capture_stream is None:
+            self.capture_stream = torch.cuda.Stream()
+        self.capture_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.capture_stream):
             fn()
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().wait_stream(self.capture_stream)
+
+    def _record(self, fn, what):
+        """A CUDA graph of fn() (its eager run done on the capture stream), in the graphs' pool."""
         # The eager runs' freed blocks go back to the driver: a capture allocates in the graphs'
         # own pool, and while it is under way the allocator frees no cached block to make room.
         torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
                 fn()
         except RuntimeError as error:
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -2,6 +2,10 @@
 
     python downstream.py logs/<run id>_model.safetensors --tasks hellaswag [--limit N] [--batch_size B]
     python downstream.py CHECKPOINT --tasks tiny_choice --include_path tests/lm_eval_tasks
+    python downstream.py --prefetch --tasks hellaswag      # fetch the tasks' data once (then cached), no model
+
+The tasks' data is loaded (downloaded once, then read from the cache) before the model, so a
+task whose data cannot be fetched ends with one line at once.
 
 SpeedrunLM serves a checkpoint as an lm-eval model, registered as "speedrun":
     loglikelihood: requests packed as documents (BOS, context, continuation) into one forward
@@ -16,21 +20,31 @@ in the checkpoint's compute dtype. The canonical mask of the speedrun validation
 import argparse
 import itertools
 import json
+import logging
+import math
 import os
 import re
 import sys
 
-import datasets
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
-from lm_eval import simple_evaluate
-from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import register_model
-from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
-from lm_eval.tasks import TaskManager
-from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window, make_table
+try:                               # lm-eval and what it brings (datasets, tqdm): main says how to install them
+    import datasets
+    from lm_eval import simple_evaluate
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window, make_table
+    from tqdm import tqdm
+    MISSING_PACKAGE = None
+except ImportError as e:
+    MISSING_PACKAGE = e.name or "lm_eval"
+    TemplateLM = object
+
+    def register_model(name):
+        return lambda cls: cls
 
 # Everything this module takes from the training code.
 import kernels
@@ -46,6 +60,8 @@ CHECKPOINT_KEYS = ("device", "ngram_cache_rows", "compute_dtype")  # config keys
 DEFAULT_MAX_GEN_TOKS = 256         # lm-eval's default for generate_until (HFLM's)
 HEAD_ROWS = 1024                   # positions per block of head + softmax: 1024 x 50,257 fp32 = 206 MB
 EXIT_USER_ERROR = 2                # as train_gpt.py: a bad input or environment, one `error:` line
+LM_EVAL_REQUIREMENT = "lm-eval==0.4.13"  # the version requirements.txt pins
+DOWNLOAD_LOGGERS = ("datasets", "huggingface_hub", "fsspec", "urllib3")  # whose retry warnings the error line replaces
 OFFLINE_HINT = ("HF_DATASETS_OFFLINE or HF_HUB_OFFLINE forbids downloading it and no copy is cached under {cache}: "
                 "run once without them where huggingface.co can be reached (the copy is then cached), or point "
                 "HF_HOME at a cache that has it")
@@ -287,6 +303,22 @@ def task_manager(tasks, include_path):
     return manager
 
 
+def unreachable(error):
+    """The DownstreamError of a dataset that could not be fetched: datasets' first line ("Couldn't
+    reach '<dataset>' on the Hub (<reason>)") and what to do."""
+    hint = OFFLINE_HINT if datasets.config.HF_HUB_OFFLINE else NETWORK_HINT
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return DownstreamError(f"{first}: {hint.format(cache=datasets.config.HF_DATASETS_CACHE)}")
+
+
+def load_tasks(manager, tasks):
+    """{task name: its lm-eval task} with its data loaded: downloaded once, then from the cache."""
+    try:
+        return manager.load(list(tasks))["tasks"]
+    except ConnectionError as e:
+        raise unreachable(e) from None
+
+
 def evaluate(lm, tasks, include_path=None, limit=None, num_fewshot=None, log_samples=False, bootstrap_iters=100_000,
              manager=None):
     """lm_eval.simple_evaluate of `lm` on `tasks` (names), found by `manager` (default:
@@ -296,8 +328,7 @@ def evaluate(lm, tasks, include_path=None, limit=None, num_fewshot=None, log_sam
         return simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit, num_fewshot=num_fewshot,
                                log_samples=log_samples, bootstrap_iters=bootstrap_iters)
     except ConnectionError as e:   # datasets: "Couldn't reach '<dataset>' on the Hub (<reason>)"
-        hint = OFFLINE_HINT if datasets.config.HF_HUB_OFFLINE else NETWORK_HINT
-        raise DownstreamError(f"{e}: {hint.format(cache=datasets.config.HF_DATASETS_CACHE)}") from None
+        raise unreachable(e) from None
 
 
 def results_path(checkpoint, tasks):
@@ -309,8 +340,10 @@ def results_path(checkpoint, tasks):
 def parse_arguments(argv):
     parser = argparse.ArgumentParser(prog="downstream.py", description="Run lm-evaluation-harness tasks on a "
                                      "checkpoint written by train_gpt.py --save_checkpoint=true.")
-    parser.add_argument("checkpoint", help="logs/<run id>_model.safetensors")
+    parser.add_argument("checkpoint", nargs="?", help="logs/<run id>_model.safetensors")
     parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task names, e.g. hellaswag")
+    parser.add_argument("--prefetch", action="store_true", help="only fetch the tasks' data (then cached); no "
+                        "checkpoint")
     parser.add_argument("--limit", type=float, default=None, help="at most this many documents per task (or a "
                         "fraction of them when below 1)")
     parser.add_argument("--num_fewshot", type=int, default=None)
@@ -325,17 +358,55 @@ def parse_arguments(argv):
     parser.add_argument("--output", default=None, help="the results JSON (default: next to the checkpoint)")
     parser.add_argument("--log_samples", action="store_true", help="also write each document's requests and "
                         "scores into the JSON")
-    args = parser.parse_args(argv)
-    args.tasks = [t for t in args.tasks.split(",") if t]
-    if args.limit is not None and args.limit >= 1:
-        args.limit = int(args.limit)
-    return args
+    return parser.parse_args(argv)
+
+
+def check_arguments(args):
+    """The arguments' values (what argparse leaves to us): task names, a limit, a few-shot count, a
+    batch size, a checkpoint unless --prefetch. args.tasks becomes the list of names, args.limit a
+    count (int) or a fraction."""
+    text = args.tasks
+    args.tasks = [t.strip() for t in text.split(",")]
+    if not all(args.tasks):
+        raise DownstreamError(f"--tasks {text!r} names an empty task: give lm-eval task names separated by commas, "
+                              f"e.g. --tasks hellaswag,arc_easy")
+    limit = args.limit
+    if limit is not None and not (math.isfinite(limit) and (0 < limit < 1 or (limit >= 1 and limit == int(limit)))):
+        raise DownstreamError(f"--limit {limit}: expects a whole number of documents per task (>= 1) or a fraction "
+                              f"of them in (0, 1)")
+    if limit is not None and limit >= 1:
+        args.limit = int(limit)
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise DownstreamError(f"--num_fewshot {args.num_fewshot}: expects a number of examples >= 0")
+    parse_batch_size(args.batch_size)
+    if not args.prefetch and not args.checkpoint:
+        raise DownstreamError("give a checkpoint (logs/<run id>_model.safetensors), or --prefetch to only fetch the "
+                              "tasks' data")
+
+
+def quiet_downloads():
+    """The download libraries' warnings (each retry of a failed request) off: a dataset that cannot
+    be fetched ends with the one line load_tasks says."""
+    for name in DOWNLOAD_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def main(argv=None):
     args = parse_arguments(sys.argv[1:] if argv is None else argv)
+    if MISSING_PACKAGE is not None:
+        print(f"error: downstream.py needs EleutherAI's lm-evaluation-harness ({MISSING_PACKAGE} is not installed): "
+              f"pip install {LM_EVAL_REQUIREMENT} (or pip install -r requirements.txt)", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     try:
+        check_arguments(args)
+        quiet_downloads()
         manager = task_manager(args.tasks, args.include_path)    # an unknown task is refused before the model loads
+        loaded = load_tasks(manager, args.tasks)                 # and a task whose data cannot be fetched
+        if args.prefetch:
+            for name, task in loaded.items():
+                print(f"{name}: its data is ready ({len(list(task.eval_docs))} documents to evaluate; datasets "
+                      f"cache: {datasets.config.HF_DATASETS_CACHE})")
+            return 0
         lm = SpeedrunLM(args.checkpoint, device=args.device, batch_size=args.batch_size,
                         compute_dtype=args.compute_dtype, ngram_cache_rows=args.ngram_cache_rows)
         results = evaluate(lm, args.tasks, limit=args.limit, num_fewshot=args.num_fewshot,

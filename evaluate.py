@@ -110,11 +110,14 @@ def pick_token(logits, temperature, top_k, generator):
     (top_k = 0: all of them); temperature 0 is greedy decoding (the argmax)."""
     if temperature == 0:
         return int(logits.argmax())
-    logits = logits.float() / temperature
+    logits = logits.double()
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, -math.inf)
-    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+    # In float64 and from the largest logit down, so that no temperature overflows: the largest
+    # scaled logit is 0 and the others at most 0 (-inf where they underflow).
+    scaled = (logits - logits.max()) / temperature
+    return int(torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator))
 
 
 @torch.no_grad()

@@ -217,11 +217,22 @@ HEAD_SCALES = FP8LinearScales(input=Static(100 / FP8_E4M3_MAX), weight=Static(1.
                               grad_output=Static(0.75 / FP8_E4M3_MAX))
 
 
+# Entries of a layer's state sit this many fp32 apart (16 bytes): an entry is passed to the
+# kernels as a one-element view, and a view at a 16-byte offset lets torch.compile treat every
+# output computed from it as aligned (vectorized loads in the fused kernels).
+FP8_SLOT_STRIDE = 4
+
+
 def _slots(scales_class):
-    """Entries of a layer's state buffer: an amax per operand (what its last cast saw), the count
-    of forward calls, and the loss unit."""
+    """Offsets of the entries of a layer's state buffer: an amax per operand (what its last cast
+    saw), the count of forward calls, and the loss unit, FP8_SLOT_STRIDE apart."""
     names = [field.name for field in dataclasses.fields(scales_class)] + ["calls", "loss_unit"]
-    return {name: i for i, name in enumerate(names)}     # loss_unit last: see set_fp8_loss_unit
+    return {name: FP8_SLOT_STRIDE * i for i, name in enumerate(names)}  # loss_unit last: see set_fp8_loss_unit
+
+
+def fp8_state_size(slots):
+    """Elements of a state buffer with these slots (its last element is the loss unit)."""
+    return max(slots.values()) + 1
 
 
 FP8_LINEAR_SLOTS = _slots(FP8LinearScales)
@@ -480,6 +491,13 @@ def fp8_matmul(a, b, scale_a, scale_b, out_dtype=torch.bfloat16, config=None, fa
                           bool(fast_accumulation))
 
 
+def fp8_matmul_scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.bfloat16, config=None, fast_accumulation=True):
+    """fp8_matmul on torch._scaled_mm (cuBLAS on a GPU): the FP8 layers' plain GEMMs where it is
+    faster than the Triton kernel. a row-major, b column-major (the layers' layouts); config unused."""
+    return torch._scaled_mm(a, b, scale_a=scale_a.reshape(()), scale_b=scale_b.reshape(()), out_dtype=out_dtype,
+                            use_fast_accum=fast_accumulation)
+
+
 def fp8_matmul_reference(a, b, scale_a, scale_b, out_dtype=torch.bfloat16, config=None, fast_accumulation=True):
     """C = (a @ b) * scale_a * scale_b for fp8 operands with per-tensor fp32 scales.
 
@@ -580,12 +598,15 @@ class _FP8Primitives:
 
 
 _TRITON_FP8 = _FP8Primitives(fp8_cast, fp8_matmul, fp8_matmul_relu2, fp8_matmul_relu2_grad)
+# The plain GEMMs on torch._scaled_mm; the casts and the relu2 epilogues stay Triton.
+_SCALED_MM_FP8 = _FP8Primitives(fp8_cast, fp8_matmul_scaled_mm, fp8_matmul_relu2, fp8_matmul_relu2_grad)
+FP8_GEMMS = {"triton": _TRITON_FP8, "scaled_mm": _SCALED_MM_FP8}
 _REFERENCE_FP8 = _FP8Primitives(fp8_cast_reference, fp8_matmul_reference, fp8_matmul_relu2_reference,
                                 fp8_matmul_relu2_grad_reference)
 
 
 def _new_state(slots, device):
-    state = torch.zeros(len(slots), dtype=torch.float32, device=device)
+    state = torch.zeros(fp8_state_size(slots), dtype=torch.float32, device=device)
     state[slots["loss_unit"]] = 1.0
     return state
 
@@ -708,8 +729,9 @@ class _FP8ReLU2MLP(torch.autograd.Function):
 
 
 def _check_fp8_state(state, slots, constructor):
-    if state.dtype != torch.float32 or state.shape != (len(slots),):
-        raise ValueError(f"the fp8 state buffer must be float32 of shape ({len(slots)},), as made by {constructor}")
+    size = fp8_state_size(slots)
+    if state.dtype != torch.float32 or state.shape != (size,):
+        raise ValueError(f"the fp8 state buffer must be float32 of shape ({size},), as made by {constructor}")
 
 
 def _check_scales(scales, kind):
@@ -724,13 +746,13 @@ def _check_scales(scales, kind):
                              "(it is never stored in high precision): use Delayed or Static")
 
 
-def fp8_linear(x, weight, state, config=None, scales=FP8LinearScales()):
+def fp8_linear(x, weight, state, config=None, scales=FP8LinearScales(), gemm="triton"):
     """x @ weight.T in fp8 (see the module docstring). x (..., K) bf16, weight (N, K), state from
     new_fp8_linear_state, scales: an FP8LinearScales. config: the GEMM tile (None: the
-    production tile for each shape)."""
+    production tile for each shape). gemm: "triton" or "scaled_mm" (FP8_GEMMS)."""
     _check_fp8_state(state, FP8_LINEAR_SLOTS, "new_fp8_linear_state")
     _check_scales(scales, FP8LinearScales)
-    y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), weight, state, scales, _TRITON_FP8, config)
+    y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), weight, state, scales, FP8_GEMMS[gemm], config)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -742,13 +764,13 @@ def fp8_linear_reference(x, weight, state, config=None, scales=FP8LinearScales()
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def fp8_relu2_mlp(x, w_up, w_down, state, config=None, scales=FP8MLPScales()):
+def fp8_relu2_mlp(x, w_up, w_down, state, config=None, scales=FP8MLPScales(), gemm="triton"):
     """relu(x @ w_up.T)^2 @ w_down.T in fp8 (see _FP8ReLU2MLP). x (..., D) bf16, w_up (H, D),
-    w_down (D, H), state from new_fp8_mlp_state, scales: an FP8MLPScales. config as in
-    fp8_linear."""
+    w_down (D, H), state from new_fp8_mlp_state, scales: an FP8MLPScales. config and gemm as in
+    fp8_linear (the relu2 GEMMs are Triton's either way)."""
     _check_fp8_state(state, FP8_MLP_SLOTS, "new_fp8_mlp_state")
     _check_scales(scales, FP8MLPScales)
-    y = _FP8ReLU2MLP.apply(x.reshape(-1, x.shape[-1]), w_up, w_down, state, scales, _TRITON_FP8, config)
+    y = _FP8ReLU2MLP.apply(x.reshape(-1, x.shape[-1]), w_up, w_down, state, scales, FP8_GEMMS[gemm], config)
     return y.reshape(*x.shape[:-1], w_down.shape[0])
 
 
@@ -797,6 +819,20 @@ ATTENTION_BACKWARD_Q = LaunchConfig(block_m=128, block_n=64, num_warps=8, num_st
 ATTENTION_BACKWARD_DELTA = LaunchConfig(block_m=128, block_n=1, num_warps=4)
 # Forward, key/value-gradient, query-gradient and delta kernels, in that order.
 ATTENTION_CONFIGS = (ATTENTION_FORWARD, ATTENTION_BACKWARD_KV, ATTENTION_BACKWARD_Q, ATTENTION_BACKWARD_DELTA)
+# Windows up to NARROW_WINDOW tokens take smaller tiles: a tile that crosses the window's edge or
+# a document boundary computes its masked pairs too, and the production tiles compute 2.2x the
+# visible pairs at a 128-token window on FineWeb-like documents, these 1.6x (bench/step_model.py's
+# attention_tiles); at 1,408 tokens the production tiles' waste is 1.2x. Wgmma, no spills on sm_90.
+NARROW_WINDOW = 1024
+ATTENTION_CONFIGS_NARROW = (LaunchConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
+                            LaunchConfig(block_m=32, block_n=64, num_warps=4, num_stages=2),
+                            LaunchConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
+                            ATTENTION_BACKWARD_DELTA)
+
+
+def attention_configs(window):
+    """The launch configs of flash_attn_varlen for a window of `window` tokens (<= 0: none)."""
+    return ATTENTION_CONFIGS_NARROW if 0 < window <= NARROW_WINDOW else ATTENTION_CONFIGS
 
 
 @triton.jit
@@ -1219,7 +1255,7 @@ def document_bounds(cu_seqlens, num_tokens):
     return cu_seqlens[doc], cu_seqlens[doc + 1]
 
 
-def flash_attn_varlen(q, k, v, cu_seqlens, window, softmax_scale, configs=ATTENTION_CONFIGS):
+def flash_attn_varlen(q, k, v, cu_seqlens, window, softmax_scale, configs=None):
     """Causal attention over packed documents, limited to a sliding window (see
     attention_reference for the semantics); differentiable.
 
@@ -1228,21 +1264,23 @@ def flash_attn_varlen(q, k, v, cu_seqlens, window, softmax_scale, configs=ATTENT
     padded at the end by repeating T; window in tokens (<= 0: no limit); softmax_scale a number
     or a one-element fp32 tensor (read by the kernels on the device: changing it recompiles
     nothing). fp32 softmax state; the matmuls run on the tensor cores in the inputs' dtype (P
-    and dS are rounded to it). configs: (forward, dK/dV, dQ, delta) launch configs.
+    and dS are rounded to it). configs: (forward, dK/dV, dQ, delta) launch configs (default: the
+    window's, attention_configs).
     """
     scale = softmax_scale_tensor(softmax_scale, q.device)
     _check_attention_inputs(q, k, v, cu_seqlens, scale)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     doc_start, doc_end = document_bounds(cu_seqlens, q.shape[0])
     window = window if window > 0 else NO_WINDOW
-    flat_configs = [value for config in configs for value in config.as_list()]
+    flat_configs = [value for config in (configs or attention_configs(window)) for value in config.as_list()]
     return _FlashAttention.apply(q, k, v, doc_start, doc_end, scale, window, flat_configs)
 
 
 def document_ids(cu_seqlens, num_tokens):
     """Index of the document each packed token belongs to (cu_seqlens may end in repeats)."""
     positions = torch.arange(num_tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-    return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
+    # the whole offsets, not cu_seqlens[1:]: a view 4 bytes in would make every result unaligned
+    return torch.searchsorted(cu_seqlens, positions, right=True) - 1
 
 
 # Eager in a compiled model: its query blocks start where the documents' offsets say, values
@@ -1415,29 +1453,30 @@ class _SoftcapCrossEntropy(torch.autograd.Function):
     returns it. Correct for any upstream gradient; with the one the caller announced (a uniform
     grad_scale), no row is read or written again. The saved gradient is modified in place, so
     a second backward through the same forward fails autograd's version check (in eager mode).
-    Under torch.compile, functionalization copies the saved gradient before the in-place op, and
-    inductor writes that copy into the saved (donated) buffer itself: no second (N, C) buffer,
-    one copy pass over it (as seen in inductor's CPU output code).
+    Under torch.compile, functionalization copies the saved gradient before the in-place op (one
+    pass over it); a caller that knows its upstream gradient is grad_scale (exact_upstream: the
+    trainer's objective) gets the saved gradient handed on with no op at all, compiled or not.
     The next-token loss is a by-product for logging, not differentiable."""
 
     @staticmethod
-    def forward(ctx, logits, targets, weights, grad_scale, config, scale_config):
+    def forward(ctx, logits, targets, weights, grad_scale, config, scale_config, exact_upstream):
         loss, next_loss, grad = _softcap_ce_op(logits, targets, weights, ctx.needs_input_grad[0], grad_scale,
                                                config)
         ctx.save_for_backward(grad)
-        ctx.grad_scale, ctx.scale_config = grad_scale, scale_config
+        ctx.grad_scale, ctx.scale_config, ctx.exact_upstream = grad_scale, scale_config, exact_upstream
         ctx.mark_non_differentiable(next_loss)
         return loss, next_loss
 
     @staticmethod
     def backward(ctx, grad_loss, grad_next_loss):
         grad, = ctx.saved_tensors
-        _scale_rows_op(grad, (grad_loss.float() / ctx.grad_scale).contiguous(), ctx.scale_config)
-        return grad, None, None, None, None, None
+        if not ctx.exact_upstream:
+            _scale_rows_op(grad, (grad_loss.float() / ctx.grad_scale).contiguous(), ctx.scale_config)
+        return grad, None, None, None, None, None, None
 
 
 def softcap_cross_entropy(logits, targets, weights, config=CROSS_ENTROPY, scale_config=CROSS_ENTROPY_SCALE,
-                          grad_scale=1.0):
+                          grad_scale=1.0, exact_upstream=False):
     """Per-row weighted softcapped cross-entropy (see softcap_cross_entropy_reference), with the
     gradient with respect to the logits computed in the forward pass when the logits require
     one (a (N, C) buffer in the logits' dtype, kept until backward, which scales it in place and
@@ -1449,7 +1488,9 @@ def softcap_cross_entropy(logits, targets, weights, config=CROSS_ENTROPY, scale_
     of the loss, e.g. 1 / (N x micro-batches) for a mean over the tokens of each of the step's
     micro-batches. The forward stores the gradient times it (one rounding instead of two), so
     the backward passes over the (N, C) gradient only for rows whose upstream gradient differs;
-    any upstream gradient gives the right result."""
+    any upstream gradient gives the right result. exact_upstream=True is the caller's promise
+    that every row's upstream gradient is grad_scale: the backward then hands the stored
+    gradient on without looking (another upstream gradient would go unseen)."""
     if logits.dim() != 2 or targets.dim() != 2 or targets.shape[0] != logits.shape[0]:
         raise ValueError(f"softcap_cross_entropy needs logits (N, C) and targets (N, K); got "
                          f"{tuple(logits.shape)} and {tuple(targets.shape)}")
@@ -1460,7 +1501,7 @@ def softcap_cross_entropy(logits, targets, weights, config=CROSS_ENTROPY, scale_
     logits = _last_dim_contiguous(logits)
     targets = _last_dim_contiguous(targets.long())
     return _SoftcapCrossEntropy.apply(logits, targets, weights.float().contiguous(), float(grad_scale),
-                                      config.as_list(), scale_config.as_list())
+                                      config.as_list(), scale_config.as_list(), bool(exact_upstream))
 
 
 def softcap(logits):
@@ -1468,7 +1509,7 @@ def softcap(logits):
     return SOFTCAP * torch.sigmoid((logits.float() + SOFTCAP_SHIFT) / SOFTCAP_TEMP)
 
 
-def softcap_cross_entropy_reference(logits, targets, weights, grad_scale=1.0):
+def softcap_cross_entropy_reference(logits, targets, weights, grad_scale=1.0, exact_upstream=False):
     """Per-row weighted sum of softcapped cross-entropies over the given columns.
 
     logits: (N, C), the head's raw outputs for C vocabulary columns (all of them, or a sampled
@@ -1477,8 +1518,8 @@ def softcap_cross_entropy_reference(logits, targets, weights, grad_scale=1.0):
     and it contributes nothing. weights: (K,) float.
     Returns (loss, next_token_loss), both (N,) fp32: loss = sum_k weights[k] * (logsumexp(z) -
     z[targets[:, k]]) with z = softcap(logits), and the unweighted loss of the first target alone
-    (0 where it is absent), detached. grad_scale: softcap_cross_entropy's hint, which changes no
-    result (accepted so that the functions are interchangeable).
+    (0 where it is absent), detached. grad_scale and exact_upstream: softcap_cross_entropy's
+    hints, which change no result (accepted so that the functions are interchangeable).
     """
     z = softcap(logits)
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
@@ -1510,7 +1551,7 @@ class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, weights, rows, grad_scale):
+    def forward(ctx, logits, targets, weights, rows, grad_scale, exact_upstream):
         num_rows, num_cols = logits.shape
         present = (targets >= 0) & (targets < num_cols)
         columns = torch.where(present, targets, 0)
@@ -1539,26 +1580,27 @@ class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
                 ex.addcmul_(ex, th.mul_(th), value=-1.0)                # times 1 - tanh^2
                 grad[s:e] = ex
         ctx.save_for_backward(grad)
-        ctx.rows, ctx.grad_scale = rows, grad_scale
+        ctx.rows, ctx.grad_scale, ctx.exact_upstream = rows, grad_scale, exact_upstream
         ctx.mark_non_differentiable(next_loss)
         return loss, next_loss
 
     @staticmethod
     def backward(ctx, grad_loss, grad_next_loss):
         grad, = ctx.saved_tensors
-        if bool((grad_loss == ctx.grad_scale).all()):
-            return grad, None, None, None, None
+        if ctx.exact_upstream or bool((grad_loss == ctx.grad_scale).all()):
+            return grad, None, None, None, None, None
         scale = grad_loss.float()[:, None] / ctx.grad_scale
         out = torch.empty_like(grad)
         for s in range(0, grad.shape[0], ctx.rows):
             out[s:s + ctx.rows] = grad[s:s + ctx.rows].float().mul_(scale[s:s + ctx.rows])
-        return out, None, None, None, None
+        return out, None, None, None, None, None
 
 
 # Eager in a compiled model: its row loop is a memory plan. Inductor compiled it into one graph
 # that ran a 24 GB machine out of memory on the cpu preset's 2,048 x 50,304 logits (measured).
 @runs_eagerly
-def softcap_cross_entropy_chunked(logits, targets, weights, rows=CHUNKED_CE_ROWS, grad_scale=1.0):
+def softcap_cross_entropy_chunked(logits, targets, weights, rows=CHUNKED_CE_ROWS, grad_scale=1.0,
+                                  exact_upstream=False):
     """softcap_cross_entropy for CPUs (same arguments and result), in row blocks with the
     gradient formed in the forward pass: on the CPU preset's 4096 x 50,304 logits it replaces
     the reference's chain of full-size fp32 tensors and their autograd copies. grad_scale, the
@@ -1566,7 +1608,8 @@ def softcap_cross_entropy_chunked(logits, targets, weights, rows=CHUNKED_CE_ROWS
     gradient on without a pass over it; any upstream gradient gives the right result."""
     if not (math.isfinite(grad_scale) and grad_scale != 0):
         raise ValueError(f"softcap_cross_entropy_chunked: grad_scale must be a nonzero finite number; got {grad_scale}")
-    return _ChunkedSoftcapCrossEntropy.apply(logits, targets.long(), weights, rows, float(grad_scale))
+    return _ChunkedSoftcapCrossEntropy.apply(logits, targets.long(), weights, rows, float(grad_scale),
+                                             bool(exact_upstream))
 
 
 # ---------------------------------------------------------------------------------------------

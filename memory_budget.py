@@ -4,7 +4,8 @@ memory_budget(h, world_size) counts, from the shapes alone, the bytes each proce
 host hold for a run: named items (parameters, gradients, optimizer state, the n-gram table, ...)
 plus one training step's and one validation's peak, measured by running them on fake tensors
 (no memory, no compute). check_memory refuses a run that does not fit with one line naming what
-shrinks each item; launch_plan picks what run.sh starts on a machine's GPUs. The model and the
+shrinks each item; launch_plan picks what run.sh starts on a machine's GPUs: the largest
+configuration that fits (n-gram table size, where it lives, micro-batches). The model and the
 step come from train_gpt.py, imported when first needed (train_gpt imports this module).
 """
 import dataclasses
@@ -22,6 +23,7 @@ import optim
 from config import (MAX_TARGETS, MIN_DOC_TOKENS, PADDED_VOCAB_SIZE, ConfigError, config_from_dict, config_to_dict,
                     normalize_config)
 from processes import ProcessGroup
+from records.logfile import track_target
 from sparse_tables import NGRAM_ROW_STATE_BYTES, available_memory_bytes, check_ngram_table, ngram_event_rows
 
 
@@ -35,6 +37,7 @@ def _recipe():
 MEMORY_MARGIN_BYTES = 3 * 2**30    # a GPU's memory beside the budget's items: the CUDA context, cuBLAS, NCCL
 MEMORY_MARGIN_FRACTION = 0.05      # and this share of the GPU: the caching allocator's rounding and fragmentation
 HOST_MARGIN_BYTES = 16 * 2**30     # host memory beside a host table: the processes, the data shards, the OS
+MANTISSA_BYTES = 2                 # the optimizers' sidecar per bf16 weight: its fp32 master's low 16 bits
 # What shrinks each item, for a refusal to name.
 BUDGET_SETTINGS = {
     "n-gram table": "--ngram_rows or --ngram_cache_rows, or more processes to split the table",
@@ -67,8 +70,9 @@ class MemoryBudget:
       canonical mask           the validation's bit matrix
     The step: one micro-batch's forward and backward at the largest stage (activations, the logits
     and their gradient, the backward's transients; step_memory's dry run); with CUDA graphs it
-    stays held in their pool, else it is freed after each backward. Never at once, and not
-    during a step: the table update (per micro-batch, its entries summed per row and grouped,
+    stays held in their pool (the warm-up runs every stage's eager steps before it captures any,
+    so no eager step runs beside the pool), else it is freed after each backward. Never at once,
+    and not during a step: the table update (per micro-batch, its entries summed per row and grouped,
     and a split table's rows and gradients on their way; per event, the value tables' touched
     rows) and a validation forward (validation_memory). Then the margin: MEMORY_MARGIN_BYTES
     and MEMORY_MARGIN_FRACTION of the GPU.
@@ -178,11 +182,19 @@ DRY_RUN_FREE_KEYS = ("preset", "track", "seed", "ngram_cache_rows", "train_files
                      "save_checkpoint", "sync_check")
 
 
+NGRAM_DRY_RUN_ROWS = 4             # the dry runs' n-gram table, whatever its rows: a step's tensors never scale with them
+
+
 def dry_run_key(h):
-    return json.dumps({k: v for k, v in config_to_dict(h).items() if k not in DRY_RUN_FREE_KEYS}, sort_keys=True)
+    """The config the dry runs read, as JSON: h but the keys they do not count, and any n-gram
+    table at NGRAM_DRY_RUN_ROWS rows (a step gathers and updates rows per token, never per row
+    of the table), so that the plans that differ only there share one dry run."""
+    d = {k: v for k, v in config_to_dict(h).items() if k not in DRY_RUN_FREE_KEYS}
+    d["ngram_rows"] = min(d["ngram_rows"], NGRAM_DRY_RUN_ROWS)
+    return json.dumps(d, sort_keys=True)
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=32)
 def step_memory(config_json):
     """(peak bytes, logits bytes at the peak) of one micro-batch's forward and backward at the
     run's largest stage (largest_stage), with the Triton kernels: the tensors it makes, alive at
@@ -195,29 +207,25 @@ def step_memory(config_json):
     stage, step = h.stages[index], sum(recipe.steps_per_stage(h)[:index])   # the stage and its first step
 
     def run(model, autocast):
-        model.set_windows(recipe.long_window_history(h, step))
-        model.tied = step < recipe.untie_step(h)
+        recipe.model_at(model, h, step)
         T = stage.tokens_per_rank
         for p in model.parameters():
             p.grad = torch.zeros_like(p) if p.requires_grad else None
-        tokens = torch.zeros(T, dtype=torch.int32)
-        targets = torch.zeros(T, MAX_TARGETS - 1, dtype=torch.int64)
-        args = recipe.Trainer.attention_args(torch.zeros(T // MIN_DOC_TOKENS + 2, dtype=torch.int32),
-                                             recipe.attention_windows(h, step))
+        batch = recipe.empty_micro_batch(stage)
         with model.sinks_of(T):
             existing = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters()
                                                                  if p.grad is not None)]
             tracker = LiveBytes(stage.candidates or PADDED_VOCAB_SIZE, existing)
             with tracker, autocast:
-                columns = recipe.candidate_columns(targets, stage.candidates, 0) if stage.candidates else None
-                objective, _ = model(tokens, targets, args, recipe.target_weights(stage, "cpu"), columns)
+                objective, _ = recipe.micro_batch_losses(model, stage, recipe.attention_windows(h, step), batch,
+                                                         recipe.target_weights(stage, "cpu"))
                 objective.backward()
         return tracker
     tracker, _ = dry_run(h, run)
     return tracker.peak, tracker.peak_logits
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=32)
 def validation_memory(config_json):
     """Peak bytes of a final validation forward of one slice (val_tokens_per_rank tokens, the
     canonical mask if on), counted as step_memory counts."""
@@ -231,7 +239,7 @@ def validation_memory(config_json):
             mask.register_buffer("bits", torch.zeros(PADDED_VOCAB_SIZE, PADDED_VOCAB_SIZE // 8, dtype=torch.uint8))
             mask.register_buffer("bit_values", 1 << torch.arange(8, dtype=torch.uint8))
         model.eval()
-        model.set_windows(recipe.long_window_history(h, h.num_iterations, final_validation=True))
+        recipe.model_at(model, h, h.num_iterations, final_validation=True)
         T = h.val_tokens_per_rank
         args = recipe.Trainer.attention_args(torch.zeros(T // MIN_DOC_TOKENS + 2, dtype=torch.int32),
                                              recipe.attention_windows(h, h.num_iterations, final_validation=True))
@@ -248,7 +256,6 @@ def optimizer_bytes(h, model, world_size):
     makes them and their first steps fill them in: see MemoryBudget."""
     recipe = _recipe()
     optimizers = recipe.build_optimizers(h, model, recipe.KernelFns(None, None), run_bank=None)
-    nbytes = lambda p: p.numel() * 4                             # noqa: E731  (fp32 state of fp32 parameters)
     total = 0
     for opt in optimizers:
         params = [p for group in opt.param_groups for p in group["params"]]
@@ -257,20 +264,19 @@ def optimizer_bytes(h, model, world_size):
             mine = {p: (p.shape[0] // world_size, *p.shape[1:]) if sharded[p] else tuple(p.shape) for p in params}
             total += 2 * 4 * sum(math.prod(shape) for shape in mine.values())  # exp_avg, exp_avg_sq of its rows
             total += 2 * 4 * sum(math.prod(shape) for shape in set(mine.values()))  # the update's scratch pair
+            total += sum(MANTISSA_BYTES * math.prod(mine[p]) for p in params if p.dtype == torch.bfloat16)
             if world_size > 1 and h.cuda_graphs:                  # the summed gradients at fixed addresses
-                total += 4 * sum(math.prod(shape) for shape in mine.values())
+                total += sum(p.element_size() * math.prod(mine[p]) for p in params)
             continue
         rails = 2 if h.optimizer == "anvil" else 1
-        total += rails * sum(map(nbytes, params))
+        for dtype, (size, _) in opt.layout(world_size).buckets.items():   # the busiest rank's matrices
+            total += size * (rails * 4 + (MANTISSA_BYTES if dtype == torch.bfloat16 else 0))
         for group in opt.param_groups:
-            banks = {}             # Muon's banks: a group's matrices of one shape and dtype
             for p in group["params"]:
-                banks.setdefault((tuple(p.shape), p.dtype), []).append(p)
                 if group["equalize"]:                             # one second moment per lane of each block
                     total += 4 * sum(max(rows, p.shape[1]) for rows in group.get("row_splits") or (p.shape[0],))
-            for bank in banks.values():                          # stacked gradients, new values, the shard
-                per_rank = -(-len(bank) // world_size)
-                total += nbytes(bank[0]) * per_rank * (world_size + 1 + (world_size > 1))
+        for dtype, (size, _) in opt.layout(world_size).buckets.items():   # every rank's shares, and its own
+            total += dtype.itemsize * size * (world_size + (world_size > 1))
     return total
 
 
@@ -326,11 +332,26 @@ def memory_budget(h, world_size):
     return MemoryBudget(device, passing, step, logits, h.cuda_graphs, host)
 
 
+CPU_RUNTIME_BYTES = 2**30          # on a CPU, in place of MEMORY_MARGIN_BYTES: the Python process and torch's runtime
+
+
 def check_memory(h, pg, available=None):
     """Refuse, before anything large is allocated, a run whose MemoryBudget does not fit this
-    process's GPU (its free memory) or, with the table in host memory, the host's. `available`:
-    device -> free bytes (available_memory_bytes)."""
+    process's GPU (its free memory) or, with the table in host memory, the host's; on a CPU, the
+    host's available memory, which then holds what a GPU would and the host table too (with
+    CPU_RUNTIME_BYTES for both margins). `available`: device -> free bytes (available_memory_bytes)."""
     available = available or available_memory_bytes
+    if pg.device.type == "cpu":
+        try:
+            budget = memory_budget(h, pg.world_size)
+        except (ValueError, RuntimeError):   # a shape the dry run's GPU kernels refuse (a head dim of 8),
+            return None                      # which the CPU's reference path runs: the budget cannot price it
+        free = available(pg.device)
+        needed = budget.device_total(free or 0) - MEMORY_MARGIN_BYTES + CPU_RUNTIME_BYTES + sum(budget.host.values())
+        if free is not None and needed > free:
+            raise ConfigError(budget.refusal("memory (the run computes on the CPU)", needed, free,
+                                             {**budget.device, **budget.passing, "step": budget.step, **budget.host}))
+        return budget
     budget = memory_budget(h, pg.world_size)
     refusal = budget.check(available(pg.device), available(torch.device("cpu")) if budget.host else None)
     if refusal:
@@ -338,46 +359,177 @@ def check_memory(h, pg, available=None):
     return budget
 
 
+PLAN_KEYS = ("--ngram_rows", "--batch_ranks", "--stages")  # the levers; one the user sets stays as set
+# The public table-size test of record 92 on 8xH100 (n-gram rows: train time in s, val loss low
+# and high over its runs): what a smaller table costs.
+PUBLIC_TABLE_SIZES = {84_602_880: (39.52, 3.2791, 3.2791), 21_150_720: (39.35, 3.2825, 3.2863),
+                      377_280: (39.00, 3.3149, 3.3149)}
+
+
+@dataclass
+class Candidate:
+    """A configuration launch_plan may start: the preset arguments, the process count, and
+    what it keeps and gives up, in words."""
+    args: tuple
+    processes: int
+    rows: int                      # of the n-gram table (0: none)
+    where: str                     # where the table lives
+    split: int                     # micro-batches per slice of the global batch
+
+
+def table_sizes(h, floor_rows):
+    """The n-gram table sizes the planner tries, largest first: h's, halved while the half stays
+    above floor_rows (record 89's bigram table's size) and a multiple of 16 (two halves, bigrams
+    and trigrams, that split evenly across 8 processes), then floor_rows."""
+    sizes, rows = [h.ngram_rows], h.ngram_rows
+    while rows // 2 > floor_rows and (rows // 2) % 16 == 0:
+        rows //= 2
+        sizes.append(rows)
+    return sizes + [floor_rows] if h.ngram_rows > floor_rows else sizes
+
+
+def stages_argument(stages):
+    """--stages=JSON of `stages`, each with the keys whose values are not a Stage's defaults,
+    without spaces (one word for run.sh)."""
+    from config import Stage
+    defaults = {f.name: f.default for f in dataclasses.fields(Stage)}
+    kept = [{k: v for k, v in dataclasses.asdict(s).items() if k not in defaults or v != defaults[k]} for s in stages]
+    return "--stages=" + json.dumps(kept, separators=(",", ":"))
+
+
+def plan_candidates(gpus, argv):
+    """Every configuration launch_plan tries on `gpus` GPUs, in its order of preference: for each
+    n-gram table size (table_sizes: the largest first, what decides the val loss), where the
+    table lives (the fastest first: split across 8 GPUs in the speedrun preset, across fewer in
+    the 1gpu preset, whole on one GPU, in host memory), then micro-batches (micro_batch_splits:
+    the fewest first)."""
+    recipe = _recipe()
+    base = recipe.parse_config(["--preset", "1gpu", *argv])
+    fixed = {key for key in PLAN_KEYS for a in argv if a.split("=")[0] == key}
+    floor_rows = recipe.parse_config(["--preset", "record89"]).bigram_rows
+    sizes = [base.ngram_rows] if "--ngram_rows" in fixed or not base.ngram_rows else table_sizes(base, floor_rows)
+    splits = [1] if fixed & {"--batch_ranks", "--stages"} else recipe.micro_batch_splits(base)
+    for rows in sizes:
+        rows_args = () if rows == base.ngram_rows else (f"--ngram_rows={rows}",)
+        places = [(("--preset", "speedrun"), 8, "split across the 8 GPUs")] if gpus >= 8 else []
+        places += [(("--preset", "1gpu", "--ngram_cache_rows=0"), n, f"split across the {n} GPUs")
+                   for n in range(min(gpus, base.batch_ranks - 1), 1, -1) if base.batch_ranks % n == 0]
+        places += [(("--preset", "1gpu", "--ngram_cache_rows=0"), 1, "whole on the GPU")]
+        if rows > base.ngram_cache_rows:
+            places += [(("--preset", "1gpu"), 1, "in host memory, its rows cached on the GPU")]
+        for args, n, where in places:
+            for k in splits:
+                split_args = () if k == 1 else (f"--batch_ranks={base.batch_ranks * k}", stages_argument(
+                    recipe.split_micro_batches(recipe.parse_config([*args, *argv]), k).stages))
+                yield Candidate((*args, *rows_args, *split_args), n, rows, where, k)
+
+
+def millions(rows):
+    return f"{rows / 1e6:.2f}M" if rows >= 1e6 else f"{rows / 1e3:.0f}k"
+
+
+def table_cost(rows):
+    """What an n-gram table of `rows` rows costs by PUBLIC_TABLE_SIZES, in words: its measured
+    val loss and time, or the measured sizes it lies between."""
+    def measured(r):
+        time_s, low, high = PUBLIC_TABLE_SIZES[r]
+        return f"{millions(r)} rows val {low:.4f}" + (f"-{high:.4f}" if high != low else "") + f" in {time_s:.2f} s"
+    record = max(PUBLIC_TABLE_SIZES)
+    if rows in PUBLIC_TABLE_SIZES:
+        said = measured(rows) + ("" if rows == record else f" (the record's {millions(record)}: "
+                                 f"{PUBLIC_TABLE_SIZES[record][1]:.4f} in {PUBLIC_TABLE_SIZES[record][0]:.2f} s)")
+    else:
+        above = min(r for r in PUBLIC_TABLE_SIZES if r > rows)
+        below = max([r for r in PUBLIC_TABLE_SIZES if r < rows], default=min(PUBLIC_TABLE_SIZES))
+        said = f"between {measured(above)} and {measured(below)}"
+    low = min(PUBLIC_TABLE_SIZES[r][1] for r in PUBLIC_TABLE_SIZES if r <= rows) if rows < record else None
+    target = track_target("track_1_short")     # the test was of that track's record
+    missed = f": above the {target:g} target" if low is not None and target is not None and low > target else ""
+    return f"by the public table-size test on 8xH100, {said}{missed}"
+
+
+def describe(candidate, h, record_rows, floor_rows):
+    """What `candidate` keeps and gives up, for the plan's line."""
+    if not candidate.rows:
+        table = "no n-gram table"
+    else:
+        share = "the record's" if candidate.rows == record_rows else (
+            f"1/{record_rows // candidate.rows} of the record's" if record_rows % candidate.rows == 0 else
+            "record 89's bigram table's size" if candidate.rows == floor_rows else "fewer than the record's")
+        table = (f"n-gram table {candidate.rows:,} rows ({share}) {candidate.where}, "
+                 + table_cost(candidate.rows))
+    longest = max(s.tokens_per_rank for s in h.stages)
+    batch = ("micro-batches as the record's" if candidate.split == 1 else
+             f"each slice of the global batch in {candidate.split} micro-batches of at most {longest:,} tokens "
+             f"(the same global batch; smaller, slower products)")
+    return f"{table}; {batch}"
+
+
+def shown(args):
+    """Preset arguments as the plan's line shows them: a --stages list as [...] (the line says
+    what it holds)."""
+    return " ".join("--stages=[...]" if a.startswith("--stages=") else a for a in args)
+
+
 def launch_plan(gpus, argv=(), available=None):
     """(preset arguments, processes, reason): what run.sh starts on `gpus` GPUs, for train_gpt.py's
-    arguments `argv`. Without a --preset or --config among them, the first of these that passes
-    the start-up checks (the config's, the batch and validation splits, check_ngram_table,
-    check_memory): the speedrun preset on 8 GPUs (the record's configuration); the 1gpu preset
-    (the same training, off the record track) with its n-gram table split across the GPUs
-    (--ngram_cache_rows=0) on the largest process count below 8 that divides the batch's slices;
-    the 1gpu preset on one process, its table in host memory. With one, the user's config on the
-    most processes that pass. `available`: device -> free bytes (available_memory_bytes; GPU 0
-    stands for every GPU). ConfigError when nothing passes, with each refusal."""
+    arguments `argv`. Without a --preset or --config among them: the first of plan_candidates
+    that passes the start-up checks (check_start_up, check_memory), so the largest n-gram table
+    that fits, placed the fastest way it fits, with the fewest micro-batches; as a named preset
+    when it is one. With one, the user's config on the most processes that pass. `available`:
+    device -> free bytes (available_memory_bytes; GPU 0 stands for every GPU). The reason is one
+    line: the machine, the choice and what it costs, its budget, and why the configuration before
+    it was refused. ConfigError when nothing passes, with the refusal of the least one tried."""
     recipe = _recipe()
     available = available or available_memory_bytes
     gpu, host = available(torch.device("cuda", 0)), available(torch.device("cpu"))
-    if any(a in ("--preset", "--config") or a.startswith(("--preset=", "--config=")) for a in argv):
+    machine = f"{gpus} GPU{'s' * (gpus > 1)} of {gpu / 2**30:.1f} GiB, {host / 2**30:.1f} GiB of host memory"
+    users = any(a in ("--preset", "--config") or a.startswith(("--preset=", "--config=")) for a in argv)
+    if users:
         ranks = recipe.parse_config(argv).batch_ranks
-        candidates = [((), n, "the most processes it passes on") for n in range(min(gpus, ranks), 0, -1)
-                      if ranks % n == 0]
+        candidates = [Candidate((), n, 0, "", 1) for n in range(min(gpus, ranks), 0, -1) if ranks % n == 0]
     else:
-        ranks = recipe.parse_config(["--preset", "1gpu", *argv]).batch_ranks
-        candidates = ([(("--preset", "speedrun"), 8, "the record's configuration")] if gpus >= 8 else []) + [
-            (("--preset", "1gpu", "--ngram_cache_rows=0"), n, f"the n-gram table split across the {n} GPUs")
-            for n in range(min(gpus, ranks - 1), 1, -1) if ranks % n == 0] + [
-            (("--preset", "1gpu"), 1, "the n-gram table in host memory")]
+        candidates = plan_candidates(gpus, argv)
+    record_rows = recipe.parse_config(["--preset", "1gpu"]).ngram_rows
+    floor_rows = recipe.parse_config(["--preset", "record89"]).bigram_rows
     refused = []
-    for args, n, why in candidates:
-        h = recipe.parse_config([*args, *argv])
-        pg = ProcessGroup(0, n, 0, torch.device("cuda", 0))
-        what = f"{' '.join(args) or 'the config'} on {n} process{'es' * (n > 1)}"
+    for candidate in candidates:
+        n = candidate.processes
+        h = recipe.parse_config([*candidate.args, *argv])
+        on = f"on {n} process{'es' * (n > 1)}"
+        chose = "the most processes it passes on" if users else describe(candidate, h, record_rows, floor_rows)
         try:
-            if h.batch_ranks % n:
-                raise ConfigError(f"batch_ranks={h.batch_ranks} is not divisible by {n}")
-            recipe.check_validation_split(h, pg)
-            check_ngram_table(h, pg, available)
-            budget = check_memory(h, pg, available)
+            check_start_up(h, n, available)
+            budget = check_memory(h, ProcessGroup(0, n, 0, torch.device("cuda", 0)), available)
         except ConfigError as e:
-            refused.append(f"{what}: {e}")
+            refused.append(f"{shown(candidate.args) or 'the config'} {on} ({chose.split(', by ')[0]}): {e}")
             continue
-        fits = f"the budget: {budget.summary(gpu)} on each GPU" + (
+        args = candidate.args if users else named_preset(candidate.args, h, argv)
+        fits = f"budget {budget.summary(gpu)} on each GPU" + (
             f", {budget.host_total() / 2**30:.1f} of {host / 2**30:.1f} GiB of host memory" if budget.host else "")
-        not_chosen = f"; not {refused[-1].split('; ')[0]}" if refused else ""   # its first clause
-        return args, n, f"{gpus} GPU(s) of {gpu / 2**30:.1f} GiB: {what} ({why}; {fits}){not_chosen}"
-    raise ConfigError(f"nothing fits {gpus} GPU(s) of {gpu / 2**30:.1f} GiB and {host / 2**30:.1f} GiB of host "
-                      f"memory: {'; '.join(refused)}")
+        not_chosen = f"; not {refused[-1].split('; ')[0]}" if refused else ""
+        return args, n, f"{machine}: {shown(args) or 'the config'} {on}: {chose}; {fits}{not_chosen}"
+    raise ConfigError(f"nothing fits {machine}; the least configuration tried: {refused[-1]}" if refused
+                      else f"nothing fits {machine}")
+
+
+def check_start_up(h, processes, available):
+    """The checks each of `processes` processes makes before it allocates (but the memory
+    budget's): the batch and validation splits and check_ngram_table; ConfigError names the first
+    that fails."""
+    pg = ProcessGroup(0, processes, 0, torch.device("cuda", 0))
+    if h.batch_ranks % processes:
+        raise ConfigError(f"batch_ranks={h.batch_ranks} is not divisible by {processes}")
+    _recipe().check_validation_split(h, pg)
+    check_ngram_table(h, pg, available)
+
+
+def named_preset(args, h, argv):
+    """args, or ("--preset", NAME) when the configuration they make (with argv) is a named preset's."""
+    recipe = _recipe()
+    mine = {k: v for k, v in config_to_dict(h).items() if k != "preset"}
+    for name in recipe.PRESETS:
+        other = config_to_dict(recipe.parse_config(["--preset", name, *argv]))
+        if name != h.preset and {k: v for k, v in other.items() if k != "preset"} == mine:
+            return ("--preset", name)
+    return args

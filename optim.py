@@ -312,15 +312,6 @@ def _launch_reduce_scatter_sum(stacked, world, out=None):
     return _InFlight(_reduce_scatter_op()(out, stacked, op=dist.ReduceOp.SUM, async_op=True), out)
 
 
-def _launch_all_reduce_sum(tensor, world, out=None):
-    """Sum a copy of `tensor` (into `out` when given) over ranks (the tensor itself when there is
-    one process)."""
-    if world == 1:
-        return _InFlight(None, tensor)
-    total = tensor.clone() if out is None else out.copy_(tensor)
-    return _InFlight(dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True), total)
-
-
 def _launch_all_gather(full, shard, world):
     """Fill `full` with every rank's `shard`, in rank order (for one process, shard is full)."""
     if world == 1:
@@ -328,26 +319,64 @@ def _launch_all_gather(full, shard, world):
     return _InFlight(_all_gather_op()(full, shard, async_op=True), full)
 
 
-def _launch_all_gather_stack(shard, world):
-    """Concatenate every rank's `shard` along dim 0 into a new tensor, in rank order."""
-    if world == 1:
-        return _InFlight(None, shard)
-    full = shard.new_empty((shard.shape[0] * world, *shard.shape[1:]))
-    return _launch_all_gather(full, shard, world)
-
-
 # ---------------------------------------------------------------------------------------------
 # Muon family
 # ---------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
-class _BankBuffers:
-    """A Muon bank's tensors at fixed addresses, for update math that is captured and replayed."""
-    key: tuple
-    stacked: torch.Tensor          # the bank's gradients, stacked and padded
-    shard: torch.Tensor            # this rank's share of their sum (None: one process, `stacked` itself)
-    new_values: torch.Tensor       # this rank's updated matrices, to gather
-    scalars: "_DeviceScalars"      # Muon._hyper's scalars on the device
+class _Share:
+    """A rank's matrices of one bank, side by side at `offset` (elements) of its share of a bucket."""
+    bank: int                      # index into MuonLayout.banks
+    params: list
+
+
+@dataclasses.dataclass
+class MuonLayout:
+    """Where each Muon matrix is updated: the matrices in banks (a group's matrices of one shape
+    and dtype), each matrix owned by one rank, the banks of one dtype in one bucket. A bucket's
+    gradients travel as one buffer of `world` equal shares (one reduce-scatter, one all-gather),
+    each share holding its rank's matrices bank by bank, then zeros up to the busiest rank's
+    size. Matrices are dealt largest first, each to the rank with the fewest elements so far
+    (ties: the lowest rank), so the busiest rank's share stays near the mean instead of a
+    whole bank's padding to a multiple of the ranks."""
+    banks: list                    # (index of the param group, [params]): the group is looked up at each
+    # step (load_state_dict replaces the group dicts that the schedule then writes)
+    buckets: dict                  # dtype -> (share size in elements, [[_Share] per rank])
+
+    @staticmethod
+    def of(param_groups, world):
+        banks = []
+        for index, group in enumerate(param_groups):
+            by_shape = {}
+            for p in group["params"]:
+                by_shape.setdefault((tuple(p.shape), p.dtype), []).append(p)
+            banks += [(index, params) for params in by_shape.values()]
+        buckets = {}
+        for dtype in dict.fromkeys(params[0].dtype for _, params in banks):
+            matrices = [(i, j, p) for i, (_, params) in enumerate(banks) if params[0].dtype == dtype
+                        for j, p in enumerate(params)]
+            loads, owned = [0] * world, [[] for _ in range(world)]
+            for i, j, p in sorted(matrices, key=lambda m: -m[2].numel()):   # stable: bank order on ties
+                r = loads.index(min(loads))
+                loads[r] += p.numel()
+                owned[r].append((i, j))
+            shares = []
+            for r in range(world):
+                per_bank = {}
+                for i, j in sorted(owned[r]):
+                    per_bank.setdefault(i, []).append(banks[i][1][j])
+                shares.append([_Share(i, params) for i, params in per_bank.items()])
+            buckets[dtype] = (max(loads), shares)
+        return MuonLayout(banks, buckets)
+
+    @staticmethod
+    def offsets(shares):
+        """Each share's element offset in its rank's share of the bucket."""
+        offsets, at = [], 0
+        for share in shares:
+            offsets.append(at)
+            at += len(share.params) * share.params[0].numel()
+        return offsets
 
 
 class _DeviceScalars:
@@ -446,7 +475,7 @@ class Muon(torch.optim.Optimizer):
     graph to replay on later calls with the same key (the trainer's CUDA graphs). fn is a bank's
     update math (momentum, orthogonalization, equalizer, weight update) between its reduction
     and its gather. With run_bank, everything fn touches keeps its address from step to step:
-    the bank's stacked gradients and new values live in buffers made once, the scheduled
+    the summed gradients and new values live in the buckets' buffers, made once, the scheduled
     scalars (lr, momentum, mu, blend and what follows from them) are 0-d device tensors
     refilled before each step, and load_state_dict writes into the state tensors in place.
     """
@@ -461,7 +490,9 @@ class Muon(torch.optim.Optimizer):
                         lr_scale=lr_scale, row_splits=row_splits)
         super().__init__(params, defaults)
         self.ortho_dtype, self.xxt, self.run_bank = ortho_dtype, xxt, run_bank
-        self.bank_buffers = {}     # with run_bank: bank key -> _BankBuffers
+        self.layouts = {}          # world size -> MuonLayout
+        self.buffers = {}          # dtype -> (every rank's shares, this rank's share) of a bucket
+        self.scalars = {}          # with run_bank: bank key -> _DeviceScalars
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -493,29 +524,11 @@ class Muon(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         _load_state(self, state_dict, in_place=self.run_bank is not None)
 
-    def _banks(self):
-        """(group, [params]) for each run of same-shape, same-dtype matrices of a group, in a
-        fixed order. A bank keeps its matrices whether or not they have a gradient this step, so
-        the owner of each matrix (and hence where its state lives) never changes."""
-        for group in self.param_groups:
-            banks = {}
-            for p in group["params"]:
-                banks.setdefault((tuple(p.shape), p.dtype), []).append(p)
-            for params in banks.values():
-                if any(p.grad is not None for p in params):
-                    yield group, params
-
-    @staticmethod
-    def _stack_grads(params, world, out=None):
-        """(n padded to a multiple of world, rows, cols) gradients; zeros where there is none
-        (into `out` when given)."""
-        per_rank = -(-len(params) // world)
-        ref = next(p.grad for p in params if p.grad is not None)
-        stacked = ref.new_zeros((per_rank * world, *ref.shape)) if out is None else out.zero_()
-        for i, p in enumerate(params):
-            if p.grad is not None:
-                stacked[i].copy_(p.grad)
-        return stacked
+    def layout(self, world):
+        """The MuonLayout of this optimizer's matrices on `world` ranks (made once: owners never change)."""
+        if world not in self.layouts:
+            self.layouts[world] = MuonLayout.of(self.param_groups, world)
+        return self.layouts[world]
 
     def _hyper(self, group, shape):
         """The scheduled scalars of a bank's update, computed on the host from the group:
@@ -578,74 +591,83 @@ class Muon(torch.optim.Optimizer):
                 out_blocks[i].copy_(part)
         return result
 
-    def _update_owned(self, group, hyper, params, summed_shard, world, rank, new_values=None):
-        """Update the matrices this rank owns from its shard of the summed gradients; returns
-        their new values (shard-shaped, zeros in padding and gradient-less slots; written into
-        `new_values` when given) to all-gather."""
-        per_rank = summed_shard.shape[0]
-        first = rank * per_rank
-        owned = [(j, params[first + j]) for j in range(per_rank)
-                 if first + j < len(params) and params[first + j].grad is not None]
-        if new_values is None:
-            new_values = torch.zeros_like(summed_shard, dtype=params[0].dtype)
-        else:
-            new_values.zero_()
+    def _update_share(self, group, hyper, params, summed, world):
+        """Update the matrices `params` of one bank this rank owns from `summed` (k, rows, cols),
+        their gradients summed over the ranks, and write their new values into `summed` (for
+        the all-gather; a matrix without a gradient keeps its slot's zeros)."""
+        owned = [(j, p) for j, p in enumerate(params) if p.grad is not None]
         if not owned:
-            return new_values
+            return
         directions = torch.stack([
-            self._momentum_direction(group, hyper, p, summed_shard[j].float() / world) for j, p in owned])
+            self._momentum_direction(group, hyper, p, summed[j].float() / world) for j, p in owned])
         orthogonal = self._orthogonalize(group, directions)
         for (j, p), update in zip(owned, orthogonal):
             self._apply(group, hyper, p, update)
-            new_values[j].copy_(p.data)
-        return new_values
+            summed[j].copy_(p.data)
 
-    def _buffers(self, index, group, params, world):
-        """The bank's fixed-address buffers (run_bank), made on its first step."""
-        key = (index, tuple(p.grad is not None for p in params))
-        if key not in self.bank_buffers:
-            ref = next(p for p in params if p.grad is not None)
-            per_rank = -(-len(params) // world)
-            self.bank_buffers[key] = _BankBuffers(
-                key=key, stacked=ref.grad.new_zeros((per_rank * world, *ref.shape)),
-                shard=ref.grad.new_zeros((per_rank, *ref.shape)) if world > 1 else None,
-                new_values=ref.new_zeros((per_rank, *ref.shape)),
-                scalars=_DeviceScalars([self._hyper(group, ref.shape)], ref.device))
-        return self.bank_buffers[key]
+    def _buffers(self, dtype, size, world, device):
+        """A bucket's buffers: all ranks' shares (world x size) and, with several ranks, this
+        rank's (size); made once, at fixed addresses (a captured update keeps reading them)."""
+        if dtype not in self.buffers:
+            flat = torch.zeros(world * size, dtype=dtype, device=device)
+            self.buffers[dtype] = (flat, torch.zeros(size, dtype=dtype, device=device) if world > 1 else flat)
+        return self.buffers[dtype]
 
-    def _reduce(self, index, group, params, world):
-        if self.run_bank is None:
-            return _launch_reduce_scatter_sum(self._stack_grads(params, world), world)
-        bank = self._buffers(index, group, params, world)
-        return _launch_reduce_scatter_sum(self._stack_grads(params, world, bank.stacked), world, bank.shard)
+    @staticmethod
+    def _views(buffer, share, offset):
+        """The share's matrices in `buffer` from `offset`: (k, rows, cols)."""
+        shape = share.params[0].shape
+        return buffer[offset:offset + len(share.params) * share.params[0].numel()].view(len(share.params), *shape)
 
-    def _update_bank(self, index, group, params, summed_shard, world, rank):
-        """The bank's new values to gather: computed here, or with run_bank by its captured math."""
-        if self.run_bank is None:
-            hyper = self._hyper(group, summed_shard.shape[1:])
-            return self._update_owned(group, hyper, params, summed_shard, world, rank)
-        bank = self._buffers(index, group, params, world)
-        bank.scalars.write([self._hyper(group, summed_shard.shape[1:])])
-        self.run_bank(("muon", *bank.key), functools.partial(
-            self._update_owned, group, bank.scalars.views[0], params, summed_shard, world, rank, bank.new_values))
-        return bank.new_values
+    def _update_bucket(self, layout, shares, summed, world):
+        """This rank's banks of a bucket, from its summed share: each bank's update math runs
+        here, or with run_bank by its captured math (its scalars at fixed addresses)."""
+        for share, offset in zip(shares, MuonLayout.offsets(shares)):
+            group = self.param_groups[layout.banks[share.bank][0]]
+            views = self._views(summed, share, offset)
+            hyper = self._hyper(group, share.params[0].shape)
+            if self.run_bank is None:
+                self._update_share(group, hyper, share.params, views, world)
+                continue
+            key = ("muon", share.bank, tuple(p.grad is not None for p in share.params))
+            if key not in self.scalars:
+                self.scalars[key] = _DeviceScalars([hyper], share.params[0].device)
+            self.scalars[key].write([hyper])
+            self.run_bank(key, functools.partial(self._update_share, group, self.scalars[key].views[0],
+                                                 share.params, views, world))
 
     @torch.no_grad()
     def step(self):
-        """Average gradients over ranks, update each matrix on its owner, share the results."""
+        """Sum the gradients over ranks (one reduce-scatter per bucket), update each matrix on
+        its owner, share the new values (one all-gather per bucket)."""
         world, rank = world_size_and_rank()
-        banks = list(self._banks())
-        reductions = [self._reduce(i, group, params, world) for i, (group, params) in enumerate(banks)]
+        layout = self.layout(world)
+        launched = []
+        for dtype, (size, shares) in layout.buckets.items():
+            everyone = [p for per_rank in shares for share in per_rank for p in share.params]
+            if all(p.grad is None for p in everyone):
+                continue
+            flat, mine = self._buffers(dtype, size, world, everyone[0].device)
+            for r, per_rank in enumerate(shares):
+                for share, offset in zip(per_rank, MuonLayout.offsets(per_rank)):
+                    for p, view in zip(share.params, self._views(flat, share, r * size + offset)):
+                        view.copy_(p.grad) if p.grad is not None else view.zero_()
+            launched.append((dtype, flat, _launch_reduce_scatter_sum(flat, world, mine if world > 1 else None)))
         gathers = []
-        for i, ((group, params), reduction) in enumerate(zip(banks, reductions)):
-            new_values = self._update_bank(i, group, params, reduction.wait(), world, rank)
-            gathers.append(_launch_all_gather_stack(new_values, world))
-        for (_, params), gather in zip(banks, gathers):
-            gathered = gather.wait()
-            per_rank = gathered.shape[0] // world
-            for i, p in enumerate(params):
-                if p.grad is not None and i // per_rank != rank:
-                    p.data.copy_(gathered[i])
+        for dtype, flat, reduction in launched:
+            size, shares = layout.buckets[dtype]
+            summed = reduction.wait()
+            self._update_bucket(layout, shares[rank], summed, world)
+            gathers.append((shares, size, _launch_all_gather(flat, summed, world)))
+        for shares, size, gather in gathers:
+            full = gather.wait()
+            for r, per_rank in enumerate(shares):
+                if r == rank:
+                    continue
+                for share, offset in zip(per_rank, MuonLayout.offsets(per_rank)):
+                    for p, value in zip(share.params, self._views(full, share, r * size + offset)):
+                        if p.grad is not None:
+                            p.data.copy_(value)
         return True
 
 
@@ -771,18 +793,43 @@ class Adam(torch.optim.Optimizer):
                                          torch.empty_like(like, dtype=torch.float32))
         return self.scratch_buffers[key]
 
-    def _reduce(self, p, world):
-        """Launch the sum of p's gradient over ranks: its rows reduce-scattered when shards_rows,
-        else all of it all-reduced (into fixed buffers with run_bank)."""
+    def _reduce_rows(self, p, world):
+        """Launch the sum of a large p's gradient over ranks, its rows reduce-scattered (into a
+        fixed buffer with run_bank)."""
         out = None
-        if self.run_bank is not None and world > 1:
+        if self.run_bank is not None:
             if p not in self.reduce_buffers:
-                rows = p.shape[0] // world if shards_rows(p, world) else p.shape[0]
-                self.reduce_buffers[p] = p.grad.new_empty((rows, *p.shape[1:]))
+                self.reduce_buffers[p] = p.grad.new_empty((p.shape[0] // world, *p.shape[1:]))
             out = self.reduce_buffers[p]
-        if shards_rows(p, world):
-            return _launch_reduce_scatter_sum(p.grad.contiguous(), world, out)
-        return _launch_all_reduce_sum(p.grad, world, out)
+        return _launch_reduce_scatter_sum(p.grad.contiguous(), world, out)
+
+    def _reduce_bucket(self, params, world):
+        """Launch one all-reduce of the gradients of `params` (small ones, one dtype), packed into
+        one buffer (made once with run_bank): returns {p: its summed gradient, a view of it}."""
+        key = tuple(params)
+        bucket = self.reduce_buffers.get(key)
+        if bucket is None:
+            bucket = params[0].grad.new_empty(sum(p.numel() for p in params))
+            if self.run_bank is not None:
+                self.reduce_buffers[key] = bucket
+        views, at = {}, 0
+        for p in params:
+            views[p] = bucket[at:at + p.numel()].view_as(p.grad).copy_(p.grad)
+            at += p.numel()
+        return _InFlight(dist.all_reduce(bucket, op=dist.ReduceOp.SUM, async_op=True), views)
+
+    def _reduce(self, params, world):
+        """{p: its gradient summed over ranks}: the large parameters' rows reduce-scattered one
+        by one, the others all-reduced in one bucket per dtype, all launched before any is waited
+        for (with one process: the gradients themselves)."""
+        if world == 1:
+            return {p: p.grad for p in params}
+        rows = {p: self._reduce_rows(p, world) for p in params if shards_rows(p, world)}
+        small = [p for p in params if not shards_rows(p, world)]
+        buckets = [self._reduce_bucket([p for p in small if p.grad.dtype == dtype], world)
+                   for dtype in dict.fromkeys(p.grad.dtype for p in small)]
+        summed = {p: value for bucket in buckets for p, value in bucket.wait().items()}
+        return summed | {p: reduction.wait() for p, reduction in rows.items()}
 
     def _update_all(self, updates, divisor):
         for group, hyper, state, weights, summed in updates:
@@ -799,11 +846,11 @@ class Adam(torch.optim.Optimizer):
             return False
         calls, self.pending_calls = self.pending_calls, 0
         world, rank = world_size_and_rank()
-        launched = [(group, p, self._reduce(p, world)) for group in self.param_groups for p in group["params"]
-                    if p.grad is not None]
+        launched = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        reductions = self._reduce([p for _, p in launched], world)
         updates, gathers = [], []          # updates: (group, scalars, state, weights, summed gradient)
-        for group, p, reduction in launched:
-            summed, state = reduction.wait(), self.state[p]
+        for group, p in launched:
+            summed, state = reductions[p], self.state[p]
             if "exp_avg" not in state:     # (a state loaded in place as fresh keeps its zeroed tensors)
                 state.update(exp_avg=torch.zeros_like(summed, dtype=torch.float32),
                              exp_avg_sq=torch.zeros_like(summed, dtype=torch.float32))

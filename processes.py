@@ -105,7 +105,7 @@ def init_processes(launch, backend, device_id):
     """dist.init_process_group, which waits in C++ code for the other processes, where Python's
     signal handlers do not run until it returns. Meanwhile a watchdog thread, woken by the
     C-level signal handler through signal.set_wakeup_fd, ends the process (one line on stderr,
-    then os._exit) when SIGINT or SIGTERM arrives, or when the others have not joined within
+    then os._exit) when SIGHUP, SIGINT or SIGTERM arrives, or when the others have not joined within
     launch.rendezvous_timeout_s; the process group's own timeout, for collectives, is torch's
     default. A rendezvous that fails (a port taken) is a ConfigError with torch's first line."""
     read_fd, write_fd = os.pipe()
@@ -254,7 +254,7 @@ def synchronize(device):
 
 
 class Interrupted(Exception):
-    """SIGINT or SIGTERM arrived: the run stops and its log says where."""
+    """SIGHUP, SIGINT or SIGTERM arrived: the run stops and its log says where."""
 
     def __init__(self, signal_name):
         super().__init__(signal_name)
@@ -262,35 +262,36 @@ class Interrupted(Exception):
 
 
 EXIT_USER_ERROR = 2                # a bad input or environment: one `error:` line says what to do
-SIGNAL_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}  # 128 + the signal number, as shells report them
+SIGNAL_EXIT_CODES = {"SIGHUP": 129, "SIGINT": 130, "SIGTERM": 143}  # 128 + the signal number, as shells report them
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write failed for want of room (write_failure)
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGXFSZ)
+INTERRUPTING_SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGTERM)  # a closed terminal, Ctrl-C, kill
+STOP_SIGNALS = (*INTERRUPTING_SIGNALS, signal.SIGXFSZ)
 
 
 def stop_on_signals():
-    """SIGINT and SIGTERM raise Interrupted in the main thread, once: from then on the run is
-    ending (hold_signals). A file-size limit makes a write fail with an error (EFBIG) instead of
-    killing the process without a word (SIGXFSZ). Returns the handlers it replaced, for
-    restore_signals."""
+    """SIGHUP (the terminal closed), SIGINT and SIGTERM raise Interrupted in the main thread, once:
+    from then on the run is ending (hold_signals). A file-size limit makes a write fail with an
+    error (EFBIG) instead of killing the process without a word (SIGXFSZ). Returns the handlers
+    it replaced, for restore_signals."""
     previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
 
     def interrupt(signum, frame):
         hold_signals()
         raise Interrupted(signal.Signals(signum).name)
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
+    for s in INTERRUPTING_SIGNALS:
+        signal.signal(s, interrupt)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     return previous
 
 
 def hold_signals():
-    """While a run ends (its line, its log, the process group) SIGINT and SIGTERM no longer
-    interrupt it: torch.distributed.run sends SIGTERM to the other processes as soon as one
-    exits, and that signal must not cut the ending short."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """While a run ends (its line, its log, the process group) SIGHUP, SIGINT and SIGTERM no
+    longer interrupt it: torch.distributed.run sends SIGTERM to the other processes as soon as
+    one exits, and that signal must not cut the ending short."""
+    for s in INTERRUPTING_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
 
 
 def restore_signals(previous):

@@ -11,14 +11,17 @@ process group, signals), checkpoint.py (the checkpoint format) and evaluate.py (
 
     ./run.sh                                              # picks the preset for this machine
     python train_gpt.py --plan                            # what run.sh starts here, and why (launch_plan)
+    python train_gpt.py --plan --gpus=1 --gpu_gib=23.6    # ... on another machine (docs/gpu.md)
+    python train_gpt.py --help                            # every config key: type, range, meaning
     python train_gpt.py --preset cpu                      # CPU track, tiny offline corpus
     python -m torch.distributed.run --standalone --nproc_per_node=8 train_gpt.py --preset speedrun
     python train_gpt.py --preset cpu --num_iterations=50 --seed=1   # any config key: --key=value
 
 Presets: `speedrun` (8 GPUs), `1gpu` (the same global batch on fewer GPUs by gradient
 accumulation: on one, the n-gram table in host memory; with --ngram_cache_rows=0, split across
-2 or 4), `cpu` (the CPU track), `record89` (a control run), `medium` (the GPT-2 medium track),
-`optimization` (the optimization track's fixed setup). Every run writes logs/<run id>.txt: the
+2 or 4), `1gpu_24gb` (one 24 GB card: a smaller table, 4 micro-batches a slice), `cpu` (the CPU
+track), `record89` (a control run), `medium` (the GPT-2 medium track), `optimization` (the
+optimization track's fixed setup). Every run writes logs/<run id>.txt: the
 verbatim source of every project file it imported, the environment, the data fingerprints, the
 resolved config, then step lines.
 """
@@ -28,6 +31,7 @@ import dataclasses
 import datetime
 import functools
 import gc
+import itertools
 import json
 import math
 import os
@@ -38,6 +42,14 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+# The oldest Python the pinned requirements install on (numpy 2.4.6 and scipy 1.17.1 ship no
+# wheels for 3.10), checked before any package is imported: an older one ends with this line.
+if sys.version_info < (MIN_PYTHON := (3, 11)):
+    print(f"error: train_gpt.py needs Python {'.'.join(map(str, MIN_PYTHON))} or newer (the pinned numpy and scipy "
+          f"have no wheels for older ones); this is Python {'.'.join(map(str, sys.version_info[:3]))} at "
+          f"{sys.executable}: run it with a newer one (./run.sh takes PYTHON=python3.11)", file=sys.stderr)
+    sys.exit(2)
 
 import numpy as np
 import torch
@@ -61,8 +73,8 @@ from memory_budget import check_memory, launch_plan
 from processes import (DISK_FULL_ERRNOS, EXIT_USER_ERROR, SIGNAL_EXIT_CODES, Interrupted, ProcessGroup, TrainingError,
                        hold_signals, interruption_line, launch_environment, peer_exited, report_error,
                        restore_signals, shows_interruptions, start_process, stop_on_signals, synchronize)
-from records.logfile import (ERROR_PREFIX, LogFolderError, LogWriteError, RunLog, cpu_model, project_sources,
-                             write_failure)
+from records.logfile import (ERROR_PREFIX, LogFolderError, LogWriteError, RunLog, cpu_model, load_average,
+                             other_load, project_sources, track_target, write_failure)
 from sparse_tables import SparseTables, available_memory_bytes, check_ngram_table
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -74,9 +86,9 @@ TINY_HINT = "python data/tiny_corpus.py"
 # -----------------------------------------------------------------------------------------------
 
 def _cpu_preset(h):
-    """The CPU track's current record (NorMuon25Steps): a 4-layer, width-256 model with the
-    hashed n-gram table on the tiny corpus, 2 cores, under a minute. Each choice's measurement
-    is in bench/cpu_results.md, under the heading named beside it.
+    """The CPU track's current record (NorMuon25Steps), its whole recipe: a 4-layer, width-256
+    model with the hashed n-gram table on the tiny corpus, 2 cores, under a minute. Each choice's
+    measurement is in bench/cpu_results.md, under the heading named beside it.
 
     The full softmax throughout (at this scale a sampled softmax learns much more slowly per
     step: "Two earlier cpu-preset measurements"); validation without the canonical mask
@@ -87,49 +99,106 @@ def _cpu_preset(h):
     h.track = "track_cpu"
     h.train_files = "data/tiny_corpus/tiny_train_*.bin"
     h.val_files = "data/tiny_corpus/tiny_val_*.bin"
-    h.val_tokens = 65_536
-    h.val_tokens_per_rank = 8_192
-    h.batch_ranks = 1
+    h.val_tokens, h.val_tokens_per_rank, h.batch_ranks = 65_536, 8_192, 1
+
+    # model: 4 layers of 256, 2 heads of 128, a U-net trunk; none of record 89's per-layer
+    # features (within the seeds' spread at this scale: docs/recipe.md)
     h.num_layers, h.model_dim, h.num_heads, h.head_dim, h.mlp_hidden = 4, 256, 2, 128, 1024
     h.long_window_layers, h.attention_free_layers = (3,), ()
-    h.num_value_embeds, h.bigram_rows = 1, 8192   # the bigram embedding's rows with --ngram_rows=0
-    # the hashed bigram+trigram table, sparse Adam at twice the default LR ("the hashed bigram+trigram table")
-    h.ngram_rows, h.ngram_lr = 1 << 20, 0.02
-    # the value embeddings' rows of the batch only, by the tables' sparse Adam
-    # ("sparse value embeddings at 26 steps, 5 seeds, with the tanh cross-entropy")
-    h.value_embed_sparse = True
-    h.val_long_window = 8
-    # NorMuon for the matrices, the fewest steps that beat the target over 5 seeds
-    # ("NorMuon at 25 steps on the SparseValueEmbeds26Steps preset, 5 seeds")
-    h.optimizer, h.num_iterations = "normuon", 25
-    h.stages = [                   # twice the batch: LR x1.52 = (4096/2048)^0.6, as record 89 scales it
+    h.narrow_qk_layers, h.narrow_qk_dim = (0, 1, 2), 64  # QK 64 with full RoPE on the short layers
+    h.narrow_qk_attn_scale, h.attn_scale = 0.13, 0.1     # ("record-89/92 constants ...")
+    h.narrow_vo_layers, h.narrow_vo_dim, h.parallel_mlp_layers = (), 64, ()
+    h.rope_base, h.yarn_scale_growth, h.embed_init_std = 1024.0, 0.1, 0.0  # embedding std model_dim^-0.5
+    h.smear_gate, h.key_offset, h.xsa_layers, h.paired_head_layers = False, False, (), ()
+    h.token_gates, h.token_gates_split, h.attn_gate_layers = False, 4, ()
+    h.composed_layers, h.composed_window = (), 112
+    h.trunk, h.skip_layers, h.snapshot_layer = "unet", (3, 6), 7  # (the skips and snapshot: dense trunk only)
+    # one value-embedding table, its rows of the batch only by the tables' sparse Adam ("sparse
+    # value embeddings at 26 steps, 5 seeds, with the tanh cross-entropy")
+    h.num_value_embeds, h.value_embed_layers, h.value_embed_sparse = 1, (), True
+    h.value_embed_gate_dim, h.value_embed_gate_reads_value = 12, False
+    # the hashed bigram+trigram table ("the hashed bigram+trigram table"); bigram_rows: with --ngram_rows=0
+    h.ngram_rows, h.ngram_dtype, h.bigram_rows = 1 << 20, "float32", 8192
+    h.canonical_mask = False
+    h.param_dtype = "float32"
+    h.compute_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
+    h.fp8_mlp = h.fp8_qkv = h.fp8_head = True  # (FP8 layers only on a GPU, or with --fp8_on_cpu)
+    h.fp8_mlp_scales = "record92"
+
+    # schedule: 25 steps, twice the batch from the middle (LR x1.52 = (4096/2048)^0.6, as record 89
+    # scales it); the cooldown from 40% to 0.15; untied at 2/3
+    h.num_iterations = 25          # the fewest that beat the target over 5 seeds ("NorMuon at 25 steps ...")
+    h.stages = [
         Stage(end=0.5, tokens_per_rank=2048, max_doc_len=512, short_window=1, long_window=2,
               mtp_weights=(1.0, 0.5, 0.25), prefix_weight=0.25),
         Stage(end=0.8, tokens_per_rank=4096, max_doc_len=1024, short_window=2, long_window=4,
               mtp_weights=(1.0, 0.5), prefix_weight=0.25, lr_mult=1.52),
         Stage(end=1.0, tokens_per_rank=4096, max_doc_len=1024, short_window=2, long_window=6, lr_mult=1.52),
     ]
-    h.embed_lr, h.value_embed_lr, h.head_lr = 0.02, 0.02, 0.016  # twice the defaults ("steps, Adam LRs, ...")
+    h.val_long_window, h.yarn_at_final_window = 8, True
+    h.untie_frac = 2 / 3
+    h.cooldown_start, h.cooldown_end, h.cooldown_floor = 0.4, 1.0, 0.15
+    h.averages = []
+
+    # optimizers: NorMuon for the matrices ("NorMuon at 25 steps on the SparseValueEmbeds26Steps preset")
+    h.optimizer, h.orthogonalize = "normuon", "auto"
+    h.matrix_lr, h.matrix_wd, h.mlp_down_lr_scale = 0.05, 0.0, 2.0
+    h.qk_ortho_heads = 1           # queries and keys orthogonalized per head ("record-89/92 constants ...")
+    h.momentum, h.momentum_warmup_start, h.momentum_warmup_steps, h.momentum_cooldown_steps = 0.95, 0.85, 300, 0
+    h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start = 0.85, 0.98, 0.4385, 0.43  # (anvil)
+    h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall = 0.85, 0.93, 0.2, 0.042         # (anvil)
+    h.adamw_matrix_lr = 0.008      # (--optimizer=adamw)
+    h.embed_lr, h.value_embed_lr, h.head_lr = 0.02, 0.02, 0.016  # ("steps, Adam LRs, ...")
+    h.scalar_lr = h.gate_lr = h.smear_gate_lr = 0.04
+    h.token_gate_lr, h.dense_lr = 0.0008, 0.002
     # record 89's Adam betas and decay ("record-89 Adam betas and decay, fewer steps")
     h.embed_betas, h.value_embed_betas, h.scalar_betas = (0.5, 0.95), (0.75, 0.95), (0.9, 0.99)
     h.embed_wd, h.value_embed_wd = 0.005 * 150, 0.005 * 5
-    h.qk_ortho_heads = 1           # queries and keys orthogonalized per head ("record-89/92 constants ...")
-    h.narrow_qk_layers, h.narrow_qk_dim = (0, 1, 2), 64  # QK 64 with full RoPE on the short layers (same heading)
+    h.adam_eps, h.adam_step_every = 1e-10, 1
+    # the tables' sparse Adam at twice the default LR ("the hashed bigram+trigram table")
+    h.ngram_lr, h.ngram_wd, h.ngram_beta2, h.ngram_step_every, h.table_phases = 0.02, 0.0, 0.95, 1, []
+
+    # the run on a CPU
     h.log_every = 5
-    h.compute_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     h.compile = False              # inductor saves less than the drift ("Eager against compiled, interleaved")
     h.warm_up, h.warmup_steps = "always", 1  # map each shape's memory untimed ("the n-gram table's cost: ...")
     h.cuda_graphs = False          # no launches to save on a CPU; the replay's buffers cost time ("Two earlier ...")
 
 
+def fixed_track_config(h, track):
+    """Set what a steps-ranked track fixes (records/<track>/track.json's fixed_config: the model,
+    the data, the batch, the objective), the one place those values live."""
+    with open(os.path.join(REPO_DIR, "records", track, "track.json")) as f:
+        config.config_from_dict(json.load(f)["fixed_config"], base=h)
+
+
 def _cpu_optimization_preset(h):
-    """The CPU optimization track's fixed setup (records/track_3_cpu_optimization/track.json): the
-    cpu preset's model, data and batch schedule as its first records ran them, with the value
-    embeddings under dense Adam; the optimizer and the steps are the entries' to choose."""
-    _cpu_preset(h)
+    """The CPU optimization track's setup: what every entry runs, read from its track.json (the
+    cpu preset's model, data and batch schedule as the track's first records ran them, with the
+    value embeddings under dense Adam), and the first records' optimizer, which an entry changes:
+    ANVIL at 27 steps, the LRs and schedule of that cpu preset."""
     h.track = "track_3_cpu_optimization"
-    h.value_embed_sparse = False
-    h.optimizer, h.num_iterations = "anvil", 27
+    fixed_track_config(h, h.track)
+    h.num_iterations, h.val_tokens_per_rank = 27, 8_192
+    h.cooldown_start, h.cooldown_end, h.cooldown_floor, h.averages = 0.4, 1.0, 0.15, []
+    h.optimizer, h.orthogonalize = "anvil", "auto"   # auto: polar_express for an entry's muon or normuon
+    h.matrix_lr, h.matrix_wd, h.mlp_down_lr_scale, h.qk_ortho_heads = 0.05, 0.0, 2.0, 1
+    h.momentum, h.momentum_warmup_start, h.momentum_warmup_steps, h.momentum_cooldown_steps = 0.95, 0.85, 300, 0
+    h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start = 0.85, 0.98, 0.4385, 0.43
+    h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall = 0.85, 0.93, 0.2, 0.042
+    h.adamw_matrix_lr = 0.008
+    h.embed_lr, h.value_embed_lr, h.head_lr = 0.02, 0.02, 0.016
+    h.scalar_lr = h.gate_lr = h.smear_gate_lr = 0.04
+    h.token_gate_lr, h.dense_lr = 0.0008, 0.002
+    h.embed_betas, h.value_embed_betas, h.scalar_betas = (0.5, 0.95), (0.75, 0.95), (0.9, 0.99)
+    h.embed_wd, h.value_embed_wd = 0.005 * 150, 0.005 * 5
+    h.adam_eps, h.adam_step_every = 1e-10, 1
+    h.ngram_lr, h.ngram_wd, h.ngram_beta2, h.ngram_step_every, h.table_phases = 0.02, 0.0, 0.95, 1, []
+    h.embed_init_std = 0.0
+    h.compute_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
+    h.fp8_mlp_scales = "record92"
+    h.log_every, h.compile, h.cuda_graphs = 5, False, False
+    h.warm_up, h.warmup_steps = "always", 1
 
 
 # Record 92's sampled softmax: candidate columns per stage (steps 0-680, then the thirds of 681-1106:
@@ -139,61 +208,49 @@ NGRAM_RECORD_ROWS = 84_602_880     # record 92's n-gram table: 10,575,360 rows o
 NGRAM_LATE_STEP = 336              # record 92's step from which the tables' beta2 is squared, an update every 4th
 
 
-def _record89_features(h):
-    """The model features and optimizer constants that records 89 and 92 share."""
-    h.smear_gate = True
-    h.key_offset = True
-    h.xsa_layers = (1, 3, 4, 7)
-    h.paired_head_layers = (0, 2, 5, 9)
-    h.num_value_embeds, h.value_embed_layers = 0, (1, 2, 8, 9, 10)  # five tables, one per layer
-    h.value_embed_gate_reads_value = True  # gates read x[:6] and ve[:6]
-    h.embed_init_std = 0.005       # the head's init, which the tied embedding copies
-    h.yarn_scale_growth = 0.2
-    h.yarn_at_final_window = False # the final window widens, the rotary tables stay
-    h.token_gates, h.token_gates_split = True, 4  # XSA strengths, output gates, x0 and bigram injection per token
-    h.trunk, h.skip_layers = "dense", (3, 6)  # per-sublayer scales, the skip from 3 into 6, dense connections
-    h.matrix_lr, h.matrix_wd = 0.023, 1.2
-    h.qk_ortho_heads = 2           # queries and keys orthogonalized per pair of heads
-    # Adam: base LR 0.008 and decay 0.005 times per-group multipliers (the decay scales with lr^2)
-    h.embed_lr = h.head_lr = 0.008
-    h.value_embed_lr = 0.008 * 75  # value embeddings and the bigram table
-    h.scalar_lr = 0.008 * 5
-    h.gate_lr = 0.008
-    h.smear_gate_lr = 0.008 * 0.01
-    h.embed_betas, h.value_embed_betas, h.scalar_betas = (0.5, 0.95), (0.75, 0.95), (0.9, 0.99)
-    h.embed_wd, h.value_embed_wd = 0.005 * 150, 0.005 * 5
-    h.adam_step_every = 2          # Adam updates on odd steps only
-
-
 def _speedrun_preset(h):
-    """Record 92: record 89's features and constants on record 92's model and schedule. Record 92
-    removed record 89's layer 7; its layers keep record 89's numbers there (0-6, 8-10) and are
-    0-9 here. The README's fidelity table compares every value with records 89 and 92 and lists
-    what is not built yet."""
-    _record89_features(h)
-    h.canonical_mask = True        # record 92 validates with the canonical mask
-    h.num_layers, h.mlp_hidden = 10, 2816
+    """Record 92, the whole recipe: record 89's features and constants on record 92's model and
+    schedule. Record 92 removed record 89's layer 7; its layers keep record 89's numbers there
+    (0-6, 8-10) and are 0-9 here. The fidelity table in docs/recipe.md compares every value with
+    records 89 and 92 and lists what is not built yet."""
+    h.track = "track_1_short"
+    # data: FineWeb's GPT-2 tokens, judged on the first 10,485,760 of the val shard
+    h.train_files = "data/fineweb10B/fineweb_train_*.bin"
+    h.val_files = "data/fineweb10B/fineweb_val_*.bin"
+    h.val_tokens, h.val_tokens_per_rank, h.batch_ranks = 10_485_760, 65_536, 8
+
+    # model: 10 layers of 768, 6 heads of 128; 7 attention sublayers
+    h.num_layers, h.model_dim, h.num_heads, h.head_dim, h.mlp_hidden = 10, 768, 6, 128, 2816
     h.attention_free_layers = (4, 6, 8)        # record 92's 4, 6, 9: attention on 0, 1, 2, 3, 5, 8, 10
     h.long_window_layers = (3, 9)              # its 3, 10
-    h.narrow_qk_layers = (0, 1, 2, 5, 7)       # its 0, 1, 2, 5, 8: QK 64 with full RoPE
-    h.narrow_qk_dim, h.narrow_qk_attn_scale, h.attn_scale = 64, 0.13, 0.085  # 0.085 on the QK-128 layers
+    h.narrow_qk_layers, h.narrow_qk_dim = (0, 1, 2, 5, 7), 64  # its 0, 1, 2, 5, 8: QK 64 with full RoPE
+    h.narrow_qk_attn_scale, h.attn_scale = 0.13, 0.085  # the QK-64 layers' scale; 0.085 on the QK-128 layers
     h.narrow_vo_layers, h.narrow_vo_dim = (1, 7), 64  # its 1, 8
     h.parallel_mlp_layers = (7,)               # its 8
-    # record 89's per-layer features, on the layers that still have attention
-    h.value_embed_layers = (1, 2, 7, 9)        # record 89's 1, 2, 8, 10 (its 9 lost its attention)
+    h.rope_base, h.yarn_scale_growth = 1024.0, 0.2  # RoPE base period; YaRN scale x (1 + 0.2 ln(growth))
+    h.embed_init_std = 0.005                   # the head's init, which the tied embedding copies
+    # record 89's features, on the layers that still have attention
+    h.smear_gate, h.key_offset = True, True
+    h.num_value_embeds, h.value_embed_layers = 0, (1, 2, 7, 9)  # record 89's 1, 2, 8, 10 (its 9 lost its attention)
+    h.value_embed_gate_dim, h.value_embed_gate_reads_value = 12, True  # gates read x[:6] and ve[:6]
     h.xsa_layers = (1, 3)                      # record 89's 1, 3 (its 4 lost its attention, its 7 is gone)
     h.paired_head_layers = (0, 2, 5)           # record 89's 0, 2, 5 (its 9 lost its attention)
+    h.token_gates, h.token_gates_split = True, 4  # XSA strengths, output gates, x0 and bigram injection per token
     h.attn_gate_layers = (3, 9)                # record 89's 3, 10
+    h.composed_layers, h.composed_window = (9,), 112  # record 89's 10: composed attention over 112 tokens
+    h.trunk, h.skip_layers = "dense", (3, 6)   # per-sublayer scales, the skip from 3 into 6, dense connections
     h.snapshot_layer = 6                       # record 89's 7 is gone: the layers after 6 read its output
-    h.composed_layers = (9,)                         # record 89's 10: composed attention over 112 tokens
-    h.ngram_rows, h.ngram_dtype = NGRAM_RECORD_ROWS, "bfloat16"   # the hashed n-gram table, split across the GPUs
-    h.ngram_lr, h.ngram_wd = h.value_embed_lr, h.value_embed_wd   # record 89's bigram table's LR and decay
-    h.table_phases = [TablePhase(start=NGRAM_LATE_STEP, ngram_beta2=0.95 ** 2, value_embed_beta2=0.95 ** 2,
-                                 step_every=4)]   # record 92's late phase: beta2 squared, an update every 4th step
+    # record 92's hashed n-gram table, split across the GPUs (bigram_rows: the table when ngram_rows=0)
+    h.ngram_rows, h.ngram_dtype, h.bigram_rows = NGRAM_RECORD_ROWS, "bfloat16", 251_520
     h.value_embed_sparse = True    # the value embeddings on the table's path: sparse Adam, the same cadence
-    N = h.num_iterations           # 1194
-    # record 92's boundaries (its third stage in two: the sampled softmax widens for its last third);
-    # the tails' batches as the public ANVIL record's
+    h.canonical_mask = True        # record 92 validates with the canonical mask
+    # precision: bf16 weights and activations (fp32 in the optimizers' sidecars), FP8 MLP, QKV, head
+    h.param_dtype, h.compute_dtype = "bfloat16", "bfloat16"
+    h.fp8_mlp, h.fp8_qkv, h.fp8_head, h.fp8_mlp_scales = True, True, True, "record92"
+
+    # schedule: 1194 steps; record 92's boundaries (its third stage in two: the sampled softmax
+    # widens for its last third); the tails' batches as the public ANVIL record's
+    h.num_iterations = N = 1194
     h.stages = [
         Stage(end=320 / N, tokens_per_rank=16_384, max_doc_len=896, short_window=1, long_window=3,
               mtp_weights=(1.0, 0.5, 0.25), mtp_weights_end=(1.0, 0.5, 0.0), prefix_weight=0.25,
@@ -209,8 +266,9 @@ def _speedrun_preset(h):
               lr_mult=1.579),      # the full softmax from here on
         Stage(end=1.0, tokens_per_rank=16_384, max_doc_len=3072, short_window=6, long_window=13),
     ]
+    h.val_long_window, h.yarn_at_final_window = 20, False  # the final window widens, the rotary tables stay
     h.untie_frac = 1175 / N        # record 92 unties at step 1175, where the last tail starts
-    h.cooldown_start, h.cooldown_floor = 0.2, 0.30
+    h.cooldown_start, h.cooldown_end, h.cooldown_floor = 0.2, 1.0, 0.30  # from step 239 to 0.30 at the end
     h.averages = [                 # record 92's "ships", applied in this order
         Average("embed_head", window=298, rate=2 / 299, blend=0.65),
         Average("value_embeds", window=298, rate=2 / 299, blend=0.65),
@@ -219,11 +277,64 @@ def _speedrun_preset(h):
         Average("vo_mlp", window=298, every=4, rate=2 / 75, blend=0.3493, renormalize=True),
     ]
 
+    # optimizers: ANVIL for the matrices (queries and keys orthogonalized per pair of heads)
+    h.optimizer, h.orthogonalize = "anvil", "anvil"
+    h.matrix_lr, h.matrix_wd, h.mlp_down_lr_scale, h.qk_ortho_heads = 0.023, 1.2, 2.0, 2
+    h.anvil_fast_beta, h.anvil_slow_beta = 0.85, 0.98
+    h.anvil_blend, h.anvil_blend_start = 0.4385, 0.43  # the fast rail's weight from step 514 of 1194
+    h.anvil_mu_low, h.anvil_mu_high = 0.85, 0.93       # Nesterov mu: 0.85 -> 0.93 over 240 steps,
+    h.anvil_mu_rise, h.anvil_mu_fall = 0.2, 0.042      # back to 0.85 over the last 50
+    h.momentum, h.momentum_warmup_start, h.momentum_warmup_steps, h.momentum_cooldown_steps = 0.95, 0.85, 300, 0
+    h.adamw_matrix_lr = 0.008      # (--optimizer=adamw: Adam's LR for the matrices)
+    # Adam: base LR 0.008 and decay 0.005 times per-group multipliers (the decay scales with lr^2),
+    # an update on odd steps only
+    h.embed_lr = h.head_lr = 0.008
+    h.value_embed_lr = 0.008 * 75  # value embeddings and the n-gram table
+    h.scalar_lr, h.gate_lr, h.smear_gate_lr = 0.008 * 5, 0.008, 0.008 * 0.01
+    h.token_gate_lr, h.dense_lr = 0.0008, 0.002
+    h.embed_betas, h.value_embed_betas, h.scalar_betas = (0.5, 0.95), (0.75, 0.95), (0.9, 0.99)
+    h.embed_wd, h.value_embed_wd = 0.005 * 150, 0.005 * 5
+    h.adam_eps, h.adam_step_every = 1e-10, 2
+    # the sparse tables: record 89's bigram table's LR and decay; beta2 squared and an update every
+    # 4th step from step 336
+    h.ngram_lr, h.ngram_wd, h.ngram_beta2, h.ngram_step_every = 0.008 * 75, 0.005 * 5, 0.95, 1
+    h.table_phases = [TablePhase(start=NGRAM_LATE_STEP, ngram_beta2=0.95 ** 2, value_embed_beta2=0.95 ** 2,
+                                 step_every=4)]
+
 
 def _record89_preset(h):
-    """Record 89, the control run: 1270 scheduled steps in three equal stages plus 15 at the final
-    windows and LR, NorMuon with Polar Express, the cooldown from 40% of the scheduled steps to 0.15."""
-    _record89_features(h)
+    """Record 89, the control run, its whole recipe on this code: 11 layers, the bigram table,
+    1270 scheduled steps in three equal stages plus 15 at the final windows and LR, NorMuon with
+    Polar Express, the cooldown from 40% of the scheduled steps to 0.15, no canonical mask, no
+    sampled softmax, no averages."""
+    h.track = "track_1_short"
+    h.train_files = "data/fineweb10B/fineweb_train_*.bin"
+    h.val_files = "data/fineweb10B/fineweb_val_*.bin"
+    h.val_tokens, h.val_tokens_per_rank, h.batch_ranks = 10_485_760, 65_536, 8
+
+    # model: 11 layers of 768, 6 heads of 128, MLP 3072; no attention on layer 6
+    h.num_layers, h.model_dim, h.num_heads, h.head_dim, h.mlp_hidden = 11, 768, 6, 128, 3072
+    h.attention_free_layers, h.long_window_layers = (6,), (3, 10)
+    h.narrow_qk_layers, h.narrow_qk_dim, h.narrow_qk_attn_scale = (), 64, 0.13  # QK 128 everywhere
+    h.narrow_vo_layers, h.narrow_vo_dim, h.parallel_mlp_layers = (), 64, ()
+    h.attn_scale, h.rope_base, h.yarn_scale_growth = 0.1, 1024.0, 0.2
+    h.embed_init_std = 0.005       # the head's init, which the tied embedding copies
+    h.smear_gate, h.key_offset = True, True
+    h.num_value_embeds, h.value_embed_layers = 0, (1, 2, 8, 9, 10)  # five tables, one per layer
+    h.value_embed_gate_dim, h.value_embed_gate_reads_value = 12, True  # gates read x[:6] and ve[:6]
+    h.value_embed_sparse = False
+    h.xsa_layers, h.paired_head_layers = (1, 3, 4, 7), (0, 2, 5, 9)
+    h.token_gates, h.token_gates_split = True, 4  # XSA strengths, output gates, x0 and bigram injection per token
+    h.attn_gate_layers = (3, 10)
+    h.composed_layers, h.composed_window = (10,), 112
+    h.trunk, h.skip_layers, h.snapshot_layer = "dense", (3, 6), 7
+    h.ngram_rows, h.ngram_dtype, h.bigram_rows = 0, "float32", 50304 * 15 // 2  # the bigram table: 377,280 rows
+    h.canonical_mask = False
+    # precision: record 89's bf16 weights and activations; FP8 MLP forward and head, QKV in bf16
+    h.param_dtype, h.compute_dtype = "bfloat16", "bfloat16"
+    h.fp8_mlp, h.fp8_qkv, h.fp8_head, h.fp8_mlp_scales = True, False, True, "record89"
+
+    # schedule
     h.num_iterations = N = 1270 + 15
     h.stages = [
         Stage(end=423 / N, tokens_per_rank=16_384, max_doc_len=896, short_window=1, long_window=3,
@@ -235,15 +346,27 @@ def _record89_preset(h):
               lr_mult=1.73),      # (24/8)^0.5
         Stage(end=1.0, tokens_per_rank=49_152, max_doc_len=2048, short_window=6, long_window=13),
     ]
+    h.val_long_window, h.yarn_at_final_window = 20, False
     h.untie_frac = (847 + 0.5) / N  # untie at step 847, the first of the third stage
     h.cooldown_start, h.cooldown_end, h.cooldown_floor = 508 / N, 1270 / N, 0.15
+    h.averages = []
+
+    # optimizers: NorMuon with Polar Express, queries and keys orthogonalized per pair of heads
     h.optimizer, h.orthogonalize = "normuon", "polar_express"
+    h.matrix_lr, h.matrix_wd, h.mlp_down_lr_scale, h.qk_ortho_heads = 0.023, 1.2, 2.0, 2
     h.momentum, h.momentum_warmup_start, h.momentum_warmup_steps, h.momentum_cooldown_steps = 0.95, 0.85, 300, 50
-    h.bigram_rows = 50304 * 15 // 2  # 377,280
-    h.attn_gate_layers = (3, 10)
-    h.snapshot_layer = 7
-    h.composed_layers = (10,)
-    h.fp8_qkv, h.fp8_mlp_scales = False, "record89"  # record 89: FP8 MLP forward and head, QKV in bf16
+    h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start = 0.85, 0.98, 0.4385, 0.43  # (anvil)
+    h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall = 0.85, 0.93, 0.2, 0.042         # (anvil)
+    h.adamw_matrix_lr = 0.008      # (--optimizer=adamw)
+    # Adam: base LR 0.008 and decay 0.005 times per-group multipliers, an update on odd steps only
+    h.embed_lr = h.head_lr = 0.008
+    h.value_embed_lr = 0.008 * 75  # value embeddings and the bigram table
+    h.scalar_lr, h.gate_lr, h.smear_gate_lr = 0.008 * 5, 0.008, 0.008 * 0.01
+    h.token_gate_lr, h.dense_lr = 0.0008, 0.002
+    h.embed_betas, h.value_embed_betas, h.scalar_betas = (0.5, 0.95), (0.75, 0.95), (0.9, 0.99)
+    h.embed_wd, h.value_embed_wd = 0.005 * 150, 0.005 * 5
+    h.adam_eps, h.adam_step_every = 1e-10, 2
+    h.ngram_lr, h.ngram_wd, h.ngram_beta2, h.ngram_step_every, h.table_phases = 0.01, 0.0, 0.95, 1, []  # (no table)
 
 
 def _one_gpu_preset(h):
@@ -252,6 +375,45 @@ def _one_gpu_preset(h):
     # the table (130 GB in bf16) in host memory; the device caches the rows of 5 steps (more than
     # min_cache_rows: an update every 4th step, the next step's prefetch and a validation slice)
     h.ngram_cache_rows = 4_194_304
+
+
+def micro_batch_splits(h):
+    """The k that split_micro_batches(h, k) takes: powers of two that divide every stage's
+    tokens_per_rank and leave each micro-batch at least its stage's max_doc_len (a shorter one
+    would cut the documents the stage keeps whole)."""
+    k, splits = 1, []
+    while all(s.tokens_per_rank % k == 0 and s.tokens_per_rank // k >= s.max_doc_len for s in h.stages):
+        splits.append(k)
+        k *= 2
+    return splits
+
+
+def split_micro_batches(h, k):
+    """h with each slice of the global batch trained as k micro-batches by gradient accumulation:
+    k times the slices (batch_ranks), each stage's tokens_per_rank divided by k. The global batch
+    and the schedules stay; a step's activations shrink about k-fold."""
+    h.batch_ranks *= k
+    h.stages = [dataclasses.replace(s, tokens_per_rank=s.tokens_per_rank // k) for s in h.stages]
+    return h
+
+
+ONE_CARD_NGRAM_ROWS = NGRAM_RECORD_ROWS // 64   # 1,321,920 rows (2 GB in bf16): the largest a 24 GB card holds
+ONE_CARD_SPLIT = 4                 # each slice in 4 micro-batches: 12,288 tokens at most
+
+
+def _one_card_24gb_preset(h):
+    """One 24 GB card (an RTX 3090 or 4090): the 1gpu preset with these differences, which is
+    what `train_gpt.py --plan --gpus=1 --gpu_gib=24` picks (docs/gpu.md):
+    - the n-gram table at 1/64 of the record's rows, whole on the card (--ngram_cache_rows=0):
+      the record's table would need 146 GiB of host memory and, even there, a device cache and
+      pending gradients of 15 GiB; by the public table-size test of record 92 a smaller table
+      costs val loss (84.6M rows 3.2791, 21.15M 3.2825-3.2863, 377k 3.3149), so this run ends
+      above the 3.28 target;
+    - each slice of the global batch in ONE_CARD_SPLIT micro-batches (the same global batch and
+      schedules, a quarter of the step's activations)."""
+    _one_gpu_preset(h)
+    h.ngram_rows, h.ngram_cache_rows = ONE_CARD_NGRAM_ROWS, 0
+    split_micro_batches(h, ONE_CARD_SPLIT)
 
 
 MEDIUM_SCHEDULED_STEPS = 4700      # public medium record: the steps its batch, window and LR schedules span
@@ -336,6 +498,23 @@ def _medium_preset(h):
     h.gate_lr = 0.015 * 0.1            # public medium record: value_embed_gate NorMuon lr_mul 0.1 (ours: Adam)
     h.adam_eps = 1e-8                  # public medium record: DistAdam eps 1e-8
     h.adam_step_every = 2              # public medium record: Adam on odd steps only
+    # what the public medium record does not have, off; the unused optimizers' constants
+    h.value_embed_layers, h.value_embed_gate_reads_value, h.value_embed_sparse = (), False, False
+    h.xsa_layers, h.paired_head_layers, h.parallel_mlp_layers, h.attn_gate_layers, h.composed_layers = (), (), (), (), ()
+    h.narrow_qk_layers, h.narrow_qk_dim, h.narrow_qk_attn_scale, h.narrow_vo_layers, h.narrow_vo_dim = (), 64, 0.13, (), 64
+    h.token_gates, h.token_gates_split, h.composed_window = False, 4, 112
+    h.trunk, h.skip_layers, h.snapshot_layer = "unet", (3, 6), 7
+    h.bigram_rows, h.ngram_rows, h.ngram_dtype = 251_520, 0, "float32"  # (ours: the bigram table, zero at init)
+    h.rope_base, h.attn_scale, h.canonical_mask, h.averages = 1024.0, 0.1, False, []
+    h.train_files = "data/fineweb10B/fineweb_train_*.bin"
+    h.val_files = "data/fineweb10B/fineweb_val_*.bin"
+    h.val_tokens = 10_485_760
+    h.param_dtype, h.compute_dtype, h.fp8_mlp_scales = "float32", "bfloat16", "record92"
+    h.adamw_matrix_lr = 0.008
+    h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start = 0.85, 0.98, 0.4385, 0.43
+    h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall = 0.85, 0.93, 0.2, 0.042
+    h.token_gate_lr, h.dense_lr = 0.0008, 0.002
+    h.ngram_lr, h.ngram_wd, h.ngram_beta2, h.ngram_step_every, h.table_phases = 0.01, 0.0, 0.95, 1, []
 
 
 OPT_STEPS = 3250                   # public optimization track baseline: train_steps
@@ -381,10 +560,30 @@ def _optimization_preset(h):
     h.embed_wd = 0.001 / 0.7       # public: p *= 1 - lr x 0.001; ours lr^2 x wd: equal for the embedding at its peak
     # public: embedding N(0, 1), head zero; ours unties at step 0 by copying the embedding into the head,
     # so the embedding keeps its default N(0, 1 / 768) (logits ~N(0, 1) at the start, not N(0, 768))
+    # what the public baseline does not have, off; the unused optimizers' constants
+    h.value_embed_gate_dim, h.value_embed_gate_reads_value, h.value_embed_sparse = 12, False, False
+    h.ngram_rows, h.ngram_dtype, h.embed_init_std, h.yarn_scale_growth = 0, "float32", 0.0, 0.1
+    h.canonical_mask, h.smear_gate, h.key_offset, h.xsa_layers, h.paired_head_layers = False, False, False, (), ()
+    h.narrow_qk_layers, h.narrow_qk_dim, h.narrow_qk_attn_scale, h.narrow_vo_layers, h.narrow_vo_dim = (), 64, 0.13, (), 64
+    h.parallel_mlp_layers, h.token_gates, h.token_gates_split, h.attn_gate_layers = (), False, 4, ()
+    h.composed_layers, h.composed_window, h.trunk, h.skip_layers, h.snapshot_layer = (), 112, "unet", (3, 6), 7
+    h.train_files = "data/fineweb10B/fineweb_train_*.bin"
+    h.val_files = "data/fineweb10B/fineweb_val_*.bin"
+    h.val_tokens, h.val_tokens_per_rank, h.batch_ranks = 10_485_760, 65_536, 8  # public: 8 x 64 x 1024 a step
+    h.yarn_at_final_window, h.averages = True, []
+    h.param_dtype, h.compute_dtype, h.fp8_mlp_scales = "float32", "bfloat16", "record92"
+    h.adamw_matrix_lr = 0.008
+    h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start = 0.85, 0.98, 0.4385, 0.43
+    h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall = 0.85, 0.93, 0.2, 0.042
+    h.gate_lr = h.smear_gate_lr = 0.04
+    h.token_gate_lr, h.dense_lr = 0.0008, 0.002
+    h.value_embed_betas, h.value_embed_wd, h.adam_step_every = (0.8, 0.95), 0.0, 1
+    h.ngram_lr, h.ngram_wd, h.ngram_beta2, h.ngram_step_every, h.table_phases = 0.01, 0.0, 0.95, 1, []
 
 
-PRESETS = {"speedrun": _speedrun_preset, "1gpu": _one_gpu_preset, "cpu": _cpu_preset, "record89": _record89_preset,
-           "medium": _medium_preset, "optimization": _optimization_preset, "cpu_optimization": _cpu_optimization_preset}
+PRESETS = {"speedrun": _speedrun_preset, "1gpu": _one_gpu_preset, "1gpu_24gb": _one_card_24gb_preset, "cpu": _cpu_preset,
+           "record89": _record89_preset, "medium": _medium_preset, "optimization": _optimization_preset,
+           "cpu_optimization": _cpu_optimization_preset}
 
 
 def parse_config(argv):
@@ -417,7 +616,8 @@ YARN_BETA = 32.0                   # YaRN: ... and those with more than this are
 
 
 def rms_norm(x):
-    return F.rms_norm(x, (x.size(-1),))
+    """Weightless RMS norm; the statistic in fp32 where autocast asks, the result in x's dtype."""
+    return F.rms_norm(x, (x.size(-1),)).type_as(x)
 
 
 def yarn_frequencies(freq, old_tokens, new_tokens):
@@ -924,8 +1124,8 @@ def ngram_rows(tokens, is_doc_start, rows):
     half = rows // 2
     cur, prev = tokens.long(), previous_tokens(tokens, is_doc_start).long()
     prev2, first_two = two_tokens_back(tokens, is_doc_start)
-    trigram = ((TRIGRAM_MULT_CUR * cur) ^ (TRIGRAM_MULT_PREV * prev) ^ (TRIGRAM_MULT_PREV2 * prev2.long())) \
-        % (rows - half - 1)
+    trigram = ((TRIGRAM_MULT_CUR * cur) ^ (TRIGRAM_MULT_PREV * prev) ^ (TRIGRAM_MULT_PREV2 * prev2.long())) % (
+        rows - half - 1)
     return torch.stack([bigram_rows(tokens, is_doc_start, half), torch.where(first_two, rows - 1, trigram + half)],
                        dim=1)
 
@@ -1011,9 +1211,8 @@ class NgramTable(nn.Module):
             entries = self.table[rows.to(self.table.device)].to(context.device)
         if self.training:
             entries = entries + first_rows(self.sink, count)
-        sign = torch.stack([signs[bigram_sign_rows(context, is_start)[seen:]],
-                            signs[trigram_sign_rows(context, is_start)[seen:]]], dim=1)
-        return (entries * sign).sum(1)
+        return (entries[:, 0] * signs[bigram_sign_rows(context, is_start)[seen:]]
+                + entries[:, 1] * signs[trigram_sign_rows(context, is_start)[seen:]])
 
 
 def first_rows(t, n):
@@ -1094,6 +1293,11 @@ class GPT(nn.Module):
                                      cfg.yarn_scale_growth, rotate_all=True) if cfg.narrow_qk_layers else None)
         self.register_buffer("prefix_table", torch.from_numpy(prefix_token_table()).long(), persistent=False)
         self.canonical_mask = NoncanonicalPairs() if cfg.canonical_mask else None
+        if cfg.param_dtype == "bfloat16":   # weights, gradient sinks and the sign table; the FP8 states stay fp32
+            for module in self.modules():
+                for name, p in module.named_parameters(recurse=False):
+                    setattr(module, name, nn.Parameter(p.detach().bfloat16(), requires_grad=p.requires_grad))
+            self.signs = self.signs.bfloat16()
 
     def num_parameters(self):
         """Trained values: the parameters (but the gradient sinks) and the n-gram table."""
@@ -1253,8 +1457,8 @@ class GPT(nn.Module):
                 saved["last_input"] = x
                 mix = self.dense(0, x)
                 layer_gates = dict(gates.get(i, {}))
-                layer_gates["v"] = mix["v_input"] * saved["input"] + mix["v_snapshot"] * saved["snapshot"] \
-                    + mix["v_residual"] * x
+                layer_gates["v"] = (mix["v_input"] * saved["input"] + mix["v_snapshot"] * saved["snapshot"]
+                                    + mix["v_residual"] * x)
                 if ve is not None:         # one gate lane per half of the heads
                     lanes = torch.cat([mix["ve_lane0"], mix["ve_lane1"]], dim=-1)
                     layer_gates["ve"] = lanes.repeat_interleave(block.attn.num_heads // 2, dim=-1)
@@ -1287,11 +1491,13 @@ class GPT(nn.Module):
         if columns is not None:
             weight = weight[columns]
             all_targets = ids_to_columns(all_targets, columns)
-        # The upstream gradient the loss will get (a hint: any value gives the right gradient; with
-        # the right one the backward hands on its stored gradient without a pass over it).
-        upstream = self.loss_unit if self.training and self.loss_unit is not None else 1.0 / x.size(0)
+        # The upstream gradient the loss will get: in training the trainer has set it (the loss unit:
+        # its backward of the mean over the step's micro-batches), and the cross-entropy hands its
+        # stored gradient on untouched; elsewhere a hint (the mean's) that any backward may differ from.
+        exact = self.training and self.loss_unit is not None
+        upstream = self.loss_unit if exact else 1.0 / x.size(0)
         objective, next_token = self.cross_entropy_fn(self.head(x, weight), all_targets, target_weights,
-                                                      grad_scale=upstream)
+                                                      grad_scale=upstream, exact_upstream=exact)
         return objective.mean(), next_token.mean()
 
     @torch.no_grad()
@@ -1846,7 +2052,7 @@ def validation_points(h):
 # -----------------------------------------------------------------------------------------------
 
 
-def environment(world_size, bf16_gemm):
+def environment(world_size, bf16_gemm, load):
     def git_commit():
         try:
             return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_DIR, capture_output=True,
@@ -1866,7 +2072,43 @@ def environment(world_size, bf16_gemm):
         "bf16_gemm": bf16_gemm, "world_size": world_size,
         "hostname": socket.gethostname(), "command": " ".join(sys.argv), "git_commit": git_commit(),
         "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "load_average": "unknown" if load is None else f"{load:.2f}",
     }
+
+
+def run_threads(pg):
+    """The CPU threads this machine's processes of the run keep busy: torch's threads on a CPU,
+    one per process driving a GPU."""
+    return launch_environment().local_world_size * (torch.get_num_threads() if pg.device.type == "cpu" else 1)
+
+
+def busy_warning(load, seconds, threads, when):
+    """The warning line when, by a 1-minute load average taken `seconds` into the run, other work
+    held CPUs the run's `threads` need (records.logfile.other_load); else None."""
+    cpus = os.cpu_count() or 1
+    others = None if load is None else other_load(load, cpus, threads, seconds)
+    if others is None:
+        return None
+    return (f"warning: the machine was busy {when}: a 1-minute load average of {load:.2f} on {cpus} CPUs, about "
+            f"{others:.1f} of it other work beside this run's {threads} thread(s): its times are slower than an idle "
+            f"machine's, and a record's runs need an idle machine")
+
+
+def target_line(h, val_loss, log_path):
+    """The run's last line on the terminal: the target val loss of its track (for a run on no
+    track that validates on the speedrun preset's tokens, that preset's track's, for comparison),
+    whether this run's val loss is below it, and where the log is."""
+    track, note = h.track, ""
+    if track == "none":
+        reference = parse_config(["--preset", "speedrun"])
+        if (h.val_files, h.val_tokens) == (reference.val_files, reference.val_tokens):
+            track, note = reference.track, ", for comparison: this run is on no track"
+    target = None if track == "none" else track_target(track)
+    if target is None:
+        return f"target: none (the run is on no track); log: {log_path}"
+    reached = "met" if val_loss < target else "not met"
+    return (f"target: val_loss below {target:.4f} ({track}{note}): {reached}, {val_loss:.4f} (one run: a record "
+            f"takes several, records/{track}/README.md); log: {log_path}")
 
 
 class DeferredLossLines:
@@ -1925,8 +2167,8 @@ class KernelFns:
 def fp8_kernels(h, use_triton):
     """The FP8 layers the config asks for, each with its scale rules: (mlp, qkv, head) functions
     or None."""
-    linear = kernels.fp8_linear if use_triton else kernels.fp8_linear_reference
-    mlp = kernels.fp8_relu2_mlp if use_triton else kernels.fp8_relu2_mlp_reference
+    linear = functools.partial(kernels.fp8_linear, gemm=h.fp8_gemm) if use_triton else kernels.fp8_linear_reference
+    mlp = functools.partial(kernels.fp8_relu2_mlp, gemm=h.fp8_gemm) if use_triton else kernels.fp8_relu2_mlp_reference
     return (functools.partial(mlp, scales=kernels.MLP_SCALES[h.fp8_mlp_scales]) if h.fp8_mlp else None,
             functools.partial(linear, scales=kernels.QKV_SCALES) if h.fp8_qkv else None,
             functools.partial(linear, scales=kernels.HEAD_SCALES) if h.fp8_head else None)
@@ -2052,6 +2294,26 @@ def graph_key(h, step):
     return stage_index(h, step), step < untie_step(h)
 
 
+def micro_batch_losses(forward, stage, windows, batch: MicroBatch, target_weights):
+    """(objective, next-token loss) of one micro-batch by `forward` (the model, or its compiled
+    form) at a stage and its (short, long) windows in WINDOW_BLOCKs: the sampled softmax's
+    candidates, the attention arguments, the forward. Every step's forward goes through here:
+    the trainer's, and those the memory budget and the benches trace on fake tensors."""
+    columns = (candidate_columns(batch.targets, stage.candidates, batch.candidate_start) if stage.candidates
+               else None)
+    args = Trainer.attention_args(batch.cu_seqlens, windows)
+    return forward(batch.tokens, batch.targets, args, target_weights, columns)
+
+
+def empty_micro_batch(stage, device="cpu"):
+    """A MicroBatch of zeros shaped like the stage's (for dry runs on fake tensors)."""
+    T = stage.tokens_per_rank
+    return MicroBatch(torch.zeros(T, dtype=torch.int32, device=device),
+                      torch.zeros(T, MAX_TARGETS - 1, dtype=torch.int64, device=device),
+                      torch.zeros(T // MIN_DOC_TOKENS + 2, dtype=torch.int32, device=device),
+                      torch.zeros((), dtype=torch.int64, device=device))
+
+
 FP8_CALIBRATION_PASSES = 1         # forward+backward passes that record the FP8 amaxes before the first step
 
 
@@ -2069,8 +2331,8 @@ class Trainer:
         torch.manual_seed(h.seed)
         self.kernels = select_kernels(h, pg.device)
         check_ngram_table(h, pg)
-        if training and pg.device.type == "cuda":
-            check_memory(h, pg)
+        budget = check_memory(h, pg) if training else None   # on a CPU too: a run that cannot fit ends at once
+        self.budget = budget if pg.device.type == "cuda" else None
         self.model = build_model(h, self.kernels, TablePlacement(pg.rank, pg.world_size, h.ngram_cache_rows,
                                                                  pg.device))
         self.model.to(pg.device)
@@ -2132,11 +2394,8 @@ class Trainer:
         """Forward and backward of one micro-batch: the gradients and self.step_losses accumulate.
         Everything it reads is a tensor that keeps its address or fixed by the graph key (stage,
         windows, tied head), so it can be captured and replayed."""
-        columns = (candidate_columns(batch.targets, stage.candidates, batch.candidate_start) if stage.candidates
-                   else None)
-        args = self.attention_args(batch.cu_seqlens, windows)
         with self.autocast, record_function("forward"):
-            objective, next_token = self.forward(batch.tokens, batch.targets, args, self.weights, columns)
+            objective, next_token = micro_batch_losses(self.forward, stage, windows, batch, self.weights)
         with record_function("backward"):
             (objective / self.accum).backward()
         self.step_losses += torch.stack([next_token, objective.detach()]) / self.accum
@@ -2170,11 +2429,12 @@ class Trainer:
                 self.tables.step()
         return loss
 
-    def capture_graph(self, step):
+    def capture_graph(self, step, prepare_only=False):
         """Capture the forward+backward of `step`'s graph key (on CUDA with cuda_graphs; a step of
-        that key must have run)."""
+        that key must have run), or only run the eager step on the capture stream that its
+        capture needs first (StepGraphs.prepare)."""
         with self.model.sinks_of(self.h.stages[stage_index(self.h, step)].tokens_per_rank):
-            self.graphs.capture(graph_key(self.h, step))
+            (self.graphs.prepare if prepare_only else self.graphs.capture)(graph_key(self.h, step))
 
     def calibrate_fp8(self, slices):
         """Record the FP8 amaxes of the initial weights on the first step's batch (gradients
@@ -2257,18 +2517,48 @@ def first_batch(h, train_files, mine):
                                                                 h.batch_ranks, mine)
 
 
+def warm_up_steps_per_key(h):
+    """The warm-up's training steps per graph key: warmup_steps, and with CUDA graphs enough for
+    Adam to update under it (and be captured)."""
+    return max(h.warmup_steps, h.adam_step_every if h.cuda_graphs and h.warmup_steps else 0)
+
+
+def warm_up_validations(h):
+    """The validation forwards the warm-up runs: one per distinct (windows, tied head)."""
+    return len({(attention_windows(h, step, final), step < untie_step(h)) for step, final in validation_points(h)})
+
+
+def warm_up_line(trainer, seconds, graphs):
+    """What the untimed warm-up did on this device, and what this device had no need of."""
+    h, did, not_here = trainer.h, [], []
+    if trainer.needs_warm_up():
+        did.append(f"{len(graph_changes(h)) * warm_up_steps_per_key(h)} training steps and "
+                   f"{warm_up_validations(h)} validation forward(s) at every shape the run uses")
+    triton_kernels = trainer.kernels.attention is kernels.flash_attn_varlen
+    for done, what, missing in ((h.compile, f"torch.compile of {graphs} graphs", "no compilation"),
+                                (triton_kernels, "the Triton kernels' JIT", "no Triton JIT"),
+                                (trainer.graphs.capturing, f"{trainer.graphs.captured()} CUDA graphs captured",
+                                 "no CUDA graphs"),
+                                (trainer.kernels.any_fp8, "FP8 calibration", "no FP8 calibration")):
+        (did if done else not_here).append(what if done else missing)
+    on_device = f"; on this {trainer.pg.device.type}: {', '.join(not_here)}" if not_here else ""
+    return (f"warm-up: {seconds:.1f}s untimed ({', '.join(did) or 'none: nothing to compile or warm'}{on_device}); "
+            f"train_time counts from step 0")
+
+
 def warm_up(trainer, train_files, val_slices):
     """Untimed: run every graph the timed run will use (each stage's shape, the untie, each
-    validation's windows), so that torch.compile and the Triton JIT do their work here, and
-    capture each training step's CUDA graph after its eager steps; then restore the initial
-    model, optimizer and schedule state. Returns the graphs torch.compile built."""
+    validation's windows), so that torch.compile and the Triton JIT do their work here, then
+    capture each training step's CUDA graph: after every key's eager steps, so that no eager step
+    runs beside the graphs' memory pool (a stage's step plus the pool would be two steps' memory
+    at once); then restore the initial model, optimizer and schedule state. Returns the graphs
+    torch.compile built."""
     h = trainer.h
     before = compiled_graphs()
     saved = trainer.snapshot()
     loader = TrainLoader(train_files, batch_tokens(h))
     trainer.graphs.in_warm_up = trainer.tables.frozen = True
-    # with CUDA graphs, enough steps per graph key for Adam to update under it (and be captured)
-    steps_per_key = max(h.warmup_steps, h.adam_step_every if h.cuda_graphs and h.warmup_steps else 0)
+    steps_per_key = warm_up_steps_per_key(h)
     for step in graph_changes(h):
         trainer.advance_to(step)
         stage = h.stages[stage_index(h, step)]
@@ -2276,7 +2566,10 @@ def warm_up(trainer, train_files, val_slices):
             trainer.train_step(step, loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks,
                                                        trainer.mine))
         if h.warmup_steps:
-            trainer.capture_graph(step)
+            trainer.capture_graph(step, prepare_only=True)
+    for step in graph_changes(h) if h.warmup_steps else ():
+        trainer.advance_to(step)
+        trainer.capture_graph(step)
     for adam in trainer.tables.adams():     # the frozen tables' updates, on scratch tables
         adam.launch_on_scratch()
     trainer.graphs.in_warm_up = trainer.tables.frozen = False
@@ -2293,12 +2586,33 @@ def warm_up(trainer, train_files, val_slices):
     return compiled_graphs() - before
 
 
-def write_loss_lines(log, lines, N):
-    """Step lines: the next-token train loss (comparable with val_loss) and the objective."""
+def write_loss_lines(log, lines, h):
+    """Step lines: the next-token train loss (comparable with val_loss) and the objective; on the
+    terminal also the time the remaining steps will take (eta_text)."""
+    N, tokens = h.num_iterations, tokens_after_steps(h)
     for step, elapsed, (loss, objective) in lines:
         check_finite("train", objective, step - 1, log)
-        log.write(f"step:{step}/{N} train_loss:{loss:.4f} objective:{objective:.4f} train_time:{elapsed:.0f}ms "
-                  f"step_avg:{elapsed / step:.2f}ms", echo=True)
+        line = (f"step:{step}/{N} train_loss:{loss:.4f} objective:{objective:.4f} train_time:{elapsed:.0f}ms "
+                f"step_avg:{elapsed / step:.2f}ms")
+        log.write(line)
+        if log.active:
+            print(f"{line} eta:{eta_text(elapsed, tokens, step)}", flush=True)
+
+
+def tokens_after_steps(h):
+    """[tokens trained after each of 0..N steps]: the global batch of each step's stage, summed."""
+    per_step = [s.tokens_per_rank * h.batch_ranks for s, steps in zip(h.stages, steps_per_stage(h))
+                for _ in range(steps)]
+    return list(itertools.accumulate(per_step, initial=0))
+
+
+def eta_text(elapsed_ms, tokens, step):
+    """The train time the steps after `step` will take at this run's time per token so far (a
+    step's time follows its tokens: later stages have larger batches), as 45s, 3m05s or 1h02m."""
+    left = round(elapsed_ms / 1000 * (tokens[-1] - tokens[step]) / tokens[step])
+    minutes, seconds = divmod(left, 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{seconds:02d}s" if minutes else \
+        f"{seconds}s"
 
 
 def shards_of(pattern):
@@ -2323,18 +2637,24 @@ def validation_data(h, pg, val_files):
 def train(h, pg, log):
     train_files, val_files = shards_of(h.train_files), shards_of(h.val_files)
     check_validation_split(h, pg)
-    log.header(project_sources(), environment(pg.world_size, gemm_path(h, pg.device)),
+    started, load_at_start, threads = time.perf_counter(), load_average(), run_threads(pg)
+    log.header(project_sources(), environment(pg.world_size, gemm_path(h, pg.device), load_at_start),
                [fingerprint(f) for f in val_files + train_files], logged_config(h))
+    if warning := busy_warning(load_at_start, 0.0, threads, "at the start"):
+        log.write(warning, echo=True)
     val_slices = validation_data(h, pg, val_files)
     trainer = Trainer(h, pg, log)
     log.write(f"model parameters: {trainer.model.num_parameters():,}", echo=True)
+    if trainer.budget is not None:
+        total = torch.cuda.get_device_properties(pg.device).total_memory
+        log.write(f"memory budget: {trainer.budget.summary(total)} on each GPU (its step "
+                  f"{trainer.budget.step / 2**30:.1f} GiB)", echo=True)
     log.progress = "in the warm-up"
     untimed_t0 = time.perf_counter()
     warm_graphs = warm_up(trainer, train_files, val_slices) if trainer.needs_warm_up() else 0
     if trainer.kernels.any_fp8:
         trainer.calibrate_fp8(first_batch(h, train_files, trainer.mine))
-    log.write(f"warm-up: {time.perf_counter() - untimed_t0:.1f}s untimed (compilation, Triton JIT, CUDA graph "
-              f"capture, FP8 calibration); train_time counts from step 0", echo=True)
+    log.write(warm_up_line(trainer, time.perf_counter() - untimed_t0, warm_graphs), echo=True)
     gc.collect()
     gc.freeze()                    # the warm-up's objects leave the collector's view: shorter pauses in the timed run
     if trainer.tables.host is not None:
@@ -2355,7 +2675,7 @@ def train(h, pg, log):
             if last or (h.val_every and step % h.val_every == 0 and step > 0):
                 synchronize(pg.device)
                 trainer.train_time_ms += 1000 * (time.perf_counter() - t0)
-                write_loss_lines(log, losses.ready(wait=True), N)
+                write_loss_lines(log, losses.ready(wait=True), h)
                 trainer.advance_to(step, final_validation=last)
                 val_loss = trainer.validate(val_slices, step, final_validation=last)
                 log.write(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{trainer.train_time_ms:.0f}ms "
@@ -2377,7 +2697,7 @@ def train(h, pg, log):
                     dist.all_reduce(loss)
                 elapsed = trainer.train_time_ms + 1000 * (time.perf_counter() - t0)
                 losses.add(step + 1, elapsed, loss / pg.world_size)
-            write_loss_lines(log, losses.ready(), N)
+            write_loss_lines(log, losses.ready(), h)
     finally:
         batches.close()
     if h.averages:
@@ -2396,15 +2716,33 @@ def train(h, pg, log):
                   f"missed a shape or a guard, and the train time includes compilation", echo=True)
     peak = (torch.cuda.max_memory_allocated(pg.device) if pg.device.type == "cuda"
             else _peak_rss_bytes()) // 2**20
+    if trainer.budget is not None:
+        log.write(memory_line(trainer.budget, pg.device), echo=True)
     if h.save_checkpoint and pg.master:
         path = os.path.join(h.log_dir, f"{log.run_id}_model.safetensors")
         data_sha256 = save_checkpoint(path, trainer.model, h, log.run_id, log.seal(), val_loss, trainer.train_time_ms)
         log.write(f"checkpoint: {path} data_sha256={data_sha256}", echo=True)
     elif h.save_checkpoint and (shard := split_ngram_table(trainer.model)) is not None:
         send_table_shard(shard)    # rank 0 writes this process's rows of the table into the checkpoint
+    load_at_end = load_average()
+    if load_at_start is not None and load_at_end is not None:
+        log.write(f"load average: {load_at_start:.2f} at the start, {load_at_end:.2f} at the end (1 minute; "
+                  f"{os.cpu_count()} CPUs, this run's {threads} thread(s))")
+    if warning := busy_warning(load_at_end, time.perf_counter() - started, threads, "during the run"):
+        log.write(warning, echo=True)
     log.write(f"final val_loss:{val_loss:.4f} train_time:{trainer.train_time_ms:.0f}ms steps:{N} "
               f"peak_memory:{peak}MiB", echo=True)
+    if pg.master:
+        print(target_line(h, val_loss, log.path), flush=True)
     return val_loss
+
+
+def memory_line(budget, device):
+    """The run's measured GPU memory beside what its MemoryBudget predicted."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    return (f"memory: peak allocated {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB, reserved "
+            f"{torch.cuda.max_memory_reserved(device) / 2**30:.1f} GiB; the budget {budget.summary(total)} "
+            f"(its step {budget.step / 2**30:.1f} GiB)")
 
 
 def _peak_rss_bytes():
@@ -2415,9 +2753,6 @@ def _peak_rss_bytes():
 # -----------------------------------------------------------------------------------------------
 # main: how a run ends
 # -----------------------------------------------------------------------------------------------
-
-
-# (--ngram_cache_rows: one process can hold, in host memory, a table trained split across several devices)
 
 
 def stop(log, line, code, show=True):
@@ -2441,17 +2776,28 @@ def where_the_run_is(log, command):
 
 def plan_command(argv):
     """--plan [--gpus=N --gpu_gib=X --host_gib=Y] [train_gpt.py arguments]: print launch_plan's
-    answer for this machine (or for N GPUs of X GiB and Y GiB of host memory), in three lines:
-    the processes, the preset arguments, the reason. run.sh asks it."""
-    parser = ArgumentParser(prog="train_gpt.py --plan", allow_abbrev=False)
-    parser.add_argument("--plan", action="store_true")
-    parser.add_argument("--gpus", type=int, default=None)
-    parser.add_argument("--gpu_gib", type=float, default=None)
-    parser.add_argument("--host_gib", type=float, default=None)
+    answer for this machine (or for N GPUs of X GiB and Y GiB of host memory, on any machine), in
+    three lines: the processes, the preset arguments, the reason. run.sh asks it."""
+    parser = ArgumentParser(prog="train_gpt.py --plan", allow_abbrev=False,
+                            description="What ./run.sh starts on a machine's GPUs, and why (docs/gpu.md). Any other "
+                                        "--key=value is the run's, as for training.")
+    parser.add_argument("--plan", action="store_true", help="print the plan: processes, preset arguments, reason")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs to plan for (default: this machine's)")
+    parser.add_argument("--gpu_gib", type=float, default=None,
+                        help="free memory of each GPU in GiB, e.g. 79.6 for an 80 GB H100 (default: GPU 0's now)")
+    parser.add_argument("--host_gib", type=float, default=None,
+                        help="host memory in GiB the run may use (default: this machine's available memory)")
     args, rest = parser.parse_known_args(argv)
     gpus = torch.cuda.device_count() if args.gpus is None else args.gpus
     if gpus < 1:
-        raise ConfigError("--plan is for GPUs and this machine has none: ./run.sh runs the cpu preset here")
+        raise ConfigError("--plan is for GPUs and this machine has none (./run.sh runs the cpu preset here); to plan "
+                          "for a GPU machine, name it: --gpus=N --gpu_gib=G [--host_gib=H]")
+    if args.gpu_gib is None and not torch.cuda.is_available():
+        raise ConfigError(f"--plan for {gpus} GPU(s) on a machine without one needs their memory: add --gpu_gib=G "
+                          f"(GiB each, e.g. 79.6 for an 80 GB H100, 23.6 for a 24 GB card)")
+    for key, value in (("gpu_gib", args.gpu_gib), ("host_gib", args.host_gib)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"--{key}={value} is not allowed: expects a positive number of GiB")
 
     def available(device):
         given = args.gpu_gib if device.type == "cuda" else args.host_gib

@@ -42,8 +42,8 @@ def split_variants(argv):
             variants[-1][1].append(arg)
         else:
             own.append(arg)
-    if not variants or variants[-1][0] is None:
-        raise SystemExit("give at least one variant: --variant NAME [--key=value ...]")
+    if variants and variants[-1][0] is None:
+        raise SystemExit("error: --variant needs a name: --variant NAME [--key=value ...]")
     names = [name for name, _ in variants]
     if len(set(names)) != len(names):
         raise SystemExit(f"variant names must differ, got {names}")
@@ -136,13 +136,16 @@ def main():
     own, variants = split_variants(sys.argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      usage="%(prog)s [options] --variant NAME [--key=value ...] [--variant ...]")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--parallel", type=int, default=2)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="the seeds each variant runs")
+    parser.add_argument("--parallel", type=int, default=2, help="runs at once, one thread each")
     parser.add_argument("--title", default="cpu preset variants", help="what is compared (the section title)")
-    parser.add_argument("--out", default=os.path.join(REPO, "logs", "cpu_comparison"))
+    parser.add_argument("--out", default=os.path.join(REPO, "logs", "cpu_comparison"),
+                        help="the runs' log folders go here, one per variant and seed")
     parser.add_argument("--results", default=os.path.join(REPO, "bench", "cpu_results.md"),
                         help="append the table here ('' to skip)")
     args = parser.parse_args(own)
+    if not variants:
+        raise SystemExit("error: give at least one variant: --variant NAME [--key=value ...] (see --help)")
     commit = source_commit()       # before the runs: the code they run
     jobs, results = [], {}
     for seed in args.seeds:

@@ -47,6 +47,7 @@ import argparse
 import collections
 import dataclasses
 import functools
+import json
 import math
 import pathlib
 import sys
@@ -105,6 +106,7 @@ DOC_MEDIAN, DOC_SEED = 600, 0
 # its 13 public runs (KellerJordan/modded-nanogpt records/track_1_short/2026-07-17_FP8DownProjection/
 # this_pr/*.txt, train_time from step 5 to 455, 465 to 915 and 925 to 1375 of 1390; 8xH100).
 RECORD89_STEP_MS = {16_384: 31.42, 32_768: 56.95, 49_152: 82.79}
+CALIBRATION_TOLERANCE = 0.25       # the model's record89 step times within this share of the logged ones
 # The runs bench/step_model.md holds: (preset, GPUs, GPU kind).
 STANDARD_RUNS = (("speedrun", 8, "h100"), ("1gpu", 1, "h200"), ("medium", 8, "h100"), ("record89", 8, "h100"))
 TABLES_PATH = pathlib.Path(__file__).resolve().parent / "step_model.md"
@@ -376,9 +378,26 @@ def _region_op(events, first, last, readers, created, fused=True):
               kernels=1 + reductions)
 
 
+def recomputed_casts(events):
+    """The events with the backward reading, for each widening cast the forward made, the cast's
+    source instead: Inductor's partitioner, which saves as few bytes as it can, recomputes such a
+    cast in the backward rather than saving its output (an fp32 copy of a bf16 activation saved
+    for a norm's backward, say)."""
+    source = {}
+    for e in events:
+        if (e.phase == "forward" and e.name == "aten._to_copy" and len(e.reads) == 1 and len(e.writes) == 1
+                and e.reads[0][1] < e.writes[0][1]):
+            source[e.writes[0][0]] = e.reads[0]
+    return [dataclasses.replace(e, reads=[source.get(sid, (sid, nbytes)) for sid, nbytes in e.reads])
+            if e.phase == "backward" else e for e in events]
+
+
 def priced_ops(events, lengths, world, compiled):
     """The Ops of a census: kernels and collectives one each; the fusible aten ops fused into
-    regions inside the compiled phases, one op each elsewhere."""
+    regions inside the compiled phases (with the forward's casts recomputed in the backward),
+    one op each elsewhere."""
+    if compiled:
+        events = recomputed_casts(events)
     readers = _later_reads(events)
     created, seen = {}, set()      # storage id -> the event that made it (absent: it existed before)
     for i, e in enumerate(events):
@@ -455,24 +474,22 @@ def trace_stage(h, index, world):
         optimizers = train_gpt.build_optimizers(h, model, fns)
         train_gpt.model_at(model, h, step)
         T = stage.tokens_per_rank
-        tokens = torch.zeros(T, dtype=torch.int32)
-        targets = torch.zeros(T, train_gpt.MAX_TARGETS - 1, dtype=torch.int64)
-        cu_seqlens = torch.zeros(T // train_gpt.MIN_DOC_TOKENS + 2, dtype=torch.int32)
-        args = train_gpt.Trainer.attention_args(cu_seqlens, train_gpt.attention_windows(h, step))
+        model.set_loss_unit(1.0 / (T * (h.batch_ranks // world)))   # as the trainer does: the objective's weight
         with model.sinks_of(T), census:
             for p in model.parameters():   # gradients exist after the first step; the backward adds into them
                 p.grad = torch.zeros_like(p) if p.requires_grad else None
-            columns = (train_gpt.candidate_columns(targets, stage.candidates, train_gpt.candidate_start(0, h.batch_ranks))
-                       if stage.candidates else None)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=h.compute_dtype == "bfloat16"):
-                objective, _ = model(tokens, targets, args, train_gpt.target_weights(stage, "cpu"), columns)
+                objective, _ = train_gpt.micro_batch_losses(model, stage, train_gpt.attention_windows(h, step),
+                                                            train_gpt.empty_micro_batch(stage),
+                                                            train_gpt.target_weights(stage, "cpu"))
             census.phase = "backward"
             objective.backward()
             for opt in optimizers:
-                census.phase = "muon" if type(opt).__name__ == "Muon" else "adam"
-                if hasattr(opt, "step_every"):
-                    opt.pending_calls = opt.step_every - 1   # this call updates
-                opt.step()
+                for phase in ("first update", "muon" if type(opt).__name__ == "Muon" else "adam"):
+                    census.phase = phase   # the first update makes the state; the second is every later one's
+                    if hasattr(opt, "step_every"):
+                        opt.pending_calls = opt.step_every - 1   # this call updates
+                    opt.step()
             ships = {}
             for i, average in enumerate(h.averages):
                 census.phase = f"averages{i}"
@@ -491,7 +508,8 @@ def census_of_stage(h, index, world):
     stage = h.stages[index]
     events, ships, widths = trace_stage(h, index, world)
     lengths = document_lengths(stage.tokens_per_rank, stage.max_doc_len)
-    ops = priced_ops([e for e in events if not e.phase.startswith("averages")], lengths, world, h.compile)
+    ops = priced_ops([e for e in events if not e.phase.startswith(("averages", "first update"))], lengths, world,
+                     h.compile)
     averages = {}
     for i, start in ships.items():
         sampled = [e for e in events[start:] if e.phase == f"averages{i}"]
@@ -750,6 +768,7 @@ def parse_args(argv=None):
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="the GPU kind (default: h100)")
     p.add_argument("--gpus", type=int, default=8, help="GPUs in the run (default: 8; must divide batch_ranks)")
     p.add_argument("--write", action="store_true", help=f"regenerate {TABLES_PATH.name}: the reports of STANDARD_RUNS")
+    p.add_argument("--json", metavar="PATH", help="also write the predictions as JSON (per stage, the run, communication)")
     p.add_argument("overrides", nargs="*", help="config overrides, --key=value after '--'")
     return p.parse_args(argv)
 
@@ -778,8 +797,25 @@ def main(argv=None):
         raise SystemExit(f"error: {e}")
     if args.gpus < 1 or h.batch_ranks % args.gpus:
         raise SystemExit(f"error: --gpus={args.gpus} must divide the preset's batch_ranks ({h.batch_ranks})")
-    text, _ = report(h, args.gpus, args.gpu)
+    text, m = report(h, args.gpus, args.gpu)
     print(text)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(predictions(m), indent=1))
+
+
+def predictions(m):
+    """A RunModel's numbers as JSON values: each stage's mean ms per step (realistic and at the
+    peaks), the whole run, and its communication and compute seconds."""
+    stages = []
+    for index, steps in sorted(m.stage_steps().items()):
+        stages.append(dict(index=index, steps=len(steps), tokens_per_rank=m.h.stages[index].tokens_per_rank,
+                           ms=1e3 * statistics_mean(m.step_seconds(s, REALISTIC) for s in steps),
+                           ms_peak=1e3 * statistics_mean(m.step_seconds(s, PEAK) for s in steps)))
+    families = m.sinks(REALISTIC, family_of)
+    run = m.run_seconds(REALISTIC)
+    return dict(preset=m.h.preset, gpus=m.world, gpu=m.gpu.name, stages=stages, run_s=run,
+                peak_s=m.run_seconds(PEAK), communication_s=families["communication"],
+                compute_s=run - families["communication"])
 
 
 if __name__ == "__main__":

@@ -3,10 +3,13 @@
     python data/cached_fineweb10B.py 8            # val shard + train shards 1..8 (800M tokens)
     python data/cached_fineweb10B.py 8 --dir D    # into D instead of data/fineweb10B/
 
-Each shard holds 100M tokens (about 200 MB). Files already present with a
-valid header are skipped. huggingface-hub downloads into an `.incomplete` file
-and renames it when done, so a shard never appears half-written under its
-final name; each file is validated again after its download.
+Each shard holds 100M tokens (about 200 MB; the last train shard the rest).
+Files already present are skipped when they are whole shards of the hub's size:
+a valid header, a length that matches it, and the hub's token count. Any other
+file under a shard's name is fetched again. huggingface-hub downloads into an
+`.incomplete` file and renames it when done, so a shard never appears
+half-written under its final name; each file is checked again after its
+download.
 """
 
 import argparse
@@ -31,6 +34,7 @@ from data.shards import ShardError, read_header
 HUB_REPO_ID = "kjj0/fineweb10B-gpt2"  # the public cache of FineWeb-10B in GPT-2 tokens
 HUB_REPO_TYPE = "dataset"
 NUM_HUB_TRAIN_SHARDS = 103  # train shards in the hub repo, numbered from 1
+HUB_SHARD_TOKENS = 100_000_000  # tokens in each of its shards but the last train shard, which holds at most this many
 VAL_SHARD_NAME = "fineweb_val_000000.bin"
 TRAIN_SHARD_NAME = "fineweb_train_{:06d}.bin"  # format with the shard number (1-based)
 DEFAULT_DIR = Path(__file__).resolve().parent / "fineweb10B"
@@ -51,12 +55,18 @@ def shard_names(num_train_shards):
     return [VAL_SHARD_NAME] + [TRAIN_SHARD_NAME.format(i) for i in range(1, num_train_shards + 1)]
 
 
-def _is_valid_shard(path):
+def shard_problem(path, name):
+    """Why the file at `path` is not the hub's shard `name` (a damaged header, a length that does not
+    match it, another token count than the hub's), or None."""
     try:
-        read_header(path)
-    except ShardError:
-        return False
-    return True
+        tokens = read_header(path)
+    except ShardError as e:
+        return str(e)
+    last = name == TRAIN_SHARD_NAME.format(NUM_HUB_TRAIN_SHARDS)
+    if tokens == HUB_SHARD_TOKENS or (last and 0 < tokens < HUB_SHARD_TOKENS):
+        return None
+    expected = f"at most {HUB_SHARD_TOKENS:,}" if last else f"{HUB_SHARD_TOKENS:,}"
+    return f"{path}: holds {tokens:,} tokens, but {name} of {HUB_REPO_ID} holds {expected}: not the hub's file"
 
 
 def _unreachable(name, out_dir, reason):
@@ -98,15 +108,18 @@ def download(num_train_shards, out_dir=DEFAULT_DIR, local_files_only=False):
     paths = []
     for name in shard_names(num_train_shards):
         path = out_dir / name
-        if _is_valid_shard(path):
+        problem = shard_problem(path, name) if path.exists() else "missing"
+        if problem is None:
             print(f"{path}: present and valid, skipped")
         else:
             damaged = path.exists()
             if damaged:
-                print(f"{path}: present but damaged, fetching it again")
+                print(f"{path}: present but damaged ({problem.removeprefix(f'{path}: ')}), fetching it again")
             _fetch(name, out_dir, damaged, local_files_only)
-            if not _is_valid_shard(path):
-                reason = "missing after the download" if not path.exists() else "damaged after the download"
+            problem = shard_problem(path, name) if path.exists() else "missing"
+            if problem is not None:
+                reason = "missing after the download" if not path.exists() else f"damaged after the download " \
+                    f"({problem.removeprefix(f'{path}: ')})"
                 path.unlink(missing_ok=True)
                 raise DownloadError(f"{path}: {reason}; it was deleted, run this script again")
         paths.append(str(path))

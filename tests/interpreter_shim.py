@@ -34,12 +34,16 @@ import operator
 import os
 import pathlib
 import sys
+import time
 
 import numpy as np
 import torch
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-WORKER_TIMEOUT_S = 600  # longest a single isolated test may run before it counts as hung
+# A hang guard, not a speed check: an isolated test counts as hung when its worker (and what the
+# worker started) used no CPU for WORKER_IDLE_S; a slow or loaded machine keeps using CPU.
+WORKER_IDLE_S = 300
+WORKER_POLL_S = 10
 
 
 def _torch_dtype(tl_dtype):
@@ -187,7 +191,41 @@ def isolated(interpret):
     def decorate(test):
         @functools.wraps(test)
         def run(*args, **kwargs):
-            future = _worker(interpret).submit(_call_in_worker, test.__module__, test.__name__, args, kwargs)
-            return future.result(timeout=WORKER_TIMEOUT_S)
+            executor = _worker(interpret)
+            future = executor.submit(_call_in_worker, test.__module__, test.__name__, args, kwargs)
+            return _result_unless_idle(future, executor)
         return run
     return decorate
+
+
+def _cpu_seconds(pids):
+    """CPU seconds used so far by the processes `pids` and all their descendants (Linux /proc)."""
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    tree = set(pids)
+    for _ in range(8):             # descendants a few generations down
+        tree |= {pid for pid, (parent, _) in stats.items() if parent in tree}
+    return sum(cpu for pid, (_, cpu) in stats.items() if pid in tree)
+
+
+def _result_unless_idle(future, executor):
+    """The test's result; TimeoutError once its worker has used no CPU for WORKER_IDLE_S."""
+    last_cpu, idle_since = -1.0, time.monotonic()
+    while True:
+        try:
+            return future.result(timeout=WORKER_POLL_S)
+        except concurrent.futures.TimeoutError:
+            cpu = _cpu_seconds(list(executor._processes))
+            if cpu > last_cpu:
+                last_cpu, idle_since = cpu, time.monotonic()
+            elif time.monotonic() - idle_since > WORKER_IDLE_S:
+                for process in list(executor._processes.values()):   # a hung worker serves no later test
+                    process.kill()
+                _worker.cache_clear()
+                raise TimeoutError(f"the isolated test used no CPU for {WORKER_IDLE_S} s: it hangs") from None

@@ -4,9 +4,11 @@ import contextlib
 import hashlib
 import importlib.util
 import io
+import json
 import os
 import re
 import struct
+import subprocess
 import sys
 
 import numpy as np
@@ -104,6 +106,101 @@ def test_pieces_that_do_not_make_up_their_tensor_are_refused_and_nothing_is_kept
         with pytest.raises(tg.CheckpointError, match=line):
             checkpoint.write_safetensors(tmp_path / "t.safetensors", {"t": checkpoint.RowPieces(table.shape, table.dtype, pieces)}, {})
         assert not os.listdir(tmp_path)
+
+
+def header_and_data(path):
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def rewritten(path, out, header, data):
+    """A copy of a safetensors file at `out` with `header` (spaced as the writer spaces it) and `data`."""
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    out.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    return out
+
+
+def test_the_sha256_covers_the_header_and_the_data(tmp_path):
+    """The metadata's sha256 is that of the header's content (sorted, unspaced JSON, its two hashes
+    left out), a NUL, and the data: computed here from the file's bytes."""
+    path = tmp_path / "t.safetensors"
+    data_sha = checkpoint.write_safetensors(path, random_tensors(), {"note": "x"})
+    header, data = header_and_data(path)
+    metadata = header["__metadata__"]
+    assert metadata["data_sha256"] == data_sha == hashlib.sha256(data).hexdigest()
+    content = {**header, "__metadata__": {"note": "x"}}
+    expected = hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode() + b"\0" + data)
+    assert metadata["sha256"] == expected.hexdigest()
+
+
+def same_shape_pair(header):
+    """Two tensors of one dtype and shape (their offsets can be swapped without changing sizes)."""
+    seen = {}
+    for name, entry in header.items():
+        if name != "__metadata__":
+            key = (entry["dtype"], tuple(entry["shape"]))
+            if key in seen:
+                return seen[key], name
+            seen[key] = name
+    raise AssertionError("no two tensors of one shape")
+
+
+@pytest.mark.parametrize("change", ["swapped offsets", "a metadata value", "a tensor renamed"])
+def test_a_header_changed_without_its_data_is_refused(tmp_path, change):
+    """Two tensors' offsets swapped (the data untouched, so its data_sha256 still matches) would load
+    another model: the header's hash refuses it, as it refuses an edited metadata value or name."""
+    h = tiny_config()
+    model = tiny_model(h, seed=1)
+    path = tmp_path / "m.safetensors"
+    tg.save_checkpoint(path, model, h, "20261201-000000-abcdef12", "0123456789abcdef", 4.25, 1234.5)
+    header, data = header_and_data(path)
+    if change == "swapped offsets":
+        a, b = same_shape_pair(header)
+        header[a]["data_offsets"], header[b]["data_offsets"] = header[b]["data_offsets"], header[a]["data_offsets"]
+    elif change == "a metadata value":
+        header["__metadata__"]["val_loss"] = "3.0"
+    else:
+        a, _ = same_shape_pair(header)
+        header["x" + a] = header.pop(a)
+    bad = rewritten(path, tmp_path / "bad.safetensors", header, data)
+    with pytest.raises(tg.CheckpointError, match=r"bad\.safetensors: damaged: its header \(tensor names, shapes, "
+                                                 r"offsets, metadata\) and data do not match the sha256"):
+        checkpoint.load_checkpoint(bad)
+    checkpoint.read_safetensors(bad, trust=True)                  # --trust_checkpoint=true reads it anyway
+
+
+def test_a_checkpoint_without_a_header_hash_needs_trust(tmp_path):
+    path = tmp_path / "t.safetensors"
+    h = tiny_config()
+    tg.save_checkpoint(path, tiny_model(h, seed=1), h, "20261201-000000-abcdef12", "0" * 16, 4.25, 1234.5)
+    header, data = header_and_data(path)
+    del header["__metadata__"]["sha256"]
+    old = rewritten(path, tmp_path / "old.safetensors", header, data)
+    with pytest.raises(tg.CheckpointError, match=r"its metadata has no sha256 of its header and data .*"
+                                                 r"\(--trust_checkpoint=true uses it anyway\)$"):
+        checkpoint.load_checkpoint(old)
+    assert checkpoint.load_checkpoint(old, trust=True)[0] == h
+
+
+def test_a_byte_range_that_does_not_fit_its_shape_is_refused_even_when_trusted(tmp_path):
+    path = tmp_path / "t.safetensors"
+    checkpoint.write_safetensors(path, {"a": torch.ones(4, 3), "b": torch.zeros(2)}, {})
+    header, data = header_and_data(path)
+    header["a"]["shape"] = [3, 3]
+    bad = rewritten(path, tmp_path / "bad.safetensors", header, data)
+    with pytest.raises(tg.CheckpointError, match=r"tensor 'a': its byte range does not fit its shape and dtype$"):
+        checkpoint.read_safetensors(bad, trust=True)
+
+
+def test_a_fifo_given_as_a_checkpoint_is_refused_before_it_is_opened(tmp_path):
+    """In a subprocess under a timeout: a reader that opened the FIFO would wait for a writer forever."""
+    os.mkfifo(tmp_path / "pipe.safetensors")
+    done = subprocess.run([sys.executable, os.path.join(REPO, "evaluate.py"), f"--eval={tmp_path}/pipe.safetensors"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO, env=cpu_env(OMP_NUM_THREADS="1"))
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"error: {tmp_path}/pipe.safetensors: cannot read it (it is a FIFO (named pipe), not a checkpoint file)"]
 
 
 @pytest.mark.skipif(not HAS_SAFETENSORS, reason="the safetensors package is not installed")
@@ -308,6 +405,23 @@ def test_top_k_keeps_only_the_k_largest_logits():
     g = torch.Generator().manual_seed(0)
     drawn = {evaluate.pick_token(logits, 1.0, 2, g) for _ in range(200)}
     assert drawn == {1, 3}
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-45, 1e-8])
+def test_sampling_at_a_tiny_temperature_is_the_argmax(temperature):
+    """Every finite temperature > 0 is accepted: near 0 the draw is the argmax (the scaled logits
+    overflow a float32 division), with or without top-k."""
+    logits = torch.tensor([0.0, 20.0, 19.5, -3.0, 23.0, 22.9])
+    g = torch.Generator().manual_seed(0)
+    for top_k in (0, 2):
+        assert {evaluate.pick_token(logits, temperature, top_k, g) for _ in range(20)} == {4}
+
+
+def test_sampling_at_a_huge_temperature_is_uniform_over_the_allowed_tokens():
+    logits = torch.tensor([0.0, 20.0, 19.5, -3.0])
+    g = torch.Generator().manual_seed(0)
+    assert {evaluate.pick_token(logits, 1e300, 0, g) for _ in range(200)} == {0, 1, 2, 3}
+    assert {evaluate.pick_token(logits, 1e300, 2, g) for _ in range(200)} == {1, 2}
 
 
 @pytest.mark.skipif(not HAS_TOKENIZER, reason="the offline GPT-2 tokenizer package is not installed")

@@ -130,7 +130,7 @@ def test_every_field_carries_the_rule_its_type_needs():
     ("ngram_rows", 3, r"a multiple of 2"),
     ("cooldown_end", 0.0, r"a fraction of training in \(0, 1\]"),
     ("matrix_lr", -1e-3, r"a learning rate >= 0"),
-    ("anvil_slow_beta", 1.5, r"a beta in \[0, 1\]"),
+    ("anvil_slow_beta", 1.5, r"a beta in \[0, 1\)"),
     ("trunk", "tree", r"one of unet, dense"),
     ("log_dir", "", r"a non-empty path"),
     ("xsa_layers", (0, 0), r"distinct layer indices"),
@@ -150,7 +150,7 @@ PHASE = '{{"start":{},"ngram_beta2":{},"value_embed_beta2":0.9,"step_every":{}}}
 @pytest.mark.parametrize("phases, refusal", [
     (f"[{PHASE.format(0, 0.9, 2)}]", r"phase 0 starts at 0: phases start at increasing steps >= 1"),
     (f"[{PHASE.format(5, 0.9, 2)},{PHASE.format(5, 0.8, 4)}]", r"phase 1 starts at 5"),
-    (f"[{PHASE.format(5, 1.5, 2)}]", r"phase 0 has ngram_beta2=1.5: expects a beta in \[0, 1\]"),
+    (f"[{PHASE.format(5, 1.5, 2)}]", r"phase 0 has ngram_beta2=1.5: expects a beta in \[0, 1\)"),
     (f"[{PHASE.format(5, 0.9, 0)}]", r"phase 0 has step_every=0"),
     ('[{"start":5}]', r"is not a phase; a phase is a JSON object with keys"),
 ])

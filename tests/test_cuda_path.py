@@ -53,7 +53,7 @@ REHEARSAL = [
     "--long_window_layers=[2]", "--attention_free_layers=[1]", "--num_value_embeds=1", "--bigram_rows=1024",
     "--batch_ranks=1", "--num_iterations=5", "--untie_frac=0.8", "--val_every=3", "--val_long_window=3",
     "--val_tokens=32", "--val_tokens_per_rank=32", "--warmup_steps=1", "--log_every=1",
-    "--momentum_warmup_steps=4", "--compute_dtype=bfloat16",
+    "--momentum_warmup_steps=4", "--compute_dtype=bfloat16", "--param_dtype=bfloat16",
     # record 89's features: token gates, the dense trunk, composed attention, a narrow QK layer, a
     # parallel MLP, per-head QK orthogonalization and an end-of-training average
     "--token_gates=true", "--token_gates_split=2", "--trunk=dense", "--skip_layers=[0,1]", "--snapshot_layer=1",
@@ -162,6 +162,62 @@ def test_kernels_get_one_dtype_under_cuda_autocast():
     assert all(dtypes[0] == torch.bfloat16 for dtypes in by_op["fp8_cast"] if dtypes[0].itemsize == 2)
 
 
+def test_the_scaled_mm_fallback_moves_only_the_plain_gemms():
+    """--fp8_gemm=scaled_mm: every plain FP8 GEMM of the step runs on torch._scaled_mm (bf16
+    outputs from e4m3/e5m2 operands), the relu2 epilogue GEMMs and the casts stay Triton."""
+    counts = {}
+    for gemm in ("triton", "scaled_mm"):
+        h = tg.parse_config(REHEARSAL + [f"--fp8_gemm={gemm}"])
+        with cuda_autocast_rules(), FakeTensorMode(allow_non_fake_inputs=True), KernelInputDtypes() as recorder:
+            rehearsal_model_step(h)
+        names = [name.split(".")[0] for name, _ in recorder.seen]
+        counts[gemm] = {op: names.count(op) for op in ("fp8_matmul", "fp8_matmul_quant", "fp8_cast")}
+    with cuda_autocast_rules(), FakeTensorMode(allow_non_fake_inputs=True), ScaledMMCalls() as calls:
+        rehearsal_model_step(tg.parse_config(REHEARSAL + ["--fp8_gemm=scaled_mm"]))
+    assert counts["triton"]["fp8_matmul"] > 0 and counts["scaled_mm"]["fp8_matmul"] == 0
+    assert calls.count == counts["triton"]["fp8_matmul"]
+    for op in ("fp8_matmul_quant", "fp8_cast"):
+        assert counts["scaled_mm"][op] == counts["triton"][op] > 0
+
+
+class ScaledMMCalls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.__name__.startswith("_scaled_mm")
+        return func(*args, **(kwargs or {}))
+
+
+class UnalignedInputs(TorchDispatchMode):
+    """Records the tensor arguments of the kernel ops (and of searchsorted) that start at an
+    offset of their storage that is not a multiple of 16 bytes."""
+
+    def __init__(self):
+        super().__init__()
+        self.unaligned, self.calls = [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "kernels" or func.__name__.startswith("searchsorted"):
+            self.calls += 1
+            for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if isinstance(a, torch.Tensor) and (a.storage_offset() * a.element_size()) % 16:
+                    self.unaligned.append((func.__name__, tuple(a.shape), a.storage_offset()))
+        return func(*args, **(kwargs or {}))
+
+
+def test_every_kernel_input_is_16_byte_aligned():
+    """Inductor marks a custom op's outputs unaligned when one of its inputs is (and everything
+    computed from them loses its vectorized loads): the FP8 scale slots, the document offsets
+    searchsorted reads and every other kernel input of a training step and a validation start
+    at a 16-byte offset of their storage."""
+    h = tg.parse_config(REHEARSAL)
+    with cuda_autocast_rules(), FakeTensorMode(allow_non_fake_inputs=True), UnalignedInputs() as recorder:
+        rehearsal_model_step(h)
+    assert recorder.calls > 50 and recorder.unaligned == [], recorder.unaligned[:10]
+
+
 # ---------------------------------------------------------------------------------------------
 # The rehearsal
 
@@ -267,7 +323,7 @@ def test_rehearsal_launches_every_kernel_with_one_dtype(rehearsal):
     names = {name for name, *_ in launches}
     assert names == {"_fp8_cast_kernel", "_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_attn_fwd_kernel",
                      "_attn_bwd_delta_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel", "_softcap_ce_kernel",
-                     "_scale_rows_kernel", "_xxt_kernel", "_qk_norm_rope_fwd_kernel", "_qk_norm_rope_bwd_kernel",
+                     "_xxt_kernel", "_qk_norm_rope_fwd_kernel", "_qk_norm_rope_bwd_kernel",
                      "_dc_fwd_kernel", "_dc_bwd_mix_kernel", "_dc_bwd_q_kernel", "_dc_bwd_kv_kernel",
                      "_sum_rows_kernel", "_sparse_adam_rows_kernel"}
     for name, _, _, args in launches:

@@ -313,11 +313,21 @@ class FakeHub:
         return str(path)
 
 
+def hub_sized_shard(path, tokens=fineweb.HUB_SHARD_TOKENS, length=None):
+    """A shard file with a valid header declaring `tokens` and `length` bytes (default: what the
+    header declares), written sparse: its token bytes take no disk."""
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = 20240520, 1, tokens
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.truncate(1024 + 2 * tokens if length is None else length)
+
+
 def test_download_skips_valid_shards_and_refetches_damaged_ones(tmp_path, monkeypatch):
-    write_shard(tmp_path / "fineweb_val_000000.bin", [1, 2, 3])
-    write_shard(tmp_path / "fineweb_train_000001.bin", [4, 5])
+    hub_sized_shard(tmp_path / "fineweb_val_000000.bin")
+    hub_sized_shard(tmp_path / "fineweb_train_000001.bin")
     (tmp_path / "fineweb_train_000002.bin").write_bytes(b"junk")
-    hub = FakeHub(lambda path: write_shard(path, [7, 8, 9]))
+    hub = FakeHub(hub_sized_shard)
     monkeypatch.setattr(fineweb, "hf_hub_download", hub)
     # The fake stands in for a reachable hub: online, whatever HF_HUB_OFFLINE was at import.
     monkeypatch.setattr(fineweb.hub_constants, "HF_HUB_OFFLINE", False)
@@ -326,7 +336,41 @@ def test_download_skips_valid_shards_and_refetches_damaged_ones(tmp_path, monkey
     assert paths == [str(tmp_path / n) for n in fineweb.shard_names(3)]
     assert hub.calls == [("fineweb_train_000002.bin", True), ("fineweb_train_000003.bin", False)]
     assert (tmp_path / "fineweb_train_000001.bin").stat().st_mtime_ns == before
-    assert read_header(tmp_path / "fineweb_train_000002.bin") == 3
+    assert read_header(tmp_path / "fineweb_train_000002.bin") == fineweb.HUB_SHARD_TOKENS
+
+
+@pytest.mark.parametrize("name, tokens, length, kept", [
+    ("fineweb_val_000000.bin", 3, None, False),                   # a valid header, but not the hub's size
+    ("fineweb_train_000002.bin", 99_999_999, None, False),
+    ("fineweb_train_000002.bin", fineweb.HUB_SHARD_TOKENS, 1024 + 2 * 10**8 - 2, False),  # shorter than its header
+    ("fineweb_train_000002.bin", fineweb.HUB_SHARD_TOKENS, 1024 + 2 * 10**8 + 2, False),  # longer
+    ("fineweb_train_000103.bin", 42_000_000, None, True),          # the last train shard holds the rest
+    ("fineweb_train_000103.bin", fineweb.HUB_SHARD_TOKENS + 1, None, False),
+])
+def test_a_shard_is_kept_only_at_the_hubs_size(tmp_path, monkeypatch, name, tokens, length, kept):
+    """A file under a shard's name is the hub's shard when its header is valid, its length is what
+    the header declares, and its token count the hub's (100M, the last train shard at most that)."""
+    hub_sized_shard(tmp_path / name, tokens, length)
+    assert (fineweb.shard_problem(tmp_path / name, name) is None) == kept
+    hub = FakeHub(hub_sized_shard)
+    monkeypatch.setattr(fineweb, "hf_hub_download", hub)
+    monkeypatch.setattr(fineweb.hub_constants, "HF_HUB_OFFLINE", False)
+    for other in fineweb.shard_names(fineweb.NUM_HUB_TRAIN_SHARDS if "103" in name else 2):
+        if other != name:
+            (tmp_path / other).symlink_to(tmp_path / "present.bin")
+    hub_sized_shard(tmp_path / "present.bin")
+    fineweb.download(fineweb.NUM_HUB_TRAIN_SHARDS if "103" in name else 2, tmp_path)
+    assert hub.calls == ([] if kept else [(name, True)])
+
+
+def test_shards_are_written_readable_by_every_user(tmp_path):
+    """Shards are data for every user of the machine, whatever the umask (mkstemp makes files owner-only)."""
+    previous = os.umask(0o077)
+    try:
+        write_shard(tmp_path / "s.bin", [1, 2, 3])
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "s.bin").stat().st_mode & 0o777 == shards.SHARD_FILE_MODE == 0o644
 
 
 def test_download_deletes_a_bad_download(tmp_path, monkeypatch):

@@ -36,3 +36,66 @@ def test_every_relative_link_resolves():
     broken = [f"{path.relative_to(REPO)}: {target}" for path in documents() for target in relative_links(path)
               if not (path.parent / target).exists()]
     assert not broken, "\n".join(broken)
+
+
+# ----------------------------------------------------------------------------- numbers the docs state
+
+def recipe():
+    import sys
+    sys.path.insert(0, str(REPO))
+    import train_gpt
+    return train_gpt
+
+
+def track(name):
+    import json
+    return json.loads((REPO / "records" / name / "track.json").read_text())
+
+
+def test_the_cpu_presets_step_count_in_the_recipe():
+    steps = recipe().parse_config(["--preset", "cpu"]).num_iterations
+    assert f"NorMuon: the `cpu` preset's {steps} steps" in (REPO / "docs" / "recipe.md").read_text()
+
+
+def test_the_baselines_loss_in_the_optimizer_notes_is_the_cpu_tracks_target():
+    cpu = track("track_cpu")
+    said = f"reaches {cpu['target_val_loss']:.4f} in {cpu['baseline']['config']['num_iterations']} steps"
+    assert said in (REPO / "docs" / "optimizers.md").read_text()
+
+
+def test_the_cpu_tracks_baseline_times_are_its_records():
+    """The track README's sentence on a baseline run's length names each baseline record's mean
+    train time (statistics.json), the target's first."""
+    import json
+    text = (REPO / "records" / "track_cpu" / "README.md").read_text()
+    sentence = next(line for line in text.splitlines() if "A full run trains for" in line).split("A full run")[1]
+    stats = [json.loads((folder / "statistics.json").read_text())
+             for folder in sorted((REPO / "records" / "track_cpu").glob("*_AdamWBaseline*"))]
+    assert stats[0]["status"] == "target"
+    assert [f"{s['train_time_s']['mean']:,.1f} s" for s in stats] == re.findall(r"[\d,]+\.\d s", sentence)
+
+
+def test_the_model_sizes_in_the_usage_notes():
+    """usage.md's sizes of a cpu and a speedrun model: their parameters and persistent buffers but
+    the gradient sinks, and the n-gram table among them, counted on fake tensors."""
+    import torch
+    from memory_budget import fake_model
+    tg = recipe()
+    text = " ".join((REPO / "docs" / "usage.md").read_text().split())
+    sizes = {}
+    for preset in ("cpu", "speedrun"):
+        with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
+            model = fake_model(tg.parse_config(["--preset", preset]))
+            sinks = {name for name, p in model.named_parameters() if any(p is s for s in model.gradient_sinks())}
+            values = sum(t.nbytes for name, t in model.state_dict().items() if name not in sinks)
+            sizes[preset] = values, model.ngram.table.nbytes, model.ngram.table.shape
+    (cpu, cpu_table, (cpu_rows, cpu_dim)), (speedrun, table, (rows, dim)) = sizes["cpu"], sizes["speedrun"]
+    assert (f"A `cpu` model holds {cpu / 1e9:.2f} GB of values (its parameters and persistent buffers, the gradient "
+            f"sinks aside), {cpu_table / 1e9:.2f} GB of them the n-gram table's {cpu_rows:,} rows of {cpu_dim} fp32 "
+            f"values; a `speedrun` model about {round(speedrun / 1e9)} GB, almost all of it the table's {rows:,} rows "
+            f"of {dim} bf16 values ({table / 1e9:.2f} GB)") in text
+
+
+def test_the_usage_notes_name_every_preset():
+    text = (REPO / "docs" / "usage.md").read_text()
+    assert all(f"`{name}`" in text for name in recipe().PRESETS)

@@ -267,3 +267,63 @@ def test_a_dataset_that_cannot_be_fetched_ends_with_one_line(checkpoint, tmp_pat
     (line,) = res.stderr.strip().splitlines()
     assert line.startswith("error: Couldn't reach 'speedrun-tests/not-a-cached-dataset' on the Hub")
     assert line.endswith("or point HF_HOME at a cache that has it")
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--tasks", ","], "error: --tasks ',' names an empty task: give lm-eval task names separated by commas"),
+    (["--tasks", "tiny_choice,"], "error: --tasks 'tiny_choice,' names an empty task"),
+    (["--tasks", "tiny_choice", "--limit", "nan"], "error: --limit nan: expects a whole number of documents per task"),
+    (["--tasks", "tiny_choice", "--limit", "-1"], "error: --limit -1.0: expects a whole number of documents per task"),
+    (["--tasks", "tiny_choice", "--limit", "0"], "error: --limit 0.0: expects a whole number"),
+    (["--tasks", "tiny_choice", "--limit", "2.5"], "error: --limit 2.5: expects a whole number"),
+    (["--tasks", "tiny_choice", "--limit", "inf"], "error: --limit inf: expects a whole number"),
+    (["--tasks", "tiny_choice", "--num_fewshot", "-1"], "error: --num_fewshot -1: expects a number of examples >= 0"),
+    (["--tasks", "tiny_choice", "--batch_size", "0"], "error: batch_size '0': give a positive number"),
+], ids=["comma", "trailing comma", "nan limit", "negative limit", "zero limit", "fractional count", "inf limit",
+        "negative few-shot", "zero batch"])
+def test_bad_arguments_end_with_one_line_before_anything_loads(checkpoint, monkeypatch, capsys, argv, line):
+    monkeypatch.setattr(ds, "SpeedrunLM", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(ds, "task_manager", lambda *a, **k: pytest.fail("the tasks were looked up"))
+    assert ds.main([str(checkpoint), *argv, "--include_path", TASKS]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(line), err
+
+
+def test_without_a_checkpoint_only_prefetch_runs(capsys):
+    assert ds.main(["--tasks", "tiny_choice"]) == 2
+    assert capsys.readouterr().err.startswith("error: give a checkpoint (logs/<run id>_model.safetensors), or "
+                                              "--prefetch")
+
+
+def test_prefetch_loads_the_tasks_data_without_a_model(tmp_path, monkeypatch, capsys):
+    offline(monkeypatch, tmp_path / "hf")
+    monkeypatch.setattr(ds, "SpeedrunLM", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert ds.main(["--prefetch", "--tasks", "tiny_choice", "--include_path", TASKS]) == 0
+    assert capsys.readouterr().out.startswith("tiny_choice: its data is ready (8 documents to evaluate; ")
+
+
+def test_the_data_is_loaded_before_the_model(checkpoint, tmp_path, monkeypatch, capsys):
+    """A task whose data cannot be fetched ends before the model is loaded (the 1.27 GB one of a cpu
+    run takes a while); with data that loads, the model comes after it."""
+    offline(monkeypatch, tmp_path / "hf")
+    order = []
+    load_tasks = ds.load_tasks
+    monkeypatch.setattr(ds, "load_tasks", lambda *a: order.append("data") or load_tasks(*a))
+    monkeypatch.setattr(ds, "SpeedrunLM", lambda *a, **k: order.append("model") or pytest.fail("stop here"))
+    assert ds.main([str(checkpoint), "--tasks", "hub_only", "--include_path", TASKS]) == 2
+    assert order == ["data"] and "Couldn't reach 'speedrun-tests/not-a-cached-dataset'" in capsys.readouterr().err
+    with pytest.raises(pytest.fail.Exception, match="stop here"):
+        ds.main([str(checkpoint), "--tasks", "tiny_choice", "--include_path", TASKS])
+    assert order == ["data", "data", "model"]
+
+
+def test_without_lm_eval_the_command_says_how_to_install_it(checkpoint):
+    """lm-eval (or a package it brings) missing: one line naming the pinned install, not an import traceback."""
+    blocker = ("import runpy, sys; sys.modules['lm_eval'] = None; sys.argv = sys.argv[1:]; "
+               "runpy.run_path(sys.argv[0], run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", blocker, os.path.join(REPO, "downstream.py"), str(checkpoint),
+                           "--tasks", "hellaswag"], capture_output=True, text=True, timeout=120, env=cpu_env(),
+                          cwd=REPO)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "error: downstream.py needs EleutherAI's lm-evaluation-harness (lm_eval is not installed): pip install "
+        "lm-eval==0.4.13 (or pip install -r requirements.txt)"], done.stderr

@@ -1,6 +1,6 @@
 """Bad input and bad luck, tried as a user would: each ends with one line saying what to do, an
 exit status of 2 (130 / 143 for SIGINT / SIGTERM), no traceback, and the run's log (if one was
-opened) ending in a whole line that says why. records/README.md lists these cases with the line
+opened) ending in a whole line that says why. records/FORMAT.md lists these cases with the line
 each gets; the records tools' own refusals are tested in tests/test_records.py.
 """
 import contextlib
@@ -10,6 +10,7 @@ import io
 import json
 import math
 import os
+import pathlib
 import re
 import resource
 import signal
@@ -104,6 +105,8 @@ BAD_CONFIGS = [
     ("a last stage ending before 1", ['--stages=[{"end":0.5,"tokens_per_rank":512,"max_doc_len":256,'
                                       '"short_window":1,"long_window":2}]'], r"the last stage must end at 1\.0"),
     ("--embed_betas=[0.9]", ["--embed_betas=[0.9]"], r"--embed_betas=\[0\.9\] is not allowed: expects two numbers"),
+    ("--embed_betas=[0.9,1.0]", ["--embed_betas=[0.9,1.0]"],
+     r"--embed_betas=\[0\.9, 1\.0\] is not allowed: expects two numbers in \[0, 1\)"),
     ("--seed=1e23", ["--seed=1e23"], r"--seed expects a whole number, got '1e23'"),
     ("--matrix_lr=nan", ["--matrix_lr=nan"], r"--matrix_lr=NaN is not allowed: expects a learning rate >= 0"),
     ("--orthogonalize=foo", ["--orthogonalize=foo"], r'--orthogonalize="foo" is not allowed: expects one of'),
@@ -140,6 +143,18 @@ BAD_CONFIGS = [
     ("a JSON value with a line break", ['--stages=[\n{"end":1.0,"tokens_per_rank":512,"max_doc_len":256,'
                                         '"short_window":1,"long_window":2}]'],
      r'the argument "--stages=\[\\n.*" cannot be written into the log .*: expects UTF-8 text without line breaks'),
+    ("--cooldown_start=1.0", ["--cooldown_start=1.0"],
+     r"--cooldown_start=1\.0 and --cooldown_end=1\.0 do not fit together: the cooldown must end after it starts"),
+    ("a cooldown that ends where it starts", ["--cooldown_start=0.5", "--cooldown_end=0.5"],
+     r"--cooldown_start=0\.5 and --cooldown_end=0\.5 do not fit together"),
+    ("--anvil_fast_beta=1", ["--anvil_fast_beta=1"], r"--anvil_fast_beta=1\.0 is not allowed: expects a beta in \[0, 1\)"),
+    ("--ngram_beta2=1.0", ["--ngram_beta2=1.0"], r"--ngram_beta2=1\.0 is not allowed: expects a beta in \[0, 1\)"),
+    ("a table phase's beta of 1", ['--table_phases=[{"start":1,"ngram_beta2":1.0,"value_embed_beta2":0.9,'
+                                   '"step_every":1}]'],
+     r"--table_phases: phase 0 has ngram_beta2=1\.0: expects a beta in \[0, 1\)"),
+    ("one multi-token weight too many", ['--stages=[{"end":1.0,"tokens_per_rank":512,"max_doc_len":256,'
+                                         '"short_window":1,"long_window":2,"mtp_weights":[1,0.5,0.25,0.1]}]'],
+     r"stage 0 has mtp_weights=\[1, 0\.5, 0\.25, 0\.1\]: expects 1 to 3 weights >= 0"),
     ("--log_dir inside records/", [f"--log_dir={REPO}/records/speedrun-logs"],
      r"--log_dir=.*/records/speedrun-logs is inside the repository's records/ folder, which only "
      r"records/make_record.py writes"),
@@ -189,6 +204,31 @@ def test_a_token_id_outside_the_vocabulary_is_named_with_its_position(data, run_
         assert log.ending == "error" and f"token {BAD_POSITION}" in log.info[-1]
 
 
+def test_a_model_too_big_for_a_cpus_memory_is_refused_before_it_is_built(data, run_main, monkeypatch, tmp_path):
+    """The memory check that CUDA runs get, on a CPU: with 1 GiB available the tiny run (which the
+    budget prices at over 3 GiB with its margin) ends with one line, before the model is built;
+    its log ends in the same line."""
+    import memory_budget
+    monkeypatch.setattr(memory_budget, "available_memory_bytes", lambda device: 2**30)
+    monkeypatch.setattr(tg, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    code, err = run_main(TINY + files(data) + [f"--log_dir={tmp_path}/logs"])
+    assert code == 2 and len(err) == 1, err
+    line = (r"error: the run needs \d+\.\d GiB of memory \(the run computes on the CPU\), 1\.0 GiB are there; its "
+            r"largest items \(GiB\): .*: lower one of those")
+    assert re.fullmatch(line + r" \(log: .*\)", err[0]), err
+    log = parse_log(err[0].rsplit("(log: ", 1)[1].rstrip(")"))
+    assert log.ending == "error" and re.fullmatch(line, log.info[-1])
+
+
+@pytest.mark.parametrize("rows, processes", [(2050, 3), (2054, 4)])
+def test_an_ngram_table_that_does_not_split_across_the_processes_is_refused(rows, processes):
+    """Any remainder, 1 (2050 over 3) too: each process would hold a different share of the table."""
+    h = tg.parse_config(TINY + [f"--ngram_rows={rows}"])
+    with pytest.raises(config.ConfigError, match=rf"--ngram_rows={rows} does not split evenly across {processes} "
+                                                 rf"processes: use a multiple of {processes}$"):
+        tg.check_ngram_table(h, tg.ProcessGroup(0, processes, 0, torch.device("cpu")))
+
+
 def test_a_log_dir_that_is_a_file(data, run_main):
     code, err = run_main(TINY + files(data) + [f"--log_dir={data}/a_file"])
     assert code == 2 and err == [f"error: --log_dir={data}/a_file: cannot create a log there (File exists); "
@@ -209,7 +249,7 @@ def log_path_of(stdout):
     return stdout.split("logging to ", 1)[1].split()[0]
 
 
-@pytest.mark.parametrize("signal_name, status", [("SIGINT", 130), ("SIGTERM", 143)])
+@pytest.mark.parametrize("signal_name, status", [("SIGINT", 130), ("SIGTERM", 143), ("SIGHUP", 129)])
 def test_a_signal_ends_the_run_with_one_line_and_the_step(data, signal_name, status):
     process = trainer(TINY + files(data) + ["--num_iterations=100000", "--log_every=1"])
     stdout, stderr = LineReader(process.stdout), LineReader(process.stderr)
@@ -336,8 +376,11 @@ def test_shards_needed_is_computed_not_counted():
 
 
 @pytest.mark.parametrize("argv, env, line", [     # run.sh on a machine without a GPU (run_command)
-    (["--preset=speedrun"], {}, "run.sh: the speedrun preset needs GPUs and FineWeb; this machine has none"),
+    (["--preset=speedrun"], {}, "run.sh: the speedrun preset needs GPUs and FineWeb; this machine has none: run "
+                                "./run.sh without --preset (the cpu preset), or with one of: cpu, cpu_optimization"),
     (["--preset", "1gpu"], {}, "run.sh: the 1gpu preset needs GPUs and FineWeb; this machine has none"),
+    (["--preset", "cpu_optimisation"], {}, "run.sh: unknown preset 'cpu_optimisation': the presets are "
+                                           + ", ".join(tg.PRESETS)),
     ([], {"PYTHON": "/nonexistent/python"}, "run.sh: /nonexistent/python: no such Python"),
 ])
 def test_run_sh_says_what_is_wrong_in_one_line(argv, env, line):
@@ -346,13 +389,13 @@ def test_run_sh_says_what_is_wrong_in_one_line(argv, env, line):
 
 
 def test_a_machine_that_no_configuration_fits_ends_with_one_line():
-    """What run.sh asks (--plan) for 2 GPUs of 24 GiB and 64 GiB of host memory: one line naming
-    each configuration it tried and what each needs."""
-    code, err = run_command([sys.executable, "train_gpt.py", "--plan", "--gpus=2", "--gpu_gib=24", "--host_gib=64"])
+    """What run.sh asks (--plan) for 2 GPUs of 8 GiB and 64 GiB of host memory: one line naming
+    the least configuration it tried and what that needs."""
+    code, err = run_command([sys.executable, "train_gpt.py", "--plan", "--gpus=2", "--gpu_gib=8", "--host_gib=64"])
     assert code == 2 and len(err) == 1, err
-    assert err[0].startswith("error: nothing fits 2 GPU(s) of 24.0 GiB and 64.0 GiB of host memory: "
-                             "--preset 1gpu --ngram_cache_rows=0 on 2 processes: --ngram_rows=84602880 needs "), err
-    assert "; --preset 1gpu on 1 process: --ngram_rows=84602880 needs " in err[0] and "lower --ngram_rows" in err[0]
+    assert err[0].startswith("error: nothing fits 2 GPUs of 8.0 GiB, 64.0 GiB of host memory; the least configuration "
+                             "tried: --preset 1gpu --ngram_cache_rows=0 --ngram_rows=377280 "), err
+    assert "GiB of memory on each GPU, 8.0 GiB are there; its largest items (GiB): " in err[0]
 
 
 def test_run_sh_passes_a_config_without_adding_a_preset(data):
@@ -360,6 +403,29 @@ def test_run_sh_passes_a_config_without_adding_a_preset(data):
     complaint about --preset and --config together."""
     code, err = run_command(["./run.sh", "--config", f"{data}/list.json"])
     assert code == 2 and err[-1] == "error: a config must be a JSON object of key: value, got list", err
+
+
+def test_run_sh_runs_every_preset_that_trains_on_a_cpu(data):
+    """cpu_optimization trains on the tiny corpus: run.sh hands it to the trainer (whose line about
+    --num_iterations=0 shows it got there) instead of asking for GPUs."""
+    code, err = run_command(["./run.sh", "--preset", "cpu_optimization", "--num_iterations=0"])
+    assert code == 2 and err[-1].startswith("error: --num_iterations=0 is not allowed"), err
+
+
+def test_run_sh_reads_relative_paths_from_where_the_user_stands(data, tmp_path):
+    """A relative --config and --log_dir name files in the folder run.sh was started from, not in
+    the repository it runs from."""
+    (tmp_path / "mine.json").write_text(json.dumps([1]))
+    done = subprocess.run([os.path.join(REPO, "run.sh"), "--config", "mine.json"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env=cpu_env())
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
+        "error: a config must be a JSON object of key: value, got list"), done.stderr
+    done = subprocess.run([os.path.join(REPO, "run.sh"), *TINY[2:], *files(data)[:2], "--num_iterations=1",
+                           "--log_dir=my logs"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=cpu_env(OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr
+    (log,) = (tmp_path / "my logs").glob("*.txt")
+    assert parse_log(log).finished and not (pathlib.Path(REPO) / "my logs").exists()
 
 
 # ----------------------------------------------------------------------------- a config file's preset
@@ -389,6 +455,7 @@ BAD_LAUNCHES = [
      r'LOCAL_RANK="2" is not allowed: .*\[0, LOCAL_WORLD_SIZE=2\)'),
     ({"WORLD_SIZE": "2", "RANK": "0"}, r"WORLD_SIZE=2 but MASTER_ADDR is not set"),
     ({"RENDEZVOUS_TIMEOUT_S": "soon"}, r'RENDEZVOUS_TIMEOUT_S="soon" is not allowed'),
+    ({"RENDEZVOUS_TIMEOUT_S": "0"}, r'RENDEZVOUS_TIMEOUT_S="0" is not allowed: expects the seconds to wait'),
 ]
 
 
@@ -640,12 +707,16 @@ def test_a_checkpoint_that_cannot_be_verified_or_read_is_refused(checkpoints, ru
         assert re.fullmatch(rf"error: {re.escape(str(checkpoints[name]))}: {CHECKPOINT_LINES[name]}.*", err[0]), err
 
 
-def test_a_checkpoint_whose_config_is_out_of_range_is_refused_by_eval(checkpoints):
-    done = subprocess.run([sys.executable, os.path.join(REPO, "evaluate.py"), f"--eval={checkpoints['huge_iterations']}"],
+@pytest.mark.parametrize("trust", [False, True])
+def test_a_checkpoint_whose_config_is_out_of_range_is_refused_by_eval(checkpoints, trust):
+    """The edited config breaks the header's hash; trusted anyway, the config check refuses it."""
+    done = subprocess.run([sys.executable, os.path.join(REPO, "evaluate.py"), f"--eval={checkpoints['huge_iterations']}",
+                           f"--trust_checkpoint={str(trust).lower()}"],
                           capture_output=True, text=True, timeout=60, cwd=REPO, env=cpu_env(OMP_NUM_THREADS="1"))
     err = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(err) == 1, done.stderr
-    assert re.fullmatch(rf"error: .*huge_iterations\.safetensors: {CHECKPOINT_LINES['huge_iterations']}", err[0]), err
+    line = CHECKPOINT_LINES["huge_iterations"] if trust else r"damaged: its header \(tensor names, shapes, offsets"
+    assert re.fullmatch(rf"error: .*huge_iterations\.safetensors: {line}.*", err[0]), err
 
 
 @pytest.mark.parametrize("name", ["good", "no_hash", "wrong_hash"])

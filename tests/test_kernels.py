@@ -169,21 +169,52 @@ def test_fp8_cast_saturates_transposes_and_records_amax(x_dtype, fp8_dtype):
     """Bitwise against torch's casts: values beyond the fp8 range saturate, the transposed
     copy is q.T, and amax becomes max(amax, max |x|). (Under the interpreter the in-kernel
     fp8 rounding itself is torch's, through the shim; on the GPU it is the hardware's.)"""
+    _check_fp8_cast((37, 45), x_dtype, fp8_dtype, "cpu", SMALL_CAST)
+
+
+def _check_fp8_cast(shape, x_dtype, fp8_dtype, device, config):
     generator = torch.Generator().manual_seed(2)
-    x = (torch.randn(37, 45, generator=generator) * 3).to(x_dtype)
+    x = (torch.randn(*shape, generator=generator) * 3).to(x_dtype)
     x[3, 4], x[30, 40] = 1e6, -1e6
     scale = torch.tensor([0.0123])
     for start in (0.0, 2e6):
-        amax = torch.tensor([start])
-        q, qt = kernels.fp8_cast(x, scale, amax, fp8_dtype, config=SMALL_CAST)
+        amax = torch.tensor([start], device=device)
+        q, qt = kernels.fp8_cast(x.to(device), scale.to(device), amax, fp8_dtype, config=config)
         expected = quantize(x, scale, fp8_dtype)
-        assert torch.equal(q.view(torch.uint8), expected.view(torch.uint8))
-        assert torch.equal(qt.view(torch.uint8), expected.t().contiguous().view(torch.uint8))
+        assert torch.equal(q.cpu().view(torch.uint8), expected.view(torch.uint8))
+        assert torch.equal(qt.cpu().view(torch.uint8), expected.t().contiguous().view(torch.uint8))
         assert amax.item() == max(start, x.float().abs().max().item())
 
 
 def _bits_equal(got, want):
     return got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def _check_large_tile(m, k, n, device):
+    """EXACT: the production forward tile FP8_MATMUL_LARGE (128 x 256 x 128, 3 stages), plain and
+    with the relu2 epilogue, against the oracle (a K sum within FAST_ACCUMULATOR_BITS: grid
+    values of at most 1/2) and the reference, bitwise."""
+    generator = torch.Generator().manual_seed(5)
+    a, b = _fp8_operands(m, k, n, E4M3, E4M3, True, generator, limit=2)
+    one, half, two = (torch.full((1,), value) for value in (1.0, 0.5, 2.0))
+    expected = matmul_oracle(a, b, one, half, torch.bfloat16, FAST_ACCUMULATOR_BITS)
+    large = kernels.FP8_MATMUL_LARGE
+    got = kernels.fp8_matmul(a.to(device), b.to(device), one.to(device), half.to(device), torch.bfloat16, large)
+    assert torch.equal(got.cpu(), expected), "plain GEMM"
+    amax = torch.zeros(1, device=device)
+    q, qt = kernels.fp8_matmul_relu2(a.to(device), b.to(device), one.to(device), half.to(device), two.to(device),
+                                     amax, large)
+    want_amax = torch.zeros(1)
+    want_q, want_qt = kernels.fp8_matmul_relu2_reference(a, b, one, half, two, want_amax)
+    assert _bits_equal(q.cpu(), want_q) and _bits_equal(qt.cpu(), want_qt), "relu2 epilogue"
+    assert amax.item() == want_amax.item()
+
+
+@interpreted
+def test_fp8_large_tile_matches_oracle_exactly():
+    """_check_large_tile on 2 x 2 of the large tiles, two K blocks (the GPU test runs it at a
+    training shape)."""
+    _check_large_tile(256, 256, 512, "cpu")
 
 
 @interpreted
@@ -234,14 +265,25 @@ def rule_scale(rule, x, previous_amax, fp8_max, calls, loss_unit):
     return exact_scale(x, fp8_max)
 
 
+STATE_STRIDE = 4   # a state buffer's entries sit 16 bytes apart (4 fp32), zeros between them
+
+
+def state_buffer(entries):
+    """A state buffer holding `entries` (amaxes, the call count, the loss unit) STATE_STRIDE apart."""
+    state = torch.zeros(STATE_STRIDE * (len(entries) - 1) + 1)
+    state[::STATE_STRIDE] = torch.stack([e.reshape(()) for e in entries])
+    return state
+
+
 class OracleScales:
     """The scales of one oracle call from a state buffer read before it (amaxes by operand name,
-    then the call count and the loss unit) and the layer's rules."""
+    then the call count and the loss unit, STATE_STRIDE apart) and the layer's rules."""
 
     def __init__(self, state, scales):
         names = [f.name for f in dataclasses.fields(scales)]
-        self.previous = {name: state[i:i + 1].clone() for i, name in enumerate(names)}
-        self.calls, self.loss_unit = state[len(names)].item(), state[len(names) + 1].item()
+        entries = state[::STATE_STRIDE]
+        self.previous = {name: entries[i:i + 1].clone() for i, name in enumerate(names)}
+        self.calls, self.loss_unit = entries[len(names)].item(), entries[len(names) + 1].item()
         self.scales, self.seen = scales, {}
 
     def __call__(self, name, x, fp8_max):
@@ -254,7 +296,7 @@ class OracleScales:
     def state_after(self):
         """The state the call leaves: each operand's amax, one more call, the same loss unit."""
         amaxes = [self.seen.get(name, torch.tensor(0.0)) for name in self.previous]
-        return torch.stack([*amaxes, torch.tensor(self.calls + 1.0), torch.tensor(self.loss_unit)])
+        return state_buffer([*amaxes, torch.tensor(self.calls + 1.0), torch.tensor(self.loss_unit)])
 
 
 def linear_oracle(x, weight, state, grad_y, bits=24, scales=kernels.FP8LinearScales()):
@@ -334,7 +376,7 @@ def state_for_targets(scales, loss_unit, calls):
             amaxes.append(amax_for_scale(DELAYED_TARGETS[field.name], fp8_max, rule.headroom))
         else:
             amaxes.append(torch.tensor([3.0]))
-    return torch.cat([*amaxes, torch.tensor([float(calls), loss_unit])])
+    return state_buffer([*amaxes, torch.tensor(float(calls)), torch.tensor(loss_unit)])
 
 
 @interpreted
@@ -344,7 +386,8 @@ def state_for_targets(scales, loss_unit, calls):
     ("mlp", kernels.MLP_SCALES_RECORD89, None)])
 def test_fp8_layers_match_oracle_exactly(layer, scales, config):
     """EXACT: forward and backward of fp8_linear / fp8_relu2_mlp and their references against
-    the oracle written from the rules, bitwise, including the state buffer. Two calls: a fresh
+    the oracle written from the rules, bitwise, including the state buffer (the Triton layers with
+    their own GEMMs and with torch._scaled_mm's, the fallback). Two calls: a fresh
     buffer (the uncalibrated scales: 1 for activations, 2^-14 for gradients; exact weights),
     then a buffer past the weights' exact calls whose amaxes give power-of-two delayed scales
     other than 1, with loss unit 2^-3. Inputs and weights have max |x| = 1.75 = 448 / 256 (exact
@@ -355,12 +398,12 @@ def test_fp8_layers_match_oracle_exactly(layer, scales, config):
     x[0, 0, 0] = 1.75
     if layer == "linear":
         weights = [_grid_weight(70, 32, generator, torch.float32)]
-        layers, oracle, new_state = (kernels.fp8_linear, kernels.fp8_linear_reference), linear_oracle, \
-            kernels.new_fp8_linear_state
+        layers, oracle, new_state = (kernels.fp8_linear, functools.partial(kernels.fp8_linear, gemm="scaled_mm"),
+                                     kernels.fp8_linear_reference), linear_oracle, kernels.new_fp8_linear_state
     else:
         weights = [_grid_weight(48, 32, generator, torch.float32), _grid_weight(32, 48, generator, torch.bfloat16)]
-        layers, oracle, new_state = (kernels.fp8_relu2_mlp, kernels.fp8_relu2_mlp_reference), mlp_oracle, \
-            kernels.new_fp8_mlp_state
+        layers, oracle, new_state = (kernels.fp8_relu2_mlp, functools.partial(kernels.fp8_relu2_mlp, gemm="scaled_mm"),
+                                     kernels.fp8_relu2_mlp_reference), mlp_oracle, kernels.new_fp8_mlp_state
     grad_y = grid_values(2, 20, weights[-1].shape[0], generator=generator, limit=4, dtype=torch.bfloat16)
     lagged = kernels.WEIGHT_LAG.calls
     for state_before in (new_state(), state_for_targets(scales, 2.0 ** -3, lagged)):
@@ -368,9 +411,10 @@ def test_fp8_layers_match_oracle_exactly(layer, scales, config):
         for run in layers:
             state = state_before.clone()
             got = _run_layer(functools.partial(run, scales=scales), [x, *weights], state, grad_y, config)
+            label = getattr(run, "__name__", "the scaled_mm GEMMs")
             for name, g, e in zip(("out", "grad_x", "grad_w1", "grad_w2"), got, expected):
-                assert g.dtype == e.dtype and torch.equal(g, e), f"{run.__name__}: {name} differs from the oracle"
-            assert torch.equal(state, expected_state), f"{run.__name__}: state {state} != {expected_state}"
+                assert g.dtype == e.dtype and torch.equal(g, e), f"{label}: {name} differs from the oracle"
+            assert torch.equal(state, expected_state), f"{label}: state {state} != {expected_state}"
 
 
 def test_fp8_weight_scale_turns_delayed_after_its_exact_calls():
@@ -567,12 +611,16 @@ def test_attention_window_edges(window):
 
 
 @interpreted
-def test_attention_production_blocks():
-    """ATTN, fp32, with the production launch configs: documents longer than several blocks,
-    a window that is not a multiple of the blocks."""
+@pytest.mark.parametrize("window", [150, 1500])
+def test_attention_production_blocks(window):
+    """ATTN, fp32, with the production launch configs the window picks (the narrow windows' small
+    tiles at 150, the production tiles beyond NARROW_WINDOW): documents longer than several
+    blocks, a window that is not a multiple of the blocks."""
+    assert kernels.attention_configs(window) == (kernels.ATTENTION_CONFIGS_NARROW if window == 150
+                                                 else kernels.ATTENTION_CONFIGS)
     q, k, v, grad_o, _ = _attention_inputs(400, 1, 64, 64, seed=8)
     cu_seqlens = torch.tensor([0, 7, 300, 400, 400], dtype=torch.int32)
-    _check_attention_fp32(q, k, v, grad_o, cu_seqlens, 150, kernels.ATTENTION_CONFIGS)
+    _check_attention_fp32(q, k, v, grad_o, cu_seqlens, window, kernels.attention_configs(window))
 
 
 @interpreted
@@ -733,11 +781,16 @@ def test_composed_attention_matches_float64(d_qk, d_v, window, configs):
 def test_composed_attention_bf16_error_at_most_twice_the_references():
     """bf16 inputs (the model's): the kernel's error against float64, per output and gradient,
     is at most twice the bf16 reference's, plus 1e-5 of the output scale."""
-    T, window = 150, 112
-    inputs, grad_o, cu_seqlens = _composed_inputs(T, 2, 32, 32, seed=22, dtype=torch.bfloat16)
+    _check_composed_bf16(150, 2, 32, "cpu", SMALL_COMPOSED)
+
+
+def _check_composed_bf16(T, H, D, device, configs):
+    window = 112
+    inputs, grad_o, cu_seqlens = _composed_inputs(T, H, D, D, seed=22, dtype=torch.bfloat16)
     doc_start = kernels.document_bounds(cu_seqlens, T)[0]
-    got = _composed_and_grads(kernels.composed_attention, inputs, grad_o, doc_start, window, torch.tensor([0.2]),
-                              SMALL_COMPOSED)
+    got = [t.cpu() for t in _composed_and_grads(kernels.composed_attention, [t.to(device) for t in inputs],
+                                                grad_o.to(device), doc_start.to(device), window,
+                                                torch.tensor([0.2], device=device), configs)]
     reference = _composed_and_grads(kernels.composed_attention_reference, inputs, grad_o, doc_start, window, 0.2)
     oracle = _composed_and_grads(lambda q, k, v, _, w, s, mi, mo: composed_oracle(q, k, v, cu_seqlens, w, s, mi, mo),
                                  [t.double() for t in inputs], grad_o.double(), doc_start, window, 0.2)
@@ -902,6 +955,43 @@ def test_cross_entropy_backward_scales_its_gradient_in_place_once():
     loss.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.sum().backward()
+
+
+def _backward_graph_ops(exact_upstream, logits, targets, weights):
+    """The ops of the backward graph torch.compile (AOTAutograd) builds for the trainer's use of
+    the cross-entropy: the mean over 24 tokens of one of 2 micro-batches (upstream 1/48)."""
+    from functorch.compile import aot_function, make_boxed_func
+    graphs = []
+
+    def keep(graph, example_inputs):
+        graphs.append(graph)
+        return make_boxed_func(graph.forward)
+
+    def step(x, targets, weights):
+        loss = kernels.softcap_cross_entropy(x, targets, weights, config=SMALL_CE, scale_config=SMALL_CE,
+                                             grad_scale=1 / 48, exact_upstream=exact_upstream)[0]
+        return loss.mean() / 2
+    compiled = aot_function(step, fw_compiler=lambda graph, inputs: make_boxed_func(graph.forward), bw_compiler=keep)
+    x = logits.clone().requires_grad_(True)
+    compiled(x, targets, weights).backward()
+    (graph,) = graphs
+    return [str(node.target) for node in graph.graph.nodes if node.op == "call_function"], x.grad
+
+
+@interpreted
+def test_an_exact_upstream_hands_the_stored_gradient_on_with_no_op_even_compiled():
+    """With exact_upstream (the trainer's objective), the compiled backward is the stored
+    gradient itself: no scaling kernel and no copy of the (N, C) buffer; without it, the graph
+    scales a copy. Both give the stored gradient, bitwise, for the announced upstream."""
+    logits, targets, weights, _ = _cross_entropy_inputs(24, 300, 3, 24, torch.bfloat16)
+    _, _, stored = kernels._softcap_ce_op(logits, targets, weights.float(), True, 1 / 48, SMALL_CE.as_list())
+    exact_ops, exact_grad = _backward_graph_ops(True, logits, targets, weights)
+    writes = ("scale_rows", "auto_functionalized", "copy", "clone")   # an in-place op made functional: a copy
+    assert not [op for op in exact_ops if any(w in op for w in writes)], exact_ops
+    assert torch.equal(exact_grad, stored)
+    checked_ops, checked_grad = _backward_graph_ops(False, logits, targets, weights)
+    assert any("auto_functionalized" in op for op in checked_ops), checked_ops
+    assert torch.equal(checked_grad, stored)
 
 
 @interpreted
@@ -1086,7 +1176,12 @@ def test_qk_norm_rope_matches_float64(dtype, offset):
     and each product rounded, an output z1 c + z2 s carries 3 * 2^-8 (|z1 c| + |z2 s|) + 2^-8 |y|
     <= 4 * 2^-8 * sqrt(z1^2 + z2^2). In a normed row (mean square 1) that root, and each |z|, is at
     most sqrt(D) = 4: the factor 4 of the bounds."""
-    T, H, D = 30, 2, 16
+    _check_qk_norm_rope(30, 2, 16, dtype, offset, "cpu", kernels.LaunchConfig(block_m=8, block_n=0))
+
+
+def _check_qk_norm_rope(T, H, D, dtype, offset, device, config):
+    """test_qk_norm_rope_matches_float64's check: the kernel (on `device`, with `config`) and the
+    reference (on the CPU) against the float64 statement."""
     q, k, cos, sin, stationary, doc_start, (grad_q, grad_k) = _qk_inputs(T, H, D, dtype, seed=21)
     key_starts = doc_start if offset else None
     leaves = [q.detach().double().requires_grad_(True), k.detach().double().requires_grad_(True)]
@@ -1094,12 +1189,13 @@ def test_qk_norm_rope_matches_float64(dtype, offset):
     want_q = qk_norm_rope_oracle(leaves[0], cos, sin, stationary, None, eps)
     want_k = qk_norm_rope_oracle(leaves[1], cos, sin, stationary, key_starts, eps)
     want_grads = torch.autograd.grad([want_q, want_k], leaves, [grad_q.double(), grad_k.double()])
-    small = kernels.LaunchConfig(block_m=8, block_n=0)
-    for fn, config in ((kernels.qk_norm_rope, small), (kernels.qk_norm_rope_reference, None)):
-        inputs = [q.detach().clone().requires_grad_(True), k.detach().clone().requires_grad_(True)]
-        got_q, got_k = fn(*inputs, cos, sin, stationary, key_starts, config)
+    for fn, where, fn_config in ((kernels.qk_norm_rope, device, config), (kernels.qk_norm_rope_reference, "cpu", None)):
+        inputs = [t.detach().clone().to(where).requires_grad_(True) for t in (q, k)]
+        extra = [t.to(where) if t is not None else None for t in (cos, sin, stationary, key_starts)]
+        got_q, got_k = fn(*inputs, *extra, fn_config)
         assert got_q.dtype == got_k.dtype == dtype and got_q.is_contiguous() and got_k.is_contiguous()
-        got_grads = torch.autograd.grad([got_q, got_k], inputs, [grad_q, grad_k])
+        got_grads = [g.cpu() for g in torch.autograd.grad([got_q, got_k], inputs, [grad_q.to(where), grad_k.to(where)])]
+        got_q, got_k = got_q.detach().cpu(), got_k.detach().cpu()
         roundings = 0 if dtype == torch.float32 else 4 if fn is kernels.qk_norm_rope_reference else 1
         unit = 2 * D * U32 + roundings * U_BF16
         for name, got, want in (("q", got_q, want_q), ("k", got_k, want_k)):
@@ -1146,11 +1242,16 @@ def test_sum_rows_matches_float64(dtype):
     """FP32: a slot's sum of k entries is within k * 2^-24 * sum|entries| of float64; kernel and
     reference both add in token order in fp32, so they agree bitwise. D = 40 spans three column
     blocks of 16, the last one masked."""
-    rows, values, groups = _row_batch(64, 50, 40, dtype, seed=31)
-    oracle = torch.zeros(50, 40, dtype=torch.float64).index_add_(0, groups.inverse, values.double())
-    repeats = torch.bincount(groups.inverse, minlength=50).double()[:, None]
+    _check_sum_rows(64, 50, 40, dtype, "cpu", SMALL_SUM_ROWS)
+
+
+def _check_sum_rows(num_rows, n, d, dtype, device, config):
+    rows, values, groups = _row_batch(num_rows, n, d, dtype, seed=31)
+    oracle = torch.zeros(n, d, dtype=torch.float64).index_add_(0, groups.inverse, values.double())
+    repeats = torch.bincount(groups.inverse, minlength=n).double()[:, None]
     bound = repeats * U32 * torch.zeros_like(oracle).index_add_(0, groups.inverse, values.double().abs())
-    got = kernels.sum_rows(values, groups, SMALL_SUM_ROWS)
+    on_device = kernels.RowGroups(**{f.name: getattr(groups, f.name).to(device) for f in dataclasses.fields(groups)})
+    got = kernels.sum_rows(values.to(device), on_device, config).cpu()
     assert got.dtype == torch.float32 and (got[int(groups.count):] == 0).all()
     assert_within(got, oracle, bound, "sum_rows")
     assert torch.equal(got, kernels.sum_rows_reference(values, groups))
@@ -1179,15 +1280,19 @@ def test_sparse_adam_rows_kernel_matches_reference_and_touches_only_its_rows(dty
     (the mean of D squares summed in another order: D * 2^-24 relative, plus the catch-up's
     exp) and their weights within lr times that relative error of the update (bf16: plus one
     rounding of the stored weight); every touched row's last event is the step's."""
-    num_rows, d = 64, 24
-    _, grads_in, groups = _row_batch(num_rows, 50, d, torch.float32, seed=32)
+    _check_sparse_adam_rows(64, 50, 24, dtype, "cpu")
+
+
+def _check_sparse_adam_rows(num_rows, n, d, dtype, device):
+    _, grads_in, groups = _row_batch(num_rows, n, d, torch.float32, seed=32)
     grads = kernels.sum_rows_reference(grads_in, groups)
     table, moment, last, log_decay_at, step = _row_adam_state(num_rows, d, dtype, seed=33)
     results = []
-    for fn in (kernels.sparse_adam_rows_, kernels.sparse_adam_rows_reference_):
-        t, m, l = table.clone(), moment.clone(), last.clone()
-        fn(t, grads, groups, m, l, log_decay_at, step)
-        results.append((t, m, l))
+    for fn, where in ((kernels.sparse_adam_rows_, device), (kernels.sparse_adam_rows_reference_, "cpu")):
+        t, m, l, g, decay = (x.clone().to(where) for x in (table, moment, last, grads, log_decay_at))
+        fn(t, g, kernels.RowGroups(**{f.name: getattr(groups, f.name).to(where) for f in dataclasses.fields(groups)}),
+           m, l, decay, step)
+        results.append(tuple(x.cpu() for x in (t, m, l)))
     (t, m, l), (t_ref, m_ref, l_ref) = results
     touched = torch.zeros(num_rows, dtype=torch.bool)
     touched[groups.distinct[:int(groups.count)]] = True
@@ -1204,7 +1309,7 @@ def test_sparse_adam_rows_kernel_matches_reference_and_touches_only_its_rows(dty
 # ---------------------------------------------------------------------------------------------
 
 # ---------------------------------------------------------------------------------------------
-# On a GPU (run by bench/bench_gpu.py on the H200; skipped elsewhere)
+# On a GPU (run by bench/first_contact.py on the H200; skipped elsewhere)
 # ---------------------------------------------------------------------------------------------
 
 # Hopper's fp8 tensor cores accumulate with about 14 significand bits (DeepSeek-V3 report) in
@@ -1224,6 +1329,29 @@ def test_gpu_fp8_matmul_matches_oracle():
         expected = matmul_oracle(a, b, scale_a, scale_b, torch.float32, FAST_ACCUMULATOR_BITS)
         out = kernels.fp8_matmul(a.cuda(), b.cuda(), scale_a.cuda(), scale_b.cuda(), torch.float32)
         assert torch.equal(out.cpu(), expected)
+
+
+@needs_cuda
+@on_gpu
+def test_gpu_fp8_large_tile_at_a_training_shape():
+    """The tile every training-size forward GEMM runs (49,152 tokens x 768 -> 2,816: 2,112 tiles,
+    which fp8_matmul_config gives FP8_MATMUL_LARGE), plain and relu2, EXACT."""
+    assert kernels.fp8_matmul_config(49152, 2816, torch.device("cuda")) == kernels.FP8_MATMUL_LARGE
+    _check_large_tile(49152, 768, 2816, "cuda")
+
+
+@needs_cuda
+@on_gpu
+def test_gpu_kernel_families_match_their_references():
+    """Each kernel family once on the GPU with its production launch config, by the CPU tests'
+    checks: the FP8 cast (bitwise against torch's cast), QK norm + RoPE with the key offset,
+    composed attention (bf16 criterion), the row sums and sparse Adam on a 768-wide table."""
+    _check_fp8_cast((4096, 768), torch.bfloat16, E4M3, "cuda", kernels.FP8_CAST)
+    _check_fp8_cast((4096, 768), torch.bfloat16, E5M2, "cuda", kernels.FP8_CAST)
+    _check_qk_norm_rope(4096, 6, 128, torch.bfloat16, True, "cuda", kernels.QK_NORM_ROPE)
+    _check_composed_bf16(1024, 6, 128, "cuda", kernels.COMPOSED_CONFIGS)
+    _check_sum_rows(1 << 16, 20_000, 768, torch.bfloat16, "cuda", kernels.SUM_ROWS)
+    _check_sparse_adam_rows(1 << 14, 20_000, 768, torch.bfloat16, "cuda")
 
 
 @needs_cuda

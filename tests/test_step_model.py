@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tiny_runs import REPO, tiny_config
+import train_gpt as tg  # noqa: E402
 
 sys.path.insert(0, f"{REPO}/bench")
 import step_model as sm  # noqa: E402
@@ -139,10 +140,10 @@ def test_halving_the_dtype_halves_the_products_time_and_cuts_the_traffic():
 
 
 def test_widening_the_window_adds_attention_work():
-    stages = ('--stages=[{"end":1.0,"tokens_per_rank":1024,"max_doc_len":1024,"short_window":1,'
+    stages = ('--stages=[{"end":1.0,"tokens_per_rank":4096,"max_doc_len":4096,"short_window":1,'
               '"long_window":%d}]')
     h, narrow = census([stages % 1])
-    _, wide = census([stages % 8])
+    _, wide = census([stages % 16])
     assert flops(wide.micro_batch, "attention") > flops(narrow.micro_batch, "attention") > 0
     assert seconds(h, wide) > seconds(h, narrow)
 
@@ -156,3 +157,13 @@ def test_the_command_prints_its_tables_and_ends_with_the_prediction():
     last = text.strip().splitlines()[-1]
     match = re.fullmatch(r"predicted: cpu on 1xH200: ([\d.]+) s realistic, ([\d.]+) s at peak", last)
     assert match and 0 < float(match[2]) < float(match[1])
+
+
+def test_record89_is_predicted_within_a_quarter_of_its_logged_step_times():
+    """The calibration: the record89 preset's step times on 8xH100, stage by stage, within
+    CALIBRATION_TOLERANCE of the public record 89's logged ones (RECORD89_STEP_MS)."""
+    h = tg.parse_config(["--preset", "record89"])
+    rows = sm.calibration_table(sm.build_model(h, 8, sm.H100))
+    assert {int(tokens.replace(",", "")) for _, tokens, *_ in rows} == set(sm.RECORD89_STEP_MS)
+    for _, _, predicted, logged, ratio in rows:
+        assert abs(float(ratio) - 1) <= sm.CALIBRATION_TOLERANCE, (predicted, logged)
