@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -96,10 +97,11 @@ class VocabRowGradients:
     micro-batches of 49,152 in the 1gpu preset's late phase: 4.8 GB for a 768-wide table).
 
     add(groups, grads), after each micro-batch: its entries summed per row in token order
-    (sum_rows: deterministic), then added, one addition per row. touched(capacity): the
-    RowGroups of the rows whose sum is not zero, at a capacity the host knows (no host sync). A row
-    whose gradients summed to exactly zero is left out: its update would be its moment's decay
-    alone, which the catch-up applies when the row is next updated."""
+    (sum_rows: deterministic), then added, one addition per row. touched(rows, summed): of the
+    candidate rows `rows` (sorted, distinct; their number known on the host, so no host sync),
+    the RowGroups of those whose sum is not zero and their sums, slot by slot. A row whose
+    gradients summed to exactly zero is left out: its update would be its moment's decay alone,
+    which the catch-up applies when the row is next updated."""
 
     def __init__(self, rows, dim, device, sum_rows):
         self.sums = torch.zeros(rows + 1, dim, device=device)   # row `rows` takes the unused slots' zeros
@@ -112,15 +114,16 @@ class VocabRowGradients:
                              self.sum_rows(grads, groups))
         self.entries += grads.shape[0]
 
-    def touched(self, capacity):
-        """RowGroups of an index vector of `capacity` entries (at least the number of rows with a
-        gradient) that lists every such row once and then repeats the first: its distinct rows are
-        those rows."""
-        flagged = self.sums[:-1].ne(0).any(1)
-        vector = flagged.int().argmax().expand(capacity + 1).clone()   # the first flagged row
-        slot = torch.where(flagged, flagged.cumsum(0) - 1, capacity)   # unflagged rows land past the end
-        vector.scatter_(0, slot, torch.arange(flagged.numel(), device=flagged.device))
-        return kernels.distinct_rows(vector[:capacity])
+    def touched(self, rows, summed=None):
+        """(RowGroups, sums): the rows among `rows` (N,) whose gradient sum is not zero, at
+        capacity N, and their sums (N, D) slot by slot, zeros past the count. `summed` (N, D) is
+        the rows' sums (default: this process's, self.sums[rows])."""
+        summed = self.sums[rows] if summed is None else summed
+        flagged = summed.ne(0).any(1)
+        order = torch.sort((~flagged).to(torch.uint8), stable=True).indices   # the flagged rows first, in order
+        first = rows[order[:1]]    # the smallest flagged row: it stands in for the unflagged ones
+        vector = torch.where(flagged[order], rows[order], first)
+        return kernels.distinct_rows(vector), summed[order]   # an unflagged row's sum is zero
 
     def clear(self):
         self.sums.zero_()
@@ -430,6 +433,7 @@ class SparseTables:
                                                self.ngram_adam.sum_rows)
         self.value_adams = []      # sparse value embeddings: each table's sparse Adam (every process's table whole)
         self.value_grads = []      # and its rows' gradients since its last update (VocabRowGradients)
+        self.value_rows_seen = None  # host (numpy, V) bool: the tokens of this process's slices since the last update
         if model.value_sinks is not None:
             for ve in model.value_embeds:
                 adam = optim.SparseRowAdam(ve.weight, lr=h.value_embed_lr, beta2=h.value_embed_betas[1],
@@ -438,6 +442,10 @@ class SparseTables:
                 self.value_adams.append(adam)
                 self.value_grads.append(VocabRowGradients(PADDED_VOCAB_SIZE, ve.embedding_dim, pg.device,
                                                           adam.sum_rows))
+            self.value_rows_seen = np.zeros(PADDED_VOCAB_SIZE, dtype=bool)
+        # the processes' host masks meet on gloo; a CPU run's default group is one already
+        self.host_group = (dist.new_group(backend="gloo") if self.value_adams and pg.world_size > 1
+                           and pg.device.type == "cuda" else None)
         self.any = ngram is not None or bool(self.value_adams)  # any table trained from gradient entries
         self.step_every = h.ngram_step_every
         self.frozen = False        # set by the warm-up: the tables keep their values
@@ -487,6 +495,7 @@ class SparseTables:
                                    else (ngram.slice_rows(tokens), entries)))
             grads.zero_()
         if self.value_adams:
+            self.value_rows_seen[s.tokens.numpy()] = True   # the host's tokens: no device work
             groups = kernels.distinct_rows(tokens.long())
             for sink, pending in zip(self.model.value_sinks, self.value_grads):
                 grads = sink.grad[:count]
@@ -503,23 +512,41 @@ class SparseTables:
             if not self.frozen:
                 if self.ngram_adam is not None:
                     self.ngram_adam.step_summed(*self.ngram_grads.summed(self.calls))
-                for adam, pending in zip(self.value_adams, self.value_grads):
-                    self._step_value_table(adam, pending)
+                if self.value_adams:
+                    rows = self._value_rows()
+                    for adam, pending in zip(self.value_adams, self.value_grads):
+                        self._step_value_table(adam, pending, rows)
             self.drop_entries()
 
     def adams(self):
         """The sparse tables' optimizers: the n-gram table's and the value-embedding tables'."""
         return [adam for adam in (self.ngram_adam, *self.value_adams) if adam is not None]
 
-    def _step_value_table(self, adam, pending: VocabRowGradients):
+    def _value_rows(self):
+        """The rows that any process's value-table entries may touch since the last update: the
+        union of the processes' host masks (gathered on the host group: the hosts wait for each
+        other, never for a device), sorted, on the device. Its size is known on the host, so the
+        update needs no host sync."""
+        seen = self.value_rows_seen
+        if self.pg.world_size > 1:
+            everyone = [torch.empty(seen.shape, dtype=torch.uint8) for _ in range(self.pg.world_size)]
+            dist.all_gather(everyone, torch.from_numpy(seen.view(np.uint8)), group=self.host_group)
+            seen = np.stack([t.numpy() for t in everyone]).any(0)
+        rows = torch.from_numpy(np.flatnonzero(seen))
+        return (rows.pin_memory() if self.pg.device.type == "cuda" else rows).to(self.pg.device, non_blocking=True)
+
+    def _step_value_table(self, adam, pending: VocabRowGradients, rows):
         """Update a value-embedding table's rows with a gradient from the mean over the steps and
-        the processes. Every process holds the table whole: they all-reduce their sums and make
-        the same update."""
+        the processes. Every process holds the table whole: they all-reduce their sums at `rows`
+        (the rows any of them touched: _value_rows), and make the same update."""
+        if not rows.numel():
+            return
+        summed = pending.sums[rows]
         world = self.pg.world_size
         if world > 1:
-            dist.all_reduce(pending.sums)
-        groups = pending.touched(min(PADDED_VOCAB_SIZE, pending.entries * world))
-        adam.step_summed(groups, pending.sums[groups.distinct.clamp(min=0)] / (self.calls * world))
+            dist.all_reduce(summed)
+        groups, summed = pending.touched(rows, summed)
+        adam.step_summed(groups, summed / (self.calls * world))
 
     def drop_entries(self):
         """No gradient pending (a host table's cache may let their rows go)."""
@@ -528,6 +555,8 @@ class SparseTables:
             self.ngram_grads.clear()
         for pending in self.value_grads:
             pending.clear()
+        if self.value_rows_seen is not None:
+            self.value_rows_seen[:] = False
         if self.host is not None:
             self.host.release()
 

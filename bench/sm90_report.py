@@ -293,8 +293,9 @@ def sparse_row_calls(h, model, processes, steps):
     made as the trainer makes them on fake tensors: the n-gram table's update (SparseRowAdam.step:
     the entries summed per distinct row, then Adam on the table the trainer trains: this
     process's shard, or the device cache of a table in host memory), and per value-embedding
-    table a micro-batch's row sums (VocabRowGradients.add) and Adam on every vocabulary row
-    (step_summed on VocabRowGradients.touched's capacity)."""
+    table a micro-batch's row sums (VocabRowGradients.add) and Adam on as many rows as the
+    processes' tokens since the last update can touch (step_summed at the largest capacity
+    VocabRowGradients.touched can take)."""
     entries, tokens = sparse_update_entries(h, processes, steps)
     event = kernels.RowAdamStep(event=2, log_decay=-0.1, one_minus_beta2=0.05, bias=0.1, lr=0.01, decay=0.0, eps=1e-10)
     ngram = model.ngram

@@ -532,14 +532,35 @@ class TableOps:
     value_event: list              # the value tables' Adam event
 
 
+def tiny_corpus_stream(tokens):
+    """The first `tokens` tokens of the tiny corpus's text (int64), or None when it is not built
+    (python data/tiny_corpus.py) or shorter."""
+    from data.shards import read_shard
+    parts, have = [], 0
+    for file in sorted(REPO_ROOT.glob("data/tiny_corpus/tiny_train_*.bin")):
+        if have >= tokens:
+            break
+        parts.append(torch.from_numpy(read_shard(str(file)).astype(np.int64)))
+        have += len(parts[-1])
+    return torch.cat(parts)[:tokens] if have >= tokens else None
+
+
+def distinct_tokens(tokens):
+    """Distinct tokens among `tokens` of text, measured on the tiny corpus when it is built (its
+    vocabulary is narrower than FineWeb's, so this is low), else min(vocabulary, tokens), an upper
+    bound."""
+    stream = tiny_corpus_stream(tokens)
+    if stream is None:
+        return min(train_gpt.PADDED_VOCAB_SIZE, tokens), "upper bound: every token distinct"
+    return torch.unique(stream).numel(), "measured on the tiny corpus: low for FineWeb's wider vocabulary"
+
+
 def distinct_fraction(h, tokens):
     """Distinct n-gram rows among a slice's 2 T lookups, measured on the tiny corpus's text when it
     is built (python data/tiny_corpus.py), else 1 (every lookup a row of its own: an upper bound)."""
-    files = sorted(REPO_ROOT.glob("data/tiny_corpus/tiny_train_*.bin"))
-    if not files or not h.ngram_rows:
+    stream = tiny_corpus_stream(tokens) if h.ngram_rows else None
+    if stream is None:
         return 1.0, "upper bound: every lookup a distinct row"
-    from data.shards import read_shard
-    stream = torch.from_numpy(read_shard(str(files[0])).astype(np.int64))[:tokens]
     starts = stream == train_gpt.BOS_ID
     rows = train_gpt.ngram_rows(stream, starts, h.ngram_rows).reshape(-1)
     return torch.unique(rows).numel() / rows.numel(), f"measured on {len(stream):,} tokens of the tiny corpus"
@@ -548,7 +569,8 @@ def distinct_fraction(h, tokens):
 def table_ops(h, index, world, value_widths=()):
     """The sparse tables' traffic: per micro-batch (a split table's rows fetched and their summed
     gradients sent back by all-to-all; the row sums and their accumulation; the value tables' row
-    sums) and per Adam event (the touched rows' update; the value tables' dense all-reduce)."""
+    sums) and per Adam event (the touched rows' update; the value tables' all-reduce of the rows
+    any process touched)."""
     stage = h.stages[index]
     T, D = stage.tokens_per_rank, h.model_dim
     per_slice, ngram_event, value_event = [], [], []
@@ -573,14 +595,17 @@ def table_ops(h, index, world, value_widths=()):
                               bytes=rows * (2 * row + D * 4 + 2 * 8)))
     if h.value_embed_sparse:
         vocab = train_gpt.PADDED_VOCAB_SIZE + 1
+        every = max([h.ngram_step_every, *(p.step_every for p in h.table_phases)])
+        touched, _ = distinct_tokens(T * h.batch_ranks * every)   # every process's slices since the last event
         for width in value_widths:
+            row = width * 4
             per_slice.append(Op(f"value table {width}: row sums", "tables", "tables",
-                                bytes=T * width * 4 * 3 + 3 * min(T, vocab) * width * 4))
+                                bytes=T * row * 3 + 3 * min(T, vocab) * row))
             if world > 1:
-                value_event.append(Op(f"value table {width}: all-reduce of the row sums", "collective", "tables",
-                                      comm=2 * (world - 1) / world * vocab * width * 4, kernels=0))
-            value_event.append(Op(f"value table {width}: touched rows, sparse Adam, clear", "tables", "tables",
-                                  bytes=vocab * width * 4 * 3 + vocab * width * (2 * 4 + 4)))
+                value_event.append(Op(f"value table {width}: all-reduce of the touched rows' sums", "collective",
+                                      "tables", comm=2 * (world - 1) / world * touched * row, kernels=0))
+            value_event.append(Op(f"value table {width}: gather the touched rows, sparse Adam, clear", "tables",
+                                  "tables", bytes=touched * row * 4 + touched * width * (2 * 4 + 4) + vocab * row))
     return TableOps(per_slice, ngram_event, value_event)
 
 
@@ -744,11 +769,13 @@ def report(h, world, gpu_name):
     m = build_model(h, world, gpu)
     realistic, peak = m.run_seconds(REALISTIC), m.run_seconds(PEAK)
     fraction, source = distinct_fraction(h, h.stages[0].tokens_per_rank)
+    touched, touched_source = distinct_tokens(h.stages[0].tokens_per_rank * h.batch_ranks * h.ngram_step_every)
     lines = [f"# Step model: `{h.preset}` on {world}x{gpu.name}", "",
              f"Efficiencies: GEMM {REALISTIC.gemm:.0%}, attention {REALISTIC.attention:.0%}, HBM {REALISTIC.hbm:.0%}, "
              f"NVLink {REALISTIC.link:.0%} + {COLLECTIVE_LATENCY_S * 1e6:.0f} us a collective, a kernel at least "
              f"{KERNEL_FLOOR_S * 1e6:.0f} us ('at peak': 100% and no floors). Distinct n-gram rows per lookup: "
-             f"{fraction:.3f} ({source}).", "",
+             f"{fraction:.3f} ({source}). Distinct tokens a value-table update spans in stage 0: "
+             f"{touched:,} ({touched_source}).", "",
              "## Per stage", "", stage_table(m), "",
              "## By family (ms per step, the mean of each stage's steps; seconds in the whole run)", "", family_table(m), "",
              "## The ten largest time sinks", "", sink_table(m), ""]

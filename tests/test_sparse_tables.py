@@ -64,19 +64,25 @@ def test_sparse_value_embedding_entries_are_the_tables_gradient(shards):
 
 def test_vocab_row_gradients_sum_per_row_and_list_the_rows_they_hold():
     """Two micro-batches' entries, repeats included, summed per row (a plain index_add_
-    reference); the rows with a gradient as RowGroups of a given capacity: each once, sorted."""
+    reference); among candidate rows, those with a gradient as RowGroups at the candidates'
+    capacity (each once, sorted) with their sums slot by slot: a candidate whose sum is zero
+    (row 9: never touched; row 12: its entries cancel) is left out."""
     g = torch.Generator().manual_seed(0)
     pending = sparse_tables.VocabRowGradients(50, 3, torch.device("cpu"), kernels.sum_rows_reference)
     expected = torch.zeros(50, 3)
-    for rows in (torch.tensor([7, 3, 7, 41]), torch.tensor([3, 0, 12])):
+    for rows in (torch.tensor([7, 3, 7, 41, 12]), torch.tensor([3, 0, 12])):
         grads = torch.randn(len(rows), 3, generator=g)
+        if len(rows) == 3:
+            grads[2] = -pending.sums[12]   # row 12's entries add up to zero
         pending.add(kernels.distinct_rows(rows), grads)
         expected.index_add_(0, rows, grads)
     torch.testing.assert_close(pending.sums[:50], expected)
-    assert not pending.sums[50].any() and pending.entries == 7
-    groups = pending.touched(6)
-    assert groups.distinct.numel() == 6 and int(groups.count) == 5
-    assert groups.distinct[:5].tolist() == [0, 3, 7, 12, 41]
+    assert not pending.sums[50].any() and pending.entries == 8
+    groups, summed = pending.touched(torch.tensor([0, 3, 7, 9, 12, 41]))
+    assert groups.distinct.numel() == 6 and int(groups.count) == 4
+    assert groups.distinct[:4].tolist() == [0, 3, 7, 41]
+    torch.testing.assert_close(summed[:4], expected[[0, 3, 7, 41]])
+    assert not summed[4:].any()
     pending.clear()
     assert not (pending.sums.any() or pending.entries)
 

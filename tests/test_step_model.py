@@ -91,6 +91,23 @@ def test_collectives_cost_their_ring_traffic_and_a_latency():
     assert sm.priced_ops([gather], [], 8, compiled=False)[0].comm == 7 / 8 * S
 
 
+def test_the_value_tables_all_reduce_the_rows_the_processes_touched(monkeypatch):
+    """A value-table update all-reduces each table's sums at the rows some process's tokens
+    touched since the last update: ring traffic 2 (w - 1) / w x rows x width x 4 bytes, whatever
+    the vocabulary; with the tiny corpus absent the rows are every token's, at most the vocabulary."""
+    h = tg.parse_config(["--preset", "speedrun"])
+    spans = []
+    monkeypatch.setattr(sm, "distinct_tokens", lambda tokens: (spans.append(tokens) or 1000, "planted"))
+    ops = sm.table_ops(h, 0, 8, value_widths=(768, 384)).value_event
+    comm = [op.comm for op in ops if op.family == "collective"]
+    assert comm == [2 * 7 / 8 * 1000 * 768 * 4, 2 * 7 / 8 * 1000 * 384 * 4]
+    assert spans == [16_384 * 8 * 4]   # every process's slices over the cadence's 4 steps
+    assert not [op for op in sm.table_ops(h, 0, 1, value_widths=(768,)).value_event if op.family == "collective"]
+    monkeypatch.undo()
+    monkeypatch.setattr(sm, "tiny_corpus_stream", lambda tokens: None)
+    assert sm.distinct_tokens(1000)[0] == 1000 and sm.distinct_tokens(10 ** 6)[0] == tg.PADDED_VOCAB_SIZE
+
+
 def test_a_roofline_takes_the_slower_of_compute_and_memory():
     big = sm.Op("mm", "gemm", "forward", flops=2 * 8192 ** 3, dtype="bf16", bytes=3 * 2 * 8192 ** 2)
     assert sm.op_seconds(big, sm.H100, sm.PEAK, 1) == pytest.approx(2 * 8192 ** 3 / 989.5e12)
