@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from config import ConfigError, config_from_dict, config_to_dict, is_number, load_json, normalize_config
+from errors import UserError
 from processes import synchronize
 from records.logfile import write_failure
 
@@ -41,7 +42,7 @@ HASH_PLACEHOLDER = "0" * 64        # the header's data_sha256 and sha256 while t
 HASH_KEYS = ("data_sha256", "sha256")  # the metadata's hashes: of the data; of the header without them and the data
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserError):
     """A checkpoint cannot be written or read, or does not fit the request; the message names the file."""
 
 

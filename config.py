@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import kernels
 import optim
+from errors import UserError
 
 VOCAB_SIZE = 50257                 # GPT-2 tokens
 PADDED_VOCAB_SIZE = 50304          # vocab rounded up to a multiple of 128 for the matmuls
@@ -47,7 +48,7 @@ MLP_SCALE_RULES = tuple(kernels.MLP_SCALES)  # the FP8 MLP's scale rules (a fiel
 ORTHOGONALIZATIONS = tuple(optim.SCHEDULES)  # the Muon family's orthogonalization schedules
 
 
-class ConfigError(Exception):
+class ConfigError(UserError):
     """A bad preset, key or value: the message says which and what is allowed."""
 
 

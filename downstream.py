@@ -48,10 +48,10 @@ except ImportError as e:
 
 # Everything this module takes from the training code.
 import kernels
-from checkpoint import CheckpointError
-from config import VOCAB_SIZE, WINDOW_BLOCK, ConfigError
+from config import VOCAB_SIZE, WINDOW_BLOCK
 from cpu_runtime import bf16_gemms
-from data.tokenizer import BOS_ID, ENDOFTEXT, TokenizerError, gpt2_encoding
+from data.tokenizer import BOS_ID, ENDOFTEXT, gpt2_encoding
+from errors import UserError
 from evaluate import generate, trained_model
 from train_gpt import AttentionArgs, attention_windows, gemm_path
 
@@ -69,7 +69,7 @@ NETWORK_HINT = ("run where huggingface.co can be reached (the dataset is then ca
                 "HF_DATASETS_OFFLINE=1 with a cached copy of it (HF_HOME)")
 
 
-class DownstreamError(Exception):
+class DownstreamError(UserError):
     """A request, task or dataset this command cannot serve; the message says what to do."""
 
 
@@ -414,7 +414,7 @@ def main(argv=None):
         output = args.output or results_path(args.checkpoint, args.tasks)
         with open(output, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2, default=handle_non_serializable, ensure_ascii=False)
-    except (DownstreamError, CheckpointError, ConfigError, TokenizerError) as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     except OSError as e:

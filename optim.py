@@ -61,8 +61,10 @@ import math
 import torch
 import torch.distributed as dist
 
+from errors import UserError
 
-class OptimConfigError(ValueError):
+
+class OptimConfigError(UserError, ValueError):
     """An optimizer was given an unknown name, a bad value, or a parameter it cannot train."""
 
 

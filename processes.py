@@ -22,10 +22,11 @@ import torch.distributed as dist
 
 from config import ConfigError
 from cpu_runtime import keep_freed_memory_for_reuse
+from errors import UserError
 from records.logfile import ERROR_PREFIX, INTERRUPTED_PREFIX
 
 
-class TrainingError(Exception):
+class TrainingError(UserError):
     """The run cannot go on (e.g. a non-finite loss); the log is kept."""
 
 

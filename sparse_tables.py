@@ -461,6 +461,25 @@ class SparseTables:
         """The split table's ShardedNgramRows (the batch prefetcher works out its routes), or None."""
         return self.fetcher if isinstance(self.fetcher, ShardedNgramRows) else None
 
+    def start_timing(self):
+        """The timed run begins: a host table counts its fetches, lookups and hits anew."""
+        if self.host is not None:
+            self.host.reset_counts()
+
+    def after_step(self, batches):
+        """After a training step: a host table copies the rows of the next step's slices
+        (`batches.peek()`; None after the last step) into its cache while the device works."""
+        if self.host is not None and batches is not None:
+            self.host.prefetch(batches.peek())
+
+    def finish(self):
+        """After the run: a host table's cached rows written back (the table whole, for the
+        checkpoint and the model after the run); its summary line, else None."""
+        if self.host is None:
+            return None
+        self.host.flush()
+        return self.host.summary()
+
     def set_schedule(self, lr, ngram_beta2, value_embed_beta2, step_every):
         """The tables' learning rates at LR multiplier `lr`, their beta2 and their cadence (one
         update every `step_every` calls of step())."""

@@ -61,19 +61,20 @@ from torch.profiler import record_function
 import config
 import kernels
 import optim
-from checkpoint import NGRAM_TABLE_KEY, CheckpointError, save_checkpoint, send_table_shard, split_ngram_table
+from checkpoint import NGRAM_TABLE_KEY, save_checkpoint, send_table_shard, split_ngram_table
 from config import (MAX_TARGETS, MIN_DOC_TOKENS, MODEL_FIELDS, PADDED_VOCAB_SIZE, SMEAR_GATE_DIMS, VOCAB_SIZE,
                     WINDOW_BLOCK, ArgumentParser, Average, ConfigError, Hyperparameters, ModelConfig, Stage, TablePhase,
                     config_to_dict, head_dims, loggable, value_embed_tables)
 from cpu_runtime import bf16_gemm_path, bf16_gemms, cpu_has_native_bf16
 from cuda_graphs import MicroBatch, StepGraphs
-from data.shards import ShardError, find_shards, fingerprint, read_shard
-from data.tokenizer import BOS_ID, TokenizerError, noncanonical_pairs, prefix_token_table
+from data.shards import find_shards, fingerprint, read_shard
+from data.tokenizer import BOS_ID, noncanonical_pairs, prefix_token_table
+from errors import UserError
 from memory_budget import check_memory, launch_plan
 from processes import (DISK_FULL_ERRNOS, EXIT_USER_ERROR, SIGNAL_EXIT_CODES, Interrupted, ProcessGroup, TrainingError,
                        hold_signals, interruption_line, launch_environment, peer_exited, report_error,
                        restore_signals, shows_interruptions, start_process, stop_on_signals, synchronize)
-from records.logfile import (ERROR_PREFIX, LogFolderError, LogWriteError, RunLog, cpu_model, load_average,
+from records.logfile import (ERROR_PREFIX, LogWriteError, RunLog, cpu_model, load_average,
                              other_load, project_sources, track_target, write_failure)
 from sparse_tables import SparseTables, available_memory_bytes, check_ngram_table
 
@@ -1609,7 +1610,7 @@ def candidate_columns(targets, count, start):
 # Data
 # -----------------------------------------------------------------------------------------------
 
-class DataError(Exception):
+class DataError(UserError):
     """Missing, corrupt or too-small data: the message names the file and what to do."""
 
 
@@ -2657,8 +2658,7 @@ def train(h, pg, log):
     log.write(warm_up_line(trainer, time.perf_counter() - untimed_t0, warm_graphs), echo=True)
     gc.collect()
     gc.freeze()                    # the warm-up's objects leave the collector's view: shorter pauses in the timed run
-    if trainer.tables.host is not None:
-        trainer.tables.host.reset_counts()
+    trainer.tables.start_timing()
     batches = BatchPrefetcher(TrainLoader(train_files, batch_tokens(h)), h, trainer.mine,
                               pin=pg.device.type == "cuda", router=trainer.tables.router)
     losses = DeferredLossLines(pg.device)
@@ -2690,8 +2690,7 @@ def train(h, pg, log):
             with host_syncs_are_errors(h.sync_check and pg.device.type == "cuda"):
                 loss = trainer.train_step(step, slices)
             trainer.averages.sample(step)
-            if trainer.tables.host is not None and step + 1 < N:
-                trainer.tables.host.prefetch(batches.peek())
+            trainer.tables.after_step(batches if step + 1 < N else None)
             if step % h.log_every == 0 or step == N - 1:
                 if pg.world_size > 1:
                     dist.all_reduce(loss)
@@ -2704,9 +2703,9 @@ def train(h, pg, log):
         log.write(f"averages: {shipped} blends into the weights before the final validation", echo=True)
     timed_graphs = compiled_graphs() - graphs_before_timing
     log.write(f"compile: {warm_graphs} graphs in the warm-up, {timed_graphs} in the timed run", echo=True)
-    if trainer.tables.host is not None:
-        trainer.tables.host.flush()  # the host table whole: for the checkpoint, and for the model after the run
-        log.write(trainer.tables.host.summary(), echo=True)
+    tables_line = trainer.tables.finish()
+    if tables_line:
+        log.write(tables_line, echo=True)
     if trainer.graphs.capturing:
         log.write(f"cuda graphs: {trainer.graphs.captured()} training steps and "
                   f"{len(trainer.graphs.optimizer_graphs)} optimizer updates captured in the warm-up, "
@@ -2832,8 +2831,7 @@ def main(argv=None, command=None, run=None):
     except Interrupted as e:
         return stop(log, interruption_line(launch, e.signal_name, where_the_run_is(log, command)),
                     SIGNAL_EXIT_CODES[e.signal_name], shows_interruptions(launch))
-    except (ConfigError, DataError, ShardError, TrainingError, optim.OptimConfigError, CheckpointError,
-            TokenizerError, LogFolderError) as e:
+    except UserError as e:        # every module's error that the user can mend (errors.py)
         hold_signals()
         return stop(log, f"{ERROR_PREFIX}{e}", EXIT_USER_ERROR, report_error(launch, f"{ERROR_PREFIX}{e}"))
     except LogWriteError as e:

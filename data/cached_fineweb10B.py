@@ -30,6 +30,7 @@ from huggingface_hub.errors import (
 )
 
 from data.shards import ShardError, read_header
+from errors import UserError
 
 HUB_REPO_ID = "kjj0/fineweb10B-gpt2"  # the public cache of FineWeb-10B in GPT-2 tokens
 HUB_REPO_TYPE = "dataset"
@@ -42,11 +43,11 @@ EXIT_HUB_UNREACHABLE = 2  # exit status when the hub cannot be reached
 EXIT_FAILED = 1  # exit status for any other failure
 
 
-class HubUnreachableError(Exception):
+class HubUnreachableError(UserError):
     """The Hugging Face hub could not be reached (offline, no network, HF_HUB_OFFLINE=1)."""
 
 
-class DownloadError(Exception):
+class DownloadError(UserError):
     """The hub answered but a shard could not be fetched; the message names the shard."""
 
 

@@ -17,6 +17,8 @@ import tempfile
 
 import numpy as np
 
+from errors import UserError
+
 SHARD_MAGIC = 20240520  # first header int: identifies the format
 SHARD_VERSION = 1  # second header int: layout of the token payload (uint16)
 HEADER_INTS = 256  # header length in int32 values
@@ -30,7 +32,7 @@ SHARD_FILE_MODE = 0o644  # shards are data for every user; mkstemp would leave t
 REFETCH = "delete it and fetch/build it again"  # the remedy for any damaged shard
 
 
-class ShardError(Exception):
+class ShardError(UserError):
     """A shard file is missing, damaged or not a shard; the message names the file and the remedy."""
 
 

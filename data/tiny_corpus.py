@@ -42,6 +42,7 @@ import numpy as np
 
 from data.shards import ShardError, read_header, write_shard
 from data.tokenizer import BOS_ID, VOCAB_SIZE, TokenizerError, gpt2_encoding
+from errors import UserError
 
 MAX_DOC_TOKENS = 1024  # longest document, BOS included
 SHARD_MAX_TOKENS = 1_000_000  # train shards hold at most this many tokens, whole documents only
@@ -71,7 +72,7 @@ PIP_TIMEOUT_S = 30  # pip's per-connection timeout while fetching the sdist
 PIP_RETRIES = 1  # pip's retries per connection: without network, fail in about a minute, not several
 
 
-class CorpusSourceError(Exception):
+class CorpusSourceError(UserError):
     """A source text could not be found, fetched or verified; the message says what to do."""
 
 

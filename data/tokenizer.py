@@ -28,9 +28,14 @@ import string
 import sys
 import tempfile
 
+if __package__ in (None, ""):  # run as `python data/tokenizer.py`: make the repository's modules importable
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import numpy as np
 import tiktoken
 import tiktoken.load
+
+from errors import UserError
 
 BOS_ID = 50256  # <|endoftext|>: starts every document, so it is also the document separator
 VOCAB_SIZE = 50257  # GPT-2 vocabulary: 50256 byte-pair tokens plus <|endoftext|>
@@ -70,7 +75,7 @@ UNSPLIT_CLASSES = tuple(frozenset(chars.encode()) for chars in
                         (string.ascii_letters, string.digits, string.punctuation.replace("'", "")))
 
 
-class TokenizerError(Exception):
+class TokenizerError(UserError):
     """The GPT-2 tokenizer files are missing or not the official ones; the message says what to do."""
 
 

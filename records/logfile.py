@@ -30,6 +30,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
+from errors import UserError
+
 FORMAT_VERSION = 2                 # what LogWriter writes
 FORMAT_HEADERS = {"speedrun-log v1": 1, "speedrun-log v2": 2}  # first words of a log's first line -> version
 SEAL_HEX_DIGITS = 16               # hex digits of the running sha256 that end each sealed line
@@ -64,7 +66,7 @@ FILE_KINDS = {stat.S_ISDIR: "a folder", stat.S_ISFIFO: "a FIFO (named pipe)", st
               stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}  # what a path can be besides a file
 
 
-class LogError(Exception):
+class LogError(UserError):
     """A log is malformed, tampered with, or unusable for the requested purpose; the message names the file."""
 
 
@@ -589,7 +591,7 @@ def verify(log):
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class LogFolderError(Exception):
+class LogFolderError(UserError):
     """The log folder given cannot hold a run's log; the message says what to give instead."""
 
 

@@ -92,6 +92,7 @@ import numpy as np
 
 RECORDS_DIR = Path(__file__).resolve().parent  # default root of the track folders
 sys.path.insert(0, str(RECORDS_DIR.parent))
+from errors import UserError  # noqa: E402
 from records.logfile import DIRTY_MARK, LogError, parse_log, read_regular_file, verify  # noqa: E402
 from records.significance import (margin_statistic, one_sample_test, pairwise_statistic, runs_needed,  # noqa: E402
                                   summary, val_loss_summary, welch_runs_needed, welch_test)
@@ -131,7 +132,7 @@ LOCK_WAIT_S = 120.0  # how long make_record.py waits for another one holding the
 LOCK_POLL_S = 0.1  # how often it tries meanwhile
 
 
-class RecordError(Exception):
+class RecordError(UserError):
     """A refusal: the message says what is wrong with the inputs."""
 
 

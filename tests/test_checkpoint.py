@@ -82,7 +82,7 @@ def test_safetensors_round_trip_is_bit_exact(tmp_path):
 def test_a_checkpoint_is_never_overwritten(tmp_path):
     path = tmp_path / "t.safetensors"
     checkpoint.write_safetensors(path, {"a": torch.ones(2)}, {})
-    with pytest.raises(tg.CheckpointError, match="exists already; a checkpoint is never overwritten"):
+    with pytest.raises(checkpoint.CheckpointError, match="exists already; a checkpoint is never overwritten"):
         checkpoint.write_safetensors(path, {"a": torch.zeros(2)}, {})
     assert torch.equal(checkpoint.read_safetensors(path)[0]["a"], torch.ones(2))
 
@@ -103,7 +103,7 @@ def test_pieces_that_do_not_make_up_their_tensor_are_refused_and_nothing_is_kept
              "another dtype": ([table[:2], table[2:].double()],
                                r"a piece of tensor t is torch.float64 \[2, 3\], not rows of torch.float32 \[4, 3\]$")}
     for pieces, line in cases.values():
-        with pytest.raises(tg.CheckpointError, match=line):
+        with pytest.raises(checkpoint.CheckpointError, match=line):
             checkpoint.write_safetensors(tmp_path / "t.safetensors", {"t": checkpoint.RowPieces(table.shape, table.dtype, pieces)}, {})
         assert not os.listdir(tmp_path)
 
@@ -165,7 +165,7 @@ def test_a_header_changed_without_its_data_is_refused(tmp_path, change):
         a, _ = same_shape_pair(header)
         header["x" + a] = header.pop(a)
     bad = rewritten(path, tmp_path / "bad.safetensors", header, data)
-    with pytest.raises(tg.CheckpointError, match=r"bad\.safetensors: damaged: its header \(tensor names, shapes, "
+    with pytest.raises(checkpoint.CheckpointError, match=r"bad\.safetensors: damaged: its header \(tensor names, shapes, "
                                                  r"offsets, metadata\) and data do not match the sha256"):
         checkpoint.load_checkpoint(bad)
     checkpoint.read_safetensors(bad, trust=True)                  # --trust_checkpoint=true reads it anyway
@@ -178,7 +178,7 @@ def test_a_checkpoint_without_a_header_hash_needs_trust(tmp_path):
     header, data = header_and_data(path)
     del header["__metadata__"]["sha256"]
     old = rewritten(path, tmp_path / "old.safetensors", header, data)
-    with pytest.raises(tg.CheckpointError, match=r"its metadata has no sha256 of its header and data .*"
+    with pytest.raises(checkpoint.CheckpointError, match=r"its metadata has no sha256 of its header and data .*"
                                                  r"\(--trust_checkpoint=true uses it anyway\)$"):
         checkpoint.load_checkpoint(old)
     assert checkpoint.load_checkpoint(old, trust=True)[0] == h
@@ -190,7 +190,7 @@ def test_a_byte_range_that_does_not_fit_its_shape_is_refused_even_when_trusted(t
     header, data = header_and_data(path)
     header["a"]["shape"] = [3, 3]
     bad = rewritten(path, tmp_path / "bad.safetensors", header, data)
-    with pytest.raises(tg.CheckpointError, match=r"tensor 'a': its byte range does not fit its shape and dtype$"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"tensor 'a': its byte range does not fit its shape and dtype$"):
         checkpoint.read_safetensors(bad, trust=True)
 
 

@@ -220,6 +220,30 @@ def test_a_model_too_big_for_a_cpus_memory_is_refused_before_it_is_built(data, r
     assert log.ending == "error" and re.fullmatch(line, log.info[-1])
 
 
+def test_every_error_a_user_can_mend_ends_a_run_with_its_one_line(data, run_main, monkeypatch, tmp_path):
+    """Each module's user error derives from errors.UserError, and main ends a run on any of them
+    (one planted here, which no module knows, too) with its message as the one line and the
+    user-error exit status."""
+    import checkpoint
+    import downstream
+    import errors
+    import processes
+    from data import shards, tokenizer
+    mendable = [config.ConfigError, tg.DataError, shards.ShardError, tokenizer.TokenizerError, processes.TrainingError,
+                tg.optim.OptimConfigError, checkpoint.CheckpointError, records.logfile.LogFolderError,
+                records.logfile.LogError, downstream.DownstreamError]
+    assert all(issubclass(error, errors.UserError) for error in mendable)
+
+    class PlantedError(errors.UserError):
+        pass
+    for i, error in enumerate([*mendable, PlantedError]):
+        def fail(*args, error=error, **kwargs):
+            raise error(f"mend {error.__name__}")
+        monkeypatch.setattr(tg, "train", fail)
+        code, err = run_main(TINY + files(data) + [f"--log_dir={tmp_path}/logs{i}"])
+        assert code == 2 and err == [f"error: mend {error.__name__}"], err
+
+
 @pytest.mark.parametrize("rows, processes", [(2050, 3), (2054, 4)])
 def test_an_ngram_table_that_does_not_split_across_the_processes_is_refused(rows, processes):
     """Any remainder, 1 (2050 over 3) too: each process would hold a different share of the table."""

@@ -26,7 +26,7 @@ PIN = re.compile(r"^([A-Za-z0-9_.-]+)==(\S+)$")
 PURPOSES = {
     "train.txt": ["train_gpt.py", "config.py", "kernels.py", "optim.py", "checkpoint.py", "cpu_runtime.py",
                   "cuda_graphs.py", "memory_budget.py", "processes.py", "sparse_tables.py", "evaluate.py",
-                  "data/*.py", "records/logfile.py"],
+                  "errors.py", "data/*.py", "records/logfile.py"],
     "eval.txt": ["downstream.py"],
     "records.txt": ["records/*.py"],
     "dev.txt": ["tests/*.py", "bench/*.py"],
