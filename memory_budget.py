@@ -24,7 +24,8 @@ from config import (MAX_TARGETS, MIN_DOC_TOKENS, PADDED_VOCAB_SIZE, ConfigError,
                     normalize_config)
 from processes import ProcessGroup
 from records.logfile import track_target
-from sparse_tables import NGRAM_ROW_STATE_BYTES, available_memory_bytes, check_ngram_table, ngram_event_rows
+from sparse_tables import (NGRAM_ROW_STATE_BYTES, available_memory_bytes, check_ngram_table, ngram_event_rows,
+                           ngram_row_bytes)
 
 
 def _recipe():
@@ -311,7 +312,7 @@ def memory_budget(h, world_size):
         rows = cache or h.ngram_rows // world_size
         split = world_size > 1 and not cache
         capacity = ngram_event_rows(h, world_size)
-        device["n-gram table"] = rows * (D * dtype_bytes + NGRAM_ROW_STATE_BYTES)
+        device["n-gram table"] = rows * ngram_row_bytes(h)
         if split or cache:     # the slots of a slice's rows; split, the rows gathered for it
             device["n-gram rows in flight"] = 8 * 2 * tokens + (2 * tokens * D * dtype_bytes if split else 0)
         device["pending n-gram gradients"] = (capacity + 1) * (4 * D + 8) + 4 * (rows + 1) + 8

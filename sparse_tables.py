@@ -37,6 +37,11 @@ def available_memory_bytes(device):
         return None
 
 
+def ngram_row_bytes(h):
+    """Device bytes of one n-gram table row: its values and its optimizer state."""
+    return h.model_dim * getattr(torch, h.ngram_dtype).itemsize + NGRAM_ROW_STATE_BYTES
+
+
 def check_ngram_table(h, pg, available=None):
     """Refuse, before anything is allocated, an n-gram table that cannot be split evenly across
     the processes or whose shard cannot fit where it would live (`available`: device -> free
@@ -46,7 +51,7 @@ def check_ngram_table(h, pg, available=None):
     if h.ngram_rows % pg.world_size:
         raise ConfigError(f"--ngram_rows={h.ngram_rows} does not split evenly across {pg.world_size} processes: "
                           f"use a multiple of {pg.world_size}")
-    row_bytes = h.model_dim * getattr(torch, h.ngram_dtype).itemsize + NGRAM_ROW_STATE_BYTES
+    row_bytes = ngram_row_bytes(h)
     if h.ngram_cache_rows:
         if pg.world_size > 1:
             raise ConfigError(f"--ngram_cache_rows={h.ngram_cache_rows} keeps the table in one process's host "
