@@ -5,8 +5,9 @@ host hold for a run: named items (parameters, gradients, optimizer state, the n-
 plus one training step's and one validation's peak, measured by running them on fake tensors
 (no memory, no compute). check_memory refuses a run that does not fit with one line naming what
 shrinks each item; launch_plan picks what run.sh starts on a machine's GPUs: the largest
-configuration that fits (n-gram table size, where it lives, micro-batches). The model and the
-step come from train_gpt.py, imported when first needed (train_gpt imports this module).
+configuration that fits (n-gram table size, where it lives, micro-batches). Each takes the
+recipe it measures (`recipe`: the training script's module, train_gpt), whose model, step,
+optimizers and config parser it runs; this module never imports it.
 """
 import dataclasses
 import functools
@@ -26,12 +27,6 @@ from processes import ProcessGroup
 from records.logfile import track_target
 from sparse_tables import (NGRAM_ROW_STATE_BYTES, available_memory_bytes, check_ngram_table, ngram_event_rows,
                            ngram_row_bytes)
-
-
-def _recipe():
-    """train_gpt, whose model and training step the budget runs on fake tensors."""
-    import train_gpt
-    return train_gpt
 
 
 # Allowances, not measurements (no GPU run yet):
@@ -159,20 +154,19 @@ def largest_stage(h):
                                                                                   PADDED_VOCAB_SIZE))
 
 
-def fake_model(h):
+def fake_model(recipe, h):
     """The run's model on fake tensors (shapes without memory) with the Triton kernels' functions,
     its n-gram table whole; no canonical mask (validation_memory fakes one)."""
-    recipe = _recipe()
     fns = recipe.select_kernels(dataclasses.replace(h, kernels="auto"), torch.device("cuda"))
     cfg = dataclasses.replace(recipe.model_config(h), canonical_mask=False)
     return recipe.GPT(cfg, fns, recipe.max_positions(h))
 
 
-def dry_run(h, run):
+def dry_run(recipe, h, run):
     """run(model) on the fake model, under a LiveBytes of the head's width and h's autocast, with
     the global random state left as it was: (its LiveBytes, the model)."""
     with torch.random.fork_rng(devices=[]), torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
-        model = fake_model(h)
+        model = fake_model(recipe, h)
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=h.compute_dtype == "bfloat16")
         tracker = run(model, autocast)
     return tracker, model
@@ -196,13 +190,12 @@ def dry_run_key(h):
 
 
 @functools.lru_cache(maxsize=32)
-def step_memory(config_json):
+def step_memory(recipe, config_json):
     """(peak bytes, logits bytes at the peak) of one micro-batch's forward and backward at the
     run's largest stage (largest_stage), with the Triton kernels: the tensors it makes, alive at
     once at its peak, counted on fake tensors (no memory, no compute). The parameters and their
     gradients exist before it (the budget counts them apart), as in a run after its first step.
     The eager step: a compiled one fuses ops and may keep less."""
-    recipe = _recipe()
     h = normalize_config(config_from_dict(json.loads(config_json)))
     index = largest_stage(h)
     stage, step = h.stages[index], sum(recipe.steps_per_stage(h)[:index])   # the stage and its first step
@@ -222,15 +215,14 @@ def step_memory(config_json):
                                                          recipe.target_weights(stage, "cpu"))
                 objective.backward()
         return tracker
-    tracker, _ = dry_run(h, run)
+    tracker, _ = dry_run(recipe, h, run)
     return tracker.peak, tracker.peak_logits
 
 
 @functools.lru_cache(maxsize=32)
-def validation_memory(config_json):
+def validation_memory(recipe, config_json):
     """Peak bytes of a final validation forward of one slice (val_tokens_per_rank tokens, the
     canonical mask if on), counted as step_memory counts."""
-    recipe = _recipe()
     h = normalize_config(config_from_dict(json.loads(config_json)))
 
     def run(model, autocast):
@@ -249,13 +241,12 @@ def validation_memory(config_json):
             model.validation_loss_sum(torch.zeros(T, dtype=torch.int32), torch.zeros(T, MAX_TARGETS - 1,
                                                                                      dtype=torch.int64), args)
         return tracker
-    return dry_run(h, run)[0].peak
+    return dry_run(recipe, h, run)[0].peak
 
 
-def optimizer_bytes(h, model, world_size):
+def optimizer_bytes(recipe, h, model, world_size):
     """Bytes of the optimizers' state for the model (fake tensors will do), as train_gpt.build_optimizers
     makes them and their first steps fill them in: see MemoryBudget."""
-    recipe = _recipe()
     optimizers = recipe.build_optimizers(h, model, recipe.KernelFns(None, None), run_bank=None)
     total = 0
     for opt in optimizers:
@@ -281,13 +272,12 @@ def optimizer_bytes(h, model, world_size):
     return total
 
 
-def memory_budget(h, world_size):
+def memory_budget(recipe, h, world_size):
     """The MemoryBudget of h on world_size processes (one GPU each)."""
-    recipe = _recipe()
     config_json = dry_run_key(h)
-    step, logits = step_memory(config_json)
+    step, logits = step_memory(recipe, config_json)
     with torch.random.fork_rng(devices=[]), torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
-        model = fake_model(h)
+        model = fake_model(recipe, h)
         sinks = model.gradient_sinks()
         params = [p for p in model.parameters() if all(p is not s for s in sinks)]
         table_buffers = {"ngram.table", "ngram.fetched", "ngram.slots"}
@@ -295,7 +285,7 @@ def memory_budget(h, world_size):
             "parameters": sum(p.nbytes for p in params),
             "buffers": sum(b.nbytes for name, b in model.named_buffers() if name not in table_buffers),
             "gradients": sum(p.nbytes for p in params if p.requires_grad),
-            "optimizer state": optimizer_bytes(h, model, world_size),
+            "optimizer state": optimizer_bytes(recipe, h, model, world_size),
             "weight averages": sum(4 * w.numel() for a in h.averages
                                    for _, w in recipe.averaged_pieces(model, a.params)),
             "gradient sinks": 2 * sum(s.nbytes for s in sinks),
@@ -329,14 +319,14 @@ def memory_budget(h, world_size):
                     "n-gram cache slots (host)": cache * (8 + 8 + 1)}
     if h.canonical_mask:
         device["canonical mask"] = PADDED_VOCAB_SIZE * PADDED_VOCAB_SIZE // 8
-    passing["validation"] = validation_memory(config_json)
+    passing["validation"] = validation_memory(recipe, config_json)
     return MemoryBudget(device, passing, step, logits, h.cuda_graphs, host)
 
 
 CPU_RUNTIME_BYTES = 2**30          # on a CPU, in place of MEMORY_MARGIN_BYTES: the Python process and torch's runtime
 
 
-def check_memory(h, pg, available=None):
+def check_memory(recipe, h, pg, available=None):
     """Refuse, before anything large is allocated, a run whose MemoryBudget does not fit this
     process's GPU (its free memory) or, with the table in host memory, the host's; on a CPU, the
     host's available memory, which then holds what a GPU would and the host table too (with
@@ -344,7 +334,7 @@ def check_memory(h, pg, available=None):
     available = available or available_memory_bytes
     if pg.device.type == "cpu":
         try:
-            budget = memory_budget(h, pg.world_size)
+            budget = memory_budget(recipe, h, pg.world_size)
         except (ValueError, RuntimeError):   # a shape the dry run's GPU kernels refuse (a head dim of 8),
             return None                      # which the CPU's reference path runs: the budget cannot price it
         free = available(pg.device)
@@ -353,7 +343,7 @@ def check_memory(h, pg, available=None):
             raise ConfigError(budget.refusal("memory (the run computes on the CPU)", needed, free,
                                              {**budget.device, **budget.passing, "step": budget.step, **budget.host}))
         return budget
-    budget = memory_budget(h, pg.world_size)
+    budget = memory_budget(recipe, h, pg.world_size)
     refusal = budget.check(available(pg.device), available(torch.device("cpu")) if budget.host else None)
     if refusal:
         raise ConfigError(refusal)
@@ -398,13 +388,12 @@ def stages_argument(stages):
     return "--stages=" + json.dumps(kept, separators=(",", ":"))
 
 
-def plan_candidates(gpus, argv):
+def plan_candidates(recipe, gpus, argv):
     """Every configuration launch_plan tries on `gpus` GPUs, in its order of preference: for each
     n-gram table size (table_sizes: the largest first, what decides the val loss), where the
     table lives (the fastest first: split across 8 GPUs in the speedrun preset, across fewer in
     the 1gpu preset, whole on one GPU, in host memory), then micro-batches (micro_batch_splits:
     the fewest first)."""
-    recipe = _recipe()
     base = recipe.parse_config(["--preset", "1gpu", *argv])
     fixed = {key for key in PLAN_KEYS for a in argv if a.split("=")[0] == key}
     floor_rows = recipe.parse_config(["--preset", "record89"]).bigram_rows
@@ -472,7 +461,7 @@ def shown(args):
     return " ".join("--stages=[...]" if a.startswith("--stages=") else a for a in args)
 
 
-def launch_plan(gpus, argv=(), available=None):
+def launch_plan(recipe, gpus, argv=(), available=None):
     """(preset arguments, processes, reason): what run.sh starts on `gpus` GPUs, for train_gpt.py's
     arguments `argv`. Without a --preset or --config among them: the first of plan_candidates
     that passes the start-up checks (check_start_up, check_memory), so the largest n-gram table
@@ -481,7 +470,6 @@ def launch_plan(gpus, argv=(), available=None):
     device -> free bytes (available_memory_bytes; GPU 0 stands for every GPU). The reason is one
     line: the machine, the choice and what it costs, its budget, and why the configuration before
     it was refused. ConfigError when nothing passes, with the refusal of the least one tried."""
-    recipe = _recipe()
     available = available or available_memory_bytes
     gpu, host = available(torch.device("cuda", 0)), available(torch.device("cpu"))
     machine = f"{gpus} GPU{'s' * (gpus > 1)} of {gpu / 2**30:.1f} GiB, {host / 2**30:.1f} GiB of host memory"
@@ -490,7 +478,7 @@ def launch_plan(gpus, argv=(), available=None):
         ranks = recipe.parse_config(argv).batch_ranks
         candidates = [Candidate((), n, 0, "", 1) for n in range(min(gpus, ranks), 0, -1) if ranks % n == 0]
     else:
-        candidates = plan_candidates(gpus, argv)
+        candidates = plan_candidates(recipe, gpus, argv)
     record_rows = recipe.parse_config(["--preset", "1gpu"]).ngram_rows
     floor_rows = recipe.parse_config(["--preset", "record89"]).bigram_rows
     refused = []
@@ -500,12 +488,12 @@ def launch_plan(gpus, argv=(), available=None):
         on = f"on {n} process{'es' * (n > 1)}"
         chose = "the most processes it passes on" if users else describe(candidate, h, record_rows, floor_rows)
         try:
-            check_start_up(h, n, available)
-            budget = check_memory(h, ProcessGroup(0, n, 0, torch.device("cuda", 0)), available)
+            check_start_up(recipe, h, n, available)
+            budget = check_memory(recipe, h, ProcessGroup(0, n, 0, torch.device("cuda", 0)), available)
         except ConfigError as e:
             refused.append(f"{shown(candidate.args) or 'the config'} {on} ({chose.split(', by ')[0]}): {e}")
             continue
-        args = candidate.args if users else named_preset(candidate.args, h, argv)
+        args = candidate.args if users else named_preset(recipe, candidate.args, h, argv)
         fits = f"budget {budget.summary(gpu)} on each GPU" + (
             f", {budget.host_total() / 2**30:.1f} of {host / 2**30:.1f} GiB of host memory" if budget.host else "")
         not_chosen = f"; not {refused[-1].split('; ')[0]}" if refused else ""
@@ -514,20 +502,19 @@ def launch_plan(gpus, argv=(), available=None):
                       else f"nothing fits {machine}")
 
 
-def check_start_up(h, processes, available):
+def check_start_up(recipe, h, processes, available):
     """The checks each of `processes` processes makes before it allocates (but the memory
     budget's): the batch and validation splits and check_ngram_table; ConfigError names the first
     that fails."""
     pg = ProcessGroup(0, processes, 0, torch.device("cuda", 0))
     if h.batch_ranks % processes:
         raise ConfigError(f"batch_ranks={h.batch_ranks} is not divisible by {processes}")
-    _recipe().check_validation_split(h, pg)
+    recipe.check_validation_split(h, pg)
     check_ngram_table(h, pg, available)
 
 
-def named_preset(args, h, argv):
+def named_preset(recipe, args, h, argv):
     """args, or ("--preset", NAME) when the configuration they make (with argv) is a named preset's."""
-    recipe = _recipe()
     mine = {k: v for k, v in config_to_dict(h).items() if k != "preset"}
     for name in recipe.PRESETS:
         other = config_to_dict(recipe.parse_config(["--preset", name, *argv]))

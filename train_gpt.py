@@ -70,7 +70,7 @@ from cuda_graphs import MicroBatch, StepGraphs
 from data.shards import find_shards, fingerprint, read_shard
 from data.tokenizer import BOS_ID, noncanonical_pairs, prefix_token_table
 from errors import UserError
-from memory_budget import check_memory, launch_plan
+import memory_budget
 from processes import (DISK_FULL_ERRNOS, EXIT_USER_ERROR, SIGNAL_EXIT_CODES, Interrupted, ProcessGroup, TrainingError,
                        hold_signals, interruption_line, launch_environment, peer_exited, report_error,
                        restore_signals, shows_interruptions, start_process, stop_on_signals, synchronize)
@@ -2332,7 +2332,8 @@ class Trainer:
         torch.manual_seed(h.seed)
         self.kernels = select_kernels(h, pg.device)
         check_ngram_table(h, pg)
-        budget = check_memory(h, pg) if training else None   # on a CPU too: a run that cannot fit ends at once
+        # on a CPU too: a run that cannot fit ends at once
+        budget = memory_budget.check_memory(this_recipe(), h, pg) if training else None
         self.budget = budget if pg.device.type == "cuda" else None
         self.model = build_model(h, self.kernels, TablePlacement(pg.rank, pg.world_size, h.ngram_cache_rows,
                                                                  pg.device))
@@ -2801,9 +2802,15 @@ def plan_command(argv):
     def available(device):
         given = args.gpu_gib if device.type == "cuda" else args.host_gib
         return available_memory_bytes(device) if given is None else int(given * 2**30)
-    preset_args, processes, reason = launch_plan(gpus, rest, available)
+    preset_args, processes, reason = memory_budget.launch_plan(this_recipe(), gpus, rest, available)
     print(processes, " ".join(preset_args), reason, sep="\n")
     return 0
+
+
+def this_recipe():
+    """This module, the recipe the memory budget runs on fake tensors (under `python train_gpt.py`,
+    the script itself: __main__)."""
+    return sys.modules[__name__]
 
 
 def main(argv=None, command=None, run=None):
@@ -2857,5 +2864,4 @@ def main(argv=None, command=None, run=None):
 
 
 if __name__ == "__main__":
-    sys.modules.setdefault("train_gpt", sys.modules[__name__])  # the modules that import the recipe get this run's
     sys.exit(main())

@@ -635,7 +635,7 @@ def report_versions(task, progress):
     progress(**versions)
     import memory_budget
     import train_gpt as tg
-    budget = memory_budget.memory_budget(tg.parse_config(dominant_args(task.dry)), 1)
+    budget = memory_budget.memory_budget(tg, tg.parse_config(dominant_args(task.dry)), 1)
     total = torch.cuda.get_device_properties(0).total_memory if cuda and not task.dry else 80 * 2**30
     largest = sorted(budget.device.items(), key=lambda item: -item[1])[:4]
     return versions | dict(budget=f"memory budget of the compiled run: {budget.summary(total)} (its step "

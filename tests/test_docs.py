@@ -85,7 +85,7 @@ def test_the_model_sizes_in_the_usage_notes():
     sizes = {}
     for preset in ("cpu", "speedrun"):
         with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
-            model = fake_model(tg.parse_config(["--preset", preset]))
+            model = fake_model(tg, tg.parse_config(["--preset", preset]))
             sinks = {name for name, p in model.named_parameters() if any(p is s for s in model.gradient_sinks())}
             values = sum(t.nbytes for name, t in model.state_dict().items() if name not in sinks)
             sizes[preset] = values, model.ngram.table.nbytes, model.ngram.table.shape

@@ -51,14 +51,14 @@ def start_up_checks(args, processes, available):
         raise tg.ConfigError(f"batch_ranks={h.batch_ranks} is not divisible by the {processes} processes")
     tg.check_validation_split(h, env)
     tg.check_ngram_table(h, env, available)
-    tg.check_memory(h, env, available)
+    memory_budget.check_memory(tg, h, env, available)
 
 
 @pytest.mark.parametrize("gpu", [H100, H200], ids=["h100", "h200"])
 def test_every_gpu_count_gets_a_configuration_that_passes_its_start_up_checks(gpu):
     available = memory_of(gpu)
     for gpus in range(1, 9):
-        args, processes, reason = tg.launch_plan(gpus, [], available)
+        args, processes, reason = memory_budget.launch_plan(tg, gpus, [], available)
         assert (args, processes) == EXPECTED[gpu][gpus], (gpus, reason)
         assert processes <= gpus and reason.startswith(f"{gpus} GPU{'s' * (gpus > 1)} of {gpu / GiB:.1f} GiB, "
                                                        f"{HOST / GiB:.1f} GiB of host memory: ")
@@ -66,11 +66,11 @@ def test_every_gpu_count_gets_a_configuration_that_passes_its_start_up_checks(gp
 
 
 def test_a_configuration_passed_over_is_named_in_the_reason():
-    _, _, reason = tg.launch_plan(2, [], memory_of(H100))
+    _, _, reason = memory_budget.launch_plan(tg, 2, [], memory_of(H100))
     assert ("on 1 process: n-gram table 84,602,880 rows (the record's) in host memory, its rows cached on the GPU, "
             "by the public table-size test on 8xH100, 84.60M rows val 3.2791 in 39.52 s; micro-batches as the "
             "record's; budget ") in reason
-    one_gpu = memory_budget.memory_budget(tg.parse_config(["--preset", "1gpu", "--ngram_cache_rows=0"]), 1)
+    one_gpu = memory_budget.memory_budget(tg, tg.parse_config(["--preset", "1gpu", "--ngram_cache_rows=0"]), 1)
     assert reason.endswith("; not --preset 1gpu --ngram_cache_rows=0 --batch_ranks=32 --stages=[...] on 1 process "
                            "(n-gram table 84,602,880 rows (the record's) whole on the GPU): --ngram_rows=84602880 needs "
                            f"{one_gpu.device['n-gram table'] / GiB:.1f} GiB on the cuda (all in one process: 1544 B per "
@@ -81,15 +81,15 @@ def test_a_configuration_passed_over_is_named_in_the_reason():
 def test_the_users_preset_gets_the_most_processes_that_pass():
     """A --preset of the user's keeps its settings: speedrun on 4 H200s runs on 4 processes, the
     1gpu preset (its table in host memory) on one, whatever the GPU count."""
-    assert tg.launch_plan(4, ["--preset", "speedrun"], memory_of(H200))[:2] == ((), 4)
-    assert tg.launch_plan(8, ["--preset=1gpu"], memory_of(H200))[:2] == ((), 1)
+    assert memory_budget.launch_plan(tg, 4, ["--preset", "speedrun"], memory_of(H200))[:2] == ((), 4)
+    assert memory_budget.launch_plan(tg, 8, ["--preset=1gpu"], memory_of(H200))[:2] == ((), 1)
 
 
 def test_the_medium_preset_runs_on_8_processes_of_8_h100s():
     """--preset medium (16 slices of a global batch) on 8 H100s: all 8, two slices each; on 3
     the most that divide 16 is 2. Each passes the start-up checks on its process count."""
     for gpus, processes in ((8, 8), (3, 2)):
-        args, n, reason = tg.launch_plan(gpus, ["--preset", "medium"], memory_of(H100))
+        args, n, reason = memory_budget.launch_plan(tg, gpus, ["--preset", "medium"], memory_of(H100))
         assert (args, n) == ((), processes), reason
         start_up_checks(("--preset", "medium"), n, memory_of(H100))
 
@@ -99,7 +99,7 @@ def test_the_optimization_preset_runs_on_every_gpu_count_that_divides_its_8_slic
     that divide 8, each passing the start-up checks (about 51 GiB of an H100 on each)."""
     for gpu in (H100, H200):
         for gpus, processes in ((8, 8), (7, 4), (4, 4), (3, 2), (2, 2), (1, 1)):
-            args, n, reason = tg.launch_plan(gpus, ["--preset", "optimization"], memory_of(gpu))
+            args, n, reason = memory_budget.launch_plan(tg, gpus, ["--preset", "optimization"], memory_of(gpu))
             assert (args, n) == ((), processes), reason
             start_up_checks(("--preset", "optimization"), n, memory_of(gpu))
 
@@ -113,7 +113,7 @@ def test_no_configuration_fits_a_small_machine():
                                              r"process \(n-gram table 377,280 rows \(record 89's bigram table's "
                                              r"size\) whole on the GPU\): the run needs .* GiB of memory on each "
                                              r"GPU, 8.0 GiB are there"):
-        tg.launch_plan(4, [], memory_of(8 * GiB, 64 * GiB))
+        memory_budget.launch_plan(tg, 4, [], memory_of(8 * GiB, 64 * GiB))
 
 
 # ----------------------------------------------------------------------------- the machines users have
@@ -157,7 +157,7 @@ def test_each_machine_gets_the_largest_configuration_that_fits(machine):
     its micro-batches, in the same place, would not."""
     gpus, gpu, host = machine
     available = memory_of(gpu, host)
-    args, processes, reason = tg.launch_plan(gpus, [], available)
+    args, processes, reason = memory_budget.launch_plan(tg, gpus, [], available)
     expected_args, expected_processes, rows, k = MACHINES[machine]
     assert (as_written(args), processes) == (as_written(expected_args), expected_processes), reason
     start_up_checks(args, processes, available)
@@ -177,7 +177,7 @@ def test_each_machine_gets_the_largest_configuration_that_fits(machine):
 def test_the_plan_says_what_the_smaller_table_costs():
     """One 80 GB GPU with 64 GiB of host memory: the line names the table it keeps and the public
     table-size test's numbers for it beside the record's table's, and the target it misses."""
-    _, _, reason = tg.launch_plan(1, [], memory_of(H100, DESKTOP))
+    _, _, reason = memory_budget.launch_plan(tg, 1, [], memory_of(H100, DESKTOP))
     assert reason.startswith("1 GPU of 79.6 GiB, 64.0 GiB of host memory: --preset 1gpu --ngram_cache_rows=0 "
                              "--ngram_rows=21150720 on 1 process: n-gram table 21,150,720 rows (1/4 of the record's) "
                              "whole on the GPU, by the public table-size test on 8xH100, 21.15M rows val 3.2825-3.2863 "
@@ -198,7 +198,7 @@ def test_the_24gb_preset_is_the_1gpu_preset_with_a_smaller_table_and_4_micro_bat
 
 def test_a_lever_the_user_sets_stays_as_set():
     """--ngram_rows given: the plan varies where the table lives and the micro-batches, never the rows."""
-    args, processes, reason = tg.launch_plan(1, ["--ngram_rows=5287680"], memory_of(H100, DESKTOP))
+    args, processes, reason = memory_budget.launch_plan(tg, 1, ["--ngram_rows=5287680"], memory_of(H100, DESKTOP))
     assert (args, processes) == (SPLIT, 1), reason
 
 
@@ -210,7 +210,7 @@ def test_plan_on_a_machine_without_a_gpu_plans_for_a_named_one():
     assert done.returncode == 0, done.stderr
     processes, args, reason = done.stdout.splitlines()
     assert (processes, args) == ("1", "--preset 1gpu_24gb")
-    assert reason == tg.launch_plan(1, [], memory_of(CARD_24, DESKTOP))[2]
+    assert reason == memory_budget.launch_plan(tg, 1, [], memory_of(CARD_24, DESKTOP))[2]
     done = subprocess.run([sys.executable, "train_gpt.py", "--plan", "--gpus=2"], cwd=REPO, capture_output=True,
                           text=True, timeout=300, env=cpu_env())
     assert done.returncode == 2 and done.stderr.splitlines() == [
@@ -261,14 +261,14 @@ def test_run_sh_launches_a_configuration_that_passes_its_start_up_checks(tmp_pat
     processes, args, said = run_sh_launch(tmp_path, gpus, H100)
     start_up_checks(args, processes, memory_of(H100))
     assert (tuple(args), processes) == EXPECTED[H100][gpus]
-    assert said == [f"run.sh: {tg.launch_plan(gpus, [], memory_of(H100))[2]}"]
+    assert said == [f"run.sh: {memory_budget.launch_plan(tg, gpus, [], memory_of(H100))[2]}"]
 
 
 def test_run_sh_with_the_medium_preset_launches_it_on_8_processes(tmp_path):
     """./run.sh --preset medium on 8 H100s: the user's preset (run.sh adds none), 8 processes."""
     processes, args, said = run_sh_launch(tmp_path, 8, H100, "--preset", "medium")
     assert (processes, args) == (8, ["--preset", "medium"])
-    assert said == [f"run.sh: {tg.launch_plan(8, ['--preset', 'medium'], memory_of(H100))[2]}"]
+    assert said == [f"run.sh: {memory_budget.launch_plan(tg, 8, ['--preset', 'medium'], memory_of(H100))[2]}"]
 
 
 @pytest.mark.parametrize("machine", [(1, CARD_24, DESKTOP), (8, A100_40, HOST)], ids=["24gb", "8x40gb"])
@@ -281,7 +281,7 @@ def test_run_sh_launches_the_plan_on_the_machines_users_have(tmp_path, machine):
     expected_args, expected_processes, _, _ = MACHINES[machine]
     assert (as_written(args), processes) == (as_written(expected_args), expected_processes)
     start_up_checks(args, processes, memory_of(gpu, host))
-    assert said == [f"run.sh: {tg.launch_plan(gpus, [], memory_of(gpu, host))[2]}"]
+    assert said == [f"run.sh: {memory_budget.launch_plan(tg, gpus, [], memory_of(gpu, host))[2]}"]
 
 
 def test_docs_show_the_plans_the_planner_makes_now():
@@ -292,6 +292,6 @@ def test_docs_show_the_plans_the_planner_makes_now():
                        r"(.*)\n(.*)\n(.*)$", text, re.M)
     assert len(shown) == 4
     for gpus, gpu_gib, host_gib, *lines in shown:
-        args, processes, reason = tg.launch_plan(int(gpus), [], memory_of(int(float(gpu_gib) * GiB),
+        args, processes, reason = memory_budget.launch_plan(tg, int(gpus), [], memory_of(int(float(gpu_gib) * GiB),
                                                                           int(float(host_gib) * GiB)))
         assert lines == [str(processes), " ".join(args), reason]

@@ -162,3 +162,49 @@ def test_the_license_is_mit():
     assert text.startswith("MIT License\n\nCopyright (c) ")
     assert "Permission is hereby granted, free of charge, to any person obtaining a copy" in text
     assert 'THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND' in text
+
+
+def project_imports(path, modules):
+    """The project modules `path` imports anywhere in it (a function's lazy import and
+    importlib.import_module("name") too), of `modules`."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module" and node.args
+              and isinstance(node.args[0], ast.Constant)):
+            found.add(node.args[0].value)
+    return found & modules
+
+
+def import_cycle(graph):
+    """A cycle of the import graph {module: modules it imports} as a list, or None."""
+    state, path = {}, []
+
+    def visit(module):
+        state[module] = "open"
+        path.append(module)
+        for other in sorted(graph[module]):
+            if state.get(other) == "open":
+                return path[path.index(other):] + [other]
+            if other not in state and (cycle := visit(other)):
+                return cycle
+        state[module] = "done"
+        path.pop()
+        return None
+    return next((cycle for module in sorted(graph) if module not in state and (cycle := visit(module))), None)
+
+
+def test_the_project_modules_import_one_another_without_a_circle():
+    """The modules of the training program, data and records form no import circle, lazy imports
+    counted (the memory budget takes the recipe it measures instead of importing it); a planted
+    circle is found."""
+    paths = {".".join(p.with_suffix("").relative_to(ROOT).parts): p
+             for pattern in ("*.py", "data/*.py", "records/*.py") for p in ROOT.glob(pattern)}
+    graph = {name: project_imports(path, set(paths)) - {name} for name, path in paths.items()}
+    assert import_cycle(graph) is None, import_cycle(graph)
+    assert {"memory_budget", "records.logfile"} <= graph["train_gpt"] and "kernels" in graph["optim"]
+    planted = {**graph, "kernels": graph["kernels"] | {"config"}}
+    assert import_cycle(planted) == ["config", "kernels", "config"]

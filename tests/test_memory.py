@@ -90,7 +90,7 @@ def test_the_budget_counts_what_a_cpu_run_holds(shards):
     scalars, a few floats, are in neither.)"""
     h = budget_config(shards)
     held = held_by_the_run(train_past_the_untie(h))
-    budget = memory_budget.memory_budget(h, 1)
+    budget = memory_budget.memory_budget(tg, h, 1)
     assert held["optimizer state"] > held["parameters"] > 0 and held["weight averages"] > 0
     assert {item: budget.device[item] for item in held} == held
 
@@ -140,7 +140,7 @@ def test_the_budgets_step_is_a_cpu_micro_batchs_peak_within_the_stated_factor(sh
             *(p.sums for p in trainer.tables.value_grads)]
     with PeakBytes([t for t in held if torch.is_tensor(t)]) as peak:
         trainer.forward_backward(step, batch)
-    budget = memory_budget.memory_budget(h, 1)
+    budget = memory_budget.memory_budget(tg, h, 1)
     assert 1 / STEP_FACTOR <= budget.step / peak.peak <= STEP_FACTOR, (budget.step, peak.peak)
     logits = stage.tokens_per_rank * tg.PADDED_VOCAB_SIZE * 2       # bf16
     assert logits <= budget.logits <= 2 * logits and budget.logits < budget.step
@@ -168,7 +168,7 @@ def test_1gpu_on_an_h100_with_its_pending_gradients_summed_per_row_and_as_entrie
     Its host memory: the pinned table's 2^37 bytes (130 GB rounded up), under 150 GiB in all."""
     h = tg.parse_config(["--preset", "1gpu", "--param_dtype=float32"])
     h.stages = [dataclasses.replace(s, candidates=0) for s in h.stages]
-    budget = memory_budget.memory_budget(h, 1)
+    budget = memory_budget.memory_budget(tg, h, 1)
     old = entries_kept_as_before(budget, h)
     assert old.device["pending n-gram gradients"] == 4 * 8 * 49_152 * 2 * (768 * 4 + 8)
     assert H100 - 2 * 2**30 < old.device_total(H100), old.device_total(H100) / 2**30
@@ -188,13 +188,13 @@ def test_medium_fits_8_h100s_in_16_slices_and_not_in_the_public_8():
     h = tg.parse_config(["--preset", "medium"])
     params = 7 * 50_304 * 1024 + 251_520 * 1024 + 16 * 12_288 * 1024 + 10 * 8 * 16 + 32 + 8 + 13
     assert params == 819_463_477
-    budget = memory_budget.memory_budget(h, 8)
+    budget = memory_budget.memory_budget(tg, h, 8)
     assert budget.device["parameters"] == budget.device["gradients"] == 4 * params and not budget.host
     assert budget.check(H100, HOST) is None and H100 - budget.device_total(H100) > 5 * 2**30
     whole = [dict(vars(s), tokens_per_rank=2 * s.tokens_per_rank) for s in h.stages]
     public = tg.parse_config(["--preset", "medium", "--batch_ranks=8", "--stages=" + json.dumps(whole)])
     assert [s.tokens_per_rank for s in public.stages[:4]] == [16_384, 32_768, 49_152, 65_536]
-    budget_8 = memory_budget.memory_budget(public, 8)
+    budget_8 = memory_budget.memory_budget(tg, public, 8)
     assert budget_8.step > 1.9 * budget.step
     assert budget_8.check(H100, HOST).startswith("the run needs ")
 
@@ -208,7 +208,7 @@ def test_the_optimization_preset_fits_an_h100_in_its_8_slices():
     params = 2 * 50_304 * 768 + 2 * 768 + 12 * (2304 + 768 + 3072 + 3072) * 768 + 6 + 12 * 2
     assert params == 162_203_166
     for processes in (8, 1):
-        budget = memory_budget.memory_budget(h, processes)
+        budget = memory_budget.memory_budget(tg, h, processes)
         assert budget.device["parameters"] == 4 * params and not budget.host
         assert budget.check(H100, HOST) is None and H100 - budget.device_total(H100) > 25 * 2**30
 
