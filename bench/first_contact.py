@@ -511,7 +511,7 @@ def redirect_output(path):
 
 
 def prepare_child(dry):
-    """Seed torch; in the dry mode, install the interpreter shim (tests/interpreter_shim.py)."""
+    """Seed torch; in the dry mode, install the interpreter shim (tests/helpers/interpreter_shim.py)."""
     import torch
     if dry:
         from interpreter_shim import install_shim
@@ -911,7 +911,7 @@ def prepare_dry_mode():
     """The Triton interpreter for every child (set before any of them imports triton), and the
     tests folder on the path (for its interpreter shim)."""
     os.environ["TRITON_INTERPRET"] = "1"
-    sys.path.insert(0, str(REPO_ROOT / "tests"))
+    sys.path.insert(0, str(REPO_ROOT / "tests" / "helpers"))
 
 
 def bench_time_line(part_seconds, total_s):

@@ -8,7 +8,7 @@ tensor argument's largest element offset:
   - the trainer's, for each run of TRAINER_RUNS (the speedrun, 1gpu, record89 and medium presets and
     bench/first_contact.py's compiled run): one training step of every stage, the
     optimizer step and the final validation, at full size, traced on fake tensors under CUDA's
-    autocast rules (tests/cuda_autocast.py), and the sparse tables' updates at the largest
+    autocast rules (tests/helpers/cuda_autocast.py), and the sparse tables' updates at the largest
     sizes the run makes (sparse_row_calls); each kernel op it calls is then made again on real
     CPU tensors that are allocated but never touched, which records the launch without running it;
   - the library's other production variants (LIBRARY_SHAPES: head dims 64, the FP8 linear,
@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_map
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "tests"))
+sys.path.insert(0, str(REPO_ROOT / "tests" / "helpers"))
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 
 import kernels  # noqa: E402

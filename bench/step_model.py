@@ -6,7 +6,7 @@
     python bench/step_model.py --write                            # regenerate bench/step_model.md (STANDARD_RUNS)
 
 The census. One micro-batch of every stage is traced on fake tensors (shapes without memory:
-nothing is allocated or computed) under CUDA's autocast rules (tests/cuda_autocast.py), with the
+nothing is allocated or computed) under CUDA's autocast rules (tests/helpers/cuda_autocast.py), with the
 Triton kernel functions the GPU path runs and a fake process group of the run's size, so that the
 optimizers' collectives appear as the GPUs would make them: the forward, the backward, each
 optimizer's update and the weight averages' samples, every op recorded with the storages it
@@ -57,7 +57,7 @@ import torch
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "tests"))
+sys.path.insert(0, str(REPO_ROOT / "tests" / "helpers"))
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 
 import kernels  # noqa: E402

@@ -8,12 +8,12 @@ test starts; a test that needs one sets it itself (monkeypatch.setenv, or its su
         torch.distributed job's (PET_* are torch.distributed.run's defaults for its options);
         left set, a one-process run would take itself for a rank of a job that does not exist;
     OMP_NUM_THREADS: the processes that care set it;
-    TRITON_INTERPRET: tests/interpreter_shim.py and the tests that want it set it;
+    TRITON_INTERPRET: tests/helpers/interpreter_shim.py and the tests that want it set it;
     LC_*, LANG, LANGUAGE, PYTHONIOENCODING, PYTHONUTF8: the locale and encodings; subprocesses
         get PYTHONUTF8=1 (UTF-8 for files and pipes, whatever locale they start in).
 CUDA_VISIBLE_DEVICES is the user's choice of GPUs and stays: tests that need a GPU skip
 without one, and tests that must see none make a CPU-only process for themselves (the
-`cpu_only` fixture below; tests/launch.py's cpu_env for subprocesses).
+`cpu_only` fixture below; tests/helpers/launch.py's cpu_env for subprocesses).
 
 A pytest command started in a locale whose encoding is not UTF-8 (LC_ALL=C, PYTHONUTF8=0, ...)
 starts itself again, once, in the environment above and Python's UTF-8 mode, so that the files
@@ -25,6 +25,9 @@ import os
 import sys
 
 import pytest
+
+# the tests' helpers: shared configs and runs, launchers, workers, the interpreter shim, CUDA's rules on a CPU
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
 
 REMOVED = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
            "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "TRITON_INTERPRET",
@@ -91,6 +94,6 @@ def cpu_only(monkeypatch):
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    """A folder of synthetic train and val shards (tests/tiny_runs.py's data_args reads it)."""
+    """A folder of synthetic train and val shards (tests/helpers/tiny_runs.py's data_args reads it)."""
     from tiny_runs import write_tiny_shards
     return write_tiny_shards(tmp_path_factory.mktemp("shards"))

@@ -297,7 +297,7 @@ def split_run(tmp_path_factory):
     write_shard(d / "t_val_000000.bin", synthetic_documents(rng, 8_000))
     args = ["--preset", "cpu", *TINY, *data_args(d), *NGRAM, "--ngram_dtype=bfloat16", "--batch_ranks=2",
             f"--num_iterations={SPLIT_STEPS}", f"--log_dir={d}/logs", "--save_checkpoint=true"]
-    res = run_distributed(2, [os.path.join(REPO, "tests", "split_checkpoint_worker.py"), str(d), str(SPLIT_CHUNK_BYTES),
+    res = run_distributed(2, [os.path.join(REPO, "tests", "helpers", "split_checkpoint_worker.py"), str(d), str(SPLIT_CHUNK_BYTES),
                               *args], env=cpu_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     ranks = [torch.load(d / f"rank{r}.pt") for r in range(2)]

@@ -4,8 +4,8 @@ On a GPU the trainer runs the Triton kernels (FP8 MLP, flash attention, cross-en
 under CUDA's autocast rules, compiled with torch.compile after an untimed warm-up. None of that
 runs in a plain CPU test: there the trainer takes the torch references under CPU autocast. This
 module runs that path anyway, at a tiny scale:
-  - the Triton kernels under the Triton interpreter (tests/interpreter_shim.py),
-  - CUDA's autocast rules on CPU tensors (tests/cuda_autocast.py), checked op by op against
+  - the Triton kernels under the Triton interpreter (tests/helpers/interpreter_shim.py),
+  - CUDA's autocast rules on CPU tensors (tests/helpers/cuda_autocast.py), checked op by op against
     torch's own CUDA autocast on fake CUDA tensors,
   - torch.compile with the aot_eager backend (dynamo and AOTAutograd as on the GPU, no code
     generation), fullgraph, static shapes,

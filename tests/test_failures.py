@@ -573,7 +573,7 @@ def test_under_torchrun_a_bad_input_is_one_line(data, tmp_path):
 
 @pytest.mark.parametrize("failing_rank", [1, 0])
 def test_under_torchrun_the_failing_rank_says_why_and_its_peer_that_it_exited(data, tmp_path, failing_rank):
-    done = run_distributed(2, [os.path.join(REPO, "tests", "peer_failure_worker.py"), str(failing_rank), "2", *TINY,
+    done = run_distributed(2, [os.path.join(REPO, "tests", "helpers", "peer_failure_worker.py"), str(failing_rank), "2", *TINY,
                                *files(data), *TWO_RANKS, f"--log_dir={tmp_path}/logs"],
                            env=cpu_env(OMP_NUM_THREADS="1"), timeout=60)
     lines = own_lines(done.stderr)

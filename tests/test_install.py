@@ -29,7 +29,7 @@ PURPOSES = {
                   "errors.py", "data/*.py", "records/logfile.py"],
     "eval.txt": ["downstream.py"],
     "records.txt": ["records/*.py"],
-    "dev.txt": ["tests/*.py", "bench/*.py"],
+    "dev.txt": ["tests/*.py", "tests/helpers/*.py", "bench/*.py"],
 }
 OLDER_PYTHON = (3, 10, 12)         # a Python the pins do not install on
 
@@ -65,7 +65,7 @@ def imported_distributions(patterns):
                     names |= {alias.name.split(".")[0] for alias in node.names}
                 elif isinstance(node, ast.ImportFrom) and node.level == 0:
                     names.add(node.module.split(".")[0])
-    local |= {p.stem for pattern in ("tests/*.py", "bench/*.py") for p in ROOT.glob(pattern)}
+    local |= {p.stem for pattern in ("tests/*.py", "tests/helpers/*.py", "bench/*.py") for p in ROOT.glob(pattern)}
     third_party = {n for n in names if n not in sys.stdlib_module_names and n not in local}
     missing = sorted(n for n in third_party if n not in providers)
     assert not missing, f"modules of no installed distribution: {missing}"

@@ -1,4 +1,4 @@
-"""The isolated workers' hang guard (tests/interpreter_shim.py) is not a speed check: a test
+"""The isolated workers' hang guard (tests/helpers/interpreter_shim.py) is not a speed check: a test
 whose worker keeps using CPU runs as long as it needs; one whose worker sits idle is stopped."""
 import time
 

@@ -2,7 +2,7 @@
 compared with the plain-torch references and with independent oracles (torch._scaled_mm,
 float64 attention with an explicit mask, float64 cross-entropy and Gram matrices).
 
-The interpreted kernels run in a worker process (tests/interpreter_shim.py: Triton's mode is
+The interpreted kernels run in a worker process (tests/helpers/interpreter_shim.py: Triton's mode is
 fixed per process) with the shim that routes bf16/fp8 conversions through torch and upcasts
 bf16 dot operands; the kernels themselves compute in fp32 after loading, as on the GPU.
 

@@ -5,7 +5,7 @@ presets and bench/first_contact.py's compiled run: a step of every stage, the op
 final validation, traced under CUDA's autocast rules, and the sparse tables' largest updates) and
 the library's other production variants, and compiles each for GPUTarget("cuda", 90, 32). The
 compiles run once, in a worker process whose Triton is not in interpreter mode
-(tests/interpreter_shim.py), and take one to three minutes on two cores; the tests share them,
+(tests/helpers/interpreter_shim.py), and take one to three minutes on two cores; the tests share them,
 and the index audit reads the same compiles' TTIR.
 """
 import functools

@@ -1,5 +1,5 @@
 """train_gpt's model, objective and trainer step against the float64 statement in
-tests/model_statement.py.
+tests/helpers/model_statement.py.
 
 Two feature sets, each a preset narrowed in width only: the `cpu` preset's (a U-net trunk of 4
 layers with two skip pairs, the bigram embedding, a shared value-embedding table, narrow QK

@@ -10,7 +10,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tests"))
+sys.path.insert(0, os.path.join(REPO, "tests", "helpers"))
 import optim  # noqa: E402
 import optim_dist_worker as worker  # noqa: E402
 from cuda_graph_emulation import CPUCapture, CPUGraph  # noqa: E402
@@ -675,7 +675,7 @@ DIST_TIMEOUT_S = 120  # both ranks start torch, run every case and exit in ~10 s
 def two_rank_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist") / "result.pt"
     env = cpu_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = run_distributed(2, [os.path.join(REPO, "tests", "optim_dist_worker.py"), "--out", str(out)], env,
+    proc = run_distributed(2, [os.path.join(REPO, "tests", "helpers", "optim_dist_worker.py"), "--out", str(out)], env,
                            DIST_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out)

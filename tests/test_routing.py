@@ -52,7 +52,7 @@ def test_routes_worked_out_ahead_are_the_gathered_ones_and_train_the_same(tmp_pa
     write_shard(tmp_path / "t_val_000000.bin", synthetic_documents(rng, 8_000))
     args = ["--preset", "cpu", *TINY, *data_args(tmp_path), *NGRAM, *SPARSE_VALUES, "--batch_ranks=4",
             f"--num_iterations={STEPS}", "--ngram_step_every=2", "--compute_dtype=float32"]
-    done = run_distributed(2, [os.path.join(REPO, "tests", "routing_worker.py"), str(tmp_path), str(STEPS), *args],
+    done = run_distributed(2, [os.path.join(REPO, "tests", "helpers", "routing_worker.py"), str(tmp_path), str(STEPS), *args],
                            env=cpu_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in range(2):

@@ -283,7 +283,7 @@ def test_a_table_split_across_two_processes_trains_as_one(shards, tmp_path, late
     args = ["--preset", "cpu", *TINY, *data_args(shards), *NGRAM, f"--num_iterations={steps}", "--batch_ranks=2",
             "--ngram_lr=0.05", "--compute_dtype=float32", *SPARSE_VALUES, "--adam_eps=1e-4"] + \
         (['--table_phases=[{"start":2,"ngram_beta2":0.95,"value_embed_beta2":0.95,"step_every":2}]'] if late else [])
-    res = run_distributed(2, [os.path.join(REPO, "tests", "ngram_dist_worker.py"), str(tmp_path), str(steps), *args],
+    res = run_distributed(2, [os.path.join(REPO, "tests", "helpers", "ngram_dist_worker.py"), str(tmp_path), str(steps), *args],
                           env=cpu_env(OMP_NUM_THREADS="1"), timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]

@@ -1,7 +1,7 @@
 """The trainer on the Triton path against the trainer on the reference path, step by step.
 
 Two `Trainer`s from one seed on the same batches: one with --kernels=triton (every Triton kernel
-of kernels.py, run by the Triton interpreter with tests/interpreter_shim.py's fixes, in the
+of kernels.py, run by the Triton interpreter with tests/helpers/interpreter_shim.py's fixes, in the
 interpreted worker process) and one with --kernels=reference (the plain-torch references, the
 FP8 MLP emulated with --fp8_on_cpu). The FP8 calibration pass, then two optimizer steps through
 a stage change:

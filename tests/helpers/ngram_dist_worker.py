@@ -2,7 +2,7 @@
 job, and save what each process ends with.
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=2 \\
-        tests/ngram_dist_worker.py OUT STEPS --key=value ...
+        tests/helpers/ngram_dist_worker.py OUT STEPS --key=value ...
 
 Each process writes OUT/rank<r>.pt: {"first_row", "shard" (its rows of the table), "values"
 (the value-embedding tables), "losses" (per step), "val" (the validation loss after the last
@@ -14,8 +14,7 @@ import sys
 
 import torch
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(TESTS))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 import train_gpt as tg  # noqa: E402
 
 

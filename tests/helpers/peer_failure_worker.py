@@ -2,13 +2,12 @@
 RANK alone fails at step STEP, with the DataError of a shard only it reads.
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=2 \\
-        tests/peer_failure_worker.py RANK STEP --key=value ...
+        tests/helpers/peer_failure_worker.py RANK STEP --key=value ...
 """
 import os
 import sys
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(TESTS))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 import train_gpt as tg  # noqa: E402
 
 FAILURE = "its own shard holds token 60000 at 321, outside GPT-2's vocabulary: rebuild it"

@@ -4,7 +4,7 @@ job twice from the same start: with each slice's Route worked out ahead by the b
 from the processes before each forward; save what each way ends with.
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=2 \\
-        tests/routing_worker.py OUT STEPS --key=value ...
+        tests/helpers/routing_worker.py OUT STEPS --key=value ...
 
 Each process writes OUT/rank<r>.pt: {way: {"losses", "state" (the model's state dict), "routes"
 (each micro-batch's Route fields)}} for the ways "ahead" and "gathered".
@@ -15,8 +15,7 @@ import sys
 
 import torch
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(TESTS))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 import train_gpt as tg  # noqa: E402
 
 

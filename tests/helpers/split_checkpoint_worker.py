@@ -3,7 +3,7 @@ across the processes and its checkpoint chunks made small (several per shard, th
 short), and save what each process's model ends with.
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=2 \\
-        tests/split_checkpoint_worker.py OUT CHUNK_BYTES --key=value ...
+        tests/helpers/split_checkpoint_worker.py OUT CHUNK_BYTES --key=value ...
 
 Each process writes OUT/rank<r>.pt: {"exit": main's exit status, "state": its model's state
 dict (its own rows of the n-gram table)}.
@@ -13,8 +13,7 @@ import sys
 
 import torch
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(TESTS))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 import checkpoint  # noqa: E402
 import train_gpt as tg  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Run every optimizer case on the ranks of a torch.distributed job and save the parameters.
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=2 \\
-        tests/optim_dist_worker.py --out RESULT.pt
+        tests/helpers/optim_dist_worker.py --out RESULT.pt
 
 Each rank builds the same parameters (fixed seed), gets its own gradients each step, calls the
 optimizers as the trainer does (no DDP, no manual all-reduce) and snapshots the parameters after
@@ -19,7 +19,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 import optim  # noqa: E402
 
 PARAM_SEED = 1234  # every rank builds identical parameters from this seed

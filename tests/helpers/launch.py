@@ -8,7 +8,7 @@ import sys
 import threading
 import uuid
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/helpers/ -> the repository
 LAUNCH_ATTEMPTS = 3        # launches of a job whose port another program took in between
 PORT_TAKEN = ("eaddrinuse", "address already in use")   # how the launcher and gloo report that
 

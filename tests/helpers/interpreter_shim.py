@@ -39,7 +39,7 @@ import time
 import numpy as np
 import torch
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 # A hang guard, not a speed check: an isolated test counts as hung when its worker (and what the
 # worker started) used no CPU for WORKER_IDLE_S; a slow or loaded machine keeps using CPU.
 WORKER_IDLE_S = 300
@@ -165,7 +165,7 @@ def _init_worker(interpret):
         os.environ["TRITON_INTERPRET"] = "1"
     else:
         os.environ.pop("TRITON_INTERPRET", None)
-    for path in (str(REPO_ROOT), str(REPO_ROOT / "tests")):
+    for path in (str(REPO_ROOT), str(REPO_ROOT / "tests"), str(REPO_ROOT / "tests" / "helpers")):
         if path not in sys.path:
             sys.path.insert(0, path)
     if interpret:
