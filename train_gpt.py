@@ -60,6 +60,7 @@ from torch.profiler import record_function
 
 import config
 import kernels
+import memory_budget
 import optim
 from checkpoint import NGRAM_TABLE_KEY, save_checkpoint, send_table_shard, split_ngram_table
 from config import (MAX_TARGETS, MIN_DOC_TOKENS, MODEL_FIELDS, PADDED_VOCAB_SIZE, SMEAR_GATE_DIMS, VOCAB_SIZE,
@@ -70,7 +71,6 @@ from cuda_graphs import MicroBatch, StepGraphs
 from data.shards import find_shards, fingerprint, read_shard
 from data.tokenizer import BOS_ID, noncanonical_pairs, prefix_token_table
 from errors import UserError
-import memory_budget
 from processes import (DISK_FULL_ERRNOS, EXIT_USER_ERROR, SIGNAL_EXIT_CODES, Interrupted, ProcessGroup, TrainingError,
                        hold_signals, interruption_line, launch_environment, peer_exited, report_error,
                        restore_signals, shows_interruptions, start_process, stop_on_signals, synchronize)

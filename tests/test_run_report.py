@@ -79,17 +79,23 @@ def test_the_warm_up_line_says_what_the_warm_up_did_on_a_cpu(shards, tmp_path):
                         r"shape the run uses; " + re.escape(device) + " from step 0", lines["always"]), lines["always"]
 
 
-def test_a_busy_machine_is_warned_of_and_the_log_keeps_its_load(shards, tmp_path):
-    """With a 1-minute load average of 9 on this machine (os.getloadavg replaced in the run's
-    process), the run warns at its start and at its end, on the terminal and in the log, whose
-    environment and last lines record the load."""
-    code = ("import os, runpy, sys; os.getloadavg = lambda: (9.0, 9.0, 9.0); sys.argv = sys.argv[1:]; "
+def run_at_load(load, shards, tmp_path):
+    """A 2-step tiny run in a process whose os.getloadavg says `load` at every horizon: (the
+    finished process, its parsed log)."""
+    code = (f"import os, runpy, sys; os.getloadavg = lambda: ({load}, {load}, {load}); sys.argv = sys.argv[1:]; "
             "runpy.run_path(sys.argv[0], run_name='__main__')")
     args = ["--preset", "cpu", *TINY, *data_args(shards), "--num_iterations=2", f"--log_dir={tmp_path}"]
     res = subprocess.run([sys.executable, "-c", code, os.path.join(REPO, "train_gpt.py"), *args], cwd=REPO,
                          capture_output=True, text=True, timeout=300, env=cpu_env(OMP_NUM_THREADS="1"))
     assert res.returncode == 0, res.stderr
-    log = parse_log(the_log(tmp_path))
+    return res, parse_log(the_log(tmp_path))
+
+
+def test_a_busy_machine_is_warned_of_and_the_log_keeps_its_load(shards, tmp_path):
+    """With a 1-minute load average of 9 on this machine (os.getloadavg replaced in the run's
+    process), the run warns at its start and at its end, on the terminal and in the log, whose
+    environment and last lines record the load."""
+    res, log = run_at_load(9.0, shards, tmp_path)
     assert log.environment["load_average"] == "9.00"
     warnings = [line for line in log.info if line.startswith("warning: the machine was busy")]
     assert [w.split(":")[1] for w in warnings] == [" the machine was busy at the start", " the machine was busy "
@@ -100,13 +106,7 @@ def test_a_busy_machine_is_warned_of_and_the_log_keeps_its_load(shards, tmp_path
 
 def test_an_idle_machine_gets_no_warning(shards, tmp_path):
     """A load average of 0 at both ends: no warning, the load recorded."""
-    code = ("import os, runpy, sys; os.getloadavg = lambda: (0.0, 0.0, 0.0); sys.argv = sys.argv[1:]; "
-            "runpy.run_path(sys.argv[0], run_name='__main__')")
-    args = ["--preset", "cpu", *TINY, *data_args(shards), "--num_iterations=2", f"--log_dir={tmp_path}"]
-    res = subprocess.run([sys.executable, "-c", code, os.path.join(REPO, "train_gpt.py"), *args], cwd=REPO,
-                         capture_output=True, text=True, timeout=300, env=cpu_env(OMP_NUM_THREADS="1"))
-    assert res.returncode == 0, res.stderr
-    log = parse_log(the_log(tmp_path))
+    _, log = run_at_load(0.0, shards, tmp_path)
     assert log.environment["load_average"] == "0.00" and not any("busy" in line for line in log.info)
 
 
