@@ -46,6 +46,6 @@ def test_print_config_names_each_values_origin():
     assert out.returncode == 0, out.stderr
     rows = {line.split()[0]: (line.split()[1], line.split()[-1]) for line in out.stdout.splitlines()}
     assert set(rows) == set(config.SCHEMA)
-    assert rows["matrix_lr"] == ("0.023", "preset") and rows["seed"] == ("3", "line")
+    assert rows["matrix_lr"] == (str(tg.parse_config([]).matrix_lr), "preset") and rows["seed"] == ("3", "line")
     assert rows["log_dir"][1] == "default" and rows["preset"] == ('"speedrun"', "--preset")
     assert {origin for key, (_, origin) in rows.items() if key in RECIPE_KEYS} == {"preset"}

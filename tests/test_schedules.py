@@ -2,8 +2,12 @@
 by hand from each schedule's definition: stage multipliers and the LR cooldown, momentum, ANVIL's
 mu and blend, stage boundaries, multi-token and prefix weights, attention windows and their
 YaRN history, the untie, graph changes, validations, the weight averages' samples, the n-gram
-table's late phase, and what Trainer.advance_to writes into the optimizers."""
+table's late phase, and what Trainer.advance_to writes into the optimizers.
+
+The mechanics are tested on a fixture config of this file's own numbers; the speedrun's numbers
+are in one table, RECORD_92, which a record that changes the speedrun changes."""
 import dataclasses
+import json
 import os
 import sys
 
@@ -23,41 +27,132 @@ def preset(name, *extra):
     return tg.parse_config(["--preset", name, *steps, *extra])
 
 
+# The schedule fixture: 100 steps in five stages from steps 25, 55, 80 and 90 (LR multipliers 1,
+# 1.5, 1.75, 1.6, 1), the cooldown from step 20 to 0.3 at the end, ANVIL's mu from 0.85 up to 0.93
+# over 20 steps and back over the last 5, the rails blended 0.4 from step 45, the untie at step
+# 95, two averages, 8 ranks.
+FIXTURE_STAGES = [
+    dict(end=0.25, tokens_per_rank=512, max_doc_len=256, short_window=1, long_window=3,
+         mtp_weights=[1.0, 0.5, 0.25], mtp_weights_end=[1.0, 0.5, 0.0], prefix_weight=0.25),
+    dict(end=0.55, tokens_per_rank=1024, max_doc_len=512, short_window=3, long_window=7, mtp_weights=[1.0, 0.5],
+         mtp_weights_end=[1.0, 0.0], prefix_weight=0.25, prefix_weight_end=0.0, lr_mult=1.5),
+    dict(end=0.8, tokens_per_rank=1536, max_doc_len=768, short_window=5, long_window=11, lr_mult=1.75),
+    dict(end=0.9, tokens_per_rank=1024, max_doc_len=768, short_window=5, long_window=11, lr_mult=1.6),
+    dict(end=1.0, tokens_per_rank=512, max_doc_len=768, short_window=6, long_window=13),
+]
+FIXTURE_AVERAGES = [dict(params="embed_head", window=30, rate=0.1, blend=0.5),
+                    dict(params="qk", window=21, every=4, rate=0.2, renormalize=True)]
+FIXTURE = [
+    "--num_iterations=100", "--stages=" + json.dumps(FIXTURE_STAGES), "--batch_ranks=8",
+    "--cooldown_start=0.2", "--cooldown_end=1.0", "--cooldown_floor=0.3",
+    "--optimizer=anvil", "--anvil_mu_low=0.85", "--anvil_mu_high=0.93", "--anvil_mu_rise=0.2", "--anvil_mu_fall=0.05",
+    "--anvil_blend=0.4", "--anvil_blend_start=0.45", "--untie_frac=0.95",
+    "--val_long_window=20", "--yarn_at_final_window=false", "--averages=" + json.dumps(FIXTURE_AVERAGES),
+]
+
+
+def fixture(*extra):
+    return tg.parse_config(["--preset", "cpu", *FIXTURE, *extra])
+
+
 # ---------------------------------------------------------------------------------------------
 # The presets' published constants
 # ---------------------------------------------------------------------------------------------
 
-def test_speedrun_preset_publishes_record_92s_stages_averages_and_anvil_constants():
-    h = preset("speedrun")
-    N = 1194
-    assert h.num_iterations == N
-    stages = [(s.end, s.tokens_per_rank, s.max_doc_len, s.short_window, s.long_window, s.mtp_weights,
-               s.mtp_weights_end, s.prefix_weight, s.prefix_weight_end, s.lr_mult, s.candidates) for s in h.stages]
-    assert stages == [
-        (320 / N, 16_384, 896, 1, 3, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 0.25, None, 1.0, 10_240),
-        (681 / N, 32_768, 2048, 3, 7, (1.0, 0.5), (1.0, 0.0), 0.25, 0.0, 1.52, 10_240),
-        (965 / N, 49_152, 3072, 5, 11, (1.0,), (), 0.0, None, 1.73, 14_336),    # two thirds of 681-1106
-        (1107 / N, 49_152, 3072, 5, 11, (1.0,), (), 0.0, None, 1.73, 24_576),   # its last third
-        (1175 / N, 32_768, 3072, 5, 11, (1.0,), (), 0.0, None, 1.579, 0),
+def stage_rows(h):
+    return [(s.end, s.tokens_per_rank, s.max_doc_len, s.short_window, s.long_window, s.mtp_weights,
+             s.mtp_weights_end, s.prefix_weight, s.prefix_weight_end, s.lr_mult, s.candidates) for s in h.stages]
+
+
+def average_rows(h):
+    return [(a.params, a.window, a.every, a.rate, a.blend, a.renormalize) for a in h.averages]
+
+
+N92 = 1194
+# Record 92's recipe as the speedrun preset states it, with what follows from it: (value, where
+# it comes from). The one table a record that changes the speedrun changes.
+RECORD_92 = {
+    # model
+    "num_layers": (10, "record 92"), "attention_free_layers": ((4, 6, 8), "record 92"),
+    "long_window_layers": ((3, 9), "record 92"), "mlp_hidden": (2816, "record 92"),
+    "narrow_qk_layers": ((0, 1, 2, 5, 7), "record 92"), "narrow_vo_layers": ((1, 7), "record 92"),
+    "parallel_mlp_layers": ((7,), "record 92"), "narrow_qk_attn_scale": (0.13, "record 92"),
+    "attn_scale": (0.085, "record 92"), "yarn_scale_growth": (0.2, "record 89"), "embed_init_std": (0.005, "record 89"),
+    "value_embed_layers": ((1, 2, 7, 9), "record 89"), "num_value_embeds": (0, "record 89"),
+    "value_embed_gate_reads_value": (True, "record 89"), "smear_gate": (True, "record 89"),
+    "key_offset": (True, "record 89"), "xsa_layers": ((1, 3), "record 89"), "paired_head_layers": ((0, 2, 5), "record 89"),
+    "token_gates": (True, "record 89"), "token_gates_split": (4, "record 89"), "attn_gate_layers": ((3, 9), "record 89"),
+    "trunk": ("dense", "record 89"), "skip_layers": ((3, 6), "record 89"), "snapshot_layer": (6, "record 89"),
+    "composed_layers": ((9,), "record 89"), "composed_window": (112, "record 89"),
+    "ngram_rows": (84_602_880, "record 92"), "ngram_dtype": ("bfloat16", "record 92"),
+    "value_embed_sparse": (True, "record 92"), "canonical_mask": (True, "record 92"),
+    "param_dtype": ("bfloat16", "records 89 and 92"),
+    # schedule
+    "num_iterations": (N92, "record 92"),
+    "stages": ([
+        (320 / N92, 16_384, 896, 1, 3, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 0.25, None, 1.0, 10_240),
+        (681 / N92, 32_768, 2048, 3, 7, (1.0, 0.5), (1.0, 0.0), 0.25, 0.0, 1.52, 10_240),
+        (965 / N92, 49_152, 3072, 5, 11, (1.0,), (), 0.0, None, 1.73, 14_336),    # two thirds of 681-1106
+        (1107 / N92, 49_152, 3072, 5, 11, (1.0,), (), 0.0, None, 1.73, 24_576),   # its last third
+        (1175 / N92, 32_768, 3072, 5, 11, (1.0,), (), 0.0, None, 1.579, 0),
         (1.0, 16_384, 3072, 6, 13, (1.0,), (), 0.0, None, 1.0, 0),
-    ]
-    assert (h.cooldown_start, h.cooldown_end, h.cooldown_floor) == (0.2, 1.0, 0.30)
-    assert (h.optimizer, h.orthogonalize, h.matrix_lr, h.mlp_down_lr_scale) == ("anvil", "anvil", 0.023, 2.0)
-    assert (h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start) == (0.85, 0.98, 0.4385, 0.43)
-    assert (h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall) == (0.85, 0.93, 0.2, 0.042)
-    assert (h.val_long_window, h.yarn_at_final_window, h.batch_ranks) == (20, False, 8)
-    assert (h.ngram_rows, h.ngram_dtype, h.ngram_beta2, h.value_embed_betas[1]) == (84_602_880, "bfloat16", 0.95, 0.95)
-    phases = [(p.start, p.step_every, p.ngram_beta2, p.value_embed_beta2) for p in h.table_phases]
-    assert phases == [(336, 4, 0.9025, 0.9025)]
-    assert (h.ngram_step_every, h.value_embed_sparse) == (1, True)
-    averages = [(a.params, a.window, a.every, a.rate, a.blend, a.renormalize) for a in h.averages]
-    assert averages == [
+    ], "record 92; stage 2 split where its sampled softmax widens"),
+    "cooldown": ((0.2, 1.0, 0.30), "record 92"),
+    "val_long_window": (20, "record 92"), "yarn_at_final_window": (False, "record 92"), "batch_ranks": (8, "record 92"),
+    "averages": ([
         ("embed_head", 298, 1, 2 / 299, 0.65, False),
         ("value_embeds", 298, 1, 2 / 299, 0.65, False),
         ("vo_mlp", 250, 4, 4 / 53, 1.0, False),
         ("qk", 298, 4, 2 / 75, 0.55, True),
         ("vo_mlp", 298, 4, 2 / 75, 0.3493, True),
-    ]
+    ], "record 92's ships"),
+    # optimizers
+    "muon": (("anvil", "anvil", 0.023, 1.2, 2.0, 2), "record 89's LR and decay, record 92's ANVIL"),
+    "anvil_rails": ((0.85, 0.98, 0.4385, 0.43), "record 92"),
+    "anvil_mu": ((0.85, 0.93, 0.2, 0.042), "record 92"),
+    "adam_betas": (((0.5, 0.95), (0.75, 0.95), (0.9, 0.99)), "record 89"),
+    "adam_decay": ((0.6, 0.75, 0.025), "record 89"),
+    "adam_step_every": (2, "record 89"),
+    "tables": ((0.95, 1, [(336, 4, 0.9025, 0.9025)]), "record 92: beta2 squared, an update every 4th step from 336"),
+    # what follows
+    "steps_per_stage": ([320, 361, 284, 142, 68, 19], "record 92"),
+    "untie_step": (1175, "record 92"),
+    "graph_changes": ([0, 320, 681, 965, 1107, 1175], "the stages and the untie"),
+    "first_cooldown_step": (239, "0.2 x 1194 = 238.8"),
+    "first_blend_step": (514, "0.43 x 1194 = 513.42"),
+    "final_windows": ((6, 20), "record 92"),
+    "average_samples": ([(896, 298), (896, 298), (945, 63), (897, 75), (897, 75)],
+                        "(first step, samples): every every-th step back from 1193"),
+    "train_shards": (5, "40,550,400 tokens a rank x 8 x 1.5 in shards of 100M"),
+}
+
+
+def speedrun_facts(h):
+    """RECORD_92's keys, read from a config."""
+    facts = {key: getattr(h, key) for key in RECORD_92 if hasattr(h, key)}
+    averages = tg.WeightAverages(h.averages, None, h.num_iterations)
+    sampled = [[step for step in range(h.num_iterations) if averages.samples_at(a, step)] for a in h.averages]
+    return {**facts, "stages": stage_rows(h), "averages": average_rows(h),
+            "cooldown": (h.cooldown_start, h.cooldown_end, h.cooldown_floor),
+            "muon": (h.optimizer, h.orthogonalize, h.matrix_lr, h.matrix_wd, h.mlp_down_lr_scale, h.qk_ortho_heads),
+            "anvil_rails": (h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start),
+            "anvil_mu": (h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall),
+            "adam_betas": (h.embed_betas, h.value_embed_betas, h.scalar_betas),
+            "adam_decay": pytest.approx((h.value_embed_lr, h.embed_wd, h.value_embed_wd)),
+            "tables": (h.ngram_beta2, h.ngram_step_every,
+                       [(p.start, p.step_every, p.ngram_beta2, p.value_embed_beta2) for p in h.table_phases]),
+            "steps_per_stage": tg.steps_per_stage(h), "untie_step": tg.untie_step(h),
+            "graph_changes": tg.graph_changes(h),
+            "first_cooldown_step": next(s for s in range(h.num_iterations) if tg.lr_multiplier(h, s) != 1.0),
+            "first_blend_step": next(s for s in range(h.num_iterations) if tg.anvil_blend(h, s) != 1.0),
+            "final_windows": tg.attention_windows(h, h.num_iterations, final_validation=True),
+            "average_samples": [(s[0], len(s)) for s in sampled], "train_shards": tg.train_shards_needed(h)}
+
+
+def test_speedrun_is_record_92():
+    facts = speedrun_facts(preset("speedrun"))
+    wrong = {key: (facts[key], value, source) for key, (value, source) in RECORD_92.items() if facts[key] != value}
+    assert wrong == {}, "speedrun differs from RECORD_92: key: (speedrun's, the table's, where it comes from)"
 
 
 def test_record89_and_cpu_presets_publish_their_schedules():
@@ -119,29 +214,20 @@ def test_medium_preset_publishes_the_public_medium_records_schedule_and_constant
     assert (h.val_long_window, h.yarn_at_final_window, h.val_tokens_per_rank, h.val_every) == (27, False, 262_144, 250)
     assert (h.fp8_mlp, h.fp8_qkv, h.fp8_head, h.canonical_mask, h.averages) == (False, False, False, False, [])
 
-
 # ---------------------------------------------------------------------------------------------
 # Learning rate
 # ---------------------------------------------------------------------------------------------
 
-def test_speedrun_lr_is_the_stage_multiplier_then_a_line_to_the_floor():
-    """1194 steps, stages from steps 320, 681, 1107 and 1175 with multipliers 1, 1.52, 1.73,
-    1.579, 1; from 20% of training (step 238.8) each step's value is its stage's multiplier m
-    moved toward 0.30 by (step / 1194 - 0.2) / 0.8."""
-    h = preset("speedrun")
-
-    def cooling(m, step):
-        return m + (0.30 - m) * (step / 1194 - 0.2) / 0.8
+def test_lr_is_the_stage_multiplier_then_a_line_to_the_floor():
+    """The fixture: from 20% of training (step 20) each step's value is its stage's multiplier m
+    moved toward 0.3 by (step / 100 - 0.2) / 0.8; the floor at the final validation."""
+    h = fixture()
     expected = {
-        0: 1.0, 100: 1.0, 238: 1.0,            # before the cooldown: stage 0's multiplier
-        239: cooling(1.0, 239), 319: cooling(1.0, 319),
-        320: cooling(1.52, 320), 600: 1.0586683417085427, 680: cooling(1.52, 680),
-        681: cooling(1.73, 681), 1106: cooling(1.73, 1106),
-        1107: cooling(1.579, 1107), 1174: cooling(1.579, 1174),
-        1175: cooling(1.0, 1175), 1193: 1.0 + (0.30 - 1.0) * (1193 / 1194 - 0.2) / 0.8,
-        1194: 0.30,                             # the final validation: the floor
+        0: 1.0, 19: 1.0, 20: 1.0,               # the line starts at the stage's multiplier
+        24: 1 - 0.7 * 0.05, 25: 1.5 - 1.2 * 0.0625, 54: 1.5 - 1.2 * 0.425, 55: 1.75 - 1.45 * 0.4375,
+        79: 1.75 - 1.45 * 0.7375, 80: 1.6 - 1.3 * 0.75, 89: 1.6 - 1.3 * 0.8625, 90: 1.0 - 0.7 * 0.875,
+        99: 1.0 - 0.7 * 0.9875, 100: 0.3,
     }
-    assert cooling(1.52, 600) == pytest.approx(1.52 - 1.22 * 0.378140703517588)
     assert {step: tg.lr_multiplier(h, step) for step in expected} == pytest.approx(expected)
 
 
@@ -213,7 +299,6 @@ def test_medium_lr_is_the_public_get_lr():
     assert {step: tg.lr_multiplier(h, step) for step in expected} == pytest.approx(expected)
     assert tg.lr_multiplier(h, 1175) == 2.0, "public: 1.73 (x > 3/12 is false at x = 3/12)"
 
-
 # ---------------------------------------------------------------------------------------------
 # Momentum, mu, blend
 # ---------------------------------------------------------------------------------------------
@@ -236,46 +321,38 @@ def test_medium_momentum_is_the_public_get_muon_momentum():
     assert {step: tg.matrix_momentum(h, step) for step in expected} == pytest.approx(expected)
 
 
-def test_speedrun_anvil_mu_rises_over_the_first_20_percent_and_falls_over_the_last_4_2():
-    """0.85 -> 0.93 over steps 0-238.8, held, and back to 0.85 over the last 50.148 steps
-    (from step 1143.852)."""
-    h = preset("speedrun")
-    expected = {
-        0: 0.85, 120: 0.85 + 0.08 * 120 / 238.8, 238: 0.85 + 0.08 * 238 / 238.8, 239: 0.93, 240: 0.93, 600: 0.93,
-        1143: 0.93, 1144: 0.85 + 0.08 * 50 / 50.148, 1170: 0.85 + 0.08 * 24 / 50.148,
-        1193: 0.85 + 0.08 * 1 / 50.148, 1194: 0.85,
-    }
-    assert expected[120] == pytest.approx(0.8902010050251256)
-    assert expected[1170] == pytest.approx(0.8882866714525006)
+def test_anvil_mu_rises_over_the_first_20_percent_and_falls_over_the_last_5():
+    """The fixture: 0.85 -> 0.93 over steps 0-20, held, and back to 0.85 over steps 95-100."""
+    h = fixture()
+    expected = {0: 0.85, 10: 0.89, 19: 0.85 + 0.08 * 0.95, 20: 0.93, 60: 0.93, 95: 0.93, 96: 0.85 + 0.08 * 0.8,
+                99: 0.85 + 0.08 * 0.2, 100: 0.85}
     assert {step: tg.anvil_mu(h, step) for step in expected} == pytest.approx(expected)
 
 
-def test_speedrun_anvil_blend_is_one_before_43_percent_then_0_4385():
-    h = preset("speedrun")        # 0.43 * 1194 = 513.42: step 514 is the first to blend
-    expected = {0: 1.0, 120: 1.0, 239: 1.0, 240: 1.0, 513: 1.0, 514: 0.4385, 600: 0.4385, 1143: 0.4385,
-                1170: 0.4385, 1193: 0.4385, 1194: 0.4385}
+def test_anvil_blend_is_one_before_45_percent_then_0_4():
+    h = fixture()
+    expected = {0: 1.0, 20: 1.0, 44: 1.0, 45: 0.4, 60: 0.4, 99: 0.4, 100: 0.4}
     assert {step: tg.anvil_blend(h, step) for step in expected} == expected
-
 
 # ---------------------------------------------------------------------------------------------
 # Stages and what they carry
 # ---------------------------------------------------------------------------------------------
 
 # The first step of each stage after the first: the first step with step / N >= the end of the
-# stage before (320/1194 ...: exactly those steps; 423/1285 ...; 0.5 * 30 = 15, 0.8 * 30 = 24; medium:
+# stage before (the fixture's 25, 55, 80, 90; 423/1285 ...; 0.5 * 30 = 15, 0.8 * 30 = 24; medium:
 # the public phases' first steps ceil(4700 k / 12) for k = 1-8, then the extension's 4700).
-STAGE_STARTS = {"speedrun": (1194, [320, 681, 965, 1107, 1175]), "record89": (1285, [423, 847, 1270]),
+STAGE_STARTS = {"fixture": (100, [25, 55, 80, 90]), "record89": (1285, [423, 847, 1270]),
                 "cpu": (30, [15, 24]), "medium": (4740, [392, 784, 1175, 1567, 1959, 2350, 2742, 3134, 4700]),
                 "optimization": (3250, [])}
 
 
 @pytest.mark.parametrize("name", sorted(STAGE_STARTS))
 def test_stage_of_every_step_and_the_steps_per_stage(name):
-    h = preset(name)
+    h = fixture() if name == "fixture" else preset(name)
     N, starts = STAGE_STARTS[name]
     assert [tg.stage_index(h, step) for step in range(N + 1)] == [
         sum(step >= first for first in starts) for step in range(N + 1)]
-    assert tg.steps_per_stage(h) == {"speedrun": [320, 361, 284, 142, 68, 19], "record89": [423, 424, 423, 15],
+    assert tg.steps_per_stage(h) == {"fixture": [25, 30, 25, 10, 10], "record89": [423, 424, 423, 15],
                                      "cpu": [15, 9, 6],
                                      "medium": [392, 392, 391, 392, 392, 391, 392, 392, 1566, 40],
                                      "optimization": [3250]}[name]
@@ -293,16 +370,17 @@ def test_steps_per_stage_counts_what_stage_index_decides_where_floats_round():
     assert [tg.stage_index(h, step) for step in range(100)] == [0] * 7 + [1] + [3] * 21 + [4] * 71
 
 
-def test_speedrun_target_weights_move_linearly_across_each_stage():
-    """Stage 0 (320 steps): t+3's weight from 0.25 toward 0, prefix 0.25 throughout; stage 1 (361
-    steps): t+2's from 0.5 toward 0 and the prefix's from 0.25 toward 0; then t+1 alone."""
-    h = preset("speedrun")
+def test_target_weights_move_linearly_across_each_stage():
+    """The fixture's stage 0 (25 steps): t+3's weight from 0.25 toward 0, the prefix's 0.25
+    throughout; stage 1 (30 steps): t+2's from 0.5 toward 0 and the prefix's from 0.25 toward 0;
+    then t+1 alone."""
+    h = fixture()
     weights = tg.step_target_weights(h, "cpu")
-    assert weights.shape == (1194, 4) and weights.dtype == torch.float32
+    assert weights.shape == (100, 4) and weights.dtype == torch.float32
     expected = {
-        0: [1, 0.5, 0.25, 0.25], 160: [1, 0.5, 0.125, 0.25], 319: [1, 0.5, 0.25 / 320, 0.25],
-        320: [1, 0.5, 0, 0.25], 500: [1, 0.5 * (1 - 180 / 361), 0, 0.25 * (1 - 180 / 361)],
-        680: [1, 0.5 / 361, 0, 0.25 / 361], 681: [1, 0, 0, 0], 1175: [1, 0, 0, 0], 1193: [1, 0, 0, 0],
+        0: [1, 0.5, 0.25, 0.25], 10: [1, 0.5, 0.15, 0.25], 24: [1, 0.5, 0.01, 0.25],
+        25: [1, 0.5, 0, 0.25], 40: [1, 0.25, 0, 0.125], 54: [1, 0.5 / 30, 0, 0.25 / 30], 55: [1, 0, 0, 0],
+        90: [1, 0, 0, 0], 99: [1, 0, 0, 0],
     }
     for step, want in expected.items():
         assert weights[step].tolist() == pytest.approx(want, rel=1e-6, abs=1e-12), step
@@ -311,10 +389,10 @@ def test_speedrun_target_weights_move_linearly_across_each_stage():
 
 
 def test_attention_windows_per_stage_and_at_the_final_validation():
-    h = preset("speedrun")
-    assert [tg.attention_windows(h, s) for s in (0, 319, 320, 680, 681, 1106, 1107, 1174, 1175, 1193)] == [
+    h = fixture()
+    assert [tg.attention_windows(h, s) for s in (0, 24, 25, 54, 55, 79, 80, 89, 90, 99)] == [
         (1, 3), (1, 3), (3, 7), (3, 7), (5, 11), (5, 11), (5, 11), (5, 11), (6, 13), (6, 13)]
-    assert tg.attention_windows(h, 1194, final_validation=True) == (6, 20)
+    assert tg.attention_windows(h, 100, final_validation=True) == (6, 20)
     h = preset("cpu")
     assert [tg.attention_windows(h, s) for s in (0, 14, 15, 23, 24, 29)] == [
         (1, 2), (1, 2), (2, 4), (2, 4), (2, 6), (2, 6)]
@@ -322,55 +400,57 @@ def test_attention_windows_per_stage_and_at_the_final_validation():
 
 
 def test_long_window_history_grows_with_the_stages_and_yarn_at_the_final_window_adds_one():
-    """Blocks of 128 tokens. The speedrun's long window: 3, 7, 11, 11 (no growth), 13 blocks; the
+    """Blocks of 128 tokens. The fixture's long window: 3, 7, 11, 11 (no growth), 13 blocks; the
     final validation's 20 adds to the history only with yarn_at_final_window (cpu: 8 blocks)."""
-    h = preset("speedrun")
-    assert [tg.long_window_history(h, s) for s in (0, 319, 320, 681, 1107, 1174, 1175)] == [
+    h = fixture()
+    assert [tg.long_window_history(h, s) for s in (0, 24, 25, 55, 80, 89, 90)] == [
         [384], [384], [384, 896], [384, 896, 1408], [384, 896, 1408], [384, 896, 1408], [384, 896, 1408, 1664]]
-    assert tg.long_window_history(h, 1194, final_validation=True) == [384, 896, 1408, 1664]
-    h = preset("speedrun", "--yarn_at_final_window=true")
-    assert tg.long_window_history(h, 1194, final_validation=True) == [384, 896, 1408, 1664, 2560]
-    assert tg.long_window_history(h, 1193) == [384, 896, 1408, 1664], "only the final validation widens"
+    assert tg.long_window_history(h, 100, final_validation=True) == [384, 896, 1408, 1664]
+    h = fixture("--yarn_at_final_window=true")
+    assert tg.long_window_history(h, 100, final_validation=True) == [384, 896, 1408, 1664, 2560]
+    assert tg.long_window_history(h, 99) == [384, 896, 1408, 1664], "only the final validation widens"
     h = preset("cpu")
     assert tg.long_window_history(h, 29) == [256, 512, 768]
     assert tg.long_window_history(h, 30, final_validation=True) == [256, 512, 768, 1024]
 
 
 def test_untie_step_and_graph_changes():
-    """The untie: speedrun 1175/1194 of 1194 steps, record89 (847.5/1285) * 1285 rounded down,
+    """The untie: the fixture's 0.95 of 100 steps, record89 (847.5/1285) * 1285 rounded down,
     cpu 2/3 of 30. The graphs change at 0, at every stage start and at the untie."""
-    assert [tg.untie_step(preset(name)) for name in ("speedrun", "record89", "cpu")] == [1175, 847, 20]
-    assert tg.graph_changes(preset("speedrun")) == [0, 320, 681, 965, 1107, 1175]
+    assert [tg.untie_step(h) for h in (fixture(), preset("record89"), preset("cpu"))] == [95, 847, 20]
+    assert tg.graph_changes(fixture()) == [0, 25, 55, 80, 90, 95]
+    assert tg.graph_changes(fixture("--untie_frac=0.8")) == [0, 25, 55, 80, 90], "at a stage start: one change"
     assert tg.graph_changes(preset("record89")) == [0, 423, 847, 1270]
     assert tg.graph_changes(preset("cpu")) == [0, 15, 20, 24]
     assert tg.graph_changes(preset("cpu", "--untie_frac=1.0")) == [0, 15, 24], "an untie at N never happens"
 
 
 def test_validation_points():
-    assert tg.validation_points(preset("speedrun")) == [(1194, True)]
-    assert tg.validation_points(preset("speedrun", "--val_every=400")) == [(400, False), (800, False), (1194, True)]
-    assert tg.validation_points(preset("speedrun", "--val_every=597")) == [(597, False), (1194, True)]
+    assert tg.validation_points(fixture("--val_every=0")) == [(100, True)]
+    assert tg.validation_points(fixture("--val_every=40")) == [(40, False), (80, False), (100, True)]
+    assert tg.validation_points(fixture("--val_every=50")) == [(50, False), (100, True)]
     assert tg.validation_points(preset("cpu", "--val_every=10")) == [(10, False), (20, False), (30, True)]
 
 
-def test_speedrun_weight_averages_sample_their_windows_counted_back_from_the_last_step():
-    """Steps 0-1193: the two 298-step averages sample 896-1193; every 4th step back from 1193,
-    the 250-step one samples 945, 949, ..., 1193 (63 samples) and the 298-step ones 897, ...,
-    1193 (75 samples)."""
-    h = preset("speedrun")
+def test_weight_averages_sample_their_windows_counted_back_from_the_last_step():
+    """Steps 0-99: the 30-step average samples 70-99; every 4th step back from 99 within the last
+    21 steps, the other samples 79, 83, ..., 99."""
+    h = fixture()
     averages = tg.WeightAverages(h.averages, None, h.num_iterations)
-    sampled = [[step for step in range(1194) if averages.samples_at(a, step)] for a in h.averages]
-    assert sampled == [list(range(896, 1194)), list(range(896, 1194)), list(range(945, 1194, 4)),
-                       list(range(897, 1194, 4)), list(range(897, 1194, 4))]
-    assert [len(s) for s in sampled] == [298, 298, 63, 75, 75]
+    sampled = [[step for step in range(100) if averages.samples_at(a, step)] for a in h.averages]
+    assert sampled == [list(range(70, 100)), [79, 83, 87, 91, 95, 99]]
 
 
-def test_speedrun_train_shards_needed():
-    """Steps per stage times each stage's tokens per rank, 8 ranks, 1.5 times that for the
-    documents' cut tails, in shards of 100M tokens: 486,604,800 tokens -> 5 shards."""
-    tokens = 320 * 16_384 + 361 * 32_768 + 426 * 49_152 + 68 * 32_768 + 19 * 16_384
-    assert tokens == 40_550_400 and tokens * 8 * 1.5 == 486_604_800
-    assert tg.train_shards_needed(preset("speedrun")) == 5
+def test_train_shards_needed(monkeypatch):
+    """Steps per stage times each stage's tokens per rank, times the ranks, 1.5 times that for the
+    documents' cut tails, in whole shards: the fixture reads 97,280 tokens a rank, 1,167,360 in
+    all, 12 shards of 100,000 tokens."""
+    tokens = 25 * 512 + 30 * 1024 + 25 * 1536 + 10 * 1024 + 10 * 512
+    assert tokens == 97_280 and tokens * 8 * 1.5 == 1_167_360
+    monkeypatch.setattr(tg, "FINEWEB_SHARD_TOKENS", 100_000)
+    assert tg.train_shards_needed(fixture()) == 12
+    assert tg.train_shards_needed(fixture("--batch_ranks=1")) == 2
+    monkeypatch.undo()
     tokens = 423 * 16_384 + 424 * 32_768 + (423 + 15) * 49_152      # record 89: 508,231,680 -> 6
     assert tokens * 8 * 1.5 == 508_231_680 and tg.train_shards_needed(preset("record89")) == 6
 

@@ -118,29 +118,6 @@ def test_multi_token_weights_move_linearly_within_a_stage():
         tiny_config([stages.replace('"mtp_weights_end":[1,0.5,0]', '"mtp_weights_end":[1,0]')])
 
 
-def test_speedrun_preset_takes_the_records_constants():
-    h = tg.parse_config(["--preset", "speedrun"])
-    assert tg.untie_step(h) == 1175                                       # record 92
-    assert (h.cooldown_start, h.cooldown_floor) == (0.2, 0.30)            # record 92
-    assert (h.yarn_scale_growth, h.yarn_at_final_window) == (0.2, False)  # record 89
-    assert (h.adam_step_every, h.embed_init_std) == (2, 0.005)             # record 89
-    assert (h.value_embed_layers, h.num_value_embeds, h.value_embed_gate_reads_value) == ((1, 2, 7, 9), 0, True)
-    assert (h.smear_gate, h.key_offset, h.xsa_layers, h.paired_head_layers) == (True, True, (1, 3), (0, 2, 5))
-    assert (h.num_layers, h.attention_free_layers, h.long_window_layers) == (10, (4, 6, 8), (3, 9))    # record 92
-    assert (h.narrow_qk_layers, h.narrow_vo_layers, h.parallel_mlp_layers) == ((0, 1, 2, 5, 7), (1, 7), (7,))
-    assert (h.narrow_qk_attn_scale, h.attn_scale, h.mlp_hidden) == (0.13, 0.085, 2816)
-    assert (h.token_gates, h.token_gates_split, h.attn_gate_layers) == (True, 4, (3, 9))                # record 89
-    assert (h.trunk, h.skip_layers, h.snapshot_layer, h.composed_layers, h.composed_window) == ("dense", (3, 6), 6, (9,), 112)
-    assert h.canonical_mask
-    assert (h.matrix_lr, h.matrix_wd, h.qk_ortho_heads) == (0.023, 1.2, 2)              # record 89
-    assert tg.steps_per_stage(h) == [320, 361, 284, 142, 68, 19]       # record 92 (681-1106 in two: its softmax widths)
-    assert [s.lr_mult for s in h.stages] == [1.0, 1.52, 1.73, 1.73, 1.579, 1.0]          # record 92
-    assert [s.candidates for s in h.stages] == [10_240, 10_240, 14_336, 24_576, 0, 0]    # record 92
-    assert h.param_dtype == "bfloat16"                                                   # records 89 and 92
-    assert (h.embed_betas, h.value_embed_betas, h.scalar_betas) == ((0.5, 0.95), (0.75, 0.95), (0.9, 0.99))
-    assert (h.value_embed_lr, h.embed_wd, h.value_embed_wd) == pytest.approx((0.6, 0.75, 0.025))
-
-
 def test_record89_preset_takes_its_schedule():
     h = tg.parse_config(["--preset", "record89"])
     assert h.num_iterations == 1285 and tg.steps_per_stage(h) == [423, 424, 423, 15]
