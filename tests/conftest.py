@@ -67,6 +67,15 @@ def restart_in_utf8_if_needed():
     os.execve(sys.executable, [sys.executable, "-X", "utf8", *sys.orig_argv[1:]], dict(os.environ, **{RESTARTED: "1"}))
 
 
+# -n auto: one pytest-xdist worker per core this process may use, at most this many (each worker's
+# tests start training processes and Triton workers of their own, about 1-2 GiB each).
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config):
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+
 def pytest_configure(config):
     clean(_session)
     restart_in_utf8_if_needed()

@@ -3,6 +3,7 @@ package a module imports pinned in the file of what that module is for), the who
 resolving from requirements.txt; the Python version stated in the README and checked at the start
 of train_gpt.py and run.sh, each with one line; the README's CPU wheel; the Dockerfile; the LICENSE."""
 import ast
+import os
 import importlib.metadata
 import pathlib
 import re
@@ -208,3 +209,10 @@ def test_the_project_modules_import_one_another_without_a_circle():
     assert {"memory_budget", "records.logfile"} <= graph["train_gpt"] and "kernels" in graph["optim"]
     planted = {**graph, "kernels": graph["kernels"] | {"config"}}
     assert import_cycle(planted) == ["config", "kernels", "config"]
+
+
+def test_n_auto_gives_a_worker_per_usable_core_up_to_the_cap(monkeypatch):
+    import conftest
+    for cores, workers in ((1, 1), (2, 2), (3, 3), (64, conftest.MAX_WORKERS)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert conftest.pytest_xdist_auto_num_workers(None) == workers
