@@ -3,8 +3,8 @@ package a module imports pinned in the file of what that module is for), the who
 resolving from requirements.txt; the Python version stated in the README and checked at the start
 of train_gpt.py and run.sh, each with one line; the README's CPU wheel; the Dockerfile; the LICENSE."""
 import ast
-import os
 import importlib.metadata
+import os
 import pathlib
 import re
 import stat
