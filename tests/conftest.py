@@ -7,7 +7,9 @@ test starts; a test that needs one sets it itself (monkeypatch.setenv, or its su
     WORLD_SIZE, RANK, LOCAL_RANK, ..., MASTER_ADDR / MASTER_PORT, TORCHELASTIC_*, PET_*: a
         torch.distributed job's (PET_* are torch.distributed.run's defaults for its options);
         left set, a one-process run would take itself for a rank of a job that does not exist;
-    OMP_NUM_THREADS: the processes that care set it;
+    OMP_NUM_THREADS: the processes that care set it; under pytest-xdist it is each worker's share
+        of the cores (its processes and those they start would otherwise each take every core,
+        and OpenMP threads that wait for a core spin);
     TRITON_INTERPRET: tests/helpers/interpreter_shim.py and the tests that want it set it;
     LC_*, LANG, LANGUAGE, PYTHONIOENCODING, PYTHONUTF8: the locale and encodings; subprocesses
         get PYTHONUTF8=1 (UTF-8 for files and pipes, whatever locale they start in).
@@ -40,12 +42,21 @@ RESTARTED = "SPEEDRUN_TESTS_RESTARTED_IN_UTF8"   # set in the environment of the
 _session = pytest.MonkeyPatch()
 
 
+def worker_threads():
+    """Under pytest-xdist, the threads each worker's processes may use: its share of the cores
+    (None in a plain pytest process)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    return max(1, len(os.sched_getaffinity(0)) // int(workers)) if workers else None
+
+
 def clean(monkeypatch):
     for name in list(os.environ):
         if name in REMOVED or name.startswith(REMOVED_PREFIXES):
             monkeypatch.delenv(name)
     for name, value in SET.items():
         monkeypatch.setenv(name, value)
+    if worker_threads():
+        monkeypatch.setenv("OMP_NUM_THREADS", str(worker_threads()))
 
 
 def started_as_pytest_command():
@@ -78,6 +89,9 @@ def pytest_xdist_auto_num_workers(config):
 
 def pytest_configure(config):
     clean(_session)
+    if worker_threads():
+        import torch
+        torch.set_num_threads(worker_threads())
     restart_in_utf8_if_needed()
     _session.delenv(RESTARTED, raising=False)
 

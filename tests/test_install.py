@@ -216,3 +216,20 @@ def test_n_auto_gives_a_worker_per_usable_core_up_to_the_cap(monkeypatch):
     for cores, workers in ((1, 1), (2, 2), (3, 3), (64, conftest.MAX_WORKERS)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
         assert conftest.pytest_xdist_auto_num_workers(None) == workers
+
+
+def test_each_xdist_worker_and_what_it_starts_use_its_share_of_the_cores(monkeypatch):
+    import conftest
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
+    assert conftest.worker_threads() is None
+    for cores, workers, threads in ((2, 2, 1), (4, 2, 2), (8, 3, 2), (1, 4, 1)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", str(workers))
+        assert conftest.worker_threads() == threads
+        with pytest.MonkeyPatch.context() as env:
+            conftest.clean(env)
+            assert os.environ["OMP_NUM_THREADS"] == str(threads)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT")
+    with pytest.MonkeyPatch.context() as env:
+        conftest.clean(env)
+        assert "OMP_NUM_THREADS" not in os.environ
