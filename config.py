@@ -312,7 +312,8 @@ class Hyperparameters(ModelConfig):
     device: str = choice("auto", "cuda", "cpu")  # auto | cuda | cpu
     # auto (Triton on CUDA; references on CPU, CE chunked) | triton | reference
     kernels: str = choice("auto", "triton", "reference")
-    compile: bool = True               # torch.compile the training step and the validation
+    # torch.compile the training step, the validation and (with cuda_graphs) the optimizers' updates
+    compile: bool = True
     # torch.compile backend; aot_eager traces the same graphs without codegen
     compile_backend: str = choice("inductor", "aot_eager", "eager")
     # activations and matrix products: bfloat16 (autocast) | float32 (no autocast)

@@ -1,7 +1,8 @@
 """CUDA graphs of the training step: the forward and backward of each graph key (stage, windows,
 tied head) captured once in the untimed warm-up on inputs at fixed addresses (MicroBatch), then
 replayed with each micro-batch copied into those inputs; the optimizers' updates likewise
-(run_captured). Where graphs are off (a CPU, --cuda_graphs=false) every call runs eagerly.
+(run_captured), their math compiled first when the run compiles. Where graphs are off (a CPU,
+--cuda_graphs=false) every call runs eagerly.
 """
 import functools
 from dataclasses import dataclass
@@ -70,7 +71,9 @@ class StepGraphs:
     (the head while it is tied).
     """
 
-    def __init__(self, model, device, enabled):
+    def __init__(self, model, device, enabled, compiler=None):
+        """compiler: None, or compiler(fn) -> fn compiled (torch.compile as the run uses it), for
+        the optimizers' update math (run_captured)."""
         sinks = model.gradient_sinks()
         self.params = [p for p in model.parameters() if all(p is not s for s in sinks)]
         self.device, self.enabled = device, enabled
@@ -84,6 +87,9 @@ class StepGraphs:
         self.capture_stream = None  # the side stream every capture and its eager run use (CUDA)
         self.prepared = set()      # keys whose eager run on the capture stream is done
         self.eager_runs = 0        # CUDA runs of a key already seen that had no graph
+        self.compiler = compiler
+        self.compiled = {}         # an update function -> its compiled form
+        self.updates_seen = set()  # run_captured's keys met so far (with a compiler)
 
     def run(self, key, body, s, start):
         """Forward and backward of micro-batch `s` with the graph of `key` (body makes it)."""
@@ -159,15 +165,43 @@ class StepGraphs:
         """fn() (an optimizer's update on tensors at fixed addresses) as a CUDA graph: the first
         call with `key` in the warm-up captures it (after running it eagerly, which does that
         call's work and creates any state lazily), later calls replay it. Off CUDA, or for a key
-        the warm-up did not meet, fn runs eagerly."""
+        the warm-up did not meet, fn runs eagerly.
+
+        With a compiler, fn (a functools.partial) is compiled: one kernel per fused region of
+        its math instead of one per op. A key's first call runs the plain fn, so that the state
+        it creates exists before a compiled graph reads it (a graph that created state would be
+        traced again on the next call); in the warm-up the compiled fn then runs at once, so it
+        compiles there (and is what the graph captures). The extra updates are the warm-up's,
+        which restores the optimizers' state after it."""
         graph = self.optimizer_graphs.get(key)
         if graph is not None:
             graph.replay()
-        elif self.capturing and self.in_warm_up:
+            return
+        if self.compiler is not None:
+            if key not in self.updates_seen:
+                self.updates_seen.add(key)
+                if not self.in_warm_up:
+                    self.eager_runs += self.capturing
+                    fn()
+                    return
+                if self.capturing:
+                    self._on_capture_stream(fn)
+                else:
+                    fn()
+            fn = self._compiled(fn)
+        if self.capturing and self.in_warm_up:
             self.optimizer_graphs[key] = self._capture(fn, f"optimizer update {key[0]}")
         else:
             self.eager_runs += self.capturing
             fn()
+
+    def _compiled(self, fn):
+        """The partial fn with its function compiled (once per function: each key's arguments
+        get a graph of their own in dynamo's cache of that function, which must hold them all)."""
+        if fn.func not in self.compiled:
+            self.compiled[fn.func] = self.compiler(fn.func)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(self.updates_seen))
+        return functools.partial(self.compiled[fn.func], *fn.args, **fn.keywords)
 
     def _capture(self, fn, what):
         """A CUDA graph of fn(), after one eager run of it on the capture stream, as capture

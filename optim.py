@@ -540,9 +540,9 @@ class Muon(torch.optim.Optimizer):
         return dict(momentum=group["momentum"], one_minus_momentum=1 - group["momentum"], blend=group["blend"],
                     mu=group["mu"], lr_eff=lr_eff, decay=[group["lr"] * e * group["weight_decay"] for e in lr_eff])
 
-    def _momentum_direction(self, group, hyper, p, g):
-        """The Nesterov direction u for matrix p with averaged fp32 gradient g (state updated)."""
-        state = self.state[p]
+    @staticmethod
+    def _momentum_direction(group, hyper, state, g):
+        """The Nesterov direction u for a matrix with averaged fp32 gradient g (its state updated)."""
         if group["variant"] == "anvil":
             if "fast_rail" not in state:
                 state["fast_rail"] = torch.zeros_like(g)
@@ -556,10 +556,10 @@ class Muon(torch.optim.Optimizer):
         state["momentum_buffer"].lerp_(g, hyper["one_minus_momentum"])
         return torch.lerp(g, state["momentum_buffer"], hyper["momentum"])
 
-    def _apply(self, group, hyper, p, update):
+    @staticmethod
+    def _apply(group, hyper, p, state, update):
         """Equalize (if on) the orthogonalized fp32 `update`, block by block with row_splits, and
         apply it to p's master weight."""
-        state = self.state[p]
         splits = group["row_splits"] or (p.shape[0],)
         if group["equalize"] and "lane_second_moment" not in state:
             state["lane_second_moment"] = [update.new_zeros((rows, 1) if rows >= p.shape[1] else (1, p.shape[1]))
@@ -593,18 +593,20 @@ class Muon(torch.optim.Optimizer):
                 out_blocks[i].copy_(part)
         return result
 
-    def _update_share(self, group, hyper, params, summed, world):
-        """Update the matrices `params` of one bank this rank owns from `summed` (k, rows, cols),
-        their gradients summed over the ranks, and write their new values into `summed` (for
-        the all-gather; a matrix without a gradient keeps its slot's zeros)."""
+    def _update_share(self, group, hyper, params, states, summed, world):
+        """Update the matrices `params` of one bank this rank owns, whose optimizer states are
+        `states`, from `summed` (k, rows, cols), their gradients summed over the ranks, and write
+        their new values into `summed` (for the all-gather; a matrix without a gradient keeps
+        its slot's zeros). It reads no other state: a compiled update depends on its bank's
+        alone."""
         owned = [(j, p) for j, p in enumerate(params) if p.grad is not None]
         if not owned:
             return
         directions = torch.stack([
-            self._momentum_direction(group, hyper, p, summed[j].float() / world) for j, p in owned])
+            self._momentum_direction(group, hyper, states[j], summed[j].float() / world) for j, _ in owned])
         orthogonal = self._orthogonalize(group, directions)
         for (j, p), update in zip(owned, orthogonal):
-            self._apply(group, hyper, p, update)
+            self._apply(group, hyper, p, states[j], update)
             summed[j].copy_(p.data)
 
     def _buffers(self, dtype, size, world, device):
@@ -628,15 +630,16 @@ class Muon(torch.optim.Optimizer):
             group = self.param_groups[layout.banks[share.bank][0]]
             views = self._views(summed, share, offset)
             hyper = self._hyper(group, share.params[0].shape)
+            states = [self.state[p] if p.grad is not None else None for p in share.params]
             if self.run_bank is None:
-                self._update_share(group, hyper, share.params, views, world)
+                self._update_share(group, hyper, share.params, states, views, world)
                 continue
             key = ("muon", share.bank, tuple(p.grad is not None for p in share.params))
             if key not in self.scalars:
                 self.scalars[key] = _DeviceScalars([hyper], share.params[0].device)
             self.scalars[key].write([hyper])
             self.run_bank(key, functools.partial(self._update_share, group, self.scalars[key].views[0],
-                                                 share.params, views, world))
+                                                 share.params, states, views, world))
 
     @torch.no_grad()
     def step(self):

@@ -2338,7 +2338,8 @@ class Trainer:
         self.model = build_model(h, self.kernels, TablePlacement(pg.rank, pg.world_size, h.ngram_cache_rows,
                                                                  pg.device))
         self.model.to(pg.device)
-        self.graphs = StepGraphs(self.model, pg.device, h.cuda_graphs)
+        self.graphs = StepGraphs(self.model, pg.device, h.cuda_graphs,
+                                 compiler=functools.partial(compile_fn, h) if h.compile else None)
         self.optimizers = build_optimizers(h, self.model, self.kernels,
                                            self.graphs.run_captured if h.cuda_graphs else None)
         self.adam = next(opt for opt in self.optimizers if isinstance(opt, optim.Adam))

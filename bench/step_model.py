@@ -25,15 +25,17 @@ The price of an op is a roofline: max(FLOPs / (peak of its dtype x efficiency), 
     efficiency;
   - other kernels (cross-entropy, QK norm + RoPE, FP8 casts, row sums, sparse Adam): their
     inputs read and outputs written once;
-  - the memory-bound aten ops: under torch.compile (the model's forward and backward) Inductor
-    fuses them, modelled so: the ops between two launches it cannot fuse into (matrix products,
-    custom kernels, collectives, sorts) form one region, one pass over memory in which each
-    storage read from outside the region is read once, and a storage the region writes is written
-    only if something after the region reads it or it existed before the region (state updated
-    in place); one kernel per region plus one per reduction in it. Saved activations are kept
-    as eager autograd keeps them (Inductor's partitioner may recompute some instead: the model
-    counts more traffic there, not less). Outside the compiled graphs (the optimizers, eager
-    runs) every op is a kernel of its own;
+  - the memory-bound aten ops: under torch.compile (the model's forward and backward; with CUDA
+    graphs also each optimizer update the trainer captures, one graph per Muon bank and one for
+    Adam) Inductor fuses them, modelled so: the ops between two launches it cannot fuse into
+    (matrix products, custom kernels, collectives, sorts, the end of a graph) form one region,
+    one pass over memory in which each storage read from outside the region is read once, and a
+    storage the region writes is written only if something after the region reads it or it
+    existed before the region (state updated in place); one kernel per size of output the region
+    writes (loops over different sizes do not fuse) plus one per reduction in it. Saved
+    activations are kept as eager autograd keeps them (Inductor's partitioner may recompute some
+    instead: the model counts more traffic there, not less). Outside the compiled graphs (the
+    weight averages, eager runs) every op is a kernel of its own;
   - collectives: ring traffic (all-reduce 2 (n-1)/n of the buffer, reduce-scatter and all-gather
     (n-1)/n of the full buffer, all-to-all (n-1)/n of what a rank sends) over NVLink's bus
     bandwidth x efficiency, plus COLLECTIVE_LATENCY_S each; nothing overlaps.
@@ -132,7 +134,17 @@ NO_READ_OPS = {"aten.empty_like", "aten.zeros_like", "aten.ones_like", "aten.ful
                "aten.fill_", "aten.new_empty_strided", "aten.randn", "aten.rand", "aten.normal_"}
 NO_WRITE_OPS = {"aten.empty_like", "aten.new_empty", "aten.empty_strided", "aten.empty", "aten.new_empty_strided"}
 PHASES = ("forward", "backward", "tables", "muon", "adam", "averages")
-COMPILED_PHASES = ("forward", "backward")   # torch.compile's graphs (when the run compiles)
+MICRO_BATCH_PHASES = ("forward", "backward")
+UPDATE_PHASES = ("muon", "adam")   # the optimizers' updates
+GRAPH_END = "census.graph_end"     # the event that closes one captured (and compiled) update
+
+
+def compiled_phases(h):
+    """The phases torch.compile builds graphs of: the forward and backward when the run compiles,
+    and the optimizers' updates when it also captures them as CUDA graphs (StepGraphs.run_captured)."""
+    if not h.compile:
+        return ()
+    return MICRO_BATCH_PHASES + (UPDATE_PHASES if h.cuda_graphs else ())
 
 
 @dataclasses.dataclass
@@ -164,6 +176,12 @@ class Census(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.events, self.phase, self._ids, self._alive = [], "forward", {}, []
+
+    def run_bank(self, key, fn):
+        """The optimizers' run_bank as the trainer's CUDA graphs run it: fn() is one graph, which
+        ends with it (GRAPH_END)."""
+        fn()
+        self.events.append(Event(GRAPH_END, self.phase, [], [], [], []))
 
     def storage(self, t):
         key = t.untyped_storage()._cdata
@@ -343,7 +361,7 @@ def _kernel_op(event, lengths):
 
 def _fusible(event):
     return not (event.name in GEMM_OPS or event.name in ATTENTION_OPS or event.name in COLLECTIVE_OPS
-                or event.name in EXTERN_ATEN_OPS or event.name.startswith(("kernels.", "c10d.")))
+                or event.name in EXTERN_ATEN_OPS or event.name.startswith(("kernels.", "c10d.", "census.")))
 
 
 def _later_reads(events):
@@ -373,9 +391,11 @@ def _region_op(events, first, last, readers, created, fused=True):
             if not fused or created.get(sid, -1) < first or any(j >= last for j in readers[sid])}
     names = collections.Counter(events[i].name.split(".", 1)[1] for i in range(first, last))
     reductions = sum(events[i].name in REDUCTION_OPS for i in range(first, last))
+    sizes = {math.prod(shape) for i in range(first, last) if events[i].name not in REDUCTION_OPS
+             for shape, _ in events[i].outputs}
     label = "fused: " + ", ".join(n for n, _ in names.most_common(4)) + (", ..." if len(names) > 4 else "")
     return Op(label, "pointwise", events[first].phase, bytes=float(sum(reads.values()) + sum(kept.values())),
-              kernels=1 + reductions)
+              kernels=max(1, len(sizes)) + reductions)
 
 
 def recomputed_casts(events):
@@ -392,11 +412,11 @@ def recomputed_casts(events):
             if e.phase == "backward" else e for e in events]
 
 
-def priced_ops(events, lengths, world, compiled):
+def priced_ops(events, lengths, world, compiled=()):
     """The Ops of a census: kernels and collectives one each; the fusible aten ops fused into
-    regions inside the compiled phases (with the forward's casts recomputed in the backward),
-    one op each elsewhere."""
-    if compiled:
+    regions inside the `compiled` phases (with the forward's casts recomputed in a compiled
+    backward), one op each elsewhere."""
+    if "backward" in compiled:
         events = recomputed_casts(events)
     readers = _later_reads(events)
     created, seen = {}, set()      # storage id -> the event that made it (absent: it existed before)
@@ -411,7 +431,7 @@ def priced_ops(events, lengths, world, compiled):
             ops.append(_collective_op(e, world))
         elif not _fusible(e):
             ops.append(_kernel_op(e, lengths))
-        elif compiled and e.phase in COMPILED_PHASES:
+        elif e.phase in compiled:
             j = i + 1
             while j < len(events) and _fusible(events[j]) and events[j].phase == e.phase:
                 j += 1
@@ -471,7 +491,7 @@ def trace_stage(h, index, world):
     census = Census()
     with torch.random.fork_rng(devices=[]), cuda_autocast_rules(), FakeTensorMode(allow_non_fake_inputs=True):
         model = train_gpt.build_model(h, fns, train_gpt.TablePlacement(0, world, h.ngram_cache_rows))
-        optimizers = train_gpt.build_optimizers(h, model, fns)
+        optimizers = train_gpt.build_optimizers(h, model, fns, census.run_bank if h.cuda_graphs else None)
         train_gpt.model_at(model, h, step)
         T = stage.tokens_per_rank
         model.set_loss_unit(1.0 / (T * (h.batch_ranks // world)))   # as the trainer does: the objective's weight
@@ -509,14 +529,14 @@ def census_of_stage(h, index, world):
     events, ships, widths = trace_stage(h, index, world)
     lengths = document_lengths(stage.tokens_per_rank, stage.max_doc_len)
     ops = priced_ops([e for e in events if not e.phase.startswith(("averages", "first update"))], lengths, world,
-                     h.compile)
+                     compiled_phases(h))
     averages = {}
     for i, start in ships.items():
         sampled = [e for e in events[start:] if e.phase == f"averages{i}"]
         for e in sampled:
             e.phase = "averages"
-        averages[i] = priced_ops(sampled, lengths, world, compiled=False)
-    return StageCensus([op for op in ops if op.phase in COMPILED_PHASES],
+        averages[i] = priced_ops(sampled, lengths, world)
+    return StageCensus([op for op in ops if op.phase in MICRO_BATCH_PHASES],
                        [op for op in ops if op.phase == "muon"], [op for op in ops if op.phase == "adam"],
                        averages, table_ops(h, index, world, widths))
 

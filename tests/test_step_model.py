@@ -66,29 +66,66 @@ def test_a_fused_region_reads_its_inputs_once_and_writes_what_is_read_after_it()
               event("aten.add", "forward", [(3, MB), (1, MB)], [(4, MB)])]
     gemm = event("aten.mm", "forward", [(4, MB), (9, MB)], [(5, MB)])
     gemm.inputs = [((256, 1024), torch.bfloat16), ((1024, 256), torch.bfloat16)]
-    ops = sm.priced_ops(region + [gemm], [], 1, compiled=True)
+    ops = sm.priced_ops(region + [gemm], [], 1, compiled=("forward", "backward"))
     assert [op.family for op in ops] == ["pointwise", "gemm"]
     assert ops[0].bytes == 3 * MB
     later = event("aten.sum", "backward", [(3, MB)], [(6, 4)])
-    assert sm.priced_ops(region + [gemm, later], [], 1, compiled=True)[0].bytes == 4 * MB
+    assert sm.priced_ops(region + [gemm, later], [], 1, compiled=("forward", "backward"))[0].bytes == 4 * MB
     state = [event("aten.mul", "forward", [(1, MB)], [(3, MB)]), event("aten.add_", "forward", [(7, MB), (3, MB)],
                                                                       [(7, MB)])]
-    assert sm.priced_ops(state, [], 1, compiled=True)[0].bytes == 3 * MB
+    assert sm.priced_ops(state, [], 1, compiled=("forward", "backward"))[0].bytes == 3 * MB
     # outside a compiled graph every op is a kernel of its own: a is written and read again
-    assert sum(op.bytes for op in sm.priced_ops(region, [], 1, compiled=False)) == 6 * MB
+    assert sum(op.bytes for op in sm.priced_ops(region, [], 1)) == 6 * MB
     assert ops[1].flops == 2 * 256 * 1024 * 256
+
+
+def test_a_fused_region_launches_a_loop_per_size_it_writes_and_ends_with_its_graph():
+    """Loops over different sizes do not fuse: a region writing a (1024,) and a (4, 4) result is
+    two kernels (plus one per reduction). A compiled update ends with its graph (GRAPH_END): the
+    ops on either side of it are two regions, each reading its inputs."""
+    KB = 1 << 10
+    big = sm.Event("aten.mul", "muon", [(1, 4 * KB)], [(2, 4 * KB)], [((1024,), torch.float32)],
+                   [((1024,), torch.float32)])
+    small = sm.Event("aten.add", "muon", [(3, 64)], [(4, 64)], [((4, 4), torch.float32)], [((4, 4), torch.float32)])
+    norm = sm.Event("aten.sum", "muon", [(2, 4 * KB)], [(5, 4)], [((1024,), torch.float32)], [((), torch.float32)])
+    (op,) = sm.priced_ops([big, small, norm], [], 1, compiled=("muon",))
+    assert op.kernels == 2 + 1
+    end = sm.Event(sm.GRAPH_END, "muon", [], [], [], [])
+    again = sm.Event("aten.mul", "muon", [(1, 4 * KB)], [(6, 4 * KB)], [((1024,), torch.float32)],
+                     [((1024,), torch.float32)])
+    gather = sm.Event("c10d._allgather_base_", "muon", [(2, 4 * KB), (6, 4 * KB)], [(7, 32 * KB)], [], [])
+    ops = sm.priced_ops([big, end, again, gather], [], 1, compiled=("muon",))
+    assert [op.bytes for op in ops[:2]] == [8 * KB, 8 * KB]   # x read by each graph; 2 and 6 written
+    assert sm.priced_ops([big, again, gather], [], 1, compiled=("muon",))[0].bytes == 12 * KB
+
+
+def test_the_optimizers_updates_are_fused_where_the_run_captures_them():
+    """With CUDA graphs the trainer compiles each optimizer update it captures (one graph per Muon
+    bank, one for Adam): the census fuses their pointwise math, which without them runs an
+    eager kernel per op, into far fewer launches and less traffic."""
+    h = tg.parse_config(["--preset", "speedrun"])
+    assert sm.compiled_phases(h) == ("forward", "backward", "muon", "adam")
+    assert sm.compiled_phases(tg.parse_config(["--preset", "speedrun", "--cuda_graphs=false"])) == ("forward",
+                                                                                                      "backward")
+    assert sm.compiled_phases(tg.parse_config(["--preset", "speedrun", "--compile=false"])) == ()
+    fused, eager = (census(["--cuda_graphs=" + on])[1] for on in ("true", "false"))
+    for phase in ("muon", "adam"):
+        pointwise = lambda c: [op for op in getattr(c, phase) if op.family == "pointwise"]  # noqa: E731
+        assert sum(op.kernels for op in pointwise(fused)) < sum(op.kernels for op in pointwise(eager)) / 2
+        assert sum(op.bytes for op in pointwise(fused)) < sum(op.bytes for op in pointwise(eager))
+    assert flops(fused.muon) == flops(eager.muon) > 0
 
 
 def test_collectives_cost_their_ring_traffic_and_a_latency():
     S = 10 ** 8
     all_reduce = event("c10d.allreduce_", "adam", [(1, S)], [(1, S)])
-    (op,) = sm.priced_ops([all_reduce], [], 8, compiled=False)
+    (op,) = sm.priced_ops([all_reduce], [], 8)
     assert op.comm == 2 * 7 / 8 * S
     seconds = sm.op_seconds(op, sm.H100, sm.REALISTIC, 8)
     assert seconds == pytest.approx(15e-6 + 2 * 7 / 8 * S / (450e9 * 0.7))
     assert sm.op_seconds(op, sm.H100, sm.REALISTIC, 1) == 0
     gather = event("c10d._allgather_base_", "muon", [(2, S // 8)], [(3, S)])
-    assert sm.priced_ops([gather], [], 8, compiled=False)[0].comm == 7 / 8 * S
+    assert sm.priced_ops([gather], [], 8)[0].comm == 7 / 8 * S
 
 
 def test_the_value_tables_all_reduce_the_rows_the_processes_touched(monkeypatch):

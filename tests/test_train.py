@@ -2,6 +2,7 @@
 schedule state across steps (untie, FP8 scales, validation), compute dtypes and compiling on a CPU."""
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -474,16 +475,19 @@ def cpu_graphs(monkeypatch, trainer, fail=None):
     return graphs
 
 
-@pytest.mark.parametrize("features", [[], NGRAM], ids=["hashed", "ngram"])
-def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeypatch, features):
+@pytest.mark.parametrize("features,compile_updates", [([], False), (NGRAM, False), ([], True)],
+                         ids=["hashed", "ngram", "compiled-updates"])
+def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeypatch, features, compile_updates):
     """Capture and replay with CUDA graph semantics on a CPU (CPUGraph): the warm-up captures
     each graph key's forward+backward once, each Muon bank's update and Adam's update (tied and
     untied); every timed micro-batch and optimizer update replays a graph (none runs eagerly),
     and the run's losses and weights still equal plain eager steps bit for bit, through a stage
     change, the untie (the head's Adam state copied in place), Adam every second step and the
     scheduled LR and momentum (device scalars refilled before each replay); with the n-gram
-    table too (its entries taken from the sink after each replay). A capture that fails ends in
-    one line saying how to run without graphs."""
+    table too (its entries taken from the sink after each replay); with the updates' math
+    compiled (aot_eager: dynamo and AOTAutograd's functionalization, the same ops) as a
+    compiling run does, one graph per captured update, all in the warm-up. A capture that fails
+    ends in one line saying how to run without graphs."""
     args = data_args(shards) + features + ["--num_iterations=6", "--untie_frac=0.8", "--adam_step_every=2",
                                            "--batch_ranks=2", "--warmup_steps=1"]
     select = tg.select_kernels
@@ -493,11 +497,24 @@ def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeyp
     eager = cpu_trainer(h)
     eager_losses = train_steps(eager, h, h.num_iterations)
     h = tiny_config(args + ["--cuda_graphs=true"])
+    compiler = functools.partial(tg.compile_fn, dataclasses.replace(h, compile_backend="aot_eager"))
+    if compile_updates:   # compiled math may round differently: the same compiled updates, not captured, are the reference
+        reference = cpu_trainer(h)
+        reference.graphs.compiler = compiler
+        tg.warm_up(reference, tg.find_shards(h.train_files), tg.validation_data(h, reference.pg,
+                                                                              tg.find_shards(h.val_files)))
+        reference_losses = train_steps(reference, h, h.num_iterations)
+        assert np.allclose(reference_losses, eager_losses, rtol=1e-4, atol=0)
+        eager, eager_losses = reference, reference_losses
     trainer = cpu_trainer(h)
+    if compile_updates:
+        trainer.graphs.compiler = compiler
     graphs = cpu_graphs(monkeypatch, trainer)
     val = tg.validation_data(h, trainer.pg, tg.find_shards(h.val_files))
+    compiled_before = tg.compiled_graphs()
     tg.warm_up(trainer, tg.find_shards(h.train_files), val)
     updates = trainer.graphs.optimizer_graphs      # Muon's banks; Adam with the head tied and untied
+    assert tg.compiled_graphs() - compiled_before == (len(updates) if compile_updates else 0)
     assert {key[0] for key in updates} == {"muon", "adam"} and sum(key[0] == "adam" for key in updates) == 2
     assert trainer.graphs.captured() == 3 and len(graphs) == 3 + len(updates)
     assert all(len(g.ops) > 20 for g in graphs)
@@ -511,6 +528,7 @@ def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeyp
     assert all(replays[g] == h.num_iterations for key, g in updates.items() if key[0] == "muon")
     assert sum(replays[g] for key, g in updates.items() if key[0] == "adam") == h.num_iterations // 2
     assert trainer.graphs.eager_runs == eager_runs, "every micro-batch and optimizer update replays"
+    assert tg.compiled_graphs() - compiled_before == (len(updates) if compile_updates else 0)
     for name, value in eager.model.state_dict().items():
         assert torch.equal(trainer.model.state_dict()[name], value), name
     for eager_opt, opt in zip(eager.optimizers, trainer.optimizers):   # the state the graphs updated in place

@@ -50,6 +50,13 @@ class CPUCapture(TorchDispatchMode):
         super().__init__()
         self.graph, self.fail = graph, fail
 
+    @classmethod
+    def ignore_compile_internals(cls):
+        """A compiled function runs compiled under the capture, which records the ops its compiled
+        code runs, as a CUDA graph records the kernels compiled code launches (a mode without
+        this makes torch.compile skip the frame and run it uncompiled)."""
+        return True
+
     def __enter__(self):
         if self.fail:
             raise RuntimeError(self.fail)
