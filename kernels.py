@@ -14,7 +14,8 @@ Families:
   4. Muon helper      xxt                                            xxt_reference
   5. QK norm + RoPE   qk_norm_rope                                   qk_norm_rope_reference
   6. Sparse rows      distinct_rows (plain torch), sum_rows,         sum_rows_reference,
-                      sparse_adam_rows_                              sparse_adam_rows_reference_
+                      add_row_sums_, sparse_adam_rows_               add_row_sums_reference_,
+                                                                     sparse_adam_rows_reference_
   7. Composed attn    composed_attention                             composed_attention_reference
 
 How the trainer uses the FP8 layers. A module that owns an FP8 weight also owns a small fp32
@@ -1913,6 +1914,7 @@ def qk_norm_rope_reference(q, k, cos, sin, stationary, key_doc_start=None, confi
 # number of distinct rows stays on the device, so no step waits for the host:
 #   distinct_rows(rows)          stable sort, mark first occurrences, number them (plain torch)
 #   sum_rows(values, groups)     each distinct row's values summed in token order: deterministic
+#   add_row_sums_(sums, ...)     the same sums added into rows of an fp32 accumulator in one pass
 #   sparse_adam_rows_(...)       Adam with beta1 = 0 and one fp32 second moment per row; a row's
 #                                moment first catches up on the decay of the events it missed
 
@@ -2004,6 +2006,74 @@ def sum_rows_reference(values, groups: RowGroups, config=None):
     _check_row_values(values, groups)
     out = torch.zeros(values.shape, dtype=torch.float32, device=values.device)
     return out.index_add_(0, groups.inverse, values.float())
+
+
+@triton.jit
+def _add_row_sums_kernel(values_ptr, order_ptr, starts_ptr, targets_ptr, sums_ptr, D, stride_v, stride_s,
+                         BLOCK_D: tl.constexpr):
+    """sums[targets[s]] += sum over p in [starts[s], starts[s + 1]) of values[order[p]], for one
+    slot s and one block of columns per program; the sum in fp32 and in token order, as
+    _sum_rows_kernel's, then one addition into the fp32 row. Slots past the count have an empty
+    range and touch nothing. Traffic: each value row read once and each used slot's target row
+    read and written once, N + 2 * count rows, where sum_rows and an index_add_ of its output
+    move N + 4 * N (every slot written, read back, and its target read and written). The targets
+    of the slots in use are distinct (the caller's contract: distinct rows, or slots handed to
+    distinct rows), so no two programs write one row: no atomics, and the result does not
+    depend on scheduling. Row offsets are 64-bit (see _sum_rows_kernel)."""
+    s = tl.program_id(0).to(tl.int64)
+    start, end = tl.load(starts_ptr + s), tl.load(starts_ptr + s + 1)
+    if end > start:
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        in_row = cols < D
+        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for p in range(start, end):
+            source = tl.load(order_ptr + p)
+            acc += tl.load(values_ptr + source * stride_v + cols, mask=in_row, other=0.0).to(tl.float32)
+        target = sums_ptr + tl.load(targets_ptr + s).to(tl.int64) * stride_s + cols
+        tl.store(target, tl.load(target, mask=in_row, other=0.0) + acc, mask=in_row)
+
+
+def _launch_add_row_sums(sums: Tensor, targets: Tensor, values: Tensor, order: Tensor, starts: Tensor,
+                         config: list[int]) -> None:
+    config = _config_from_list(config)
+    n, d = values.shape
+    _launch(_add_row_sums_kernel, (n, triton.cdiv(d, config.block_n)), config,
+            values_ptr=values, order_ptr=order, starts_ptr=starts, targets_ptr=targets, sums_ptr=sums, D=d,
+            stride_v=values.stride(0), stride_s=sums.stride(0), BLOCK_D=config.block_n)
+
+
+_add_row_sums_op = torch.library.custom_op(f"{_OPS}::add_row_sums_", _launch_add_row_sums, mutates_args=("sums",))
+
+
+@_add_row_sums_op.register_fake
+def _(sums, targets, values, order, starts, config):
+    return None
+
+
+def _check_row_sums(sums, targets, values, groups):
+    _check_row_values(values, groups)
+    if sums.dtype != torch.float32 or sums.ndim != 2 or sums.shape[1] != values.shape[1] or sums.stride(1) != 1:
+        raise ValueError(f"sums must be fp32 (rows, {values.shape[1]}) with unit column stride; got "
+                         f"{sums.dtype} {tuple(sums.shape)}, strides {sums.stride()}")
+    if targets.shape != groups.distinct.shape:
+        raise ValueError(f"targets must hold one row of sums per slot: shape {tuple(groups.distinct.shape)}, "
+                         f"got {tuple(targets.shape)}")
+
+
+def add_row_sums_(sums, targets, values, groups: RowGroups, config=SUM_ROWS):
+    """sums[targets[s]] += the sum of the values (N, D) of the entries in slot s of `groups`,
+    for each slot s in use (s < count): sum_rows(values, groups) added into the fp32 rows
+    `targets` of `sums` in one pass, without the (N, D) sums in between. The targets of the slots
+    in use must be distinct; those of the slots past the count are never read."""
+    _check_row_sums(sums, targets, values, groups)
+    _add_row_sums_op(sums, targets, values, groups.order, groups.starts, config.as_list())
+
+
+def add_row_sums_reference_(sums, targets, values, groups: RowGroups, config=None):
+    """add_row_sums_ by sum_rows_reference and index_add_ (a slot past the count adds its zeros
+    into row 0)."""
+    _check_row_sums(sums, targets, values, groups)
+    sums.index_add_(0, targets.clamp_min(0), sum_rows_reference(values, groups))
 
 
 @dataclasses.dataclass(frozen=True)

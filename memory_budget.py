@@ -293,7 +293,7 @@ def memory_budget(recipe, h, world_size):
         value_widths = [ve.embedding_dim for ve in model.value_embeds] if model.value_sinks is not None else []
     D, passing = h.model_dim, {}
     longest, tokens = max(s.tokens_per_rank for s in h.stages), recipe.max_positions(h)
-    device["value tables' sums"] = sum(4 * (PADDED_VOCAB_SIZE + 1) * w + NGRAM_ROW_STATE_BYTES * PADDED_VOCAB_SIZE
+    device["value tables' sums"] = sum(4 * PADDED_VOCAB_SIZE * w + NGRAM_ROW_STATE_BYTES * PADDED_VOCAB_SIZE
                                        for w in value_widths)
     passing["table update"] = sum(2 * 4 * PADDED_VOCAB_SIZE * w for w in value_widths)   # the touched rows' sums
     host = {}

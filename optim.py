@@ -886,10 +886,11 @@ class Adam(torch.optim.Optimizer):
 # ---------------------------------------------------------------------------------------------
 
 def _row_kernels(use_triton):
+    """(sum_rows, add_row_sums_, sparse_adam_rows_): the Triton kernels or their references."""
     kernels = importlib.import_module("kernels")
     if use_triton:
-        return kernels.sum_rows, kernels.sparse_adam_rows_
-    return kernels.sum_rows_reference, kernels.sparse_adam_rows_reference_
+        return kernels.sum_rows, kernels.add_row_sums_, kernels.sparse_adam_rows_
+    return kernels.sum_rows_reference, kernels.add_row_sums_reference_, kernels.sparse_adam_rows_reference_
 
 
 class SparseRowAdam:
@@ -918,7 +919,7 @@ class SparseRowAdam:
             raise OptimConfigError(f"SparseRowAdam trains a (rows, D) fp32 or bf16 table; got "
                                    f"{tuple(table.shape)} {table.dtype}")
         self.table, self.lr, self.beta2, self.eps, self.weight_decay = table, lr, beta2, eps, weight_decay
-        self.sum_rows, self.update_rows = _row_kernels(use_triton)
+        self.sum_rows, self.add_row_sums, self.update_rows = _row_kernels(use_triton)
         self.moment = torch.zeros(table.shape[0], dtype=torch.float32, device=table.device)
         self.last = torch.zeros(table.shape[0], dtype=torch.int32, device=table.device)
         self.events = 0
@@ -962,7 +963,7 @@ class SparseRowAdam:
         width, device = self.table.shape[1], self.table.device
         scratch = SparseRowAdam(torch.zeros(2, width, dtype=self.table.dtype, device=device), self.lr,
                                 self.beta2, self.eps, self.weight_decay)
-        scratch.sum_rows, scratch.update_rows = self.sum_rows, self.update_rows
+        scratch.sum_rows, scratch.add_row_sums, scratch.update_rows = self.sum_rows, self.add_row_sums, self.update_rows
         scratch.step(torch.tensor([1, 0, 1], device=device), torch.ones(3, width, device=device))
 
     def state_dict(self):

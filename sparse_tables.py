@@ -101,22 +101,20 @@ class VocabRowGradients:
     the updates are; keeping the entries instead would grow with the tokens in between (32
     micro-batches of 49,152 in the 1gpu preset's late phase: 4.8 GB for a 768-wide table).
 
-    add(groups, grads), after each micro-batch: its entries summed per row in token order
-    (sum_rows: deterministic), then added, one addition per row. touched(rows, summed): of the
+    add(groups, grads), after each micro-batch: its entries summed per row in token order and
+    added, one addition per row (add_row_sums_: deterministic). touched(rows, summed): of the
     candidate rows `rows` (sorted, distinct; their number known on the host, so no host sync),
     the RowGroups of those whose sum is not zero and their sums, slot by slot. A row whose
     gradients summed to exactly zero is left out: its update would be its moment's decay alone,
     which the catch-up applies when the row is next updated."""
 
-    def __init__(self, rows, dim, device, sum_rows):
-        self.sums = torch.zeros(rows + 1, dim, device=device)   # row `rows` takes the unused slots' zeros
+    def __init__(self, rows, dim, device, add_row_sums):
+        self.sums = torch.zeros(rows, dim, device=device)
         self.entries = 0           # entries added since the last clear (host)
-        self.sum_rows = sum_rows
+        self.add_row_sums = add_row_sums
 
     def add(self, groups, grads):
-        spare = torch.full_like(groups.distinct, self.sums.shape[0] - 1)
-        self.sums.index_add_(0, torch.where(groups.distinct >= 0, groups.distinct, spare),
-                             self.sum_rows(grads, groups))
+        self.add_row_sums(self.sums, groups.distinct, grads, groups)
         self.entries += grads.shape[0]
 
     def touched(self, rows, summed=None):
@@ -140,15 +138,15 @@ class RowGradientSums:
     the start: `capacity` fp32 rows of sums, at least the distinct rows an event can see.
 
     add(rows, grads), after each micro-batch: its entries, (N,) rows of the table the Adam trains
-    and their (N, D) gradients, summed per row in entry order (sum_rows: deterministic), each
-    row's sum then added to the row's slot; a row takes the next free slot when it first has a
+    and their (N, D) gradients, summed per row in entry order and added to the row's slot in one
+    pass (add_row_sums_: deterministic); a row takes the next free slot when it first has a
     gradient since the last event. Slots are handed out on the device (slot_of, row_of, count):
     no host sync. summed(calls): the RowGroups of the rows with a slot and their sums divided in
     place by `calls`, for SparseRowAdam.step_summed. The sums add the same entries as one sum
     over all of them, in another order: equal up to float rounding."""
 
-    def __init__(self, rows, dim, capacity, device, sum_rows):
-        self.rows, self.capacity, self.sum_rows = rows, capacity, sum_rows
+    def __init__(self, rows, dim, capacity, device, add_row_sums):
+        self.rows, self.capacity, self.add_row_sums = rows, capacity, add_row_sums
         self.sums = torch.zeros(capacity + 1, dim, device=device)   # slot `capacity` takes the padding's zeros
         self.slot_of = torch.full((rows + 1,), -1, dtype=torch.int32, device=device)  # row `rows`: the padding
         self.row_of = torch.full((capacity + 1,), rows, dtype=torch.int64, device=device)
@@ -164,7 +162,7 @@ class RowGradientSums:
         slot = torch.where(new, self.count + new.cumsum(0) - 1, slot)
         self.slot_of[row], self.row_of[slot] = slot.int(), row   # the padding's writes repeat its values
         self.count += new.sum()
-        self.sums.index_add_(0, slot, self.sum_rows(grads, groups))   # one addition per slot
+        self.add_row_sums(self.sums, slot, grads, groups)   # one addition per slot
         self.entries += rows.numel()
 
     def in_use(self):
@@ -435,7 +433,7 @@ class SparseTables:
                 self.fetcher = ShardedNgramRows(ngram, self.ngram_adam.sum_rows, pg)
             self.ngram_grads = RowGradientSums(self.ngram_adam.table.shape[0], h.model_dim,
                                                ngram_event_rows(h, pg.world_size), pg.device,
-                                               self.ngram_adam.sum_rows)
+                                               self.ngram_adam.add_row_sums)
         self.value_adams = []      # sparse value embeddings: each table's sparse Adam (every process's table whole)
         self.value_grads = []      # and its rows' gradients since its last update (VocabRowGradients)
         self.value_rows_seen = None  # host (numpy, V) bool: the tokens of this process's slices since the last update
@@ -446,7 +444,7 @@ class SparseTables:
                                            use_triton=use_triton)
                 self.value_adams.append(adam)
                 self.value_grads.append(VocabRowGradients(PADDED_VOCAB_SIZE, ve.embedding_dim, pg.device,
-                                                          adam.sum_rows))
+                                                          adam.add_row_sums))
             self.value_rows_seen = np.zeros(PADDED_VOCAB_SIZE, dtype=bool)
         # the processes' host masks meet on gloo; a CPU run's default group is one already
         self.host_group = (dist.new_group(backend="gloo") if self.value_adams and pg.world_size > 1

@@ -54,6 +54,7 @@ sys.path.insert(0, str(REPO_ROOT / "tests" / "helpers"))
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 
 import kernels  # noqa: E402
+import sparse_tables  # noqa: E402
 import train_gpt  # noqa: E402
 import triton  # noqa: E402
 from cuda_autocast import cuda_autocast_rules  # noqa: E402
@@ -163,11 +164,14 @@ def _library_calls():
 
     # the hashed n-gram table (width D) and the value-embedding tables (D and, for the narrow_vo
     # layers, D / 2): a token's rows' gradients summed per distinct row, sparse Adam on those
-    # rows of a table (its row count changes no launch), at several events
+    # rows of a table (its row count changes no launch), at several events; the row sums added
+    # into an fp32 table of sums
     groups = kernels.distinct_rows(torch.randint(0, NGRAM_TABLE_ROWS, (2 * T,)))
     for width in (D, D // 2):
         for dtype in WEIGHT_DTYPES:
             grads = kernels.sum_rows(_untouched(2 * T, width, dtype=dtype), groups)
+            kernels.add_row_sums_(_untouched(NGRAM_TABLE_ROWS, width, dtype=torch.float32), groups.distinct,
+                                  _untouched(2 * T, width, dtype=dtype), groups)
             for event in SPARSE_ADAM_EVENTS:
                 step = kernels.RowAdamStep(event=event, log_decay=-0.35, one_minus_beta2=0.05, bias=0.05, lr=0.01,
                                            decay=0.0, eps=1e-10)
@@ -292,13 +296,16 @@ def sparse_row_calls(h, model, processes, steps):
     """The sparse tables' kernel calls at the largest sizes of the run (sparse_update_entries),
     made as the trainer makes them on fake tensors: the n-gram table's update (SparseRowAdam.step:
     the entries summed per distinct row, then Adam on the table the trainer trains: this
-    process's shard, or the device cache of a table in host memory), and per value-embedding
-    table a micro-batch's row sums (VocabRowGradients.add) and Adam on as many rows as the
-    processes' tokens since the last update can touch (step_summed at the largest capacity
-    VocabRowGradients.touched can take)."""
+    process's shard, or the device cache of a table in host memory) and a micro-batch's entries
+    added to its pending sums (RowGradientSums.add: the slice's own, in the sink's dtype, or
+    with a split table the fp32 sums every process sent for this one's rows); per value-embedding
+    table a micro-batch's row sums added to the table's (VocabRowGradients.add) and Adam on as
+    many rows as the processes' tokens since the last update can touch (step_summed at the
+    largest capacity VocabRowGradients.touched can take)."""
     entries, tokens = sparse_update_entries(h, processes, steps)
     event = kernels.RowAdamStep(event=2, log_decay=-0.1, one_minus_beta2=0.05, bias=0.1, lr=0.01, decay=0.0, eps=1e-10)
     ngram = model.ngram
+    micro_batch = max(stage.tokens_per_rank for stage in h.stages)
     if ngram is not None and entries:
         table = ngram.fetched if ngram.on_host else ngram.table
         grads = torch.zeros(entries, table.shape[1])
@@ -307,12 +314,19 @@ def sparse_row_calls(h, model, processes, steps):
         rows = table.shape[0]
         kernels.sparse_adam_rows_(table, summed, groups, torch.zeros(rows), torch.zeros(rows, dtype=torch.int32),
                                   torch.zeros(64, dtype=torch.float64), event)
+        split = ngram.gathered and not ngram.on_host
+        n = 2 * micro_batch * (processes if split else 1)
+        capacity = sparse_tables.ngram_event_rows(h, processes)
+        slice_groups = kernels.distinct_rows(torch.zeros(n, dtype=torch.int64))
+        kernels.add_row_sums_(torch.zeros(capacity + 1, table.shape[1]), slice_groups.distinct,
+                              torch.zeros(n, table.shape[1], dtype=torch.float32 if split else ngram.sink.dtype),
+                              slice_groups)
     if model.value_sinks is not None and tokens:
-        micro_batch = max(stage.tokens_per_rank for stage in h.stages)
         capacity = min(train_gpt.PADDED_VOCAB_SIZE, tokens * processes)
         for ve, sink in zip(model.value_embeds, model.value_sinks):
             token_groups = kernels.distinct_rows(torch.zeros(micro_batch, dtype=torch.int64))
-            kernels.sum_rows(torch.zeros(micro_batch, sink.shape[1], dtype=sink.dtype), token_groups)
+            kernels.add_row_sums_(torch.zeros(train_gpt.PADDED_VOCAB_SIZE, sink.shape[1]), token_groups.distinct,
+                                  torch.zeros(micro_batch, sink.shape[1], dtype=sink.dtype), token_groups)
             groups = kernels.distinct_rows(torch.zeros(capacity, dtype=torch.int64))
             rows = ve.weight.shape[0]
             kernels.sparse_adam_rows_(ve.weight.detach(), torch.zeros(capacity, ve.weight.shape[1]), groups,

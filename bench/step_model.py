@@ -593,6 +593,7 @@ def table_ops(h, index, world, value_widths=()):
     any process touched)."""
     stage = h.stages[index]
     T, D = stage.tokens_per_rank, h.model_dim
+    sink = 2 if h.param_dtype == "bfloat16" else 4   # bytes of a gradient sink's element (the weights' dtype)
     per_slice, ngram_event, value_event = [], [], []
     if h.ngram_rows:
         row = D * getattr(torch, h.ngram_dtype).itemsize
@@ -606,21 +607,26 @@ def table_ops(h, index, world, value_widths=()):
                              kernels=0),
                           Op("n-gram gradients: all-to-all to the owners", "collective", "tables",
                              comm=remote * D * 4, kernels=0)]
-        per_slice += [Op("n-gram gradients: sum per row", "tables", "tables",
-                         bytes=2 * T * D * 4 + distinct * D * 4 + 2 * T * D * 4),   # read, write, zero the sink
-                      Op("n-gram gradients: add to the pending sums", "tables", "tables", bytes=3 * distinct * D * 4)]
+        if split:                  # summed per row for the owners (every slot written), then the received sums added
+            per_slice += [Op("n-gram gradients: sum per row", "tables", "tables",
+                             bytes=2 * T * D * sink + 2 * T * D * 4 + 2 * T * D * sink),   # read, write, zero the sink
+                          Op("n-gram gradients: add to the pending sums", "tables", "tables",
+                             bytes=distinct * D * 4 + 2 * distinct * D * 4)]
+        else:                      # the sink's entries summed straight into the pending rows (add_row_sums_)
+            per_slice += [Op("n-gram gradients: add to the pending sums", "tables", "tables",
+                             bytes=2 * T * D * sink + 2 * distinct * D * 4 + 2 * T * D * sink)]   # and zero the sink
         every = max([h.ngram_step_every, *(p.step_every for p in h.table_phases)])
         rows = min(sparse_event_rows(h, world, distinct, every), h.ngram_rows // world)
         ngram_event.append(Op("n-gram sparse Adam", "tables", "tables",
                               bytes=rows * (2 * row + D * 4 + 2 * 8)))
     if h.value_embed_sparse:
-        vocab = train_gpt.PADDED_VOCAB_SIZE + 1
+        vocab = train_gpt.PADDED_VOCAB_SIZE
         every = max([h.ngram_step_every, *(p.step_every for p in h.table_phases)])
         touched, _ = distinct_tokens(T * h.batch_ranks * every)   # every process's slices since the last event
         for width in value_widths:
             row = width * 4
-            per_slice.append(Op(f"value table {width}: row sums", "tables", "tables",
-                                bytes=T * row * 3 + 3 * min(T, vocab) * row))
+            per_slice.append(Op(f"value table {width}: row sums", "tables", "tables",   # added into the table's
+                                bytes=2 * T * width * sink + 2 * min(T, vocab) * row))   # and the sink zeroed
             if world > 1:
                 value_event.append(Op(f"value table {width}: all-reduce of the touched rows' sums", "collective",
                                       "tables", comm=2 * (world - 1) / world * touched * row, kernels=0))

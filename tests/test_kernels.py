@@ -1073,6 +1073,8 @@ def test_custom_ops_pass_opcheck():
     table, moment, last, log_decay_at, row_step = _row_adam_state(32, 12, torch.float32, seed=10)
     cases += [
         (kernels._sum_rows_op, (values, groups.order, groups.starts, SMALL_SUM_ROWS.as_list())),
+        (kernels._add_row_sums_op, (torch.zeros(32, 12), groups.distinct.clamp_min(0), values, groups.order,
+                                    groups.starts, SMALL_SUM_ROWS.as_list())),
         (kernels._sparse_adam_rows_op, (table, kernels.sum_rows_reference(values, groups), groups.distinct,
                                         groups.count, moment, last, log_decay_at, *dataclasses.astuple(row_step),
                                         kernels.SPARSE_ADAM.as_list())),
@@ -1257,6 +1259,50 @@ def _check_sum_rows(num_rows, n, d, dtype, device, config):
     assert torch.equal(got, kernels.sum_rows_reference(values, groups))
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_row_sums_adds_each_slots_sum_into_its_target_row(dtype):
+    """add_row_sums_ against float64: each distinct row's entries summed and added into an fp32
+    accumulator that already holds values, at the row itself (a vocabulary table's sums) and at
+    a slot handed to the row (a sparse table's): within the sum's bound plus one rounding of
+    the addition; kernel and reference (sum_rows_reference, then index_add_) to the same bits.
+    Rows no entry touched, and the targets of the slots past the count (-1, or a row that must
+    not move), are left as they were: rows of -0.0, whose sign bits an added zero would flip,
+    stand at that row and just below the sums (row -1)."""
+    _check_add_row_sums(64, 50, 40, dtype, "cpu", SMALL_SUM_ROWS)
+
+
+def _check_add_row_sums(num_rows, n, d, dtype, device, config):
+    rows, values, groups = _row_batch(num_rows, n, d, dtype, seed=32)
+    count = int(groups.count)
+    slots = torch.randperm(num_rows - 1, generator=torch.Generator().manual_seed(33))[:n]   # distinct targets
+    for targets, past_count in ((groups.distinct, -1), (slots, num_rows - 1)):
+        targets = targets.clone()
+        targets[count:] = past_count             # never read: -1 (a vocabulary table's) or a row that must stay
+        start = torch.randn(num_rows, d, generator=torch.Generator().manual_seed(34))
+        start[num_rows - 1] = -0.0              # adding zeros to it would flip its sign bits
+        untouched = torch.ones(num_rows, dtype=torch.bool)
+        untouched[targets[:count]] = False
+        assert untouched[num_rows - 1]
+        slot_sums = torch.zeros(n, d, dtype=torch.float64).index_add_(0, groups.inverse, values.double())
+        oracle = start.double().index_add_(0, targets[:count], slot_sums[:count])
+        repeats = torch.bincount(groups.inverse, minlength=n).double()[:, None]
+        slot_bound = repeats * U32 * torch.zeros_like(slot_sums).index_add_(0, groups.inverse, values.double().abs())
+        bound = torch.zeros_like(oracle).index_add_(0, targets[:count], slot_bound[:count]) + U32 * oracle.abs()
+        on_device = kernels.RowGroups(**{f.name: getattr(groups, f.name).to(device)
+                                         for f in dataclasses.fields(groups)})
+        below = torch.full((1, d), -0.0, device=device)   # the row before the sums: where row -1 would be
+        got = torch.cat([below, start.to(device)])[1:]
+        kernels.add_row_sums_(got, targets.to(device), values.to(device), on_device, config)
+        assert torch.equal(got._base[0].signbit().cpu(), torch.ones(d, dtype=torch.bool)), "a write to row -1"
+        got = got.cpu()
+        assert_within(got, oracle, bound, "add_row_sums_")
+        assert torch.equal(got[untouched], start[untouched]) and got[num_rows - 1].signbit().all()
+        want = start.clone()
+        kernels.add_row_sums_reference_(want, targets, values, groups)
+        assert torch.equal(got, want)
+
+
 def _row_adam_state(num_rows, d, dtype, seed):
     """A table, per-row moments and last events (0 = never updated) after 5 events whose beta2
     moved from 0.95 to 0.9025, and event 6's scalars."""
@@ -1351,6 +1397,7 @@ def test_gpu_kernel_families_match_their_references():
     _check_qk_norm_rope(4096, 6, 128, torch.bfloat16, True, "cuda", kernels.QK_NORM_ROPE)
     _check_composed_bf16(1024, 6, 128, "cuda", kernels.COMPOSED_CONFIGS)
     _check_sum_rows(1 << 16, 20_000, 768, torch.bfloat16, "cuda", kernels.SUM_ROWS)
+    _check_add_row_sums(1 << 16, 20_000, 768, torch.bfloat16, "cuda", kernels.SUM_ROWS)
     _check_sparse_adam_rows(1 << 14, 20_000, 768, torch.bfloat16, "cuda")
 
 

@@ -220,7 +220,7 @@ def test_row_gradient_sums_equal_the_entries_summed_per_row():
     g = torch.Generator().manual_seed(0)
     batches = [torch.tensor([5, 9, 5, 0, 63]), torch.tensor([9, 9, 17, 40]), torch.tensor([63, 2, 5])]
     distinct = sorted({int(r) for rows in batches for r in rows})
-    sums = sparse_tables.RowGradientSums(64, 3, len(distinct), torch.device("cpu"), kernels.sum_rows_reference)
+    sums = sparse_tables.RowGradientSums(64, 3, len(distinct), torch.device("cpu"), kernels.add_row_sums_reference_)
     expected = torch.zeros(64, 3, dtype=torch.float64)
     for rows in batches:
         grads = torch.randn(len(rows), 3, generator=g)
