@@ -495,9 +495,10 @@ def trace_stage(h, index, world):
         train_gpt.model_at(model, h, step)
         T = stage.tokens_per_rank
         model.set_loss_unit(1.0 / (T * (h.batch_ranks // world)))   # as the trainer does: the objective's weight
-        with model.sinks_of(T), census:
+        with model.sinks_of(T):
             for p in model.parameters():   # gradients exist after the first step; the backward adds into them
                 p.grad = torch.zeros_like(p) if p.requires_grad else None
+        with model.sinks_of(T), census:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=h.compute_dtype == "bfloat16"):
                 objective, _ = train_gpt.micro_batch_losses(model, stage, train_gpt.attention_windows(h, step),
                                                             train_gpt.empty_micro_batch(stage),

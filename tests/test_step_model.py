@@ -172,6 +172,17 @@ def seconds(h, c):
     return sum(sm.op_seconds(op, sm.H100, sm.PEAK, 1) for op in c.micro_batch)
 
 
+def test_the_census_counts_the_step_not_its_setup():
+    """The census gives every parameter a gradient first, as a step after the first finds them,
+    outside what it records: no forward event makes a zero tensor of the embedding's shape."""
+    h = tiny_config(["--compile=true"])
+    events, _, _ = sm.trace_stage(h, 0, 1)
+    embedding = (tg.PADDED_VOCAB_SIZE, h.model_dim)
+    assert [e.phase for e in events][0] == "forward"
+    assert not [e for e in events if e.phase in sm.MICRO_BATCH_PHASES and e.name == "aten.zeros_like"
+                and e.outputs[0][0] == embedding]
+
+
 def test_doubling_the_mlp_adds_its_products_flops_exactly():
     """An MLP of hidden width H costs 3 products of T x D x H (up, down) forward and twice that
     backward, on every layer: doubling H adds 2 x 3 x 2 T D H x layers."""
