@@ -2285,6 +2285,11 @@ def compile_fn(h, fn, fullgraph=True):
     (past the limit dynamo would fall back to eager without a word)."""
     graphs_needed = max(len(graph_changes(h)), len(validation_points(h)))
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs_needed)
+    # AOTAutograd's on-disk cache hands a later run the backward compiled for another stage's
+    # gradient-sink length (the sinks change shape through .data, GPT.sinks_of): a second run of
+    # a bf16 preset with --cuda_graphs=false failed at the first stage change. Inductor's own
+    # cache of generated kernels stays on.
+    torch._functorch.config.enable_autograd_cache = False
     return torch.compile(fn, dynamic=False, fullgraph=fullgraph, backend=h.compile_backend)
 
 

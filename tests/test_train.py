@@ -689,6 +689,16 @@ def test_compiled_cpu_step_matches_eager(shards):
     assert_gradients_close(eager, compiled, rel=1e-4)
 
 
+def test_compiling_turns_off_aotautograds_cache(monkeypatch):
+    """compile_fn turns AOTAutograd's on-disk cache off: with it, a second run of the cpu preset
+    with bf16 weights, inductor and --cuda_graphs=false got the backward of another stage's
+    gradient-sink length and failed at the first stage change (a fresh cache, or the cache
+    off, ran both times to the same val loss)."""
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", True)
+    tg.compile_fn(tiny_config(), lambda x: x)
+    assert torch._functorch.config.enable_autograd_cache is False
+
+
 def test_compiled_cpu_run_compiles_only_in_the_warm_up(shards, tmp_path):
     res = run_trainer(["--preset", "cpu", *TINY, *data_args(shards), "--num_iterations=4", "--compile=true",
                        "--compile_backend=aot_eager", f"--log_dir={tmp_path}"])
