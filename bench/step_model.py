@@ -204,7 +204,7 @@ class Census(torch.utils._python_dispatch.TorchDispatchMode):
         reads = [] if name in NO_READ_OPS else [(self.storage(t), _tensor_bytes(t)) for t in tensors]
         if name == "aten.copy_":   # copy_(dst, src) reads src only
             reads = [(self.storage(args[1]), _tensor_bytes(args[1]))]
-        written = [t for t in (mutated or outputs)]
+        written = mutated + [t for t in outputs if not any(t is m for m in mutated)]
         writes = [] if name in NO_WRITE_OPS else [(self.storage(t), _tensor_bytes(t)) for t in written]
         for t in outputs:
             self.storage(t)

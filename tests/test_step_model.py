@@ -79,6 +79,22 @@ def test_a_fused_region_reads_its_inputs_once_and_writes_what_is_read_after_it()
     assert ops[1].flops == 2 * 256 * 1024 * 256
 
 
+def test_an_op_that_updates_an_argument_in_place_also_writes_what_it_returns():
+    """fp8_cast records its amax in place and returns the fp8 copy and its transpose: the census
+    counts the input read and all three written."""
+    import kernels
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    census = sm.Census()
+    with FakeTensorMode():
+        x = torch.empty(64, 128, dtype=torch.bfloat16)
+        scale, amax = torch.ones(1), torch.zeros(1)
+        with census:
+            kernels.fp8_cast(x, scale, amax, torch.float8_e4m3fn)
+    (cast,) = [e for e in census.events if e.name == "kernels.fp8_cast"]
+    assert sorted(nbytes for _, nbytes in cast.writes) == [4, 64 * 128, 64 * 128]
+    assert sm._kernel_op(cast, []).bytes == 64 * 128 * 2 + 4 + 4 + 4 + 2 * 64 * 128
+
+
 def test_a_fused_region_launches_a_loop_per_size_it_writes_and_ends_with_its_graph():
     """Loops over different sizes do not fuse: a region writing a (1024,) and a (4, 4) result is
     two kernels (plus one per reduction). A compiled update ends with its graph (GRAPH_END): the
