@@ -10,7 +10,9 @@ Families:
   1. FP8 matmul       fp8_matmul, fp8_linear, fp8_relu2_mlp          (+ *_reference)
   2. Flash attention  flash_attn_varlen                              attention_reference
   3. Softcapped CE    softcap_cross_entropy                          softcap_cross_entropy_reference
-                      (on CPU: softcap_cross_entropy_chunked, the same algorithm in plain torch)
+                      (on CPU: softcap_cross_entropy_chunked, the same algorithm in plain torch);
+                      fp8_head_cross_entropy (the FP8 head and the    fp8_linear_reference, then
+                      cross-entropy in one; transpose)                softcap_cross_entropy_reference
   4. Muon helper      xxt                                            xxt_reference
   5. QK norm + RoPE   qk_norm_rope                                   qk_norm_rope_reference
   6. Sparse rows      distinct_rows (plain torch), sum_rows,         sum_rows_reference,
@@ -649,30 +651,43 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, state, scales, prims, config):
-        slots = FP8_LINEAR_SLOTS
-        x_scale, x_amax = _operand_scale(state, slots, scales.input, "input", FP8_E4M3_MAX, x)
-        x8, x8_t = prims.cast(x, x_scale, x_amax, torch.float8_e4m3fn)
-        w_scale, w_amax = _operand_scale(state, slots, scales.weight, "weight", FP8_E4M3_MAX, weight)
-        w8, w8_t = prims.cast(weight, w_scale, w_amax, torch.float8_e4m3fn)
-        _count_call(state, slots)
-        y = prims.matmul(x8, w8.t(), x_scale, w_scale, x.dtype, config)
-        ctx.save_for_backward(x8_t, w8_t, x_scale, w_scale)
+        y, saved = _fp8_linear_forward(x, weight, state, scales, prims, config)
+        ctx.save_for_backward(*saved)
         ctx.state, ctx.scales, ctx.prims, ctx.config = state, scales, prims, config
         ctx.dtypes = (x.dtype, weight.dtype)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x8_t, w8_t, x_scale, w_scale = ctx.saved_tensors
-        prims, config = ctx.prims, ctx.config
         g_scale, g_amax = _operand_scale(ctx.state, FP8_LINEAR_SLOTS, ctx.scales.grad_output, "grad_output",
                                          FP8_E5M2_MAX, grad_y)
-        g8, g8_t = prims.cast(grad_y, g_scale, g_amax, torch.float8_e5m2)
-        need_x, need_w = ctx.needs_input_grad[:2]
-        matmul = _backward_matmul(prims)
-        grad_x = matmul(g8, w8_t.t(), g_scale, w_scale, ctx.dtypes[0], config) if need_x else None
-        grad_w = matmul(g8_t, x8_t.t(), g_scale, x_scale, ctx.dtypes[1], config) if need_w else None
+        g8, g8_t = ctx.prims.cast(grad_y, g_scale, g_amax, torch.float8_e5m2)
+        grad_x, grad_w = _fp8_linear_grads(ctx, ctx.saved_tensors, g8, g8_t, g_scale)
         return grad_x, grad_w, None, None, None, None
+
+
+def _fp8_linear_forward(x, weight, state, scales, prims, config):
+    """(y, the tensors its backward needs): _FP8Linear's forward, its operands cast and the call
+    counted in `state`."""
+    slots = FP8_LINEAR_SLOTS
+    x_scale, x_amax = _operand_scale(state, slots, scales.input, "input", FP8_E4M3_MAX, x)
+    x8, x8_t = prims.cast(x, x_scale, x_amax, torch.float8_e4m3fn)
+    w_scale, w_amax = _operand_scale(state, slots, scales.weight, "weight", FP8_E4M3_MAX, weight)
+    w8, w8_t = prims.cast(weight, w_scale, w_amax, torch.float8_e4m3fn)
+    _count_call(state, slots)
+    y = prims.matmul(x8, w8.t(), x_scale, w_scale, x.dtype, config)
+    return y, (x8_t, w8_t, x_scale, w_scale)
+
+
+def _fp8_linear_grads(ctx, saved, g8, g8_t, g_scale):
+    """(grad_x, grad_w) of an FP8 linear layer from its output gradient in e5m2 (g8 and its
+    transpose g8_t, at scale g_scale), each only where ctx.needs_input_grad asks for it."""
+    x8_t, w8_t, x_scale, w_scale = saved
+    need_x, need_w = ctx.needs_input_grad[:2]
+    matmul = _backward_matmul(ctx.prims)
+    grad_x = matmul(g8, w8_t.t(), g_scale, w_scale, ctx.dtypes[0], ctx.config) if need_x else None
+    grad_w = matmul(g8_t, x8_t.t(), g_scale, x_scale, ctx.dtypes[1], ctx.config) if need_w else None
+    return grad_x, grad_w
 
 
 class _FP8ReLU2MLP(torch.autograd.Function):
@@ -1345,14 +1360,19 @@ def _softcap_tile(x, SOFTCAP: tl.constexpr, SHIFT: tl.constexpr, TEMP: tl.conste
 
 @triton.jit
 def _softcap_ce_kernel(logits_ptr, grad_ptr, targets_ptr, weights_ptr, loss_ptr, next_loss_ptr, num_cols,
-                       stride_lr, stride_gr, stride_tr, grad_scale,
+                       stride_lr, stride_gr, stride_tr, grad_scale, q_scale_ptr, amax_ptr,
                        NUM_TARGETS: tl.constexpr, TARGETS_PAD: tl.constexpr, SOFTCAP: tl.constexpr,
-                       SHIFT: tl.constexpr, TEMP: tl.constexpr, BLOCK_C: tl.constexpr, WITH_GRAD: tl.constexpr):
+                       SHIFT: tl.constexpr, TEMP: tl.constexpr, BLOCK_C: tl.constexpr, WITH_GRAD: tl.constexpr,
+                       Q_MAX: tl.constexpr):
     """Loss and logit gradient of one row: z = softcap(x), lse = log sum exp z,
     loss = sum_k w_k (lse - z[t_k]), dloss/dx = (W softmax(z) - sum_k w_k onehot(t_k)) * dz/dx,
     with W = sum of the weights of the targets present among the columns; also the unweighted
     loss of the first target alone, lse - z[t_0] (0 when absent): the next-token loss. The
     gradient is stored times grad_scale (the upstream gradient the caller expects; 1: none).
+
+    Q_MAX > 0: the gradient is stored in fp8 (grad_ptr's dtype) as the FP8 head's backward GEMMs
+    read it, g * (1 / q_scale) saturated to +-Q_MAX, and max |g| of the row is folded into
+    *amax_ptr (q_scale_ptr, amax_ptr: one fp32 element each; unused when Q_MAX is 0).
 
     Two passes over the row: the first sums exp(z - SOFTCAP) (z < SOFTCAP, so no running max is
     needed), the second writes the gradient (WITH_GRAD only). Traffic: the row read twice (the
@@ -1383,6 +1403,9 @@ def _softcap_ce_kernel(logits_ptr, grad_ptr, targets_ptr, weights_ptr, loss_ptr,
         return
 
     weight_total = tl.sum(weights, axis=0)
+    if Q_MAX > 0:
+        inv_q_scale = tl.div_rn(1.0, tl.load(q_scale_ptr))
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for start in range(0, num_cols, BLOCK_C):
         mask = start + cols < num_cols
         x = tl.load(logits_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
@@ -1390,8 +1413,13 @@ def _softcap_ce_kernel(logits_ptr, grad_ptr, targets_ptr, weights_ptr, loss_ptr,
         hits = tl.sum(tl.where((start + cols)[:, None] == targets[None, :], weights[None, :], 0.0), axis=1)
         grad_z = weight_total * tl.exp(z - lse) - hits
         # dz/dx = SOFTCAP * s (1 - s) / TEMP with s = z / SOFTCAP
-        grad_x = grad_z * z * (1.0 - z / SOFTCAP) / TEMP
-        tl.store(grad_ptr + start + cols, (grad_x * grad_scale).to(grad_ptr.dtype.element_ty), mask=mask)
+        grad = grad_z * z * (1.0 - z / SOFTCAP) / TEMP * grad_scale
+        if Q_MAX > 0:
+            amax = tl.maximum(amax, tl.where(mask, tl.abs(grad), 0.0))
+            grad = tl.clamp(grad * inv_q_scale, -Q_MAX, Q_MAX)
+        tl.store(grad_ptr + start + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+    if Q_MAX > 0:
+        tl.atomic_max(amax_ptr, tl.max(amax, axis=0))
 
 
 @triton.jit
@@ -1409,19 +1437,34 @@ def _scale_rows_kernel(x_ptr, factor_ptr, num_cols, stride_xr, BLOCK_C: tl.const
         tl.store(x_ptrs, (x * factor).to(x_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_softcap_ce(logits: Tensor, targets: Tensor, weights: Tensor, with_grad: bool, grad_scale: float,
-                       config: list[int]) -> tuple[Tensor, Tensor, Tensor]:
-    config = _config_from_list(config)
+def _launch_ce_kernel(logits, targets, weights, grad, grad_scale, q_scale, amax, q_max, config):
     N, C = logits.shape
-    grad = torch.empty((N, C) if with_grad else (0, C), dtype=logits.dtype, device=logits.device)
     loss = torch.empty(N, dtype=torch.float32, device=logits.device)
     next_loss = torch.empty(N, dtype=torch.float32, device=logits.device)
     _launch(_softcap_ce_kernel, (N,), config,
             logits_ptr=logits, grad_ptr=grad, targets_ptr=targets, weights_ptr=weights, loss_ptr=loss,
             next_loss_ptr=next_loss, num_cols=C, stride_lr=logits.stride(0), stride_gr=grad.stride(0),
-            stride_tr=targets.stride(0), grad_scale=grad_scale,
+            stride_tr=targets.stride(0), grad_scale=grad_scale, q_scale_ptr=q_scale, amax_ptr=amax,
             NUM_TARGETS=targets.shape[1], TARGETS_PAD=triton.next_power_of_2(targets.shape[1]),
-            SOFTCAP=SOFTCAP, SHIFT=SOFTCAP_SHIFT, TEMP=SOFTCAP_TEMP, BLOCK_C=config.block_n, WITH_GRAD=with_grad)
+            SOFTCAP=SOFTCAP, SHIFT=SOFTCAP_SHIFT, TEMP=SOFTCAP_TEMP, BLOCK_C=config.block_n,
+            WITH_GRAD=grad.shape[0] > 0, Q_MAX=q_max)
+    return loss, next_loss
+
+
+def _launch_softcap_ce(logits: Tensor, targets: Tensor, weights: Tensor, with_grad: bool, grad_scale: float,
+                       config: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    N, C = logits.shape
+    grad = torch.empty((N, C) if with_grad else (0, C), dtype=logits.dtype, device=logits.device)
+    loss, next_loss = _launch_ce_kernel(logits, targets, weights, grad, grad_scale, weights, weights, 0.0,
+                                        _config_from_list(config))
+    return loss, next_loss, grad
+
+
+def _launch_softcap_ce_fp8(logits: Tensor, targets: Tensor, weights: Tensor, grad_scale: float, q_scale: Tensor,
+                           amax: Tensor, fp8_dtype: torch.dtype, config: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    grad = torch.empty(logits.shape, dtype=fp8_dtype, device=logits.device)
+    loss, next_loss = _launch_ce_kernel(logits, targets, weights, grad, grad_scale, q_scale, amax,
+                                        _FP8_MAX[fp8_dtype], _config_from_list(config))
     return loss, next_loss, grad
 
 
@@ -1432,6 +1475,8 @@ def _launch_scale_rows_(x: Tensor, factor: Tensor, config: list[int]) -> None:
 
 
 _softcap_ce_op = torch.library.custom_op(f"{_OPS}::softcap_ce", _launch_softcap_ce, mutates_args=())
+_softcap_ce_fp8_op = torch.library.custom_op(f"{_OPS}::softcap_ce_fp8", _launch_softcap_ce_fp8,
+                                             mutates_args=("amax",))
 _scale_rows_op = torch.library.custom_op(f"{_OPS}::scale_rows_", _launch_scale_rows_, mutates_args=("x",))
 
 
@@ -1445,6 +1490,13 @@ def _(logits, targets, weights, with_grad, grad_scale, config):
 @_scale_rows_op.register_fake
 def _(x, factor, config):
     return None
+
+
+@_softcap_ce_fp8_op.register_fake
+def _(logits, targets, weights, grad_scale, q_scale, amax, fp8_dtype, config):
+    N, C = logits.shape
+    return (logits.new_empty(N, dtype=torch.float32), logits.new_empty(N, dtype=torch.float32),
+            logits.new_empty((N, C), dtype=fp8_dtype))
 
 
 class _SoftcapCrossEntropy(torch.autograd.Function):
@@ -1492,17 +1544,109 @@ def softcap_cross_entropy(logits, targets, weights, config=CROSS_ENTROPY, scale_
     any upstream gradient gives the right result. exact_upstream=True is the caller's promise
     that every row's upstream gradient is grad_scale: the backward then hands the stored
     gradient on without looking (another upstream gradient would go unseen)."""
-    if logits.dim() != 2 or targets.dim() != 2 or targets.shape[0] != logits.shape[0]:
-        raise ValueError(f"softcap_cross_entropy needs logits (N, C) and targets (N, K); got "
-                         f"{tuple(logits.shape)} and {tuple(targets.shape)}")
-    if weights.shape != (targets.shape[1],):
-        raise ValueError(f"softcap_cross_entropy needs one weight per target column; got {tuple(weights.shape)}")
-    if not (math.isfinite(grad_scale) and grad_scale != 0):
-        raise ValueError(f"softcap_cross_entropy: grad_scale must be a nonzero finite number; got {grad_scale}")
+    _check_cross_entropy_inputs(logits.shape, targets, weights, grad_scale)
     logits = _last_dim_contiguous(logits)
     targets = _last_dim_contiguous(targets.long())
     return _SoftcapCrossEntropy.apply(logits, targets, weights.float().contiguous(), float(grad_scale),
                                       config.as_list(), scale_config.as_list(), bool(exact_upstream))
+
+
+def _check_cross_entropy_inputs(logits_shape, targets, weights, grad_scale):
+    if len(logits_shape) != 2 or targets.dim() != 2 or targets.shape[0] != logits_shape[0]:
+        raise ValueError(f"softcap_cross_entropy needs logits (N, C) and targets (N, K); got "
+                         f"{tuple(logits_shape)} and {tuple(targets.shape)}")
+    if weights.shape != (targets.shape[1],):
+        raise ValueError(f"softcap_cross_entropy needs one weight per target column; got {tuple(weights.shape)}")
+    if not (math.isfinite(grad_scale) and grad_scale != 0):
+        raise ValueError(f"softcap_cross_entropy: grad_scale must be a nonzero finite number; got {grad_scale}")
+
+
+# The FP8 head and the cross-entropy in one: the logit gradient written once, in e5m2.
+
+TRANSPOSE = LaunchConfig(block_m=64, block_n=64, num_warps=4)
+
+
+@triton.jit
+def _transpose_kernel(x_ptr, y_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y = x^T: x (M, N) and y (N, M) both row-major. One (BLOCK_M, BLOCK_N) tile of x per
+    program, transposed in registers (through shared memory), so that the loads run along x's
+    rows and the stores along y's. Traffic: x read once, y written once."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=(rows[:, None] < M) & (cols[None, :] < N))
+    tl.store(y_ptr + cols[:, None] * M + rows[None, :], tl.trans(x), mask=(cols[:, None] < N) & (rows[None, :] < M))
+
+
+def _launch_transpose(x: Tensor, config: list[int]) -> Tensor:
+    config = _config_from_list(config)
+    M, N = x.shape
+    y = torch.empty(N, M, dtype=x.dtype, device=x.device)
+    _launch(_transpose_kernel, (triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n)), config,
+            x_ptr=x, y_ptr=y, M=M, N=N, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
+    return y
+
+
+_transpose_op = torch.library.custom_op(f"{_OPS}::transpose", _launch_transpose, mutates_args=())
+
+
+@_transpose_op.register_fake
+def _(x, config):
+    return x.new_empty(x.shape[::-1])
+
+
+def transpose(x, config=TRANSPOSE):
+    """x.t().contiguous() of a contiguous (M, N) x, by a Triton kernel."""
+    return _transpose_op(x.contiguous(), config.as_list())
+
+
+class _FP8HeadCrossEntropy(torch.autograd.Function):
+    """softcap_cross_entropy(fp8_linear(x, W)) for the objective's own upstream gradient. The
+    forward is _FP8Linear's, then the cross-entropy kernel, which stores the logit gradient (for
+    the upstream gradient grad_scale on every row) straight in e5m2 at the head's gradient scale,
+    and a transpose kernel copies it for the weight gradient; the backward is the two gradient
+    GEMMs. Against fp8_linear followed by softcap_cross_entropy this saves writing the gradient
+    in bf16 and reading it again to cast it (2 x 2 bytes an element, of 4 + 2); the gradient is
+    rounded once, from fp32 to e5m2, instead of through bf16."""
+
+    @staticmethod
+    def forward(ctx, x, weight, state, targets, weights, grad_scale, scales, prims, config, ce_config):
+        logits, saved = _fp8_linear_forward(x, weight, state, scales, prims, config)
+        g_scale, g_amax = _operand_scale(state, FP8_LINEAR_SLOTS, scales.grad_output, "grad_output", FP8_E5M2_MAX,
+                                         None)
+        loss, next_loss, g8 = _softcap_ce_fp8_op(logits, targets, weights, grad_scale, g_scale, g_amax,
+                                                 torch.float8_e5m2, ce_config)
+        ctx.save_for_backward(*saved, g8, transpose(g8), g_scale)
+        ctx.prims, ctx.config, ctx.dtypes = prims, config, (x.dtype, weight.dtype)
+        ctx.mark_non_differentiable(next_loss)
+        return loss, next_loss
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_next_loss):
+        *saved, g8, g8_t, g_scale = ctx.saved_tensors
+        grad_x, grad_w = _fp8_linear_grads(ctx, saved, g8, g8_t, g_scale)
+        return grad_x, grad_w, None, None, None, None, None, None, None, None
+
+
+def fp8_head_cross_entropy(x, weight, state, targets, weights, grad_scale, config=None, ce_config=CROSS_ENTROPY,
+                           scales=HEAD_SCALES, gemm="triton"):
+    """softcap_cross_entropy(fp8_linear(x, weight, state, scales=scales), targets, weights,
+    grad_scale=grad_scale, exact_upstream=True) with its logit gradient written once, in e5m2
+    (_FP8HeadCrossEntropy): (loss, next_token_loss), both (N,) fp32. The caller promises that
+    every row's upstream gradient is grad_scale (the trainer's objective); the gradient scale
+    must not need the gradient itself (a Static or Delayed rule). Without a gradient to take
+    (no grad mode, or neither x nor weight requiring one) it is the two functions composed."""
+    _check_fp8_state(state, FP8_LINEAR_SLOTS, "new_fp8_linear_state")
+    _check_scales(scales, FP8LinearScales)
+    if not isinstance(scales.grad_output, (Static, Delayed)):
+        raise ValueError("fp8_head_cross_entropy: the gradient's scale rule must be Static or Delayed (the "
+                         "cross-entropy writes the gradient in fp8 as it computes it)")
+    _check_cross_entropy_inputs((x.shape[0], weight.shape[0]), targets, weights, grad_scale)
+    targets = _last_dim_contiguous(targets.long())
+    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        logits = fp8_linear(x, weight, state, config, scales, gemm)
+        return softcap_cross_entropy(logits, targets, weights, ce_config, grad_scale=grad_scale, exact_upstream=True)
+    return _FP8HeadCrossEntropy.apply(x, weight, state, targets, weights.float().contiguous(), float(grad_scale),
+                                      scales, FP8_GEMMS[gemm], config, ce_config.as_list())
 
 
 def softcap(logits):

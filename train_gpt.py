@@ -1242,6 +1242,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Parameter(torch.zeros(PADDED_VOCAB_SIZE, cfg.model_dim))
         self.tied = True
         self.fp8_head = fns.fp8_head   # in training, the head runs in FP8 with its state in head_fp8_state
+        self.fp8_head_loss = fns.fp8_head_loss
         if fns.fp8_head is not None:
             self.register_buffer("head_fp8_state", kernels.new_fp8_linear_state())
         self.loss_unit = None   # the weight the objective gives one token's loss, once the trainer sets it
@@ -1497,8 +1498,12 @@ class GPT(nn.Module):
         # stored gradient on untouched; elsewhere a hint (the mean's) that any backward may differ from.
         exact = self.training and self.loss_unit is not None
         upstream = self.loss_unit if exact else 1.0 / x.size(0)
-        objective, next_token = self.cross_entropy_fn(self.head(x, weight), all_targets, target_weights,
-                                                      grad_scale=upstream, exact_upstream=exact)
+        if exact and self.fp8_head_loss is not None:   # the logit gradient written once, in FP8
+            objective, next_token = self.fp8_head_loss(x.to(torch.bfloat16), weight, self.head_fp8_state,
+                                                       all_targets, target_weights, grad_scale=upstream)
+        else:
+            objective, next_token = self.cross_entropy_fn(self.head(x, weight), all_targets, target_weights,
+                                                          grad_scale=upstream, exact_upstream=exact)
         return objective.mean(), next_token.mean()
 
     @torch.no_grad()
@@ -2159,6 +2164,9 @@ class KernelFns:
     fp8_head: object = None        # fn(x, weight, state); None: the head runs in the autocast dtype
     qk_norm_rope: object = kernels.qk_norm_rope_reference  # fn(q, k, cos, sin, stationary, key_doc_start)
     composed_attention: object = kernels.composed_attention_reference  # fn(q, k, v, doc_start, window, scale, mixes)
+    # fn(x, weight, state, targets, weights, grad_scale): the FP8 head and the cross-entropy in one, for
+    # the training objective (kernels.fp8_head_cross_entropy); None: the head, then cross_entropy
+    fp8_head_loss: object = None
 
     @property
     def any_fp8(self):
@@ -2187,8 +2195,10 @@ def select_kernels(h, device):
     with_fp8 = use_triton or device.type == "cuda" or h.fp8_on_cpu
     mlp, qkv, head = fp8_kernels(h, use_triton) if with_fp8 else (None, None, None)
     if use_triton:
+        head_loss = (functools.partial(kernels.fp8_head_cross_entropy, scales=kernels.HEAD_SCALES, gemm=h.fp8_gemm)
+                     if h.fp8_head else None)
         return KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy, mlp, kernels.xxt, qkv, head,
-                         kernels.qk_norm_rope, kernels.composed_attention)
+                         kernels.qk_norm_rope, kernels.composed_attention, head_loss)
     # Here auto means CPU: the chunked cross-entropy is the kernel's algorithm, ~3x faster than the
     # reference there; `kernels=reference` keeps the plain reference for A/B runs.
     cross_entropy = (kernels.softcap_cross_entropy_reference if h.kernels == "reference"

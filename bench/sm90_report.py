@@ -12,7 +12,7 @@ tensor argument's largest element offset:
     sizes the run makes (sparse_row_calls); each kernel op it calls is then made again on real
     CPU tensors that are allocated but never touched, which records the launch without running it;
   - the library's other production variants (LIBRARY_SHAPES: head dims 64, the FP8 linear,
-    sampled-softmax widths, both weight dtypes, both value-table widths), from the public
+    sampled-softmax widths (the cross-entropy alone and with the FP8 head), both weight dtypes, both value-table widths), from the public
     wrappers on untouched tensors.
 Each distinct launch is compiled with triton.compile for GPUTarget("cuda", 90, 32) and
 inspected with the cuobjdump that ships inside the triton wheel; "trainer" in an entry says
@@ -121,7 +121,9 @@ def _library_calls():
     T, D, H = s["tokens"], s["width"], s["hidden"]
     x = _untouched(T, D, requires_grad=True)
     for weight_dtype in WEIGHT_DTYPES:
-        for out_features in (3 * D, D, s["candidates"]):  # packed QKV, attention output, lm_head
+        # packed QKV, attention output, lm_head (at the candidates and the vocabulary, whose gradient
+        # cast addresses more than 2^31 elements)
+        for out_features in (3 * D, D, s["candidates"], s["vocab"]):
             weight = _untouched(out_features, D, dtype=weight_dtype, requires_grad=True)
             y = kernels.fp8_linear(x, weight, kernels.new_fp8_linear_state())
             y.backward(torch.empty_like(y))
@@ -148,6 +150,11 @@ def _library_calls():
             targets = torch.zeros(T, num_targets, dtype=torch.int64)
             loss, _ = kernels.softcap_cross_entropy(logits, targets, torch.ones(num_targets))
             loss.backward(torch.empty_like(loss))
+            # the FP8 head with the cross-entropy: the gradient written in e5m2, then transposed
+            weight = _untouched(columns, D, requires_grad=True)
+            loss, _ = kernels.fp8_head_cross_entropy(x, weight, kernels.new_fp8_linear_state(), targets,
+                                                     torch.ones(num_targets), 1 / T)
+            loss.sum().backward()
     with torch.no_grad():  # validation: full vocabulary, next token only, no gradient
         kernels.softcap_cross_entropy(_untouched(T, s["vocab"]), torch.zeros(T, 1, dtype=torch.int64), torch.ones(1))
 
@@ -347,9 +354,8 @@ def trainer_kernel_calls(run="speedrun"):
 
 
 def _kernel_fns(h):
-    mlp, qkv, head = train_gpt.fp8_kernels(h, use_triton=True)
-    return train_gpt.KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy, mlp, kernels.xxt, qkv,
-                               head, kernels.qk_norm_rope, kernels.composed_attention)
+    """The kernel functions the trainer picks on a GPU (train_gpt.select_kernels)."""
+    return train_gpt.select_kernels(dataclasses.replace(h, kernels="auto", device="cuda"), torch.device("cuda"))
 
 
 # Config fields that move the n-gram table or name the run, and change no training step's kernel calls.

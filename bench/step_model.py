@@ -355,7 +355,7 @@ def _kernel_op(event, lengths):
     if name in ATTENTION_OPS:
         return Op(name, "attention", event.phase, flops=attention_flops(event, lengths), dtype="bf16",
                   bytes=_read_write_bytes(event), kernels=3 if name == "kernels.attn_bwd" else 1)
-    family = "cross-entropy" if name in ("kernels.softcap_ce", "kernels.scale_rows_") else "kernel"
+    family = "cross-entropy" if name in ("kernels.softcap_ce", "kernels.softcap_ce_fp8", "kernels.scale_rows_") else "kernel"
     return Op(name, family, event.phase, bytes=_read_write_bytes(event))
 
 

@@ -16,6 +16,7 @@ compile it for sm_90 (bench/sm90_report.py) with the tensor-core, shared-memory 
 and to check that every kernel variant the timed run launches was launched in the warm-up (so
 that the Triton JIT compiles nothing on the clock).
 """
+import dataclasses
 import math
 import sys
 
@@ -102,13 +103,13 @@ def rehearsal_model_step(h):
     """Forward and backward of a training step and a validation forward of the rehearsal model
     with the Triton kernel functions, on fake CPU tensors (the kernels' fake implementations
     run, nothing launches). Returns the loss."""
-    mlp, qkv, head = tg.fp8_kernels(h, use_triton=True)
-    fns = tg.KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy, mlp, kernels.xxt, qkv, head)
-    model = tg.build_model(h, fns)
+    model = tg.build_model(h, tg.select_kernels(dataclasses.replace(h, kernels="auto", device="cuda"),
+                                                torch.device("cuda")))
     T = h.stages[0].tokens_per_rank
     tokens = torch.randint(0, 3000, (T,), dtype=torch.int32)
     targets = torch.randint(0, 3000, (T, tg.MAX_TARGETS - 1))
     args = tg.AttentionArgs(torch.tensor([0, 100, T], dtype=torch.int32), 128, 256)
+    model.set_loss_unit(1.0 / T)   # as the trainer does: the objective's upstream gradient is known
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss, _ = model(tokens, targets, args, tg.target_weights(h.stages[0], "cpu"))
     loss.backward()
@@ -162,7 +163,7 @@ def test_kernels_get_one_dtype_under_cuda_autocast():
         assert q == k == v == torch.bfloat16
     for grad_o, q, k, v, *_ in by_op["attn_bwd"]:
         assert grad_o == q == k == v == torch.bfloat16
-    assert all(dtypes[0] == torch.bfloat16 for dtypes in by_op["softcap_ce"])
+    assert all(dtypes[0] == torch.bfloat16 for dtypes in by_op["softcap_ce"] + by_op["softcap_ce_fp8"])
     assert all(dtypes[0] == torch.bfloat16 for dtypes in by_op["fp8_cast"] if dtypes[0].itemsize == 2)
 
 
@@ -326,7 +327,7 @@ def test_rehearsal_launches_every_kernel_with_one_dtype(rehearsal):
     launches = rehearsal[2]
     names = {name for name, *_ in launches}
     assert names == {"_fp8_cast_kernel", "_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_attn_fwd_kernel",
-                     "_attn_bwd_delta_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel", "_softcap_ce_kernel",
+                     "_attn_bwd_delta_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel", "_softcap_ce_kernel", "_transpose_kernel",
                      "_xxt_kernel", "_qk_norm_rope_fwd_kernel", "_qk_norm_rope_bwd_kernel",
                      "_dc_fwd_kernel", "_dc_bwd_mix_kernel", "_dc_bwd_q_kernel", "_dc_bwd_kv_kernel",
                      "_sum_rows_kernel", "_add_row_sums_kernel", "_sparse_adam_rows_kernel"}

@@ -995,6 +995,63 @@ def test_an_exact_upstream_hands_the_stored_gradient_on_with_no_op_even_compiled
 
 
 @interpreted
+def test_transpose_copies_every_tile_including_the_edges():
+    x = torch.arange(37 * 70, dtype=torch.float32).reshape(37, 70).to(E5M2)
+    y = kernels.transpose(x, kernels.LaunchConfig(block_m=16, block_n=32))
+    assert y.shape == (70, 37) and torch.equal(y.float(), x.float().t())
+
+
+@interpreted
+def test_fp8_head_cross_entropy_writes_the_logit_gradient_once_in_e5m2():
+    """The FP8 head and the cross-entropy in one, for the objective's own upstream gradient (the
+    mean over 24 tokens of one of 2 micro-batches, 1/48): the losses are the plain kernel's on the
+    same FP8 logits, bitwise; the saved e5m2 gradient and its transpose are the cross-entropy
+    kernel's fp32 gradient quantized by the torch quantizer at the head's static scale, bitwise,
+    and the state records its amax; the input and weight gradients match the float64 gradient
+    of the head within the e5m2 rounding of the logit gradient (2^-3 relative, or half its
+    smallest subnormal) and the fp32 and bf16 roundings of the GEMMs."""
+    generator = torch.Generator().manual_seed(31)
+    N, D, C = 24, 32, 150
+    x = (torch.randn(N, D, generator=generator) * 3).bfloat16()
+    weight = torch.randn(C, D, generator=generator) * 0.4
+    _, targets, weights, _ = _cross_entropy_inputs(N, C, 3, 32, torch.float32)
+    states = [kernels.new_fp8_linear_state(), kernels.new_fp8_linear_state()]
+    for state in states:
+        kernels.set_fp8_loss_unit(state, 1 / 48)
+    logits = kernels.fp8_linear(x, weight, states[0], SMALL_MATMUL, scales=kernels.HEAD_SCALES)
+    loss, next_loss = kernels.softcap_cross_entropy(logits, targets, weights, SMALL_CE, grad_scale=1 / 48,
+                                                    exact_upstream=True)
+    xs, ws = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    fused, fused_next = kernels.fp8_head_cross_entropy(xs, ws, states[1], targets, weights, 1 / 48,
+                                                       SMALL_MATMUL, SMALL_CE)
+    assert torch.equal(fused, loss) and torch.equal(fused_next, next_loss)
+
+    _, w8_t, _, w_scale, g8, g8_t, g_scale = fused.grad_fn.saved_tensors
+    _, _, g32 = kernels._softcap_ce_op(logits.float(), targets, weights, True, 1 / 48, SMALL_CE.as_list())
+    amax = torch.zeros(1)
+    assert g_scale == torch.tensor(0.75 / kernels.FP8_E4M3_MAX) * torch.tensor(1 / 48)   # static, times the loss unit
+    assert torch.equal(g8.float(), kernels._quantize_reference(g32, g_scale, amax, E5M2).float())
+    assert torch.equal(g8_t.float(), g8.float().t())
+    slot = kernels.FP8_LINEAR_SLOTS["grad_output"]
+    assert states[1][slot] == amax[0] == g32.abs().max()
+    assert torch.equal(states[1][:slot], states[0][:slot])
+
+    (fused.mean() / 2).backward()
+    w8 = w8_t.double().t() * w_scale.double()              # the head's weight as the GEMMs read it
+    z = logits.double().requires_grad_(True)
+    ref, _ = kernels.softcap_cross_entropy_reference(z, targets, weights)
+    G, = torch.autograd.grad(ref.mean() / 2, z)
+    G_bound = 2.0 ** -3 * G.abs() + 2.0 ** -17 * g_scale.double()
+    x8 = kernels._quantize_reference(x.float(), kernels.HEAD_SCALES.input.scale * torch.ones(1), torch.zeros(1),
+                                     E4M3).double() * kernels.HEAD_SCALES.input.scale
+    for name, got, g, g_bound, operand in (("grad_x", xs.grad, G, G_bound, w8),
+                                           ("grad_w", ws.grad, G.t(), G_bound.t(), x8)):
+        want, bound = g @ operand, g_bound @ operand.abs()
+        fp32 = fp32_sum_bound(g.abs() + g_bound, operand, max(C, N) + 2)
+        assert_within(got, want, bound + fp32 + 2 * U_BF16 * (want.abs() + bound), name)
+
+
+@interpreted
 def test_scale_rows_scales_in_place_and_skips_unit_factors():
     """x[r] *= factor[r] in place, in fp32 then rounded to x's dtype (bitwise against torch);
     rows with factor 1 keep their values; C not a multiple of the column block."""

@@ -47,13 +47,13 @@ def test_matrix_kernels_use_the_tensor_cores():
 def test_every_kernel_the_trainer_launches_is_in_the_report():
     """The speedrun trainer's own launches (not a hand-written list) feed the report: the FP8
     casts and GEMMs (MLP, QKV, head), the QK norm + RoPE, attention forward and backward at head
-    dims 64 and 128 with bf16 q, k, v, composed attention, the cross-entropy (its gradient handed
-    on: no backward kernel), and the optimizer's X X^T, the sparse tables' row sums (summed, and
+    dims 64 and 128 with bf16 q, k, v, composed attention, the cross-entropy (its gradient written
+    in e5m2 for the head's backward GEMMs, and transposed), and the optimizer's X X^T, the sparse tables' row sums (summed, and
     added into the pending sums) and Adam."""
     trainer = [e for e in hopper_report()["kernels"] if e["trainer"]]
     assert {e["kernel"] for e in trainer} == {
         "_fp8_cast_kernel", "_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_attn_fwd_kernel",
-        "_attn_bwd_delta_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel", "_softcap_ce_kernel",
+        "_attn_bwd_delta_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel", "_softcap_ce_kernel", "_transpose_kernel",
         "_xxt_kernel", "_qk_norm_rope_fwd_kernel", "_qk_norm_rope_bwd_kernel",
         "_dc_fwd_kernel", "_dc_bwd_mix_kernel", "_dc_bwd_q_kernel", "_dc_bwd_kv_kernel", "_sum_rows_kernel",
         "_add_row_sums_kernel", "_sparse_adam_rows_kernel"}
@@ -141,7 +141,7 @@ def test_index_audit_finds_no_overflow_in_the_production_launches():
     large = {launch.kernel.__name__ for launch in launches if any(
         isinstance(v, sm90_report.TensorArg) and v.max_offset >= sm90_report.I32_LIMIT for v in launch.args.values())}
     assert {"_softcap_ce_kernel", "_scale_rows_kernel", "_fp8_cast_kernel", "_fp8_matmul_kernel", "_sum_rows_kernel",
-            "_sparse_adam_rows_kernel"} <= large, large
+            "_sparse_adam_rows_kernel", "_transpose_kernel"} <= large, large
     findings = sm90_report.index_findings(launches)
     assert not findings, "\n".join(findings)
 
