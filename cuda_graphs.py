@@ -4,12 +4,16 @@ replayed with each micro-batch copied into those inputs; the optimizers' updates
 (run_captured), their math compiled first when the run compiles. Where graphs are off (a CPU,
 --cuda_graphs=false) every call runs eagerly.
 """
+import collections
 import functools
 from dataclasses import dataclass
 
 import torch
 
 from processes import TrainingError
+
+# update function's code -> the dynamo graphs compiled for it in this process (a key each, per StepGraphs)
+_GRAPHS_OF_CODE = collections.Counter()
 
 
 @dataclass
@@ -90,6 +94,7 @@ class StepGraphs:
         self.compiler = compiler
         self.compiled = {}         # an update function -> its compiled form
         self.updates_seen = set()  # run_captured's keys met so far (with a compiler)
+        self.keys_compiled = set() # (code of the update function, key) compiled here
 
     def run(self, key, body, s, start):
         """Forward and backward of micro-batch `s` with the graph of `key` (body makes it)."""
@@ -188,19 +193,24 @@ class StepGraphs:
                     self._on_capture_stream(fn)
                 else:
                     fn()
-            fn = self._compiled(fn)
+            fn = self._compiled(fn, key)
         if self.capturing and self.in_warm_up:
             self.optimizer_graphs[key] = self._capture(fn, f"optimizer update {key[0]}")
         else:
             self.eager_runs += self.capturing
             fn()
 
-    def _compiled(self, fn):
+    def _compiled(self, fn, key):
         """The partial fn with its function compiled (once per function: each key's arguments
-        get a graph of their own in dynamo's cache of that function, which must hold them all)."""
+        get a graph of their own in dynamo's cache of that function's code, which must hold
+        them all, those of every StepGraphs of the process included)."""
         if fn.func not in self.compiled:
             self.compiled[fn.func] = self.compiler(fn.func)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(self.updates_seen))
+        code = getattr(fn.func, "__func__", fn.func).__code__
+        if (code, key) not in self.keys_compiled:
+            self.keys_compiled.add((code, key))
+            _GRAPHS_OF_CODE[code] += 1
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _GRAPHS_OF_CODE[code])
         return functools.partial(self.compiled[fn.func], *fn.args, **fn.keywords)
 
     def _capture(self, fn, what):

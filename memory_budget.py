@@ -261,13 +261,13 @@ def optimizer_bytes(recipe, h, model, world_size):
                 total += sum(p.element_size() * math.prod(mine[p]) for p in params)
             continue
         rails = 2 if h.optimizer == "anvil" else 1
-        for dtype, (size, _) in opt.layout(world_size).buckets.items():   # the busiest rank's matrices
+        for (dtype, _), (size, _) in opt.layout(world_size).buckets.items():   # the busiest rank's matrices
             total += size * (rails * 4 + (MANTISSA_BYTES if dtype == torch.bfloat16 else 0))
         for group in opt.param_groups:
             for p in group["params"]:
                 if group["equalize"]:                             # one second moment per lane of each block
                     total += 4 * sum(max(rows, p.shape[1]) for rows in group.get("row_splits") or (p.shape[0],))
-        for dtype, (size, _) in opt.layout(world_size).buckets.items():   # every rank's shares, and its own
+        for (dtype, _), (size, _) in opt.layout(world_size).buckets.items():   # every rank's shares, and its own
             total += dtype.itemsize * size * (world_size + (world_size > 1))
     return total
 

@@ -28,15 +28,16 @@ applied in fp32 on the reassembled master, so many small steps do not vanish in 
 The bf16 parameter the model sees is the master truncated towards zero.
 
 Distribution (no DDP; each rank backpropagates its own micro-batches and calls step()):
-  - Muon stacks the gradients of same-shaped matrices of a group into one (n, rows, cols)
-    tensor, padded to a multiple of the world size, and reduce-scatters it, so rank r receives
-    the summed gradients of matrices [r*k, (r+1)*k). It updates only those (their momentum and
-    sidecar live only on that rank) and all-gathers the new weights. All reduce-scatters are
-    launched first; each stack is processed as soon as its reduction completes and its
-    all-gather is launched at once, so communication overlaps the orthogonalization math.
+  - Muon packs the gradients of a dtype's matrices into one buffer of `world` shares (one
+    reduce-scatter), each matrix in the share of the rank that owns it (MuonLayout: dealt by
+    size, so the ranks' shares are near equal). A rank updates only its matrices (their momentum
+    and sidecar live only there) and all-gathers the new values.
   - Adam reduce-scatters large matrices along their first dimension (each rank updates its own
     rows, with state for those rows only, then all-gathers) and all-reduces small parameters
     (every rank updates all of them identically).
+  step_together(optimizers) interleaves the optimizers' steps: every reduction launched first,
+  then each update with its all-gather launched as soon as the update is done, then the gathers
+  awaited, so that one optimizer's communication runs under another's update math.
   Sums are divided by the world size (gloo has no AVG). With one process every collective is
   the identity and the same code runs. All ranks end each step with bitwise-identical weights.
   Optimizer state is therefore per rank: each rank saves and loads its own state_dict(), and a
@@ -332,21 +333,25 @@ class _Share:
     params: list
 
 
+MUON_BUCKETS = 2  # buckets per dtype on several ranks: one's update math runs while another's collective does
+
+
 @dataclasses.dataclass
 class MuonLayout:
-    """Where each Muon matrix is updated: the matrices in banks (a group's matrices of one shape
-    and dtype), each matrix owned by one rank, the banks of one dtype in one bucket. A bucket's
-    gradients travel as one buffer of `world` equal shares (one reduce-scatter, one all-gather),
-    each share holding its rank's matrices bank by bank, then zeros up to the busiest rank's
-    size. Matrices are dealt largest first, each to the rank with the fewest elements so far
-    (ties: the lowest rank), so the busiest rank's share stays near the mean instead of a
-    whole bank's padding to a multiple of the ranks."""
+    """Where each Muon matrix is updated: each matrix owned by one rank, in one of MUON_BUCKETS
+    buckets of its dtype. A bucket's gradients travel as one buffer of `world` equal shares (one
+    reduce-scatter, one all-gather), each share holding its rank's matrices bank by bank (a bank:
+    a group's matrices of one shape and dtype), then zeros up to the bucket's busiest share.
+    Matrices are dealt largest first over the world x MUON_BUCKETS (bucket, rank) slots, each to
+    the slot with the fewest elements so far (ties: the first bucket, then the lowest rank), so
+    each bucket's busiest share, and each rank's total, stay near the mean instead of a whole
+    bank's padding to a multiple of the ranks."""
     banks: list                    # (index of the param group, [params]): the group is looked up at each
     # step (load_state_dict replaces the group dicts that the schedule then writes)
-    buckets: dict                  # dtype -> (share size in elements, [[_Share] per rank])
+    buckets: dict                  # (dtype, index) -> (share size in elements, [[_Share] per rank])
 
     @staticmethod
-    def of(param_groups, world):
+    def of(param_groups, world, per_dtype=MUON_BUCKETS):
         banks = []
         for index, group in enumerate(param_groups):
             by_shape = {}
@@ -357,18 +362,22 @@ class MuonLayout:
         for dtype in dict.fromkeys(params[0].dtype for _, params in banks):
             matrices = [(i, j, p) for i, (_, params) in enumerate(banks) if params[0].dtype == dtype
                         for j, p in enumerate(params)]
-            loads, owned = [0] * world, [[] for _ in range(world)]
+            loads, owned = [0] * (per_dtype * world), [[] for _ in range(per_dtype * world)]
             for i, j, p in sorted(matrices, key=lambda m: -m[2].numel()):   # stable: bank order on ties
-                r = loads.index(min(loads))
-                loads[r] += p.numel()
-                owned[r].append((i, j))
-            shares = []
-            for r in range(world):
-                per_bank = {}
-                for i, j in sorted(owned[r]):
-                    per_bank.setdefault(i, []).append(banks[i][1][j])
-                shares.append([_Share(i, params) for i, params in per_bank.items()])
-            buckets[dtype] = (max(loads), shares)
+                slot = loads.index(min(loads))      # slot = bucket * world + rank
+                loads[slot] += p.numel()
+                owned[slot].append((i, j))
+            for b in range(per_dtype):
+                slots = range(b * world, (b + 1) * world)
+                if not any(owned[slot] for slot in slots):
+                    continue
+                shares = []
+                for slot in slots:
+                    per_bank = {}
+                    for i, j in sorted(owned[slot]):
+                        per_bank.setdefault(i, []).append(banks[i][1][j])
+                    shares.append([_Share(i, params) for i, params in per_bank.items()])
+                buckets[(dtype, b)] = (max(loads[slot] for slot in slots), shares)
         return MuonLayout(banks, buckets)
 
     @staticmethod
@@ -493,8 +502,9 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.ortho_dtype, self.xxt, self.run_bank = ortho_dtype, xxt, run_bank
         self.layouts = {}          # world size -> MuonLayout
-        self.buffers = {}          # dtype -> (every rank's shares, this rank's share) of a bucket
+        self.buffers = {}          # bucket key -> (every rank's shares, this rank's share) of a bucket
         self.scalars = {}          # with run_bank: bank key -> _DeviceScalars
+        self._launched, self._gathers = [], []   # a step between its parts: reductions, then gathers in flight
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -527,9 +537,10 @@ class Muon(torch.optim.Optimizer):
         _load_state(self, state_dict, in_place=self.run_bank is not None)
 
     def layout(self, world):
-        """The MuonLayout of this optimizer's matrices on `world` ranks (made once: owners never change)."""
+        """The MuonLayout of this optimizer's matrices on `world` ranks (made once: owners never
+        change); one bucket per dtype on one rank, which has no communication to overlap."""
         if world not in self.layouts:
-            self.layouts[world] = MuonLayout.of(self.param_groups, world)
+            self.layouts[world] = MuonLayout.of(self.param_groups, world, MUON_BUCKETS if world > 1 else 1)
         return self.layouts[world]
 
     def _hyper(self, group, shape):
@@ -609,13 +620,14 @@ class Muon(torch.optim.Optimizer):
             self._apply(group, hyper, p, states[j], update)
             summed[j].copy_(p.data)
 
-    def _buffers(self, dtype, size, world, device):
+    def _buffers(self, key, size, world, device):
         """A bucket's buffers: all ranks' shares (world x size) and, with several ranks, this
         rank's (size); made once, at fixed addresses (a captured update keeps reading them)."""
-        if dtype not in self.buffers:
+        if key not in self.buffers:
+            dtype = key[0]
             flat = torch.zeros(world * size, dtype=dtype, device=device)
-            self.buffers[dtype] = (flat, torch.zeros(size, dtype=dtype, device=device) if world > 1 else flat)
-        return self.buffers[dtype]
+            self.buffers[key] = (flat, torch.zeros(size, dtype=dtype, device=device) if world > 1 else flat)
+        return self.buffers[key]
 
     @staticmethod
     def _views(buffer, share, offset):
@@ -623,9 +635,9 @@ class Muon(torch.optim.Optimizer):
         shape = share.params[0].shape
         return buffer[offset:offset + len(share.params) * share.params[0].numel()].view(len(share.params), *shape)
 
-    def _update_bucket(self, layout, shares, summed, world):
-        """This rank's banks of a bucket, from its summed share: each bank's update math runs
-        here, or with run_bank by its captured math (its scalars at fixed addresses)."""
+    def _update_bucket(self, layout, bucket, shares, summed, world):
+        """This rank's banks of a bucket (its key), from its summed share: each bank's update math
+        runs here, or with run_bank by its captured math (its scalars at fixed addresses)."""
         for share, offset in zip(shares, MuonLayout.offsets(shares)):
             group = self.param_groups[layout.banks[share.bank][0]]
             views = self._views(summed, share, offset)
@@ -634,7 +646,7 @@ class Muon(torch.optim.Optimizer):
             if self.run_bank is None:
                 self._update_share(group, hyper, share.params, states, views, world)
                 continue
-            key = ("muon", share.bank, tuple(p.grad is not None for p in share.params))
+            key = ("muon", bucket, share.bank, tuple(p.grad is not None for p in share.params))
             if key not in self.scalars:
                 self.scalars[key] = _DeviceScalars([hyper], share.params[0].device)
             self.scalars[key].write([hyper])
@@ -642,29 +654,43 @@ class Muon(torch.optim.Optimizer):
                                                  share.params, states, views, world))
 
     @torch.no_grad()
-    def step(self):
-        """Sum the gradients over ranks (one reduce-scatter per bucket), update each matrix on
-        its owner, share the new values (one all-gather per bucket)."""
-        world, rank = world_size_and_rank()
+    def launch_step(self):
+        """The step's first part: the gradients packed into their buckets and each bucket's
+        reduce-scatter launched. Returns True (every call updates)."""
+        world, _ = world_size_and_rank()
         layout = self.layout(world)
-        launched = []
-        for dtype, (size, shares) in layout.buckets.items():
+        self._launched = []
+        for key, (size, shares) in layout.buckets.items():
             everyone = [p for per_rank in shares for share in per_rank for p in share.params]
             if all(p.grad is None for p in everyone):
                 continue
-            flat, mine = self._buffers(dtype, size, world, everyone[0].device)
+            flat, mine = self._buffers(key, size, world, everyone[0].device)
             for r, per_rank in enumerate(shares):
                 for share, offset in zip(per_rank, MuonLayout.offsets(per_rank)):
                     for p, view in zip(share.params, self._views(flat, share, r * size + offset)):
                         view.copy_(p.grad) if p.grad is not None else view.zero_()
-            launched.append((dtype, flat, _launch_reduce_scatter_sum(flat, world, mine if world > 1 else None)))
-        gathers = []
-        for dtype, flat, reduction in launched:
-            size, shares = layout.buckets[dtype]
+            self._launched.append((key, flat, _launch_reduce_scatter_sum(flat, world, mine if world > 1 else None)))
+        return True
+
+    @torch.no_grad()
+    def update_step(self):
+        """The second: each bucket's reduction awaited, this rank's matrices updated, the new
+        values' all-gather launched."""
+        world, rank = world_size_and_rank()
+        layout = self.layout(world)
+        self._gathers = []
+        for key, flat, reduction in self._launched:
+            size, shares = layout.buckets[key]
             summed = reduction.wait()
-            self._update_bucket(layout, shares[rank], summed, world)
-            gathers.append((shares, size, _launch_all_gather(flat, summed, world)))
-        for shares, size, gather in gathers:
+            self._update_bucket(layout, key, shares[rank], summed, world)
+            self._gathers.append((shares, size, _launch_all_gather(flat, summed, world)))
+        self._launched = []
+
+    @torch.no_grad()
+    def finish_step(self):
+        """The last: the gathers awaited and the other ranks' new matrices copied in."""
+        _, rank = world_size_and_rank()
+        for shares, size, gather in self._gathers:
             full = gather.wait()
             for r, per_rank in enumerate(shares):
                 if r == rank:
@@ -673,7 +699,12 @@ class Muon(torch.optim.Optimizer):
                     for p, value in zip(share.params, self._views(full, share, r * size + offset)):
                         if p.grad is not None:
                             p.data.copy_(value)
-        return True
+        self._gathers = []
+
+    def step(self):
+        """Sum the gradients over ranks (one reduce-scatter per bucket), update each matrix on
+        its owner, share the new values (one all-gather per bucket): step_together([self])."""
+        return step_together([self])[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -724,6 +755,8 @@ class Adam(torch.optim.Optimizer):
         self.reduce_buffers = {}   # with run_bank and several processes: parameter -> its summed gradient
         self.scalars = {}          # with run_bank: update key -> _DeviceScalars
         self.scratch_buffers = {}  # (shape, device) -> the two buffers of scratch()
+        # a step between its parts: the calls it sums, its parameters, reductions and gathers in flight
+        self._calls, self._launched, self._reductions, self._gathers = 0, [], None, []
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -823,16 +856,23 @@ class Adam(torch.optim.Optimizer):
             at += p.numel()
         return _InFlight(dist.all_reduce(bucket, op=dist.ReduceOp.SUM, async_op=True), views)
 
-    def _reduce(self, params, world):
-        """{p: its gradient summed over ranks}: the large parameters' rows reduce-scattered one
-        by one, the others all-reduced in one bucket per dtype, all launched before any is waited
-        for (with one process: the gradients themselves)."""
-        if world == 1:
-            return {p: p.grad for p in params}
+    def _launch_reductions(self, params, world):
+        """Launch the sums of the gradients of `params` over ranks: the large parameters' rows
+        reduce-scattered one by one, the others all-reduced in one bucket per dtype. Returns
+        (bucket reductions, {p: its rows' reduction})."""
         rows = {p: self._reduce_rows(p, world) for p in params if shards_rows(p, world)}
         small = [p for p in params if not shards_rows(p, world)]
         buckets = [self._reduce_bucket([p for p in small if p.grad.dtype == dtype], world)
                    for dtype in dict.fromkeys(p.grad.dtype for p in small)]
+        return buckets, rows
+
+    @staticmethod
+    def _await_reductions(reductions, params):
+        """{p: its gradient summed over ranks} once the launched reductions are done (with one
+        process, none launched: the gradients themselves)."""
+        if reductions is None:
+            return {p: p.grad for p in params}
+        buckets, rows = reductions
         summed = {p: value for bucket in buckets for p, value in bucket.wait().items()}
         return summed | {p: reduction.wait() for p, reduction in rows.items()}
 
@@ -844,15 +884,27 @@ class Adam(torch.optim.Optimizer):
             self._update(group, hyper, state, weights, g)
 
     @torch.no_grad()
-    def step(self):
-        """Update on every step_every-th call (returns True); otherwise only count (False)."""
+    def launch_step(self):
+        """The step's first part: on every step_every-th call the gradients' reductions launched
+        (returns True); on the others the call only counted (False: nothing more to do, the
+        gradients keep accumulating)."""
         self.pending_calls += 1
         if self.pending_calls < self.step_every:
             return False
-        calls, self.pending_calls = self.pending_calls, 0
+        self._calls, self.pending_calls = self.pending_calls, 0
+        world, _ = world_size_and_rank()
+        self._launched = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        params = [p for _, p in self._launched]
+        self._reductions = self._launch_reductions(params, world) if world > 1 else None
+        return True
+
+    @torch.no_grad()
+    def update_step(self):
+        """The second: the reductions awaited, this rank's rows and every small parameter
+        updated, the rows' all-gathers launched."""
         world, rank = world_size_and_rank()
-        launched = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        reductions = self._reduce([p for _, p in launched], world)
+        launched, calls = self._launched, self._calls
+        reductions = self._await_reductions(self._reductions, [p for _, p in launched])
         updates, gathers = [], []          # updates: (group, scalars, state, weights, summed gradient)
         for group, p in launched:
             summed, state = reductions[p], self.state[p]
@@ -876,9 +928,37 @@ class Adam(torch.optim.Optimizer):
             for update, views in zip(updates, self.scalars[key].views):
                 update[1] = views
             self.run_bank(key, functools.partial(self._update_all, updates, world * calls))
-        for gather in [_launch_all_gather(p.data, weights, world) for p, weights in gathers]:
+        self._gathers = [_launch_all_gather(p.data, weights, world) for p, weights in gathers]
+        self._launched, self._reductions = [], None
+
+    @torch.no_grad()
+    def finish_step(self):
+        """The last: the gathers awaited (each writes the parameter in place)."""
+        for gather in self._gathers:
             gather.wait()
-        return True
+        self._gathers = []
+
+    def step(self):
+        """Update on every step_every-th call (returns True); otherwise only count (False):
+        step_together([self])."""
+        return step_together([self])[0]
+
+
+def step_together(optimizers):
+    """One step of each optimizer, their parts interleaved so that one's collectives run while
+    another computes: every reduction launched first (in the optimizers' order), then each
+    update (its all-gather launched as soon as it is done), then every gather awaited. The
+    results are those of stepping the optimizers one after another (each part touches only its
+    own optimizer's tensors); what changes is when the GPU's communication stream has work.
+    Returns each optimizer's step() result (False: an Adam between its updates)."""
+    stepping = [opt.launch_step() for opt in optimizers]
+    for opt, steps in zip(optimizers, stepping):
+        if steps:
+            opt.update_step()
+    for opt, steps in zip(optimizers, stepping):
+        if steps:
+            opt.finish_step()
+    return stepping
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2437,10 +2437,10 @@ class Trainer:
     def train_step(self, step, slices):
         """One optimizer step on the global batch; advance_to(step) has set the schedule."""
         loss = self.forward_backward(step, slices)
-        for opt in self.optimizers:
-            with record_function(f"optimizer: {type(opt).__name__}"):
-                stepped = opt.step()
-            if stepped is not False:   # an Adam between its updates keeps accumulating gradients
+        with record_function("optimizers"):
+            stepped = optim.step_together(self.optimizers)
+        for opt, updated in zip(self.optimizers, stepped):
+            if updated:   # an Adam between its updates keeps accumulating gradients
                 opt.zero_grad(set_to_none=not self.h.cuda_graphs)  # a graph adds into the same tensors
         if self.tables.any:
             with record_function("optimizer: SparseRowAdam"):

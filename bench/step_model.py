@@ -38,7 +38,10 @@ The price of an op is a roofline: max(FLOPs / (peak of its dtype x efficiency), 
     weight averages, eager runs) every op is a kernel of its own;
   - collectives: ring traffic (all-reduce 2 (n-1)/n of the buffer, reduce-scatter and all-gather
     (n-1)/n of the full buffer, all-to-all (n-1)/n of what a rank sends) over NVLink's bus
-    bandwidth x efficiency, plus COLLECTIVE_LATENCY_S each; nothing overlaps.
+    bandwidth x efficiency, plus COLLECTIVE_LATENCY_S each. The optimizers' updates run on two
+    streams (two_stream_seconds: their collectives under their math, as optim.step_together
+    launches them); everything else runs one op after another, so the gradients' reduction
+    waits for the whole backward.
 
 A step is the micro-batches of its stage (batch_ranks / GPUs of them), Muon's update, Adam's on
 the steps it updates (adam_step_every), the tables' per-slice traffic and their events, and the
@@ -63,6 +66,7 @@ sys.path.insert(0, str(REPO_ROOT / "tests" / "helpers"))
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 
 import kernels  # noqa: E402
+import optim  # noqa: E402
 import train_gpt  # noqa: E402
 
 # -----------------------------------------------------------------------------------------------
@@ -226,6 +230,8 @@ class Op:
     comm: float = 0.0              # bytes a collective moves per rank (ring factor applied)
     kernels: int = 1
     count: float = 1.0             # times it runs per micro-batch (or per update)
+    reads: frozenset = frozenset()   # storage ids it reads (a region: from outside it) ...
+    writes: frozenset = frozenset()  # ... and writes (a region: those something after it reads)
 
 
 def _dtype_class(dtype):
@@ -344,19 +350,24 @@ def _collective_op(event, world):
         moved = (world - 1) / world * float(event.writes[0][1])
     else:                          # all-to-all: what this rank sends to the others
         moved = (world - 1) / world * float(event.reads[-1][1])
-    return Op(name, "collective", event.phase, comm=moved, kernels=0)
+    return Op(name, "collective", event.phase, comm=moved, kernels=0, **_storages(event))
+
+
+def _storages(event):
+    return dict(reads=frozenset(sid for sid, _ in event.reads), writes=frozenset(sid for sid, _ in event.writes))
 
 
 def _kernel_op(event, lengths):
     name = event.name
     if name in GEMM_OPS:
         flops, dtype = gemm_flops(event)
-        return Op(name, "gemm", event.phase, flops=flops, dtype=dtype, bytes=_read_write_bytes(event))
+        return Op(name, "gemm", event.phase, flops=flops, dtype=dtype, bytes=_read_write_bytes(event),
+                  **_storages(event))
     if name in ATTENTION_OPS:
         return Op(name, "attention", event.phase, flops=attention_flops(event, lengths), dtype="bf16",
-                  bytes=_read_write_bytes(event), kernels=3 if name == "kernels.attn_bwd" else 1)
+                  bytes=_read_write_bytes(event), kernels=3 if name == "kernels.attn_bwd" else 1, **_storages(event))
     family = "cross-entropy" if name in ("kernels.softcap_ce", "kernels.softcap_ce_fp8", "kernels.scale_rows_") else "kernel"
-    return Op(name, family, event.phase, bytes=_read_write_bytes(event))
+    return Op(name, family, event.phase, bytes=_read_write_bytes(event), **_storages(event))
 
 
 def _fusible(event):
@@ -395,7 +406,7 @@ def _region_op(events, first, last, readers, created, fused=True):
              for shape, _ in events[i].outputs}
     label = "fused: " + ", ".join(n for n, _ in names.most_common(4)) + (", ..." if len(names) > 4 else "")
     return Op(label, "pointwise", events[first].phase, bytes=float(sum(reads.values()) + sum(kept.values())),
-              kernels=max(1, len(sizes)) + reductions)
+              kernels=max(1, len(sizes)) + reductions, reads=frozenset(reads), writes=frozenset(kept))
 
 
 def recomputed_casts(events):
@@ -451,12 +462,19 @@ def priced_ops(events, lengths, world, compiled=()):
 
 @dataclasses.dataclass
 class StageCensus:
-    """The priced ops of one stage: per micro-batch, and per update of each optimizer."""
+    """The priced ops of one stage: per micro-batch, and of the optimizers' updates."""
     micro_batch: list
-    muon: list
-    adam: list
+    updates: list                  # Muon's and Adam's ops in launch order (optim.step_together)
     averages: dict                 # index of an Average -> ops of one sample of it
     tables: "TableOps"
+
+    @property
+    def muon(self):
+        return [op for op in self.updates if op.phase == "muon"]
+
+    @property
+    def adam(self):
+        return [op for op in self.updates if op.phase == "adam"]
 
 
 def kernel_fns(h):
@@ -505,12 +523,11 @@ def trace_stage(h, index, world):
                                                             train_gpt.target_weights(stage, "cpu"))
             census.phase = "backward"
             objective.backward()
-            for opt in optimizers:
-                for phase in ("first update", "muon" if type(opt).__name__ == "Muon" else "adam"):
-                    census.phase = phase   # the first update makes the state; the second is every later one's
+            for phase in ("first update", None):   # the first update makes the state; the second is every later one's
+                for opt in optimizers:
                     if hasattr(opt, "step_every"):
                         opt.pending_calls = opt.step_every - 1   # this call updates
-                    opt.step()
+                optim.step_together([_Labelled(census, opt, phase or update_phase(opt)) for opt in optimizers])
             ships = {}
             for i, average in enumerate(h.averages):
                 census.phase = f"averages{i}"
@@ -523,6 +540,26 @@ def trace_stage(h, index, world):
     _fake_process_group.cache_clear()
     _fake_process_group(1)
     return census.events, ships, widths
+
+
+def update_phase(optimizer):
+    return "muon" if isinstance(optimizer, optim.Muon) else "adam"
+
+
+class _Labelled:
+    """An optimizer whose calls record their ops under `phase` in the census (step_together
+    interleaves the optimizers' parts: each op is labelled with the optimizer it belongs to)."""
+
+    def __init__(self, census, optimizer, phase):
+        self.census, self.optimizer, self.phase = census, optimizer, phase
+
+    def __getattr__(self, name):
+        method = getattr(self.optimizer, name)
+
+        def labelled(*args, **kwargs):
+            self.census.phase = self.phase
+            return method(*args, **kwargs)
+        return labelled
 
 
 def census_of_stage(h, index, world):
@@ -538,8 +575,7 @@ def census_of_stage(h, index, world):
             e.phase = "averages"
         averages[i] = priced_ops(sampled, lengths, world)
     return StageCensus([op for op in ops if op.phase in MICRO_BATCH_PHASES],
-                       [op for op in ops if op.phase == "muon"], [op for op in ops if op.phase == "adam"],
-                       averages, table_ops(h, index, world, widths))
+                       [op for op in ops if op.phase in UPDATE_PHASES], averages, table_ops(h, index, world, widths))
 
 
 # -----------------------------------------------------------------------------------------------
@@ -663,6 +699,34 @@ def ops_seconds(ops, gpu, eff, world):
     return sum(op_seconds(op, gpu, eff, world) * op.count for op in ops)
 
 
+def two_stream_seconds(ops, gpu, eff, world):
+    """Seconds of `ops`, in launch order, on a GPU's two streams. Each collective runs on the
+    communication stream, in launch order, from the later of its launch (when the compute stream
+    has done every op launched before it: the communication stream waits for the launching one)
+    and the stream's previous collective. Every other op runs on the compute stream after the
+    ops before it and after each collective that writes a storage it reads or writes, or reads
+    one it writes (the wait() before a result is used, or its buffer reused). Done when both
+    streams are."""
+    compute = comm = 0.0
+    collectives = []               # (done at, reads, writes)
+    for op in ops:
+        seconds = op_seconds(op, gpu, eff, world)
+        if op.family == "collective":
+            comm = max(comm, compute) + seconds
+            collectives.append((comm, op.reads, op.writes))
+            continue
+        start = compute
+        for done, reads, writes in collectives:
+            if writes & (op.reads | op.writes) or reads & op.writes:
+                start = max(start, done)
+        compute = start + seconds
+    return max(compute, comm)
+
+
+# The communication the optimizers' update math hides, a negative entry of the sinks.
+HIDDEN = Op("collectives under the update math", "hidden", "optimizers")
+
+
 @dataclasses.dataclass
 class RunModel:
     """A preset's census and its prices on a GPU."""
@@ -675,13 +739,24 @@ class RunModel:
     def accum(self):
         return self.h.batch_ranks // self.world
 
+    def update_ops(self, step):
+        """The optimizers' ops of one step in launch order: Muon's, and Adam's on the steps it updates."""
+        adam = (step + 1) % self.h.adam_step_every == 0
+        return [op for op in self.stages[train_gpt.stage_index(self.h, step)].updates if op.phase == "muon" or adam]
+
+    def hidden_seconds(self, step, eff):
+        """Seconds of the optimizers' communication that their math hides (two_stream_seconds):
+        the sum of their ops' times less the two streams' time."""
+        ops = self.update_ops(step)
+        alone = sum(op_seconds(op, self.gpu, eff, self.world) for op in ops)
+        return alone - two_stream_seconds(ops, self.gpu, eff, self.world)
+
     def step_ops(self, step):
-        """(op, times it runs) of one training step."""
+        """(op, times it runs) of one training step, each priced alone (hidden_seconds overlaps
+        the updates' communication with their math)."""
         h, index = self.h, train_gpt.stage_index(self.h, step)
         s = self.stages[index]
-        ops = [(op, self.accum) for op in s.micro_batch + s.tables.per_slice] + [(op, 1) for op in s.muon]
-        if (step + 1) % h.adam_step_every == 0:
-            ops += [(op, 1) for op in s.adam]
+        ops = [(op, self.accum) for op in s.micro_batch + s.tables.per_slice] + [(op, 1) for op in self.update_ops(step)]
         every = train_gpt.table_schedule(h, step)[2]
         if (step + 1) % every == 0:    # the tables' cadence (counted from the phase's start: a close enough share)
             ops += [(op, 1) for op in s.tables.ngram_event + s.tables.value_event]
@@ -692,7 +767,8 @@ class RunModel:
         return ops
 
     def step_seconds(self, step, eff):
-        return sum(op_seconds(op, self.gpu, eff, self.world) * n for op, n in self.step_ops(step))
+        return (sum(op_seconds(op, self.gpu, eff, self.world) * n for op, n in self.step_ops(step))
+                - self.hidden_seconds(step, eff))
 
     def run_seconds(self, eff):
         return sum(self.step_seconds(step, eff) for step in range(self.h.num_iterations))
@@ -703,12 +779,20 @@ class RunModel:
             steps[train_gpt.stage_index(self.h, step)].append(step)
         return steps
 
+    def step_sinks(self, step, eff, key):
+        """Seconds of one step by key(op); the communication its updates hide under key(HIDDEN),
+        negative, so that the values add up to the step."""
+        total = collections.Counter()
+        for op, n in self.step_ops(step):
+            total[key(op)] += op_seconds(op, self.gpu, eff, self.world) * n
+        total[key(HIDDEN)] -= self.hidden_seconds(step, eff)
+        return total
+
     def sinks(self, eff, key):
-        """Seconds of the whole run by key(op)."""
+        """Seconds of the whole run by key(op) (step_sinks)."""
         total = collections.Counter()
         for step in range(self.h.num_iterations):
-            for op, n in self.step_ops(step):
-                total[key(op)] += op_seconds(op, self.gpu, eff, self.world) * n
+            total.update(self.step_sinks(step, eff, key))
         return total
 
 
@@ -717,6 +801,8 @@ def family_of(op):
         return f"GEMM {op.dtype}"
     if op.family == "collective":
         return "communication"
+    if op.family == "hidden":
+        return "communication under the optimizers' math (hidden)"
     if op.phase in ("muon", "adam", "averages") and op.family != "gemm":
         return f"{op.phase} (memory)"
     return {"pointwise": "pointwise, norms, residual (fused)", "kernel": "other kernels"}.get(op.family, op.family)
@@ -759,8 +845,7 @@ def family_table(m):
     for index, steps in sorted(m.stage_steps().items()):
         totals = collections.Counter()
         for step in steps:
-            for op, n in m.step_ops(step):
-                totals[family_of(op)] += op_seconds(op, m.gpu, REALISTIC, m.world) * n / len(steps)
+            totals.update({f: s / len(steps) for f, s in m.step_sinks(step, REALISTIC, family_of).items()})
         by_stage[index] = totals
     whole = m.sinks(REALISTIC, family_of)
     families = [f for f, _ in whole.most_common()]
@@ -859,7 +944,8 @@ def main(argv=None):
 
 def predictions(m):
     """A RunModel's numbers as JSON values: each stage's mean ms per step (realistic and at the
-    peaks), the whole run, and its communication and compute seconds."""
+    peaks), the whole run, and its seconds of communication (what the optimizers' math does not
+    hide) and of compute (the rest)."""
     stages = []
     for index, steps in sorted(m.stage_steps().items()):
         stages.append(dict(index=index, steps=len(steps), tokens_per_rank=m.h.stages[index].tokens_per_rank,
@@ -867,9 +953,9 @@ def predictions(m):
                            ms_peak=1e3 * statistics_mean(m.step_seconds(s, PEAK) for s in steps)))
     families = m.sinks(REALISTIC, family_of)
     run = m.run_seconds(REALISTIC)
+    exposed = families["communication"] + families[family_of(HIDDEN)]
     return dict(preset=m.h.preset, gpus=m.world, gpu=m.gpu.name, stages=stages, run_s=run,
-                peak_s=m.run_seconds(PEAK), communication_s=families["communication"],
-                compute_s=run - families["communication"])
+                peak_s=m.run_seconds(PEAK), communication_s=exposed, compute_s=run - exposed)
 
 
 if __name__ == "__main__":

@@ -360,6 +360,39 @@ def test_muon_row_splits_equal_muon_on_each_block(variant, schedule):
     assert (whole - expected[-1]).abs().max() > 1e-3      # splitting changes the step
 
 
+MAX_BUSIEST_OVER_MEAN = 1.15  # a rank's elements (per bucket and in all) at most this times the mean
+
+
+def test_muon_deals_the_speedrun_matrices_evenly_over_8_ranks():
+    """The speedrun preset's matrices on 8 ranks: every matrix in exactly one rank's share of
+    one bucket, two buckets per dtype, and in each bucket (whose collectives move 8 x its
+    busiest share) and over all buckets (a rank's update math) the busiest rank holds at most
+    MAX_BUSIEST_OVER_MEAN x the mean. A bank of 11 matrices, 8 ranks: one bucket per bank would
+    leave 3 ranks with 2 of them, 1.45x the mean."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    import train_gpt as tg
+    h = tg.parse_config(["--preset", "speedrun", "--device=cpu", "--kernels=reference"])
+    with torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True):
+        model = tg.build_model(h, tg.select_kernels(h, torch.device("cpu")), tg.TablePlacement(0, 8, 0))
+        muon = next(o for o in tg.build_optimizers(h, model, tg.select_kernels(h, torch.device("cpu")))
+                    if isinstance(o, optim.Muon))
+    matrices = [p for group in muon.param_groups for p in group["params"]]
+    layout = optim.MuonLayout.of(muon.param_groups, 8)
+    assert len(layout.buckets) == optim.MUON_BUCKETS == 2
+    placed = [p for _, shares in layout.buckets.values() for per_rank in shares for share in per_rank
+              for p in share.params]
+    assert sorted(map(id, placed)) == sorted(map(id, matrices))
+    totals = [0] * 8
+    for size, shares in layout.buckets.values():
+        held = [sum(p.numel() for share in per_rank for p in share.params) for per_rank in shares]
+        assert size == max(held) <= MAX_BUSIEST_OVER_MEAN * sum(held) / 8
+        totals = [t + n for t, n in zip(totals, held)]
+    assert max(totals) <= MAX_BUSIEST_OVER_MEAN * sum(totals) / 8
+    one_bucket = optim.MuonLayout.of(muon.param_groups, 8, per_dtype=1)
+    (size, _), = one_bucket.buckets.values()
+    assert size <= MAX_BUSIEST_OVER_MEAN * sum(totals) / 8
+
+
 def test_muon_rejects_bad_configuration():
     matrix = torch.nn.Parameter(torch.randn(4, 4))
     with pytest.raises(optim.OptimConfigError, match="variant"):

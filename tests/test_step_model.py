@@ -144,6 +144,62 @@ def test_collectives_cost_their_ring_traffic_and_a_latency():
     assert sm.priced_ops([gather], [], 8)[0].comm == 7 / 8 * S
 
 
+def test_two_streams_run_a_collective_under_math_that_does_not_wait_for_it():
+    """The optimizers' updates on two streams: math that neither reads nor overwrites what a
+    collective in flight touches runs beside it; math that reads its result, or writes a buffer
+    it reads, waits for it; a collective starts only when the math launched before it is done,
+    and after the collective before it."""
+    MB = 1 << 20
+
+    def collective(reads, writes):
+        return sm.Op("c10d._reduce_scatter_base_", "collective", "muon", comm=100 * MB, kernels=0,
+                     reads=frozenset(reads), writes=frozenset(writes))
+
+    def math(reads, writes):
+        return sm.Op("fused: mul", "pointwise", "muon", bytes=400 * MB, reads=frozenset(reads), writes=frozenset(writes))
+
+    def seconds(ops):
+        return sm.two_stream_seconds(ops, sm.H100, sm.PEAK, 8)
+
+    c, m = (sm.op_seconds(op, sm.H100, sm.PEAK, 8) for op in (collective({1}, {2}), math({3}, {4})))
+    assert c > 0 and m > 0
+    assert seconds([collective({1}, {2}), math({3}, {4})]) == pytest.approx(max(c, m))     # beside it
+    assert seconds([collective({1}, {2}), math({2}, {4})]) == pytest.approx(c + m)          # reads its result
+    assert seconds([collective({1}, {2}), math({3}, {2})]) == pytest.approx(c + m)          # overwrites its result
+    assert seconds([collective({1}, {2}), math({3}, {1})]) == pytest.approx(c + m)          # overwrites its input
+    assert seconds([math({3}, {1}), collective({1}, {2})]) == pytest.approx(m + c)          # launched after the math
+    assert seconds([collective({1}, {2}), collective({5}, {6}), math({2}, {7})]) == pytest.approx(c + max(c, m))
+    assert seconds([collective({1}, {2}), collective({5}, {6}), math({6}, {7})]) == pytest.approx(2 * c + m)
+
+
+def test_every_reduction_is_launched_before_the_update_math_and_hidden_under_it():
+    """optim.step_together as the census records it on 8 ranks: every reduction (Adam's and both
+    of Muon's buckets) launched before any update math and any all-gather; the model's step
+    then hides part of the communication (the two streams take less than the ops one by one),
+    and the step's sinks still add up to its time."""
+    h = tiny_config(["--compile=true", "--cuda_graphs=true", "--adam_step_every=2", "--batch_ranks=8"])
+    events, _, _ = sm.trace_stage(h, 0, 8)
+    updates = [e for e in events if e.phase in sm.UPDATE_PHASES]
+    kinds = [("reduce" if "reduce" in e.name else "gather") if e.name in sm.COLLECTIVE_OPS else "math"
+             for e in updates]
+    reductions = [i for i, k in enumerate(kinds) if k == "reduce"]
+    muon_reductions = [i for i in reductions if updates[i].phase == "muon"]
+    assert len(muon_reductions) == 2 and [i for i in reductions if updates[i].phase == "adam"]
+    last = max(reductions)
+    first_math = min(i for i, k in enumerate(kinds) if k == "math" and not updates[i].name == "aten.copy_"
+                     and i > muon_reductions[0])
+    assert last < first_math < min(i for i, k in enumerate(kinds) if k == "gather")
+    m = sm.RunModel(h, 8, sm.H100, [sm.census_of_stage(h, 0, 8)])
+    adam_step, muon_step = 1, 0
+    assert m.hidden_seconds(adam_step, sm.REALISTIC) > 0
+    assert m.hidden_seconds(muon_step, sm.REALISTIC) > 0     # Muon's second bucket under its first's math
+    for step in (adam_step, muon_step):
+        alone = sum(sm.op_seconds(op, m.gpu, sm.REALISTIC, 8) * n for op, n in m.step_ops(step))
+        assert m.step_seconds(step, sm.REALISTIC) == pytest.approx(alone - m.hidden_seconds(step, sm.REALISTIC))
+        assert sum(m.step_sinks(step, sm.REALISTIC, sm.family_of).values()) == pytest.approx(
+            m.step_seconds(step, sm.REALISTIC))
+
+
 def test_the_value_tables_all_reduce_the_rows_the_processes_touched(monkeypatch):
     """A value-table update all-reduces each table's sums at the rows some process's tokens
     touched since the last update: ring traffic 2 (w - 1) / w x rows x width x 4 bytes, whatever

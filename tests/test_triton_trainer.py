@@ -198,7 +198,7 @@ def _capture_gradients(trainer):
     grads = {}
     names = {id(p): name for name, p in trainer.model.named_parameters()}
     first = trainer.optimizers[0]
-    first_step, sparse_step = first.step, trainer.tables.step
+    first_step, sparse_step = first.launch_step, trainer.tables.step   # optim.step_together's first call
 
     def step():
         for opt in trainer.optimizers:
@@ -217,7 +217,7 @@ def _capture_gradients(trainer):
             grads[f"value_embeds.{i}.weight"] = pending.sums.double().clone()
         return sparse_step()
 
-    first.step, trainer.tables.step = step, step_sparse_tables
+    first.launch_step, trainer.tables.step = step, step_sparse_tables
     return grads
 
 

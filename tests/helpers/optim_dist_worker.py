@@ -89,6 +89,33 @@ def make_adam(step_every, run_bank=None):
     return build
 
 
+class Together:
+    """Optimizers stepped as the trainer steps them, with optim.step_together: every reduction
+    launched, then each update, then the gathers awaited."""
+
+    def __init__(self, optimizers):
+        self.optimizers, self.stepped = optimizers, []
+
+    @property
+    def param_groups(self):
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    def step(self):
+        self.stepped = optim.step_together(self.optimizers)
+        return self.stepped
+
+    def zero_grad(self, set_to_none=True):
+        for opt, stepped in zip(self.optimizers, self.stepped):
+            if stepped:
+                opt.zero_grad(set_to_none=set_to_none)
+
+
+def make_together():
+    """A Muon (ANVIL, fixed buffers) and an Adam updating every 2nd call: on the Adam steps both
+    optimizers' collectives are in flight together."""
+    return Together([make_muon("anvil", run_eagerly)(), make_adam(2, run_eagerly)()])
+
+
 CASES = {
     "muon": make_muon("muon"),
     "normuon": make_muon("normuon"),
@@ -97,6 +124,7 @@ CASES = {
     "adam": make_adam(1),
     "adam_every2": make_adam(2),
     "adam_every2_fixed_buffers": make_adam(2, run_eagerly),
+    "muon_and_adam_together": make_together,
 }
 
 
