@@ -950,7 +950,12 @@ def step_together(optimizers):
     update (its all-gather launched as soon as it is done), then every gather awaited. The
     results are those of stepping the optimizers one after another (each part touches only its
     own optimizer's tensors); what changes is when the GPU's communication stream has work.
-    Returns each optimizer's step() result (False: an Adam between its updates)."""
+    Returns each optimizer's step() result (False: an Adam between its updates).
+
+    With one process there is no communication to hide, so each optimizer steps whole, one
+    after another: only one optimizer's temporaries are alive at a time (a lower peak)."""
+    if world_size_and_rank()[0] == 1:
+        return [_step_whole(opt) for opt in optimizers]
     stepping = [opt.launch_step() for opt in optimizers]
     for opt, steps in zip(optimizers, stepping):
         if steps:
@@ -959,6 +964,15 @@ def step_together(optimizers):
         if steps:
             opt.finish_step()
     return stepping
+
+
+def _step_whole(opt):
+    """launch_step, update_step and finish_step of one optimizer; its step() result."""
+    steps = opt.launch_step()
+    if steps:
+        opt.update_step()
+        opt.finish_step()
+    return steps
 
 
 # ---------------------------------------------------------------------------------------------

@@ -577,6 +577,36 @@ def test_adam_step_every_averages_accumulated_grads():
         optim.Adam([p], step_every=0)
 
 
+class PartsRecorder:
+    """An optimizer's three step parts, recorded in `log` as (name, part); launch_step returns
+    `steps`."""
+
+    def __init__(self, name, steps, log):
+        self.name, self.steps, self.log = name, steps, log
+
+    def launch_step(self):
+        self.log.append((self.name, "launch"))
+        return self.steps
+
+    def update_step(self):
+        self.log.append((self.name, "update"))
+
+    def finish_step(self):
+        self.log.append((self.name, "finish"))
+
+
+def test_step_together_on_one_process_steps_each_optimizer_whole():
+    """With nothing to overlap, each optimizer's parts run back to back (one optimizer's
+    temporaries alive at a time); one that does not step only launches. (The interleaved order
+    on several ranks is checked by the two-rank runs and the step model's launch-order test.)"""
+    log = []
+    stepped = optim.step_together([PartsRecorder("adam", False, log), PartsRecorder("muon", True, log),
+                                   PartsRecorder("adam2", True, log)])
+    assert stepped == [False, True, True]
+    assert log == [("adam", "launch"), ("muon", "launch"), ("muon", "update"), ("muon", "finish"),
+                   ("adam2", "launch"), ("adam2", "update"), ("adam2", "finish")]
+
+
 # ---------------------------------------------------------------------------------------------
 # Sparse Adam for tables of rows
 # ---------------------------------------------------------------------------------------------
