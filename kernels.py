@@ -2098,13 +2098,15 @@ SUM_ROWS = LaunchConfig(block_m=1, block_n=256, num_warps=4)  # block_n columns 
 
 
 @triton.jit
-def _sum_rows_kernel(values_ptr, order_ptr, starts_ptr, out_ptr, D, stride_v, stride_o, BLOCK_D: tl.constexpr):
-    """out[s] = sum over p in [starts[s], starts[s + 1]) of values[order[p]], in fp32, for one
-    slot s and one block of columns per program. Slots past the count have an empty range and
-    store zeros. Each value row is read once and each slot written once: (N + capacity) * D
-    elements of traffic, and the sum runs in token order, so the result does not depend on
-    scheduling (no atomics). Row offsets are 64-bit: a late-phase n-gram update sums 3,145,728
-    entries of width 768 (1gpu preset), 2.4e9 elements."""
+def _sum_rows_kernel(values_ptr, order_ptr, starts_ptr, out_ptr, scale, D, stride_v, stride_o,
+                     BLOCK_D: tl.constexpr):
+    """out[s] = scale * (sum over p in [starts[s], starts[s + 1]) of values[order[p]]), summed in
+    fp32 and stored in out's dtype (rounded to nearest once), for one slot s and one block of
+    columns per program. Slots past the count have an empty range and store zeros. Each value
+    row is read once and each slot written once: (N + capacity) * D elements of traffic, and
+    the sum runs in token order, so the result does not depend on scheduling (no atomics). Row
+    offsets are 64-bit: a late-phase n-gram update sums 3,145,728 entries of width 768 (1gpu
+    preset), 2.4e9 elements."""
     s = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     in_row = cols < D
@@ -2112,16 +2114,17 @@ def _sum_rows_kernel(values_ptr, order_ptr, starts_ptr, out_ptr, D, stride_v, st
     for p in range(tl.load(starts_ptr + s), tl.load(starts_ptr + s + 1)):
         source = tl.load(order_ptr + p)
         acc += tl.load(values_ptr + source * stride_v + cols, mask=in_row, other=0.0).to(tl.float32)
-    tl.store(out_ptr + s * stride_o + cols, acc, mask=in_row)
+    tl.store(out_ptr + s * stride_o + cols, (acc * scale).to(out_ptr.dtype.element_ty), mask=in_row)
 
 
-def _launch_sum_rows(values: Tensor, order: Tensor, starts: Tensor, config: list[int]) -> Tensor:
+def _launch_sum_rows(values: Tensor, order: Tensor, starts: Tensor, scale: float, out_dtype: torch.dtype,
+                     config: list[int]) -> Tensor:
     config = _config_from_list(config)
     n, d = values.shape
-    out = torch.empty(n, d, dtype=torch.float32, device=values.device)
+    out = torch.empty(n, d, dtype=out_dtype, device=values.device)
     _launch(_sum_rows_kernel, (n, triton.cdiv(d, config.block_n)), config,
-            values_ptr=values, order_ptr=order, starts_ptr=starts, out_ptr=out, D=d, stride_v=values.stride(0),
-            stride_o=out.stride(0), BLOCK_D=config.block_n)
+            values_ptr=values, order_ptr=order, starts_ptr=starts, out_ptr=out, scale=scale, D=d,
+            stride_v=values.stride(0), stride_o=out.stride(0), BLOCK_D=config.block_n)
     return out
 
 
@@ -2129,8 +2132,8 @@ _sum_rows_op = torch.library.custom_op(f"{_OPS}::sum_rows", _launch_sum_rows, mu
 
 
 @_sum_rows_op.register_fake
-def _(values, order, starts, config):
-    return values.new_empty(values.shape, dtype=torch.float32)
+def _(values, order, starts, scale, out_dtype, config):
+    return values.new_empty(values.shape, dtype=out_dtype)
 
 
 def _check_row_values(values, groups):
@@ -2139,17 +2142,18 @@ def _check_row_values(values, groups):
                          f"rows; got shape {tuple(values.shape)}, strides {values.stride()}")
 
 
-def sum_rows(values, groups: RowGroups, config=SUM_ROWS):
-    """(N, D) fp32: row s holds the sum of the values (N, D) of the entries in slot s of
-    `groups` (distinct_rows of their indices); zeros past the count."""
+def sum_rows(values, groups: RowGroups, config=SUM_ROWS, scale=1.0, out_dtype=torch.float32):
+    """(N, D) in out_dtype: row s holds `scale` times the sum of the values (N, D) of the entries
+    in slot s of `groups` (distinct_rows of their indices), summed in fp32; zeros past the count."""
     _check_row_values(values, groups)
-    return _sum_rows_op(values, groups.order, groups.starts, config.as_list())
+    return _sum_rows_op(values, groups.order, groups.starts, float(scale), out_dtype, config.as_list())
 
 
-def sum_rows_reference(values, groups: RowGroups, config=None):
+def sum_rows_reference(values, groups: RowGroups, config=None, scale=1.0, out_dtype=torch.float32):
     _check_row_values(values, groups)
     out = torch.zeros(values.shape, dtype=torch.float32, device=values.device)
-    return out.index_add_(0, groups.inverse, values.float())
+    out.index_add_(0, groups.inverse, values.float())
+    return (out * scale if scale != 1.0 else out).to(out_dtype)
 
 
 @triton.jit

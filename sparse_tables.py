@@ -216,7 +216,9 @@ class ShardedNgramRows:
 
     The gradients are divided by the processes: each process's loss is scaled to its share of
     the micro-batches, so the owners' sum is that many times the mean gradient the dense
-    parameters get (their all-reduce averages)."""
+    parameters get (their all-reduce averages). They travel in the table's dtype (a bf16 table's
+    sums rounded once, after the sum over the slice's tokens in fp32); the owner adds them up
+    in fp32."""
 
     def __init__(self, table, sum_rows, pg: ProcessGroup):
         self.table, self.sum_rows, self.pg = table, sum_rows, pg
@@ -271,10 +273,12 @@ class ShardedNgramRows:
         """(rows of this shard, their gradients) for the entries `grads` (T * 2, D) of the last
         fetched slice: this process's share of every process's summed gradients."""
         groups, send_counts, recv_counts, asked = self.route
-        summed = self.sum_rows(grads, groups)[:sum(send_counts)]
-        received = grads.new_empty(len(asked), grads.shape[1])
-        dist.all_to_all_single(received, summed, output_split_sizes=recv_counts, input_split_sizes=send_counts)
-        return asked, received / self.pg.world_size
+        # in the table's dtype, as the dense gradients travel
+        sent = self.sum_rows(grads, groups, scale=1.0 / self.pg.world_size,
+                             out_dtype=self.table.table.dtype)[:sum(send_counts)]
+        received = sent.new_empty(len(asked), grads.shape[1])
+        dist.all_to_all_single(received, sent, output_split_sizes=recv_counts, input_split_sizes=send_counts)
+        return asked, received
 
 
 class HostNgramRows:
@@ -565,8 +569,10 @@ class SparseTables:
             return
         summed = pending.sums[rows]
         world = self.pg.world_size
-        if world > 1:
-            dist.all_reduce(summed)
+        if world > 1:   # in the table's dtype, as the dense gradients travel; summed up in fp32 after
+            travelling = summed.to(adam.table.dtype)
+            dist.all_reduce(travelling)
+            summed = travelling.float()
         groups, summed = pending.touched(rows, summed)
         adam.step_summed(groups, summed / (self.calls * world))
 

@@ -177,6 +177,8 @@ def _library_calls():
     for width in (D, D // 2):
         for dtype in WEIGHT_DTYPES:
             grads = kernels.sum_rows(_untouched(2 * T, width, dtype=dtype), groups)
+            if width == D:         # a split table's sums for their owners, in the table's dtype
+                kernels.sum_rows(_untouched(2 * T, width, dtype=dtype), groups, scale=1 / 8, out_dtype=dtype)
             kernels.add_row_sums_(_untouched(NGRAM_TABLE_ROWS, width, dtype=torch.float32), groups.distinct,
                                   _untouched(2 * T, width, dtype=dtype), groups)
             for event in SPARSE_ADAM_EVENTS:

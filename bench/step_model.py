@@ -643,12 +643,12 @@ def table_ops(h, index, world, value_widths=()):
                           Op("n-gram rows: all-to-all to the askers", "collective", "tables", comm=remote * row,
                              kernels=0),
                           Op("n-gram gradients: all-to-all to the owners", "collective", "tables",
-                             comm=remote * D * 4, kernels=0)]
+                             comm=remote * row, kernels=0)]        # in the table's dtype
         if split:                  # summed per row for the owners (every slot written), then the received sums added
             per_slice += [Op("n-gram gradients: sum per row", "tables", "tables",
-                             bytes=2 * T * D * sink + 2 * T * D * 4 + 2 * T * D * sink),   # read, write, zero the sink
+                             bytes=2 * T * D * sink + 2 * T * row + 2 * T * D * sink),   # read, write, zero the sink
                           Op("n-gram gradients: add to the pending sums", "tables", "tables",
-                             bytes=distinct * D * 4 + 2 * distinct * D * 4)]
+                             bytes=distinct * row + 2 * distinct * D * 4)]
         else:                      # the sink's entries summed straight into the pending rows (add_row_sums_)
             per_slice += [Op("n-gram gradients: add to the pending sums", "tables", "tables",
                              bytes=2 * T * D * sink + 2 * distinct * D * 4 + 2 * T * D * sink)]   # and zero the sink
@@ -664,9 +664,11 @@ def table_ops(h, index, world, value_widths=()):
             row = width * 4
             per_slice.append(Op(f"value table {width}: row sums", "tables", "tables",   # added into the table's
                                 bytes=2 * T * width * sink + 2 * min(T, vocab) * row))   # and the sink zeroed
-            if world > 1:
+            if world > 1:          # in the table's dtype: cast there and back to fp32
                 value_event.append(Op(f"value table {width}: all-reduce of the touched rows' sums", "collective",
-                                      "tables", comm=2 * (world - 1) / world * touched * row, kernels=0))
+                                      "tables", comm=2 * (world - 1) / world * touched * width * sink, kernels=0))
+                value_event.append(Op(f"value table {width}: the touched rows' sums cast for the all-reduce and back",
+                                      "tables", "tables", bytes=2 * touched * width * (4 + sink), kernels=2))
             value_event.append(Op(f"value table {width}: gather the touched rows, sparse Adam, clear", "tables",
                                   "tables", bytes=touched * row * 4 + touched * width * (2 * 4 + 4) + vocab * row))
     return TableOps(per_slice, ngram_event, value_event)

@@ -355,7 +355,8 @@ def test_the_warm_up_coverage_check_has_teeth():
     def launch(width):
         pointers = dict(values_ptr=T(torch.float32, True), order_ptr=T(torch.int64, True),
                         starts_ptr=T(torch.int64, True), out_ptr=T(torch.float32, True))
-        return "_sum_rows_kernel", config, (4, 1), dict(pointers, D=width, stride_v=width, stride_o=width, BLOCK_D=256)
+        return "_sum_rows_kernel", config, (4, 1), dict(pointers, scale=1.0, D=width, stride_v=width, stride_o=width,
+                                                            BLOCK_D=256)
     assert variants_missing_from_the_warm_up([launch(7), launch(7)], 1) == []
     assert len(variants_missing_from_the_warm_up([launch(7), launch(16), launch(1)], 1)) == 2
 

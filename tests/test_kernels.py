@@ -1129,7 +1129,7 @@ def test_custom_ops_pass_opcheck():
     _, values, groups = _row_batch(32, 20, 12, torch.float32, seed=10)
     table, moment, last, log_decay_at, row_step = _row_adam_state(32, 12, torch.float32, seed=10)
     cases += [
-        (kernels._sum_rows_op, (values, groups.order, groups.starts, SMALL_SUM_ROWS.as_list())),
+        (kernels._sum_rows_op, (values, groups.order, groups.starts, 0.5, torch.bfloat16, SMALL_SUM_ROWS.as_list())),
         (kernels._add_row_sums_op, (torch.zeros(32, 12), groups.distinct.clamp_min(0), values, groups.order,
                                     groups.starts, SMALL_SUM_ROWS.as_list())),
         (kernels._sparse_adam_rows_op, (table, kernels.sum_rows_reference(values, groups), groups.distinct,
@@ -1302,6 +1302,21 @@ def test_sum_rows_matches_float64(dtype):
     reference both add in token order in fp32, so they agree bitwise. D = 40 spans three column
     blocks of 16, the last one masked."""
     _check_sum_rows(64, 50, 40, dtype, "cpu", SMALL_SUM_ROWS)
+
+
+@interpreted
+def test_sum_rows_scales_and_rounds_once_into_the_asked_dtype():
+    """With scale 1/3 and a bf16 output (the split n-gram table's gradients for their owners):
+    each slot's fp32 sum times the fp32 scale, rounded to nearest bf16 once: the fp32 sums
+    (checked against float64 above) scaled and cast by torch, to the same bits; the reference
+    too."""
+    _, values, groups = _row_batch(64, 50, 40, torch.bfloat16, seed=32)
+    got = kernels.sum_rows(values, groups, SMALL_SUM_ROWS, scale=1 / 3, out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and (got[int(groups.count):] == 0).all()
+    summed = kernels.sum_rows(values, groups, SMALL_SUM_ROWS)
+    assert torch.equal(got, (summed * (1 / 3)).to(torch.bfloat16))
+    assert torch.equal(got, kernels.sum_rows_reference(values, groups, scale=1 / 3, out_dtype=torch.bfloat16))
+    assert not torch.equal(got.float(), summed / 3)      # rounded: bf16 holds fewer bits
 
 
 def _check_sum_rows(num_rows, n, d, dtype, device, config):

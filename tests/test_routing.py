@@ -11,6 +11,7 @@ from launch import cpu_env, run_distributed
 from tiny_runs import NGRAM, REPO, SPARSE_VALUES, TINY, data_args, synthetic_documents
 
 sys.path.insert(0, REPO)
+import kernels  # noqa: E402
 import sparse_tables  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data.shards import write_shard  # noqa: E402
@@ -40,6 +41,37 @@ def test_a_route_asks_each_owner_for_its_rows_and_answers_every_process():
     asked = [[r - 1024 for r in distinct(s) if r // 1024 == rank] for s in slices]
     assert route.recv_counts == [len(a) for a in asked] and route.asked.tolist() == sum(asked, [])
     assert sum(route.send_counts) == len(mine) and 0 < min(route.recv_counts)
+
+
+def test_a_split_tables_gradients_travel_in_its_dtype(monkeypatch):
+    """A bf16 table's gradients go to their owners in bf16: each distinct row's entries summed in
+    fp32 over the slice, divided by the processes and rounded once (reference: float64 sums per
+    row). Process 0 of 2, both holding the same slice, so that what process 1 sends it is what it
+    sends itself: the all-to-all is played by copies."""
+    rows, dim, tokens = 4096, 8, 300
+    table = tg.NgramTable(rows, dim, max_tokens=tokens, dtype=torch.bfloat16, placement=tg.TablePlacement(0, 2))
+    router = sparse_tables.ShardedNgramRows(table, kernels.sum_rows_reference, tg.ProcessGroup(0, 2, 0, torch.device("cpu")))
+    travelled = []
+
+    def all_to_all_of_two_equal_processes(output, input, output_split_sizes, input_split_sizes):
+        travelled.append(input.dtype)
+        mine = input[:input_split_sizes[0]]            # what this process sends itself ...
+        output[:len(mine)] = mine
+        if output_split_sizes == [len(mine)] * 2:      # ... and process 1, the gradients of the same rows
+            output[len(mine):] = mine
+    monkeypatch.setattr(sparse_tables.dist, "all_to_all_single", all_to_all_of_two_equal_processes)
+    g = torch.Generator().manual_seed(2)
+    slice_tokens = torch.randint(0, 3000, (tokens,), generator=g, dtype=torch.int32)
+    router.fetch(slice_tokens, route=router.route_of(slice_tokens, [slice_tokens, slice_tokens]))
+    grads = torch.randn(2 * tokens, dim, generator=g) * 1e-3
+    asked, received = router.entries(grads)
+    assert travelled == [torch.bfloat16, torch.bfloat16] and received.dtype == torch.bfloat16
+    token_rows = table.slice_rows(slice_tokens).reshape(-1)
+    mine = sorted(r for r in set(token_rows.tolist()) if r < rows // 2)
+    assert asked.tolist() == mine * 2
+    expected = torch.stack([grads.double()[token_rows == r].sum(0) / 2 for r in mine * 2])
+    torch.testing.assert_close(received.double(), expected.to(torch.bfloat16).double(), rtol=2 ** -8, atol=0)
+    assert (received.double() != expected).any()    # rounded: it travelled in bf16
 
 
 def test_routes_worked_out_ahead_are_the_gathered_ones_and_train_the_same(tmp_path):

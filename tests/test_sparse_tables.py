@@ -5,6 +5,7 @@ against a dense or single-process statement of the same training."""
 import math
 import os
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -85,6 +86,36 @@ def test_vocab_row_gradients_sum_per_row_and_list_the_rows_they_hold():
     assert not summed[4:].any()
     pending.clear()
     assert not (pending.sums.any() or pending.entries)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_value_table_sums_travel_in_the_tables_dtype(monkeypatch, dtype):
+    """Across processes, a value table's row sums are all-reduced in the table's dtype (a bf16
+    table's rounded once, as the dense gradients travel), then divided in fp32 by the steps and
+    the processes for the update. Two processes with equal sums stand in for the all-reduce."""
+    pending = sparse_tables.VocabRowGradients(64, 4, torch.device("cpu"), kernels.add_row_sums_reference_)
+    pending.sums[[3, 10, 40]] = torch.randn(3, 4, generator=torch.Generator().manual_seed(1)) / 3
+    travelled = []
+
+    def all_reduce_of_two_equal_processes(tensor):
+        travelled.append(tensor.dtype)
+        tensor.mul_(2)
+    monkeypatch.setattr(sparse_tables.dist, "all_reduce", all_reduce_of_two_equal_processes)
+
+    class RecordingAdam:
+        table = torch.zeros(64, 4, dtype=dtype)
+
+        def step_summed(self, groups, summed):
+            self.update = groups, summed
+    adam, trainer_tables = RecordingAdam(), types.SimpleNamespace(pg=types.SimpleNamespace(world_size=2), calls=3)
+    sparse_tables.SparseTables._step_value_table(trainer_tables, adam, pending, torch.tensor([3, 10, 20, 40]))
+    assert travelled == [dtype]
+    groups, summed = adam.update
+    assert int(groups.count) == 3 and groups.distinct[:3].tolist() == [3, 10, 40]
+    assert summed.dtype == torch.float32
+    expected = pending.sums[[3, 10, 40]].to(dtype).double() * 2 / (3 * 2)
+    torch.testing.assert_close(summed[:3].double(), expected, rtol=2 ** -23, atol=0)   # one fp32 division
+    assert (expected != pending.sums[[3, 10, 40]].double() / 3).any() == (dtype == torch.bfloat16)
 
 
 def test_sparse_value_embeddings_update_by_sparse_adam_from_the_steps_mean_entries(shards):

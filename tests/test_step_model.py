@@ -202,19 +202,32 @@ def test_every_reduction_is_launched_before_the_update_math_and_hidden_under_it(
 
 def test_the_value_tables_all_reduce_the_rows_the_processes_touched(monkeypatch):
     """A value-table update all-reduces each table's sums at the rows some process's tokens
-    touched since the last update: ring traffic 2 (w - 1) / w x rows x width x 4 bytes, whatever
-    the vocabulary; with the tiny corpus absent the rows are every token's, at most the vocabulary."""
+    touched since the last update, in the table's dtype (bf16 in the speedrun): ring traffic
+    2 (w - 1) / w x rows x width x 2 bytes, whatever the vocabulary; with the tiny corpus absent
+    the rows are every token's, at most the vocabulary."""
     h = tg.parse_config(["--preset", "speedrun"])
     spans = []
     monkeypatch.setattr(sm, "distinct_tokens", lambda tokens: (spans.append(tokens) or 1000, "planted"))
     ops = sm.table_ops(h, 0, 8, value_widths=(768, 384)).value_event
     comm = [op.comm for op in ops if op.family == "collective"]
-    assert comm == [2 * 7 / 8 * 1000 * 768 * 4, 2 * 7 / 8 * 1000 * 384 * 4]
+    assert comm == [2 * 7 / 8 * 1000 * 768 * 2, 2 * 7 / 8 * 1000 * 384 * 2]
     assert spans == [16_384 * 8 * 4]   # every process's slices over the cadence's 4 steps
     assert not [op for op in sm.table_ops(h, 0, 1, value_widths=(768,)).value_event if op.family == "collective"]
     monkeypatch.undo()
     monkeypatch.setattr(sm, "tiny_corpus_stream", lambda tokens: None)
     assert sm.distinct_tokens(1000)[0] == 1000 and sm.distinct_tokens(10 ** 6)[0] == tg.PADDED_VOCAB_SIZE
+
+
+def test_a_split_ngram_tables_rows_and_gradients_travel_in_its_dtype(monkeypatch):
+    """Per slice, a table split over 8 processes sends each distinct row it does not own both
+    ways, the rows to the askers and their summed gradients to the owners, each in the table's
+    dtype (bf16 in the speedrun): 7/8 x distinct x width x 2 bytes each way."""
+    h = tg.parse_config(["--preset", "speedrun"])
+    monkeypatch.setattr(sm, "distinct_fraction", lambda h, tokens: (0.5, "planted"))
+    comm = {op.name: op.comm for op in sm.table_ops(h, 0, 8).per_slice if op.family == "collective"}
+    distinct = 2 * 16_384 * 0.5
+    assert comm == {"n-gram rows: all-to-all to the askers": 7 / 8 * distinct * 768 * 2,
+                    "n-gram gradients: all-to-all to the owners": 7 / 8 * distinct * 768 * 2}
 
 
 def test_a_roofline_takes_the_slower_of_compute_and_memory():
