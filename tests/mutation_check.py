@@ -46,6 +46,7 @@ SHARDS = ["tests/test_data.py", "-k", "shard or header or fingerprint or downloa
 MEMORY = ["tests/test_memory.py", "-k", "counts_what_a_cpu_run_holds or pinned or row_gradient_sums"]
 CPU_MEMORY = ["tests/test_failures.py", "-k", "too_big"]
 SPARSE = ["tests/test_sparse_tables.py", "-k", "vocab_row_gradients or host_tables_cache or cannot_be_split"]
+TRAVEL = ["tests/test_sparse_tables.py", "tests/test_routing.py", "-k", "travel"]
 UNEVEN_SPLIT = ["tests/test_failures.py", "-k", "does_not_split_across"]
 LAUNCH = ["tests/test_failures.py", "-k", "bad_launch_environment"]
 HANGUP = ["tests/test_failures.py", "-k", "SIGHUP"]
@@ -368,6 +369,11 @@ MUTATIONS = [
     Mutation("sparse_tables.py", "slot = torch.where(new, self.count + new.cumsum(0) - 1, slot)",
              "slot = torch.where(new, self.count + new.cumsum(0), slot)", MEMORY,
              "the row sums' new slots one late"),
+    Mutation("sparse_tables.py", "            travelling = summed.to(adam.table.dtype)", "            travelling = summed",
+             TRAVEL, "the value tables' sums all-reduced in fp32"),
+    Mutation("sparse_tables.py", "sent = self.sum_rows(grads, groups, scale=1.0 / self.pg.world_size,",
+             "sent = self.sum_rows(grads, groups, scale=1.0,", TRAVEL,
+             "a split table's gradients not divided by the processes"),
     Mutation("sparse_tables.py", "    if h.ngram_rows % pg.world_size:", "    if h.ngram_rows % pg.world_size > 1:", UNEVEN_SPLIT,
              "a table split unevenly across two processes"),
     # processes
