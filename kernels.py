@@ -43,7 +43,10 @@ set_fp8_loss_unit sets to the weight the objective gives one token), or ExactThe
 the state, which also counts the calls. A zero amax (a fresh buffer, or a tensor that was all
 zeros) gives the default scale UNCALIBRATED_SCALE; calibration calls (forward and backward,
 results discarded) before the first real one record real amaxes, as the trainer does. Values
-beyond the fp8 range saturate. The `*_reference` functions take the same arguments, update the
+beyond the fp8 range saturate. A compiled model passes casts="fused": the activations and
+gradients are then cast in torch ops that Inductor fuses into the kernel making them (a norm, a
+residual's gradient), and only the transposed copy is a kernel of ours (fp8_cast_fused); the
+weights keep the cast kernel. The `*_reference` functions take the same arguments, update the
 state the same way and quantize identically with torch casts: the trainer's A/B switch, and its
 FP8 emulation on a CPU.
 
@@ -56,7 +59,7 @@ per-row state that optim.SparseRowAdam owns.
 torch.compile: every kernel launch sits inside a torch.library custom op with a fake (meta)
 implementation, and the autograd wrappers are torch.autograd.Functions built from those ops,
 so the trainer can compile its model with fullgraph=True (checked on CPU with the aot_eager
-backend); the kernels stay opaque to Inductor. Two CPU functions are marked `runs_eagerly`: a
+backend); the kernels stay opaque to Inductor (fp8_cast_fused's torch ops are what it fuses). Two CPU functions are marked `runs_eagerly`: a
 compiled model calls them outside its graphs (see the mark).
 """
 import dataclasses
@@ -140,6 +143,8 @@ FP8_MATMUL_SMALL = LaunchConfig(block_m=128, block_n=128, block_k=128, group_m=8
 FP8_MATMUL_RELU2_GRAD = FP8_MATMUL_SMALL
 # Tiles of the stand-alone fp8 cast (row-major and transposed copies, memory bound).
 FP8_CAST = LaunchConfig(block_m=64, block_n=64, num_warps=4)
+# Tiles of the transpose kernel (an fp8 copy for a GEMM that reads its operand K-major).
+TRANSPOSE = LaunchConfig(block_m=64, block_n=64, num_warps=4)
 
 
 # How an operand's per-tensor scale is chosen (see the module docstring). Each layer has one
@@ -522,6 +527,53 @@ def fp8_cast_reference(x, scale, amax, fp8_dtype, config=None):
     return q, q.t().contiguous()
 
 
+@triton.jit
+def _transpose_kernel(x_ptr, y_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y = x^T: x (M, N) and y (N, M) both row-major. One (BLOCK_M, BLOCK_N) tile of x per
+    program, transposed in registers (through shared memory), so that the loads run along x's
+    rows and the stores along y's. Traffic: x read once, y written once."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=(rows[:, None] < M) & (cols[None, :] < N))
+    tl.store(y_ptr + cols[:, None] * M + rows[None, :], tl.trans(x), mask=(cols[:, None] < N) & (rows[None, :] < M))
+
+
+def _launch_transpose(x: Tensor, config: list[int]) -> Tensor:
+    config = _config_from_list(config)
+    M, N = x.shape
+    y = torch.empty(N, M, dtype=x.dtype, device=x.device)
+    _launch(_transpose_kernel, (triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n)), config,
+            x_ptr=x, y_ptr=y, M=M, N=N, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
+    return y
+
+
+_transpose_op = torch.library.custom_op(f"{_OPS}::transpose", _launch_transpose, mutates_args=())
+
+
+@_transpose_op.register_fake
+def _(x, config):
+    return x.new_empty(x.shape[::-1])
+
+
+def transpose(x, config=TRANSPOSE):
+    """x.t().contiguous() of a contiguous (M, N) x, by a Triton kernel."""
+    return _transpose_op(x.contiguous(), config.as_list())
+
+
+def fp8_cast_fused(x, scale, amax, fp8_dtype, config=TRANSPOSE):
+    """fp8_cast for a compiled graph: the cast and its amax in torch ops, which torch.compile
+    fuses into the kernel that makes x (a norm, a residual's gradient), so x is not stored in
+    bf16 and read back to be cast. The amax is taken per row first, a reduction over the rows
+    that kernel already walks (the tensor's max is then a pass over one value per row), and the
+    transposed copy is the transpose kernel's: stored from a row-wise kernel, it would go out a
+    byte at a time. The same values as fp8_cast: one rounding of x * (1 / scale)."""
+    x = x.float()
+    amax.copy_(torch.maximum(amax, x.abs().amax(dim=-1).amax().reshape(1)))
+    fp8_max = _FP8_MAX[fp8_dtype]
+    q = (x * (1.0 / scale)).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    return q, transpose(q, config)
+
+
 def fp8_matmul_relu2(a, b, scale_a, scale_b, out_scale, out_amax, config=None):
     """(q, qt): relu(a @ b * scale_a * scale_b)^2 as float8_e4m3fn with scale out_scale,
     row-major and transposed; out_amax records its max."""
@@ -593,19 +645,27 @@ def _operand_scale(state, slots, rule, name, fp8_max, x):
 
 @dataclasses.dataclass(frozen=True)
 class _FP8Primitives:
-    """The FP8 building blocks a layer is made of: Triton kernels or their torch references."""
+    """The FP8 building blocks a layer is made of: Triton kernels or their torch references.
+    `cast` casts the activations and gradients, `cast_weight` the weights (a parameter comes
+    from no kernel a cast could be fused into, so it keeps the cast kernel's one launch)."""
     cast: object
+    cast_weight: object
     matmul: object
     matmul_relu2: object
     matmul_relu2_grad: object
 
 
-_TRITON_FP8 = _FP8Primitives(fp8_cast, fp8_matmul, fp8_matmul_relu2, fp8_matmul_relu2_grad)
+_TRITON_FP8 = _FP8Primitives(fp8_cast, fp8_cast, fp8_matmul, fp8_matmul_relu2, fp8_matmul_relu2_grad)
 # The plain GEMMs on torch._scaled_mm; the casts and the relu2 epilogues stay Triton.
-_SCALED_MM_FP8 = _FP8Primitives(fp8_cast, fp8_matmul_scaled_mm, fp8_matmul_relu2, fp8_matmul_relu2_grad)
+_SCALED_MM_FP8 = _FP8Primitives(fp8_cast, fp8_cast, fp8_matmul_scaled_mm, fp8_matmul_relu2, fp8_matmul_relu2_grad)
 FP8_GEMMS = {"triton": _TRITON_FP8, "scaled_mm": _SCALED_MM_FP8}
-_REFERENCE_FP8 = _FP8Primitives(fp8_cast_reference, fp8_matmul_reference, fp8_matmul_relu2_reference,
-                                fp8_matmul_relu2_grad_reference)
+# How the activations and gradients are cast: "kernel", the cast kernel (one pass: read, write
+# both layouts); "fused", torch ops that torch.compile fuses into the kernel making the input.
+FP8_CASTS = {"kernel": fp8_cast, "fused": fp8_cast_fused}
+_PRIMITIVES = {(gemm, casts): dataclasses.replace(prims, cast=cast)
+               for gemm, prims in FP8_GEMMS.items() for casts, cast in FP8_CASTS.items()}
+_REFERENCE_FP8 = _FP8Primitives(fp8_cast_reference, fp8_cast_reference, fp8_matmul_reference,
+                                fp8_matmul_relu2_reference, fp8_matmul_relu2_grad_reference)
 
 
 def _new_state(slots, device):
@@ -673,7 +733,7 @@ def _fp8_linear_forward(x, weight, state, scales, prims, config):
     x_scale, x_amax = _operand_scale(state, slots, scales.input, "input", FP8_E4M3_MAX, x)
     x8, x8_t = prims.cast(x, x_scale, x_amax, torch.float8_e4m3fn)
     w_scale, w_amax = _operand_scale(state, slots, scales.weight, "weight", FP8_E4M3_MAX, weight)
-    w8, w8_t = prims.cast(weight, w_scale, w_amax, torch.float8_e4m3fn)
+    w8, w8_t = prims.cast_weight(weight, w_scale, w_amax, torch.float8_e4m3fn)
     _count_call(state, slots)
     y = prims.matmul(x8, w8.t(), x_scale, w_scale, x.dtype, config)
     return y, (x8_t, w8_t, x_scale, w_scale)
@@ -707,10 +767,10 @@ class _FP8ReLU2MLP(torch.autograd.Function):
         x_scale, x_amax = _operand_scale(state, slots, scales.input, "input", FP8_E4M3_MAX, x)
         x8, x8_t = prims.cast(x, x_scale, x_amax, torch.float8_e4m3fn)
         up_scale, up_amax = _operand_scale(state, slots, scales.up_weight, "up_weight", FP8_E4M3_MAX, w_up)
-        up8, up8_t = prims.cast(w_up, up_scale, up_amax, torch.float8_e4m3fn)
+        up8, up8_t = prims.cast_weight(w_up, up_scale, up_amax, torch.float8_e4m3fn)
         down_scale, down_amax = _operand_scale(state, slots, scales.down_weight, "down_weight", FP8_E4M3_MAX,
                                                w_down)
-        down8, down8_t = prims.cast(w_down, down_scale, down_amax, torch.float8_e4m3fn)
+        down8, down8_t = prims.cast_weight(w_down, down_scale, down_amax, torch.float8_e4m3fn)
         a_scale, a_amax = _operand_scale(state, slots, scales.hidden, "hidden", FP8_E4M3_MAX, None)
         _count_call(state, slots)
         a8, a8_t = prims.matmul_relu2(x8, up8.t(), x_scale, up_scale, a_scale, a_amax, config)
@@ -762,13 +822,14 @@ def _check_scales(scales, kind):
                              "(it is never stored in high precision): use Delayed or Static")
 
 
-def fp8_linear(x, weight, state, config=None, scales=FP8LinearScales(), gemm="triton"):
+def fp8_linear(x, weight, state, config=None, scales=FP8LinearScales(), gemm="triton", casts="kernel"):
     """x @ weight.T in fp8 (see the module docstring). x (..., K) bf16, weight (N, K), state from
     new_fp8_linear_state, scales: an FP8LinearScales. config: the GEMM tile (None: the
-    production tile for each shape). gemm: "triton" or "scaled_mm" (FP8_GEMMS)."""
+    production tile for each shape). gemm: "triton" or "scaled_mm" (FP8_GEMMS). casts: "kernel"
+    or "fused" (FP8_CASTS: "fused" where torch.compile builds the graph)."""
     _check_fp8_state(state, FP8_LINEAR_SLOTS, "new_fp8_linear_state")
     _check_scales(scales, FP8LinearScales)
-    y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), weight, state, scales, FP8_GEMMS[gemm], config)
+    y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), weight, state, scales, _PRIMITIVES[gemm, casts], config)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -780,13 +841,14 @@ def fp8_linear_reference(x, weight, state, config=None, scales=FP8LinearScales()
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def fp8_relu2_mlp(x, w_up, w_down, state, config=None, scales=FP8MLPScales(), gemm="triton"):
+def fp8_relu2_mlp(x, w_up, w_down, state, config=None, scales=FP8MLPScales(), gemm="triton", casts="kernel"):
     """relu(x @ w_up.T)^2 @ w_down.T in fp8 (see _FP8ReLU2MLP). x (..., D) bf16, w_up (H, D),
-    w_down (D, H), state from new_fp8_mlp_state, scales: an FP8MLPScales. config and gemm as in
-    fp8_linear (the relu2 GEMMs are Triton's either way)."""
+    w_down (D, H), state from new_fp8_mlp_state, scales: an FP8MLPScales. config, gemm and casts
+    as in fp8_linear (the relu2 GEMMs are Triton's either way)."""
     _check_fp8_state(state, FP8_MLP_SLOTS, "new_fp8_mlp_state")
     _check_scales(scales, FP8MLPScales)
-    y = _FP8ReLU2MLP.apply(x.reshape(-1, x.shape[-1]), w_up, w_down, state, scales, FP8_GEMMS[gemm], config)
+    y = _FP8ReLU2MLP.apply(x.reshape(-1, x.shape[-1]), w_up, w_down, state, scales, _PRIMITIVES[gemm, casts],
+                           config)
     return y.reshape(*x.shape[:-1], w_down.shape[0])
 
 
@@ -1563,42 +1625,6 @@ def _check_cross_entropy_inputs(logits_shape, targets, weights, grad_scale):
 
 # The FP8 head and the cross-entropy in one: the logit gradient written once, in e5m2.
 
-TRANSPOSE = LaunchConfig(block_m=64, block_n=64, num_warps=4)
-
-
-@triton.jit
-def _transpose_kernel(x_ptr, y_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """y = x^T: x (M, N) and y (N, M) both row-major. One (BLOCK_M, BLOCK_N) tile of x per
-    program, transposed in registers (through shared memory), so that the loads run along x's
-    rows and the stores along y's. Traffic: x read once, y written once."""
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    x = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=(rows[:, None] < M) & (cols[None, :] < N))
-    tl.store(y_ptr + cols[:, None] * M + rows[None, :], tl.trans(x), mask=(cols[:, None] < N) & (rows[None, :] < M))
-
-
-def _launch_transpose(x: Tensor, config: list[int]) -> Tensor:
-    config = _config_from_list(config)
-    M, N = x.shape
-    y = torch.empty(N, M, dtype=x.dtype, device=x.device)
-    _launch(_transpose_kernel, (triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n)), config,
-            x_ptr=x, y_ptr=y, M=M, N=N, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
-    return y
-
-
-_transpose_op = torch.library.custom_op(f"{_OPS}::transpose", _launch_transpose, mutates_args=())
-
-
-@_transpose_op.register_fake
-def _(x, config):
-    return x.new_empty(x.shape[::-1])
-
-
-def transpose(x, config=TRANSPOSE):
-    """x.t().contiguous() of a contiguous (M, N) x, by a Triton kernel."""
-    return _transpose_op(x.contiguous(), config.as_list())
-
-
 class _FP8HeadCrossEntropy(torch.autograd.Function):
     """softcap_cross_entropy(fp8_linear(x, W)) for the objective's own upstream gradient. The
     forward is _FP8Linear's, then the cross-entropy kernel, which stores the logit gradient (for
@@ -1628,13 +1654,14 @@ class _FP8HeadCrossEntropy(torch.autograd.Function):
 
 
 def fp8_head_cross_entropy(x, weight, state, targets, weights, grad_scale, config=None, ce_config=CROSS_ENTROPY,
-                           scales=HEAD_SCALES, gemm="triton"):
+                           scales=HEAD_SCALES, gemm="triton", casts="kernel"):
     """softcap_cross_entropy(fp8_linear(x, weight, state, scales=scales), targets, weights,
     grad_scale=grad_scale, exact_upstream=True) with its logit gradient written once, in e5m2
     (_FP8HeadCrossEntropy): (loss, next_token_loss), both (N,) fp32. The caller promises that
     every row's upstream gradient is grad_scale (the trainer's objective); the gradient scale
     must not need the gradient itself (a Static or Delayed rule). Without a gradient to take
-    (no grad mode, or neither x nor weight requiring one) it is the two functions composed."""
+    (no grad mode, or neither x nor weight requiring one) it is the two functions composed.
+    gemm and casts as in fp8_linear."""
     _check_fp8_state(state, FP8_LINEAR_SLOTS, "new_fp8_linear_state")
     _check_scales(scales, FP8LinearScales)
     if not isinstance(scales.grad_output, (Static, Delayed)):
@@ -1643,10 +1670,10 @@ def fp8_head_cross_entropy(x, weight, state, targets, weights, grad_scale, confi
     _check_cross_entropy_inputs((x.shape[0], weight.shape[0]), targets, weights, grad_scale)
     targets = _last_dim_contiguous(targets.long())
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        logits = fp8_linear(x, weight, state, config, scales, gemm)
+        logits = fp8_linear(x, weight, state, config, scales, gemm, casts)
         return softcap_cross_entropy(logits, targets, weights, ce_config, grad_scale=grad_scale, exact_upstream=True)
     return _FP8HeadCrossEntropy.apply(x, weight, state, targets, weights.float().contiguous(), float(grad_scale),
-                                      scales, FP8_GEMMS[gemm], config, ce_config.as_list())
+                                      scales, _PRIMITIVES[gemm, casts], config, ce_config.as_list())
 
 
 def softcap(logits):

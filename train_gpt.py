@@ -745,9 +745,11 @@ def remove_self_value(y, v, alpha):
     """XSA: each head's output y (T, H, D) less tanh(alpha) times its projection on the head's
     own value direction v/|v|, the part of the output that repeats the token's own value; alpha
     (H,) per head or (T, H) per token and head.
-    alpha starts at 0: the layer starts as plain attention and learns how much to remove."""
-    direction = F.normalize(v, dim=-1, eps=XSA_NORM_EPS)
-    along = (y * direction).sum(-1, keepdim=True)
+    alpha starts at 0: the layer starts as plain attention and learns how much to remove.
+    The direction and the projection are taken in y's dtype (CUDA autocast gives a norm and a
+    sum in fp32, which would carry the output and the tensors saved for its backward in fp32)."""
+    direction = F.normalize(v, dim=-1, eps=XSA_NORM_EPS).type_as(y)
+    along = (y * direction).sum(-1, keepdim=True).type_as(y)
     return y - torch.tanh(alpha).type_as(y)[..., None] * along * direction
 
 
@@ -2173,11 +2175,18 @@ class KernelFns:
         return any(fn is not None for fn in (self.fp8_mlp, self.fp8_qkv, self.fp8_head))
 
 
+def fp8_casts(h):
+    """How the Triton FP8 layers cast their activations and gradients: in torch ops that
+    torch.compile fuses into the kernels making them, when it compiles; else by the cast kernel."""
+    return "fused" if h.compile else "kernel"
+
+
 def fp8_kernels(h, use_triton):
     """The FP8 layers the config asks for, each with its scale rules: (mlp, qkv, head) functions
     or None."""
-    linear = functools.partial(kernels.fp8_linear, gemm=h.fp8_gemm) if use_triton else kernels.fp8_linear_reference
-    mlp = functools.partial(kernels.fp8_relu2_mlp, gemm=h.fp8_gemm) if use_triton else kernels.fp8_relu2_mlp_reference
+    triton_fp8 = dict(gemm=h.fp8_gemm, casts=fp8_casts(h))
+    linear = functools.partial(kernels.fp8_linear, **triton_fp8) if use_triton else kernels.fp8_linear_reference
+    mlp = functools.partial(kernels.fp8_relu2_mlp, **triton_fp8) if use_triton else kernels.fp8_relu2_mlp_reference
     return (functools.partial(mlp, scales=kernels.MLP_SCALES[h.fp8_mlp_scales]) if h.fp8_mlp else None,
             functools.partial(linear, scales=kernels.QKV_SCALES) if h.fp8_qkv else None,
             functools.partial(linear, scales=kernels.HEAD_SCALES) if h.fp8_head else None)
@@ -2195,8 +2204,8 @@ def select_kernels(h, device):
     with_fp8 = use_triton or device.type == "cuda" or h.fp8_on_cpu
     mlp, qkv, head = fp8_kernels(h, use_triton) if with_fp8 else (None, None, None)
     if use_triton:
-        head_loss = (functools.partial(kernels.fp8_head_cross_entropy, scales=kernels.HEAD_SCALES, gemm=h.fp8_gemm)
-                     if h.fp8_head else None)
+        head_loss = (functools.partial(kernels.fp8_head_cross_entropy, scales=kernels.HEAD_SCALES, gemm=h.fp8_gemm,
+                                       casts=fp8_casts(h)) if h.fp8_head else None)
         return KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy, mlp, kernels.xxt, qkv, head,
                          kernels.qk_norm_rope, kernels.composed_attention, head_loss)
     # Here auto means CPU: the chunked cross-entropy is the kernel's algorithm, ~3x faster than the

@@ -131,6 +131,13 @@ def _library_calls():
         w_down = _untouched(D, H, dtype=weight_dtype, requires_grad=True)
         y = kernels.fp8_relu2_mlp(x, w_up, w_down, kernels.new_fp8_mlp_state())
         y.backward(torch.empty_like(y))
+        # a compiled model's casts (casts="fused"): torch ops, then the transpose kernel, at the
+        # QKV's and the MLP's sizes (the head's gradient is the cross-entropy's own)
+        weight = _untouched(3 * D, D, dtype=weight_dtype, requires_grad=True)
+        y = kernels.fp8_linear(x, weight, kernels.new_fp8_linear_state(), casts="fused")
+        y.backward(torch.empty_like(y))
+        y = kernels.fp8_relu2_mlp(x, w_up, w_down, kernels.new_fp8_mlp_state(), casts="fused")
+        y.backward(torch.empty_like(y))
 
     cu_seqlens = torch.arange(0, T + 1, s["max_doc"], dtype=torch.int32)
     for d_qk, d_v in ATTENTION_HEAD_DIMS:

@@ -164,24 +164,47 @@ def test_kernels_get_one_dtype_under_cuda_autocast():
     for grad_o, q, k, v, *_ in by_op["attn_bwd"]:
         assert grad_o == q == k == v == torch.bfloat16
     assert all(dtypes[0] == torch.bfloat16 for dtypes in by_op["softcap_ce"] + by_op["softcap_ce_fp8"])
+    # compiled, the FP8 layers cast their activations and gradients in torch ops (fused into the
+    # kernels making them), the transpose kernel copying the fp8 result; the cast kernel, the weights
     assert all(dtypes[0] == torch.bfloat16 for dtypes in by_op["fp8_cast"] if dtypes[0].itemsize == 2)
+    assert by_op["transpose"] and all(dtypes[0].itemsize == 1 for dtypes in by_op["transpose"])
+
+
+def test_xsa_stays_in_the_heads_dtype_under_cuda_autocast():
+    """CUDA's rules give XSA's value norm and projection sum in fp32; the removal still returns
+    the heads' dtype and saves no fp32 tensor of the heads' size for its backward (a compiled
+    graph fuses the fp32 steps in between; saved or returned, they would be written)."""
+    y, v = (torch.randn(8, 2, 16).bfloat16().requires_grad_(True) for _ in range(2))
+    alpha = torch.zeros(2, requires_grad=True)
+    saved = []
+
+    def keep(t):   # (elements its memory holds, dtype): an expanded (T, H, 1) norm holds T H
+        saved.append((t.untyped_storage().nbytes() // t.element_size(), t.dtype))
+        return t
+    with cuda_autocast_rules(), torch.autocast("cpu", dtype=torch.bfloat16), \
+            torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out = tg.remove_self_value(y, v, alpha)
+    assert out.dtype == torch.bfloat16 and (8 * 2 * 16, torch.bfloat16) in saved
+    assert (8 * 2 * 16, torch.float32) not in saved
+    assert (8 * 2, torch.float32) in saved   # the norm itself: the rules are CUDA's
 
 
 def test_the_scaled_mm_fallback_moves_only_the_plain_gemms():
     """--fp8_gemm=scaled_mm: every plain FP8 GEMM of the step runs on torch._scaled_mm (bf16
-    outputs from e4m3/e5m2 operands), the relu2 epilogue GEMMs and the casts stay Triton."""
+    outputs from e4m3/e5m2 operands), the relu2 epilogue GEMMs, the weights' casts and the
+    transposed copies stay Triton."""
     counts = {}
     for gemm in ("triton", "scaled_mm"):
         h = tg.parse_config(REHEARSAL + [f"--fp8_gemm={gemm}"])
         with cuda_autocast_rules(), FakeTensorMode(allow_non_fake_inputs=True), KernelInputDtypes() as recorder:
             rehearsal_model_step(h)
         names = [name.split(".")[0] for name, _ in recorder.seen]
-        counts[gemm] = {op: names.count(op) for op in ("fp8_matmul", "fp8_matmul_quant", "fp8_cast")}
+        counts[gemm] = {op: names.count(op) for op in ("fp8_matmul", "fp8_matmul_quant", "fp8_cast", "transpose")}
     with cuda_autocast_rules(), FakeTensorMode(allow_non_fake_inputs=True), ScaledMMCalls() as calls:
         rehearsal_model_step(tg.parse_config(REHEARSAL + ["--fp8_gemm=scaled_mm"]))
     assert counts["triton"]["fp8_matmul"] > 0 and counts["scaled_mm"]["fp8_matmul"] == 0
     assert calls.count == counts["triton"]["fp8_matmul"]
-    for op in ("fp8_matmul_quant", "fp8_cast"):
+    for op in ("fp8_matmul_quant", "fp8_cast", "transpose"):
         assert counts["scaled_mm"][op] == counts["triton"][op] > 0
 
 

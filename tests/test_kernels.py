@@ -164,22 +164,24 @@ def quantize(x, scale, fp8_dtype):
 
 
 @interpreted
+@pytest.mark.parametrize("cast", ["kernel", "fused"])
 @pytest.mark.parametrize("x_dtype,fp8_dtype", [(torch.float32, E4M3), (torch.bfloat16, E5M2)])
-def test_fp8_cast_saturates_transposes_and_records_amax(x_dtype, fp8_dtype):
-    """Bitwise against torch's casts: values beyond the fp8 range saturate, the transposed
-    copy is q.T, and amax becomes max(amax, max |x|). (Under the interpreter the in-kernel
-    fp8 rounding itself is torch's, through the shim; on the GPU it is the hardware's.)"""
-    _check_fp8_cast((37, 45), x_dtype, fp8_dtype, "cpu", SMALL_CAST)
+def test_fp8_cast_saturates_transposes_and_records_amax(x_dtype, fp8_dtype, cast):
+    """Bitwise against torch's casts, the cast kernel and the fused cast (torch ops, then the
+    transpose kernel): values beyond the fp8 range saturate, the transposed copy is q.T, and
+    amax becomes max(amax, max |x|). (Under the interpreter the in-kernel fp8 rounding itself
+    is torch's, through the shim; on the GPU it is the hardware's.)"""
+    _check_fp8_cast((37, 45), x_dtype, fp8_dtype, "cpu", SMALL_CAST, kernels.FP8_CASTS[cast])
 
 
-def _check_fp8_cast(shape, x_dtype, fp8_dtype, device, config):
+def _check_fp8_cast(shape, x_dtype, fp8_dtype, device, config, cast=kernels.fp8_cast):
     generator = torch.Generator().manual_seed(2)
     x = (torch.randn(*shape, generator=generator) * 3).to(x_dtype)
     x[3, 4], x[30, 40] = 1e6, -1e6
     scale = torch.tensor([0.0123])
     for start in (0.0, 2e6):
         amax = torch.tensor([start], device=device)
-        q, qt = kernels.fp8_cast(x.to(device), scale.to(device), amax, fp8_dtype, config=config)
+        q, qt = cast(x.to(device), scale.to(device), amax, fp8_dtype, config=config)
         expected = quantize(x, scale, fp8_dtype)
         assert torch.equal(q.cpu().view(torch.uint8), expected.view(torch.uint8))
         assert torch.equal(qt.cpu().view(torch.uint8), expected.t().contiguous().view(torch.uint8))
@@ -509,6 +511,28 @@ def test_fp8_linear_random_inputs_within_rounding_bound():
     for name, got, want, bound, rounded in (("y", y1, y2, bound_y, True), ("grad_x", gx1, gx2, bound_gx, True),
                                             ("grad_w", gw1, gw2, bound_gw, False)):
         assert_within(got, want, bound + (2 * U_BF16 * want.double().abs() if rounded else 0), name)
+
+
+@interpreted
+def test_fp8_layers_with_fused_casts_match_the_cast_kernel_bitwise():
+    """casts="fused" (a compiled model's) changes where the casts run, not what they compute:
+    the FP8 linear layer and MLP give the same outputs, gradients and state bit for bit as with
+    the cast kernel, over two calls (exact, then delayed scales)."""
+    generator = torch.Generator().manual_seed(9)
+    x = torch.randn(24, 32, generator=generator).bfloat16()
+    weight, w_up = torch.randn(40, 32, generator=generator) * 0.05, torch.randn(48, 32, generator=generator) * 0.05
+    w_down = torch.randn(32, 48, generator=generator) * 0.05
+    for inputs, grad_y, new_state, layer in (
+            ([x, weight], torch.randn(24, 40, generator=generator).bfloat16(), kernels.new_fp8_linear_state,
+             kernels.fp8_linear),
+            ([x, w_up, w_down], torch.randn(24, 32, generator=generator).bfloat16(), kernels.new_fp8_mlp_state,
+             kernels.fp8_relu2_mlp)):
+        states = {casts: new_state() for casts in kernels.FP8_CASTS}
+        for _ in range(2):
+            results = {casts: _run_layer(functools.partial(layer, casts=casts), inputs, states[casts], grad_y)
+                       for casts in kernels.FP8_CASTS}
+            assert all(torch.equal(a, b) for a, b in zip(results["fused"], results["kernel"]))
+            assert torch.equal(states["fused"], states["kernel"])
 
 
 def test_fp8_layers_reject_a_wrong_state():

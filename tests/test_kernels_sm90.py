@@ -46,10 +46,12 @@ def test_matrix_kernels_use_the_tensor_cores():
 @compiled
 def test_every_kernel_the_trainer_launches_is_in_the_report():
     """The speedrun trainer's own launches (not a hand-written list) feed the report: the FP8
-    casts and GEMMs (MLP, QKV, head), the QK norm + RoPE, attention forward and backward at head
-    dims 64 and 128 with bf16 q, k, v, composed attention, the cross-entropy (its gradient written
-    in e5m2 for the head's backward GEMMs, and transposed), and the optimizer's X X^T, the sparse tables' row sums (summed, and
-    added into the pending sums) and Adam."""
+    GEMMs (MLP, QKV, head), the casts of their weights and the transposed copies of their
+    activations and gradients (compiled, cast in the kernels that make them), the QK norm +
+    RoPE, attention forward and backward at head dims 64 and 128 with bf16 q, k, v, composed
+    attention, the cross-entropy (its gradient written in e5m2 for the head's backward GEMMs,
+    and transposed), and the optimizer's X X^T, the sparse tables' row sums (summed, and added
+    into the pending sums) and Adam."""
     trainer = [e for e in hopper_report()["kernels"] if e["trainer"]]
     assert {e["kernel"] for e in trainer} == {
         "_fp8_cast_kernel", "_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_attn_fwd_kernel",
