@@ -566,11 +566,11 @@ def fp8_cast_fused(x, scale, amax, fp8_dtype, config=TRANSPOSE):
     bf16 and read back to be cast. The amax is taken per row first, a reduction over the rows
     that kernel already walks (the tensor's max is then a pass over one value per row), and the
     transposed copy is the transpose kernel's: stored from a row-wise kernel, it would go out a
-    byte at a time. The same values as fp8_cast: one rounding of x * (1 / scale)."""
-    x = x.float()
-    amax.copy_(torch.maximum(amax, x.abs().amax(dim=-1).amax().reshape(1)))
+    byte at a time. The same values as fp8_cast: one rounding of x * (1 / scale). Run eagerly
+    (the memory budget's trace), it holds one fp32 copy of x at a time."""
+    amax.copy_(torch.maximum(amax, x.abs().amax(dim=-1).amax().float().reshape(1)))
     fp8_max = _FP8_MAX[fp8_dtype]
-    q = (x * (1.0 / scale)).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    q = (x * (1.0 / scale)).clamp_(-fp8_max, fp8_max).to(fp8_dtype)   # x times an fp32 tensor: in fp32
     return q, transpose(q, config)
 
 

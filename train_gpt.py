@@ -2184,12 +2184,17 @@ def fp8_casts(h):
 def fp8_kernels(h, use_triton):
     """The FP8 layers the config asks for, each with its scale rules: (mlp, qkv, head) functions
     or None."""
-    triton_fp8 = dict(gemm=h.fp8_gemm, casts=fp8_casts(h))
-    linear = functools.partial(kernels.fp8_linear, **triton_fp8) if use_triton else kernels.fp8_linear_reference
-    mlp = functools.partial(kernels.fp8_relu2_mlp, **triton_fp8) if use_triton else kernels.fp8_relu2_mlp_reference
+    if not use_triton:
+        linear = head = kernels.fp8_linear_reference
+        mlp = kernels.fp8_relu2_mlp_reference
+    else:
+        linear = functools.partial(kernels.fp8_linear, gemm=h.fp8_gemm, casts=fp8_casts(h))
+        mlp = functools.partial(kernels.fp8_relu2_mlp, gemm=h.fp8_gemm, casts=fp8_casts(h))
+        # the head's gradient comes from the cross-entropy kernel, which no cast can join
+        head = functools.partial(kernels.fp8_linear, gemm=h.fp8_gemm)
     return (functools.partial(mlp, scales=kernels.MLP_SCALES[h.fp8_mlp_scales]) if h.fp8_mlp else None,
             functools.partial(linear, scales=kernels.QKV_SCALES) if h.fp8_qkv else None,
-            functools.partial(linear, scales=kernels.HEAD_SCALES) if h.fp8_head else None)
+            functools.partial(head, scales=kernels.HEAD_SCALES) if h.fp8_head else None)
 
 
 def select_kernels(h, device):
