@@ -19,6 +19,7 @@ Families:
                       add_row_sums_, sparse_adam_rows_               add_row_sums_reference_,
                                                                      sparse_adam_rows_reference_
   7. Composed attn    composed_attention                             composed_attention_reference
+  8. Weight averages  ema_update_                                    ema_update_reference_
 
 How the trainer uses the FP8 layers. A module that owns an FP8 weight also owns a small fp32
 state buffer, created once with `new_fp8_linear_state(device)` (a plain linear) or
@@ -2701,3 +2702,54 @@ def composed_attention_reference(q, k, v, doc_start, window, scale, mix_in, mix_
     mixed = torch.einsum("nhij,nih->nij", maps, blocks(mix_in.float(), 0))
     out = torch.einsum("nij,njhd->nihd", mixed.to(v.dtype), key_windows(v)) * blocks(mix_out, 0)[..., None].to(v.dtype)
     return out.reshape(n * block, H, -1)[:T]
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Weight averages: an fp32 EMA moved toward a weight of any float dtype
+# ---------------------------------------------------------------------------------------------
+#
+# ema <- lerp(ema, w, rate), torch.lerp's formula: ema + rate (w - ema) for rate < 0.5, else
+# w - (1 - rate) (w - ema). torch.lerp_ needs w in the EMA's dtype, an fp32 copy of a bf16
+# weight written and read back (4 + 4 bytes an element and a launch more); the kernel reads w
+# as it is: 4 + 2 + 4 bytes an element for a bf16 weight.
+
+EMA_UPDATE = LaunchConfig(block_m=1024, block_n=0, num_warps=4)  # block_m elements per program
+
+
+@triton.jit
+def _ema_update_kernel(ema_ptr, w_ptr, n, rate, BLOCK: tl.constexpr):
+    offsets = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    mask = offsets < n
+    ema = tl.load(ema_ptr + offsets, mask=mask, other=0.0)
+    w = tl.load(w_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    step = w - ema
+    moved = tl.where(rate < 0.5, tl.fma(step, rate, ema), tl.fma(-step, 1.0 - rate, w))
+    tl.store(ema_ptr + offsets, moved, mask=mask)
+
+
+def _launch_ema_update(ema: Tensor, weight: Tensor, rate: float, config: list[int]) -> None:
+    config = _config_from_list(config)
+    n = ema.numel()
+    _launch(_ema_update_kernel, (triton.cdiv(n, config.block_m),), config,
+            ema_ptr=ema, w_ptr=weight, n=n, rate=rate, BLOCK=config.block_m)
+
+
+_ema_update_op = torch.library.custom_op(f"{_OPS}::ema_update", _launch_ema_update, mutates_args=("ema",))
+
+
+def _check_ema_inputs(ema, weight):
+    if ema.dtype != torch.float32 or ema.shape != weight.shape or not (ema.is_contiguous() and weight.is_contiguous()):
+        raise ValueError(f"ema_update_: the EMA must be contiguous float32 of the weight's shape and the weight "
+                         f"contiguous; got {ema.dtype} {tuple(ema.shape)} and {weight.dtype} {tuple(weight.shape)}")
+
+
+def ema_update_(ema, weight, rate, config=EMA_UPDATE):
+    """ema (fp32) <- lerp(ema, weight, rate) in place, reading weight (any float dtype) as it is."""
+    _check_ema_inputs(ema, weight)
+    _ema_update_op(ema, weight, float(rate), config.as_list())
+    return ema
+
+
+def ema_update_reference_(ema, weight, rate, config=None):
+    _check_ema_inputs(ema, weight)
+    return ema.lerp_(weight.float(), rate)

@@ -1964,10 +1964,12 @@ NORM_FLOOR = 1e-12                 # an all-zero matrix keeps its zeros when ren
 class WeightAverages:
     """The end-of-training weight averages of a run (h.averages): sample() after each step's
     update keeps an fp32 EMA per matrix over each average's window, ship() blends them into the
-    weights after the last step. A tied head is not written: the embedding is the head."""
+    weights after the last step. A tied head is not written: the embedding is the head.
+    `ema_update` (kernels.ema_update_ or its reference) moves an EMA toward a weight."""
 
-    def __init__(self, averages, model, num_iterations):
+    def __init__(self, averages, model, num_iterations, ema_update=kernels.ema_update_reference_):
         self.averages, self.model, self.N = averages, model, num_iterations
+        self.ema_update = ema_update
         self.ema = [dict() for _ in averages]
 
     def samples_at(self, average, step):
@@ -1982,7 +1984,15 @@ class WeightAverages:
                 if name not in ema:
                     ema[name] = weight.to(torch.float32, copy=True)
                 else:
-                    ema[name].lerp_(weight.float(), average.rate)
+                    self.ema_update(ema[name], weight, average.rate)
+
+    @torch.no_grad()
+    def launch_on_scratch(self):
+        """Each sample's update once per piece into a scratch EMA (the pieces untouched), so that
+        the warm-up compiles every kernel variant the samples will launch."""
+        for average in self.averages:
+            for _, weight in averaged_pieces(self.model, average.params):
+                self.ema_update(torch.zeros_like(weight, dtype=torch.float32), weight, average.rate)
 
     @torch.no_grad()
     def ship(self):
@@ -2169,6 +2179,7 @@ class KernelFns:
     # fn(x, weight, state, targets, weights, grad_scale): the FP8 head and the cross-entropy in one, for
     # the training objective (kernels.fp8_head_cross_entropy); None: the head, then cross_entropy
     fp8_head_loss: object = None
+    ema_update: object = kernels.ema_update_reference_  # fn(ema, weight, rate): a weight average's sample
 
     @property
     def any_fp8(self):
@@ -2212,7 +2223,7 @@ def select_kernels(h, device):
         head_loss = (functools.partial(kernels.fp8_head_cross_entropy, scales=kernels.HEAD_SCALES, gemm=h.fp8_gemm,
                                        casts=fp8_casts(h)) if h.fp8_head else None)
         return KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy, mlp, kernels.xxt, qkv, head,
-                         kernels.qk_norm_rope, kernels.composed_attention, head_loss)
+                         kernels.qk_norm_rope, kernels.composed_attention, head_loss, kernels.ema_update_)
     # Here auto means CPU: the chunked cross-entropy is the kernel's algorithm, ~3x faster than the
     # reference there; `kernels=reference` keeps the plain reference for A/B runs.
     cross_entropy = (kernels.softcap_cross_entropy_reference if h.kernels == "reference"
@@ -2387,7 +2398,7 @@ class Trainer:
         self.weights = self.step_weights[0].clone()  # this step's row: one tensor the model always reads
         self.step_losses = torch.zeros(2, device=pg.device)  # the step's (next-token loss, objective)
         self.train_time_ms = 0.0
-        self.averages = WeightAverages(h.averages, self.model, h.num_iterations)
+        self.averages = WeightAverages(h.averages, self.model, h.num_iterations, self.kernels.ema_update)
         self.advance_to(0)
 
     def needs_warm_up(self):
@@ -2604,6 +2615,7 @@ def warm_up(trainer, train_files, val_slices):
         trainer.capture_graph(step)
     for adam in trainer.tables.adams():     # the frozen tables' updates, on scratch tables
         adam.launch_on_scratch()
+    trainer.averages.launch_on_scratch()
     trainer.graphs.in_warm_up = trainer.tables.frozen = False
     seen = set()
     for step, final in validation_points(h):

@@ -531,7 +531,7 @@ def trace_stage(h, index, world):
             ships = {}
             for i, average in enumerate(h.averages):
                 census.phase = f"averages{i}"
-                single = train_gpt.WeightAverages([average], model, h.num_iterations)
+                single = train_gpt.WeightAverages([average], model, h.num_iterations, fns.ema_update)
                 single.sample(h.num_iterations - 1)   # seeds the EMA (a copy)
                 start = len(census.events)
                 single.sample(h.num_iterations - 1)   # an EMA update, what the other samples cost

@@ -47,6 +47,8 @@ MEMORY = ["tests/test_memory.py", "-k", "counts_what_a_cpu_run_holds or pinned o
 CPU_MEMORY = ["tests/test_failures.py", "-k", "too_big"]
 SPARSE = ["tests/test_sparse_tables.py", "-k", "vocab_row_gradients or host_tables_cache or cannot_be_split"]
 TRAVEL = ["tests/test_sparse_tables.py", "tests/test_routing.py", "-k", "travel"]
+FUSED_CASTS = ["tests/test_kernels.py", "-k", "fp8_cast_saturates or fused_casts"]
+XSA_DTYPE = ["tests/test_cuda_path.py", "-k", "xsa"]
 UNEVEN_SPLIT = ["tests/test_failures.py", "-k", "does_not_split_across"]
 LAUNCH = ["tests/test_failures.py", "-k", "bad_launch_environment"]
 HANGUP = ["tests/test_failures.py", "-k", "SIGHUP"]
@@ -384,6 +386,14 @@ MUTATIONS = [
              "LOCAL_RANK one past its machine's processes"),
     Mutation("processes.py", "    if not 0 < timeout <= 1e6:", "    if not 0 <= timeout <= 1e6:", LAUNCH,
              "a rendezvous timeout of 0 s"),
+    # a compiled model's FP8 casts, XSA in the heads' dtype
+    Mutation("kernels.py", "amax.copy_(torch.maximum(amax, x.abs().amax(dim=-1).amax().float().reshape(1)))",
+             "amax.copy_(torch.maximum(amax, x[0].abs().amax().float().reshape(1)))", FUSED_CASTS,
+             "the fused cast's amax from the first row only"),
+    Mutation("kernels.py", "    return q, transpose(q, config)", "    return q, q", FUSED_CASTS,
+             "the fused cast's second copy not transposed"),
+    Mutation("train_gpt.py", "    along = (y * direction).sum(-1, keepdim=True).type_as(y)",
+             "    along = (y * direction).sum(-1, keepdim=True)", XSA_DTYPE, "XSA's output in fp32 under CUDA autocast"),
 ]
 
 

@@ -1149,6 +1149,9 @@ def test_custom_ops_pass_opcheck():
         (kernels._softcap_ce_op, (logits, targets, weights, False, 1.0, SMALL_CE.as_list())),
         (kernels._scale_rows_op, (logits.clone(), grad_loss, SMALL_CE.as_list())),
         (kernels._xxt_op, (torch.randn(2, 20, 24), SMALL_XXT.as_list())),
+        (kernels._transpose_op, (torch.randn(20, 24), SMALL_CAST.as_list())),
+        (kernels._ema_update_op, (torch.randn(4, 40), torch.randn(4, 40).bfloat16(), 0.1,
+                                  kernels.LaunchConfig(block_m=64, block_n=0).as_list())),
     ]
     _, values, groups = _row_batch(32, 20, 12, torch.float32, seed=10)
     table, moment, last, log_decay_at, row_step = _row_adam_state(32, 12, torch.float32, seed=10)
@@ -1598,3 +1601,33 @@ def test_gpu_cross_entropy_and_xxt():
     bound = fp32_sum_bound(x, x.mT, 3072) * (1 + U_BF16) + U_BF16 * exact.abs()
     assert_within(out, exact, bound, "xxt")
     assert torch.equal(out, out.mT)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight averages
+# ---------------------------------------------------------------------------------------------
+
+@interpreted
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rate", [0.0067, 0.75])
+def test_ema_update_moves_the_ema_as_torch_lerp_does(weight_dtype, rate):
+    """Against torch.lerp_ toward the weight's fp32 copy (both of its formulas: rate below and
+    above 1/2), the weight read in its own dtype: within one fp32 rounding of the product (the
+    kernel's fma is exact on a GPU; the interpreter rounds the product first), every element of
+    a size that ends inside a block moved and none past it."""
+    generator = torch.Generator().manual_seed(11)
+    ema = torch.randn(3, 700, generator=generator)
+    weight = torch.randn(3, 700, generator=generator).to(weight_dtype)
+    expected = ema.clone().lerp_(weight.float(), rate)
+    padded = torch.cat([ema.flatten(), torch.full((100,), 7.0)])
+    kernels.ema_update_(padded[:2100].view(3, 700), weight, rate, config=kernels.LaunchConfig(block_m=256, block_n=0))
+    product = (weight.double() - ema.double()).abs() * max(rate, 1 - rate)
+    assert_within(padded[:2100].view(3, 700), expected, U32 * (product + 2 * expected.double().abs()), "ema")
+    assert torch.equal(padded[2100:], torch.full((100,), 7.0))
+
+
+def test_ema_update_checks_its_inputs():
+    with pytest.raises(ValueError, match="contiguous float32"):
+        kernels.ema_update_(torch.zeros(4, 4, dtype=torch.bfloat16), torch.zeros(4, 4), 0.1)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        kernels.ema_update_reference_(torch.zeros(4, 4), torch.zeros(4, 4).t()[:, :3], 0.1)
