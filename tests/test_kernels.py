@@ -1502,6 +1502,25 @@ def test_gpu_kernel_families_match_their_references():
 
 @needs_cuda
 @on_gpu
+def test_gpu_fused_casts_compiled_by_inductor_match_the_cast_kernel():
+    """casts="fused" as a compiled model runs it: Inductor's code for the casts (forward and
+    backward, two calls: exact, then delayed scales) gives the FP8 linear layer's outputs,
+    gradients and state bit for bit as the cast kernel does, eagerly."""
+    generator = torch.Generator().manual_seed(14)
+    x = torch.randn(1024, 256, generator=generator).bfloat16().cuda()
+    weight = (torch.randn(768, 256, generator=generator) * 0.05).cuda()
+    grad_y = torch.randn(1024, 768, generator=generator).bfloat16().cuda()
+    fused = torch.compile(functools.partial(kernels.fp8_linear, casts="fused"), backend="inductor", fullgraph=True)
+    states = [kernels.new_fp8_linear_state("cuda") for _ in range(2)]
+    for _ in range(2):
+        got = _run_layer(lambda *args: fused(*args[:3]), [x, weight], states[0], grad_y, None)
+        want = _run_layer(kernels.fp8_linear, [x, weight], states[1], grad_y, None)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert torch.equal(states[0], states[1])
+
+
+@needs_cuda
+@on_gpu
 def test_gpu_fp8_layers_match_oracle():
     """fp8_linear EXACT against its oracle on CUDA (sums within FAST_ACCUMULATOR_BITS).
     fp8_relu2_mlp: its second GEMMs sum arbitrary e4m3 activations, which the fast accumulator
