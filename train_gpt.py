@@ -794,7 +794,7 @@ class CausalSelfAttention(nn.Module):
         self.xsa = xsa             # with token gates the strengths come per token from them
         self.composed_window = cfg.composed_window if layer in cfg.composed_layers else 0
         self.xsa_alpha = nn.Parameter(torch.zeros(cfg.num_heads)) if xsa and not cfg.token_gates else None
-        # dense trunk: learned scales of the QKV projection's output and of the output projection
+        # dense trunk: learned scales of the QKV projection's output (taken by v alone) and of the output projection
         self.sa_lambdas = nn.Parameter(torch.tensor(DENSE_SA_LAMBDAS)) if cfg.trunk == "dense" else None
         bound = (3 ** 0.5) * 0.5 * cfg.model_dim ** -0.5
         nn.init.uniform_(self.qkv, -bound, bound)
@@ -851,10 +851,10 @@ class CausalSelfAttention(nn.Module):
             qkv = self.fp8_qkv(x.to(torch.bfloat16), self.qkv, self.fp8_state)
         else:
             qkv = F.linear(x, self.qkv.type_as(x))
-        if self.sa_lambdas is not None:
-            qkv = qkv * self.sa_lambdas[0].type_as(qkv)
         H, qk_rows = self.num_heads, self.num_heads * self.qk_dim
         q, k, v = (t.view(T, H, -1) for t in qkv.split([qk_rows, qk_rows, H * self.v_dim], dim=-1))
+        if self.sa_lambdas is not None:    # the QKV scale: q and k are RMS-normed next, which removes it
+            v = v * self.sa_lambdas[0].type_as(v)
         if ve is not None:
             gate = gates["ve"] if "ve" in gates else self.value_embed_gate(x, ve)
             v = v + gate[..., None] * ve.view_as(v)
@@ -924,7 +924,7 @@ class MLP(nn.Module):
 
 
 DENSE_SKIP_LAMBDA = -1.5          # dense trunk: the skip's strength is sigmoid of this learned scalar (0.18 at init)
-DENSE_SA_LAMBDAS = (0.5, 1.0)      # dense trunk: initial scales of the QKV projection's output and the attention's
+DENSE_SA_LAMBDAS = (0.5, 1.0)      # dense trunk: initial scales of the values (q, k are RMS-normed) and the attention's
 DENSE_SUBLAYER_SCALES = (1.1 ** 0.5, 1.0, 1.1 ** 0.5, 1.0)  # dense: initial (residual, output) scales of attention, MLP
 
 
