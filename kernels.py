@@ -58,10 +58,11 @@ accepts launch configs, which the tests shrink); sparse_adam_rows_ updates the t
 per-row state that optim.SparseRowAdam owns.
 
 torch.compile: every kernel launch sits inside a torch.library custom op with a fake (meta)
-implementation, and the autograd wrappers are torch.autograd.Functions built from those ops,
-so the trainer can compile its model with fullgraph=True (checked on CPU with the aot_eager
-backend); the kernels stay opaque to Inductor (fp8_cast_fused's torch ops are what it fuses). Two CPU functions are marked `runs_eagerly`: a
-compiled model calls them outside its graphs (see the mark).
+implementation, and the autograd wrappers are torch.autograd.Functions built from those ops, so
+the trainer can compile its model with fullgraph=True (checked on CPU with the aot_eager
+backend); the kernels stay opaque to Inductor (fp8_cast_fused's torch ops are what it fuses).
+Two CPU functions are marked `runs_eagerly`: a compiled model calls them outside its graphs
+(see the mark).
 """
 import dataclasses
 import functools

@@ -197,7 +197,8 @@ def _library_calls():
                                           _untouched(NGRAM_TABLE_ROWS, dtype=torch.float64), step)
     # the weight averages' samples: an fp32 EMA moved toward a weight of each dtype
     for dtype in WEIGHT_DTYPES:
-        kernels.ema_update_(_untouched(s["vocab"], D, dtype=torch.float32), _untouched(s["vocab"], D, dtype=dtype), 0.01)
+        ema = _untouched(s["vocab"], D, dtype=torch.float32)
+        kernels.ema_update_(ema, _untouched(s["vocab"], D, dtype=dtype), 0.01)
 
 
 @dataclasses.dataclass(frozen=True)

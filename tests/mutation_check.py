@@ -393,7 +393,8 @@ MUTATIONS = [
     Mutation("kernels.py", "    return q, transpose(q, config)", "    return q, q", FUSED_CASTS,
              "the fused cast's second copy not transposed"),
     Mutation("train_gpt.py", "    along = (y * direction).sum(-1, keepdim=True).type_as(y)",
-             "    along = (y * direction).sum(-1, keepdim=True)", XSA_DTYPE, "XSA's output in fp32 under CUDA autocast"),
+             "    along = (y * direction).sum(-1, keepdim=True)", XSA_DTYPE,
+             "XSA's output in fp32 under CUDA autocast"),
     Mutation("train_gpt.py", "            v = v * self.sa_lambdas[0].type_as(v)", "            v = v", MODEL,
              "the dense trunk's QKV scale left off the values"),
 ]
