@@ -134,17 +134,22 @@ class Stage:
     lr_mult: float = 1.0           # learning-rate multiplier for this stage
     mtp_weights_end: tuple = ()    # if given: mtp_weights move linearly to these across the stage
     prefix_weight_end: float = None  # if given: prefix_weight moves linearly to this across the stage
+    # n > 0: ... in n equal parts of the stage, one weight each, from prefix_weight to prefix_weight_end
+    prefix_weight_levels: int = 0
 
 
 @dataclass
 class TablePhase:
     """From step `start` on (until a later phase starts), the sparse tables' Adam: the n-gram
-    table's beta2, the sparse value embeddings' beta2, and one update every `step_every` steps.
-    Before the first phase they are ngram_beta2, value_embed_betas[1] and ngram_step_every."""
+    table's beta2, the value embeddings' beta2 (and beta1 when they train on the tables' cadence),
+    one update every `step_every` steps, and a multiplier of both tables' weight decay. Before the
+    first phase they are ngram_beta2, value_embed_betas, ngram_step_every and 1."""
     start: int
     ngram_beta2: float
     value_embed_beta2: float
     step_every: int
+    value_embed_beta1: float = None  # if given: the dense value embeddings' beta1 from here (table cadence)
+    decay_mult: float = 1.0        # the tables' weight decays (ngram_wd, value_embed_wd) times this from here
 
 
 @dataclass
@@ -156,7 +161,9 @@ class Average:
     every: int = 1                 # one sample every this-many steps, counted back from the last step
     rate: float = 0.1              # EMA weight of each sample after the first (which seeds the average)
     blend: float = 1.0             # at the end p <- lerp(p, average, blend); 1 replaces p
-    renormalize: bool = False      # then rescale each matrix to its Frobenius norm before any average
+    renormalize: bool = False      # then rescale its matrices to their Frobenius norms before any average
+    offset: int = 0                # samples counted back from this many steps before the last
+    last_steps: int = 0            # and every one of the last this-many steps sampled too
 
 
 # Parameter families an Average can take: the token embedding and the head; the value-embedding
@@ -249,11 +256,17 @@ class Hyperparameters(ModelConfig):
     num_iterations: int = count(1000, 1, MAX_STEPS, "steps")
     stages: list = field(default_factory=lambda: [   # one stage: causal attention over 1024-token documents
         Stage(end=1.0, tokens_per_rank=16_384, max_doc_len=1024, short_window=8, long_window=8)])
+    # sampled softmax: where a step's negatives start in the candidate walk: restart (at its slice's
+    # start every step) | continue (after the previous sampled step's draw, per slice: record 92)
+    candidate_walk: str = choice("restart", "continue")
     cooldown_start: float = fraction(0.5)  # fraction of training where the linear LR cooldown starts
     cooldown_floor: float = real(0.0, "an LR multiplier", high=1.0)  # LR multiplier at the end of the cooldown
     # fraction of training where the cooldown reaches the floor
     cooldown_end: float = fraction(1.0, above=0.0)
     averages: list = field(default_factory=list)  # end-of-training weight averages (Average), applied in order
+    # the Frobenius norms renormalize restores: each matrix's | each bank's (all layers' matrices of a
+    # kind together: queries and keys, values and outputs, MLPs; the embedding; the head)
+    average_norms: str = choice("matrix", "bank")
     # optimizers
     # matrix optimizer: muon | normuon | anvil | adamw (Adam for everything)
     optimizer: str = choice("adamw", "muon", "normuon", "anvil")
@@ -262,6 +275,10 @@ class Hyperparameters(ModelConfig):
     adamw_matrix_lr: float = rate(0.008)  # Adam's LR for the hidden matrices when optimizer=adamw
     matrix_wd: float = decay(0.0)
     mlp_down_lr_scale: float = real(2.0, "an LR multiplier")  # extra LR multiplier of the MLP output matrices
+    # the matrix shapes that set the Muon family's LR factor max(1, rows/cols)^0.5 and its equalizer's
+    # lanes: own (each matrix or block as this model stores it) | record_banks (as the records' banks
+    # store them: MLP output matrices hidden x dim, narrow-value layers' values and outputs dim x dim)
+    matrix_shapes: str = choice("own", "record_banks")
     # 0: QKV orthogonalized as one matrix; n: queries and keys in blocks of n heads
     qk_ortho_heads: int = count(0, 0, MAX_HEADS, "heads")
     momentum: float = real(0.95, "a momentum", high=1.0)  # muon/normuon momentum after warm-up
@@ -276,6 +293,7 @@ class Hyperparameters(ModelConfig):
     # weight of the fast rail once blending starts (1.0 before)
     anvil_blend: float = real(0.4385, "a weight", high=1.0)
     anvil_blend_start: float = fraction(0.43)  # fraction of training where blending starts
+    anvil_fast_beta_follows_mu: bool = False  # before blending starts, the fast rail's beta is the scheduled mu
     anvil_mu_low: float = real(0.85, "a Nesterov weight", high=1.0)  # Nesterov mu at the start and the end
     anvil_mu_high: float = real(0.93, "a Nesterov weight", high=1.0)  # Nesterov mu in the middle
     # fraction of training over which mu rises
@@ -297,6 +315,10 @@ class Hyperparameters(ModelConfig):
     embed_wd: float = decay(0.0)       # embedding and head
     value_embed_wd: float = decay(0.0)  # (scalars and gates are never decayed)
     adam_eps: float = real(1e-10, "an epsilon")
+    # the gradient scale adam_eps is stated at (also the tables'): mean (this objective's gradient, the
+    # mean over the global batch's tokens and an update's steps) | token_sum (the gradient of the loss
+    # summed over a rank's tokens and an update's steps, averaged over the ranks: records 89 and 92)
+    adam_eps_unit: str = choice("mean", "token_sum")
     # Adam updates every this-many steps, from the gradients' mean over them
     adam_step_every: int = count(1, 1, MAX_STEPS, "steps")
     ngram_lr: float = rate(0.01)       # the n-gram table's sparse Adam (beta1 = 0, one second moment per row)
@@ -305,6 +327,9 @@ class Hyperparameters(ModelConfig):
     # the table (and sparse value embeddings) update every this-many steps
     ngram_step_every: int = count(1, 1, MAX_STEPS, "steps")
     table_phases: list = field(default_factory=list)  # later phases of the sparse tables' Adam (TablePhase)
+    # dense value embeddings (value_embed_sparse false) update on the tables' cadence and phases, not
+    # on Adam's adam_step_every with the other groups
+    value_embed_table_cadence: bool = False
     # > 0: the table lives in host memory and this many of its rows on the device
     ngram_cache_rows: int = count(0, 0, MAX_TABLE_ROWS, "rows")
     # system
@@ -938,6 +963,9 @@ def _check_stages(stages):
             refuse(i, f"has prefix_weight={s.prefix_weight!r}: expects a weight >= 0")
         if s.prefix_weight_end is not None and (not is_number(s.prefix_weight_end) or s.prefix_weight_end < 0):
             refuse(i, f"has prefix_weight_end={s.prefix_weight_end!r}: expects null (constant) or a weight >= 0")
+        if not is_number(s.prefix_weight_levels, integer=True) or not 0 <= s.prefix_weight_levels <= MAX_STEPS:
+            refuse(i, f"has prefix_weight_levels={s.prefix_weight_levels!r}: expects 0 (a linear move) or a "
+                      f"number of equal parts, at most {MAX_STEPS:,}")
         if not is_number(s.candidates, integer=True) or not (s.candidates == 0 or 2 <= s.candidates <= PADDED_VOCAB_SIZE):
             refuse(i, f"has candidates={s.candidates!r}: expects 0 (full vocabulary) or 2 to {PADDED_VOCAB_SIZE}: "
                       f"the candidates are the target and negatives, and a softmax over the target alone is 1 "
@@ -964,6 +992,10 @@ def _check_averages(averages):
             refuse(f"has blend={a.blend!r}: expects a weight in [0, 1]")
         if not isinstance(a.renormalize, bool):
             refuse(f"has renormalize={a.renormalize!r}: expects true or false")
+        if not is_number(a.offset, integer=True) or not 0 <= a.offset < a.every:
+            refuse(f"has offset={a.offset!r}: expects a whole number of steps below every={a.every}")
+        if not is_number(a.last_steps, integer=True) or not 0 <= a.last_steps <= MAX_STEPS:
+            refuse(f"has last_steps={a.last_steps!r}: expects a number of steps >= 0, at most {MAX_STEPS:,}")
 
 
 def _check_table_phases(phases):
@@ -979,3 +1011,7 @@ def _check_table_phases(phases):
                 refuse(f"has {key}={getattr(p, key)!r}: expects a beta in [0, 1)")
         if not is_number(p.step_every, integer=True) or not 1 <= p.step_every <= MAX_STEPS:
             refuse(f"has step_every={p.step_every!r}: expects a whole number of steps in [1, {MAX_STEPS:,}]")
+        if p.value_embed_beta1 is not None and (not is_number(p.value_embed_beta1) or not 0 <= p.value_embed_beta1 < 1):
+            refuse(f"has value_embed_beta1={p.value_embed_beta1!r}: expects null (unchanged) or a beta in [0, 1)")
+        if not is_number(p.decay_mult) or not 0 <= p.decay_mult < math.inf:
+            refuse(f"has decay_mult={p.decay_mult!r}: expects a multiplier >= 0")

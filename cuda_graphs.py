@@ -22,13 +22,14 @@ class MicroBatch:
     tokens: torch.Tensor
     targets: torch.Tensor
     cu_seqlens: torch.Tensor
-    candidate_start: torch.Tensor  # 0-d int64: candidate_start(slice, slices)
+    candidate_start: torch.Tensor  # 0-d int64: where the slice's candidate walk starts (an int or a 0-d tensor given)
 
     @staticmethod
     def of(s, start, device):
         """The slice's own tensors on `device` (a step that is not replayed)."""
         s = s.to(device)
-        return MicroBatch(s.tokens, s.targets, s.cu_seqlens, torch.full((), start, device=device))
+        start = start.clone() if torch.is_tensor(start) else torch.full((), start, device=device)
+        return MicroBatch(s.tokens, s.targets, s.cu_seqlens, start)
 
     @staticmethod
     def buffers_like(s, device):
@@ -97,14 +98,16 @@ class StepGraphs:
         self.keys_compiled = set() # (code of the update function, key) compiled here
 
     def run(self, key, body, s, start):
-        """Forward and backward of micro-batch `s` with the graph of `key` (body makes it)."""
+        """Forward and backward of micro-batch `s` with the graph of `key` (body makes it); returns
+        the MicroBatch it read (which the body may have written: the candidate walk's next start)."""
         if not self.enabled:
-            body(MicroBatch.of(s, start, self.device))
-            return
+            batch = MicroBatch.of(s, start, self.device)
+            body(batch)
+            return batch
         step = self.steps.get(key)
         if step is None:
-            self.steps[key] = self._first_run(body, s, start)
-            return
+            self.steps[key] = step = self._first_run(body, s, start)
+            return step.inputs
         self._attach(step)
         step.inputs.fill(s, start)
         if step.graph is not None:
@@ -112,6 +115,7 @@ class StepGraphs:
         else:
             self.eager_runs += self.capturing
             step.body(step.inputs)
+        return step.inputs
 
     def _first_run(self, body, s, start):
         """Run a new key eagerly from fresh buffers and find the parameters it trains: the ones

@@ -423,17 +423,24 @@ def shape_lr_multiplier(rows, cols):
     return max(1.0, rows / cols) ** 0.5
 
 
-def equalize_lanes(update, second_moment, beta2, eps):
+def lanes_are_rows(rows, cols, lanes=None):
+    """Whether the equalizer's lanes of a (rows, cols) update are its rows: `lanes` "rows" or
+    "cols" when given, else the longer dimension's (rows when rows >= cols)."""
+    return rows >= cols if lanes is None else lanes == "rows"
+
+
+def equalize_lanes(update, second_moment, beta2, eps, row_lanes=None):
     """NorMuon: give every lane of `update` (rows, cols) the same RMS, keeping its Frobenius norm.
 
-    A lane is one index of the longer dimension (a row when rows >= cols, else a column): after
-    orthogonalization the shorter dimension's lanes are already orthonormal, the longer ones are
-    not. `second_moment` (rows, 1) or (1, cols) is the EMA (beta2) of each lane's mean square,
-    updated in place; the update is divided by sqrt(second_moment + eps), then rescaled to the
-    Frobenius norm it had before.
+    A lane is one index of the longer dimension (a row when rows >= cols, else a column; or as
+    `row_lanes` says): after orthogonalization the shorter dimension's lanes are already
+    orthonormal, the longer ones are not. `second_moment` (rows, 1) or (1, cols) is the EMA
+    (beta2) of each lane's mean square, updated in place; the update is divided by
+    sqrt(second_moment + eps), then rescaled to the Frobenius norm it had before.
     """
     rows, cols = update.shape
-    mean_square = update.square().mean(dim=-1 if rows >= cols else -2, keepdim=True)
+    row_lanes = rows >= cols if row_lanes is None else row_lanes
+    mean_square = update.square().mean(dim=-1 if row_lanes else -2, keepdim=True)
     second_moment.lerp_(mean_square, 1 - beta2)
     norm_before = update.norm()
     equalized = update * (second_moment + eps).rsqrt()
@@ -461,6 +468,9 @@ class Muon(torch.optim.Optimizer):
       blend         anvil: w in m = w * fast + (1 - w) * slow
       mu            anvil: Nesterov weight in u = lerp(g, m, mu)
       lr_scale      extra LR multiplier of the group (e.g. 2 for the MLP output matrices)
+      shape_factor  None (each block's max(1, rows/cols)^0.5), or the factor every block takes
+      lanes         None (each block's longer dimension), or per block "rows" or "cols": the
+                    equalizer's lanes
       row_splits    None, or row counts that split each matrix of the group into independent
                     matrices (e.g. a packed QKV weight into per-head-pair query and key blocks
                     and the value block): each block is orthogonalized, equalized and
@@ -473,7 +483,8 @@ class Muon(torch.optim.Optimizer):
       fast <- lerp(fast, g, 1 - fast_beta);  slow <- lerp(slow, g, 1 - slow_beta)
       u <- lerp(g, blend * fast + (1 - blend) * slow, mu)
     then O = orthogonalize(u), optionally O = equalize_lanes(O), and with
-      lr_eff = lr * lr_scale * max(1, rows/cols)^0.5   (rows of the block, with row_splits)
+      lr_eff = lr * lr_scale * max(1, rows/cols)^0.5   (rows of the block, with row_splits;
+                                                        or shape_factor)
       theta <- theta - lr_eff * O - lr * lr_eff * weight_decay * theta * [gate]
     where the decay gate is sign(slow) * sign(theta) >= 0 for anvil and sign(O) * sign(theta)
     >= 0 otherwise. step() returns True (it always updates every matrix that has a gradient).
@@ -493,12 +504,12 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0, schedule="polar_express",
                  variant="muon", equalize=None, beta2=0.9, eps=1e-10, fast_beta=0.85,
-                 slow_beta=0.98, blend=1.0, mu=0.85, lr_scale=1.0, row_splits=None, ortho_dtype=None,
-                 xxt=None, run_bank=None):
+                 slow_beta=0.98, blend=1.0, mu=0.85, lr_scale=1.0, row_splits=None, shape_factor=None,
+                 lanes=None, ortho_dtype=None, xxt=None, run_bank=None):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, schedule=schedule,
                         variant=variant, equalize=equalize, beta2=beta2, eps=eps,
                         fast_beta=fast_beta, slow_beta=slow_beta, blend=blend, mu=mu,
-                        lr_scale=lr_scale, row_splits=row_splits)
+                        lr_scale=lr_scale, row_splits=row_splits, shape_factor=shape_factor, lanes=lanes)
         super().__init__(params, defaults)
         self.ortho_dtype, self.xxt, self.run_bank = ortho_dtype, xxt, run_bank
         self.layouts = {}          # world size -> MuonLayout
@@ -531,6 +542,12 @@ class Muon(torch.optim.Optimizer):
                 raise OptimConfigError(f"row_splits {list(group['row_splits'])} must add up to the rows of "
                                        f"every matrix of the group; got shapes "
                                        f"{sorted({tuple(p.shape) for p in group['params']})}")
+        if group["lanes"] is not None:
+            group["lanes"] = tuple(group["lanes"])
+            blocks = len(group["row_splits"] or (None,))
+            if len(group["lanes"]) != blocks or not set(group["lanes"]) <= {"rows", "cols", None}:
+                raise OptimConfigError(f"lanes {list(group['lanes'])} must give \"rows\", \"cols\" or None for each "
+                                       f"of the group's {blocks} block(s)")
         _check_param_dtypes(group["params"], "Muon")
 
     def load_state_dict(self, state_dict):
@@ -545,11 +562,14 @@ class Muon(torch.optim.Optimizer):
 
     def _hyper(self, group, shape):
         """The scheduled scalars of a bank's update, computed on the host from the group:
-        momentum and 1 - momentum, blend, mu, and per row block lr_eff and decay."""
+        momentum and 1 - momentum, blend, mu, 1 - fast_beta, and per row block lr_eff and decay."""
         splits = group["row_splits"] or (shape[0],)
-        lr_eff = [group["lr"] * group["lr_scale"] * shape_lr_multiplier(rows, shape[1]) for rows in splits]
+        factor = group["shape_factor"]
+        lr_eff = [group["lr"] * group["lr_scale"] * (shape_lr_multiplier(rows, shape[1]) if factor is None else factor)
+                  for rows in splits]
         return dict(momentum=group["momentum"], one_minus_momentum=1 - group["momentum"], blend=group["blend"],
-                    mu=group["mu"], lr_eff=lr_eff, decay=[group["lr"] * e * group["weight_decay"] for e in lr_eff])
+                    mu=group["mu"], one_minus_fast_beta=1 - group["fast_beta"], lr_eff=lr_eff,
+                    decay=[group["lr"] * e * group["weight_decay"] for e in lr_eff])
 
     @staticmethod
     def _momentum_direction(group, hyper, state, g):
@@ -558,7 +578,7 @@ class Muon(torch.optim.Optimizer):
             if "fast_rail" not in state:
                 state["fast_rail"] = torch.zeros_like(g)
                 state["slow_rail"] = torch.zeros_like(g)
-            state["fast_rail"].lerp_(g, 1 - group["fast_beta"])
+            state["fast_rail"].lerp_(g, hyper["one_minus_fast_beta"])
             state["slow_rail"].lerp_(g, 1 - group["slow_beta"])
             blended = torch.lerp(state["slow_rail"], state["fast_rail"], hyper["blend"])
             return torch.lerp(g, blended, hyper["mu"])
@@ -572,15 +592,17 @@ class Muon(torch.optim.Optimizer):
         """Equalize (if on) the orthogonalized fp32 `update`, block by block with row_splits, and
         apply it to p's master weight."""
         splits = group["row_splits"] or (p.shape[0],)
+        lanes = group["lanes"] or (None,) * len(splits)
+        row_lanes = [lanes_are_rows(rows, p.shape[1], lane) for rows, lane in zip(splits, lanes)]
         if group["equalize"] and "lane_second_moment" not in state:
-            state["lane_second_moment"] = [update.new_zeros((rows, 1) if rows >= p.shape[1] else (1, p.shape[1]))
-                                           for rows in splits]
+            state["lane_second_moment"] = [update.new_zeros((rows, 1) if by_row else (1, p.shape[1]))
+                                           for rows, by_row in zip(splits, row_lanes)]
         master = _load_master(p.data, state)
         slow = state["slow_rail"].split(splits) if group["variant"] == "anvil" else [None] * len(splits)
         for i, (block, weights, slow_block) in enumerate(zip(update.split(splits), master.split(splits), slow)):
-            rows, cols = block.shape
             if group["equalize"]:
-                block = equalize_lanes(block, state["lane_second_moment"][i], group["beta2"], group["eps"])
+                block = equalize_lanes(block, state["lane_second_moment"][i], group["beta2"], group["eps"],
+                                       row_lanes[i])
             lr_eff, decay = hyper["lr_eff"][i], hyper["decay"][i]
             gate_source = block if slow_block is None else slow_block
             decayed = same_sign_or_zero(gate_source, weights) * weights
@@ -741,14 +763,17 @@ class Adam(torch.optim.Optimizer):
     run_bank: as Muon's. With it, one update of every parameter with a gradient is the function
     handed over (it may be captured and replayed): the summed gradients (the gradients
     themselves with one process), the state and each parameter's scalars (its LR over its bias
-    correction, 1 / sqrt(1 - beta2^t), lr^2 * wd) keep their addresses from step to step.
+    correction, 1 / sqrt(1 - beta2^t), lr^2 * wd, the betas, eps and the gradient's divisor)
+    keep their addresses from step to step, so any group key and step_every may change between
+    replays.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0,
-                 step_every=1, run_bank=None):
+                 step_every=1, run_bank=None, name="adam"):
         if step_every < 1:
             raise OptimConfigError(f"step_every must be a positive integer, got {step_every}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.name = name           # its captured updates' key (a run may have several Adams)
         self.step_every = step_every
         self.pending_calls = 0
         self.run_bank = run_bank
@@ -792,12 +817,15 @@ class Adam(torch.optim.Optimizer):
                 target_state[key] = value.clone() if torch.is_tensor(value) else value
 
     @staticmethod
-    def _hyper(group, t):
-        """The scalars of a parameter's t-th update, computed on the host."""
+    def _hyper(group, t, divisor):
+        """The scalars of a parameter's t-th update, computed on the host: everything the update
+        reads that a schedule may change (LR, betas, eps, decay) and the divisor of its summed
+        gradient (ranks x calls), so that a captured update replays with any of their values."""
         beta1, beta2 = group["betas"]
         lr = group["lr"]
         return dict(step_scale=lr / (1 - beta1 ** t), inv_sqrt_bias2=(1 - beta2 ** t) ** -0.5,
-                    decay=lr * lr * group["weight_decay"])
+                    decay=lr * lr * group["weight_decay"], one_minus_beta1=1 - beta1, beta2=beta2,
+                    one_minus_beta2=1 - beta2, eps=group["eps"], divisor=float(divisor))
 
     def _update(self, group, hyper, state, param, g):
         """One Adam step on `param` (the whole parameter or this rank's rows) with fp32 grad g
@@ -808,12 +836,14 @@ class Adam(torch.optim.Optimizer):
         so a step allocates nothing and makes ~12 in-place passes over the parameter's size (the
         tables are large; on a CPU a fresh buffer of their size costs more than a pass).
         """
-        beta1, beta2 = group["betas"]
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        m.lerp_(g, hyper["one_minus_beta1"])
         update, decayed = self.scratch(m)
-        torch.sqrt(v, out=update).mul_(hyper["inv_sqrt_bias2"]).add_(group["eps"])
+        if torch.is_tensor(hyper["one_minus_beta2"]):   # (addcmul's value must be a number: the same products)
+            v.mul_(hyper["beta2"]).addcmul_(g, torch.mul(g, hyper["one_minus_beta2"], out=update))
+        else:
+            v.mul_(hyper["beta2"]).addcmul_(g, g, value=hyper["one_minus_beta2"])
+        torch.sqrt(v, out=update).mul_(hyper["inv_sqrt_bias2"]).add_(hyper["eps"])
         torch.div(m, update, out=update).mul_(hyper["step_scale"])   # lr * u
         master = _load_master(param, state)
         if group["weight_decay"]:
@@ -876,11 +906,11 @@ class Adam(torch.optim.Optimizer):
         summed = {p: value for bucket in buckets for p, value in bucket.wait().items()}
         return summed | {p: reduction.wait() for p, reduction in rows.items()}
 
-    def _update_all(self, updates, divisor):
+    def _update_all(self, updates):
         for group, hyper, state, weights, summed in updates:
             g = summed.float()
-            if divisor != 1:
-                g = g / divisor
+            if torch.is_tensor(hyper["divisor"]) or hyper["divisor"] != 1:
+                g = g / hyper["divisor"]
             self._update(group, hyper, state, weights, g)
 
     @torch.no_grad()
@@ -917,17 +947,17 @@ class Adam(torch.optim.Optimizer):
                 rows = p.shape[0] // world
                 weights = p.data[rank * rows:(rank + 1) * rows]
                 gathers.append((p, weights))
-            updates.append([group, self._hyper(group, state["step"]), state, weights, summed])
+            updates.append([group, self._hyper(group, state["step"], world * calls), state, weights, summed])
         if self.run_bank is None or not updates:
-            self._update_all(updates, world * calls)
+            self._update_all(updates)
         else:
-            key = ("adam", calls, tuple(p.grad is not None for group in self.param_groups for p in group["params"]))
+            key = (self.name, tuple(p.grad is not None for group in self.param_groups for p in group["params"]))
             if key not in self.scalars:
                 self.scalars[key] = _DeviceScalars([u[1] for u in updates], updates[0][3].device)
             self.scalars[key].write([u[1] for u in updates])
             for update, views in zip(updates, self.scalars[key].views):
                 update[1] = views
-            self.run_bank(key, functools.partial(self._update_all, updates, world * calls))
+            self.run_bank(key, functools.partial(self._update_all, updates))
         self._gathers = [_launch_all_gather(p.data, weights, world) for p, weights in gathers]
         self._launched, self._reductions = [], None
 

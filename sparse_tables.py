@@ -487,16 +487,21 @@ class SparseTables:
         self.host.flush()
         return self.host.summary()
 
-    def set_schedule(self, lr, ngram_beta2, value_embed_beta2, step_every):
-        """The tables' learning rates at LR multiplier `lr`, their beta2 and their cadence (one
-        update every `step_every` calls of step())."""
-        self.step_every = step_every
+    def set_schedule(self, lr, schedule, eps):
+        """The tables' learning rates at LR multiplier `lr`, and from `schedule` (a TableSchedule)
+        their beta2, weight decay and cadence (one update every `schedule.step_every` calls of
+        step()); `eps` their Adam's epsilon."""
+        self.step_every = schedule.step_every
         if self.ngram_adam is not None:
             self.ngram_adam.lr = self.h.ngram_lr * lr
-            self.ngram_adam.beta2 = ngram_beta2
+            self.ngram_adam.beta2 = schedule.ngram_beta2
+            self.ngram_adam.weight_decay = self.h.ngram_wd * schedule.decay_mult
+            self.ngram_adam.eps = eps
         for adam in self.value_adams:
             adam.lr = self.h.value_embed_lr * lr
-            adam.beta2 = value_embed_beta2
+            adam.beta2 = schedule.value_embed_betas[1]
+            adam.weight_decay = self.h.value_embed_wd * schedule.decay_mult
+            adam.eps = eps
 
     def fetch(self, tokens, **kwargs):
         """Bring the rows of `tokens` to the device when the table is not whole there."""

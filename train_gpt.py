@@ -207,6 +207,7 @@ def _cpu_optimization_preset(h):
 SOFTMAX_EARLY, SOFTMAX_LATE, SOFTMAX_LAST = 10_240, 14_336, 24_576
 NGRAM_RECORD_ROWS = 84_602_880     # record 92's n-gram table: 10,575,360 rows on each of 8 GPUs
 NGRAM_LATE_STEP = 336              # record 92's step from which the tables' beta2 is squared, an update every 4th
+RECORD92_VO_MLP_BLEND = 0.55 - 0.2007  # record 92: the banks' blend less its Richardson correction for V, O, MLP
 
 
 def _speedrun_preset(h):
@@ -243,64 +244,69 @@ def _speedrun_preset(h):
     h.snapshot_layer = 6                       # record 89's 7 is gone: the layers after 6 read its output
     # record 92's hashed n-gram table, split across the GPUs (bigram_rows: the table when ngram_rows=0)
     h.ngram_rows, h.ngram_dtype, h.bigram_rows = NGRAM_RECORD_ROWS, "bfloat16", 251_520
-    h.value_embed_sparse = True    # the value embeddings on the table's path: sparse Adam, the same cadence
     h.canonical_mask = True        # record 92 validates with the canonical mask
     # precision: bf16 weights and activations (fp32 in the optimizers' sidecars), FP8 MLP, QKV, head
     h.param_dtype, h.compute_dtype = "bfloat16", "bfloat16"
     h.fp8_mlp, h.fp8_qkv, h.fp8_head, h.fp8_mlp_scales = True, True, True, "record92"
 
-    # schedule: 1194 steps; record 92's boundaries (its third stage in two: the sampled softmax
-    # widens for its last third); the tails' batches as the public ANVIL record's
+    # schedule: record 92's 1194 steps (1122 scheduled + 52 grown into the third stage + 20 at the
+    # end); its third stage in two here, where its sampled softmax widens for the last third
     h.num_iterations = N = 1194
     h.stages = [
         Stage(end=320 / N, tokens_per_rank=16_384, max_doc_len=896, short_window=1, long_window=3,
               mtp_weights=(1.0, 0.5, 0.25), mtp_weights_end=(1.0, 0.5, 0.0), prefix_weight=0.25,
               candidates=SOFTMAX_EARLY, lr_mult=1.0),
         Stage(end=681 / N, tokens_per_rank=32_768, max_doc_len=2048, short_window=3, long_window=7,
-              mtp_weights=(1.0, 0.5), mtp_weights_end=(1.0, 0.0), prefix_weight=0.25, prefix_weight_end=0.0,
-              candidates=SOFTMAX_EARLY, lr_mult=1.52),
+              mtp_weights=(1.0, 0.5), mtp_weights_end=(1.0, 0.0), prefix_weight=0.20, prefix_weight_end=0.05,
+              prefix_weight_levels=4, candidates=SOFTMAX_EARLY, lr_mult=1.52),   # prefix 0.20/0.15/0.10/0.05
         Stage(end=965 / N, tokens_per_rank=49_152, max_doc_len=3072, short_window=5, long_window=11,
               candidates=SOFTMAX_LATE, lr_mult=1.73),
         Stage(end=1107 / N, tokens_per_rank=49_152, max_doc_len=3072, short_window=5, long_window=11,
               candidates=SOFTMAX_LAST, lr_mult=1.73),
-        Stage(end=1175 / N, tokens_per_rank=32_768, max_doc_len=3072, short_window=5, long_window=11,
-              lr_mult=1.579),      # the full softmax from here on
+        Stage(end=1174 / N, tokens_per_rank=40_960, max_doc_len=3072, short_window=5, long_window=11,
+              lr_mult=1.73 * (20 / 24) ** 0.5),   # the taper: 20 of the 24 units, the LR scaled by sqrt
         Stage(end=1.0, tokens_per_rank=16_384, max_doc_len=3072, short_window=6, long_window=13),
     ]
+    h.candidate_walk = "continue"  # each step's negatives follow the last sampled step's in the walk
     h.val_long_window, h.yarn_at_final_window = 20, False  # the final window widens, the rotary tables stay
-    h.untie_frac = 1175 / N        # record 92 unties at step 1175, where the last tail starts
-    h.cooldown_start, h.cooldown_end, h.cooldown_floor = 0.2, 1.0, 0.30  # from step 239 to 0.30 at the end
-    h.averages = [                 # record 92's "ships", applied in this order
-        Average("embed_head", window=298, rate=2 / 299, blend=0.65),
-        Average("value_embeds", window=298, rate=2 / 299, blend=0.65),
+    h.untie_frac = 1176 / N        # record 92 unties after step 1175's update: 1176 is the first untied step
+    h.cooldown_start, h.cooldown_end, h.cooldown_floor = 234 / N, 1174 / N, 0.30  # int(0.2 x 1174), to the floor
+    h.averages = [                 # record 92's "ships", blended in this order, then the banks' norms restored
+        Average("embed_head", window=298, rate=2 / 299, blend=0.65, renormalize=True),
         Average("vo_mlp", window=250, every=4, rate=4 / 53),   # replaced by their tail average
-        Average("qk", window=298, every=4, rate=2 / 75, blend=0.55, renormalize=True),
-        Average("vo_mlp", window=298, every=4, rate=2 / 75, blend=0.3493, renormalize=True),
+        Average("value_embeds", window=250, every=4, offset=2, rate=4 / 53),  # at their updates (steps 3 mod 4)
+        Average("qk", window=298, every=4, rate=2 / 75, blend=0.55, renormalize=True, last_steps=2),
+        Average("vo_mlp", window=298, every=4, rate=2 / 75, blend=RECORD92_VO_MLP_BLEND, renormalize=True,
+                last_steps=2),
     ]
+    h.average_norms = "bank"
 
-    # optimizers: ANVIL for the matrices (queries and keys orthogonalized per pair of heads)
-    h.optimizer, h.orthogonalize = "anvil", "anvil"
-    h.matrix_lr, h.matrix_wd, h.mlp_down_lr_scale, h.qk_ortho_heads = 0.023, 1.2, 2.0, 2
+    # optimizers: ANVIL for the matrices (queries and keys orthogonalized per pair of heads), its
+    # LR factors and lanes from the matrices' shapes in record 92's banks
+    h.optimizer, h.orthogonalize, h.matrix_shapes = "anvil", "anvil", "record_banks"
+    h.matrix_lr, h.matrix_wd, h.mlp_down_lr_scale, h.qk_ortho_heads = 0.023, 2.25, 2.0, 2
     h.anvil_fast_beta, h.anvil_slow_beta = 0.85, 0.98
-    h.anvil_blend, h.anvil_blend_start = 0.4385, 0.43  # the fast rail's weight from step 514 of 1194
+    h.anvil_blend, h.anvil_blend_start = 0.4385, 514 / N  # the fast rail's weight from step 514
+    h.anvil_fast_beta_follows_mu = True                  # before it, the fast rail alone, at beta mu
     h.anvil_mu_low, h.anvil_mu_high = 0.85, 0.93       # Nesterov mu: 0.85 -> 0.93 over 240 steps,
-    h.anvil_mu_rise, h.anvil_mu_fall = 0.2, 0.042      # back to 0.85 over the last 50
+    h.anvil_mu_rise, h.anvil_mu_fall = 240 / N, 50 / N  # back to 0.85 over the last 50
     h.momentum, h.momentum_warmup_start, h.momentum_warmup_steps, h.momentum_cooldown_steps = 0.95, 0.85, 300, 0
     h.adamw_matrix_lr = 0.008      # (--optimizer=adamw: Adam's LR for the matrices)
     # Adam: base LR 0.008 and decay 0.005 times per-group multipliers (the decay scales with lr^2),
-    # an update on odd steps only
+    # an update on odd steps only, eps for the summed loss's gradient
     h.embed_lr = h.head_lr = 0.008
-    h.value_embed_lr = 0.008 * 75  # value embeddings and the n-gram table
+    h.value_embed_lr = 0.008 * 70  # value embeddings and the n-gram table
     h.scalar_lr, h.gate_lr, h.smear_gate_lr = 0.008 * 5, 0.008, 0.008 * 0.01
     h.token_gate_lr, h.dense_lr = 0.0008, 0.002
     h.embed_betas, h.value_embed_betas, h.scalar_betas = (0.5, 0.95), (0.75, 0.95), (0.9, 0.99)
     h.embed_wd, h.value_embed_wd = 0.005 * 150, 0.005 * 5
-    h.adam_eps, h.adam_step_every = 1e-10, 2
-    # the sparse tables: record 89's bigram table's LR and decay; beta2 squared and an update every
-    # 4th step from step 336
-    h.ngram_lr, h.ngram_wd, h.ngram_beta2, h.ngram_step_every = 0.008 * 75, 0.005 * 5, 0.95, 1
+    h.adam_eps, h.adam_step_every, h.adam_eps_unit = 1e-10, 2, "token_sum"
+    # the tables: the n-gram table's sparse Adam and the value embeddings' dense Adam, on odd steps,
+    # then every 4th from step 336 with both betas squared and the decay doubled
+    h.ngram_lr, h.ngram_wd, h.ngram_beta2, h.ngram_step_every = 0.008 * 70, 0.005 * 5, 0.95, 2
+    h.value_embed_sparse, h.value_embed_table_cadence = False, True
     h.table_phases = [TablePhase(start=NGRAM_LATE_STEP, ngram_beta2=0.95 ** 2, value_embed_beta2=0.95 ** 2,
-                                 step_every=4)]
+                                 step_every=4, value_embed_beta1=0.75 ** 2, decay_mult=2.0)]
 
 
 def _record89_preset(h):
@@ -348,25 +354,27 @@ def _record89_preset(h):
         Stage(end=1.0, tokens_per_rank=49_152, max_doc_len=2048, short_window=6, long_window=13),
     ]
     h.val_long_window, h.yarn_at_final_window = 20, False
-    h.untie_frac = (847 + 0.5) / N  # untie at step 847, the first of the third stage
+    h.untie_frac = 848 / N         # record 89 unties after step 847's update: 848 is the first untied step
     h.cooldown_start, h.cooldown_end, h.cooldown_floor = 508 / N, 1270 / N, 0.15
     h.averages = []
 
-    # optimizers: NorMuon with Polar Express, queries and keys orthogonalized per pair of heads
-    h.optimizer, h.orthogonalize = "normuon", "polar_express"
+    # optimizers: NorMuon with Polar Express, queries and keys orthogonalized per pair of heads, the
+    # LR factors and lanes from the matrices' shapes in record 89's banks
+    h.optimizer, h.orthogonalize, h.matrix_shapes = "normuon", "polar_express", "record_banks"
     h.matrix_lr, h.matrix_wd, h.mlp_down_lr_scale, h.qk_ortho_heads = 0.023, 1.2, 2.0, 2
     h.momentum, h.momentum_warmup_start, h.momentum_warmup_steps, h.momentum_cooldown_steps = 0.95, 0.85, 300, 50
     h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start = 0.85, 0.98, 0.4385, 0.43  # (anvil)
     h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall = 0.85, 0.93, 0.2, 0.042         # (anvil)
     h.adamw_matrix_lr = 0.008      # (--optimizer=adamw)
-    # Adam: base LR 0.008 and decay 0.005 times per-group multipliers, an update on odd steps only
+    # Adam: base LR 0.008 and decay 0.005 times per-group multipliers, an update on odd steps only,
+    # eps for the summed loss's gradient
     h.embed_lr = h.head_lr = 0.008
     h.value_embed_lr = 0.008 * 75  # value embeddings and the bigram table
     h.scalar_lr, h.gate_lr, h.smear_gate_lr = 0.008 * 5, 0.008, 0.008 * 0.01
     h.token_gate_lr, h.dense_lr = 0.0008, 0.002
     h.embed_betas, h.value_embed_betas, h.scalar_betas = (0.5, 0.95), (0.75, 0.95), (0.9, 0.99)
     h.embed_wd, h.value_embed_wd = 0.005 * 150, 0.005 * 5
-    h.adam_eps, h.adam_step_every = 1e-10, 2
+    h.adam_eps, h.adam_step_every, h.adam_eps_unit = 1e-10, 2, "token_sum"
     h.ngram_lr, h.ngram_wd, h.ngram_beta2, h.ngram_step_every, h.table_phases = 0.01, 0.0, 0.95, 1, []  # (no table)
 
 
@@ -1613,6 +1621,21 @@ def candidate_columns(targets, count, start):
     return priority.topk(count, largest=False, sorted=False).indices.sort().values
 
 
+NEGATIVE_DRAW_FACTOR, NEGATIVE_DRAW_EXTRA = 1.7, 256  # record 92: a step draws 1.7 x its negatives + 256 ids
+
+
+def candidate_walk_after(targets, count, start):
+    """Where the next sampled step's walk starts (candidate_walk "continue"): record 92 moves it past
+    the ids it drew, min(V, int(1.7 x need) + 256) for the `need` = count - distinct targets
+    negatives (none drawn when the targets fill the count). A 0-d tensor: no host sync."""
+    V = PADDED_VOCAB_SIZE
+    present = torch.where(targets >= 0, targets, V).flatten()
+    distinct = torch.zeros(V + 1, dtype=torch.bool, device=targets.device).index_fill_(0, present, True)[:V].sum()
+    need = count - distinct
+    draw = torch.clamp((need.double() * NEGATIVE_DRAW_FACTOR).floor().long() + NEGATIVE_DRAW_EXTRA, max=V)
+    return (start + torch.where(need > 0, draw, 0)) % V
+
+
 # -----------------------------------------------------------------------------------------------
 # Data
 # -----------------------------------------------------------------------------------------------
@@ -1893,22 +1916,41 @@ def anvil_blend(h, step):
     return 1.0 if step / h.num_iterations < h.anvil_blend_start else h.anvil_blend
 
 
+def anvil_fast_beta(h, step):
+    """The fast rail's beta: anvil_fast_beta, or with anvil_fast_beta_follows_mu the scheduled
+    mu until blending starts (the fast rail alone is the momentum then)."""
+    if h.anvil_fast_beta_follows_mu and anvil_blend(h, step) == 1.0:
+        return anvil_mu(h, step)
+    return h.anvil_fast_beta
+
+
 def momentum_schedule(h, step):
     """The scheduled scalars of the Muon family at `step`, those its variant reads: ANVIL's
-    Nesterov mu and rail blend, or the muon/normuon momentum."""
+    Nesterov mu, rail blend and fast rail's beta, or the muon/normuon momentum."""
     if h.optimizer == "anvil":
-        return dict(mu=anvil_mu(h, step), blend=anvil_blend(h, step))
+        return dict(mu=anvil_mu(h, step), blend=anvil_blend(h, step), fast_beta=anvil_fast_beta(h, step))
     return dict(momentum=matrix_momentum(h, step))
+
+
+def prefix_weight(stage, progress):
+    """The prefix target's weight at `progress` in [0, 1) through the stage: from prefix_weight
+    toward prefix_weight_end linearly, or with prefix_weight_levels = n in n equal parts of the
+    stage, one weight each, the first prefix_weight and the last prefix_weight_end."""
+    end = stage.prefix_weight if stage.prefix_weight_end is None else stage.prefix_weight_end
+    n = stage.prefix_weight_levels
+    if n:
+        progress = min(int(progress * n), n - 1) / max(n - 1, 1)
+    return stage.prefix_weight + (end - stage.prefix_weight) * progress
 
 
 def target_weights(stage, device, progress=0.0):
     """(MAX_TARGETS,) loss weights of the targets t+1, t+2, t+3 and of the prefix target, at
     `progress` in [0, 1) through the stage: the multi-token weights go linearly from mtp_weights
-    at the stage's first step toward mtp_weights_end at its end (constant without an end)."""
+    at the stage's first step toward mtp_weights_end at its end (constant without an end), the
+    prefix target's as prefix_weight says."""
     end = stage.mtp_weights_end or stage.mtp_weights
     mtp = [a + (b - a) * progress for a, b in zip(stage.mtp_weights, end)]
-    prefix_end = stage.prefix_weight if stage.prefix_weight_end is None else stage.prefix_weight_end
-    prefix = stage.prefix_weight + (prefix_end - stage.prefix_weight) * progress
+    prefix = prefix_weight(stage, progress)
     w = mtp + [0.0] * (MAX_TARGETS - 1 - len(mtp)) + [prefix]
     return torch.tensor(w, dtype=torch.float32, device=device)
 
@@ -1921,13 +1963,35 @@ def step_target_weights(h, device):
     return torch.stack(rows).to(device)
 
 
+@dataclass
+class TableSchedule:
+    """The tables' Adam at a step (the last TablePhase started by then; before the first, the
+    base keys): the n-gram table's beta2, the value embeddings' betas, one update every
+    `step_every` steps, and the multiplier of both tables' weight decay."""
+    ngram_beta2: float
+    value_embed_betas: tuple
+    step_every: int
+    decay_mult: float
+
+
 def table_schedule(h, step):
-    """(n-gram beta2, value-embedding beta2, update cadence) of the sparse tables at `step`: those
-    of the last TablePhase started by then, before the first the base keys."""
     started = [p for p in h.table_phases if p.start <= step]
     if not started:
-        return h.ngram_beta2, h.value_embed_betas[1], h.ngram_step_every
-    return started[-1].ngram_beta2, started[-1].value_embed_beta2, started[-1].step_every
+        return TableSchedule(h.ngram_beta2, tuple(h.value_embed_betas), h.ngram_step_every, 1.0)
+    p = started[-1]
+    beta1 = h.value_embed_betas[0] if p.value_embed_beta1 is None else p.value_embed_beta1
+    return TableSchedule(p.ngram_beta2, (beta1, p.value_embed_beta2), p.step_every, p.decay_mult)
+
+
+def adam_eps(h, step, steps_per_update):
+    """Adam's epsilon (the tables' too) for an update over `steps_per_update` steps at `step`, in
+    this objective's gradient scale: adam_eps, or with adam_eps_unit "token_sum" adam_eps over the
+    tokens of a rank's slice and the steps, the factor between the gradient of a loss summed over
+    them (averaged over the ranks) and this objective's (a mean over the global batch's tokens
+    and the steps). An update whose steps span a stage boundary takes its last step's tokens."""
+    if h.adam_eps_unit == "mean":
+        return h.adam_eps
+    return h.adam_eps / (h.stages[stage_index(h, step)].tokens_per_rank * steps_per_update)
 
 
 def untie_step(h):
@@ -1967,13 +2031,16 @@ class WeightAverages:
     weights after the last step. A tied head is not written: the embedding is the head.
     `ema_update` (kernels.ema_update_ or its reference) moves an EMA toward a weight."""
 
-    def __init__(self, averages, model, num_iterations, ema_update=kernels.ema_update_reference_):
-        self.averages, self.model, self.N = averages, model, num_iterations
+    def __init__(self, averages, model, num_iterations, ema_update=kernels.ema_update_reference_, norms="matrix"):
+        self.averages, self.model, self.N, self.norms = averages, model, num_iterations, norms
         self.ema_update = ema_update
         self.ema = [dict() for _ in averages]
 
     def samples_at(self, average, step):
-        return step >= self.N - average.window and (self.N - 1 - step) % average.every == 0
+        """Whether `average` samples the weights after `step`: in its window, every every-th step
+        counted back from `offset` steps before the last, and each of its last_steps."""
+        return step >= self.N - average.window and ((self.N - 1 - step) % average.every == average.offset
+                                                     or step >= self.N - average.last_steps)
 
     @torch.no_grad()
     def sample(self, step):
@@ -1994,25 +2061,42 @@ class WeightAverages:
             for _, weight in averaged_pieces(self.model, average.params):
                 self.ema_update(torch.zeros_like(weight, dtype=torch.float32), weight, average.rate)
 
+    def norm_group(self, name):
+        """What a piece's renormalization measures it with: the piece itself, or (norms "bank")
+        its bank: all layers' queries and keys, values and outputs, MLP matrices."""
+        if self.norms == "matrix":
+            return name
+        kind = name.rstrip("0123456789")
+        return {"v": "vo", "out": "vo", "mlp_up": "mlp", "mlp_down": "mlp", "mlp2_up": "mlp",
+                "mlp2_down": "mlp"}.get(kind, kind)
+
     @torch.no_grad()
     def ship(self):
         """Blend every average into its weights, in order; then rescale the matrices of averages
-        with renormalize to the Frobenius norms they had before any blend. Returns the number of
-        blends."""
+        with renormalize to the Frobenius norms they (or their banks: norm_group) had before any
+        blend. Returns the number of blends."""
         def shipped(average, ema):
             return [(name, weight) for name, weight in averaged_pieces(self.model, average.params)
                     if name in ema and not (name == "head" and self.model.tied)]
-        norms = {name: weight.float().norm() for average, ema in zip(self.averages, self.ema)
-                 if average.renormalize for name, weight in shipped(average, ema)}
+        renormalized = {name: weight for average, ema in zip(self.averages, self.ema)
+                        if average.renormalize for name, weight in shipped(average, ema)}
+
+        def norms():
+            squares = {}
+            for name, weight in renormalized.items():
+                group = self.norm_group(name)
+                squares[group] = squares.get(group, 0.0) + weight.float().square().sum()
+            return {group: square.sqrt() for group, square in squares.items()}
+        before = norms()
         blends = 0
         for average, ema in zip(self.averages, self.ema):
             for name, weight in shipped(average, ema):
                 weight.copy_(torch.lerp(weight.float(), ema[name], average.blend))
                 blends += 1
-        for average, ema in zip(self.averages, self.ema):
-            for name, weight in shipped(average, ema):
-                if name in norms:
-                    weight.copy_(weight.float() * (norms.pop(name) / weight.float().norm().clamp_min(NORM_FLOOR)))
+        after = norms()
+        for name, weight in renormalized.items():
+            group = self.norm_group(name)
+            weight.copy_(weight.float() * (before[group] / after[group].clamp_min(NORM_FLOOR)))
         return blends
 
 
@@ -2244,7 +2328,8 @@ def adam_groups(h, model):
     dense = list(model.dense.parameters()) if model.trunk == "dense" else []
     scalars = [p for p in model.parameters() if p.ndim < 2 and all(p is not q for q in token_gates + dense)]
     bigram = [model.bigram.weight] if model.bigram is not None else []    # (the n-gram table is SparseRowAdam's)
-    value_embeds = bigram + ([] if model.value_sinks is not None else [ve.weight for ve in model.value_embeds])
+    dense_value_embeds = model.value_sinks is None and not h.value_embed_table_cadence   # (else value_embed_adam's)
+    value_embeds = bigram + ([ve.weight for ve in model.value_embeds] if dense_value_embeds else [])
     groups = [
         dict(name="embed", params=[model.embed.weight], lr=h.embed_lr, betas=h.embed_betas, weight_decay=h.embed_wd),
         dict(name="lm_head", params=[model.lm_head], lr=h.head_lr, betas=h.embed_betas, weight_decay=h.embed_wd),
@@ -2273,34 +2358,66 @@ def qkv_row_splits(h, layer=0):
     return (block,) * (2 * h.num_heads // h.qk_ortho_heads) + (h.num_heads * v_dim,)
 
 
+def value_embed_adam(h, model, run_bank=None):
+    """With value_embed_table_cadence, the dense value embeddings' own Adam, which steps on the
+    tables' cadence with their phases' betas and decay (Trainer.advance_to sets them); else None."""
+    if not h.value_embed_table_cadence or model.value_sinks is not None or not model.value_embeds:
+        return None
+    group = dict(name="value_embeds", params=[ve.weight for ve in model.value_embeds], lr=h.value_embed_lr,
+                 betas=h.value_embed_betas, weight_decay=h.value_embed_wd)
+    return optim.Adam([group], eps=h.adam_eps, step_every=h.ngram_step_every, run_bank=run_bank,
+                      name="value_embed_adam")
+
+
+def muon_groups(h, model, matrices):
+    """The Muon family's groups: the MLP output matrices (lr_scale mlp_down_lr_scale), the QKV
+    weights by their row splits, the rest. With matrix_shapes "record_banks" each takes the
+    shape factor and lanes of the records' banks: the MLP output matrices stored hidden x dim,
+    the narrow-value layers' values and outputs stored dim x dim (a narrow layer uses part of
+    each head of full-width bank matrices; the rest stays zero and changes nothing)."""
+    banks = h.matrix_shapes == "record_banks"
+    mlp_down = [mlp.down for block in model.blocks for mlp in (block.mlp, block.parallel_mlp) if mlp is not None]
+    narrow_out = [block.attn.out for i, block in enumerate(model.blocks)
+                  if banks and block.attn is not None and i in h.narrow_vo_layers]
+    qkv = {}                       # (row splits, value lanes) -> the QKV weights split that way
+    for i, block in enumerate(model.blocks):
+        if block.attn is not None:
+            splits = qkv_row_splits(h, i)
+            value_rows = banks and splits is not None and i in h.narrow_vo_layers
+            qkv.setdefault((splits, value_rows), []).append(block.attn.qkv)
+    packed = mlp_down + narrow_out + [p for params in qkv.values() for p in params]
+    groups = [dict(params=[p for p in matrices if all(p is not q for q in packed)], name="matrices"),
+              dict(params=mlp_down, lr_scale=h.mlp_down_lr_scale, name="mlp_down",
+                   shape_factor=optim.shape_lr_multiplier(h.mlp_hidden, h.model_dim) if banks else None)]
+    if narrow_out:
+        groups.append(dict(params=narrow_out, name="narrow_out", shape_factor=1.0))
+    for (splits, value_rows), params in qkv.items():
+        lanes = (None,) * (len(splits) - 1) + ("rows",) if value_rows else None
+        groups.append(dict(params=params, row_splits=splits, lanes=lanes, name="qkv"))
+    return groups
+
+
 def build_optimizers(h, model, fns, run_bank=None):
-    """Adam for embeddings, head, gates and scalars; the Muon family (or Adam) for the hidden
-    matrices, orthogonalized in bf16 with the Triton X X^T wherever the Triton kernels run.
-    run_bank: how the optimizers run their update math (StepGraphs.run_captured: CUDA graphs)."""
+    """Adam for embeddings, head, gates and scalars (the value embeddings' own on the tables'
+    cadence); the Muon family (or Adam) for the hidden matrices, orthogonalized in bf16 with the
+    Triton X X^T wherever the Triton kernels run. run_bank: how the optimizers run their update
+    math (StepGraphs.run_captured: CUDA graphs)."""
     matrices = [p for name, p in model.blocks.named_parameters() if p.ndim == 2 and not is_gate(name)]
     groups = adam_groups(h, model)
     if h.optimizer == "adamw":
         groups.append(dict(name="matrices", params=matrices, lr=h.adamw_matrix_lr, betas=h.embed_betas,
                            weight_decay=0.0))
-    adam = optim.Adam(groups, eps=h.adam_eps, step_every=h.adam_step_every, run_bank=run_bank)
+    adams = [optim.Adam(groups, eps=h.adam_eps, step_every=h.adam_step_every, run_bank=run_bank),
+             value_embed_adam(h, model, run_bank)]
+    adams = [adam for adam in adams if adam is not None]
     if h.optimizer == "adamw":
-        return [adam]
-    mlp_down = [mlp.down for block in model.blocks for mlp in (block.mlp, block.parallel_mlp) if mlp is not None]
-    qkv = {}                       # row splits -> the QKV weights split that way
-    for i, block in enumerate(model.blocks):
-        if block.attn is not None:
-            qkv.setdefault(qkv_row_splits(h, i), []).append(block.attn.qkv)
-    packed = mlp_down + [p for params in qkv.values() for p in params]
-    others = [p for p in matrices if all(p is not q for q in packed)]
-    muon_groups = [dict(params=others, name="matrices"),
-                   dict(params=mlp_down, lr_scale=h.mlp_down_lr_scale, name="mlp_down")]
-    muon_groups += [dict(params=params, row_splits=splits, name="qkv") for splits, params in qkv.items()]
-    muon = optim.Muon(muon_groups,
+        return adams
+    muon = optim.Muon(muon_groups(h, model, matrices),
                       lr=h.matrix_lr, momentum=h.momentum, weight_decay=h.matrix_wd,
                       schedule=h.orthogonalize, variant=h.optimizer,
                       fast_beta=h.anvil_fast_beta, slow_beta=h.anvil_slow_beta,
                       ortho_dtype=torch.bfloat16 if fns.xxt else None, xxt=fns.xxt, run_bank=run_bank)
-    return [adam, muon]
+    return adams + [muon]
 
 
 def compiled_graphs():
@@ -2335,13 +2452,17 @@ def graph_key(h, step):
     return stage_index(h, step), step < untie_step(h)
 
 
-def micro_batch_losses(forward, stage, windows, batch: MicroBatch, target_weights):
+def micro_batch_losses(forward, stage, windows, batch: MicroBatch, target_weights, walk=False):
     """(objective, next-token loss) of one micro-batch by `forward` (the model, or its compiled
     form) at a stage and its (short, long) windows in WINDOW_BLOCKs: the sampled softmax's
     candidates, the attention arguments, the forward. Every step's forward goes through here:
-    the trainer's, and those the memory budget and the benches trace on fake tensors."""
-    columns = (candidate_columns(batch.targets, stage.candidates, batch.candidate_start) if stage.candidates
-               else None)
+    the trainer's, and those the memory budget and the benches trace on fake tensors. walk: the
+    candidate walk continues, so batch.candidate_start is moved past this step's draw."""
+    columns = None
+    if stage.candidates:
+        columns = candidate_columns(batch.targets, stage.candidates, batch.candidate_start)
+        if walk:
+            batch.candidate_start.copy_(candidate_walk_after(batch.targets, stage.candidates, batch.candidate_start))
     args = Trainer.attention_args(batch.cu_seqlens, windows)
     return forward(batch.tokens, batch.targets, args, target_weights, columns)
 
@@ -2383,6 +2504,7 @@ class Trainer:
         self.optimizers = build_optimizers(h, self.model, self.kernels,
                                            self.graphs.run_captured if h.cuda_graphs else None)
         self.adam = next(opt for opt in self.optimizers if isinstance(opt, optim.Adam))
+        self.value_adam = next((opt for opt in self.optimizers if getattr(opt, "name", "") == "value_embed_adam"), None)
         self.tables = SparseTables(h, self.model, pg, use_triton=self.kernels.xxt is not None)
         self.forward, self.validation_loss_sum = self.model, self.model.validation_loss_sum
         if h.compile:
@@ -2398,7 +2520,9 @@ class Trainer:
         self.weights = self.step_weights[0].clone()  # this step's row: one tensor the model always reads
         self.step_losses = torch.zeros(2, device=pg.device)  # the step's (next-token loss, objective)
         self.train_time_ms = 0.0
-        self.averages = WeightAverages(h.averages, self.model, h.num_iterations, self.kernels.ema_update)
+        self.averages = WeightAverages(h.averages, self.model, h.num_iterations, self.kernels.ema_update,
+                                       h.average_norms)
+        self.reset_walk()
         self.advance_to(0)
 
     def needs_warm_up(self):
@@ -2419,13 +2543,19 @@ class Trainer:
         h = self.h
         if model_at(self.model, h, step, final_validation):   # untied here: lm_head continues the embedding
             self.adam.copy_state(self.model.embed.weight, self.model.lm_head)
-        lr = lr_multiplier(h, step)
-        self.tables.set_schedule(lr, *table_schedule(h, step))
+        lr, tables = lr_multiplier(h, step), table_schedule(h, step)
+        self.tables.set_schedule(lr, tables, adam_eps(h, step, tables.step_every))
         for opt in self.optimizers:
+            if opt is self.value_adam:     # on the tables' cadence, with their phases' betas and decay
+                opt.step_every = tables.step_every
+                for group in opt.param_groups:
+                    group.update(betas=tables.value_embed_betas, weight_decay=h.value_embed_wd * tables.decay_mult)
             for group in opt.param_groups:
                 group["lr"] = group["initial_lr"] * lr
                 if isinstance(opt, optim.Muon):
                     group.update(momentum_schedule(h, step))
+                else:
+                    group["eps"] = adam_eps(h, step, opt.step_every)
 
     @staticmethod
     def attention_args(cu_seqlens, windows):
@@ -2438,7 +2568,8 @@ class Trainer:
         Everything it reads is a tensor that keeps its address or fixed by the graph key (stage,
         windows, tied head), so it can be captured and replayed."""
         with self.autocast, record_function("forward"):
-            objective, next_token = micro_batch_losses(self.forward, stage, windows, batch, self.weights)
+            objective, next_token = micro_batch_losses(self.forward, stage, windows, batch, self.weights,
+                                                       walk=self.h.candidate_walk == "continue")
         with record_function("backward"):
             (objective / self.accum).backward()
         self.step_losses += torch.stack([next_token, objective.detach()]) / self.accum
@@ -2455,9 +2586,23 @@ class Trainer:
             for slice_index, s in zip(self.mine, slices):
                 self.model.set_loss_unit(1.0 / (s.tokens.numel() * self.accum))  # the objective's weight per token
                 self.tables.fetch(s.tokens, route=s.route)
-                self.graphs.run(graph_key(self.h, step), body, s, candidate_start(slice_index, self.h.batch_ranks))
+                batch = self.graphs.run(graph_key(self.h, step), body, s, self.walk_start(slice_index))
+                if self.h.candidate_walk == "continue":
+                    self.walk[slice_index].copy_(batch.candidate_start)
                 self.tables.take_entries(s)
         return self.step_losses.clone()
+
+    def walk_start(self, slice_index):
+        """Where the candidate walk of a slice starts this step: its fixed start, or (continue)
+        where its last sampled step left it (a device scalar)."""
+        if self.h.candidate_walk == "continue":
+            return self.walk[slice_index]
+        return candidate_start(slice_index, self.h.batch_ranks)
+
+    def reset_walk(self):
+        """Every slice's candidate walk back at its start, as at step 0."""
+        self.walk = torch.tensor([candidate_start(i, self.h.batch_ranks) for i in range(self.h.batch_ranks)],
+                                 dtype=torch.int64).to(self.pg.device)
 
     def train_step(self, step, slices):
         """One optimizer step on the global batch; advance_to(step) has set the schedule."""
@@ -2488,6 +2633,7 @@ class Trainer:
         for _ in range(FP8_CALIBRATION_PASSES):
             self.forward_backward(0, slices)
         self.zero_grads()
+        self.reset_walk()
 
     def zero_grads(self):
         """No gradient pending anywhere, as at the start of a run."""
@@ -2531,6 +2677,7 @@ class Trainer:
         for opt, state in zip(self.optimizers, optimizer_states):
             opt.load_state_dict(copy.deepcopy(state))
         self.zero_grads()
+        self.reset_walk()
 
 
 def check_finite(name, loss, step, log):

@@ -303,7 +303,7 @@ def sparse_update_entries(h, processes, steps):
     accum = h.batch_ranks // processes
     calls = tokens = largest = 0
     for step in steps:
-        every = train_gpt.table_schedule(h, step)[2]
+        every = train_gpt.table_schedule(h, step).step_every
         calls += 1
         tokens += h.stages[train_gpt.stage_index(h, step)].tokens_per_rank * accum
         if calls >= every:

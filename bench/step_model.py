@@ -759,7 +759,7 @@ class RunModel:
         h, index = self.h, train_gpt.stage_index(self.h, step)
         s = self.stages[index]
         ops = [(op, self.accum) for op in s.micro_batch + s.tables.per_slice] + [(op, 1) for op in self.update_ops(step)]
-        every = train_gpt.table_schedule(h, step)[2]
+        every = train_gpt.table_schedule(h, step).step_every
         if (step + 1) % every == 0:    # the tables' cadence (counted from the phase's start: a close enough share)
             ops += [(op, 1) for op in s.tables.ngram_event + s.tables.value_event]
         averages = train_gpt.WeightAverages(h.averages, None, h.num_iterations)

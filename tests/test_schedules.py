@@ -61,69 +61,84 @@ def fixture(*extra):
 
 def stage_rows(h):
     return [(s.end, s.tokens_per_rank, s.max_doc_len, s.short_window, s.long_window, s.mtp_weights,
-             s.mtp_weights_end, s.prefix_weight, s.prefix_weight_end, s.lr_mult, s.candidates) for s in h.stages]
+             s.mtp_weights_end, s.prefix_weight, s.prefix_weight_end, s.prefix_weight_levels, s.lr_mult, s.candidates)
+            for s in h.stages]
 
 
 def average_rows(h):
-    return [(a.params, a.window, a.every, a.rate, a.blend, a.renormalize) for a in h.averages]
+    return [(a.params, a.window, a.every, a.offset, a.last_steps, a.rate, a.blend, a.renormalize) for a in h.averages]
 
 
 N92 = 1194
-# Record 92's recipe as the speedrun preset states it, with what follows from it: (value, where
-# it comes from). The one table a record that changes the speedrun changes.
+# Record 92's recipe as the speedrun preset states it, with what follows from it: (value, where it
+# comes from: public files are record 92's track_1_short/ package, "record 89" its train_gpt.py).
+# The one table a record that changes the speedrun changes; tests/test_record_schedules.py walks
+# every step of the schedules against the record's code restated.
 RECORD_92 = {
     # model
-    "num_layers": (10, "record 92"), "attention_free_layers": ((4, 6, 8), "record 92"),
-    "long_window_layers": ((3, 9), "record 92"), "mlp_hidden": (2816, "record 92"),
-    "narrow_qk_layers": ((0, 1, 2, 5, 7), "record 92"), "narrow_vo_layers": ((1, 7), "record 92"),
-    "parallel_mlp_layers": ((7,), "record 92"), "narrow_qk_attn_scale": (0.13, "record 92"),
-    "attn_scale": (0.085, "record 92"), "yarn_scale_growth": (0.2, "record 89"), "embed_init_std": (0.005, "record 89"),
-    "value_embed_layers": ((1, 2, 7, 9), "record 89"), "num_value_embeds": (0, "record 89"),
-    "value_embed_gate_reads_value": (True, "record 89"), "smear_gate": (True, "record 89"),
-    "key_offset": (True, "record 89"), "xsa_layers": ((1, 3), "record 89"), "paired_head_layers": ((0, 2, 5), "record 89"),
-    "token_gates": (True, "record 89"), "token_gates_split": (4, "record 89"), "attn_gate_layers": ((3, 9), "record 89"),
-    "trunk": ("dense", "record 89"), "skip_layers": ((3, 6), "record 89"), "snapshot_layer": (6, "record 89"),
+    "num_layers": (10, "model/gpt.py NUM_LAYERS less the removed layer 7"),
+    "attention_free_layers": ((4, 6, 8), "model/gpt.py NO_ATTN_LAYERS (4, 6, 9)"),
+    "long_window_layers": ((3, 9), "model/gpt.py LONG_WINDOW_LAYERS (3, 10)"),
+    "mlp_hidden": (2816, "model/gpt.py MLP_HIDDEN_DIM"),
+    "narrow_qk_layers": ((0, 1, 2, 5, 7), "model/gpt.py: QK 64 off WIDE_QK_LAYERS"),
+    "narrow_vo_layers": ((1, 7), "model/gpt.py HALF_V_LAYERS (1, 8)"),
+    "parallel_mlp_layers": ((7,), "model/gpt.py PARALLEL_MLP_LAYER 8"),
+    "narrow_qk_attn_scale": (0.13, "model/gpt.py NARROW_ATTN_SCALE"),
+    "attn_scale": (0.085, "model/gpt.py WIDE_ATTN_SCALE"), "yarn_scale_growth": (0.2, "record 89"),
+    "embed_init_std": (0.005, "model/gpt.py: lm_head normal(0, 0.005), the embedding a copy"),
+    "value_embed_layers": ((1, 2, 7, 9), "model/gpt.py VALUE_EMBED_LAYERS (1, 2, 8, 10)"),
+    "num_value_embeds": (0, "model/gpt.py: one plane per layer"),
+    "value_embed_gate_reads_value": (True, "model/gpt.py VALUE_EMBED_GATE_CHANNELS"),
+    "smear_gate": (True, "record 89"), "key_offset": (True, "record 89"),
+    "xsa_layers": ((1, 3), "model/gpt.py XSA_LAYERS"), "paired_head_layers": ((0, 2, 5), "model/gpt.py PAIRED_HEAD_LAYERS"),
+    "token_gates": (True, "record 89"), "token_gates_split": (4, "model/gpt.py POST_GATE_LAYER"),
+    "attn_gate_layers": ((3, 9), "model/gpt.py ATTN_GATE_LAYERS (3, 10)"),
+    "trunk": ("dense", "record 89"), "skip_layers": ((3, 6), "model/gpt.py CACHE_LAYERS, layer 6's skip"),
+    "snapshot_layer": (6, "model/gpt.py CACHE_LAYERS: cache[7], the removed layer's input"),
     "composed_layers": ((9,), "record 89"), "composed_window": (112, "record 89"),
-    "ngram_rows": (84_602_880, "record 92"), "ngram_dtype": ("bfloat16", "record 92"),
-    "value_embed_sparse": (True, "record 92"), "canonical_mask": (True, "record 92"),
-    "param_dtype": ("bfloat16", "records 89 and 92"),
+    "ngram_rows": (84_602_880, "ngram_table.py NGRAM_VOCAB_SIZE"), "ngram_dtype": ("bfloat16", "ngram_table.py"),
+    "value_embed_sparse": (False, "training.py: value_embeds is an Adam parameter"),
+    "canonical_mask": (True, "canonical_mask.py"), "param_dtype": ("bfloat16", "records 89 and 92"),
     # schedule
-    "num_iterations": (N92, "record 92"),
+    "num_iterations": (N92, "config.py: 1122 scheduled + 52 growth + 20 extension"),
     "stages": ([
-        (320 / N92, 16_384, 896, 1, 3, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 0.25, None, 1.0, 10_240),
-        (681 / N92, 32_768, 2048, 3, 7, (1.0, 0.5), (1.0, 0.0), 0.25, 0.0, 1.52, 10_240),
-        (965 / N92, 49_152, 3072, 5, 11, (1.0,), (), 0.0, None, 1.73, 14_336),    # two thirds of 681-1106
-        (1107 / N92, 49_152, 3072, 5, 11, (1.0,), (), 0.0, None, 1.73, 24_576),   # its last third
-        (1175 / N92, 32_768, 3072, 5, 11, (1.0,), (), 0.0, None, 1.579, 0),
-        (1.0, 16_384, 3072, 6, 13, (1.0,), (), 0.0, None, 1.0, 0),
-    ], "record 92; stage 2 split where its sampled softmax widens"),
-    "cooldown": ((0.2, 1.0, 0.30), "record 92"),
-    "val_long_window": (20, "record 92"), "yarn_at_final_window": (False, "record 92"), "batch_ranks": (8, "record 92"),
+        (320 / N92, 16_384, 896, 1, 3, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 0.25, None, 0, 1.0, 10_240),
+        (681 / N92, 32_768, 2048, 3, 7, (1.0, 0.5), (1.0, 0.0), 0.20, 0.05, 4, 1.52, 10_240),
+        (965 / N92, 49_152, 3072, 5, 11, (1.0,), (), 0.0, None, 0, 1.73, 14_336),    # two thirds of 681-1106
+        (1107 / N92, 49_152, 3072, 5, 11, (1.0,), (), 0.0, None, 0, 1.73, 24_576),   # its last third
+        (1174 / N92, 40_960, 3072, 5, 11, (1.0,), (), 0.0, None, 0, 1.73 * (20 / 24) ** 0.5, 0),
+        (1.0, 16_384, 3072, 6, 13, (1.0,), (), 0.0, None, 0, 1.0, 0),
+    ], "config.py TRAINING_STAGES, sampled_softmax.py CANDIDATES_BY_STAGE; stage 2 split where the softmax widens"),
+    "cooldown": ((234 / N92, 1174 / N92, 0.30), "config.py LR_COOLDOWN_FRAC 0.8 of 1174; schedule.py LR_FLOOR"),
+    "val_long_window": (20, "config.py WS_POST_YARN_EXT"), "yarn_at_final_window": (False, "training.py"),
+    "batch_ranks": (8, "record 92"), "candidate_walk": ("continue", "sampled_softmax.py CandidateBuilder"),
     "averages": ([
-        ("embed_head", 298, 1, 2 / 299, 0.65, False),
-        ("value_embeds", 298, 1, 2 / 299, 0.65, False),
-        ("vo_mlp", 250, 4, 4 / 53, 1.0, False),
-        ("qk", 298, 4, 2 / 75, 0.55, True),
-        ("vo_mlp", 298, 4, 2 / 75, 0.3493, True),
-    ], "record 92's ships"),
+        ("embed_head", 298, 1, 0, 0, 2 / 299, 0.65, True),
+        ("vo_mlp", 250, 4, 0, 0, 4 / 53, 1.0, False),
+        ("value_embeds", 250, 4, 2, 0, 4 / 53, 1.0, False),
+        ("qk", 298, 4, 0, 2, 2 / 75, 0.55, True),
+        ("vo_mlp", 298, 4, 0, 2, 2 / 75, 0.55 - 0.2007, True),
+    ], "tail_average.py"),
+    "average_norms": ("bank", "tail_average.py DECONTRACTION_LABELS"),
     # optimizers
-    "muon": (("anvil", "anvil", 0.023, 1.2, 2.0, 2), "record 89's LR and decay, record 92's ANVIL"),
-    "anvil_rails": ((0.85, 0.98, 0.4385, 0.43), "record 92"),
-    "anvil_mu": ((0.85, 0.93, 0.2, 0.042), "record 92"),
-    "adam_betas": (((0.5, 0.95), (0.75, 0.95), (0.9, 0.99)), "record 89"),
-    "adam_decay": ((0.6, 0.75, 0.025), "record 89"),
-    "adam_step_every": (2, "record 89"),
-    "tables": ((0.95, 1, [(336, 4, 0.9025, 0.9025)]), "record 92: beta2 squared, an update every 4th step from 336"),
+    "muon": (("anvil", "anvil", 0.023, 2.25, 2.0, 2, "record_banks"), "training.py anvil_defaults, optim/anvil.py"),
+    "anvil_rails": ((0.85, 0.98, 0.4385, 514 / N92, True), "optim/anvil.py RAIL_*, training.py step_optimizers"),
+    "anvil_mu": ((0.85, 0.93, 240 / N92, 50 / N92), "schedule.py get_rail_beta"),
+    "adam_betas": (((0.5, 0.95), (0.75, 0.95), (0.9, 0.99)), "training.py param_table"),
+    "adam_decay": ((0.56, 0.75, 0.025), "training.py VALUE_EMBED_LR_MUL 70, wd_mul 150 and 5 of 0.005"),
+    "adam": ((2, 1e-10, "token_sum"), "training.py is_adam_step, adam_defaults; the CE's summed gradient"),
+    "tables": ((0.56, 0.025, 0.95, 2, True, [(336, 4, 0.9025, 0.5625, 0.9025, 2.0)]),
+               "ngram_table.py NGRAM_*, training.py VALUE_EMBED_*: squared betas, doubled decay, every 4th from 336"),
     # what follows
-    "steps_per_stage": ([320, 361, 284, 142, 68, 19], "record 92"),
-    "untie_step": (1175, "record 92"),
-    "graph_changes": ([0, 320, 681, 965, 1107, 1175], "the stages and the untie"),
-    "first_cooldown_step": (239, "0.2 x 1194 = 238.8"),
-    "first_blend_step": (514, "0.43 x 1194 = 513.42"),
-    "final_windows": ((6, 20), "record 92"),
-    "average_samples": ([(896, 298), (896, 298), (945, 63), (897, 75), (897, 75)],
-                        "(first step, samples): every every-th step back from 1193"),
-    "train_shards": (5, "40,550,400 tokens a rank x 8 x 1.5 in shards of 100M"),
+    "steps_per_stage": ([320, 361, 284, 142, 67, 20], "config.py"),
+    "untie_step": (1176, "schedule.py split_step 1174 | 1: its update is the last tied one"),
+    "graph_changes": ([0, 320, 681, 965, 1107, 1174, 1176], "the stages and the untie"),
+    "first_cooldown_step": (235, "schedule.py: t = 0 at step 234"),
+    "first_blend_step": (514, "optim/anvil.py RAIL_ENGAGE_STEP"),
+    "final_windows": ((6, 20), "config.py"),
+    "average_samples": ([(896, 298), (945, 63), (947, 62), (897, 76), (897, 76)],
+                        "(first step, samples): tail_average.py's ticks"),
+    "train_shards": (5, "41,082,880 tokens a rank x 8 x 1.5 in shards of 100M"),
 }
 
 
@@ -134,13 +149,18 @@ def speedrun_facts(h):
     sampled = [[step for step in range(h.num_iterations) if averages.samples_at(a, step)] for a in h.averages]
     return {**facts, "stages": stage_rows(h), "averages": average_rows(h),
             "cooldown": (h.cooldown_start, h.cooldown_end, h.cooldown_floor),
-            "muon": (h.optimizer, h.orthogonalize, h.matrix_lr, h.matrix_wd, h.mlp_down_lr_scale, h.qk_ortho_heads),
-            "anvil_rails": (h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start),
+            "muon": (h.optimizer, h.orthogonalize, h.matrix_lr, h.matrix_wd, h.mlp_down_lr_scale, h.qk_ortho_heads,
+                     h.matrix_shapes),
+            "anvil_rails": (h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start,
+                            h.anvil_fast_beta_follows_mu),
             "anvil_mu": (h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall),
             "adam_betas": (h.embed_betas, h.value_embed_betas, h.scalar_betas),
             "adam_decay": pytest.approx((h.value_embed_lr, h.embed_wd, h.value_embed_wd)),
-            "tables": (h.ngram_beta2, h.ngram_step_every,
-                       [(p.start, p.step_every, p.ngram_beta2, p.value_embed_beta2) for p in h.table_phases]),
+            "adam": (h.adam_step_every, h.adam_eps, h.adam_eps_unit),
+            "tables": (pytest.approx(h.ngram_lr), pytest.approx(h.ngram_wd), h.ngram_beta2, h.ngram_step_every,
+                       h.value_embed_table_cadence,
+                       [(p.start, p.step_every, p.ngram_beta2, p.value_embed_beta1, p.value_embed_beta2, p.decay_mult)
+                        for p in h.table_phases]),
             "steps_per_stage": tg.steps_per_stage(h), "untie_step": tg.untie_step(h),
             "graph_changes": tg.graph_changes(h),
             "first_cooldown_step": next(s for s in range(h.num_iterations) if tg.lr_multiplier(h, s) != 1.0),
@@ -415,12 +435,12 @@ def test_long_window_history_grows_with_the_stages_and_yarn_at_the_final_window_
 
 
 def test_untie_step_and_graph_changes():
-    """The untie: the fixture's 0.95 of 100 steps, record89 (847.5/1285) * 1285 rounded down,
-    cpu 2/3 of 30. The graphs change at 0, at every stage start and at the untie."""
-    assert [tg.untie_step(h) for h in (fixture(), preset("record89"), preset("cpu"))] == [95, 847, 20]
+    """The untie: the fixture's 0.95 of 100 steps, record89 848 (the step after record 89's last
+    tied update), cpu 2/3 of 30. The graphs change at 0, at every stage start and at the untie."""
+    assert [tg.untie_step(h) for h in (fixture(), preset("record89"), preset("cpu"))] == [95, 848, 20]
     assert tg.graph_changes(fixture()) == [0, 25, 55, 80, 90, 95]
     assert tg.graph_changes(fixture("--untie_frac=0.8")) == [0, 25, 55, 80, 90], "at a stage start: one change"
-    assert tg.graph_changes(preset("record89")) == [0, 423, 847, 1270]
+    assert tg.graph_changes(preset("record89")) == [0, 423, 847, 848, 1270]
     assert tg.graph_changes(preset("cpu")) == [0, 15, 20, 24]
     assert tg.graph_changes(preset("cpu", "--untie_frac=1.0")) == [0, 15, 24], "an untie at N never happens"
 
@@ -564,7 +584,9 @@ def test_advance_to_writes_every_groups_lr_and_the_muon_momenta(trainer):
         for group in muon.param_groups:      # (the cpu preset's NorMuon reads the momentum)
             assert group["momentum"] == pytest.approx(momentum), step
         anvil = dataclasses.replace(h, optimizer="anvil")
-        assert tg.momentum_schedule(anvil, step) == pytest.approx(dict(mu=mu, blend=blend)), step
+        assert tg.momentum_schedule(anvil, step) == pytest.approx(dict(mu=mu, blend=blend, fast_beta=0.8)), step
+        follows = dataclasses.replace(anvil, anvil_fast_beta_follows_mu=True)   # the fast rail at mu until the blend
+        assert tg.momentum_schedule(follows, step)["fast_beta"] == pytest.approx(mu if step < 5 else 0.8), step
         assert trainer.tables.ngram_adam.lr == pytest.approx(0.05 * lr)
         assert [adam.lr for adam in trainer.tables.value_adams] == pytest.approx([0.03 * lr])
         assert trainer.model.tied == (step < 6), "the head unties at int(2/3 * 10) = 6"
