@@ -147,6 +147,8 @@ def _cpu_preset(h):
     h.qk_ortho_heads = 1           # queries and keys orthogonalized per head ("record-89/92 constants ...")
     h.momentum, h.momentum_warmup_start, h.momentum_warmup_steps, h.momentum_cooldown_steps = 0.95, 0.85, 300, 0
     h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start = 0.85, 0.98, 0.4385, 0.43  # (anvil)
+    h.anvil_fast_beta_follows_mu, h.value_embed_table_cadence = False, False
+    h.candidate_walk, h.average_norms, h.matrix_shapes, h.adam_eps_unit = "restart", "matrix", "own", "mean"
     h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall = 0.85, 0.93, 0.2, 0.042         # (anvil)
     h.adamw_matrix_lr = 0.008      # (--optimizer=adamw)
     h.embed_lr, h.value_embed_lr, h.head_lr = 0.02, 0.02, 0.016  # ("steps, Adam LRs, ...")
@@ -186,6 +188,8 @@ def _cpu_optimization_preset(h):
     h.matrix_lr, h.matrix_wd, h.mlp_down_lr_scale, h.qk_ortho_heads = 0.05, 0.0, 2.0, 1
     h.momentum, h.momentum_warmup_start, h.momentum_warmup_steps, h.momentum_cooldown_steps = 0.95, 0.85, 300, 0
     h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start = 0.85, 0.98, 0.4385, 0.43
+    h.anvil_fast_beta_follows_mu, h.value_embed_table_cadence = False, False
+    h.candidate_walk, h.average_norms, h.matrix_shapes, h.adam_eps_unit = "restart", "matrix", "own", "mean"
     h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall = 0.85, 0.93, 0.2, 0.042
     h.adamw_matrix_lr = 0.008
     h.embed_lr, h.value_embed_lr, h.head_lr = 0.02, 0.02, 0.016
@@ -364,6 +368,8 @@ def _record89_preset(h):
     h.matrix_lr, h.matrix_wd, h.mlp_down_lr_scale, h.qk_ortho_heads = 0.023, 1.2, 2.0, 2
     h.momentum, h.momentum_warmup_start, h.momentum_warmup_steps, h.momentum_cooldown_steps = 0.95, 0.85, 300, 50
     h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start = 0.85, 0.98, 0.4385, 0.43  # (anvil)
+    h.anvil_fast_beta_follows_mu, h.value_embed_table_cadence = False, False
+    h.candidate_walk, h.average_norms = "restart", "matrix"  # (no sampled softmax, no averages)
     h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall = 0.85, 0.93, 0.2, 0.042         # (anvil)
     h.adamw_matrix_lr = 0.008      # (--optimizer=adamw)
     # Adam: base LR 0.008 and decay 0.005 times per-group multipliers, an update on odd steps only,
@@ -521,6 +527,8 @@ def _medium_preset(h):
     h.param_dtype, h.compute_dtype, h.fp8_mlp_scales = "float32", "bfloat16", "record92"
     h.adamw_matrix_lr = 0.008
     h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start = 0.85, 0.98, 0.4385, 0.43
+    h.anvil_fast_beta_follows_mu, h.value_embed_table_cadence = False, False
+    h.candidate_walk, h.average_norms, h.matrix_shapes, h.adam_eps_unit = "restart", "matrix", "own", "mean"
     h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall = 0.85, 0.93, 0.2, 0.042
     h.token_gate_lr, h.dense_lr = 0.0008, 0.002
     h.ngram_lr, h.ngram_wd, h.ngram_beta2, h.ngram_step_every, h.table_phases = 0.01, 0.0, 0.95, 1, []
@@ -583,6 +591,8 @@ def _optimization_preset(h):
     h.param_dtype, h.compute_dtype, h.fp8_mlp_scales = "float32", "bfloat16", "record92"
     h.adamw_matrix_lr = 0.008
     h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start = 0.85, 0.98, 0.4385, 0.43
+    h.anvil_fast_beta_follows_mu, h.value_embed_table_cadence = False, False
+    h.candidate_walk, h.average_norms, h.matrix_shapes, h.adam_eps_unit = "restart", "matrix", "own", "mean"
     h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall = 0.85, 0.93, 0.2, 0.042
     h.gate_lr = h.smear_gate_lr = 0.04
     h.token_gate_lr, h.dense_lr = 0.0008, 0.002
