@@ -64,7 +64,8 @@ def reference_muon(theta0, grads, variant, schedule, equalize, hp):
     buf = torch.zeros_like(theta)
     fast = torch.zeros_like(theta)
     slow = torch.zeros_like(theta)
-    lanes = rows if rows >= cols else cols
+    by_row = hp.get("row_lanes", rows >= cols)          # lanes: the longer dimension's, unless given
+    lanes = rows if by_row else cols
     lane_ms = [0.0] * lanes
     out = []
     for g in grads:
@@ -81,16 +82,16 @@ def reference_muon(theta0, grads, variant, schedule, equalize, hp):
         if equalize:
             E = O.clone()
             for i in range(lanes):
-                lane = O[i, :] if rows >= cols else O[:, i]
+                lane = O[i, :] if by_row else O[:, i]
                 mean_square = float((lane ** 2).sum()) / lane.numel()
                 lane_ms[i] = hp["beta2"] * lane_ms[i] + (1 - hp["beta2"]) * mean_square
                 scale = (lane_ms[i] + hp["eps"]) ** -0.5
-                if rows >= cols:
+                if by_row:
                     E[i, :] = lane * scale
                 else:
                     E[:, i] = lane * scale
             O = E * (O.norm() / E.norm())
-        lr_eff = hp["lr"] * hp["lr_scale"] * max(1.0, rows / cols) ** 0.5
+        lr_eff = hp["lr"] * hp["lr_scale"] * hp.get("shape_factor", max(1.0, rows / cols) ** 0.5)
         gate = slow if variant == "anvil" else O
         new = theta.clone()
         for i in range(rows):
@@ -337,6 +338,30 @@ def test_muon_steps_match_reference(variant, schedule, equalize, shape):
         assert opt.step() is True
         torch.testing.assert_close(p.data.double(), want, rtol=0, atol=2e-6)
     assert (p.data - theta0).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("shape,lanes,factor", [((6, 10), "rows", None), ((10, 6), "cols", 1.0), ((6, 10), None, 1.7)])
+def test_muon_shape_factor_and_lanes_as_given(shape, lanes, factor):
+    """A group's shape_factor replaces max(1, rows/cols)^0.5 and its lanes pick the equalizer's
+    axis against the longer dimension (as the records' banks, which store some matrices
+    transposed or padded, decide them): the reference with the same choices."""
+    gen = torch.Generator().manual_seed(22)
+    theta0 = torch.randn(shape, generator=gen)
+    grads = [torch.randn(shape, generator=gen) for _ in range(3)]
+    hp = dict(MUON_HP, **({} if lanes is None else dict(row_lanes=lanes == "rows")),
+              **({} if factor is None else dict(shape_factor=factor)))
+    expected = reference_muon(theta0, grads, "anvil", "anvil", True, hp)
+    p = torch.nn.Parameter(theta0.clone())
+    opt = optim.Muon([dict(params=[p], shape_factor=factor, lanes=None if lanes is None else (lanes,))],
+                     schedule="anvil", variant="anvil", **MUON_HP)
+    for g, want in zip(grads, expected):
+        p.grad = g.clone()
+        opt.step()
+        torch.testing.assert_close(p.data.double(), want, rtol=0, atol=2e-6)
+    plain = reference_muon(theta0, grads, "anvil", "anvil", True, MUON_HP)[-1]
+    assert (plain - expected[-1]).abs().max() > 1e-4      # the choice changes the step
+    with pytest.raises(optim.OptimConfigError, match="lanes"):
+        optim.Muon([dict(params=[torch.nn.Parameter(theta0.clone())], lanes=("rows", "rows"))])
 
 
 @pytest.mark.parametrize("variant,schedule", [("normuon", "polar_express"), ("anvil", "anvil")])

@@ -199,6 +199,17 @@ def test_prefix_weight_moves_linearly_within_a_stage():
         tiny_config([stages.replace('"prefix_weight_end":0', '"prefix_weight_end":-1')])
 
 
+def test_prefix_weight_levels_step_in_equal_parts_of_a_stage():
+    """prefix_weight_levels 4 over 10 steps: parts int(4 i / 10) = 0, 0, 0, 1, 1, 2, 2, 2, 3, 3
+    holding 0.20, 0.15, 0.10, 0.05 (from prefix_weight to prefix_weight_end)."""
+    stages = ('--stages=[{"end":1.0,"tokens_per_rank":512,"max_doc_len":256,"short_window":1,"long_window":2,'
+              '"mtp_weights":[1],"prefix_weight":0.2,"prefix_weight_end":0.05,"prefix_weight_levels":4}]')
+    weights = tg.step_target_weights(tiny_config([stages, "--num_iterations=10"]), "cpu")
+    assert weights[:, -1].tolist() == pytest.approx([0.2, 0.2, 0.2, 0.15, 0.15, 0.1, 0.1, 0.1, 0.05, 0.05])
+    with pytest.raises(tg.ConfigError, match="prefix_weight_levels"):
+        tiny_config([stages.replace('"prefix_weight_levels":4', '"prefix_weight_levels":-1')])
+
+
 def test_weight_averages_equal_a_hand_computed_ema():
     """A toy run of 10 steps whose weights are set by hand at every step: the shipped weights
     equal a float64 EMA of the sampled values (every 2nd step of the last 5: steps 5, 7, 9),
@@ -728,3 +739,121 @@ def test_cpu_comparison_runs_resumes_and_never_overwrites(shards, tmp_path):
                            timeout=300, env=env, cwd=REPO)
     assert other.returncode != 0 and "move it away or give another --out" in other.stderr
     assert os.listdir(tmp_path / "runs" / "tiny_seed1") == [log_name]
+
+
+def test_weight_averages_count_back_from_an_offset_take_the_last_steps_and_restore_bank_norms():
+    """offset 1 samples every 2nd step counted back from the step before the last (steps 6, 8 of
+    0-9), last_steps 2 adds steps 8 and 9; with average_norms "bank" the values and outputs are
+    rescaled together to their joint norm before the blend (each matrix's own norm moves)."""
+    averages = ('--averages=[{"params":"vo_mlp","window":5,"every":2,"offset":1,"rate":0.5,"blend":0.5,'
+                '"renormalize":true,"last_steps":2}]')
+    h = tiny_config([averages, "--num_iterations=10", "--average_norms=bank"])
+    model = tiny_model(h)
+    sampled = [s for s in range(10) if tg.WeightAverages(h.averages, None, 10).samples_at(h.averages[0], s)]
+    assert sampled == [6, 8, 9]
+    block = next(b for b in model.blocks if b.attn is not None)
+    qk_rows = 2 * h.num_heads * h.head_dim
+    pieces = dict(tg.averaged_pieces(model, "vo_mlp"))
+    gen = torch.Generator().manual_seed(4)
+    values = [{name: torch.randn(w.shape, generator=gen, dtype=torch.float64) for name, w in pieces.items()}
+              for _ in range(10)]
+    averages = tg.WeightAverages(h.averages, model, h.num_iterations, norms=h.average_norms)
+    for step in range(10):
+        for name, w in pieces.items():
+            w.copy_(values[step][name].float())
+        averages.sample(step)
+    last = {name: v.float().double() for name, v in values[-1].items()}
+    blended = {}
+    for name in pieces:
+        avg = values[6][name].float().double()
+        for s in (8, 9):
+            avg = avg + 0.5 * (values[s][name].float().double() - avg)
+        blended[name] = last[name] + 0.5 * (avg - last[name])
+    for bank, kinds in (("vo", ("v", "out")), ("mlp", ("mlp_up", "mlp_down", "mlp2_up", "mlp2_down"))):
+        names = [n for n in pieces if n.rstrip("0123456789") in kinds]
+        norm = lambda d: sum(d[n].square().sum() for n in names).sqrt()
+        ratio = norm(last) / norm(blended)
+        for n in names:
+            blended[n] = blended[n] * ratio
+    averages.ship()
+    for name, w in pieces.items():
+        torch.testing.assert_close(w.double(), blended[name], rtol=0, atol=1e-5)
+    own = tg.averaged_pieces(model, "vo_mlp")
+    assert any(abs(float(w.double().norm() / last[n].norm()) - 1) > 1e-3 for n, w in own), "one norm per bank"
+    assert torch.equal(block.attn.qkv[:qk_rows], block.attn.qkv[:qk_rows]), "queries and keys untouched"
+
+
+def test_muon_groups_take_the_record_banks_shapes():
+    """matrix_shapes "record_banks": the MLP output matrices take the factor of their hidden x dim
+    storage, a narrow-value layer's output matrix (dim x its narrow width here) the factor 1 of a
+    dim x dim one, and its values' block equalizes rows, as a padded dim x dim matrix does; "own"
+    leaves every matrix to its own shape."""
+    features = ["--narrow_vo_layers=[2]", "--narrow_vo_dim=16", "--qk_ortho_heads=1", "--num_value_embeds=0",
+                "--value_embed_layers=[0]"]
+    h = tiny_config([*features, "--matrix_shapes=record_banks"])
+    model = tiny_model(h)
+    groups = {g["name"]: g for g in tg.muon_groups(h, model, [p for n, p in model.blocks.named_parameters()
+                                                             if p.ndim == 2 and not tg.is_gate(n)])}
+    assert groups["mlp_down"]["shape_factor"] == pytest.approx((128 / 64) ** 0.5)
+    assert [p is model.blocks[2].attn.out for p in groups["narrow_out"]["params"]] == [True]
+    assert groups["narrow_out"]["shape_factor"] == 1.0
+    narrow_qkv = [g for g in tg.muon_groups(h, model, []) if g["name"] == "qkv" and g["lanes"]]
+    assert len(narrow_qkv) == 1 and narrow_qkv[0]["params"][0] is model.blocks[2].attn.qkv
+    assert narrow_qkv[0]["lanes"] == (None,) * 4 + ("rows",)
+    h = tiny_config([*features, "--matrix_shapes=own"])
+    model = tiny_model(h)
+    groups = tg.muon_groups(h, model, [])
+    assert {g["name"] for g in groups} == {"matrices", "mlp_down", "qkv"}
+    assert all(g.get("shape_factor") is None and g.get("lanes") is None for g in groups)
+
+
+def test_value_embeddings_adam_follows_the_tables_and_eps_the_summed_loss(shards):
+    """value_embed_table_cadence: the value embeddings get an Adam of their own that steps on the
+    tables' cadence with their phases' betas and decay; adam_eps_unit "token_sum": every Adam's
+    and table's eps is adam_eps over a slice's tokens and the steps an update spans."""
+    phase = ('--table_phases=[{"start":3,"ngram_beta2":0.81,"value_embed_beta2":0.64,"step_every":4,'
+             '"value_embed_beta1":0.25,"decay_mult":2}]')
+    h = tiny_config([*data_args(shards), "--ngram_rows=2048", "--value_embed_table_cadence=true",
+                     "--ngram_step_every=2", phase, "--adam_eps_unit=token_sum", "--value_embed_wd=0.1",
+                     "--ngram_wd=0.3", "--adam_step_every=2", "--value_embed_betas=[0.5,0.9]"])
+    trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog(str(shards), active=False))
+    main, value = trainer.adam, trainer.value_adam
+    assert [p for g in value.param_groups for p in g["params"]] == [ve.weight for ve in trainer.model.value_embeds]
+    assert all(p is not ve.weight for g in main.param_groups for p in g["params"] for ve in trainer.model.value_embeds)
+    for step, (every, betas, wd) in {0: (2, (0.5, 0.9), 0.1), 2: (2, (0.5, 0.9), 0.1), 3: (4, (0.25, 0.64), 0.2),
+                                     9: (4, (0.25, 0.64), 0.2)}.items():
+        trainer.advance_to(step)
+        assert value.step_every == every and value.param_groups[0]["betas"] == betas, step
+        assert value.param_groups[0]["weight_decay"] == pytest.approx(wd), step
+        assert value.param_groups[0]["eps"] == pytest.approx(1e-10 / (512 * every)), step
+        assert [g["eps"] for g in main.param_groups] == pytest.approx([1e-10 / (512 * 2)] * len(main.param_groups))
+        adam = trainer.tables.ngram_adam
+        assert (adam.eps, adam.weight_decay) == (pytest.approx(1e-10 / (512 * every)), pytest.approx(0.3 * wd / 0.1))
+    loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
+    trainer.advance_to(0)
+    updates = []
+    for step in range(8):
+        trainer.advance_to(step)
+        before = trainer.model.value_embeds[0].weight.detach().clone()
+        trainer.train_step(step, loader.next_batch(512, 256, 1, [0]))
+        updates.append(not torch.equal(before, trainer.model.value_embeds[0].weight))
+    assert updates == [False, True, False, False, False, True, False, False], "step 1, then every 4th call"
+
+
+@pytest.mark.parametrize("walk", ["continue", "restart"])
+def test_candidate_walk_continues_from_step_to_step(shards, walk):
+    """With candidate_walk "continue" a slice's negatives start where its last sampled step's draw
+    ended (candidate_walk_after); with "restart" at the slice's start every step."""
+    h = tiny_config([*data_args(shards), f"--candidate_walk={walk}"])
+    trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog(str(shards), active=False))
+    loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
+    start = tg.candidate_start(0, 1)
+    for step in range(2):
+        batch = loader.next_batch(512, 256, 1, [0])
+        trainer.train_step(step, batch)
+        if walk == "continue":
+            start = tg.candidate_walk_after(batch[0].targets, h.stages[0].candidates, torch.as_tensor(start))
+        assert int(trainer.walk[0]) == int(start)
+    assert (int(start) != tg.candidate_start(0, 1)) == (walk == "continue")
+    trainer.restore(trainer.snapshot())
+    assert int(trainer.walk[0]) == tg.candidate_start(0, 1), "a restored trainer starts its walk again"
