@@ -223,7 +223,7 @@ def _speedrun_preset(h):
     # data: FineWeb's GPT-2 tokens, judged on the first 10,485,760 of the val shard
     h.train_files = "data/fineweb10B/fineweb_train_*.bin"
     h.val_files = "data/fineweb10B/fineweb_val_*.bin"
-    h.val_tokens, h.val_tokens_per_rank, h.batch_ranks = 10_485_760, 65_536, 8
+    h.val_tokens, h.val_tokens_per_rank, h.batch_ranks = 10_485_760, 262_144, 8  # val_batch_size 4 x 64 x 1024 x 8
 
     # model: 10 layers of 768, 6 heads of 128; 7 attention sublayers
     h.num_layers, h.model_dim, h.num_heads, h.head_dim, h.mlp_hidden = 10, 768, 6, 128, 2816
@@ -321,7 +321,7 @@ def _record89_preset(h):
     h.track = "track_1_short"
     h.train_files = "data/fineweb10B/fineweb_train_*.bin"
     h.val_files = "data/fineweb10B/fineweb_val_*.bin"
-    h.val_tokens, h.val_tokens_per_rank, h.batch_ranks = 10_485_760, 65_536, 8
+    h.val_tokens, h.val_tokens_per_rank, h.batch_ranks = 10_485_760, 262_144, 8  # val_batch_size 4 x 64 x 1024 x 8
 
     # model: 11 layers of 768, 6 heads of 128, MLP 3072; no attention on layer 6
     h.num_layers, h.model_dim, h.num_heads, h.head_dim, h.mlp_hidden = 11, 768, 6, 128, 3072

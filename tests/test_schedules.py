@@ -112,6 +112,8 @@ RECORD_92 = {
     "cooldown": ((234 / N92, 1174 / N92, 0.30), "config.py LR_COOLDOWN_FRAC 0.8 of 1174; schedule.py LR_FLOOR"),
     "val_long_window": (20, "config.py WS_POST_YARN_EXT"), "yarn_at_final_window": (False, "training.py"),
     "batch_ranks": (8, "record 92"), "candidate_walk": ("continue", "sampled_softmax.py CandidateBuilder"),
+    "val_tokens": (10_485_760, "config.py val_tokens"),
+    "val_tokens_per_rank": (262_144, "config.py val_batch_size 4 x 64 x 1024 x 8 over 8 GPUs, one window each"),
     "averages": ([
         ("embed_head", 298, 1, 0, 0, 2 / 299, 0.65, True),
         ("vo_mlp", 250, 4, 0, 0, 4 / 53, 1.0, False),
