@@ -52,6 +52,9 @@ XSA_DTYPE = ["tests/test_cuda_path.py", "-k", "xsa"]
 UNEVEN_SPLIT = ["tests/test_failures.py", "-k", "does_not_split_across"]
 LAUNCH = ["tests/test_failures.py", "-k", "bad_launch_environment"]
 HANGUP = ["tests/test_failures.py", "-k", "SIGHUP"]
+RECORD_SCHEDULES = ["tests/test_record_schedules.py"]
+VALUE_ADAM = ["tests/test_train.py", "-k", "follows_the_tables"]
+MATRIX_SHAPES = ["tests/test_train.py", "-k", "record_banks"]
 
 
 @dataclasses.dataclass
@@ -397,6 +400,27 @@ MUTATIONS = [
              "XSA's output in fp32 under CUDA autocast"),
     Mutation("train_gpt.py", "            v = v * self.sa_lambdas[0].type_as(v)", "            v = v", MODEL,
              "the dense trunk's QKV scale left off the values"),
+    # the record presets' schedules and optimizer details
+    Mutation("train_gpt.py", "    if h.anvil_fast_beta_follows_mu and anvil_blend(h, step) == 1.0:",
+             "    if h.anvil_fast_beta_follows_mu and step == 0:", RECORD_SCHEDULES,
+             "the fast rail at mu only at step 0"),
+    Mutation("train_gpt.py", "        progress = min(int(progress * n), n - 1) / max(n - 1, 1)",
+             "        progress = min(int(progress * n), n - 1) / n", RECORD_SCHEDULES,
+             "the prefix weight's levels short of their end"),
+    Mutation("train_gpt.py", "    beta1 = h.value_embed_betas[0] if p.value_embed_beta1 is None else p.value_embed_beta1",
+             "    beta1 = h.value_embed_betas[0]", RECORD_SCHEDULES, "a table phase's value-embedding beta1 ignored"),
+    Mutation("train_gpt.py", "    return h.adam_eps / (h.stages[stage_index(h, step)].tokens_per_rank * steps_per_update)",
+             "    return h.adam_eps / h.stages[stage_index(h, step)].tokens_per_rank", VALUE_ADAM,
+             "eps at the summed scale without the update's steps"),
+    Mutation("train_gpt.py", "    return (start + torch.where(need > 0, draw, 0)) % V",
+             "    return (start + draw) % V", RECORD_SCHEDULES, "the walk moves when no negative was drawn"),
+    Mutation("train_gpt.py", "        return step >= self.N - average.window and ((self.N - 1 - step) % average.every == average.offset",
+             "        return step >= self.N - average.window and ((self.N - 1 - step) % average.every == 0",
+             RECORD_SCHEDULES, "an average's offset ignored"),
+    Mutation("train_gpt.py", '        lanes = (None,) * (len(splits) - 1) + ("rows",) if value_rows else None',
+             "        lanes = None", MATRIX_SHAPES, "a narrow-value layer's values equalized by columns"),
+    Mutation("optim.py", '        m.lerp_(g, hyper["one_minus_beta1"])', '        m.lerp_(g, 1 - group["betas"][0])',
+             OPTIM, "Adam's beta1 baked into a captured update"),
 ]
 
 

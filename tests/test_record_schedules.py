@@ -382,3 +382,5 @@ def test_candidate_walk_continues_as_record_92s_sweep():
         assert got.tolist() == expected
         start = tg.candidate_walk_after(targets, count, torch.as_tensor(start))
         assert int(start) == offset
+    full = torch.arange(count).reshape(-1, 3)          # the targets fill the count: nothing drawn, no move
+    assert int(tg.candidate_walk_after(full, count, torch.as_tensor(offset))) == offset

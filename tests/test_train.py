@@ -825,10 +825,11 @@ def test_value_embeddings_adam_follows_the_tables_and_eps_the_summed_loss(shards
         trainer.advance_to(step)
         assert value.step_every == every and value.param_groups[0]["betas"] == betas, step
         assert value.param_groups[0]["weight_decay"] == pytest.approx(wd), step
-        assert value.param_groups[0]["eps"] == pytest.approx(1e-10 / (512 * every)), step
-        assert [g["eps"] for g in main.param_groups] == pytest.approx([1e-10 / (512 * 2)] * len(main.param_groups))
+        exact = functools.partial(pytest.approx, rel=1e-9, abs=0)
+        assert value.param_groups[0]["eps"] == exact(1e-10 / (512 * every)), step
+        assert [g["eps"] for g in main.param_groups] == exact([1e-10 / (512 * 2)] * len(main.param_groups))
         adam = trainer.tables.ngram_adam
-        assert (adam.eps, adam.weight_decay) == (pytest.approx(1e-10 / (512 * every)), pytest.approx(0.3 * wd / 0.1))
+        assert (adam.eps, adam.weight_decay) == (exact(1e-10 / (512 * every)), exact(0.3 * wd / 0.1))
     loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
     trainer.advance_to(0)
     updates = []
