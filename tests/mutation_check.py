@@ -39,6 +39,7 @@ SAMPLING = ["tests/test_checkpoint.py", "-k", "temperature or top_k"]
 STATISTICS = ["tests/test_records.py", "-k", "test_one_sample or spread or welch or runs_needed or too_little"]
 STEPS_TRACK = ["tests/test_records_steps.py", "-k", "pairwise or margin or one_day or t_test"]
 MAKE_RECORD = ["tests/test_records.py", "-k", "not baseline_script_writes and not cpu_records_are and not test_reproduce"]
+RULES = ["tests/test_record_rules.py"]
 LOG_FORMAT = ["tests/test_records.py", "-k", "parse_log or seal or hostile or dirty or machine_and or writer or crlf "
               "or truncated or escaping or run_id or binary or fifo or newline or tampered"]
 REPRODUCE = ["tests/test_records.py", "-k", "reproduce"]
@@ -289,13 +290,13 @@ MUTATIONS = [
     Mutation("records/significance.py", "return gain / math.sqrt(1 / old[\"n\"] + 1 / new[\"n\"])",
              "return gain / (1 / old[\"n\"] + 1 / new[\"n\"])", STEPS_TRACK, "the pairwise statistic unscaled"),
     # the records' tools
-    Mutation("records/make_record.py", "        used = data_read(log, pattern_key)", "        used = data_read(log, \"val_files\")",
+    Mutation("records/rules.py", "            used = data_read(log, key)", "            used = data_read(log, \"val_files\")",
              MAKE_RECORD, "the train data checked by the val pattern"),
-    Mutation("records/make_record.py", "keys = MACHINE_KEYS + (IDENTITY_KEYS if statistics_format >= FORMAT_WITH_IDENTITY else ())",
+    Mutation("records/rules.py", "keys = MACHINE_KEYS + (IDENTITY_KEYS if statistics_format >= FORMAT_WITH_IDENTITY else ())",
              "keys = MACHINE_KEYS", MAKE_RECORD, "a machine known by its name only"),
-    Mutation("records/make_record.py", "if commit_of(log).endswith(DIRTY_MARK):", "if commit_of(log).startswith(DIRTY_MARK):",
+    Mutation("records/rules.py", "if commit.endswith(DIRTY_MARK):", "if commit.startswith(DIRTY_MARK):",
              MAKE_RECORD, "a dirty tree let through"),
-    Mutation("records/make_record.py", "        if date < when.date().isoformat():", "        if date <= when.date().isoformat():",
+    Mutation("records/rules.py", "        if series.date < day:", "        if series.date <= day:",
              MAKE_RECORD, "a record made on its runs' day refused"),
     Mutation("records/make_record.py", "    if \"baseline\" in track and base is None:", "    if \"baseline\" in track and base is not None:",
              MAKE_RECORD, "the interleaved rule without baseline runs"),
@@ -320,8 +321,29 @@ MUTATIONS = [
     Mutation("records/make_record.py", "if folder.parent != track_dir.resolve() or not listed_in_record(folder, Path(path).name):",
              "if not folder.is_relative_to(track_dir.parent.resolve()):", MAKE_RECORD,
              "baseline logs from any folder under records/"),
-    Mutation("records/make_record.py", "    if sha not in baseline[\"entry_sha256\"]:", "    if sha is None:", MAKE_RECORD,
-             "a baseline of any version"),
+    Mutation("records/rules.py", "if not any(log.declared_sha256 == version for version in versions):",
+             "if not any(log.declared_sha256.get(entry) == version.get(entry) for version in versions):", RULES,
+             "a baseline known by its entry script alone"),
+    Mutation("records/rules.py", "            if first > last:", "            if first > last + datetime.timedelta(days=2):",
+             RULES, "a series a day after its baseline runs counted as interleaved"),
+    Mutation("records/rules.py", "            seed = repr(log.config.get(\"seed\"))", "            seed = log.run_id", RULES,
+             "a seed run twice counted twice"),
+    Mutation("records/rules.py", "busy = next((line for line in log.info if line.startswith(BUSY_WARNING)), None)",
+             "busy = next((line for line in log.info if line == BUSY_WARNING), None)", RULES,
+             "a busy machine's warning missed"),
+    Mutation("records/rules.py", "        if committed.get(relpath) != git_blob_id(content):",
+             "        if relpath not in committed:", RULES, "a log's sources not compared with its commit's files"),
+    Mutation("records/rules.py", "beyond = next((line for line in lines if line[0] > steps or line[2] > final[\"train_time_ms\"]), None)",
+             "beyond = next((line for line in lines if line[0] > steps), None)", RULES,
+             "a step line past the final train time let through"),
+    Mutation("records/rules.py", "        if when > series.now:", "        if when > series.now.replace(year=9999):", RULES,
+             "a run that started in the future let through"),
+    Mutation("records/rules.py", "    return log.code_id, repr(sorted(free_config(log).items()))",
+             "    return log.code_id, log.run_id", RULES, "a re-run of a record counted as a new program"),
+    Mutation("records/rules.py", "        both = [fp for fp in train if fp[\"path\"] in {v[\"path\"] for v in val}\n"
+             "                or data_identity([fp])[0] in data_identity(val)]",
+             "        both = [fp for fp in train if fp[\"path\"] in {v[\"path\"] for v in val}]", RULES,
+             "the val shard under a train name let through"),
     Mutation("records/make_record.py", "    last = max(starts) if s[\"format\"] >= FORMAT_WITH_IDENTITY and all(starts) else iso_time(s[\"made\"])",
              "    last = iso_time(s[\"made\"])", STEPS_TRACK, "the previous record ordered by an editable made"),
     Mutation("records/make_record.py", "f\"python records/reproduce.py {shlex.quote(f'{folder_rel}/{first_log}')} --run\",",
