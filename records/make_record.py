@@ -81,6 +81,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import stat
 import struct
 import sys
@@ -125,6 +126,7 @@ REASON_KEYS = ("mixed_machines_reason", "mixed_commits_reason")  # also from the
 CREDIT_KEYS = ("author", "changed")  # also from the command line, format 4 on
 LOCK_WAIT_S = 120.0  # how long make_record.py waits for another one holding the records root's lock
 LOCK_POLL_S = 0.1  # how often it tries meanwhile
+TEXT_MAX_BYTES = 16 * 2**20  # a README, track.json or a record's file other than its logs is read up to this size
 
 
 class RecordError(UserError):
@@ -228,7 +230,7 @@ def expand_record_folders(paths, track_dir):
     for path in map(Path, paths):
         if path.is_dir():
             try:
-                runs = json.loads(read_regular_file(path / "statistics.json").decode("utf-8"))["runs"]
+                runs = json.loads(read_regular_file(path / "statistics.json", TEXT_MAX_BYTES).decode("utf-8"))["runs"]
                 expanded += [str(path / run["log"]) for run in runs]
             except (OSError, ValueError, KeyError, TypeError):
                 raise RecordError(f"{path}: a folder given as baseline logs must be a record folder "
@@ -247,7 +249,7 @@ def expand_record_folders(paths, track_dir):
 def listed_in_record(folder, name):
     """Whether the record folder's statistics.json lists the log file `name` among its runs."""
     try:
-        runs = json.loads(read_regular_file(folder / "statistics.json").decode("utf-8"))["runs"]
+        runs = json.loads(read_regular_file(folder / "statistics.json", TEXT_MAX_BYTES).decode("utf-8"))["runs"]
         return any(isinstance(run, dict) and run.get("log") == name for run in runs)
     except (OSError, ValueError, KeyError, TypeError):
         return False
@@ -457,7 +459,7 @@ def refusal_details(s, track):
 def read_statistics(path):
     """A record's statistics.json, with the values needed to recompute it checked for their types."""
     try:
-        s = json.loads(read_regular_file(path).decode("utf-8"))
+        s = json.loads(read_regular_file(path, TEXT_MAX_BYTES).decode("utf-8"))
     except json.JSONDecodeError as e:
         raise RecordError(f"{path}: not valid JSON ({e}); restore what make_record.py wrote, or re-make the record") \
             from None
@@ -605,7 +607,7 @@ def first_difference(stored, expected, where=""):
 def png_size(path):
     """(width, height) of the PNG file at `path`, or None when it is not one."""
     try:
-        head = read_regular_file(path)[:24]
+        head = read_regular_file(path, TEXT_MAX_BYTES)[:24]
     except OSError:
         return None
     if len(head) < 24 or head[:8] != PNG_SIGNATURE or head[12:16] != b"IHDR":
@@ -621,7 +623,7 @@ def check_record_files(folder, s, repo_root):
     expected = {"README.md": readme_text(s, folder_rel, s["runs"][0]["log"]), "statistics.txt": statistics_text(s)}
     for name, text in expected.items():
         try:
-            same = read_regular_file(folder / name) == text.encode("utf-8")
+            same = read_regular_file(folder / name, TEXT_MAX_BYTES) == text.encode("utf-8")
         except OSError:
             same = False
         if not same:
@@ -1014,7 +1016,15 @@ def changed_cell(s):
     """The table's what-changed cell: --changed, or the description cut to SHORT_TEXT_MAX characters."""
     text = s.get("changed") or " ".join((s["description"] or "").split()) or "-"
     text = text if len(text) <= SHORT_TEXT_MAX else text[:SHORT_TEXT_MAX - 1].rstrip() + "…"
-    return text.replace("|", "/")
+    return cell(text.replace("|", "/"))
+
+
+def cell(text):
+    """Text as a table cell shows it: the characters markdown and HTML give meaning to (emphasis,
+    code, links, tags, comments, entities, the cell's bar) escaped, line breaks as spaces."""
+    text = re.sub(r"[\r\n]+", " ", str(text))
+    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return re.sub(r"([\\`*_\[\]|~])", r"\\\1", text)
 
 
 def steps_table(found, link_base, definition):
@@ -1038,9 +1048,9 @@ def steps_table(found, link_base, definition):
         else:
             stat = pairwise_statistic(s, old, definition["loss_per_step"])
             verdict = "significant" if stat >= definition["pairwise_margin"] else "not significant"
-            pairwise = f"{stat:.4f} vs {old['name']} ({verdict} at {definition['pairwise_margin']})"
+            pairwise = f"{stat:.4f} vs {cell(old['name'])} ({verdict} at {definition['pairwise_margin']})"
         lines.append(
-            f"| {rank} | [{s['name']}]({link}) | {changed_cell(s)} | {machine_label(s)} | {s['steps']} "
+            f"| {rank} | [{cell(s['name'])}]({link}) | {changed_cell(s)} | {cell(machine_label(s))} | {s['steps']} "
             f"| {s['val_loss']['mean']:.4f} | {value} | {s['n']} | {pairwise} |"
         )
     return "\n".join(lines)
@@ -1071,8 +1081,9 @@ def records_table(records, link_base, definition=None):
         link = Path(os.path.relpath(folder, link_base)).as_posix()
         p = "sets target" if s["status"] == STATUS_TARGET else fmt(s["p_value"], ".2g")
         lines.append(
-            f"| {rank} | [{s['name']}]({link}) | {changed_cell(s)} | {machine_label(s)} | {s['val_loss']['mean']:.4f} "
-            f"| {p} | {s['train_time_s']['mean']:.1f} s | {s['n']} | {speedup(s, first_time):.2f}x |"
+            f"| {rank} | [{cell(s['name'])}]({link}) | {changed_cell(s)} | {cell(machine_label(s))} "
+            f"| {s['val_loss']['mean']:.4f} | {p} | {s['train_time_s']['mean']:.1f} s | {s['n']} "
+            f"| {speedup(s, first_time):.2f}x |"
         )
     return "\n".join(lines)
 
@@ -1094,12 +1105,17 @@ def current_record(records, definition):
 
 def with_table(readme, records, track, definition=None):
     """The text of `readme` with the track's table between its markers rebuilt from `records`, or None
-    where the file or its markers are missing. definition: the track's track.json (records_table)."""
+    where the file has neither marker; a README with a marker twice, or one without the other after
+    it, is refused (which pair would the table go between?). definition: the track's track.json."""
     start, end = table_markers(track)
-    text = read_regular_file(readme).decode("utf-8") if readme.is_file() else ""
+    text = read_regular_file(readme, TEXT_MAX_BYTES).decode("utf-8") if readme.is_file() else ""
     i, j = text.find(start), text.find(end)
-    if i < 0 or j < i:
+    if i < 0 and j < 0:
         return None
+    if text.count(start) > 1 or text.count(end) > 1 or i < 0 or j < i:
+        raise RecordError(f"{readme}: holds '{start}' {text.count(start)} time(s) and '{end}' {text.count(end)} "
+                          f"time(s), the end after the start {'once' if 0 <= i < j else 'never'}: keep one pair, where "
+                          "the table goes (this tool rewrites what lies between them)")
     table = records_table(records, readme.resolve().parent, definition)
     return text[: i + len(start)] + "\n" + table + "\n" + text[j:]
 
@@ -1150,6 +1166,21 @@ def records_lock(records_dir):
         yield
     finally:
         os.close(fd)                   # closing the folder releases the lock
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Ctrl-C ignored inside the block: what makes a record visible (the renames) and says so runs
+    to its end, so that an interrupt before it leaves nothing written and none comes in between."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:             # not the main thread, which no signal interrupts
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -1210,7 +1241,7 @@ def parse_args(argv):
 def load_track(track_dir):
     path = track_dir / "track.json"
     try:
-        track = json.loads(read_regular_file(path).decode("utf-8"))
+        track = json.loads(read_regular_file(path, TEXT_MAX_BYTES).decode("utf-8"))
     except FileNotFoundError:
         raise RecordError(f"{path}: no such track definition; is --track spelled right?") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -1385,13 +1416,14 @@ def make_new_record(args, track_dir, track):
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    publish(staging, folder, files, superseded)
-    print(statistics_text(s), end="")
-    print(f"wrote {folder}")
-    for old in superseded:
-        print(f"replaced {old} (not a record): its runs are part of this record")
-    for warning in notes:
-        print(warning, file=sys.stderr)
+    with interrupts_held():
+        publish(staging, folder, files, superseded)
+        print(statistics_text(s), end="")
+        print(f"wrote {folder}")
+        for old in superseded:
+            print(f"replaced {old} (not a record): its runs are part of this record")
+        for warning in notes:
+            print(warning, file=sys.stderr)
 
 
 def remake(args, track_dir, track):
@@ -1420,14 +1452,15 @@ def remake(args, track_dir, track):
     files, notes = table_files(args, track_dir, track, records)
     for path in files:
         refuse_read_only(path)
-    if replaced:
-        publish(staging, replaced[0], files, replaced)
-        print(f"re-made {replaced[0]}")
-    else:
-        publish_files(files)
-        print(f"rewrote the {args.track} tables")
-    for warning in notes:
-        print(warning, file=sys.stderr)
+    with interrupts_held():
+        if replaced:
+            publish(staging, replaced[0], files, replaced)
+            print(f"re-made {replaced[0]}")
+        else:
+            publish_files(files)
+            print(f"rewrote the {args.track} tables")
+        for warning in notes:
+            print(warning, file=sys.stderr)
 
 
 def remade_statistics(folder, old, track, repo_root, args):
@@ -1479,6 +1512,10 @@ def main(argv=None):
         return EXIT_REFUSED
     except OSError as e:
         print(f"error: {e.filename or 'a file'}: {e.strerror}", file=sys.stderr)
+        return EXIT_REFUSED
+    except KeyboardInterrupt:
+        print("error: interrupted (Ctrl-C): nothing was written; the records and READMEs are as they were",
+              file=sys.stderr)
         return EXIT_REFUSED
     return 0
 

@@ -1331,13 +1331,13 @@ def test_reproduce_copies_the_data_files_its_sources_pin(tmp_path, capsys):
 def test_reproduce_run_refuses_other_data_than_the_logs(tmp_path, monkeypatch, capfd):
     """--run compares the files the rerun would read with the log's fingerprints first."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "d").mkdir()
-    write_shard(tmp_path / "d" / "x_val_000000.bin", range(100))
-    write_shard(tmp_path / "d" / "x_train_000000.bin", range(300))
-    fingerprints = [fingerprint(f"d/x_{name}_000000.bin") for name in ("val", "train")]
+    (tmp_path / "data").mkdir()
+    write_shard(tmp_path / "data" / "x_val_000000.bin", range(100))
+    write_shard(tmp_path / "data" / "x_train_000000.bin", range(300))
+    fingerprints = [fingerprint(f"data/x_{name}_000000.bin") for name in ("val", "train")]
     sources = {**SOURCES, "train_gpt.py": b"open('ran', 'w').close()\n"}
     log_path = write_log(tmp_path / "r1.txt", 3.25, 5000, sources=sources, data=fingerprints,
-                         config_changes={"val_files": "d/x_val_*.bin", "train_files": "d/x_train_*.bin"})
+                         config_changes={"val_files": "data/x_val_*.bin", "train_files": "data/x_train_*.bin"})
 
     def rerun(*args):
         code = reproduce.main([log_path, "--dir", str(tmp_path / "out"), "--run", *args])
@@ -1347,19 +1347,19 @@ def test_reproduce_run_refuses_other_data_than_the_logs(tmp_path, monkeypatch, c
         return code, ran, capfd.readouterr().err
 
     assert rerun()[:2] == (0, True)
-    write_shard(tmp_path / "d" / "x_train_000000.bin", range(1, 301))
+    write_shard(tmp_path / "data" / "x_train_000000.bin", range(1, 301))
     code, ran, err = rerun()
     assert (code, ran) == (2, False) and err.count("\n") == 1
-    assert "d/x_train_000000.bin is not the file the run read (its head_sha256, tail_sha256 differ" in err
+    assert "data/x_train_000000.bin is not the file the run read (its head_sha256, tail_sha256 differ" in err
     assert rerun("--other-data")[:2] == (0, True)
-    write_shard(tmp_path / "d" / "x_train_000000.bin", range(300))
-    write_shard(tmp_path / "d" / "x_train_000001.bin", range(300))
-    assert "d/x_train_000001.bin matches the rerun's train_files (d/x_train_*.bin), but the run did not" in rerun()[2]
-    (tmp_path / "d" / "x_train_000001.bin").unlink()
-    assert "the run read d/x_val_000000.bin, which is not matched by the rerun's patterns" in \
-        rerun("--", "--val_files=d/x_train_*.bin")[2]
-    (tmp_path / "d" / "x_val_000000.bin").unlink()
-    assert "the run read d/x_val_000000.bin, which is missing in" in rerun()[2]
+    write_shard(tmp_path / "data" / "x_train_000000.bin", range(300))
+    write_shard(tmp_path / "data" / "x_train_000001.bin", range(300))
+    assert "data/x_train_000001.bin matches the rerun's train_files (data/x_train_*.bin), but the run did not" in rerun()[2]
+    (tmp_path / "data" / "x_train_000001.bin").unlink()
+    assert "the run read data/x_val_000000.bin, which is not matched by the rerun's patterns" in \
+        rerun("--", "--val_files=data/x_train_*.bin")[2]
+    (tmp_path / "data" / "x_val_000000.bin").unlink()
+    assert "the run read data/x_val_000000.bin, which is missing in" in rerun()[2]
 
 
 LOG_DIR_WRITER = (b"import json, os, sys\n"
@@ -1443,13 +1443,14 @@ def test_the_cpu_tracks_baseline_definition_is_this_checkouts_baseline_script():
 
 def test_baseline_script_writes_a_valid_log_and_reproduces(tmp_path):
     rng = np.random.default_rng(0)
+    (tmp_path / "data").mkdir()
     for name, n in (("t_train_000000.bin", 3000), ("t_train_000001.bin", 3000), ("t_val_000000.bin", 600)):
-        write_shard(tmp_path / name, rng.integers(0, 50257, n))
+        write_shard(tmp_path / "data" / name, rng.integers(0, 50257, n))
     # One thread: two threads spin-waiting on a busy 2-core machine make even a tiny step slow.
     tiny = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=4", "--num_iterations=3"]
     tiny += ["--threads=1"]
     tiny += ["--val_tokens=256", "--val_every=2", "--warmup_iters=1", f"--log_dir={tmp_path / 'logs'}"]
-    tiny += [f"--train_files={tmp_path / 't_train_*.bin'}", f"--val_files={tmp_path / 't_val_000000.bin'}"]
+    tiny += ["--train_files=data/t_train_*.bin", "--val_files=data/t_val_000000.bin"]  # from tmp_path
     script = REPO / "records" / "track_cpu" / "baseline_adamw.py"
     subprocess.run([sys.executable, str(script), *tiny], check=True, capture_output=True, cwd=tmp_path, timeout=300)
     (log_path,) = (tmp_path / "logs").iterdir()
