@@ -11,6 +11,7 @@ ending in "(rule: <name>)".
 
 import datetime
 import fnmatch
+import math
 import re
 import subprocess
 from dataclasses import dataclass, field
@@ -170,10 +171,12 @@ def data_identity(fingerprints):
 
 
 def final_disagreement(log):
-    """How the log's final line disagrees with its step lines and config, or None: the final line
-    repeats the last validation (its step is the run's steps, its val_loss and train_time), no step
+    """How the log's final line disagrees with its step lines and config, or None: a finite val_loss
+    (the statistics are computed from it), the final line repeats the last validation (its step is the run's steps, its val_loss and train_time), no step
     line goes past it or counts to another total, and the config trained that many steps."""
     final, steps = log.final, log.final["steps"]
+    if not math.isfinite(final["val_loss"]):
+        return f"its final val_loss is {final['val_loss']}, which no finished run logs"
     iterations = log.config.get("num_iterations")
     if isinstance(iterations, int) and iterations != steps:
         return f"its final line says {steps} steps, its config's num_iterations is {iterations}"

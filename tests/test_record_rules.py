@@ -192,10 +192,11 @@ def test_a_log_names_a_commit_of_this_checkout_whose_files_it_embeds(site, capsy
      "its final line says 1 steps in 5000 ms, a step line says step 2 at 20100 ms"),
     (dict(lines=["step:3/4 val_loss:3.4000 train_time:20100ms step_avg:6700.00ms"]),
      "its final line says 4 steps in 5000 ms, a step line says step 3 at 20100 ms"),
-], ids=["num_iterations", "steps beyond the final", "time beyond the final"])
+    (dict(), "its final val_loss is nan, which no finished run logs"),
+], ids=["num_iterations", "steps beyond the final", "time beyond the final", "a NaN result"])
 def test_the_final_line_agrees_with_the_step_lines(tmp_path, edit, message):
     """A "1 steps" run whose steps reach 2/2, a 5.0 s run whose step lines say 20.1 s."""
-    log = parse_log(write_log(tmp_path / "r.txt", 3.40, 5000, **edit))
+    log = parse_log(write_log(tmp_path / "r.txt", 3.40 if edit else float("nan"), 5000, **edit))
     assert message in rules.final_disagreement(log)
     assert rules.final_disagreement(parse_log(write_log(tmp_path / "fair.txt", 3.40, 5000))) is None
 

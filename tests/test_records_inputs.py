@@ -101,7 +101,11 @@ def test_ctrl_c_in_make_record_is_one_line_and_writes_nothing(site, capsys, monk
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
     monkeypatch.setattr(make_record, "write_plot", interrupted)
-    assert run_tool(site, "--name", "X", "--date", "2026-11-30", "--logs", *logs) == 2
+    try:
+        code = run_tool(site, "--name", "X", "--date", "2026-11-30", "--logs", *logs)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C left make_record.main as a traceback")
+    assert code == 2
     assert capsys.readouterr().err == ("error: interrupted (Ctrl-C): nothing was written; the records and READMEs are "
                                        "as they were\n")
     assert snapshot(site) == before
@@ -172,14 +176,17 @@ def test_reproduce_refuses_a_world_size_that_is_no_number_of_processes(tmp_path,
     ("x.xyz", "matplotlib writes no .xyz files"),
     ("x", "matplotlib writes no suffix-less files"),
     ("missing/x.png", "its folder missing does not exist"),
+    ("mine.png", "--out mine.png exists: plot.py writes a new file, never over one"),
 ])
 def test_plot_checks_its_picture_before_reading_the_logs(tmp_path, capsys, monkeypatch, out, message):
     monkeypatch.chdir(tmp_path)
     log = write_log(tmp_path / "r1.txt", 3.25, 5000)
+    (tmp_path / "mine.png").write_bytes(b"my picture")
     monkeypatch.setattr(plot, "parse_log", lambda *a: pytest.fail("the logs were read"))
     assert plot.main([log, "--out", out]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+    assert (tmp_path / "mine.png").read_bytes() == b"my picture"
 
 
 def test_plot_of_a_log_naming_no_track_folder_reads_no_track(tmp_path):
