@@ -40,6 +40,11 @@ STATISTICS = ["tests/test_records.py", "-k", "test_one_sample or spread or welch
 STEPS_TRACK = ["tests/test_records_steps.py", "-k", "pairwise or margin or one_day or t_test"]
 MAKE_RECORD = ["tests/test_records.py", "-k", "not baseline_script_writes and not cpu_records_are and not test_reproduce"]
 RULES = ["tests/test_record_rules.py"]
+INPUTS = ["tests/test_records_inputs.py"]
+RESULTS_FILE = ["tests/test_downstream.py", "-k", "output or results_that"]
+NAN_SAMPLE = ["tests/test_checkpoint.py", "-k", "nan_weights"]
+STEP_MODEL_JSON = ["tests/test_step_model.py", "-k", "json_path"]
+PLAN_MEMORY = ["tests/test_failures.py", "-k", "plan_for_memory"]
 LOG_FORMAT = ["tests/test_records.py", "-k", "parse_log or seal or hostile or dirty or machine_and or writer or crlf "
               "or truncated or escaping or run_id or binary or fifo or newline or tampered"]
 REPRODUCE = ["tests/test_records.py", "-k", "reproduce"]
@@ -364,8 +369,38 @@ MUTATIONS = [
              "the rerun writes where the log said"),
     Mutation("records/reproduce.py", "    records = os.path.realpath(REPO / \"records\")", "    records = os.path.realpath(REPO / \"record\")",
              REPRODUCE, "records/ not guarded"),
-    Mutation("records/reproduce.py", "        if out.is_dir() and existing_files(out) == files:", "        if out.is_dir():",
+    Mutation("records/reproduce.py", "        if out.is_dir() and holds_recreation(out, files):", "        if out.is_dir():",
              REPRODUCE, "any folder taken for the recreation"),
+    # what a user or a log hands the tools
+    Mutation("records/logfile.py", "        raw = read_regular_file(path, LOG_MAX_BYTES)", "        raw = read_regular_file(path)",
+             INPUTS, "a log read whole, whatever its size"),
+    Mutation("records/make_record.py", "    return re.sub(r\"([\\\\`*_\\[\\]|~])\", r\"\\\\\\1\", text)", "    return text",
+             INPUTS, "table cells unescaped"),
+    Mutation("records/make_record.py", "    if text.count(start) > 1 or text.count(end) > 1 or i < 0 or j < i:",
+             "    if i < 0 or j < i:", INPUTS, "a README's second pair of markers taken"),
+    Mutation("records/make_record.py", "    except KeyboardInterrupt:", "    except ZeroDivisionError:", INPUTS,
+             "Ctrl-C in make_record.py a traceback"),
+    Mutation("records/reproduce.py", "elif entry.is_file(follow_symlinks=False) and rel in files and same_bytes(entry.path, files[rel]):",
+             "elif entry.is_file(follow_symlinks=False) and same_bytes(entry.path, files.get(rel, b\"\")) and rel in files:",
+             INPUTS, "a folder's other files read to tell it from the recreation"),
+    Mutation("records/reproduce.py", "    outside = next(((key, p) for key, p in patterns.items() if not inside_data_folder(p)), None)",
+             "    outside = None", INPUTS, "a log's glob listed wherever it reaches"),
+    Mutation("records/reproduce.py", "    if not 1 <= world_size <= MAX_WORLD_SIZE:", "    if world_size < 0:", INPUTS,
+             "world_size 0 passed to torch.distributed.run"),
+    Mutation("records/plot.py", "    if out.suffix.lower().lstrip(\".\") not in kinds:", "    if not out.suffix:", INPUTS,
+             "plot.py --out x.xyz drawn first"),
+    Mutation("downstream.py", "    if os.path.lexists(output):", "    if os.path.isdir(output):", RESULTS_FILE,
+             "downstream.py's results written over the checkpoint"),
+    Mutation("evaluate.py", "        if not bool(torch.isfinite(logits).all()):", "        if logits.numel() == 0:", NAN_SAMPLE,
+             "NaN logits handed to the sampler"),
+    Mutation("bench/step_model.py", "    if args.json and (refusal := json_path_refusal(args.json)):",
+             "    if args.write and (refusal := json_path_refusal(args.json)):", STEP_MODEL_JSON,
+             "--json checked after the census"),
+    Mutation("train_gpt.py", "        if value is not None and not 0 < value <= PLAN_MAX_GIB:",
+             "        if value is not None and not (math.isfinite(value) and value > 0):", PLAN_MEMORY,
+             "--plan --gpu_gib=1e308 overflows"),
+    Mutation("memory_budget.py", "            return check_cpu_weights(recipe, h, available(pg.device))  # which the CPU's reference path runs",
+             "            return None", CPU_MEMORY, "an unpriced CPU run let through to the allocator"),
     # shards and the downloader
     Mutation("data/shards.py", "SHARD_FILE_MODE = 0o644", "SHARD_FILE_MODE = 0o600", SHARDS,
              "shard files readable by their owner only"),
