@@ -7,24 +7,20 @@
     python records/make_record.py --track track_cpu --remake records/track_cpu/<record> [--changed ...] [--author ...]
     python records/make_record.py --track track_cpu --tables
 
-Every log is parsed and verified (records/logfile.py): it must be a regular file named
-<run id>.txt, sealed (format version 2) with every line matching its seal, each embedded source
-must match its declared sha256, every run must have finished, from a tree whose files are its
-commit's (a git_commit without the "-dirty" mark), and the track's rules hold: the config names
-the track, the run trained on the track's train data and evaluated on its val data (by
-fingerprint) and val_tokens, on the track's hardware; all logs come from the same code (the same
-set of (path, sha256) pairs) and the same config apart from the seed; every run (the baseline's
-and the current record's re-runs too) ran on one machine (the environment's `cpu` and `hostname`,
-and from format 4 on its core count, CPU flags and machine id) and every run at one commit
-(`git_commit`), unless --mixed-machines-reason / --mixed-commits-reason says why not; --date is
-neither before a run started nor in the future; no run id is already part of a record. Baseline
-logs must be the track's baseline script with its config (track.json "baseline") where the track
-defines one, agree among themselves and be part of a record folder of the track already (they are
-referenced, not copied). Every other record of the track must still be what its logs give: its
-statistics.json is recomputed from its sealed logs and compared, value for value, its README.md
-and statistics.txt with what this tool writes from them, and the folder holds nothing else,
-before any table is built from it. Any refusal prints one line and exits with code 2 before
-anything is written; a refused result's line carries its statistics and what would change them.
+Every log (the runs, the baseline runs, the current record's re-runs) is parsed and verified
+(records/logfile.py): a regular file named <run id>.txt, every line matching its seal, every
+embedded source its sha256. The series they make is checked by the rules a record claims
+(records/rules.py, listed in records/FORMAT.md): sealed and finished runs of the track's data,
+hardware and setup, whose final lines agree with their steps, started before now on an idle
+machine, at a commit of this checkout whose files they embed; one program per group, distinct
+seeds, the baseline's own program, interleaved in one series on one machine at one commit (or
+a reason); a record a new program. Baseline logs are runs of a record folder of the track
+(referenced, not copied); no run id is part of a record already. Every other record of the track
+must still be what its logs give, by the same rules (all but the made-only ones): its
+statistics.json recomputed from its sealed logs and compared value for value, its README.md and
+statistics.txt with what this tool writes from them, and the folder holding nothing else, before
+any table is built from it. Any refusal prints one line and exits with code 2 before anything is
+written; a refused result's line carries its statistics and what would change them.
 
 One make_record.py at a time writes a records root: each takes its lock (waiting up to
 LOCK_WAIT_S for another) before it reads the records and keeps it until it has written.
@@ -74,7 +70,6 @@ import contextlib
 import datetime
 import errno
 import fcntl
-import fnmatch
 import json
 import math
 import os
@@ -96,9 +91,8 @@ sys.path.insert(0, str(RECORDS_DIR.parent))
 from errors import UserError  # noqa: E402
 from records import rules  # noqa: E402
 from records.logfile import LogError, parse_log, read_regular_file, verify  # noqa: E402
-from records.rules import (COMMIT_KEY, FORMAT_WITH_IDENTITY, FORMAT_WITH_MACHINES, FREE_CONFIG_KEYS,  # noqa: E402
-                           IDENTITY_KEYS, MACHINE_KEYS, METRIC_STEPS, UNKNOWN, RuleError, Series, commit_of,
-                           describe_code_difference, machine_of, started_at)
+from records.rules import (COMMIT_KEY, FORMAT_WITH_IDENTITY, FORMAT_WITH_MACHINES, IDENTITY_KEYS,  # noqa: E402
+                           MACHINE_KEYS, METRIC_STEPS, UNKNOWN, RuleError, Series, commit_of, machine_of, started_at)
 from records.significance import (margin_statistic, one_sample_test, pairwise_statistic, runs_needed,  # noqa: E402
                                   summary, val_loss_summary, welch_runs_needed, welch_test)
 

@@ -31,6 +31,7 @@ UNKNOWN = "unknown"  # a machine or commit value of a log whose environment lack
 METRIC_STEPS = "steps"  # track.json "metric" of a track ranked by steps, where time (and so load) does not count
 BUSY_WARNING = "warning: the machine was busy"  # how a run's log says that other work held CPUs it needed
 COMMIT_ID = re.compile(r"[0-9a-f]{40}")  # a full git commit id
+OUTSIDE_GIT = "none"  # the git_commit of a run from a tree outside git (a recreation of reproduce.py)
 GIT_TIMEOUT_S = 30  # for each git command that looks up a run's commit
 
 
@@ -172,8 +173,9 @@ def data_identity(fingerprints):
 
 def final_disagreement(log):
     """How the log's final line disagrees with its step lines and config, or None: a finite val_loss
-    (the statistics are computed from it), the final line repeats the last validation (its step is the run's steps, its val_loss and train_time), no step
-    line goes past it or counts to another total, and the config trained that many steps."""
+    (the statistics are computed from it) that repeats the last validation (its step is the run's
+    steps, with its val_loss and train_time), no step line past it or counting to another total,
+    and the config trained that many steps."""
     final, steps = log.final, log.final["steps"]
     if not math.isfinite(final["val_loss"]):
         return f"its final val_loss is {final['val_loss']}, which no finished run logs"
@@ -329,10 +331,14 @@ def check_idle(series):
 @rule("commit", made_only=True)
 def check_commit(series):
     """Each log names a commit this checkout has, and embeds that commit's files: a dirty tree, a
-    run outside git (git_commit none) and a commit this checkout lacks are refused."""
+    run outside git (git_commit none) and a commit this checkout lacks are refused. The re-runs
+    that reproduce.py recreates run outside git: theirs is the current record's program
+    (one-program), whose logs were checked so when it was made."""
     looked_up = {}
     for log in series.logs():
         commit = commit_of(log)
+        if commit == OUTSIDE_GIT and series.current is not None and any(log is r for r in series.reruns):
+            continue
         if commit.endswith(DIRTY_MARK):
             raise Broken(f"{log.path}: ran from a tree with uncommitted changes ({COMMIT_KEY} {commit}): commit the "
                          "change, then rerun from the clean tree (a clone at that commit)")

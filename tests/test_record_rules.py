@@ -74,9 +74,10 @@ def site(prepared, tmp_path):
 
 def fair_series(site, runs=None, reruns=None):
     """The arguments of the fair series: new runs (NEW_SOURCES, about 3.0 s) interleaved with BaseB's
-    runs (6.0 s) and re-runs of First (3.5 s); runs, reruns: write_log arguments changed for them."""
+    runs (6.0 s) and re-runs of First (3.5 s) in the tree reproduce.py recreates, outside git; runs,
+    reruns: write_log arguments changed for them."""
     new = logs(site / "new", "new", [3000, 3100, 2900], [2, 5, 8], **{"sources": NEW_SOURCES, **(runs or {})})
-    again = logs(site / "again", "rerun", [3500, 3600, 3400], [1, 4, 7], **(reruns or {}))
+    again = logs(site / "again", "rerun", [3500, 3600, 3400], [1, 4, 7], **{"git_commit": "none", **(reruns or {})})
     return ["--name", "New", "--date", RECORD_DAY, "--logs", *new, "--baseline-logs",
             site / "records" / TRACK / f"{SERIES_DAY}_BaseB", "--current-record-logs", *again]
 
@@ -86,7 +87,8 @@ def one_changed(site, change, role="--logs"):
     args = fair_series(site)
     path = Path(args[args.index(role) + 1])
     run = {"--logs": {"sources": NEW_SOURCES, "train_ms": 3000, "started": started(2)},
-           "--current-record-logs": {"sources": SOURCES, "train_ms": 3500, "started": started(1)}}[role]
+           "--current-record-logs": {"sources": SOURCES, "train_ms": 3500, "started": started(1),
+                                     "git_commit": "none"}}[role]
     kwargs = {"seed": 1, "hostname": HOST, "track": TRACK, **run, **change}
     write_log(path, 3.40, kwargs.pop("train_ms"), **kwargs)
     return args

@@ -29,7 +29,7 @@ from scipy import stats
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from data.shards import fingerprint  # noqa: E402
-from records import make_record, reproduce  # noqa: E402
+from records import make_record, reproduce, rules  # noqa: E402
 import records.logfile  # noqa: E402
 from records.logfile import LogError, LogWriteError, LogWriter, commit_of_sources, parse_log, verify  # noqa: E402
 
@@ -569,7 +569,7 @@ def test_mixed_code_refused(site, capsys):
     logs = write_logs(site / "logs", [3.40, 3.42], [5000, 5600])
     logs.append(write_log(site / "logs" / "other.txt", 3.41, 5300, sources=OTHER_SOURCES))
     assert_refused(site, capsys, "logs come from different code", "--logs", *logs)
-    assert "differ in train_gpt.py" in make_record.describe_code_difference(parse_log(logs[0]), parse_log(logs[2]))
+    assert "differ in train_gpt.py" in rules.describe_code_difference(parse_log(logs[0]), parse_log(logs[2]))
 
 
 def test_track_mismatch_refused(site, capsys):
@@ -1354,7 +1354,8 @@ def test_reproduce_run_refuses_other_data_than_the_logs(tmp_path, monkeypatch, c
     assert rerun("--other-data")[:2] == (0, True)
     write_shard(tmp_path / "data" / "x_train_000000.bin", range(300))
     write_shard(tmp_path / "data" / "x_train_000001.bin", range(300))
-    assert "data/x_train_000001.bin matches the rerun's train_files (data/x_train_*.bin), but the run did not" in rerun()[2]
+    assert "data/x_train_000001.bin matches the rerun's train_files (data/x_train_*.bin), but the run did not" in \
+        rerun()[2]
     (tmp_path / "data" / "x_train_000001.bin").unlink()
     assert "the run read data/x_val_000000.bin, which is not matched by the rerun's patterns" in \
         rerun("--", "--val_files=data/x_train_*.bin")[2]
@@ -1438,7 +1439,7 @@ def test_the_cpu_tracks_baseline_definition_is_this_checkouts_baseline_script():
     assert version in definition["code"], ("the checkout's baseline is not a version that track.json baseline.code "
                                            f"lists; if it measures the same baseline, add {json.dumps(version)}")
     defaults = dataclasses.asdict(module.parse_hyperparameters([])) | {"entry": definition["entry"]}
-    assert definition["config"] == {k: v for k, v in defaults.items() if k not in make_record.FREE_CONFIG_KEYS}
+    assert definition["config"] == {k: v for k, v in defaults.items() if k not in rules.FREE_CONFIG_KEYS}
 
 
 def test_baseline_script_writes_a_valid_log_and_reproduces(tmp_path):

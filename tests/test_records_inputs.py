@@ -3,8 +3,9 @@ whole, folders that are not theirs, globs and numbers from a log, text that mark
 meaning to, a README with its markers twice, Ctrl-C. Each ends in one line and exit status 2,
 having read no more than it needs and written nothing."""
 import os
-import signal
 import re
+import select
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +55,8 @@ def test_the_real_size_cap_refuses_a_file_from_its_size(tmp_path):
         records.logfile.parse_log(path)
 
 
-@pytest.mark.parametrize("changed", ["<!-- records:track_test:end -->", "**bold** _it_ `code` [x](y) a\\b ~s~ <b>&amp;"],
+@pytest.mark.parametrize("changed", ["<!-- records:track_test:end -->",
+                                     "**bold** _it_ `code` [x](y) a\\b ~s~ <b>&amp;"],
                          ids=["an end marker", "markdown and HTML"])
 def test_table_cells_escape_markdown_and_html(site, capsys, changed):
     """--changed (and a log's CPU text) that markdown or HTML would read: shown as written, the README
@@ -122,7 +124,8 @@ def test_ctrl_c_while_make_record_waits_for_the_lock(site):
                                     "--records-dir", str(site / "records"), "--readme", str(site / "README.md"),
                                     "--name", "X", "--logs", *logs], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True)
-        assert process.stdout.readline().startswith("waiting for another make_record.py")
+        ready, _, _ = select.select([process.stdout], [], [], 60)
+        assert ready and process.stdout.readline().startswith("waiting for another make_record.py")
         process.send_signal(signal.SIGINT)
         out, err = process.communicate(timeout=60)
     finally:
