@@ -4,8 +4,9 @@ with the line its refusal gets (tests/test_record_rules.py walks both lists).
 make_record.py reads a series' logs (the record's runs, its baseline runs, the current record's
 re-runs in the same series) into a Series and checks it here. A new record is checked by every
 rule; a record made before (every run of the tool checks them all again) by every rule but those
-only the moment of making can check (made_only: its commit in this checkout, its --date), so a
-record that was accepted never blocks its track later. A broken rule is one line, a RuleError
+only the moment of making can check (made_only: its commit in this checkout, its --date, the
+track's fixed_config, which grows with the trainer's keys), so a record that was accepted never
+blocks its track later. A broken rule is one line, a RuleError
 ending in "(rule: <name>)".
 """
 
@@ -120,7 +121,7 @@ def free_config(log):
 
 
 def program(log):
-    """What a run ran: its code (the sources it embeds, with their sha256) and its config apart from the free keys."""
+    """What a run ran: its code (the sources it embeds, with their sha256) and its config but the free keys."""
     return log.code_id, repr(sorted(free_config(log).items()))
 
 
@@ -182,15 +183,14 @@ def final_disagreement(log):
     iterations = log.config.get("num_iterations")
     if isinstance(iterations, int) and iterations != steps:
         return f"its final line says {steps} steps, its config's num_iterations is {iterations}"
-    lines = [(p["step"], p["total"], p["train_time_ms"]) for p in log.steps]
-    lines += [(step, steps, ms) for step, _, ms in log.val_points]
+    lines = [(p["step"], p["train_time_ms"]) for p in log.steps] + [(step, ms) for step, _, ms in log.val_points]
     totals = sorted({p["total"] for p in log.steps})
     if totals not in ([], [steps]):
         return f"its final line says {steps} steps, its step lines count to {', '.join(map(str, totals))}"
-    beyond = next((line for line in lines if line[0] > steps or line[2] > final["train_time_ms"]), None)
+    beyond = next(((step, ms) for step, ms in lines if step > steps or ms > final["train_time_ms"]), None)
     if beyond:
         return (f"its final line says {steps} steps in {final['train_time_ms']} ms, a step line says step "
-                f"{beyond[0]} at {beyond[2]} ms")
+                f"{beyond[0]} at {beyond[1]} ms")
     last = log.val_points[-1] if log.val_points else None
     if last is None or last[0] != steps:
         return f"its final line says {steps} steps, but no validation line is at step {steps}"
