@@ -25,6 +25,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -382,6 +383,38 @@ def check_arguments(args):
     if not args.prefetch and not args.checkpoint:
         raise DownstreamError("give a checkpoint (logs/<run id>_model.safetensors), or --prefetch to only fetch the "
                               "tasks' data")
+    if not args.prefetch:
+        args.output = checked_output(args.output or results_path(args.checkpoint, args.tasks), args.checkpoint)
+
+
+def checked_output(output, checkpoint):
+    """The results' path, refused before any work where writing it would replace a file (the
+    checkpoint above all) or where its folder cannot take it: an evaluation's results are never
+    thrown away after it ran."""
+    if os.path.lexists(output):
+        same = os.path.exists(checkpoint) and os.path.exists(output) and os.path.samefile(output, checkpoint)
+        raise DownstreamError(f"--output {output} " + ("is the checkpoint" if same else "exists") + ": downstream.py "
+                              "writes its results to a new file, never over one; give --output a new path")
+    folder = os.path.dirname(output) or "."
+    if not os.path.isdir(folder):
+        raise DownstreamError(f"--output {output}: its folder {folder} does not exist; create it or give another path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise DownstreamError(f"--output {output}: its folder {folder} is not writable; give another path")
+    return output
+
+
+def write_results(results, output):
+    """The results as JSON in `output`, created (a file put there while the tasks ran is not replaced:
+    the results go to a new file beside it, which the line names)."""
+    text = json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False)
+    try:
+        with open(output, "x", encoding="utf-8") as f:
+            f.write(text)
+    except FileExistsError:
+        fd, kept = tempfile.mkstemp(dir=os.path.dirname(output) or ".", prefix="results.", suffix=".json")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        raise DownstreamError(f"--output {output} appeared while the tasks ran; the results are in {kept}") from None
 
 
 def quiet_downloads():
@@ -411,9 +444,8 @@ def main(argv=None):
                         compute_dtype=args.compute_dtype, ngram_cache_rows=args.ngram_cache_rows)
         results = evaluate(lm, args.tasks, limit=args.limit, num_fewshot=args.num_fewshot,
                            log_samples=args.log_samples, manager=manager)
-        output = args.output or results_path(args.checkpoint, args.tasks)
-        with open(output, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=2, default=handle_non_serializable, ensure_ascii=False)
+        output = args.output
+        write_results(results, output)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR

@@ -124,7 +124,8 @@ def pick_token(logits, temperature, top_k, generator):
 def generate(model, h, prompt_ids, max_new_tokens, temperature, top_k, seed, autocast=contextlib.nullcontext()):
     """Yield up to max_new_tokens sampled token ids that continue the document prompt_ids (which
     starts with BOS), one at a time, with a KV cache; stops after an end-of-text token. The model
-    attends with the final validation's windows."""
+    attends with the final validation's windows. A model whose logits are not finite (NaN weights)
+    is refused: no token can be drawn from them."""
     device = model.embed.weight.device
     model.eval()
     short, long = attention_windows(h, h.num_iterations, final_validation=True)
@@ -134,6 +135,9 @@ def generate(model, h, prompt_ids, max_new_tokens, temperature, top_k, seed, aut
     for _ in range(max_new_tokens):
         with autocast:
             logits = model.next_token_logits(tokens, args)
+        if not bool(torch.isfinite(logits).all()):
+            raise CheckpointError("the model's next-token logits are NaN or infinite: its weights are not finite (its "
+                                  "run diverged?), so there is nothing to sample; use another checkpoint")
         token = pick_token(logits, temperature, top_k, generator)
         yield token
         if token == BOS_ID:

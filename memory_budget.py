@@ -91,7 +91,8 @@ class MemoryBudget:
     def host_total(self):
         return sum(self.host.values()) + HOST_MARGIN_BYTES if self.host else 0
 
-    def refusal(self, what, needed, available, items):
+    @staticmethod
+    def refusal(what, needed, available, items):
         """The one line that refuses the run: what it needs, what there is, its largest items."""
         largest = sorted(items.items(), key=lambda item: -item[1])[:3]
         named = ", ".join(f"{name} {size / 2**30:.1f}" + (f" ({BUDGET_SETTINGS[name]})" if name in BUDGET_SETTINGS
@@ -336,7 +337,7 @@ def check_memory(recipe, h, pg, available=None):
         try:
             budget = memory_budget(recipe, h, pg.world_size)
         except (ValueError, RuntimeError):   # a shape the dry run's GPU kernels refuse (a head dim of 8),
-            return None                      # which the CPU's reference path runs: the budget cannot price it
+            return check_cpu_weights(recipe, h, available(pg.device))  # which the CPU's reference path runs
         free = available(pg.device)
         needed = budget.device_total(free or 0) - MEMORY_MARGIN_BYTES + CPU_RUNTIME_BYTES + sum(budget.host.values())
         if free is not None and needed > free:
@@ -348,6 +349,22 @@ def check_memory(recipe, h, pg, available=None):
     if refusal:
         raise ConfigError(refusal)
     return budget
+
+
+def check_cpu_weights(recipe, h, free):
+    """Where the step cannot be priced, the weights still can (on fake tensors): refuse, before
+    anything is allocated, a CPU run whose parameters, buffers and gradients alone (with
+    CPU_RUNTIME_BYTES) exceed the `free` bytes. No budget (None) either way."""
+    with torch.random.fork_rng(devices=[]), torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
+        model = fake_model(recipe, h)
+        items = {"parameters": sum(p.nbytes for p in model.parameters()),
+                 "buffers": sum(b.nbytes for b in model.buffers()),
+                 "gradients": sum(p.nbytes for p in model.parameters() if p.requires_grad)}
+    needed = sum(items.values()) + CPU_RUNTIME_BYTES
+    if free is not None and needed > free:
+        raise ConfigError(MemoryBudget.refusal("memory (the run computes on the CPU; its weights alone)", needed, free,
+                                               items))
+    return None
 
 
 PLAN_KEYS = ("--ngram_rows", "--batch_ranks", "--stages")  # the levers; one the user sets stays as set

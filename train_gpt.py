@@ -2973,6 +2973,9 @@ def where_the_run_is(log, command):
     return log.progress if log is not None else (f"during --{command}" if command else "before training")
 
 
+PLAN_MAX_GIB = 2**20               # the most memory --plan takes for a GPU or a host: a PiB
+
+
 def plan_command(argv):
     """--plan [--gpus=N --gpu_gib=X --host_gib=Y] [train_gpt.py arguments]: print launch_plan's
     answer for this machine (or for N GPUs of X GiB and Y GiB of host memory, on any machine), in
@@ -2995,8 +2998,9 @@ def plan_command(argv):
         raise ConfigError(f"--plan for {gpus} GPU(s) on a machine without one needs their memory: add --gpu_gib=G "
                           f"(GiB each, e.g. 79.6 for an 80 GB H100, 23.6 for a 24 GB card)")
     for key, value in (("gpu_gib", args.gpu_gib), ("host_gib", args.host_gib)):
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"--{key}={value} is not allowed: expects a positive number of GiB")
+        if value is not None and not 0 < value <= PLAN_MAX_GIB:
+            raise ConfigError(f"--{key}={value} is not allowed: expects a positive number of GiB, at most "
+                              f"{PLAN_MAX_GIB:,} (a PiB)")
 
     def available(device):
         given = args.gpu_gib if device.type == "cuda" else args.host_gib

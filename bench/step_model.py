@@ -927,17 +927,35 @@ def write_tables():
     TABLES_PATH.write_text("\n".join(sections))
 
 
+def refuse(line):
+    """End with one line on stderr and exit status 2 (a bad argument)."""
+    print(f"error: {line}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def json_path_refusal(path):
+    """Why --json cannot be written at `path` (checked before the census, which takes a while), or None."""
+    target = pathlib.Path(path)
+    if target.is_dir():
+        return f"--json {path} is a folder: give the path of a file"
+    if not target.parent.is_dir():
+        return f"--json {path}: its folder {target.parent} does not exist; create it or give another path"
+    return None
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.write:
         write_tables()
         return
+    if args.json and (refusal := json_path_refusal(args.json)):
+        refuse(refusal)
     try:
         h = train_gpt.parse_config(["--preset", args.preset, *args.overrides])
     except train_gpt.ConfigError as e:
-        raise SystemExit(f"error: {e}")
+        refuse(e)
     if args.gpus < 1 or h.batch_ranks % args.gpus:
-        raise SystemExit(f"error: --gpus={args.gpus} must divide the preset's batch_ranks ({h.batch_ranks})")
+        refuse(f"--gpus={args.gpus} must divide the preset's batch_ranks ({h.batch_ranks})")
     text, m = report(h, args.gpus, args.gpu)
     print(text)
     if args.json:

@@ -33,6 +33,9 @@ from pathlib import PurePosixPath
 from errors import UserError
 
 FORMAT_VERSION = 2                 # what LogWriter writes
+LOG_MAX_BYTES = 64 * 2**20         # the largest log a reader reads: the writers' logs hold well under 1 MiB
+TRACK_MAX_BYTES = 2**20            # the largest track.json read for a log's target
+TRACK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a track folder's name (what a log's config may name)
 FORMAT_HEADERS = {"speedrun-log v1": 1, "speedrun-log v2": 2}  # first words of a log's first line -> version
 SEAL_HEX_DIGITS = 16               # hex digits of the running sha256 that end each sealed line
 SEAL_SEPARATOR = " #"              # between a sealed line's text and its seal
@@ -87,10 +90,11 @@ def write_failure(path, error):
     return f"writing {path} failed ({error.strerror}): choose another --log_dir"
 
 
-def read_regular_file(path):
-    """The bytes of the regular file at `path`. Anything else (a FIFO, a device, a folder) is refused
-    before it is opened for reading, so that nothing waits on a pipe or reads a device without end:
-    an OSError whose strerror says what the path is."""
+def read_regular_file(path, limit=None):
+    """The bytes of the regular file at `path`, at most `limit` of them: a larger file is refused
+    before it is read. Anything else (a FIFO, a device, a folder) is refused before it is opened
+    for reading, so that nothing waits on a pipe or reads a device without end: an OSError whose
+    strerror says what the path is."""
     kind = next((name for test, name in FILE_KINDS.items() if test(os.stat(path).st_mode)), None)
     if kind is None:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)   # never waits, even on a FIFO put there since
@@ -98,7 +102,12 @@ def read_regular_file(path):
             mode = os.fstat(fd).st_mode
             kind = next((name for test, name in FILE_KINDS.items() if test(mode)), None)
             if kind is None:
-                return f.read()
+                if limit is None:
+                    return f.read()
+                data = f.read(limit + 1) if os.fstat(fd).st_size <= limit else b""
+                if os.fstat(fd).st_size > limit or len(data) > limit:
+                    raise OSError(errno.EFBIG, f"it is larger than {limit / 2**20:g} MiB", str(path))
+                return data
     raise OSError(errno.EINVAL, f"it is {kind}, not a regular file", str(path))
 
 
@@ -142,10 +151,13 @@ def other_load(load, cpus, run_threads, run_seconds):
 
 
 def track_target(track):
-    """The target val loss of records/<track>/track.json, or None without one."""
+    """The target val loss of records/<track>/track.json, or None without one (or where `track`, which
+    a log names, is no track folder's name)."""
+    if not isinstance(track, str) or not TRACK_NAME.fullmatch(track):
+        return None
     try:
-        return float(json.loads(read_regular_file(os.path.join(REPO_DIR, "records", track, "track.json")))[
-            "target_val_loss"])
+        return float(json.loads(read_regular_file(os.path.join(REPO_DIR, "records", track, "track.json"),
+                                                  TRACK_MAX_BYTES))["target_val_loss"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -526,9 +538,10 @@ def parse_log(path):
     source does not have its declared sha256 (named before the seals, which it also breaks), or a
     version-2 line does not match its seal. verify(log) checks the hashes again and the entry script."""
     try:
-        raw = read_regular_file(path)
+        raw = read_regular_file(path, LOG_MAX_BYTES)
     except OSError as e:
-        raise LogError(f"{path}: cannot read the log ({e.strerror})") from None
+        big = "; a run log is a few MiB at most" if e.errno == errno.EFBIG else ""
+        raise LogError(f"{path}: cannot read the log ({e.strerror}{big})") from None
     first_end = raw.find(b"\n")
     first = raw[: first_end if first_end >= 0 else len(raw)]
     _refuse_crlf(first, path)

@@ -7,24 +7,20 @@
     python records/make_record.py --track track_cpu --remake records/track_cpu/<record> [--changed ...] [--author ...]
     python records/make_record.py --track track_cpu --tables
 
-Every log is parsed and verified (records/logfile.py): it must be a regular file named
-<run id>.txt, sealed (format version 2) with every line matching its seal, each embedded source
-must match its declared sha256, every run must have finished, from a tree whose files are its
-commit's (a git_commit without the "-dirty" mark), and the track's rules hold: the config names
-the track, the run trained on the track's train data and evaluated on its val data (by
-fingerprint) and val_tokens, on the track's hardware; all logs come from the same code (the same
-set of (path, sha256) pairs) and the same config apart from the seed; every run (the baseline's
-and the current record's re-runs too) ran on one machine (the environment's `cpu` and `hostname`,
-and from format 4 on its core count, CPU flags and machine id) and every run at one commit
-(`git_commit`), unless --mixed-machines-reason / --mixed-commits-reason says why not; --date is
-neither before a run started nor in the future; no run id is already part of a record. Baseline
-logs must be the track's baseline script with its config (track.json "baseline") where the track
-defines one, agree among themselves and be part of a record folder of the track already (they are
-referenced, not copied). Every other record of the track must still be what its logs give: its
-statistics.json is recomputed from its sealed logs and compared, value for value, its README.md
-and statistics.txt with what this tool writes from them, and the folder holds nothing else,
-before any table is built from it. Any refusal prints one line and exits with code 2 before
-anything is written; a refused result's line carries its statistics and what would change them.
+Every log (the runs, the baseline runs, the current record's re-runs) is parsed and verified
+(records/logfile.py): a regular file named <run id>.txt, every line matching its seal, every
+embedded source its sha256. The series they make is checked by the rules a record claims
+(records/rules.py, listed in records/FORMAT.md): sealed and finished runs of the track's data,
+hardware and setup, whose final lines agree with their steps, started before now on an idle
+machine, at a commit of this checkout whose files they embed; one program per group, distinct
+seeds, the baseline's own program, interleaved in one series on one machine at one commit (or
+a reason); a record a new program. Baseline logs are runs of a record folder of the track
+(referenced, not copied); no run id is part of a record already. Every other record of the track
+must still be what its logs give, by the same rules (all but the made-only ones): its
+statistics.json recomputed from its sealed logs and compared value for value, its README.md and
+statistics.txt with what this tool writes from them, and the folder holding nothing else, before
+any table is built from it. Any refusal prints one line and exits with code 2 before anything is
+written; a refused result's line carries its statistics and what would change them.
 
 One make_record.py at a time writes a records root: each takes its lock (waiting up to
 LOCK_WAIT_S for another) before it reads the records and keeps it until it has written.
@@ -74,13 +70,13 @@ import contextlib
 import datetime
 import errno
 import fcntl
-import fnmatch
 import json
 import math
 import os
 import re
 import shlex
 import shutil
+import signal
 import stat
 import struct
 import sys
@@ -93,7 +89,10 @@ import numpy as np
 RECORDS_DIR = Path(__file__).resolve().parent  # default root of the track folders
 sys.path.insert(0, str(RECORDS_DIR.parent))
 from errors import UserError  # noqa: E402
-from records.logfile import DIRTY_MARK, LogError, parse_log, read_regular_file, verify  # noqa: E402
+from records import rules  # noqa: E402
+from records.logfile import LogError, parse_log, read_regular_file, verify  # noqa: E402
+from records.rules import (COMMIT_KEY, FORMAT_WITH_IDENTITY, FORMAT_WITH_MACHINES, IDENTITY_KEYS,  # noqa: E402
+                           MACHINE_KEYS, METRIC_STEPS, UNKNOWN, RuleError, Series, commit_of, machine_of, started_at)
 from records.significance import (margin_statistic, one_sample_test, pairwise_statistic, runs_needed,  # noqa: E402
                                   summary, val_loss_summary, welch_runs_needed, welch_test)
 
@@ -112,24 +111,16 @@ RECORD_FOLDER_MODE = 0o755  # a record folder's permissions
 PLOT_SIZE = (800, 500)  # its width and height in pixels (write_plot's figure size at its dpi)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"  # the first bytes of a PNG file, then its IHDR chunk
 RECORD_FILES = ("README.md", "statistics.json", "statistics.txt", PLOT_NAME)  # besides the logs
-FREE_CONFIG_KEYS = ("seed", "log_dir")  # the only config values the runs of one record may differ in
-FINGERPRINT_KEYS = ("bytes", "tokens", "header_sha256", "head_sha256", "tail_sha256")  # a data file's identity
 TRAIN_LOSS_SMOOTHING = 0.8  # EMA weight of the plotted train loss curve
 STATISTICS_FORMAT = 4  # what this tool writes
 READ_FORMATS = (2, 3, 4)  # the statistics.json formats this tool recomputes and checks
-FORMAT_WITH_MACHINES = 3  # the first format whose statistics name each run's machine and commit
-FORMAT_WITH_IDENTITY = 4  # the first with each run's machine identity and start, author, what changed, current record
-MACHINE_KEYS = ("cpu", "hostname")  # the environment lines that name the machine a run ran on
-IDENTITY_KEYS = ("cpu_count", "cpu_flags", "machine_id")  # from format 4 on: what tells machines of one name apart
 RUN_KEYS = ("gpu", "bf16_gemm", "started")  # from format 4 on: more of each run's environment in its row
-COMMIT_KEY = "git_commit"  # the environment line that names the commit a run ran at
-UNKNOWN = "unknown"  # a machine or commit value of a log whose environment lacks the line
 METADATA_KEYS = ("format", "track", "name", "date", "made", "description")  # statistics.json's command-line values
 REASON_KEYS = ("mixed_machines_reason", "mixed_commits_reason")  # also from the command line, format 3 on
 CREDIT_KEYS = ("author", "changed")  # also from the command line, format 4 on
-METRIC_STEPS = "steps"  # track.json "metric" of a track ranked by steps (fewest first) instead of train time
 LOCK_WAIT_S = 120.0  # how long make_record.py waits for another one holding the records root's lock
 LOCK_POLL_S = 0.1  # how often it tries meanwhile
+TEXT_MAX_BYTES = 16 * 2**20  # a README, track.json or a record's file other than its logs is read up to this size
 
 
 class RecordError(UserError):
@@ -139,48 +130,9 @@ class RecordError(UserError):
 # ----------------------------------------------------------------------------- reading logs
 
 
-def check_hardware(log, required):
-    """Refuse a log whose environment does not fully match the track's required_environment regexes."""
-    for key, pattern in required.items():
-        value = log.environment.get(key, "")
-        if not re.fullmatch(pattern, value):
-            raise RecordError(
-                f"{log.path}: environment {key} is {value!r}, the track requires /{pattern}/ "
-                "(runs on other hardware belong in bench/, not in this track)"
-            )
-
-
-def data_read(log, pattern_key):
-    """The data fingerprints of the log whose paths match its config's pattern `pattern_key`."""
-    pattern = log.config.get(pattern_key)
-    return [fp for fp in log.data if isinstance(pattern, str) and fnmatch.fnmatch(fp["path"], pattern)]
-
-
-def data_identity(fingerprints):
-    """The distinct (bytes, tokens, hashes) of the fingerprints, in order: what the data is, not where."""
-    return list(dict.fromkeys(tuple(fp.get(k) for k in FINGERPRINT_KEYS) for fp in fingerprints))
-
-
-def check_data(log, track):
-    """The run trained on the track's train data and evaluated like every run of the track: on
-    val_tokens of its val data (each compared by size and content hashes, where the track names it)."""
-    if "val_tokens" in track and log.config.get("val_tokens") != track["val_tokens"]:
-        raise RecordError(f"{log.path}: the run validated on val_tokens={log.config.get('val_tokens')}, "
-                          f"the track evaluates on {track['val_tokens']}")
-    for pattern_key, track_key, what in (("val_files", "val_data", "val"), ("train_files", "train_data", "train")):
-        required = track.get(track_key)
-        if not required:
-            continue
-        used = data_read(log, pattern_key)
-        if data_identity(used) != data_identity(required):
-            names = ", ".join(dict.fromkeys(fp["path"] for fp in used)) or "none"
-            raise RecordError(f"{log.path}: the run's {what} data ({names}) is not the track's {what} data "
-                              f"({', '.join(fp['path'] for fp in required)}, by size and content hashes)")
-
-
 def read_log(path):
-    """Parse and verify the log at `path` (a regular file named <run id>.txt); refuse an unsealed
-    log and an unfinished run."""
+    """Parse and verify the log at `path`, a regular file named <run id>.txt (what the log says is
+    checked by the rules, records/rules.py)."""
     name = Path(path).name
     m = LOG_NAME.fullmatch(name)
     if m is None:
@@ -196,58 +148,7 @@ def read_log(path):
     if m["run_id"] != log.run_id:
         raise RecordError(f"{path}: holds run {log.run_id}, so its name is {log.run_id}.txt (a log is named by its "
                           f"run id): rename it")
-    if not log.sealed:
-        raise RecordError(f"{path}: a version-{log.version} log is not sealed; records are made from sealed "
-                          f"logs (this repository's trainer writes them): rerun the run")
-    if not log.finished:
-        raise RecordError(f"{path}: the run {log.describe_ending()}; only finished runs make a record")
     return log
-
-
-def check_fixed_config(log, fixed):
-    """Refuse a run whose config differs from the track's fixed_config: the setup an entry may not change."""
-    for key, value in fixed.items():
-        if key not in log.config or log.config[key] != value:
-            raise RecordError(f"{log.path}: the run's config changes {key}, which the track fixes (track.json "
-                              "fixed_config): an entry may change the optimizer and its schedule, not the setup")
-
-
-def check_baseline_run(log, baseline):
-    """A run of the track's baseline: its script (track.json baseline.entry) in one of the versions
-    baseline.entry_sha256 lists, with the baseline's config (baseline.config, free keys aside)."""
-    entry = log.config.get("entry")
-    if entry != baseline["entry"]:
-        raise RecordError(f"{log.path}: runs {entry}, not the track's baseline script {baseline['entry']} "
-                          f"(track.json baseline): baseline runs run the baseline")
-    sha = log.declared_sha256.get(entry)
-    if sha not in baseline["entry_sha256"]:
-        raise RecordError(f"{log.path}: its {entry} has sha256 {sha}, which is not a version of the track's "
-                          f"baseline script (track.json baseline.entry_sha256 lists them): run the baseline as it is")
-    changed = sorted(k for k in set(free_config(log)) | set(baseline["config"])
-                     if log.config.get(k) != baseline["config"].get(k))
-    if changed:
-        raise RecordError(f"{log.path}: the baseline run changes {', '.join(changed)} of the baseline's config "
-                          f"(track.json baseline.config): run the baseline as it is")
-
-
-def load_logs(paths, track, role, required_environment=None, fixed_config=None):
-    """Read `paths` (read_log); refuse other tracks' runs, other hardware, data or fixed config,
-    and mixed code or configs."""
-    logs = []
-    for path in paths:
-        log = read_log(path)
-        if log.config.get("track") != track["name"]:
-            raise RecordError(f"{path}: the run's config says track {log.config.get('track')!r}, not {track['name']!r}")
-        check_hardware(log, required_environment or {})
-        check_fixed_config(log, fixed_config or {})
-        check_data(log, track)
-        logs.append(log)
-    for other in logs[1:]:
-        if other.code_id != logs[0].code_id:
-            raise RecordError(f"{role} logs come from different code: {describe_code_difference(logs[0], other)}")
-        if free_config(other) != free_config(logs[0]):
-            raise RecordError(f"{role} logs ran different configs: {describe_config_difference(logs[0], other)}")
-    return logs
 
 
 def refuse_same_names(logs):
@@ -257,108 +158,6 @@ def refuse_same_names(logs):
         if log.run_id in seen:
             raise RecordError(f"{log.path} and {seen[log.run_id]} have the same run id {log.run_id!r}")
         seen[log.run_id] = log.path
-
-
-def free_config(log):
-    """The config without the values runs of one record may differ in (FREE_CONFIG_KEYS)."""
-    return {k: v for k, v in log.config.items() if k not in FREE_CONFIG_KEYS}
-
-
-def describe_config_difference(a, b):
-    keys = sorted(k for k in set(free_config(a)) | set(free_config(b)) if a.config.get(k) != b.config.get(k))
-    return f"{a.path} and {b.path} differ in {', '.join(keys)} (only {', '.join(FREE_CONFIG_KEYS)} may differ)"
-
-
-def describe_code_difference(a, b):
-    """One line naming the source files whose hashes differ between logs a and b."""
-    differing = sorted(
-        path
-        for path in set(a.declared_sha256) | set(b.declared_sha256)
-        if a.declared_sha256.get(path) != b.declared_sha256.get(path)
-    )
-    return f"{a.path} and {b.path} differ in {', '.join(differing)}"
-
-
-def started_at(log):
-    """When the run started (its environment's `started`, with its offset), or None."""
-    try:
-        when = datetime.datetime.fromisoformat(log.environment.get("started", ""))
-    except ValueError:
-        return None
-    return when if when.tzinfo is not None else None
-
-
-def check_date(date, logs, today):
-    """--date is a record's day: not before any of its runs started (their own dates), not after today."""
-    if date > today.isoformat():
-        raise RecordError(f"--date {date} is in the future (today is {today.isoformat()}): give the day the record "
-                          f"is made, or leave --date out")
-    for log in logs:
-        when = started_at(log)
-        if when is None:
-            raise RecordError(f"{log.path}: its environment has no start time (started: "
-                              f"{log.environment.get('started')!r}), so the record's date cannot be checked")
-        if date < when.date().isoformat():
-            raise RecordError(f"--date {date} is before the run {log.run_id} started ({when.date().isoformat()}): "
-                              f"a record's date is the day it is made, after its runs")
-
-
-def refuse_dirty_trees(logs):
-    """A run from a tree with uncommitted changes (git_commit marked DIRTY_MARK) names a commit whose
-    files are not the code it ran: the record could not say which commit holds it."""
-    for log in logs:
-        if commit_of(log).endswith(DIRTY_MARK):
-            raise RecordError(f"{log.path}: ran from a tree with uncommitted changes ({COMMIT_KEY} {commit_of(log)}): "
-                              f"commit the change, then rerun from the clean tree (a clone at that commit)")
-
-
-# ----------------------------------------------------------------------------- machines and commits
-
-
-def machine_of(log, statistics_format=STATISTICS_FORMAT):
-    """The machine a run ran on: {cpu, hostname} from its environment, from format 4 on with its core
-    count, CPU flags and machine id."""
-    keys = MACHINE_KEYS + (IDENTITY_KEYS if statistics_format >= FORMAT_WITH_IDENTITY else ())
-    return {key: log.environment.get(key, UNKNOWN) for key in keys}
-
-
-def commit_of(log):
-    return log.environment.get(COMMIT_KEY, UNKNOWN)
-
-
-def describe_machine(machine):
-    return ", ".join(f"{key} {value!r}" for key, value in machine.items())
-
-
-def check_one_machine(logs, reason, statistics_format=STATISTICS_FORMAT):
-    """Refuse runs (the baseline's and the re-runs included) from more than one machine unless
-    `reason` says why; refuse a reason where every run ran on one machine."""
-    runs = list(logs)
-    first = machine_of(runs[0], statistics_format)
-    other = next((log for log in runs if machine_of(log, statistics_format) != first), None)
-    if other is not None and not reason:
-        theirs = machine_of(other, statistics_format)
-        keys = [key for key in first if first[key] != theirs[key]]
-        raise RecordError(
-            f"{runs[0].path} ran on {describe_machine({k: first[k] for k in keys})}, {other.path} on "
-            f"{describe_machine({k: theirs[k] for k in keys})}: a record's runs and its baseline's run on one machine "
-            '(--mixed-machines-reason "why" makes the record anyway and states the reason)'
-        )
-    if other is None and reason is not None:
-        raise RecordError(f"--mixed-machines-reason is given, but every run ran on {describe_machine(first)}")
-
-
-def check_one_commit(logs, reason):
-    """Refuse runs at more than one commit unless `reason` says why; refuse a reason where they ran at one."""
-    other = next((log for log in logs if commit_of(log) != commit_of(logs[0])), None)
-    if other is not None and not reason:
-        raise RecordError(
-            f"{logs[0].path} ran at {COMMIT_KEY} {commit_of(logs[0])}, {other.path} at {commit_of(other)}: "
-            'a record\'s runs run at one commit (--mixed-commits-reason "why" makes the record anyway and states '
-            "the reason)"
-        )
-    if other is None and reason is not None:
-        raise RecordError(f"--mixed-commits-reason is given, but every run ran at {COMMIT_KEY} {commit_of(logs[0])}")
 
 
 # ----------------------------------------------------------------------------- runs already in records
@@ -425,7 +224,7 @@ def expand_record_folders(paths, track_dir):
     for path in map(Path, paths):
         if path.is_dir():
             try:
-                runs = json.loads(read_regular_file(path / "statistics.json").decode("utf-8"))["runs"]
+                runs = json.loads(read_regular_file(path / "statistics.json", TEXT_MAX_BYTES).decode("utf-8"))["runs"]
                 expanded += [str(path / run["log"]) for run in runs]
             except (OSError, ValueError, KeyError, TypeError):
                 raise RecordError(f"{path}: a folder given as baseline logs must be a record folder "
@@ -444,7 +243,7 @@ def expand_record_folders(paths, track_dir):
 def listed_in_record(folder, name):
     """Whether the record folder's statistics.json lists the log file `name` among its runs."""
     try:
-        runs = json.loads(read_regular_file(folder / "statistics.json").decode("utf-8"))["runs"]
+        runs = json.loads(read_regular_file(folder / "statistics.json", TEXT_MAX_BYTES).decode("utf-8"))["runs"]
         return any(isinstance(run, dict) and run.get("log") == name for run in runs)
     except (OSError, ValueError, KeyError, TypeError):
         return False
@@ -654,7 +453,7 @@ def refusal_details(s, track):
 def read_statistics(path):
     """A record's statistics.json, with the values needed to recompute it checked for their types."""
     try:
-        s = json.loads(read_regular_file(path).decode("utf-8"))
+        s = json.loads(read_regular_file(path, TEXT_MAX_BYTES).decode("utf-8"))
     except json.JSONDecodeError as e:
         raise RecordError(f"{path}: not valid JSON ({e}); restore what make_record.py wrote, or re-make the record") \
             from None
@@ -745,23 +544,34 @@ def record_folder_logs(folder, s):
 def recomputed_statistics(folder, s, track, repo_root):
     """What make_record.py writes for the record in `folder`, recomputed from its sealed logs (and its
     baseline's), with the command-line values (METADATA_KEYS, REASON_KEYS, CREDIT_KEYS), the status
-    flags and the current record it was compared with taken from `s`."""
+    flags and the current record it was compared with taken from `s`; its series checked by the
+    rules (rules.check) first."""
     statistics_format = s["format"]
     logs, reruns = record_folder_logs(folder, s)
     baseline_logs = [read_log(repo_root / path) for path in s["baseline"]["logs"]] if s["baseline"] else []
     given = {key: s[key] for key in METADATA_KEYS}
-    current = None
     if statistics_format >= FORMAT_WITH_MACHINES:
         given |= {key: s[key] for key in REASON_KEYS}
-        check_one_machine(logs + baseline_logs + reruns, s["mixed_machines_reason"], statistics_format)
-        check_one_commit(logs, s["mixed_commits_reason"])
+    current = None
     if statistics_format >= FORMAT_WITH_IDENTITY:
         given |= {key: s[key] for key in CREDIT_KEYS}
         if s["current_record"]:
             current = {key: s["current_record"].get(key) for key in ("record", "mean_train_time_ms", "speedup")}
+    rules.check(Series(logs, track, baseline_logs, reruns, current and first_log_of(folder.parent / current["record"]),
+                       current["record"] if current else "", statistics_format=statistics_format,
+                       machines_reason=s.get("mixed_machines_reason"), commits_reason=s.get("mixed_commits_reason"),
+                       runs_are_baseline=s["status"] in (STATUS_TARGET, STATUS_BASELINE)))
     computed = record_statistics(logs, baseline_logs, track, s["status"] == STATUS_TARGET, repo_root,
                                  s["status"] == STATUS_BASELINE, statistics_format, current, reruns)
     return json.loads(json.dumps({**given, **computed})), logs + reruns
+
+
+def first_log_of(folder):
+    """The first run's log of the record in `folder`, or None where it has none."""
+    try:
+        return read_log(folder / read_statistics(folder / "statistics.json")["runs"][0]["log"])
+    except RecordError:
+        return None
 
 
 def first_difference(stored, expected, where=""):
@@ -791,7 +601,7 @@ def first_difference(stored, expected, where=""):
 def png_size(path):
     """(width, height) of the PNG file at `path`, or None when it is not one."""
     try:
-        head = read_regular_file(path)[:24]
+        head = read_regular_file(path, TEXT_MAX_BYTES)[:24]
     except OSError:
         return None
     if len(head) < 24 or head[:8] != PNG_SIGNATURE or head[12:16] != b"IHDR":
@@ -807,7 +617,7 @@ def check_record_files(folder, s, repo_root):
     expected = {"README.md": readme_text(s, folder_rel, s["runs"][0]["log"]), "statistics.txt": statistics_text(s)}
     for name, text in expected.items():
         try:
-            same = read_regular_file(folder / name) == text.encode("utf-8")
+            same = read_regular_file(folder / name, TEXT_MAX_BYTES) == text.encode("utf-8")
         except OSError:
             same = False
         if not same:
@@ -859,16 +669,25 @@ def check_current_record_references(found):
 
 def checked_track_records(track_dir, track, repo_root):
     """(folder, statistics) of every record of the track (its folders holding a statistics.json), each
-    checked against its logs (check_record), no run in two records of any track."""
+    checked against its logs (check_record), no run in two records of any track, each record of the
+    table a program none made before it ran (rules.new_program_refusal)."""
     refuse_runs_in_two_records(recorded_runs(track_dir.parent))
-    found = []
+    found, first_logs = [], {}
     for path in sorted(track_dir.glob("*/statistics.json")):
         if path.parent.name.startswith("."):  # a folder being built, or left by a killed make_record.py
             continue
         s = read_statistics(path)
-        check_record(path.parent, s, track, repo_root)
+        logs = check_record(path.parent, s, track, repo_root)
         found.append((path.parent, s))
+        first_logs[path.parent.name] = logs[0]
     check_current_record_references(found)
+    table = sorted((item for item in found if item[1]["status"] in (STATUS_RECORD, STATUS_TARGET)),
+                   key=lambda item: made_order(item[1]))
+    for i, (folder, _) in enumerate(table):
+        earlier = [(f.name, first_logs[f.name]) for f, _ in table[:i]]
+        refusal = rules.new_program_refusal(first_logs[folder.name], earlier)
+        if refusal:
+            raise RuleError(refusal)
     return found
 
 
@@ -1191,7 +1010,15 @@ def changed_cell(s):
     """The table's what-changed cell: --changed, or the description cut to SHORT_TEXT_MAX characters."""
     text = s.get("changed") or " ".join((s["description"] or "").split()) or "-"
     text = text if len(text) <= SHORT_TEXT_MAX else text[:SHORT_TEXT_MAX - 1].rstrip() + "…"
-    return text.replace("|", "/")
+    return cell(text.replace("|", "/"))
+
+
+def cell(text):
+    """Text as a table cell shows it: the characters markdown and HTML give meaning to (emphasis,
+    code, links, tags, comments, entities, the cell's bar) escaped, line breaks as spaces."""
+    text = re.sub(r"[\r\n]+", " ", str(text))
+    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return re.sub(r"([\\`*_\[\]|~])", r"\\\1", text)
 
 
 def steps_table(found, link_base, definition):
@@ -1215,9 +1042,9 @@ def steps_table(found, link_base, definition):
         else:
             stat = pairwise_statistic(s, old, definition["loss_per_step"])
             verdict = "significant" if stat >= definition["pairwise_margin"] else "not significant"
-            pairwise = f"{stat:.4f} vs {old['name']} ({verdict} at {definition['pairwise_margin']})"
+            pairwise = f"{stat:.4f} vs {cell(old['name'])} ({verdict} at {definition['pairwise_margin']})"
         lines.append(
-            f"| {rank} | [{s['name']}]({link}) | {changed_cell(s)} | {machine_label(s)} | {s['steps']} "
+            f"| {rank} | [{cell(s['name'])}]({link}) | {changed_cell(s)} | {cell(machine_label(s))} | {s['steps']} "
             f"| {s['val_loss']['mean']:.4f} | {value} | {s['n']} | {pairwise} |"
         )
     return "\n".join(lines)
@@ -1248,8 +1075,9 @@ def records_table(records, link_base, definition=None):
         link = Path(os.path.relpath(folder, link_base)).as_posix()
         p = "sets target" if s["status"] == STATUS_TARGET else fmt(s["p_value"], ".2g")
         lines.append(
-            f"| {rank} | [{s['name']}]({link}) | {changed_cell(s)} | {machine_label(s)} | {s['val_loss']['mean']:.4f} "
-            f"| {p} | {s['train_time_s']['mean']:.1f} s | {s['n']} | {speedup(s, first_time):.2f}x |"
+            f"| {rank} | [{cell(s['name'])}]({link}) | {changed_cell(s)} | {cell(machine_label(s))} "
+            f"| {s['val_loss']['mean']:.4f} | {p} | {s['train_time_s']['mean']:.1f} s | {s['n']} "
+            f"| {speedup(s, first_time):.2f}x |"
         )
     return "\n".join(lines)
 
@@ -1271,12 +1099,17 @@ def current_record(records, definition):
 
 def with_table(readme, records, track, definition=None):
     """The text of `readme` with the track's table between its markers rebuilt from `records`, or None
-    where the file or its markers are missing. definition: the track's track.json (records_table)."""
+    where the file has neither marker; a README with a marker twice, or one without the other after
+    it, is refused (which pair would the table go between?). definition: the track's track.json."""
     start, end = table_markers(track)
-    text = read_regular_file(readme).decode("utf-8") if readme.is_file() else ""
+    text = read_regular_file(readme, TEXT_MAX_BYTES).decode("utf-8") if readme.is_file() else ""
     i, j = text.find(start), text.find(end)
-    if i < 0 or j < i:
+    if i < 0 and j < 0:
         return None
+    if text.count(start) > 1 or text.count(end) > 1 or i < 0 or j < i:
+        raise RecordError(f"{readme}: holds '{start}' {text.count(start)} time(s) and '{end}' {text.count(end)} "
+                          f"time(s), the end after the start {'once' if 0 <= i < j else 'never'}: keep one pair, where "
+                          "the table goes (this tool rewrites what lies between them)")
     table = records_table(records, readme.resolve().parent, definition)
     return text[: i + len(start)] + "\n" + table + "\n" + text[j:]
 
@@ -1327,6 +1160,21 @@ def records_lock(records_dir):
         yield
     finally:
         os.close(fd)                   # closing the folder releases the lock
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Ctrl-C ignored inside the block: what makes a record visible (the renames) and says so runs
+    to its end, so that an interrupt before it leaves nothing written and none comes in between."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:             # not the main thread, which no signal interrupts
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -1387,7 +1235,7 @@ def parse_args(argv):
 def load_track(track_dir):
     path = track_dir / "track.json"
     try:
-        track = json.loads(read_regular_file(path).decode("utf-8"))
+        track = json.loads(read_regular_file(path, TEXT_MAX_BYTES).decode("utf-8"))
     except FileNotFoundError:
         raise RecordError(f"{path}: no such track definition; is --track spelled right?") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -1436,6 +1284,9 @@ def check_arguments(args, track, today):
         datetime.date.fromisoformat(args.date)
     except ValueError:
         raise RecordError(f"--date {args.date!r} is not a date in the form YYYY-MM-DD") from None
+    if args.date > today.isoformat():
+        raise RecordError(f"--date {args.date} is in the future (today is {today.isoformat()}): give the day the "
+                          f"record is made, or leave --date out")
     if args.set_target_from_these_logs and track["target_val_loss"] is not None:
         raise RecordError(
             f"track {args.track} already has target {track['target_val_loss']}; "
@@ -1462,28 +1313,28 @@ def track_folder(args):
     return args.records_dir / args.track
 
 
-def current_record_runs(args, track, track_dir, records, logs):
-    """(the current record to beat, its re-runs in this series): on a track ranked by train time the
-    best-ranked record, whose re-runs (--current-record-logs) must run its code and config."""
+def current_record_runs(args, track, track_dir, records):
+    """(the current record to beat, its first log, its re-runs in this series): on a track ranked by
+    train time the best-ranked record, whose re-runs (--current-record-logs) run its program (the
+    one-program rule)."""
     current = current_record(records, track)
     if current is None:
         if args.current_record_logs:
             raise RecordError(f"--current-record-logs: track {args.track} has no current record to compare with")
-        return None, []
+        return None, None, []
     if not args.current_record_logs:
-        return current, []
-    reruns = load_logs(args.current_record_logs, track, "the current record's re-run",
-                       track.get("required_environment"), track.get("fixed_config"))
-    folder = track_dir / current["record"]
-    s = next(s for f, s in records if f.name == current["record"])
-    first = read_log(folder / s["runs"][0]["log"])
-    if reruns[0].code_id != first.code_id:
-        raise RecordError(f"--current-record-logs: {describe_code_difference(first, reruns[0])}: re-runs of the "
-                          f"current record {current['record']} run its code (a clone at its commit)")
-    if free_config(reruns[0]) != free_config(first):
-        raise RecordError(f"--current-record-logs: {describe_config_difference(first, reruns[0])}: re-runs of the "
-                          f"current record {current['record']} run its config")
-    return current, reruns
+        return current, None, []
+    return current, first_log_of(track_dir / current["record"]), [read_log(p) for p in args.current_record_logs]
+
+
+def refuse_an_old_program(s, first_log, records, track_dir):
+    """A record (or a target) runs a program no record of the track's table ran (rules.new_program_refusal)."""
+    if s["status"] not in (STATUS_RECORD, STATUS_TARGET):
+        return
+    table = [folder for folder, other in records if other["status"] in (STATUS_RECORD, STATUS_TARGET)]
+    refusal = rules.new_program_refusal(first_log, [(folder.name, first_log_of(folder)) for folder in table])
+    if refusal:
+        raise RuleError(refusal)
 
 
 def make_record(args):
@@ -1510,23 +1361,17 @@ def make_new_record(args, track_dir, track):
     if folder.exists():
         raise RecordError(f"{folder} already exists; choose another --name or --date")
     repo_root = args.readme.resolve().parent
-    logs = load_logs(args.logs, track, "the", track.get("required_environment"), track.get("fixed_config"))
-    if any(log.final["train_time_ms"] <= 0 for log in logs):
-        raise RecordError("a run with 0 ms of training is not a run: check its num_iterations")
-    refuse_dirty_trees(logs)
-    baseline_paths = expand_record_folders(args.baseline_logs, track_dir)
-    baseline_logs = load_logs(baseline_paths, track, "baseline") if baseline_paths else []
+    logs = [read_log(path) for path in args.logs]
+    baseline_logs = [read_log(path) for path in expand_record_folders(args.baseline_logs, track_dir)]
     refuse_same_names(baseline_logs)
-    definition = track.get("baseline")
-    for log in baseline_logs + (logs if args.remeasured_baseline or args.set_target_from_these_logs else []):
-        if definition:
-            check_baseline_run(log, definition)
     records = checked_track_records(track_dir, track, repo_root)
-    current, reruns = current_record_runs(args, track, track_dir, records, logs)
+    current, current_first, reruns = current_record_runs(args, track, track_dir, records)
     refuse_same_names(logs + reruns)
-    check_date(args.date, logs + reruns, today)
-    check_one_machine(logs + baseline_logs + reruns, args.mixed_machines_reason)
-    check_one_commit(logs, args.mixed_commits_reason)
+    series = Series(logs, track, baseline_logs, reruns, current_first, current["record"] if current else "",
+                    date=args.date, repo_root=repo_root, machines_reason=args.mixed_machines_reason,
+                    commits_reason=args.mixed_commits_reason,
+                    runs_are_baseline=args.remeasured_baseline or args.set_target_from_these_logs)
+    rules.check(series)
     recorded = recorded_runs(args.records_dir)
     superseded = superseded_folders(logs + reruns, recorded, records)
     flags = args.set_target_from_these_logs or args.remeasured_baseline
@@ -1547,6 +1392,7 @@ def make_new_record(args, track_dir, track):
     if s["status"] == STATUS_NOT_RECORD and not args.allow_non_record:
         raise RecordError(f"not a record: {s['status_reason']} ({refusal_details(s, track)}) (use --allow-non-record "
                           f"to keep it anyway)")
+    refuse_an_old_program(s, logs[0], records, track_dir)
 
     kept = [(f, other) for f, other in records if f not in superseded]
     files, notes = table_files(args, track_dir, track, kept + [(folder, s)])
@@ -1564,13 +1410,14 @@ def make_new_record(args, track_dir, track):
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    publish(staging, folder, files, superseded)
-    print(statistics_text(s), end="")
-    print(f"wrote {folder}")
-    for old in superseded:
-        print(f"replaced {old} (not a record): its runs are part of this record")
-    for warning in notes:
-        print(warning, file=sys.stderr)
+    with interrupts_held():
+        publish(staging, folder, files, superseded)
+        print(statistics_text(s), end="")
+        print(f"wrote {folder}")
+        for old in superseded:
+            print(f"replaced {old} (not a record): its runs are part of this record")
+        for warning in notes:
+            print(warning, file=sys.stderr)
 
 
 def remake(args, track_dir, track):
@@ -1599,14 +1446,15 @@ def remake(args, track_dir, track):
     files, notes = table_files(args, track_dir, track, records)
     for path in files:
         refuse_read_only(path)
-    if replaced:
-        publish(staging, replaced[0], files, replaced)
-        print(f"re-made {replaced[0]}")
-    else:
-        publish_files(files)
-        print(f"rewrote the {args.track} tables")
-    for warning in notes:
-        print(warning, file=sys.stderr)
+    with interrupts_held():
+        if replaced:
+            publish(staging, replaced[0], files, replaced)
+            print(f"re-made {replaced[0]}")
+        else:
+            publish_files(files)
+            print(f"rewrote the {args.track} tables")
+        for warning in notes:
+            print(warning, file=sys.stderr)
 
 
 def remade_statistics(folder, old, track, repo_root, args):
@@ -1621,8 +1469,8 @@ def remade_statistics(folder, old, track, repo_root, args):
     s |= {"author": args.author or old.get("author"), "changed": args.changed or old.get("changed")}
     s |= record_statistics(logs, baseline_logs, track, old["status"] == STATUS_TARGET, repo_root,
                            old["status"] == STATUS_BASELINE, STATISTICS_FORMAT, current, reruns)
-    check_one_machine(logs + baseline_logs + reruns, s["mixed_machines_reason"])
-    check_one_commit(logs, s["mixed_commits_reason"])
+    rules.check(Series(logs, track, baseline_logs, reruns, statistics_format=STATISTICS_FORMAT,
+                       machines_reason=s["mixed_machines_reason"], commits_reason=s["mixed_commits_reason"]))
     s = json.loads(json.dumps(s))
     for key in ("status", "target_val_loss", "t_statistic", "p_value", "val_loss", "train_time_ms", "n"):
         if s[key] != old[key]:
@@ -1653,11 +1501,15 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         make_record(args)
-    except RecordError as e:
+    except (RecordError, RuleError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_REFUSED
     except OSError as e:
         print(f"error: {e.filename or 'a file'}: {e.strerror}", file=sys.stderr)
+        return EXIT_REFUSED
+    except KeyboardInterrupt:
+        print("error: interrupted (Ctrl-C): nothing was written; the records and READMEs are as they were",
+              file=sys.stderr)
         return EXIT_REFUSED
     return 0
 

@@ -10,6 +10,7 @@ as it went. A file that is not a run log ends the command with one `error:` line
 """
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -64,6 +65,24 @@ def default_out(log_path):
     return folder / f"{Path(log_path).stem}_loss.png"
 
 
+def out_refusal(out, given):
+    """Why the picture cannot go to `out`, checked before the logs are read: in records/, a kind of
+    file matplotlib does not write (by its suffix), a missing folder, a file that exists where --out
+    is `given` (the default, <run id>_loss.png, is this tool's own); or None."""
+    if inside_records(out):
+        return f"{out} lies in records/, which only records/make_record.py writes: give --out elsewhere"
+    if given and os.path.lexists(out):
+        return f"--out {out} exists: plot.py writes a new file, never over one; give --out a new path"
+    from matplotlib.backend_bases import FigureCanvasBase
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if out.suffix.lower().lstrip(".") not in kinds:
+        return (f"--out {out}: matplotlib writes no {out.suffix or 'suffix-less'} files; end it in one of "
+                f"{', '.join('.' + kind for kind in sorted(kinds))}")
+    if not out.parent.is_dir():
+        return f"cannot write {out} (its folder {out.parent} does not exist): give --out a writable path"
+    return None
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("logs", nargs="+", metavar="LOG", help="run logs (logs/<run id>.txt)")
@@ -71,15 +90,15 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="where the PNG goes (default: <run id>_loss.png next to the "
                                                      "first log)")
     args = parser.parse_args(argv)
+    out = Path(args.out) if args.out else default_out(args.logs[0])
+    refusal = out_refusal(out, given=args.out is not None)
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
+        return EXIT_REFUSED
     try:
         logs = [parse_log(path) for path in args.logs]
     except LogError as e:
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_REFUSED
-    out = Path(args.out) if args.out else default_out(args.logs[0])
-    if inside_records(out):
-        print(f"error: {out} lies in records/, which only records/make_record.py writes: give --out elsewhere",
-              file=sys.stderr)
         return EXIT_REFUSED
     fig = figure(logs, args.x)
     try:

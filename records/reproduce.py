@@ -44,7 +44,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout whose data files are copied next to the sources
 sys.path.insert(0, str(REPO))
@@ -56,6 +56,9 @@ CONFIG_NAME = "config.json"
 LOGS_NAME = "logs"  # the rerun's log folder inside OUT
 REBUILT = ("__pycache__",)  # folders a rerun leaves among the recreated sources
 DATA_PATTERN_KEYS = ("val_files", "train_files")  # config keys naming the data files a run reads (glob patterns)
+DATA_FOLDER = "data"  # the repository's data folder, relative to the repository root: where a rerun's data lies
+MAX_WORLD_SIZE = 1024  # the most processes a logged run can have had
+PINNED_MAX_BYTES = 64 * 2**20  # the largest data file a log's sources pin (data/tokenizer.py's tables: a few MiB)
 FINGERPRINT_KEYS = ("bytes", "tokens", "header_sha256", "head_sha256", "tail_sha256")  # a data file's identity
 PINNED_PATH = re.compile(  # a source's data file next to it: NAME_PATH = os.path.join(<its folder>, "file")
     r'^(?P<name>[A-Z][A-Z0-9_]*)_PATH = os\.path\.join\(os\.path\.dirname\(os\.path\.abspath\(__file__\)\), '
@@ -86,7 +89,7 @@ def checkout_data_files(log, checkout=REPO):
     for relpath, expected in pinned_data_files(log).items():
         path = checkout / relpath
         try:
-            content = path.read_bytes()
+            content = read_regular_file(path, PINNED_MAX_BYTES)
         except OSError as e:
             raise LogError(f"{path}: cannot read it ({e.strerror}); the log's sources read it (its sha256 is pinned "
                            f"in the log's copy of {posixpath.dirname(relpath) or '.'}/): restore it") from None
@@ -127,15 +130,34 @@ def recreation(log, out, data_files):
     return {**files, CONFIG_NAME: config.encode("utf-8")}
 
 
-def existing_files(out):
-    """{relpath: bytes} of the files under `out` but the rerun's logs and byte-code caches."""
-    found = {}
-    for path in sorted(out.rglob("*")):
-        rel = path.relative_to(out)
-        if rel.parts[0] == LOGS_NAME or any(part in REBUILT for part in rel.parts) or path.is_dir():
-            continue
-        found[rel.as_posix()] = read_regular_file(path)
-    return found
+def holds_recreation(out, files):
+    """Whether the folder `out` holds exactly the {relpath: bytes} `files` (besides the rerun's logs and
+    byte-code caches), found without reading anything else: a name the recreation lacks ends the look,
+    a folder it lacks is never listed, each file is read up to its expected size."""
+    folders = {"/".join(parts[:i]) for parts in (relpath.split("/") for relpath in files) for i in range(1, len(parts))}
+    found, pending = 0, [""]
+    while pending:
+        folder = pending.pop()
+        with os.scandir(out / folder) as entries:
+            for entry in entries:
+                rel = posixpath.join(folder, entry.name) if folder else entry.name
+                if rel == LOGS_NAME or entry.name in REBUILT:
+                    continue
+                if entry.is_dir(follow_symlinks=False) and rel in folders:
+                    pending.append(rel)
+                elif entry.is_file(follow_symlinks=False) and rel in files and same_bytes(entry.path, files[rel]):
+                    found += 1
+                else:
+                    return False
+    return found == len(files)
+
+
+def same_bytes(path, expected):
+    """Whether the regular file at `path` holds `expected`, read up to its size."""
+    try:
+        return read_regular_file(path, len(expected)) == expected
+    except OSError:
+        return False
 
 
 def recreate_sources(log, out, data_files=None):
@@ -144,7 +166,7 @@ def recreate_sources(log, out, data_files=None):
     `out` must be absent, empty, or hold exactly this recreation (then it is kept: True)."""
     files = recreation(log, out, data_files or {})
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if out.is_dir() and existing_files(out) == files:
+        if out.is_dir() and holds_recreation(out, files):
             return True
         raise LogError(f"{out}: exists and is neither empty nor this log's recreation; choose another --dir or "
                        f"remove it")
@@ -178,6 +200,10 @@ def data_difference(log, extra_args):
     logged run read (its fingerprints), as a phrase; None when they are the same files."""
     logged = {fp.get("path"): fp for fp in log.data}
     patterns = data_patterns(log, extra_args)
+    outside = next(((key, p) for key, p in patterns.items() if not inside_data_folder(p)), None)
+    if outside:
+        return (f"its {outside[0]} {outside[1]!r} reaches outside the repository's data folder ({DATA_FOLDER}/), where "
+                "a rerun's data lies (this tool lists only the files there)")
     read = {}
     for key, pattern in patterns.items():
         for path in sorted(glob.glob(pattern)):
@@ -199,6 +225,12 @@ def data_difference(log, extra_args):
     return None
 
 
+def inside_data_folder(pattern):
+    """Whether the glob pattern names files under DATA_FOLDER (relative, no '..', no absolute path)."""
+    parts = PurePosixPath(pattern).parts
+    return len(parts) > 1 and parts[0] == DATA_FOLDER and ".." not in parts and "\\" not in pattern
+
+
 def check_data(log, extra_args):
     """Refuse a rerun on other data than the logged run's (data_difference)."""
     difference = data_difference(log, extra_args)
@@ -209,12 +241,16 @@ def check_data(log, extra_args):
 
 
 def rerun_command(log, out, extra_args):
-    """The argv that reruns the log's entry script from `out` with the logged config and world size."""
+    """The argv that reruns the log's entry script from `out` with the logged config and world size
+    (a whole number of processes, checked before it becomes an argument)."""
     logged = log.environment.get("world_size", "1")
     try:
         world_size = int(logged)
     except ValueError:
         raise LogError(f"{log.path}: environment world_size {logged!r} is not an integer") from None
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise LogError(f"{log.path}: environment world_size {logged!r} is not a number of processes (1 to "
+                       f"{MAX_WORLD_SIZE}): not a run of this repository's trainer")
     script = [str(out / log.config["entry"]), "--config", str(out / CONFIG_NAME), *extra_args]
     if world_size == 1:
         return [sys.executable, *script]

@@ -39,6 +39,12 @@ SAMPLING = ["tests/test_checkpoint.py", "-k", "temperature or top_k"]
 STATISTICS = ["tests/test_records.py", "-k", "test_one_sample or spread or welch or runs_needed or too_little"]
 STEPS_TRACK = ["tests/test_records_steps.py", "-k", "pairwise or margin or one_day or t_test"]
 MAKE_RECORD = ["tests/test_records.py", "-k", "not baseline_script_writes and not cpu_records_are and not test_reproduce"]
+RULES = ["tests/test_record_rules.py"]
+INPUTS = ["tests/test_records_inputs.py"]
+RESULTS_FILE = ["tests/test_downstream.py", "-k", "output or results_that"]
+NAN_SAMPLE = ["tests/test_checkpoint.py", "-k", "nan_weights"]
+STEP_MODEL_JSON = ["tests/test_step_model.py", "-k", "json_path"]
+PLAN_MEMORY = ["tests/test_failures.py", "-k", "plan_for_memory"]
 LOG_FORMAT = ["tests/test_records.py", "-k", "parse_log or seal or hostile or dirty or machine_and or writer or crlf "
               "or truncated or escaping or run_id or binary or fifo or newline or tampered"]
 REPRODUCE = ["tests/test_records.py", "-k", "reproduce"]
@@ -292,13 +298,13 @@ MUTATIONS = [
     Mutation("records/significance.py", "return gain / math.sqrt(1 / old[\"n\"] + 1 / new[\"n\"])",
              "return gain / (1 / old[\"n\"] + 1 / new[\"n\"])", STEPS_TRACK, "the pairwise statistic unscaled"),
     # the records' tools
-    Mutation("records/make_record.py", "        used = data_read(log, pattern_key)", "        used = data_read(log, \"val_files\")",
+    Mutation("records/rules.py", "            used = data_read(log, key)", "            used = data_read(log, \"val_files\")",
              MAKE_RECORD, "the train data checked by the val pattern"),
-    Mutation("records/make_record.py", "keys = MACHINE_KEYS + (IDENTITY_KEYS if statistics_format >= FORMAT_WITH_IDENTITY else ())",
+    Mutation("records/rules.py", "keys = MACHINE_KEYS + (IDENTITY_KEYS if statistics_format >= FORMAT_WITH_IDENTITY else ())",
              "keys = MACHINE_KEYS", MAKE_RECORD, "a machine known by its name only"),
-    Mutation("records/make_record.py", "if commit_of(log).endswith(DIRTY_MARK):", "if commit_of(log).startswith(DIRTY_MARK):",
+    Mutation("records/rules.py", "if commit.endswith(DIRTY_MARK):", "if commit.startswith(DIRTY_MARK):",
              MAKE_RECORD, "a dirty tree let through"),
-    Mutation("records/make_record.py", "        if date < when.date().isoformat():", "        if date <= when.date().isoformat():",
+    Mutation("records/rules.py", "        if series.date < day:", "        if series.date <= day:",
              MAKE_RECORD, "a record made on its runs' day refused"),
     Mutation("records/make_record.py", "    if \"baseline\" in track and base is None:", "    if \"baseline\" in track and base is not None:",
              MAKE_RECORD, "the interleaved rule without baseline runs"),
@@ -323,8 +329,29 @@ MUTATIONS = [
     Mutation("records/make_record.py", "if folder.parent != track_dir.resolve() or not listed_in_record(folder, Path(path).name):",
              "if not folder.is_relative_to(track_dir.parent.resolve()):", MAKE_RECORD,
              "baseline logs from any folder under records/"),
-    Mutation("records/make_record.py", "    if sha not in baseline[\"entry_sha256\"]:", "    if sha is None:", MAKE_RECORD,
-             "a baseline of any version"),
+    Mutation("records/rules.py", "if not any(log.declared_sha256 == version for version in versions):",
+             "if not any(log.declared_sha256.get(entry) == version.get(entry) for version in versions):", RULES,
+             "a baseline known by its entry script alone"),
+    Mutation("records/rules.py", "            if first > last:", "            if first > last + datetime.timedelta(days=2):",
+             RULES, "a series a day after its baseline runs counted as interleaved"),
+    Mutation("records/rules.py", "            seed = repr(log.config.get(\"seed\"))", "            seed = log.run_id", RULES,
+             "a seed run twice counted twice"),
+    Mutation("records/rules.py", "busy = next((line for line in log.info if line.startswith(BUSY_WARNING)), None)",
+             "busy = next((line for line in log.info if line == BUSY_WARNING), None)", RULES,
+             "a busy machine's warning missed"),
+    Mutation("records/rules.py", "        if committed.get(relpath) != git_blob_id(content):",
+             "        if relpath not in committed:", RULES, "a log's sources not compared with its commit's files"),
+    Mutation("records/rules.py", "beyond = next(((step, ms) for step, ms in lines if step > steps or ms > final[\"train_time_ms\"]), None)",
+             "beyond = next(((step, ms) for step, ms in lines if step > steps), None)", RULES,
+             "a step line past the final train time let through"),
+    Mutation("records/rules.py", "        if when > series.now:", "        if when > series.now.replace(year=9999):", RULES,
+             "a run that started in the future let through"),
+    Mutation("records/rules.py", "    return log.code_id, repr(sorted(free_config(log).items()))",
+             "    return log.code_id, log.run_id", RULES, "a re-run of a record counted as a new program"),
+    Mutation("records/rules.py", "        both = [fp for fp in train if fp[\"path\"] in {v[\"path\"] for v in val}\n"
+             "                or data_identity([fp])[0] in data_identity(val)]",
+             "        both = [fp for fp in train if fp[\"path\"] in {v[\"path\"] for v in val}]", RULES,
+             "the val shard under a train name let through"),
     Mutation("records/make_record.py", "    last = max(starts) if s[\"format\"] >= FORMAT_WITH_IDENTITY and all(starts) else iso_time(s[\"made\"])",
              "    last = iso_time(s[\"made\"])", STEPS_TRACK, "the previous record ordered by an editable made"),
     Mutation("records/make_record.py", "f\"python records/reproduce.py {shlex.quote(f'{folder_rel}/{first_log}')} --run\",",
@@ -345,8 +372,38 @@ MUTATIONS = [
              "the rerun writes where the log said"),
     Mutation("records/reproduce.py", "    records = os.path.realpath(REPO / \"records\")", "    records = os.path.realpath(REPO / \"record\")",
              REPRODUCE, "records/ not guarded"),
-    Mutation("records/reproduce.py", "        if out.is_dir() and existing_files(out) == files:", "        if out.is_dir():",
+    Mutation("records/reproduce.py", "        if out.is_dir() and holds_recreation(out, files):", "        if out.is_dir():",
              REPRODUCE, "any folder taken for the recreation"),
+    # what a user or a log hands the tools
+    Mutation("records/logfile.py", "        raw = read_regular_file(path, LOG_MAX_BYTES)", "        raw = read_regular_file(path)",
+             INPUTS, "a log read whole, whatever its size"),
+    Mutation("records/make_record.py", "    return re.sub(r\"([\\\\`*_\\[\\]|~])\", r\"\\\\\\1\", text)", "    return text",
+             INPUTS, "table cells unescaped"),
+    Mutation("records/make_record.py", "    if text.count(start) > 1 or text.count(end) > 1 or i < 0 or j < i:",
+             "    if i < 0 or j < i:", INPUTS, "a README's second pair of markers taken"),
+    Mutation("records/make_record.py", "    except KeyboardInterrupt:", "    except ZeroDivisionError:", INPUTS,
+             "Ctrl-C in make_record.py a traceback"),
+    Mutation("records/reproduce.py", "elif entry.is_file(follow_symlinks=False) and rel in files and same_bytes(entry.path, files[rel]):",
+             "elif entry.is_file(follow_symlinks=False) and same_bytes(entry.path, files.get(rel, b\"\")) and rel in files:",
+             INPUTS, "a folder's other files read to tell it from the recreation"),
+    Mutation("records/reproduce.py", "    outside = next(((key, p) for key, p in patterns.items() if not inside_data_folder(p)), None)",
+             "    outside = None", INPUTS, "a log's glob listed wherever it reaches"),
+    Mutation("records/reproduce.py", "    if not 1 <= world_size <= MAX_WORLD_SIZE:", "    if world_size < 0:", INPUTS,
+             "world_size 0 passed to torch.distributed.run"),
+    Mutation("records/plot.py", "    if out.suffix.lower().lstrip(\".\") not in kinds:", "    if not out.suffix:", INPUTS,
+             "plot.py --out x.xyz drawn first"),
+    Mutation("downstream.py", "    if os.path.lexists(output):", "    if os.path.isdir(output):", RESULTS_FILE,
+             "downstream.py's results written over the checkpoint"),
+    Mutation("evaluate.py", "        if not bool(torch.isfinite(logits).all()):", "        if logits.numel() == 0:", NAN_SAMPLE,
+             "NaN logits handed to the sampler"),
+    Mutation("bench/step_model.py", "    if args.json and (refusal := json_path_refusal(args.json)):",
+             "    if args.write and (refusal := json_path_refusal(args.json)):", STEP_MODEL_JSON,
+             "--json checked after the census"),
+    Mutation("train_gpt.py", "        if value is not None and not 0 < value <= PLAN_MAX_GIB:",
+             "        if value is not None and not (math.isfinite(value) and value > 0):", PLAN_MEMORY,
+             "--plan --gpu_gib=1e308 overflows"),
+    Mutation("memory_budget.py", "            return check_cpu_weights(recipe, h, available(pg.device))  # which the CPU's reference path runs",
+             "            return None", CPU_MEMORY, "an unpriced CPU run let through to the allocator"),
     # shards and the downloader
     Mutation("data/shards.py", "SHARD_FILE_MODE = 0o644", "SHARD_FILE_MODE = 0o600", SHARDS,
              "shard files readable by their owner only"),

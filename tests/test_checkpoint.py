@@ -438,6 +438,24 @@ def test_sample_command_streams_text_deterministically(trained):
 # damaged and foreign files
 
 
+def test_a_checkpoint_with_nan_weights_samples_nothing_and_says_so(tmp_path, run_main):
+    """A run that diverged saved NaN weights (its data matches its sha256): --sample ends with one
+    line, not a traceback from the sampler, at any temperature."""
+    h = tiny_config()
+    model = tiny_model(h, seed=1)
+    model.untie()                  # as the run's config ends
+    with torch.no_grad():
+        model.embed.weight.fill_(float("nan"))
+    path = tmp_path / "nan.safetensors"
+    tg.save_checkpoint(path, model, h, "20261201-000000-abcdef12", "0123456789abcdef", 4.25, 1234.5)
+    for temperature in ("0.8", "0"):
+        code, err = run_main([f"--sample={path}", "--prompt=x", "--max_new_tokens=2", f"--temperature={temperature}"])
+        assert code == tg.EXIT_USER_ERROR and len(err) == 1, err
+        assert err[0].startswith("error: the model's next-token logits are NaN or infinite"), err
+    with pytest.raises(checkpoint.CheckpointError, match="NaN or infinite"):
+        list(evaluate.generate(model, h, document(5).tolist(), 3, temperature=0.0, top_k=0, seed=0))
+
+
 def damaged_copies(path, tmp_path):
     raw = open(path, "rb").read()
     cases = {

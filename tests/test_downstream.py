@@ -289,6 +289,49 @@ def test_bad_arguments_end_with_one_line_before_anything_loads(checkpoint, monke
     assert err.count("\n") == 1 and err.startswith(line), err
 
 
+@pytest.mark.parametrize("output, line", [
+    ("model.safetensors", "--output {dir}/model.safetensors is the checkpoint: downstream.py writes its results to a "
+                          "new file, never over one; give --output a new path"),
+    ("old.json", "--output {dir}/old.json exists: downstream.py writes its results to a new file"),
+    ("missing/results.json", "--output {dir}/missing/results.json: its folder {dir}/missing does not exist"),
+    ("sub", "--output {dir}/sub exists"),
+], ids=["the checkpoint", "an existing file", "a missing folder", "a folder"])
+def test_an_output_that_would_replace_a_file_or_lose_the_results_is_refused_first(tmp_path, monkeypatch, capsys,
+                                                                                  output, line):
+    """Checked before the tasks or the model load, so no evaluation runs only to be thrown away."""
+    model = tmp_path / "model.safetensors"
+    model.write_bytes(b"the weights")
+    (tmp_path / "old.json").write_text("{}")
+    (tmp_path / "sub").mkdir()
+    monkeypatch.setattr(ds, "SpeedrunLM", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(ds, "task_manager", lambda *a, **k: pytest.fail("the tasks were looked up"))
+    assert ds.main([str(model), "--tasks", "tiny_choice", "--output", str(tmp_path / output)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: " + line.format(dir=tmp_path)), err
+    assert model.read_bytes() == b"the weights" and (tmp_path / "old.json").read_text() == "{}"
+
+
+def test_the_default_output_next_to_the_checkpoint_is_checked_too(tmp_path, monkeypatch, capsys):
+    model = tmp_path / "model.safetensors"
+    model.write_bytes(b"the weights")
+    previous = tmp_path / "model_lm_eval_tiny_choice.json"
+    previous.write_text("{}")
+    monkeypatch.setattr(ds, "task_manager", lambda *a, **k: pytest.fail("the tasks were looked up"))
+    assert ds.main([str(model), "--tasks", "tiny_choice"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --output {previous} exists")
+
+
+def test_results_that_find_their_file_taken_are_kept_beside_it(tmp_path):
+    """A file put where the results go while the tasks ran: kept, and the results go to a new file."""
+    taken = tmp_path / "results.json"
+    taken.write_text("theirs")
+    with pytest.raises(ds.DownstreamError, match="appeared while the tasks ran; the results are in "):
+        ds.write_results({"results": {}}, str(taken))
+    assert taken.read_text() == "theirs"
+    (kept,) = [p for p in tmp_path.iterdir() if p != taken]
+    assert json.loads(kept.read_text()) == {"results": {}}
+
+
 def test_without_a_checkpoint_only_prefetch_runs(capsys):
     assert ds.main(["--tasks", "tiny_choice"]) == 2
     assert capsys.readouterr().err.startswith("error: give a checkpoint (logs/<run id>_model.safetensors), or "

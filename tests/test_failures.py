@@ -204,20 +204,36 @@ def test_a_token_id_outside_the_vocabulary_is_named_with_its_position(data, run_
         assert log.ending == "error" and f"token {BAD_POSITION}" in log.info[-1]
 
 
-def test_a_model_too_big_for_a_cpus_memory_is_refused_before_it_is_built(data, run_main, monkeypatch, tmp_path):
+@pytest.mark.parametrize("extra, what", [
+    ([], "the run computes on the CPU"),
+    (["--head_dim=8", "--num_heads=8"], "the run computes on the CPU; its weights alone"),
+], ids=["priced", "a step the budget cannot price"])
+def test_a_model_too_big_for_a_cpus_memory_is_refused_before_it_is_built(data, run_main, monkeypatch, tmp_path,
+                                                                         extra, what):
     """The memory check that CUDA runs get, on a CPU: with 1 GiB available the tiny run (which the
     budget prices at over 3 GiB with its margin) ends with one line, before the model is built;
-    its log ends in the same line."""
+    its log ends in the same line. A head dim the dry run's GPU kernels refuse (the CPU's references
+    run it) leaves the step unpriced, but the weights are still counted."""
     import memory_budget
     monkeypatch.setattr(memory_budget, "available_memory_bytes", lambda device: 2**30)
     monkeypatch.setattr(tg, "build_model", lambda *a, **k: pytest.fail("the model was built"))
-    code, err = run_main(TINY + files(data) + [f"--log_dir={tmp_path}/logs"])
+    code, err = run_main(TINY + extra + files(data) + [f"--log_dir={tmp_path}/logs"])
     assert code == 2 and len(err) == 1, err
-    line = (r"error: the run needs \d+\.\d GiB of memory \(the run computes on the CPU\), 1\.0 GiB are there; its "
+    line = (rf"error: the run needs \d+\.\d GiB of memory \({re.escape(what)}\), 1\.0 GiB are there; its "
             r"largest items \(GiB\): .*: lower one of those")
     assert re.fullmatch(line + r" \(log: .*\)", err[0]), err
     log = parse_log(err[0].rsplit("(log: ", 1)[1].rstrip(")"))
     assert log.ending == "error" and re.fullmatch(line, log.info[-1])
+
+
+@pytest.mark.parametrize("value", ["1e308", "inf", "nan", "0", "-1", "2e6"])
+@pytest.mark.parametrize("key", ["gpu_gib", "host_gib"])
+def test_a_plan_for_memory_no_machine_has_is_one_line(run_main, key, value):
+    """--plan's memory sizes are whole GiB counts up to a PiB: 1e308 GiB would overflow the bytes."""
+    code, err = run_main(["--plan", "--gpus=1", "--gpu_gib=24", f"--{key}={value}"])
+    assert code == 2 and len(err) == 1, err
+    assert re.fullmatch(rf"error: --{key}=\S+ is not allowed: expects a positive number of GiB, at most 1,048,576 "
+                        r"\(a PiB\)", err[0]), err
 
 
 def test_every_error_a_user_can_mend_ends_a_run_with_its_one_line(data, run_main, monkeypatch, tmp_path):

@@ -7,6 +7,7 @@ that scans for markers instead of counting bytes.
 """
 
 import ast
+import atexit
 import dataclasses
 import errno
 import hashlib
@@ -18,6 +19,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +29,7 @@ from scipy import stats
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from data.shards import fingerprint  # noqa: E402
-from records import make_record, reproduce  # noqa: E402
+from records import make_record, reproduce, rules  # noqa: E402
 import records.logfile  # noqa: E402
 from records.logfile import LogError, LogWriteError, LogWriter, commit_of_sources, parse_log, verify  # noqa: E402
 
@@ -48,15 +50,57 @@ OTHER_SOURCES = {**SOURCES, "train_gpt.py": SOURCES["train_gpt.py"] + b"\n# chan
 VAL_DATA = {"path": "data/x_val_000000.bin", "bytes": 2048, "tokens": 512, "header_sha256": "a" * 64,
             "head_sha256": "b" * 64, "tail_sha256": "c" * 64}
 TRAIN_DATA = {**VAL_DATA, "path": "data/x_train_000001.bin", "head_sha256": "d" * 64}
+NEW_SOURCES = {**SOURCES, "data/shards.py": b"# faster\n"}  # another program than SOURCES
 SHARD_MAGIC = 20240520
 SHARD_HEADER_INTS = 256
-CPU, HOSTNAME, GIT_COMMIT = "Test CPU 9000", "testhost", "0123456789abcdef0123456789abcdef01234567"
+CPU, HOSTNAME = "Test CPU 9000", "testhost"
 MACHINE = {"cpu_count": "2", "cpu_flags": "f" * 16, "machine_id": "1" * 16}  # what tells machines of one name apart
 STARTED = "2026-11-01T10:00:00+00:00"  # before every --date the tests give
 
 
 def sha256(data):
     return hashlib.sha256(data).hexdigest()
+
+
+CHECKOUT_COMMITS = {}              # (sources, message) -> the commit of the tests' checkout holding them
+
+
+def records_checkout():
+    """A git repository (made on first use, removed at exit) with a commit of each set of sources the
+    tests' logs embed: the checkout that a site's logs name their commits in (use_test_checkout)."""
+    if "repo" not in CHECKOUT_COMMITS:
+        repo = Path(tempfile.mkdtemp(prefix="records_checkout_"))
+        atexit.register(shutil.rmtree, repo, True)
+        subprocess.run(["git", "init", "-q", str(repo)], check=True, timeout=60)
+        CHECKOUT_COMMITS["repo"] = repo
+    return CHECKOUT_COMMITS["repo"]
+
+
+
+def checkout_commit(sources, message="the sources"):
+    """The commit of the tests' checkout whose files are `sources` {relpath: bytes}, as a clone at it
+    has them; another `message`, another commit of the same files."""
+    key = (tuple(sorted(sources.items())), message)
+    if key not in CHECKOUT_COMMITS:
+        repo, ref = records_checkout(), f"refs/heads/c{len(CHECKOUT_COMMITS)}"
+        stream = bytearray(f"commit {ref}\ncommitter T <t@example.com> 1700000000 +0000\n".encode())
+        stream += b"data %d\n%s\n" % (len(message.encode()), message.encode())
+        for relpath, content in sorted(sources.items()):
+            stream += b"M 100644 inline %s\ndata %d\n%s\n" % (relpath.encode(), len(content), content)
+        subprocess.run(["git", "-C", str(repo), "fast-import", "--quiet"], input=bytes(stream), check=True, timeout=60)
+        CHECKOUT_COMMITS[key] = subprocess.run(["git", "-C", str(repo), "rev-parse", ref], capture_output=True,
+                                               text=True, check=True, timeout=60).stdout.strip()
+    return CHECKOUT_COMMITS[key]
+
+
+def use_test_checkout(folder):
+    """Make `folder` (a site's root, where its README lies) a checkout of the tests' repository."""
+    (folder / ".git").write_text(f"gitdir: {records_checkout() / '.git'}\n")
+    return folder
+
+
+GIT_COMMIT = checkout_commit(SOURCES)
+ANOTHER_COMMIT = checkout_commit(SOURCES, "the same files again")  # a second commit of the same sources
 
 
 def sealed(prefix, lines):
@@ -70,12 +114,14 @@ def sealed(prefix, lines):
 
 def write_log(path, final_loss, train_ms, sources=SOURCES, track=TRACK, ending="final", world_size=1, gpu="none",
               seed=0, config_changes=None, val_data=VAL_DATA, version=2, cpu=CPU, hostname=HOSTNAME,
-              git_commit=GIT_COMMIT, data=None, total_steps=TOTAL_STEPS, started=STARTED, machine=None,
-              run_id=None):
+              git_commit=None, data=None, total_steps=TOTAL_STEPS, started=STARTED, machine=None,
+              run_id=None, lines=()):
     """Write a log of a fake run of total_steps (4) steps ending at (final_loss, train_ms); return its path.
     ending: "final", "error" or "interrupted"; data: the data section's fingerprints (default: val_data
-    and TRAIN_DATA); machine: the environment's MACHINE values changed; run_id: default the file's stem."""
+    and TRAIN_DATA); machine: the environment's MACHINE values changed; run_id: default the file's stem;
+    git_commit: default the commit of `sources` in the tests' checkout; lines: more run lines before the last."""
     run_id = run_id or Path(path).stem
+    git_commit = git_commit or checkout_commit(sources)
     out = bytearray(f"speedrun-log v{version} run_id={run_id}\n".encode())
     for relpath in sorted(sources):
         content = sources[relpath]
@@ -110,10 +156,11 @@ def write_log(path, final_loss, train_ms, sources=SOURCES, track=TRACK, ending="
         timing = f"train_time:{ms}ms step_avg:{ms / step:.2f}ms"
         text.append(f"step:{step}/{total_steps} train_loss:{final_loss + 1 / step:.4f} "
                     f"objective:{final_loss + 2 / step:.4f} {timing}")
-        if step % 2 == 0:
+        if step % 2 == 0 or step == total_steps:
             val = final_loss + 0.5 * (total_steps - step)
             text.append(f"step:{step}/{total_steps} val_loss:{val:.4f} {timing}")
     text.append("an informational line")
+    text += lines
     text.append({
         "final": f"final val_loss:{final_loss:.4f} train_time:{train_ms}ms steps:{total_steps} peak_memory:123MiB",
         "error": "error: RuntimeError: something broke",
@@ -143,6 +190,7 @@ def site(tmp_path):
     track |= {"hardware": "test", "description": "test track", "val_tokens": VAL_TOKENS, "val_data": [VAL_DATA],
               "train_data": [TRAIN_DATA]}
     (track_dir / "track.json").write_text(json.dumps(track))
+    use_test_checkout(tmp_path)
     readme = tmp_path / "README.md"
     readme.write_text(
         "# Title\n\nintro\n\n<!-- records:track_test:start -->\nstale table\n<!-- records:track_test:end -->\n\nafter\n"
@@ -484,7 +532,7 @@ def test_other_val_data_or_val_tokens_refused(site, capsys):
     logs = write_logs(site / "logs", [3.40, 3.42], [5000, 5600])
     logs.append(write_log(site / "logs" / "ontrain.txt", 3.41, 5300, val_data=TRAIN_DATA,
                           config_changes={"val_files": "data/x_train_*.bin"}))
-    assert_refused(site, capsys, "ontrain.txt: the run's val data (data/x_train_000001.bin) is not the track's",
+    assert_refused(site, capsys, "ontrain.txt: the run read data/x_train_000001.bin as train data and as val data",
                    "--logs", *logs)
     logs[2] = write_log(site / "logs" / "short.txt", 3.41, 5300, config_changes={"val_tokens": 256})
     assert_refused(site, capsys, "short.txt: the run validated on val_tokens=256, the track evaluates on 512",
@@ -493,7 +541,7 @@ def test_other_val_data_or_val_tokens_refused(site, capsys):
 
 def test_different_configs_refused(site, capsys):
     logs = write_logs(site / "logs", [3.40, 3.42], [5000, 5600])
-    logs.append(write_log(site / "logs" / "other.txt", 3.41, 5300, config_changes={"num_iterations": 5}))
+    logs.append(write_log(site / "logs" / "other.txt", 3.41, 5300, seed=2, total_steps=5))
     assert_refused(site, capsys, "differ in num_iterations (only seed, log_dir may differ)", "--logs", *logs)
 
 
@@ -521,7 +569,7 @@ def test_mixed_code_refused(site, capsys):
     logs = write_logs(site / "logs", [3.40, 3.42], [5000, 5600])
     logs.append(write_log(site / "logs" / "other.txt", 3.41, 5300, sources=OTHER_SOURCES))
     assert_refused(site, capsys, "logs come from different code", "--logs", *logs)
-    assert "differ in train_gpt.py" in make_record.describe_code_difference(parse_log(logs[0]), parse_log(logs[2]))
+    assert "differ in train_gpt.py" in rules.describe_code_difference(parse_log(logs[0]), parse_log(logs[2]))
 
 
 def test_track_mismatch_refused(site, capsys):
@@ -540,7 +588,7 @@ def test_other_hardware_refused(site, capsys):
     one_h200 = h100s.replace("H100 80GB HBM3", "H200", 1)
     logs[2] = write_log(site / "logs" / "h200.txt", 3.41, 5300, world_size=8, gpu=one_h200)
     assert_refused(site, capsys, "h200.txt: environment gpu is 'NVIDIA H200, NVIDIA H100", "--logs", *logs)
-    logs[2] = write_log(site / "logs" / "h200.txt", 3.41, 5300, world_size=8, gpu=h100s)
+    logs[2] = write_log(site / "logs" / "h200.txt", 3.41, 5300, world_size=8, gpu=h100s, seed=2)
     assert run_tool(site, "--name", "H100", "--logs", *logs) == 0
 
 
@@ -588,7 +636,7 @@ def test_baseline_welch_tests_and_speedup(site, capsys):
     assert not (folder / "baseline").exists()
 
     # A record folder given as --baseline-logs stands for the logs of its runs.
-    more = write_logs(site / "more", losses, [t - 1000 for t in times], prefix="more")
+    more = write_logs(site / "more", losses, [t - 1000 for t in times], prefix="more", sources=NEW_SOURCES)
     assert run_tool(site, "--name", "Z2", "--date", "2026-11-30", "--logs", *more, "--baseline-logs", base_folder) == 0
     again = json.loads((folder.parent / "2026-11-30_Z2" / "statistics.json").read_text())["baseline"]
     assert again["runs"] == json.loads((base_folder / "statistics.json").read_text())["runs"]
@@ -599,7 +647,7 @@ def define_baseline(site, sources=OTHER_SOURCES):
     config write_log gives it (the interleaved rule: every record beats baseline runs of its series)."""
     track_json = site / "records" / TRACK / "track.json"
     config = {k: v for k, v in parse_log(write_log(site / "probe.txt", 3.5, 1)).config.items() if k != "seed"}
-    baseline = {"entry": "train_gpt.py", "entry_sha256": [sha256(sources["train_gpt.py"])], "config": config}
+    baseline = {"entry": "train_gpt.py", "code": [{p: sha256(c) for p, c in sorted(sources.items())}], "config": config}
     track_json.write_text(json.dumps(json.loads(track_json.read_text()) | {"baseline": baseline}))
     (site / "probe.txt").unlink()
 
@@ -773,7 +821,7 @@ def test_a_refused_result_kept_as_not_a_record_gives_its_runs_to_a_later_record(
     base = write_logs(site / "base", [3.43, 3.44, 3.40], [9000, 9500, 8800], prefix="base", sources=OTHER_SOURCES)
     assert run_tool(site, "--name", "Base", "--date", "2026-11-23", "--allow-non-record", "--logs", *base) == 0
     base_folder = site / "records" / TRACK / "2026-11-23_Base"
-    faster = write_logs(site / "faster", [3.40, 3.42, 3.41], [4000, 4100, 3900], prefix="faster")
+    faster = write_logs(site / "faster", [3.40, 3.42, 3.41], [4000, 4100, 3900], prefix="faster", sources=NEW_SOURCES)
     assert run_tool(site, "--name", "Faster", "--date", "2026-11-24", "--logs", *faster, "--baseline-logs",
                     base_folder) == 0
     assert_refused(site, capsys, "which the record 2026-11-24_Faster uses as its baseline", "--allow-non-record",
@@ -792,7 +840,7 @@ def test_set_target_from_these_logs_then_a_record_against_it(site, capsys):
     track_json = site / "records" / TRACK / "track.json"
     track_json.write_text(json.dumps(json.loads(track_json.read_text()) | {"target_val_loss": None}))
     base_losses = [4.1234, 4.2345, 4.1789]
-    base = write_logs(site / "base", base_losses, [9000, 9500, 8800], prefix="base")
+    base = write_logs(site / "base", base_losses, [9000, 9500, 8800], prefix="base", sources=OTHER_SOURCES)
     assert_refused(site, capsys, "has no target yet", "--logs", *base)
 
     set_target = "--set-target-from-these-logs"
@@ -835,8 +883,8 @@ def test_runs_that_trained_on_the_val_shard_are_refused(site, capsys):
     logs = write_logs(site / "logs", [3.40, 3.42], [5000, 5600])
     logs.append(write_log(site / "logs" / "onval.txt", 3.41, 5300, data=[VAL_DATA],
                           config_changes={"train_files": "data/x_val_*.bin"}))
-    assert_refused(site, capsys, "onval.txt: the run's train data (data/x_val_000000.bin) is not the track's train "
-                   "data (data/x_train_000001.bin, by size and content hashes)", "--logs", *logs)
+    assert_refused(site, capsys, "onval.txt: the run read data/x_val_000000.bin as train data and as val data",
+                   "--logs", *logs)
     logs[2] = write_log(site / "logs" / "other.txt", 3.41, 5300, data=[VAL_DATA, TRAIN_DATA | {"tokens": 511}])
     assert_refused(site, capsys, "other.txt: the run's train data (data/x_train_000001.bin) is not the track's",
                    "--logs", *logs)
@@ -874,10 +922,10 @@ def test_the_baseline_is_the_tracks_baseline_script_with_its_config(site, capsys
     logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
     record_code = write_logs(site / "rc", [3.43, 3.44, 3.40], [9000, 9500, 8800], prefix="rc")
     assert_refused(site, capsys, "rc0.txt: its train_gpt.py has sha256 " + sha256(SOURCES["train_gpt.py"]) +
-                   ", which is not a version of the track's baseline script", "--remeasured-baseline",
+                   ", which is not in a version of the track's baseline", "--remeasured-baseline",
                    "--logs", *record_code)
     longer = write_logs(site / "longer", [3.43, 3.44, 3.40], [90000, 95000, 88000], prefix="longer",
-                        sources=OTHER_SOURCES, config_changes={"num_iterations": 40})
+                        sources=OTHER_SOURCES, total_steps=40)
     assert_refused(site, capsys, "longer0.txt: the baseline run changes num_iterations of the baseline's config",
                    "--remeasured-baseline", "--logs", *longer)
     other_entry = write_logs(site / "entry", [3.43, 3.44, 3.40], [9000, 9500, 8800], prefix="entry",
@@ -1118,7 +1166,7 @@ def test_the_readme_table_is_replaced_in_one_step(site):
     make_first_record(site)
     assert readme.stat().st_ino != inode and readme.stat().st_mode & 0o777 == 0o640
     assert "[First]" in readme.read_text()
-    assert [p.name for p in site.iterdir() if p.name.startswith(".")] == []
+    assert [p.name for p in site.iterdir() if p.name.startswith(".")] == [".git"], "the checkout's, no other"
 
 
 def test_a_track_readme_with_the_markers_gets_the_table_too(site):
@@ -1163,7 +1211,7 @@ def test_the_cpu_records_are_what_their_logs_give():
 @pytest.mark.parametrize("change, message", [
     ({"hostname": "otherhost"}, f"run0.txt ran on hostname '{HOSTNAME}', "),
     ({"cpu": "Other CPU"}, "run2.txt on cpu 'Other CPU': a record's runs and its baseline's run on one machine"),
-    ({"git_commit": "f" * 40}, f"run2.txt at {'f' * 40}: a record's runs run at one commit"),
+    ({"git_commit": ANOTHER_COMMIT}, f"run2.txt at {ANOTHER_COMMIT}: a record's runs run at one commit"),
     ({"machine": {"machine_id": "2" * 16}}, f"run2.txt on machine_id '{'2' * 16}': a record's runs"),
     ({"machine": {"cpu_flags": "e" * 16}}, f"run2.txt on cpu_flags '{'e' * 16}': a record's runs"),
     ({"machine": {"cpu_count": "4"}}, "run2.txt on cpu_count '4': a record's runs"),
@@ -1179,7 +1227,7 @@ def test_runs_on_two_machines_or_commits_need_a_reason(site, capsys, change, mes
     assert s[flag.removeprefix("--").replace("-", "_")] == "a test of the flag"
     readme = (folder / "README.md").read_text()
     assert "because: a test of the flag" in readme and f"(runs {Path(logs[2]).stem})" in readme
-    more = write_logs(site / "more", [3.40, 3.42, 3.41], [4000, 4600, 4300], prefix="more")
+    more = write_logs(site / "more", [3.40, 3.42, 3.41], [4000, 4600, 4300], prefix="more", sources=NEW_SOURCES)
     assert run_tool(site, "--name", "Next", "--logs", *more) == 0, "the mixed record passes its check"
 
 
@@ -1283,13 +1331,13 @@ def test_reproduce_copies_the_data_files_its_sources_pin(tmp_path, capsys):
 def test_reproduce_run_refuses_other_data_than_the_logs(tmp_path, monkeypatch, capfd):
     """--run compares the files the rerun would read with the log's fingerprints first."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "d").mkdir()
-    write_shard(tmp_path / "d" / "x_val_000000.bin", range(100))
-    write_shard(tmp_path / "d" / "x_train_000000.bin", range(300))
-    fingerprints = [fingerprint(f"d/x_{name}_000000.bin") for name in ("val", "train")]
+    (tmp_path / "data").mkdir()
+    write_shard(tmp_path / "data" / "x_val_000000.bin", range(100))
+    write_shard(tmp_path / "data" / "x_train_000000.bin", range(300))
+    fingerprints = [fingerprint(f"data/x_{name}_000000.bin") for name in ("val", "train")]
     sources = {**SOURCES, "train_gpt.py": b"open('ran', 'w').close()\n"}
     log_path = write_log(tmp_path / "r1.txt", 3.25, 5000, sources=sources, data=fingerprints,
-                         config_changes={"val_files": "d/x_val_*.bin", "train_files": "d/x_train_*.bin"})
+                         config_changes={"val_files": "data/x_val_*.bin", "train_files": "data/x_train_*.bin"})
 
     def rerun(*args):
         code = reproduce.main([log_path, "--dir", str(tmp_path / "out"), "--run", *args])
@@ -1299,19 +1347,20 @@ def test_reproduce_run_refuses_other_data_than_the_logs(tmp_path, monkeypatch, c
         return code, ran, capfd.readouterr().err
 
     assert rerun()[:2] == (0, True)
-    write_shard(tmp_path / "d" / "x_train_000000.bin", range(1, 301))
+    write_shard(tmp_path / "data" / "x_train_000000.bin", range(1, 301))
     code, ran, err = rerun()
     assert (code, ran) == (2, False) and err.count("\n") == 1
-    assert "d/x_train_000000.bin is not the file the run read (its head_sha256, tail_sha256 differ" in err
+    assert "data/x_train_000000.bin is not the file the run read (its head_sha256, tail_sha256 differ" in err
     assert rerun("--other-data")[:2] == (0, True)
-    write_shard(tmp_path / "d" / "x_train_000000.bin", range(300))
-    write_shard(tmp_path / "d" / "x_train_000001.bin", range(300))
-    assert "d/x_train_000001.bin matches the rerun's train_files (d/x_train_*.bin), but the run did not" in rerun()[2]
-    (tmp_path / "d" / "x_train_000001.bin").unlink()
-    assert "the run read d/x_val_000000.bin, which is not matched by the rerun's patterns" in \
-        rerun("--", "--val_files=d/x_train_*.bin")[2]
-    (tmp_path / "d" / "x_val_000000.bin").unlink()
-    assert "the run read d/x_val_000000.bin, which is missing in" in rerun()[2]
+    write_shard(tmp_path / "data" / "x_train_000000.bin", range(300))
+    write_shard(tmp_path / "data" / "x_train_000001.bin", range(300))
+    assert "data/x_train_000001.bin matches the rerun's train_files (data/x_train_*.bin), but the run did not" in \
+        rerun()[2]
+    (tmp_path / "data" / "x_train_000001.bin").unlink()
+    assert "the run read data/x_val_000000.bin, which is not matched by the rerun's patterns" in \
+        rerun("--", "--val_files=data/x_train_*.bin")[2]
+    (tmp_path / "data" / "x_val_000000.bin").unlink()
+    assert "the run read data/x_val_000000.bin, which is missing in" in rerun()[2]
 
 
 LOG_DIR_WRITER = (b"import json, os, sys\n"
@@ -1364,30 +1413,45 @@ def write_shard(path, tokens):
     path.write_bytes(header.tobytes() + np.asarray(tokens, dtype="<u2").tobytes())
 
 
+BASELINE_PROGRAM = """
+import hashlib, importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("baseline_adamw", sys.argv[1])
+module = sys.modules["baseline_adamw"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+print(json.dumps({path: hashlib.sha256(data).hexdigest() for path, data in module.project_sources().items()}))
+"""  # the sources a run of the baseline script embeds, with their sha256, in a process of its own
+
+
 def test_the_cpu_tracks_baseline_definition_is_this_checkouts_baseline_script():
-    """track_cpu's baseline (track.json "baseline") lists this checkout's baseline_adamw.py among its
-    versions, and its config is the script's defaults as it logs them: a change to either shows
-    here, where a reviewer sees it, not first in a refused record."""
+    """track_cpu's baseline (track.json "baseline") lists this checkout's baseline program (every
+    source a run of baseline_adamw.py embeds) among its versions, and its config is the script's
+    defaults as it logs them: a change to either (or to a module it imports) shows here, where a
+    reviewer sees it, not first in a refused record."""
     script_path = REPO / "records" / "track_cpu" / "baseline_adamw.py"
     spec = importlib.util.spec_from_file_location("baseline_adamw", script_path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     definition = json.loads((REPO / "records" / "track_cpu" / "track.json").read_text())["baseline"]
-    script = (REPO / definition["entry"]).read_bytes()
-    assert sha256(script) in definition["entry_sha256"]
+    done = subprocess.run([sys.executable, "-c", BASELINE_PROGRAM, str(script_path)], capture_output=True, text=True,
+                          check=True, timeout=120, cwd=REPO)
+    version = json.loads(done.stdout)
+    assert definition["entry"] in version
+    assert version in definition["code"], ("the checkout's baseline is not a version that track.json baseline.code "
+                                           f"lists; if it measures the same baseline, add {json.dumps(version)}")
     defaults = dataclasses.asdict(module.parse_hyperparameters([])) | {"entry": definition["entry"]}
-    assert definition["config"] == {k: v for k, v in defaults.items() if k not in make_record.FREE_CONFIG_KEYS}
+    assert definition["config"] == {k: v for k, v in defaults.items() if k not in rules.FREE_CONFIG_KEYS}
 
 
 def test_baseline_script_writes_a_valid_log_and_reproduces(tmp_path):
     rng = np.random.default_rng(0)
+    (tmp_path / "data").mkdir()
     for name, n in (("t_train_000000.bin", 3000), ("t_train_000001.bin", 3000), ("t_val_000000.bin", 600)):
-        write_shard(tmp_path / name, rng.integers(0, 50257, n))
+        write_shard(tmp_path / "data" / name, rng.integers(0, 50257, n))
     # One thread: two threads spin-waiting on a busy 2-core machine make even a tiny step slow.
     tiny = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=4", "--num_iterations=3"]
     tiny += ["--threads=1"]
     tiny += ["--val_tokens=256", "--val_every=2", "--warmup_iters=1", f"--log_dir={tmp_path / 'logs'}"]
-    tiny += [f"--train_files={tmp_path / 't_train_*.bin'}", f"--val_files={tmp_path / 't_val_000000.bin'}"]
+    tiny += ["--train_files=data/t_train_*.bin", "--val_files=data/t_val_000000.bin"]  # from tmp_path
     script = REPO / "records" / "track_cpu" / "baseline_adamw.py"
     subprocess.run([sys.executable, str(script), *tiny], check=True, capture_output=True, cwd=tmp_path, timeout=300)
     (log_path,) = (tmp_path / "logs").iterdir()
@@ -1400,6 +1464,8 @@ def test_baseline_script_writes_a_valid_log_and_reproduces(tmp_path):
     assert log.config["entry"] == "records/track_cpu/baseline_adamw.py"
     for relpath in ("records/track_cpu/baseline_adamw.py", "data/shards.py"):
         assert log.sources[relpath] == (REPO / relpath).read_bytes()
+    code = json.loads((REPO / "records" / "track_cpu" / "track.json").read_text())["baseline"]["code"]
+    assert log.declared_sha256 in code, "a run of the checkout's baseline is a version track.json lists"
     assert len(log.data) == 3 and log.data[0]["tokens"] == 3000
 
     out = tmp_path / "again"

@@ -7,11 +7,12 @@ import sys
 
 import pytest
 
-from test_records import REPO, VAL_DATA, VAL_TOKENS, write_log
+from test_records import REPO, VAL_DATA, VAL_TOKENS, use_test_checkout, write_log
 
 sys.path.insert(0, str(REPO))
 import train_gpt as tg  # noqa: E402
 from records import make_record  # noqa: E402
+from records.logfile import parse_log  # noqa: E402
 
 TRACK = "track_steps"
 TARGET = 3.28
@@ -32,7 +33,7 @@ def steps_site(tmp_path, **track_changes):
     track = {k: v for k, v in (track | track_changes).items() if v is not None}
     (track_dir / "track.json").write_text(json.dumps(track))
     (tmp_path / "README.md").write_text(f"# T\n\n<!-- records:{TRACK}:start -->\n<!-- records:{TRACK}:end -->\n")
-    return tmp_path
+    return use_test_checkout(tmp_path)
 
 
 def logs_at(site, prefix, losses, steps, **kwargs):
@@ -147,10 +148,13 @@ def test_a_run_that_changes_the_fixed_config_is_refused(tmp_path, capsys):
 
 
 def test_runs_of_one_record_train_the_same_steps(tmp_path, capsys):
+    """One config, so one num_iterations; a run whose final line says other steps than its config is refused."""
     site = steps_site(tmp_path)
     logs = [*logs_at(site, "s", [3.27], 100), *logs_at(site, "u", [3.27], 99, config_changes={"num_iterations": 100})]
     assert run_tool(site, "S", "2026-12-02", logs) == 2
-    assert "the runs trained 99, 100 steps" in capsys.readouterr().err
+    assert "u0.txt: its final line says 99 steps, its config's num_iterations is 100" in capsys.readouterr().err
+    with pytest.raises(make_record.RecordError, match="the runs trained 99, 100 steps"):
+        make_record.common_steps([parse_log(path) for path in logs])
 
 
 # ----------------------------------------------------------------------------- the repository's tracks

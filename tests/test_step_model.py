@@ -317,3 +317,15 @@ def test_record89_is_predicted_within_a_quarter_of_its_logged_step_times():
     assert {int(tokens.replace(",", "")) for _, tokens, *_ in rows} == set(sm.RECORD89_STEP_MS)
     for _, _, predicted, logged, ratio in rows:
         assert abs(float(ratio) - 1) <= sm.CALIBRATION_TOLERANCE, (predicted, logged)
+
+
+@pytest.mark.parametrize("where, line", [
+    ("missing/x.json", "error: --json {dir}/missing/x.json: its folder {dir}/missing does not exist; create it or give "
+                       "another path"),
+    ("", "error: --json {dir}/ is a folder: give the path of a file"),
+], ids=["a missing folder", "a folder"])
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_census(tmp_path, monkeypatch, capsys, where, line):
+    monkeypatch.setattr(sm, "report", lambda *a: pytest.fail("the census ran"))
+    with pytest.raises(SystemExit) as stop:
+        sm.main(["--preset", "cpu", "--gpus", "1", "--json", f"{tmp_path}/{where}"])
+    assert stop.value.code == 2 and capsys.readouterr().err == line.format(dir=tmp_path) + "\n"
