@@ -11,6 +11,7 @@ value and what is allowed. The presets themselves are in train_gpt.py.
 import argparse
 import ast
 import dataclasses
+import difflib
 import io
 import json
 import math
@@ -144,10 +145,10 @@ class TablePhase:
     table's beta2, the value embeddings' beta2 (and beta1 when they train on the tables' cadence),
     one update every `step_every` steps, and a multiplier of both tables' weight decay. Before the
     first phase they are ngram_beta2, value_embed_betas, ngram_step_every and 1."""
-    start: int
-    ngram_beta2: float
-    value_embed_beta2: float
-    step_every: int
+    start: int                     # the step this phase starts at
+    ngram_beta2: float             # the n-gram table's beta2 from here
+    value_embed_beta2: float       # the value embeddings' beta2 from here
+    step_every: int                # the tables update every this-many steps from here
     value_embed_beta1: float = None  # if given: the dense value embeddings' beta1 from here (table cadence)
     decay_mult: float = 1.0        # the tables' weight decays (ngram_wd, value_embed_wd) times this from here
 
@@ -175,11 +176,11 @@ AVERAGED_PARAMS = ("embed_head", "value_embeds", "qk", "vo_mlp")
 @dataclass
 class ModelConfig:
     """The model's shape and features: everything GPT reads, and nothing else."""
-    num_layers: int = count(12, 1, MAX_LAYERS, "layers")
-    model_dim: int = count(768, 1, MAX_WIDTH, "dims")
-    num_heads: int = count(6, 1, MAX_HEADS, "heads")
-    head_dim: int = count(128, 4, MAX_HEAD_DIM, "dims", multiple=4)  # (RoPE rotates pairs in half of them)
-    mlp_hidden: int = count(3072, 1, MAX_HIDDEN, "dims")
+    num_layers: int = count(12, 1, MAX_LAYERS, "layers")  # transformer blocks
+    model_dim: int = count(768, 1, MAX_WIDTH, "dims")  # width of the residual stream
+    num_heads: int = count(6, 1, MAX_HEADS, "heads")  # attention heads of a layer
+    head_dim: int = count(128, 4, MAX_HEAD_DIM, "dims", multiple=4)  # dims of a head (RoPE rotates pairs in half of them)
+    mlp_hidden: int = count(3072, 1, MAX_HIDDEN, "dims")  # hidden width of an MLP
     long_window_layers: tuple = layers(())  # layers that use the long window; others the short one
     attention_free_layers: tuple = layers(())  # layers with no attention sublayer
     # value-embedding tables, each shared by one of the first and one of the last layers
@@ -207,11 +208,11 @@ class ModelConfig:
     paired_head_layers: tuple = layers(())  # layers where adjacent heads' queries also attend to each other's keys
     # layers whose queries and keys are narrow_qk_dim wide per head, rotated in full
     narrow_qk_layers: tuple = layers(())
-    narrow_qk_dim: int = count(64, 4, MAX_HEAD_DIM, "dims", multiple=4)
+    narrow_qk_dim: int = count(64, 4, MAX_HEAD_DIM, "dims", multiple=4)  # their query and key dims per head
     # their softmax scale before any YaRN growth (attn_scale: the others')
     narrow_qk_attn_scale: float = real(0.13, "a scale", above=0.0)
     narrow_vo_layers: tuple = layers(())  # layers whose values (and head outputs) are narrow_vo_dim wide per head
-    narrow_vo_dim: int = count(64, 1, MAX_HEAD_DIM, "dims")
+    narrow_vo_dim: int = count(64, 1, MAX_HEAD_DIM, "dims")  # their value dims per head
     parallel_mlp_layers: tuple = layers(())  # layers with a second MLP beside the first, on the same input
     token_gates: bool = False          # per-token gates from two small MLPs (TokenGates): XSA, output, injections
     # layers before this take gates made from x0, later ones from the residual there
@@ -238,23 +239,24 @@ class Hyperparameters(ModelConfig):
     # records track a run of this preset belongs to, or "none"
     track: str = choice("track_1_short", "track_2_medium", "track_cpu", "track_3_optimization",
                         "track_3_cpu_optimization", "none")
-    # data
-    train_files: str = path("data/fineweb10B/fineweb_train_*.bin")
-    val_files: str = path("data/fineweb10B/fineweb_val_*.bin")
+    # -- data --
+    train_files: str = path("data/fineweb10B/fineweb_train_*.bin")  # the train shards
+    val_files: str = path("data/fineweb10B/fineweb_val_*.bin")  # the val shards
     # first tokens of the val shard(s) every run is judged on
     val_tokens: int = count(10_485_760, 1, MAX_VAL_TOKENS, "tokens")
     val_tokens_per_rank: int = count(65_536, 1, MAX_SLICE_TOKENS, "tokens")  # val tokens per rank per forward pass
     val_every: int = count(0, 0, MAX_STEPS, "steps")  # validate every this many steps (0: only at the end)
     # the global batch is this many rank slices; fewer processes accumulate
     batch_ranks: int = count(8, 1, MAX_BATCH_RANKS, "rank slices")
-    # model schedule (the model's own fields are ModelConfig's)
+    # -- model schedule (the model's own fields are ModelConfig's) --
     # long window (blocks) of the final validation
     val_long_window: int = count(8, 1, MAX_WINDOW_BLOCKS, "window blocks")
     yarn_at_final_window: bool = True  # YaRN also for the final validation's wider window (else RoPE stays)
     untie_frac: float = fraction(1.0)  # fraction of training after which lm_head is untied from the embedding
-    # schedule
-    num_iterations: int = count(1000, 1, MAX_STEPS, "steps")
-    stages: list = field(default_factory=lambda: [   # one stage: causal attention over 1024-token documents
+    # -- schedule --
+    num_iterations: int = count(1000, 1, MAX_STEPS, "steps")  # training steps
+    # the stages of training (Stage), in order (the default: one stage of 1024-token documents)
+    stages: list = field(default_factory=lambda: [
         Stage(end=1.0, tokens_per_rank=16_384, max_doc_len=1024, short_window=8, long_window=8)])
     # sampled softmax: where a step's negatives start in the candidate walk: restart (at its slice's
     # start every step) | continue (after the previous sampled step's draw, per slice: record 92)
@@ -267,13 +269,13 @@ class Hyperparameters(ModelConfig):
     # the Frobenius norms renormalize restores: each matrix's | each bank's (all layers' matrices of a
     # kind together: queries and keys, values and outputs, MLPs; the embedding; the head)
     average_norms: str = choice("matrix", "bank")
-    # optimizers
+    # -- optimizers --
     # matrix optimizer: muon | normuon | anvil | adamw (Adam for everything)
     optimizer: str = choice("adamw", "muon", "normuon", "anvil")
     orthogonalize: str = choice("auto", *ORTHOGONALIZATIONS)  # polar_express (record 89) | anvil (record 92) | auto: anvil for anvil
-    matrix_lr: float = rate(0.05)
+    matrix_lr: float = rate(0.05)      # the matrix optimizer's LR for the hidden matrices
     adamw_matrix_lr: float = rate(0.008)  # Adam's LR for the hidden matrices when optimizer=adamw
-    matrix_wd: float = decay(0.0)
+    matrix_wd: float = decay(0.0)      # the hidden matrices' weight decay
     mlp_down_lr_scale: float = real(2.0, "an LR multiplier")  # extra LR multiplier of the MLP output matrices
     # the matrix shapes that set the Muon family's LR factor max(1, rows/cols)^0.5 and its equalizer's
     # lanes: own (each matrix or block as this model stores it) | record_banks (as the records' banks
@@ -282,7 +284,7 @@ class Hyperparameters(ModelConfig):
     # 0: QKV orthogonalized as one matrix; n: queries and keys in blocks of n heads
     qk_ortho_heads: int = count(0, 0, MAX_HEADS, "heads")
     momentum: float = real(0.95, "a momentum", high=1.0)  # muon/normuon momentum after warm-up
-    # muon/normuon (anvil's Nesterov mu schedule replaces the warm-up)
+    # muon/normuon: momentum at the start of its warm-up (anvil's Nesterov mu schedule replaces it)
     momentum_warmup_start: float = real(0.85, "a momentum", high=1.0)
     # muon/normuon: steps from the start momentum to `momentum`
     momentum_warmup_steps: int = count(300, 0, MAX_STEPS, "steps")
@@ -302,7 +304,7 @@ class Hyperparameters(ModelConfig):
     anvil_mu_fall: float = fraction(0.042, above=0.0)
     # Adam groups; weight decay is cautious and of strength lr^2 * wd per update (optim.Adam)
     embed_lr: float = rate(0.01)       # token embedding (and the head while tied)
-    head_lr: float = rate(0.008)
+    head_lr: float = rate(0.008)       # the head once untied
     value_embed_lr: float = rate(0.01)  # value embeddings and the bigram table
     scalar_lr: float = rate(0.04)      # scalars: residual mixes, skip weights, XSA and smear strengths
     gate_lr: float = rate(0.04)        # value-embedding gate matrices
@@ -314,7 +316,7 @@ class Hyperparameters(ModelConfig):
     scalar_betas: tuple = betas((0.8, 0.95))  # scalars and gates
     embed_wd: float = decay(0.0)       # embedding and head
     value_embed_wd: float = decay(0.0)  # (scalars and gates are never decayed)
-    adam_eps: float = real(1e-10, "an epsilon")
+    adam_eps: float = real(1e-10, "an epsilon")  # Adam's epsilon, at the gradient scale adam_eps_unit
     # the gradient scale adam_eps is stated at (also the tables'): mean (this objective's gradient, the
     # mean over the global batch's tokens and an update's steps) | token_sum (the gradient of the loss
     # summed over a rank's tokens and an update's steps, averaged over the ranks: records 89 and 92)
@@ -322,9 +324,9 @@ class Hyperparameters(ModelConfig):
     # Adam updates every this-many steps, from the gradients' mean over them
     adam_step_every: int = count(1, 1, MAX_STEPS, "steps")
     ngram_lr: float = rate(0.01)       # the n-gram table's sparse Adam (beta1 = 0, one second moment per row)
-    ngram_beta2: float = beta(0.95)
-    ngram_wd: float = decay(0.0)
-    # the table (and sparse value embeddings) update every this-many steps
+    ngram_beta2: float = beta(0.95)    # the n-gram table's beta2
+    ngram_wd: float = decay(0.0)       # the n-gram table's weight decay
+    # the n-gram table (and sparse value embeddings) update every this-many steps
     ngram_step_every: int = count(1, 1, MAX_STEPS, "steps")
     table_phases: list = field(default_factory=list)  # later phases of the sparse tables' Adam (TablePhase)
     # dense value embeddings (value_embed_sparse false) update on the tables' cadence and phases, not
@@ -332,10 +334,10 @@ class Hyperparameters(ModelConfig):
     value_embed_table_cadence: bool = False
     # > 0: the table lives in host memory and this many of its rows on the device
     ngram_cache_rows: int = count(0, 0, MAX_TABLE_ROWS, "rows")
-    # system
-    seed: int = count(0, 0, MAX_SEED, "a whole number")
-    device: str = choice("auto", "cuda", "cpu")  # auto | cuda | cpu
-    # auto (Triton on CUDA; references on CPU, CE chunked) | triton | reference
+    # -- system --
+    seed: int = count(0, 0, MAX_SEED, "a whole number")  # seeds the initial weights
+    device: str = choice("auto", "cuda", "cpu")  # where the run trains; auto: CUDA when there is a GPU
+    # the kernels: auto (Triton on CUDA; references on CPU, CE chunked) | triton | reference
     kernels: str = choice("auto", "triton", "reference")
     # torch.compile the training step, the validation and (with cuda_graphs) the optimizers' updates
     compile: bool = True
@@ -360,7 +362,7 @@ class Hyperparameters(ModelConfig):
     cuda_graphs: bool = True           # capture forward+backward and the optimizers' updates in the warm-up, replay them
     sync_check: bool = False           # CUDA: any host sync inside a timed training step is an error
     log_every: int = count(10, 1, MAX_STEPS, "steps")  # print a train-loss line every this many steps
-    log_dir: str = path("logs")
+    log_dir: str = path("logs")          # the folder of the run's log (and checkpoint)
     save_checkpoint: bool = False      # write logs/<run id>_model.safetensors at the end
 
 
@@ -536,36 +538,76 @@ class ArgumentParser(argparse.ArgumentParser):
 
 HELP_TYPES = {int: "INT", float: "FLOAT", bool: "true|false", str: "STR", tuple: "JSON-LIST", list: "JSON-LIST"}
 LIST_ITEMS = {"stages": Stage, "averages": Average, "table_phases": TablePhase}  # list keys: what each entry is
-SECTION_WORDS = 2                  # a comment line of at most this many words (before any parenthesis) opens a section
 HELP_VALUE_CHARS = 40              # a preset's value is shown when its JSON is at most this long
 HELP_KEY_WIDTH = 38                # the column of --key=TYPE before a key's meaning
+SECTION_MARK = "--"                # a schema comment "-- name --" heads a part of the source, and says no key's meaning
+# --help's groups, by what a key is for, in the order listed; every key but preset in exactly one.
+HELP_GROUPS = {
+    "the run: its track, seed, device, log and outputs": (
+        "track", "seed", "device", "log_dir", "log_every", "save_checkpoint"),
+    "data and validation": (
+        "train_files", "val_files", "val_tokens", "val_tokens_per_rank", "val_every", "batch_ranks"),
+    "model: size and storage": ("num_layers", "model_dim", "num_heads", "head_dim", "mlp_hidden", "param_dtype"),
+    "model: attention": (
+        "long_window_layers", "attention_free_layers", "rope_base", "attn_scale", "yarn_scale_growth", "key_offset",
+        "xsa_layers", "paired_head_layers", "narrow_qk_layers", "narrow_qk_dim", "narrow_qk_attn_scale",
+        "narrow_vo_layers", "narrow_vo_dim", "composed_layers", "composed_window"),
+    "model: embeddings and hashed tables": (
+        "embed_init_std", "num_value_embeds", "value_embed_layers", "value_embed_gate_dim",
+        "value_embed_gate_reads_value", "value_embed_sparse", "bigram_rows", "ngram_rows", "ngram_dtype",
+        "smear_gate", "canonical_mask"),
+    "model: trunk, MLPs and gates": (
+        "trunk", "skip_layers", "snapshot_layer", "parallel_mlp_layers", "token_gates", "token_gates_split",
+        "attn_gate_layers"),
+    "schedule: steps, stages, windows, LR": (
+        "num_iterations", "stages", "val_long_window", "yarn_at_final_window", "untie_frac", "candidate_walk",
+        "cooldown_start", "cooldown_floor", "cooldown_end"),
+    "end-of-training weight averages": ("averages", "average_norms"),
+    "matrix optimizer (Muon, NorMuon, ANVIL, or Adam)": (
+        "optimizer", "orthogonalize", "matrix_lr", "adamw_matrix_lr", "matrix_wd", "mlp_down_lr_scale",
+        "matrix_shapes", "qk_ortho_heads", "momentum", "momentum_warmup_start", "momentum_warmup_steps",
+        "momentum_cooldown_steps", "anvil_fast_beta", "anvil_slow_beta", "anvil_blend", "anvil_blend_start",
+        "anvil_fast_beta_follows_mu", "anvil_mu_low", "anvil_mu_high", "anvil_mu_rise", "anvil_mu_fall"),
+    "Adam: embeddings, head, scalars, gates": (
+        "embed_lr", "head_lr", "value_embed_lr", "scalar_lr", "gate_lr", "smear_gate_lr", "token_gate_lr",
+        "dense_lr", "embed_betas", "value_embed_betas", "scalar_betas", "embed_wd", "value_embed_wd", "adam_eps",
+        "adam_eps_unit", "adam_step_every"),
+    "sparse tables: the n-gram table and sparse value embeddings": (
+        "ngram_lr", "ngram_beta2", "ngram_wd", "ngram_step_every", "table_phases", "value_embed_table_cadence",
+        "ngram_cache_rows"),
+    "kernels, compilation, FP8 and the warm-up": (
+        "kernels", "compile", "compile_backend", "compute_dtype", "fp8_mlp", "fp8_mlp_scales", "fp8_qkv",
+        "fp8_head", "fp8_gemm", "fp8_on_cpu", "cuda_graphs", "sync_check", "warm_up", "warmup_steps"),
+}
+UNGROUPED = "other keys"           # --help's heading for a key HELP_GROUPS does not place
+
+
+def is_section_heading(text):
+    """Whether a comment's text is a heading of the source ("-- data --"), not a key's meaning."""
+    return text.startswith(SECTION_MARK) and text.endswith(SECTION_MARK)
 
 
 def field_comments(cls):
     """{field: its meaning} for a dataclass of this module, from the source's comments: the one on
-    the field's line, else the block of comment lines just above it; and {field: the section it
-    is in}, a section being opened by a comment line of at most SECTION_WORDS words ("# data")."""
+    the field's line, else the block of comment lines just above it (headings left out)."""
     source = open(__file__, encoding="utf-8").read()
     comments = {}                  # line -> (text, whether the line is only a comment)
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.COMMENT:
             comments[token.start[0]] = (token.string.lstrip("#").strip(), token.line.strip().startswith("#"))
     node = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
-    meanings, sections, section = {}, {}, ""
+    meanings = {}
     for item in node.body:
         if not isinstance(item, ast.AnnAssign):
             continue
         trailing = [comments[line][0] for line in range(item.lineno, item.end_lineno + 1)
                     if line in comments and not comments[line][1]]
         above, line = [], item.lineno - 1
-        while line in comments and comments[line][1]:
+        while line in comments and comments[line][1] and not is_section_heading(comments[line][0]):
             above.insert(0, comments[line][0])
             line -= 1
-        if above and len(above[0].split("(")[0].split()) <= SECTION_WORDS:
-            section = above.pop(0).split("(")[0].strip()
         meanings[item.target.id] = trailing[0] if trailing else " ".join(above)
-        sections[item.target.id] = section
-    return meanings, sections
+    return meanings
 
 
 def allowed_values(f):
@@ -586,28 +628,34 @@ def allowed_values(f):
     return "a list" if f.type is tuple else ""
 
 
+def help_groups():
+    """[(heading, keys)] of --help: HELP_GROUPS, then any key it does not place (under UNGROUPED)."""
+    placed = {key for keys in HELP_GROUPS.values() for key in keys}
+    rest = tuple(name for name in SCHEMA if name not in placed and name != "preset")
+    return [*HELP_GROUPS.items(), *([(UNGROUPED, rest)] if rest else [])]
+
+
+def key_help_line(name, meaning, values, preset):
+    """One key's line of --help: --key=TYPE, its meaning and allowed values, the preset's value."""
+    f = SCHEMA[name]
+    kind = "|".join(f.metadata["choices"]) if "choices" in f.metadata else HELP_TYPES.get(f.type, "JSON")
+    value = json.dumps(values[name]) if values and name in values else ""
+    shown = f" [{preset}: {value}]" if value and len(value) <= HELP_VALUE_CHARS else ""
+    said = "; ".join(text for text in (meaning, allowed_values(f)) if text)
+    return f"  {f'--{name}={kind}':<{HELP_KEY_WIDTH}} {said}{shown}"
+
+
 def keys_help(values=None, preset=""):
     """The help's list of keys: each on one line with its type, meaning and allowed values (and its
-    value in `values`, the named preset's config as a dict), grouped by the schema's sections;
-    then the keys of a stage, an average and a table phase."""
-    meanings, sections = field_comments(Hyperparameters)
-    model_meanings, _ = field_comments(ModelConfig)
-    lines, current = ["every key, as --key=value (lists and objects as JSON):"], None
-    for name, f in SCHEMA.items():
-        if name == "preset":       # --preset NAME, above
-            continue
-        section = "model" if name in model_meanings else sections[name] or "run"
-        if section != current:
-            lines.append(f"\n {section}:")
-            current = section
-        kind = "|".join(f.metadata["choices"]) if "choices" in f.metadata else HELP_TYPES.get(f.type, "JSON")
-        meaning = model_meanings.get(name) or meanings.get(name)
-        value = json.dumps(values[name]) if values and name in values else ""
-        shown = f" [{preset}: {value}]" if value and len(value) <= HELP_VALUE_CHARS else ""
-        said = "; ".join(text for text in (meaning, allowed_values(f)) if text)
-        lines.append(f"  {f'--{name}={kind}':<{HELP_KEY_WIDTH}} {said}{shown}")
+    value in `values`, the named preset's config as a dict), grouped by what the key is for
+    (HELP_GROUPS); then the keys of a stage, an average and a table phase."""
+    meanings = field_comments(ModelConfig) | {k: v for k, v in field_comments(Hyperparameters).items() if v}
+    lines = ["every key, as --key=value or --key value (lists and objects as JSON):"]
+    for heading, keys in help_groups():
+        lines.append(f"\n {heading}:")
+        lines += [key_help_line(name, meanings.get(name, ""), values, preset) for name in keys]
     for key, cls in LIST_ITEMS.items():
-        item_meanings, _ = field_comments(cls)
+        item_meanings = field_comments(cls)
         lines.append(f"\n each entry of --{key} ({' '.join(cls.__doc__.split()).split('. ')[0].rstrip('.')}):")
         lines += [f"  {f.name}: {item_meanings.get(f.name) or f.type.__name__}" for f in dataclasses.fields(cls)]
     return "\n".join(lines)
@@ -625,17 +673,45 @@ def preset_named(argv, default_preset):
     return default_preset
 
 
+KEY_MATCH_CUTOFF = 0.6             # difflib's similarity from which an unknown key's nearest one is suggested
+
+
+def unknown_key_message(key):
+    """The refusal of an unknown --key: the nearest key (dashes read as underscores), or --help."""
+    near = difflib.get_close_matches(key.replace("-", "_"), [k for k in SCHEMA if k != "preset"], n=1,
+                                     cutoff=KEY_MATCH_CUTOFF)
+    hint = f"did you mean --{near[0]}?" if near else "python train_gpt.py --help lists every key"
+    return f"unknown config key {key!r}: {hint}"
+
+
+def joined_values(items):
+    """The overrides `items` with each `--key value` pair of a schema key written `--key=value`."""
+    out, i = [], 0
+    while i < len(items):
+        item, following = items[i], items[i + 1] if i + 1 < len(items) else None
+        if (item.startswith("--") and "=" not in item and item[2:] in SCHEMA and following is not None
+                and not following.startswith("--")):
+            out.append(f"{item}={following}")
+            i += 2
+        else:
+            out.append(item)
+            i += 1
+    return out
+
+
 def apply_overrides(h, items, allowed=None):
-    """Set each "--key=value" of `items` on h (parsed by the key's annotated type); `allowed`:
-    the keys that may be given (None: every key but preset)."""
-    for item in items:
-        key, _, text = item.removeprefix("--").partition("=")
-        if not item.startswith("--") or "=" not in item:
+    """Set each "--key=value" (or "--key value") of `items` on h (parsed by the key's annotated
+    type); `allowed`: the keys that may be given (None: every key but preset)."""
+    for item in joined_values(items):
+        key, equals, text = item.removeprefix("--").partition("=")
+        if not item.startswith("--"):
             raise ConfigError(f"expected --key=value, got {item!r}")
         if allowed is not None and key not in allowed:
             raise ConfigError(f"{item!r}: with a checkpoint only --key=value of {', '.join(allowed)} may be given")
         if key not in SCHEMA or key == "preset":
-            raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(SCHEMA))}")
+            raise ConfigError(unknown_key_message(key))
+        if not equals:
+            raise ConfigError(f"--{key} needs a value: --{key}=VALUE (python train_gpt.py --help says what it takes)")
         setattr(h, key, parse_value(key, text, SCHEMA[key].type))
     return h
 
@@ -650,7 +726,9 @@ def parse_config(argv, presets, default_preset, description=None):
         epilog = keys_help(values, name)
     parser = ArgumentParser(description=description, add_help=True, epilog=epilog,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default=None, help=f"one of {sorted(presets)} (default {default_preset})")
+    parser.add_argument("--preset", default=None, help=f"one of {sorted(presets)} (train_gpt.py without one: "
+                                                       f"what ./run.sh runs on this machine, the cpu preset without "
+                                                       f"a GPU)")
     parser.add_argument("--config", default=None, help="JSON file of a resolved config (a log's)")
     parser.add_argument("--print_config", action="store_true",
                         help="print the resolved config, each key with its origin (preset, default, --config "
@@ -668,7 +746,7 @@ def parse_config(argv, presets, default_preset, description=None):
         h = preset_config(args.preset or default_preset, presets, stated)
         origins = {key: "preset" for key in stated}
     h = normalize_config(apply_overrides(h, rest))
-    origins |= {item.removeprefix("--").partition("=")[0]: "command line" for item in rest}
+    origins |= {item.removeprefix("--").partition("=")[0]: "command line" for item in joined_values(rest)}
     origins["preset"] = "--preset" if args.preset else "--config file" if args.config else "default"
     for item in argv:
         if not loggable(item):

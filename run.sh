@@ -18,15 +18,15 @@ PYTHON=${PYTHON:-python3}
 
 fail() { echo "run.sh: $*" >&2; exit 2; }
 
-# --config PATH, --config=PATH and --log_dir=PATH from the folder run.sh was started in (it runs
-# from the repository's).
+# --config PATH, --config=PATH, --log_dir PATH and --log_dir=PATH from the folder run.sh was
+# started in (it runs from the repository's).
 from_here() { case "$1" in /* | "") printf '%s' "$1" ;; *) printf '%s' "$here/$1" ;; esac; }
 args=()
 path_follows=0
 for arg in "$@"; do
     if [ "$path_follows" = 1 ]; then args+=("$(from_here "$arg")"); path_follows=0; continue; fi
     case "$arg" in
-        --config) args+=("$arg"); path_follows=1 ;;
+        --config | --log_dir) args+=("$arg"); path_follows=1 ;;
         --config=*) args+=("--config=$(from_here "${arg#--config=}")") ;;
         --log_dir=*) args+=("--log_dir=$(from_here "${arg#--log_dir=}")") ;;
         *) args+=("$arg") ;;

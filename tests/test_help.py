@@ -48,10 +48,40 @@ def test_help_lists_every_key_with_its_type_range_and_meaning():
             assert f.metadata["allowed"] in line, line
         if name in comments:
             assert comments[name] in line, line
-    # a comment above its field, and the section comment above that one left out
+    # a comment above its field, and the heading above that one left out
     assert "long window (blocks) of the final validation" in lines["val_long_window"]
     assert "model schedule" not in lines["val_long_window"]
-    assert lines["train_files"].split(None, 1)[1].startswith("a path (or glob) [")   # not "data", its section
+    assert lines["train_files"].split(None, 1)[1].startswith("the train shards; a path (or glob) [")
+
+
+def help_groups(text):
+    """[(heading, [keys])] of the help's list of keys, in order."""
+    groups = []
+    for line in text.split("every key, as --key=value")[1].split("\n each entry of")[0].splitlines()[1:]:
+        if re.fullmatch(r" \S.*:", line):
+            groups.append((line.strip().rstrip(":"), []))
+        elif m := re.match(r"  --(\w+)=", line):
+            groups[-1][1].append(m[1])
+    return groups
+
+
+def test_help_groups_every_key_by_purpose_each_with_a_meaning():
+    """Each key is under one heading of config.HELP_GROUPS (none under "other keys"), and each
+    line says what the key is, beyond its type and range."""
+    text = help_text("--preset", "cpu")
+    groups = help_groups(text)
+    assert [heading for heading, _ in groups] == list(config.HELP_GROUPS)
+    placed = [key for _, keys in groups for key in keys]
+    assert sorted(placed) == sorted(set(config.SCHEMA) - {"preset"}) and len(placed) == len(set(placed))
+    meanings = config.field_comments(config.ModelConfig) | config.field_comments(config.Hyperparameters)
+    for key, line in key_lines(text).items():
+        assert meanings[key] and line.split(None, 1)[1].startswith(meanings[key]), line
+    keys_of = dict(groups)
+    assert {"matrix_lr", "momentum_warmup_start"} <= set(keys_of["matrix optimizer (Muon, NorMuon, ANVIL, or Adam)"])
+    assert "track" in keys_of["the run: its track, seed, device, log and outputs"]
+    assert "kernels" in keys_of["kernels, compilation, FP8 and the warm-up"]
+    assert not re.search(r"^ (auto|muon/normuon|the table|run):$", text, re.M)   # comments taken for headings
+    assert "one stage: causal attention" not in key_lines(text)["stages"]          # the default's comment is not its meaning
 
 
 def test_help_shows_the_named_presets_values():
@@ -59,7 +89,8 @@ def test_help_shows_the_named_presets_values():
     lines = key_lines(help_text("--preset", "cpu"))
     assert lines["num_iterations"].endswith(f"[cpu: {cpu.num_iterations}]")
     assert lines["optimizer"].endswith(f'[cpu: "{cpu.optimizer}"]')
-    assert key_lines(help_text())["num_iterations"].endswith(f"[speedrun: {tg.parse_config([]).num_iterations}]")
+    speedrun = tg.parse_config(["--preset", "speedrun"]).num_iterations
+    assert key_lines(help_text("--preset", "speedrun"))["num_iterations"].endswith(f"[speedrun: {speedrun}]")
 
 
 def test_help_lists_the_keys_of_a_stage():
