@@ -606,8 +606,9 @@ PRESETS = {"speedrun": _speedrun_preset, "1gpu": _one_gpu_preset, "1gpu_24gb": _
 
 
 def parse_config(argv):
-    """The run's config from the command line: --preset NAME (default speedrun) or --config PATH,
-    then --key=value overrides (config.parse_config)."""
+    """The run's config from the command line: --preset NAME (default speedrun; main() puts the
+    machine's in front: with_machine_preset) or --config PATH, then --key=value overrides
+    (config.parse_config)."""
     return config.parse_config(argv, PRESETS, "speedrun", description=__doc__.split("\n")[0])
 
 
@@ -3010,6 +3011,29 @@ def plan_command(argv):
     return 0
 
 
+def names_a_config(argv):
+    """Whether argv names its config: a --preset or a --config."""
+    return any(a in ("--preset", "--config") or a.startswith(("--preset=", "--config=")) for a in argv)
+
+
+def with_machine_preset(argv, launch):
+    """argv as ./run.sh would start it on this machine when it names no preset: the cpu preset
+    without a GPU; with GPUs, launch_plan's choice for the processes this launch has, said in one
+    line (by rank 0). A plan for another number of processes is refused with what to run instead."""
+    if names_a_config(argv):
+        return argv
+    if not torch.cuda.is_available():
+        return ["--preset", "cpu", *argv]
+    asked = [a for a in argv if a not in ("-h", "--help", "--print_config")]
+    preset_args, processes, reason = memory_budget.launch_plan(this_recipe(), launch.world_size, asked)
+    if processes != launch.world_size:
+        raise ConfigError(f"no --preset given, and on {launch.world_size} process(es) of this machine the plan needs "
+                          f"{processes}: run ./run.sh, or name a preset (--preset NAME)")
+    if launch.rank == 0:
+        print(f"train_gpt.py: no --preset given, as ./run.sh here: {reason}", file=sys.stderr, flush=True)
+    return [*preset_args, *argv]
+
+
 def this_recipe():
     """This module, the recipe the memory budget runs on fake tensors (under `python train_gpt.py`,
     the script itself: __main__)."""
@@ -3032,7 +3056,7 @@ def main(argv=None, command=None, run=None):
         if any(a.startswith(("--eval", "--sample")) for a in argv):
             raise ConfigError("a checkpoint is evaluated or sampled by evaluate.py: python evaluate.py --eval=PATH "
                               "or --sample=PATH")
-        h = parse_config(argv)
+        h = parse_config(with_machine_preset(argv, launch))
         pg = start_process(h)
         log = RunLog(h.log_dir, pg.master)
         with bf16_gemms(gemm_path(h, pg.device)):

@@ -161,3 +161,36 @@ def test_bad_table_phases_are_refused_naming_the_phase(phases, refusal):
         tg.parse_config(["--preset", "cpu", f"--table_phases={phases}"])
     h = tg.parse_config(["--preset", "cpu", f"--table_phases=[{PHASE.format(5, 0.9, 2)},{PHASE.format(9, 0.8, 4)}]"])
     assert [(p.start, p.step_every) for p in h.table_phases] == [(5, 2), (9, 4)]
+
+
+def launch_of(processes, rank=0):
+    import processes as p
+    return p.Launch(world_size=processes, rank=rank, local_world_size=processes, local_rank=rank, master="",
+                    rendezvous_timeout_s=1.0, agent_store=None, attempt="0")
+
+
+def test_without_a_preset_train_gpt_runs_what_run_sh_runs_on_this_machine(monkeypatch, capsys):
+    """No GPU: the cpu preset (as ./run.sh); GPUs: launch_plan's choice for this launch's processes,
+    said in one line; a plan for another process count is refused; a named preset stays."""
+    import subprocess
+    from launch import cpu_env
+    done = subprocess.run([sys.executable, "train_gpt.py", "--print_config"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=cpu_env())
+    assert done.returncode == 0 and '"cpu"' in next(line for line in done.stdout.splitlines()
+                                                     if line.startswith("preset ")), done
+    monkeypatch.setattr(tg.torch.cuda, "is_available", lambda: False)
+    assert tg.with_machine_preset(["--seed=1"], launch_of(1)) == ["--preset", "cpu", "--seed=1"]
+    assert tg.with_machine_preset(["--preset=medium"], launch_of(1)) == ["--preset=medium"]
+    monkeypatch.setattr(tg.torch.cuda, "is_available", lambda: True)
+    plans = []
+
+    def plan(recipe, gpus, argv=(), available=None):
+        plans.append((gpus, list(argv)))
+        return ["--preset", "1gpu", "--ngram_cache_rows=0"], 1, "1 GPU of 79.6 GiB: the reason"
+    monkeypatch.setattr(tg.memory_budget, "launch_plan", plan)
+    assert tg.with_machine_preset(["--seed=1", "--help"], launch_of(1)) == [
+        "--preset", "1gpu", "--ngram_cache_rows=0", "--seed=1", "--help"]
+    assert plans == [(1, ["--seed=1"])]
+    assert capsys.readouterr().err == "train_gpt.py: no --preset given, as ./run.sh here: 1 GPU of 79.6 GiB: the reason\n"
+    with pytest.raises(config.ConfigError, match=r"on 8 process\(es\) of this machine the plan needs 1: run ./run.sh"):
+        tg.with_machine_preset([], launch_of(8))
