@@ -16,6 +16,7 @@ from launch import cpu_env
 from tiny_runs import REPO, TINY, data_args, run_trainer
 
 sys.path.insert(0, REPO)
+import progress  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from records.logfile import other_load, parse_log  # noqa: E402
 
@@ -40,10 +41,11 @@ def the_log(folder):
 
 
 def test_a_run_shows_the_time_left_and_ends_with_its_target_and_its_log(shards, tmp_path):
-    """Step lines on the terminal end with the time the remaining steps take at the run's pace so
-    far (equal batches here: elapsed x steps left / steps done); the log's step lines stay as
-    they were. The last line names track_cpu's target, says it was not met by this tiny model,
-    and gives the log's path."""
+    """Step lines on the terminal end with the time the rest of the run takes at its pace so far
+    (equal batches here: elapsed x steps left / steps done, and the final validation's slices,
+    each estimated from the time per trained token); the log's step lines stay as they were. The
+    last line names track_cpu's target, says it was not met by this tiny model, and gives the
+    log's path."""
     res = run_trainer(["--preset", "cpu", *TINY, *data_args(shards), "--num_iterations=6", "--log_every=2",
                        f"--log_dir={tmp_path}"])
     assert res.returncode == 0, res.stderr
@@ -51,10 +53,12 @@ def test_a_run_shows_the_time_left_and_ends_with_its_target_and_its_log(shards, 
     log = parse_log(path)
     shown = [STEP_LINE.fullmatch(line) for line in res.stdout.splitlines() if " train_loss:" in line]
     assert shown and all(shown) and len(shown) == len(log.steps)
+    slices, slice_tokens = 2, 1024                       # TINY: val_tokens 2048 in slices of 1024
     for m in shown:
         step, total, elapsed_ms = int(m[1]), int(m[2]), int(m[3])
-        assert abs(seconds_of(m[4]) - elapsed_ms / 1000 * (total - step) / step) <= 1, m[0]
-    assert seconds_of(shown[-1][4]) == 0
+        per_token_s = elapsed_ms / 1000 / (step * 512)   # TINY: 512 tokens a step
+        validation = slices * progress.VAL_TOKEN_SHARE * slice_tokens * per_token_s
+        assert abs(seconds_of(m[4]) - elapsed_ms / 1000 * (total - step) / step - validation) <= 1, m[0]
     val = log.final["val_loss"]
     assert res.stdout.splitlines()[-1] == (
         f"target: val_loss below {target_of('track_cpu'):.4f} (track_cpu): {'met' if val < target_of('track_cpu') else 'not met'}, "
@@ -135,9 +139,50 @@ def test_the_time_left_follows_the_tokens_of_the_steps_left():
                          '"long_window":2}]'])
     tokens = tg.tokens_after_steps(h)
     assert tokens[5] == 5 * 1024 and tokens[10] == 5 * 1024 + 5 * 3072
-    assert tg.eta_text(5_000, tokens, 5) == "15s"          # 5 s for 5 steps of 1 unit; 5 steps of 3 units left
-    assert tg.eta_text(5_000 * 13, tokens, 5) == "3m15s"
-    assert tg.eta_text(5_000 * 800, tokens, 5) == "3h20m"
+    clock = progress.RunClock(tokens, [], 0, 1024, 1)  # (no validation: the steps alone)
+    assert clock.eta_text(5_000, 5) == "15s"          # 5 s for 5 steps of 1 unit; 5 steps of 3 units left
+    assert clock.eta_text(5_000 * 13, 5) == "3m15s"
+    assert clock.eta_text(5_000 * 800, 5) == "3h20m"
+
+
+def test_the_time_left_counts_every_validation_left_at_its_time_per_slice():
+    """Validations at steps 4, 8 and 10 (the final one), 3 slices each: before one ran, each slice
+    is estimated from the time per trained token; once one ran, at its measured time per slice;
+    a validation at the step a line reports has not run yet (it runs before the next step)."""
+    tokens = [1000 * step for step in range(11)]
+    clock = progress.RunClock(tokens, [4, 8, 10], 3, 500, 2)
+    per_slice = progress.VAL_TOKEN_SHARE * 500 * (2.0 / 2000) * 2      # 2 s for 2,000 tokens, on 2 processes
+    assert clock.seconds_left(2_000, 2) == pytest.approx(8.0 + 3 * 3 * per_slice)
+    clock.validated(6.0)                                                # the validation at step 4: 2 s a slice
+    assert clock.seconds_left(4_000, 4) == pytest.approx(6.0 + 3 * 3 * 2.0)
+    assert clock.seconds_left(10_000, 10) == pytest.approx(3 * 2.0)    # the final validation alone
+    assert progress.duration_text(3 * 2.0) == "6s"
+
+
+def test_a_run_says_how_far_its_warm_up_and_final_validation_are(shards, tmp_path):
+    """Each warm-up step and validation forward, and each slice of the final validation, is a line
+    in the log and on the terminal, in order, with the phase's seconds so far; an intermediate
+    validation's slices only on the terminal."""
+    res = run_trainer(["--preset", "cpu", *TINY, *data_args(shards), "--num_iterations=4", "--untie_frac=0.5",
+                       "--warm_up=always", "--warmup_steps=1", "--val_every=2", f"--log_dir={tmp_path}"])
+    assert res.returncode == 0, res.stderr
+    log = parse_log(the_log(tmp_path))
+    said = r", \d+\.\ds so far"
+    warm = [line for line in log.info if line.startswith("warming up: ")]
+    assert [re.sub(said, "", line) for line in warm] == [
+        "warming up: training step 1/2 (graph 1/2: the shape of step 0)",
+        "warming up: training step 2/2 (graph 2/2: the shape of step 2)",
+        "warming up: validation forward 1/2", "warming up: validation forward 2/2"]
+    final = [line for line in log.info if line.startswith("validating at step")]
+    assert [re.sub(said, "", line) for line in final] == ["validating at step 4/4: slice 1/2",
+                                                          "validating at step 4/4: slice 2/2"]
+    terminal = res.stdout.splitlines()
+    assert all(line in terminal for line in warm + final)
+    assert [re.sub(said, "", line) for line in terminal if line.startswith("validating at step 2/4")] == [
+        "validating at step 2/4: slice 1/2", "validating at step 2/4: slice 2/2"]
+    assert all(re.search(said + "$", line) for line in warm + final)
+    lines = log.info
+    assert lines.index(warm[-1]) < next(i for i, line in enumerate(lines) if line.startswith("warm-up: "))
 
 
 def test_a_run_on_no_track_is_held_to_the_target_of_the_tokens_it_validates_on():
