@@ -61,6 +61,7 @@ HANGUP = ["tests/test_failures.py", "-k", "SIGHUP"]
 RECORD_SCHEDULES = ["tests/test_record_schedules.py"]
 VALUE_ADAM = ["tests/test_train.py", "-k", "follows_the_tables"]
 MATRIX_SHAPES = ["tests/test_train.py", "-k", "record_banks"]
+RESUME = ["tests/test_resume.py", "-k", "bit_for_bit"]
 
 
 @dataclasses.dataclass
@@ -478,6 +479,17 @@ MUTATIONS = [
              "        lanes = None", MATRIX_SHAPES, "a narrow-value layer's values equalized by columns"),
     Mutation("optim.py", '        m.lerp_(g, hyper["one_minus_beta1"])', '        m.lerp_(g, 1 - group["betas"][0])',
              OPTIM, "Adam's beta1 baked into a captured update"),
+    Mutation("resume.py", '    trainer.walk.copy_(state["walk"])', "    pass", RESUME,
+             "a resumed run's candidate walk back at its start"),
+    Mutation("resume.py", "        adam.load_state_dict(saved)", "        pass", RESUME,
+             "a resumed run's sparse tables without their Adam state"),
+    Mutation("resume.py", "    trainer.advance_to(max(step - 1, 0))", "    trainer.advance_to(step)", RESUME,
+             "a resumed run's schedule put at its step before its state is loaded"),
+    Mutation("resume.py", '    return (all(getattr(opt, "pending_calls", 0) == 0 for opt in trainer.optimizers)',
+             "    return (True", RESUME, "a resume state written while an Adam holds gradients"),
+    Mutation("train_gpt.py", "    for done in range(step):\n        stage = h.stages[stage_index(h, done)]",
+             "    for done in range(0):\n        stage = h.stages[stage_index(h, done)]", RESUME,
+             "a resumed run's loader back at the first batch"),
 ]
 
 
