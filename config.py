@@ -238,7 +238,7 @@ class Hyperparameters(ModelConfig):
     preset: str = "none"              # the preset the run started from ("none": these defaults)
     # records track a run of this preset belongs to, or "none"
     track: str = choice("track_1_short", "track_2_medium", "track_cpu", "track_3_optimization",
-                        "track_3_cpu_optimization", "none")
+                        "track_3_cpu_optimization", "track_1gpu", "none")
     # -- data --
     train_files: str = path("data/fineweb10B/fineweb_train_*.bin")  # the train shards
     val_files: str = path("data/fineweb10B/fineweb_val_*.bin")  # the val shards
@@ -364,6 +364,10 @@ class Hyperparameters(ModelConfig):
     log_every: int = count(10, 1, MAX_STEPS, "steps")  # print a train-loss line every this many steps
     log_dir: str = path("logs")          # the folder of the run's log (and checkpoint)
     save_checkpoint: bool = False      # write logs/<run id>_model.safetensors at the end
+    # write the run's state every this many steps to logs/<run id>_resume.pt, for --resume=PATH (0: never)
+    resume_every: int = count(0, 0, MAX_STEPS, "steps")
+    # the metrics' other sink beside the log: auto (TensorBoard or W&B when installed) | none | tensorboard | wandb
+    metrics: str = choice("auto", "none", "tensorboard", "wandb")
 
 
 MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
@@ -371,7 +375,7 @@ MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
 # Every other key is the recipe's, which a preset states whole (the schema's defaults are inert).
 RUN_KEYS = ("preset", "seed", "device", "kernels", "compile", "compile_backend", "fp8_gemm", "fp8_on_cpu",
             "warmup_steps", "warm_up", "cuda_graphs", "sync_check", "val_every", "log_every", "log_dir",
-            "save_checkpoint", "ngram_cache_rows")
+            "save_checkpoint", "ngram_cache_rows", "resume_every", "metrics")
 STAGE_FIELDS = [f.name for f in dataclasses.fields(Stage)]
 AVERAGE_FIELDS = [f.name for f in dataclasses.fields(Average)]
 TABLE_PHASE_FIELDS = [f.name for f in dataclasses.fields(TablePhase)]
@@ -544,7 +548,7 @@ SECTION_MARK = "--"                # a schema comment "-- name --" heads a part 
 # --help's groups, by what a key is for, in the order listed; every key but preset in exactly one.
 HELP_GROUPS = {
     "the run: its track, seed, device, log and outputs": (
-        "track", "seed", "device", "log_dir", "log_every", "save_checkpoint"),
+        "track", "seed", "device", "log_dir", "log_every", "save_checkpoint", "resume_every", "metrics"),
     "data and validation": (
         "train_files", "val_files", "val_tokens", "val_tokens_per_rank", "val_every", "batch_ranks"),
     "model: size and storage": ("num_layers", "model_dim", "num_heads", "head_dim", "mlp_hidden", "param_dtype"),

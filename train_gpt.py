@@ -61,7 +61,9 @@ from torch.profiler import record_function
 import config
 import kernels
 import memory_budget
+import metrics
 import optim
+import resume
 from checkpoint import NGRAM_TABLE_KEY, save_checkpoint, send_table_shard, split_ngram_table
 from config import (MAX_TARGETS, MIN_DOC_TOKENS, MODEL_FIELDS, PADDED_VOCAB_SIZE, SMEAR_GATE_DIMS, VOCAB_SIZE,
                     WINDOW_BLOCK, ArgumentParser, Average, ConfigError, Hyperparameters, ModelConfig, Stage, TablePhase,
@@ -74,6 +76,7 @@ from errors import UserError
 from processes import (DISK_FULL_ERRNOS, EXIT_USER_ERROR, SIGNAL_EXIT_CODES, Interrupted, ProcessGroup, TrainingError,
                        hold_signals, interruption_line, launch_environment, peer_exited, report_error,
                        restore_signals, shows_interruptions, start_process, stop_on_signals, synchronize)
+from progress import Progress, RunClock
 from records.logfile import (ERROR_PREFIX, LogWriteError, RunLog, cpu_model, load_average,
                              other_load, project_sources, track_target, write_failure)
 from sparse_tables import SparseTables, available_memory_bytes, check_ngram_table
@@ -386,7 +389,7 @@ def _record89_preset(h):
 
 def _one_gpu_preset(h):
     _speedrun_preset(h)
-    h.track = "none"               # the same dynamics as speedrun, but not an 8xH100 record
+    h.track = "track_1gpu"         # the same dynamics as speedrun: the single-GPU track's recipe
     # the table (130 GB in bf16) in host memory; the device caches the rows of 5 steps (more than
     # min_cache_rows: an update every 4th step, the next step's prefetch and a validation slice)
     h.ngram_cache_rows = 4_194_304
@@ -427,6 +430,7 @@ def _one_card_24gb_preset(h):
     - each slice of the global batch in ONE_CARD_SPLIT micro-batches (the same global batch and
       schedules, a quarter of the step's activations)."""
     _one_gpu_preset(h)
+    h.track = "none"               # a 24 GB card is not the single-GPU track's H100 or H200
     h.ngram_rows, h.ngram_cache_rows = ONE_CARD_NGRAM_ROWS, 0
     split_micro_batches(h, ONE_CARD_SPLIT)
 
@@ -1792,13 +1796,13 @@ class BatchPrefetcher:
     ShardedNgramRows) the thread also packs the tokens of every process's slices of the step, all
     processes' loaders being the same, and works out each of this process's slices' Route from
     them: the loop then only moves the rows, with no gather of the tokens and no hashing on its
-    way. Steps must be asked for in order.
+    way. Steps must be asked for in order, from `start` (a loader that has walked the steps before).
     """
 
-    def __init__(self, loader, h, mine, pin, router=None):
+    def __init__(self, loader, h, mine, pin, router=None, start=0):
         self.loader, self.h, self.mine, self.pin, self.router = loader, h, mine, pin, router
         self.pool = ThreadPoolExecutor(max_workers=1)
-        self.step, self.future = 0, self.pool.submit(self._build, 0)
+        self.step, self.future = start, self.pool.submit(self._build, start)
 
     def _build(self, step):
         stage, h = self.h.stages[stage_index(self.h, step)], self.h
@@ -1825,6 +1829,16 @@ class BatchPrefetcher:
 
     def close(self):
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def loader_at(h, files, step):
+    """A TrainLoader that has walked the batches of steps 0..step-1, packing none: where the run's
+    loader is at `step`."""
+    loader = TrainLoader(files, batch_tokens(h))
+    for done in range(step):
+        stage = h.stages[stage_index(h, done)]
+        loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, mine=())
+    return loader
 
 
 def validation_slices(files, val_tokens, T, num_slices, mine):
@@ -2657,12 +2671,14 @@ class Trainer:
         self.tables.drop_entries()
 
     @torch.no_grad()
-    def validate(self, slices, step, final_validation):
+    def validate(self, slices, step, final_validation, before_slice=None):
         """Mean full-vocabulary loss over `slices` (and the other ranks' as many), in the compute
-        dtype with no FP8."""
+        dtype with no FP8; before_slice(i) is called before the i-th slice (0-based)."""
         self.model.eval()
         total = torch.zeros((), device=self.pg.device)
-        for s in slices:
+        for i, s in enumerate(slices):
+            if before_slice is not None:
+                before_slice(i)
             self.tables.fetch(s.tokens, training=False)
             s = s.to(self.pg.device)
             with self.autocast:
@@ -2747,28 +2763,34 @@ def warm_up_line(trainer, seconds, graphs):
             f"train_time counts from step 0")
 
 
-def warm_up(trainer, train_files, val_slices):
+def warm_up(trainer, train_files, val_slices, progress=None):
     """Untimed: run every graph the timed run will use (each stage's shape, the untie, each
     validation's windows), so that torch.compile and the Triton JIT do their work here, then
     capture each training step's CUDA graph: after every key's eager steps, so that no eager step
     runs beside the graphs' memory pool (a stage's step plus the pool would be two steps' memory
     at once); then restore the initial model, optimizer and schedule state. Returns the graphs
-    torch.compile built."""
+    torch.compile built. `progress` (a progress.Progress) says each step, capture and validation
+    forward before it starts."""
     h = trainer.h
+    say = progress.say if progress is not None else lambda piece: None
     before = compiled_graphs()
     saved = trainer.snapshot()
     loader = TrainLoader(train_files, batch_tokens(h))
     trainer.graphs.in_warm_up = trainer.tables.frozen = True
-    steps_per_key = warm_up_steps_per_key(h)
-    for step in graph_changes(h):
+    steps_per_key, keys = warm_up_steps_per_key(h), graph_changes(h)
+    for k, step in enumerate(keys):
         trainer.advance_to(step)
         stage = h.stages[stage_index(h, step)]
-        for _ in range(steps_per_key):
+        for i in range(steps_per_key):
+            say(f"training step {k * steps_per_key + i + 1}/{len(keys) * steps_per_key} (graph {k + 1}/{len(keys)}: "
+                f"the shape of step {step})")
             trainer.train_step(step, loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks,
                                                        trainer.mine))
         if h.warmup_steps:
             trainer.capture_graph(step, prepare_only=True)
-    for step in graph_changes(h) if h.warmup_steps else ():
+    for k, step in enumerate(keys if h.warmup_steps else ()):
+        if trainer.graphs.capturing:
+            say(f"capturing graph {k + 1}/{len(keys)}")
         trainer.advance_to(step)
         trainer.capture_graph(step)
     for adam in trainer.tables.adams():     # the frozen tables' updates, on scratch tables
@@ -2780,6 +2802,7 @@ def warm_up(trainer, train_files, val_slices):
         graph = (attention_windows(h, step, final), step < untie_step(h))
         if graph not in seen:
             seen.add(graph)
+            say(f"validation forward {len(seen)}/{warm_up_validations(h)}")
             trainer.advance_to(step, final)
             trainer.validate(val_slices[:1], step, final)
     trainer.restore(saved)
@@ -2788,17 +2811,19 @@ def warm_up(trainer, train_files, val_slices):
     return compiled_graphs() - before
 
 
-def write_loss_lines(log, lines, h):
+def write_loss_lines(log, lines, h, clock, sink):
     """Step lines: the next-token train loss (comparable with val_loss) and the objective; on the
-    terminal also the time the remaining steps will take (eta_text)."""
-    N, tokens = h.num_iterations, tokens_after_steps(h)
+    terminal also the time the rest of the run will take (clock, a progress.RunClock); the same
+    numbers to the metrics sink."""
+    N = h.num_iterations
     for step, elapsed, (loss, objective) in lines:
         check_finite("train", objective, step - 1, log)
+        sink.scalars(step, {"train/loss": loss, "train/objective": objective, "train/time_ms": elapsed})
         line = (f"step:{step}/{N} train_loss:{loss:.4f} objective:{objective:.4f} train_time:{elapsed:.0f}ms "
                 f"step_avg:{elapsed / step:.2f}ms")
         log.write(line)
         if log.active:
-            print(f"{line} eta:{eta_text(elapsed, tokens, step)}", flush=True)
+            print(f"{line} eta:{clock.eta_text(elapsed, step)}", flush=True)
 
 
 def tokens_after_steps(h):
@@ -2808,13 +2833,23 @@ def tokens_after_steps(h):
     return list(itertools.accumulate(per_step, initial=0))
 
 
-def eta_text(elapsed_ms, tokens, step):
-    """The train time the steps after `step` will take at this run's time per token so far (a
-    step's time follows its tokens: later stages have larger batches), as 45s, 3m05s or 1h02m."""
-    left = round(elapsed_ms / 1000 * (tokens[-1] - tokens[step]) / tokens[step])
-    minutes, seconds = divmod(left, 60)
-    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{seconds:02d}s" if minutes else \
-        f"{seconds}s"
+def run_clock(h, pg, val_slices):
+    """The RunClock of this run's schedule: its tokens per step, its validations, this process's
+    validation slices. A step's time follows its tokens (later stages have larger batches)."""
+    return RunClock(tokens_after_steps(h), [step for step, _ in validation_points(h)], len(val_slices),
+                    h.val_tokens_per_rank, pg.world_size)
+
+
+def validation_progress(trainer, step, final, slices):
+    """before_slice of a validation of `slices` slices: the final one says each slice in the log
+    and on the terminal, an intermediate one on the terminal only (once the device caught up, so
+    the seconds are real)."""
+    progress = Progress(trainer.log, f"validating at step {step}/{trainer.h.num_iterations}", in_log=final)
+
+    def before_slice(i):
+        synchronize(trainer.pg.device)
+        progress.say(f"slice {i + 1}/{slices}")
+    return before_slice
 
 
 def shards_of(pattern):
@@ -2836,9 +2871,22 @@ def validation_data(h, pg, val_files):
                              range(pg.rank, num_slices, pg.world_size))
 
 
-def train(h, pg, log):
+def save_resume_state(trainer, step, batches, log):
+    """Write the run's state at the start of `step` for --resume (resume.save_state), and say so."""
+    path = resume.state_path(trainer.h.log_dir, log.run_id)
+    if trainer.pg.master:
+        resume.save_state(path, trainer, step, batches.peek(), log.run_id)
+    log.write(f"resume state: step {step} written to {path} (python train_gpt.py --resume={path})", echo=True)
+
+
+def train(h, pg, log, resumed=None):
+    """Train h on the process group pg, logging to log; `resumed`: a resume state (resume.py) to
+    continue from."""
     train_files, val_files = shards_of(h.train_files), shards_of(h.val_files)
     check_validation_split(h, pg)
+    if h.resume_every or resumed:
+        resume.refuse_unresumable(h, pg.world_size)
+    metrics.refuse_missing(h.metrics)
     started, load_at_start, threads = time.perf_counter(), load_average(), run_threads(pg)
     log.header(project_sources(), environment(pg.world_size, gemm_path(h, pg.device), load_at_start),
                [fingerprint(f) for f in val_files + train_files], logged_config(h))
@@ -2851,37 +2899,57 @@ def train(h, pg, log):
         total = torch.cuda.get_device_properties(pg.device).total_memory
         log.write(f"memory budget: {trainer.budget.summary(total)} on each GPU (its step "
                   f"{trainer.budget.step / 2**30:.1f} GiB)", echo=True)
+    sink = metrics.open_sink(h, log.run_id, logged_config(h), log.active)
+    if sink.where:
+        log.write(f"metrics: {sink.where}", echo=True)
     log.progress = "in the warm-up"
     untimed_t0 = time.perf_counter()
-    warm_graphs = warm_up(trainer, train_files, val_slices) if trainer.needs_warm_up() else 0
+    warm_graphs = (warm_up(trainer, train_files, val_slices, Progress(log, "warming up"))
+                   if trainer.needs_warm_up() else 0)
     if trainer.kernels.any_fp8:
         trainer.calibrate_fp8(first_batch(h, train_files, trainer.mine))
     log.write(warm_up_line(trainer, time.perf_counter() - untimed_t0, warm_graphs), echo=True)
+    start = resumed["step"] if resumed else 0
+    if resumed:
+        resume.restore_state(trainer, resumed)
+        log.write(f"resumed: from {resumed['path']} at step {start} of run {resumed['run_id']}, train_time "
+                  f"{trainer.train_time_ms:.0f}ms so far", echo=True)
     gc.collect()
     gc.freeze()                    # the warm-up's objects leave the collector's view: shorter pauses in the timed run
     trainer.tables.start_timing()
-    batches = BatchPrefetcher(TrainLoader(train_files, batch_tokens(h)), h, trainer.mine,
-                              pin=pg.device.type == "cuda", router=trainer.tables.router)
-    losses = DeferredLossLines(pg.device)
+    batches = BatchPrefetcher(loader_at(h, train_files, start), h, trainer.mine, pin=pg.device.type == "cuda",
+                              router=trainer.tables.router, start=start)
+    if resumed:
+        resume.check_data_position(resumed["path"], resumed, batches.peek())
+    next_save = start + h.resume_every
+    losses, clock = DeferredLossLines(pg.device), run_clock(h, pg, val_slices)
     N = h.num_iterations
     synchronize(pg.device)
     graphs_before_timing, eager_before_timing = compiled_graphs(), trainer.graphs.eager_runs
     t0 = time.perf_counter()
     try:
-        for step in range(N + 1):
+        for step in range(start, N + 1):
             log.progress = f"at step {step}/{N}"
             last = step == N
+            if h.resume_every and next_save <= step < N and resume.nothing_pending(trainer):
+                synchronize(pg.device)
+                trainer.train_time_ms += 1000 * (time.perf_counter() - t0)
+                save_resume_state(trainer, step, batches, log)
+                next_save, t0 = step + h.resume_every, time.perf_counter()
             if last and h.averages:
                 shipped = trainer.averages.ship()
             if last or (h.val_every and step % h.val_every == 0 and step > 0):
                 synchronize(pg.device)
                 trainer.train_time_ms += 1000 * (time.perf_counter() - t0)
-                write_loss_lines(log, losses.ready(wait=True), h)
+                write_loss_lines(log, losses.ready(wait=True), h, clock, sink)
                 trainer.advance_to(step, final_validation=last)
-                val_loss = trainer.validate(val_slices, step, final_validation=last)
+                val_t0 = time.perf_counter()
+                val_loss = trainer.validate(val_slices, step, last, validation_progress(trainer, step, last, len(val_slices)))
+                clock.validated(time.perf_counter() - val_t0)
                 log.write(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{trainer.train_time_ms:.0f}ms "
                           f"step_avg:{trainer.train_time_ms / max(step, 1):.2f}ms", echo=True)
                 check_finite("val", val_loss, step, log)
+                sink.scalars(step, {"val/loss": val_loss})
                 synchronize(pg.device)
                 t0 = time.perf_counter()
             if last:
@@ -2897,9 +2965,10 @@ def train(h, pg, log):
                     dist.all_reduce(loss)
                 elapsed = trainer.train_time_ms + 1000 * (time.perf_counter() - t0)
                 losses.add(step + 1, elapsed, loss / pg.world_size)
-            write_loss_lines(log, losses.ready(), h)
+            write_loss_lines(log, losses.ready(), h, clock, sink)
     finally:
         batches.close()
+        sink.close()
     if h.averages:
         log.write(f"averages: {shipped} blends into the weights before the final validation", echo=True)
     timed_graphs = compiled_graphs() - graphs_before_timing
@@ -3056,11 +3125,13 @@ def main(argv=None, command=None, run=None):
         if any(a.startswith(("--eval", "--sample")) for a in argv):
             raise ConfigError("a checkpoint is evaluated or sampled by evaluate.py: python evaluate.py --eval=PATH "
                               "or --sample=PATH")
-        h = parse_config(with_machine_preset(argv, launch))
+        resume_from, argv = resume.resume_argument(argv)
+        h, resumed = (resume.resumed_config(resume_from, argv) if resume_from
+                      else (parse_config(with_machine_preset(argv, launch)), None))
         pg = start_process(h)
         log = RunLog(h.log_dir, pg.master)
         with bf16_gemms(gemm_path(h, pg.device)):
-            train(h, pg, log)
+            train(h, pg, log, resumed)
         return 0
     except Interrupted as e:
         return stop(log, interruption_line(launch, e.signal_name, where_the_run_is(log, command)),
