@@ -82,8 +82,13 @@ nproc=$(sed -n 1p <<< "$plan")
 read -ra preset_args <<< "$(sed -n 2p <<< "$plan")"
 
 echo "run.sh: $(sed -n 3p <<< "$plan")"
-shards=$("$PYTHON" -c "import sys, train_gpt as t; print(t.train_shards_needed(t.parse_config(sys.argv[1:])))" \
+# Two words: the train shards the run reads, and its track.
+needs=$("$PYTHON" -c "import sys, train_gpt as t; h = t.parse_config(sys.argv[1:]); print(t.train_shards_needed(h), h.track)" \
     "${preset_args[@]}" "$@") || fail "bad arguments for train_gpt.py (see above)"
+read -r shards track <<< "$needs"
+if [ "$nproc" -eq 1 ] && [ "$track" = track_1gpu ]; then
+    echo "run.sh: one GPU: the single-GPU track's recipe (records/track_1gpu/README.md: a record runs on one H100 or H200)"
+fi
 "$PYTHON" data/cached_fineweb10B.py "$shards" || exit $?
 
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc" train_gpt.py "${preset_args[@]}" "$@"

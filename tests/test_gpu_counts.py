@@ -295,3 +295,13 @@ def test_docs_show_the_plans_the_planner_makes_now():
         args, processes, reason = memory_budget.launch_plan(tg, int(gpus), [], memory_of(int(float(gpu_gib) * GiB),
                                                                           int(float(host_gib) * GiB)))
         assert lines == [str(processes), " ".join(args), reason]
+
+
+def test_run_sh_on_one_h100_names_the_single_gpu_track(tmp_path):
+    """./run.sh on one H100: the plan's 1gpu configuration, and a line naming the single-GPU track
+    whose recipe it is."""
+    processes, args, said = run_sh_launch(tmp_path, 1, H100)
+    assert processes == 1 and args[:2] == ["--preset", "1gpu"]
+    assert said == [f"run.sh: {memory_budget.launch_plan(tg, 1, [], memory_of(H100))[2]}",
+                    "run.sh: one GPU: the single-GPU track's recipe (records/track_1gpu/README.md: a record runs "
+                    "on one H100 or H200)"]

@@ -238,3 +238,44 @@ def test_the_repositorys_tracks_that_name_no_fingerprints_name_their_files():
         definition = json.loads((REPO / "records" / track / "track.json").read_text())
         assert "val_data" in definition or re.fullmatch(r"fineweb_val_\d+\.bin", definition["data_names"]["val"])
         assert definition["data_names"]["train"].startswith("fineweb_train_")
+
+
+@pytest.mark.parametrize("gpu, world_size, made", [
+    ("NVIDIA H100 80GB HBM3", 1, True),
+    ("NVIDIA H200", 1, True),
+    ("NVIDIA H100 80GB HBM3, NVIDIA H100 80GB HBM3", 1, False),    # a second GPU visible to the run
+    ("NVIDIA H100 80GB HBM3", 2, False),
+    ("NVIDIA GeForce RTX 4090", 1, False),
+    ("none", 1, False),
+], ids=["H100", "H200", "two GPUs seen", "two processes", "RTX 4090", "no GPU"])
+def test_the_single_gpu_track_takes_runs_of_one_h100_or_h200(tmp_path, capsys, gpu, world_size, made):
+    """The repository's track_1gpu definition (its data named as a test site's files, its target
+    above the fake runs' losses): a series on one H100 or H200 in one process is a record; any other
+    hardware is refused by the hardware rule."""
+    site = use_test_checkout(tmp_path)
+    track = json.loads((REPO / "records" / "track_1gpu" / "track.json").read_text())
+    track |= {"target_val_loss": 3.5, "val_tokens": VAL_TOKENS, "data_names": {"val": "x_val_000000.bin",
+                                                       "train": "x_train_[0-9][0-9][0-9][0-9][0-9][0-9].bin"}}
+    (site / "records" / "track_1gpu").mkdir(parents=True)
+    (site / "records" / "track_1gpu" / "track.json").write_text(json.dumps(track))
+    (site / "README.md").write_text("# T\n\n<!-- records:track_1gpu:start -->\n<!-- records:track_1gpu:end -->\n")
+    runs = logs(site / "logs", "run", [5000, 5600, 5300], [0, 1, 2], track="track_1gpu", gpu=gpu,
+                world_size=world_size)
+    argv = ["--track", "track_1gpu", "--records-dir", str(site / "records"), "--readme", str(site / "README.md")]
+    code = make_record.main(argv + ["--name", "One", "--date", RECORD_DAY, "--logs", *runs])
+    err = capsys.readouterr().err
+    assert (code == 0) == made, err
+    assert made or err.endswith("(rule: hardware)\n")
+
+
+def test_the_single_gpu_preset_is_the_single_gpu_tracks_recipe():
+    import train_gpt as tg
+    track = json.loads((REPO / "records" / "track_1gpu" / "track.json").read_text())
+    one, speedrun = tg.parse_config(["--preset", "1gpu"]), tg.parse_config(["--preset", "speedrun"])
+    assert one.track == "track_1gpu" and tg.parse_config(["--preset", "1gpu_24gb"]).track == "none"
+    assert (one.val_tokens, one.val_files, one.train_files) == (track["val_tokens"], speedrun.val_files,
+                                                                speedrun.train_files)
+    assert track["target_val_loss"] == json.loads((REPO / "records" / "track_1_short" / "track.json").read_text())[
+        "target_val_loss"]
+    readme = (REPO / "README.md").read_text()
+    assert "<!-- records:track_1gpu:start -->\n_No records yet._\n<!-- records:track_1gpu:end -->" in readme
