@@ -1,10 +1,13 @@
-# The GPU image: this repository on Python 3.12 with CUDA torch and triton (by default the GPU
-# test machine's torch 2.11.0 for CUDA 13.0 and triton 3.6.0; requirements/train.txt's pins with
-# --build-arg TORCH=2.13.0 --build-arg TRITON=3.7.1) and every other pin of requirements/.
+# The GPU image: this repository on Python 3.12 with requirements.txt's pins: CUDA torch and the
+# triton it pins from the CUDA 13.0 index, then every other pin of requirements/.
 #
 #   docker build -t speedrun .
 #   docker run --gpus all --ipc=host speedrun                               # ./run.sh
 #   docker run --gpus all --ipc=host speedrun python -m pytest -q tests    # the tests
+#
+# The host needs an NVIDIA driver of 580 or newer (CUDA 13.0's); the image checks it at start
+# (docker-entrypoint.sh) and ends with one line when it is older. For an older driver, build for
+# CUDA 12.8 (driver 570 or newer): --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128
 #
 # Keep the downloaded FineWeb shards and the logs across runs with volumes:
 #   -v $PWD/data/fineweb10B:/speedrun/data/fineweb10B -v $PWD/logs:/speedrun/logs
@@ -14,21 +17,20 @@ FROM python:3.12-slim
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev git \
     && rm -rf /var/lib/apt/lists/*
 
-ARG TORCH=2.11.0
-ARG TRITON=3.6.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu130
-ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
+# The NVIDIA driver the index's CUDA needs (docker-entrypoint.sh checks the host's): 580 for cu130.
+ARG MIN_DRIVER=580
+ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 SPEEDRUN_MIN_DRIVER=$MIN_DRIVER
 WORKDIR /speedrun
 
-# torch and triton from the CUDA index, then requirements.txt's other pins (its files without them).
+# torch and triton at their pins from the CUDA index, then requirements.txt's other pins.
 COPY requirements.txt ./
 COPY requirements/ requirements/
-RUN pip install --index-url "$TORCH_INDEX" --extra-index-url https://pypi.org/simple \
-        "torch==$TORCH" "triton==$TRITON" \
-    && mkdir /tmp/pins && cp requirements/*.txt /tmp/pins/ \
-    && sed -i -E '/^(torch|triton)==/d' /tmp/pins/train.txt \
-    && pip install -r /tmp/pins/dev.txt \
-    && rm -r /tmp/pins
+RUN pin() { sed -n "s/^$1==//p" requirements/*.txt | head -1; } \
+    && pip install --index-url "$TORCH_INDEX" --extra-index-url https://pypi.org/simple \
+        "torch==$(pin torch)" "triton==$(pin triton)" \
+    && pip install -r requirements.txt
 
 COPY . .
+ENTRYPOINT ["./docker-entrypoint.sh"]
 CMD ["./run.sh"]

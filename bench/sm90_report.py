@@ -64,8 +64,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 def report_path(version=triton.__version__):
     """Where the report of a triton version is kept: sm90_resources.json for the version
-    requirements pin (requirements/train.txt), sm90_resources_triton<version>.json for another (the GPU image's)."""
-    pinned = next(line.split("==")[1].strip() for line in (REPO_ROOT / "requirements" / "train.txt").read_text().splitlines()
+    requirements pin (requirements/dev.txt; CUDA torch pins the same), sm90_resources_triton<version>.json for
+    another."""
+    pinned = next(line.split("==")[1].strip() for line in (REPO_ROOT / "requirements" / "dev.txt").read_text().splitlines()
                   if line.startswith("triton=="))
     name = "sm90_resources.json" if version == pinned else f"sm90_resources_triton{version}.json"
     return pathlib.Path(__file__).resolve().parent / name

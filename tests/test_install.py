@@ -53,15 +53,31 @@ def pins(name, seen=()):
     return out
 
 
+def optional_imports(tree):
+    """The import statements of `tree` inside a try whose handler catches ImportError: a module the
+    file works without (kernels.py's triton on a CPU-only install)."""
+    optional = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and any(isinstance(h.type, ast.Name) and h.type.id in ("ImportError",
+                                                                                          "ModuleNotFoundError")
+                                             for h in node.handlers):
+            optional |= {id(n) for statement in node.body for n in ast.walk(statement)}
+    return optional
+
+
 def imported_distributions(patterns):
     """The distributions that the files matching `patterns` import (their top-level third-party
-    modules, anywhere in the file), by importlib.metadata."""
+    modules, anywhere in the file, but where an ImportError is caught), by importlib.metadata."""
     providers = importlib.metadata.packages_distributions()
     local = {p.stem for p in ROOT.glob("*.py")} | {"data", "records", "tests", "bench", "launch", "tiny_runs"}
     names = set()
     for pattern in patterns:
         for path in ROOT.glob(pattern):
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            optional = optional_imports(tree)
+            for node in ast.walk(tree):
+                if id(node) in optional:
+                    continue
                 if isinstance(node, ast.Import):
                     names |= {alias.name.split(".")[0] for alias in node.names}
                 elif isinstance(node, ast.ImportFrom) and node.level == 0:
@@ -96,7 +112,7 @@ def test_each_requirements_file_installs_what_its_part_imports(name):
 
 def test_training_alone_installs_none_of_the_extras():
     train = set(pins("train.txt"))
-    assert not train & {"lm-eval", "pytest", "scipy", "matplotlib", "safetensors"}
+    assert not train & {"lm-eval", "pytest", "scipy", "matplotlib", "safetensors", "triton"}
     assert pins("dev.txt") == {**pins("train.txt"), **pins("eval.txt"), **pins("records.txt"), **pins("dev.txt")}
 
 
@@ -116,7 +132,70 @@ def test_the_readme_states_the_python_version_and_the_cpu_wheel():
     assert f"Python {tg.MIN_PYTHON[0]}.{tg.MIN_PYTHON[1]} or newer" in readme
     torch = pins("train.txt")["torch"]
     assert f"pip install torch=={torch} --index-url https://download.pytorch.org/whl/cpu" in readme
-    assert "`requirements/train.txt`" in readme
+    assert "`requirements/train.txt`" in readme or "requirements/train.txt" in readme
+
+
+CPU_WHEEL_INDEX = "https://download.pytorch.org/whl/cpu"
+# Distributions that are CUDA, or that only a GPU uses: what a CPU-only install must not pull.
+GPU_ONLY = re.compile(r"nvidia-.*|cuda-.*|cupy.*|triton|pytorch-triton.*")
+
+
+def readme_install_commands():
+    """The pip commands of the README's first code block, in order, each as its arguments."""
+    block = (ROOT / "README.md").read_text().split("```bash\n")[1].split("```")[0]
+    commands = []
+    for line in block.splitlines():
+        for part in line.split("#")[0].split("&&"):
+            words = part.split()
+            if words[:2] == ["pip", "install"]:
+                commands.append(words[2:])
+    return commands
+
+
+def test_a_cpu_only_install_by_the_readmes_first_commands_pulls_no_cuda_package():
+    """The README's first command installs torch's CPU wheel at requirements/train.txt's pin; the
+    next installs requirements/train.txt, which that wheel satisfies (its pin has no local version,
+    so pip keeps torch 2.13.0+cpu) and whose other pins, with what they require, hold no CUDA or
+    GPU-only package; no requirements file names another index. On a machine with the CPU wheel,
+    pip resolves the file offline with nothing to install."""
+    from packaging.specifiers import SpecifierSet
+    first, second = readme_install_commands()[:2]
+    torch_pin = pins("train.txt")["torch"]
+    assert first == [f"torch=={torch_pin}", "--index-url", CPU_WHEEL_INDEX]
+    assert second == ["-r", "requirements/train.txt"]
+    assert f"{torch_pin}+cpu" in SpecifierSet(f"=={torch_pin}")
+    others = set(pins("train.txt")) - {"torch"}
+    pulled = installed_with(others)
+    assert not [name for name in pulled | set(pins("train.txt")) if GPU_ONLY.fullmatch(name)], pulled
+    for path in (ROOT / "requirements").glob("*.txt"):
+        assert not [line for line in path.read_text().splitlines() if "index-url" in line.split("#")[0]], path
+    import torch
+    if torch.__version__.endswith("+cpu"):
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "-r",
+                               "requirements/train.txt"], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and "Would install" not in done.stdout, done.stdout + done.stderr
+
+
+def test_training_on_a_cpu_runs_without_triton(shards, tmp_path):
+    """With triton absent (requirements/train.txt does not pin it), a CPU run trains on the kernels'
+    references and logs triton as none; a Triton kernel launched anyway says what is missing."""
+    from tiny_runs import TINY, data_args
+    blocked = "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None; "
+    run = (blocked + "import runpy; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", run, "train_gpt.py", "--preset", "cpu", *TINY, *data_args(shards),
+                           "--num_iterations=2", f"--log_dir={tmp_path}"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=cpu_env(OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr
+    (log,) = tmp_path.glob("*.txt")
+    assert "\ntriton: none #" in log.read_text()
+    launch = subprocess.run([sys.executable, "-c", blocked + "import kernels; kernels._transpose_kernel[(1,)]()"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300, env=cpu_env())
+    assert launch.returncode != 0 and "the Triton kernels need the triton package, which is not installed" in launch.stderr
+
+
+def test_each_test_has_a_time_limit(pytestconfig):
+    """pytest.ini sets pytest-timeout's limit (the plugin pinned in requirements/dev.txt)."""
+    assert "pytest-timeout" in pins("dev.txt") and int(pytestconfig.getini("timeout")) > 0
 
 
 def test_train_gpt_on_an_older_python_ends_with_one_line():
@@ -145,17 +224,41 @@ def test_run_sh_with_an_older_python_ends_with_one_line(tmp_path):
 
 
 def test_the_dockerfile_builds_the_gpu_image_and_runs_the_readmes_command():
-    """A Python the pins install on; torch and triton at versions whose kernel compile report is
-    kept (bench/sm90_resources*.json: the pinned triton's, or the GPU image's); every other pin of
-    requirements.txt; ./run.sh as its command."""
+    """A Python the pins install on; torch and triton at requirements.txt's pins (read from
+    requirements/ when it builds), every other pin; its entry checks the driver; ./run.sh."""
     text = (ROOT / "Dockerfile").read_text()
     base = re.search(r"^FROM python:(\d+)\.(\d+)-slim$", text, re.M)
     assert base and tuple(map(int, base.groups())) >= tg.MIN_PYTHON
-    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
-    assert args["TRITON"] == pins("train.txt")["triton"] or (ROOT / f"bench/sm90_resources_triton{args['TRITON']}.json").exists()
-    assert '"torch==$TORCH" "triton==$TRITON"' in text
-    assert "sed -i -E '/^(torch|triton)==/d' /tmp/pins/train.txt" in text and "pip install -r /tmp/pins/dev.txt" in text
+    assert not re.search(r"^ARG (TORCH|TRITON)=", text, re.M)          # no versions of its own
+    assert '"torch==$(pin torch)" "triton==$(pin triton)"' in text and "pip install -r requirements.txt" in text
+    pin = re.search(r'pin\(\) \{ (.*); \}', text)[1]
+    for name in ("torch", "triton"):
+        done = subprocess.run(["bash", "-c", f"pin() {{ {pin}; }}; pin {name}"], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+        assert done.stdout.strip() == pins("dev.txt")[name], name
     assert re.search(r"^COPY requirements/ requirements/$", text, re.M) and text.rstrip().endswith('CMD ["./run.sh"]')
+    assert 'ENTRYPOINT ["./docker-entrypoint.sh"]' in text and "ARG MIN_DRIVER=580" in text
+    assert "NVIDIA driver of 580 or newer" in text
+
+
+@pytest.mark.parametrize("smi, code, line", [
+    ("echo 535.104.05", 2, "speedrun image: the host's NVIDIA driver is 535.104.05; this image's CUDA torch needs 580 "
+                           "or newer: update the driver, or build the image for CUDA 12.8"),
+    ("echo 580.82.07", 0, "speedrun image: NVIDIA driver 580.82.07 (this image needs 580 or newer)"),
+    (None, 0, "speedrun image: no NVIDIA GPU in the container (run it with --gpus all); running on the CPU"),
+], ids=["old driver", "new driver", "no GPU"])
+def test_the_images_entry_checks_the_driver_in_one_line(tmp_path, smi, code, line):
+    """docker-entrypoint.sh with a stand-in nvidia-smi (or none on the PATH): one line on stderr,
+    then the command runs, or (an older driver) exit code 2 without it."""
+    (tmp_path / "bin").mkdir()
+    if smi:
+        (tmp_path / "bin" / "nvidia-smi").write_text(f"#!/bin/sh\n{smi}\n")
+        (tmp_path / "bin" / "nvidia-smi").chmod(0o755)
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "SPEEDRUN_MIN_DRIVER": "580"}
+    done = subprocess.run([str(ROOT / "docker-entrypoint.sh"), "echo", "ran"], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert done.returncode == code and done.stderr.splitlines()[0].startswith(line), done.stderr
+    assert len(done.stderr.splitlines()) == 1 and done.stdout == ("ran\n" if code == 0 else "")
 
 
 def test_the_license_is_mit():
