@@ -179,7 +179,8 @@ class ModelConfig:
     num_layers: int = count(12, 1, MAX_LAYERS, "layers")  # transformer blocks
     model_dim: int = count(768, 1, MAX_WIDTH, "dims")  # width of the residual stream
     num_heads: int = count(6, 1, MAX_HEADS, "heads")  # attention heads of a layer
-    head_dim: int = count(128, 4, MAX_HEAD_DIM, "dims", multiple=4)  # dims of a head (RoPE rotates pairs in half of them)
+    # dims of a head (RoPE rotates pairs in half of them)
+    head_dim: int = count(128, 4, MAX_HEAD_DIM, "dims", multiple=4)
     mlp_hidden: int = count(3072, 1, MAX_HIDDEN, "dims")  # hidden width of an MLP
     long_window_layers: tuple = layers(())  # layers that use the long window; others the short one
     attention_free_layers: tuple = layers(())  # layers with no attention sublayer

@@ -2943,8 +2943,8 @@ def train(h, pg, log, resumed=None):
                 trainer.train_time_ms += 1000 * (time.perf_counter() - t0)
                 write_loss_lines(log, losses.ready(wait=True), h, clock, sink)
                 trainer.advance_to(step, final_validation=last)
-                val_t0 = time.perf_counter()
-                val_loss = trainer.validate(val_slices, step, last, validation_progress(trainer, step, last, len(val_slices)))
+                val_t0, before_slice = time.perf_counter(), validation_progress(trainer, step, last, len(val_slices))
+                val_loss = trainer.validate(val_slices, step, last, before_slice)
                 clock.validated(time.perf_counter() - val_t0)
                 log.write(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{trainer.train_time_ms:.0f}ms "
                           f"step_avg:{trainer.train_time_ms / max(step, 1):.2f}ms", echo=True)

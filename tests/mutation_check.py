@@ -61,6 +61,11 @@ HANGUP = ["tests/test_failures.py", "-k", "SIGHUP"]
 RECORD_SCHEDULES = ["tests/test_record_schedules.py"]
 VALUE_ADAM = ["tests/test_train.py", "-k", "follows_the_tables"]
 MATRIX_SHAPES = ["tests/test_train.py", "-k", "record_banks"]
+HELP = ["tests/test_help.py", "-k", "meaning"]
+ARGUMENTS = ["tests/test_config.py", "-k", "two_arguments or without_a_preset"]
+TIME_LEFT = ["tests/test_run_report.py", "-k", "time_left or how_far"]
+SINK = ["tests/test_metrics.py", "-k", "mirrors"]
+INSTALL = ["tests/test_install.py", "-k", "cpu_only or without_triton"]
 RESUME = ["tests/test_resume.py", "-k", "bit_for_bit"]
 
 
@@ -490,6 +495,26 @@ MUTATIONS = [
     Mutation("train_gpt.py", "    for done in range(step):\n        stage = h.stages[stage_index(h, done)]",
              "    for done in range(0):\n        stage = h.stages[stage_index(h, done)]", RESUME,
              "a resumed run's loader back at the first batch"),
+    Mutation("config.py", "    return text.startswith(SECTION_MARK) and text.endswith(SECTION_MARK)", "    return False", HELP,
+             "a schema heading read as the next key's meaning"),
+    Mutation("config.py", "    for item in joined_values(items):", "    for item in items:", ARGUMENTS,
+             "--key value refused"),
+    Mutation("train_gpt.py", '        return ["--preset", "cpu", *argv]', "        return argv", ARGUMENTS,
+             "train_gpt.py without --preset on a CPU runs the speedrun preset"),
+    Mutation("progress.py", "        validations = sum(1 for at in self.validations if at >= step)",
+             "        validations = sum(1 for at in self.validations if at > step)", TIME_LEFT,
+             "the time left misses the validation at the reported step"),
+    Mutation("progress.py", "        return training + validations * self.slices * self.seconds_per_slice(per_token)",
+             "        return training", TIME_LEFT, "the time left counts the training steps alone"),
+    Mutation("train_gpt.py", '            say(f"validation forward {len(seen)}/{warm_up_validations(h)}")\n', "",
+             TIME_LEFT, "the warm-up's validation forwards unannounced"),
+    Mutation("train_gpt.py", '                sink.scalars(step, {"val/loss": val_loss})\n', "", SINK,
+             "the val loss not mirrored to the metrics sink"),
+    Mutation("requirements/train.txt", "numpy==2.4.6\n", "numpy==2.4.6\ntriton==3.7.1\n", INSTALL,
+             "a CPU-only training install pulls triton"),
+    Mutation("kernels.py", "except ImportError:                # a CPU-only install",
+             "except NameError:                # a CPU-only install", INSTALL,
+             "kernels.py needs triton on a CPU"),
 ]
 
 

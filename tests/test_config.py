@@ -194,3 +194,8 @@ def test_without_a_preset_train_gpt_runs_what_run_sh_runs_on_this_machine(monkey
     assert capsys.readouterr().err == "train_gpt.py: no --preset given, as ./run.sh here: 1 GPU of 79.6 GiB: the reason\n"
     with pytest.raises(config.ConfigError, match=r"on 8 process\(es\) of this machine the plan needs 1: run ./run.sh"):
         tg.with_machine_preset([], launch_of(8))
+
+
+def test_a_key_and_its_value_may_be_two_arguments():
+    h = tg.parse_config(["--preset", "cpu", "--matrix_lr", "0.06", "--seed", "3", "--compile=false"])
+    assert (h.matrix_lr, h.seed, h.compile) == (0.06, 3, False)
