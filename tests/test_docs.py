@@ -99,3 +99,17 @@ def test_the_model_sizes_in_the_usage_notes():
 def test_the_usage_notes_name_every_preset():
     text = (REPO / "docs" / "usage.md").read_text()
     assert all(f"`{name}`" in text for name in recipe().PRESETS)
+
+
+def test_the_cpu_tracks_readme_lists_every_record_folder_of_the_track():
+    """The CPU track's own table has a row for each folder of the track holding a statistics.json,
+    with its mean val loss and mean train time as the statistics give them."""
+    import json
+    text = (REPO / "records" / "track_cpu" / "README.md").read_text()
+    rows = {line.split("](")[0].removeprefix("| ["): line for line in text.splitlines() if line.startswith("| [20")}
+    folders = sorted(p.parent for p in (REPO / "records" / "track_cpu").glob("*/statistics.json"))
+    assert sorted(rows) == [folder.name for folder in folders]
+    for folder in folders:
+        stats = json.loads((folder / "statistics.json").read_text())
+        row = rows[folder.name]
+        assert f"| {stats['val_loss']['mean']:.4f}" in row and f"| {stats['train_time_s']['mean']:.1f} s |" in row, row
