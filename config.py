@@ -735,6 +735,8 @@ def parse_config(argv, presets, default_preset, description=None):
                                                        f"what ./run.sh runs on this machine, the cpu preset without "
                                                        f"a GPU)")
     parser.add_argument("--config", default=None, help="JSON file of a resolved config (a log's)")
+    parser.add_argument("--resume", metavar="PATH", help="continue the run whose state is PATH (<log_dir>/<run id>"
+                                                         "_resume.pt, written with --resume_every=K), in its config")
     parser.add_argument("--print_config", action="store_true",
                         help="print the resolved config, each key with its origin (preset, default, --config "
                              "file, command line), and exit")
