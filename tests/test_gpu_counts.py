@@ -186,10 +186,11 @@ def test_the_plan_says_what_the_smaller_table_costs():
 
 
 def test_the_24gb_preset_is_the_1gpu_preset_with_a_smaller_table_and_4_micro_batches():
-    """1gpu_24gb differs from 1gpu only in the table's rows and place and the micro-batches, and
-    keeps every stage's global batch."""
+    """1gpu_24gb differs from 1gpu only in the table's rows and place, the micro-batches and its
+    track (a 24 GB card is not the single-GPU track's), and keeps every stage's global batch."""
     one, card = (tg.config_to_dict(tg.parse_config(["--preset", name])) for name in ("1gpu", "1gpu_24gb"))
-    assert {k for k in one if one[k] != card[k]} == {"preset", "ngram_rows", "ngram_cache_rows", "batch_ranks", "stages"}
+    assert {k for k in one if one[k] != card[k]} == {"preset", "ngram_rows", "ngram_cache_rows", "batch_ranks", "stages",
+                                                     "track"}
     assert (card["ngram_rows"], card["ngram_cache_rows"]) == (RECORD_ROWS // 64, 0)
     assert tg.parse_config(["--preset", "1gpu_24gb"]).stages == as_written(slices_in(4))[1]
     assert [s["tokens_per_rank"] * card["batch_ranks"] for s in card["stages"]] == \
