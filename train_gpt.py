@@ -1247,7 +1247,12 @@ class GPT(nn.Module):
         self.fp8_head_loss = fns.fp8_head_loss
         if fns.fp8_head is not None:
             self.register_buffer("head_fp8_state", kernels.new_fp8_linear_state())
-        self.loss_unit = None   # the weight the objective gives one token's loss, once the trainer sets it
+        # the weight the objective gives one token's loss (set_loss_unit), on the device: the
+        # cross-entropy reads it there, so that no compiled or captured step holds one stage's value
+        self.register_buffer("loss_unit", torch.ones(1), persistent=False)
+        self.loss_unit_value = None   # what loss_unit and the FP8 states hold (None: not known, rewrite them)
+        self.exact_upstream = False   # the trainer sets a loss unit: training's upstream gradient is known
+        self.register_load_state_dict_post_hook(GPT.forget_loss_unit)   # a load rewrites the FP8 states' unit
         if cfg.smear_gate:         # both zero: the smear starts off, and its strength learns first
             self.smear_gate = nn.Parameter(torch.zeros(1, SMEAR_GATE_DIMS))
             self.smear_lambda = nn.Parameter(torch.zeros(()))
@@ -1358,12 +1363,22 @@ class GPT(nn.Module):
     def set_loss_unit(self, unit):
         """Tell the FP8 layers (their static gradient scales are the summed loss's) and the
         cross-entropy (the upstream gradient it stores its gradient times) the weight the objective
-        gives one token's loss. Writes the devices' state only when it changes."""
-        if unit != self.loss_unit:
+        gives one token's loss. Writes the device's copies (loss_unit, each FP8 state's) only when
+        it changes; they are data, read by the kernels, so one compiled or captured step serves
+        every unit."""
+        if unit != self.loss_unit_value:
+            self.loss_unit.fill_(unit)
             for name, state in self.named_buffers():
                 if name.endswith("fp8_state"):
                     kernels.set_fp8_loss_unit(state, unit)
-            self.loss_unit = unit
+            self.loss_unit_value = unit
+        self.exact_upstream = True
+
+    @staticmethod
+    def forget_loss_unit(model, incompatible_keys=None):
+        """After a state dict is loaded (the FP8 states' loss units are then the saved ones), the
+        next set_loss_unit writes every copy."""
+        model.loss_unit_value = None
 
     def smear(self, x, doc_start):
         """x[t] + lambda * sigmoid(w . x[t, :SMEAR_GATE_DIMS]) * x[t-1]: each token embedding takes a
@@ -1498,7 +1513,7 @@ class GPT(nn.Module):
         # The upstream gradient the loss will get: in training the trainer has set it (the loss unit:
         # its backward of the mean over the step's micro-batches), and the cross-entropy hands its
         # stored gradient on untouched; elsewhere a hint (the mean's) that any backward may differ from.
-        exact = self.training and self.loss_unit is not None
+        exact = self.training and self.exact_upstream
         upstream = self.loss_unit if exact else 1.0 / x.size(0)
         if exact and self.fp8_head_loss is not None:   # the logit gradient written once, in FP8
             objective, next_token = self.fp8_head_loss(x.to(torch.bfloat16), weight, self.head_fp8_state,
@@ -2451,9 +2466,9 @@ class Trainer:
         body = functools.partial(self.micro_batch, stage, attention_windows(self.h, step))
         self.weights.copy_(self.step_weights[step])
         self.step_losses.zero_()
+        self.model.set_loss_unit(self.loss_unit(stage))
         with self.model.sinks_of(stage.tokens_per_rank):
             for slice_index, s in zip(self.mine, slices):
-                self.model.set_loss_unit(1.0 / (s.tokens.numel() * self.accum))  # the objective's weight per token
                 self.tables.fetch(s.tokens, route=s.route)
                 self.graphs.run(graph_key(self.h, step), body, s, candidate_start(slice_index, self.h.batch_ranks))
                 self.tables.take_entries(s)
@@ -2472,11 +2487,19 @@ class Trainer:
                 self.tables.step()
         return loss
 
+    def loss_unit(self, stage):
+        """The weight the objective gives one token's loss in `stage`: its mean over each
+        micro-batch's tokens, averaged over this process's micro-batches."""
+        return 1.0 / (stage.tokens_per_rank * self.accum)
+
     def capture_graph(self, step, prepare_only=False):
         """Capture the forward+backward of `step`'s graph key (on CUDA with cuda_graphs; a step of
         that key must have run), or only run the eager step on the capture stream that its
-        capture needs first (StepGraphs.prepare)."""
-        with self.model.sinks_of(self.h.stages[stage_index(self.h, step)].tokens_per_rank):
+        capture needs first (StepGraphs.prepare), with the key's stage's loss unit set as its
+        timed steps set it."""
+        stage = self.h.stages[stage_index(self.h, step)]
+        self.model.set_loss_unit(self.loss_unit(stage))
+        with self.model.sinks_of(stage.tokens_per_rank):
             (self.graphs.prepare if prepare_only else self.graphs.capture)(graph_key(self.h, step))
 
     def calibrate_fp8(self, slices):

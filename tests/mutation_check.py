@@ -52,6 +52,7 @@ XSA_DTYPE = ["tests/test_cuda_path.py", "-k", "xsa"]
 UNEVEN_SPLIT = ["tests/test_failures.py", "-k", "does_not_split_across"]
 LAUNCH = ["tests/test_failures.py", "-k", "bad_launch_environment"]
 HANGUP = ["tests/test_failures.py", "-k", "SIGHUP"]
+LOSS_UNIT = ["tests/test_train.py", "-k", "loss_unit"]
 
 
 @dataclasses.dataclass
@@ -397,6 +398,12 @@ MUTATIONS = [
              "XSA's output in fp32 under CUDA autocast"),
     Mutation("train_gpt.py", "            v = v * self.sa_lambdas[0].type_as(v)", "            v = v", MODEL,
              "the dense trunk's QKV scale left off the values"),
+    # the loss unit: data on the device, each stage's in its captured step, rewritten after a load
+    Mutation("train_gpt.py", "upstream = self.loss_unit if exact else 1.0 / x.size(0)",
+             "upstream = self.loss_unit_value if exact else 1.0 / x.size(0)", LOSS_UNIT,
+             "the cross-entropy's upstream gradient a host number a captured step keeps"),
+    Mutation("train_gpt.py", "        self.register_load_state_dict_post_hook(GPT.forget_loss_unit)", "", LOSS_UNIT,
+             "restored FP8 states keep the loss unit they were saved with"),
 ]
 
 
