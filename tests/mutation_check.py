@@ -53,6 +53,7 @@ UNEVEN_SPLIT = ["tests/test_failures.py", "-k", "does_not_split_across"]
 LAUNCH = ["tests/test_failures.py", "-k", "bad_launch_environment"]
 HANGUP = ["tests/test_failures.py", "-k", "SIGHUP"]
 LOSS_UNIT = ["tests/test_train.py", "-k", "loss_unit"]
+PEAK_STAGE = ["tests/test_memory.py", "-k", "largest_of_its_stages"]
 
 
 @dataclasses.dataclass
@@ -404,6 +405,12 @@ MUTATIONS = [
              "the cross-entropy's upstream gradient a host number a captured step keeps"),
     Mutation("train_gpt.py", "        self.register_load_state_dict_post_hook(GPT.forget_loss_unit)", "", LOSS_UNIT,
              "restored FP8 states keep the loss unit they were saved with"),
+    # the memory budget's step at the stage that peaks
+    Mutation("memory_budget.py", "key=lambda index: stage_memory(recipe, config_json, index)[0])",
+             "key=lambda index: h.stages[index].tokens_per_rank * (h.stages[index].candidates or PADDED_VOCAB_SIZE))",
+             PEAK_STAGE, "the peak stage ranked by tokens times head width"),
+    Mutation("memory_budget.py", "        if steps and key not in seen:", "        if steps and not seen:", PEAK_STAGE,
+             "the budget's step measured at the first stage alone"),
 ]
 
 
