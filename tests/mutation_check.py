@@ -54,6 +54,7 @@ LAUNCH = ["tests/test_failures.py", "-k", "bad_launch_environment"]
 HANGUP = ["tests/test_failures.py", "-k", "SIGHUP"]
 LOSS_UNIT = ["tests/test_train.py", "-k", "loss_unit"]
 PEAK_STAGE = ["tests/test_memory.py", "-k", "largest_of_its_stages"]
+WRITE_BACK = ["tests/test_sparse_tables.py", "-k", "sync_check_lifted or device_cache_trains"]
 
 
 @dataclasses.dataclass
@@ -411,6 +412,13 @@ MUTATIONS = [
              PEAK_STAGE, "the peak stage ranked by tokens times head width"),
     Mutation("memory_budget.py", "        if steps and key not in seen:", "        if steps and not seen:", PEAK_STAGE,
              "the budget's step measured at the first stage alone"),
+    # a host table's write-back under --sync_check
+    Mutation("sparse_tables.py", "        with syncs_allowed():\n            synchronize(self.device)",
+             "        with contextlib.nullcontext():\n            synchronize(self.device)", WRITE_BACK,
+             "the write-back's waits inside --sync_check's error mode"),
+    Mutation("sparse_tables.py", "        for host, values in zip((self.table.table, self.moment, self.last), staged):",
+             "        for host, values in zip((self.table.table, self.last, self.moment), staged):", WRITE_BACK,
+             "the written-back moments and last events swapped"),
 ]
 
 
