@@ -1605,12 +1605,12 @@ def softcap_cross_entropy(logits, targets, weights, config=CROSS_ENTROPY, scale_
     (K,). Returns (loss, next_token_loss), both (N,) fp32; only the first is differentiable.
 
     grad_scale (a nonzero finite number, or a one-element floating-point tensor on the logits'
-    device that holds one): the upstream gradient the caller expects for every row of the loss, e.g.
-    1 / (N x micro-batches) for a mean over the tokens of each of the step's micro-batches. A
-    tensor is read on the device when the kernel runs, so a compiled or captured step follows
-    the value it holds then (the trainer's loss unit). The forward stores the gradient times it (one rounding instead of two), so
-    the backward passes over the (N, C) gradient only for rows whose upstream gradient differs;
-    any upstream gradient gives the right result. exact_upstream=True is the caller's promise
+    device that holds one): the upstream gradient the caller expects for every row of the loss,
+    e.g. 1 / (N x micro-batches) for a mean over the tokens of each of the step's micro-batches.
+    A tensor is read on the device when the kernel runs, so a compiled or captured step follows
+    the value it holds then (the trainer's loss unit). The forward stores the gradient times it
+    (one rounding instead of two), so the backward passes over the (N, C) gradient only for rows
+    whose upstream gradient differs; any upstream gradient gives the right result. exact_upstream=True is the caller's promise
     that every row's upstream gradient is grad_scale: the backward then hands the stored
     gradient on without looking (another upstream gradient would go unseen)."""
     _check_cross_entropy_inputs(logits.shape, targets, weights, grad_scale)
