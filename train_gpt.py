@@ -2612,30 +2612,55 @@ def warm_up_line(trainer, seconds, graphs):
             f"train_time counts from step 0")
 
 
+@contextlib.contextmanager
+def warm_up_part(trainer, what):
+    """One part of the warm-up: its line (WARM_UP_PART) once it is done, with its seconds and the
+    graphs torch.compile built in it, so that a run stopped in the warm-up has said how far it
+    came and what each compile cost."""
+    log = trainer.log
+    log.progress = f"in the warm-up ({what})"
+    start, graphs = time.perf_counter(), compiled_graphs()
+    yield
+    synchronize(trainer.pg.device)
+    log.write(f"{WARM_UP_PART}{what}: {time.perf_counter() - start:.1f} s, {compiled_graphs() - graphs} graph(s) "
+              f"compiled", echo=True)
+
+
+WARM_UP_PART = "warm-up part: "    # starts each line warm_up_part writes
+
+
+def key_text(h, step):
+    """`step`'s graph key in words: its stage and whether the head is tied."""
+    stage, tied = graph_key(h, step)
+    return f"stage {stage} ({h.stages[stage].tokens_per_rank:,} tokens), head {'tied' if tied else 'untied'}"
+
+
 def warm_up(trainer, train_files, val_slices):
     """Untimed: run every graph the timed run will use (each stage's shape, the untie, each
     validation's windows), so that torch.compile and the Triton JIT do their work here, then
     capture each training step's CUDA graph: after every key's eager steps, so that no eager step
     runs beside the graphs' memory pool (a stage's step plus the pool would be two steps' memory
-    at once); then restore the initial model, optimizer and schedule state. Returns the graphs
-    torch.compile built."""
-    h = trainer.h
+    at once); then restore the initial model, optimizer and schedule state. Each part's seconds
+    are logged as it ends (warm_up_part). Returns the graphs torch.compile built."""
+    h, part = trainer.h, functools.partial(warm_up_part, trainer)
     before = compiled_graphs()
     saved = trainer.snapshot()
     loader = TrainLoader(train_files, batch_tokens(h))
     trainer.graphs.in_warm_up = trainer.tables.frozen = True
     steps_per_key = warm_up_steps_per_key(h)
     for step in graph_changes(h):
-        trainer.advance_to(step)
-        stage = h.stages[stage_index(h, step)]
-        for _ in range(steps_per_key):
-            trainer.train_step(step, loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks,
-                                                       trainer.mine))
-        if h.warmup_steps:
-            trainer.capture_graph(step, prepare_only=True)
-    for step in graph_changes(h) if h.warmup_steps else ():
-        trainer.advance_to(step)
-        trainer.capture_graph(step)
+        with part(f"{steps_per_key} training step(s) of {key_text(h, step)}"):
+            trainer.advance_to(step)
+            stage = h.stages[stage_index(h, step)]
+            for _ in range(steps_per_key):
+                trainer.train_step(step, loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks,
+                                                           trainer.mine))
+            if h.warmup_steps:
+                trainer.capture_graph(step, prepare_only=True)
+    for step in graph_changes(h) if h.warmup_steps and trainer.graphs.capturing else ():
+        with part(f"the CUDA graph of {key_text(h, step)}"):
+            trainer.advance_to(step)
+            trainer.capture_graph(step)
     for adam in trainer.tables.adams():     # the frozen tables' updates, on scratch tables
         adam.launch_on_scratch()
     trainer.averages.launch_on_scratch()
@@ -2645,8 +2670,9 @@ def warm_up(trainer, train_files, val_slices):
         graph = (attention_windows(h, step, final), step < untie_step(h))
         if graph not in seen:
             seen.add(graph)
-            trainer.advance_to(step, final)
-            trainer.validate(val_slices[:1], step, final)
+            with part(f"a validation forward, windows {graph[0]}, head {'tied' if graph[1] else 'untied'}"):
+                trainer.advance_to(step, final)
+                trainer.validate(val_slices[:1], step, final)
     trainer.restore(saved)
     trainer.advance_to(0)
     synchronize(trainer.pg.device)

@@ -55,6 +55,8 @@ HANGUP = ["tests/test_failures.py", "-k", "SIGHUP"]
 LOSS_UNIT = ["tests/test_train.py", "-k", "loss_unit"]
 PEAK_STAGE = ["tests/test_memory.py", "-k", "largest_of_its_stages"]
 WRITE_BACK = ["tests/test_sparse_tables.py", "-k", "sync_check_lifted or device_cache_trains"]
+FIRST_CONTACT_DRY = ["tests/test_first_contact.py", "-k", "warms_up_each_graph"]
+CAPTURES = ["tests/test_train.py", "-k", "captures_every_key and hashed"]
 
 
 @dataclasses.dataclass
@@ -419,6 +421,13 @@ MUTATIONS = [
     Mutation("sparse_tables.py", "        for host, values in zip((self.table.table, self.moment, self.last), staged):",
              "        for host, values in zip((self.table.table, self.last, self.moment), staged):", WRITE_BACK,
              "the written-back moments and last events swapped"),
+    # the warm-up: every graph key captured, each part logged as it ends
+    Mutation("train_gpt.py", "    for step in graph_changes(h) if h.warmup_steps and trainer.graphs.capturing else ():",
+             "    for step in graph_changes(h)[:1] if h.warmup_steps and trainer.graphs.capturing else ():",
+             CAPTURES, "the warm-up captures the first graph key only"),
+    Mutation("train_gpt.py", "    log.write(f\"{WARM_UP_PART}{what}: {time.perf_counter() - start:.1f} s,",
+             "    log.write(f\"{what}: {time.perf_counter() - start:.1f} s,", FIRST_CONTACT_DRY,
+             "the warm-up's parts logged without their marker"),
 ]
 
 

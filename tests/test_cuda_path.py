@@ -19,6 +19,7 @@ that the Triton JIT compiles nothing on the clock).
 import contextlib
 import dataclasses
 import math
+import re
 import sys
 
 import numpy as np
@@ -345,6 +346,20 @@ def test_rehearsal_compiles_only_in_the_warm_up(rehearsal):
     is built in the warm-up; the timed run, including the validations, builds none."""
     log = parse_log(rehearsal[1])
     assert f"compile: {EXPECTED_GRAPHS} graphs in the warm-up, 0 in the timed run" in log.info
+
+
+def test_rehearsal_logs_each_warm_up_part_as_it_ends(rehearsal):
+    """The warm-up logs each part with its seconds and the graphs compiled in it: the training
+    steps of each graph key (each compiling its forward and backward, the first also the
+    optimizers' updates) and each validation's, all the warm-up's graphs among them."""
+    log = parse_log(rehearsal[1])
+    parts = [re.fullmatch(r"warm-up part: (.*): [\d.]+ s, (\d+) graph\(s\) compiled", line)
+             for line in log.info if line.startswith(tg.WARM_UP_PART)]
+    assert all(parts) and len(parts) == len(CHANGES) + 2
+    training = [re.match(r"\d+ training step\(s\) of stage", p[1]) is not None for p in parts]
+    assert training == [True] * len(CHANGES) + [False] * 2
+    graphs = [int(p[2]) for p in parts]
+    assert all(graphs) and sum(graphs) == EXPECTED_GRAPHS and graphs[0] > graphs[1]
 
 
 def test_rehearsal_launches_every_kernel_with_one_dtype(rehearsal):
