@@ -55,6 +55,7 @@ HANGUP = ["tests/test_failures.py", "-k", "SIGHUP"]
 LOSS_UNIT = ["tests/test_train.py", "-k", "loss_unit"]
 PEAK_STAGE = ["tests/test_memory.py", "-k", "largest_of_its_stages"]
 WRITE_BACK = ["tests/test_sparse_tables.py", "-k", "sync_check_lifted or device_cache_trains"]
+FIRST_CONTACT = ["tests/test_first_contact.py", "-k", "comes_first or two_stages or caches_travel or stopped_in"]
 FIRST_CONTACT_DRY = ["tests/test_first_contact.py", "-k", "warms_up_each_graph"]
 CAPTURES = ["tests/test_train.py", "-k", "captures_every_key and hashed"]
 
@@ -421,7 +422,19 @@ MUTATIONS = [
     Mutation("sparse_tables.py", "        for host, values in zip((self.table.table, self.moment, self.last), staged):",
              "        for host, values in zip((self.table.table, self.last, self.moment), staged):", WRITE_BACK,
              "the written-back moments and last events swapped"),
-    # the warm-up: every graph key captured, each part logged as it ends
+    # first contact: the compiled run's stages and untie, its caps, its caches, its warm-up's parts
+    Mutation("bench/first_contact.py", "COMPILED_STAGES = dict(gpu=((2, 8), (4, 4)), dry=((0, 2), (1, 2)))",
+             "COMPILED_STAGES = dict(gpu=((2, 8), (3, 4)), dry=((0, 2), (1, 2)))", FIRST_CONTACT,
+             "the compiled run's stages of one micro-batch size"),
+    Mutation("bench/first_contact.py", "UNTIE_STEP = dict(gpu=10, dry=3)", "UNTIE_STEP = dict(gpu=8, dry=3)",
+             FIRST_CONTACT, "the untie at the second stage's first step"),
+    Mutation("bench/first_contact.py", "START_UP_S = 120 ", "START_UP_S = 200 ", FIRST_CONTACT,
+             "no room for a second call with a slow start-up"),
+    Mutation("bench/first_contact.py", "    for lean in (False, True):", "    for lean in (False,):", FIRST_CONTACT,
+             "an archive too large to come back kept whole"),
+    Mutation("bench/first_contact.py", "where = f\"at step {steps[-1][0]}\" if steps else f\"in the warm-up, {where}\"",
+             "where = f\"at step {steps[-1][0]}\" if steps else \"in the warm-up\"", FIRST_CONTACT,
+             "a run stopped in its warm-up does not say where"),
     Mutation("train_gpt.py", "    for step in graph_changes(h) if h.warmup_steps and trainer.graphs.capturing else ():",
              "    for step in graph_changes(h)[:1] if h.warmup_steps and trainer.graphs.capturing else ():",
              CAPTURES, "the warm-up captures the first graph key only"),
