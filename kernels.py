@@ -1428,7 +1428,7 @@ def _softcap_tile(x, SOFTCAP: tl.constexpr, SHIFT: tl.constexpr, TEMP: tl.conste
 
 @triton.jit
 def _softcap_ce_kernel(logits_ptr, grad_ptr, targets_ptr, weights_ptr, loss_ptr, next_loss_ptr, num_cols,
-                       stride_lr, stride_gr, stride_tr, grad_scale, q_scale_ptr, amax_ptr,
+                       stride_lr, stride_gr, stride_tr, grad_scale_ptr, q_scale_ptr, amax_ptr,
                        NUM_TARGETS: tl.constexpr, TARGETS_PAD: tl.constexpr, SOFTCAP: tl.constexpr,
                        SHIFT: tl.constexpr, TEMP: tl.constexpr, BLOCK_C: tl.constexpr, WITH_GRAD: tl.constexpr,
                        Q_MAX: tl.constexpr):
@@ -1436,7 +1436,8 @@ def _softcap_ce_kernel(logits_ptr, grad_ptr, targets_ptr, weights_ptr, loss_ptr,
     loss = sum_k w_k (lse - z[t_k]), dloss/dx = (W softmax(z) - sum_k w_k onehot(t_k)) * dz/dx,
     with W = sum of the weights of the targets present among the columns; also the unweighted
     loss of the first target alone, lse - z[t_0] (0 when absent): the next-token loss. The
-    gradient is stored times grad_scale (the upstream gradient the caller expects; 1: none).
+    gradient is stored times *grad_scale_ptr (one fp32 element: the upstream gradient the caller
+    expects, read here so that a captured launch follows it; 1: none).
 
     Q_MAX > 0: the gradient is stored in fp8 (grad_ptr's dtype) as the FP8 head's backward GEMMs
     read it, g * (1 / q_scale) saturated to +-Q_MAX, and max |g| of the row is folded into
@@ -1471,6 +1472,7 @@ def _softcap_ce_kernel(logits_ptr, grad_ptr, targets_ptr, weights_ptr, loss_ptr,
         return
 
     weight_total = tl.sum(weights, axis=0)
+    grad_scale = tl.load(grad_scale_ptr)
     if Q_MAX > 0:
         inv_q_scale = tl.div_rn(1.0, tl.load(q_scale_ptr))
     amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
@@ -1512,14 +1514,14 @@ def _launch_ce_kernel(logits, targets, weights, grad, grad_scale, q_scale, amax,
     _launch(_softcap_ce_kernel, (N,), config,
             logits_ptr=logits, grad_ptr=grad, targets_ptr=targets, weights_ptr=weights, loss_ptr=loss,
             next_loss_ptr=next_loss, num_cols=C, stride_lr=logits.stride(0), stride_gr=grad.stride(0),
-            stride_tr=targets.stride(0), grad_scale=grad_scale, q_scale_ptr=q_scale, amax_ptr=amax,
+            stride_tr=targets.stride(0), grad_scale_ptr=grad_scale, q_scale_ptr=q_scale, amax_ptr=amax,
             NUM_TARGETS=targets.shape[1], TARGETS_PAD=triton.next_power_of_2(targets.shape[1]),
             SOFTCAP=SOFTCAP, SHIFT=SOFTCAP_SHIFT, TEMP=SOFTCAP_TEMP, BLOCK_C=config.block_n,
             WITH_GRAD=grad.shape[0] > 0, Q_MAX=q_max)
     return loss, next_loss
 
 
-def _launch_softcap_ce(logits: Tensor, targets: Tensor, weights: Tensor, with_grad: bool, grad_scale: float,
+def _launch_softcap_ce(logits: Tensor, targets: Tensor, weights: Tensor, with_grad: bool, grad_scale: Tensor,
                        config: list[int]) -> tuple[Tensor, Tensor, Tensor]:
     N, C = logits.shape
     grad = torch.empty((N, C) if with_grad else (0, C), dtype=logits.dtype, device=logits.device)
@@ -1528,7 +1530,7 @@ def _launch_softcap_ce(logits: Tensor, targets: Tensor, weights: Tensor, with_gr
     return loss, next_loss, grad
 
 
-def _launch_softcap_ce_fp8(logits: Tensor, targets: Tensor, weights: Tensor, grad_scale: float, q_scale: Tensor,
+def _launch_softcap_ce_fp8(logits: Tensor, targets: Tensor, weights: Tensor, grad_scale: Tensor, q_scale: Tensor,
                            amax: Tensor, fp8_dtype: torch.dtype, config: list[int]) -> tuple[Tensor, Tensor, Tensor]:
     grad = torch.empty(logits.shape, dtype=fp8_dtype, device=logits.device)
     loss, next_loss = _launch_ce_kernel(logits, targets, weights, grad, grad_scale, q_scale, amax,
@@ -1569,7 +1571,8 @@ def _(logits, targets, weights, grad_scale, q_scale, amax, fp8_dtype, config):
 
 class _SoftcapCrossEntropy(torch.autograd.Function):
     """The forward computes loss and logit gradient together (the gradient only when the logits
-    require one), the gradient times grad_scale; backward scales the saved gradient's rows in
+    require one), the gradient times grad_scale (one fp32 element on the device); backward scales
+    the saved gradient's rows in
     place by upstream gradient / grad_scale, skipping the rows where that is exactly 1, and
     returns it. Correct for any upstream gradient; with the one the caller announced (a uniform
     grad_scale), no row is read or written again. The saved gradient is modified in place, so
@@ -1583,16 +1586,16 @@ class _SoftcapCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, targets, weights, grad_scale, config, scale_config, exact_upstream):
         loss, next_loss, grad = _softcap_ce_op(logits, targets, weights, ctx.needs_input_grad[0], grad_scale,
                                                config)
-        ctx.save_for_backward(grad)
-        ctx.grad_scale, ctx.scale_config, ctx.exact_upstream = grad_scale, scale_config, exact_upstream
+        ctx.save_for_backward(grad, grad_scale)
+        ctx.scale_config, ctx.exact_upstream = scale_config, exact_upstream
         ctx.mark_non_differentiable(next_loss)
         return loss, next_loss
 
     @staticmethod
     def backward(ctx, grad_loss, grad_next_loss):
-        grad, = ctx.saved_tensors
+        grad, grad_scale = ctx.saved_tensors
         if not ctx.exact_upstream:
-            _scale_rows_op(grad, (grad_loss.float() / ctx.grad_scale).contiguous(), ctx.scale_config)
+            _scale_rows_op(grad, (grad_loss.float() / grad_scale).contiguous(), ctx.scale_config)
         return grad, None, None, None, None, None, None
 
 
@@ -1605,18 +1608,21 @@ def softcap_cross_entropy(logits, targets, weights, config=CROSS_ENTROPY, scale_
     candidate subset; targets (N, K) int64 column indices (outside [0, C): no target); weights
     (K,). Returns (loss, next_token_loss), both (N,) fp32; only the first is differentiable.
 
-    grad_scale (a nonzero finite number): the upstream gradient the caller expects for every row
-    of the loss, e.g. 1 / (N x micro-batches) for a mean over the tokens of each of the step's
-    micro-batches. The forward stores the gradient times it (one rounding instead of two), so
-    the backward passes over the (N, C) gradient only for rows whose upstream gradient differs;
-    any upstream gradient gives the right result. exact_upstream=True is the caller's promise
+    grad_scale (a nonzero finite number, or a one-element floating-point tensor on the logits'
+    device that holds one): the upstream gradient the caller expects for every row of the loss,
+    e.g. 1 / (N x micro-batches) for a mean over the tokens of each of the step's micro-batches.
+    A tensor is read on the device when the kernel runs, so a compiled or captured step follows
+    the value it holds then (the trainer's loss unit). The forward stores the gradient times it
+    (one rounding instead of two), so the backward passes over the (N, C) gradient only for rows
+    whose upstream gradient differs; any upstream gradient gives the right result. exact_upstream=True is the caller's promise
     that every row's upstream gradient is grad_scale: the backward then hands the stored
     gradient on without looking (another upstream gradient would go unseen)."""
     _check_cross_entropy_inputs(logits.shape, targets, weights, grad_scale)
     logits = _last_dim_contiguous(logits)
     targets = _last_dim_contiguous(targets.long())
-    return _SoftcapCrossEntropy.apply(logits, targets, weights.float().contiguous(), float(grad_scale),
-                                      config.as_list(), scale_config.as_list(), bool(exact_upstream))
+    return _SoftcapCrossEntropy.apply(logits, targets, weights.float().contiguous(),
+                                      device_scalar(grad_scale, logits.device), config.as_list(),
+                                      scale_config.as_list(), bool(exact_upstream))
 
 
 def _check_cross_entropy_inputs(logits_shape, targets, weights, grad_scale):
@@ -1625,8 +1631,26 @@ def _check_cross_entropy_inputs(logits_shape, targets, weights, grad_scale):
                          f"{tuple(logits_shape)} and {tuple(targets.shape)}")
     if weights.shape != (targets.shape[1],):
         raise ValueError(f"softcap_cross_entropy needs one weight per target column; got {tuple(weights.shape)}")
-    if not (math.isfinite(grad_scale) and grad_scale != 0):
-        raise ValueError(f"softcap_cross_entropy: grad_scale must be a nonzero finite number; got {grad_scale}")
+    _check_grad_scale(grad_scale, "softcap_cross_entropy")
+
+
+def _check_grad_scale(grad_scale, caller):
+    """A number must be nonzero and finite; a tensor must be one floating-point element (its
+    value is the device's: whoever fills it checks it)."""
+    if isinstance(grad_scale, torch.Tensor):
+        if grad_scale.numel() != 1 or not grad_scale.is_floating_point():
+            raise ValueError(f"{caller}: a grad_scale tensor must hold one floating-point element; got "
+                             f"{tuple(grad_scale.shape)} {grad_scale.dtype}")
+    elif not (math.isfinite(grad_scale) and grad_scale != 0):
+        raise ValueError(f"{caller}: grad_scale must be a nonzero finite number; got {grad_scale}")
+
+
+def device_scalar(value, device):
+    """`value` as one fp32 element on `device`: a one-element fp32 tensor as it is (a view), one
+    of another dtype converted, a number as a new tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.reshape(1).float()
+    return torch.full((1,), value, dtype=torch.float32, device=device)
 
 
 # The FP8 head and the cross-entropy in one: the logit gradient written once, in e5m2.
@@ -1678,8 +1702,9 @@ def fp8_head_cross_entropy(x, weight, state, targets, weights, grad_scale, confi
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         logits = fp8_linear(x, weight, state, config, scales, gemm, casts)
         return softcap_cross_entropy(logits, targets, weights, ce_config, grad_scale=grad_scale, exact_upstream=True)
-    return _FP8HeadCrossEntropy.apply(x, weight, state, targets, weights.float().contiguous(), float(grad_scale),
-                                      scales, _PRIMITIVES[gemm, casts], config, ce_config.as_list())
+    return _FP8HeadCrossEntropy.apply(x, weight, state, targets, weights.float().contiguous(),
+                                      device_scalar(grad_scale, x.device), scales, _PRIMITIVES[gemm, casts], config,
+                                      ce_config.as_list())
 
 
 def softcap(logits):
@@ -1782,11 +1807,13 @@ def softcap_cross_entropy_chunked(logits, targets, weights, rows=CHUNKED_CE_ROWS
     """softcap_cross_entropy for CPUs (same arguments and result), in row blocks with the
     gradient formed in the forward pass: on the CPU preset's 4096 x 50,304 logits it replaces
     the reference's chain of full-size fp32 tensors and their autograd copies. grad_scale, the
-    upstream gradient the caller expects for every row, lets the backward hand the stored
-    gradient on without a pass over it; any upstream gradient gives the right result."""
-    if not (math.isfinite(grad_scale) and grad_scale != 0):
-        raise ValueError(f"softcap_cross_entropy_chunked: grad_scale must be a nonzero finite number; got {grad_scale}")
-    return _ChunkedSoftcapCrossEntropy.apply(logits, targets.long(), weights, rows, float(grad_scale),
+    upstream gradient the caller expects for every row (a number, or a one-element tensor),
+    lets the backward hand the stored gradient on without a pass over it; any upstream gradient
+    gives the right result."""
+    _check_grad_scale(grad_scale, "softcap_cross_entropy_chunked")
+    return _ChunkedSoftcapCrossEntropy.apply(logits, targets.long(), weights, rows,
+                                             device_scalar(grad_scale, logits.device)
+                                             if isinstance(grad_scale, torch.Tensor) else float(grad_scale),
                                              bool(exact_upstream))
 
 

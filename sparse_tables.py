@@ -18,7 +18,7 @@ import torch.distributed as dist
 import kernels
 import optim
 from config import PADDED_VOCAB_SIZE, ConfigError
-from processes import ProcessGroup, TrainingError, synchronize
+from processes import ProcessGroup, TrainingError, synchronize, syncs_allowed
 
 
 NGRAM_ROW_STATE_BYTES = 8          # sparse Adam's state per table row: an fp32 moment and an int32 event
@@ -385,14 +385,26 @@ class HostNgramRows:
         self.evicted, self.rounds = self.evicted + count, self.rounds + 1
 
     def _write_back(self, slots):
-        """Host rows of `slots` <- their cached values and state. The host waits for the device
-        (both streams): the rows' last update must be done, and no queued work may still read a
-        slot that a load is about to fill."""
-        synchronize(self.device)
-        rows, on_device = self.row_of[slots], slots.to(self.device)
-        self.table.table[rows] = self.table.fetched[on_device].cpu()
-        self.moment[rows] = self.adam.moment[on_device].cpu()
-        self.last[rows] = self.adam.last[on_device].cpu()
+        """Host rows of `slots` <- their cached values and state, copied from the device into
+        pinned buffers (the copy engine writes them directly; a pageable destination takes a
+        second copy through a staging buffer) and from there into the host's tables. The host
+        waits for the device (both streams) before: the rows' last update must be done, and no
+        queued work may still read a slot that a load is about to fill; and after, for the copies.
+        Those waits are the write-back's by design: --sync_check lets them be (syncs_allowed)."""
+        with syncs_allowed():
+            synchronize(self.device)
+            rows, on_device = self.row_of[slots], slots.to(self.device)
+            staged = [self._staged(cached[on_device]) for cached in (self.table.fetched, self.adam.moment,
+                                                                     self.adam.last)]
+            synchronize(self.device)
+        for host, values in zip((self.table.table, self.moment, self.last), staged):
+            host[rows] = values
+
+    def _staged(self, values):
+        """A host copy of the device tensor `values`, in pinned memory with a GPU; with a GPU it is
+        complete once the device has been synchronized."""
+        staging = torch.empty(values.shape, dtype=values.dtype, pin_memory=self.copies is not None)
+        return staging.copy_(values, non_blocking=True)
 
     def _load(self, rows, slots):
         """Cache slots <- host rows with their state, queued on the current stream."""

@@ -1270,7 +1270,12 @@ class GPT(nn.Module):
         self.fp8_head_loss = fns.fp8_head_loss
         if fns.fp8_head is not None:
             self.register_buffer("head_fp8_state", kernels.new_fp8_linear_state())
-        self.loss_unit = None   # the weight the objective gives one token's loss, once the trainer sets it
+        # the weight the objective gives one token's loss (set_loss_unit), on the device: the
+        # cross-entropy reads it there, so that no compiled or captured step holds one stage's value
+        self.register_buffer("loss_unit", torch.ones(1), persistent=False)
+        self.loss_unit_value = None   # what loss_unit and the FP8 states hold (None: not known, rewrite them)
+        self.exact_upstream = False   # the trainer sets a loss unit: training's upstream gradient is known
+        self.register_load_state_dict_post_hook(GPT.forget_loss_unit)   # a load rewrites the FP8 states' unit
         if cfg.smear_gate:         # both zero: the smear starts off, and its strength learns first
             self.smear_gate = nn.Parameter(torch.zeros(1, SMEAR_GATE_DIMS))
             self.smear_lambda = nn.Parameter(torch.zeros(()))
@@ -1381,12 +1386,22 @@ class GPT(nn.Module):
     def set_loss_unit(self, unit):
         """Tell the FP8 layers (their static gradient scales are the summed loss's) and the
         cross-entropy (the upstream gradient it stores its gradient times) the weight the objective
-        gives one token's loss. Writes the devices' state only when it changes."""
-        if unit != self.loss_unit:
+        gives one token's loss. Writes the device's copies (loss_unit, each FP8 state's) only when
+        it changes; they are data, read by the kernels, so one compiled or captured step serves
+        every unit."""
+        if unit != self.loss_unit_value:
+            self.loss_unit.fill_(unit)
             for name, state in self.named_buffers():
                 if name.endswith("fp8_state"):
                     kernels.set_fp8_loss_unit(state, unit)
-            self.loss_unit = unit
+            self.loss_unit_value = unit
+        self.exact_upstream = True
+
+    @staticmethod
+    def forget_loss_unit(model, incompatible_keys=None):
+        """After a state dict is loaded (the FP8 states' loss units are then the saved ones), the
+        next set_loss_unit writes every copy."""
+        model.loss_unit_value = None
 
     def smear(self, x, doc_start):
         """x[t] + lambda * sigmoid(w . x[t, :SMEAR_GATE_DIMS]) * x[t-1]: each token embedding takes a
@@ -1521,7 +1536,7 @@ class GPT(nn.Module):
         # The upstream gradient the loss will get: in training the trainer has set it (the loss unit:
         # its backward of the mean over the step's micro-batches), and the cross-entropy hands its
         # stored gradient on untouched; elsewhere a hint (the mean's) that any backward may differ from.
-        exact = self.training and self.loss_unit is not None
+        exact = self.training and self.exact_upstream
         upstream = self.loss_unit if exact else 1.0 / x.size(0)
         if exact and self.fp8_head_loss is not None:   # the logit gradient written once, in FP8
             objective, next_token = self.fp8_head_loss(x.to(torch.bfloat16), weight, self.head_fp8_state,
@@ -2607,9 +2622,9 @@ class Trainer:
         body = functools.partial(self.micro_batch, stage, attention_windows(self.h, step))
         self.weights.copy_(self.step_weights[step])
         self.step_losses.zero_()
+        self.model.set_loss_unit(self.loss_unit(stage))
         with self.model.sinks_of(stage.tokens_per_rank):
             for slice_index, s in zip(self.mine, slices):
-                self.model.set_loss_unit(1.0 / (s.tokens.numel() * self.accum))  # the objective's weight per token
                 self.tables.fetch(s.tokens, route=s.route)
                 batch = self.graphs.run(graph_key(self.h, step), body, s, self.walk_start(slice_index))
                 if self.h.candidate_walk == "continue":
@@ -2642,11 +2657,19 @@ class Trainer:
                 self.tables.step()
         return loss
 
+    def loss_unit(self, stage):
+        """The weight the objective gives one token's loss in `stage`: its mean over each
+        micro-batch's tokens, averaged over this process's micro-batches."""
+        return 1.0 / (stage.tokens_per_rank * self.accum)
+
     def capture_graph(self, step, prepare_only=False):
         """Capture the forward+backward of `step`'s graph key (on CUDA with cuda_graphs; a step of
         that key must have run), or only run the eager step on the capture stream that its
-        capture needs first (StepGraphs.prepare)."""
-        with self.model.sinks_of(self.h.stages[stage_index(self.h, step)].tokens_per_rank):
+        capture needs first (StepGraphs.prepare), with the key's stage's loss unit set as its
+        timed steps set it."""
+        stage = self.h.stages[stage_index(self.h, step)]
+        self.model.set_loss_unit(self.loss_unit(stage))
+        with self.model.sinks_of(stage.tokens_per_rank):
             (self.graphs.prepare if prepare_only else self.graphs.capture)(graph_key(self.h, step))
 
     def calibrate_fp8(self, slices):
@@ -2763,15 +2786,38 @@ def warm_up_line(trainer, seconds, graphs):
             f"train_time counts from step 0")
 
 
+@contextlib.contextmanager
+def warm_up_part(trainer, what):
+    """One part of the warm-up: its line (WARM_UP_PART) once it is done, with its seconds and the
+    graphs torch.compile built in it, so that a run stopped in the warm-up has said how far it
+    came and what each compile cost."""
+    log = trainer.log
+    log.progress = f"in the warm-up ({what})"
+    start, graphs = time.perf_counter(), compiled_graphs()
+    yield
+    synchronize(trainer.pg.device)
+    log.write(f"{WARM_UP_PART}{what}: {time.perf_counter() - start:.1f} s, {compiled_graphs() - graphs} graph(s) "
+              f"compiled", echo=True)
+
+
+WARM_UP_PART = "warm-up part: "    # starts each line warm_up_part writes
+
+
+def key_text(h, step):
+    """`step`'s graph key in words: its stage and whether the head is tied."""
+    stage, tied = graph_key(h, step)
+    return f"stage {stage} ({h.stages[stage].tokens_per_rank:,} tokens), head {'tied' if tied else 'untied'}"
+
+
 def warm_up(trainer, train_files, val_slices, progress=None):
     """Untimed: run every graph the timed run will use (each stage's shape, the untie, each
     validation's windows), so that torch.compile and the Triton JIT do their work here, then
     capture each training step's CUDA graph: after every key's eager steps, so that no eager step
     runs beside the graphs' memory pool (a stage's step plus the pool would be two steps' memory
-    at once); then restore the initial model, optimizer and schedule state. Returns the graphs
-    torch.compile built. `progress` (a progress.Progress) says each step, capture and validation
-    forward before it starts."""
-    h = trainer.h
+    at once); then restore the initial model, optimizer and schedule state. Each part's seconds
+    are logged as it ends (warm_up_part); `progress` (a progress.Progress) says each step, capture
+    and validation forward before it starts. Returns the graphs torch.compile built."""
+    h, part = trainer.h, functools.partial(warm_up_part, trainer)
     say = progress.say if progress is not None else lambda piece: None
     before = compiled_graphs()
     saved = trainer.snapshot()
@@ -2779,20 +2825,21 @@ def warm_up(trainer, train_files, val_slices, progress=None):
     trainer.graphs.in_warm_up = trainer.tables.frozen = True
     steps_per_key, keys = warm_up_steps_per_key(h), graph_changes(h)
     for k, step in enumerate(keys):
-        trainer.advance_to(step)
-        stage = h.stages[stage_index(h, step)]
-        for i in range(steps_per_key):
-            say(f"training step {k * steps_per_key + i + 1}/{len(keys) * steps_per_key} (graph {k + 1}/{len(keys)}: "
-                f"the shape of step {step})")
-            trainer.train_step(step, loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks,
-                                                       trainer.mine))
-        if h.warmup_steps:
-            trainer.capture_graph(step, prepare_only=True)
-    for k, step in enumerate(keys if h.warmup_steps else ()):
-        if trainer.graphs.capturing:
-            say(f"capturing graph {k + 1}/{len(keys)}")
-        trainer.advance_to(step)
-        trainer.capture_graph(step)
+        with part(f"{steps_per_key} training step(s) of {key_text(h, step)}"):
+            trainer.advance_to(step)
+            stage = h.stages[stage_index(h, step)]
+            for i in range(steps_per_key):
+                say(f"training step {k * steps_per_key + i + 1}/{len(keys) * steps_per_key} (graph {k + 1}/"
+                    f"{len(keys)}: the shape of step {step})")
+                trainer.train_step(step, loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks,
+                                                           trainer.mine))
+            if h.warmup_steps:
+                trainer.capture_graph(step, prepare_only=True)
+    for k, step in enumerate(keys if h.warmup_steps and trainer.graphs.capturing else ()):
+        say(f"capturing graph {k + 1}/{len(keys)}")
+        with part(f"the CUDA graph of {key_text(h, step)}"):
+            trainer.advance_to(step)
+            trainer.capture_graph(step)
     for adam in trainer.tables.adams():     # the frozen tables' updates, on scratch tables
         adam.launch_on_scratch()
     trainer.averages.launch_on_scratch()
@@ -2803,8 +2850,9 @@ def warm_up(trainer, train_files, val_slices, progress=None):
         if graph not in seen:
             seen.add(graph)
             say(f"validation forward {len(seen)}/{warm_up_validations(h)}")
-            trainer.advance_to(step, final)
-            trainer.validate(val_slices[:1], step, final)
+            with part(f"a validation forward, windows {graph[0]}, head {'tied' if graph[1] else 'untied'}"):
+                trainer.advance_to(step, final)
+                trainer.validate(val_slices[:1], step, final)
     trainer.restore(saved)
     trainer.advance_to(0)
     synchronize(trainer.pg.device)

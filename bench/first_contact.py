@@ -1,27 +1,39 @@
 """The first GPU minutes: one self-sufficient command that answers, in order, what a first run
-of this trainer on a GPU must tell, each part within its own cap, so that nothing starves the
-compiled run.
+of this trainer on a GPU must tell, each part within its own cap, the compiled run first.
 
     python3 bench/first_contact.py              # on an H100/H200, from the repository root
     python3 bench/first_contact.py --dry        # on a CPU: tiny shapes, the Triton interpreter,
-                                                # the same parts in the same order and budget
+                                                # the same parts in the same order
 
-In order (PART_LIMITS_S: each part gets what is left of the 9-minute budget, at most its cap):
-  1. environment: versions, commit, `nvidia-smi`, and the memory budget's prediction for the
-     compiled run below (memory_budget.py);
-  2. tests: the GPU kernel tests (tests/test_kernels.py -k gpu: the production FP8 tile at a
-     training shape, every kernel family once against its reference);
-  3. training:plan: the data (the tiny corpus's real text when it travelled with the tree,
-     `carry` data/tiny_corpus; else synthetic tokens, said so) and the dominant shape;
-  4. compiled: train_gpt.py, the 1gpu preset compiled with CUDA graphs and the sync check, a
-     dozen steps at the dominant shape (the speedrun's stage 2: 49,152 tokens a micro-batch,
-     windows (5, 11), 14,336 candidates; one GPU's share of the n-gram table resident), with
-     recompile logging: step times, losses, peak allocated and reserved memory beside the budget;
-  5. training:triton and training:reference: a few eager steps at the same shape from the same
-     start, with the Triton kernels and with the plain-torch references: losses side by side;
+What fits. A GPU machine is lent for DEVICE_TIME_S = 900 s of device time, its start-up included.
+One call of this command costs at most START_UP_S (120 s: a cold machine's start) + BUDGET_S
+(300 s: the command's caps, PART_LIMITS_S, and REPORT_RESERVE_S) + TRANSFER_S (30 s: the tree
+sent, the files fetched) = 450 s, so a second call fits the 900 s even on a fresh machine: two
+are 900 s at most. A cold first call spends its compiled part compiling (4-8 minutes cold, more
+than its cap): it is stopped there, having printed each compile's seconds, and leaves the Triton
+and Inductor caches in OUT/compile_cache.tgz; the second call carries them (copy the file to
+bench/compile_cache.tgz, pass `carry bench/compile_cache.tgz`) and starts warm.
+
+In order (PART_LIMITS_S: each part gets what is left of the budget, at most its cap):
+  1. environment: versions, commit, `nvidia-smi`, the memory budget's prediction for the
+     compiled run (memory_budget.py), and the data: the tiny corpus's real text when it travelled
+     with the tree (`carry data/tiny_corpus`), else shards drawn from its token statistics
+     (bench/representative_tokens.py), said so;
+  2. compiled: train_gpt.py, the 1gpu preset compiled with CUDA graphs and the sync check, one
+     GPU's share of the n-gram table resident, two stages of different micro-batches with the
+     untie inside the second (the speedrun's stage 2, 49,152 tokens x 14,336 candidates, then its
+     stage 4, 32,768 tokens x the full vocabulary): each warm-up part's seconds and compiled
+     graphs as it ends, step times per stage, losses, compiled graphs and eager runs in the timed
+     run (both must be 0), peak memory beside the budget;
+  3. tests: the GPU kernel tests (tests/test_kernels.py -k gpu);
+  4. training:triton and training:reference: eager steps at one micro-batch of the first stage
+     with a small n-gram table in host memory (its device cache at the fewest rows allowed, so
+     that rows go back to the host), from the same FP8-calibrated start, with the Triton kernels
+     (under the sync check) and with the plain-torch references: losses side by side;
+  5. routing: the split n-gram table's host routing of one micro-batch, at one thread;
   6. kernels: each kernel family against its torch peer (torch._scaled_mm in the accumulation
-     mode production uses, flex_attention and SDPA, F.cross_entropy, ...) at the presets' shapes
-     and widths, outputs compared, with the time that is left;
+     mode production uses, flex_attention and SDPA, F.cross_entropy, ...) at the presets' shapes,
+     outputs compared, with the time that is left;
   7. the projection of the 8xH100 run: the step model (bench/step_model.py, run beside the parts
      on the CPU) corrected by the measured compiled step, with the model's communication terms.
 The step model's prediction stands beside every measured time.
@@ -33,9 +45,9 @@ killed with its process group and reported with what it had reported.
 
 Output. The section is printed at the end and appended to bench/results.md; with $OUT set,
 results.md and bench.json there are rewritten after every part (a run stopped from outside still
-leaves what it measured), with parts.log, gpu_tests.txt, compiled_run.txt and model.json: six
-files. Exit status 1 when a part failed; a missed speed target is reported, not a failure; 2
-without a CUDA GPU.
+leaves what it measured), with parts.log, gpu_tests.txt, compiled_run.txt and compile_cache.tgz:
+six files (the machine returns at most 8, of at most 16 MiB each). Exit status 1 when a part
+failed; a missed speed target is reported, not a failure; 2 without a CUDA GPU.
 
 For tests only: `--fail-part NAME` makes the child of part NAME raise once its work is done,
 `--crash-part NAME` makes it exit then without reporting its result (NAME: a part that runs in a
@@ -56,6 +68,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import traceback
@@ -67,8 +80,9 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS_PATH = pathlib.Path(__file__).resolve().parent / "results.md"
 sys.path.insert(0, str(REPO_ROOT))
 
-from kernel_timings import (BOS, KERNEL_BENCHES, KERNEL_HEADER, ROUTING_WAYS, SYNTHETIC_DOC_LEN,  # noqa: E402
-                            Line, Timer, markdown_table, routing_host_ms, routing_line)
+from kernel_timings import (KERNEL_BENCHES, KERNEL_HEADER, ROUTING_WAYS, Line, Timer, markdown_table,  # noqa: E402
+                            routing_host_ms, routing_line)
+from representative_tokens import write_representative_shard  # noqa: E402
 
 # Per-GPU speedrun shapes and the tiny ones of the dry mode. softmax_widths: the speedrun's sampled
 # softmax widths, the dominant stage's first (train_gpt.SOFTMAX_LATE, _EARLY, _LAST; the test checks);
@@ -81,39 +95,61 @@ GPU_SHAPES = dict(tokens=49152, width=768, hidden=2816, vocab=50304, softmax_wid
 DRY_SHAPES = dict(tokens=96, width=32, hidden=64, vocab=300, softmax_widths=(100, 60, 150), doc_len=48,
                   doc_median=20, max_doc_len=48, windows=(12, 20), muon=((2, 32, 32), (2, 32, 64)), ngram_rows=1000)
 
-# Training: the 1gpu preset with one GPU's share of the speedrun's n-gram table resident (the
-# preset's whole table, 130 GB in host memory, does not fit the bench machine's RAM), at its
-# DOMINANT_STAGE alone, never untied. The dry mode shrinks the cpu preset to a 2-layer model
-# with sampled softmax, no FP8 layers and Adam only, so that the interpreter runs only the
-# attention and a cheap cross-entropy (the kernel part runs the others).
+# The training runs: the 1gpu preset with one GPU's share of the speedrun's n-gram table resident
+# (the preset's whole table, 130 GB in host memory, does not fit the bench machine's RAM). The dry
+# mode shrinks the cpu preset to a 2-layer model with sampled softmax in its first stage, no FP8
+# layers and Adam only, so that the interpreter runs only the attention and a cheap
+# cross-entropy (the kernel part runs the others); its stages stand for the GPU run's two.
 GPU_TRAIN_CONFIG = ["--preset", "1gpu", f"--ngram_rows={GPU_SHAPES['ngram_rows']}", "--ngram_cache_rows=0"]
 DRY_TRAIN_CONFIG = [
     "--preset", "cpu", "--device=cpu", "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64",
-    "--mlp_hidden=128", "--bigram_rows=1024", "--ngram_rows=0", "--long_window_layers=[1]", "--narrow_qk_layers=[]",
-    "--fp8_mlp=false", "--fp8_qkv=false", "--fp8_head=false", "--optimizer=adamw",
+    "--mlp_hidden=128", "--bigram_rows=1024", "--ngram_rows=2048", "--long_window_layers=[1]",
+    "--narrow_qk_layers=[]", "--fp8_mlp=false", "--fp8_qkv=false", "--fp8_head=false", "--optimizer=adamw",
     "--batch_ranks=1", "--val_tokens=128", "--val_tokens_per_rank=128",
-    '--stages=[{"end":1.0,"tokens_per_rank":32,"max_doc_len":32,"short_window":1,"long_window":1,"candidates":128}]',
+    '--stages=[{"end":0.5,"tokens_per_rank":64,"max_doc_len":64,"short_window":1,"long_window":1,"candidates":128},'
+    '{"end":1.0,"tokens_per_rank":32,"max_doc_len":32,"short_window":1,"long_window":1}]',
 ]
-DOMINANT_STAGE = 2        # the speedrun's stage 2 (steps 681-964): the most steps at the largest micro-batch
-COMPILED_STEPS = 12       # timed steps of the compiled run
-EAGER_STEPS = 3           # eager steps of each kernel set, the first untimed
-COMPILED_VAL_TOKENS = dict(gpu=65536, dry=128)  # one validation slice: the run's validation is not what it measures
-TRAIN_SHARD_TOKENS = dict(gpu=1 << 23, dry=1 << 14)  # synthetic shards: the loader cycles through them
+# The compiled run's stages: (the preset's stage index, its steps), the untie inside the second.
+COMPILED_STAGES = dict(gpu=((2, 8), (4, 4)), dry=((0, 2), (1, 2)))
+UNTIE_STEP = dict(gpu=10, dry=3)  # the first untied step
+DOMINANT_STAGE = COMPILED_STAGES["gpu"][0][0]  # the speedrun's stage 2: the most steps at the largest micro-batch
+EAGER_STEPS = 5           # eager steps of each kernel set, from the calibrated start, the first untimed
+EAGER_NGRAM_ROWS = dict(gpu=1_321_920, dry=2048)  # the eager runs' small table (1/64 of the record's on a GPU)
+EAGER_VAL_TOKENS = dict(gpu=16384, dry=32)  # a validation slice the eager runs' device cache leaves room for
+VAL_TOKENS = dict(gpu=65536, dry=128)  # the compiled run's one validation slice: not what it measures
+TRAIN_SHARD_TOKENS = dict(gpu=1 << 23, dry=1 << 14)  # representative shards: the loader cycles through them
 VAL_SHARD_TOKENS = 1 << 17  # more than the compiled run's validation reads
 TINY_CORPUS = REPO_ROOT / "data" / "tiny_corpus"  # real text, when it travelled with the tree
 
-# Each part's cap, in the order the parts run; with REPORT_RESERVE_S they fill BUDGET_S, the 9
-# minutes a first GPU command may take (one rerun fits the device's 15 minutes with its start-up).
-PART_LIMITS_S = {"environment": 45, "tests": 75, "training:plan": 30, "compiled": 210,
-                 "training:triton": 40, "training:reference": 40, "kernels": 85}
-REPORT_RESERVE_S = 15     # kept back from the budget for the report
-BUDGET_S = 540
-KERNEL_BENCH_LIMIT_S = 30  # the most one kernel bench may take of the kernels' cap
+# What fits in a loan of the GPU machine (see the docstring): a call's start-up, command and
+# transfers, twice.
+DEVICE_TIME_S = 900       # the device time a task is lent, start-ups included
+START_UP_S = 120          # a cold machine's start, at most
+TRANSFER_S = 30           # the tree sent and the files fetched, per call
+# Each part's cap, in the order the parts run; with REPORT_RESERVE_S (the report and the caches'
+# archive) they fill BUDGET_S.
+PART_LIMITS_S = {"environment": 25, "compiled": 150, "tests": 30, "training:triton": 20, "training:reference": 20,
+                 "routing": 10, "kernels": 20}
+REPORT_RESERVE_S = 25
+BUDGET_S = 300
+DRY_SLACK = 4             # the dry mode's caps: the Triton interpreter on a shared CPU is slower than a GPU
+KERNEL_BENCH_LIMIT_S = 10  # the most one kernel bench may take of the kernels' cap
 MIN_PART_S = 1            # a part with less time left than this is not started
 NVIDIA_SMI_TIMEOUT_S = 20
 DRY_NOTE = ("dry: flex_attention runs uncompiled and forward-only (no CPU backward); SDPA uses its CPU "
             "backend; the compiled run is train_gpt.py with --compile=false")
-PARTS = ("tests", "compiled", "training", "kernels")  # what --parts can select
+PARTS = ("tests", "compiled", "training", "routing", "kernels")  # what --parts can select
+
+# The compile caches: Triton's and Inductor's, in one folder at a fixed path (Triton's cache
+# records its files' absolute paths), packed after the compiled run and at the end into one
+# archive that comes back with the results and that a later call unpacks before it starts.
+CACHE_DIR = pathlib.Path(tempfile.gettempdir()) / "first_contact_cache"
+CACHE_NAME = "compile_cache.tgz"
+DEFAULT_CACHE = pathlib.Path(__file__).resolve().parent / CACHE_NAME   # what a call carries (git-ignored)
+RETURNED_FILE_BYTES = 16 * 2**20  # the most one file under $OUT may hold and come back from the GPU machine
+# Triton's intermediate code: a cache hit reads a kernel's metadata and its binary only
+# (triton.compiler.CompiledKernel), so an archive too large to come back leaves these out.
+TRITON_IR_SUFFIXES = (".ttir", ".ttgir", ".llir", ".ptx", ".source", ".amdgcn")
 
 # Child processes: the modules their server imports once (third-party only: each child imports
 # the trainer's own modules, so that an error in one is that child's to report), how long a
@@ -126,14 +162,19 @@ GIT_TIMEOUT_S = 30
 
 
 class Deadline:
-    """Seconds left of a time budget, less a reserve kept back for the report."""
+    """Seconds left of a time budget, less a reserve kept back for the report; every budget, cap
+    and reserve times `scale` (the dry mode's DRY_SLACK)."""
 
-    def __init__(self, budget_s, reserve_s=REPORT_RESERVE_S):
-        self.end = time.monotonic() + budget_s
-        self.reserve_s = reserve_s
+    def __init__(self, budget_s, reserve_s=REPORT_RESERVE_S, scale=1):
+        self.scale = scale
+        self.end = time.monotonic() + budget_s * scale
+        self.reserve_s = reserve_s * scale
+
+    def scaled(self, seconds):
+        return seconds * self.scale
 
     def left(self, limit_s=float("inf")):
-        return max(0.0, min(limit_s, self.end - time.monotonic() - self.reserve_s))
+        return max(0.0, min(limit_s * self.scale, self.end - time.monotonic() - self.reserve_s))
 
 
 def kernel_block(outcomes, dry):
@@ -158,41 +199,63 @@ def kernel_lines(outcomes):
 
 
 # -----------------------------------------------------------------------------------------------
-# The training plan, the eager steps
+# The data, the runs' arguments, the eager steps
 # -----------------------------------------------------------------------------------------------
 
 # Each eager variant: its --kernels; a variant's key names its part, training:KEY.
 TRAINING_VARIANTS = dict(triton="triton", reference="reference")
 
 
-def write_synthetic_shard(path, num_tokens, generator):
-    """A .bin shard of random tokens with a document start every SYNTHETIC_DOC_LEN."""
-    from data.shards import write_shard
-    tokens = generator.integers(0, BOS, size=num_tokens, dtype=np.uint16)
-    tokens[::SYNTHETIC_DOC_LEN] = BOS
-    write_shard(path, tokens)
+def mode(dry):
+    return "dry" if dry else "gpu"
 
 
 def training_data(data_dir, dry):
     """(train files, val files, what they are): the tiny corpus's real text when it is here, else
-    synthetic shards written to data_dir."""
+    shards drawn from its token statistics, written to data_dir."""
     train, val = sorted(TINY_CORPUS.glob("tiny_train_*.bin")), sorted(TINY_CORPUS.glob("tiny_val_*.bin"))
     if train and val:
         return [str(f) for f in train], [str(f) for f in val], "the tiny corpus (real text)"
     generator = np.random.default_rng(0)
     train, val = os.path.join(data_dir, "train_000000.bin"), os.path.join(data_dir, "val_000000.bin")
-    write_synthetic_shard(train, TRAIN_SHARD_TOKENS["dry" if dry else "gpu"], generator)
-    write_synthetic_shard(val, VAL_SHARD_TOKENS, generator)
-    return [train], [val], "synthetic tokens (data/tiny_corpus did not travel with the tree)"
+    write_representative_shard(train, TRAIN_SHARD_TOKENS[mode(dry)], generator)
+    write_representative_shard(val, VAL_SHARD_TOKENS, generator)
+    return [train], [val], ("tokens drawn from the tiny corpus's statistics (bench/representative_tokens.py; "
+                            "data/tiny_corpus did not travel with the tree)")
 
 
-def dominant_args(dry):
-    """train_gpt.py arguments of the runs at the dominant shape: the preset, that stage alone, untied never."""
+def compiled_args(dry):
+    """train_gpt.py arguments of the compiled run: the preset's two COMPILED_STAGES, each for its
+    steps, the head untied at UNTIE_STEP."""
     import train_gpt as tg
     base = DRY_TRAIN_CONFIG if dry else GPU_TRAIN_CONFIG
     h = tg.parse_config(base)
-    stage = dataclasses.asdict(h.stages[0 if dry else DOMINANT_STAGE]) | {"end": 1.0}
-    return [a for a in base if not a.startswith("--stages=")] + [f"--stages={json.dumps([stage])}", "--untie_frac=1.0"]
+    (first, first_steps), (second, second_steps) = COMPILED_STAGES[mode(dry)]
+    steps = first_steps + second_steps
+    stages = [tg.config_to_dict(h)["stages"][first] | {"end": first_steps / steps},
+              tg.config_to_dict(h)["stages"][second] | {"end": 1.0}]
+    return [a for a in base if not a.startswith("--stages=")] + [
+        f"--stages={json.dumps(stages)}", f"--num_iterations={steps}",
+        f"--untie_frac={(UNTIE_STEP[mode(dry)] + 0.5) / steps}"]   # untie_step rounds down
+
+
+def eager_args(dry):
+    """train_gpt.py arguments of the eager runs: the compiled run's first stage alone, one
+    micro-batch a step, the head tied, a small n-gram table in host memory with a device cache of
+    the fewest rows allowed (one Adam event a step: the fewest rows a cache may have)."""
+    import sparse_tables
+    import torch
+    import train_gpt as tg
+    stage = tg.config_to_dict(tg.parse_config(compiled_args(dry)))["stages"][0] | {"end": 1.0}
+    kept = [a for a in compiled_args(dry) if not a.startswith(("--stages=", "--untie_frac=", "--ngram_", "--batch_ranks=",
+                                                                "--val_tokens", "--num_iterations="))]
+    args = kept + [
+        f"--stages={json.dumps([stage])}", f"--num_iterations={EAGER_STEPS}", "--untie_frac=1.0", "--batch_ranks=1",
+        "--table_phases=[]",
+        "--ngram_step_every=1", f"--ngram_rows={EAGER_NGRAM_ROWS[mode(dry)]}",
+        f"--val_tokens_per_rank={EAGER_VAL_TOKENS[mode(dry)]}", f"--val_tokens={EAGER_VAL_TOKENS[mode(dry)]}"]
+    rows = sparse_tables.min_cache_rows(tg.parse_config(args), tg.ProcessGroup(0, 1, 0, torch.device("cpu")))
+    return args + [f"--ngram_cache_rows={rows}"]
 
 
 def files_args(plan):
@@ -210,48 +273,66 @@ def wall_ms(fn, device):
     return (time.perf_counter() - start) * 1e3
 
 
-def eager_steps(args, device, steps, progress):
-    """(losses, ms) of `steps` optimizer steps of train_gpt's config `args`, eager, from its start;
-    progress(losses=, ms=) after each."""
+def eager_steps(args, device, steps, progress, sync_check):
+    """Losses and ms of `steps` optimizer steps of train_gpt's config `args`, eager, from its
+    start with its FP8 scales calibrated on the first batch (as train_gpt.train starts), each
+    step under the sync check when `sync_check` (on CUDA); with the table in host memory, the
+    rows its cache wrote back. progress(losses=, ms=) after each step."""
     import train_gpt as tg
     h = tg.parse_config(args)
     trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, device), tg.RunLog("unused", active=False))
     loader = tg.TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
     stage = h.stages[0]
+    batches = [loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, trainer.mine)
+               for _ in range(steps)]
+    if device.type == "cuda":
+        batches = [[s.pinned() for s in slices] for slices in batches]
+    trainer.calibrate_fp8(batches[0])
     losses, times = [], []
-    for step in range(steps):
+    for step, slices in enumerate(batches):
         trainer.advance_to(step)
-        slices = loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, trainer.mine)
-        if device.type == "cuda":
-            slices = [s.pinned() for s in slices]
         out = []
-        times.append(wall_ms(lambda: out.append(trainer.train_step(step, slices)), device))
+
+        def checked_step():
+            with tg.host_syncs_are_errors(sync_check and device.type == "cuda"):
+                out.append(trainer.train_step(step, slices))
+        times.append(wall_ms(checked_step, device))
         losses.append(float(out[0][0]))
         progress(losses=losses, ms=times)
-    return dict(losses=losses, ms=times)
+    host = trainer.tables.host
+    return dict(losses=losses, ms=times, sync_check=sync_check and device.type == "cuda",
+                written_back=host.evicted if host else 0, write_backs=host.rounds if host else 0)
 
 
-def eager_table(plan, results):
-    """Losses and step times of the eager variants, side by side."""
-    header = ["step"] + [f"{key} {what}" for key in TRAINING_VARIANTS for what in ("loss", "ms")]
+def eager_table(results):
+    """Losses of the eager variants side by side, their difference and step times."""
+    header = ["step", "triton loss", "reference loss", "difference", "triton ms", "reference ms"]
     rows = []
     for step in range(EAGER_STEPS):
-        row = [str(step)]
-        for key in TRAINING_VARIANTS:
-            result = results.get(key, {})
-            loss, ms = (result.get(name, []) for name in ("losses", "ms"))
-            row += [f"{loss[step]:.4f}" if step < len(loss) else "-", f"{ms[step]:.0f}" if step < len(ms) else "-"]
-        rows.append(row)
+        cells = {key: results.get(key) or {} for key in TRAINING_VARIANTS}
+        loss = {key: (r.get("losses") or [])[step] if step < len(r.get("losses") or []) else None
+                for key, r in cells.items()}
+        ms = {key: (r.get("ms") or [])[step] if step < len(r.get("ms") or []) else None for key, r in cells.items()}
+        both = None not in loss.values()
+        rows.append([str(step)] + [f"{loss[k]:.4f}" if loss[k] is not None else "-" for k in TRAINING_VARIANTS]
+                    + [f"{loss['triton'] - loss['reference']:+.4f}" if both else "-"]
+                    + [f"{ms[k]:.0f}" if ms[k] is not None else "-" for k in TRAINING_VARIANTS])
     return markdown_table(header, rows)
 
 
-# -----------------------------------------------------------------------------------------------
-# The compiled run, the step model and the projection
-# -----------------------------------------------------------------------------------------------
+def host_table_line(result):
+    """What the eager Triton run's host table did: the rows it wrote back, under the sync check."""
+    if not result or "written_back" not in result:
+        return "host table: not exercised (the eager Triton run did not finish)"
+    check = " under the sync check" if result.get("sync_check") else ""
+    if not result["write_backs"]:
+        return f"host table: no row written back{check} (the device cache did not fill)"
+    return (f"host table: {result['written_back']:,} rows written back to host memory in {result['write_backs']} "
+            f"round(s){check}, the losses above with them")
 
 
 # -----------------------------------------------------------------------------------------------
-# Programs
+# Programs; the compiled run, the step model and the projection
 # -----------------------------------------------------------------------------------------------
 
 def run_command(command, timeout_s, env=None):
@@ -284,15 +365,17 @@ def kill_process_group(pgid):
 
 
 def compiled_run_command(plan, dry, log_dir):
-    """train_gpt.py compiled (--compile=false in the dry mode) at the dominant shape, with the sync
-    check (a host sync inside a timed step is an error)."""
-    settings = (["--compile=false", "--num_iterations=4"] if dry else [f"--num_iterations={COMPILED_STEPS}"])
-    return [sys.executable, "train_gpt.py", *plan["args"], *settings,
-            f"--val_tokens={COMPILED_VAL_TOKENS['dry' if dry else 'gpu']}", "--sync_check=true",
-            "--log_every=1", *files_args(plan), f"--log_dir={log_dir}"]
+    """train_gpt.py compiled (--compile=false in the dry mode, with the warm-up it would have) on
+    the compiled run's arguments, with the sync check (a host sync inside a timed step is an error)."""
+    settings = ["--compile=false", "--warm_up=always"] if dry else []
+    return [sys.executable, "train_gpt.py", *plan["compiled_args"], *settings,
+            f"--val_tokens={VAL_TOKENS[mode(dry)]}", "--sync_check=true", "--log_every=1", *files_args(plan),
+            f"--log_dir={log_dir}"]
 
 
-# Lines of train_gpt.py's output: the graph counts, the steps, memory, and the final summary.
+# Lines of train_gpt.py's output: the warm-up's parts, the graph counts, the steps, memory, and
+# the final summary.
+WARM_UP_PART_LINE = re.compile(r"^warm-up part: (.*): ([\d.]+) s, (\d+) graph\(s\) compiled$", re.MULTILINE)
 COMPILE_LINE = re.compile(r"compile: (\d+) graphs in the warm-up, (\d+) in the timed run")
 CUDA_GRAPHS_LINE = re.compile(r"cuda graphs: (\d+) training steps and (\d+) optimizer updates captured in the "
                               r"warm-up, (\d+) ran eagerly in the timed run")
@@ -302,21 +385,33 @@ MEMORY_LINES = re.compile(r"^(memory budget: .*|memory: .*)$", re.MULTILINE)
 RECOMPILE_LINE = re.compile(r"Recompiling function|torch._dynamo hit config.recompile_limit")
 
 
+def stage_step_ms(steps, first, last):
+    """ms of each step from `first` to `last` (0-based, within one stage) but the first, from the
+    cumulative train_time of the step lines [(step count, loss, ms)]: the stage's first step
+    changes graphs and its host work differs."""
+    at = {count: ms for count, _, ms in steps}
+    return [at[k + 1] - at[k] for k in range(first + 1, last + 1) if k in at and k + 1 in at]
+
+
 def compiled_run(plan, dry, timeout_s):
-    """Run train_gpt.py compiled; returns a dict of what it reported (ok False on any failure)."""
+    """Run train_gpt.py compiled; returns a dict of what it reported (ok False on any failure),
+    the warm-up's parts as they ended even when it was stopped in the warm-up."""
     with tempfile.TemporaryDirectory() as log_dir:
         command = compiled_run_command(plan, dry, log_dir)
         start = time.perf_counter()
-        status, stdout, stderr = run_command(command, timeout_s, env=os.environ | {"TORCH_LOGS": "recompiles"})
+        status, stdout, stderr = run_command(command, timeout_s, env=os.environ | {"TORCH_LOGS": "recompiles",
+                                                                                  "PYTHONUNBUFFERED": "1"})
         seconds = time.perf_counter() - start
     output = stdout + stderr
     compile_match, final_match = COMPILE_LINE.search(stdout), FINAL_LINE.search(stdout)
     steps = [(int(m[1]), float(m[2]), int(m[3])) for m in STEP_LINE.finditer(stdout)]
     result = dict(command=" ".join(command[1:]), exit_status=status, wall_s=seconds, output=output,
                   losses=[loss for _, loss, _ in steps], memory=MEMORY_LINES.findall(stdout),
-                  recompiles=len(RECOMPILE_LINE.findall(output)))
-    if len(steps) > 2:             # per-step times after the first timed step (its host work differs)
-        result["step_ms"] = [(b[2] - a[2]) / (b[0] - a[0]) for a, b in zip(steps[1:], steps[2:])]
+                  recompiles=len(RECOMPILE_LINE.findall(output)),
+                  warm_up=[(what, float(s), int(graphs)) for what, s, graphs in WARM_UP_PART_LINE.findall(stdout)])
+    (_, first_steps), (_, second_steps) = COMPILED_STAGES[mode(dry)]
+    result["stage_ms"] = [stage_step_ms(steps, 0, first_steps - 1),
+                          stage_step_ms(steps, first_steps, first_steps + second_steps - 1)]
     if compile_match:
         result.update(warm_up_graphs=int(compile_match[1]), timed_graphs=int(compile_match[2]))
     cuda_graphs_match = CUDA_GRAPHS_LINE.search(stdout)   # on CUDA only
@@ -326,7 +421,9 @@ def compiled_run(plan, dry, timeout_s):
     if final_match:
         result.update(val_loss=float(final_match[1]), mean_step_ms=int(final_match[2]) / int(final_match[3]))
     if status is None:
-        result["error"] = f"stopped at the time limit after {seconds:.0f} s"
+        where = f"after {result['warm_up'][-1][0]}" if result["warm_up"] else "before its first warm-up part ended"
+        where = f"at step {steps[-1][0]}" if steps else f"in the warm-up, {where}"
+        result["error"] = f"stopped at the time limit after {seconds:.0f} s, {where}"
     elif status != 0 or not (final_match and compile_match):
         last = (stderr.strip() or stdout.strip() or "no output").splitlines()[-1]
         result["error"] = f"exit status {status}: {last}"
@@ -338,29 +435,41 @@ def compiled_run(plan, dry, timeout_s):
 IN_TIMED_RUN = "graphs built, recompiles, or steps run without their CUDA graph, in the timed run"
 
 
+def warm_up_line(run):
+    """The warm-up's parts that ended, each with its seconds and compiled graphs."""
+    if not run.get("warm_up"):
+        return "warm-up parts: none ended"
+    return "warm-up parts: " + "; ".join(f"{what} {s:.1f} s ({graphs} graphs)" for what, s, graphs in run["warm_up"])
+
+
 def compiled_run_block(run, model_ms, dry):
-    """The compiled run's lines: its steps beside the model's, graphs, memory, losses."""
-    what = ("train_gpt.py --compile=false (dry), tiny config" if dry else
-            f"train_gpt.py, the 1gpu preset compiled, {COMPILED_STEPS} steps at the speedrun's stage {DOMINANT_STAGE}")
+    """The compiled run's lines: its warm-up's parts, each stage's steps (the first beside the
+    step model's), graphs, memory, losses."""
+    (first, first_steps), (second, second_steps) = COMPILED_STAGES[mode(dry)]
+    what = ("train_gpt.py --compile=false (dry), tiny config, two stages" if dry else
+            f"train_gpt.py, the 1gpu preset compiled, the speedrun's stage {first} ({first_steps} steps) then "
+            f"its stage {second} ({second_steps} steps, the head untied at step {UNTIE_STEP['gpu']})")
     if "error" in run:
-        return f"compiled run: FAILED ({run['error']}); {what}"
-    times = run.get("step_ms") or [run["mean_step_ms"]]
-    model = f", the step model {model_ms:.1f} ms (measured/model {statistics.median(times) / model_ms:.2f})" \
+        return "\n\n".join([f"compiled run: FAILED ({run['error']}); {what}", warm_up_line(run)])
+    times = [t or [run["mean_step_ms"]] for t in run["stage_ms"]]
+    model = f", the step model {model_ms:.1f} ms (measured/model {statistics.median(times[0]) / model_ms:.2f})" \
         if model_ms else ""
     graphs = f"compile: {run['warm_up_graphs']} graphs in the warm-up, {run['timed_graphs']} in the timed run"
     if "captured_steps" in run:
         graphs += (f"; CUDA graphs: {run['captured_steps']} training steps and {run['captured_updates']} optimizer "
                    f"updates captured, {run['eager_runs']} eager runs in the timed run")
     verdict = "" if run["ok"] else f" (FAILED: {IN_TIMED_RUN})"
-    lines = [f"compiled run: median step {statistics.median(times):.1f} ms (steps {', '.join(f'{t:.0f}' for t in times)})"
-             f"{model}; {graphs}; {run['recompiles']} recompiles logged{verdict}; {run['wall_s']:.0f} s wall with "
-             f"compilation; {what}",
+    steps = [f"stage {i}: median step {statistics.median(t):.1f} ms (steps {', '.join(f'{x:.0f}' for x in t)})"
+             for i, t in enumerate(times)]
+    lines = [f"compiled run: {steps[0]}{model}; {steps[1]}; {graphs}; {run['recompiles']} recompiles logged"
+             f"{verdict}; {run['wall_s']:.0f} s wall with compilation; {what}",
+             warm_up_line(run),
              "losses: " + ", ".join(f"{loss:.4f}" for loss in run["losses"]) + f"; val_loss {run['val_loss']:.4f}"]
     return "\n\n".join(lines + run["memory"])
 
 
 def start_step_model(plan_args, out_dir, dry):
-    """The step model of the dominant-shape run on one H200 and of the speedrun on 8 H100s, in a
+    """The step model of the compiled run on one H200 and of the speedrun on 8 H100s, in a
     process of its own on the CPU, beside the parts (its JSON files land in out_dir)."""
     run = ["--preset", "cpu", "--gpus", "1", "--gpu", "h200"] if dry else ["--preset", "1gpu", "--gpus", "1",
                                                                            "--gpu", "h200"]
@@ -382,19 +491,73 @@ def read_model(out_dir, name):
 
 def projection_line(compiled, model, speedrun):
     """The 8xH100 run projected from the measured compiled step: the step model's compute time of
-    the speedrun scaled by measured/model at the dominant shape on this GPU, plus the model's
-    communication time (one GPU has no NCCL to measure)."""
+    the speedrun scaled by measured/model at the dominant shape (the compiled run's first stage)
+    on this GPU, plus the model's communication time (one GPU has no NCCL to measure)."""
     if speedrun is None:
         return "projection: not available: the step model did not finish in time"
     plain = f"the step model alone: {speedrun['run_s']:.1f} s ({speedrun['peak_s']:.1f} s at the peaks)"
     if not compiled or "error" in compiled or not model:
         return f"projection (an estimate, not a measurement): 8xH100 speedrun {plain}; no measured step to correct it"
-    measured = statistics.median(compiled.get("step_ms") or [compiled["mean_step_ms"]])
+    measured = statistics.median(compiled["stage_ms"][0] or [compiled["mean_step_ms"]])
     ratio = measured / model["stages"][0]["ms"]
     seconds = ratio * speedrun["compute_s"] + speedrun["communication_s"]
     return (f"projection (an estimate, not a measurement): 8xH100 speedrun {seconds:.1f} s = measured/model "
             f"{ratio:.2f} (this GPU, the dominant shape) x the model's compute {speedrun['compute_s']:.1f} s + its "
             f"communication {speedrun['communication_s']:.1f} s; {plain}")
+
+
+# -----------------------------------------------------------------------------------------------
+# The compile caches
+# -----------------------------------------------------------------------------------------------
+
+def cache_environment(cache_dir):
+    """The variables that put Triton's and Inductor's caches in cache_dir."""
+    return {"TRITON_CACHE_DIR": str(cache_dir / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor")}
+
+
+def unpack_caches(archive, cache_dir):
+    """Put an earlier call's caches (the archive pack_caches made) into cache_dir; a line saying
+    what was found."""
+    archive = pathlib.Path(archive)
+    if not archive.is_file():
+        return f"compile caches: cold (no {archive.name} carried)"
+    try:
+        with tarfile.open(archive) as tar:
+            members = [m for m in tar.getmembers() if m.isfile() or m.isdir()]
+            tar.extractall(cache_dir, members=members, filter="data")
+    except (OSError, tarfile.TarError) as error:
+        return f"compile caches: cold ({archive.name} could not be read: {error})"
+    return f"compile caches: warm, {sum(m.isfile() for m in members)} files from {archive.name}"
+
+
+def pack_caches(cache_dir, archive):
+    """Write the caches in cache_dir to one archive, without Triton's intermediate code when the
+    whole would be too large to come back; (files, bytes, whether it left that code out)."""
+    files = sorted(p for p in pathlib.Path(cache_dir).rglob("*") if p.is_file())
+    archive = pathlib.Path(archive)
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    for lean in (False, True):
+        kept = [p for p in files if not (lean and p.suffix in TRITON_IR_SUFFIXES)]
+        staging = archive.with_name(archive.name + ".partial")
+        with tarfile.open(staging, "w:gz") as tar:
+            for path in kept:
+                tar.add(path, arcname=str(path.relative_to(cache_dir)))
+        os.replace(staging, archive)
+        if archive.stat().st_size <= RETURNED_FILE_BYTES:
+            break
+    return len(kept), archive.stat().st_size, lean
+
+
+def cache_line(cache_dir, archive, found):
+    """Pack the caches (pack_caches) and say what the archive holds and how a later call uses it."""
+    try:
+        count, size, lean = pack_caches(cache_dir, archive)
+    except OSError as error:
+        return f"{found}; not packed ({error})"
+    note = (" (over the 16 MiB that come back: it stays behind)" if size > RETURNED_FILE_BYTES else
+            " (Triton's intermediate code left out to fit)" if lean else "")
+    return (f"{found}; now {count} files, {size / 2**20:.1f} MiB in {archive}{note}: carry it as "
+            f"bench/{CACHE_NAME} for a warm call")
 
 
 # -----------------------------------------------------------------------------------------------
@@ -614,7 +777,7 @@ def output_tail(path):
 
 def child_part_names():
     """The parts that run in a child (those that --fail-part and --crash-part take)."""
-    return (["environment", "training:plan"] + [f"training:{key}" for key in TRAINING_VARIANTS]
+    return (["environment"] + [f"training:{key}" for key in TRAINING_VARIANTS] + ["routing"]
             + [f"kernel:{key}" for key in KERNEL_BENCHES])
 
 
@@ -624,8 +787,9 @@ def part_device(dry):
 
 
 def report_versions(task, progress):
-    """The versions of torch, triton and CUDA, the GPU's name, and the memory budget of the
-    compiled run (memory_budget.py) on this GPU."""
+    """The versions of torch, triton and CUDA, the GPU's name, the memory budget of the compiled
+    run (memory_budget.py) on this GPU, and the runs' plan: their data (training_data) and
+    arguments."""
     import torch
     import triton
     cuda = torch.cuda.is_available()
@@ -633,14 +797,18 @@ def report_versions(task, progress):
     versions = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda or "none",
                     cuda_available=cuda)
     progress(**versions)
+    train_files, val_files, data = training_data(task.params["data_dir"], task.dry)
+    plan = dict(train_files=train_files, val_files=val_files, data=data, compiled_args=compiled_args(task.dry),
+                eager_args=eager_args(task.dry))
+    progress(plan=plan)
     import memory_budget
     import train_gpt as tg
-    budget = memory_budget.memory_budget(tg, tg.parse_config(dominant_args(task.dry)), 1)
+    budget = memory_budget.memory_budget(tg, tg.parse_config(plan["compiled_args"]), 1)
     total = torch.cuda.get_device_properties(0).total_memory if cuda and not task.dry else 80 * 2**30
     largest = sorted(budget.device.items(), key=lambda item: -item[1])[:4]
-    return versions | dict(budget=f"memory budget of the compiled run: {budget.summary(total)} (its step "
-                                  f"{budget.step / 2**30:.1f} GiB; largest held: "
-                                  + ", ".join(f"{name} {size / 2**30:.1f}" for name, size in largest) + " GiB)")
+    return versions | dict(plan=plan, budget=f"memory budget of the compiled run: {budget.summary(total)} (its step "
+                                             f"{budget.step / 2**30:.1f} GiB; largest held: "
+                           + ", ".join(f"{name} {size / 2**30:.1f}" for name, size in largest) + " GiB)")
 
 
 def time_kernel(task, progress):
@@ -651,18 +819,32 @@ def time_kernel(task, progress):
     return dict(lines=[dataclasses.asdict(line) for line in lines])
 
 
-def make_training_plan(task, progress):
-    """The data (training_data) and the arguments of the runs at the dominant shape."""
-    train_files, val_files, data = training_data(task.params["data_dir"], task.dry)
-    return dict(train_files=train_files, val_files=val_files, data=data, args=dominant_args(task.dry))
-
-
 def time_training(task, progress):
-    """Losses and ms of EAGER_STEPS eager steps with the kernel set of task.params["variant"]."""
-    plan = task.params["plan"]
-    args = plan["args"] + files_args(plan) + [f"--kernels={TRAINING_VARIANTS[task.params['variant']]}",
-                                              "--compile=false", "--cuda_graphs=false"]
-    return eager_steps(args, part_device(task.dry), EAGER_STEPS, progress)
+    """Losses and ms of EAGER_STEPS eager steps with the kernel set of task.params["variant"],
+    the Triton kernels' under the sync check (the references' attention reads document starts
+    on the host)."""
+    plan, variant = task.params["plan"], task.params["variant"]
+    args = plan["eager_args"] + files_args(plan) + [f"--kernels={TRAINING_VARIANTS[variant]}", "--compile=false",
+                                                    "--cuda_graphs=false"]
+    return eager_steps(args, part_device(task.dry), EAGER_STEPS, progress, sync_check=variant == "triton")
+
+
+def routing_token_counts(dry):
+    """The micro-batch sizes whose routing is timed: the speedrun's stages' (the dry shapes' one)."""
+    import train_gpt as tg
+    if dry:
+        return [DRY_SHAPES["tokens"]]
+    return sorted({s.tokens_per_rank for s in tg.parse_config(GPU_TRAIN_CONFIG).stages})
+
+
+def time_routing(task, progress):
+    """The split table's host routing (ShardedNgramRows.route_of, the batch prefetcher's work) at
+    one thread: on a busy host a second thread slowed it down, never up."""
+    import torch
+    torch.set_num_threads(1)
+    routing_ms = routing_host_ms(DRY_SHAPES if task.dry else GPU_SHAPES, routing_token_counts(task.dry),
+                                 pin=not task.dry)
+    return dict(routing_ms=routing_ms, line=routing_line(routing_ms) + "; at one thread")
 
 
 # -----------------------------------------------------------------------------------------------
@@ -772,21 +954,28 @@ def nvidia_smi(dry):
     return "```\n" + (stdout or stderr).strip() + "\n```"
 
 
-def report_environment(runner, report, flags, deadline):
-    """The header: date, GPU, versions, commit, nvidia-smi, the compiled run's memory budget.
-    Exits (status 2) on a machine without a CUDA GPU."""
-    outcome = runner.run("environment", report_versions, deadline.left(PART_LIMITS_S["environment"]))
+def report_environment(runner, report, flags, deadline, work_dir):
+    """The header: date, GPU, versions, commit, nvidia-smi, the compiled run's memory budget, and
+    the runs' plan (None when the part did not make one). Exits (status 2) on a machine without
+    a CUDA GPU."""
+    outcome = runner.run("environment", report_versions, deadline.left(PART_LIMITS_S["environment"]),
+                         data_dir=str(work_dir))
     versions = dict(gpu="unknown", torch="unknown", triton="unknown", cuda="unknown") | outcome.result
     if not flags.dry and versions.get("cuda_available") is False:
         print("first_contact.py needs a CUDA GPU; run it with --dry to check it on CPU", file=sys.stderr)
         sys.exit(2)
     report.record("environment", outcome)
     env = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               python=platform.python_version(), commit=flags.commit or git_commit()) | versions
+               python=platform.python_version(), commit=flags.commit or git_commit())
+    env |= {k: v for k, v in versions.items() if k != "plan"}
     report.put("header", f"## {env['date']}, {env['gpu']}\n\npython {env['python']}, torch {env['torch']}, triton "
                          f"{env['triton']}, CUDA {env['cuda']}, commit {env['commit']}\n\n{nvidia_smi(flags.dry)}\n\n"
                          f"{versions.get('budget', 'memory budget: not computed (' + outcome.describe() + ')')}",
                environment=env)
+    plan = outcome.result.get("plan") if outcome.finished else None
+    if plan:
+        report.put("plan", f"data: {plan['data']}; the compiled run's arguments: `{' '.join(plan['compiled_args'])}`")
+    return plan
 
 
 def run_gpu_tests_part(report, dry, deadline):
@@ -804,13 +993,20 @@ def run_gpu_tests_part(report, dry, deadline):
     report.put("tests", f"GPU tests ({verdict}): {tests['summary']}", gpu_tests=outcome.result)
 
 
+def run_routing_part(runner, report, deadline):
+    outcome = runner.run("routing", time_routing, deadline.left(PART_LIMITS_S["routing"]))
+    report.record("routing", outcome)
+    report.put("routing", outcome.result.get("line") or f"routing: {outcome.describe()}",
+               routing_ms=outcome.result.get("routing_ms"))
+
+
 def run_kernel_parts(runner, report, dry, deadline):
     """One child per kernel bench, all within the kernels' cap; the table is rewritten as each ends."""
     kernels_deadline = time.monotonic() + deadline.left(PART_LIMITS_S["kernels"])
     outcomes = {}
     for key in KERNEL_BENCHES:
         name = f"kernel:{key}"
-        left = min(kernels_deadline - time.monotonic(), deadline.left(), KERNEL_BENCH_LIMIT_S)
+        left = min(kernels_deadline - time.monotonic(), deadline.left(), deadline.scaled(KERNEL_BENCH_LIMIT_S))
         outcomes[name] = runner.run(name, time_kernel, max(0.0, left), bench=key)
         report.record(name, outcomes[name])
         report.put("kernels", kernel_block(outcomes, dry),
@@ -818,27 +1014,19 @@ def run_kernel_parts(runner, report, dry, deadline):
 
 
 class TrainingParts:
-    """The training plan, the compiled run, the eager variants, each reported as it ends."""
+    """The compiled run and the eager variants, each reported as it ends."""
 
-    def __init__(self, runner, report, flags, deadline, data_dir):
+    def __init__(self, runner, report, flags, deadline, plan):
         self.runner, self.report, self.flags, self.deadline = runner, report, flags, deadline
-        self.data_dir = data_dir
-        self.plan = None
+        self.plan = plan
         self.compiled = None          # what compiled_run returned
         self.eager = {}               # variant -> its losses and ms
-
-    def make_plan(self):
-        outcome = self.runner.run("training:plan", make_training_plan, self.deadline.left(PART_LIMITS_S["training:plan"]),
-                                  data_dir=str(self.data_dir))
-        self.report.record("training:plan", outcome)
-        self.plan = outcome.result if outcome.finished else None
-        if self.plan:
-            self.report.put("plan", f"data: {self.plan['data']}; arguments: `{' '.join(self.plan['args'])}`")
 
     def run_compiled(self, model_ms):
         seconds = self.deadline.left(PART_LIMITS_S["compiled"])
         if self.plan is None or seconds < MIN_PART_S:
-            outcome = Outcome({}, not_run="it needs the training plan" if self.plan is None else "out of time budget")
+            outcome = Outcome({}, not_run="it needs the environment's plan" if self.plan is None else
+                              "out of time budget")
             self.report.record("compiled", outcome)
             self.report.put("compiled", f"compiled run: {outcome.describe()}")
             return
@@ -854,15 +1042,16 @@ class TrainingParts:
     def time_variant(self, variant):
         name = f"training:{variant}"
         if self.plan is None:
-            outcome = Outcome({}, not_run="it needs the training plan")
+            outcome = Outcome({}, not_run="it needs the environment's plan")
         else:
             outcome = self.runner.run(name, time_training, self.deadline.left(PART_LIMITS_S[name]), variant=variant,
                                       plan=self.plan)
         self.report.record(name, outcome)
         self.eager[variant] = outcome.result
         notes = [f"{key}: {o}" for key, o in ((k, self.eager.get(k)) for k in TRAINING_VARIANTS) if o is None]
-        self.report.put("eager", f"eager steps at the dominant shape (the first includes the Triton JIT), the same "
-                                 f"data from the same start:\n\n{eager_table(self.plan, self.eager)}"
+        self.report.put("eager", f"eager steps at one micro-batch of the compiled run's first stage (the first "
+                                 f"includes the Triton JIT), the same data from the same calibrated start:\n\n"
+                                 f"{eager_table(self.eager)}\n\n{host_table_line(self.eager.get('triton'))}"
                         + ("" if not notes else "\n\nnot run: " + "; ".join(notes)), eager=self.eager)
 
 
@@ -879,14 +1068,17 @@ def injected_failures(flags):
 
 
 def parse_flags(argv=None):
-    parser = argparse.ArgumentParser(description="The first GPU minutes: versions, the memory budget, the GPU "
-                                                 "tests, a compiled run at the dominant shape, eager steps with "
-                                                 "both kernel sets, the kernel benches and the projection, each "
-                                                 "part within its cap.")
+    parser = argparse.ArgumentParser(description="The first GPU minutes: versions, the memory budget, a compiled "
+                                                 "run of two stages and the untie, the GPU tests, eager steps "
+                                                 "with both kernel sets and a host table, the host routing, the "
+                                                 "kernel benches and the projection, each part within its cap.")
     parser.add_argument("--dry", action="store_true", help="CPU, tiny shapes, Triton interpreter; writes nothing")
     parser.add_argument("--commit", default=None, help="commit of the tree (a copy without .git cannot tell)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds the whole command may take")
+    parser.add_argument("--cache", default=str(DEFAULT_CACHE),
+                        help=f"the compile caches to start from, an archive an earlier call wrote (default: "
+                             f"bench/{CACHE_NAME} when it is there)")
     parser.add_argument("--start-method", choices=START_METHODS, default="forkserver",
                         help="how the parts' child processes start: forked from a server that has torch imported "
                              "(default), or each from scratch")
@@ -895,7 +1087,8 @@ def parse_flags(argv=None):
     parser.add_argument("--crash-part", action="append", default=[], metavar="NAME",
                         help="for tests: make the child of part NAME exit at once, reporting nothing")
     parser.add_argument("--routing", action="store_true",
-                        help="only time the split n-gram table's host routing on this host (no GPU needed)")
+                        help="only time the split n-gram table's host routing on this host, each way, at the "
+                             "process's threads (no GPU needed)")
     flags = parser.parse_args(argv)
     flags.parts = set(flags.parts.split(","))
     if not flags.parts <= set(PARTS):
@@ -924,33 +1117,39 @@ def bench_time_line(part_seconds, total_s):
 
 def routing_main():
     """--routing: the host routing's times each way (ROUTING_WAYS), on this host's CPU."""
-    import train_gpt as tg
-    counts = sorted({s.tokens_per_rank for s in tg.parse_config(GPU_TRAIN_CONFIG).stages})
+    counts = routing_token_counts(dry=False)
     print(routing_line(routing_host_ms(GPU_SHAPES, counts, pin=False)))
     for way in ROUTING_WAYS[1:]:
         ms = routing_host_ms(GPU_SHAPES, counts, pin=False, way=way)
         print(f"{way} (its collectives left out): " + ", ".join(f"{t:,} tokens {m:.1f} ms" for t, m in ms.items()))
 
 
-def run_parts(runner, report, flags, deadline, work_dir):
-    """The parts in PART_LIMITS_S's order, the step model beside them, then the projection."""
+def run_parts(runner, report, flags, deadline, work_dir, caches):
+    """The parts in PART_LIMITS_S's order, the step model beside them, then the projection; the
+    compile caches packed after the compiled run and again at the end (caches: the folder, the
+    archive, what was found there at the start)."""
     model_dir = pathlib.Path(work_dir) / "model"
     model_dir.mkdir()
-    report_environment(runner, report, flags, deadline)
-    if "tests" in flags.parts:
-        run_gpu_tests_part(report, flags.dry, deadline)
-    training = TrainingParts(runner, report, flags, deadline, work_dir)
-    training.make_plan()
-    model = start_step_model(training.plan["args"], model_dir, flags.dry) if training.plan else None
+    plan = report_environment(runner, report, flags, deadline, work_dir)
+    training = TrainingParts(runner, report, flags, deadline, plan)
+    model = start_step_model(plan["compiled_args"], model_dir, flags.dry) if plan else None
 
     def model_step_ms():
         found = read_model(model_dir, "model.json")
         return found["stages"][0]["ms"] if found else None
+
+    def pack():
+        report.put("caches", cache_line(*caches))
     try:
         if "compiled" in flags.parts:
             training.run_compiled(model_step_ms)
+            pack()
+        if "tests" in flags.parts:
+            run_gpu_tests_part(report, flags.dry, deadline)
         for variant in TRAINING_VARIANTS if "training" in flags.parts else ():
             training.time_variant(variant)
+        if "routing" in flags.parts:
+            run_routing_part(runner, report, deadline)
         if "kernels" in flags.parts:
             run_kernel_parts(runner, report, flags.dry, deadline)
         if model is not None:
@@ -964,6 +1163,7 @@ def run_parts(runner, report, flags, deadline, work_dir):
     finally:
         if model is not None:
             kill_process_group(model.pid)
+        pack()
 
 
 def main(argv=None):
@@ -971,16 +1171,22 @@ def main(argv=None):
     flags = parse_flags(argv)
     if flags.routing:
         return routing_main()
-    deadline = Deadline(flags.budget)
+    deadline = Deadline(flags.budget, scale=DRY_SLACK if flags.dry else 1)
     if flags.dry:
         prepare_dry_mode()
     out = os.environ.get("OUT")
     report = Report(pathlib.Path(out) if out and not flags.dry else None)
     signal.signal(signal.SIGTERM, raise_stopped)
     with tempfile.TemporaryDirectory(prefix="first_contact.") as work_dir:
+        # the dry mode writes nothing: its caches and their archive stay in the work folder
+        cache_dir = pathlib.Path(work_dir) / "cache" if flags.dry else CACHE_DIR
+        archive = (pathlib.Path(work_dir) / CACHE_NAME if flags.dry else
+                   pathlib.Path(out) / CACHE_NAME if out else pathlib.Path(flags.cache))
+        found = unpack_caches(flags.cache if not flags.dry else archive, cache_dir)
+        os.environ.update(cache_environment(cache_dir))    # before the first child: they all inherit it
         runner = PartRunner(work_dir, flags.dry, flags.start_method, injected_failures(flags))
         try:
-            run_parts(runner, report, flags, deadline, work_dir)
+            run_parts(runner, report, flags, deadline, work_dir, (cache_dir, archive, found))
         except (Stopped, KeyboardInterrupt) as stop:
             report.stopped(str(stop) or type(stop).__name__)
     report.put("bench time", bench_time_line(report.raw["part_seconds"], time.monotonic() - start))

@@ -67,6 +67,12 @@ TIME_LEFT = ["tests/test_run_report.py", "-k", "time_left or how_far"]
 SINK = ["tests/test_metrics.py", "-k", "mirrors"]
 INSTALL = ["tests/test_install.py", "-k", "cpu_only or without_triton"]
 RESUME = ["tests/test_resume.py", "-k", "bit_for_bit"]
+LOSS_UNIT = ["tests/test_train.py", "-k", "loss_unit"]
+PEAK_STAGE = ["tests/test_memory.py", "-k", "largest_of_its_stages"]
+WRITE_BACK = ["tests/test_sparse_tables.py", "-k", "sync_check_lifted or device_cache_trains"]
+FIRST_CONTACT = ["tests/test_first_contact.py", "-k", "comes_first or two_stages or caches_travel or stopped_in"]
+FIRST_CONTACT_DRY = ["tests/test_first_contact.py", "-k", "warms_up_each_graph"]
+CAPTURES = ["tests/test_train.py", "-k", "captures_every_key and hashed"]
 
 
 @dataclasses.dataclass
@@ -515,6 +521,44 @@ MUTATIONS = [
     Mutation("kernels.py", "except ImportError:                # a CPU-only install",
              "except NameError:                # a CPU-only install", INSTALL,
              "kernels.py needs triton on a CPU"),
+    # the loss unit: data on the device, each stage's in its captured step, rewritten after a load
+    Mutation("train_gpt.py", "upstream = self.loss_unit if exact else 1.0 / x.size(0)",
+             "upstream = self.loss_unit_value if exact else 1.0 / x.size(0)", LOSS_UNIT,
+             "the cross-entropy's upstream gradient a host number a captured step keeps"),
+    Mutation("train_gpt.py", "        self.register_load_state_dict_post_hook(GPT.forget_loss_unit)", "", LOSS_UNIT,
+             "restored FP8 states keep the loss unit they were saved with"),
+    # the memory budget's step at the stage that peaks
+    Mutation("memory_budget.py", "key=lambda index: stage_memory(recipe, config_json, index)[0])",
+             "key=lambda index: h.stages[index].tokens_per_rank * (h.stages[index].candidates or PADDED_VOCAB_SIZE))",
+             PEAK_STAGE, "the peak stage ranked by tokens times head width"),
+    Mutation("memory_budget.py", "        if steps and key not in seen:", "        if steps and not seen:", PEAK_STAGE,
+             "the budget's step measured at the first stage alone"),
+    # a host table's write-back under --sync_check
+    Mutation("sparse_tables.py", "        with syncs_allowed():\n            synchronize(self.device)",
+             "        with contextlib.nullcontext():\n            synchronize(self.device)", WRITE_BACK,
+             "the write-back's waits inside --sync_check's error mode"),
+    Mutation("sparse_tables.py", "        for host, values in zip((self.table.table, self.moment, self.last), staged):",
+             "        for host, values in zip((self.table.table, self.last, self.moment), staged):", WRITE_BACK,
+             "the written-back moments and last events swapped"),
+    # first contact: the compiled run's stages and untie, its caps, its caches, its warm-up's parts
+    Mutation("bench/first_contact.py", "COMPILED_STAGES = dict(gpu=((2, 8), (4, 4)), dry=((0, 2), (1, 2)))",
+             "COMPILED_STAGES = dict(gpu=((2, 8), (3, 4)), dry=((0, 2), (1, 2)))", FIRST_CONTACT,
+             "the compiled run's stages of one micro-batch size"),
+    Mutation("bench/first_contact.py", "UNTIE_STEP = dict(gpu=10, dry=3)", "UNTIE_STEP = dict(gpu=8, dry=3)",
+             FIRST_CONTACT, "the untie at the second stage's first step"),
+    Mutation("bench/first_contact.py", "START_UP_S = 120 ", "START_UP_S = 200 ", FIRST_CONTACT,
+             "no room for a second call with a slow start-up"),
+    Mutation("bench/first_contact.py", "    for lean in (False, True):", "    for lean in (False,):", FIRST_CONTACT,
+             "an archive too large to come back kept whole"),
+    Mutation("bench/first_contact.py", "where = f\"at step {steps[-1][0]}\" if steps else f\"in the warm-up, {where}\"",
+             "where = f\"at step {steps[-1][0]}\" if steps else \"in the warm-up\"", FIRST_CONTACT,
+             "a run stopped in its warm-up does not say where"),
+    Mutation("train_gpt.py", "    for k, step in enumerate(keys if h.warmup_steps and trainer.graphs.capturing else ()):",
+             "    for k, step in enumerate(keys[:1] if h.warmup_steps and trainer.graphs.capturing else ()):",
+             CAPTURES, "the warm-up captures the first graph key only"),
+    Mutation("train_gpt.py", "    log.write(f\"{WARM_UP_PART}{what}: {time.perf_counter() - start:.1f} s,",
+             "    log.write(f\"{what}: {time.perf_counter() - start:.1f} s,", FIRST_CONTACT_DRY,
+             "the warm-up's parts logged without their marker"),
 ]
 
 

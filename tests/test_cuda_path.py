@@ -16,8 +16,10 @@ compile it for sm_90 (bench/sm90_report.py) with the tensor-core, shared-memory 
 and to check that every kernel variant the timed run launches was launched in the warm-up (so
 that the Triton JIT compiles nothing on the clock).
 """
+import contextlib
 import dataclasses
 import math
+import re
 import sys
 
 import numpy as np
@@ -346,6 +348,20 @@ def test_rehearsal_compiles_only_in_the_warm_up(rehearsal):
     assert f"compile: {EXPECTED_GRAPHS} graphs in the warm-up, 0 in the timed run" in log.info
 
 
+def test_rehearsal_logs_each_warm_up_part_as_it_ends(rehearsal):
+    """The warm-up logs each part with its seconds and the graphs compiled in it: the training
+    steps of each graph key (each compiling its forward and backward, the first also the
+    optimizers' updates) and each validation's, all the warm-up's graphs among them."""
+    log = parse_log(rehearsal[1])
+    parts = [re.fullmatch(r"warm-up part: (.*): [\d.]+ s, (\d+) graph\(s\) compiled", line)
+             for line in log.info if line.startswith(tg.WARM_UP_PART)]
+    assert all(parts) and len(parts) == len(CHANGES) + 2
+    training = [re.match(r"\d+ training step\(s\) of stage", p[1]) is not None for p in parts]
+    assert training == [True] * len(CHANGES) + [False] * 2
+    graphs = [int(p[2]) for p in parts]
+    assert all(graphs) and sum(graphs) == EXPECTED_GRAPHS and graphs[0] > graphs[1]
+
+
 def test_rehearsal_launches_every_kernel_with_one_dtype(rehearsal):
     launches = rehearsal[2]
     names = {name for name, *_ in launches}
@@ -565,3 +581,58 @@ def test_the_trace_notices_a_baked_scalar_and_a_moved_tensor():
     buffer = torch.ones(4)
     assert trace(0, buffer) == trace(0, buffer)
     assert trace(0, torch.ones(4)) != trace(0, torch.ones(4) + 1)
+
+
+def _streams_as_no_ops(monkeypatch):
+    """torch.cuda's streams as no-ops, for the capture path on a CPU."""
+    stream = type("Stream", (), {"wait_stream": lambda self, other: None})
+    monkeypatch.setattr(torch.cuda, "Stream", stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", stream)
+
+
+def test_what_the_warm_up_captures_is_what_a_timed_step_makes(shards, tmp_path, monkeypatch):
+    """The forward+backward the warm-up captures for each graph key (the graph every timed step
+    of that key replays) makes the same calls, with the same scalars, on the same tensors as a
+    timed micro-batch of the key: three stages of different micro-batch sizes (each its own loss
+    unit, the cross-entropy's upstream gradient) with two micro-batches a step, and the untie.
+    The capture is traced where StepGraphs would record a CUDA graph, and leaves none, so the
+    timed run's micro-batches run the same bodies eagerly, traced too; launches skipped, CUDA's
+    autocast rules."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launches = []
+    monkeypatch.setattr(kernels, "_launch", _traced_launches(launches))
+    _streams_as_no_ops(monkeypatch)
+    h = tg.parse_config(REHEARSAL + data_args(shards, tmp_path) + ["--compile=false", "--batch_ranks=2"])
+    captured, timed = {}, []
+
+    def traced(fn):
+        """fn() under a StepTrace: (its ops, its captured kernel launches)."""
+        launches.clear()
+        with StepTrace() as trace:
+            fn()
+        return trace.ops, [launch for launch in launches if launch[0] not in EAGER_LAUNCHES]
+
+    def record(fn, what):          # StepGraphs._record: the capture traced, no graph kept
+        captured[what] = traced(fn)
+    with cuda_autocast_rules():
+        trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog(str(tmp_path), active=False))
+        trainer.graphs.capturing = True
+        monkeypatch.setattr(trainer.graphs, "_record", record)
+        tg.warm_up(trainer, tg.find_shards(h.train_files), tg.validation_data(h, trainer.pg,
+                                                                            tg.find_shards(h.val_files)))
+        for key, step in trainer.graphs.steps.items():
+            step.body = lambda inputs, body=step.body, key=key: timed.append((key, traced(lambda: body(inputs))))
+        loader = tg.TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+        for step in range(h.num_iterations):
+            trainer.advance_to(step)
+            stage = h.stages[tg.stage_index(h, step)]
+            trainer.train_step(step, loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks,
+                                                       trainer.mine))
+    assert [key for key, _ in timed] == [tg.graph_key(h, step) for step in range(h.num_iterations) for _ in range(2)]
+    for key, (ops, step_launches) in timed:
+        capture_ops, capture_launches = captured[f"training step of graph {key}"]
+        assert len(ops) == len(capture_ops) and len(ops) > 100, key
+        for a, b in zip(capture_ops, ops):
+            assert a == b, f"graph {key}: the capture made {a}, a timed step {b}"
+        assert capture_launches == step_launches and step_launches, key

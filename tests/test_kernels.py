@@ -965,7 +965,11 @@ def test_cross_entropy_with_an_announced_upstream_gradient(dtype):
     _check_cross_entropy(ce, SMALL_CE.block_n, logits, targets, weights, torch.full((24,), 1 / 48))
     x = logits.clone().requires_grad_(True)
     (ce(x, targets, weights)[0].mean() / 2).backward()
-    _, _, stored = kernels._softcap_ce_op(logits, targets, weights.float(), True, 1 / 48, SMALL_CE.as_list())
+    on_device = logits.clone().requires_grad_(True)   # the trainer's loss unit: a tensor, read by the kernel
+    (ce(on_device, targets, weights, grad_scale=torch.tensor([1 / 48]))[0].mean() / 2).backward()
+    assert torch.equal(on_device.grad, x.grad)
+    _, _, stored = kernels._softcap_ce_op(logits, targets, weights.float(), True, torch.tensor([1 / 48]),
+                                          SMALL_CE.as_list())
     assert torch.equal(x.grad, stored)
 
 
@@ -1008,7 +1012,8 @@ def test_an_exact_upstream_hands_the_stored_gradient_on_with_no_op_even_compiled
     gradient itself: no scaling kernel and no copy of the (N, C) buffer; without it, the graph
     scales a copy. Both give the stored gradient, bitwise, for the announced upstream."""
     logits, targets, weights, _ = _cross_entropy_inputs(24, 300, 3, 24, torch.bfloat16)
-    _, _, stored = kernels._softcap_ce_op(logits, targets, weights.float(), True, 1 / 48, SMALL_CE.as_list())
+    _, _, stored = kernels._softcap_ce_op(logits, targets, weights.float(), True, torch.tensor([1 / 48]),
+                                          SMALL_CE.as_list())
     exact_ops, exact_grad = _backward_graph_ops(True, logits, targets, weights)
     writes = ("scale_rows", "auto_functionalized", "copy", "clone")   # an in-place op made functional: a copy
     assert not [op for op in exact_ops if any(w in op for w in writes)], exact_ops
@@ -1051,7 +1056,8 @@ def test_fp8_head_cross_entropy_writes_the_logit_gradient_once_in_e5m2():
     assert torch.equal(fused, loss) and torch.equal(fused_next, next_loss)
 
     _, w8_t, _, w_scale, g8, g8_t, g_scale = fused.grad_fn.saved_tensors
-    _, _, g32 = kernels._softcap_ce_op(logits.float(), targets, weights, True, 1 / 48, SMALL_CE.as_list())
+    _, _, g32 = kernels._softcap_ce_op(logits.float(), targets, weights, True, torch.tensor([1 / 48]),
+                                       SMALL_CE.as_list())
     amax = torch.zeros(1)
     assert g_scale == torch.tensor(0.75 / kernels.FP8_E4M3_MAX) * torch.tensor(1 / 48)   # static, times the loss unit
     assert torch.equal(g8.float(), kernels._quantize_reference(g32, g_scale, amax, E5M2).float())
@@ -1145,8 +1151,8 @@ def test_custom_ops_pass_opcheck():
         (kernels._fp8_matmul_quant_op, (a, b, one, one, a, one, one, torch.zeros(1), E4M3, "relu2", config)),
         (kernels._attn_fwd_op, (q, k, v, doc_start, doc_end, scale, 5, attention_configs)),
         (kernels._attn_bwd_op, (grad_o, q, k, v, o, lse, doc_start, doc_end, scale, 5, attention_configs)),
-        (kernels._softcap_ce_op, (logits, targets, weights, True, 0.125, SMALL_CE.as_list())),
-        (kernels._softcap_ce_op, (logits, targets, weights, False, 1.0, SMALL_CE.as_list())),
+        (kernels._softcap_ce_op, (logits, targets, weights, True, torch.tensor([0.125]), SMALL_CE.as_list())),
+        (kernels._softcap_ce_op, (logits, targets, weights, False, torch.ones(1), SMALL_CE.as_list())),
         (kernels._scale_rows_op, (logits.clone(), grad_loss, SMALL_CE.as_list())),
         (kernels._xxt_op, (torch.randn(2, 20, 24), SMALL_XXT.as_list())),
         (kernels._transpose_op, (torch.randn(20, 24), SMALL_CAST.as_list())),

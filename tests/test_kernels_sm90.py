@@ -120,7 +120,8 @@ def test_sparse_updates_are_recorded_at_the_runs_largest_sizes():
     """The recorded n-gram updates have the entry counts a run makes at its longest cadence with
     all its micro-batches: 2 rows x 49,152 tokens x 8 micro-batches x 4 steps for the 1gpu preset,
     one micro-batch for each of 8 processes (speedrun), and first_contact.py's compiled run, whose
-    dozen steps at 49,152 tokens all come before the tables' late phase: one step's 8 micro-batches."""
+    dozen steps (49,152 tokens, then 32,768) all come before the tables' late phase: one step's 8
+    micro-batches of 49,152."""
     expected = {"speedrun": 2 * 49152 * 4, "1gpu": 2 * 49152 * 8 * 4, "bench": 2 * 8 * 49152}
     for run, entries in expected.items():
         grids = {launch.grid[0] for launch in sm90_report.trainer_launches(run)

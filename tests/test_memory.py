@@ -127,7 +127,7 @@ def test_the_budgets_step_is_a_cpu_micro_batchs_peak_within_the_stated_factor(sh
     holds; and its logits' share, against the logits and their gradient of that stage."""
     h = budget_config(shards, "--batch_ranks=1")
     trainer = cpu_trainer(h)       # bf16 layers (the FP8 references dequantize to fp32: no GPU's memory)
-    index = memory_budget.largest_stage(h)
+    index = memory_budget.largest_stage(tg, h)
     step, stage = sum(tg.steps_per_stage(h)[:index]), h.stages[index]
     assert stage.candidates == 0 and index == len(h.stages) - 1
     batch = tg.TrainLoader(tg.find_shards(h.train_files), stage.tokens_per_rank).next_batch(
@@ -157,6 +157,30 @@ def entries_kept_as_before(budget, h):
     passing = {**budget.passing, "table update": 3 * entries * 4 * h.model_dim}
     step = budget.step + budget.device["gradient sinks"] // 2
     return memory_budget.MemoryBudget(device, passing, step, budget.logits, budget.graphs, budget.host)
+
+
+def stage_alone(h, index):
+    """h with stage `index` alone (ending at 1.0) and the head tied or untied as at the stage's
+    first step in h."""
+    first = sum(tg.steps_per_stage(h)[:index])
+    untied = first >= tg.untie_step(h)
+    return dataclasses.replace(h, stages=[dataclasses.replace(h.stages[index], end=1.0)],
+                               untie_frac=0.0 if untied else 1.0)
+
+
+@pytest.mark.parametrize("preset", ["speedrun", "1gpu", "1gpu_24gb", "record89", "medium"])
+def test_the_budgets_step_is_the_largest_of_its_stages_steps(preset):
+    """largest_stage is the stage whose step needs the most memory, and the budget's step is that
+    stage's: against each stage's step measured in a config of that stage alone. The speedrun's
+    stage 3 (49,152 tokens x 24,576 candidates) needs 2.3 GiB more than its stage 4, which has
+    the most tokens times head width (32,768 x 50,304)."""
+    h = tg.parse_config(["--preset", preset])
+    alone = [memory_budget.step_memory(tg, memory_budget.dry_run_key(stage_alone(h, i)))[0]
+             for i in range(len(h.stages))]
+    index = memory_budget.largest_stage(tg, h)
+    assert alone[index] == max(alone) and memory_budget.memory_budget(tg, h, 1).step == max(alone)
+    if preset == "speedrun":
+        assert index == 3 and (alone[3] - alone[4]) / 2**30 > 2
 
 
 def test_1gpu_on_an_h100_with_its_pending_gradients_summed_per_row_and_as_entries():

@@ -263,6 +263,23 @@ def test_a_host_tables_cache_keeps_pending_rows_and_lets_the_least_recently_used
     assert newest <= cached(), "the last slice's rows stay"
 
 
+def test_a_host_tables_write_back_waits_for_the_device_with_the_sync_check_lifted(monkeypatch):
+    """--sync_check makes a host sync inside a training step an error (CUDA's sync debug mode,
+    "error" is 2); a host table's write-back waits for the device by design: it waits with the
+    mode off (0) and restores it after, so the step's other syncs stay errors."""
+    table = tg.NgramTable(4096, 8, max_tokens=64, placement=tg.TablePlacement(cache_rows=256))
+    cache = sparse_tables.HostNgramRows(table, tg.optim.SparseRowAdam(table.fetched, lr=0.1), torch.device("cpu"))
+    mode = {"now": 2}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: mode["now"])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda value: mode.update(now=value))
+    waits = []
+    monkeypatch.setattr(sparse_tables, "synchronize", lambda device: waits.append(mode["now"]))
+    for seed in range(12):         # up to 128 new rows each: the cache overflows
+        cache.fetch(torch.randint(1, 50_000, (64,), generator=torch.Generator().manual_seed(seed)), training=False)
+    assert cache.rounds > 0 and waits and set(waits) == {0} and mode["now"] == 2
+
+
 def test_an_ngram_table_that_cannot_be_split_or_does_not_fit_is_refused():
     h = tiny_config(["--ngram_rows=2050"])
     with pytest.raises(tg.ConfigError, match="does not split evenly across 4 processes: use a multiple of 4"):

@@ -486,6 +486,15 @@ def cpu_graphs(monkeypatch, trainer, fail=None):
     return graphs
 
 
+# Two stages of different micro-batch sizes: each has its own loss unit (the objective's weight
+# per token), which a captured step must read as the timed step sets it.
+UNEQUAL_STAGES = "--stages=" + json.dumps([
+    {"end": 0.5, "tokens_per_rank": 512, "max_doc_len": 256, "short_window": 1, "long_window": 2,
+     "mtp_weights": [1, 0.5, 0.25], "prefix_weight": 0.25, "candidates": 2048},
+    {"end": 1.0, "tokens_per_rank": 256, "max_doc_len": 256, "short_window": 1, "long_window": 3,
+     "mtp_weights": [1], "prefix_weight": 0}], separators=(",", ":"))
+
+
 @pytest.mark.parametrize("features,compile_updates", [([], False), (NGRAM, False), ([], True)],
                          ids=["hashed", "ngram", "compiled-updates"])
 def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeypatch, features, compile_updates):
@@ -500,7 +509,7 @@ def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeyp
     compiling run does, one graph per captured update, all in the warm-up. A capture that fails
     ends in one line saying how to run without graphs."""
     args = data_args(shards) + features + ["--num_iterations=6", "--untie_frac=0.8", "--adam_step_every=2",
-                                           "--batch_ranks=2", "--warmup_steps=1"]
+                                           "--batch_ranks=2", "--warmup_steps=1", UNEQUAL_STAGES]
     select = tg.select_kernels
     monkeypatch.setattr(tg, "select_kernels", lambda h, device: dataclasses.replace(select(h, device),
                                                                                     attention=dense_attention))
@@ -555,6 +564,40 @@ def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeyp
     with pytest.raises(tg.TrainingError, match=r"capturing .* failed \(operation not permitted when stream is "
                                                r"capturing\): rerun with --cuda_graphs=false"):
         tg.warm_up(trainer, tg.find_shards(h.train_files), val)
+
+
+def test_a_captured_step_reads_the_loss_unit_of_its_replay(shards, monkeypatch):
+    """The loss unit (the cross-entropy's upstream gradient: it stores its logit gradient times
+    it) is data on the device: a step captured under one unit and replayed under another makes
+    the gradients of an eager step under the other, bit for bit."""
+    h = tiny_config(data_args(shards) + ["--num_iterations=4"])
+    batch = tg.TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
+    replayed = cpu_trainer(tiny_config(data_args(shards) + ["--num_iterations=4", "--cuda_graphs=true"]))
+    graphs = cpu_graphs(monkeypatch, replayed)
+    replayed.forward_backward(0, batch)            # the key's first run, then its capture under 1/512
+    replayed.capture_graph(0)
+    replayed.zero_grads()
+    eager = cpu_trainer(h)
+    for trainer in (replayed, eager):
+        monkeypatch.setattr(trainer, "loss_unit", lambda stage: 1 / 2048)
+        trainer.forward_backward(0, batch)
+    assert graphs[0].replays == 1
+    for (name, p), q in zip(eager.model.named_parameters(), replayed.model.parameters()):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+
+
+def test_the_first_step_after_the_warm_up_has_its_stages_fp8_loss_unit(shards):
+    """The warm-up leaves the model at its last graph key's loss unit and then restores the FP8
+    states it saved before (with their loss unit); the first step (here the FP8 calibration)
+    writes its stage's unit into every FP8 state again, also when it equals the last key's
+    (both stages' micro-batches have 512 tokens)."""
+    h = tiny_config(data_args(shards) + ["--num_iterations=4", "--warm_up=always", "--warmup_steps=1"])
+    trainer = cpu_trainer(h, fp8=True)
+    files = tg.find_shards(h.train_files)
+    tg.warm_up(trainer, files, tg.validation_data(h, trainer.pg, tg.find_shards(h.val_files)))
+    trainer.calibrate_fp8(tg.first_batch(h, files, trainer.mine))
+    states = fp8_states(trainer.model)
+    assert len(states) > 3 and all(state[-1] == 1 / 512 for state in states.values())
 
 
 def test_untie_carries_the_embeddings_adam_state_to_the_head(shards):

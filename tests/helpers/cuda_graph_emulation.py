@@ -15,7 +15,8 @@ class CPUGraph:
     """A CUDA graph's semantics on a CPU. The capture records every op the body dispatches, with
     its arguments (it also runs them, which a real capture does not). A replay runs the recorded
     ops again with the captured scalars, addressing memory as the capture did: a tensor on
-    memory from outside the graph (parameters, gradients, buffers) is used as it is, and one on
+    memory from outside the graph (parameters, gradients, buffers) is used as it was at the
+    capture (same memory, sizes and strides), and one on
     memory an earlier recorded op made is rebuilt, same offset, sizes and strides, on the memory
     that op's replay made. So a replay reads and writes what the capture saw, as a CUDA graph
     does: a value the body took from Python, or a tensor it found somewhere that has since been
@@ -66,5 +67,13 @@ class CPUCapture(TorchDispatchMode):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         if func.namespace != "profiler":   # record_function's markers are host-side
-            self.graph.ops.append((func, args, kwargs, result))
+            self.graph.ops.append(torch.utils._pytree.tree_map(as_captured, (func, args, kwargs, result)))
         return result
+
+
+def as_captured(value):
+    """What a capture keeps of an op's argument or output: a tensor's memory, sizes and strides as
+    they were (a detached alias: a later change of the tensor's .data, or its autograd graph,
+    is none of a replay's business, and the capture keeps no autograd node alive), anything
+    else as it is."""
+    return value.detach() if isinstance(value, torch.Tensor) else value
