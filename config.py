@@ -240,6 +240,13 @@ class Hyperparameters(ModelConfig):
     val_every: int = count(0, 0, MAX_STEPS, "steps")  # validate every this many steps (0: only at the end)
     # the global batch is this many rank slices; fewer processes accumulate
     batch_ranks: int = count(8, 1, MAX_BATCH_RANKS, "rank slices")
+    # training targets: document (they stop at each document's end; a cut document's last token
+    # predicts its true successor) | packed (the next tokens of the packed slice, across documents;
+    # a cut document's last token predicts the next document's BOS)
+    target_rule: str = choice("document", "packed")
+    # documents longer than this are cut into attention segments this long (0: never); the
+    # tokens, targets, smear and hashes still see whole documents
+    attention_segment_tokens: int = count(0, 0, MAX_SLICE_TOKENS, "tokens")
     # model schedule (the model's own fields are ModelConfig's)
     # long window (blocks) of the final validation
     val_long_window: int = count(8, 1, MAX_WINDOW_BLOCKS, "window blocks")

@@ -86,6 +86,12 @@ TINY_HINT = "python data/tiny_corpus.py"
 # Presets
 # -----------------------------------------------------------------------------------------------
 
+def _project_rules(h):
+    """This project's rules where the public records differ; the presets named for a record take
+    the record's (docs/recipe.md's fidelity table compares them)."""
+    h.target_rule, h.attention_segment_tokens = "document", 0
+
+
 def _cpu_preset(h):
     """The CPU track's current record (NorMuon25Steps), its whole recipe: a 4-layer, width-256
     model with the hashed n-gram table on the tiny corpus, 2 cores, under a minute. Each choice's
@@ -97,6 +103,7 @@ def _cpu_preset(h):
     fast one: bf16 where it has bf16 units (AVX512-BF16 or AMX), fp32 elsewhere, where a bf16
     product runs as an fp32 GEMM plus casts (cpu_runtime.py); the val loss is the same either way.
     """
+    _project_rules(h)
     h.track = "track_cpu"
     h.train_files = "data/tiny_corpus/tiny_train_*.bin"
     h.val_files = "data/tiny_corpus/tiny_val_*.bin"
@@ -178,6 +185,7 @@ def _cpu_optimization_preset(h):
     cpu preset's model, data and batch schedule as the track's first records ran them, with the
     value embeddings under dense Adam), and the first records' optimizer, which an entry changes:
     ANVIL at 27 steps, the LRs and schedule of that cpu preset."""
+    _project_rules(h)
     h.track = "track_3_cpu_optimization"
     fixed_track_config(h, h.track)
     h.num_iterations, h.val_tokens_per_rank = 27, 8_192
@@ -207,6 +215,7 @@ def _cpu_optimization_preset(h):
 SOFTMAX_EARLY, SOFTMAX_LATE, SOFTMAX_LAST = 10_240, 14_336, 24_576
 NGRAM_RECORD_ROWS = 84_602_880     # record 92's n-gram table: 10,575,360 rows on each of 8 GPUs
 NGRAM_LATE_STEP = 336              # record 92's step from which the tables' beta2 is squared, an update every 4th
+ATTENTION_SEGMENT_TOKENS = 2560    # record 92: documents longer than this attend in segments this long
 
 
 def _speedrun_preset(h):
@@ -219,6 +228,7 @@ def _speedrun_preset(h):
     h.train_files = "data/fineweb10B/fineweb_train_*.bin"
     h.val_files = "data/fineweb10B/fineweb_val_*.bin"
     h.val_tokens, h.val_tokens_per_rank, h.batch_ranks = 10_485_760, 65_536, 8
+    h.target_rule, h.attention_segment_tokens = "packed", ATTENTION_SEGMENT_TOKENS
 
     # model: 10 layers of 768, 6 heads of 128; 7 attention sublayers
     h.num_layers, h.model_dim, h.num_heads, h.head_dim, h.mlp_hidden = 10, 768, 6, 128, 2816
@@ -312,6 +322,7 @@ def _record89_preset(h):
     h.train_files = "data/fineweb10B/fineweb_train_*.bin"
     h.val_files = "data/fineweb10B/fineweb_val_*.bin"
     h.val_tokens, h.val_tokens_per_rank, h.batch_ranks = 10_485_760, 65_536, 8
+    h.target_rule, h.attention_segment_tokens = "packed", 0
 
     # model: 11 layers of 768, 6 heads of 128, MLP 3072; no attention on layer 6
     h.num_layers, h.model_dim, h.num_heads, h.head_dim, h.mlp_hidden = 11, 768, 6, 128, 3072
@@ -432,6 +443,7 @@ def _medium_preset(h):
     equal and one stage; the 40 extension steps are the last (the same batch and windows, at
     the floor of the cooldown). Nothing is added to the model: what the public model has that
     ours lacks, and every value that maps with a difference, is in docs/medium.md."""
+    _project_rules(h)
     h.track = "track_2_medium"
     h.num_layers, h.model_dim, h.num_heads, h.head_dim = 16, 1024, 8, 128  # public: 16 layers of 1024, 8 heads of 128
     h.mlp_hidden = 4096            # public medium record: MLP hidden 4 x 1024, ReLU^2
@@ -532,6 +544,7 @@ def _optimization_preset(h):
     matrices, AdamW for the rest; the LR flat for 30% of the steps, then linear to 0. Facts
     that our model cannot express, and every value mapped with a difference, are listed in
     records/track_3_optimization/README.md."""
+    _project_rules(h)
     h.track = "track_3_optimization"
     h.num_layers, h.model_dim, h.num_heads, h.head_dim = 12, 768, 6, 128  # public: 12 x 768, head_dim 128
     h.mlp_hidden = 4 * 768         # public: MLP 4 x dim, ReLU^2
@@ -1671,20 +1684,41 @@ def _targets(stream, starts, lengths, ends, num_targets):
     return out
 
 
+def _packed_targets(buffer, num_targets):
+    """targets[i, k] = buffer[i + k + 1] where that is in the buffer, else -1: the packed rule,
+    buffer being a slice's tokens and the one that follows its last."""
+    out = np.full((buffer.size - 1, num_targets), -1, dtype=np.int64)
+    for k in range(num_targets):
+        out[:buffer.size - 1 - k, k] = buffer[k + 1:]
+    return out
+
+
+def attention_segment_ends(offset, length, segment_tokens):
+    """The ends of a piece's attention segments, the piece being tokens [offset, offset + length)
+    of the slice: one every segment_tokens tokens inside it (0: none), then its end."""
+    inner = range(offset + segment_tokens, offset + length, segment_tokens) if segment_tokens else ()
+    return [*inner, offset + length]
+
+
 def _packed_tokens(pieces, T):
     """The (T,) int32 tokens _pack makes of the pieces, without their targets."""
     tokens = np.concatenate([stream[start:start + length] for stream, start, length, _ in pieces]).astype(np.int32)
     return torch.from_numpy(np.concatenate([tokens, np.full(T - tokens.size, BOS_ID, dtype=np.int32)]))
 
 
-def _pack(pieces, T):
-    """Concatenate (stream, start, length, doc_end) pieces into one Slice of exactly T tokens."""
+def _pack(pieces, T, target_rule="document", segment_tokens=0, following=BOS_ID):
+    """Concatenate (stream, start, length, doc_end) pieces into one Slice of exactly T tokens: the
+    targets by target_rule (packed: `following` is the token after the last piece), the
+    documents' attention segments at most segment_tokens long (0: no limit)."""
     tokens, targets, cu = [], [], [0]
     for stream, start, length, end in pieces:
         tokens.append(stream[start:start + length].astype(np.int32))
-        targets.append(_targets(stream, [start], [length], [end], MAX_TARGETS - 1))
-        cu.append(cu[-1] + length)
+        if target_rule == "document":
+            targets.append(_targets(stream, [start], [length], [end], MAX_TARGETS - 1))
+        cu += attention_segment_ends(cu[-1], length, segment_tokens)
     filled = cu[-1]
+    if target_rule == "packed":
+        targets.append(_packed_targets(np.concatenate([*tokens, [following]]), MAX_TARGETS - 1))
     if filled < T:                 # too many tiny documents: pad with loss-free BOS tokens
         tokens.append(np.full(T - filled, BOS_ID, dtype=np.int32))
         targets.append(np.full((T - filled, MAX_TARGETS - 1), -1, dtype=np.int64))
@@ -1701,15 +1735,16 @@ class TrainLoader:
     Each global batch is `num_slices` consecutive slices of T tokens; a slice is whole documents,
     each starting at a BOS and cut at `max_doc_len` tokens (the rest of a cut document is skipped),
     the last one cut to fit. Every process walks the same stream and builds only its own slices.
-    The next shard is read in a background thread while the current one is used.
+    The next shard is read in a background thread while the current one is used. target_rule
+    and segment_tokens: _pack's (a run's are train_loader's).
     """
 
-    def __init__(self, files, batch_tokens):
+    def __init__(self, files, batch_tokens, target_rule="document", segment_tokens=0):
         total = sum(read_shard(f).size for f in files)
         if total < batch_tokens:
             raise DataError(f"the train files ({', '.join(files)}) hold {total} tokens, fewer than one "
                             f"global batch needs ({batch_tokens}): add shards or lower tokens_per_rank")
-        self.files = files
+        self.files, self.target_rule, self.segment_tokens = files, target_rule, segment_tokens
         self.pool = ThreadPoolExecutor(max_workers=1)
         self.next_file = 0
         self.future = self._prefetch()
@@ -1738,16 +1773,34 @@ class TrainLoader:
         every_tokens, also the tokens (T,) of each of its slices, in order (a list)."""
         out, tokens = [], []
         for i in range(num_slices):
-            pieces, filled = [], 0
-            while filled < T and len(pieces) < T // MIN_DOC_TOKENS:
+            pieces, filled, segments = [], 0, 0
+            while filled < T and segments + self.segments_of(min(max_doc_len, T - filled)) <= T // MIN_DOC_TOKENS:
                 stream, start, length, end = self._next_piece(min(max_doc_len, T - filled))
                 pieces.append((stream, start, length, end))
                 filled += length
+                segments += self.segments_of(length)
             if i in mine:
-                out.append(_pack(pieces, T))
+                out.append(_pack(pieces, T, self.target_rule, self.segment_tokens, following_token(pieces, max_doc_len)))
             if every_tokens:
                 tokens.append(out[-1].tokens if i in mine else _packed_tokens(pieces, T))
         return (out, tokens) if every_tokens else out
+
+    def segments_of(self, length):
+        """Attention segments of a piece of `length` tokens: a slice's cu_seqlens holds at most
+        T // MIN_DOC_TOKENS of them."""
+        return -(-length // self.segment_tokens) if self.segment_tokens else 1
+
+
+def following_token(pieces, max_doc_len):
+    """The token after a slice's last piece, where the packed targets end: the rest of its document
+    when the piece was cut to fit the slice, else the next document's BOS."""
+    stream, start, length, _ = pieces[-1]
+    return int(stream[start + length]) if length < max_doc_len and start + length < stream.size else BOS_ID
+
+
+def train_loader(h, train_files):
+    """The run's TrainLoader: its largest global batch, target rule and attention segments."""
+    return TrainLoader(train_files, batch_tokens(h), h.target_rule, h.attention_segment_tokens)
 
 
 class BatchPrefetcher:
@@ -2556,8 +2609,7 @@ def host_syncs_are_errors(enabled):
 def first_batch(h, train_files, mine):
     """This rank's slices of step 0's batch (a fresh loader starts where the run's does)."""
     stage = h.stages[0]
-    return TrainLoader(train_files, batch_tokens(h)).next_batch(stage.tokens_per_rank, stage.max_doc_len,
-                                                                h.batch_ranks, mine)
+    return train_loader(h, train_files).next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, mine)
 
 
 def warm_up_steps_per_key(h):
@@ -2599,7 +2651,7 @@ def warm_up(trainer, train_files, val_slices):
     h = trainer.h
     before = compiled_graphs()
     saved = trainer.snapshot()
-    loader = TrainLoader(train_files, batch_tokens(h))
+    loader = train_loader(h, train_files)
     trainer.graphs.in_warm_up = trainer.tables.frozen = True
     steps_per_key = warm_up_steps_per_key(h)
     for step in graph_changes(h):
@@ -2702,7 +2754,7 @@ def train(h, pg, log):
     gc.collect()
     gc.freeze()                    # the warm-up's objects leave the collector's view: shorter pauses in the timed run
     trainer.tables.start_timing()
-    batches = BatchPrefetcher(TrainLoader(train_files, batch_tokens(h)), h, trainer.mine,
+    batches = BatchPrefetcher(train_loader(h, train_files), h, trainer.mine,
                               pin=pg.device.type == "cuda", router=trainer.tables.router)
     losses = DeferredLossLines(pg.device)
     N = h.num_iterations

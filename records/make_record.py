@@ -205,9 +205,12 @@ def read_log(path):
 
 
 def check_fixed_config(log, fixed):
-    """Refuse a run whose config differs from the track's fixed_config: the setup an entry may not change."""
+    """Refuse a run whose config differs from the track's fixed_config: the setup an entry may not
+    change. A key the run's config lacks came after its code, whose behaviour is the key's default:
+    the value a track fixes for a key it adds (a log's config replays with the defaults of the keys
+    it lacks)."""
     for key, value in fixed.items():
-        if key not in log.config or log.config[key] != value:
+        if key in log.config and log.config[key] != value:
             raise RecordError(f"{log.path}: the run's config changes {key}, which the track fixes (track.json "
                               "fixed_config): an entry may change the optimizer and its schedule, not the setup")
 

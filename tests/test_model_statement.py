@@ -225,15 +225,18 @@ def test_the_validation_loss_equals_its_statement(name, masked_pairs):
 # the objective's inputs: the loader's targets and the candidates
 
 
-def test_the_loaders_slice_and_targets_equal_their_statement(tmp_path):
-    """The first slice of a shard: whole documents cut at max_doc_len, the last cut to fit, and
-    targets t+1, t+2, t+3 that stop at each document's end (its next BOS)."""
+@pytest.mark.parametrize("rule, segment", [("document", 0), ("packed", 0), ("packed", 32), ("document", 40)])
+def test_the_loaders_slice_and_targets_equal_their_statement(tmp_path, rule, segment):
+    """The first slice of a shard: whole documents cut at max_doc_len, the last cut to fit; the
+    targets t+1, t+2, t+3 that stop at each document's end (its next BOS), or the packed slice's
+    next tokens (the 32-token slice ends on a document cut at max_doc_len); attention segments at
+    most `segment` tokens long (0: whole documents)."""
     stream = token_stream(3, 20_000)
     write_shard(tmp_path / "s_000000.bin", stream)
-    for T_, max_doc_len in ((256, 96), (512, 40), (64, 1000)):
-        loader = tg.TrainLoader([str(tmp_path / "s_000000.bin")], T_)
+    for T_, max_doc_len in ((256, 96), (512, 40), (64, 1000), (256, 256), (32, 32)):
+        loader = tg.TrainLoader([str(tmp_path / "s_000000.bin")], T_, rule, segment)
         got = loader.next_batch(T_, max_doc_len, 1, [0])[0]
-        tokens, targets, cu = ref.loader_slice(stream, T_, max_doc_len)
+        tokens, targets, cu = ref.loader_slice(stream, T_, max_doc_len, rule=rule, segment=segment)
         assert torch.equal(got.tokens.long(), tokens) and torch.equal(got.targets, targets)
         real = got.cu_seqlens.tolist()
         assert real[:len(cu)] == cu.tolist() and set(real[len(cu):]) <= {T_}

@@ -87,6 +87,8 @@ RECORD_92 = {
     "ngram_rows": (84_602_880, "record 92"), "ngram_dtype": ("bfloat16", "record 92"),
     "value_embed_sparse": (True, "record 92"), "canonical_mask": (True, "record 92"),
     "param_dtype": ("bfloat16", "records 89 and 92"),
+    "target_rule": ("packed", "record 92: the targets are the packed batch shifted by one (data.py)"),
+    "attention_segment_tokens": (2560, "record 92: VIRTUAL_SEQ_CAP (config.py)"),
     # schedule
     "num_iterations": (N92, "record 92"),
     "stages": ([

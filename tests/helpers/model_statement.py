@@ -54,16 +54,27 @@ def softcap(logits):
 # data: the loader's slice and its targets, and the sampled-softmax candidates
 
 
-def loader_slice(stream, T, max_doc_len, targets=3):
+def loader_slice(stream, T, max_doc_len, targets=3, rule="document", segment=0):
     """(tokens (T,), targets (T, targets), cu_seqlens) of the first slice of a BOS-separated
     stream: whole documents from its start, each cut to max_doc_len and the last to fit, at most
-    T // 16 of them, BOS-padded. Target k of the token at stream position p is stream[p + k + 1]
-    if that is at most the next document's BOS, else -1 (so the last token of a document predicts
-    the next BOS; a cut document's last kept token still predicts its true successor)."""
+    T // 16 attention segments of them, BOS-padded.
+
+    rule "document": target k of the token at stream position p is stream[p + k + 1] if that is
+    at most the next document's BOS, else -1 (so the last token of a document predicts the next
+    BOS; a cut document's last kept token still predicts its true successor). rule "packed": the
+    slice's tokens followed by one more token, the last piece's true successor when that piece
+    was cut to fit the slice (shorter than its document and than max_doc_len), else a BOS (the
+    start of the document the next slice takes); target k of slice token i is token i + k + 1 of
+    that sequence, -1 past its end, and -1 on padding.
+
+    segment > 0: inside each document, an attention boundary every `segment` tokens."""
     stream = np.asarray(stream)
     starts = [p for p in range(len(stream)) if stream[p] == BOS]
-    tokens, tgts, cu, filled, d = [], [], [0], 0, 0
-    while filled < T and len(cu) - 1 < T // 16:
+    tokens, tgts, cu, filled, d, used, last = [], [], [0], 0, 0, 0, None
+
+    def segments(length):
+        return -(-length // segment) if segment else 1
+    while filled < T and used + segments(min(max_doc_len, T - filled)) <= T // 16:
         start = starts[d]
         end = starts[d + 1] if d + 1 < len(starts) else len(stream)
         d += 1
@@ -72,8 +83,18 @@ def loader_slice(stream, T, max_doc_len, targets=3):
             tokens.append(int(stream[p]))
             tgts.append([int(stream[p + k + 1]) if p + k + 1 <= end and p + k + 1 < len(stream) else -1
                          for k in range(targets)])
+        for boundary in range(segment, length, segment) if segment else ():
+            cu.append(filled + boundary)
         filled += length
+        used += segments(length)
         cu.append(filled)
+        last = (start, length, end)
+    if rule == "packed":
+        start, length, end = last
+        cut_to_fit = length < end - start and length < max_doc_len
+        sequence = tokens + [int(stream[start + length]) if cut_to_fit else BOS]
+        tgts = [[sequence[i + k + 1] if i + k + 1 < len(sequence) else -1 for k in range(targets)]
+                for i in range(len(tokens))]
     while len(tokens) < T:
         tokens.append(BOS)
         tgts.append([-1] * targets)
