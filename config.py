@@ -198,11 +198,21 @@ class ModelConfig:
     key_offset: bool = False           # long-window layers: a key's stationary dims come from the previous token
     xsa_layers: tuple = layers(())     # layers whose heads remove a learned share of their output along their own value
     paired_head_layers: tuple = layers(())  # layers where adjacent heads' queries also attend to each other's keys
+    # their layout: adjacent (heads 2h and 2h+1 at positions 2t and 2t+1 of the doubled sequence,
+    # each rotated at its position) | record (head h of token t at position 2t + h // (heads/2),
+    # rotated at 2t + h % 2: heads h and h + heads/2 pair)
+    paired_head_layout: str = choice("adjacent", "record")
+    # a sliding window of w tokens also shows the key w tokens back: w + 1 keys (FA3's window_size=(w, 0))
+    window_edge_key: bool = False
+    # the attention output projection's init: zero | uniform (the QKV projection's bound)
+    attn_out_init: str = choice("zero", "uniform")
     # layers whose queries and keys are narrow_qk_dim wide per head, rotated in full
     narrow_qk_layers: tuple = layers(())
     narrow_qk_dim: int = count(64, 4, MAX_HEAD_DIM, "dims", multiple=4)
     # their softmax scale before any YaRN growth (attn_scale: the others')
     narrow_qk_attn_scale: float = real(0.13, "a scale", above=0.0)
+    # the window whose growth their RoPE tables and scale follow under YaRN: long | short
+    narrow_yarn_window: str = choice("long", "short")
     narrow_vo_layers: tuple = layers(())  # layers whose values (and head outputs) are narrow_vo_dim wide per head
     narrow_vo_dim: int = count(64, 1, MAX_HEAD_DIM, "dims")
     parallel_mlp_layers: tuple = layers(())  # layers with a second MLP beside the first, on the same input

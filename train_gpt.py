@@ -90,6 +90,7 @@ def _project_rules(h):
     """This project's rules where the public records differ; the presets named for a record take
     the record's (docs/recipe.md's fidelity table compares them)."""
     h.target_rule, h.attention_segment_tokens = "document", 0
+    h.paired_head_layout, h.window_edge_key, h.attn_out_init, h.narrow_yarn_window = "adjacent", False, "zero", "long"
 
 
 def _cpu_preset(h):
@@ -236,6 +237,7 @@ def _speedrun_preset(h):
     h.long_window_layers = (3, 9)              # its 3, 10
     h.narrow_qk_layers, h.narrow_qk_dim = (0, 1, 2, 5, 7), 64  # its 0, 1, 2, 5, 8: QK 64 with full RoPE
     h.narrow_qk_attn_scale, h.attn_scale = 0.13, 0.085  # the QK-64 layers' scale; 0.085 on the QK-128 layers
+    h.narrow_yarn_window = "short"             # the QK-64 layers' YaRN follows the short window
     h.narrow_vo_layers, h.narrow_vo_dim = (1, 7), 64  # its 1, 8
     h.parallel_mlp_layers = (7,)               # its 8
     h.rope_base, h.yarn_scale_growth = 1024.0, 0.2  # RoPE base period; YaRN scale x (1 + 0.2 ln(growth))
@@ -246,6 +248,7 @@ def _speedrun_preset(h):
     h.value_embed_gate_dim, h.value_embed_gate_reads_value = 12, True  # gates read x[:6] and ve[:6]
     h.xsa_layers = (1, 3)                      # record 89's 1, 3 (its 4 lost its attention, its 7 is gone)
     h.paired_head_layers = (0, 2, 5)           # record 89's 0, 2, 5 (its 9 lost its attention)
+    h.paired_head_layout, h.window_edge_key, h.attn_out_init = "record", True, "uniform"
     h.token_gates, h.token_gates_split = True, 4  # XSA strengths, output gates, x0 and bigram injection per token
     h.attn_gate_layers = (3, 9)                # record 89's 3, 10
     h.composed_layers, h.composed_window = (9,), 112  # record 89's 10: composed attention over 112 tokens
@@ -336,6 +339,7 @@ def _record89_preset(h):
     h.value_embed_gate_dim, h.value_embed_gate_reads_value = 12, True  # gates read x[:6] and ve[:6]
     h.value_embed_sparse = False
     h.xsa_layers, h.paired_head_layers = (1, 3, 4, 7), (0, 2, 5, 9)
+    h.paired_head_layout, h.window_edge_key, h.attn_out_init, h.narrow_yarn_window = "record", True, "uniform", "long"
     h.token_gates, h.token_gates_split = True, 4  # XSA strengths, output gates, x0 and bigram injection per token
     h.attn_gate_layers = (3, 10)
     h.composed_layers, h.composed_window = (10,), 112
@@ -783,6 +787,13 @@ def deinterleave_head_pairs(y):
     return y.view(T2 // 2, 2, half, D).transpose(1, 2).reshape(T2 // 2, 2 * half, D)
 
 
+def record_head_pairs(x):
+    """interleave_head_pairs' doubled sequence, each row rotated at its position, in the records'
+    layout: head h of token t at position 2t + h // (H/2), its rotation that of 2t + h % 2. Heads
+    h and h + H/2 pair; the rows move only within their token. The inverse: (T, H, D) reshape."""
+    return deinterleave_head_pairs(x).reshape(x.shape)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer, long_window: bool, value_embed: bool, xsa: bool, paired: bool,
                  fns):
@@ -791,7 +802,8 @@ class CausalSelfAttention(nn.Module):
         self.qk_dim, self.v_dim = head_dims(cfg, layer)
         self.narrow_qk = layer in cfg.narrow_qk_layers    # rotated in full, with their own scale
         self.key_offset = cfg.key_offset and long_window
-        self.paired = paired
+        self.paired, self.record_pairs = paired, paired and cfg.paired_head_layout == "record"
+        self.edge_keys = int(cfg.window_edge_key)  # keys a window shows beyond its length: the one w back
         self.qkv = nn.Parameter(torch.empty(cfg.num_heads * (2 * self.qk_dim + self.v_dim), cfg.model_dim))
         self.out = nn.Parameter(torch.zeros(cfg.model_dim, cfg.num_heads * self.v_dim))
         self.attention_fn, self.qk_norm_rope, self.composed_fn = fns.attention, fns.qk_norm_rope, fns.composed_attention
@@ -811,6 +823,8 @@ class CausalSelfAttention(nn.Module):
         self.sa_lambdas = nn.Parameter(torch.tensor(DENSE_SA_LAMBDAS)) if cfg.trunk == "dense" else None
         bound = (3 ** 0.5) * 0.5 * cfg.model_dim ** -0.5
         nn.init.uniform_(self.qkv, -bound, bound)
+        if cfg.attn_out_init == "uniform":
+            nn.init.uniform_(self.out, -bound, bound)
 
     def composed(self, q, k, v, doc_start, rotary, gates):
         """Composed attention (kernels.composed_attention) with this layer's head mixes from the
@@ -844,13 +858,13 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.project(x, ve, gates)
         if self.paired:
             q, k, v = (interleave_head_pairs(t) for t in (q, k, v))
-        window = args.long_window if self.long_window else args.short_window
+        window = (args.long_window if self.long_window else args.short_window) + self.edge_keys
         attend = self.attend_packed if args.cache is None else self.attend_cached
         y, own_values = attend(q, k, v, doc_start, rotary, args, window, gates)
         if self.xsa:
             y = remove_self_value(y, own_values, gates["xsa"] if "xsa" in gates else self.xsa_alpha)
         if self.paired:
-            y = deinterleave_head_pairs(y)
+            y = y.reshape(T, self.num_heads, -1) if self.record_pairs else deinterleave_head_pairs(y)
         if "attn" in gates:
             y = y * gates["attn"].type_as(y)[..., None]
         y = F.linear(y.reshape(T, -1), self.out.type_as(y))
@@ -886,6 +900,8 @@ class CausalSelfAttention(nn.Module):
         key_starts = doc_start if self.key_offset else None
         q, k = self.qk_norm_rope(q, k, *rotary.angles(0, q.size(0)), rotary.stationary, key_starts)
         q, k = q.to(v.dtype), k.to(v.dtype)
+        if self.record_pairs:
+            q, k, v = (record_head_pairs(t) for t in (q, k, v))
         y = self.attention_fn(q, k, v, args.cu_seqlens * rows_per_token, window, rotary.attn_scale)
         if self.composed_window:   # (never on a paired layer: q has one row per token)
             y = y + self.composed(q, k, v, kernels.document_bounds(args.cu_seqlens, q.size(0))[0], rotary, gates)
@@ -899,6 +915,8 @@ class CausalSelfAttention(nn.Module):
         q, k = self.qk_norm_rope(q, k, *rotary.angles(cache.length * rows_per_token, q.size(0)), rotary.stationary,
                                  None)
         q, k = q.to(v.dtype), k.to(v.dtype)
+        if self.record_pairs:
+            q, k, v = (record_head_pairs(t) for t in (q, k, v))
         own_values = v
         k, v = cache.extend(self, k, v, rows_per_token)
         if self.key_offset:
@@ -1308,6 +1326,7 @@ class GPT(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_base, positions, cfg.attn_scale, cfg.yarn_scale_growth)
         self.narrow_rotary = (Rotary(cfg.narrow_qk_dim, cfg.rope_base, positions, cfg.narrow_qk_attn_scale,
                                      cfg.yarn_scale_growth, rotate_all=True) if cfg.narrow_qk_layers else None)
+        self.narrow_yarn_short = cfg.narrow_yarn_window == "short"
         self.register_buffer("prefix_table", torch.from_numpy(prefix_token_table()).long(), persistent=False)
         self.canonical_mask = NoncanonicalPairs() if cfg.canonical_mask else None
         if cfg.param_dtype == "bfloat16":   # weights, gradient sinks and the sign table; the FP8 states stay fp32
@@ -1343,11 +1362,13 @@ class GPT(nn.Module):
             for s, (value, grad) in zip(sinks, whole):
                 s.data, s.grad = value, grad
 
-    def set_windows(self, long_windows):
-        """RoPE tables and attention scales after the long window grew through `long_windows`."""
-        for rotary in (self.rotary, self.narrow_rotary):
-            if rotary is not None:
-                rotary.set_windows(long_windows)
+    def set_windows(self, long_windows, short_windows=()):
+        """RoPE tables and attention scales after the long window grew through `long_windows` and
+        the short one through `short_windows` (tokens): the narrow layers' follow the short one
+        where narrow_yarn_window says so."""
+        self.rotary.set_windows(long_windows)
+        if self.narrow_rotary is not None:
+            self.narrow_rotary.set_windows(short_windows if self.narrow_yarn_short else long_windows)
 
     def untie(self):
         """From now on lm_head is its own parameter, starting from the embedding's values."""
@@ -2082,6 +2103,16 @@ def long_window_history(h, step, final_validation=False):
     blocks = [h.stages[i].long_window for i in range(stage_index(h, step) + 1)]
     if final_validation and h.yarn_at_final_window:
         blocks.append(h.val_long_window)
+    return growth_history(blocks)
+
+
+def short_window_history(h, step):
+    """The short window's history, as long_window_history's (the final validation keeps it)."""
+    return growth_history([h.stages[i].short_window for i in range(stage_index(h, step) + 1)])
+
+
+def growth_history(blocks):
+    """The first window (tokens) of `blocks` and each one wider than all before it."""
     history = []
     for b in blocks:
         if not history or b * WINDOW_BLOCK > history[-1]:
@@ -2093,7 +2124,7 @@ def model_at(model, h, step, final_validation=False):
     """Put the model where the schedule has it at `step` (or at the final validation): the long
     window's history (RoPE frequencies and attention scales under YaRN) and the head tied or
     untied. Returns True when this call untied the head (its optimizer state then follows)."""
-    model.set_windows(long_window_history(h, step, final_validation))
+    model.set_windows(long_window_history(h, step, final_validation), short_window_history(h, step))
     tied = step < untie_step(h)
     if tied and not model.tied:
         model.tie()

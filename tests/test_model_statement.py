@@ -6,8 +6,9 @@ layers with two skip pairs, the bigram embedding, a shared value-embedding table
 layers, full softmax) and the `speedrun` preset's 10 layers with every feature it turns on (the
 dense trunk, token gates, smear gate, n-gram table, sparse per-layer value embeddings, paired
 heads, XSA, key offset, narrow QK and VO, a parallel MLP, output gates, composed attention, the
-canonical mask at validation), here with sampled softmax too; and the U-net trunk with token
-gates and the attention features (no preset combines them). Every parameter is first moved away
+canonical mask at validation), here with sampled softmax too; the `record89` preset's 11 layers
+(its bigram table, paired heads in the records' layout, composed attention); and the U-net trunk
+with token gates and the attention features (no preset combines them). Every parameter is first moved away
 from its initial value, so that no path hides behind a zero or a one.
 
 Tolerances. Both sides hold float64 parameters, but the model runs the softcap, the
@@ -46,14 +47,17 @@ CPU_SET = ["--preset", "cpu", "--model_dim=64", "--head_dim=32", "--narrow_qk_di
 SPEEDRUN_SET = ["--preset", "speedrun", "--model_dim=96", "--head_dim=16", "--narrow_qk_dim=8", "--narrow_vo_dim=8",
                 "--mlp_hidden=128", "--ngram_rows=4096", "--composed_window=24", "--batch_ranks=1",
                 "--compute_dtype=float32", "--compile=false", "--cuda_graphs=false"]
+RECORD89_SET = ["--preset", "record89", "--model_dim=96", "--head_dim=16", "--mlp_hidden=128", "--bigram_rows=4096",
+                "--composed_window=24", "--batch_ranks=1", "--compute_dtype=float32", "--compile=false",
+                "--cuda_graphs=false"]
 # The U-net trunk with the token gates and the attention features no preset combines with it.
 UNET_GATED_SET = CPU_SET + ["--token_gates=true", "--token_gates_split=2", "--xsa_layers=[1]", "--attn_gate_layers=[3]",
                             "--composed_layers=[3]", "--composed_window=24", "--paired_head_layers=[2]", "--key_offset=true",
                             "--smear_gate=true", "--ngram_rows=2048", "--parallel_mlp_layers=[1]"]
-SETS = {"cpu": CPU_SET, "speedrun": SPEEDRUN_SET, "unet_gated": UNET_GATED_SET}
+SETS = {"cpu": CPU_SET, "speedrun": SPEEDRUN_SET, "record89": RECORD89_SET, "unet_gated": UNET_GATED_SET}
 T = 256                            # tokens per slice
 WINDOWS = (48, 160)                # (short, long) in tokens: both bind in a 256-token slice
-HISTORY = [128, 384, 640]          # the long windows the RoPE tables grew through (two YaRN steps)
+HISTORY = ([128, 384, 640], [16, 48])  # the long and short windows the RoPE tables grew through
 CANDIDATES = 2048                  # sampled-softmax columns (the speedrun set)
 
 
@@ -89,7 +93,7 @@ def built(name, seed=0):
     torch.manual_seed(seed)
     fns = tg.KernelFns(kernels.attention_reference, kernels.softcap_cross_entropy_reference)
     model = in_float64(away_from_init(tg.build_model(h, fns), seed + 1))
-    model.set_windows(HISTORY)
+    model.set_windows(*HISTORY)
     return h, model
 
 
@@ -163,7 +167,7 @@ def a_slice(seed=1, max_doc_len=96):
 # the model and its objective
 
 
-@pytest.mark.parametrize("name, tied", [("cpu", True), ("speedrun", False), ("unet_gated", True)])
+@pytest.mark.parametrize("name, tied", [("cpu", True), ("speedrun", False), ("record89", True), ("unet_gated", True)])
 def test_the_model_and_its_objective_equal_their_statement(name, tied, tokenizer_bytes):
     """Objective, next-token loss, hidden states and every trained gradient; the speedrun set
     with sampled softmax and the head untied, the cpu set with the full softmax and the head tied."""
@@ -208,8 +212,8 @@ def test_the_validation_loss_equals_its_statement(name, masked_pairs):
     model.eval()
     cfg = tg.model_config(h)
     tokens, targets, cu = a_slice(seed=2)
-    windows, history = (64, 224), HISTORY + [1024]
-    model.set_windows(history)
+    windows, history = (64, 224), (HISTORY[0] + [1024], HISTORY[1])
+    model.set_windows(*history)
     got = model.validation_loss_sum(tokens.int(), targets, tg.AttentionArgs(cu.int(), *windows), chunk_rows=100)
     P = leaves(model)
     with torch.no_grad():
@@ -284,9 +288,9 @@ def test_a_trainer_step_equals_the_statement_with_its_schedule(tmp_path, tokeniz
     model = in_float64(away_from_init(trainer.model, 7))
     cfg = tg.model_config(h)
     # by hand: step s of 8 is in stage 0 while s / 8 < 0.5; windows in blocks of 128 tokens
-    schedule = {3: dict(T=128, doc=96, windows=(128, 128), history=[128], columns=1024,
+    schedule = {3: dict(T=128, doc=96, windows=(128, 128), history=([128], [128]), columns=1024,
                         weights=[1.0, 0.5, 0.25 * (1 - 3 / 4), 0.25]),
-                6: dict(T=256, doc=200, windows=(128, 256), history=[128, 256], columns=0,
+                6: dict(T=256, doc=200, windows=(128, 256), history=([128, 256], [128]), columns=0,
                         weights=[1.0, 0.5, 0.0, 0.25 * (1 - 2 / 4)])}
     loader = tg.TrainLoader([str(tmp_path / "t_train_000000.bin")], 2 * 256)
     for step, s in schedule.items():

@@ -88,6 +88,10 @@ RECORD_92 = {
     "value_embed_sparse": (True, "record 92"), "canonical_mask": (True, "record 92"),
     "param_dtype": ("bfloat16", "records 89 and 92"),
     "target_rule": ("packed", "record 92: the targets are the packed batch shifted by one (data.py)"),
+    "paired_head_layout": ("record", "record 92: head h at 2t + h // 3, turned as 2t + h % 2 (qkv_rope.py)"),
+    "window_edge_key": (True, "record 92: FA3's window_size=(w, 0) (model/attention.py)"),
+    "attn_out_init": ("uniform", "record 92: vo_bank uniform, O included (model/gpt.py)"),
+    "narrow_yarn_window": ("short", "record 92: the QK-64 tables follow the short window (training.py)"),
     "attention_segment_tokens": (2560, "record 92: VIRTUAL_SEQ_CAP (config.py)"),
     # schedule
     "num_iterations": (N92, "record 92"),

@@ -202,10 +202,12 @@ def value_table_of_layer(cfg):
 
 
 def rotary(cfg, narrow, history, positions):
-    """(cos, sin) (positions, D/2) and the softmax scale of a layer after the long window grew
-    through `history` (tokens). Base frequencies base^(-i/(n-1)), i < n, are float32 values as the
-    model stores them: n = D/4 followed by D/4 zeros (stationary dims), or n = D/2 (narrow
-    layers, all dims rotate)."""
+    """(cos, sin) (positions, D/2) and the softmax scale of a layer after the windows grew through
+    `history` = (long windows, short windows) (tokens): a layer follows the long window, a narrow
+    one the short window when cfg.narrow_yarn_window is "short". Base frequencies base^(-i/(n-1)),
+    i < n, are float32 values as the model stores them: n = D/4 followed by D/4 zeros (stationary
+    dims), or n = D/2 (narrow layers, all dims rotate)."""
+    history = history[1] if narrow and cfg.narrow_yarn_window == "short" else history[0]
     D = cfg.narrow_qk_dim if narrow else cfg.head_dim
     n = D // 2 if narrow else D // 4
     freq = ((1.0 / cfg.rope_base) ** torch.linspace(0, 1, n, dtype=torch.float32)).double()
@@ -265,16 +267,35 @@ def attention_layer(P, cfg, i, x, ve, starts, doc, history, windows, gates):
     if "v" in gates:
         v = v + gates["v"].reshape(T, H, dv)
     paired = i in cfg.paired_head_layers
-    if paired:                     # position 2t + j holds head 2h + j of token t as head h
+    record_pairs = paired and cfg.paired_head_layout == "record"
+    N = 2 * T if paired else T
+    cos, sin, scale, stationary = rotary(cfg, narrow_qk, history, N)
+    if record_pairs:               # head h of token t at position 2t + h // (H/2), slot h % (H/2), turned as 2t + h % 2
+        turn = 2 * torch.arange(T)[:, None] + torch.arange(H)[None, :] % 2              # (T, H)
+        place = 2 * torch.arange(T)[:, None] + torch.arange(H)[None, :] // (H // 2)
+        slot = torch.arange(H)[None, :].expand(T, H) % (H // 2)
+
+        def turned(t):
+            half = t.shape[-1] // 2
+            c, s_ = cos[turn], sin[turn]                                                 # (T, H, d/2)
+            t1, t2 = t[..., :half], t[..., half:]
+            return torch.cat([t1 * c + t2 * s_, t2 * c - t1 * s_], dim=-1)
+
+        def placed(t):
+            out = t.new_zeros(2 * T, H // 2, t.shape[-1])
+            out[place, slot] = t
+            return out
+        q, k, v = placed(turned(rms(q))), placed(turned(rms(k))), placed(v)
+        pos_doc = doc.repeat_interleave(2)
+    elif paired:                   # position 2t + j holds head 2h + j of token t as head h
         def pair(t):
             return torch.stack([t[:, 0::2], t[:, 1::2]], dim=1).reshape(2 * T, H // 2, t.shape[-1])
         q, k, v = pair(q), pair(k), pair(v)
         pos_doc = doc.repeat_interleave(2)
+        q, k = rope(rms(q), cos, sin), rope(rms(k), cos, sin)
     else:
         pos_doc = doc
-    N = q.shape[0]
-    cos, sin, scale, stationary = rotary(cfg, narrow_qk, history, N)
-    q, k = rope(rms(q), cos, sin), rope(rms(k), cos, sin)
+        q, k = rope(rms(q), cos, sin), rope(rms(k), cos, sin)
     long = i in cfg.long_window_layers
     if cfg.key_offset and long:    # a key's stationary dims come from the previous token of its document
         still = stationary.repeat(2)
@@ -282,8 +303,9 @@ def attention_layer(P, cfg, i, x, ve, starts, doc, history, windows, gates):
         k = torch.where(still[None, None, :] & ~starts[:, None, None], shifted, k)
     window = windows[1] if long else windows[0]
     pos = torch.arange(N)
+    reach = window if cfg.window_edge_key else window - 1      # the farthest key back: w, or w - 1
     visible = (pos_doc[:, None] == pos_doc[None, :]) & (pos[None, :] <= pos[:, None]) \
-        & (pos[:, None] - pos[None, :] < window)
+        & (pos[:, None] - pos[None, :] <= reach)
     y = masked_softmax_attention(q, k, v, visible, scale)
     if i in cfg.composed_layers:         # composed: the heads' maps over the last composed_window keys, mixed per token
         composed_visible = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None]) \
@@ -297,7 +319,9 @@ def attention_layer(P, cfg, i, x, ve, starts, doc, history, windows, gates):
         alpha = gates["xsa"] if "xsa" in gates else P[a + "xsa_alpha"]
         unit = v / v.norm(dim=-1, keepdim=True).clamp_min(XSA_EPS)
         y = y - torch.tanh(alpha)[..., None] * (y * unit).sum(-1, keepdim=True) * unit
-    if paired:
+    if record_pairs:
+        y = y[place, slot]
+    elif paired:
         y = torch.stack([y[0::2], y[1::2]], dim=2).reshape(T, H, dv)
     if "attn" in gates:
         y = y * gates["attn"][:, :, None]
@@ -372,7 +396,7 @@ def document_index(cu_seqlens, T):
 
 def hidden_states(P, cfg, tokens, cu_seqlens, windows, history):
     """The final normed residual (T, dim) of a packed slice; windows (short, long) in tokens,
-    history the long windows (tokens) the RoPE tables were grown through."""
+    history the (long, short) windows (tokens) the RoPE tables were grown through."""
     T = len(tokens)
     cur, starts, *_ = token_context(tokens)
     doc = document_index(cu_seqlens, T)
