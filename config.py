@@ -196,6 +196,14 @@ class ModelConfig:
     canonical_mask: bool = False       # validation: no probability for token pairs GPT-2's encoder never emits
     smear_gate: bool = False           # each token's embedding gets a gated share of its predecessor's
     key_offset: bool = False           # long-window layers: a key's stationary dims come from the previous token
+    # the smear, the key offset and the hashed tables read across documents: only a slice's first
+    # token has no predecessor (else every document's first)
+    cross_documents: bool = False
+    # the hashed tables' hashes: project (int64 products; multiplied ids for the sign rows) | record
+    # (int32 products that wrap; the bigram table's sign rows the xor of the ids, the n-gram
+    # table's other multipliers, row 0 at a start; the token after a start hashed with the
+    # reserved row's id as its previous token)
+    table_hashes: str = choice("project", "record")
     xsa_layers: tuple = layers(())     # layers whose heads remove a learned share of their output along their own value
     paired_head_layers: tuple = layers(())  # layers where adjacent heads' queries also attend to each other's keys
     # their layout: adjacent (heads 2h and 2h+1 at positions 2t and 2t+1 of the doubled sequence,

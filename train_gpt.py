@@ -91,6 +91,7 @@ def _project_rules(h):
     the record's (docs/recipe.md's fidelity table compares them)."""
     h.target_rule, h.attention_segment_tokens = "document", 0
     h.paired_head_layout, h.window_edge_key, h.attn_out_init, h.narrow_yarn_window = "adjacent", False, "zero", "long"
+    h.cross_documents, h.table_hashes = False, "project"
 
 
 def _cpu_preset(h):
@@ -244,6 +245,7 @@ def _speedrun_preset(h):
     h.embed_init_std = 0.005                   # the head's init, which the tied embedding copies
     # record 89's features, on the layers that still have attention
     h.smear_gate, h.key_offset = True, True
+    h.cross_documents, h.table_hashes = True, "record"  # the smear, key offset and hashes see the slice, not documents
     h.num_value_embeds, h.value_embed_layers = 0, (1, 2, 7, 9)  # record 89's 1, 2, 8, 10 (its 9 lost its attention)
     h.value_embed_gate_dim, h.value_embed_gate_reads_value = 12, True  # gates read x[:6] and ve[:6]
     h.xsa_layers = (1, 3)                      # record 89's 1, 3 (its 4 lost its attention, its 7 is gone)
@@ -334,7 +336,7 @@ def _record89_preset(h):
     h.narrow_vo_layers, h.narrow_vo_dim, h.parallel_mlp_layers = (), 64, ()
     h.attn_scale, h.rope_base, h.yarn_scale_growth = 0.1, 1024.0, 0.2
     h.embed_init_std = 0.005       # the head's init, which the tied embedding copies
-    h.smear_gate, h.key_offset = True, True
+    h.smear_gate, h.key_offset, h.cross_documents, h.table_hashes = True, True, True, "record"
     h.num_value_embeds, h.value_embed_layers = 0, (1, 2, 8, 9, 10)  # five tables, one per layer
     h.value_embed_gate_dim, h.value_embed_gate_reads_value = 12, True  # gates read x[:6] and ve[:6]
     h.value_embed_sparse = False
@@ -629,6 +631,8 @@ TRIGRAM_MULT_CUR = 17351           # trigram row hash: multiplier of the current
 TRIGRAM_MULT_PREV = 60961          # trigram row hash: multiplier of the previous token
 TRIGRAM_MULT_PREV2 = 45259         # trigram row hash: multiplier of the token before that
 TRIGRAM_SIGN_MULTS = (29363, 47119, 13709)  # the trigram channel's sign-row hash (current, previous, before)
+RECORD_BIGRAM_SIGN_MULTS = (48271, 30011)  # record 92: the n-gram table's bigram sign hash (current, previous)
+RECORD_TRIGRAM_SIGN_MULTS = (58699, 39779, 26801)  # record 92: its trigram sign hash (current, previous, before)
 YARN_ALPHA = 1.0                   # YaRN: frequencies with fewer rotations per window than this are interpolated fully
 YARN_BETA = 32.0                   # YaRN: ... and those with more than this are kept as they are
 
@@ -1125,50 +1129,84 @@ def document_starts(context):
     return torch.cat([context.new_ones(1, dtype=torch.bool), context[1:] == BOS_ID])
 
 
+def token_starts(context, cross_documents):
+    """Whether each token has no predecessor for the smear, the key offset and the hashed tables:
+    a document's first (document_starts), or with cross_documents only the slice's first."""
+    if cross_documents:
+        return torch.arange(context.shape[0], device=context.device) == 0
+    return document_starts(context)
+
+
 def previous_tokens(tokens, is_doc_start):
     """Each token's predecessor in its document; BOS for a document's first token, whose real
     predecessor (another document's last token, or nothing) it must not see."""
     return torch.where(is_doc_start, BOS_ID, torch.roll(tokens, 1))
 
 
-def bigram_rows(tokens, is_doc_start, rows):
-    """Hash (previous, current) token pairs to table rows; a document's first token gets the last row."""
+def after_starts(is_doc_start):
+    """Whether the token before each one starts a document."""
+    return torch.cat([is_doc_start.new_zeros(1), is_doc_start[:-1]])
+
+
+def wrap_int32(x):
+    """int64 products as the records' int32 arithmetic leaves them: wrapped into [-2^31, 2^31)."""
+    return (x + 2 ** 31) % 2 ** 32 - 2 ** 31
+
+
+def bigram_rows(tokens, is_doc_start, rows, record=False):
+    """Hash (previous, current) token pairs to table rows; a document's first token gets the last
+    row. record: the records' arithmetic, int32 products that wrap, and the token after a start
+    hashed with the reserved row's id as its previous token."""
     cur, prev = tokens.long(), previous_tokens(tokens, is_doc_start).long()
-    row = ((BIGRAM_MULT_CUR * cur) ^ (BIGRAM_MULT_PREV * prev)) % (rows - 1)
+    if record:
+        prev = torch.where(after_starts(is_doc_start), rows - 1, prev)
+        row = (wrap_int32(BIGRAM_MULT_CUR * cur) ^ wrap_int32(BIGRAM_MULT_PREV * prev)) % (rows - 1)
+    else:
+        row = ((BIGRAM_MULT_CUR * cur) ^ (BIGRAM_MULT_PREV * prev)) % (rows - 1)
     return torch.where(is_doc_start, rows - 1, row)
 
 
-def bigram_sign_rows(tokens, is_doc_start):
+def bigram_sign_rows(tokens, is_doc_start, rule="project"):
+    """Rows of the sign table for (previous, current) pairs: ours (multiplied ids), or the records'
+    with row 0 at a start: record89's xor of the raw ids, record92's multiplied ids."""
     cur, prev = tokens.long(), previous_tokens(tokens, is_doc_start).long()
-    return ((SIGN_MULT_CUR * cur) ^ (SIGN_MULT_PREV * prev)) % SIGN_ROWS
+    if rule == "project":
+        return ((SIGN_MULT_CUR * cur) ^ (SIGN_MULT_PREV * prev)) % SIGN_ROWS
+    a, b = (1, 1) if rule == "record89" else RECORD_BIGRAM_SIGN_MULTS
+    return torch.where(is_doc_start, 0, ((a * cur) ^ (b * prev)) % SIGN_ROWS)
 
 
 def two_tokens_back(tokens, is_doc_start):
     """(the token two positions back in its document, BOS where there is none; whether the
     token is one of its document's first two, which have no trigram)."""
-    after_start = torch.cat([is_doc_start.new_zeros(1), is_doc_start[:-1]])  # the token before starts a document
-    first_two = is_doc_start | after_start
+    first_two = is_doc_start | after_starts(is_doc_start)
     return torch.where(first_two, BOS_ID, torch.roll(tokens, 2)), first_two
 
 
-def ngram_rows(tokens, is_doc_start, rows):
+def ngram_rows(tokens, is_doc_start, rows, record=False):
     """(T, 2) rows of the n-gram table: each token's bigram row in [0, rows/2) (bigram_rows of
     that half: a document's first token takes its last row) and its trigram row in
-    [rows/2, rows), where a document's first two tokens take the last row."""
+    [rows/2, rows), where a document's first two tokens take the last row. record: the records'
+    int32 arithmetic (bigram_rows)."""
     half = rows // 2
     cur, prev = tokens.long(), previous_tokens(tokens, is_doc_start).long()
     prev2, first_two = two_tokens_back(tokens, is_doc_start)
-    trigram = ((TRIGRAM_MULT_CUR * cur) ^ (TRIGRAM_MULT_PREV * prev) ^ (TRIGRAM_MULT_PREV2 * prev2.long())) % (
-        rows - half - 1)
-    return torch.stack([bigram_rows(tokens, is_doc_start, half), torch.where(first_two, rows - 1, trigram + half)],
-                       dim=1)
+    products = (TRIGRAM_MULT_CUR * cur, TRIGRAM_MULT_PREV * prev, TRIGRAM_MULT_PREV2 * prev2.long())
+    if record:
+        products = [wrap_int32(p) for p in products]
+    trigram = (products[0] ^ products[1] ^ products[2]) % (rows - half - 1)
+    return torch.stack([bigram_rows(tokens, is_doc_start, half, record),
+                        torch.where(first_two, rows - 1, trigram + half)], dim=1)
 
 
-def trigram_sign_rows(tokens, is_doc_start):
+def trigram_sign_rows(tokens, is_doc_start, record=False):
+    """Rows of the sign table for the trigrams: ours, or record 92's (row 0 for a document's
+    first two tokens)."""
     cur, prev = tokens.long(), previous_tokens(tokens, is_doc_start).long()
-    prev2 = two_tokens_back(tokens, is_doc_start)[0].long()
-    a, b, c = TRIGRAM_SIGN_MULTS
-    return ((a * cur) ^ (b * prev) ^ (c * prev2)) % SIGN_ROWS
+    prev2, first_two = two_tokens_back(tokens, is_doc_start)
+    a, b, c = RECORD_TRIGRAM_SIGN_MULTS if record else TRIGRAM_SIGN_MULTS
+    rows = ((a * cur) ^ (b * prev) ^ (c * prev2.long())) % SIGN_ROWS
+    return torch.where(first_two, 0, rows) if record else rows
 
 
 @dataclass(frozen=True)
@@ -1201,10 +1239,12 @@ class NgramTable(nn.Module):
     `fetched` at `slots` (T, 2), which the trainer fills before the forward (ShardedNgramRows,
     HostNgramRows)."""
 
-    def __init__(self, rows, dim, max_tokens, dtype=torch.float32, placement=None):
+    def __init__(self, rows, dim, max_tokens, dtype=torch.float32, placement=None, cross_documents=False,
+                 record_hashes=False):
         super().__init__()
         placement = placement or TablePlacement()
         self.rows, self.on_host = rows, placement.cache_rows > 0
+        self.cross_documents, self.record_hashes = cross_documents, record_hashes  # (token_starts, ngram_rows)
         self.gathered = placement.shards > 1 or self.on_host
         self.first_row = placement.shard * (rows // placement.shards)
         device = placement.device
@@ -1228,11 +1268,11 @@ class NgramTable(nn.Module):
             self._buffers["table"] = table
 
     def rows_of(self, context, is_start):
-        return ngram_rows(context, is_start, self.rows)
+        return ngram_rows(context, is_start, self.rows, self.record_hashes)
 
     def slice_rows(self, tokens):
         """The (2T,) rows of a slice's tokens (T,): each token's bigram row, then its trigram row."""
-        return self.rows_of(tokens, document_starts(tokens)).reshape(-1)
+        return self.rows_of(tokens, token_starts(tokens, self.cross_documents)).reshape(-1)
 
     def forward(self, context, is_start, seen, signs, lookup=False):
         """(T, dim) for the last T = len(context) - seen tokens of `context`; with `lookup` (a
@@ -1245,8 +1285,9 @@ class NgramTable(nn.Module):
             entries = self.table[rows.to(self.table.device)].to(context.device)
         if self.training:
             entries = entries + first_rows(self.sink, count)
-        return (entries[:, 0] * signs[bigram_sign_rows(context, is_start)[seen:]]
-                + entries[:, 1] * signs[trigram_sign_rows(context, is_start)[seen:]])
+        rule = "record92" if self.record_hashes else "project"
+        return (entries[:, 0] * signs[bigram_sign_rows(context, is_start, rule)[seen:]]
+                + entries[:, 1] * signs[trigram_sign_rows(context, is_start, self.record_hashes)[seen:]])
 
 
 def first_rows(t, n):
@@ -1284,9 +1325,11 @@ class GPT(nn.Module):
             self.smear_lambda = nn.Parameter(torch.zeros(()))
         else:
             self.smear_gate = None
+        self.cross_documents, self.record_hashes = cfg.cross_documents, cfg.table_hashes == "record"
         if cfg.ngram_rows:
             self.bigram, self.ngram = None, NgramTable(cfg.ngram_rows, cfg.model_dim, max_tokens,
-                                                       getattr(torch, cfg.ngram_dtype), placement)
+                                                       getattr(torch, cfg.ngram_dtype), placement,
+                                                       cfg.cross_documents, cfg.table_hashes == "record")
         else:
             self.bigram, self.ngram = nn.Embedding(cfg.bigram_rows, cfg.model_dim), None
             nn.init.zeros_(self.bigram.weight)
@@ -1412,7 +1455,7 @@ class GPT(nn.Module):
         cache = args.cache
         context = tokens if cache is None or cache.length == 0 else torch.cat([cache.last_tokens, tokens])
         seen = context.size(0) - tokens.size(0)
-        is_start = document_starts(context)
+        is_start = token_starts(context, self.cross_documents)
         doc_start = is_start[seen:]
         if self.smear_gate is None:
             x = self.embed(tokens)
@@ -1421,8 +1464,9 @@ class GPT(nn.Module):
         if self.ngram is not None:
             hashed = self.ngram(context, is_start, seen, self.signs, lookup=cache is not None)
         else:
-            hashed = self.bigram(bigram_rows(context, is_start, self.bigram.num_embeddings)[seen:])
-            hashed = hashed * self.signs[bigram_sign_rows(context, is_start)[seen:]]
+            rows = bigram_rows(context, is_start, self.bigram.num_embeddings, self.record_hashes)
+            rule = "record89" if self.record_hashes else "project"
+            hashed = self.bigram(rows[seen:]) * self.signs[bigram_sign_rows(context, is_start, rule)[seen:]]
         ves = self.value_embeddings(tokens)
         if self.trunk == "dense":
             x = self.dense_trunk(rms_norm(x), hashed, ves, doc_start, args)

@@ -21,6 +21,7 @@ change moves them by far more: tests/mutation_check.py plants such changes.
 """
 import os
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -244,6 +245,27 @@ def test_the_loaders_slice_and_targets_equal_their_statement(tmp_path, rule, seg
         assert torch.equal(got.tokens.long(), tokens) and torch.equal(got.targets, targets)
         real = got.cu_seqlens.tolist()
         assert real[:len(cu)] == cu.tolist() and set(real[len(cu):]) <= {T_}
+
+
+@pytest.mark.parametrize("hashes, cross_documents", [("project", False), ("record", True), ("record", False)])
+def test_the_hashed_tables_rows_equal_their_statement(hashes, cross_documents):
+    """Every token's rows and sign rows in the n-gram table (record 92's 84,602,880 rows) and the
+    bigram table (record 89's 377,280), over GPT-2's whole id range, where the records' int32
+    products wrap."""
+    rng = np.random.default_rng(5)
+    tokens = torch.from_numpy(rng.integers(0, ref.BOS, 600))
+    tokens[rng.integers(0, 600, 12)] = ref.BOS
+    cfg = types.SimpleNamespace(ngram_rows=84_602_880, bigram_rows=377_280, table_hashes=hashes,
+                                cross_documents=cross_documents)
+    starts = tg.token_starts(tokens, cross_documents)
+    record = hashes == "record"
+    brow, trow, sign_b, sign_t = ref.ngram_rows(cfg, tokens)
+    assert torch.equal(tg.ngram_rows(tokens, starts, cfg.ngram_rows, record), torch.stack([brow, trow], 1))
+    assert torch.equal(tg.bigram_sign_rows(tokens, starts, "record92" if record else "project"), sign_b)
+    assert torch.equal(tg.trigram_sign_rows(tokens, starts, record), sign_t)
+    row, sign = ref.bigram_table_rows(cfg, tokens)
+    assert torch.equal(tg.bigram_rows(tokens, starts, cfg.bigram_rows, record), row)
+    assert torch.equal(tg.bigram_sign_rows(tokens, starts, "record89" if record else "project"), sign)
 
 
 @pytest.mark.parametrize("count", [900, 2048, 50304])

@@ -92,6 +92,8 @@ RECORD_92 = {
     "window_edge_key": (True, "record 92: FA3's window_size=(w, 0) (model/attention.py)"),
     "attn_out_init": ("uniform", "record 92: vo_bank uniform, O included (model/gpt.py)"),
     "narrow_yarn_window": ("short", "record 92: the QK-64 tables follow the short window (training.py)"),
+    "cross_documents": (True, "record 92: smear, key offset and hashes stop at the slice's start only"),
+    "table_hashes": ("record", "record 92: int32 row hashes and its sign multipliers (ngram_table.py)"),
     "attention_segment_tokens": (2560, "record 92: VIRTUAL_SEQ_CAP (config.py)"),
     # schedule
     "num_iterations": (N92, "record 92"),

@@ -25,6 +25,8 @@ BIGRAM = (36313, 27191)            # row hash: (current, previous)
 BIGRAM_SIGN = (40351, 51349)
 TRIGRAM = (17351, 60961, 45259)    # row hash: (current, previous, the one before)
 TRIGRAM_SIGN = (29363, 47119, 13709)
+RECORD92_BIGRAM_SIGN = (48271, 30011)           # record 92's sign hashes: (current, previous)
+RECORD92_TRIGRAM_SIGN = (58699, 39779, 26801)   # (current, previous, the one before)
 YARN_ALPHA, YARN_BETA = 1.0, 32.0  # YaRN's ramp: rotations per old window below alpha interpolate, above beta keep
 XSA_EPS = 1e-4                     # F.normalize's floor on |v|
 COMPOSED_MIX_EPS = 1e-6            # the RMS norm over heads of composed attention's input mix
@@ -146,26 +148,63 @@ def sign_table(dim):
     return (torch.randint(0, 2, (SIGN_ROWS, dim), generator=g) * 2 - 1).double()
 
 
-def token_context(tokens):
+def token_context(tokens, cfg):
     """(starts, previous, two back, first two): a token starts a document at position 0 or at a
-    BOS; a start's predecessor is BOS; the first two tokens of a document have no token two back
-    (BOS instead)."""
+    BOS (only at position 0 with cfg.cross_documents: the slice is read as one stream); a
+    start's predecessor is BOS; the first two tokens of a document have no token two back (BOS
+    instead)."""
     T = len(tokens)
     cur = tokens.long()
-    starts = torch.tensor([t == 0 or int(tokens[t]) == BOS for t in range(T)])
+    starts = torch.tensor([t == 0 or (int(tokens[t]) == BOS and not cfg.cross_documents) for t in range(T)])
     prev = torch.tensor([BOS if starts[t] else int(tokens[t - 1]) for t in range(T)])
     first_two = torch.tensor([bool(starts[t]) or (t >= 1 and bool(starts[t - 1])) for t in range(T)])
     prev2 = torch.tensor([BOS if first_two[t] else int(tokens[t - 2]) for t in range(T)])
     return cur, starts, prev, prev2, first_two
 
 
+def int32(value):
+    """A Python int as a signed 32-bit register holds it (the records' products overflow there)."""
+    return (value + 2 ** 31) % 2 ** 32 - 2 ** 31
+
+
+def record_rows(cfg, tokens, rows, trigram=False):
+    """The records' hashed rows of a channel of `rows` rows (the bigram table, or one half of the
+    n-gram table, numbered from its start): per token, in int32 arithmetic, its bigram
+    (36313 x[t]) xor (27191 x[t-1]), or trigram (17351 x[t]) xor (60961 x[t-1]) xor (45259 x[t-2]),
+    modulo rows - 1 (the non-negative remainder); the last row where there is no such n-gram.
+    The token after a start reads the last row's id, rows - 1, as its previous token (the
+    records hash in place, after the reserved id is written)."""
+    cur, starts, prev, prev2, first_two = token_context(tokens, cfg)
+    out = []
+    for t in range(len(tokens)):
+        if (first_two if trigram else starts)[t]:
+            out.append(rows - 1)
+            continue
+        x, p = int(cur[t]), int(prev[t])
+        if trigram:
+            h = int32(TRIGRAM[0] * x) ^ int32(TRIGRAM[1] * p) ^ int32(TRIGRAM[2] * int(prev2[t]))
+        else:
+            h = int32(BIGRAM[0] * x) ^ int32(BIGRAM[1] * (rows - 1 if starts[t - 1] else p))
+        out.append(h % (rows - 1))
+    return torch.tensor(out)
+
+
 def ngram_rows(cfg, tokens):
     """(bigram row, trigram row, bigram sign row, trigram sign row), each (T,), of the n-gram table
     of cfg.ngram_rows rows: bigrams hash into the first half, whose last row takes a document's
-    first token; trigrams into the second half, whose last row takes its first two tokens."""
-    cur, starts, prev, prev2, first_two = token_context(tokens)
+    first token; trigrams into the second half, whose last row takes its first two tokens. The
+    records' hashes (cfg.table_hashes "record"): record_rows, and record 92's sign rows, row 0
+    where there is no n-gram."""
+    cur, starts, prev, prev2, first_two = token_context(tokens, cfg)
     R = cfg.ngram_rows
     half = R // 2
+    if cfg.table_hashes == "record":
+        brow = record_rows(cfg, tokens, half)
+        trow = record_rows(cfg, tokens, R - half, trigram=True) + half
+        b, t = RECORD92_BIGRAM_SIGN, RECORD92_TRIGRAM_SIGN
+        sign_b = torch.where(starts, 0, ((b[0] * cur) ^ (b[1] * prev)) % SIGN_ROWS)
+        sign_t = torch.where(first_two, 0, ((t[0] * cur) ^ (t[1] * prev) ^ (t[2] * prev2)) % SIGN_ROWS)
+        return brow, trow, sign_b, sign_t
     brow = torch.where(starts, half - 1, ((BIGRAM[0] * cur) ^ (BIGRAM[1] * prev)) % (half - 1))
     trow = torch.where(first_two, R - 1,
                        ((TRIGRAM[0] * cur) ^ (TRIGRAM[1] * prev) ^ (TRIGRAM[2] * prev2)) % (R - half - 1) + half)
@@ -176,16 +215,25 @@ def ngram_rows(cfg, tokens):
 
 def bigram_part(P, cfg, tokens, signs):
     """The bigram embedding's (or the n-gram table's) output per token: each hashed row times its
-    sign row (the sign trick)."""
-    cur, starts, prev, prev2, first_two = token_context(tokens)
+    sign row (the sign trick). The records' bigram table: record_rows, and record 89's sign row,
+    the xor of the two ids (row 0 at a start)."""
+    cur, starts, prev, prev2, first_two = token_context(tokens, cfg)
     if cfg.ngram_rows:
         brow, trow, sign_b, sign_t = ngram_rows(cfg, tokens)
         table = P["ngram.table"]
         return table[brow] * signs[sign_b] + table[trow] * signs[sign_t]
-    sign_b = ((BIGRAM_SIGN[0] * cur) ^ (BIGRAM_SIGN[1] * prev)) % SIGN_ROWS
-    rows = cfg.bigram_rows
-    row = torch.where(starts, rows - 1, ((BIGRAM[0] * cur) ^ (BIGRAM[1] * prev)) % (rows - 1))
+    row, sign_b = bigram_table_rows(cfg, tokens)
     return P["bigram.weight"][row] * signs[sign_b]
+
+
+def bigram_table_rows(cfg, tokens):
+    """(row, sign row) of each token in the bigram table of cfg.bigram_rows rows."""
+    cur, starts, prev, prev2, first_two = token_context(tokens, cfg)
+    rows = cfg.bigram_rows
+    if cfg.table_hashes == "record":
+        return record_rows(cfg, tokens, rows), torch.where(starts, 0, (cur ^ prev) % SIGN_ROWS)
+    row = torch.where(starts, rows - 1, ((BIGRAM[0] * cur) ^ (BIGRAM[1] * prev)) % (rows - 1))
+    return row, ((BIGRAM_SIGN[0] * cur) ^ (BIGRAM_SIGN[1] * prev)) % SIGN_ROWS
 
 
 def value_table_of_layer(cfg):
@@ -398,7 +446,7 @@ def hidden_states(P, cfg, tokens, cu_seqlens, windows, history):
     """The final normed residual (T, dim) of a packed slice; windows (short, long) in tokens,
     history the (long, short) windows (tokens) the RoPE tables were grown through."""
     T = len(tokens)
-    cur, starts, *_ = token_context(tokens)
+    cur, starts, *_ = token_context(tokens, cfg)
     doc = document_index(cu_seqlens, T)
     signs = sign_table(cfg.model_dim)
     x = P["embed.weight"][cur]
