@@ -101,9 +101,9 @@ def choice(default, *others):
     return field(default=default, metadata={"choices": (default, *[c for c in others if c != default])})
 
 
-def layers(default=()):
-    """A list of distinct layer indices in [0, num_layers)."""
-    return field(default=default, metadata={"layers": True})
+def layers(default=(), nullable=False):
+    """A list of distinct layer indices in [0, num_layers) (or, nullable, null: the default)."""
+    return field(default=None if nullable else default, metadata={"layers": True, "nullable": nullable})
 
 
 def betas(default):
@@ -175,6 +175,7 @@ class ModelConfig:
     mlp_hidden: int = count(3072, 1, MAX_HIDDEN, "dims")
     long_window_layers: tuple = layers(())  # layers that use the long window; others the short one
     attention_free_layers: tuple = layers(())  # layers with no attention sublayer
+    mlp_free_layers: tuple = layers(())  # layers with no MLP sublayer
     # value-embedding tables, each shared by one of the first and one of the last layers
     num_value_embeds: int = count(0, 0, MAX_LAYERS // 2, "tables")
     # or: these layers, each with a table of its own (then num_value_embeds = 0)
@@ -236,6 +237,11 @@ class ModelConfig:
     skip_layers: tuple = (3, 6)        # dense: layer [1] (attention-free) adds a gated copy of layer [0]'s output
     # dense: the layers after it read its output as their attention input
     snapshot_layer: int = count(7, 0, MAX_LAYERS, "a layer index")
+    # dense: the layers whose residual takes x0 through a token gate, after their attention (on an
+    # attention-free layer, after its residual scale); null: every attention layer but the last
+    x0_layers: tuple = layers(nullable=True)
+    # dense: the same for the hashed embedding; layer 0's enters the trunk's input, before layer 0
+    hashed_layers: tuple = layers(nullable=True)
     # the weights' storage: float32 | bfloat16 (then the activations are bf16 too; the optimizers
     # keep each weight's fp32 precision in a 16-bit mantissa sidecar)
     param_dtype: str = choice("float32", "bfloat16")
@@ -380,6 +386,15 @@ def head_dims(cfg: ModelConfig, layer):
     """(query and key, value) widths per head of a layer's attention."""
     return (cfg.narrow_qk_dim if layer in cfg.narrow_qk_layers else cfg.head_dim,
             cfg.narrow_vo_dim if layer in cfg.narrow_vo_layers else cfg.head_dim)
+
+
+def injection_layers(cfg: ModelConfig):
+    """(x0's, the hashed embedding's) layers of the token gates' injections: x0_layers and
+    hashed_layers, or (null) every attention layer but the dense trunk's last."""
+    last = cfg.num_layers - 1 if cfg.trunk == "dense" else None
+    every = tuple(i for i in range(cfg.num_layers) if i not in cfg.attention_free_layers and i != last)
+    return (every if cfg.x0_layers is None else tuple(cfg.x0_layers),
+            every if cfg.hashed_layers is None else tuple(cfg.hashed_layers))
 
 
 def value_embed_tables(cfg: ModelConfig):
@@ -576,7 +591,7 @@ def allowed_values(f):
     if "choices" in rule or f.type is bool:
         return ""                  # the type says it
     if rule.get("layers"):
-        return "distinct layer indices in [0, num_layers)"
+        return "distinct layer indices in [0, num_layers)" + (", or null" if rule["nullable"] else "")
     if rule.get("betas"):
         return "two numbers in [0, 1), e.g. [0.8, 0.95]"
     if rule.get("path"):
@@ -732,6 +747,8 @@ def normalize_config(h):
     for key, f in SCHEMA.items():
         if f.type is tuple:
             value = getattr(h, key)
+            if value is None and f.metadata.get("nullable"):
+                continue
             if not isinstance(value, (list, tuple)):
                 raise ConfigError(f"--{key}={json.dumps(value)}: expects a JSON list, e.g. --{key}=[1,2]")
             setattr(h, key, tuple(value))
@@ -798,7 +815,7 @@ def check_field(h, f):
         _refuse(f.name, value, "one of " + ", ".join(rule["choices"]))
     if rule.get("path") and (not isinstance(value, str) or not value):
         _refuse(f.name, value, "a non-empty path")
-    if rule.get("layers"):
+    if rule.get("layers") and not (value is None and rule["nullable"]):
         in_range = all(is_number(i, integer=True) and 0 <= i < h.num_layers for i in value)
         if not in_range or len(set(value)) < len(value):
             _refuse(f.name, list(value), f"a list of distinct layer indices in [0, {h.num_layers})")
@@ -901,6 +918,11 @@ def check_model_config(m):
     if set(m.composed_layers) & (set(m.attention_free_layers) | set(m.paired_head_layers)):
         _conflict(m, ("composed_layers", "attention_free_layers", "paired_head_layers"), "composed attention mixes the "
                   "maps of a layer's own heads: a layer with attention, not paired")
+    if set(m.mlp_free_layers) & set(m.parallel_mlp_layers):
+        _conflict(m, ("mlp_free_layers", "parallel_mlp_layers"), "a parallel MLP sits beside the layer's MLP")
+    if m.trunk != "dense" and (m.x0_layers is not None or m.hashed_layers is not None):
+        _conflict(m, ("x0_layers", "hashed_layers", "trunk"), "the injection sites are the dense trunk's: "
+                  "set them to null")
     if m.token_gates and m.token_gates_split > m.num_layers:
         _conflict(m, ("token_gates_split", "num_layers"), "the split is a layer index, or num_layers for one MLP")
     if m.token_gates and len(m.attention_free_layers) == m.num_layers:
@@ -930,6 +952,12 @@ def _check_dense_trunk(m):
                   "and the split must come after it")
     if m.snapshot_layer >= last:
         _conflict(m, ("snapshot_layer", "num_layers"), "the snapshot is read by later layers: it comes before the last")
+    for key in ("x0_layers", "hashed_layers"):
+        if set(getattr(m, key) or ()) & {target, last}:
+            _conflict(m, (key, "skip_layers", "num_layers"), "the skip's target takes no injection, and the last "
+                      "layer takes its own from the dense connections")
+    if last in m.mlp_free_layers:
+        _conflict(m, ("mlp_free_layers", "num_layers"), "the dense connections mix the last layer's MLP output")
     if last in m.attention_free_layers or m.num_heads * head_dims(m, last)[1] != m.model_dim:
         _conflict(m, ("trunk", "attention_free_layers", "narrow_vo_layers"), "the dense connections mix residual "
                   "vectors into the last layer's values: it needs attention with num_heads x head_dim = model_dim")

@@ -65,7 +65,7 @@ import optim
 from checkpoint import NGRAM_TABLE_KEY, save_checkpoint, send_table_shard, split_ngram_table
 from config import (MAX_TARGETS, MIN_DOC_TOKENS, MODEL_FIELDS, PADDED_VOCAB_SIZE, SMEAR_GATE_DIMS, VOCAB_SIZE,
                     WINDOW_BLOCK, ArgumentParser, Average, ConfigError, Hyperparameters, ModelConfig, Stage, TablePhase,
-                    config_to_dict, head_dims, loggable, value_embed_tables)
+                    config_to_dict, head_dims, injection_layers, loggable, value_embed_tables)
 from cpu_runtime import bf16_gemm_path, bf16_gemms, cpu_has_native_bf16
 from cuda_graphs import MicroBatch, StepGraphs
 from data.shards import find_shards, fingerprint, read_shard
@@ -92,6 +92,7 @@ def _project_rules(h):
     h.target_rule, h.attention_segment_tokens = "document", 0
     h.paired_head_layout, h.window_edge_key, h.attn_out_init, h.narrow_yarn_window = "adjacent", False, "zero", "long"
     h.cross_documents, h.table_hashes = False, "project"
+    h.mlp_free_layers, h.x0_layers, h.hashed_layers = (), None, None
 
 
 def _cpu_preset(h):
@@ -222,9 +223,10 @@ ATTENTION_SEGMENT_TOKENS = 2560    # record 92: documents longer than this atten
 
 def _speedrun_preset(h):
     """Record 92, the whole recipe: record 89's features and constants on record 92's model and
-    schedule. Record 92 removed record 89's layer 7; its layers keep record 89's numbers there
-    (0-6, 8-10) and are 0-9 here. The fidelity table in docs/recipe.md compares every value with
-    records 89 and 92 and lists what is not built yet."""
+    schedule. Its layers keep records 89's and 92's numbers, 0-10: record 92 removed layer 7's
+    attention and MLP, and the layer keeps its two residual scales and its x0 injection. The
+    fidelity table in docs/recipe.md compares every value with records 89 and 92 and lists what
+    is not built yet."""
     h.track = "track_1_short"
     # data: FineWeb's GPT-2 tokens, judged on the first 10,485,760 of the val shard
     h.train_files = "data/fineweb10B/fineweb_train_*.bin"
@@ -232,30 +234,33 @@ def _speedrun_preset(h):
     h.val_tokens, h.val_tokens_per_rank, h.batch_ranks = 10_485_760, 65_536, 8
     h.target_rule, h.attention_segment_tokens = "packed", ATTENTION_SEGMENT_TOKENS
 
-    # model: 10 layers of 768, 6 heads of 128; 7 attention sublayers
-    h.num_layers, h.model_dim, h.num_heads, h.head_dim, h.mlp_hidden = 10, 768, 6, 128, 2816
-    h.attention_free_layers = (4, 6, 8)        # record 92's 4, 6, 9: attention on 0, 1, 2, 3, 5, 8, 10
-    h.long_window_layers = (3, 9)              # its 3, 10
-    h.narrow_qk_layers, h.narrow_qk_dim = (0, 1, 2, 5, 7), 64  # its 0, 1, 2, 5, 8: QK 64 with full RoPE
+    # model: 11 layers of 768, 6 heads of 128; 7 attention sublayers, 10 MLPs
+    h.num_layers, h.model_dim, h.num_heads, h.head_dim, h.mlp_hidden = 11, 768, 6, 128, 2816
+    h.attention_free_layers = (4, 6, 7, 9)     # attention on 0, 1, 2, 3, 5, 8, 10
+    h.mlp_free_layers = (7,)                   # layer 7: its residual scales and x0 injection only
+    h.long_window_layers = (3, 10)
+    h.narrow_qk_layers, h.narrow_qk_dim = (0, 1, 2, 5, 8), 64  # QK 64 with full RoPE
     h.narrow_qk_attn_scale, h.attn_scale = 0.13, 0.085  # the QK-64 layers' scale; 0.085 on the QK-128 layers
     h.narrow_yarn_window = "short"             # the QK-64 layers' YaRN follows the short window
-    h.narrow_vo_layers, h.narrow_vo_dim = (1, 7), 64  # its 1, 8
-    h.parallel_mlp_layers = (7,)               # its 8
+    h.narrow_vo_layers, h.narrow_vo_dim = (1, 8), 64
+    h.parallel_mlp_layers = (8,)
     h.rope_base, h.yarn_scale_growth = 1024.0, 0.2  # RoPE base period; YaRN scale x (1 + 0.2 ln(growth))
     h.embed_init_std = 0.005                   # the head's init, which the tied embedding copies
     # record 89's features, on the layers that still have attention
     h.smear_gate, h.key_offset = True, True
     h.cross_documents, h.table_hashes = True, "record"  # the smear, key offset and hashes see the slice, not documents
-    h.num_value_embeds, h.value_embed_layers = 0, (1, 2, 7, 9)  # record 89's 1, 2, 8, 10 (its 9 lost its attention)
+    h.num_value_embeds, h.value_embed_layers = 0, (1, 2, 8, 10)  # record 89's, but 9 (no attention)
     h.value_embed_gate_dim, h.value_embed_gate_reads_value = 12, True  # gates read x[:6] and ve[:6]
-    h.xsa_layers = (1, 3)                      # record 89's 1, 3 (its 4 lost its attention, its 7 is gone)
-    h.paired_head_layers = (0, 2, 5)           # record 89's 0, 2, 5 (its 9 lost its attention)
+    h.xsa_layers = (1, 3)                      # record 89's, but 4 and 7 (no attention)
+    h.paired_head_layers = (0, 2, 5)           # record 89's, but 9 (no attention)
     h.paired_head_layout, h.window_edge_key, h.attn_out_init = "record", True, "uniform"
     h.token_gates, h.token_gates_split = True, 4  # XSA strengths, output gates, x0 and bigram injection per token
-    h.attn_gate_layers = (3, 9)                # record 89's 3, 10
-    h.composed_layers, h.composed_window = (9,), 112  # record 89's 10: composed attention over 112 tokens
+    h.attn_gate_layers = (3, 10)
+    h.composed_layers, h.composed_window = (), 112  # record 92 has no composed attention (record 89: on 10)
     h.trunk, h.skip_layers = "dense", (3, 6)   # per-sublayer scales, the skip from 3 into 6, dense connections
-    h.snapshot_layer = 6                       # record 89's 7 is gone: the layers after 6 read its output
+    h.snapshot_layer = 7                       # the layers after 7 read its output
+    h.x0_layers = (0, 1, 2, 4, 5, 7)           # record 92's injection sites: x0 after these layers,
+    h.hashed_layers = (0, 1, 4, 5, 9)          # the n-gram embedding after these (layer 0's before it)
     # record 92's hashed n-gram table, split across the GPUs (bigram_rows: the table when ngram_rows=0)
     h.ngram_rows, h.ngram_dtype, h.bigram_rows = NGRAM_RECORD_ROWS, "bfloat16", 251_520
     h.value_embed_sparse = True    # the value embeddings on the table's path: sparse Adam, the same cadence
@@ -346,6 +351,7 @@ def _record89_preset(h):
     h.attn_gate_layers = (3, 10)
     h.composed_layers, h.composed_window = (10,), 112
     h.trunk, h.skip_layers, h.snapshot_layer = "dense", (3, 6), 7
+    h.mlp_free_layers, h.x0_layers, h.hashed_layers = (), None, None  # injections after every attention layer
     h.ngram_rows, h.ngram_dtype, h.bigram_rows = 0, "float32", 50304 * 15 // 2  # the bigram table: 377,280 rows
     h.canonical_mask = False
     # precision: record 89's bf16 weights and activations; FP8 MLP forward and head, QKV in bf16
@@ -964,9 +970,9 @@ DENSE_SUBLAYER_SCALES = (1.1 ** 0.5, 1.0, 1.1 ** 0.5, 1.0)  # dense: initial (re
 
 
 class Block(nn.Module):
-    """Attention (unless attention-free) and an MLP (or two side by side), each on the normed
-    residual. The U-net trunk mixes x0 into the residual first (forward); the dense trunk scales
-    the residual and each sublayer's output by learned scalars (forward_dense)."""
+    """Attention (unless attention-free) and an MLP (or two side by side, or none), each on the
+    normed residual. The U-net trunk mixes x0 into the residual first (forward); the dense trunk
+    scales the residual and each sublayer's output by learned scalars (forward_dense)."""
 
     def __init__(self, cfg: ModelConfig, layer, fns, value_embed):
         super().__init__()
@@ -974,13 +980,16 @@ class Block(nn.Module):
         self.attn = (CausalSelfAttention(cfg, layer, layer in cfg.long_window_layers, value_embed,
                                          layer in cfg.xsa_layers, layer in cfg.paired_head_layers, fns)
                      if has_attn else None)
-        self.mlp = MLP(cfg.model_dim, cfg.mlp_hidden, fns.fp8_mlp)
+        self.mlp = MLP(cfg.model_dim, cfg.mlp_hidden, fns.fp8_mlp) if layer not in cfg.mlp_free_layers else None
         parallel = layer in cfg.parallel_mlp_layers
         self.parallel_mlp = MLP(cfg.model_dim, cfg.mlp_hidden, fns.fp8_mlp) if parallel else None
         if cfg.trunk == "unet":    # residual mix: x <- lambdas[0] * x + lambdas[1] * x0 before the sublayers
             self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))
         elif layer < cfg.num_layers - 1:  # x <- scales[0] x + scales[1] attention, then [2], [3] for the MLP
             self.scales = nn.Parameter(torch.tensor(DENSE_SUBLAYER_SCALES))  # (the last layer's: DenseConnections)
+        # dense: an attention-free layer scales its residual by scales[0] all the same, but the skip's
+        # target, where the skip takes the attention's place
+        self.scales_without_attention = not has_attn and cfg.trunk == "dense" and layer != cfg.skip_layers[1]
 
     def mlps(self, normed):
         if self.parallel_mlp is not None:
@@ -997,24 +1006,31 @@ class Block(nn.Module):
                 x = x + gates["x0"] * x0
                 if hashed is not None:
                     x = x + gates["hashed"] * hashed
-        return x + self.mlps(rms_norm(x))
+        return x if self.mlp is None else x + self.mlps(rms_norm(x))
 
     def forward_dense(self, x, attn_in, x0, ve, doc_start, rotary, args, gates, hashed, mix=None):
         """The dense trunk's layer: attention reads attn_in (the residual, or a snapshot), then x0
-        and the hashed embedding enter through the token gates; `mix`, the last layer's coefficients
-        from the dense connections, replaces the scales and the injections (its x0 is the
-        trunk's input)."""
+        and the hashed embedding enter where the token gates have a lane for them (hashed None:
+        not here); `mix`, the last layer's coefficients from the dense connections, replaces the
+        scales and the injections (its x0 is the trunk's input)."""
+        gates = gates or {}
+        if mix is not None:
+            y = self.attn(rms_norm(attn_in), ve, doc_start, rotary, args, gates)
+            x = mix["attn_residual"] * x + mix["attn_out"] * y + mix["x0"] * x0 + mix["hashed"] * hashed
+            out = self.mlps(rms_norm(x))
+            return mix["mlp_residual"] * x + mix["mlp_out"] * out
         if self.attn is not None:
             y = self.attn(rms_norm(attn_in), ve, doc_start, rotary, args, gates)
-            if mix is not None:
-                x = mix["attn_residual"] * x + mix["attn_out"] * y + mix["x0"] * x0 + mix["hashed"] * hashed
-            else:
-                x = self.scales[0] * x + self.scales[1] * y + gates["x0"] * x0
-                if hashed is not None:
-                    x = x + gates["hashed"] * hashed
+            x = self.scales[0] * x + self.scales[1] * y
+        elif self.scales_without_attention:
+            x = self.scales[0] * x
+        if "x0" in gates:
+            x = x + gates["x0"] * x0
+        if "hashed" in gates and hashed is not None:
+            x = x + gates["hashed"] * hashed
+        if self.mlp is None:
+            return self.scales[2] * x
         out = self.mlps(rms_norm(x))
-        if mix is not None:
-            return mix["mlp_residual"] * x + mix["mlp_out"] * out
         return self.scales[2] * x + self.scales[3] * out
 
 
@@ -1029,24 +1045,24 @@ def token_gate_layout(cfg: ModelConfig):
     every attention layer before token_gates_split (first MLP) or from it on (second), the
     per-head XSA strengths (on XSA layers), the per-head output gates (on attn_gate_layers),
     the head mixes of composed attention (on composed_layers), then the x0 and hashed-embedding injection
-    gates. The dense trunk adds the skip's gate, and takes the last layer's injections from its
-    dense connections instead."""
+    gates (on their injection_layers). The dense trunk adds the skip's gate, and takes the last
+    layer's injections from its dense connections instead."""
     layouts = ([], [])
     dense = cfg.trunk == "dense"
+    x0_layers, hashed_layers = injection_layers(cfg)
     for layer in range(cfg.num_layers):
         layout = layouts[layer >= cfg.token_gates_split]
         if dense and layer == cfg.skip_layers[1]:
             layout.append((layer, "skip", 1))
-        if layer in cfg.attention_free_layers:
-            continue
-        if layer in cfg.xsa_layers:
-            layout.append((layer, "xsa", cfg.num_heads))
-        if layer in cfg.attn_gate_layers:
-            layout.append((layer, "attn", cfg.num_heads))
-        if layer in cfg.composed_layers:
-            layout += [(layer, "composed_in", cfg.num_heads), (layer, "composed_out", cfg.num_heads)]
-        if not (dense and layer == cfg.num_layers - 1):
-            layout += [(layer, "x0", 1), (layer, "hashed", 1)]
+        if layer not in cfg.attention_free_layers:
+            if layer in cfg.xsa_layers:
+                layout.append((layer, "xsa", cfg.num_heads))
+            if layer in cfg.attn_gate_layers:
+                layout.append((layer, "attn", cfg.num_heads))
+            if layer in cfg.composed_layers:
+                layout += [(layer, "composed_in", cfg.num_heads), (layer, "composed_out", cfg.num_heads)]
+        layout += [(layer, kind, 1) for kind, sites in (("x0", x0_layers), ("hashed", hashed_layers))
+                   if layer in sites]
     return layouts
 
 
@@ -1061,8 +1077,8 @@ class TokenGates(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.layouts = token_gate_layout(cfg)
-        self.first_layer = min(layer for layout in self.layouts for layer, kind, _ in layout
-                               if kind == "hashed")    # takes the hashed embedding first
+        self.first_layer = min((layer for layout in self.layouts for layer, kind, _ in layout
+                                if kind == "hashed"), default=None)    # takes the hashed embedding first
         widths = [sum(width for _, _, width in layout) for layout in self.layouts]
         self.w1 = nn.ParameterList(nn.Parameter(torch.empty(TOKEN_GATE_HIDDEN, cfg.model_dim)) for _ in widths)
         self.w2 = nn.ParameterList(nn.Parameter(torch.zeros(w, TOKEN_GATE_HIDDEN)) for w in widths)
@@ -1521,7 +1537,7 @@ class GPT(nn.Module):
         attention input; the last layer's mixes and a final mix of earlier states come from the
         dense connections."""
         gates = self.token_gates(0, x0)
-        x = x0 + gates[self.token_gates.first_layer]["hashed"] * hashed
+        x = x0 + gates[0]["hashed"] * hashed if "hashed" in gates.get(0, {}) else x0
         saved = {"input": x}
         last = len(self.blocks) - 1
         for i, block in enumerate(self.blocks):
@@ -1531,10 +1547,9 @@ class GPT(nn.Module):
             attn_in = saved["snapshot"] if i > self.snapshot_layer else x
             if i == self.skip_layers[1]:
                 x = x + torch.sigmoid(self.skip_lambda) * gates[i]["skip"] * saved["skip_source"]
-            if i < last:
-                first = i == self.token_gates.first_layer
+            if i < last:            # (layer 0's hashed embedding is already in)
                 x = block.forward_dense(x, attn_in, x0, ve, doc_start, rotary, args, gates.get(i),
-                                        None if first else hashed)
+                                        None if i == 0 else hashed)
             else:
                 saved["last_input"] = x
                 mix = self.dense(0, x)
@@ -2070,7 +2085,8 @@ def averaged_pieces(model, params):
         elif params == "vo_mlp":
             if attn is not None:
                 pieces += [(f"v{i}", attn.qkv.data[qk_rows:]), (f"out{i}", attn.out.data)]
-            pieces += [(f"mlp_up{i}", block.mlp.up.data), (f"mlp_down{i}", block.mlp.down.data)]
+            if block.mlp is not None:
+                pieces += [(f"mlp_up{i}", block.mlp.up.data), (f"mlp_down{i}", block.mlp.down.data)]
             if block.parallel_mlp is not None:
                 pieces += [(f"mlp2_up{i}", block.parallel_mlp.up.data), (f"mlp2_down{i}", block.parallel_mlp.down.data)]
     return pieces

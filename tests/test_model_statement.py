@@ -3,10 +3,11 @@ tests/helpers/model_statement.py.
 
 Two feature sets, each a preset narrowed in width only: the `cpu` preset's (a U-net trunk of 4
 layers with two skip pairs, the bigram embedding, a shared value-embedding table, narrow QK
-layers, full softmax) and the `speedrun` preset's 10 layers with every feature it turns on (the
-dense trunk, token gates, smear gate, n-gram table, sparse per-layer value embeddings, paired
-heads, XSA, key offset, narrow QK and VO, a parallel MLP, output gates, composed attention, the
-canonical mask at validation), here with sampled softmax too; the `record89` preset's 11 layers
+layers, full softmax) and the `speedrun` preset's 11 layers with every feature it turns on (the
+dense trunk with record 92's attention-free, MLP-free layer and injection sites, token gates,
+smear gate, n-gram table, sparse per-layer value embeddings, paired heads, XSA, key offset,
+narrow QK and VO, a parallel MLP, output gates, the canonical mask at validation), here with
+sampled softmax too; the `record89` preset's 11 layers
 (its bigram table, paired heads in the records' layout, composed attention); and the U-net trunk
 with token gates and the attention features (no preset combines them). Every parameter is first moved away
 from its initial value, so that no path hides behind a zero or a one.

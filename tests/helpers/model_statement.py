@@ -378,6 +378,8 @@ def attention_layer(P, cfg, i, x, ve, starts, doc, history, windows, gates):
 
 
 def mlps(P, cfg, i, x):
+    if i in cfg.mlp_free_layers:
+        return 0.0
     out = mlp(P[f"blocks.{i}.mlp.up"], P[f"blocks.{i}.mlp.down"], x)
     if i in cfg.parallel_mlp_layers:
         out = out + mlp(P[f"blocks.{i}.parallel_mlp.up"], P[f"blocks.{i}.parallel_mlp.down"], x)
@@ -388,28 +390,38 @@ def mlps(P, cfg, i, x):
 # gates
 
 
+def injection_sites(cfg):
+    """(x0's layers, the bigram's layers): cfg.x0_layers and cfg.hashed_layers, where null means
+    every attention layer (but the dense trunk's last, which injects through its own mix)."""
+    last = cfg.num_layers - 1 if cfg.trunk == "dense" else -1
+    every = [i for i in range(cfg.num_layers) if i not in cfg.attention_free_layers and i != last]
+    return (every if cfg.x0_layers is None else list(cfg.x0_layers),
+            every if cfg.hashed_layers is None else list(cfg.hashed_layers))
+
+
 def token_gate_layouts(cfg):
-    """Two lists of (layer, kind, width), in output order: attention layers before the split
-    feed the first MLP, the others the second; per layer: the skip's gate (dense, the skip's
-    target), XSA strengths, output gates, composed mixes (in, out), the x0 and bigram injections
-    (not the dense trunk's last layer)."""
+    """Two lists of (layer, kind, width), in output order: layers before the split feed the
+    first MLP, the others the second; per layer: the skip's gate (dense, the skip's target), and
+    on an attention layer its XSA strengths, output gates, composed mixes (in, out); then the x0
+    and bigram injections where injection_sites put them."""
     out = ([], [])
-    dense, last = cfg.trunk == "dense", cfg.num_layers - 1
+    dense = cfg.trunk == "dense"
+    x0_sites, bigram_sites = injection_sites(cfg)
     for i in range(cfg.num_layers):
         group = out[1 if i >= cfg.token_gates_split else 0]
         if dense and i == cfg.skip_layers[1]:
             group.append((i, "skip", 1))
-        if i in cfg.attention_free_layers:
-            continue
-        if i in cfg.xsa_layers:
-            group.append((i, "xsa", cfg.num_heads))
-        if i in cfg.attn_gate_layers:
-            group.append((i, "attn", cfg.num_heads))
-        if i in cfg.composed_layers:
-            group.append((i, "composed_in", cfg.num_heads))
-            group.append((i, "composed_out", cfg.num_heads))
-        if not (dense and i == last):
+        if i not in cfg.attention_free_layers:
+            if i in cfg.xsa_layers:
+                group.append((i, "xsa", cfg.num_heads))
+            if i in cfg.attn_gate_layers:
+                group.append((i, "attn", cfg.num_heads))
+            if i in cfg.composed_layers:
+                group.append((i, "composed_in", cfg.num_heads))
+                group.append((i, "composed_out", cfg.num_heads))
+        if i in x0_sites:
             group.append((i, "x0", 1))
+        if i in bigram_sites:
             group.append((i, "hashed", 1))
     return out
 
@@ -497,14 +509,16 @@ def unet_trunk(P, cfg, embedded, bigram, ves, starts, doc, history, windows):
 
 
 def dense_trunk(P, cfg, x0, bigram, ves, starts, doc, history, windows):
-    """Record 89's trunk: sublayer scales per layer; layer 0's gate lets the bigram in, later
-    attention layers inject x0 and the bigram through their gates; the attention-free layer
-    skip_layers[1] adds sigmoid(skip_lambda) x gate x layer skip_layers[0]'s output; layers after
+    """Records 89's and 92's trunk: sublayer scales per layer; layer 0's gate lets the bigram in
+    (where it is a bigram site), the other sites inject x0 and the bigram through their gates
+    after their attention, or on an attention-free layer after its residual scale; the
+    attention-free layer skip_layers[1] adds sigmoid(skip_lambda) x gate x layer skip_layers[0]'s
+    output instead; an MLP-free layer scales its residual by its MLP scale alone; layers after
     the snapshot layer attend from its output; the last layer's mixes and a final mix come from
     the dense connections."""
     n, last = cfg.num_layers, cfg.num_layers - 1
     gates = token_gates(P, cfg, 0, x0)
-    x = x0 + gates[0]["hashed"] * bigram
+    x = x0 + gates[0]["hashed"] * bigram if "hashed" in gates.get(0, {}) else x0
     saved = {"input": x}
     source, target = cfg.skip_layers
     for i in range(n):
@@ -519,9 +533,13 @@ def dense_trunk(P, cfg, x0, bigram, ves, starts, doc, history, windows):
             s = P[f"blocks.{i}.scales"]
             if has_attn:
                 y = attention_layer(P, cfg, i, rms(attn_in), ves.get(i), starts, doc, history, windows, g)
-                x = s[0] * x + s[1] * y + g["x0"] * x0
-                if i != 0:
-                    x = x + g["hashed"] * bigram
+                x = s[0] * x + s[1] * y
+            elif i != target:
+                x = s[0] * x
+            if "x0" in g:
+                x = x + g["x0"] * x0
+            if "hashed" in g and i != 0:
+                x = x + g["hashed"] * bigram
             x = s[2] * x + s[3] * mlps(P, cfg, i, rms(x))
         else:
             saved["last_input"] = x
