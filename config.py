@@ -29,6 +29,7 @@ WINDOW_BLOCK = 128                 # sliding windows are counted in blocks of th
 MAX_TARGETS = 4                    # next token, two more multi-token targets, the prefix target
 MIN_DOC_TOKENS = 16                # a slice's cu_seqlens has room for T / MIN_DOC_TOKENS documents
 SMEAR_GATE_DIMS = 12               # the smear gate reads the first this-many dims of a token's embedding
+FINAL_MIX_GROUPS = 12              # record 92: channel groups of its final mix, each with its own coefficient delta
 
 # Upper bounds of the whole-number keys: far above any run's, finite so that no value loops or
 # allocates without end.
@@ -183,6 +184,9 @@ class ModelConfig:
     value_embed_gate_dim: int = count(12, 1, MAX_WIDTH, "dims")  # inputs of the per-head value-embedding gates
     value_embed_gate_reads_value: bool = False  # gates read half their inputs from the value embedding
     value_embed_sparse: bool = False   # value embeddings trained like the n-gram table: sparse Adam, its cadence
+    # every table num_heads x head_dim wide, a narrow-value layer adding each head's first
+    # narrow_vo_dim dims (else a table is as wide as its layer's values)
+    value_embed_full_width: bool = False
     bigram_rows: int = count(2, 2, MAX_TABLE_ROWS, "rows")  # rows of the bigram hash embedding (zero at init)
     # rows of the hashed bigram+trigram table trained sparsely (0: the bigram embedding); even, >= 4
     ngram_rows: int = count(0, 0, MAX_TABLE_ROWS, "rows", multiple=2)
@@ -242,6 +246,10 @@ class ModelConfig:
     x0_layers: tuple = layers(nullable=True)
     # dense: the same for the hashed embedding; layer 0's enters the trunk's input, before layer 0
     hashed_layers: tuple = layers(nullable=True)
+    # dense: the mix after the last layer: record89 (5 earlier states, a coefficient each per token)
+    # | record92 (every value-embedding table and the last layer's MLP and attention inputs too, 10
+    # sources with record 92's tables, each coefficient plus a delta per channel group)
+    final_mix: str = choice("record89", "record92")
     # the weights' storage: float32 | bfloat16 (then the activations are bf16 too; the optimizers
     # keep each weight's fp32 precision in a 16-bit mantissa sidecar)
     param_dtype: str = choice("float32", "bfloat16")
@@ -395,6 +403,11 @@ def injection_layers(cfg: ModelConfig):
     every = tuple(i for i in range(cfg.num_layers) if i not in cfg.attention_free_layers and i != last)
     return (every if cfg.x0_layers is None else tuple(cfg.x0_layers),
             every if cfg.hashed_layers is None else tuple(cfg.hashed_layers))
+
+
+def value_embed_width(cfg: ModelConfig, layer):
+    """The width of layer `layer`'s value-embedding table."""
+    return cfg.num_heads * (cfg.head_dim if cfg.value_embed_full_width else head_dims(cfg, layer)[1])
 
 
 def value_embed_tables(cfg: ModelConfig):
@@ -904,7 +917,7 @@ def check_model_config(m):
                   "its query and key dims, so it has no stationary dims for the key offset")
     widths = {}
     for layer, table in value_embed_tables(m).items():
-        widths.setdefault(table, set()).add(head_dims(m, layer)[1])
+        widths.setdefault(table, set()).add(value_embed_width(m, layer))
     if any(len(w) > 1 for w in widths.values()):
         _conflict(m, ("num_value_embeds", "narrow_vo_layers"), "a shared value-embedding table serves layers "
                   "of one value width: give per-layer tables with --value_embed_layers")
@@ -964,6 +977,12 @@ def _check_dense_trunk(m):
     if m.num_heads % 2:
         _conflict(m, ("trunk", "num_heads"), "the last layer's value-embedding gate has one lane per half of the "
                   "heads: an even number")
+    if m.final_mix == "record92" and any(value_embed_width(m, layer) != m.model_dim for layer in value_embed_tables(m)):
+        _conflict(m, ("final_mix", "value_embed_full_width", "narrow_vo_layers"), "record 92's final mix adds "
+                  "every value-embedding table to the residual: each as wide as model_dim")
+    if m.final_mix == "record92" and m.model_dim % FINAL_MIX_GROUPS:
+        _conflict(m, ("final_mix", "model_dim"), f"record 92's final mix has a coefficient delta for each of "
+                  f"{FINAL_MIX_GROUPS} channel groups: a multiple of {FINAL_MIX_GROUPS} dims")
 
 
 def _check_stages(stages):

@@ -65,7 +65,8 @@ import optim
 from checkpoint import NGRAM_TABLE_KEY, save_checkpoint, send_table_shard, split_ngram_table
 from config import (MAX_TARGETS, MIN_DOC_TOKENS, MODEL_FIELDS, PADDED_VOCAB_SIZE, SMEAR_GATE_DIMS, VOCAB_SIZE,
                     WINDOW_BLOCK, ArgumentParser, Average, ConfigError, Hyperparameters, ModelConfig, Stage, TablePhase,
-                    config_to_dict, head_dims, injection_layers, loggable, value_embed_tables)
+                    FINAL_MIX_GROUPS, config_to_dict, head_dims, injection_layers, loggable, value_embed_tables,
+                    value_embed_width)
 from cpu_runtime import bf16_gemm_path, bf16_gemms, cpu_has_native_bf16
 from cuda_graphs import MicroBatch, StepGraphs
 from data.shards import find_shards, fingerprint, read_shard
@@ -93,6 +94,7 @@ def _project_rules(h):
     h.paired_head_layout, h.window_edge_key, h.attn_out_init, h.narrow_yarn_window = "adjacent", False, "zero", "long"
     h.cross_documents, h.table_hashes = False, "project"
     h.mlp_free_layers, h.x0_layers, h.hashed_layers = (), None, None
+    h.final_mix, h.value_embed_full_width = "record89", False
 
 
 def _cpu_preset(h):
@@ -264,6 +266,10 @@ def _speedrun_preset(h):
     # record 92's hashed n-gram table, split across the GPUs (bigram_rows: the table when ngram_rows=0)
     h.ngram_rows, h.ngram_dtype, h.bigram_rows = NGRAM_RECORD_ROWS, "bfloat16", 251_520
     h.value_embed_sparse = True    # the value embeddings on the table's path: sparse Adam, the same cadence
+    # kept: record 92's final mix (final_mix record92) adds every value-embedding table, so its tables
+    # of layers 1 and 8 are 768 wide (value_embed_full_width), 0.55 GiB more a GPU, which takes the
+    # 8 x 40 GB plan (docs/gpu.md) off this preset; here those are 384 wide, the final mix record 89's
+    h.value_embed_full_width, h.final_mix = False, "record89"
     h.canonical_mask = True        # record 92 validates with the canonical mask
     # precision: bf16 weights and activations (fp32 in the optimizers' sidecars), FP8 MLP, QKV, head
     h.param_dtype, h.compute_dtype = "bfloat16", "bfloat16"
@@ -352,6 +358,7 @@ def _record89_preset(h):
     h.composed_layers, h.composed_window = (10,), 112
     h.trunk, h.skip_layers, h.snapshot_layer = "dense", (3, 6), 7
     h.mlp_free_layers, h.x0_layers, h.hashed_layers = (), None, None  # injections after every attention layer
+    h.final_mix, h.value_embed_full_width = "record89", True
     h.ngram_rows, h.ngram_dtype, h.bigram_rows = 0, "float32", 50304 * 15 // 2  # the bigram table: 377,280 rows
     h.canonical_mask = False
     # precision: record 89's bf16 weights and activations; FP8 MLP forward and head, QKV in bf16
@@ -894,7 +901,7 @@ class CausalSelfAttention(nn.Module):
             v = v * self.sa_lambdas[0].type_as(v)
         if ve is not None:
             gate = gates["ve"] if "ve" in gates else self.value_embed_gate(x, ve)
-            v = v + gate[..., None] * ve.view_as(v)
+            v = v + gate[..., None] * ve.view(T, H, -1)[..., :self.v_dim]   # (a wider table: each head's first dims)
         if "v" in gates:
             v = v + gates["v"].view_as(v)
         # Attention takes one dtype, the projection's: CUDA autocast runs the value-embedding sum in fp32.
@@ -1008,17 +1015,11 @@ class Block(nn.Module):
                     x = x + gates["hashed"] * hashed
         return x if self.mlp is None else x + self.mlps(rms_norm(x))
 
-    def forward_dense(self, x, attn_in, x0, ve, doc_start, rotary, args, gates, hashed, mix=None):
+    def forward_dense(self, x, attn_in, x0, ve, doc_start, rotary, args, gates, hashed):
         """The dense trunk's layer: attention reads attn_in (the residual, or a snapshot), then x0
         and the hashed embedding enter where the token gates have a lane for them (hashed None:
-        not here); `mix`, the last layer's coefficients from the dense connections, replaces the
-        scales and the injections (its x0 is the trunk's input)."""
+        not here)."""
         gates = gates or {}
-        if mix is not None:
-            y = self.attn(rms_norm(attn_in), ve, doc_start, rotary, args, gates)
-            x = mix["attn_residual"] * x + mix["attn_out"] * y + mix["x0"] * x0 + mix["hashed"] * hashed
-            out = self.mlps(rms_norm(x))
-            return mix["mlp_residual"] * x + mix["mlp_out"] * out
         if self.attn is not None:
             y = self.attn(rms_norm(attn_in), ve, doc_start, rotary, args, gates)
             x = self.scales[0] * x + self.scales[1] * y
@@ -1032,6 +1033,16 @@ class Block(nn.Module):
             return self.scales[2] * x
         out = self.mlps(rms_norm(x))
         return self.scales[2] * x + self.scales[3] * out
+
+    def forward_mixed(self, x, attn_in, x0, ve, doc_start, rotary, args, gates, hashed, mix):
+        """The dense trunk's last layer: `mix`, its coefficients from the dense connections, in
+        place of the scales and the token gates' injections (its x0 is the trunk's input).
+        Returns its output and its MLP's normed input."""
+        y = self.attn(rms_norm(attn_in), ve, doc_start, rotary, args, gates)
+        x = mix["attn_residual"] * x + mix["attn_out"] * y + mix["x0"] * x0 + mix["hashed"] * hashed
+        normed = rms_norm(x)
+        out = self.mlps(normed)
+        return mix["mlp_residual"] * x + mix["mlp_out"] * out, normed
 
 
 TOKEN_GATE_HIDDEN = 64             # hidden width of the token-gate MLPs
@@ -1117,18 +1128,32 @@ LAST_LAYER_MIX = {"v_input": 0.0, "v_snapshot": 0.0, "v_residual": 0.0, "input":
 FINAL_MIX = {"input": 0.0, "snapshot": -0.5, "last_input": 0.0, "value_embed": 0.0, "skip_source": 0.0}
 
 
+def final_mix_record92(tables):
+    """Record 92's final mix over a model with `tables` value-embedding tables: the trunk's input,
+    the snapshot, the last layer's input, the first table, the skip's source, the other tables,
+    the last layer's normed MLP input and its normed attention input (the snapshot's), each
+    coefficient at 0 at init but the snapshot's -0.5."""
+    names = ["input", "snapshot", "last_input", *[f"value_embed{t}" for t in range(tables)][:1], "skip_source",
+             *[f"value_embed{t}" for t in range(1, tables)], "mlp_input", "attn_input"]
+    return {name: -0.5 if name == "snapshot" else 0.0 for name in names}
+
+
 class DenseConnections(nn.Module):
     """Record 89's dense connections (MUDD: per-token coefficients from small MLPs that mix
     earlier layers' states back in): one MLP on the residual entering the last layer makes
-    LAST_LAYER_MIX, one on the residual after it makes FINAL_MIX."""
+    LAST_LAYER_MIX, one on the residual after it makes the final mix's coefficients (FINAL_MIX;
+    record 92's, final_mix_record92, add a delta per channel group from the same hidden layer)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.mixes = (LAST_LAYER_MIX, FINAL_MIX)
+        final = final_mix_record92(len(set(value_embed_tables(cfg).values())))
+        self.mixes = (LAST_LAYER_MIX, final if cfg.final_mix == "record92" else FINAL_MIX)
         self.w1 = nn.ParameterList(nn.Parameter(torch.empty(DENSE_HIDDEN, cfg.model_dim)) for _ in self.mixes)
         self.w2 = nn.ParameterList(nn.Parameter(torch.zeros(len(mix), DENSE_HIDDEN)) for mix in self.mixes)
         self.b2 = nn.ParameterList(nn.Parameter(torch.tensor([v / DENSE_SCALE for v in mix.values()]))
                                    for mix in self.mixes)
+        self.w2_groups = (nn.Parameter(torch.zeros(len(final), FINAL_MIX_GROUPS, DENSE_HIDDEN))
+                          if cfg.final_mix == "record92" else None)
         for w in self.w1:
             nn.init.kaiming_uniform_(w, a=math.sqrt(5))   # nn.Linear's default init
 
@@ -1137,6 +1162,18 @@ class DenseConnections(nn.Module):
         hidden = F.gelu(F.linear(x, self.w1[which].type_as(x)))
         out = (F.linear(hidden, self.w2[which].type_as(x)) + self.b2[which].type_as(x)) * DENSE_SCALE
         return dict(zip(self.mixes[which], out.split(1, dim=-1)))
+
+    def grouped_mix(self, x, sources):
+        """Record 92's final mix: x plus each source of `sources` ({name: (T, model_dim)}) times its
+        coefficient plus its delta per channel group (model_dim in FINAL_MIX_GROUPS groups)."""
+        hidden = F.gelu(F.linear(x, self.w1[1].type_as(x)))
+        coefficients = (F.linear(hidden, self.w2[1].type_as(x)) + self.b2[1].type_as(x)) * DENSE_SCALE  # (T, K)
+        deltas = torch.einsum("td,kgd->tkg", hidden, self.w2_groups.type_as(x)) * DENSE_SCALE           # (T, K, G)
+        grouped = x.unflatten(-1, (FINAL_MIX_GROUPS, -1))
+        for k, name in enumerate(self.mixes[1]):
+            share = coefficients[:, k, None] + deltas[:, k]
+            grouped = grouped + share[..., None] * sources[name].unflatten(-1, (FINAL_MIX_GROUPS, -1))
+        return grouped.flatten(-2)
 
 
 def document_starts(context):
@@ -1353,7 +1390,7 @@ class GPT(nn.Module):
                               generator=torch.Generator().manual_seed(SIGN_TABLE_SEED)) * 2 - 1
         self.register_buffer("signs", signs.float(), persistent=False)
         self.value_embed_layer = value_embed_tables(cfg)
-        value_widths = {table: cfg.num_heads * head_dims(cfg, layer)[1] for layer, table in
+        value_widths = {table: value_embed_width(cfg, layer) for layer, table in
                         sorted(self.value_embed_layer.items())}
         self.value_embeds = nn.ModuleList(nn.Embedding(PADDED_VOCAB_SIZE, value_widths[table])
                                           for table in sorted(value_widths))
@@ -1376,8 +1413,9 @@ class GPT(nn.Module):
             self.skip_layers, self.snapshot_layer = tuple(cfg.skip_layers), cfg.snapshot_layer
             self.skip_lambda = nn.Parameter(torch.tensor(DENSE_SKIP_LAMBDA))
             wide = [layer for layer in sorted(self.value_embed_layer)     # value embeddings the final mix can add
-                    if cfg.num_heads * head_dims(cfg, layer)[1] == cfg.model_dim]
+                    if value_embed_width(cfg, layer) == cfg.model_dim]
             self.final_value_embed_layer = wide[0] if wide else None
+            self.grouped_final_mix = cfg.final_mix == "record92"
         self.token_gates = TokenGates(cfg) if cfg.token_gates else None
         self.token_gates_split = cfg.token_gates_split
         self.max_tokens = max_tokens
@@ -1560,12 +1598,15 @@ class GPT(nn.Module):
                     lanes = torch.cat([mix["ve_lane0"], mix["ve_lane1"]], dim=-1)
                     layer_gates["ve"] = lanes.repeat_interleave(block.attn.num_heads // 2, dim=-1)
                 x = (1 + mix["residual"]) * x + mix["input"] * saved["input"] + mix["snapshot"] * saved["snapshot"]
-                x = block.forward_dense(x, attn_in, saved["input"], ve, doc_start, rotary, args, layer_gates, hashed,
-                                        mix)
+                x, saved["mlp_input"] = block.forward_mixed(x, attn_in, saved["input"], ve, doc_start, rotary, args,
+                                                            layer_gates, hashed, mix)
             if i == self.skip_layers[0]:
                 saved["skip_source"] = x
             if i == self.snapshot_layer:
                 saved["snapshot"] = x
+        if self.grouped_final_mix:
+            tables = {f"value_embed{t}": ve for t, ve in enumerate(ves)}
+            return self.dense.grouped_mix(x, {**saved, **tables, "attn_input": rms_norm(saved["snapshot"])})
         final = self.dense(1, x)
         layer = self.final_value_embed_layer
         first_ve = ves[self.value_embed_layer[layer]] if layer is not None else 0.0

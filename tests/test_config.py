@@ -73,6 +73,9 @@ def test_config_round_trips_through_json(tmp_path):
     ([*DENSE, "--mlp_free_layers=[2]"], ["mlp_free_layers", "num_layers"]),
     (["--x0_layers=[0]"], ["x0_layers", "hashed_layers", "trunk"]),
     (["--mlp_free_layers=[1]", "--parallel_mlp_layers=[1]"], ["mlp_free_layers", "parallel_mlp_layers"]),
+    ([*DENSE, "--final_mix=record92", "--model_dim=104", "--head_dim=52"], ["final_mix", "model_dim"]),
+    ([*DENSE, "--final_mix=record92", "--num_value_embeds=0", "--value_embed_layers=[0]", "--narrow_vo_layers=[0]",
+      "--narrow_vo_dim=16"], ["final_mix", "value_embed_full_width", "narrow_vo_layers"]),
     (["--cooldown_start=0.5", "--cooldown_end=0.4"], ["cooldown_start", "cooldown_end"]),
 ])
 def test_a_model_config_that_cannot_be_built_is_refused_naming_its_keys(args, keys):

@@ -91,6 +91,8 @@ RECORD_92 = {
     "composed_layers": ((), "record 92 has none"), "composed_window": (112, "record 89"),
     "ngram_rows": (84_602_880, "record 92"), "ngram_dtype": ("bfloat16", "record 92"),
     "value_embed_sparse": (True, "record 92"), "canonical_mask": (True, "record 92"),
+    "value_embed_full_width": (False, "kept: record 92's planes are 768 wide (model/gpt.py), 0.55 GiB a GPU"),
+    "final_mix": ("record89", "kept: record 92's (10 sources, 12 channel groups) needs full-width tables"),
     "param_dtype": ("bfloat16", "records 89 and 92"),
     "target_rule": ("packed", "record 92: the targets are the packed batch shifted by one (data.py)"),
     "paired_head_layout": ("record", "record 92: head h at 2t + h // 3, turned as 2t + h % 2 (qkv_rope.py)"),

@@ -33,6 +33,7 @@ COMPOSED_MIX_EPS = 1e-6            # the RMS norm over heads of composed attenti
 SMEAR_DIMS = 12                    # the smear gate reads a token's first 12 embedding dims
 TOKEN_GATE_INIT_SCALE = 0.1        # not read: the learned scale is a parameter (token_gates.scale)
 DENSE_SCALE = 0.1                  # the dense connections' fixed output scale
+FINAL_GROUPS = 12                  # record 92's final mix: channel groups, each with its own coefficient delta
 LAST_LAYER_MIX = ("v_input", "v_snapshot", "v_residual", "input", "snapshot", "residual", "ve_lane0", "ve_lane1",
                   "attn_residual", "attn_out", "x0", "hashed", "mlp_residual", "mlp_out")
 FINAL_MIX = ("input", "snapshot", "last_input", "value_embed", "skip_source")
@@ -311,7 +312,7 @@ def attention_layer(P, cfg, i, x, ve, starts, doc, history, windows, gates):
             g = cfg.value_embed_gate_dim
             inputs = torch.cat([x[:, :g // 2], ve[:, :g // 2]], -1) if cfg.value_embed_gate_reads_value else x[:, :g]
             gate = 2 * torch.sigmoid(inputs @ P[a + "ve_gate"].T)
-        v = v + gate[:, :, None] * ve.reshape(T, H, dv)
+        v = v + gate[:, :, None] * ve.reshape(T, H, -1)[..., :dv]   # a full-width table: each head's first dv
     if "v" in gates:
         v = v + gates["v"].reshape(T, H, dv)
     paired = i in cfg.paired_head_layers
@@ -552,17 +553,36 @@ def dense_trunk(P, cfg, x0, bigram, ves, starts, doc, history, windows):
             x = (1 + m["residual"]) * x + m["input"] * saved["input"] + m["snapshot"] * saved["snapshot"]
             y = attention_layer(P, cfg, i, rms(attn_in), ves.get(i), starts, doc, history, windows, lg)
             x = m["attn_residual"] * x + m["attn_out"] * y + m["x0"] * saved["input"] + m["hashed"] * bigram
-            x = m["mlp_residual"] * x + m["mlp_out"] * mlps(P, cfg, i, rms(x))
+            mlp_input = rms(x)
+            x = m["mlp_residual"] * x + m["mlp_out"] * mlps(P, cfg, i, mlp_input)
         if i == source:
             saved["skip_source"] = x
         if i == cfg.snapshot_layer:
             saved["snapshot"] = x
+    if cfg.final_mix == "record92":
+        tables = [ves[layer] for layer in sorted(ves, key=value_table_of_layer(cfg).get)]
+        sources = [saved["input"], saved["snapshot"], saved["last_input"], *tables[:1], saved["skip_source"],
+                   *tables[1:], mlp_input, rms(saved["snapshot"])]
+        return record92_final_mix(P, x, sources)
     f = dense_mix(P, 1, x)
-    wide = [layer for layer in sorted(ves) if cfg.num_heads * (cfg.narrow_vo_dim if layer in cfg.narrow_vo_layers
-                                                               else cfg.head_dim) == cfg.model_dim]
+    wide = [layer for layer in sorted(ves) if ves[layer].shape[-1] == cfg.model_dim]
     first_ve = ves[wide[0]] if wide else 0.0
     return (x + f["input"] * saved["input"] + f["snapshot"] * saved["snapshot"] + f["last_input"] * saved["last_input"]
             + f["value_embed"] * first_ve + f["skip_source"] * saved["skip_source"])
+
+
+def record92_final_mix(P, x, sources):
+    """Record 92's mix after the last layer: x + sum_k (c_k + d_kg) source_k, where on channel
+    group g (model_dim in FINAL_GROUPS groups) source k's coefficient is c_k, one per token,
+    plus d_kg: c = (W2 gelu(W1 x) + b) x 0.1 and d_k = W2g_k gelu(W1 x) x 0.1."""
+    hidden = F.gelu(x @ P["dense.w1.1"].T)
+    c = (hidden @ P["dense.w2.1"].T + P["dense.b2.1"]) * DENSE_SCALE                        # (T, K)
+    d = torch.einsum("th,kgh->tkg", hidden, P["dense.w2_groups"]) * DENSE_SCALE             # (T, K, G)
+    width = x.shape[1] // FINAL_GROUPS
+    out = x
+    for k, source in enumerate(sources):
+        out = out + (c[:, k:k + 1] + d[:, k]).repeat_interleave(width, dim=1) * source
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
