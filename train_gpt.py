@@ -1901,7 +1901,8 @@ class TrainLoader:
                 filled += length
                 segments += self.segments_of(length)
             if i in mine:
-                out.append(_pack(pieces, T, self.target_rule, self.segment_tokens, following_token(pieces, max_doc_len)))
+                following = following_token(pieces, max_doc_len)
+                out.append(_pack(pieces, T, self.target_rule, self.segment_tokens, following))
             if every_tokens:
                 tokens.append(out[-1].tokens if i in mine else _packed_tokens(pieces, T))
         return (out, tokens) if every_tokens else out
