@@ -254,6 +254,24 @@ def test_embedding_init_std_is_a_setting():
         assert abs(weight.std().item() / std - 1) < 0.01
 
 
+def test_attention_output_init_is_zero_or_the_qkv_projections_uniform():
+    """attn_out_init: zero, or uniform in +-sqrt(3) x 0.5 / sqrt(model_dim), as the QKV projection
+    (a std of 0.5 / sqrt(model_dim)), on every attention layer."""
+    bound = 3 ** 0.5 * 0.5 * 64 ** -0.5
+    for extra in ([], ["--attn_out_init=uniform"]):
+        torch.manual_seed(0)
+        model = tg.build_model(tiny_config(extra), tg.select_kernels(tiny_config(), torch.device("cpu")))
+        for block in model.blocks:
+            if block.attn is None:
+                continue
+            out = block.attn.out
+            if not extra:
+                assert not out.any()
+            else:
+                assert out.abs().max() <= bound and abs(out.std().item() / (bound / 3 ** 0.5) - 1) < 0.05
+                assert out.min() < -0.9 * bound and out.max() > 0.9 * bound
+
+
 def test_value_embedding_tables_shared_or_one_per_layer():
     shared = tg.model_config(tiny_config(["--num_layers=6", "--attention_free_layers=[]", "--num_value_embeds=2"]))
     assert tg.value_embed_tables(shared) == {0: 0, 1: 1, 4: 0, 5: 1}
