@@ -354,8 +354,14 @@ class Hyperparameters(ModelConfig):
     embed_betas: tuple = betas((0.8, 0.95))  # embedding and head
     value_embed_betas: tuple = betas((0.8, 0.95))  # (sparse value embeddings: beta1 = 0, beta2 their rows' moments')
     scalar_betas: tuple = betas((0.8, 0.95))  # scalars and gates
+    resid_scale_lr: float = rate(0.04)  # the dense trunk's per-layer scales of the residual
+    post_scale_lr: float = rate(0.04)  # the dense trunk's per-layer scales of the sublayers' outputs
+    scale_betas: tuple = betas((0.9, 0.99))  # both of those scales
     embed_wd: float = decay(0.0)       # embedding and head
-    value_embed_wd: float = decay(0.0)  # (scalars and gates are never decayed)
+    value_embed_wd: float = decay(0.0)  # (scalars are never decayed)
+    gate_wd: float = decay(0.0)        # the value-embedding gates
+    # the weight matrices of the token-gate and dense-connection MLPs (not their biases and scales)
+    gate_mlp_wd: float = decay(0.0)
     adam_eps: float = real(1e-10, "an epsilon")  # Adam's epsilon, at the gradient scale adam_eps_unit
     # the gradient scale adam_eps is stated at (also the tables'): mean (this objective's gradient, the
     # mean over the global batch's tokens and an update's steps) | token_sum (the gradient of the loss
@@ -604,19 +610,21 @@ HELP_GROUPS = {
     "the run: its track, seed, device, log and outputs": (
         "track", "seed", "device", "log_dir", "log_every", "save_checkpoint", "resume_every", "metrics"),
     "data and validation": (
-        "train_files", "val_files", "val_tokens", "val_tokens_per_rank", "val_every", "batch_ranks"),
+        "train_files", "val_files", "val_tokens", "val_tokens_per_rank", "val_every", "batch_ranks", "target_rule",
+        "attention_segment_tokens"),
     "model: size and storage": ("num_layers", "model_dim", "num_heads", "head_dim", "mlp_hidden", "param_dtype"),
     "model: attention": (
         "long_window_layers", "attention_free_layers", "rope_base", "attn_scale", "yarn_scale_growth", "key_offset",
         "xsa_layers", "paired_head_layers", "narrow_qk_layers", "narrow_qk_dim", "narrow_qk_attn_scale",
-        "narrow_vo_layers", "narrow_vo_dim", "composed_layers", "composed_window"),
+        "narrow_vo_layers", "narrow_vo_dim", "composed_layers", "composed_window", "paired_head_layout",
+        "window_edge_key", "attn_out_init", "narrow_yarn_window"),
     "model: embeddings and hashed tables": (
         "embed_init_std", "num_value_embeds", "value_embed_layers", "value_embed_gate_dim",
         "value_embed_gate_reads_value", "value_embed_sparse", "bigram_rows", "ngram_rows", "ngram_dtype",
-        "smear_gate", "canonical_mask"),
+        "smear_gate", "canonical_mask", "cross_documents", "table_hashes", "value_embed_full_width"),
     "model: trunk, MLPs and gates": (
-        "trunk", "skip_layers", "snapshot_layer", "parallel_mlp_layers", "token_gates", "token_gates_split",
-        "attn_gate_layers"),
+        "trunk", "skip_layers", "snapshot_layer", "parallel_mlp_layers", "mlp_free_layers", "token_gates",
+        "token_gates_split", "attn_gate_layers", "x0_layers", "hashed_layers", "final_mix"),
     "schedule: steps, stages, windows, LR": (
         "num_iterations", "stages", "val_long_window", "yarn_at_final_window", "untie_frac", "candidate_walk",
         "cooldown_start", "cooldown_floor", "cooldown_end"),
@@ -628,8 +636,9 @@ HELP_GROUPS = {
         "anvil_fast_beta_follows_mu", "anvil_mu_low", "anvil_mu_high", "anvil_mu_rise", "anvil_mu_fall"),
     "Adam: embeddings, head, scalars, gates": (
         "embed_lr", "head_lr", "value_embed_lr", "scalar_lr", "gate_lr", "smear_gate_lr", "token_gate_lr",
-        "dense_lr", "embed_betas", "value_embed_betas", "scalar_betas", "embed_wd", "value_embed_wd", "adam_eps",
-        "adam_eps_unit", "adam_step_every"),
+        "dense_lr", "resid_scale_lr", "post_scale_lr", "embed_betas", "value_embed_betas", "scalar_betas",
+        "scale_betas", "embed_wd", "value_embed_wd", "gate_wd", "gate_mlp_wd", "adam_eps", "adam_eps_unit",
+        "adam_step_every"),
     "sparse tables: the n-gram table and sparse value embeddings": (
         "ngram_lr", "ngram_beta2", "ngram_wd", "ngram_step_every", "table_phases", "value_embed_table_cadence",
         "ngram_cache_rows"),

@@ -171,6 +171,8 @@ def _cpu_preset(h):
     h.token_gate_lr, h.dense_lr = 0.0008, 0.002
     # record 89's Adam betas and decay ("record-89 Adam betas and decay, fewer steps")
     h.embed_betas, h.value_embed_betas, h.scalar_betas = (0.5, 0.95), (0.75, 0.95), (0.9, 0.99)
+    h.resid_scale_lr, h.post_scale_lr, h.scale_betas = h.scalar_lr, h.scalar_lr, h.scalar_betas
+    h.gate_wd = h.gate_mlp_wd = 0.0
     h.embed_wd, h.value_embed_wd = 0.005 * 150, 0.005 * 5
     h.adam_eps, h.adam_step_every = 1e-10, 1
     # the tables' sparse Adam at twice the default LR ("the hashed bigram+trigram table")
@@ -212,6 +214,8 @@ def _cpu_optimization_preset(h):
     h.scalar_lr = h.gate_lr = h.smear_gate_lr = 0.04
     h.token_gate_lr, h.dense_lr = 0.0008, 0.002
     h.embed_betas, h.value_embed_betas, h.scalar_betas = (0.5, 0.95), (0.75, 0.95), (0.9, 0.99)
+    h.resid_scale_lr, h.post_scale_lr, h.scale_betas = h.scalar_lr, h.scalar_lr, h.scalar_betas
+    h.gate_wd = h.gate_mlp_wd = 0.0
     h.embed_wd, h.value_embed_wd = 0.005 * 150, 0.005 * 5
     h.adam_eps, h.adam_step_every = 1e-10, 1
     h.ngram_lr, h.ngram_wd, h.ngram_beta2, h.ngram_step_every, h.table_phases = 0.02, 0.0, 0.95, 1, []
@@ -331,6 +335,10 @@ def _speedrun_preset(h):
     h.scalar_lr, h.gate_lr, h.smear_gate_lr = 0.008 * 5, 0.008, 0.008 * 0.01
     h.token_gate_lr, h.dense_lr = 0.0008, 0.002
     h.embed_betas, h.value_embed_betas, h.scalar_betas = (0.5, 0.95), (0.75, 0.95), (0.9, 0.99)
+    # the dense trunk's residual scales (LR x5) and output scales (x1), betas (0.9, 0.95); the
+    # value-embedding gates and the gate and dense-connection MLPs' weights decayed as Adam's default
+    h.resid_scale_lr, h.post_scale_lr, h.scale_betas = 0.008 * 5, 0.008, (0.9, 0.95)
+    h.gate_wd = h.gate_mlp_wd = 0.005
     h.embed_wd, h.value_embed_wd = 0.005 * 150, 0.005 * 5
     h.adam_eps, h.adam_step_every, h.adam_eps_unit = 1e-10, 2, "token_sum"
     # the tables: the n-gram table's sparse Adam and the value embeddings' dense Adam, on odd steps,
@@ -411,6 +419,10 @@ def _record89_preset(h):
     h.scalar_lr, h.gate_lr, h.smear_gate_lr = 0.008 * 5, 0.008, 0.008 * 0.01
     h.token_gate_lr, h.dense_lr = 0.0008, 0.002
     h.embed_betas, h.value_embed_betas, h.scalar_betas = (0.5, 0.95), (0.75, 0.95), (0.9, 0.99)
+    # the dense trunk's residual scales (LR x5) and output scales (x1), betas (0.9, 0.95); the
+    # value-embedding gates and the gate and dense-connection MLPs' weights decayed as Adam's default
+    h.resid_scale_lr, h.post_scale_lr, h.scale_betas = 0.008 * 5, 0.008, (0.9, 0.95)
+    h.gate_wd = h.gate_mlp_wd = 0.005
     h.embed_wd, h.value_embed_wd = 0.005 * 150, 0.005 * 5
     h.adam_eps, h.adam_step_every, h.adam_eps_unit = 1e-10, 2, "token_sum"
     h.ngram_lr, h.ngram_wd, h.ngram_beta2, h.ngram_step_every, h.table_phases = 0.01, 0.0, 0.95, 1, []  # (no table)
@@ -544,6 +556,8 @@ def _medium_preset(h):
     h.smear_gate_lr = 0.004 * 0.01     # public medium record: smear_gate lr_mul 0.01, no decay
     h.scalar_lr = 0.008 * 5            # public medium record: scalar DistAdam lr 0.008, scalars lr_mul 5
     h.scalar_betas = (0.9, 0.99)       # public medium record: scalar DistAdam betas (0.9, 0.99)
+    h.resid_scale_lr, h.post_scale_lr, h.scale_betas = h.scalar_lr, h.scalar_lr, h.scalar_betas
+    h.gate_wd = h.gate_mlp_wd = 0.0
     h.gate_lr = 0.015 * 0.1            # public medium record: value_embed_gate NorMuon lr_mul 0.1 (ours: Adam)
     h.adam_eps = 1e-8                  # public medium record: DistAdam eps 1e-8
     h.adam_step_every = 2              # public medium record: Adam on odd steps only
@@ -608,6 +622,8 @@ def _optimization_preset(h):
     h.momentum_warmup_steps, h.momentum_cooldown_steps = 0, 0
     h.embed_lr, h.head_lr, h.scalar_lr = 0.7, 0.004, 0.015  # public: AdamW lr 0.7 / 0.004 / 0.015
     h.embed_betas = h.scalar_betas = (0.8, 0.95)  # public: betas (0.8, 0.95)
+    h.resid_scale_lr, h.post_scale_lr, h.scale_betas = h.scalar_lr, h.scalar_lr, h.scalar_betas
+    h.gate_wd = h.gate_mlp_wd = 0.0
     h.adam_eps = 1e-10             # public: eps 1e-10
     h.embed_wd = 0.001 / 0.7       # public: p *= 1 - lr x 0.001; ours lr^2 x wd: equal for the embedding at its peak
     # public: embedding N(0, 1), head zero; ours unties at step 0 by copying the embedding into the head,
@@ -995,7 +1011,8 @@ class MLP(nn.Module):
 
 DENSE_SKIP_LAMBDA = -1.5          # dense trunk: the skip's strength is sigmoid of this learned scalar (0.18 at init)
 DENSE_SA_LAMBDAS = (0.5, 1.0)      # dense trunk: initial scales of the values (q, k are RMS-normed) and the attention's
-DENSE_SUBLAYER_SCALES = (1.1 ** 0.5, 1.0, 1.1 ** 0.5, 1.0)  # dense: initial (residual, output) scales of attention, MLP
+DENSE_RESID_SCALES = (1.1 ** 0.5, 1.1 ** 0.5)  # dense: initial residual scales before attention, MLP (record 89)
+DENSE_POST_SCALES = (1.0, 1.0)     # dense: initial scales of the attention's and the MLP's outputs (record 89)
 
 
 class Block(nn.Module):
@@ -1014,10 +1031,12 @@ class Block(nn.Module):
         self.parallel_mlp = MLP(cfg.model_dim, cfg.mlp_hidden, fns.fp8_mlp) if parallel else None
         if cfg.trunk == "unet":    # residual mix: x <- lambdas[0] * x + lambdas[1] * x0 before the sublayers
             self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))
-        elif layer < cfg.num_layers - 1:  # x <- scales[0] x + scales[1] attention, then [2], [3] for the MLP
-            self.scales = nn.Parameter(torch.tensor(DENSE_SUBLAYER_SCALES))  # (the last layer's: DenseConnections)
-        # dense: an attention-free layer scales its residual by scales[0] all the same, but the skip's
-        # target, where the skip takes the attention's place
+        elif layer < cfg.num_layers - 1:  # x <- resid[0] x + post[0] attention, then resid[1], post[1] for the MLP
+            self.resid_scales = nn.Parameter(torch.tensor(DENSE_RESID_SCALES))  # (the last layer's: DenseConnections)
+            if has_attn or self.mlp is not None:  # (a layer with neither has no output to scale)
+                self.post_scales = nn.Parameter(torch.tensor(DENSE_POST_SCALES))
+        # dense: an attention-free layer scales its residual by resid_scales[0] all the same, but the
+        # skip's target, where the skip takes the attention's place
         self.scales_without_attention = not has_attn and cfg.trunk == "dense" and layer != cfg.skip_layers[1]
 
     def mlps(self, normed):
@@ -1044,17 +1063,17 @@ class Block(nn.Module):
         gates = gates or {}
         if self.attn is not None:
             y = self.attn(rms_norm(attn_in), ve, doc_start, rotary, args, gates)
-            x = self.scales[0] * x + self.scales[1] * y
+            x = self.resid_scales[0] * x + self.post_scales[0] * y
         elif self.scales_without_attention:
-            x = self.scales[0] * x
+            x = self.resid_scales[0] * x
         if "x0" in gates:
             x = x + gates["x0"] * x0
         if "hashed" in gates and hashed is not None:
             x = x + gates["hashed"] * hashed
         if self.mlp is None:
-            return self.scales[2] * x
+            return self.resid_scales[1] * x
         out = self.mlps(rms_norm(x))
-        return self.scales[2] * x + self.scales[3] * out
+        return self.resid_scales[1] * x + self.post_scales[1] * out
 
     def forward_mixed(self, x, attn_in, x0, ve, doc_start, rotary, args, gates, hashed, mix):
         """The dense trunk's last layer: `mix`, its coefficients from the dense connections, in
@@ -2551,7 +2570,10 @@ def adam_groups(h, model):
     gates = [p for name, p in model.named_parameters() if is_gate(name) and name != "smear_gate"]
     token_gates = list(model.token_gates.parameters()) if model.token_gates is not None else []
     dense = list(model.dense.parameters()) if model.trunk == "dense" else []
-    scalars = [p for p in model.parameters() if p.ndim < 2 and all(p is not q for q in token_gates + dense)]
+    resid = [b.resid_scales for b in model.blocks if hasattr(b, "resid_scales")]
+    post = [b.post_scales for b in model.blocks if hasattr(b, "post_scales")]
+    scalars = [p for p in model.parameters()
+               if p.ndim < 2 and all(p is not q for q in token_gates + dense + resid + post)]
     bigram = [model.bigram.weight] if model.bigram is not None else []    # (the n-gram table is SparseRowAdam's)
     dense_value_embeds = model.value_sinks is None and not h.value_embed_table_cadence   # (else value_embed_adam's)
     value_embeds = bigram + ([ve.weight for ve in model.value_embeds] if dense_value_embeds else [])
@@ -2561,9 +2583,14 @@ def adam_groups(h, model):
         dict(name="value_embeds", params=value_embeds, lr=h.value_embed_lr, betas=h.value_embed_betas,
              weight_decay=h.value_embed_wd),
         dict(name="scalars", params=scalars, lr=h.scalar_lr, betas=h.scalar_betas, weight_decay=0.0),
-        dict(name="gates", params=gates, lr=h.gate_lr, betas=h.scalar_betas, weight_decay=0.0),
-        dict(name="token_gates", params=token_gates, lr=h.token_gate_lr, betas=h.scalar_betas, weight_decay=0.0),
-        dict(name="dense", params=dense, lr=h.dense_lr, betas=h.scalar_betas, weight_decay=0.0),
+        dict(name="resid_scales", params=resid, lr=h.resid_scale_lr, betas=h.scale_betas, weight_decay=0.0),
+        dict(name="post_scales", params=post, lr=h.post_scale_lr, betas=h.scale_betas, weight_decay=0.0),
+        dict(name="gates", params=gates, lr=h.gate_lr, betas=h.scalar_betas, weight_decay=h.gate_wd),
+        *[dict(name=f"{name}{'_weights' if decayed else ''}", lr=lr, betas=h.scalar_betas,
+               weight_decay=h.gate_mlp_wd if decayed else 0.0,
+               params=[p for p in params if (p.ndim >= 2) == decayed])
+          for name, params, lr in (("token_gates", token_gates, h.token_gate_lr), ("dense", dense, h.dense_lr))
+          for decayed in (True, False)],
     ]
     if model.smear_gate is not None:
         groups.append(dict(name="smear_gate", params=[model.smear_gate], lr=h.smear_gate_lr, betas=h.scalar_betas,

@@ -61,6 +61,7 @@ HANGUP = ["tests/test_failures.py", "-k", "SIGHUP"]
 RECORD_SCHEDULES = ["tests/test_record_schedules.py"]
 VALUE_ADAM = ["tests/test_train.py", "-k", "follows_the_tables"]
 MATRIX_SHAPES = ["tests/test_train.py", "-k", "record_banks"]
+ADAM_GROUPS = ["tests/test_train.py", "-k", "adam_groups"]
 HELP = ["tests/test_help.py", "-k", "meaning"]
 ARGUMENTS = ["tests/test_config.py", "-k", "two_arguments or without_a_preset"]
 TIME_LEFT = ["tests/test_run_report.py", "-k", "time_left or how_far"]
@@ -175,14 +176,14 @@ MUTATIONS = [
              "return self.mlp(normed) + self.mlp(normed)", MODEL, "the parallel MLP's weights unused"),
     Mutation("train_gpt.py", "                x = x + gates[\"x0\"] * x0",
              "                x = x + gates[\"bigram\"] * x0", MODEL, "the x0 injection through the bigram's gate"),
-    Mutation("train_gpt.py", "        elif self.scales_without_attention:\n            x = self.scales[0] * x",
+    Mutation("train_gpt.py", "        elif self.scales_without_attention:\n            x = self.resid_scales[0] * x",
              "        elif self.scales_without_attention:\n            x = x", MODEL,
              "an attention-free layer leaves its residual unscaled"),
     Mutation("train_gpt.py",
              "self.scales_without_attention = not has_attn and cfg.trunk == \"dense\" and layer != cfg.skip_layers[1]",
              "self.scales_without_attention = not has_attn and cfg.trunk == \"dense\"", MODEL,
              "the skip's target scales its residual too"),
-    Mutation("train_gpt.py", "        if self.mlp is None:\n            return self.scales[2] * x",
+    Mutation("train_gpt.py", "        if self.mlp is None:\n            return self.resid_scales[1] * x",
              "        if self.mlp is None:\n            return x", MODEL,
              "an MLP-free layer leaves its residual unscaled"),
     Mutation("train_gpt.py", "(\"hashed\", hashed_layers))\n                   if layer in sites]",
@@ -556,6 +557,11 @@ MUTATIONS = [
              "        lanes = None", MATRIX_SHAPES, "a narrow-value layer's values equalized by columns"),
     Mutation("optim.py", '        m.lerp_(g, hyper["one_minus_beta1"])', '        m.lerp_(g, 1 - group["betas"][0])',
              OPTIM, "Adam's beta1 baked into a captured update"),
+    Mutation("train_gpt.py", '               weight_decay=h.gate_mlp_wd if decayed else 0.0,',
+             '               weight_decay=h.gate_mlp_wd,', ADAM_GROUPS, "the gate MLPs' biases and scale decayed"),
+    Mutation("train_gpt.py", '        dict(name="post_scales", params=post, lr=h.post_scale_lr, betas=h.scale_betas, weight_decay=0.0),',
+             '        dict(name="post_scales", params=post, lr=h.resid_scale_lr, betas=h.scale_betas, weight_decay=0.0),',
+             ADAM_GROUPS, "the output scales at the residual scales' LR"),
     Mutation("resume.py", '    trainer.walk.copy_(state["walk"])', "    pass", RESUME,
              "a resumed run's candidate walk back at its start"),
     Mutation("resume.py", "        adam.load_state_dict(saved)", "        pass", RESUME,

@@ -361,12 +361,12 @@ def reference_dense_trunk(model, x0, bigram, ves, doc_start, args):
     cache = {0: x0 + pre[0]["hashed"] * bigram}
     x = cache[0]
     y = b0.attn(tg.rms_norm(x), ves[0], doc_start, model.rotary, args, pre[0])
-    x = b0.scales[0] * x + b0.scales[1] * y + pre[0]["x0"] * x0
-    x = b0.scales[2] * x + b0.scales[3] * b0.mlp(tg.rms_norm(x))
+    x = b0.resid_scales[0] * x + b0.post_scales[0] * y + pre[0]["x0"] * x0
+    x = b0.resid_scales[1] * x + b0.post_scales[1] * b0.mlp(tg.rms_norm(x))
     cache["skip"] = x
     post = model.token_gates(1, x)
     x = x + torch.sigmoid(model.skip_lambda) * post[1]["skip"] * cache["skip"]
-    x = b1.scales[2] * x + b1.scales[3] * b1.mlp(tg.rms_norm(x))
+    x = b1.resid_scales[1] * x + b1.post_scales[1] * b1.mlp(tg.rms_norm(x))
     cache["snapshot"] = x
     mu = list(model.dense(0, x).values())
     cache["last"] = x

@@ -137,6 +137,8 @@ RECORD_92 = {
     "adam_betas": (((0.5, 0.95), (0.75, 0.95), (0.9, 0.99)), "training.py param_table"),
     "adam_decay": ((0.56, 0.75, 0.025), "training.py VALUE_EMBED_LR_MUL 70, wd_mul 150 and 5 of 0.005"),
     "adam": ((2, 1e-10, "token_sum"), "training.py is_adam_step, adam_defaults; the CE's summed gradient"),
+    "adam_scales": ((0.04, 0.008, (0.9, 0.95)), "training.py param_table: resid_lambdas x5, post_lambdas x1"),
+    "adam_gate_decay": ((0.005, 0.005), "training.py: ve_gate_bank, mudd_w*, mudd_gate_w* take Adam's decay"),
     "tables": ((0.56, 0.025, 0.95, 2, True, [(336, 4, 0.9025, 0.5625, 0.9025, 2.0)]),
                "ngram_table.py NGRAM_*, training.py VALUE_EMBED_*: squared betas, doubled decay, every 4th from 336"),
     # what follows
@@ -167,6 +169,8 @@ def speedrun_facts(h):
             "adam_betas": (h.embed_betas, h.value_embed_betas, h.scalar_betas),
             "adam_decay": pytest.approx((h.value_embed_lr, h.embed_wd, h.value_embed_wd)),
             "adam": (h.adam_step_every, h.adam_eps, h.adam_eps_unit),
+            "adam_scales": (pytest.approx(h.resid_scale_lr), pytest.approx(h.post_scale_lr), h.scale_betas),
+            "adam_gate_decay": (h.gate_wd, h.gate_mlp_wd),
             "tables": (pytest.approx(h.ngram_lr), pytest.approx(h.ngram_wd), h.ngram_beta2, h.ngram_step_every,
                        h.value_embed_table_cadence,
                        [(p.start, p.step_every, p.ngram_beta2, p.value_embed_beta1, p.value_embed_beta2, p.decay_mult)

@@ -531,7 +531,9 @@ def dense_trunk(P, cfg, x0, bigram, ves, starts, doc, history, windows):
             x = x + torch.sigmoid(P["skip_lambda"]) * g["skip"] * saved["skip_source"]
         has_attn = i not in cfg.attention_free_layers
         if i < last:
-            s = P[f"blocks.{i}.scales"]
+            resid = P[f"blocks.{i}.resid_scales"]
+            post = P.get(f"blocks.{i}.post_scales", (0.0, 0.0))   # (a layer with no sublayer has none)
+            s = (resid[0], post[0], resid[1], post[1])
             if has_attn:
                 y = attention_layer(P, cfg, i, rms(attn_in), ves.get(i), starts, doc, history, windows, g)
                 x = s[0] * x + s[1] * y
