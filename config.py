@@ -47,6 +47,8 @@ MAX_TABLE_ROWS = 2**31             # rows of a hashed table (bigram, n-gram, the
 MAX_WINDOW_BLOCKS = 65_536         # an attention window, in WINDOW_BLOCKs
 MAX_SEED = 2**63 - 1               # torch's seeds are signed 64-bit
 MLP_SCALE_RULES = tuple(kernels.MLP_SCALES)  # the FP8 MLP's scale rules (a field named kernels hides the module)
+QKV_SCALE_RULES = tuple(kernels.QKV_SCALE_RULES)  # the FP8 QKV projection's
+HEAD_SCALE_RULES = tuple(kernels.HEAD_SCALE_RULES)  # the FP8 head's
 ORTHOGONALIZATIONS = tuple(optim.SCHEDULES)  # the Muon family's orthogonalization schedules
 
 
@@ -395,8 +397,12 @@ class Hyperparameters(ModelConfig):
     fp8_mlp: bool = False              # MLPs as the fused FP8 ReLU^2 kernel pair
     # the MLP's scale rules: record92 | record89 | delayed (kernels.MLP_SCALES)
     fp8_mlp_scales: str = choice(*MLP_SCALE_RULES)
-    fp8_qkv: bool = False              # the packed QKV projection as an FP8 linear (kernels.QKV_SCALES)
-    fp8_head: bool = False             # the head at the candidate width as an FP8 linear (kernels.HEAD_SCALES)
+    fp8_qkv: bool = False              # the packed QKV projection as an FP8 linear
+    # its scale rules: project (a static 1/16 input, delayed gradients) | record92 (kernels.QKV_SCALE_RULES)
+    fp8_qkv_scales: str = choice(*QKV_SCALE_RULES)
+    fp8_head: bool = False             # the head at the candidate width as an FP8 linear
+    # its static scale rules: record89 | record92 (kernels.HEAD_SCALE_RULES)
+    fp8_head_scales: str = choice(*HEAD_SCALE_RULES)
     # the FP8 layers' plain GEMMs: triton | scaled_mm (torch._scaled_mm, cuBLAS: where the Triton
     # GEMM is slower on the GPU; the casts and the relu2 epilogues stay Triton)
     fp8_gemm: str = choice("triton", "scaled_mm")
@@ -644,7 +650,7 @@ HELP_GROUPS = {
         "ngram_cache_rows"),
     "kernels, compilation, FP8 and the warm-up": (
         "kernels", "compile", "compile_backend", "compute_dtype", "fp8_mlp", "fp8_mlp_scales", "fp8_qkv",
-        "fp8_head", "fp8_gemm", "fp8_on_cpu", "cuda_graphs", "sync_check", "warm_up", "warmup_steps"),
+        "fp8_qkv_scales", "fp8_head", "fp8_head_scales", "fp8_gemm", "fp8_on_cpu", "cuda_graphs", "sync_check", "warm_up", "warmup_steps"),
 }
 UNGROUPED = "other keys"           # --help's heading for a key HELP_GROUPS does not place
 

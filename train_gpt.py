@@ -140,6 +140,7 @@ def _cpu_preset(h):
     h.compute_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     h.fp8_mlp = h.fp8_qkv = h.fp8_head = True  # (FP8 layers only on a GPU, or with --fp8_on_cpu)
     h.fp8_mlp_scales = "record92"
+    h.fp8_qkv_scales, h.fp8_head_scales = "project", "record89"  # (FP8 layers only on a GPU or fp8_on_cpu)
 
     # schedule: 25 steps, twice the batch from the middle (LR x1.52 = (4096/2048)^0.6, as record 89
     # scales it); the cooldown from 40% to 0.15; untied at 2/3
@@ -222,6 +223,7 @@ def _cpu_optimization_preset(h):
     h.embed_init_std = 0.0
     h.compute_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     h.fp8_mlp_scales = "record92"
+    h.fp8_qkv_scales, h.fp8_head_scales = "project", "record89"  # (FP8 layers only on a GPU or fp8_on_cpu)
     h.log_every, h.compile, h.cuda_graphs = 5, False, False
     h.warm_up, h.warmup_steps = "always", 1
 
@@ -284,6 +286,7 @@ def _speedrun_preset(h):
     # precision: bf16 weights and activations (fp32 in the optimizers' sidecars), FP8 MLP, QKV, head
     h.param_dtype, h.compute_dtype = "bfloat16", "bfloat16"
     h.fp8_mlp, h.fp8_qkv, h.fp8_head, h.fp8_mlp_scales = True, True, True, "record92"
+    h.fp8_qkv_scales, h.fp8_head_scales = "record92", "record92"
 
     # schedule: record 92's 1194 steps (1122 scheduled + 52 grown into the third stage + 20 at the
     # end); its third stage in two here, where its sampled softmax widens for the last third
@@ -384,6 +387,7 @@ def _record89_preset(h):
     # precision: record 89's bf16 weights and activations; FP8 MLP forward and head, QKV in bf16
     h.param_dtype, h.compute_dtype = "bfloat16", "bfloat16"
     h.fp8_mlp, h.fp8_qkv, h.fp8_head, h.fp8_mlp_scales = True, False, True, "record89"
+    h.fp8_qkv_scales, h.fp8_head_scales = "project", "record89"  # (QKV in bf16)
 
     # schedule
     h.num_iterations = N = 1270 + 15
@@ -577,6 +581,7 @@ def _medium_preset(h):
     h.val_files = "data/fineweb10B/fineweb_val_*.bin"
     h.val_tokens = 10_485_760
     h.param_dtype, h.compute_dtype, h.fp8_mlp_scales = "float32", "bfloat16", "record92"
+    h.fp8_qkv_scales, h.fp8_head_scales = "project", "record89"  # (FP8 layers only on a GPU or fp8_on_cpu)
     h.adamw_matrix_lr = 0.008
     h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start = 0.85, 0.98, 0.4385, 0.43
     h.anvil_fast_beta_follows_mu, h.value_embed_table_cadence = False, False
@@ -644,6 +649,7 @@ def _optimization_preset(h):
     h.val_tokens, h.val_tokens_per_rank, h.batch_ranks = 10_485_760, 65_536, 8  # public: 8 x 64 x 1024 a step
     h.yarn_at_final_window, h.averages = True, []
     h.param_dtype, h.compute_dtype, h.fp8_mlp_scales = "float32", "bfloat16", "record92"
+    h.fp8_qkv_scales, h.fp8_head_scales = "project", "record89"  # (FP8 layers only on a GPU or fp8_on_cpu)
     h.adamw_matrix_lr = 0.008
     h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start = 0.85, 0.98, 0.4385, 0.43
     h.anvil_fast_beta_follows_mu, h.value_embed_table_cadence = False, False
@@ -2536,8 +2542,8 @@ def fp8_kernels(h, use_triton):
         # the head's gradient comes from the cross-entropy kernel, which no cast can join
         head = functools.partial(kernels.fp8_linear, gemm=h.fp8_gemm)
     return (functools.partial(mlp, scales=kernels.MLP_SCALES[h.fp8_mlp_scales]) if h.fp8_mlp else None,
-            functools.partial(linear, scales=kernels.QKV_SCALES) if h.fp8_qkv else None,
-            functools.partial(head, scales=kernels.HEAD_SCALES) if h.fp8_head else None)
+            functools.partial(linear, scales=kernels.QKV_SCALE_RULES[h.fp8_qkv_scales]) if h.fp8_qkv else None,
+            functools.partial(head, scales=kernels.HEAD_SCALE_RULES[h.fp8_head_scales]) if h.fp8_head else None)
 
 
 def select_kernels(h, device):
@@ -2552,8 +2558,8 @@ def select_kernels(h, device):
     with_fp8 = use_triton or device.type == "cuda" or h.fp8_on_cpu
     mlp, qkv, head = fp8_kernels(h, use_triton) if with_fp8 else (None, None, None)
     if use_triton:
-        head_loss = (functools.partial(kernels.fp8_head_cross_entropy, scales=kernels.HEAD_SCALES, gemm=h.fp8_gemm,
-                                       casts=fp8_casts(h)) if h.fp8_head else None)
+        head_loss = (functools.partial(kernels.fp8_head_cross_entropy, scales=kernels.HEAD_SCALE_RULES[h.fp8_head_scales],
+                                       gemm=h.fp8_gemm, casts=fp8_casts(h)) if h.fp8_head else None)
         return KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy, mlp, kernels.xxt, qkv, head,
                          kernels.qk_norm_rope, kernels.composed_attention, head_loss, kernels.ema_update_)
     # Here auto means CPU: the chunked cross-entropy is the kernel's algorithm, ~3x faster than the

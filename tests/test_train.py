@@ -183,6 +183,19 @@ def test_dense_trunk_adam_groups_split_the_scales_and_decay_the_gate_weights():
         assert rest["weight_decay"] == 0.0 and all(p.ndim < 2 for p in rest["params"]) and rest["params"]
 
 
+def test_the_fp8_layers_take_the_scale_rules_their_keys_name():
+    """fp8_qkv_scales and fp8_head_scales pick the QKV projection's and the head's rules: record
+    92's static QKV input 8/448 and gradient 1/448, head weight 2/448 and gradient 0.75/8/448."""
+    h = tiny_config(["--fp8_on_cpu=true", "--fp8_qkv_scales=record92", "--fp8_head_scales=record92"])
+    fns = tg.select_kernels(h, torch.device("cpu"))
+    qkv, head = fns.fp8_qkv.keywords["scales"], fns.fp8_head.keywords["scales"]
+    assert (qkv.input.scale, qkv.weight, qkv.grad_output.scale) == (8 / 448, kernels.EXACT, 1 / 448)
+    assert (head.input.scale, head.weight.scale, head.grad_output.scale) == (100 / 448, 2 / 448, 0.75 / 8 / 448)
+    h = tiny_config(["--fp8_on_cpu=true", "--fp8_qkv_scales=project", "--fp8_head_scales=record89"])
+    fns = tg.select_kernels(h, torch.device("cpu"))
+    assert (fns.fp8_qkv.keywords["scales"], fns.fp8_head.keywords["scales"]) == (kernels.QKV_SCALES, kernels.HEAD_SCALES)
+
+
 def test_qkv_is_orthogonalized_as_query_and_key_blocks_of_heads_and_one_value_block():
     h = tiny_config(["--num_heads=4", "--head_dim=32", "--qk_ortho_heads=2"])
     assert tg.qkv_row_splits(h) == (64, 64, 64, 64, 128)
