@@ -240,9 +240,8 @@ ATTENTION_SEGMENT_TOKENS = 2560    # record 92: documents longer than this atten
 def _speedrun_preset(h):
     """Record 92, the whole recipe: record 89's features and constants on record 92's model and
     schedule. Its layers keep records 89's and 92's numbers, 0-10: record 92 removed layer 7's
-    attention and MLP, and the layer keeps its two residual scales and its x0 injection. The
-    fidelity table in docs/recipe.md compares every value with records 89 and 92 and lists what
-    is not built yet."""
+    attention and MLP, and the layer keeps its two residual scales and its x0 injection.
+    docs/recipe.md compares it with record 92's code part by part and lists what still differs."""
     h.track = "track_1_short"
     # data: FineWeb's GPT-2 tokens, judged on the first 10,485,760 of the val shard
     h.train_files = "data/fineweb10B/fineweb_train_*.bin"
