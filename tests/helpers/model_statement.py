@@ -18,26 +18,26 @@ import torch.nn.functional as F
 
 VOCAB = 50304                      # GPT-2's 50,257 ids padded to a multiple of 128
 BOS = 50256                        # <|endoftext|>: every document starts with it
-SOFTCAP, SOFTCAP_SHIFT, SOFTCAP_TEMP = 23.0, 5.0, 7.5   # z = 23 sigmoid((logit + 5) / 7.5)
+SOFTCAP, SOFTCAP_SHIFT, SOFTCAP_TEMP = 23.0, 5.0, 7.5   # z = 23 sigmoid((logit + 5) / 7.5): records 89, 92 (cross_entropy.py)
 MASKED_LOGIT = -60.0               # a non-canonical pair's softcapped logit at validation
 SIGN_ROWS, SIGN_SEED = 8192, 1234  # the fixed +/-1 sign table and its generator's seed
-BIGRAM = (36313, 27191)            # row hash: (current, previous)
-BIGRAM_SIGN = (40351, 51349)
-TRIGRAM = (17351, 60961, 45259)    # row hash: (current, previous, the one before)
-TRIGRAM_SIGN = (29363, 47119, 13709)
-RECORD92_BIGRAM_SIGN = (48271, 30011)           # record 92's sign hashes: (current, previous)
-RECORD92_TRIGRAM_SIGN = (58699, 39779, 26801)   # (current, previous, the one before)
+BIGRAM = (36313, 27191)            # row hash (current, previous): record 92's ngram_table.py BIGRAM_ROW_MULS
+BIGRAM_SIGN = (40351, 51349)       # this repository's sign hash (table_hashes project)
+TRIGRAM = (17351, 60961, 45259)    # row hash (current, previous, the one before): ngram_table.py TRIGRAM_ROW_MULS
+TRIGRAM_SIGN = (29363, 47119, 13709)  # this repository's sign hash (table_hashes project)
+RECORD92_BIGRAM_SIGN = (48271, 30011)           # ngram_table.py BIGRAM_SIGN_MULS: (current, previous)
+RECORD92_TRIGRAM_SIGN = (58699, 39779, 26801)   # ngram_table.py TRIGRAM_SIGN_MULS: (current, previous, before)
 YARN_ALPHA, YARN_BETA = 1.0, 32.0  # YaRN's ramp: rotations per old window below alpha interpolate, above beta keep
 XSA_EPS = 1e-4                     # F.normalize's floor on |v|
 COMPOSED_MIX_EPS = 1e-6            # the RMS norm over heads of composed attention's input mix
-SMEAR_DIMS = 12                    # the smear gate reads a token's first 12 embedding dims
+SMEAR_DIMS = 12                    # the smear gate reads a token's first 12 embedding dims (records' smear_gate)
 TOKEN_GATE_INIT_SCALE = 0.1        # not read: the learned scale is a parameter (token_gates.scale)
-DENSE_SCALE = 0.1                  # the dense connections' fixed output scale
-FINAL_GROUPS = 12                  # record 92's final mix: channel groups, each with its own coefficient delta
+DENSE_SCALE = 0.1                  # the dense connections' fixed output scale (records' _mudd_scale)
+FINAL_GROUPS = 12                  # record 92's final mix: channel groups with a delta each (model/gpt.py MUDD_GROUPS)
 LAST_LAYER_MIX = ("v_input", "v_snapshot", "v_residual", "input", "snapshot", "residual", "ve_lane0", "ve_lane1",
                   "attn_residual", "attn_out", "x0", "hashed", "mlp_residual", "mlp_out")
 FINAL_MIX = ("input", "snapshot", "last_input", "value_embed", "skip_source")
-CANDIDATE_STRIDE = 20011
+CANDIDATE_STRIDE = 20011           # record 92's sampled_softmax.py NEGATIVE_STRIDE
 EPS64 = torch.finfo(torch.float64).eps
 
 
