@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 VOCAB = 50304                      # GPT-2's 50,257 ids padded to a multiple of 128
 BOS = 50256                        # <|endoftext|>: every document starts with it
-SOFTCAP, SOFTCAP_SHIFT, SOFTCAP_TEMP = 23.0, 5.0, 7.5   # z = 23 sigmoid((logit + 5) / 7.5): records 89, 92 (cross_entropy.py)
+SOFTCAP, SOFTCAP_SHIFT, SOFTCAP_TEMP = 23.0, 5.0, 7.5   # z = 23 sigmoid((logit + 5) / 7.5): records 89, 92
 MASKED_LOGIT = -60.0               # a non-canonical pair's softcapped logit at validation
 SIGN_ROWS, SIGN_SEED = 8192, 1234  # the fixed +/-1 sign table and its generator's seed
 BIGRAM = (36313, 27191)            # row hash (current, previous): record 92's ngram_table.py BIGRAM_ROW_MULS
