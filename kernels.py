@@ -76,7 +76,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError:                # a CPU-only install: the references run, and a launch says what is missing
-    from no_triton import tl, triton
+    from machinery.no_triton import tl, triton
 
 _OPS = "kernels"  # namespace of this file's torch.library custom ops
 

@@ -62,7 +62,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from errors import UserError
+from machinery.errors import UserError
 
 
 class OptimConfigError(UserError, ValueError):

@@ -1,13 +1,11 @@
 """Train a GPT-2-small-class language model on FineWeb as fast as possible.
 
-This file is the recipe a record changes. Read top-down: the presets; the model; the data
-loader; the schedules; the kernels and optimizers a run picks; the Trainer and the training
-loop; main(). The machinery beside it: config.py (the config's schema and checks),
-kernels.py (Triton kernels and their references), optim.py (the optimizers), sparse_tables.py
-(the n-gram table split across processes or in host memory, sparse row gradients),
-cuda_graphs.py, memory_budget.py (what a run needs, what run.sh starts), processes.py (launch,
-process group, signals), checkpoint.py (the checkpoint format) and evaluate.py (--eval and
---sample of a checkpoint), records/logfile.py (the run log).
+This file is the recipe a record changes. Read top-down: the presets; the model; the schedules;
+the kernels and optimizers a run picks; the Trainer and the training loop; main(). Beside it:
+kernels.py (Triton kernels and their references), optim.py (the optimizers), data/ (the shards
+and the loader that packs them), machinery/ (the config's schema, the n-gram table's placement,
+CUDA graphs, the memory budget and launch, the checkpoint format: its __init__ lists them),
+evaluation/ (a checkpoint's validation, sampling, downstream tasks), records/logfile.py (the run log).
 
     ./run.sh                                              # picks the preset for this machine
     python train_gpt.py --plan                            # what run.sh starts here, and why (launch_plan)
@@ -58,29 +56,28 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-import config
 import kernels
-import memory_budget
-import metrics
 import optim
-import resume
-from checkpoint import NGRAM_TABLE_KEY, save_checkpoint, send_table_shard, split_ngram_table
-from config import (MAX_TARGETS, MIN_DOC_TOKENS, MODEL_FIELDS, PADDED_VOCAB_SIZE, SMEAR_GATE_DIMS, VOCAB_SIZE,
-                    WINDOW_BLOCK, ArgumentParser, Average, ConfigError, Hyperparameters, ModelConfig, Stage, TablePhase,
-                    FINAL_MIX_GROUPS, config_to_dict, head_dims, injection_layers, loggable, value_embed_tables,
-                    value_embed_width)
-from cpu_runtime import bf16_gemm_path, bf16_gemms, cpu_has_native_bf16
-from cuda_graphs import MicroBatch, StepGraphs
+from data.loader import BatchPrefetcher, DataError, Slice, TrainLoader, validation_slices
 from data.shards import find_shards, fingerprint, read_shard
 from data.tokenizer import BOS_ID, noncanonical_pairs, prefix_token_table
-from errors import UserError
-from processes import (DISK_FULL_ERRNOS, EXIT_USER_ERROR, SIGNAL_EXIT_CODES, Interrupted, ProcessGroup, TrainingError,
-                       hold_signals, interruption_line, launch_environment, peer_exited, report_error,
-                       restore_signals, shows_interruptions, start_process, stop_on_signals, synchronize)
-from progress import Progress, RunClock
-from records.logfile import (ERROR_PREFIX, LogWriteError, RunLog, cpu_model, load_average,
-                             other_load, project_sources, track_target, write_failure)
-from sparse_tables import SparseTables, available_memory_bytes, check_ngram_table
+from machinery import config, memory_budget, metrics, resume
+from machinery.checkpoint import NGRAM_TABLE_KEY, save_checkpoint, send_table_shard, split_ngram_table
+from machinery.config import (FINAL_MIX_GROUPS, MAX_TARGETS, MIN_DOC_TOKENS, MODEL_FIELDS, PADDED_VOCAB_SIZE,
+                              SMEAR_GATE_DIMS, VOCAB_SIZE, WINDOW_BLOCK, ArgumentParser, Average, ConfigError,
+                              Hyperparameters, ModelConfig, Stage, TablePhase, config_to_dict, head_dims,
+                              injection_layers, loggable, value_embed_tables, value_embed_width)
+from machinery.cpu_runtime import bf16_gemm_path, bf16_gemms, cpu_has_native_bf16
+from machinery.cuda_graphs import MicroBatch, StepGraphs
+from machinery.errors import UserError
+from machinery.processes import (DISK_FULL_ERRNOS, EXIT_USER_ERROR, SIGNAL_EXIT_CODES, Interrupted, ProcessGroup,
+                                 TrainingError, hold_signals, interruption_line, launch_environment, peer_exited,
+                                 report_error, restore_signals, shows_interruptions, start_process, stop_on_signals,
+                                 synchronize)
+from machinery.progress import Progress, RunClock
+from machinery.sparse_tables import SparseTables, available_memory_bytes, check_ngram_table
+from records.logfile import (ERROR_PREFIX, LogWriteError, RunLog, cpu_model, load_average, other_load, project_sources,
+                             track_target, write_failure)
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 FINEWEB_HINT = "python data/cached_fineweb10B.py N"
@@ -109,7 +106,7 @@ def _cpu_preset(h):
     step: "Two earlier cpu-preset measurements"); validation without the canonical mask
     (the track's rule is the full softmax, as the baseline's). The compute dtype is the CPU's
     fast one: bf16 where it has bf16 units (AVX512-BF16 or AMX), fp32 elsewhere, where a bf16
-    product runs as an fp32 GEMM plus casts (cpu_runtime.py); the val loss is the same either way.
+    product runs as an fp32 GEMM plus casts (machinery/cpu_runtime.py); the val loss is the same either way.
     """
     _project_rules(h)
     h.track = "track_cpu"
@@ -1831,221 +1828,16 @@ def candidate_walk_after(targets, count, start):
 # Data
 # -----------------------------------------------------------------------------------------------
 
-class DataError(UserError):
-    """Missing, corrupt or too-small data: the message names the file and what to do."""
-
-
-@dataclass
-class Slice:
-    """One rank's packed micro-batch: T tokens, their targets and document offsets."""
-    tokens: torch.Tensor           # (T,) int32
-    targets: torch.Tensor          # (T, MAX_TARGETS - 1) int64 vocab ids of t+1, t+2, ...; -1 = none
-    cu_seqlens: torch.Tensor       # (T // MIN_DOC_TOKENS + 2,) int32, padded by repeating T
-    route: object = None           # a split n-gram table: its Route, worked out ahead (BatchPrefetcher)
-
-    def pinned(self):
-        """The same slice in page-locked memory, so that copies to the GPU need not wait."""
-        return dataclasses.replace(self, **{name: getattr(self, name).pin_memory()
-                                            for name in ("tokens", "targets", "cu_seqlens")})
-
-    def to(self, device):
-        """The slice on `device`; from pinned memory the copies are queued, not waited for."""
-        if device.type == "cpu":
-            return self
-        return Slice(*(t.to(device, non_blocking=True) for t in (self.tokens, self.targets, self.cu_seqlens)))
-
-
-def check_token_ids(tokens, path, offset=0):
-    """Refuse a shard holding ids outside GPT-2's vocabulary, naming the file and the first one."""
-    bad = np.flatnonzero(tokens >= VOCAB_SIZE)
-    if bad.size:
-        raise DataError(f"{path}: token {offset + int(bad[0])} is {int(tokens[bad[0]])}, outside GPT-2's vocabulary "
-                        f"(ids 0..{VOCAB_SIZE - 1}): the shard was not made with the GPT-2 tokenizer; rebuild it")
-
-
-def _load_shard(path):
-    tokens = np.asarray(read_shard(path))
-    check_token_ids(tokens, path)
-    bos = np.flatnonzero(tokens == BOS_ID)
-    if bos.size == 0:
-        raise DataError(f"{path}: no <|endoftext|> ({BOS_ID}) token, so no document starts in it; "
-                        f"every document must begin with one: rebuild the shard")
-    return tokens, bos
-
-
-def _targets(stream, starts, lengths, ends, num_targets):
-    """targets[i, k] = stream[p + k + 1] for token p when p + k + 1 <= its document's end, else -1."""
-    pos = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
-    doc_end = np.repeat(ends, lengths)
-    out = np.full((pos.size, num_targets), -1, dtype=np.int64)
-    for k in range(num_targets):
-        p = pos + k + 1
-        ok = (p <= doc_end) & (p < stream.size)
-        out[ok, k] = stream[p[ok]]
-    return out
-
-
-def _packed_targets(buffer, num_targets):
-    """targets[i, k] = buffer[i + k + 1] where that is in the buffer, else -1: the packed rule,
-    buffer being a slice's tokens and the one that follows its last."""
-    out = np.full((buffer.size - 1, num_targets), -1, dtype=np.int64)
-    for k in range(num_targets):
-        out[:buffer.size - 1 - k, k] = buffer[k + 1:]
-    return out
-
-
-def attention_segment_ends(offset, length, segment_tokens):
-    """The ends of a piece's attention segments, the piece being tokens [offset, offset + length)
-    of the slice: one every segment_tokens tokens inside it (0: none), then its end."""
-    inner = range(offset + segment_tokens, offset + length, segment_tokens) if segment_tokens else ()
-    return [*inner, offset + length]
-
-
-def _packed_tokens(pieces, T):
-    """The (T,) int32 tokens _pack makes of the pieces, without their targets."""
-    tokens = np.concatenate([stream[start:start + length] for stream, start, length, _ in pieces]).astype(np.int32)
-    return torch.from_numpy(np.concatenate([tokens, np.full(T - tokens.size, BOS_ID, dtype=np.int32)]))
-
-
-def _pack(pieces, T, target_rule="document", segment_tokens=0, following=BOS_ID):
-    """Concatenate (stream, start, length, doc_end) pieces into one Slice of exactly T tokens: the
-    targets by target_rule (packed: `following` is the token after the last piece), the
-    documents' attention segments at most segment_tokens long (0: no limit)."""
-    tokens, targets, cu = [], [], [0]
-    for stream, start, length, end in pieces:
-        tokens.append(stream[start:start + length].astype(np.int32))
-        if target_rule == "document":
-            targets.append(_targets(stream, [start], [length], [end], MAX_TARGETS - 1))
-        cu += attention_segment_ends(cu[-1], length, segment_tokens)
-    filled = cu[-1]
-    if target_rule == "packed":
-        targets.append(_packed_targets(np.concatenate([*tokens, [following]]), MAX_TARGETS - 1))
-    if filled < T:                 # too many tiny documents: pad with loss-free BOS tokens
-        tokens.append(np.full(T - filled, BOS_ID, dtype=np.int32))
-        targets.append(np.full((T - filled, MAX_TARGETS - 1), -1, dtype=np.int64))
-        cu.append(T)
-    width = T // MIN_DOC_TOKENS + 2
-    cu = np.array(cu + [T] * (width - len(cu)), dtype=np.int32)
-    return Slice(torch.from_numpy(np.concatenate(tokens)), torch.from_numpy(np.concatenate(targets)),
-                 torch.from_numpy(cu))
-
-
-class TrainLoader:
-    """BOS-aligned packed batches from the train shards, cycling through them.
-
-    Each global batch is `num_slices` consecutive slices of T tokens; a slice is whole documents,
-    each starting at a BOS and cut at `max_doc_len` tokens (the rest of a cut document is skipped),
-    the last one cut to fit. Every process walks the same stream and builds only its own slices.
-    The next shard is read in a background thread while the current one is used. target_rule
-    and segment_tokens: _pack's (a run's are train_loader's).
-    """
-
-    def __init__(self, files, batch_tokens, target_rule="document", segment_tokens=0):
-        total = sum(read_shard(f).size for f in files)
-        if total < batch_tokens:
-            raise DataError(f"the train files ({', '.join(files)}) hold {total} tokens, fewer than one "
-                            f"global batch needs ({batch_tokens}): add shards or lower tokens_per_rank")
-        self.files, self.target_rule, self.segment_tokens = files, target_rule, segment_tokens
-        self.pool = ThreadPoolExecutor(max_workers=1)
-        self.next_file = 0
-        self.future = self._prefetch()
-        self._advance_shard()
-
-    def _prefetch(self):
-        path = self.files[self.next_file % len(self.files)]
-        self.next_file += 1
-        return self.pool.submit(_load_shard, path)
-
-    def _advance_shard(self):
-        self.stream, self.bos = self.future.result()
-        self.future = self._prefetch()
-        self.doc = 0               # index into self.bos of the next document to use
-
-    def _next_piece(self, max_len):
-        while self.doc >= len(self.bos):
-            self._advance_shard()
-        start = int(self.bos[self.doc])
-        end = int(self.bos[self.doc + 1]) if self.doc + 1 < len(self.bos) else self.stream.size
-        self.doc += 1
-        return self.stream, start, min(end - start, max_len), end
-
-    def next_batch(self, T, max_doc_len, num_slices, mine, every_tokens=False):
-        """The slices with indices in `mine` of the next global batch of num_slices slices; with
-        every_tokens, also the tokens (T,) of each of its slices, in order (a list)."""
-        out, tokens = [], []
-        for i in range(num_slices):
-            pieces, filled, segments = [], 0, 0
-            while filled < T and segments + self.segments_of(min(max_doc_len, T - filled)) <= T // MIN_DOC_TOKENS:
-                stream, start, length, end = self._next_piece(min(max_doc_len, T - filled))
-                pieces.append((stream, start, length, end))
-                filled += length
-                segments += self.segments_of(length)
-            if i in mine:
-                following = following_token(pieces, max_doc_len)
-                out.append(_pack(pieces, T, self.target_rule, self.segment_tokens, following))
-            if every_tokens:
-                tokens.append(out[-1].tokens if i in mine else _packed_tokens(pieces, T))
-        return (out, tokens) if every_tokens else out
-
-    def segments_of(self, length):
-        """Attention segments of a piece of `length` tokens: a slice's cu_seqlens holds at most
-        T // MIN_DOC_TOKENS of them."""
-        return -(-length // self.segment_tokens) if self.segment_tokens else 1
-
-
-def following_token(pieces, max_doc_len):
-    """The token after a slice's last piece, where the packed targets end: the rest of its document
-    when the piece was cut to fit the slice, else the next document's BOS."""
-    stream, start, length, _ = pieces[-1]
-    return int(stream[start + length]) if length < max_doc_len and start + length < stream.size else BOS_ID
-
-
 def train_loader(h, train_files):
-    """The run's TrainLoader: its largest global batch, target rule and attention segments."""
+    """The run's TrainLoader (data/loader.py): its largest global batch, target rule and attention
+    segments."""
     return TrainLoader(train_files, batch_tokens(h), h.target_rule, h.attention_segment_tokens)
 
 
-class BatchPrefetcher:
-    """The slices of each step's batch, built in a background thread one step ahead.
-
-    The loader reads, packs and (for a GPU) pins the next step's slices while the current step
-    runs, so the training loop only queues their copies. With a split n-gram table (`router`, its
-    ShardedNgramRows) the thread also packs the tokens of every process's slices of the step, all
-    processes' loaders being the same, and works out each of this process's slices' Route from
-    them: the loop then only moves the rows, with no gather of the tokens and no hashing on its
-    way. Steps must be asked for in order, from `start` (a loader that has walked the steps before).
-    """
-
-    def __init__(self, loader, h, mine, pin, router=None, start=0):
-        self.loader, self.h, self.mine, self.pin, self.router = loader, h, mine, pin, router
-        self.pool = ThreadPoolExecutor(max_workers=1)
-        self.step, self.future = start, self.pool.submit(self._build, start)
-
-    def _build(self, step):
-        stage, h = self.h.stages[stage_index(self.h, step)], self.h
-        if self.router is None:
-            slices = self.loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, self.mine)
-        else:                      # micro-batch j of process p is slice p + j * processes
-            slices, tokens = self.loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks,
-                                                    self.mine, every_tokens=True)
-            world = self.router.pg.world_size
-            slices = [dataclasses.replace(s, route=self.router.route_of(
-                s.tokens, [tokens[i - i % world + p] for p in range(world)])) for i, s in zip(self.mine, slices)]
-        return [s.pinned() for s in slices] if self.pin else slices
-
-    def peek(self):
-        """The slices of the step after the last one got (waiting for them to be built)."""
-        return self.future.result()
-
-    def get(self, step):
-        if step != self.step:
-            raise ValueError(f"batches are built in order: asked for step {step}, next is {self.step}")
-        slices = self.future.result()
-        self.step, self.future = step + 1, self.pool.submit(self._build, step + 1)
-        return slices
-
-    def close(self):
-        self.pool.shutdown(wait=True, cancel_futures=True)
+def batch_shape(h, step):
+    """(tokens per slice, longest document, slices) of step's global batch."""
+    stage = h.stages[stage_index(h, step)]
+    return stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks
 
 
 def loader_at(h, files, step):
@@ -2053,37 +1845,8 @@ def loader_at(h, files, step):
     loader is at `step`."""
     loader = train_loader(h, files)
     for done in range(step):
-        stage = h.stages[stage_index(h, done)]
-        loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, mine=())
+        loader.next_batch(*batch_shape(h, done), mine=())
     return loader
-
-
-def validation_slices(files, val_tokens, T, num_slices, mine):
-    """The first val_tokens tokens of the val stream, cut into num_slices slices of T tokens.
-
-    Slices are plain windows of the stream (a document may start before a slice); documents
-    inside a slice are separated by their BOS tokens.
-    """
-    needed, parts = val_tokens + 1, []
-    for f in files:                # only the leading tokens: a FineWeb val shard holds 100M
-        parts.append(np.asarray(read_shard(f)[:needed]))
-        check_token_ids(parts[-1], f)
-        needed -= parts[-1].size
-        if needed <= 0:
-            break
-    stream = np.concatenate(parts)
-    if needed > 0:
-        raise DataError(f"the val files {files} hold {stream.size} tokens but val_tokens={val_tokens} "
-                        f"needs {val_tokens + 1}: lower --val_tokens or use a bigger val shard")
-    out = []
-    for i in mine:
-        s = i * T
-        bos = np.flatnonzero(stream[s:s + T] == BOS_ID) + s
-        starts = np.unique(np.concatenate([[s], bos]))
-        ends = np.append(starts[1:], s + T)
-        pieces = [(stream, a, b - a, b) for a, b in zip(starts, ends)]
-        out.append(_pack(pieces, T))
-    return out
 
 
 # -----------------------------------------------------------------------------------------------
@@ -3148,7 +2911,7 @@ def save_resume_state(trainer, step, batches, log):
 
 
 def train(h, pg, log, resumed=None):
-    """Train h on the process group pg, logging to log; `resumed`: a resume state (resume.py) to
+    """Train h on the process group pg, logging to log; `resumed`: a resume state (machinery/resume.py) to
     continue from."""
     train_files, val_files = shards_of(h.train_files), shards_of(h.val_files)
     check_validation_split(h, pg)
@@ -3185,7 +2948,7 @@ def train(h, pg, log, resumed=None):
     gc.collect()
     gc.freeze()                    # the warm-up's objects leave the collector's view: shorter pauses in the timed run
     trainer.tables.start_timing()
-    batches = BatchPrefetcher(loader_at(h, train_files, start), h, trainer.mine, pin=pg.device.type == "cuda",
+    batches = BatchPrefetcher(loader_at(h, train_files, start), functools.partial(batch_shape, h), trainer.mine, pin=pg.device.type == "cuda",
                               router=trainer.tables.router, start=start)
     if resumed:
         resume.check_data_position(resumed["path"], resumed, batches.peek())
@@ -3379,7 +3142,7 @@ def this_recipe():
 
 def main(argv=None, command=None, run=None):
     """Train (or --plan) from the command line; `run(argv)` instead runs another entry point's
-    `command` (evaluate.py's eval and sample) under the same ending: an error or a signal is
+    `command` (evaluation/evaluate.py's eval and sample) under the same ending: an error or a signal is
     one line on stderr and in the log, with an exit code, never a traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
     log, launch, handlers = None, None, None
@@ -3391,7 +3154,7 @@ def main(argv=None, command=None, run=None):
         if "--plan" in argv:
             return plan_command(argv)
         if any(a.startswith(("--eval", "--sample")) for a in argv):
-            raise ConfigError("a checkpoint is evaluated or sampled by evaluate.py: python evaluate.py --eval=PATH "
+            raise ConfigError("a checkpoint is evaluated or sampled by evaluation/evaluate.py: python evaluation/evaluate.py --eval=PATH "
                               "or --sample=PATH")
         resume_from, argv = resume.resume_argument(argv)
         h, resumed = (resume.resumed_config(resume_from, argv) if resume_from
@@ -3404,7 +3167,7 @@ def main(argv=None, command=None, run=None):
     except Interrupted as e:
         return stop(log, interruption_line(launch, e.signal_name, where_the_run_is(log, command)),
                     SIGNAL_EXIT_CODES[e.signal_name], shows_interruptions(launch))
-    except UserError as e:        # every module's error that the user can mend (errors.py)
+    except UserError as e:        # every module's error that the user can mend (machinery/errors.py)
         hold_signals()
         return stop(log, f"{ERROR_PREFIX}{e}", EXIT_USER_ERROR, report_error(launch, f"{ERROR_PREFIX}{e}"))
     except LogWriteError as e:

@@ -25,8 +25,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import config  # noqa: E402
 import train_gpt as tg  # noqa: E402
+from machinery import config  # noqa: E402
 from records.logfile import cpu_model, parse_log  # noqa: E402
 
 

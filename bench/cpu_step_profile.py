@@ -14,6 +14,7 @@ Time it on an idle machine: other jobs on the cores slow every phase.
 """
 import argparse
 import datetime
+import functools
 import os
 import sys
 import time
@@ -25,10 +26,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
-import train_gpt as tg  # noqa: E402
 from cpu_comparison import source_commit  # noqa: E402
-from cpu_runtime import bf16_gemms  # noqa: E402
+
+import train_gpt as tg  # noqa: E402
 from data.shards import find_shards  # noqa: E402
+from machinery.cpu_runtime import bf16_gemms  # noqa: E402
 from records.logfile import cpu_model  # noqa: E402
 
 DATA_RANGE = "data"                # the batch fetch (the loader packs the next batch in a thread)
@@ -41,7 +43,7 @@ def profile_steps(h, at, warmup, steps):
     env = tg.start_process(h)
     trainer = tg.Trainer(h, env, log=None)
     train_files = find_shards(h.train_files, hint=tg.TINY_HINT)
-    batches = tg.BatchPrefetcher(tg.train_loader(h, train_files), h, trainer.mine, pin=False)
+    batches = tg.BatchPrefetcher(tg.train_loader(h, train_files), functools.partial(tg.batch_shape, h), trainer.mine, pin=False)
     try:
         with bf16_gemms(tg.gemm_path(h, env.device)):
             for step in range(at):

@@ -108,6 +108,7 @@ def bench_fp8_matmul(shapes, device, timer, dry):
     ones with fp32 accumulation every BLOCK_K (the weight gradient over the tokens, the head's
     input gradient over its columns)."""
     import torch
+
     import kernels
     T, D, H = shapes["tokens"], shapes["width"], shapes["hidden"]
     forward = [("mlp up", T, D, H), ("mlp down", T, H, D), ("qkv", T, D, 3 * D)]
@@ -148,6 +149,7 @@ def bench_fp8_layers(shapes, device, timer, dry):
     """The FP8 layers with the trainer's scale rules against bf16 torch: the MLP, the packed QKV
     projection and the head at the dominant stage's candidate width."""
     import torch
+
     import kernels
     T, D, H, C = shapes["tokens"], shapes["width"], shapes["hidden"], shapes["softmax_widths"][0]
     x = torch.randn(T, D, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -211,8 +213,9 @@ def routing_host_ms(shapes, token_counts, pin, way="route_of"):
     host work, on a GPU a kernel."""
     import torch
     import torch.distributed as dist
-    import sparse_tables
+
     import train_gpt as tg
+    from machinery import sparse_tables
     world, generator = SPEEDRUN_PROCESSES, np.random.default_rng(0)
     cpu = torch.device("cpu")
     table = tg.NgramTable(shapes["ngram_rows"] * world, 8, max(token_counts), torch.bfloat16,
@@ -301,8 +304,9 @@ ATTENTION_TOLERANCE = 2 ** -6   # bf16 outputs of two FlashAttention-style kerne
 def modelled_attention_ms(lengths, window, d, heads):
     """The step model's forward+backward time of flash_attn_varlen: the tiles its kernels visit at
     this window (kernels.attention_configs), at the attention efficiency."""
-    import kernels
     import step_model
+
+    import kernels
     fwd, kv, q, _ = kernels.attention_configs(window)
     pairs = (step_model.query_tiles(lengths, window, fwd.block_m, fwd.block_n) * fwd.block_m * fwd.block_n * 2 * d,
              step_model.key_tiles(lengths, window, kv.block_m, kv.block_n) * kv.block_m * kv.block_n * 4 * d,
@@ -315,6 +319,7 @@ def bench_attention(shapes, device, timer, dry):
     the dominant stage's windows (the short layers' and the long ones': each picks its tiles), and
     against SDPA's flash backend on equal causal documents; the forward outputs compared."""
     import torch
+
     import kernels
     T, L = shapes["tokens"], shapes["doc_len"]
     lengths = uneven_document_lengths(T, shapes["doc_median"], shapes["max_doc_len"], np.random.default_rng(0))
@@ -356,6 +361,7 @@ def bench_attention(shapes, device, timer, dry):
 def bench_cross_entropy(shapes, device, timer, dry):
     import torch
     import torch.nn.functional as F
+
     import kernels
     T = shapes["tokens"]
     lines = []
@@ -378,6 +384,7 @@ def bench_cross_entropy(shapes, device, timer, dry):
 
 def bench_xxt(shapes, device, timer, dry):
     import torch
+
     import kernels
     lines = []
     for shape in shapes["muon"]:
@@ -393,6 +400,7 @@ def bench_qk_norm_rope(shapes, device, timer, dry):
     """The QK norm + RoPE kernel (with the key offset) against the same math in torch ops, both
     forward and backward on q, k views of a packed projection (informational: memory bound)."""
     import torch
+
     import kernels
     T, D = shapes["tokens"], shapes["width"]
     head_dim = 16 if dry else 128
@@ -420,6 +428,7 @@ def bench_sparse_rows(shapes, device, timer, dry):
     against torch.unique + index_add_, and the sparse Adam row update against its torch
     reference (informational: memory bound)."""
     import torch
+
     import kernels
     T, D, rows = shapes["tokens"], shapes["width"], shapes["ngram_rows"]
     generator = torch.Generator(device=device).manual_seed(0)
@@ -454,6 +463,7 @@ def bench_composed_attention(shapes, device, timer, dry):
     tokens, mixed per token) against its blocked torch reference, forward and backward on bf16
     inputs with documents of SYNTHETIC_DOC_LEN tokens (informational)."""
     import torch
+
     import kernels
     T, D = shapes["tokens"], shapes["width"]
     head_dim = 16 if dry else 128

@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from errors import UserError
+from machinery.errors import UserError
 from records.logfile import LogError, parse_log, read_regular_file, verify
 
 LOG_NAME = re.compile(r"(?P<run_id>[A-Za-z0-9][A-Za-z0-9_-]*)\.txt")  # a log's file name: <run id>.txt

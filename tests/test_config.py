@@ -1,4 +1,4 @@
-"""The config's schema (config.py): presets resolve, values parse by their annotated types and
+"""The config's schema (machinery/config.py): presets resolve, values parse by their annotated types and
 round-trip through a log, bad values and keys that do not fit together are refused naming them,
 every field carries the rule its type needs, and the cpu preset is the CPU track's current record."""
 import json
@@ -10,10 +10,11 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import config  # noqa: E402
-import train_gpt as tg  # noqa: E402
-from records.logfile import parse_log  # noqa: E402
 from tiny_runs import DENSE, tiny_config  # noqa: E402
+
+import train_gpt as tg  # noqa: E402
+from machinery import config  # noqa: E402
+from records.logfile import parse_log  # noqa: E402
 
 
 def test_presets_resolve_and_overrides_parse():
@@ -173,7 +174,7 @@ def test_bad_table_phases_are_refused_naming_the_phase(phases, refusal):
 
 
 def launch_of(processes, rank=0):
-    import processes as p
+    from machinery import processes as p
     return p.Launch(world_size=processes, rank=rank, local_world_size=processes, local_rank=rank, master="",
                     rendezvous_timeout_s=1.0, agent_store=None, attempt="0")
 
@@ -182,6 +183,7 @@ def test_without_a_preset_train_gpt_runs_what_run_sh_runs_on_this_machine(monkey
     """No GPU: the cpu preset (as ./run.sh); GPUs: launch_plan's choice for this launch's processes,
     said in one line; a plan for another process count is refused; a named preset stays."""
     import subprocess
+
     from launch import cpu_env
     done = subprocess.run([sys.executable, "train_gpt.py", "--print_config"], cwd=REPO, capture_output=True,
                           text=True, timeout=300, env=cpu_env())

@@ -99,7 +99,8 @@ def test_the_model_sizes_in_the_usage_notes():
     """usage.md's sizes of a cpu and a speedrun model: their parameters and persistent buffers but
     the gradient sinks, and the n-gram table among them, counted on fake tensors."""
     import torch
-    from memory_budget import fake_model
+
+    from machinery.memory_budget import fake_model
     tg = recipe()
     text = " ".join((REPO / "docs" / "usage.md").read_text().split())
     sizes = {}

@@ -12,13 +12,12 @@ import sys
 
 import pytest
 import torch
-
 from launch import cpu_env
 from tiny_runs import REPO
 
 sys.path.insert(0, REPO)
-import memory_budget  # noqa: E402
 import train_gpt as tg  # noqa: E402
+from machinery import memory_budget  # noqa: E402
 
 GiB = 2**30
 H100 = 81_559 * 2**20              # an 80 GB H100 SXM's memory as nvidia-smi reports it (MiB)

@@ -18,16 +18,17 @@ import torch.nn.functional as F
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import kernels  # noqa: E402
-import train_gpt as tg  # noqa: E402
-from data.shards import write_shard  # noqa: E402
-from data.tokenizer import BOS_ID  # noqa: E402
-from records.logfile import parse_log, verify  # noqa: E402
 from cuda_graph_emulation import CPUCapture, CPUGraph  # noqa: E402
 from launch import cpu_env  # noqa: E402
-from tiny_runs import (TINY, FEATURES, DENSE, NGRAM, cpu_trainer, data_args, final_line, pending,  # noqa: E402
+from tiny_runs import (DENSE, FEATURES, NGRAM, TINY, cpu_trainer, data_args, final_line, pending,  # noqa: E402
                        run_trainer, synthetic_documents, tiny_config, tiny_model, write_json)
 
+import kernels  # noqa: E402
+import train_gpt as tg  # noqa: E402
+from data.loader import DataError, TrainLoader, _targets, validation_slices  # noqa: E402
+from data.shards import read_shard, write_shard  # noqa: E402
+from data.tokenizer import BOS_ID  # noqa: E402
+from records.logfile import parse_log, verify  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # data loader
@@ -35,8 +36,8 @@ from tiny_runs import (TINY, FEATURES, DENSE, NGRAM, cpu_trainer, data_args, fin
 
 def test_loader_slices_are_bos_aligned_documents(shards):
     files = tg.find_shards(f"{shards}/t_train_*.bin")
-    stream = np.concatenate([np.asarray(tg.read_shard(f)) for f in files])
-    loader = tg.TrainLoader(files, 512)
+    stream = np.concatenate([np.asarray(read_shard(f)) for f in files])
+    loader = TrainLoader(files, 512)
     T, max_doc = 512, 100
     for _ in range(20):
         for s in loader.next_batch(T, max_doc, 2, [0, 1]):
@@ -60,26 +61,26 @@ def test_loader_slices_are_bos_aligned_documents(shards):
 
 def test_loader_targets_stop_at_document_end():
     stream = np.array([BOS_ID, 1, 2, 3, BOS_ID, 4, 5, BOS_ID, 6], dtype=np.uint16)
-    t = tg._targets(stream, [0], [4], [4], 3)
+    t = _targets(stream, [0], [4], [4], 3)
     # last token of the document predicts the next BOS; further targets are beyond the document
     assert t.tolist() == [[1, 2, 3], [2, 3, BOS_ID], [3, BOS_ID, -1], [BOS_ID, -1, -1]]
 
 
 def test_rank_slices_match_the_full_batch(shards):
     files = tg.find_shards(f"{shards}/t_train_*.bin")
-    full = [tg.TrainLoader(files, 256).next_batch(256, 64, 4, [0, 1, 2, 3]) for _ in range(1)][0]
-    odd = tg.TrainLoader(files, 256).next_batch(256, 64, 4, [1, 3])
+    full = [TrainLoader(files, 256).next_batch(256, 64, 4, [0, 1, 2, 3]) for _ in range(1)][0]
+    odd = TrainLoader(files, 256).next_batch(256, 64, 4, [1, 3])
     for a, b in zip([full[1], full[3]], odd):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.targets, b.targets)
 
 
 def test_too_small_or_corrupt_data_is_refused(tmp_path):
     write_shard(tmp_path / "small.bin", np.array([BOS_ID, 1, 2, 3]))
-    with pytest.raises(tg.DataError, match="fewer than one global batch"):
-        tg.TrainLoader([str(tmp_path / "small.bin")], 512)
+    with pytest.raises(DataError, match="fewer than one global batch"):
+        TrainLoader([str(tmp_path / "small.bin")], 512)
     write_shard(tmp_path / "nobos.bin", np.arange(1000) % 500)
-    with pytest.raises(tg.DataError, match="no <\\|endoftext\\|>"):
-        tg.TrainLoader([str(tmp_path / "nobos.bin")], 100).next_batch(100, 50, 1, [0])
+    with pytest.raises(DataError, match="no <\\|endoftext\\|>"):
+        TrainLoader([str(tmp_path / "nobos.bin")], 100).next_batch(100, 50, 1, [0])
 
 
 def test_validation_reads_the_leading_tokens_across_files(tmp_path):
@@ -90,13 +91,13 @@ def test_validation_reads_the_leading_tokens_across_files(tmp_path):
     for f, part in zip(files, np.split(stream, [700, 2_000])):
         write_shard(f, part)
     T = 256
-    slices = tg.validation_slices(files, 4 * T, T, 4, [0, 1, 2, 3])
+    slices = validation_slices(files, 4 * T, T, 4, [0, 1, 2, 3])
     for i, s in enumerate(slices):
         assert np.array_equal(s.tokens.numpy(), stream[i * T:(i + 1) * T])
         inside = s.targets[:, 0] >= 0             # targets of the tokens whose document continues
         assert np.array_equal(s.targets[:, 0][inside].numpy(), stream[i * T + 1:(i + 1) * T + 1][inside.numpy()])
-    with pytest.raises(tg.DataError, match="hold 3000 tokens but val_tokens=3000"):
-        tg.validation_slices(files, 3_000, 1_000, 3, [0])
+    with pytest.raises(DataError, match="hold 3000 tokens but val_tokens=3000"):
+        validation_slices(files, 3_000, 1_000, 3, [0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,7 +287,7 @@ def test_weight_averages_equal_a_hand_computed_ema():
 def test_training_steps_lower_the_loss(shards):
     h = tiny_config(data_args(shards))
     trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog(str(shards), active=False))
-    loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
+    loader = TrainLoader(tg.find_shards(h.train_files), 512)
     batch = loader.next_batch(512, 256, 1, [0])
     before = [p.detach().clone() for p in trainer.model.parameters()]
     losses = [trainer.train_step(0, batch)[1].item() for _ in range(8)]
@@ -424,7 +425,7 @@ def test_adam_every_second_step_accumulates_in_between(shards):
     h = tiny_config(data_args(shards) + ["--num_iterations=4", "--adam_step_every=2"])
     trainer = cpu_trainer(h)
     model = trainer.model
-    loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
+    loader = TrainLoader(tg.find_shards(h.train_files), 512)
     embed, matrix = model.embed.weight, model.blocks[0].mlp.down  # (up starts with no gradient: down is 0)
     start = (embed.detach().clone(), matrix.detach().clone())
     trainer.advance_to(0)
@@ -439,7 +440,7 @@ def test_adam_every_second_step_accumulates_in_between(shards):
 
 def train_steps(trainer, h, steps, check=lambda step: None):
     """Losses of `steps` training steps from the start of h's data; check(step) after each."""
-    loader = tg.TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+    loader = TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
     losses = []
     for step in range(steps):
         trainer.advance_to(step)
@@ -605,7 +606,7 @@ def test_a_captured_step_reads_the_loss_unit_of_its_replay(shards, monkeypatch):
     it) is data on the device: a step captured under one unit and replayed under another makes
     the gradients of an eager step under the other, bit for bit."""
     h = tiny_config(data_args(shards) + ["--num_iterations=4"])
-    batch = tg.TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
+    batch = TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
     replayed = cpu_trainer(tiny_config(data_args(shards) + ["--num_iterations=4", "--cuda_graphs=true"]))
     graphs = cpu_graphs(monkeypatch, replayed)
     replayed.forward_backward(0, batch)            # the key's first run, then its capture under 1/512
@@ -643,7 +644,7 @@ def test_untie_carries_the_embeddings_adam_state_to_the_head(shards):
         {"end": 1.0, "tokens_per_rank": 512, "max_doc_len": 256, "short_window": 1, "long_window": 2}) + "]"])
     trainer = cpu_trainer(h)
     model = trainer.model
-    batch = tg.TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
+    batch = TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
     for step in range(2):
         trainer.advance_to(step)
         trainer.train_step(step, batch)
@@ -666,14 +667,14 @@ def test_untie_carries_the_embeddings_adam_state_to_the_head(shards):
 def test_validation_runs_without_fp8_and_leaves_its_state_alone(shards):
     h = tiny_config(data_args(shards))
     trainer = cpu_trainer(h, fp8=True)
-    batch = tg.TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
+    batch = TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
     trainer.train_step(0, batch)
     states = {name: state.clone() for name, state in fp8_states(trainer.model).items()}
     # every MLP and attention layer, and the head
     assert len(states) == h.num_layers + h.num_layers - len(h.attention_free_layers) + 1
     calls = -1 - kernels.FP8_SLOT_STRIDE     # the entry before the loss unit
     assert all(state[:calls].abs().sum() > 0 and state[calls] == 1 for state in states.values())
-    val = tg.validation_slices(tg.find_shards(h.val_files), 1024, 1024, 1, [0])
+    val = validation_slices(tg.find_shards(h.val_files), 1024, 1024, 1, [0])
     loss = trainer.validate(val, 0, final_validation=True)
     assert math.isfinite(loss)
     assert all(torch.equal(fp8_states(trainer.model)[name], state) for name, state in states.items())
@@ -684,7 +685,7 @@ def test_first_fp8_step_gradients_match_bf16_after_calibration(shards):
     output matrices' (the matrices that are nonzero at init) and the embedding's (which is the
     head until the untie, so it sees the FP8 head's gradient)."""
     h = tiny_config(data_args(shards))
-    batch = tg.TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
+    batch = TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
     plain = cpu_trainer(h)
     plain.forward_backward(0, batch)
     fp8 = cpu_trainer(h, fp8=True)
@@ -704,7 +705,7 @@ def test_fp8_static_scales_hold_the_tensors_they_meet(shards):
     loss unit the trainer set (1 / tokens of the micro-batch)."""
     h = tiny_config(data_args(shards))
     trainer = cpu_trainer(h, fp8=True)
-    loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
+    loader = TrainLoader(tg.find_shards(h.train_files), 512)
     for step in range(2):
         trainer.advance_to(step)
         trainer.train_step(step, loader.next_batch(512, 256, 1, [0]))
@@ -747,7 +748,7 @@ def assert_gradients_close(a, b, rel):
 
 def test_float32_compute_matches_bf16_and_keeps_fp32_activations(shards):
     h = tiny_config(data_args(shards))
-    batch = tg.TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
+    batch = TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
     h32 = tiny_config(data_args(shards) + ["--compute_dtype=float32"])
     trainer = cpu_trainer(h32)
     s = batch[0]
@@ -767,7 +768,7 @@ def test_compiled_cpu_step_matches_eager(shards):
     """torch.compile on a CPU (aot_eager: dynamo and AOTAutograd, no code generation) with the
     CPU kernels, which run eagerly between the compiled graphs: the same loss and gradients."""
     args = data_args(shards) + ["--compute_dtype=float32"]
-    batch = tg.TrainLoader(tg.find_shards(tiny_config(args).train_files), 512).next_batch(512, 256, 1, [0])
+    batch = TrainLoader(tg.find_shards(tiny_config(args).train_files), 512).next_batch(512, 256, 1, [0])
     eager_loss, eager = first_step_gradients(tiny_config(args + ["--compile=false"]), batch)
     torch._dynamo.reset()
     compiled_loss, compiled = first_step_gradients(
@@ -907,7 +908,7 @@ def test_value_embeddings_adam_follows_the_tables_and_eps_the_summed_loss(shards
         assert [g["eps"] for g in main.param_groups] == exact([1e-10 / (512 * 2)] * len(main.param_groups))
         adam = trainer.tables.ngram_adam
         assert (adam.eps, adam.weight_decay) == (exact(1e-10 / (512 * every)), exact(0.3 * wd / 0.1))
-    loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
+    loader = TrainLoader(tg.find_shards(h.train_files), 512)
     trainer.advance_to(0)
     updates = []
     for step in range(8):
@@ -924,7 +925,7 @@ def test_candidate_walk_continues_from_step_to_step(shards, walk):
     ended (candidate_walk_after); with "restart" at the slice's start every step."""
     h = tiny_config([*data_args(shards), f"--candidate_walk={walk}"])
     trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog(str(shards), active=False))
-    loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
+    loader = TrainLoader(tg.find_shards(h.train_files), 512)
     start = tg.candidate_start(0, 1)
     for step in range(2):
         batch = loader.next_batch(512, 256, 1, [0])

@@ -21,13 +21,12 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import optim
-from config import (MAX_TARGETS, MIN_DOC_TOKENS, PADDED_VOCAB_SIZE, ConfigError, config_from_dict, config_to_dict,
-                    normalize_config)
-from processes import ProcessGroup
+from machinery.config import (MAX_TARGETS, MIN_DOC_TOKENS, PADDED_VOCAB_SIZE, ConfigError, config_from_dict,
+                              config_to_dict, normalize_config)
+from machinery.processes import ProcessGroup
+from machinery.sparse_tables import (NGRAM_ROW_STATE_BYTES, available_memory_bytes, check_ngram_table, ngram_event_rows,
+                                     ngram_row_bytes)
 from records.logfile import track_target
-from sparse_tables import (NGRAM_ROW_STATE_BYTES, available_memory_bytes, check_ngram_table, ngram_event_rows,
-                           ngram_row_bytes)
-
 
 # Allowances, not measurements (no GPU run yet):
 MEMORY_MARGIN_BYTES = 3 * 2**30    # a GPU's memory beside the budget's items: the CUDA context, cuBLAS, NCCL
@@ -421,7 +420,7 @@ def table_sizes(h, floor_rows):
 def stages_argument(stages):
     """--stages=JSON of `stages`, each with the keys whose values are not a Stage's defaults,
     without spaces (one word for run.sh)."""
-    from config import Stage
+    from machinery.config import Stage
     defaults = {f.name: f.default for f in dataclasses.fields(Stage)}
     kept = [{k: v for k, v in dataclasses.asdict(s).items() if k not in defaults or v != defaults[k]} for s in stages]
     return "--stages=" + json.dumps(kept, separators=(",", ":"))
