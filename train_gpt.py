@@ -26,19 +26,14 @@ resolved config, then step lines.
 import contextlib
 import copy
 import dataclasses
-import datetime
 import functools
 import gc
 import itertools
 import json
 import math
 import os
-import platform
-import socket
-import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 # The oldest Python the pinned requirements install on (numpy 2.4.6 and scipy 1.17.1 ship no
@@ -58,15 +53,15 @@ from torch.profiler import record_function
 
 import kernels
 import optim
-from data.loader import BatchPrefetcher, DataError, Slice, TrainLoader, validation_slices
-from data.shards import find_shards, fingerprint, read_shard
+from data.loader import BatchPrefetcher, TrainLoader, validation_slices
+from data.shards import find_shards, fingerprint
 from data.tokenizer import BOS_ID, noncanonical_pairs, prefix_token_table
 from machinery import config, memory_budget, metrics, resume
 from machinery.checkpoint import NGRAM_TABLE_KEY, save_checkpoint, send_table_shard, split_ngram_table
 from machinery.config import (FINAL_MIX_GROUPS, MAX_TARGETS, MIN_DOC_TOKENS, MODEL_FIELDS, PADDED_VOCAB_SIZE,
-                              SMEAR_GATE_DIMS, VOCAB_SIZE, WINDOW_BLOCK, ArgumentParser, Average, ConfigError,
-                              Hyperparameters, ModelConfig, Stage, TablePhase, config_to_dict, head_dims,
-                              injection_layers, loggable, value_embed_tables, value_embed_width)
+                              SMEAR_GATE_DIMS, VOCAB_SIZE, WINDOW_BLOCK, Average, ConfigError, Hyperparameters,
+                              ModelConfig, Stage, TablePhase, config_to_dict, head_dims, injection_layers,
+                              value_embed_tables, value_embed_width)
 from machinery.cpu_runtime import bf16_gemm_path, bf16_gemms, cpu_has_native_bf16
 from machinery.cuda_graphs import MicroBatch, StepGraphs
 from machinery.errors import UserError
@@ -75,9 +70,11 @@ from machinery.processes import (DISK_FULL_ERRNOS, EXIT_USER_ERROR, SIGNAL_EXIT_
                                  report_error, restore_signals, shows_interruptions, start_process, stop_on_signals,
                                  synchronize)
 from machinery.progress import Progress, RunClock
-from machinery.sparse_tables import SparseTables, available_memory_bytes, check_ngram_table
-from records.logfile import (ERROR_PREFIX, LogWriteError, RunLog, cpu_model, load_average, other_load, project_sources,
-                             track_target, write_failure)
+from machinery.run_report import (DeferredLossLines, busy_warning, environment, memory_line, peak_rss_bytes, run_threads,
+                                  stop, where_the_run_is)
+from machinery.sparse_tables import SparseTables, check_ngram_table
+from records.logfile import (ERROR_PREFIX, LogWriteError, RunLog, load_average, project_sources, track_target,
+                             write_failure)
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 FINEWEB_HINT = "python data/cached_fineweb10B.py N"
@@ -2166,50 +2163,8 @@ def validation_points(h):
 
 
 # -----------------------------------------------------------------------------------------------
-# The log's environment
+# What the run says at its end
 # -----------------------------------------------------------------------------------------------
-
-
-def environment(world_size, bf16_gemm, load):
-    def git_commit():
-        try:
-            return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_DIR, capture_output=True,
-                                  text=True, timeout=10).stdout.strip() or "none"
-        except (OSError, subprocess.SubprocessError):
-            return "none"
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "none"
-    return {
-        "python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
-        "cuda": torch.version.cuda or "none", "gpu": ", ".join(gpus) or "none",
-        "cpu": cpu_model(), "cpu_count": os.cpu_count(), "cpu_threads": torch.get_num_threads(),
-        "bf16_gemm": bf16_gemm, "world_size": world_size,
-        "hostname": socket.gethostname(), "command": " ".join(sys.argv), "git_commit": git_commit(),
-        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "load_average": "unknown" if load is None else f"{load:.2f}",
-    }
-
-
-def run_threads(pg):
-    """The CPU threads this machine's processes of the run keep busy: torch's threads on a CPU,
-    one per process driving a GPU."""
-    return launch_environment().local_world_size * (torch.get_num_threads() if pg.device.type == "cpu" else 1)
-
-
-def busy_warning(load, seconds, threads, when):
-    """The warning line when, by a 1-minute load average taken `seconds` into the run, other work
-    held CPUs the run's `threads` need (records.logfile.other_load); else None."""
-    cpus = os.cpu_count() or 1
-    others = None if load is None else other_load(load, cpus, threads, seconds)
-    if others is None:
-        return None
-    return (f"warning: the machine was busy {when}: a 1-minute load average of {load:.2f} on {cpus} CPUs, about "
-            f"{others:.1f} of it other work beside this run's {threads} thread(s): its times are slower than an idle "
-            f"machine's, and a record's runs need an idle machine")
 
 
 def target_line(h, val_loss, log_path):
@@ -2227,37 +2182,6 @@ def target_line(h, val_loss, log_path):
     reached = "met" if val_loss < target else "not met"
     return (f"target: val_loss below {target:.4f} ({track}{note}): {reached}, {val_loss:.4f} (one run: a record "
             f"takes several, records/{track}/README.md); log: {log_path}")
-
-
-class DeferredLossLines:
-    """Train-loss lines written once their value has reached the host, so that logging never
-    makes the CPU wait for the GPU: at a logged step the loss is copied (non-blocking) to pinned
-    memory and an event is recorded; the line is written at a later step once the event has
-    passed, or when the loop synchronizes anyway (validation, the end)."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.pending = []          # (step, elapsed_ms, host tensor, event or None)
-
-    def add(self, step, elapsed_ms, losses):
-        """losses: a small fp32 device tensor (the values of one line)."""
-        host = torch.empty(losses.shape, dtype=torch.float32, pin_memory=self.cuda)
-        host.copy_(losses, non_blocking=self.cuda)
-        event = None
-        if self.cuda:
-            event = torch.cuda.Event()
-            event.record()
-        self.pending.append((step, elapsed_ms, host, event))
-
-    def ready(self, wait=False):
-        """(step, elapsed_ms, values) of the pending lines whose values have arrived, in order."""
-        out = []
-        while self.pending and (wait or self.pending[0][3] is None or self.pending[0][3].query()):
-            step, elapsed_ms, host, event = self.pending.pop(0)
-            if event is not None:
-                event.synchronize()
-            out.append((step, elapsed_ms, host.tolist()))
-        return out
 
 
 # -----------------------------------------------------------------------------------------------
@@ -3015,7 +2939,7 @@ def train(h, pg, log, resumed=None):
         log.write(f"warning: torch.compile built {timed_graphs} graph(s) inside the timed run: the warm-up "
                   f"missed a shape or a guard, and the train time includes compilation", echo=True)
     peak = (torch.cuda.max_memory_allocated(pg.device) if pg.device.type == "cuda"
-            else _peak_rss_bytes()) // 2**20
+            else peak_rss_bytes()) // 2**20
     if trainer.budget is not None:
         log.write(memory_line(trainer.budget, pg.device), echo=True)
     if h.save_checkpoint and pg.master:
@@ -3037,101 +2961,9 @@ def train(h, pg, log, resumed=None):
     return val_loss
 
 
-def memory_line(budget, device):
-    """The run's measured GPU memory beside what its MemoryBudget predicted."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    return (f"memory: peak allocated {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB, reserved "
-            f"{torch.cuda.max_memory_reserved(device) / 2**30:.1f} GiB; the budget {budget.summary(total)} "
-            f"(its step {budget.step / 2**30:.1f} GiB)")
-
-
-def _peak_rss_bytes():
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 # -----------------------------------------------------------------------------------------------
 # main: how a run ends
 # -----------------------------------------------------------------------------------------------
-
-
-def stop(log, line, code, show=True):
-    """End the run: `line` as the log's last line (if there is a log and room), and on stderr when
-    `show`. A line a log cannot hold (a file name with a line break in an error) is escaped as in
-    JSON, so that it stays one line."""
-    line = line if loggable(line) else json.dumps(line)[1:-1]
-    if log is not None:
-        log.write_last_line(line)
-        if log.writer is not None:
-            line += f" (log: {log.path})"
-    if show:
-        print(line, file=sys.stderr, flush=True)
-    return code
-
-
-def where_the_run_is(log, command):
-    """Where a stopped process was, for its line: the log's progress, or the command."""
-    return log.progress if log is not None else (f"during --{command}" if command else "before training")
-
-
-PLAN_MAX_GIB = 2**20               # the most memory --plan takes for a GPU or a host: a PiB
-
-
-def plan_command(argv):
-    """--plan [--gpus=N --gpu_gib=X --host_gib=Y] [train_gpt.py arguments]: print launch_plan's
-    answer for this machine (or for N GPUs of X GiB and Y GiB of host memory, on any machine), in
-    three lines: the processes, the preset arguments, the reason. run.sh asks it."""
-    parser = ArgumentParser(prog="train_gpt.py --plan", allow_abbrev=False,
-                            description="What ./run.sh starts on a machine's GPUs, and why (docs/gpu.md). Any other "
-                                        "--key=value is the run's, as for training.")
-    parser.add_argument("--plan", action="store_true", help="print the plan: processes, preset arguments, reason")
-    parser.add_argument("--gpus", type=int, default=None, help="GPUs to plan for (default: this machine's)")
-    parser.add_argument("--gpu_gib", type=float, default=None,
-                        help="free memory of each GPU in GiB, e.g. 79.6 for an 80 GB H100 (default: GPU 0's now)")
-    parser.add_argument("--host_gib", type=float, default=None,
-                        help="host memory in GiB the run may use (default: this machine's available memory)")
-    args, rest = parser.parse_known_args(argv)
-    gpus = torch.cuda.device_count() if args.gpus is None else args.gpus
-    if gpus < 1:
-        raise ConfigError("--plan is for GPUs and this machine has none (./run.sh runs the cpu preset here); to plan "
-                          "for a GPU machine, name it: --gpus=N --gpu_gib=G [--host_gib=H]")
-    if args.gpu_gib is None and not torch.cuda.is_available():
-        raise ConfigError(f"--plan for {gpus} GPU(s) on a machine without one needs their memory: add --gpu_gib=G "
-                          f"(GiB each, e.g. 79.6 for an 80 GB H100, 23.6 for a 24 GB card)")
-    for key, value in (("gpu_gib", args.gpu_gib), ("host_gib", args.host_gib)):
-        if value is not None and not 0 < value <= PLAN_MAX_GIB:
-            raise ConfigError(f"--{key}={value} is not allowed: expects a positive number of GiB, at most "
-                              f"{PLAN_MAX_GIB:,} (a PiB)")
-
-    def available(device):
-        given = args.gpu_gib if device.type == "cuda" else args.host_gib
-        return available_memory_bytes(device) if given is None else int(given * 2**30)
-    preset_args, processes, reason = memory_budget.launch_plan(this_recipe(), gpus, rest, available)
-    print(processes, " ".join(preset_args), reason, sep="\n")
-    return 0
-
-
-def names_a_config(argv):
-    """Whether argv names its config: a --preset or a --config."""
-    return any(a in ("--preset", "--config") or a.startswith(("--preset=", "--config=")) for a in argv)
-
-
-def with_machine_preset(argv, launch):
-    """argv as ./run.sh would start it on this machine when it names no preset: the cpu preset
-    without a GPU; with GPUs, launch_plan's choice for the processes this launch has, said in one
-    line (by rank 0). A plan for another number of processes is refused with what to run instead."""
-    if names_a_config(argv):
-        return argv
-    if not torch.cuda.is_available():
-        return ["--preset", "cpu", *argv]
-    asked = [a for a in argv if a not in ("-h", "--help", "--print_config")]
-    preset_args, processes, reason = memory_budget.launch_plan(this_recipe(), launch.world_size, asked)
-    if processes != launch.world_size:
-        raise ConfigError(f"no --preset given, and on {launch.world_size} process(es) of this machine the plan needs "
-                          f"{processes}: run ./run.sh, or name a preset (--preset NAME)")
-    if launch.rank == 0:
-        print(f"train_gpt.py: no --preset given, as ./run.sh here: {reason}", file=sys.stderr, flush=True)
-    return [*preset_args, *argv]
 
 
 def this_recipe():
@@ -3152,13 +2984,13 @@ def main(argv=None, command=None, run=None):
         if run is not None:
             return run(argv)
         if "--plan" in argv:
-            return plan_command(argv)
+            return memory_budget.plan_command(this_recipe(), argv)
         if any(a.startswith(("--eval", "--sample")) for a in argv):
-            raise ConfigError("a checkpoint is evaluated or sampled by evaluation/evaluate.py: python evaluation/evaluate.py --eval=PATH "
-                              "or --sample=PATH")
+            raise ConfigError("a checkpoint is evaluated or sampled by evaluation/evaluate.py: "
+                              "python evaluation/evaluate.py --eval=PATH or --sample=PATH")
         resume_from, argv = resume.resume_argument(argv)
         h, resumed = (resume.resumed_config(resume_from, argv) if resume_from
-                      else (parse_config(with_machine_preset(argv, launch)), None))
+                      else (parse_config(memory_budget.with_machine_preset(this_recipe(), argv, launch)), None))
         pg = start_process(h)
         log = RunLog(h.log_dir, pg.master)
         with bf16_gemms(gemm_path(h, pg.device)):

@@ -190,8 +190,8 @@ def test_without_a_preset_train_gpt_runs_what_run_sh_runs_on_this_machine(monkey
     assert done.returncode == 0 and '"cpu"' in next(line for line in done.stdout.splitlines()
                                                      if line.startswith("preset ")), done
     monkeypatch.setattr(tg.torch.cuda, "is_available", lambda: False)
-    assert tg.with_machine_preset(["--seed=1"], launch_of(1)) == ["--preset", "cpu", "--seed=1"]
-    assert tg.with_machine_preset(["--preset=medium"], launch_of(1)) == ["--preset=medium"]
+    assert tg.memory_budget.with_machine_preset(tg, ["--seed=1"], launch_of(1)) == ["--preset", "cpu", "--seed=1"]
+    assert tg.memory_budget.with_machine_preset(tg, ["--preset=medium"], launch_of(1)) == ["--preset=medium"]
     monkeypatch.setattr(tg.torch.cuda, "is_available", lambda: True)
     plans = []
 
@@ -199,12 +199,12 @@ def test_without_a_preset_train_gpt_runs_what_run_sh_runs_on_this_machine(monkey
         plans.append((gpus, list(argv)))
         return ["--preset", "1gpu", "--ngram_cache_rows=0"], 1, "1 GPU of 79.6 GiB: the reason"
     monkeypatch.setattr(tg.memory_budget, "launch_plan", plan)
-    assert tg.with_machine_preset(["--seed=1", "--help"], launch_of(1)) == [
+    assert tg.memory_budget.with_machine_preset(tg, ["--seed=1", "--help"], launch_of(1)) == [
         "--preset", "1gpu", "--ngram_cache_rows=0", "--seed=1", "--help"]
     assert plans == [(1, ["--seed=1"])]
     assert capsys.readouterr().err == "train_gpt.py: no --preset given, as ./run.sh here: 1 GPU of 79.6 GiB: the reason\n"
     with pytest.raises(config.ConfigError, match=r"on 8 process\(es\) of this machine the plan needs 1: run ./run.sh"):
-        tg.with_machine_preset([], launch_of(8))
+        tg.memory_budget.with_machine_preset(tg, [], launch_of(8))
 
 
 def test_a_key_and_its_value_may_be_two_arguments():
