@@ -97,7 +97,8 @@ def _project_rules(h):
 def _cpu_preset(h):
     """The CPU track's current record (NorMuon25Steps), its whole recipe: a 4-layer, width-256
     model with the hashed n-gram table on the tiny corpus, 2 cores, under a minute. Each choice's
-    measurement is in bench/cpu_results.md, under the heading named beside it.
+    measurement is under the heading named beside it, in bench/results/ (2026-12-01_cpu-epyc.md,
+    2026-12-01_cpu-epyc-avx512bf16.md, 2026-12-01_cpu.md or 2026-12-02_cpu-xeon.md).
 
     The full softmax throughout (at this scale a sampled softmax learns much more slowly per
     step: "Two earlier cpu-preset measurements"); validation without the canonical mask

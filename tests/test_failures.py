@@ -1,7 +1,7 @@
 """Bad input and bad luck, tried as a user would: each ends with one line saying what to do, an
 exit status of 2 (130 / 143 for SIGINT / SIGTERM), no traceback, and the run's log (if one was
-opened) ending in a whole line that says why. records/FORMAT.md lists these cases with the line
-each gets; the records tools' own refusals are tested in tests/test_records.py.
+opened) ending in a whole line that says why. docs/errors.md lists these cases with the line
+each gets; the records tools' own refusals (records/FORMAT.md) are tested in tests/test_records.py.
 """
 import contextlib
 import errno
