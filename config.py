@@ -30,6 +30,7 @@ WINDOW_BLOCK = 128                 # sliding windows are counted in blocks of th
 MAX_TARGETS = 4                    # next token, two more multi-token targets, the prefix target
 MIN_DOC_TOKENS = 16                # a slice's cu_seqlens has room for T / MIN_DOC_TOKENS documents
 SMEAR_GATE_DIMS = 12               # the smear gate reads the first this-many dims of a token's embedding
+FINAL_MIX_GROUPS = 12              # record 92: channel groups of its final mix, each with its own coefficient delta
 
 # Upper bounds of the whole-number keys: far above any run's, finite so that no value loops or
 # allocates without end.
@@ -46,6 +47,8 @@ MAX_TABLE_ROWS = 2**31             # rows of a hashed table (bigram, n-gram, the
 MAX_WINDOW_BLOCKS = 65_536         # an attention window, in WINDOW_BLOCKs
 MAX_SEED = 2**63 - 1               # torch's seeds are signed 64-bit
 MLP_SCALE_RULES = tuple(kernels.MLP_SCALES)  # the FP8 MLP's scale rules (a field named kernels hides the module)
+QKV_SCALE_RULES = tuple(kernels.QKV_SCALE_RULES)  # the FP8 QKV projection's
+HEAD_SCALE_RULES = tuple(kernels.HEAD_SCALE_RULES)  # the FP8 head's
 ORTHOGONALIZATIONS = tuple(optim.SCHEDULES)  # the Muon family's orthogonalization schedules
 
 
@@ -102,9 +105,9 @@ def choice(default, *others):
     return field(default=default, metadata={"choices": (default, *[c for c in others if c != default])})
 
 
-def layers(default=()):
-    """A list of distinct layer indices in [0, num_layers)."""
-    return field(default=default, metadata={"layers": True})
+def layers(default=(), nullable=False):
+    """A list of distinct layer indices in [0, num_layers) (or, nullable, null: the default)."""
+    return field(default=None if nullable else default, metadata={"layers": True, "nullable": nullable})
 
 
 def betas(default):
@@ -184,6 +187,7 @@ class ModelConfig:
     mlp_hidden: int = count(3072, 1, MAX_HIDDEN, "dims")  # hidden width of an MLP
     long_window_layers: tuple = layers(())  # layers that use the long window; others the short one
     attention_free_layers: tuple = layers(())  # layers with no attention sublayer
+    mlp_free_layers: tuple = layers(())  # layers with no MLP sublayer
     # value-embedding tables, each shared by one of the first and one of the last layers
     num_value_embeds: int = count(0, 0, MAX_LAYERS // 2, "tables")
     # or: these layers, each with a table of its own (then num_value_embeds = 0)
@@ -191,6 +195,9 @@ class ModelConfig:
     value_embed_gate_dim: int = count(12, 1, MAX_WIDTH, "dims")  # inputs of the per-head value-embedding gates
     value_embed_gate_reads_value: bool = False  # gates read half their inputs from the value embedding
     value_embed_sparse: bool = False   # value embeddings trained like the n-gram table: sparse Adam, its cadence
+    # every table num_heads x head_dim wide, a narrow-value layer adding each head's first
+    # narrow_vo_dim dims (else a table is as wide as its layer's values)
+    value_embed_full_width: bool = False
     bigram_rows: int = count(2, 2, MAX_TABLE_ROWS, "rows")  # rows of the bigram hash embedding (zero at init)
     # rows of the hashed bigram+trigram table trained sparsely (0: the bigram embedding); even, >= 4
     ngram_rows: int = count(0, 0, MAX_TABLE_ROWS, "rows", multiple=2)
@@ -205,13 +212,31 @@ class ModelConfig:
     canonical_mask: bool = False       # validation: no probability for token pairs GPT-2's encoder never emits
     smear_gate: bool = False           # each token's embedding gets a gated share of its predecessor's
     key_offset: bool = False           # long-window layers: a key's stationary dims come from the previous token
+    # the smear, the key offset and the hashed tables read across documents: only a slice's first
+    # token has no predecessor (else every document's first)
+    cross_documents: bool = False
+    # the hashed tables' hashes: project (int64 products; multiplied ids for the sign rows) | record
+    # (int32 products that wrap; the bigram table's sign rows the xor of the ids, the n-gram
+    # table's other multipliers, row 0 at a start; the token after a start hashed with the
+    # reserved row's id as its previous token)
+    table_hashes: str = choice("project", "record")
     xsa_layers: tuple = layers(())     # layers whose heads remove a learned share of their output along their own value
     paired_head_layers: tuple = layers(())  # layers where adjacent heads' queries also attend to each other's keys
+    # their layout: adjacent (heads 2h and 2h+1 at positions 2t and 2t+1 of the doubled sequence,
+    # each rotated at its position) | record (head h of token t at position 2t + h // (heads/2),
+    # rotated at 2t + h % 2: heads h and h + heads/2 pair)
+    paired_head_layout: str = choice("adjacent", "record")
+    # a sliding window of w tokens also shows the key w tokens back: w + 1 keys (FA3's window_size=(w, 0))
+    window_edge_key: bool = False
+    # the attention output projection's init: zero | uniform (the QKV projection's bound)
+    attn_out_init: str = choice("zero", "uniform")
     # layers whose queries and keys are narrow_qk_dim wide per head, rotated in full
     narrow_qk_layers: tuple = layers(())
     narrow_qk_dim: int = count(64, 4, MAX_HEAD_DIM, "dims", multiple=4)  # their query and key dims per head
     # their softmax scale before any YaRN growth (attn_scale: the others')
     narrow_qk_attn_scale: float = real(0.13, "a scale", above=0.0)
+    # the window whose growth their RoPE tables and scale follow under YaRN: long | short
+    narrow_yarn_window: str = choice("long", "short")
     narrow_vo_layers: tuple = layers(())  # layers whose values (and head outputs) are narrow_vo_dim wide per head
     narrow_vo_dim: int = count(64, 1, MAX_HEAD_DIM, "dims")  # their value dims per head
     parallel_mlp_layers: tuple = layers(())  # layers with a second MLP beside the first, on the same input
@@ -227,6 +252,15 @@ class ModelConfig:
     skip_layers: tuple = (3, 6)        # dense: layer [1] (attention-free) adds a gated copy of layer [0]'s output
     # dense: the layers after it read its output as their attention input
     snapshot_layer: int = count(7, 0, MAX_LAYERS, "a layer index")
+    # dense: the layers whose residual takes x0 through a token gate, after their attention (on an
+    # attention-free layer, after its residual scale); null: every attention layer but the last
+    x0_layers: tuple = layers(nullable=True)
+    # dense: the same for the hashed embedding; layer 0's enters the trunk's input, before layer 0
+    hashed_layers: tuple = layers(nullable=True)
+    # dense: the mix after the last layer: record89 (5 earlier states, a coefficient each per token)
+    # | record92 (every value-embedding table and the last layer's MLP and attention inputs too, 10
+    # sources with record 92's tables, each coefficient plus a delta per channel group)
+    final_mix: str = choice("record89", "record92")
     # the weights' storage: float32 | bfloat16 (then the activations are bf16 too; the optimizers
     # keep each weight's fp32 precision in a 16-bit mantissa sidecar)
     param_dtype: str = choice("float32", "bfloat16")
@@ -249,6 +283,13 @@ class Hyperparameters(ModelConfig):
     val_every: int = count(0, 0, MAX_STEPS, "steps")  # validate every this many steps (0: only at the end)
     # the global batch is this many rank slices; fewer processes accumulate
     batch_ranks: int = count(8, 1, MAX_BATCH_RANKS, "rank slices")
+    # training targets: document (they stop at each document's end; a cut document's last token
+    # predicts its true successor) | packed (the next tokens of the packed slice, across documents;
+    # a cut document's last token predicts the next document's BOS)
+    target_rule: str = choice("document", "packed")
+    # documents longer than this are cut into attention segments this long (0: never); the
+    # tokens, targets, smear and hashes still see whole documents
+    attention_segment_tokens: int = count(0, 0, MAX_SLICE_TOKENS, "tokens")
     # -- model schedule (the model's own fields are ModelConfig's) --
     # long window (blocks) of the final validation
     val_long_window: int = count(8, 1, MAX_WINDOW_BLOCKS, "window blocks")
@@ -315,8 +356,14 @@ class Hyperparameters(ModelConfig):
     embed_betas: tuple = betas((0.8, 0.95))  # embedding and head
     value_embed_betas: tuple = betas((0.8, 0.95))  # (sparse value embeddings: beta1 = 0, beta2 their rows' moments')
     scalar_betas: tuple = betas((0.8, 0.95))  # scalars and gates
+    resid_scale_lr: float = rate(0.04)  # the dense trunk's per-layer scales of the residual
+    post_scale_lr: float = rate(0.04)  # the dense trunk's per-layer scales of the sublayers' outputs
+    scale_betas: tuple = betas((0.9, 0.99))  # both of those scales
     embed_wd: float = decay(0.0)       # embedding and head
-    value_embed_wd: float = decay(0.0)  # (scalars and gates are never decayed)
+    value_embed_wd: float = decay(0.0)  # (scalars are never decayed)
+    gate_wd: float = decay(0.0)        # the value-embedding gates
+    # the weight matrices of the token-gate and dense-connection MLPs (not their biases and scales)
+    gate_mlp_wd: float = decay(0.0)
     adam_eps: float = real(1e-10, "an epsilon")  # Adam's epsilon, at the gradient scale adam_eps_unit
     # the gradient scale adam_eps is stated at (also the tables'): mean (this objective's gradient, the
     # mean over the global batch's tokens and an update's steps) | token_sum (the gradient of the loss
@@ -350,8 +397,12 @@ class Hyperparameters(ModelConfig):
     fp8_mlp: bool = False              # MLPs as the fused FP8 ReLU^2 kernel pair
     # the MLP's scale rules: record92 | record89 | delayed (kernels.MLP_SCALES)
     fp8_mlp_scales: str = choice(*MLP_SCALE_RULES)
-    fp8_qkv: bool = False              # the packed QKV projection as an FP8 linear (kernels.QKV_SCALES)
-    fp8_head: bool = False             # the head at the candidate width as an FP8 linear (kernels.HEAD_SCALES)
+    fp8_qkv: bool = False              # the packed QKV projection as an FP8 linear
+    # its scale rules: project (a static 1/16 input, delayed gradients) | record92 (kernels.QKV_SCALE_RULES)
+    fp8_qkv_scales: str = choice(*QKV_SCALE_RULES)
+    fp8_head: bool = False             # the head at the candidate width as an FP8 linear
+    # its static scale rules: record89 | record92 (kernels.HEAD_SCALE_RULES)
+    fp8_head_scales: str = choice(*HEAD_SCALE_RULES)
     # the FP8 layers' GEMMs: fastest (at each shape the implementation the warm-up timed fastest) |
     # triton (the persistent descriptor kernel where the layout allows, else the pointer kernel) |
     # tma | pointer | scaled_mm (the plain GEMMs on torch._scaled_mm, cuBLAS); the casts stay Triton
@@ -393,6 +444,20 @@ def head_dims(cfg: ModelConfig, layer):
     """(query and key, value) widths per head of a layer's attention."""
     return (cfg.narrow_qk_dim if layer in cfg.narrow_qk_layers else cfg.head_dim,
             cfg.narrow_vo_dim if layer in cfg.narrow_vo_layers else cfg.head_dim)
+
+
+def injection_layers(cfg: ModelConfig):
+    """(x0's, the hashed embedding's) layers of the token gates' injections: x0_layers and
+    hashed_layers, or (null) every attention layer but the dense trunk's last."""
+    last = cfg.num_layers - 1 if cfg.trunk == "dense" else None
+    every = tuple(i for i in range(cfg.num_layers) if i not in cfg.attention_free_layers and i != last)
+    return (every if cfg.x0_layers is None else tuple(cfg.x0_layers),
+            every if cfg.hashed_layers is None else tuple(cfg.hashed_layers))
+
+
+def value_embed_width(cfg: ModelConfig, layer):
+    """The width of layer `layer`'s value-embedding table."""
+    return cfg.num_heads * (cfg.head_dim if cfg.value_embed_full_width else head_dims(cfg, layer)[1])
 
 
 def value_embed_tables(cfg: ModelConfig):
@@ -557,19 +622,21 @@ HELP_GROUPS = {
     "the run: its track, seed, device, log and outputs": (
         "track", "seed", "device", "log_dir", "log_every", "save_checkpoint", "resume_every", "metrics"),
     "data and validation": (
-        "train_files", "val_files", "val_tokens", "val_tokens_per_rank", "val_every", "batch_ranks"),
+        "train_files", "val_files", "val_tokens", "val_tokens_per_rank", "val_every", "batch_ranks", "target_rule",
+        "attention_segment_tokens"),
     "model: size and storage": ("num_layers", "model_dim", "num_heads", "head_dim", "mlp_hidden", "param_dtype"),
     "model: attention": (
         "long_window_layers", "attention_free_layers", "rope_base", "attn_scale", "yarn_scale_growth", "key_offset",
         "xsa_layers", "paired_head_layers", "narrow_qk_layers", "narrow_qk_dim", "narrow_qk_attn_scale",
-        "narrow_vo_layers", "narrow_vo_dim", "composed_layers", "composed_window"),
+        "narrow_vo_layers", "narrow_vo_dim", "composed_layers", "composed_window", "paired_head_layout",
+        "window_edge_key", "attn_out_init", "narrow_yarn_window"),
     "model: embeddings and hashed tables": (
         "embed_init_std", "num_value_embeds", "value_embed_layers", "value_embed_gate_dim",
         "value_embed_gate_reads_value", "value_embed_sparse", "bigram_rows", "ngram_rows", "ngram_dtype",
-        "smear_gate", "canonical_mask"),
+        "smear_gate", "canonical_mask", "cross_documents", "table_hashes", "value_embed_full_width"),
     "model: trunk, MLPs and gates": (
-        "trunk", "skip_layers", "snapshot_layer", "parallel_mlp_layers", "token_gates", "token_gates_split",
-        "attn_gate_layers"),
+        "trunk", "skip_layers", "snapshot_layer", "parallel_mlp_layers", "mlp_free_layers", "token_gates",
+        "token_gates_split", "attn_gate_layers", "x0_layers", "hashed_layers", "final_mix"),
     "schedule: steps, stages, windows, LR": (
         "num_iterations", "stages", "val_long_window", "yarn_at_final_window", "untie_frac", "candidate_walk",
         "cooldown_start", "cooldown_floor", "cooldown_end"),
@@ -581,15 +648,16 @@ HELP_GROUPS = {
         "anvil_fast_beta_follows_mu", "anvil_mu_low", "anvil_mu_high", "anvil_mu_rise", "anvil_mu_fall"),
     "Adam: embeddings, head, scalars, gates": (
         "embed_lr", "head_lr", "value_embed_lr", "scalar_lr", "gate_lr", "smear_gate_lr", "token_gate_lr",
-        "dense_lr", "embed_betas", "value_embed_betas", "scalar_betas", "embed_wd", "value_embed_wd", "adam_eps",
-        "adam_eps_unit", "adam_step_every"),
+        "dense_lr", "resid_scale_lr", "post_scale_lr", "embed_betas", "value_embed_betas", "scalar_betas",
+        "scale_betas", "embed_wd", "value_embed_wd", "gate_wd", "gate_mlp_wd", "adam_eps", "adam_eps_unit",
+        "adam_step_every"),
     "sparse tables: the n-gram table and sparse value embeddings": (
         "ngram_lr", "ngram_beta2", "ngram_wd", "ngram_step_every", "table_phases", "value_embed_table_cadence",
         "ngram_cache_rows"),
     "kernels, compilation, FP8 and the warm-up": (
         "kernels", "compile", "compile_backend", "compute_dtype", "fp8_mlp", "fp8_mlp_scales", "fp8_qkv",
-        "fp8_head", "fp8_gemm", "attention_impl", "fp8_on_cpu", "cuda_graphs", "sync_check", "warm_up",
-        "warmup_steps"),
+        "fp8_qkv_scales", "fp8_head", "fp8_head_scales", "fp8_gemm", "attention_impl", "fp8_on_cpu", "cuda_graphs",
+        "sync_check", "warm_up", "warmup_steps"),
 }
 UNGROUPED = "other keys"           # --help's heading for a key HELP_GROUPS does not place
 
@@ -630,7 +698,7 @@ def allowed_values(f):
     if "choices" in rule or f.type is bool:
         return ""                  # the type says it
     if rule.get("layers"):
-        return "distinct layer indices in [0, num_layers)"
+        return "distinct layer indices in [0, num_layers)" + (", or null" if rule["nullable"] else "")
     if rule.get("betas"):
         return "two numbers in [0, 1), e.g. [0.8, 0.95]"
     if rule.get("path"):
@@ -824,6 +892,8 @@ def normalize_config(h):
     for key, f in SCHEMA.items():
         if f.type is tuple:
             value = getattr(h, key)
+            if value is None and f.metadata.get("nullable"):
+                continue
             if not isinstance(value, (list, tuple)):
                 raise ConfigError(f"--{key}={json.dumps(value)}: expects a JSON list, e.g. --{key}=[1,2]")
             setattr(h, key, tuple(value))
@@ -890,7 +960,7 @@ def check_field(h, f):
         _refuse(f.name, value, "one of " + ", ".join(rule["choices"]))
     if rule.get("path") and (not isinstance(value, str) or not value):
         _refuse(f.name, value, "a non-empty path")
-    if rule.get("layers"):
+    if rule.get("layers") and not (value is None and rule["nullable"]):
         in_range = all(is_number(i, integer=True) and 0 <= i < h.num_layers for i in value)
         if not in_range or len(set(value)) < len(value):
             _refuse(f.name, list(value), f"a list of distinct layer indices in [0, {h.num_layers})")
@@ -979,7 +1049,7 @@ def check_model_config(m):
                   "its query and key dims, so it has no stationary dims for the key offset")
     widths = {}
     for layer, table in value_embed_tables(m).items():
-        widths.setdefault(table, set()).add(head_dims(m, layer)[1])
+        widths.setdefault(table, set()).add(value_embed_width(m, layer))
     if any(len(w) > 1 for w in widths.values()):
         _conflict(m, ("num_value_embeds", "narrow_vo_layers"), "a shared value-embedding table serves layers "
                   "of one value width: give per-layer tables with --value_embed_layers")
@@ -993,6 +1063,11 @@ def check_model_config(m):
     if set(m.composed_layers) & (set(m.attention_free_layers) | set(m.paired_head_layers)):
         _conflict(m, ("composed_layers", "attention_free_layers", "paired_head_layers"), "composed attention mixes the "
                   "maps of a layer's own heads: a layer with attention, not paired")
+    if set(m.mlp_free_layers) & set(m.parallel_mlp_layers):
+        _conflict(m, ("mlp_free_layers", "parallel_mlp_layers"), "a parallel MLP sits beside the layer's MLP")
+    if m.trunk != "dense" and (m.x0_layers is not None or m.hashed_layers is not None):
+        _conflict(m, ("x0_layers", "hashed_layers", "trunk"), "the injection sites are the dense trunk's: "
+                  "set them to null")
     if m.token_gates and m.token_gates_split > m.num_layers:
         _conflict(m, ("token_gates_split", "num_layers"), "the split is a layer index, or num_layers for one MLP")
     if m.token_gates and len(m.attention_free_layers) == m.num_layers:
@@ -1022,12 +1097,24 @@ def _check_dense_trunk(m):
                   "and the split must come after it")
     if m.snapshot_layer >= last:
         _conflict(m, ("snapshot_layer", "num_layers"), "the snapshot is read by later layers: it comes before the last")
+    for key in ("x0_layers", "hashed_layers"):
+        if set(getattr(m, key) or ()) & {target, last}:
+            _conflict(m, (key, "skip_layers", "num_layers"), "the skip's target takes no injection, and the last "
+                      "layer takes its own from the dense connections")
+    if last in m.mlp_free_layers:
+        _conflict(m, ("mlp_free_layers", "num_layers"), "the dense connections mix the last layer's MLP output")
     if last in m.attention_free_layers or m.num_heads * head_dims(m, last)[1] != m.model_dim:
         _conflict(m, ("trunk", "attention_free_layers", "narrow_vo_layers"), "the dense connections mix residual "
                   "vectors into the last layer's values: it needs attention with num_heads x head_dim = model_dim")
     if m.num_heads % 2:
         _conflict(m, ("trunk", "num_heads"), "the last layer's value-embedding gate has one lane per half of the "
                   "heads: an even number")
+    if m.final_mix == "record92" and any(value_embed_width(m, layer) != m.model_dim for layer in value_embed_tables(m)):
+        _conflict(m, ("final_mix", "value_embed_full_width", "narrow_vo_layers"), "record 92's final mix adds "
+                  "every value-embedding table to the residual: each as wide as model_dim")
+    if m.final_mix == "record92" and m.model_dim % FINAL_MIX_GROUPS:
+        _conflict(m, ("final_mix", "model_dim"), f"record 92's final mix has a coefficient delta for each of "
+                  f"{FINAL_MIX_GROUPS} channel groups: a multiple of {FINAL_MIX_GROUPS} dims")
 
 
 def _check_stages(stages):

@@ -261,6 +261,14 @@ QKV_SCALES = FP8LinearScales(input=Static(NORMED_INPUT_SCALE))
 # 0.75 x 57344 / 448 = 96 per token (the softcap's slope is at most 23 / 30).
 HEAD_SCALES = FP8LinearScales(input=Static(100 / FP8_E4M3_MAX), weight=Static(1.6 / FP8_E4M3_MAX),
                               grad_output=Static(0.75 / FP8_E4M3_MAX))
+# Record 92's packed QKV: a static input scale that saturates normed entries beyond 8, the weight's
+# exact amax, a static gradient scale of the summed loss.
+QKV_SCALES_RECORD92 = FP8LinearScales(input=Static(8 / FP8_E4M3_MAX), grad_output=Static(1 / FP8_E4M3_MAX))
+# Record 92's lm_head: weights up to 2.0, the logit gradient's scale a binade below record 89's.
+HEAD_SCALES_RECORD92 = FP8LinearScales(input=Static(100 / FP8_E4M3_MAX), weight=Static(2.0 / FP8_E4M3_MAX),
+                                       grad_output=Static(0.75 / 8 / FP8_E4M3_MAX))
+QKV_SCALE_RULES = {"project": QKV_SCALES, "record92": QKV_SCALES_RECORD92}
+HEAD_SCALE_RULES = {"record89": HEAD_SCALES, "record92": HEAD_SCALES_RECORD92}
 
 
 # Entries of a layer's state sit this many fp32 apart (16 bytes): an entry is passed to the

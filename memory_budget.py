@@ -389,7 +389,7 @@ def check_cpu_weights(recipe, h, free):
     return None
 
 
-PLAN_KEYS = ("--ngram_rows", "--batch_ranks", "--stages")  # the levers; one the user sets stays as set
+PLAN_KEYS = ("--ngram_rows", "--batch_ranks", "--stages", "--val_tokens_per_rank")  # the levers; one the user sets stays
 # The public table-size test of record 92 on 8xH100 (n-gram rows: train time in s, val loss low
 # and high over its runs): what a smaller table costs.
 PUBLIC_TABLE_SIZES = {84_602_880: (39.52, 3.2791, 3.2791), 21_150_720: (39.35, 3.2825, 3.2863),
@@ -437,7 +437,7 @@ def plan_candidates(recipe, gpus, argv):
     fixed = {key for key in PLAN_KEYS for a in argv if a.split("=")[0] == key}
     floor_rows = recipe.parse_config(["--preset", "record89"]).bigram_rows
     sizes = [base.ngram_rows] if "--ngram_rows" in fixed or not base.ngram_rows else table_sizes(base, floor_rows)
-    splits = [1] if fixed & {"--batch_ranks", "--stages"} else recipe.micro_batch_splits(base)
+    splits = [1] if fixed & {"--batch_ranks", "--stages", "--val_tokens_per_rank"} else recipe.micro_batch_splits(base)
     for rows in sizes:
         rows_args = () if rows == base.ngram_rows else (f"--ngram_rows={rows}",)
         places = [(("--preset", "speedrun"), 8, "split across the 8 GPUs")] if gpus >= 8 else []
@@ -448,8 +448,9 @@ def plan_candidates(recipe, gpus, argv):
             places += [(("--preset", "1gpu"), 1, "in host memory, its rows cached on the GPU")]
         for args, n, where in places:
             for k in splits:
-                split_args = () if k == 1 else (f"--batch_ranks={base.batch_ranks * k}", stages_argument(
-                    recipe.split_micro_batches(recipe.parse_config([*args, *argv]), k).stages))
+                split = recipe.split_micro_batches(recipe.parse_config([*args, *argv]), k)
+                split_args = () if k == 1 else (f"--batch_ranks={split.batch_ranks}", stages_argument(split.stages),
+                                                f"--val_tokens_per_rank={split.val_tokens_per_rank}")
                 yield Candidate((*args, *rows_args, *split_args), n, rows, where, k)
 
 
@@ -553,10 +554,13 @@ def check_start_up(recipe, h, processes, available):
 
 
 def named_preset(recipe, args, h, argv):
-    """args, or ("--preset", NAME) when the configuration they make (with argv) is a named preset's."""
-    mine = {k: v for k, v in config_to_dict(h).items() if k != "preset"}
+    """args, or ("--preset", NAME) when the configuration they make (with argv) is a named preset's:
+    every key but the preset's name, and the track when the preset files its runs under none (a
+    configuration for a machine no track takes, as 1gpu_24gb's 24 GB card)."""
     for name in recipe.PRESETS:
         other = config_to_dict(recipe.parse_config(["--preset", name, *argv]))
-        if name != h.preset and {k: v for k, v in other.items() if k != "preset"} == mine:
+        ignored = ("preset", "track") if other["track"] == "none" else ("preset",)
+        mine = {k: v for k, v in config_to_dict(h).items() if k not in ignored}
+        if name != h.preset and {k: v for k, v in other.items() if k not in ignored} == mine:
             return ("--preset", name)
     return args

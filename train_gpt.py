@@ -68,7 +68,8 @@ import resume
 from checkpoint import NGRAM_TABLE_KEY, save_checkpoint, send_table_shard, split_ngram_table
 from config import (MAX_TARGETS, MIN_DOC_TOKENS, MODEL_FIELDS, PADDED_VOCAB_SIZE, SMEAR_GATE_DIMS, VOCAB_SIZE,
                     WINDOW_BLOCK, ArgumentParser, Average, ConfigError, Hyperparameters, ModelConfig, Stage, TablePhase,
-                    config_to_dict, head_dims, loggable, value_embed_tables)
+                    FINAL_MIX_GROUPS, config_to_dict, head_dims, injection_layers, loggable, value_embed_tables,
+                    value_embed_width)
 from cpu_runtime import bf16_gemm_path, bf16_gemms, cpu_has_native_bf16
 from cuda_graphs import MicroBatch, StepGraphs
 from data.shards import find_shards, fingerprint, read_shard
@@ -90,6 +91,16 @@ TINY_HINT = "python data/tiny_corpus.py"
 # Presets
 # -----------------------------------------------------------------------------------------------
 
+def _project_rules(h):
+    """This project's rules where the public records differ; the presets named for a record take
+    the record's (docs/recipe.md's fidelity table compares them)."""
+    h.target_rule, h.attention_segment_tokens = "document", 0
+    h.paired_head_layout, h.window_edge_key, h.attn_out_init, h.narrow_yarn_window = "adjacent", False, "zero", "long"
+    h.cross_documents, h.table_hashes = False, "project"
+    h.mlp_free_layers, h.x0_layers, h.hashed_layers = (), None, None
+    h.final_mix, h.value_embed_full_width = "record89", False
+
+
 def _cpu_preset(h):
     """The CPU track's current record (NorMuon25Steps), its whole recipe: a 4-layer, width-256
     model with the hashed n-gram table on the tiny corpus, 2 cores, under a minute. Each choice's
@@ -101,6 +112,7 @@ def _cpu_preset(h):
     fast one: bf16 where it has bf16 units (AVX512-BF16 or AMX), fp32 elsewhere, where a bf16
     product runs as an fp32 GEMM plus casts (cpu_runtime.py); the val loss is the same either way.
     """
+    _project_rules(h)
     h.track = "track_cpu"
     h.train_files = "data/tiny_corpus/tiny_train_*.bin"
     h.val_files = "data/tiny_corpus/tiny_val_*.bin"
@@ -129,6 +141,7 @@ def _cpu_preset(h):
     h.compute_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     h.fp8_mlp = h.fp8_qkv = h.fp8_head = True  # (FP8 layers only on a GPU, or with --fp8_on_cpu)
     h.fp8_mlp_scales = "record92"
+    h.fp8_qkv_scales, h.fp8_head_scales = "project", "record89"  # (FP8 layers only on a GPU or fp8_on_cpu)
 
     # schedule: 25 steps, twice the batch from the middle (LR x1.52 = (4096/2048)^0.6, as record 89
     # scales it); the cooldown from 40% to 0.15; untied at 2/3
@@ -160,6 +173,8 @@ def _cpu_preset(h):
     h.token_gate_lr, h.dense_lr = 0.0008, 0.002
     # record 89's Adam betas and decay ("record-89 Adam betas and decay, fewer steps")
     h.embed_betas, h.value_embed_betas, h.scalar_betas = (0.5, 0.95), (0.75, 0.95), (0.9, 0.99)
+    h.resid_scale_lr, h.post_scale_lr, h.scale_betas = h.scalar_lr, h.scalar_lr, h.scalar_betas
+    h.gate_wd = h.gate_mlp_wd = 0.0
     h.embed_wd, h.value_embed_wd = 0.005 * 150, 0.005 * 5
     h.adam_eps, h.adam_step_every = 1e-10, 1
     # the tables' sparse Adam at twice the default LR ("the hashed bigram+trigram table")
@@ -184,6 +199,7 @@ def _cpu_optimization_preset(h):
     cpu preset's model, data and batch schedule as the track's first records ran them, with the
     value embeddings under dense Adam), and the first records' optimizer, which an entry changes:
     ANVIL at 27 steps, the LRs and schedule of that cpu preset."""
+    _project_rules(h)
     h.track = "track_3_cpu_optimization"
     fixed_track_config(h, h.track)
     h.num_iterations, h.val_tokens_per_rank = 27, 8_192
@@ -200,12 +216,15 @@ def _cpu_optimization_preset(h):
     h.scalar_lr = h.gate_lr = h.smear_gate_lr = 0.04
     h.token_gate_lr, h.dense_lr = 0.0008, 0.002
     h.embed_betas, h.value_embed_betas, h.scalar_betas = (0.5, 0.95), (0.75, 0.95), (0.9, 0.99)
+    h.resid_scale_lr, h.post_scale_lr, h.scale_betas = h.scalar_lr, h.scalar_lr, h.scalar_betas
+    h.gate_wd = h.gate_mlp_wd = 0.0
     h.embed_wd, h.value_embed_wd = 0.005 * 150, 0.005 * 5
     h.adam_eps, h.adam_step_every = 1e-10, 1
     h.ngram_lr, h.ngram_wd, h.ngram_beta2, h.ngram_step_every, h.table_phases = 0.02, 0.0, 0.95, 1, []
     h.embed_init_std = 0.0
     h.compute_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     h.fp8_mlp_scales = "record92"
+    h.fp8_qkv_scales, h.fp8_head_scales = "project", "record89"  # (FP8 layers only on a GPU or fp8_on_cpu)
     h.log_every, h.compile, h.cuda_graphs = 5, False, False
     h.warm_up, h.warmup_steps = "always", 1
 
@@ -216,46 +235,58 @@ SOFTMAX_EARLY, SOFTMAX_LATE, SOFTMAX_LAST = 10_240, 14_336, 24_576
 NGRAM_RECORD_ROWS = 84_602_880     # record 92's n-gram table: 10,575,360 rows on each of 8 GPUs
 NGRAM_LATE_STEP = 336              # record 92's step from which the tables' beta2 is squared, an update every 4th
 RECORD92_VO_MLP_BLEND = 0.55 - 0.2007  # record 92: the banks' blend less its Richardson correction for V, O, MLP
+ATTENTION_SEGMENT_TOKENS = 2560    # record 92: documents longer than this attend in segments this long
 
 
 def _speedrun_preset(h):
     """Record 92, the whole recipe: record 89's features and constants on record 92's model and
-    schedule. Record 92 removed record 89's layer 7; its layers keep record 89's numbers there
-    (0-6, 8-10) and are 0-9 here. The fidelity table in docs/recipe.md compares every value with
-    records 89 and 92 and lists what is not built yet."""
+    schedule. Its layers keep records 89's and 92's numbers, 0-10: record 92 removed layer 7's
+    attention and MLP, and the layer keeps its two residual scales and its x0 injection.
+    docs/recipe.md compares it with record 92's code part by part and lists what still differs."""
     h.track = "track_1_short"
     # data: FineWeb's GPT-2 tokens, judged on the first 10,485,760 of the val shard
     h.train_files = "data/fineweb10B/fineweb_train_*.bin"
     h.val_files = "data/fineweb10B/fineweb_val_*.bin"
     h.val_tokens, h.val_tokens_per_rank, h.batch_ranks = 10_485_760, 262_144, 8  # val_batch_size 4 x 64 x 1024 x 8
+    h.target_rule, h.attention_segment_tokens = "packed", ATTENTION_SEGMENT_TOKENS
 
-    # model: 10 layers of 768, 6 heads of 128; 7 attention sublayers
-    h.num_layers, h.model_dim, h.num_heads, h.head_dim, h.mlp_hidden = 10, 768, 6, 128, 2816
-    h.attention_free_layers = (4, 6, 8)        # record 92's 4, 6, 9: attention on 0, 1, 2, 3, 5, 8, 10
-    h.long_window_layers = (3, 9)              # its 3, 10
-    h.narrow_qk_layers, h.narrow_qk_dim = (0, 1, 2, 5, 7), 64  # its 0, 1, 2, 5, 8: QK 64 with full RoPE
+    # model: 11 layers of 768, 6 heads of 128; 7 attention sublayers, 10 MLPs
+    h.num_layers, h.model_dim, h.num_heads, h.head_dim, h.mlp_hidden = 11, 768, 6, 128, 2816
+    h.attention_free_layers = (4, 6, 7, 9)     # attention on 0, 1, 2, 3, 5, 8, 10
+    h.mlp_free_layers = (7,)                   # layer 7: its residual scales and x0 injection only
+    h.long_window_layers = (3, 10)
+    h.narrow_qk_layers, h.narrow_qk_dim = (0, 1, 2, 5, 8), 64  # QK 64 with full RoPE
     h.narrow_qk_attn_scale, h.attn_scale = 0.13, 0.085  # the QK-64 layers' scale; 0.085 on the QK-128 layers
-    h.narrow_vo_layers, h.narrow_vo_dim = (1, 7), 64  # its 1, 8
-    h.parallel_mlp_layers = (7,)               # its 8
+    h.narrow_yarn_window = "short"             # the QK-64 layers' YaRN follows the short window
+    h.narrow_vo_layers, h.narrow_vo_dim = (1, 8), 64
+    h.parallel_mlp_layers = (8,)
     h.rope_base, h.yarn_scale_growth = 1024.0, 0.2  # RoPE base period; YaRN scale x (1 + 0.2 ln(growth))
     h.embed_init_std = 0.005                   # the head's init, which the tied embedding copies
     # record 89's features, on the layers that still have attention
     h.smear_gate, h.key_offset = True, True
-    h.num_value_embeds, h.value_embed_layers = 0, (1, 2, 7, 9)  # record 89's 1, 2, 8, 10 (its 9 lost its attention)
+    h.cross_documents, h.table_hashes = True, "record"  # the smear, key offset and hashes see the slice, not documents
+    h.num_value_embeds, h.value_embed_layers = 0, (1, 2, 8, 10)  # record 89's, but 9 (no attention)
     h.value_embed_gate_dim, h.value_embed_gate_reads_value = 12, True  # gates read x[:6] and ve[:6]
-    h.xsa_layers = (1, 3)                      # record 89's 1, 3 (its 4 lost its attention, its 7 is gone)
-    h.paired_head_layers = (0, 2, 5)           # record 89's 0, 2, 5 (its 9 lost its attention)
+    h.xsa_layers = (1, 3)                      # record 89's, but 4 and 7 (no attention)
+    h.paired_head_layers = (0, 2, 5)           # record 89's, but 9 (no attention)
+    h.paired_head_layout, h.window_edge_key, h.attn_out_init = "record", True, "uniform"
     h.token_gates, h.token_gates_split = True, 4  # XSA strengths, output gates, x0 and bigram injection per token
-    h.attn_gate_layers = (3, 9)                # record 89's 3, 10
-    h.composed_layers, h.composed_window = (9,), 112  # record 89's 10: composed attention over 112 tokens
+    h.attn_gate_layers = (3, 10)
+    h.composed_layers, h.composed_window = (), 112  # record 92 has no composed attention (record 89: on 10)
     h.trunk, h.skip_layers = "dense", (3, 6)   # per-sublayer scales, the skip from 3 into 6, dense connections
-    h.snapshot_layer = 6                       # record 89's 7 is gone: the layers after 6 read its output
+    h.snapshot_layer = 7                       # the layers after 7 read its output
+    h.x0_layers = (0, 1, 2, 4, 5, 7)           # record 92's injection sites: x0 after these layers,
+    h.hashed_layers = (0, 1, 4, 5, 9)          # the n-gram embedding after these (layer 0's before it)
     # record 92's hashed n-gram table, split across the GPUs (bigram_rows: the table when ngram_rows=0)
     h.ngram_rows, h.ngram_dtype, h.bigram_rows = NGRAM_RECORD_ROWS, "bfloat16", 251_520
+    # record 92's final mix adds every value-embedding table, so its tables of layers 1 and 8 are
+    # 768 wide (the narrow-value layers read the leading half of each head)
+    h.value_embed_full_width, h.final_mix = True, "record92"
     h.canonical_mask = True        # record 92 validates with the canonical mask
     # precision: bf16 weights and activations (fp32 in the optimizers' sidecars), FP8 MLP, QKV, head
     h.param_dtype, h.compute_dtype = "bfloat16", "bfloat16"
     h.fp8_mlp, h.fp8_qkv, h.fp8_head, h.fp8_mlp_scales = True, True, True, "record92"
+    h.fp8_qkv_scales, h.fp8_head_scales = "record92", "record92"
 
     # schedule: record 92's 1194 steps (1122 scheduled + 52 grown into the third stage + 20 at the
     # end); its third stage in two here, where its sampled softmax widens for the last third
@@ -307,6 +338,10 @@ def _speedrun_preset(h):
     h.scalar_lr, h.gate_lr, h.smear_gate_lr = 0.008 * 5, 0.008, 0.008 * 0.01
     h.token_gate_lr, h.dense_lr = 0.0008, 0.002
     h.embed_betas, h.value_embed_betas, h.scalar_betas = (0.5, 0.95), (0.75, 0.95), (0.9, 0.99)
+    # the dense trunk's residual scales (LR x5) and output scales (x1), betas (0.9, 0.95); the
+    # value-embedding gates and the gate and dense-connection MLPs' weights decayed as Adam's default
+    h.resid_scale_lr, h.post_scale_lr, h.scale_betas = 0.008 * 5, 0.008, (0.9, 0.95)
+    h.gate_wd = h.gate_mlp_wd = 0.005
     h.embed_wd, h.value_embed_wd = 0.005 * 150, 0.005 * 5
     h.adam_eps, h.adam_step_every, h.adam_eps_unit = 1e-10, 2, "token_sum"
     # the tables: the n-gram table's sparse Adam and the value embeddings' dense Adam, on odd steps,
@@ -326,6 +361,7 @@ def _record89_preset(h):
     h.train_files = "data/fineweb10B/fineweb_train_*.bin"
     h.val_files = "data/fineweb10B/fineweb_val_*.bin"
     h.val_tokens, h.val_tokens_per_rank, h.batch_ranks = 10_485_760, 262_144, 8  # val_batch_size 4 x 64 x 1024 x 8
+    h.target_rule, h.attention_segment_tokens = "packed", 0
 
     # model: 11 layers of 768, 6 heads of 128, MLP 3072; no attention on layer 6
     h.num_layers, h.model_dim, h.num_heads, h.head_dim, h.mlp_hidden = 11, 768, 6, 128, 3072
@@ -334,20 +370,24 @@ def _record89_preset(h):
     h.narrow_vo_layers, h.narrow_vo_dim, h.parallel_mlp_layers = (), 64, ()
     h.attn_scale, h.rope_base, h.yarn_scale_growth = 0.1, 1024.0, 0.2
     h.embed_init_std = 0.005       # the head's init, which the tied embedding copies
-    h.smear_gate, h.key_offset = True, True
+    h.smear_gate, h.key_offset, h.cross_documents, h.table_hashes = True, True, True, "record"
     h.num_value_embeds, h.value_embed_layers = 0, (1, 2, 8, 9, 10)  # five tables, one per layer
     h.value_embed_gate_dim, h.value_embed_gate_reads_value = 12, True  # gates read x[:6] and ve[:6]
     h.value_embed_sparse = False
     h.xsa_layers, h.paired_head_layers = (1, 3, 4, 7), (0, 2, 5, 9)
+    h.paired_head_layout, h.window_edge_key, h.attn_out_init, h.narrow_yarn_window = "record", True, "uniform", "long"
     h.token_gates, h.token_gates_split = True, 4  # XSA strengths, output gates, x0 and bigram injection per token
     h.attn_gate_layers = (3, 10)
     h.composed_layers, h.composed_window = (10,), 112
     h.trunk, h.skip_layers, h.snapshot_layer = "dense", (3, 6), 7
+    h.mlp_free_layers, h.x0_layers, h.hashed_layers = (), None, None  # injections after every attention layer
+    h.final_mix, h.value_embed_full_width = "record89", True
     h.ngram_rows, h.ngram_dtype, h.bigram_rows = 0, "float32", 50304 * 15 // 2  # the bigram table: 377,280 rows
     h.canonical_mask = False
     # precision: record 89's bf16 weights and activations; FP8 MLP forward and head, QKV in bf16
     h.param_dtype, h.compute_dtype = "bfloat16", "bfloat16"
     h.fp8_mlp, h.fp8_qkv, h.fp8_head, h.fp8_mlp_scales = True, False, True, "record89"
+    h.fp8_qkv_scales, h.fp8_head_scales = "project", "record89"  # (QKV in bf16)
 
     # schedule
     h.num_iterations = N = 1270 + 15
@@ -383,6 +423,10 @@ def _record89_preset(h):
     h.scalar_lr, h.gate_lr, h.smear_gate_lr = 0.008 * 5, 0.008, 0.008 * 0.01
     h.token_gate_lr, h.dense_lr = 0.0008, 0.002
     h.embed_betas, h.value_embed_betas, h.scalar_betas = (0.5, 0.95), (0.75, 0.95), (0.9, 0.99)
+    # the dense trunk's residual scales (LR x5) and output scales (x1), betas (0.9, 0.95); the
+    # value-embedding gates and the gate and dense-connection MLPs' weights decayed as Adam's default
+    h.resid_scale_lr, h.post_scale_lr, h.scale_betas = 0.008 * 5, 0.008, (0.9, 0.95)
+    h.gate_wd = h.gate_mlp_wd = 0.005
     h.embed_wd, h.value_embed_wd = 0.005 * 150, 0.005 * 5
     h.adam_eps, h.adam_step_every, h.adam_eps_unit = 1e-10, 2, "token_sum"
     h.ngram_lr, h.ngram_wd, h.ngram_beta2, h.ngram_step_every, h.table_phases = 0.01, 0.0, 0.95, 1, []  # (no table)
@@ -391,9 +435,9 @@ def _record89_preset(h):
 def _one_gpu_preset(h):
     _speedrun_preset(h)
     h.track = "track_1gpu"         # the same dynamics as speedrun: the single-GPU track's recipe
-    # the table (130 GB in bf16) in host memory; the device caches the rows of 5 steps (more than
-    # min_cache_rows: an update every 4th step, the next step's prefetch and a validation slice)
-    h.ngram_cache_rows = 4_194_304
+    # the table (130 GB in bf16) in host memory; the device caches 4.5 Mi rows (7.2 GB), more than
+    # min_cache_rows: 2 rows a token of an update's 4 steps, the next step's and a validation slice's
+    h.ngram_cache_rows = 4_718_592
 
 
 def micro_batch_splits(h):
@@ -410,9 +454,13 @@ def micro_batch_splits(h):
 def split_micro_batches(h, k):
     """h with each slice of the global batch trained as k micro-batches by gradient accumulation:
     k times the slices (batch_ranks), each stage's tokens_per_rank divided by k. The global batch
-    and the schedules stay; a step's activations shrink about k-fold."""
+    and the schedules stay; a step's activations shrink about k-fold. The validation's windows
+    (val_tokens_per_rank) shrink k-fold too, so its forward does: a window's edge cuts a document,
+    so k times as many documents are cut (a slightly higher val loss)."""
     h.batch_ranks *= k
     h.stages = [dataclasses.replace(s, tokens_per_rank=s.tokens_per_rank // k) for s in h.stages]
+    if h.val_tokens_per_rank % k == 0:
+        h.val_tokens_per_rank //= k
     return h
 
 
@@ -451,6 +499,7 @@ def _medium_preset(h):
     equal and one stage; the 40 extension steps are the last (the same batch and windows, at
     the floor of the cooldown). Nothing is added to the model: what the public model has that
     ours lacks, and every value that maps with a difference, is in docs/medium.md."""
+    _project_rules(h)
     h.track = "track_2_medium"
     h.num_layers, h.model_dim, h.num_heads, h.head_dim = 16, 1024, 8, 128  # public: 16 layers of 1024, 8 heads of 128
     h.mlp_hidden = 4096            # public medium record: MLP hidden 4 x 1024, ReLU^2
@@ -515,6 +564,8 @@ def _medium_preset(h):
     h.smear_gate_lr = 0.004 * 0.01     # public medium record: smear_gate lr_mul 0.01, no decay
     h.scalar_lr = 0.008 * 5            # public medium record: scalar DistAdam lr 0.008, scalars lr_mul 5
     h.scalar_betas = (0.9, 0.99)       # public medium record: scalar DistAdam betas (0.9, 0.99)
+    h.resid_scale_lr, h.post_scale_lr, h.scale_betas = h.scalar_lr, h.scalar_lr, h.scalar_betas
+    h.gate_wd = h.gate_mlp_wd = 0.0
     h.gate_lr = 0.015 * 0.1            # public medium record: value_embed_gate NorMuon lr_mul 0.1 (ours: Adam)
     h.adam_eps = 1e-8                  # public medium record: DistAdam eps 1e-8
     h.adam_step_every = 2              # public medium record: Adam on odd steps only
@@ -530,6 +581,7 @@ def _medium_preset(h):
     h.val_files = "data/fineweb10B/fineweb_val_*.bin"
     h.val_tokens = 10_485_760
     h.param_dtype, h.compute_dtype, h.fp8_mlp_scales = "float32", "bfloat16", "record92"
+    h.fp8_qkv_scales, h.fp8_head_scales = "project", "record89"  # (FP8 layers only on a GPU or fp8_on_cpu)
     h.adamw_matrix_lr = 0.008
     h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start = 0.85, 0.98, 0.4385, 0.43
     h.anvil_fast_beta_follows_mu, h.value_embed_table_cadence = False, False
@@ -553,6 +605,7 @@ def _optimization_preset(h):
     matrices, AdamW for the rest; the LR flat for 30% of the steps, then linear to 0. Facts
     that our model cannot express, and every value mapped with a difference, are listed in
     records/track_3_optimization/README.md."""
+    _project_rules(h)
     h.track = "track_3_optimization"
     h.num_layers, h.model_dim, h.num_heads, h.head_dim = 12, 768, 6, 128  # public: 12 x 768, head_dim 128
     h.mlp_hidden = 4 * 768         # public: MLP 4 x dim, ReLU^2
@@ -578,6 +631,8 @@ def _optimization_preset(h):
     h.momentum_warmup_steps, h.momentum_cooldown_steps = 0, 0
     h.embed_lr, h.head_lr, h.scalar_lr = 0.7, 0.004, 0.015  # public: AdamW lr 0.7 / 0.004 / 0.015
     h.embed_betas = h.scalar_betas = (0.8, 0.95)  # public: betas (0.8, 0.95)
+    h.resid_scale_lr, h.post_scale_lr, h.scale_betas = h.scalar_lr, h.scalar_lr, h.scalar_betas
+    h.gate_wd = h.gate_mlp_wd = 0.0
     h.adam_eps = 1e-10             # public: eps 1e-10
     h.embed_wd = 0.001 / 0.7       # public: p *= 1 - lr x 0.001; ours lr^2 x wd: equal for the embedding at its peak
     # public: embedding N(0, 1), head zero; ours unties at step 0 by copying the embedding into the head,
@@ -594,6 +649,7 @@ def _optimization_preset(h):
     h.val_tokens, h.val_tokens_per_rank, h.batch_ranks = 10_485_760, 65_536, 8  # public: 8 x 64 x 1024 a step
     h.yarn_at_final_window, h.averages = True, []
     h.param_dtype, h.compute_dtype, h.fp8_mlp_scales = "float32", "bfloat16", "record92"
+    h.fp8_qkv_scales, h.fp8_head_scales = "project", "record89"  # (FP8 layers only on a GPU or fp8_on_cpu)
     h.adamw_matrix_lr = 0.008
     h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start = 0.85, 0.98, 0.4385, 0.43
     h.anvil_fast_beta_follows_mu, h.value_embed_table_cadence = False, False
@@ -636,6 +692,8 @@ TRIGRAM_MULT_CUR = 17351           # trigram row hash: multiplier of the current
 TRIGRAM_MULT_PREV = 60961          # trigram row hash: multiplier of the previous token
 TRIGRAM_MULT_PREV2 = 45259         # trigram row hash: multiplier of the token before that
 TRIGRAM_SIGN_MULTS = (29363, 47119, 13709)  # the trigram channel's sign-row hash (current, previous, before)
+RECORD_BIGRAM_SIGN_MULTS = (48271, 30011)  # record 92: the n-gram table's bigram sign hash (current, previous)
+RECORD_TRIGRAM_SIGN_MULTS = (58699, 39779, 26801)  # record 92: its trigram sign hash (current, previous, before)
 YARN_ALPHA = 1.0                   # YaRN: frequencies with fewer rotations per window than this are interpolated fully
 YARN_BETA = 32.0                   # YaRN: ... and those with more than this are kept as they are
 
@@ -794,6 +852,13 @@ def deinterleave_head_pairs(y):
     return y.view(T2 // 2, 2, half, D).transpose(1, 2).reshape(T2 // 2, 2 * half, D)
 
 
+def record_head_pairs(x):
+    """interleave_head_pairs' doubled sequence, each row rotated at its position, in the records'
+    layout: head h of token t at position 2t + h // (H/2), its rotation that of 2t + h % 2. Heads
+    h and h + H/2 pair; the rows move only within their token. The inverse: (T, H, D) reshape."""
+    return deinterleave_head_pairs(x).reshape(x.shape)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer, long_window: bool, value_embed: bool, xsa: bool, paired: bool,
                  fns):
@@ -802,7 +867,8 @@ class CausalSelfAttention(nn.Module):
         self.qk_dim, self.v_dim = head_dims(cfg, layer)
         self.narrow_qk = layer in cfg.narrow_qk_layers    # rotated in full, with their own scale
         self.key_offset = cfg.key_offset and long_window
-        self.paired = paired
+        self.paired, self.record_pairs = paired, paired and cfg.paired_head_layout == "record"
+        self.edge_keys = int(cfg.window_edge_key)  # keys a window shows beyond its length: the one w back
         self.qkv = nn.Parameter(torch.empty(cfg.num_heads * (2 * self.qk_dim + self.v_dim), cfg.model_dim))
         self.out = nn.Parameter(torch.zeros(cfg.model_dim, cfg.num_heads * self.v_dim))
         self.attention_fn, self.qk_norm_rope, self.composed_fn = fns.attention, fns.qk_norm_rope, fns.composed_attention
@@ -822,6 +888,8 @@ class CausalSelfAttention(nn.Module):
         self.sa_lambdas = nn.Parameter(torch.tensor(DENSE_SA_LAMBDAS)) if cfg.trunk == "dense" else None
         bound = (3 ** 0.5) * 0.5 * cfg.model_dim ** -0.5
         nn.init.uniform_(self.qkv, -bound, bound)
+        if cfg.attn_out_init == "uniform":
+            nn.init.uniform_(self.out, -bound, bound)
 
     def composed(self, q, k, v, doc_start, rotary, gates):
         """Composed attention (kernels.composed_attention) with this layer's head mixes from the
@@ -855,13 +923,13 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.project(x, ve, gates)
         if self.paired:
             q, k, v = (interleave_head_pairs(t) for t in (q, k, v))
-        window = args.long_window if self.long_window else args.short_window
+        window = (args.long_window if self.long_window else args.short_window) + self.edge_keys
         attend = self.attend_packed if args.cache is None else self.attend_cached
         y, own_values = attend(q, k, v, doc_start, rotary, args, window, gates)
         if self.xsa:
             y = remove_self_value(y, own_values, gates["xsa"] if "xsa" in gates else self.xsa_alpha)
         if self.paired:
-            y = deinterleave_head_pairs(y)
+            y = y.reshape(T, self.num_heads, -1) if self.record_pairs else deinterleave_head_pairs(y)
         if "attn" in gates:
             y = y * gates["attn"].type_as(y)[..., None]
         y = F.linear(y.reshape(T, -1), self.out.type_as(y))
@@ -881,7 +949,7 @@ class CausalSelfAttention(nn.Module):
             v = v * self.sa_lambdas[0].type_as(v)
         if ve is not None:
             gate = gates["ve"] if "ve" in gates else self.value_embed_gate(x, ve)
-            v = v + gate[..., None] * ve.view_as(v)
+            v = v + gate[..., None] * ve.view(T, H, -1)[..., :self.v_dim]   # (a wider table: each head's first dims)
         if "v" in gates:
             v = v + gates["v"].view_as(v)
         # Attention takes one dtype, the projection's: CUDA autocast runs the value-embedding sum in fp32.
@@ -897,6 +965,8 @@ class CausalSelfAttention(nn.Module):
         key_starts = doc_start if self.key_offset else None
         q, k = self.qk_norm_rope(q, k, *rotary.angles(0, q.size(0)), rotary.stationary, key_starts)
         q, k = q.to(v.dtype), k.to(v.dtype)
+        if self.record_pairs:
+            q, k, v = (record_head_pairs(t) for t in (q, k, v))
         y = self.attention_fn(q, k, v, args.cu_seqlens * rows_per_token, window, rotary.attn_scale)
         if self.composed_window:   # (never on a paired layer: q has one row per token)
             y = y + self.composed(q, k, v, kernels.document_bounds(args.cu_seqlens, q.size(0))[0], rotary, gates)
@@ -910,6 +980,8 @@ class CausalSelfAttention(nn.Module):
         q, k = self.qk_norm_rope(q, k, *rotary.angles(cache.length * rows_per_token, q.size(0)), rotary.stationary,
                                  None)
         q, k = q.to(v.dtype), k.to(v.dtype)
+        if self.record_pairs:
+            q, k, v = (record_head_pairs(t) for t in (q, k, v))
         own_values = v
         k, v = cache.extend(self, k, v, rows_per_token)
         if self.key_offset:
@@ -949,13 +1021,14 @@ class MLP(nn.Module):
 
 DENSE_SKIP_LAMBDA = -1.5          # dense trunk: the skip's strength is sigmoid of this learned scalar (0.18 at init)
 DENSE_SA_LAMBDAS = (0.5, 1.0)      # dense trunk: initial scales of the values (q, k are RMS-normed) and the attention's
-DENSE_SUBLAYER_SCALES = (1.1 ** 0.5, 1.0, 1.1 ** 0.5, 1.0)  # dense: initial (residual, output) scales of attention, MLP
+DENSE_RESID_SCALES = (1.1 ** 0.5, 1.1 ** 0.5)  # dense: initial residual scales before attention, MLP (record 89)
+DENSE_POST_SCALES = (1.0, 1.0)     # dense: initial scales of the attention's and the MLP's outputs (record 89)
 
 
 class Block(nn.Module):
-    """Attention (unless attention-free) and an MLP (or two side by side), each on the normed
-    residual. The U-net trunk mixes x0 into the residual first (forward); the dense trunk scales
-    the residual and each sublayer's output by learned scalars (forward_dense)."""
+    """Attention (unless attention-free) and an MLP (or two side by side, or none), each on the
+    normed residual. The U-net trunk mixes x0 into the residual first (forward); the dense trunk
+    scales the residual and each sublayer's output by learned scalars (forward_dense)."""
 
     def __init__(self, cfg: ModelConfig, layer, fns, value_embed):
         super().__init__()
@@ -963,13 +1036,18 @@ class Block(nn.Module):
         self.attn = (CausalSelfAttention(cfg, layer, layer in cfg.long_window_layers, value_embed,
                                          layer in cfg.xsa_layers, layer in cfg.paired_head_layers, fns)
                      if has_attn else None)
-        self.mlp = MLP(cfg.model_dim, cfg.mlp_hidden, fns.fp8_mlp)
+        self.mlp = MLP(cfg.model_dim, cfg.mlp_hidden, fns.fp8_mlp) if layer not in cfg.mlp_free_layers else None
         parallel = layer in cfg.parallel_mlp_layers
         self.parallel_mlp = MLP(cfg.model_dim, cfg.mlp_hidden, fns.fp8_mlp) if parallel else None
         if cfg.trunk == "unet":    # residual mix: x <- lambdas[0] * x + lambdas[1] * x0 before the sublayers
             self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))
-        elif layer < cfg.num_layers - 1:  # x <- scales[0] x + scales[1] attention, then [2], [3] for the MLP
-            self.scales = nn.Parameter(torch.tensor(DENSE_SUBLAYER_SCALES))  # (the last layer's: DenseConnections)
+        elif layer < cfg.num_layers - 1:  # x <- resid[0] x + post[0] attention, then resid[1], post[1] for the MLP
+            self.resid_scales = nn.Parameter(torch.tensor(DENSE_RESID_SCALES))  # (the last layer's: DenseConnections)
+            if has_attn or self.mlp is not None:  # (a layer with neither has no output to scale)
+                self.post_scales = nn.Parameter(torch.tensor(DENSE_POST_SCALES))
+        # dense: an attention-free layer scales its residual by resid_scales[0] all the same, but the
+        # skip's target, where the skip takes the attention's place
+        self.scales_without_attention = not has_attn and cfg.trunk == "dense" and layer != cfg.skip_layers[1]
 
     def mlps(self, normed):
         if self.parallel_mlp is not None:
@@ -986,25 +1064,36 @@ class Block(nn.Module):
                 x = x + gates["x0"] * x0
                 if hashed is not None:
                     x = x + gates["hashed"] * hashed
-        return x + self.mlps(rms_norm(x))
+        return x if self.mlp is None else x + self.mlps(rms_norm(x))
 
-    def forward_dense(self, x, attn_in, x0, ve, doc_start, rotary, args, gates, hashed, mix=None):
+    def forward_dense(self, x, attn_in, x0, ve, doc_start, rotary, args, gates, hashed):
         """The dense trunk's layer: attention reads attn_in (the residual, or a snapshot), then x0
-        and the hashed embedding enter through the token gates; `mix`, the last layer's coefficients
-        from the dense connections, replaces the scales and the injections (its x0 is the
-        trunk's input)."""
+        and the hashed embedding enter where the token gates have a lane for them (hashed None:
+        not here)."""
+        gates = gates or {}
         if self.attn is not None:
             y = self.attn(rms_norm(attn_in), ve, doc_start, rotary, args, gates)
-            if mix is not None:
-                x = mix["attn_residual"] * x + mix["attn_out"] * y + mix["x0"] * x0 + mix["hashed"] * hashed
-            else:
-                x = self.scales[0] * x + self.scales[1] * y + gates["x0"] * x0
-                if hashed is not None:
-                    x = x + gates["hashed"] * hashed
+            x = self.resid_scales[0] * x + self.post_scales[0] * y
+        elif self.scales_without_attention:
+            x = self.resid_scales[0] * x
+        if "x0" in gates:
+            x = x + gates["x0"] * x0
+        if "hashed" in gates and hashed is not None:
+            x = x + gates["hashed"] * hashed
+        if self.mlp is None:
+            return self.resid_scales[1] * x
         out = self.mlps(rms_norm(x))
-        if mix is not None:
-            return mix["mlp_residual"] * x + mix["mlp_out"] * out
-        return self.scales[2] * x + self.scales[3] * out
+        return self.resid_scales[1] * x + self.post_scales[1] * out
+
+    def forward_mixed(self, x, attn_in, x0, ve, doc_start, rotary, args, gates, hashed, mix):
+        """The dense trunk's last layer: `mix`, its coefficients from the dense connections, in
+        place of the scales and the token gates' injections (its x0 is the trunk's input).
+        Returns its output and its MLP's normed input."""
+        y = self.attn(rms_norm(attn_in), ve, doc_start, rotary, args, gates)
+        x = mix["attn_residual"] * x + mix["attn_out"] * y + mix["x0"] * x0 + mix["hashed"] * hashed
+        normed = rms_norm(x)
+        out = self.mlps(normed)
+        return mix["mlp_residual"] * x + mix["mlp_out"] * out, normed
 
 
 TOKEN_GATE_HIDDEN = 64             # hidden width of the token-gate MLPs
@@ -1018,24 +1107,24 @@ def token_gate_layout(cfg: ModelConfig):
     every attention layer before token_gates_split (first MLP) or from it on (second), the
     per-head XSA strengths (on XSA layers), the per-head output gates (on attn_gate_layers),
     the head mixes of composed attention (on composed_layers), then the x0 and hashed-embedding injection
-    gates. The dense trunk adds the skip's gate, and takes the last layer's injections from its
-    dense connections instead."""
+    gates (on their injection_layers). The dense trunk adds the skip's gate, and takes the last
+    layer's injections from its dense connections instead."""
     layouts = ([], [])
     dense = cfg.trunk == "dense"
+    x0_layers, hashed_layers = injection_layers(cfg)
     for layer in range(cfg.num_layers):
         layout = layouts[layer >= cfg.token_gates_split]
         if dense and layer == cfg.skip_layers[1]:
             layout.append((layer, "skip", 1))
-        if layer in cfg.attention_free_layers:
-            continue
-        if layer in cfg.xsa_layers:
-            layout.append((layer, "xsa", cfg.num_heads))
-        if layer in cfg.attn_gate_layers:
-            layout.append((layer, "attn", cfg.num_heads))
-        if layer in cfg.composed_layers:
-            layout += [(layer, "composed_in", cfg.num_heads), (layer, "composed_out", cfg.num_heads)]
-        if not (dense and layer == cfg.num_layers - 1):
-            layout += [(layer, "x0", 1), (layer, "hashed", 1)]
+        if layer not in cfg.attention_free_layers:
+            if layer in cfg.xsa_layers:
+                layout.append((layer, "xsa", cfg.num_heads))
+            if layer in cfg.attn_gate_layers:
+                layout.append((layer, "attn", cfg.num_heads))
+            if layer in cfg.composed_layers:
+                layout += [(layer, "composed_in", cfg.num_heads), (layer, "composed_out", cfg.num_heads)]
+        layout += [(layer, kind, 1) for kind, sites in (("x0", x0_layers), ("hashed", hashed_layers))
+                   if layer in sites]
     return layouts
 
 
@@ -1050,8 +1139,8 @@ class TokenGates(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.layouts = token_gate_layout(cfg)
-        self.first_layer = min(layer for layout in self.layouts for layer, kind, _ in layout
-                               if kind == "hashed")    # takes the hashed embedding first
+        self.first_layer = min((layer for layout in self.layouts for layer, kind, _ in layout
+                                if kind == "hashed"), default=None)    # takes the hashed embedding first
         widths = [sum(width for _, _, width in layout) for layout in self.layouts]
         self.w1 = nn.ParameterList(nn.Parameter(torch.empty(TOKEN_GATE_HIDDEN, cfg.model_dim)) for _ in widths)
         self.w2 = nn.ParameterList(nn.Parameter(torch.zeros(w, TOKEN_GATE_HIDDEN)) for w in widths)
@@ -1090,18 +1179,32 @@ LAST_LAYER_MIX = {"v_input": 0.0, "v_snapshot": 0.0, "v_residual": 0.0, "input":
 FINAL_MIX = {"input": 0.0, "snapshot": -0.5, "last_input": 0.0, "value_embed": 0.0, "skip_source": 0.0}
 
 
+def final_mix_record92(tables):
+    """Record 92's final mix over a model with `tables` value-embedding tables: the trunk's input,
+    the snapshot, the last layer's input, the first table, the skip's source, the other tables,
+    the last layer's normed MLP input and its normed attention input (the snapshot's), each
+    coefficient at 0 at init but the snapshot's -0.5."""
+    names = ["input", "snapshot", "last_input", *[f"value_embed{t}" for t in range(tables)][:1], "skip_source",
+             *[f"value_embed{t}" for t in range(1, tables)], "mlp_input", "attn_input"]
+    return {name: -0.5 if name == "snapshot" else 0.0 for name in names}
+
+
 class DenseConnections(nn.Module):
     """Record 89's dense connections (MUDD: per-token coefficients from small MLPs that mix
     earlier layers' states back in): one MLP on the residual entering the last layer makes
-    LAST_LAYER_MIX, one on the residual after it makes FINAL_MIX."""
+    LAST_LAYER_MIX, one on the residual after it makes the final mix's coefficients (FINAL_MIX;
+    record 92's, final_mix_record92, add a delta per channel group from the same hidden layer)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.mixes = (LAST_LAYER_MIX, FINAL_MIX)
+        final = final_mix_record92(len(set(value_embed_tables(cfg).values())))
+        self.mixes = (LAST_LAYER_MIX, final if cfg.final_mix == "record92" else FINAL_MIX)
         self.w1 = nn.ParameterList(nn.Parameter(torch.empty(DENSE_HIDDEN, cfg.model_dim)) for _ in self.mixes)
         self.w2 = nn.ParameterList(nn.Parameter(torch.zeros(len(mix), DENSE_HIDDEN)) for mix in self.mixes)
         self.b2 = nn.ParameterList(nn.Parameter(torch.tensor([v / DENSE_SCALE for v in mix.values()]))
                                    for mix in self.mixes)
+        self.w2_groups = (nn.Parameter(torch.zeros(len(final), FINAL_MIX_GROUPS, DENSE_HIDDEN))
+                          if cfg.final_mix == "record92" else None)
         for w in self.w1:
             nn.init.kaiming_uniform_(w, a=math.sqrt(5))   # nn.Linear's default init
 
@@ -1111,11 +1214,31 @@ class DenseConnections(nn.Module):
         out = (F.linear(hidden, self.w2[which].type_as(x)) + self.b2[which].type_as(x)) * DENSE_SCALE
         return dict(zip(self.mixes[which], out.split(1, dim=-1)))
 
+    def grouped_mix(self, x, sources):
+        """Record 92's final mix: x plus each source of `sources` ({name: (T, model_dim)}) times its
+        coefficient plus its delta per channel group (model_dim in FINAL_MIX_GROUPS groups)."""
+        hidden = F.gelu(F.linear(x, self.w1[1].type_as(x)))
+        coefficients = (F.linear(hidden, self.w2[1].type_as(x)) + self.b2[1].type_as(x)) * DENSE_SCALE  # (T, K)
+        deltas = torch.einsum("td,kgd->tkg", hidden, self.w2_groups.type_as(x)) * DENSE_SCALE           # (T, K, G)
+        grouped = x.unflatten(-1, (FINAL_MIX_GROUPS, -1))
+        for k, name in enumerate(self.mixes[1]):
+            share = coefficients[:, k, None] + deltas[:, k]
+            grouped = grouped + share[..., None] * sources[name].unflatten(-1, (FINAL_MIX_GROUPS, -1))
+        return grouped.flatten(-2)
+
 
 def document_starts(context):
     """Whether each token starts a document: BOS, or the first token of the slice (whose
     predecessor, if any, is not known)."""
     return torch.cat([context.new_ones(1, dtype=torch.bool), context[1:] == BOS_ID])
+
+
+def token_starts(context, cross_documents):
+    """Whether each token has no predecessor for the smear, the key offset and the hashed tables:
+    a document's first (document_starts), or with cross_documents only the slice's first."""
+    if cross_documents:
+        return torch.arange(context.shape[0], device=context.device) == 0
+    return document_starts(context)
 
 
 def previous_tokens(tokens, is_doc_start):
@@ -1124,44 +1247,70 @@ def previous_tokens(tokens, is_doc_start):
     return torch.where(is_doc_start, BOS_ID, torch.roll(tokens, 1))
 
 
-def bigram_rows(tokens, is_doc_start, rows):
-    """Hash (previous, current) token pairs to table rows; a document's first token gets the last row."""
+def after_starts(is_doc_start):
+    """Whether the token before each one starts a document."""
+    return torch.cat([is_doc_start.new_zeros(1), is_doc_start[:-1]])
+
+
+def wrap_int32(x):
+    """int64 products as the records' int32 arithmetic leaves them: wrapped into [-2^31, 2^31)."""
+    return (x + 2 ** 31) % 2 ** 32 - 2 ** 31
+
+
+def bigram_rows(tokens, is_doc_start, rows, record=False):
+    """Hash (previous, current) token pairs to table rows; a document's first token gets the last
+    row. record: the records' arithmetic, int32 products that wrap, and the token after a start
+    hashed with the reserved row's id as its previous token."""
     cur, prev = tokens.long(), previous_tokens(tokens, is_doc_start).long()
-    row = ((BIGRAM_MULT_CUR * cur) ^ (BIGRAM_MULT_PREV * prev)) % (rows - 1)
+    if record:
+        prev = torch.where(after_starts(is_doc_start), rows - 1, prev)
+        row = (wrap_int32(BIGRAM_MULT_CUR * cur) ^ wrap_int32(BIGRAM_MULT_PREV * prev)) % (rows - 1)
+    else:
+        row = ((BIGRAM_MULT_CUR * cur) ^ (BIGRAM_MULT_PREV * prev)) % (rows - 1)
     return torch.where(is_doc_start, rows - 1, row)
 
 
-def bigram_sign_rows(tokens, is_doc_start):
+def bigram_sign_rows(tokens, is_doc_start, rule="project"):
+    """Rows of the sign table for (previous, current) pairs: ours (multiplied ids), or the records'
+    with row 0 at a start: record89's xor of the raw ids, record92's multiplied ids."""
     cur, prev = tokens.long(), previous_tokens(tokens, is_doc_start).long()
-    return ((SIGN_MULT_CUR * cur) ^ (SIGN_MULT_PREV * prev)) % SIGN_ROWS
+    if rule == "project":
+        return ((SIGN_MULT_CUR * cur) ^ (SIGN_MULT_PREV * prev)) % SIGN_ROWS
+    a, b = (1, 1) if rule == "record89" else RECORD_BIGRAM_SIGN_MULTS
+    return torch.where(is_doc_start, 0, ((a * cur) ^ (b * prev)) % SIGN_ROWS)
 
 
 def two_tokens_back(tokens, is_doc_start):
     """(the token two positions back in its document, BOS where there is none; whether the
     token is one of its document's first two, which have no trigram)."""
-    after_start = torch.cat([is_doc_start.new_zeros(1), is_doc_start[:-1]])  # the token before starts a document
-    first_two = is_doc_start | after_start
+    first_two = is_doc_start | after_starts(is_doc_start)
     return torch.where(first_two, BOS_ID, torch.roll(tokens, 2)), first_two
 
 
-def ngram_rows(tokens, is_doc_start, rows):
+def ngram_rows(tokens, is_doc_start, rows, record=False):
     """(T, 2) rows of the n-gram table: each token's bigram row in [0, rows/2) (bigram_rows of
     that half: a document's first token takes its last row) and its trigram row in
-    [rows/2, rows), where a document's first two tokens take the last row."""
+    [rows/2, rows), where a document's first two tokens take the last row. record: the records'
+    int32 arithmetic (bigram_rows)."""
     half = rows // 2
     cur, prev = tokens.long(), previous_tokens(tokens, is_doc_start).long()
     prev2, first_two = two_tokens_back(tokens, is_doc_start)
-    trigram = ((TRIGRAM_MULT_CUR * cur) ^ (TRIGRAM_MULT_PREV * prev) ^ (TRIGRAM_MULT_PREV2 * prev2.long())) % (
-        rows - half - 1)
-    return torch.stack([bigram_rows(tokens, is_doc_start, half), torch.where(first_two, rows - 1, trigram + half)],
-                       dim=1)
+    products = (TRIGRAM_MULT_CUR * cur, TRIGRAM_MULT_PREV * prev, TRIGRAM_MULT_PREV2 * prev2.long())
+    if record:
+        products = [wrap_int32(p) for p in products]
+    trigram = (products[0] ^ products[1] ^ products[2]) % (rows - half - 1)
+    return torch.stack([bigram_rows(tokens, is_doc_start, half, record),
+                        torch.where(first_two, rows - 1, trigram + half)], dim=1)
 
 
-def trigram_sign_rows(tokens, is_doc_start):
+def trigram_sign_rows(tokens, is_doc_start, record=False):
+    """Rows of the sign table for the trigrams: ours, or record 92's (row 0 for a document's
+    first two tokens)."""
     cur, prev = tokens.long(), previous_tokens(tokens, is_doc_start).long()
-    prev2 = two_tokens_back(tokens, is_doc_start)[0].long()
-    a, b, c = TRIGRAM_SIGN_MULTS
-    return ((a * cur) ^ (b * prev) ^ (c * prev2)) % SIGN_ROWS
+    prev2, first_two = two_tokens_back(tokens, is_doc_start)
+    a, b, c = RECORD_TRIGRAM_SIGN_MULTS if record else TRIGRAM_SIGN_MULTS
+    rows = ((a * cur) ^ (b * prev) ^ (c * prev2.long())) % SIGN_ROWS
+    return torch.where(first_two, 0, rows) if record else rows
 
 
 @dataclass(frozen=True)
@@ -1194,10 +1343,12 @@ class NgramTable(nn.Module):
     `fetched` at `slots` (T, 2), which the trainer fills before the forward (ShardedNgramRows,
     HostNgramRows)."""
 
-    def __init__(self, rows, dim, max_tokens, dtype=torch.float32, placement=None):
+    def __init__(self, rows, dim, max_tokens, dtype=torch.float32, placement=None, cross_documents=False,
+                 record_hashes=False):
         super().__init__()
         placement = placement or TablePlacement()
         self.rows, self.on_host = rows, placement.cache_rows > 0
+        self.cross_documents, self.record_hashes = cross_documents, record_hashes  # (token_starts, ngram_rows)
         self.gathered = placement.shards > 1 or self.on_host
         self.first_row = placement.shard * (rows // placement.shards)
         device = placement.device
@@ -1221,11 +1372,11 @@ class NgramTable(nn.Module):
             self._buffers["table"] = table
 
     def rows_of(self, context, is_start):
-        return ngram_rows(context, is_start, self.rows)
+        return ngram_rows(context, is_start, self.rows, self.record_hashes)
 
     def slice_rows(self, tokens):
         """The (2T,) rows of a slice's tokens (T,): each token's bigram row, then its trigram row."""
-        return self.rows_of(tokens, document_starts(tokens)).reshape(-1)
+        return self.rows_of(tokens, token_starts(tokens, self.cross_documents)).reshape(-1)
 
     def forward(self, context, is_start, seen, signs, lookup=False):
         """(T, dim) for the last T = len(context) - seen tokens of `context`; with `lookup` (a
@@ -1238,8 +1389,9 @@ class NgramTable(nn.Module):
             entries = self.table[rows.to(self.table.device)].to(context.device)
         if self.training:
             entries = entries + first_rows(self.sink, count)
-        return (entries[:, 0] * signs[bigram_sign_rows(context, is_start)[seen:]]
-                + entries[:, 1] * signs[trigram_sign_rows(context, is_start)[seen:]])
+        rule = "record92" if self.record_hashes else "project"
+        return (entries[:, 0] * signs[bigram_sign_rows(context, is_start, rule)[seen:]]
+                + entries[:, 1] * signs[trigram_sign_rows(context, is_start, self.record_hashes)[seen:]])
 
 
 def first_rows(t, n):
@@ -1282,9 +1434,11 @@ class GPT(nn.Module):
             self.smear_lambda = nn.Parameter(torch.zeros(()))
         else:
             self.smear_gate = None
+        self.cross_documents, self.record_hashes = cfg.cross_documents, cfg.table_hashes == "record"
         if cfg.ngram_rows:
             self.bigram, self.ngram = None, NgramTable(cfg.ngram_rows, cfg.model_dim, max_tokens,
-                                                       getattr(torch, cfg.ngram_dtype), placement)
+                                                       getattr(torch, cfg.ngram_dtype), placement,
+                                                       cfg.cross_documents, cfg.table_hashes == "record")
         else:
             self.bigram, self.ngram = nn.Embedding(cfg.bigram_rows, cfg.model_dim), None
             nn.init.zeros_(self.bigram.weight)
@@ -1292,7 +1446,7 @@ class GPT(nn.Module):
                               generator=torch.Generator().manual_seed(SIGN_TABLE_SEED)) * 2 - 1
         self.register_buffer("signs", signs.float(), persistent=False)
         self.value_embed_layer = value_embed_tables(cfg)
-        value_widths = {table: cfg.num_heads * head_dims(cfg, layer)[1] for layer, table in
+        value_widths = {table: value_embed_width(cfg, layer) for layer, table in
                         sorted(self.value_embed_layer.items())}
         self.value_embeds = nn.ModuleList(nn.Embedding(PADDED_VOCAB_SIZE, value_widths[table])
                                           for table in sorted(value_widths))
@@ -1315,8 +1469,9 @@ class GPT(nn.Module):
             self.skip_layers, self.snapshot_layer = tuple(cfg.skip_layers), cfg.snapshot_layer
             self.skip_lambda = nn.Parameter(torch.tensor(DENSE_SKIP_LAMBDA))
             wide = [layer for layer in sorted(self.value_embed_layer)     # value embeddings the final mix can add
-                    if cfg.num_heads * head_dims(cfg, layer)[1] == cfg.model_dim]
+                    if value_embed_width(cfg, layer) == cfg.model_dim]
             self.final_value_embed_layer = wide[0] if wide else None
+            self.grouped_final_mix = cfg.final_mix == "record92"
         self.token_gates = TokenGates(cfg) if cfg.token_gates else None
         self.token_gates_split = cfg.token_gates_split
         self.max_tokens = max_tokens
@@ -1324,6 +1479,7 @@ class GPT(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_base, positions, cfg.attn_scale, cfg.yarn_scale_growth)
         self.narrow_rotary = (Rotary(cfg.narrow_qk_dim, cfg.rope_base, positions, cfg.narrow_qk_attn_scale,
                                      cfg.yarn_scale_growth, rotate_all=True) if cfg.narrow_qk_layers else None)
+        self.narrow_yarn_short = cfg.narrow_yarn_window == "short"
         self.register_buffer("prefix_table", torch.from_numpy(prefix_token_table()).long(), persistent=False)
         self.canonical_mask = NoncanonicalPairs() if cfg.canonical_mask else None
         if cfg.param_dtype == "bfloat16":   # weights, gradient sinks and the sign table; the FP8 states stay fp32
@@ -1359,11 +1515,13 @@ class GPT(nn.Module):
             for s, (value, grad) in zip(sinks, whole):
                 s.data, s.grad = value, grad
 
-    def set_windows(self, long_windows):
-        """RoPE tables and attention scales after the long window grew through `long_windows`."""
-        for rotary in (self.rotary, self.narrow_rotary):
-            if rotary is not None:
-                rotary.set_windows(long_windows)
+    def set_windows(self, long_windows, short_windows=()):
+        """RoPE tables and attention scales after the long window grew through `long_windows` and
+        the short one through `short_windows` (tokens): the narrow layers' follow the short one
+        where narrow_yarn_window says so."""
+        self.rotary.set_windows(long_windows)
+        if self.narrow_rotary is not None:
+            self.narrow_rotary.set_windows(short_windows if self.narrow_yarn_short else long_windows)
 
     def untie(self):
         """From now on lm_head is its own parameter, starting from the embedding's values."""
@@ -1417,7 +1575,7 @@ class GPT(nn.Module):
         cache = args.cache
         context = tokens if cache is None or cache.length == 0 else torch.cat([cache.last_tokens, tokens])
         seen = context.size(0) - tokens.size(0)
-        is_start = document_starts(context)
+        is_start = token_starts(context, self.cross_documents)
         doc_start = is_start[seen:]
         if self.smear_gate is None:
             x = self.embed(tokens)
@@ -1426,8 +1584,9 @@ class GPT(nn.Module):
         if self.ngram is not None:
             hashed = self.ngram(context, is_start, seen, self.signs, lookup=cache is not None)
         else:
-            hashed = self.bigram(bigram_rows(context, is_start, self.bigram.num_embeddings)[seen:])
-            hashed = hashed * self.signs[bigram_sign_rows(context, is_start)[seen:]]
+            rows = bigram_rows(context, is_start, self.bigram.num_embeddings, self.record_hashes)
+            rule = "record89" if self.record_hashes else "project"
+            hashed = self.bigram(rows[seen:]) * self.signs[bigram_sign_rows(context, is_start, rule)[seen:]]
         ves = self.value_embeddings(tokens)
         if self.trunk == "dense":
             x = self.dense_trunk(rms_norm(x), hashed, ves, doc_start, args)
@@ -1482,7 +1641,7 @@ class GPT(nn.Module):
         attention input; the last layer's mixes and a final mix of earlier states come from the
         dense connections."""
         gates = self.token_gates(0, x0)
-        x = x0 + gates[self.token_gates.first_layer]["hashed"] * hashed
+        x = x0 + gates[0]["hashed"] * hashed if "hashed" in gates.get(0, {}) else x0
         saved = {"input": x}
         last = len(self.blocks) - 1
         for i, block in enumerate(self.blocks):
@@ -1492,10 +1651,9 @@ class GPT(nn.Module):
             attn_in = saved["snapshot"] if i > self.snapshot_layer else x
             if i == self.skip_layers[1]:
                 x = x + torch.sigmoid(self.skip_lambda) * gates[i]["skip"] * saved["skip_source"]
-            if i < last:
-                first = i == self.token_gates.first_layer
+            if i < last:            # (layer 0's hashed embedding is already in)
                 x = block.forward_dense(x, attn_in, x0, ve, doc_start, rotary, args, gates.get(i),
-                                        None if first else hashed)
+                                        None if i == 0 else hashed)
             else:
                 saved["last_input"] = x
                 mix = self.dense(0, x)
@@ -1506,12 +1664,15 @@ class GPT(nn.Module):
                     lanes = torch.cat([mix["ve_lane0"], mix["ve_lane1"]], dim=-1)
                     layer_gates["ve"] = lanes.repeat_interleave(block.attn.num_heads // 2, dim=-1)
                 x = (1 + mix["residual"]) * x + mix["input"] * saved["input"] + mix["snapshot"] * saved["snapshot"]
-                x = block.forward_dense(x, attn_in, saved["input"], ve, doc_start, rotary, args, layer_gates, hashed,
-                                        mix)
+                x, saved["mlp_input"] = block.forward_mixed(x, attn_in, saved["input"], ve, doc_start, rotary, args,
+                                                            layer_gates, hashed, mix)
             if i == self.skip_layers[0]:
                 saved["skip_source"] = x
             if i == self.snapshot_layer:
                 saved["snapshot"] = x
+        if self.grouped_final_mix:
+            tables = {f"value_embed{t}": ve for t, ve in enumerate(ves)}
+            return self.dense.grouped_mix(x, {**saved, **tables, "attn_input": rms_norm(saved["snapshot"])})
         final = self.dense(1, x)
         layer = self.final_value_embed_layer
         first_ve = ves[self.value_embed_layer[layer]] if layer is not None else 0.0
@@ -1725,20 +1886,41 @@ def _targets(stream, starts, lengths, ends, num_targets):
     return out
 
 
+def _packed_targets(buffer, num_targets):
+    """targets[i, k] = buffer[i + k + 1] where that is in the buffer, else -1: the packed rule,
+    buffer being a slice's tokens and the one that follows its last."""
+    out = np.full((buffer.size - 1, num_targets), -1, dtype=np.int64)
+    for k in range(num_targets):
+        out[:buffer.size - 1 - k, k] = buffer[k + 1:]
+    return out
+
+
+def attention_segment_ends(offset, length, segment_tokens):
+    """The ends of a piece's attention segments, the piece being tokens [offset, offset + length)
+    of the slice: one every segment_tokens tokens inside it (0: none), then its end."""
+    inner = range(offset + segment_tokens, offset + length, segment_tokens) if segment_tokens else ()
+    return [*inner, offset + length]
+
+
 def _packed_tokens(pieces, T):
     """The (T,) int32 tokens _pack makes of the pieces, without their targets."""
     tokens = np.concatenate([stream[start:start + length] for stream, start, length, _ in pieces]).astype(np.int32)
     return torch.from_numpy(np.concatenate([tokens, np.full(T - tokens.size, BOS_ID, dtype=np.int32)]))
 
 
-def _pack(pieces, T):
-    """Concatenate (stream, start, length, doc_end) pieces into one Slice of exactly T tokens."""
+def _pack(pieces, T, target_rule="document", segment_tokens=0, following=BOS_ID):
+    """Concatenate (stream, start, length, doc_end) pieces into one Slice of exactly T tokens: the
+    targets by target_rule (packed: `following` is the token after the last piece), the
+    documents' attention segments at most segment_tokens long (0: no limit)."""
     tokens, targets, cu = [], [], [0]
     for stream, start, length, end in pieces:
         tokens.append(stream[start:start + length].astype(np.int32))
-        targets.append(_targets(stream, [start], [length], [end], MAX_TARGETS - 1))
-        cu.append(cu[-1] + length)
+        if target_rule == "document":
+            targets.append(_targets(stream, [start], [length], [end], MAX_TARGETS - 1))
+        cu += attention_segment_ends(cu[-1], length, segment_tokens)
     filled = cu[-1]
+    if target_rule == "packed":
+        targets.append(_packed_targets(np.concatenate([*tokens, [following]]), MAX_TARGETS - 1))
     if filled < T:                 # too many tiny documents: pad with loss-free BOS tokens
         tokens.append(np.full(T - filled, BOS_ID, dtype=np.int32))
         targets.append(np.full((T - filled, MAX_TARGETS - 1), -1, dtype=np.int64))
@@ -1755,15 +1937,16 @@ class TrainLoader:
     Each global batch is `num_slices` consecutive slices of T tokens; a slice is whole documents,
     each starting at a BOS and cut at `max_doc_len` tokens (the rest of a cut document is skipped),
     the last one cut to fit. Every process walks the same stream and builds only its own slices.
-    The next shard is read in a background thread while the current one is used.
+    The next shard is read in a background thread while the current one is used. target_rule
+    and segment_tokens: _pack's (a run's are train_loader's).
     """
 
-    def __init__(self, files, batch_tokens):
+    def __init__(self, files, batch_tokens, target_rule="document", segment_tokens=0):
         total = sum(read_shard(f).size for f in files)
         if total < batch_tokens:
             raise DataError(f"the train files ({', '.join(files)}) hold {total} tokens, fewer than one "
                             f"global batch needs ({batch_tokens}): add shards or lower tokens_per_rank")
-        self.files = files
+        self.files, self.target_rule, self.segment_tokens = files, target_rule, segment_tokens
         self.pool = ThreadPoolExecutor(max_workers=1)
         self.next_file = 0
         self.future = self._prefetch()
@@ -1792,16 +1975,35 @@ class TrainLoader:
         every_tokens, also the tokens (T,) of each of its slices, in order (a list)."""
         out, tokens = [], []
         for i in range(num_slices):
-            pieces, filled = [], 0
-            while filled < T and len(pieces) < T // MIN_DOC_TOKENS:
+            pieces, filled, segments = [], 0, 0
+            while filled < T and segments + self.segments_of(min(max_doc_len, T - filled)) <= T // MIN_DOC_TOKENS:
                 stream, start, length, end = self._next_piece(min(max_doc_len, T - filled))
                 pieces.append((stream, start, length, end))
                 filled += length
+                segments += self.segments_of(length)
             if i in mine:
-                out.append(_pack(pieces, T))
+                following = following_token(pieces, max_doc_len)
+                out.append(_pack(pieces, T, self.target_rule, self.segment_tokens, following))
             if every_tokens:
                 tokens.append(out[-1].tokens if i in mine else _packed_tokens(pieces, T))
         return (out, tokens) if every_tokens else out
+
+    def segments_of(self, length):
+        """Attention segments of a piece of `length` tokens: a slice's cu_seqlens holds at most
+        T // MIN_DOC_TOKENS of them."""
+        return -(-length // self.segment_tokens) if self.segment_tokens else 1
+
+
+def following_token(pieces, max_doc_len):
+    """The token after a slice's last piece, where the packed targets end: the rest of its document
+    when the piece was cut to fit the slice, else the next document's BOS."""
+    stream, start, length, _ = pieces[-1]
+    return int(stream[start + length]) if length < max_doc_len and start + length < stream.size else BOS_ID
+
+
+def train_loader(h, train_files):
+    """The run's TrainLoader: its largest global batch, target rule and attention segments."""
+    return TrainLoader(train_files, batch_tokens(h), h.target_rule, h.attention_segment_tokens)
 
 
 class BatchPrefetcher:
@@ -1850,7 +2052,7 @@ class BatchPrefetcher:
 def loader_at(h, files, step):
     """A TrainLoader that has walked the batches of steps 0..step-1, packing none: where the run's
     loader is at `step`."""
-    loader = TrainLoader(files, batch_tokens(h))
+    loader = train_loader(h, files)
     for done in range(step):
         stage = h.stages[stage_index(h, done)]
         loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, mine=())
@@ -2057,7 +2259,8 @@ def averaged_pieces(model, params):
         elif params == "vo_mlp":
             if attn is not None:
                 pieces += [(f"v{i}", attn.qkv.data[qk_rows:]), (f"out{i}", attn.out.data)]
-            pieces += [(f"mlp_up{i}", block.mlp.up.data), (f"mlp_down{i}", block.mlp.down.data)]
+            if block.mlp is not None:
+                pieces += [(f"mlp_up{i}", block.mlp.up.data), (f"mlp_down{i}", block.mlp.down.data)]
             if block.parallel_mlp is not None:
                 pieces += [(f"mlp2_up{i}", block.parallel_mlp.up.data), (f"mlp2_down{i}", block.parallel_mlp.down.data)]
     return pieces
@@ -2154,6 +2357,16 @@ def long_window_history(h, step, final_validation=False):
     blocks = [h.stages[i].long_window for i in range(stage_index(h, step) + 1)]
     if final_validation and h.yarn_at_final_window:
         blocks.append(h.val_long_window)
+    return growth_history(blocks)
+
+
+def short_window_history(h, step):
+    """The short window's history, as long_window_history's (the final validation keeps it)."""
+    return growth_history([h.stages[i].short_window for i in range(stage_index(h, step) + 1)])
+
+
+def growth_history(blocks):
+    """The first window (tokens) of `blocks` and each one wider than all before it."""
     history = []
     for b in blocks:
         if not history or b * WINDOW_BLOCK > history[-1]:
@@ -2165,7 +2378,7 @@ def model_at(model, h, step, final_validation=False):
     """Put the model where the schedule has it at `step` (or at the final validation): the long
     window's history (RoPE frequencies and attention scales under YaRN) and the head tied or
     untied. Returns True when this call untied the head (its optimizer state then follows)."""
-    model.set_windows(long_window_history(h, step, final_validation))
+    model.set_windows(long_window_history(h, step, final_validation), short_window_history(h, step))
     tied = step < untie_step(h)
     if tied and not model.tied:
         model.tie()
@@ -2330,8 +2543,8 @@ def fp8_kernels(h, use_triton):
         # the head's gradient comes from the cross-entropy kernel, which no cast can join
         head = functools.partial(kernels.fp8_linear, gemm=h.fp8_gemm)
     return (functools.partial(mlp, scales=kernels.MLP_SCALES[h.fp8_mlp_scales]) if h.fp8_mlp else None,
-            functools.partial(linear, scales=kernels.QKV_SCALES) if h.fp8_qkv else None,
-            functools.partial(head, scales=kernels.HEAD_SCALES) if h.fp8_head else None)
+            functools.partial(linear, scales=kernels.QKV_SCALE_RULES[h.fp8_qkv_scales]) if h.fp8_qkv else None,
+            functools.partial(head, scales=kernels.HEAD_SCALE_RULES[h.fp8_head_scales]) if h.fp8_head else None)
 
 
 def select_kernels(h, device):
@@ -2346,8 +2559,8 @@ def select_kernels(h, device):
     with_fp8 = use_triton or device.type == "cuda" or h.fp8_on_cpu
     mlp, qkv, head = fp8_kernels(h, use_triton) if with_fp8 else (None, None, None)
     if use_triton:
-        head_loss = (functools.partial(kernels.fp8_head_cross_entropy, scales=kernels.HEAD_SCALES, gemm=h.fp8_gemm,
-                                       casts=fp8_casts(h)) if h.fp8_head else None)
+        head_loss = (functools.partial(kernels.fp8_head_cross_entropy, scales=kernels.HEAD_SCALE_RULES[h.fp8_head_scales],
+                                       gemm=h.fp8_gemm, casts=fp8_casts(h)) if h.fp8_head else None)
         attention = (kernels.flash_attn_varlen if h.attention_impl == "fastest"
                      else functools.partial(kernels.flash_attn_varlen, impl=h.attention_impl))
         return KernelFns(attention, kernels.softcap_cross_entropy, mlp, kernels.xxt, qkv, head,
@@ -2370,7 +2583,10 @@ def adam_groups(h, model):
     gates = [p for name, p in model.named_parameters() if is_gate(name) and name != "smear_gate"]
     token_gates = list(model.token_gates.parameters()) if model.token_gates is not None else []
     dense = list(model.dense.parameters()) if model.trunk == "dense" else []
-    scalars = [p for p in model.parameters() if p.ndim < 2 and all(p is not q for q in token_gates + dense)]
+    resid = [b.resid_scales for b in model.blocks if hasattr(b, "resid_scales")]
+    post = [b.post_scales for b in model.blocks if hasattr(b, "post_scales")]
+    scalars = [p for p in model.parameters()
+               if p.ndim < 2 and all(p is not q for q in token_gates + dense + resid + post)]
     bigram = [model.bigram.weight] if model.bigram is not None else []    # (the n-gram table is SparseRowAdam's)
     dense_value_embeds = model.value_sinks is None and not h.value_embed_table_cadence   # (else value_embed_adam's)
     value_embeds = bigram + ([ve.weight for ve in model.value_embeds] if dense_value_embeds else [])
@@ -2380,9 +2596,14 @@ def adam_groups(h, model):
         dict(name="value_embeds", params=value_embeds, lr=h.value_embed_lr, betas=h.value_embed_betas,
              weight_decay=h.value_embed_wd),
         dict(name="scalars", params=scalars, lr=h.scalar_lr, betas=h.scalar_betas, weight_decay=0.0),
-        dict(name="gates", params=gates, lr=h.gate_lr, betas=h.scalar_betas, weight_decay=0.0),
-        dict(name="token_gates", params=token_gates, lr=h.token_gate_lr, betas=h.scalar_betas, weight_decay=0.0),
-        dict(name="dense", params=dense, lr=h.dense_lr, betas=h.scalar_betas, weight_decay=0.0),
+        dict(name="resid_scales", params=resid, lr=h.resid_scale_lr, betas=h.scale_betas, weight_decay=0.0),
+        dict(name="post_scales", params=post, lr=h.post_scale_lr, betas=h.scale_betas, weight_decay=0.0),
+        dict(name="gates", params=gates, lr=h.gate_lr, betas=h.scalar_betas, weight_decay=h.gate_wd),
+        *[dict(name=f"{name}{'_weights' if decayed else ''}", lr=lr, betas=h.scalar_betas,
+               weight_decay=h.gate_mlp_wd if decayed else 0.0,
+               params=[p for p in params if (p.ndim >= 2) == decayed])
+          for name, params, lr in (("token_gates", token_gates, h.token_gate_lr), ("dense", dense, h.dense_lr))
+          for decayed in (True, False)],
     ]
     if model.smear_gate is not None:
         groups.append(dict(name="smear_gate", params=[model.smear_gate], lr=h.smear_gate_lr, betas=h.scalar_betas,
@@ -2756,8 +2977,7 @@ def host_syncs_are_errors(enabled):
 def first_batch(h, train_files, mine):
     """This rank's slices of step 0's batch (a fresh loader starts where the run's does)."""
     stage = h.stages[0]
-    return TrainLoader(train_files, batch_tokens(h)).next_batch(stage.tokens_per_rank, stage.max_doc_len,
-                                                                h.batch_ranks, mine)
+    return train_loader(h, train_files).next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, mine)
 
 
 def warm_up_steps_per_key(h):
@@ -2823,7 +3043,7 @@ def warm_up(trainer, train_files, val_slices, progress=None):
     say = progress.say if progress is not None else lambda piece: None
     before = compiled_graphs()
     saved = trainer.snapshot()
-    loader = TrainLoader(train_files, batch_tokens(h))
+    loader = train_loader(h, train_files)
     trainer.graphs.in_warm_up = trainer.tables.frozen = True
     steps_per_key, keys = warm_up_steps_per_key(h), graph_changes(h)
     for k, step in enumerate(keys):

@@ -41,7 +41,7 @@ def profile_steps(h, at, warmup, steps):
     env = tg.start_process(h)
     trainer = tg.Trainer(h, env, log=None)
     train_files = find_shards(h.train_files, hint=tg.TINY_HINT)
-    batches = tg.BatchPrefetcher(tg.TrainLoader(train_files, tg.batch_tokens(h)), h, trainer.mine, pin=False)
+    batches = tg.BatchPrefetcher(tg.train_loader(h, train_files), h, trainer.mine, pin=False)
     try:
         with bf16_gemms(tg.gemm_path(h, env.device)):
             for step in range(at):

@@ -273,9 +273,9 @@ NO_READ_OPS = {"aten.empty_like", "aten.zeros_like", "aten.ones_like", "aten.ful
                "aten.zeros", "aten.ones", "aten.full", "aten.arange", "aten.scalar_tensor", "aten.zero_",
                "aten.fill_", "aten.new_empty_strided", "aten.randn", "aten.rand", "aten.normal_"}
 NO_WRITE_OPS = {"aten.empty_like", "aten.new_empty", "aten.empty_strided", "aten.empty", "aten.new_empty_strided"}
-PHASES = ("forward", "backward", "tables", "muon", "adam", "averages")
+PHASES = ("forward", "backward", "tables", "muon", "adam", "value_adam", "averages")
 MICRO_BATCH_PHASES = ("forward", "backward")
-UPDATE_PHASES = ("muon", "adam")   # the optimizers' updates
+UPDATE_PHASES = ("muon", "adam", "value_adam")   # the optimizers' updates
 GRAPH_END = "census.graph_end"     # the event that closes one captured (and compiled) update
 
 
@@ -700,7 +700,7 @@ class StageCensus:
 
     @property
     def adam(self):
-        return [op for op in self.updates if op.phase == "adam"]
+        return [op for op in self.updates if op.phase in ("adam", "value_adam")]
 
 
 def kernel_fns(h):
@@ -769,7 +769,11 @@ def trace_stage(h, index, world):
 
 
 def update_phase(optimizer):
-    return "muon" if isinstance(optimizer, optim.Muon) else "adam"
+    """The phase an optimizer's update ops are priced under: Muon's every step, Adam's on the steps
+    it updates, the value embeddings' Adam (value_embed_table_cadence) on the tables' cadence."""
+    if isinstance(optimizer, optim.Muon):
+        return "muon"
+    return "value_adam" if getattr(optimizer, "name", "") == "value_embed_adam" else "adam"
 
 
 class _Labelled:
@@ -1001,10 +1005,16 @@ class RunModel:
     def accum(self):
         return self.h.batch_ranks // self.world
 
+    def tables_update(self, step):
+        """Whether the tables (and the value embeddings' Adam on their cadence) update at `step`:
+        every step_every-th step (counted from step 0: a close enough share across a phase's start)."""
+        return (step + 1) % train_gpt.table_schedule(self.h, step).step_every == 0
+
     def update_ops(self, step):
-        """The optimizers' ops of one step in launch order: Muon's, and Adam's on the steps it updates."""
-        adam = (step + 1) % self.h.adam_step_every == 0
-        return [op for op in self.stages[train_gpt.stage_index(self.h, step)].updates if op.phase == "muon" or adam]
+        """The optimizers' ops of one step in launch order: Muon's, Adam's on the steps it updates,
+        the value embeddings' Adam on the tables'."""
+        due = {"muon": True, "adam": (step + 1) % self.h.adam_step_every == 0, "value_adam": self.tables_update(step)}
+        return [op for op in self.stages[train_gpt.stage_index(self.h, step)].updates if due[op.phase]]
 
     def hidden_seconds(self, step, eff):
         """Seconds of the optimizers' communication that their math hides (two_stream_seconds):
@@ -1019,8 +1029,7 @@ class RunModel:
         h, index = self.h, train_gpt.stage_index(self.h, step)
         s = self.stages[index]
         ops = [(op, self.accum) for op in s.micro_batch + s.tables.per_slice] + [(op, 1) for op in self.update_ops(step)]
-        every = train_gpt.table_schedule(h, step).step_every
-        if (step + 1) % every == 0:    # the tables' cadence (counted from the phase's start: a close enough share)
+        if self.tables_update(step):
             ops += [(op, 1) for op in s.tables.ngram_event + s.tables.value_event]
         averages = train_gpt.WeightAverages(h.averages, None, h.num_iterations)
         for i, average in enumerate(h.averages):
@@ -1065,8 +1074,8 @@ def family_of(op):
         return "communication"
     if op.family == "hidden":
         return "communication under the optimizers' math (hidden)"
-    if op.phase in ("muon", "adam", "averages") and op.family != "gemm":
-        return f"{op.phase} (memory)"
+    if op.phase in ("muon", "adam", "value_adam", "averages") and op.family != "gemm":
+        return f"{'adam' if op.phase == 'value_adam' else op.phase} (memory)"
     return {"pointwise": "pointwise, norms, residual (fused)", "kernel": "other kernels"}.get(op.family, op.family)
 
 

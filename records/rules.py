@@ -240,10 +240,11 @@ def check_hardware(series):
 @rule("fixed-config", made_only=True)
 def check_fixed_config(series):
     """The runs and re-runs keep the setup the track fixes (fixed_config); baseline runs run the baseline's.
-    Made only: fixed_config names every key the trainer has now, which the logs of earlier records lack."""
+    A key a log lacks came after its code, which ran the key's default: a track fixes a key it adds
+    at that default, so the key is no change. Made only: the logs of earlier records lack keys."""
     for log in [*series.runs, *series.reruns]:
         for key, value in series.track.get("fixed_config", {}).items():
-            if key not in log.config or log.config[key] != value:
+            if key in log.config and log.config[key] != value:
                 raise Broken(f"{log.path}: the run's config changes {key}, which the track fixes (track.json "
                              "fixed_config): an entry may change the optimizer and its schedule, not the setup")
 

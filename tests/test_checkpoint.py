@@ -364,7 +364,12 @@ def document(length, seed=0):
     return tokens
 
 
-@pytest.mark.parametrize("features", [[], FEATURES, DENSE, NGRAM], ids=["plain", "features", "dense", "ngram"])
+RECORDS = [*FEATURES, *NGRAM, "--paired_head_layout=record", "--window_edge_key=true", "--cross_documents=true",
+           "--table_hashes=record", "--attn_out_init=uniform"]  # the records' rules
+
+
+@pytest.mark.parametrize("features", [[], FEATURES, DENSE, NGRAM, RECORDS],
+                         ids=["plain", "features", "dense", "ngram", "records"])
 def test_kv_cache_gives_the_logits_of_the_full_forward(features):
     model = tiny_model(tiny_config(features), seed=2).eval()
     short, long = 64, 160          # tokens: both windows end inside the 300-token document

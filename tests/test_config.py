@@ -68,6 +68,14 @@ def test_config_round_trips_through_json(tmp_path):
     ([*DENSE, "--skip_layers=[0,2]"], ["skip_layers", "attention_free_layers"]),
     ([*DENSE, "--snapshot_layer=2"], ["snapshot_layer", "num_layers"]),
     ([*DENSE, "--narrow_vo_layers=[2]", "--num_value_embeds=0"], ["trunk", "attention_free_layers", "narrow_vo_layers"]),
+    ([*DENSE, "--x0_layers=[0,1]"], ["x0_layers", "skip_layers", "num_layers"]),
+    ([*DENSE, "--hashed_layers=[0,2]"], ["hashed_layers", "skip_layers", "num_layers"]),
+    ([*DENSE, "--mlp_free_layers=[2]"], ["mlp_free_layers", "num_layers"]),
+    (["--x0_layers=[0]"], ["x0_layers", "hashed_layers", "trunk"]),
+    (["--mlp_free_layers=[1]", "--parallel_mlp_layers=[1]"], ["mlp_free_layers", "parallel_mlp_layers"]),
+    ([*DENSE, "--final_mix=record92", "--model_dim=104", "--head_dim=52"], ["final_mix", "model_dim"]),
+    ([*DENSE, "--final_mix=record92", "--num_value_embeds=0", "--value_embed_layers=[0]", "--narrow_vo_layers=[0]",
+      "--narrow_vo_dim=16"], ["final_mix", "value_embed_full_width", "narrow_vo_layers"]),
     (["--cooldown_start=0.5", "--cooldown_end=0.4"], ["cooldown_start", "cooldown_end"]),
 ])
 def test_a_model_config_that_cannot_be_built_is_refused_naming_its_keys(args, keys):
@@ -136,6 +144,7 @@ def test_every_field_carries_the_rule_its_type_needs():
     ("trunk", "tree", r"one of unet, dense"),
     ("log_dir", "", r"a non-empty path"),
     ("xsa_layers", (0, 0), r"distinct layer indices"),
+    ("x0_layers", (7,), r"distinct layer indices in \[0, 4\)"),
     ("fp8_head", 1, r"true or false"),
 ])
 def test_each_rule_refuses_a_value_outside_it(key, value, allowed):

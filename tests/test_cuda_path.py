@@ -64,6 +64,10 @@ REHEARSAL = [
     "--composed_layers=[2]", "--composed_window=32", "--attn_gate_layers=[2]", "--xsa_layers=[0]", "--narrow_qk_layers=[0]",
     "--narrow_qk_dim=32", "--parallel_mlp_layers=[1]", "--qk_ortho_heads=1",
     '--averages=[{"params":"qk","window":2}]',
+    # the records' rules: windows of w + 1 keys, the smear and hashes across documents with the
+    # records' hashes, the packed targets, attention segments, O's uniform init
+    "--window_edge_key=true", "--cross_documents=true", "--table_hashes=record", "--target_rule=packed",
+    "--attention_segment_tokens=64", "--attn_out_init=uniform",
     # record 92's hashed n-gram table in place of the bigram embedding, and the value embeddings,
     # trained by sparse Adam, every step and then (from step 3) every 2nd
     "--ngram_rows=4096", "--ngram_dtype=bfloat16", "--ngram_lr=0.02", "--value_embed_sparse=true",

@@ -52,6 +52,26 @@ def track(name):
     return json.loads((REPO / "records" / name / "track.json").read_text())
 
 
+# The keys whose record value the record presets set in place of this repository's own variant.
+RECORD_RULE_KEYS = ("target_rule", "cross_documents", "table_hashes", "paired_head_layout", "window_edge_key",
+                    "attn_out_init", "narrow_yarn_window", "attention_segment_tokens", "final_mix",
+                    "value_embed_full_width", "matrix_shapes", "adam_eps_unit", "candidate_walk", "value_embed_sparse",
+                    "average_norms", "anvil_fast_beta_follows_mu", "value_embed_table_cadence", "fp8_qkv_scales",
+                    "fp8_head_scales", "mlp_free_layers", "x0_layers", "hashed_layers", "prefix_weight_levels",
+                    "gate_wd", "gate_mlp_wd", "resid_scale_lr", "post_scale_lr")
+
+
+def test_the_fidelity_notes_name_every_record_rule_and_only_keys_that_exist():
+    """docs/recipe.md names each key that switches between a record's behaviour and this
+    repository's, and every --key=value it gives is one the config accepts."""
+    text = (REPO / "docs" / "recipe.md").read_text()
+    tg = recipe()
+    missing = [key for key in RECORD_RULE_KEYS if f"`{key}" not in text and f"--{key}=" not in text]
+    assert missing == []
+    for span in re.findall(r"`(--\w+=[^`]+)`", text):      # a span's flags together
+        tg.parse_config(["--preset", "speedrun", *span.split()])
+
+
 def test_the_cpu_presets_step_count_in_the_recipe():
     steps = recipe().parse_config(["--preset", "cpu"]).num_iterations
     assert f"NorMuon: the `cpu` preset's {steps} steps" in (REPO / "docs" / "recipe.md").read_text()

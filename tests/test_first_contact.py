@@ -49,7 +49,7 @@ def dry_run_with_failures():
 # What the dry run prints, in the order of its parts: environment (with the data), the compiled
 # run (its stages, its warm-up's parts, the caches), the GPU tests, the eager steps and the host
 # table, the routing, the kernel benches, the projection.
-SECTIONS = ("torch", "nvidia-smi", "memory budget of the compiled run", "data: tokens drawn from the tiny corpus's",
+SECTIONS = ("torch", "nvidia-smi", "memory budget of the compiled run", "data: ",
             "compiled run: stage 0: median step", "; stage 1: median step",
             "compile: 0 graphs in the warm-up, 0 in the timed run", "warm-up parts: ", "losses: ",
             "kernel choices: none logged", "compile caches: cold", "GPU tests (collected only)",
@@ -106,6 +106,9 @@ def test_first_contact_dry_run_prints_its_sections_in_order(dry_run_with_failure
     missing = [section for section, i in zip(SECTIONS, at) if i < 0]
     assert not missing, f"no {missing} in the dry output:\n{out[-3000:]}"
     assert at == sorted(at), [s for s, i, j in zip(SECTIONS, at, at[1:]) if i > j]
+    data = out[at[SECTIONS.index("data: ")]:].splitlines()[0]
+    corpus = first_contact.TINY_CORPUS.is_dir()
+    assert data.startswith("data: the tiny corpus (real text)" if corpus else "data: tokens drawn from the tiny corpus's"), data
 
 
 def test_the_benches_run_at_the_presets_widths():

@@ -28,13 +28,20 @@ SPEEDRUN = ("--preset", "speedrun")
 SPLIT = ("--preset", "1gpu", "--ngram_cache_rows=0")   # the table split across the processes' GPUs
 HOST_TABLE = ("--preset", "1gpu")                       # one process, the table in host memory
 # (preset arguments, processes) by GPU count, worked out from the budget's items (README, bench/cpu_results.md):
-# a quarter of the table (32.6 GB) fits an H100 beside the rest, half of it (65.3 GB) only an H200.
+# a quarter of the table (32.6 GB) fits an H100 beside the rest in 2 micro-batches a slice (the
+# taper's full-softmax step), half of it (65.3 GB) only an H200.
+SPLIT_IN_2 = (*SPLIT, "--batch_ranks=16", "STAGES_IN_2", "--val_tokens_per_rank=131072")
 EXPECTED = {
-    H100: {1: (HOST_TABLE, 1), 2: (HOST_TABLE, 1), 3: (HOST_TABLE, 1), 4: (SPLIT, 4), 5: (SPLIT, 4), 6: (SPLIT, 4),
-           7: (SPLIT, 4), 8: (SPEEDRUN, 8)},
+    H100: {1: (HOST_TABLE, 1), 2: (HOST_TABLE, 1), 3: (HOST_TABLE, 1), 4: (SPLIT_IN_2, 4), 5: (SPLIT_IN_2, 4),
+           6: (SPLIT_IN_2, 4), 7: (SPLIT_IN_2, 4), 8: (SPEEDRUN, 8)},
     H200: {1: (HOST_TABLE, 1), 2: (SPLIT, 2), 3: (SPLIT, 2), 4: (SPLIT, 4), 5: (SPLIT, 4), 6: (SPLIT, 4),
            7: (SPLIT, 4), 8: (SPEEDRUN, 8)},
 }
+
+
+def expected(gpu, gpus):
+    """EXPECTED's preset arguments with its --stages written out."""
+    return tuple(a for arg in EXPECTED[gpu][gpus][0] for a in (slices_in(2)[1:2] if arg == "STAGES_IN_2" else [arg]))
 
 
 def memory_of(gpu, host=HOST):
@@ -59,7 +66,7 @@ def test_every_gpu_count_gets_a_configuration_that_passes_its_start_up_checks(gp
     available = memory_of(gpu)
     for gpus in range(1, 9):
         args, processes, reason = memory_budget.launch_plan(tg, gpus, [], available)
-        assert (args, processes) == EXPECTED[gpu][gpus], (gpus, reason)
+        assert (as_written(args), processes) == (as_written(expected(gpu, gpus)), EXPECTED[gpu][gpus][1]), (gpus, reason)
         assert processes <= gpus and reason.startswith(f"{gpus} GPU{'s' * (gpus > 1)} of {gpu / GiB:.1f} GiB, "
                                                        f"{HOST / GiB:.1f} GiB of host memory: ")
         start_up_checks(args, processes, available)
@@ -71,7 +78,8 @@ def test_a_configuration_passed_over_is_named_in_the_reason():
             "by the public table-size test on 8xH100, 84.60M rows val 3.2791 in 39.52 s; micro-batches as the "
             "record's; budget ") in reason
     one_gpu = memory_budget.memory_budget(tg, tg.parse_config(["--preset", "1gpu", "--ngram_cache_rows=0"]), 1)
-    assert reason.endswith("; not --preset 1gpu --ngram_cache_rows=0 --batch_ranks=32 --stages=[...] on 1 process "
+    assert reason.endswith("; not --preset 1gpu --ngram_cache_rows=0 --batch_ranks=32 --stages=[...] "
+                           "--val_tokens_per_rank=65536 on 1 process "
                            "(n-gram table 84,602,880 rows (the record's) whole on the GPU): --ngram_rows=84602880 needs "
                            f"{one_gpu.device['n-gram table'] / GiB:.1f} GiB on the cuda (all in one process: 1544 B per "
                            "row, bfloat16 values of 768 and the optimizer state), 79.6 GiB are available: lower "
@@ -109,7 +117,8 @@ def test_no_configuration_fits_a_small_machine():
     configuration tried (record 89's bigram table's size, the most micro-batches) and its refusal."""
     with pytest.raises(tg.ConfigError, match=r"^nothing fits 4 GPUs of 8.0 GiB, 64.0 GiB of host memory; the least "
                                              r"configuration tried: --preset 1gpu --ngram_cache_rows=0 "
-                                             r"--ngram_rows=377280 --batch_ranks=32 --stages=\[\.\.\.\] on 1 "
+                                             r"--ngram_rows=377280 --batch_ranks=32 --stages=\[\.\.\.\] "
+                                             r"--val_tokens_per_rank=65536 on 1 "
                                              r"process \(n-gram table 377,280 rows \(record 89's bigram table's "
                                              r"size\) whole on the GPU\): the run needs .* GiB of memory on each "
                                              r"GPU, 8.0 GiB are there"):
@@ -125,23 +134,24 @@ DESKTOP = 64 * GiB                 # a workstation's host memory
 
 
 def slices_in(k, preset="1gpu"):
-    """The --batch_ranks and --stages of `preset` with each slice of its global batch in k
-    micro-batches, written out here: k x the slices, each stage's tokens_per_rank / k."""
+    """The --batch_ranks, --stages and --val_tokens_per_rank of `preset` with each slice of its
+    global batch in k micro-batches, written out here: k x the slices, each stage's
+    tokens_per_rank / k, the validation's windows / k."""
     h = tg.parse_config(["--preset", preset])
     stages = [{**json.loads(json.dumps(tg.config_to_dict(h)["stages"][i])), "tokens_per_rank": s.tokens_per_rank // k}
               for i, s in enumerate(h.stages)]
-    return (f"--batch_ranks={8 * k}", "--stages=" + json.dumps(stages))
+    return (f"--batch_ranks={8 * k}", "--stages=" + json.dumps(stages), f"--val_tokens_per_rank={h.val_tokens_per_rank // k}")
 
 
 # (GPUs, each GPU's bytes, host bytes) -> what the plan starts, worked out from the budget's items
 # (docs/gpu.md): 80 GB with 64 GiB of host memory cannot hold half the table on the GPU (65 GB) nor
-# in host memory (64 GiB pinned + 16 GiB margin), a quarter fits on the GPU; a 24 GB card holds
-# 1/64 of the table with 4 micro-batches; 8 40 GB A100s cannot hold the whole table split, even
-# with 4 (39.9 GiB at the speedrun's peak stage), so it lives in host memory, one process, with 2.
+# in host memory (64 GiB pinned + 16 GiB margin), a quarter fits on the GPU in 2 micro-batches a
+# slice; a 24 GB card holds 1/64 of the table with 4 micro-batches; 8 40 GB A100s cannot hold the
+# whole table split, even with 8 micro-batches, so it lives in host memory, one process, with 4.
 MACHINES = {
-    (1, H100, DESKTOP): ((*SPLIT, "--ngram_rows=21150720"), 1, 21_150_720, 1),
+    (1, H100, DESKTOP): ((*SPLIT, "--ngram_rows=21150720", *slices_in(2)), 1, 21_150_720, 2),
     (1, CARD_24, DESKTOP): (("--preset", "1gpu_24gb"), 1, RECORD_ROWS // 64, 4),
-    (8, A100_40, HOST): (("--preset", "1gpu", *slices_in(2)), 1, RECORD_ROWS, 2),
+    (8, A100_40, HOST): (("--preset", "1gpu", *slices_in(4)), 1, RECORD_ROWS, 4),
     (8, H100, HOST): (SPEEDRUN, 8, RECORD_ROWS, 1),
 }
 
@@ -168,7 +178,7 @@ def test_each_machine_gets_the_largest_configuration_that_fits(machine):
         with pytest.raises(tg.ConfigError):
             start_up_checks([*args, f"--ngram_rows={2 * rows}"], processes, available)
     if k > 1:
-        half = [*args, f"--batch_ranks={4 * k}",
+        half = [*args, f"--batch_ranks={4 * k}", f"--val_tokens_per_rank={2 * h.val_tokens_per_rank}",
                 "--stages=" + json.dumps([{**tg.config_to_dict(h)["stages"][i], "tokens_per_rank": 2 * s.tokens_per_rank}
                                           for i, s in enumerate(h.stages)])]
         with pytest.raises(tg.ConfigError):
@@ -180,18 +190,20 @@ def test_the_plan_says_what_the_smaller_table_costs():
     table-size test's numbers for it beside the record's table's, and the target it misses."""
     _, _, reason = memory_budget.launch_plan(tg, 1, [], memory_of(H100, DESKTOP))
     assert reason.startswith("1 GPU of 79.6 GiB, 64.0 GiB of host memory: --preset 1gpu --ngram_cache_rows=0 "
-                             "--ngram_rows=21150720 on 1 process: n-gram table 21,150,720 rows (1/4 of the record's) "
+                             "--ngram_rows=21150720 --batch_ranks=16 --stages=[...] --val_tokens_per_rank=131072 on 1 "
+                             "process: n-gram table 21,150,720 rows (1/4 of the record's) "
                              "whole on the GPU, by the public table-size test on 8xH100, 21.15M rows val 3.2825-3.2863 "
                              "in 39.35 s (the record's 84.60M: 3.2791 in 39.52 s): above the 3.28 target; "
-                             "micro-batches as the record's; budget "), reason
+                             "each slice of the global batch in 2 micro-batches of at most 24,576 tokens"), reason
 
 
 def test_the_24gb_preset_is_the_1gpu_preset_with_a_smaller_table_and_4_micro_batches():
-    """1gpu_24gb differs from 1gpu only in the table's rows and place, the micro-batches and its
-    track (a 24 GB card is not the single-GPU track's), and keeps every stage's global batch."""
+    """1gpu_24gb differs from 1gpu only in the table's rows and place, the micro-batches (and the
+    validation's windows with them) and its track (a 24 GB card is not the single-GPU track's), and
+    keeps every stage's global batch."""
     one, card = (tg.config_to_dict(tg.parse_config(["--preset", name])) for name in ("1gpu", "1gpu_24gb"))
     assert {k for k in one if one[k] != card[k]} == {"preset", "ngram_rows", "ngram_cache_rows", "batch_ranks", "stages",
-                                                     "track"}
+                                                     "track", "val_tokens_per_rank"}
     assert (card["ngram_rows"], card["ngram_cache_rows"]) == (RECORD_ROWS // 64, 0)
     assert tg.parse_config(["--preset", "1gpu_24gb"]).stages == as_written(slices_in(4))[1]
     assert [s["tokens_per_rank"] * card["batch_ranks"] for s in card["stages"]] == \
@@ -238,6 +250,15 @@ exec "$REAL_PYTHON" "$@"
 """
 
 
+TRACK_LINE = ("run.sh: one GPU: the single-GPU track's recipe (records/track_1gpu/README.md: a record runs on "
+              "one H100 or H200)")
+
+
+def track_line(args, processes):
+    """The line run.sh adds when it starts one process of the single-GPU track's recipe."""
+    return [TRACK_LINE] if processes == 1 and tg.parse_config(list(args)).track == "track_1gpu" else []
+
+
 def run_sh_launch(tmp_path, gpus, gpu, *args, host=HOST):
     """(processes, train_gpt.py arguments, its run.sh: lines) of what ./run.sh `args` launches on
     that machine."""
@@ -262,8 +283,9 @@ def test_run_sh_launches_a_configuration_that_passes_its_start_up_checks(tmp_pat
     it chose it, in launch_plan's words."""
     processes, args, said = run_sh_launch(tmp_path, gpus, H100)
     start_up_checks(args, processes, memory_of(H100))
-    assert (tuple(args), processes) == EXPECTED[H100][gpus]
-    assert said == [f"run.sh: {memory_budget.launch_plan(tg, gpus, [], memory_of(H100))[2]}"]
+    assert (as_written(args), processes) == (as_written(expected(H100, gpus)), EXPECTED[H100][gpus][1])
+    assert said == [f"run.sh: {memory_budget.launch_plan(tg, gpus, [], memory_of(H100))[2]}",
+                    *track_line(args, processes)]
 
 
 def test_run_sh_with_the_medium_preset_launches_it_on_8_processes(tmp_path):
@@ -276,7 +298,7 @@ def test_run_sh_with_the_medium_preset_launches_it_on_8_processes(tmp_path):
 @pytest.mark.parametrize("machine", [(1, CARD_24, DESKTOP), (8, A100_40, HOST)], ids=["24gb", "8x40gb"])
 def test_run_sh_launches_the_plan_on_the_machines_users_have(tmp_path, machine):
     """./run.sh on one 24 GB card (the 1gpu_24gb preset) and on 8 40 GB A100s (the 1gpu preset
-    with the table in host memory, in 2 micro-batches: its --stages list reaches train_gpt.py
+    with the table in host memory, in 4 micro-batches: its --stages list reaches train_gpt.py
     whole): the launch is the plan's,
     passes its start-up checks, and run.sh says why in the plan's words."""
     gpus, gpu, host = machine
@@ -284,7 +306,8 @@ def test_run_sh_launches_the_plan_on_the_machines_users_have(tmp_path, machine):
     expected_args, expected_processes, _, _ = MACHINES[machine]
     assert (as_written(args), processes) == (as_written(expected_args), expected_processes)
     start_up_checks(args, processes, memory_of(gpu, host))
-    assert said == [f"run.sh: {memory_budget.launch_plan(tg, gpus, [], memory_of(gpu, host))[2]}"]
+    assert said == [f"run.sh: {memory_budget.launch_plan(tg, gpus, [], memory_of(gpu, host))[2]}",
+                    *track_line(args, processes)]
 
 
 def test_docs_show_the_plans_the_planner_makes_now():
@@ -305,6 +328,4 @@ def test_run_sh_on_one_h100_names_the_single_gpu_track(tmp_path):
     whose recipe it is."""
     processes, args, said = run_sh_launch(tmp_path, 1, H100)
     assert processes == 1 and args[:2] == ["--preset", "1gpu"]
-    assert said == [f"run.sh: {memory_budget.launch_plan(tg, 1, [], memory_of(H100))[2]}",
-                    "run.sh: one GPU: the single-GPU track's recipe (records/track_1gpu/README.md: a record runs "
-                    "on one H100 or H200)"]
+    assert said == [f"run.sh: {memory_budget.launch_plan(tg, 1, [], memory_of(H100))[2]}", TRACK_LINE]

@@ -172,15 +172,15 @@ def stage_alone(h, index):
 def test_the_budgets_step_is_the_largest_of_its_stages_steps(preset):
     """largest_stage is the stage whose step needs the most memory, and the budget's step is that
     stage's: against each stage's step measured in a config of that stage alone. The speedrun's
-    stage 3 (49,152 tokens x 24,576 candidates) needs 2.3 GiB more than its stage 4, which has
-    the most tokens times head width (32,768 x 50,304)."""
+    taper, stage 4 (40,960 tokens x the full 50,304), needs 1.2 GiB more than its stage 3 (49,152
+    tokens x 24,576 candidates), which has the most tokens."""
     h = tg.parse_config(["--preset", preset])
     alone = [memory_budget.step_memory(tg, memory_budget.dry_run_key(stage_alone(h, i)))[0]
              for i in range(len(h.stages))]
     index = memory_budget.largest_stage(tg, h)
     assert alone[index] == max(alone) and memory_budget.memory_budget(tg, h, 1).step == max(alone)
     if preset == "speedrun":
-        assert index == 3 and (alone[3] - alone[4]) / 2**30 > 2
+        assert index == 4 and (alone[4] - alone[3]) / 2**30 > 1
 
 
 def test_1gpu_on_an_h100_with_its_pending_gradients_summed_per_row_and_as_entries():
@@ -188,7 +188,7 @@ def test_1gpu_on_an_h100_with_its_pending_gradients_summed_per_row_and_as_entrie
     softmax in every stage (its largest step: 49,152 tokens x 50,304 logits). Its late phase's
     entries, kept as before (4 steps x 8 micro-batches x 49,152 tokens x 2 rows x 768 fp32 = 9.7 GB), and
     their update's three copies of them leave less than 2 GiB of the GPU beyond the budget's
-    margin; summed per row in one buffer, the budget accepts the run with over 20 GiB to spare.
+    margin; summed per row in one buffer, the budget accepts the run with over 10 GiB to spare.
     Its host memory: the pinned table's 2^37 bytes (130 GB rounded up), under 150 GiB in all."""
     h = tg.parse_config(["--preset", "1gpu", "--param_dtype=float32"])
     h.stages = [dataclasses.replace(s, candidates=0) for s in h.stages]
@@ -196,7 +196,7 @@ def test_1gpu_on_an_h100_with_its_pending_gradients_summed_per_row_and_as_entrie
     old = entries_kept_as_before(budget, h)
     assert old.device["pending n-gram gradients"] == 4 * 8 * 49_152 * 2 * (768 * 4 + 8)
     assert H100 - 2 * 2**30 < old.device_total(H100), old.device_total(H100) / 2**30
-    assert budget.check(H100, HOST) is None and H100 - budget.device_total(H100) > 20 * 2**30
+    assert budget.check(H100, HOST) is None and H100 - budget.device_total(H100) > 10 * 2**30
     assert budget.device["pending n-gram gradients"] < old.device["pending n-gram gradients"] + 2**30
     assert budget.passing["table update"] < old.passing["table update"] / 10
     assert budget.host["n-gram table (host)"] == 2**37 and budget.host_total() < 150 * 2**30

@@ -254,6 +254,24 @@ def test_embedding_init_std_is_a_setting():
         assert abs(weight.std().item() / std - 1) < 0.01
 
 
+def test_attention_output_init_is_zero_or_the_qkv_projections_uniform():
+    """attn_out_init: zero, or uniform in +-sqrt(3) x 0.5 / sqrt(model_dim), as the QKV projection
+    (a std of 0.5 / sqrt(model_dim)), on every attention layer."""
+    bound = 3 ** 0.5 * 0.5 * 64 ** -0.5
+    for extra in ([], ["--attn_out_init=uniform"]):
+        torch.manual_seed(0)
+        model = tg.build_model(tiny_config(extra), tg.select_kernels(tiny_config(), torch.device("cpu")))
+        for block in model.blocks:
+            if block.attn is None:
+                continue
+            out = block.attn.out
+            if not extra:
+                assert not out.any()
+            else:
+                assert out.abs().max() <= bound and abs(out.std().item() / (bound / 3 ** 0.5) - 1) < 0.05
+                assert out.min() < -0.9 * bound and out.max() > 0.9 * bound
+
+
 def test_value_embedding_tables_shared_or_one_per_layer():
     shared = tg.model_config(tiny_config(["--num_layers=6", "--attention_free_layers=[]", "--num_value_embeds=2"]))
     assert tg.value_embed_tables(shared) == {0: 0, 1: 1, 4: 0, 5: 1}
@@ -343,12 +361,12 @@ def reference_dense_trunk(model, x0, bigram, ves, doc_start, args):
     cache = {0: x0 + pre[0]["hashed"] * bigram}
     x = cache[0]
     y = b0.attn(tg.rms_norm(x), ves[0], doc_start, model.rotary, args, pre[0])
-    x = b0.scales[0] * x + b0.scales[1] * y + pre[0]["x0"] * x0
-    x = b0.scales[2] * x + b0.scales[3] * b0.mlp(tg.rms_norm(x))
+    x = b0.resid_scales[0] * x + b0.post_scales[0] * y + pre[0]["x0"] * x0
+    x = b0.resid_scales[1] * x + b0.post_scales[1] * b0.mlp(tg.rms_norm(x))
     cache["skip"] = x
     post = model.token_gates(1, x)
     x = x + torch.sigmoid(model.skip_lambda) * post[1]["skip"] * cache["skip"]
-    x = b1.scales[2] * x + b1.scales[3] * b1.mlp(tg.rms_norm(x))
+    x = b1.resid_scales[1] * x + b1.post_scales[1] * b1.mlp(tg.rms_norm(x))
     cache["snapshot"] = x
     mu = list(model.dense(0, x).values())
     cache["last"] = x

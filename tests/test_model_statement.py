@@ -3,11 +3,14 @@ tests/helpers/model_statement.py.
 
 Two feature sets, each a preset narrowed in width only: the `cpu` preset's (a U-net trunk of 4
 layers with two skip pairs, the bigram embedding, a shared value-embedding table, narrow QK
-layers, full softmax) and the `speedrun` preset's 10 layers with every feature it turns on (the
-dense trunk, token gates, smear gate, n-gram table, sparse per-layer value embeddings, paired
-heads, XSA, key offset, narrow QK and VO, a parallel MLP, output gates, composed attention, the
-canonical mask at validation), here with sampled softmax too; and the U-net trunk with token
-gates and the attention features (no preset combines them). Every parameter is first moved away
+layers, full softmax) and the `speedrun` preset's 11 layers with every feature it turns on (the
+dense trunk with record 92's attention-free, MLP-free layer and injection sites, token gates,
+smear gate, n-gram table, sparse per-layer value embeddings, paired heads, XSA, key offset,
+narrow QK and VO, a parallel MLP, output gates, the canonical mask at validation), here with
+sampled softmax too; the `record89` preset's 11 layers
+(its bigram table, paired heads in the records' layout, composed attention); the speedrun set
+with record 92's final mix over full-width value-embedding tables; and the U-net trunk
+with token gates and the attention features (no preset combines them). Every parameter is first moved away
 from its initial value, so that no path hides behind a zero or a one.
 
 Tolerances. Both sides hold float64 parameters, but the model runs the softcap, the
@@ -20,6 +23,7 @@ change moves them by far more: tests/mutation_check.py plants such changes.
 """
 import os
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -46,14 +50,20 @@ CPU_SET = ["--preset", "cpu", "--model_dim=64", "--head_dim=32", "--narrow_qk_di
 SPEEDRUN_SET = ["--preset", "speedrun", "--model_dim=96", "--head_dim=16", "--narrow_qk_dim=8", "--narrow_vo_dim=8",
                 "--mlp_hidden=128", "--ngram_rows=4096", "--composed_window=24", "--batch_ranks=1",
                 "--compute_dtype=float32", "--compile=false", "--cuda_graphs=false"]
+RECORD89_SET = ["--preset", "record89", "--model_dim=96", "--head_dim=16", "--mlp_hidden=128", "--bigram_rows=4096",
+                "--composed_window=24", "--batch_ranks=1", "--compute_dtype=float32", "--compile=false",
+                "--cuda_graphs=false"]
 # The U-net trunk with the token gates and the attention features no preset combines with it.
 UNET_GATED_SET = CPU_SET + ["--token_gates=true", "--token_gates_split=2", "--xsa_layers=[1]", "--attn_gate_layers=[3]",
                             "--composed_layers=[3]", "--composed_window=24", "--paired_head_layers=[2]", "--key_offset=true",
                             "--smear_gate=true", "--ngram_rows=2048", "--parallel_mlp_layers=[1]"]
-SETS = {"cpu": CPU_SET, "speedrun": SPEEDRUN_SET, "unet_gated": UNET_GATED_SET}
+# The speedrun set with record 92's final mix over full-width value-embedding tables.
+RECORD92_MIX_SET = SPEEDRUN_SET + ["--value_embed_full_width=true", "--final_mix=record92"]
+SETS = {"cpu": CPU_SET, "speedrun": SPEEDRUN_SET, "record92_mix": RECORD92_MIX_SET, "record89": RECORD89_SET,
+        "unet_gated": UNET_GATED_SET}
 T = 256                            # tokens per slice
 WINDOWS = (48, 160)                # (short, long) in tokens: both bind in a 256-token slice
-HISTORY = [128, 384, 640]          # the long windows the RoPE tables grew through (two YaRN steps)
+HISTORY = ([128, 384, 640], [16, 48])  # the long and short windows the RoPE tables grew through
 CANDIDATES = 2048                  # sampled-softmax columns (the speedrun set)
 
 
@@ -89,7 +99,7 @@ def built(name, seed=0):
     torch.manual_seed(seed)
     fns = tg.KernelFns(kernels.attention_reference, kernels.softcap_cross_entropy_reference)
     model = in_float64(away_from_init(tg.build_model(h, fns), seed + 1))
-    model.set_windows(HISTORY)
+    model.set_windows(*HISTORY)
     return h, model
 
 
@@ -163,7 +173,8 @@ def a_slice(seed=1, max_doc_len=96):
 # the model and its objective
 
 
-@pytest.mark.parametrize("name, tied", [("cpu", True), ("speedrun", False), ("unet_gated", True)])
+@pytest.mark.parametrize("name, tied", [("cpu", True), ("speedrun", False), ("record92_mix", False), ("record89", True),
+                                        ("unet_gated", True)])
 def test_the_model_and_its_objective_equal_their_statement(name, tied, tokenizer_bytes):
     """Objective, next-token loss, hidden states and every trained gradient; the speedrun set
     with sampled softmax and the head untied, the cpu set with the full softmax and the head tied."""
@@ -175,7 +186,7 @@ def test_the_model_and_its_objective_equal_their_statement(name, tied, tokenizer
     cfg = tg.model_config(h)
     tokens, targets, cu = a_slice()
     weights = torch.tensor([1.0, 0.5, 0.25, 0.25])
-    columns = ref.candidates(targets, CANDIDATES, ref.candidate_start(5, 8)) if name == "speedrun" else None
+    columns = ref.candidates(targets, CANDIDATES, ref.candidate_start(5, 8)) if not tied else None
     args = tg.AttentionArgs(cu.int(), *WINDOWS)
     objective, next_token = model(tokens.int(), targets, args, weights, columns)
     objective.backward()
@@ -208,8 +219,8 @@ def test_the_validation_loss_equals_its_statement(name, masked_pairs):
     model.eval()
     cfg = tg.model_config(h)
     tokens, targets, cu = a_slice(seed=2)
-    windows, history = (64, 224), HISTORY + [1024]
-    model.set_windows(history)
+    windows, history = (64, 224), (HISTORY[0] + [1024], HISTORY[1])
+    model.set_windows(*history)
     got = model.validation_loss_sum(tokens.int(), targets, tg.AttentionArgs(cu.int(), *windows), chunk_rows=100)
     P = leaves(model)
     with torch.no_grad():
@@ -225,18 +236,42 @@ def test_the_validation_loss_equals_its_statement(name, masked_pairs):
 # the objective's inputs: the loader's targets and the candidates
 
 
-def test_the_loaders_slice_and_targets_equal_their_statement(tmp_path):
-    """The first slice of a shard: whole documents cut at max_doc_len, the last cut to fit, and
-    targets t+1, t+2, t+3 that stop at each document's end (its next BOS)."""
+@pytest.mark.parametrize("rule, segment", [("document", 0), ("packed", 0), ("packed", 32), ("document", 40)])
+def test_the_loaders_slice_and_targets_equal_their_statement(tmp_path, rule, segment):
+    """The first slice of a shard: whole documents cut at max_doc_len, the last cut to fit; the
+    targets t+1, t+2, t+3 that stop at each document's end (its next BOS), or the packed slice's
+    next tokens (the 32-token slice ends on a document cut at max_doc_len); attention segments at
+    most `segment` tokens long (0: whole documents)."""
     stream = token_stream(3, 20_000)
     write_shard(tmp_path / "s_000000.bin", stream)
-    for T_, max_doc_len in ((256, 96), (512, 40), (64, 1000)):
-        loader = tg.TrainLoader([str(tmp_path / "s_000000.bin")], T_)
+    for T_, max_doc_len in ((256, 96), (512, 40), (64, 1000), (256, 256), (32, 32)):
+        loader = tg.TrainLoader([str(tmp_path / "s_000000.bin")], T_, rule, segment)
         got = loader.next_batch(T_, max_doc_len, 1, [0])[0]
-        tokens, targets, cu = ref.loader_slice(stream, T_, max_doc_len)
+        tokens, targets, cu = ref.loader_slice(stream, T_, max_doc_len, rule=rule, segment=segment)
         assert torch.equal(got.tokens.long(), tokens) and torch.equal(got.targets, targets)
         real = got.cu_seqlens.tolist()
         assert real[:len(cu)] == cu.tolist() and set(real[len(cu):]) <= {T_}
+
+
+@pytest.mark.parametrize("hashes, cross_documents", [("project", False), ("record", True), ("record", False)])
+def test_the_hashed_tables_rows_equal_their_statement(hashes, cross_documents):
+    """Every token's rows and sign rows in the n-gram table (record 92's 84,602,880 rows) and the
+    bigram table (record 89's 377,280), over GPT-2's whole id range, where the records' int32
+    products wrap."""
+    rng = np.random.default_rng(5)
+    tokens = torch.from_numpy(rng.integers(0, ref.BOS, 600))
+    tokens[rng.integers(0, 600, 12)] = ref.BOS
+    cfg = types.SimpleNamespace(ngram_rows=84_602_880, bigram_rows=377_280, table_hashes=hashes,
+                                cross_documents=cross_documents)
+    starts = tg.token_starts(tokens, cross_documents)
+    record = hashes == "record"
+    brow, trow, sign_b, sign_t = ref.ngram_rows(cfg, tokens)
+    assert torch.equal(tg.ngram_rows(tokens, starts, cfg.ngram_rows, record), torch.stack([brow, trow], 1))
+    assert torch.equal(tg.bigram_sign_rows(tokens, starts, "record92" if record else "project"), sign_b)
+    assert torch.equal(tg.trigram_sign_rows(tokens, starts, record), sign_t)
+    row, sign = ref.bigram_table_rows(cfg, tokens)
+    assert torch.equal(tg.bigram_rows(tokens, starts, cfg.bigram_rows, record), row)
+    assert torch.equal(tg.bigram_sign_rows(tokens, starts, "record89" if record else "project"), sign)
 
 
 @pytest.mark.parametrize("count", [900, 2048, 50304])
@@ -281,9 +316,9 @@ def test_a_trainer_step_equals_the_statement_with_its_schedule(tmp_path, tokeniz
     model = in_float64(away_from_init(trainer.model, 7))
     cfg = tg.model_config(h)
     # by hand: step s of 8 is in stage 0 while s / 8 < 0.5; windows in blocks of 128 tokens
-    schedule = {3: dict(T=128, doc=96, windows=(128, 128), history=[128], columns=1024,
+    schedule = {3: dict(T=128, doc=96, windows=(128, 128), history=([128], [128]), columns=1024,
                         weights=[1.0, 0.5, 0.25 * (1 - 3 / 4), 0.25]),
-                6: dict(T=256, doc=200, windows=(128, 256), history=[128, 256], columns=0,
+                6: dict(T=256, doc=200, windows=(128, 256), history=([128, 256], [128]), columns=0,
                         weights=[1.0, 0.5, 0.0, 0.25 * (1 - 2 / 4)])}
     loader = tg.TrainLoader([str(tmp_path / "t_train_000000.bin")], 2 * 256)
     for step, s in schedule.items():

@@ -147,6 +147,12 @@ def test_a_run_that_changes_the_fixed_config_is_refused(tmp_path, capsys):
     assert run_tool(site, "G", "2026-12-02", free) == 0, "keys outside fixed_config are free"
 
 
+def test_a_fixed_key_the_runs_code_did_not_have_yet_is_no_change(tmp_path):
+    """A key added to fixed_config after a run: its log lacks it, its code ran the key's default."""
+    site = steps_site(tmp_path, fixed_config={"preset": "cpu", "val_files": "data/x_val_*.bin", "a_later_key": 1})
+    assert run_tool(site, "L", "2026-12-02", logs_at(site, "l", [3.27], 100)) == 0
+
+
 def test_runs_of_one_record_train_the_same_steps(tmp_path, capsys):
     """One config, so one num_iterations; a run whose final line says other steps than its config is refused."""
     site = steps_site(tmp_path)
@@ -161,7 +167,8 @@ def test_runs_of_one_record_train_the_same_steps(tmp_path, capsys):
 
 FIXED_KEYS = [k for k in tg.MODEL_FIELDS if k != "embed_init_std"] + [
     "train_files", "val_files", "val_tokens", "batch_ranks", "stages", "val_long_window", "yarn_at_final_window",
-    "untie_frac", "fp8_mlp", "fp8_qkv", "fp8_head", "fp8_on_cpu"]  # the model, the data, the batch, the objective
+    "untie_frac", "fp8_mlp", "fp8_qkv", "fp8_head", "fp8_on_cpu", "target_rule",
+    "attention_segment_tokens"]  # the model, the data, the batch, the objective
 
 
 @pytest.mark.parametrize("track, argv, extra", [

@@ -118,10 +118,10 @@ def test_a_fused_region_launches_a_loop_per_size_it_writes_and_ends_with_its_gra
 
 def test_the_optimizers_updates_are_fused_where_the_run_captures_them():
     """With CUDA graphs the trainer compiles each optimizer update it captures (one graph per Muon
-    bank, one for Adam): the census fuses their pointwise math, which without them runs an
+    bank, one for each Adam): the census fuses their pointwise math, which without them runs an
     eager kernel per op, into far fewer launches and less traffic."""
     h = tg.parse_config(["--preset", "speedrun"])
-    assert sm.compiled_phases(h) == ("forward", "backward", "muon", "adam")
+    assert sm.compiled_phases(h) == ("forward", "backward", "muon", "adam", "value_adam")
     assert sm.compiled_phases(tg.parse_config(["--preset", "speedrun", "--cuda_graphs=false"])) == ("forward",
                                                                                                       "backward")
     assert sm.compiled_phases(tg.parse_config(["--preset", "speedrun", "--compile=false"])) == ()
@@ -206,13 +206,13 @@ def test_the_value_tables_all_reduce_the_rows_the_processes_touched(monkeypatch)
     touched since the last update, in the table's dtype (bf16 in the speedrun): ring traffic
     2 (w - 1) / w x rows x width x 2 bytes, whatever the vocabulary; with the tiny corpus absent
     the rows are every token's, at most the vocabulary."""
-    h = tg.parse_config(["--preset", "speedrun"])
+    h = tg.parse_config(["--preset", "speedrun", "--value_embed_sparse=true", "--value_embed_table_cadence=false"])
     spans = []
     monkeypatch.setattr(sm, "distinct_tokens", lambda tokens: (spans.append(tokens) or 1000, "planted"))
     ops = sm.table_ops(h, 0, 8, value_widths=(768, 384)).value_event
     comm = [op.comm for op in ops if op.family == "collective"]
     assert comm == [2 * 7 / 8 * 1000 * 768 * 2, 2 * 7 / 8 * 1000 * 384 * 2]
-    assert spans == [16_384 * 8 * 4]   # every process's slices over the cadence's 4 steps
+    assert spans == [16_384 * 8 * 4]   # every process's slices over the longest cadence's 4 steps
     assert not [op for op in sm.table_ops(h, 0, 1, value_widths=(768,)).value_event if op.family == "collective"]
     monkeypatch.undo()
     monkeypatch.setattr(sm, "tiny_corpus_stream", lambda tokens: None)

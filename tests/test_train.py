@@ -162,6 +162,40 @@ def test_adam_groups_take_their_own_lr_betas_and_decay():
                    "gates": (0.5, (0.9, 0.99), 0.0, gates), "smear_gate": (0.6, (0.9, 0.99), 0.0, 1)}
 
 
+def test_dense_trunk_adam_groups_split_the_scales_and_decay_the_gate_weights():
+    """The dense trunk's residual and output scales in groups of their own (the records' resid and
+    post lambdas), the value-embedding gates decayed by gate_wd, and the token-gate and dense-
+    connection MLPs' weight matrices by gate_mlp_wd while their biases and scale are not."""
+    h = tiny_config([*DENSE, "--num_value_embeds=0", "--value_embed_layers=[0,2]", "--resid_scale_lr=0.04",
+                     "--post_scale_lr=0.008", "--scale_betas=[0.9,0.95]", "--gate_wd=0.005", "--gate_mlp_wd=0.007"])
+    model = tiny_model(h)
+    adam = tg.build_optimizers(h, model, tg.select_kernels(h, torch.device("cpu")))[0]
+    got = {g["name"]: g for g in adam.param_groups}
+    scaled = [b for b in model.blocks if hasattr(b, "resid_scales")]
+    assert [p for p in got["resid_scales"]["params"]] == [b.resid_scales for b in scaled]
+    assert [p for p in got["post_scales"]["params"]] == [b.post_scales for b in scaled]
+    assert (got["resid_scales"]["lr"], got["post_scales"]["lr"], got["post_scales"]["betas"]) == (0.04, 0.008, (0.9, 0.95))
+    assert all(p is not b.resid_scales for p in got["scalars"]["params"] for b in scaled)
+    assert got["gates"]["weight_decay"] == 0.005 and got["gates"]["params"]
+    for name in ("token_gates", "dense"):
+        weights, rest = got[f"{name}_weights"], got[name]
+        assert weights["weight_decay"] == 0.007 and all(p.ndim == 2 for p in weights["params"]) and weights["params"]
+        assert rest["weight_decay"] == 0.0 and all(p.ndim < 2 for p in rest["params"]) and rest["params"]
+
+
+def test_the_fp8_layers_take_the_scale_rules_their_keys_name():
+    """fp8_qkv_scales and fp8_head_scales pick the QKV projection's and the head's rules: record
+    92's static QKV input 8/448 and gradient 1/448, head weight 2/448 and gradient 0.75/8/448."""
+    h = tiny_config(["--fp8_on_cpu=true", "--fp8_qkv_scales=record92", "--fp8_head_scales=record92"])
+    fns = tg.select_kernels(h, torch.device("cpu"))
+    qkv, head = fns.fp8_qkv.keywords["scales"], fns.fp8_head.keywords["scales"]
+    assert (qkv.input.scale, qkv.weight, qkv.grad_output.scale) == (8 / 448, kernels.EXACT, 1 / 448)
+    assert (head.input.scale, head.weight.scale, head.grad_output.scale) == (100 / 448, 2 / 448, 0.75 / 8 / 448)
+    h = tiny_config(["--fp8_on_cpu=true", "--fp8_qkv_scales=project", "--fp8_head_scales=record89"])
+    fns = tg.select_kernels(h, torch.device("cpu"))
+    assert (fns.fp8_qkv.keywords["scales"], fns.fp8_head.keywords["scales"]) == (kernels.QKV_SCALES, kernels.HEAD_SCALES)
+
+
 def test_qkv_is_orthogonalized_as_query_and_key_blocks_of_heads_and_one_value_block():
     h = tiny_config(["--num_heads=4", "--head_dim=32", "--qk_ortho_heads=2"])
     assert tg.qkv_row_splits(h) == (64, 64, 64, 64, 128)

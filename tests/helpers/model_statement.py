@@ -18,23 +18,26 @@ import torch.nn.functional as F
 
 VOCAB = 50304                      # GPT-2's 50,257 ids padded to a multiple of 128
 BOS = 50256                        # <|endoftext|>: every document starts with it
-SOFTCAP, SOFTCAP_SHIFT, SOFTCAP_TEMP = 23.0, 5.0, 7.5   # z = 23 sigmoid((logit + 5) / 7.5)
+SOFTCAP, SOFTCAP_SHIFT, SOFTCAP_TEMP = 23.0, 5.0, 7.5   # z = 23 sigmoid((logit + 5) / 7.5): records 89, 92
 MASKED_LOGIT = -60.0               # a non-canonical pair's softcapped logit at validation
 SIGN_ROWS, SIGN_SEED = 8192, 1234  # the fixed +/-1 sign table and its generator's seed
-BIGRAM = (36313, 27191)            # row hash: (current, previous)
-BIGRAM_SIGN = (40351, 51349)
-TRIGRAM = (17351, 60961, 45259)    # row hash: (current, previous, the one before)
-TRIGRAM_SIGN = (29363, 47119, 13709)
+BIGRAM = (36313, 27191)            # row hash (current, previous): record 92's ngram_table.py BIGRAM_ROW_MULS
+BIGRAM_SIGN = (40351, 51349)       # this repository's sign hash (table_hashes project)
+TRIGRAM = (17351, 60961, 45259)    # row hash (current, previous, the one before): ngram_table.py TRIGRAM_ROW_MULS
+TRIGRAM_SIGN = (29363, 47119, 13709)  # this repository's sign hash (table_hashes project)
+RECORD92_BIGRAM_SIGN = (48271, 30011)           # ngram_table.py BIGRAM_SIGN_MULS: (current, previous)
+RECORD92_TRIGRAM_SIGN = (58699, 39779, 26801)   # ngram_table.py TRIGRAM_SIGN_MULS: (current, previous, before)
 YARN_ALPHA, YARN_BETA = 1.0, 32.0  # YaRN's ramp: rotations per old window below alpha interpolate, above beta keep
 XSA_EPS = 1e-4                     # F.normalize's floor on |v|
 COMPOSED_MIX_EPS = 1e-6            # the RMS norm over heads of composed attention's input mix
-SMEAR_DIMS = 12                    # the smear gate reads a token's first 12 embedding dims
+SMEAR_DIMS = 12                    # the smear gate reads a token's first 12 embedding dims (records' smear_gate)
 TOKEN_GATE_INIT_SCALE = 0.1        # not read: the learned scale is a parameter (token_gates.scale)
-DENSE_SCALE = 0.1                  # the dense connections' fixed output scale
+DENSE_SCALE = 0.1                  # the dense connections' fixed output scale (records' _mudd_scale)
+FINAL_GROUPS = 12                  # record 92's final mix: channel groups with a delta each (model/gpt.py MUDD_GROUPS)
 LAST_LAYER_MIX = ("v_input", "v_snapshot", "v_residual", "input", "snapshot", "residual", "ve_lane0", "ve_lane1",
                   "attn_residual", "attn_out", "x0", "hashed", "mlp_residual", "mlp_out")
 FINAL_MIX = ("input", "snapshot", "last_input", "value_embed", "skip_source")
-CANDIDATE_STRIDE = 20011
+CANDIDATE_STRIDE = 20011           # record 92's sampled_softmax.py NEGATIVE_STRIDE
 EPS64 = torch.finfo(torch.float64).eps
 
 
@@ -54,16 +57,27 @@ def softcap(logits):
 # data: the loader's slice and its targets, and the sampled-softmax candidates
 
 
-def loader_slice(stream, T, max_doc_len, targets=3):
+def loader_slice(stream, T, max_doc_len, targets=3, rule="document", segment=0):
     """(tokens (T,), targets (T, targets), cu_seqlens) of the first slice of a BOS-separated
     stream: whole documents from its start, each cut to max_doc_len and the last to fit, at most
-    T // 16 of them, BOS-padded. Target k of the token at stream position p is stream[p + k + 1]
-    if that is at most the next document's BOS, else -1 (so the last token of a document predicts
-    the next BOS; a cut document's last kept token still predicts its true successor)."""
+    T // 16 attention segments of them, BOS-padded.
+
+    rule "document": target k of the token at stream position p is stream[p + k + 1] if that is
+    at most the next document's BOS, else -1 (so the last token of a document predicts the next
+    BOS; a cut document's last kept token still predicts its true successor). rule "packed": the
+    slice's tokens followed by one more token, the last piece's true successor when that piece
+    was cut to fit the slice (shorter than its document and than max_doc_len), else a BOS (the
+    start of the document the next slice takes); target k of slice token i is token i + k + 1 of
+    that sequence, -1 past its end, and -1 on padding.
+
+    segment > 0: inside each document, an attention boundary every `segment` tokens."""
     stream = np.asarray(stream)
     starts = [p for p in range(len(stream)) if stream[p] == BOS]
-    tokens, tgts, cu, filled, d = [], [], [0], 0, 0
-    while filled < T and len(cu) - 1 < T // 16:
+    tokens, tgts, cu, filled, d, used, last = [], [], [0], 0, 0, 0, None
+
+    def segments(length):
+        return -(-length // segment) if segment else 1
+    while filled < T and used + segments(min(max_doc_len, T - filled)) <= T // 16:
         start = starts[d]
         end = starts[d + 1] if d + 1 < len(starts) else len(stream)
         d += 1
@@ -72,8 +86,18 @@ def loader_slice(stream, T, max_doc_len, targets=3):
             tokens.append(int(stream[p]))
             tgts.append([int(stream[p + k + 1]) if p + k + 1 <= end and p + k + 1 < len(stream) else -1
                          for k in range(targets)])
+        for boundary in range(segment, length, segment) if segment else ():
+            cu.append(filled + boundary)
         filled += length
+        used += segments(length)
         cu.append(filled)
+        last = (start, length, end)
+    if rule == "packed":
+        start, length, end = last
+        cut_to_fit = length < end - start and length < max_doc_len
+        sequence = tokens + [int(stream[start + length]) if cut_to_fit else BOS]
+        tgts = [[sequence[i + k + 1] if i + k + 1 < len(sequence) else -1 for k in range(targets)]
+                for i in range(len(tokens))]
     while len(tokens) < T:
         tokens.append(BOS)
         tgts.append([-1] * targets)
@@ -125,26 +149,63 @@ def sign_table(dim):
     return (torch.randint(0, 2, (SIGN_ROWS, dim), generator=g) * 2 - 1).double()
 
 
-def token_context(tokens):
+def token_context(tokens, cfg):
     """(starts, previous, two back, first two): a token starts a document at position 0 or at a
-    BOS; a start's predecessor is BOS; the first two tokens of a document have no token two back
-    (BOS instead)."""
+    BOS (only at position 0 with cfg.cross_documents: the slice is read as one stream); a
+    start's predecessor is BOS; the first two tokens of a document have no token two back (BOS
+    instead)."""
     T = len(tokens)
     cur = tokens.long()
-    starts = torch.tensor([t == 0 or int(tokens[t]) == BOS for t in range(T)])
+    starts = torch.tensor([t == 0 or (int(tokens[t]) == BOS and not cfg.cross_documents) for t in range(T)])
     prev = torch.tensor([BOS if starts[t] else int(tokens[t - 1]) for t in range(T)])
     first_two = torch.tensor([bool(starts[t]) or (t >= 1 and bool(starts[t - 1])) for t in range(T)])
     prev2 = torch.tensor([BOS if first_two[t] else int(tokens[t - 2]) for t in range(T)])
     return cur, starts, prev, prev2, first_two
 
 
+def int32(value):
+    """A Python int as a signed 32-bit register holds it (the records' products overflow there)."""
+    return (value + 2 ** 31) % 2 ** 32 - 2 ** 31
+
+
+def record_rows(cfg, tokens, rows, trigram=False):
+    """The records' hashed rows of a channel of `rows` rows (the bigram table, or one half of the
+    n-gram table, numbered from its start): per token, in int32 arithmetic, its bigram
+    (36313 x[t]) xor (27191 x[t-1]), or trigram (17351 x[t]) xor (60961 x[t-1]) xor (45259 x[t-2]),
+    modulo rows - 1 (the non-negative remainder); the last row where there is no such n-gram.
+    The token after a start reads the last row's id, rows - 1, as its previous token (the
+    records hash in place, after the reserved id is written)."""
+    cur, starts, prev, prev2, first_two = token_context(tokens, cfg)
+    out = []
+    for t in range(len(tokens)):
+        if (first_two if trigram else starts)[t]:
+            out.append(rows - 1)
+            continue
+        x, p = int(cur[t]), int(prev[t])
+        if trigram:
+            h = int32(TRIGRAM[0] * x) ^ int32(TRIGRAM[1] * p) ^ int32(TRIGRAM[2] * int(prev2[t]))
+        else:
+            h = int32(BIGRAM[0] * x) ^ int32(BIGRAM[1] * (rows - 1 if starts[t - 1] else p))
+        out.append(h % (rows - 1))
+    return torch.tensor(out)
+
+
 def ngram_rows(cfg, tokens):
     """(bigram row, trigram row, bigram sign row, trigram sign row), each (T,), of the n-gram table
     of cfg.ngram_rows rows: bigrams hash into the first half, whose last row takes a document's
-    first token; trigrams into the second half, whose last row takes its first two tokens."""
-    cur, starts, prev, prev2, first_two = token_context(tokens)
+    first token; trigrams into the second half, whose last row takes its first two tokens. The
+    records' hashes (cfg.table_hashes "record"): record_rows, and record 92's sign rows, row 0
+    where there is no n-gram."""
+    cur, starts, prev, prev2, first_two = token_context(tokens, cfg)
     R = cfg.ngram_rows
     half = R // 2
+    if cfg.table_hashes == "record":
+        brow = record_rows(cfg, tokens, half)
+        trow = record_rows(cfg, tokens, R - half, trigram=True) + half
+        b, t = RECORD92_BIGRAM_SIGN, RECORD92_TRIGRAM_SIGN
+        sign_b = torch.where(starts, 0, ((b[0] * cur) ^ (b[1] * prev)) % SIGN_ROWS)
+        sign_t = torch.where(first_two, 0, ((t[0] * cur) ^ (t[1] * prev) ^ (t[2] * prev2)) % SIGN_ROWS)
+        return brow, trow, sign_b, sign_t
     brow = torch.where(starts, half - 1, ((BIGRAM[0] * cur) ^ (BIGRAM[1] * prev)) % (half - 1))
     trow = torch.where(first_two, R - 1,
                        ((TRIGRAM[0] * cur) ^ (TRIGRAM[1] * prev) ^ (TRIGRAM[2] * prev2)) % (R - half - 1) + half)
@@ -155,16 +216,25 @@ def ngram_rows(cfg, tokens):
 
 def bigram_part(P, cfg, tokens, signs):
     """The bigram embedding's (or the n-gram table's) output per token: each hashed row times its
-    sign row (the sign trick)."""
-    cur, starts, prev, prev2, first_two = token_context(tokens)
+    sign row (the sign trick). The records' bigram table: record_rows, and record 89's sign row,
+    the xor of the two ids (row 0 at a start)."""
+    cur, starts, prev, prev2, first_two = token_context(tokens, cfg)
     if cfg.ngram_rows:
         brow, trow, sign_b, sign_t = ngram_rows(cfg, tokens)
         table = P["ngram.table"]
         return table[brow] * signs[sign_b] + table[trow] * signs[sign_t]
-    sign_b = ((BIGRAM_SIGN[0] * cur) ^ (BIGRAM_SIGN[1] * prev)) % SIGN_ROWS
-    rows = cfg.bigram_rows
-    row = torch.where(starts, rows - 1, ((BIGRAM[0] * cur) ^ (BIGRAM[1] * prev)) % (rows - 1))
+    row, sign_b = bigram_table_rows(cfg, tokens)
     return P["bigram.weight"][row] * signs[sign_b]
+
+
+def bigram_table_rows(cfg, tokens):
+    """(row, sign row) of each token in the bigram table of cfg.bigram_rows rows."""
+    cur, starts, prev, prev2, first_two = token_context(tokens, cfg)
+    rows = cfg.bigram_rows
+    if cfg.table_hashes == "record":
+        return record_rows(cfg, tokens, rows), torch.where(starts, 0, (cur ^ prev) % SIGN_ROWS)
+    row = torch.where(starts, rows - 1, ((BIGRAM[0] * cur) ^ (BIGRAM[1] * prev)) % (rows - 1))
+    return row, ((BIGRAM_SIGN[0] * cur) ^ (BIGRAM_SIGN[1] * prev)) % SIGN_ROWS
 
 
 def value_table_of_layer(cfg):
@@ -181,10 +251,12 @@ def value_table_of_layer(cfg):
 
 
 def rotary(cfg, narrow, history, positions):
-    """(cos, sin) (positions, D/2) and the softmax scale of a layer after the long window grew
-    through `history` (tokens). Base frequencies base^(-i/(n-1)), i < n, are float32 values as the
-    model stores them: n = D/4 followed by D/4 zeros (stationary dims), or n = D/2 (narrow
-    layers, all dims rotate)."""
+    """(cos, sin) (positions, D/2) and the softmax scale of a layer after the windows grew through
+    `history` = (long windows, short windows) (tokens): a layer follows the long window, a narrow
+    one the short window when cfg.narrow_yarn_window is "short". Base frequencies base^(-i/(n-1)),
+    i < n, are float32 values as the model stores them: n = D/4 followed by D/4 zeros (stationary
+    dims), or n = D/2 (narrow layers, all dims rotate)."""
+    history = history[1] if narrow and cfg.narrow_yarn_window == "short" else history[0]
     D = cfg.narrow_qk_dim if narrow else cfg.head_dim
     n = D // 2 if narrow else D // 4
     freq = ((1.0 / cfg.rope_base) ** torch.linspace(0, 1, n, dtype=torch.float32)).double()
@@ -240,20 +312,39 @@ def attention_layer(P, cfg, i, x, ve, starts, doc, history, windows, gates):
             g = cfg.value_embed_gate_dim
             inputs = torch.cat([x[:, :g // 2], ve[:, :g // 2]], -1) if cfg.value_embed_gate_reads_value else x[:, :g]
             gate = 2 * torch.sigmoid(inputs @ P[a + "ve_gate"].T)
-        v = v + gate[:, :, None] * ve.reshape(T, H, dv)
+        v = v + gate[:, :, None] * ve.reshape(T, H, -1)[..., :dv]   # a full-width table: each head's first dv
     if "v" in gates:
         v = v + gates["v"].reshape(T, H, dv)
     paired = i in cfg.paired_head_layers
-    if paired:                     # position 2t + j holds head 2h + j of token t as head h
+    record_pairs = paired and cfg.paired_head_layout == "record"
+    N = 2 * T if paired else T
+    cos, sin, scale, stationary = rotary(cfg, narrow_qk, history, N)
+    if record_pairs:               # head h of token t at position 2t + h // (H/2), slot h % (H/2), turned as 2t + h % 2
+        turn = 2 * torch.arange(T)[:, None] + torch.arange(H)[None, :] % 2              # (T, H)
+        place = 2 * torch.arange(T)[:, None] + torch.arange(H)[None, :] // (H // 2)
+        slot = torch.arange(H)[None, :].expand(T, H) % (H // 2)
+
+        def turned(t):
+            half = t.shape[-1] // 2
+            c, s_ = cos[turn], sin[turn]                                                 # (T, H, d/2)
+            t1, t2 = t[..., :half], t[..., half:]
+            return torch.cat([t1 * c + t2 * s_, t2 * c - t1 * s_], dim=-1)
+
+        def placed(t):
+            out = t.new_zeros(2 * T, H // 2, t.shape[-1])
+            out[place, slot] = t
+            return out
+        q, k, v = placed(turned(rms(q))), placed(turned(rms(k))), placed(v)
+        pos_doc = doc.repeat_interleave(2)
+    elif paired:                   # position 2t + j holds head 2h + j of token t as head h
         def pair(t):
             return torch.stack([t[:, 0::2], t[:, 1::2]], dim=1).reshape(2 * T, H // 2, t.shape[-1])
         q, k, v = pair(q), pair(k), pair(v)
         pos_doc = doc.repeat_interleave(2)
+        q, k = rope(rms(q), cos, sin), rope(rms(k), cos, sin)
     else:
         pos_doc = doc
-    N = q.shape[0]
-    cos, sin, scale, stationary = rotary(cfg, narrow_qk, history, N)
-    q, k = rope(rms(q), cos, sin), rope(rms(k), cos, sin)
+        q, k = rope(rms(q), cos, sin), rope(rms(k), cos, sin)
     long = i in cfg.long_window_layers
     if cfg.key_offset and long:    # a key's stationary dims come from the previous token of its document
         still = stationary.repeat(2)
@@ -261,8 +352,9 @@ def attention_layer(P, cfg, i, x, ve, starts, doc, history, windows, gates):
         k = torch.where(still[None, None, :] & ~starts[:, None, None], shifted, k)
     window = windows[1] if long else windows[0]
     pos = torch.arange(N)
+    reach = window if cfg.window_edge_key else window - 1      # the farthest key back: w, or w - 1
     visible = (pos_doc[:, None] == pos_doc[None, :]) & (pos[None, :] <= pos[:, None]) \
-        & (pos[:, None] - pos[None, :] < window)
+        & (pos[:, None] - pos[None, :] <= reach)
     y = masked_softmax_attention(q, k, v, visible, scale)
     if i in cfg.composed_layers:         # composed: the heads' maps over the last composed_window keys, mixed per token
         composed_visible = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None]) \
@@ -276,7 +368,9 @@ def attention_layer(P, cfg, i, x, ve, starts, doc, history, windows, gates):
         alpha = gates["xsa"] if "xsa" in gates else P[a + "xsa_alpha"]
         unit = v / v.norm(dim=-1, keepdim=True).clamp_min(XSA_EPS)
         y = y - torch.tanh(alpha)[..., None] * (y * unit).sum(-1, keepdim=True) * unit
-    if paired:
+    if record_pairs:
+        y = y[place, slot]
+    elif paired:
         y = torch.stack([y[0::2], y[1::2]], dim=2).reshape(T, H, dv)
     if "attn" in gates:
         y = y * gates["attn"][:, :, None]
@@ -285,6 +379,8 @@ def attention_layer(P, cfg, i, x, ve, starts, doc, history, windows, gates):
 
 
 def mlps(P, cfg, i, x):
+    if i in cfg.mlp_free_layers:
+        return 0.0
     out = mlp(P[f"blocks.{i}.mlp.up"], P[f"blocks.{i}.mlp.down"], x)
     if i in cfg.parallel_mlp_layers:
         out = out + mlp(P[f"blocks.{i}.parallel_mlp.up"], P[f"blocks.{i}.parallel_mlp.down"], x)
@@ -295,28 +391,38 @@ def mlps(P, cfg, i, x):
 # gates
 
 
+def injection_sites(cfg):
+    """(x0's layers, the bigram's layers): cfg.x0_layers and cfg.hashed_layers, where null means
+    every attention layer (but the dense trunk's last, which injects through its own mix)."""
+    last = cfg.num_layers - 1 if cfg.trunk == "dense" else -1
+    every = [i for i in range(cfg.num_layers) if i not in cfg.attention_free_layers and i != last]
+    return (every if cfg.x0_layers is None else list(cfg.x0_layers),
+            every if cfg.hashed_layers is None else list(cfg.hashed_layers))
+
+
 def token_gate_layouts(cfg):
-    """Two lists of (layer, kind, width), in output order: attention layers before the split
-    feed the first MLP, the others the second; per layer: the skip's gate (dense, the skip's
-    target), XSA strengths, output gates, composed mixes (in, out), the x0 and bigram injections
-    (not the dense trunk's last layer)."""
+    """Two lists of (layer, kind, width), in output order: layers before the split feed the
+    first MLP, the others the second; per layer: the skip's gate (dense, the skip's target), and
+    on an attention layer its XSA strengths, output gates, composed mixes (in, out); then the x0
+    and bigram injections where injection_sites put them."""
     out = ([], [])
-    dense, last = cfg.trunk == "dense", cfg.num_layers - 1
+    dense = cfg.trunk == "dense"
+    x0_sites, bigram_sites = injection_sites(cfg)
     for i in range(cfg.num_layers):
         group = out[1 if i >= cfg.token_gates_split else 0]
         if dense and i == cfg.skip_layers[1]:
             group.append((i, "skip", 1))
-        if i in cfg.attention_free_layers:
-            continue
-        if i in cfg.xsa_layers:
-            group.append((i, "xsa", cfg.num_heads))
-        if i in cfg.attn_gate_layers:
-            group.append((i, "attn", cfg.num_heads))
-        if i in cfg.composed_layers:
-            group.append((i, "composed_in", cfg.num_heads))
-            group.append((i, "composed_out", cfg.num_heads))
-        if not (dense and i == last):
+        if i not in cfg.attention_free_layers:
+            if i in cfg.xsa_layers:
+                group.append((i, "xsa", cfg.num_heads))
+            if i in cfg.attn_gate_layers:
+                group.append((i, "attn", cfg.num_heads))
+            if i in cfg.composed_layers:
+                group.append((i, "composed_in", cfg.num_heads))
+                group.append((i, "composed_out", cfg.num_heads))
+        if i in x0_sites:
             group.append((i, "x0", 1))
+        if i in bigram_sites:
             group.append((i, "hashed", 1))
     return out
 
@@ -351,9 +457,9 @@ def document_index(cu_seqlens, T):
 
 def hidden_states(P, cfg, tokens, cu_seqlens, windows, history):
     """The final normed residual (T, dim) of a packed slice; windows (short, long) in tokens,
-    history the long windows (tokens) the RoPE tables were grown through."""
+    history the (long, short) windows (tokens) the RoPE tables were grown through."""
     T = len(tokens)
-    cur, starts, *_ = token_context(tokens)
+    cur, starts, *_ = token_context(tokens, cfg)
     doc = document_index(cu_seqlens, T)
     signs = sign_table(cfg.model_dim)
     x = P["embed.weight"][cur]
@@ -404,14 +510,16 @@ def unet_trunk(P, cfg, embedded, bigram, ves, starts, doc, history, windows):
 
 
 def dense_trunk(P, cfg, x0, bigram, ves, starts, doc, history, windows):
-    """Record 89's trunk: sublayer scales per layer; layer 0's gate lets the bigram in, later
-    attention layers inject x0 and the bigram through their gates; the attention-free layer
-    skip_layers[1] adds sigmoid(skip_lambda) x gate x layer skip_layers[0]'s output; layers after
+    """Records 89's and 92's trunk: sublayer scales per layer; layer 0's gate lets the bigram in
+    (where it is a bigram site), the other sites inject x0 and the bigram through their gates
+    after their attention, or on an attention-free layer after its residual scale; the
+    attention-free layer skip_layers[1] adds sigmoid(skip_lambda) x gate x layer skip_layers[0]'s
+    output instead; an MLP-free layer scales its residual by its MLP scale alone; layers after
     the snapshot layer attend from its output; the last layer's mixes and a final mix come from
     the dense connections."""
     n, last = cfg.num_layers, cfg.num_layers - 1
     gates = token_gates(P, cfg, 0, x0)
-    x = x0 + gates[0]["hashed"] * bigram
+    x = x0 + gates[0]["hashed"] * bigram if "hashed" in gates.get(0, {}) else x0
     saved = {"input": x}
     source, target = cfg.skip_layers
     for i in range(n):
@@ -423,12 +531,18 @@ def dense_trunk(P, cfg, x0, bigram, ves, starts, doc, history, windows):
             x = x + torch.sigmoid(P["skip_lambda"]) * g["skip"] * saved["skip_source"]
         has_attn = i not in cfg.attention_free_layers
         if i < last:
-            s = P[f"blocks.{i}.scales"]
+            resid = P[f"blocks.{i}.resid_scales"]
+            post = P.get(f"blocks.{i}.post_scales", (0.0, 0.0))   # (a layer with no sublayer has none)
+            s = (resid[0], post[0], resid[1], post[1])
             if has_attn:
                 y = attention_layer(P, cfg, i, rms(attn_in), ves.get(i), starts, doc, history, windows, g)
-                x = s[0] * x + s[1] * y + g["x0"] * x0
-                if i != 0:
-                    x = x + g["hashed"] * bigram
+                x = s[0] * x + s[1] * y
+            elif i != target:
+                x = s[0] * x
+            if "x0" in g:
+                x = x + g["x0"] * x0
+            if "hashed" in g and i != 0:
+                x = x + g["hashed"] * bigram
             x = s[2] * x + s[3] * mlps(P, cfg, i, rms(x))
         else:
             saved["last_input"] = x
@@ -441,17 +555,36 @@ def dense_trunk(P, cfg, x0, bigram, ves, starts, doc, history, windows):
             x = (1 + m["residual"]) * x + m["input"] * saved["input"] + m["snapshot"] * saved["snapshot"]
             y = attention_layer(P, cfg, i, rms(attn_in), ves.get(i), starts, doc, history, windows, lg)
             x = m["attn_residual"] * x + m["attn_out"] * y + m["x0"] * saved["input"] + m["hashed"] * bigram
-            x = m["mlp_residual"] * x + m["mlp_out"] * mlps(P, cfg, i, rms(x))
+            mlp_input = rms(x)
+            x = m["mlp_residual"] * x + m["mlp_out"] * mlps(P, cfg, i, mlp_input)
         if i == source:
             saved["skip_source"] = x
         if i == cfg.snapshot_layer:
             saved["snapshot"] = x
+    if cfg.final_mix == "record92":
+        tables = [ves[layer] for layer in sorted(ves, key=value_table_of_layer(cfg).get)]
+        sources = [saved["input"], saved["snapshot"], saved["last_input"], *tables[:1], saved["skip_source"],
+                   *tables[1:], mlp_input, rms(saved["snapshot"])]
+        return record92_final_mix(P, x, sources)
     f = dense_mix(P, 1, x)
-    wide = [layer for layer in sorted(ves) if cfg.num_heads * (cfg.narrow_vo_dim if layer in cfg.narrow_vo_layers
-                                                               else cfg.head_dim) == cfg.model_dim]
+    wide = [layer for layer in sorted(ves) if ves[layer].shape[-1] == cfg.model_dim]
     first_ve = ves[wide[0]] if wide else 0.0
     return (x + f["input"] * saved["input"] + f["snapshot"] * saved["snapshot"] + f["last_input"] * saved["last_input"]
             + f["value_embed"] * first_ve + f["skip_source"] * saved["skip_source"])
+
+
+def record92_final_mix(P, x, sources):
+    """Record 92's mix after the last layer: x + sum_k (c_k + d_kg) source_k, where on channel
+    group g (model_dim in FINAL_GROUPS groups) source k's coefficient is c_k, one per token,
+    plus d_kg: c = (W2 gelu(W1 x) + b) x 0.1 and d_k = W2g_k gelu(W1 x) x 0.1."""
+    hidden = F.gelu(x @ P["dense.w1.1"].T)
+    c = (hidden @ P["dense.w2.1"].T + P["dense.b2.1"]) * DENSE_SCALE                        # (T, K)
+    d = torch.einsum("th,kgh->tkg", hidden, P["dense.w2_groups"]) * DENSE_SCALE             # (T, K, G)
+    width = x.shape[1] // FINAL_GROUPS
+    out = x
+    for k, source in enumerate(sources):
+        out = out + (c[:, k:k + 1] + d[:, k]).repeat_interleave(width, dim=1) * source
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
