@@ -262,8 +262,8 @@ MUTATIONS = [
     # the trainer's wiring
     Mutation("train_gpt.py", "(objective / self.accum).backward()", "objective.backward()", TRAINER_STEP,
              "micro-batch gradients summed, not averaged"),
-    Mutation("train_gpt.py", "self.graphs.run(graph_key(self.h, step), body, s, candidate_start(slice_index, self.h.batch_ranks))",
-             "self.graphs.run(graph_key(self.h, step), body, s, candidate_start(0, self.h.batch_ranks))", TRAINER_STEP,
+    Mutation("train_gpt.py", "        return candidate_start(slice_index, self.h.batch_ranks)",
+             "        return candidate_start(0, self.h.batch_ranks)", TRAINER_STEP,
              "every micro-batch draws the same negatives"),
     Mutation("sparse_tables.py", "            grads.zero_()\n        if self.value_adams:",
              "        if self.value_adams:", TRAINER_STEP, "the n-gram sink not cleared between micro-batches"),
@@ -298,8 +298,8 @@ MUTATIONS = [
     Mutation("optim.py", "(3.505298394150, -5.137358782410, 1.968325560615),",
              "(3.505298394150, -5.137358782410, 1.968352560615),", OPTIM, "a typo in an ANVIL coefficient"),
     Mutation("optim.py", "norm_factor=1.02,", "norm_factor=1.05,", OPTIM, "Polar Express normalized as ANVIL"),
-    Mutation("optim.py", "mean_square = update.square().mean(dim=-1 if rows >= cols else -2, keepdim=True)",
-             "mean_square = update.square().mean(dim=-2 if rows >= cols else -1, keepdim=True)", OPTIM,
+    Mutation("optim.py", "mean_square = update.square().mean(dim=-1 if row_lanes else -2, keepdim=True)",
+             "mean_square = update.square().mean(dim=-2 if row_lanes else -1, keepdim=True)", OPTIM,
              "NorMuon equalizes the short lanes"),
     Mutation("optim.py", "return dict(step_scale=lr / (1 - beta1 ** t), inv_sqrt_bias2=(1 - beta2 ** t) ** -0.5,",
              "return dict(step_scale=lr / (1 - beta1 ** t), inv_sqrt_bias2=(1 - beta2 ** t) ** 0.5,", OPTIM,
@@ -307,7 +307,8 @@ MUTATIONS = [
     Mutation("optim.py", "torch.mul(update, master, out=decayed).gt_(0).mul_(master)",
              "torch.mul(update, master, out=decayed).lt_(0).mul_(master)", OPTIM, "Adam's cautious decay on the wrong side"),
     # a Triton kernel (the interpreter runs it against the reference path)
-    Mutation("kernels.py", "grad_x = grad_z * z * (1.0 - z / SOFTCAP) / TEMP", "grad_x = grad_z * z * (1.0 - z / SOFTCAP)",
+    Mutation("kernels.py", "grad = grad_z * z * (1.0 - z / SOFTCAP) / TEMP * grad_scale",
+             "grad = grad_z * z * (1.0 - z / SOFTCAP) * grad_scale",
              ["tests/test_triton_trainer.py"], "the Triton cross-entropy's gradient misses the softcap's 1/temperature"),
     # the kernels' references the trainer runs on a CPU
     Mutation("kernels.py", "return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)",
