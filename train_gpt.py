@@ -65,6 +65,7 @@ from machinery.config import (FINAL_MIX_GROUPS, MAX_TARGETS, MIN_DOC_TOKENS, MOD
 from machinery.cpu_runtime import bf16_gemm_path, bf16_gemms, cpu_has_native_bf16
 from machinery.cuda_graphs import MicroBatch, StepGraphs
 from machinery.errors import UserError
+from machinery.kernel_set import KernelFns, select_kernels
 from machinery.processes import (DISK_FULL_ERRNOS, EXIT_USER_ERROR, SIGNAL_EXIT_CODES, Interrupted, ProcessGroup,
                                  TrainingError, hold_signals, interruption_line, launch_environment, peer_exited,
                                  report_error, restore_signals, shows_interruptions, start_process, stop_on_signals,
@@ -73,6 +74,7 @@ from machinery.progress import Progress, RunClock
 from machinery.run_report import (DeferredLossLines, busy_warning, environment, memory_line, peak_rss_bytes, run_threads,
                                   stop, where_the_run_is)
 from machinery.sparse_tables import SparseTables, check_ngram_table
+from machinery.warm_up import compiled_graphs, host_syncs_are_errors, warm_up, warm_up_line
 from records.logfile import (ERROR_PREFIX, LogWriteError, RunLog, load_average, project_sources, track_target,
                              write_failure)
 
@@ -2190,75 +2192,6 @@ def target_line(h, val_loss, log_path):
 # -----------------------------------------------------------------------------------------------
 
 
-@dataclass
-class KernelFns:
-    """The kernel functions a model calls: the Triton ones or their plain-torch references."""
-    attention: object
-    cross_entropy: object
-    fp8_mlp: object = None         # fn(x, w_up, w_down, state); None: the MLP runs in the autocast dtype
-    xxt: object = None             # X X^T of the Muon family; None: as optim.orthogonalize picks by device
-    fp8_qkv: object = None         # fn(x, weight, state); None: the QKV projection runs in the autocast dtype
-    fp8_head: object = None        # fn(x, weight, state); None: the head runs in the autocast dtype
-    qk_norm_rope: object = kernels.qk_norm_rope_reference  # fn(q, k, cos, sin, stationary, key_doc_start)
-    composed_attention: object = kernels.composed_attention_reference  # fn(q, k, v, doc_start, window, scale, mixes)
-    # fn(x, weight, state, targets, weights, grad_scale): the FP8 head and the cross-entropy in one, for
-    # the training objective (kernels.fp8_head_cross_entropy); None: the head, then cross_entropy
-    fp8_head_loss: object = None
-    ema_update: object = kernels.ema_update_reference_  # fn(ema, weight, rate): a weight average's sample
-    triton: bool = False           # the Triton kernels (their JIT, and kernel_choice's selection, in the warm-up)
-
-    @property
-    def any_fp8(self):
-        return any(fn is not None for fn in (self.fp8_mlp, self.fp8_qkv, self.fp8_head))
-
-
-def fp8_casts(h):
-    """How the Triton FP8 layers cast their activations and gradients: in torch ops that
-    torch.compile fuses into the kernels making them, when it compiles; else by the cast kernel."""
-    return "fused" if h.compile else "kernel"
-
-
-def fp8_kernels(h, use_triton):
-    """The FP8 layers the config asks for, each with its scale rules: (mlp, qkv, head) functions
-    or None."""
-    if not use_triton:
-        linear = head = kernels.fp8_linear_reference
-        mlp = kernels.fp8_relu2_mlp_reference
-    else:
-        linear = functools.partial(kernels.fp8_linear, gemm=h.fp8_gemm, casts=fp8_casts(h))
-        mlp = functools.partial(kernels.fp8_relu2_mlp, gemm=h.fp8_gemm, casts=fp8_casts(h))
-        # the head's gradient comes from the cross-entropy kernel, which no cast can join
-        head = functools.partial(kernels.fp8_linear, gemm=h.fp8_gemm)
-    return (functools.partial(mlp, scales=kernels.MLP_SCALES[h.fp8_mlp_scales]) if h.fp8_mlp else None,
-            functools.partial(linear, scales=kernels.QKV_SCALE_RULES[h.fp8_qkv_scales]) if h.fp8_qkv else None,
-            functools.partial(head, scales=kernels.HEAD_SCALE_RULES[h.fp8_head_scales]) if h.fp8_head else None)
-
-
-def select_kernels(h, device):
-    """Triton on CUDA unless the references are asked for. FP8 layers with the Triton kernels, or
-    on CUDA with the references (the A/B twin), or on a CPU with the references when fp8_on_cpu
-    asks for the emulation. On a CPU the Triton kernels run only under the Triton interpreter,
-    which tests use to rehearse the GPU path."""
-    use_triton = h.kernels == "triton" or (h.kernels == "auto" and device.type == "cuda")
-    if use_triton and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ConfigError("--kernels=triton needs a CUDA GPU (on a CPU the Triton kernels only run under the "
-                          "interpreter, TRITON_INTERPRET=1, for tests): use --kernels=auto")
-    with_fp8 = use_triton or device.type == "cuda" or h.fp8_on_cpu
-    mlp, qkv, head = fp8_kernels(h, use_triton) if with_fp8 else (None, None, None)
-    if use_triton:
-        head_loss = (functools.partial(kernels.fp8_head_cross_entropy, scales=kernels.HEAD_SCALE_RULES[h.fp8_head_scales],
-                                       gemm=h.fp8_gemm, casts=fp8_casts(h)) if h.fp8_head else None)
-        attention = (kernels.flash_attn_varlen if h.attention_impl == "fastest"
-                     else functools.partial(kernels.flash_attn_varlen, impl=h.attention_impl))
-        return KernelFns(attention, kernels.softcap_cross_entropy, mlp, kernels.xxt, qkv, head,
-                         kernels.qk_norm_rope, kernels.composed_attention, head_loss, kernels.ema_update_, triton=True)
-    # Here auto means CPU: the chunked cross-entropy is the kernel's algorithm, ~3x faster than the
-    # reference there; `kernels=reference` keeps the plain reference for A/B runs.
-    cross_entropy = (kernels.softcap_cross_entropy_reference if h.kernels == "reference"
-                     else kernels.softcap_cross_entropy_chunked)
-    return KernelFns(kernels.attention_reference, cross_entropy, mlp, None, qkv, head)
-
-
 def is_gate(name):
     """Gate weights (value-embedding and smear gates) are small matrices trained with the scalars."""
     return name.endswith("_gate")
@@ -2370,11 +2303,6 @@ def build_optimizers(h, model, fns, run_bank=None):
                       fast_beta=h.anvil_fast_beta, slow_beta=h.anvil_slow_beta,
                       ortho_dtype=torch.bfloat16 if fns.xxt else None, xxt=fns.xxt, run_bank=run_bank)
     return adams + [muon]
-
-
-def compiled_graphs():
-    """Graphs torch.compile has built in this process so far."""
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def gemm_path(h, device, compiling=None):
@@ -2648,124 +2576,10 @@ def check_finite(name, loss, step, log):
                             f"log_every steps): lower the learning rates or check the data")
 
 
-@contextlib.contextmanager
-def host_syncs_are_errors(enabled):
-    """With `enabled` (CUDA only), any operation that makes the CPU wait for the GPU raises."""
-    if not enabled:
-        yield
-        return
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
 def first_batch(h, train_files, mine):
     """This rank's slices of step 0's batch (a fresh loader starts where the run's does)."""
     stage = h.stages[0]
     return train_loader(h, train_files).next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, mine)
-
-
-def warm_up_steps_per_key(h):
-    """The warm-up's training steps per graph key: warmup_steps, and with CUDA graphs enough for
-    Adam to update under it (and be captured)."""
-    return max(h.warmup_steps, h.adam_step_every if h.cuda_graphs and h.warmup_steps else 0)
-
-
-def warm_up_validations(h):
-    """The validation forwards the warm-up runs: one per distinct (windows, tied head)."""
-    return len({(attention_windows(h, step, final), step < untie_step(h)) for step, final in validation_points(h)})
-
-
-def warm_up_line(trainer, seconds, graphs):
-    """What the untimed warm-up did on this device, and what this device had no need of."""
-    h, did, not_here = trainer.h, [], []
-    if trainer.needs_warm_up():
-        did.append(f"{len(graph_changes(h)) * warm_up_steps_per_key(h)} training steps and "
-                   f"{warm_up_validations(h)} validation forward(s) at every shape the run uses")
-    for done, what, missing in ((h.compile, f"torch.compile of {graphs} graphs", "no compilation"),
-                                (trainer.kernels.triton, "the Triton kernels' JIT", "no Triton JIT"),
-                                (trainer.graphs.capturing, f"{trainer.graphs.captured()} CUDA graphs captured",
-                                 "no CUDA graphs"),
-                                (trainer.kernels.any_fp8, "FP8 calibration", "no FP8 calibration")):
-        (did if done else not_here).append(what if done else missing)
-    on_device = f"; on this {trainer.pg.device.type}: {', '.join(not_here)}" if not_here else ""
-    return (f"warm-up: {seconds:.1f}s untimed ({', '.join(did) or 'none: nothing to compile or warm'}{on_device}); "
-            f"train_time counts from step 0")
-
-
-@contextlib.contextmanager
-def warm_up_part(trainer, what):
-    """One part of the warm-up: its line (WARM_UP_PART) once it is done, with its seconds and the
-    graphs torch.compile built in it, so that a run stopped in the warm-up has said how far it
-    came and what each compile cost."""
-    log = trainer.log
-    log.progress = f"in the warm-up ({what})"
-    start, graphs = time.perf_counter(), compiled_graphs()
-    yield
-    synchronize(trainer.pg.device)
-    log.write(f"{WARM_UP_PART}{what}: {time.perf_counter() - start:.1f} s, {compiled_graphs() - graphs} graph(s) "
-              f"compiled", echo=True)
-
-
-WARM_UP_PART = "warm-up part: "    # starts each line warm_up_part writes
-
-
-def key_text(h, step):
-    """`step`'s graph key in words: its stage and whether the head is tied."""
-    stage, tied = graph_key(h, step)
-    return f"stage {stage} ({h.stages[stage].tokens_per_rank:,} tokens), head {'tied' if tied else 'untied'}"
-
-
-def warm_up(trainer, train_files, val_slices, progress=None):
-    """Untimed: run every graph the timed run will use (each stage's shape, the untie, each
-    validation's windows), so that torch.compile and the Triton JIT do their work here, then
-    capture each training step's CUDA graph: after every key's eager steps, so that no eager step
-    runs beside the graphs' memory pool (a stage's step plus the pool would be two steps' memory
-    at once); then restore the initial model, optimizer and schedule state. Each part's seconds
-    are logged as it ends (warm_up_part); `progress` (a progress.Progress) says each step, capture
-    and validation forward before it starts. Returns the graphs torch.compile built."""
-    h, part = trainer.h, functools.partial(warm_up_part, trainer)
-    say = progress.say if progress is not None else lambda piece: None
-    before = compiled_graphs()
-    saved = trainer.snapshot()
-    loader = train_loader(h, train_files)
-    trainer.graphs.in_warm_up = trainer.tables.frozen = True
-    steps_per_key, keys = warm_up_steps_per_key(h), graph_changes(h)
-    for k, step in enumerate(keys):
-        with part(f"{steps_per_key} training step(s) of {key_text(h, step)}"):
-            trainer.advance_to(step)
-            stage = h.stages[stage_index(h, step)]
-            for i in range(steps_per_key):
-                say(f"training step {k * steps_per_key + i + 1}/{len(keys) * steps_per_key} (graph {k + 1}/"
-                    f"{len(keys)}: the shape of step {step})")
-                trainer.train_step(step, loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks,
-                                                           trainer.mine))
-            if h.warmup_steps:
-                trainer.capture_graph(step, prepare_only=True)
-    for k, step in enumerate(keys if h.warmup_steps and trainer.graphs.capturing else ()):
-        say(f"capturing graph {k + 1}/{len(keys)}")
-        with part(f"the CUDA graph of {key_text(h, step)}"):
-            trainer.advance_to(step)
-            trainer.capture_graph(step)
-    for adam in trainer.tables.adams():     # the frozen tables' updates, on scratch tables
-        adam.launch_on_scratch()
-    trainer.averages.launch_on_scratch()
-    trainer.graphs.in_warm_up = trainer.tables.frozen = False
-    seen = set()
-    for step, final in validation_points(h):
-        graph = (attention_windows(h, step, final), step < untie_step(h))
-        if graph not in seen:
-            seen.add(graph)
-            say(f"validation forward {len(seen)}/{warm_up_validations(h)}")
-            with part(f"a validation forward, windows {graph[0]}, head {'tied' if graph[1] else 'untied'}"):
-                trainer.advance_to(step, final)
-                trainer.validate(val_slices[:1], step, final)
-    trainer.restore(saved)
-    trainer.advance_to(0)
-    synchronize(trainer.pg.device)
-    return compiled_graphs() - before
 
 
 def write_loss_lines(log, lines, h, clock, sink):
@@ -2862,13 +2676,13 @@ def train(h, pg, log, resumed=None):
     log.progress = "in the warm-up"
     untimed_t0 = time.perf_counter()
     kernel_choice.start_run(pg.device, selecting=trainer.kernels.triton and trainer.needs_warm_up())
-    warm_graphs = (warm_up(trainer, train_files, val_slices, Progress(log, "warming up"))
+    warm_graphs = (warm_up(this_recipe(), trainer, train_files, val_slices, Progress(log, "warming up"))
                    if trainer.needs_warm_up() else 0)
     for line in kernel_choice.end_run():    # each shape's implementation, timed in the warm-up or by rule
         log.write(line, echo=False)
     if trainer.kernels.any_fp8:
         trainer.calibrate_fp8(first_batch(h, train_files, trainer.mine))
-    log.write(warm_up_line(trainer, time.perf_counter() - untimed_t0, warm_graphs), echo=True)
+    log.write(warm_up_line(this_recipe(), trainer, time.perf_counter() - untimed_t0, warm_graphs), echo=True)
     start = resumed["step"] if resumed else 0
     if resumed:
         resume.restore_state(trainer, resumed)

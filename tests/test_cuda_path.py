@@ -37,6 +37,7 @@ from tiny_runs import synthetic_documents  # noqa: E402
 
 import kernels  # noqa: E402
 import train_gpt as tg  # noqa: E402
+from machinery.warm_up import WARM_UP_PART, warm_up  # noqa: E402
 from data.loader import TrainLoader  # noqa: E402
 from data.shards import write_shard  # noqa: E402
 from records.logfile import parse_log  # noqa: E402
@@ -359,7 +360,7 @@ def test_rehearsal_logs_each_warm_up_part_as_it_ends(rehearsal):
     optimizers' updates) and each validation's, all the warm-up's graphs among them."""
     log = parse_log(rehearsal[1])
     parts = [re.fullmatch(r"warm-up part: (.*): [\d.]+ s, (\d+) graph\(s\) compiled", line)
-             for line in log.info if line.startswith(tg.WARM_UP_PART)]
+             for line in log.info if line.startswith(WARM_UP_PART)]
     assert all(parts) and len(parts) == len(CHANGES) + 2
     training = [re.match(r"\d+ training step\(s\) of stage", p[1]) is not None for p in parts]
     assert training == [True] * len(CHANGES) + [False] * 2
@@ -625,7 +626,7 @@ def test_what_the_warm_up_captures_is_what_a_timed_step_makes(shards, tmp_path, 
         trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog(str(tmp_path), active=False))
         trainer.graphs.capturing = True
         monkeypatch.setattr(trainer.graphs, "_record", record)
-        tg.warm_up(trainer, tg.find_shards(h.train_files), tg.validation_data(h, trainer.pg,
+        warm_up(tg, trainer, tg.find_shards(h.train_files), tg.validation_data(h, trainer.pg,
                                                                             tg.find_shards(h.val_files)))
         for key, step in trainer.graphs.steps.items():
             step.body = lambda inputs, body=step.body, key=key: timed.append((key, traced(lambda: body(inputs))))

@@ -25,6 +25,7 @@ from tiny_runs import (DENSE, FEATURES, NGRAM, TINY, cpu_trainer, data_args, fin
 
 import kernels  # noqa: E402
 import train_gpt as tg  # noqa: E402
+from machinery.warm_up import compiled_graphs, warm_up  # noqa: E402
 from data.loader import DataError, TrainLoader, _targets, validation_slices  # noqa: E402
 from data.shards import read_shard, write_shard  # noqa: E402
 from data.tokenizer import BOS_ID  # noqa: E402
@@ -472,7 +473,7 @@ def test_replayed_steps_train_exactly_as_plain_eager_steps(shards):
                 seen.setdefault("embed", model.embed.weight.grad)
                 assert model.embed.weight.grad is seen["embed"], "a replay keeps its gradient tensors"
         if warm:
-            tg.warm_up(trainer, tg.find_shards(h.train_files),
+            warm_up(tg, trainer, tg.find_shards(h.train_files),
                        tg.validation_data(h, trainer.pg, tg.find_shards(h.val_files)))
             assert sorted(trainer.graphs.steps) == [(0, True), (1, False), (1, True)]
             assert all(p.grad is None for p in model.parameters()), "the warm-up leaves no gradient behind"
@@ -556,7 +557,7 @@ def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeyp
     if compile_updates:   # compiled math may round differently: the same compiled updates, not captured, are the reference
         reference = cpu_trainer(h)
         reference.graphs.compiler = compiler
-        tg.warm_up(reference, tg.find_shards(h.train_files), tg.validation_data(h, reference.pg,
+        warm_up(tg, reference, tg.find_shards(h.train_files), tg.validation_data(h, reference.pg,
                                                                               tg.find_shards(h.val_files)))
         reference_losses = train_steps(reference, h, h.num_iterations)
         assert np.allclose(reference_losses, eager_losses, rtol=1e-4, atol=0)
@@ -566,10 +567,10 @@ def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeyp
         trainer.graphs.compiler = compiler
     graphs = cpu_graphs(monkeypatch, trainer)
     val = tg.validation_data(h, trainer.pg, tg.find_shards(h.val_files))
-    compiled_before = tg.compiled_graphs()
-    tg.warm_up(trainer, tg.find_shards(h.train_files), val)
+    compiled_before = compiled_graphs()
+    warm_up(tg, trainer, tg.find_shards(h.train_files), val)
     updates = trainer.graphs.optimizer_graphs      # Muon's banks; Adam with the head tied and untied
-    assert tg.compiled_graphs() - compiled_before == (len(updates) if compile_updates else 0)
+    assert compiled_graphs() - compiled_before == (len(updates) if compile_updates else 0)
     assert {key[0] for key in updates} == {"muon", "adam"} and sum(key[0] == "adam" for key in updates) == 2
     assert trainer.graphs.captured() == 3 and len(graphs) == 3 + len(updates)
     assert all(len(g.ops) > 20 for g in graphs)
@@ -583,7 +584,7 @@ def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeyp
     assert all(replays[g] == h.num_iterations for key, g in updates.items() if key[0] == "muon")
     assert sum(replays[g] for key, g in updates.items() if key[0] == "adam") == h.num_iterations // 2
     assert trainer.graphs.eager_runs == eager_runs, "every micro-batch and optimizer update replays"
-    assert tg.compiled_graphs() - compiled_before == (len(updates) if compile_updates else 0)
+    assert compiled_graphs() - compiled_before == (len(updates) if compile_updates else 0)
     for name, value in eager.model.state_dict().items():
         assert torch.equal(trainer.model.state_dict()[name], value), name
     for eager_opt, opt in zip(eager.optimizers, trainer.optimizers):   # the state the graphs updated in place
@@ -598,7 +599,7 @@ def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeyp
     cpu_graphs(monkeypatch, trainer, fail="operation not permitted when stream is capturing")
     with pytest.raises(tg.TrainingError, match=r"capturing .* failed \(operation not permitted when stream is "
                                                r"capturing\): rerun with --cuda_graphs=false"):
-        tg.warm_up(trainer, tg.find_shards(h.train_files), val)
+        warm_up(tg, trainer, tg.find_shards(h.train_files), val)
 
 
 def test_a_captured_step_reads_the_loss_unit_of_its_replay(shards, monkeypatch):
@@ -629,7 +630,7 @@ def test_the_first_step_after_the_warm_up_has_its_stages_fp8_loss_unit(shards):
     h = tiny_config(data_args(shards) + ["--num_iterations=4", "--warm_up=always", "--warmup_steps=1"])
     trainer = cpu_trainer(h, fp8=True)
     files = tg.find_shards(h.train_files)
-    tg.warm_up(trainer, files, tg.validation_data(h, trainer.pg, tg.find_shards(h.val_files)))
+    warm_up(tg, trainer, files, tg.validation_data(h, trainer.pg, tg.find_shards(h.val_files)))
     trainer.calibrate_fp8(tg.first_batch(h, files, trainer.mine))
     states = fp8_states(trainer.model)
     assert len(states) > 3 and all(state[-1] == 1 / 512 for state in states.values())
@@ -773,7 +774,7 @@ def test_compiled_cpu_step_matches_eager(shards):
     torch._dynamo.reset()
     compiled_loss, compiled = first_step_gradients(
         tiny_config(args + ["--compile=true", "--compile_backend=aot_eager"]), batch)
-    assert tg.compiled_graphs() > 0
+    assert compiled_graphs() > 0
     assert compiled_loss == pytest.approx(eager_loss, rel=1e-5)
     assert_gradients_close(eager, compiled, rel=1e-4)
 
