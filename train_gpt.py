@@ -1532,6 +1532,30 @@ class GPT(nn.Module):
     def head_weight(self):
         return self.embed.weight if self.tied else self.lm_head
 
+    def averaged_pieces(self, params):
+        """(name, tensor) of each matrix of a parameter family (AVERAGED_PARAMS), as views of the
+        weights, so that writing into one writes the weights. "head" is the head as the model uses
+        it: the embedding while tied (so its average starts as the embedding's), lm_head after."""
+        if params == "embed_head":
+            return [("embed", self.embed.weight.data), ("head", self.head_weight().data)]
+        if params == "value_embeds":
+            return [(f"value_embed{i}", ve.weight.data) for i, ve in enumerate(self.value_embeds)]
+        pieces = []
+        for i, block in enumerate(self.blocks):
+            attn = block.attn
+            qk_rows = 2 * attn.num_heads * attn.qk_dim if attn is not None else 0
+            if params == "qk" and attn is not None:
+                pieces.append((f"qk{i}", attn.qkv.data[:qk_rows]))
+            elif params == "vo_mlp":
+                if attn is not None:
+                    pieces += [(f"v{i}", attn.qkv.data[qk_rows:]), (f"out{i}", attn.out.data)]
+                if block.mlp is not None:
+                    pieces += [(f"mlp_up{i}", block.mlp.up.data), (f"mlp_down{i}", block.mlp.down.data)]
+                if block.parallel_mlp is not None:
+                    pieces += [(f"mlp2_up{i}", block.parallel_mlp.up.data),
+                               (f"mlp2_down{i}", block.parallel_mlp.down.data)]
+        return pieces
+
     def head(self, x, weight):
         """Logits of the normed x over the rows of `weight` (the head, or its candidate rows)."""
         if self.fp8_head is not None and self.training:
@@ -2004,108 +2028,6 @@ def untie_step(h):
     return int(h.untie_frac * h.num_iterations)
 
 
-def averaged_pieces(model, params):
-    """(name, tensor) of each matrix of a parameter family (AVERAGED_PARAMS), as views of the
-    weights, so that writing into one writes the weights. "head" is the head as the model uses
-    it: the embedding while tied (so its average starts as the embedding's), lm_head after."""
-    if params == "embed_head":
-        return [("embed", model.embed.weight.data), ("head", model.head_weight().data)]
-    if params == "value_embeds":
-        return [(f"value_embed{i}", ve.weight.data) for i, ve in enumerate(model.value_embeds)]
-    pieces = []
-    for i, block in enumerate(model.blocks):
-        attn = block.attn
-        qk_rows = 2 * attn.num_heads * attn.qk_dim if attn is not None else 0
-        if params == "qk" and attn is not None:
-            pieces.append((f"qk{i}", attn.qkv.data[:qk_rows]))
-        elif params == "vo_mlp":
-            if attn is not None:
-                pieces += [(f"v{i}", attn.qkv.data[qk_rows:]), (f"out{i}", attn.out.data)]
-            if block.mlp is not None:
-                pieces += [(f"mlp_up{i}", block.mlp.up.data), (f"mlp_down{i}", block.mlp.down.data)]
-            if block.parallel_mlp is not None:
-                pieces += [(f"mlp2_up{i}", block.parallel_mlp.up.data), (f"mlp2_down{i}", block.parallel_mlp.down.data)]
-    return pieces
-
-
-NORM_FLOOR = 1e-12                 # an all-zero matrix keeps its zeros when renormalized
-
-
-class WeightAverages:
-    """The end-of-training weight averages of a run (h.averages): sample() after each step's
-    update keeps an fp32 EMA per matrix over each average's window, ship() blends them into the
-    weights after the last step. A tied head is not written: the embedding is the head.
-    `ema_update` (kernels.ema_update_ or its reference) moves an EMA toward a weight."""
-
-    def __init__(self, averages, model, num_iterations, ema_update=kernels.ema_update_reference_, norms="matrix"):
-        self.averages, self.model, self.N, self.norms = averages, model, num_iterations, norms
-        self.ema_update = ema_update
-        self.ema = [dict() for _ in averages]
-
-    def samples_at(self, average, step):
-        """Whether `average` samples the weights after `step`: in its window, every every-th step
-        counted back from `offset` steps before the last, and each of its last_steps."""
-        return step >= self.N - average.window and ((self.N - 1 - step) % average.every == average.offset
-                                                     or step >= self.N - average.last_steps)
-
-    @torch.no_grad()
-    def sample(self, step):
-        for average, ema in zip(self.averages, self.ema):
-            if not self.samples_at(average, step):
-                continue
-            for name, weight in averaged_pieces(self.model, average.params):
-                if name not in ema:
-                    ema[name] = weight.to(torch.float32, copy=True)
-                else:
-                    self.ema_update(ema[name], weight, average.rate)
-
-    @torch.no_grad()
-    def launch_on_scratch(self):
-        """Each sample's update once per piece into a scratch EMA (the pieces untouched), so that
-        the warm-up compiles every kernel variant the samples will launch."""
-        for average in self.averages:
-            for _, weight in averaged_pieces(self.model, average.params):
-                self.ema_update(torch.zeros_like(weight, dtype=torch.float32), weight, average.rate)
-
-    def norm_group(self, name):
-        """What a piece's renormalization measures it with: the piece itself, or (norms "bank")
-        its bank: all layers' queries and keys, values and outputs, MLP matrices."""
-        if self.norms == "matrix":
-            return name
-        kind = name.rstrip("0123456789")
-        return {"v": "vo", "out": "vo", "mlp_up": "mlp", "mlp_down": "mlp", "mlp2_up": "mlp",
-                "mlp2_down": "mlp"}.get(kind, kind)
-
-    @torch.no_grad()
-    def ship(self):
-        """Blend every average into its weights, in order; then rescale the matrices of averages
-        with renormalize to the Frobenius norms they (or their banks: norm_group) had before any
-        blend. Returns the number of blends."""
-        def shipped(average, ema):
-            return [(name, weight) for name, weight in averaged_pieces(self.model, average.params)
-                    if name in ema and not (name == "head" and self.model.tied)]
-        renormalized = {name: weight for average, ema in zip(self.averages, self.ema)
-                        if average.renormalize for name, weight in shipped(average, ema)}
-
-        def norms():
-            squares = {}
-            for name, weight in renormalized.items():
-                group = self.norm_group(name)
-                squares[group] = squares.get(group, 0.0) + weight.float().square().sum()
-            return {group: square.sqrt() for group, square in squares.items()}
-        before = norms()
-        blends = 0
-        for average, ema in zip(self.averages, self.ema):
-            for name, weight in shipped(average, ema):
-                weight.copy_(torch.lerp(weight.float(), ema[name], average.blend))
-                blends += 1
-        after = norms()
-        for name, weight in renormalized.items():
-            group = self.norm_group(name)
-            weight.copy_(weight.float() * (before[group] / after[group].clamp_min(NORM_FLOOR)))
-        return blends
-
-
 def attention_windows(h, step, final_validation=False):
     """(short, long) attention windows in WINDOW_BLOCKs at `step`; the final validation uses the
     last stage's short window and val_long_window."""
@@ -2400,7 +2322,7 @@ class Trainer:
         self.weights = self.step_weights[0].clone()  # this step's row: one tensor the model always reads
         self.step_losses = torch.zeros(2, device=pg.device)  # the step's (next-token loss, objective)
         self.train_time_ms = 0.0
-        self.averages = WeightAverages(h.averages, self.model, h.num_iterations, self.kernels.ema_update,
+        self.averages = optim.WeightAverages(h.averages, self.model, h.num_iterations, self.kernels.ema_update,
                                        h.average_norms)
         self.reset_walk()
         self.advance_to(0)

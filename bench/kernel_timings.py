@@ -11,8 +11,6 @@ import time
 
 import numpy as np
 
-DOC_LEN_SIGMA = 1.0       # log-normal spread of document lengths (median 600: a mean near 1,000, like FineWeb)
-MIN_DOC_LEN = 16          # shortest generated document (the trainer's MIN_DOC_TOKENS)
 ATTENTION_MATMULS = 7     # per visible pair and head dim: 2 forward (QK^T, PV), 5 backward (QK^T again, dV, dP, dQ, dK)
 SYNTHETIC_DOC_LEN = 1000  # tokens between <|endoftext|> tokens in the synthetic shards
 BOS = 50256               # <|endoftext|>, which starts every document
@@ -205,20 +203,11 @@ def bench_fp8_layers(shapes, device, timer, dry):
     return lines
 
 
-def uneven_document_lengths(num_tokens, median, max_len, generator):
-    """Log-normal document lengths (cut to [MIN_DOC_LEN, max_len]) that fill num_tokens exactly."""
-    lengths = []
-    while sum(lengths) < num_tokens:
-        length = generator.lognormal(np.log(median), DOC_LEN_SIGMA)
-        lengths.append(int(np.clip(length, MIN_DOC_LEN, max_len)))
-    lengths[-1] -= sum(lengths) - num_tokens
-    return lengths
-
-
 def zipf_slices(count, num_tokens, median_doc, generator):
     """`count` slices of num_tokens synthetic token ids (int32), each id drawn independently with
     p(rank r) ~ 1 / (r + ZIPF_OFFSET) over a shuffled vocabulary, a document start (BOS) before
     each log-normal document. Independent draws: more distinct bigrams and trigrams than text."""
+    import step_model
     import torch
     vocab = np.arange(BOS)
     p = 1.0 / (vocab + ZIPF_OFFSET)
@@ -226,7 +215,8 @@ def zipf_slices(count, num_tokens, median_doc, generator):
     out = []
     for _ in range(count):
         tokens = ids[generator.choice(vocab, size=num_tokens, p=p / p.sum())].astype(np.int32)
-        tokens[np.cumsum([0] + uneven_document_lengths(num_tokens, median_doc, num_tokens, generator))[:-1]] = BOS
+        tokens[np.cumsum([0] + step_model.uneven_document_lengths(num_tokens, median_doc, num_tokens,
+                                                                  generator))[:-1]] = BOS
         out.append(torch.from_numpy(tokens))
     return out
 
@@ -396,11 +386,13 @@ def bench_attention(shapes, device, timer, dry):
     """Our attention against compiled flex_attention with the same document and window mask, at
     the dominant stage's windows (the short layers' and the long ones': each picks its tiles), and
     against SDPA's flash backend on equal causal documents; the forward outputs compared."""
+    import step_model
     import torch
 
     import kernels
     T, L = shapes["tokens"], shapes["doc_len"]
-    lengths = uneven_document_lengths(T, shapes["doc_median"], shapes["max_doc_len"], np.random.default_rng(0))
+    lengths = step_model.uneven_document_lengths(T, shapes["doc_median"], shapes["max_doc_len"],
+                                                 np.random.default_rng(0))
     uneven_cu_seqlens = torch.tensor(np.cumsum([0] + lengths), device=device, dtype=torch.int32)
     equal_cu_seqlens = torch.arange(0, T + 1, L, device=device, dtype=torch.int32)
     lines = []

@@ -593,7 +593,7 @@ MUTATIONS = [
              "eps at the summed scale without the update's steps"),
     Mutation("train_gpt.py", "    return (start + torch.where(need > 0, draw, 0)) % V",
              "    return (start + draw) % V", RECORD_SCHEDULES, "the walk moves when no negative was drawn"),
-    Mutation("train_gpt.py", "        return step >= self.N - average.window and ((self.N - 1 - step) % average.every == average.offset",
+    Mutation("optim.py", "        return step >= self.N - average.window and ((self.N - 1 - step) % average.every == average.offset",
              "        return step >= self.N - average.window and ((self.N - 1 - step) % average.every == 0",
              RECORD_SCHEDULES, "an average's offset ignored"),
     Mutation("train_gpt.py", '        lanes = (None,) * (len(splits) - 1) + ("rows",) if value_rows else None',

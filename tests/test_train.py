@@ -24,6 +24,7 @@ from tiny_runs import (DENSE, FEATURES, NGRAM, TINY, cpu_trainer, data_args, fin
                        run_trainer, synthetic_documents, tiny_config, tiny_model, write_json)
 
 import kernels  # noqa: E402
+import optim  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from machinery.warm_up import compiled_graphs, warm_up  # noqa: E402
 from data.loader import DataError, TrainLoader, _targets, validation_slices  # noqa: E402
@@ -261,7 +262,7 @@ def test_weight_averages_equal_a_hand_computed_ema():
     values = {name: [torch.randn(w.shape, generator=gen, dtype=torch.float64) for _ in range(10)]
               for name, w in [("embed", model.embed.weight), ("v", block.attn.qkv[qk_rows:]),
                               ("qk", block.attn.qkv[:qk_rows])]}
-    averages = tg.WeightAverages(h.averages, model, h.num_iterations)
+    averages = optim.WeightAverages(h.averages, model, h.num_iterations)
     for step in range(10):
         model.embed.weight.data.copy_(values["embed"][step])
         block.attn.qkv.data[qk_rows:] = values["v"][step].float()
@@ -278,7 +279,7 @@ def test_weight_averages_equal_a_hand_computed_ema():
     v = ema([values["v"][i].float().double() for i in (5, 7, 9)], 0.25)          # replaced by the tail average
     v = v + 0.5 * (ema([x.float().double() for x in values["v"][7:]], 0.5) - v)
     v = v * (last["v"].norm() / v.norm())
-    assert averages.ship() == 1 + 2 * sum(1 for _ in tg.averaged_pieces(model, "vo_mlp"))
+    assert averages.ship() == 1 + 2 * sum(1 for _ in model.averaged_pieces("vo_mlp"))
     torch.testing.assert_close(model.embed.weight.double(), embed, rtol=0, atol=1e-5)
     torch.testing.assert_close(block.attn.qkv[qk_rows:].double(), v, rtol=0, atol=1e-5)
     assert torch.equal(block.attn.qkv[:qk_rows].double(), last["qk"]), "no average touches the queries and keys"
@@ -828,15 +829,15 @@ def test_weight_averages_count_back_from_an_offset_take_the_last_steps_and_resto
                 '"renormalize":true,"last_steps":2}]')
     h = tiny_config([averages, "--num_iterations=10", "--average_norms=bank"])
     model = tiny_model(h)
-    sampled = [s for s in range(10) if tg.WeightAverages(h.averages, None, 10).samples_at(h.averages[0], s)]
+    sampled = [s for s in range(10) if optim.WeightAverages(h.averages, None, 10).samples_at(h.averages[0], s)]
     assert sampled == [6, 8, 9]
     block = next(b for b in model.blocks if b.attn is not None)
     qk_rows = 2 * h.num_heads * h.head_dim
-    pieces = dict(tg.averaged_pieces(model, "vo_mlp"))
+    pieces = dict(model.averaged_pieces("vo_mlp"))
     gen = torch.Generator().manual_seed(4)
     values = [{name: torch.randn(w.shape, generator=gen, dtype=torch.float64) for name, w in pieces.items()}
               for _ in range(10)]
-    averages = tg.WeightAverages(h.averages, model, h.num_iterations, norms=h.average_norms)
+    averages = optim.WeightAverages(h.averages, model, h.num_iterations, norms=h.average_norms)
     for step in range(10):
         for name, w in pieces.items():
             w.copy_(values[step][name].float())
@@ -857,7 +858,7 @@ def test_weight_averages_count_back_from_an_offset_take_the_last_steps_and_resto
     averages.ship()
     for name, w in pieces.items():
         torch.testing.assert_close(w.double(), blended[name], rtol=0, atol=1e-5)
-    own = tg.averaged_pieces(model, "vo_mlp")
+    own = model.averaged_pieces("vo_mlp")
     assert any(abs(float(w.double().norm() / last[n].norm()) - 1) > 1e-3 for n, w in own), "one norm per bank"
     assert torch.equal(block.attn.qkv[:qk_rows], block.attn.qkv[:qk_rows]), "queries and keys untouched"
 
