@@ -403,9 +403,14 @@ class Hyperparameters(ModelConfig):
     fp8_head: bool = False             # the head at the candidate width as an FP8 linear
     # its static scale rules: record89 | record92 (kernels.HEAD_SCALE_RULES)
     fp8_head_scales: str = choice(*HEAD_SCALE_RULES)
-    # the FP8 layers' plain GEMMs: triton | scaled_mm (torch._scaled_mm, cuBLAS: where the Triton
-    # GEMM is slower on the GPU; the casts and the relu2 epilogues stay Triton)
-    fp8_gemm: str = choice("triton", "scaled_mm")
+    # the FP8 layers' GEMMs: fastest (at each shape the implementation the warm-up timed fastest) |
+    # triton (the persistent descriptor kernel where the layout allows, else the pointer kernel) |
+    # tma | pointer | scaled_mm (the plain GEMMs on torch._scaled_mm, cuBLAS); the casts stay Triton
+    fp8_gemm: str = choice("fastest", "triton", "tma", "pointer", "scaled_mm")
+    # attention: fastest (the forward's tiles or flex_attention, and the backward, each the fastest
+    # the warm-up timed) | atomic (one backward kernel, dQ added atomically: not reproducible bit
+    # for bit) | deterministic (dK/dV and dQ kernels, no atomics) | flex (flex_attention's forward)
+    attention_impl: str = choice("fastest", "atomic", "deterministic", "flex")
     fp8_on_cpu: bool = False           # on a CPU, run the FP8 layers through their torch references (checks numerics)
     # untimed steps per graph before timing starts (when something compiles)
     warmup_steps: int = count(3, 0, MAX_STEPS, "steps")
@@ -425,7 +430,8 @@ class Hyperparameters(ModelConfig):
 MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
 # Keys that say how a run executes, not what it trains: a preset may leave them at their defaults.
 # Every other key is the recipe's, which a preset states whole (the schema's defaults are inert).
-RUN_KEYS = ("preset", "seed", "device", "kernels", "compile", "compile_backend", "fp8_gemm", "fp8_on_cpu",
+RUN_KEYS = ("preset", "seed", "device", "kernels", "compile", "compile_backend", "fp8_gemm", "attention_impl",
+            "fp8_on_cpu",
             "warmup_steps", "warm_up", "cuda_graphs", "sync_check", "val_every", "log_every", "log_dir",
             "save_checkpoint", "ngram_cache_rows", "resume_every", "metrics")
 STAGE_FIELDS = [f.name for f in dataclasses.fields(Stage)]
@@ -650,7 +656,8 @@ HELP_GROUPS = {
         "ngram_cache_rows"),
     "kernels, compilation, FP8 and the warm-up": (
         "kernels", "compile", "compile_backend", "compute_dtype", "fp8_mlp", "fp8_mlp_scales", "fp8_qkv",
-        "fp8_qkv_scales", "fp8_head", "fp8_head_scales", "fp8_gemm", "fp8_on_cpu", "cuda_graphs", "sync_check", "warm_up", "warmup_steps"),
+        "fp8_qkv_scales", "fp8_head", "fp8_head_scales", "fp8_gemm", "attention_impl", "fp8_on_cpu", "cuda_graphs",
+        "sync_check", "warm_up", "warmup_steps"),
 }
 UNGROUPED = "other keys"           # --help's heading for a key HELP_GROUPS does not place
 

@@ -8,7 +8,10 @@ reference with the same signature and the same math. The trainer uses the refere
 
 Families:
   1. FP8 matmul       fp8_matmul, fp8_linear, fp8_relu2_mlp          (+ *_reference)
-  2. Flash attention  flash_attn_varlen                              attention_reference
+                      (a persistent tensor-descriptor kernel and a
+                      pointer-load tile kernel; torch._scaled_mm)
+  2. Flash attention  flash_attn_varlen (one-kernel backward with    attention_reference
+                      atomic dQ, or the deterministic two-kernel one)
   3. Softcapped CE    softcap_cross_entropy                          softcap_cross_entropy_reference
                       (on CPU: softcap_cross_entropy_chunked, the same algorithm in plain torch);
                       fp8_head_cross_entropy (the FP8 head and the    fp8_linear_reference, then
@@ -32,10 +35,12 @@ with the module and lands in checkpoints:
 Weights use nn.Linear's (out, in) layout and any float dtype (their gradients come back in it);
 x is bf16 of shape (..., in) and y has x's dtype. Forward operands are e4m3, gradients e5m2, all
 with per-tensor scales that map an amax to the fp8 maximum. The forward GEMMs accumulate in the
-tensor cores' fast fp8 accumulator (as torch._scaled_mm(use_fast_accum=True)); the backward GEMMs,
-whose sums run over up to 49,152 tokens (weight gradients) or 50,304 vocabulary columns (the
-head's input gradient), add that accumulator into an fp32 sum after every BLOCK_K products
-(fp8_matmul's fast_accumulation=False). Each operand's scale follows a rule
+tensor cores' fast fp8 accumulator (as torch._scaled_mm(use_fast_accum=True)); the backward GEMMs
+whose sums are long (up to 49,152 tokens for weight gradients, 50,304 vocabulary columns for the
+head's input gradient) add that accumulator into an fp32 sum after every BLOCK_K products
+(fp8_matmul's fast_accumulation=False), the short ones (the MLP's hidden gradient, K = the model
+width) keep the fast accumulator (FAST_ACCUMULATION_MAX_K). Each GEMM runs the implementation
+kernel_choice picks for its shape (fp8_matmul's impl). Each operand's scale follows a rule
 (FP8LinearScales, FP8MLPScales): Exact (this call's amax: one more pass over the tensor),
 Delayed (the amax the previous call recorded, times a headroom: no extra pass), Static (a
 constant; for gradients, one of the summed loss times the state's loss unit, which
@@ -57,6 +62,10 @@ sparse row functions take the same arguments as their references (every Triton w
 accepts launch configs, which the tests shrink); sparse_adam_rows_ updates the table and the
 per-row state that optim.SparseRowAdam owns.
 
+Which implementation runs: where several can run a call (fp8_matmul's impl, flash_attn_varlen's),
+the call asks kernel_choice at run time, inside its custom op: the fastest candidate the warm-up
+timed at that shape, else its rule (see kernel_choice.py).
+
 torch.compile: every kernel launch sits inside a torch.library custom op with a fake (meta)
 implementation, and the autograd wrappers are torch.autograd.Functions built from those ops, so
 the trainer can compile its model with fullgraph=True (checked on CPU with the aot_eager
@@ -67,10 +76,13 @@ Two CPU functions are marked `runs_eagerly`: a compiled model calls them outside
 import dataclasses
 import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+import kernel_choice
 
 try:
     import triton
@@ -100,6 +112,7 @@ class LaunchConfig:
     block_m / block_n: the output tile (matmul, X X^T), query / key block (attention), rows /
     columns per program (casts); block_n is the column block of the cross-entropy. block_k: the
     reduction step of matmuls. group_m: row tiles walked together for L2 reuse (matmul only).
+    split_k: the persistent FP8 GEMM's K splits of the tiles of its last, partial wave (1: none).
     """
     block_m: int
     block_n: int
@@ -107,14 +120,25 @@ class LaunchConfig:
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 1
+    split_k: int = 1
 
     def as_list(self):
         """The fields as a list of ints: how a config crosses a custom-op boundary."""
-        return [self.block_m, self.block_n, self.block_k, self.group_m, self.num_warps, self.num_stages]
+        return [self.block_m, self.block_n, self.block_k, self.group_m, self.num_warps, self.num_stages, self.split_k]
 
 
 def _config_from_list(values):
     return LaunchConfig(*values)
+
+
+CONFIG_FIELDS = len(dataclasses.fields(LaunchConfig))   # ints of one config in a flat list
+
+
+def _configs_from_list(values, count):
+    """`count` LaunchConfigs from their flat list (as_list of each, concatenated)."""
+    if len(values) != count * CONFIG_FIELDS:
+        raise ValueError(f"expected {count} launch configs of {CONFIG_FIELDS} ints, flattened; got {len(values)} ints")
+    return tuple(_config_from_list(values[i * CONFIG_FIELDS:(i + 1) * CONFIG_FIELDS]) for i in range(count))
 
 
 def _launch(kernel, grid, config, **args):
@@ -147,6 +171,14 @@ FP8_MATMUL_LARGE = LaunchConfig(block_m=128, block_n=256, block_k=128, group_m=8
 FP8_MATMUL_SMALL = LaunchConfig(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=4)
 # The relu2_grad epilogue (activation tile, square root, two fp8 stores) spills with 128 x 256.
 FP8_MATMUL_RELU2_GRAD = FP8_MATMUL_SMALL
+# The backward GEMMs that sum at most this many products accumulate in the tensor cores' fast
+# accumulator, the others add it into fp32 every BLOCK_K products. Measured against float64
+# (bench/fast_accumulation.py, its emulation of a 14-bit accumulator cut toward zero after each
+# 32-product slice): the fast sum's relative error is 6.2e-4 at K = 768 (the MLP's hidden gradient),
+# below the 1.6e-3 of the output's own bf16 rounding, and 1.9e-3 at 2,304 (the QKV input
+# gradient), 2.3e-3 at 2,816, 1.3e-2 at 16,384 and 3.8e-2 at 49,152 (weight gradients), above it;
+# promoted, every one of them is at most 1.4e-4. The error grows about linearly with K.
+FAST_ACCUMULATION_MAX_K = 1024
 # Tiles of the stand-alone fp8 cast (row-major and transposed copies, memory bound).
 FP8_CAST = LaunchConfig(block_m=64, block_n=64, num_warps=4)
 # Tiles of the transpose kernel (an fp8 copy for a GEMM that reads its operand K-major).
@@ -264,6 +296,11 @@ FP8_MLP_SLOTS = _slots(FP8MLPScales)
 UNCALIBRATED_SCALE = {FP8_E4M3_MAX: 1.0, FP8_E5M2_MAX: 2.0 ** -14}
 
 _FP8_MAX = {torch.float8_e4m3fn: FP8_E4M3_MAX, torch.float8_e5m2: FP8_E5M2_MAX}
+
+
+def fp8_fast_accumulation(k):
+    """Whether a backward GEMM summing k products uses the fast accumulator (FAST_ACCUMULATION_MAX_K)."""
+    return k <= FAST_ACCUMULATION_MAX_K
 
 
 def fp8_matmul_config(m, n, device, fast_accumulation=True):
@@ -384,23 +421,23 @@ def _fp8_matmul_quant_kernel(a_ptr, b_ptr, scale_a_ptr, scale_b_ptr, act_ptr, ac
                              stride_am, stride_ak, stride_bk, stride_bn, stride_actm, stride_actn,
                              EPILOGUE: tl.constexpr, Q_MAX: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+                             GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, FAST_ACC: tl.constexpr):
     """Y = (A @ B) * scale_a * scale_b, transformed and stored as fp8 (row-major and transposed).
 
-    EPILOGUE "relu2":      out = relu(Y)^2, the MLP activation (act_ptr unused); a forward GEMM,
-                           in the fast accumulator (FAST_ACC in _fp8_dot_tile).
+    EPILOGUE "relu2":      out = relu(Y)^2, the MLP activation (act_ptr unused); a forward GEMM.
     EPILOGUE "relu2_grad": out = Y * 2 relu(h), the gradient of the MLP pre-activation h, where
                            relu(h) = sqrt(act * act_scale) comes from the fp8 activation relu(h)^2
                            saved by the forward (so h itself is never stored). The GPU takes
                            its fast square root (within a few fp32 ulp; out keeps 2 mantissa
                            bits in e5m2): the exact one costs 30% more registers on sm_90.
-                           A backward GEMM: the fast accumulator is added into fp32 every BLOCK_K.
+    FAST_ACC as in _fp8_dot_tile: the forward GEMM's, and the backward's where its K is short
+    (fp8_fast_accumulation).
     Like _fp8_matmul_kernel, plus: the activation tile read once ("relu2_grad"), out written twice
     in fp8 (M*N bytes each) instead of once in bf16, max |out| recorded for the next delayed scale.
     """
     tile_m, tile_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = _fp8_dot_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, tile_m, tile_n,
-                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EPILOGUE == "relu2")
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FAST_ACC)
     y = acc * (tl.load(scale_a_ptr) * tl.load(scale_b_ptr))
     rows = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -412,6 +449,211 @@ def _fp8_matmul_quant_kernel(a_ptr, b_ptr, scale_a_ptr, scale_b_ptr, act_ptr, ac
         act = tl.load(act_ptr + rows[:, None] * stride_actm + cols[None, :] * stride_actn, mask=mask, other=0.0)
         out = 2.0 * tl.sqrt(act.to(tl.float32) * tl.load(act_scale_ptr)) * y
     _quantize_tile(out, rows, cols, M, N, q_ptr, qt_ptr, tl.load(q_scale_ptr), amax_ptr, Q_MAX)
+
+
+# Persistent FP8 GEMMs fed by tensor descriptors (TMA on sm_90). One program per SM walks the
+# output tiles (a stride of the program count apart, in the grouped order of _grouped_tile): the
+# loop over tiles and their K steps is flattened, so the software pipeline keeps loading the next
+# tile's operands while the current tile's epilogue runs (a K = 768 GEMM has six K steps a tile);
+# operands come in by descriptor loads (the copy engine writes the swizzled shared-memory tile, no
+# address arithmetic in the threads; rows and columns past the matrix read as zeros, so K needs no
+# mask); the results leave by descriptor stores. Both operands are K-major: A (M, K) row-major and
+# B (K, N) given as the row-major (N, K) matrix it transposes (the layers' layouts).
+# Split-K for the last wave: when the output tiles do not fill the SMs a whole number of times,
+# the tiles of the last, partial wave are cut into split_k ranges of K steps, each range a work
+# unit of its own that stores its fp32 partial sum in a workspace; a second kernel adds each such
+# tile's partials in a fixed order (deterministic), scales, casts and stores it (split_k_plan).
+# Descriptors need 16-byte aligned base pointers and row strides (fp8: rows of a multiple of 16
+# elements); calls that do not meet that run the pointer kernel (_tma_layout_ok).
+
+# Tiles of the persistent kernel. Fast accumulation: 128 x 256 (two consumer warpgroups of 64 x 256)
+# when the output has at least two waves of them; promoted accumulation (and fewer tiles): 128 x
+# 128, one accumulator copy more per thread than 128 x 256 could hold without spilling on sm_90.
+FP8_TMA_LARGE = LaunchConfig(block_m=128, block_n=256, block_k=128, group_m=8, num_warps=8, num_stages=3)
+FP8_TMA_SMALL = LaunchConfig(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=4)
+# The relu2 epilogues write two fp8 tiles (row-major and transposed) from shared memory: 128 x 128;
+# the forward one also 128 x 256 with 3 stages (the gradient one, which reads the activation's
+# tile too, needs 240 KB of shared memory and spills there).
+FP8_TMA_QUANT = LaunchConfig(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=4)
+FP8_TMA_RELU2_LARGE = LaunchConfig(block_m=128, block_n=256, block_k=128, group_m=8, num_warps=8, num_stages=3)
+# A split-K launch stages the C tile and an fp32 partial tile for its epilogues: 3 pipeline stages
+# (4 need 262 KB of shared memory with an fp32 C).
+FP8_TMA_SPLIT_STAGES = 3
+MAX_SPLIT_K = 16            # most K ranges a last-wave tile is cut into
+MIN_SPLIT_K_STEPS = 8       # fewest K steps (of BLOCK_K) a split-K range keeps, to fill its pipeline
+# A K step of a 128 x 128 x 128 fp8 tile moves 32 KB of operands from L2/HBM into shared memory
+# and the workspace costs 8 bytes per fp32 partial element (written, read back); split_k_plan
+# counts a workspace byte as this share of a K step's 4.2 MFLOP: an SM's share of HBM bandwidth
+# (3.35 TB/s / 132 = 25 GB/s) against its fp8 rate (1,979 TFLOP/s / 132 = 15 TFLOP/s).
+SPLIT_K_BYTE_STEPS = (1979e12 / 3.35e12) / (2 * 128 * 128 * 128)
+
+
+def split_k_plan(tiles, k_steps, sm_count, tile_elements, max_split=MAX_SPLIT_K):
+    """(full tiles, split tiles, split_k) of a persistent GEMM with `tiles` output tiles of
+    `tile_elements` elements and `k_steps` K steps each on `sm_count` SMs: the tiles of whole waves
+    run whole; the last wave's tiles are cut into split_k K ranges when that shortens the run, by
+    a count of K steps per SM (the busiest SM's: whole waves, then its share of the split units)
+    plus the workspace's traffic (SPLIT_K_BYTE_STEPS per byte, spread over the SMs)."""
+    full = tiles // sm_count * sm_count
+    rest = tiles - full
+
+    def steps(split):
+        if split == 1:
+            return full // sm_count * k_steps + (k_steps if rest else 0)
+        units = rest * split
+        workspace = 8 * units * tile_elements * SPLIT_K_BYTE_STEPS / sm_count
+        return full // sm_count * k_steps + math.ceil(units / sm_count) * math.ceil(k_steps / split) + workspace
+    splits = [s for s in range(1, max_split + 1) if s == 1 or (rest and k_steps // s >= MIN_SPLIT_K_STEPS)]
+    best = min(splits, key=lambda s: (steps(s), s))
+    return (full, rest, best) if best > 1 else (tiles, 0, 1)
+
+
+def fp8_tma_config(m, n, k, device, fast_accumulation=True, split=True):
+    """The persistent kernel's tile for an (m, n) output over k, with its split-K plan (split: the
+    plain GEMM's; the relu2 epilogues do not split)."""
+    sms = _sm_count(device)
+    large_tiles = triton.cdiv(m, FP8_TMA_LARGE.block_m) * triton.cdiv(n, FP8_TMA_LARGE.block_n)
+    config = FP8_TMA_LARGE if fast_accumulation and large_tiles >= 2 * sms else FP8_TMA_SMALL
+    if not split:
+        return config
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    _, _, split_k = split_k_plan(tiles, triton.cdiv(k, config.block_k), sms, config.block_m * config.block_n)
+    if split_k > 1:                # a split kernel stages two epilogue tiles (C and an fp32 partial)
+        return dataclasses.replace(config, split_k=split_k, num_stages=FP8_TMA_SPLIT_STAGES)
+    return config
+
+
+@triton.jit
+def _tma_unit(unit, full_tiles, split_tiles, split_k, k_steps):
+    """(tile, first K step, end K step, workspace slot) of work unit `unit`: units below
+    full_tiles are whole tiles; unit full_tiles + j * split_tiles + r is K range j of tile
+    full_tiles + r (slot j * split_tiles + r; -1 for a whole tile)."""
+    split = unit >= full_tiles
+    v = tl.maximum(unit - full_tiles, 0)
+    r = v % tl.maximum(split_tiles, 1)
+    j = v // tl.maximum(split_tiles, 1)
+    tile = tl.where(split, full_tiles + r, unit)
+    k_lo = tl.where(split, j * k_steps // split_k, 0)
+    k_hi = tl.where(split, (j + 1) * k_steps // split_k, k_steps)
+    slot = tl.where(split, j * split_tiles + r, -1)
+    return tile, k_lo, k_hi, slot
+
+
+@triton.jit
+def _tma_dot_tile(a_desc, b_desc, tile_m, tile_n, k_lo, k_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, FAST_ACC: tl.constexpr):
+    """fp32 sum of A[rows, K steps k_lo..k_hi) @ B[...]^T for one tile, loaded by descriptor
+    (FAST_ACC as in _fp8_dot_tile)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(k_lo, k_hi):
+        a = a_desc.load([tile_m * BLOCK_M, step * BLOCK_K])
+        b = b_desc.load([tile_n * BLOCK_N, step * BLOCK_K])
+        if FAST_ACC:
+            acc = tl.dot(a, b.T, acc)
+        else:
+            acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
+    return acc
+
+
+@triton.jit
+def _fp8_matmul_tma_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, scale_a_ptr, scale_b_ptr, M, N, K,
+                           stride_am, stride_bn, stride_cm, full_tiles, split_tiles, split_k,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP_M: tl.constexpr, SPLIT: tl.constexpr, FAST_ACC: tl.constexpr):
+    """C = (A @ B) * scale_a * scale_b, persistent, descriptor loads and stores (see above).
+
+    Work units: full_tiles whole tiles, then split_tiles tiles in split_k K ranges each (SPLIT:
+    split_tiles > 0), walked by the programs a program count apart. A whole tile is scaled,
+    cast and stored by descriptor into C; a K range's fp32 sum goes to workspace slot
+    (range, tile) for _split_k_reduce_kernel. Traffic: A and B streamed through shared memory
+    once per tile (from L2 mostly: the grouped order), C written once; split tiles' partials
+    written and read once (4 bytes an element per range).
+    """
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, BLOCK_K])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_N])
+    scale = tl.load(scale_a_ptr) * tl.load(scale_b_ptr)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    units = full_tiles + split_tiles * split_k
+    if SPLIT:
+        ws_desc = tl.make_tensor_descriptor(ws_ptr, shape=[split_k * split_tiles, BLOCK_M, BLOCK_N],
+                                            strides=[BLOCK_M * BLOCK_N, BLOCK_N, 1],
+                                            block_shape=[1, BLOCK_M, BLOCK_N])
+    for unit in tl.range(tl.program_id(0), units, tl.num_programs(0), flatten=True):
+        tile, k_lo, k_hi, slot = _tma_unit(unit, full_tiles, split_tiles, split_k, k_steps)
+        tile_m, tile_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = _tma_dot_tile(a_desc, b_desc, tile_m, tile_n, k_lo, k_hi, BLOCK_M, BLOCK_N, BLOCK_K, FAST_ACC)
+        if SPLIT:
+            if slot >= 0:
+                ws_desc.store([slot, 0, 0], acc.reshape(1, BLOCK_M, BLOCK_N))
+            else:
+                c_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N], (acc * scale).to(c_desc.dtype))
+        else:
+            c_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N], (acc * scale).to(c_desc.dtype))
+
+
+@triton.jit
+def _split_k_reduce_kernel(ws_ptr, c_ptr, scale_a_ptr, scale_b_ptr, M, N, stride_cm, full_tiles, split_tiles,
+                           split_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """C[tile] = (sum over its K ranges of the workspace partials) * scale_a * scale_b for the
+    split tiles, one per program, the ranges added in order. Traffic: split_k partial tiles read
+    (fp32), one tile of C written."""
+    r = tl.program_id(0)
+    tile_m, tile_n = _grouped_tile(full_tiles + r, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for j in range(0, split_k):
+        acc += tl.load(ws_ptr + (j * split_tiles + r).to(tl.int64) * (BLOCK_M * BLOCK_N) + local)
+    acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_b_ptr))
+    rows = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _fp8_matmul_quant_tma_kernel(a_ptr, b_ptr, scale_a_ptr, scale_b_ptr, act_ptr, act_scale_ptr,
+                                 q_ptr, qt_ptr, q_scale_ptr, amax_ptr, M, N, K, stride_am, stride_bn, stride_actn,
+                                 EPILOGUE: tl.constexpr, Q_MAX: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 GROUP_M: tl.constexpr, FAST_ACC: tl.constexpr):
+    """_fp8_matmul_quant_kernel's epilogues on the persistent descriptor GEMM (no split-K: the
+    MLP's (tokens x hidden) outputs have thousands of tiles).
+
+    The activation of "relu2_grad" is read by descriptor from the transposed fp8 copy the forward
+    stored (act (M, N) is its transposed view, stride_actn its row stride), the tile transposed
+    in registers; out is stored by descriptor into q (M, N) and, transposed, into qt (N, M);
+    max |out| of each tile is folded into *amax_ptr. FAST_ACC as in _fp8_matmul_quant_kernel.
+    Traffic: as the pointer kernel's, the operand loads and output stores by the copy engine.
+    """
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, BLOCK_K])
+    q_desc = tl.make_tensor_descriptor(q_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+    qt_desc = tl.make_tensor_descriptor(qt_ptr, shape=[N, M], strides=[M, 1], block_shape=[BLOCK_N, BLOCK_M])
+    if EPILOGUE == "relu2_grad":
+        act_desc = tl.make_tensor_descriptor(act_ptr, shape=[N, M], strides=[stride_actn, 1],
+                                             block_shape=[BLOCK_N, BLOCK_M])
+    scale = tl.load(scale_a_ptr) * tl.load(scale_b_ptr)
+    inv_q_scale = tl.div_rn(1.0, tl.load(q_scale_ptr))
+    k_steps = tl.cdiv(K, BLOCK_K)
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
+        tile_m, tile_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = _tma_dot_tile(a_desc, b_desc, tile_m, tile_n, 0, k_steps, BLOCK_M, BLOCK_N, BLOCK_K, FAST_ACC)
+        y = acc * scale
+        if EPILOGUE == "relu2":
+            r = tl.maximum(y, 0.0)
+            out = r * r
+        else:
+            act = tl.trans(act_desc.load([tile_n * BLOCK_N, tile_m * BLOCK_M])).to(tl.float32)
+            out = 2.0 * tl.sqrt(act * tl.load(act_scale_ptr)) * y
+        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        out = tl.where((rows[:, None] < M) & (cols[None, :] < N), out, 0.0)
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(out), axis=1), axis=0))
+        q = tl.clamp(out * inv_q_scale, -Q_MAX, Q_MAX).to(q_desc.dtype)
+        q_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N], q)
+        qt_desc.store([tile_n * BLOCK_N, tile_m * BLOCK_M], tl.trans(q))
 
 
 def _check_fp8_operands(a, b, scale_a, scale_b):
@@ -437,14 +679,153 @@ def _matmul_grid(a, b, config):
     return (triton.cdiv(a.shape[0], config.block_m) * triton.cdiv(b.shape[1], config.block_n),)
 
 
-def _launch_fp8_matmul(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
-                       config: list[int], fast_accumulation: bool) -> Tensor:
-    config = _config_from_list(config)
+# How a call picks its FP8 GEMM: "auto" (kernel_choice: the fastest candidate where the warm-up
+# timed them, else the rule), "rule" (the persistent descriptor kernel where the operands' layout
+# allows it, else the pointer kernel), or one implementation by name: "tma", "pointer",
+# "scaled_mm" (torch._scaled_mm, the plain GEMM only; a call it cannot take runs the rule).
+FP8_IMPLS = ("auto", "rule", "tma", "pointer", "scaled_mm")
+# The selection's agreement check of an FP8 GEMM candidate: relative Frobenius distance from the
+# fp32 reference (bf16 outputs round at 2^-9; fast accumulation adds ~2^-14 per product summed).
+FP8_CHOICE_TOLERANCE = 2.0 ** -7
+# Agreement of the relu2 epilogues' fp8 outputs (e5m2 rounds at 2^-3: a tie or a last-bit
+# difference of the sum moves an element by one fp8 step).
+FP8_QUANT_CHOICE_TOLERANCE = 2.0 ** -4
+# Threads that sum a split-K tile's partials (one 128 x 128 fp32 tile per program).
+SPLIT_K_REDUCE_WARPS = 8
+_TMA_ALLOCATOR = {}        # device index -> whether triton's allocator for in-kernel descriptors is set
+
+
+def _tma_layout_ok(*matrices):
+    """Whether every matrix can be read or written by a tensor descriptor: row-major (unit column
+    stride), a 16-byte aligned base and a row stride of a multiple of 16 bytes."""
+    return all(t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+               and t.data_ptr() % 16 == 0 and t.shape[0] > 0 and t.shape[1] > 0 for t in matrices)
+
+
+def _set_tma_allocator(device):
+    """In-kernel descriptors live in a global scratch buffer that triton asks an allocator for at
+    each launch (on CUDA; the interpreter needs none): torch's caching allocator on `device`."""
+    if device.type == "cuda" and not _TMA_ALLOCATOR.get(device.index):
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+        _TMA_ALLOCATOR[device.index] = True
+
+
+def _dtype_name(dtype):
+    return {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2", torch.bfloat16: "bf16", torch.float16: "fp16",
+            torch.float32: "fp32"}.get(dtype, str(dtype))
+
+
+def _run_fp8_matmul_pointer(a, b, scale_a, scale_b, out_dtype, config, fast_accumulation):
     c = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
     _launch(_fp8_matmul_kernel, _matmul_grid(a, b, config), config,
             a_ptr=a, b_ptr=b, c_ptr=c, scale_a_ptr=scale_a, scale_b_ptr=scale_b,
             stride_cm=c.stride(0), stride_cn=c.stride(1), FAST_ACC=fast_accumulation, **_matmul_args(a, b, config))
     return c
+
+
+def _split_tiles(tiles, device, split_k):
+    """(whole tiles, split tiles) of a persistent launch: the last partial wave's tiles are split."""
+    if split_k <= 1:
+        return tiles, 0
+    full = tiles // _sm_count(device) * _sm_count(device)
+    return full, tiles - full
+
+
+def _run_fp8_matmul_tma(a, b, scale_a, scale_b, out_dtype, config, fast_accumulation):
+    """The persistent descriptor GEMM (and, with split tiles, the reduction of their partials)."""
+    M, K = a.shape
+    N = b.shape[1]
+    bt = b.t()                                # the row-major (N, K) matrix b transposes
+    c = torch.empty(M, N, dtype=out_dtype, device=a.device)
+    tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
+    full_tiles, split_tiles = _split_tiles(tiles, a.device, config.split_k)
+    split_k = config.split_k if split_tiles else 1
+    # the partials' workspace (without split tiles the one-element scale_a stands in, unread)
+    ws = (torch.empty(split_k * split_tiles, config.block_m, config.block_n, dtype=torch.float32, device=a.device)
+          if split_tiles else scale_a)
+    units = full_tiles + split_tiles * split_k
+    _set_tma_allocator(a.device)
+    _launch(_fp8_matmul_tma_kernel, (min(units, _sm_count(a.device)),), config,
+            a_ptr=a, b_ptr=bt, c_ptr=c, ws_ptr=ws, scale_a_ptr=scale_a, scale_b_ptr=scale_b, M=M, N=N, K=K,
+            stride_am=a.stride(0), stride_bn=bt.stride(0), stride_cm=c.stride(0), full_tiles=full_tiles,
+            split_tiles=split_tiles, split_k=split_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k, GROUP_M=config.group_m, SPLIT=split_tiles > 0, FAST_ACC=fast_accumulation)
+    if split_tiles:
+        _launch(_split_k_reduce_kernel, (split_tiles,),
+                LaunchConfig(block_m=config.block_m, block_n=config.block_n, num_warps=SPLIT_K_REDUCE_WARPS),
+                ws_ptr=ws, c_ptr=c, scale_a_ptr=scale_a, scale_b_ptr=scale_b, M=M, N=N, stride_cm=c.stride(0),
+                full_tiles=full_tiles, split_tiles=split_tiles, split_k=split_k, BLOCK_M=config.block_m,
+                BLOCK_N=config.block_n, GROUP_M=config.group_m)
+    return c
+
+
+def _tma_plain_ok(a, b, out_dtype):
+    """Whether the persistent kernel takes this plain GEMM: K-major operands and an output whose
+    rows a descriptor can store."""
+    c_row_bytes = b.shape[1] * torch.empty((), dtype=out_dtype).element_size()
+    return _tma_layout_ok(a, b.t()) and c_row_bytes % 16 == 0
+
+
+def _scaled_mm_ok(a, b, out_dtype):
+    """Whether torch._scaled_mm takes the operands: a row-major, b column-major, sizes multiples of 16."""
+    return (a.stride(1) == 1 and b.stride(0) == 1 and all(n % 16 == 0 for n in (*a.shape, b.shape[1]))
+            and out_dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+def _fp8_matmul_candidates(a, b, scale_a, scale_b, out_dtype, fast_accumulation):
+    """Every implementation of this plain GEMM, the rule first: the persistent kernel with its
+    planned tile and split (and without the split, and at the other tile), the pointer kernel at
+    its production tile, torch._scaled_mm."""
+    M, K = a.shape
+    N = b.shape[1]
+    args = (a, b, scale_a, scale_b, out_dtype)
+    found = []
+    if _tma_plain_ok(a, b, out_dtype):
+        plan = fp8_tma_config(M, N, K, a.device, fast_accumulation)
+        configs = [plan, dataclasses.replace(plan, split_k=1)]
+        other = FP8_TMA_SMALL if plan.block_n == FP8_TMA_LARGE.block_n else FP8_TMA_LARGE
+        if fast_accumulation or other.block_n == FP8_TMA_SMALL.block_n:
+            configs.append(other)
+        for config in dict.fromkeys(configs):
+            found.append(kernel_choice.Candidate(
+                f"tma {config.block_m}x{config.block_n}x{config.block_k} split {config.split_k}",
+                functools.partial(_run_fp8_matmul_tma, *args, config, fast_accumulation)))
+    pointer = fp8_matmul_config(M, N, a.device, fast_accumulation)
+    found.append(kernel_choice.Candidate(f"pointer {pointer.block_m}x{pointer.block_n}x{pointer.block_k}",
+                                         functools.partial(_run_fp8_matmul_pointer, *args, pointer,
+                                                           fast_accumulation)))
+    if _scaled_mm_ok(a, b, out_dtype):
+        found.append(kernel_choice.Candidate("scaled_mm", functools.partial(
+            fp8_matmul_scaled_mm, a, b, scale_a, scale_b, out_dtype, None, fast_accumulation), triton=False))
+    return found
+
+
+def _fp8_matmul_key(a, b, out_dtype, fast_accumulation):
+    """A plain GEMM's shape as kernel_choice keys it: M, K, N, dtypes, accumulation, layouts."""
+    layout = ("K-major" if a.stride(1) == 1 and b.stride(0) == 1 else "strided")
+    return (a.shape[0], a.shape[1], b.shape[1], _dtype_name(a.dtype), _dtype_name(b.dtype), _dtype_name(out_dtype),
+            "fast" if fast_accumulation else "promoted", layout)
+
+
+def _launch_fp8_matmul(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
+                       config: list[int], fast_accumulation: bool, impl: str = "pointer") -> Tensor:
+    args = (a, b, scale_a, scale_b, out_dtype)
+    if impl == "pointer":
+        config = _config_from_list(config) if config else fp8_matmul_config(a.shape[0], b.shape[1], a.device,
+                                                                            fast_accumulation)
+        return _run_fp8_matmul_pointer(*args, config, fast_accumulation)
+    if impl == "tma" and _tma_plain_ok(a, b, out_dtype):
+        config = _config_from_list(config) if config else fp8_tma_config(a.shape[0], b.shape[1], a.shape[1],
+                                                                         a.device, fast_accumulation)
+        return _run_fp8_matmul_tma(*args, config, fast_accumulation)
+    candidates = _fp8_matmul_candidates(*args, fast_accumulation)
+    if impl == "scaled_mm" and candidates[-1].name == "scaled_mm":
+        return candidates[-1].run()
+    if impl != "auto":
+        return candidates[0].run()
+    check = kernel_choice.lazy_check(lambda: fp8_matmul_reference(*args), FP8_CHOICE_TOLERANCE, "fp8_matmul")
+    return kernel_choice.choose("fp8_matmul", _fp8_matmul_key(a, b, out_dtype, fast_accumulation), candidates,
+                                check).run()
 
 
 def _launch_fp8_cast(x: Tensor, scale: Tensor, amax: Tensor, fp8_dtype: torch.dtype,
@@ -460,10 +841,8 @@ def _launch_fp8_cast(x: Tensor, scale: Tensor, amax: Tensor, fp8_dtype: torch.dt
     return q, qt
 
 
-def _launch_fp8_matmul_quant(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, act: Tensor,
-                             act_scale: Tensor, out_scale: Tensor, out_amax: Tensor, out_dtype: torch.dtype,
-                             epilogue: str, config: list[int]) -> tuple[Tensor, Tensor]:
-    config = _config_from_list(config)
+def _run_fp8_matmul_quant_pointer(a, b, scale_a, scale_b, act, act_scale, out_scale, out_amax, out_dtype,
+                                  epilogue, config):
     M, N = a.shape[0], b.shape[1]
     q = torch.empty(M, N, dtype=out_dtype, device=a.device)
     qt = torch.empty(N, M, dtype=out_dtype, device=a.device)
@@ -471,8 +850,93 @@ def _launch_fp8_matmul_quant(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Ten
             a_ptr=a, b_ptr=b, scale_a_ptr=scale_a, scale_b_ptr=scale_b, act_ptr=act, act_scale_ptr=act_scale,
             q_ptr=q, qt_ptr=qt, q_scale_ptr=out_scale, amax_ptr=out_amax,
             stride_actm=act.stride(0), stride_actn=act.stride(1), EPILOGUE=epilogue, Q_MAX=_FP8_MAX[out_dtype],
-            **_matmul_args(a, b, config))
+            FAST_ACC=_quant_fast_accumulation(a, epilogue), **_matmul_args(a, b, config))
     return q, qt
+
+
+def _quant_fast_accumulation(a, epilogue):
+    """The relu2 forward GEMM sums in the fast accumulator; relu2_grad where its K allows."""
+    return epilogue == "relu2" or fp8_fast_accumulation(a.shape[1])
+
+
+def _run_fp8_matmul_quant_tma(a, b, scale_a, scale_b, act, act_scale, out_scale, out_amax, out_dtype, epilogue,
+                              config):
+    M, K = a.shape
+    N = b.shape[1]
+    bt = b.t()
+    q = torch.empty(M, N, dtype=out_dtype, device=a.device)
+    qt = torch.empty(N, M, dtype=out_dtype, device=a.device)
+    tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
+    _set_tma_allocator(a.device)
+    # the activation's row-major (N, M) copy that act transposes ("relu2" reads no activation)
+    act_t = act.t() if epilogue == "relu2_grad" else bt
+    _launch(_fp8_matmul_quant_tma_kernel, (min(tiles, _sm_count(a.device)),), config,
+            a_ptr=a, b_ptr=bt, scale_a_ptr=scale_a, scale_b_ptr=scale_b, act_ptr=act_t, act_scale_ptr=act_scale,
+            q_ptr=q, qt_ptr=qt, q_scale_ptr=out_scale, amax_ptr=out_amax, M=M, N=N, K=K, stride_am=a.stride(0),
+            stride_bn=bt.stride(0), stride_actn=act_t.stride(0), EPILOGUE=epilogue, Q_MAX=_FP8_MAX[out_dtype],
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+            FAST_ACC=_quant_fast_accumulation(a, epilogue))
+    return q, qt
+
+
+def _tma_quant_ok(a, b, act, epilogue):
+    """Whether the persistent kernel takes this epilogue GEMM: K-major operands, outputs whose rows
+    (N and M fp8 elements) a descriptor can store, the activation's transposed copy describable."""
+    M, N = a.shape[0], b.shape[1]
+    return (_tma_layout_ok(a, b.t()) and M % 16 == 0 and N % 16 == 0
+            and (epilogue != "relu2_grad" or _tma_layout_ok(act.t())))
+
+
+def _fp8_matmul_quant_candidates(a, b, scale_a, scale_b, act, act_scale, out_scale, out_amax, out_dtype, epilogue):
+    """The relu2 epilogue GEMM's implementations, the rule first: the persistent descriptor kernel,
+    the pointer kernel."""
+    args = (a, b, scale_a, scale_b, act, act_scale, out_scale, out_amax, out_dtype, epilogue)
+    found = []
+    if _tma_quant_ok(a, b, act, epilogue):
+        configs = [FP8_TMA_QUANT]
+        if epilogue == "relu2":
+            large_tiles = triton.cdiv(a.shape[0], FP8_TMA_RELU2_LARGE.block_m) * triton.cdiv(
+                b.shape[1], FP8_TMA_RELU2_LARGE.block_n)
+            configs.insert(0 if large_tiles >= 2 * _sm_count(a.device) else 1, FP8_TMA_RELU2_LARGE)
+        for config in configs:
+            found.append(kernel_choice.Candidate(f"tma {config.block_m}x{config.block_n}x{config.block_k}",
+                                                 functools.partial(_run_fp8_matmul_quant_tma, *args, config)))
+    pointer = _quant_pointer_config(a, b, epilogue)
+    found.append(kernel_choice.Candidate(f"pointer {pointer.block_m}x{pointer.block_n}x{pointer.block_k}",
+                                         functools.partial(_run_fp8_matmul_quant_pointer, *args, pointer)))
+    return found
+
+
+def _quant_pointer_config(a, b, epilogue):
+    if epilogue == "relu2":
+        return fp8_matmul_config(a.shape[0], b.shape[1], a.device)
+    return FP8_MATMUL_RELU2_GRAD
+
+
+def _launch_fp8_matmul_quant(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, act: Tensor,
+                             act_scale: Tensor, out_scale: Tensor, out_amax: Tensor, out_dtype: torch.dtype,
+                             epilogue: str, config: list[int], impl: str = "pointer") -> tuple[Tensor, Tensor]:
+    args = (a, b, scale_a, scale_b, act, act_scale, out_scale, out_amax, out_dtype, epilogue)
+    if impl == "pointer":
+        config = _config_from_list(config) if config else _quant_pointer_config(a, b, epilogue)
+        return _run_fp8_matmul_quant_pointer(*args, config)
+    if impl == "tma" and _tma_quant_ok(a, b, act, epilogue):
+        return _run_fp8_matmul_quant_tma(*args, _config_from_list(config) if config else FP8_TMA_QUANT)
+    candidates = _fp8_matmul_quant_candidates(*args)
+    if impl != "auto":
+        return candidates[0].run()
+
+    def reference():
+        found = (fp8_matmul_relu2_reference(a, b, scale_a, scale_b, out_scale, out_amax.clone())
+                 if epilogue == "relu2" else
+                 fp8_matmul_relu2_grad_reference(a, b, scale_a, scale_b, act, act_scale, out_scale, out_amax.clone()))
+        return [t.float() for t in found]
+    compare = kernel_choice.lazy_check(reference, FP8_QUANT_CHOICE_TOLERANCE, f"fp8_matmul_{epilogue}")
+
+    def check(outputs):
+        return compare([t.float() for t in outputs])
+    key = (a.shape[0], a.shape[1], b.shape[1], _dtype_name(a.dtype), _dtype_name(b.dtype))
+    return kernel_choice.choose(f"fp8_matmul_{epilogue}", key, candidates, check).run()
 
 
 _fp8_matmul_op = torch.library.custom_op(f"{_OPS}::fp8_matmul", _launch_fp8_matmul, mutates_args=())
@@ -482,7 +946,7 @@ _fp8_matmul_quant_op = torch.library.custom_op(f"{_OPS}::fp8_matmul_quant", _lau
 
 
 @_fp8_matmul_op.register_fake
-def _(a, b, scale_a, scale_b, out_dtype, config, fast_accumulation):
+def _(a, b, scale_a, scale_b, out_dtype, config, fast_accumulation, impl="pointer"):
     return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
 
 
@@ -492,25 +956,29 @@ def _(x, scale, amax, fp8_dtype, config):
 
 
 @_fp8_matmul_quant_op.register_fake
-def _(a, b, scale_a, scale_b, act, act_scale, out_scale, out_amax, out_dtype, epilogue, config):
+def _(a, b, scale_a, scale_b, act, act_scale, out_scale, out_amax, out_dtype, epilogue, config, impl="pointer"):
     M, N = a.shape[0], b.shape[1]
     return a.new_empty(M, N, dtype=out_dtype), a.new_empty(N, M, dtype=out_dtype)
 
 
-def fp8_matmul(a, b, scale_a, scale_b, out_dtype=torch.bfloat16, config=None, fast_accumulation=True):
+def fp8_matmul(a, b, scale_a, scale_b, out_dtype=torch.bfloat16, config=None, fast_accumulation=True, impl=None):
     """(a @ b) * scale_a * scale_b, what torch._scaled_mm returns for per-tensor fp32 scales.
 
     a (M, K), b (K, N): float8_e4m3fn or float8_e5m2 (not both e5m2), any strides (b row- or
-    column-major; column-major b, i.e. b = w.t() for a row-major w, is the fast layout).
-    out_dtype: bf16, fp16 or fp32. fast_accumulation: the tensor cores sum all K products in
-    their fast, reduced-precision accumulator, as torch._scaled_mm(..., use_fast_accum=True);
-    False: that accumulator is added into an fp32 sum after every config.block_k products, as
-    use_fast_accum=False (the backward GEMMs).
+    column-major; column-major b, i.e. b = w.t() for a row-major w, is the fast layout and the
+    one the persistent descriptor kernel takes). out_dtype: bf16, fp16 or fp32.
+    fast_accumulation: the tensor cores sum all K products in their fast, reduced-precision
+    accumulator, as torch._scaled_mm(..., use_fast_accum=True); False: that accumulator is added
+    into an fp32 sum after every config.block_k products, as use_fast_accum=False.
+    impl: one of FP8_IMPLS; None: "pointer" with an explicit config (the pointer kernel's tile),
+    else "auto". config: the tile (and split_k) of the "pointer" or "tma" kernel.
     """
     _check_fp8_operands(a, b, scale_a, scale_b)
-    config = config or fp8_matmul_config(a.shape[0], b.shape[1], a.device, fast_accumulation)
-    return _fp8_matmul_op(a, b, scale_a.reshape(1), scale_b.reshape(1), out_dtype, config.as_list(),
-                          bool(fast_accumulation))
+    impl = impl or ("pointer" if config is not None else "auto")
+    if impl not in FP8_IMPLS:
+        raise ValueError(f"fp8_matmul: impl must be one of {FP8_IMPLS}; got {impl!r}")
+    return _fp8_matmul_op(a, b, scale_a.reshape(1), scale_b.reshape(1), out_dtype,
+                          config.as_list() if config is not None else [], bool(fast_accumulation), impl)
 
 
 def fp8_matmul_scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.bfloat16, config=None, fast_accumulation=True):
@@ -588,13 +1056,23 @@ def fp8_cast_fused(x, scale, amax, fp8_dtype, config=TRANSPOSE):
     return q, transpose(q, config)
 
 
-def fp8_matmul_relu2(a, b, scale_a, scale_b, out_scale, out_amax, config=None):
+def _quant_impl(config, impl):
+    """(impl, config list) of a relu2 epilogue call: "scaled_mm" runs the rule (cuBLAS has no such
+    epilogue); None as in fp8_matmul."""
+    impl = impl or ("pointer" if config is not None else "auto")
+    if impl not in FP8_IMPLS:
+        raise ValueError(f"the relu2 epilogue GEMMs take impl in {FP8_IMPLS}; got {impl!r}")
+    return ("rule" if impl == "scaled_mm" else impl), (config.as_list() if config is not None else [])
+
+
+def fp8_matmul_relu2(a, b, scale_a, scale_b, out_scale, out_amax, config=None, impl=None):
     """(q, qt): relu(a @ b * scale_a * scale_b)^2 as float8_e4m3fn with scale out_scale,
-    row-major and transposed; out_amax records its max."""
-    config = config or fp8_matmul_config(a.shape[0], b.shape[1], a.device)
+    row-major and transposed; out_amax records its max. config, impl as in fp8_matmul
+    ("scaled_mm" runs the rule: cuBLAS has no such epilogue)."""
+    impl, config = _quant_impl(config, impl)
     # this epilogue reads no activation: a and scale_a stand in for the unused act arguments
     return _fp8_matmul_quant_op(a, b, scale_a, scale_b, a, scale_a, out_scale, out_amax,
-                                torch.float8_e4m3fn, "relu2", config.as_list())
+                                torch.float8_e4m3fn, "relu2", config, impl)
 
 
 def fp8_matmul_relu2_reference(a, b, scale_a, scale_b, out_scale, out_amax, config=None):
@@ -603,14 +1081,15 @@ def fp8_matmul_relu2_reference(a, b, scale_a, scale_b, out_scale, out_amax, conf
     return q, q.t().contiguous()
 
 
-def fp8_matmul_relu2_grad(a, b, scale_a, scale_b, act, act_scale, out_scale, out_amax, config=None):
+def fp8_matmul_relu2_grad(a, b, scale_a, scale_b, act, act_scale, out_scale, out_amax, config=None, impl=None):
     """(q, qt): (a @ b * scale_a * scale_b) * 2 sqrt(act * act_scale) as float8_e5m2 with scale
     out_scale, row-major and transposed; out_amax records its max. act (M, N) is the fp8
     activation relu(h)^2 (any strides), so the result is the gradient at the pre-activation h.
-    A backward GEMM: the fast accumulator is added into fp32 every config.block_k products."""
-    config = config or FP8_MATMUL_RELU2_GRAD
+    A backward GEMM: accumulated as fp8_fast_accumulation says for its K (a.shape[1]).
+    config, impl as in fp8_matmul_relu2."""
+    impl, config = _quant_impl(config, impl)
     return _fp8_matmul_quant_op(a, b, scale_a, scale_b, act, act_scale, out_scale, out_amax,
-                                torch.float8_e5m2, "relu2_grad", config.as_list())
+                                torch.float8_e5m2, "relu2_grad", config, impl)
 
 
 def fp8_matmul_relu2_grad_reference(a, b, scale_a, scale_b, act, act_scale, out_scale, out_amax, config=None):
@@ -669,10 +1148,20 @@ class _FP8Primitives:
     matmul_relu2_grad: object
 
 
-_TRITON_FP8 = _FP8Primitives(fp8_cast, fp8_cast, fp8_matmul, fp8_matmul_relu2, fp8_matmul_relu2_grad)
-# The plain GEMMs on torch._scaled_mm; the casts and the relu2 epilogues stay Triton.
-_SCALED_MM_FP8 = _FP8Primitives(fp8_cast, fp8_cast, fp8_matmul_scaled_mm, fp8_matmul_relu2, fp8_matmul_relu2_grad)
-FP8_GEMMS = {"triton": _TRITON_FP8, "scaled_mm": _SCALED_MM_FP8}
+def _gemm_primitives(impl):
+    return _FP8Primitives(fp8_cast, fp8_cast, functools.partial(fp8_matmul, impl=impl),
+                          functools.partial(fp8_matmul_relu2, impl=impl), functools.partial(fp8_matmul_relu2_grad,
+                                                                                           impl=impl))
+
+
+# Which GEMMs the FP8 layers run (the config's fp8_gemm): "fastest", at each shape the candidate
+# the warm-up timed fastest (kernel_choice; the rule where nothing was timed); "triton", the
+# rule (the persistent descriptor kernel where the layout allows, else the pointer kernel);
+# "tma" and "pointer", that kernel; "scaled_mm", the plain GEMMs on torch._scaled_mm (a torch op
+# of the graph), the relu2 epilogues by the rule. The casts stay Triton in every case.
+FP8_GEMMS = {"fastest": _gemm_primitives("auto"), "triton": _gemm_primitives("rule"), "tma": _gemm_primitives("tma"),
+             "pointer": _gemm_primitives("pointer"),
+             "scaled_mm": dataclasses.replace(_gemm_primitives("rule"), matmul=fp8_matmul_scaled_mm)}
 # How the activations and gradients are cast: "kernel", the cast kernel (one pass: read, write
 # both layouts); "fused", torch ops that torch.compile fuses into the kernel making the input.
 FP8_CASTS = {"kernel": fp8_cast, "fused": fp8_cast_fused}
@@ -710,18 +1199,20 @@ def _count_call(state, slots):
 
 
 def _backward_matmul(prims):
-    """The backward GEMMs' matmul: fp32 accumulation every BLOCK_K products. Their sums run over
-    the tokens (weight gradients: 49,152 in the speedrun) or the layer's outputs (input
-    gradients: 50,304 for the head), where the fast accumulator's ~14 significand bits would
-    drop the low bits of every later product."""
-    return functools.partial(prims.matmul, fast_accumulation=False)
+    """The backward GEMMs' matmul, accumulated as fp8_fast_accumulation says for its K: their sums
+    run over the tokens (weight gradients: up to 49,152 in the speedrun) or the layer's outputs
+    (input gradients: 2,304 for the QKV projection, 50,304 for the head), where the fast
+    accumulator's ~14 significand bits would drop the low bits of every later product."""
+    def matmul(a, b, *args, **kwargs):
+        return prims.matmul(a, b, *args, fast_accumulation=fp8_fast_accumulation(a.shape[1]), **kwargs)
+    return matmul
 
 
 class _FP8Linear(torch.autograd.Function):
     """y = x W^T with e4m3 operands; backward with e5m2 output gradients. Three GEMMs:
     forward x8 W8^T (fast accumulator), input gradient g8 W8 and weight gradient g8^T x8 (fp32
-    accumulation every BLOCK_K). Each operand is cast once into a row-major and a transposed
-    copy, so every GEMM reads both operands K-major."""
+    accumulation every BLOCK_K where K is long: _backward_matmul). Each operand is cast once
+    into a row-major and a transposed copy, so every GEMM reads both operands K-major."""
 
     @staticmethod
     def forward(ctx, x, weight, state, scales, prims, config):
@@ -767,7 +1258,8 @@ def _fp8_linear_grads(ctx, saved, g8, g8_t, g_scale):
 class _FP8ReLU2MLP(torch.autograd.Function):
     """y = relu(x W_up^T)^2 W_down^T with all six GEMMs in fp8.
 
-    Accumulation as in _FP8Linear: fast in the forward GEMMs, fp32 every BLOCK_K in the backward.
+    Accumulation as in _FP8Linear: fast in the forward GEMMs and the hidden gradient's, fp32 every
+    BLOCK_K in the backward GEMMs that sum over the tokens or the hidden width.
     Forward: the up-projection's epilogue squares the ReLU and emits the activation
     a = relu(h)^2 in e4m3 twice (row-major for the down-projection, transposed for the W_down
     gradient); h is never stored. Backward: the input-gradient GEMM of the down-projection
@@ -836,11 +1328,11 @@ def _check_scales(scales, kind):
                              "(it is never stored in high precision): use Delayed or Static")
 
 
-def fp8_linear(x, weight, state, config=None, scales=FP8LinearScales(), gemm="triton", casts="kernel"):
+def fp8_linear(x, weight, state, config=None, scales=FP8LinearScales(), gemm="fastest", casts="kernel"):
     """x @ weight.T in fp8 (see the module docstring). x (..., K) bf16, weight (N, K), state from
-    new_fp8_linear_state, scales: an FP8LinearScales. config: the GEMM tile (None: the
-    production tile for each shape). gemm: "triton" or "scaled_mm" (FP8_GEMMS). casts: "kernel"
-    or "fused" (FP8_CASTS: "fused" where torch.compile builds the graph)."""
+    new_fp8_linear_state, scales: an FP8LinearScales. config: the GEMM tile of the pointer kernel
+    (or, with gemm="tma", of the persistent one; None: each shape's own). gemm: a key of FP8_GEMMS.
+    casts: "kernel" or "fused" (FP8_CASTS: "fused" where torch.compile builds the graph)."""
     _check_fp8_state(state, FP8_LINEAR_SLOTS, "new_fp8_linear_state")
     _check_scales(scales, FP8LinearScales)
     y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), weight, state, scales, _PRIMITIVES[gemm, casts], config)
@@ -855,10 +1347,10 @@ def fp8_linear_reference(x, weight, state, config=None, scales=FP8LinearScales()
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def fp8_relu2_mlp(x, w_up, w_down, state, config=None, scales=FP8MLPScales(), gemm="triton", casts="kernel"):
+def fp8_relu2_mlp(x, w_up, w_down, state, config=None, scales=FP8MLPScales(), gemm="fastest", casts="kernel"):
     """relu(x @ w_up.T)^2 @ w_down.T in fp8 (see _FP8ReLU2MLP). x (..., D) bf16, w_up (H, D),
     w_down (D, H), state from new_fp8_mlp_state, scales: an FP8MLPScales. config, gemm and casts
-    as in fp8_linear (the relu2 GEMMs are Triton's either way)."""
+    as in fp8_linear (the relu2 GEMMs are Triton's whatever gemm says)."""
     _check_fp8_state(state, FP8_MLP_SLOTS, "new_fp8_mlp_state")
     _check_scales(scales, FP8MLPScales)
     y = _FP8ReLU2MLP.apply(x.reshape(-1, x.shape[-1]), w_up, w_down, state, scales, _PRIMITIVES[gemm, casts],
@@ -888,10 +1380,14 @@ def fp8_relu2_mlp_reference(x, w_up, w_down, state, config=None, scales=FP8MLPSc
 # A program visits only the blocks of the other side that hold a visible pair (found from the
 # tables at its first and last token) and masks only those that cross the diagonal, the window
 # edge or a document boundary (reading doc_end of the block's keys there).
-# Backward: delta = rowsum(dO * O) first, then one kernel over key blocks for dK and dV and one
-# over query blocks for dQ, both recomputing P from the saved log-sum-exp: no atomics, so the
-# gradients are deterministic. The softmax scale is read from a one-element fp32 tensor, so a
-# scale that changes during training (YaRN) changes no compiled code.
+# Backward, two ways. One kernel over key blocks (_attn_bwd_fused_kernel): S and dP once per
+# tile, dK and dV in registers, dQ added atomically into an fp32 buffer (five tile products; the
+# additions' order varies from run to run, so dQ is not reproducible bit for bit). Or,
+# deterministic: delta = rowsum(dO * O) first, then one kernel over key blocks for dK and dV and
+# one over query blocks for dQ, both recomputing P from the saved log-sum-exp (seven tile
+# products, no atomics). flash_attn_varlen's impl picks (kernel_choice: the faster one at each
+# shape where the warm-up timed them). The softmax scale is read from a one-element fp32
+# tensor, so a scale that changes during training (YaRN) changes no compiled code.
 
 # Head dims the kernels take (64 and 128 are the production ones, compiled for sm_90 by the tests).
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
@@ -909,8 +1405,14 @@ ATTENTION_FORWARD = LaunchConfig(block_m=128, block_n=64, num_warps=8, num_stage
 ATTENTION_BACKWARD_KV = LaunchConfig(block_m=32, block_n=128, num_warps=8, num_stages=2)
 ATTENTION_BACKWARD_Q = LaunchConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 ATTENTION_BACKWARD_DELTA = LaunchConfig(block_m=128, block_n=1, num_warps=4)
-# Forward, key/value-gradient, query-gradient and delta kernels, in that order.
-ATTENTION_CONFIGS = (ATTENTION_FORWARD, ATTENTION_BACKWARD_KV, ATTENTION_BACKWARD_Q, ATTENTION_BACKWARD_DELTA)
+# The one-kernel backward: 128 keys a program, 32 queries a step (its dQ tile and the O tile of
+# delta beside dK and dV: 252 registers at 128/128 with 3 stages, which spill with 2 or 64 queries).
+ATTENTION_BACKWARD_FUSED = LaunchConfig(block_m=32, block_n=128, num_warps=8, num_stages=3)
+# Forward, key/value-gradient, query-gradient, delta (the deterministic backward's three) and
+# one-kernel backward configs, in that order.
+ATTENTION_CONFIGS = (ATTENTION_FORWARD, ATTENTION_BACKWARD_KV, ATTENTION_BACKWARD_Q, ATTENTION_BACKWARD_DELTA,
+                     ATTENTION_BACKWARD_FUSED)
+ATTENTION_CONFIG_COUNT = len(ATTENTION_CONFIGS)
 # Windows up to NARROW_WINDOW tokens take smaller tiles: a tile that crosses the window's edge or
 # a document boundary computes its masked pairs too, and the production tiles compute 2.2x the
 # visible pairs at a 128-token window on FineWeb-like documents, these 1.6x (bench/step_model.py's
@@ -919,7 +1421,21 @@ NARROW_WINDOW = 1024
 ATTENTION_CONFIGS_NARROW = (LaunchConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
                             LaunchConfig(block_m=32, block_n=64, num_warps=4, num_stages=2),
                             LaunchConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
-                            ATTENTION_BACKWARD_DELTA)
+                            ATTENTION_BACKWARD_DELTA,
+                            LaunchConfig(block_m=32, block_n=64, num_warps=8, num_stages=3))
+# How flash_attn_varlen runs (the config's attention_impl): "auto", the forward's tiles or
+# flex_attention and the backward, each the fastest the warm-up timed at the call's shape
+# (kernel_choice; the rule where nothing was timed); "rule", the window's tiles and the
+# one-kernel backward; "atomic" the same; "deterministic", the two-kernel backward (no atomics:
+# gradients reproducible bit for bit); "flex", the forward by torch's flex_attention, the
+# backward by the rule.
+ATTENTION_IMPLS = ("auto", "rule", "atomic", "deterministic", "flex")
+_FORWARD_IMPL = {"auto": "auto", "rule": "rule", "atomic": "rule", "deterministic": "rule", "flex": "flex"}
+_BACKWARD_IMPL = {"auto": "auto", "rule": "atomic", "atomic": "atomic", "deterministic": "deterministic",
+                  "flex": "atomic"}
+# The selection's agreement check of an attention candidate (relative Frobenius distance from the
+# reference): bf16 outputs of FlashAttention-style computations, P rounded to bf16 in each.
+ATTENTION_CHOICE_TOLERANCE = 2.0 ** -6
 
 
 def attention_configs(window):
@@ -1220,14 +1736,120 @@ def _attn_bwd_q_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, 
              (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+@triton.jit
+def _attn_bwd_fused_blocks(dk, dv, k, v, cols, col_end, q_ptr, do_ptr, o_ptr, lse_ptr, dq_ptr, dq_desc,
+                           stride_qt, stride_dot, stride_ot, stride_dqt, num_tokens, window, qk_scale, sm_scale,
+                           u_begin, u_end, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr,
+                           MASKED: tl.constexpr, DQ_DESCRIPTOR: tl.constexpr):
+    """Over query blocks [u_begin, u_end), from one S and one dP per block (transposed: keys x
+    queries): dV += P^T dO, dK += dS^T Q, and dQ += dS K added atomically into the fp32 dQ sums
+    (by a descriptor's reduction where DQ_DESCRIPTOR, else by atomic adds of the tile's elements).
+    delta = rowsum(dO * O) of each query block is formed here from its O and dO tiles."""
+    d_qk = tl.arange(0, D_QK)
+    d_v = tl.arange(0, D_V)
+    for u in range(u_begin, u_end):
+        rows = u * BLOCK_M + tl.arange(0, BLOCK_M)
+        q_ptrs = q_ptr + rows[:, None] * stride_qt + d_qk[None, :]
+        do_ptrs = do_ptr + rows[:, None] * stride_dot + d_v[None, :]
+        o_ptrs = o_ptr + rows[:, None] * stride_ot + d_v[None, :]
+        row_ok = rows < num_tokens
+        if MASKED:
+            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+            o = tl.load(o_ptrs, mask=row_ok[:, None], other=0.0)
+            lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        else:
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+            o = tl.load(o_ptrs)
+            lse = tl.load(lse_ptr + rows)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+        s_t = tl.dot(k, tl.trans(q)) * qk_scale
+        if MASKED:
+            # key j, query i: j <= i, i - j < window, i before the end of j's document
+            visible_t = (cols[:, None] <= rows[None, :]) & (rows[None, :] - cols[:, None] < window) & \
+                (rows[None, :] < col_end[:, None])
+            s_t = tl.where(visible_t, s_t, -float("inf"))
+        p_t = tl.exp2(s_t - lse[None, :])
+        dv += tl.dot(p_t.to(do.dtype), do)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk += tl.dot(ds_t, q)
+        dq = tl.dot(tl.trans(ds_t), k) * sm_scale
+        if DQ_DESCRIPTOR:
+            dq_desc.atomic_add([u * BLOCK_M, 0], dq)          # rows past the batch fall outside the descriptor
+        else:
+            tl.atomic_add(dq_ptr + rows[:, None] * stride_dqt + d_qk[None, :], dq, mask=row_ok[:, None])
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_fused_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, dk_ptr, dv_ptr, doc_end_ptr,
+                           scale_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+                           stride_oh, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh,
+                           stride_dvt, stride_dvh, num_tokens, window,
+                           D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           DQ_DESCRIPTOR: tl.constexpr):
+    """The whole attention backward for BLOCK_N consecutive keys of the packed batch and one head,
+    in one kernel. Grid: (cdiv(T, BLOCK_N), heads).
+
+    Visits the query blocks that see one of the keys (_query_blocks), recomputing S = Q K^T and
+    P from the saved log-sum-exp, and dP = dO V^T, once per (query block, key block) tile: five
+    tile products (S, dV, dP, dK, dQ) where separate dK/dV and dQ kernels take seven. dK and dV
+    stay in registers and are stored once; dQ is summed over the key blocks by atomic adds into
+    the fp32 (T, heads, D_QK) buffer dq_ptr, zeroed before the launch (scaled by the softmax scale
+    here). The order of those additions varies from run to run: dQ is not reproducible bit for
+    bit (the deterministic backward is _attn_bwd_kv_kernel with _attn_bwd_q_kernel).
+    Traffic per program: K, V read once; Q, dO, O, lse read for the visited query blocks (at most
+    window + BLOCK_N queries); dK, dV written once; BLOCK_M x D_QK fp32 added into dQ per tile.
+    """
+    k_first = tl.program_id(0) * BLOCK_N
+    head = tl.program_id(1)
+    k_last = tl.minimum(k_first + BLOCK_N, num_tokens) - 1
+    cols = k_first + tl.arange(0, BLOCK_N)
+    col_ok = cols < num_tokens
+    col_end = tl.load(doc_end_ptr + cols, mask=col_ok, other=0)
+    d_qk = tl.arange(0, D_QK)
+    d_v = tl.arange(0, D_V)
+    k = tl.load(k_ptr + head * stride_kh + cols[:, None] * stride_kt + d_qk[None, :], mask=col_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + head * stride_vh + cols[:, None] * stride_vt + d_v[None, :], mask=col_ok[:, None], other=0.0)
+    q_ptr += head * stride_qh
+    do_ptr += head * stride_doh
+    o_ptr += head * stride_oh
+    dq_ptr += head * stride_dqh
+    lse_ptr += head * num_tokens
+    sm_scale = tl.load(scale_ptr)
+    qk_scale = sm_scale * LOG2_E
+    dq_desc = dq_ptr
+    if DQ_DESCRIPTOR:
+        dq_desc = tl.make_tensor_descriptor(dq_ptr, shape=[num_tokens, D_QK], strides=[stride_dqt, 1],
+                                            block_shape=[BLOCK_M, D_QK])
+
+    dk = tl.zeros((BLOCK_N, D_QK), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, D_V), dtype=tl.float32)
+    lo, mid_lo, mid_hi, hi = _query_blocks(k_first, k_last, tl.load(doc_end_ptr + k_first),
+                                           tl.load(doc_end_ptr + k_last), window, BLOCK_M)
+    dk, dv = _attn_bwd_fused_blocks(dk, dv, k, v, cols, col_end, q_ptr, do_ptr, o_ptr, lse_ptr, dq_ptr, dq_desc,
+                                    stride_qt, stride_dot, stride_ot, stride_dqt, num_tokens, window, qk_scale,
+                                    sm_scale, lo, mid_lo, D_QK, D_V, BLOCK_M, True, DQ_DESCRIPTOR)
+    dk, dv = _attn_bwd_fused_blocks(dk, dv, k, v, cols, col_end, q_ptr, do_ptr, o_ptr, lse_ptr, dq_ptr, dq_desc,
+                                    stride_qt, stride_dot, stride_ot, stride_dqt, num_tokens, window, qk_scale,
+                                    sm_scale, mid_lo, mid_hi, D_QK, D_V, BLOCK_M, False, DQ_DESCRIPTOR)
+    dk, dv = _attn_bwd_fused_blocks(dk, dv, k, v, cols, col_end, q_ptr, do_ptr, o_ptr, lse_ptr, dq_ptr, dq_desc,
+                                    stride_qt, stride_dot, stride_ot, stride_dqt, num_tokens, window, qk_scale,
+                                    sm_scale, mid_hi, hi, D_QK, D_V, BLOCK_M, True, DQ_DESCRIPTOR)
+    tl.store(dk_ptr + head * stride_dkh + cols[:, None] * stride_dkt + d_qk[None, :],
+             (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(dv_ptr + head * stride_dvh + cols[:, None] * stride_dvt + d_v[None, :],
+             dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])
+
+
 def attention_grid(num_tokens, block, num_heads):
     """(programs along the packed batch, heads): one program per `block` tokens and head."""
     return (triton.cdiv(num_tokens, block), num_heads)
 
 
-def _launch_attn_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: Tensor, doc_end: Tensor, scale: Tensor,
-                     window: int, configs: list[int]) -> tuple[Tensor, Tensor]:
-    config = _config_from_list(configs[:len(configs) // 4])
+def _run_attn_fwd(q, k, v, doc_start, doc_end, scale, window, config):
     T, H, d_qk = q.shape
     d_v = v.shape[2]
     o = torch.empty(T, H, d_v, dtype=q.dtype, device=q.device)
@@ -1241,10 +1863,145 @@ def _launch_attn_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: Tensor, doc_end
     return o, lse
 
 
-def _launch_attn_bwd(grad_o: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, doc_start: Tensor,
-                     doc_end: Tensor, scale: Tensor, window: int, configs: list[int]) -> tuple[Tensor, Tensor, Tensor]:
-    n = len(configs) // 4
-    kv_config, q_config, delta_config = (_config_from_list(configs[i * n:(i + 1) * n]) for i in (1, 2, 3))
+# flex_attention's block (queries and keys) and the compiled function per (tokens, window, device):
+# its mask reads the documents' ends from a buffer refilled at each call, so that a new batch
+# of documents compiles nothing.
+FLEX_BLOCK = 128
+_FLEX = {}
+
+
+def _flex_state(num_tokens, window, device):
+    key = (num_tokens, window, str(device))
+    if key not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+        doc_end = torch.zeros(num_tokens, dtype=torch.int32, device=device)
+        scale = torch.ones(1, dtype=torch.float32, device=device)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx - kv_idx < window) & (q_idx < doc_end[kv_idx])
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score * scale[0]
+        attend = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
+        _FLEX[key] = (doc_end, scale, mask_mod, score_mod, attend)
+    return _FLEX[key]
+
+
+def _flex_block_mask(doc_start, window, mask_mod, num_tokens):
+    """flex_attention's BlockMask of the visible pairs, from the documents' starts: per query block
+    the key blocks _key_blocks visits (partial ones masked by mask_mod, full ones not)."""
+    from torch.nn.attention.flex_attention import BlockMask
+    blocks = triton.cdiv(num_tokens, FLEX_BLOCK)
+    device = doc_start.device
+    q_first = torch.arange(blocks, device=device) * FLEX_BLOCK
+    q_last = torch.clamp(q_first + FLEX_BLOCK, max=num_tokens) - 1
+    first_start, last_start = doc_start[q_first].long(), doc_start[q_last].long()
+    lo = torch.maximum(first_start, q_first - window + 1) // FLEX_BLOCK
+    hi = q_last // FLEX_BLOCK + 1
+    mid_lo = torch.minimum(torch.maximum(-(-torch.maximum(last_start, q_last - window + 1) // FLEX_BLOCK), lo), hi)
+    mid_hi = torch.minimum(torch.maximum((q_first + 1) // FLEX_BLOCK, mid_lo), hi)
+    j = torch.arange(blocks, device=device)[None, :]
+    before = (mid_lo - lo)[:, None]
+    partial = torch.where(j < before, lo[:, None] + j, mid_hi[:, None] + j - before)
+    partial_count = (mid_lo - lo) + (hi - mid_hi)
+    partial = torch.where(j < partial_count[:, None], partial, 0)
+    full = torch.where(j < (mid_hi - mid_lo)[:, None], mid_lo[:, None] + j, 0)
+
+    def shaped(t):
+        return t.to(torch.int32)[None, None].contiguous()
+    return BlockMask.from_kv_blocks(shaped(partial_count), shaped(partial), shaped(mid_hi - mid_lo), shaped(full),
+                                    BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(num_tokens, num_tokens))
+
+
+def _run_attn_fwd_flex(q, k, v, doc_start, doc_end, scale, window):
+    """(o, lse) by torch's flex_attention with the same mask (compiled on CUDA): o in the kernels'
+    contiguous layout, lse in log2 units as _attn_fwd_kernel writes it."""
+    T = q.shape[0]
+    end, scale_buffer, mask_mod, score_mod, attend = _flex_state(T, min(window, T), q.device)
+    end.copy_(doc_end)
+    scale_buffer.copy_(scale.reshape(1))
+    block_mask = _flex_block_mask(doc_start, min(window, T), mask_mod, T)
+    o, lse = attend(*(t.detach().unsqueeze(0).transpose(1, 2) for t in (q, k, v)), score_mod=score_mod,
+                    block_mask=block_mask, scale=1.0, return_lse=True)
+    return o[0].transpose(0, 1).contiguous(), (lse[0] * LOG2_E.value).float().contiguous()
+
+
+def _attention_key(q, v, window):
+    """An attention call's shape as kernel_choice keys it: tokens, heads, head dims, window, dtype."""
+    T, H, d_qk = q.shape
+    return (T, H, d_qk, v.shape[2], "window", window if window < NO_WINDOW else 0, _dtype_name(q.dtype))
+
+
+def _tile_name(config):
+    return f"{config.block_m}x{config.block_n}"
+
+
+def _attention_forward_candidates(q, k, v, doc_start, doc_end, scale, window, configs):
+    """The forward's implementations, the rule first: the kernel at the window's tiles, at the
+    other tiles, and flex_attention."""
+    args = (q, k, v, doc_start, doc_end, scale, window)
+    forward = configs[0]
+    other = ATTENTION_CONFIGS[0] if forward == ATTENTION_CONFIGS_NARROW[0] else ATTENTION_CONFIGS_NARROW[0]
+    found = [kernel_choice.Candidate(f"triton {_tile_name(c)}", functools.partial(_run_attn_fwd, *args, c))
+             for c in dict.fromkeys((forward, other))]
+    found.append(kernel_choice.Candidate("flex", functools.partial(_run_attn_fwd_flex, *args), triton=False))
+    return found
+
+
+def _launch_attn_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: Tensor, doc_end: Tensor, scale: Tensor,
+                     window: int, configs: list[int], impl: str = "rule") -> tuple[Tensor, Tensor]:
+    configs = _configs_from_list(configs, ATTENTION_CONFIG_COUNT)
+    args = (q, k, v, doc_start, doc_end, scale, window)
+    if impl == "flex":
+        return _run_attn_fwd_flex(*args)
+    if impl != "auto":
+        return _run_attn_fwd(*args, configs[0])
+
+    compare = kernel_choice.lazy_check(
+        lambda: attention_reference(q, k, v, _cu_seqlens_of(doc_start, doc_end), window, scale),
+        ATTENTION_CHOICE_TOLERANCE, "attention")
+
+    def check(outputs):
+        return compare(outputs[0])
+    candidates = _attention_forward_candidates(*args, configs)
+    return kernel_choice.choose("attention_forward", _attention_key(q, v, window), candidates, check).run()
+
+
+def _cu_seqlens_of(doc_start, doc_end):
+    """The document offsets (0, ..., T) of the per-token tables."""
+    starts = torch.unique(doc_start)
+    return torch.cat([starts, doc_end[-1:]]).to(torch.int32)
+
+
+def _descriptor_reductions():
+    """Whether the fused backward adds dQ by descriptor reductions: compiled kernels yes, the
+    interpreter (which has no descriptor reductions) no."""
+    return os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _run_attn_bwd_fused(grad_o, q, k, v, o, lse, doc_start, doc_end, scale, window, config):
+    """(dq, dk, dv) by _attn_bwd_fused_kernel: dQ summed in an fp32 buffer, then cast to q's dtype."""
+    T, H, d_qk = q.shape
+    dq = torch.zeros(T, H, d_qk, dtype=torch.float32, device=q.device)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    descriptor = _descriptor_reductions()
+    if descriptor:
+        _set_tma_allocator(q.device)
+    _launch(_attn_bwd_fused_kernel, attention_grid(T, config.block_n, H), config,
+            q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, do_ptr=grad_o, lse_ptr=lse, dq_ptr=dq, dk_ptr=dk, dv_ptr=dv,
+            doc_end_ptr=doc_end, scale_ptr=scale,
+            stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
+            stride_vt=v.stride(0), stride_vh=v.stride(1), stride_ot=o.stride(0), stride_oh=o.stride(1),
+            stride_dot=grad_o.stride(0), stride_doh=grad_o.stride(1), stride_dqt=dq.stride(0), stride_dqh=dq.stride(1),
+            stride_dkt=dk.stride(0), stride_dkh=dk.stride(1), stride_dvt=dv.stride(0), stride_dvh=dv.stride(1),
+            num_tokens=T, window=window, D_QK=d_qk, D_V=v.shape[2], BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            DQ_DESCRIPTOR=descriptor)
+    return dq.to(q.dtype), dk, dv
+
+
+def _run_attn_bwd_two_kernels(grad_o, q, k, v, o, lse, doc_start, doc_end, scale, window, kv_config, q_config,
+                              delta_config):
+    """(dq, dk, dv) by the delta, dK/dV and dQ kernels: no atomics, reproducible bit for bit."""
     T, H, d_qk = q.shape
     d_v = v.shape[2]
     delta = torch.empty(H, T, dtype=torch.float32, device=q.device)
@@ -1268,19 +2025,46 @@ def _launch_attn_bwd(grad_o: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor,
     return dq, dk, dv
 
 
+def _attention_backward_candidates(args, configs):
+    """The backward's implementations, the rule first: the one-kernel backward (atomic dQ) at the
+    window's tiles and at the other window class's, the deterministic two-kernel backward."""
+    fused = configs[4]
+    other = ATTENTION_CONFIGS[4] if fused == ATTENTION_CONFIGS_NARROW[4] else ATTENTION_CONFIGS_NARROW[4]
+    found = [kernel_choice.Candidate(f"atomic {_tile_name(c)}", functools.partial(_run_attn_bwd_fused, *args, c))
+             for c in dict.fromkeys((fused, other))]
+    found.append(kernel_choice.Candidate("deterministic", functools.partial(_run_attn_bwd_two_kernels, *args,
+                                                                            *configs[1:4])))
+    return found
+
+
+def _launch_attn_bwd(grad_o: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, doc_start: Tensor,
+                     doc_end: Tensor, scale: Tensor, window: int, configs: list[int],
+                     impl: str = "deterministic") -> tuple[Tensor, Tensor, Tensor]:
+    configs = _configs_from_list(configs, ATTENTION_CONFIG_COUNT)
+    args = (grad_o, q, k, v, o, lse, doc_start, doc_end, scale, window)
+    if impl == "deterministic":
+        return _run_attn_bwd_two_kernels(*args, *configs[1:4])
+    if impl != "auto":
+        return _run_attn_bwd_fused(*args, configs[4])
+    candidates = _attention_backward_candidates(args, configs)
+    # checked against the deterministic backward (tested against float64 on a CPU)
+    check = kernel_choice.lazy_check(candidates[-1].run, ATTENTION_CHOICE_TOLERANCE, "attention gradients")
+    return kernel_choice.choose("attention_backward", _attention_key(q, v, window), candidates, check).run()
+
+
 _attn_fwd_op = torch.library.custom_op(f"{_OPS}::attn_fwd", _launch_attn_fwd, mutates_args=())
 _attn_bwd_op = torch.library.custom_op(f"{_OPS}::attn_bwd", _launch_attn_bwd, mutates_args=())
 
 
 @_attn_fwd_op.register_fake
-def _(q, k, v, doc_start, doc_end, scale, window, configs):
+def _(q, k, v, doc_start, doc_end, scale, window, configs, impl="rule"):
     _check_attention_dtypes(q, k, v)
     T, H, _ = q.shape
     return q.new_empty(T, H, v.shape[2]), q.new_empty(H, T, dtype=torch.float32)
 
 
 @_attn_bwd_op.register_fake
-def _(grad_o, q, k, v, o, lse, doc_start, doc_end, scale, window, configs):
+def _(grad_o, q, k, v, o, lse, doc_start, doc_end, scale, window, configs, impl="deterministic"):
     _check_attention_dtypes(q, k, v, grad_o)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
@@ -1289,10 +2073,10 @@ class _FlashAttention(torch.autograd.Function):
     """Differentiable flash attention: forward saves the log-sum-exp, backward recomputes P."""
 
     @staticmethod
-    def forward(ctx, q, k, v, doc_start, doc_end, scale, window, configs):
-        o, lse = _attn_fwd_op(q, k, v, doc_start, doc_end, scale, window, configs)
+    def forward(ctx, q, k, v, doc_start, doc_end, scale, window, configs, impl):
+        o, lse = _attn_fwd_op(q, k, v, doc_start, doc_end, scale, window, configs, _FORWARD_IMPL[impl])
         ctx.save_for_backward(q, k, v, o, lse, doc_start, doc_end, scale)
-        ctx.args = (window, configs)
+        ctx.args = (window, configs, _BACKWARD_IMPL[impl])
         return o
 
     @staticmethod
@@ -1300,7 +2084,7 @@ class _FlashAttention(torch.autograd.Function):
         q, k, v, o, lse, doc_start, doc_end, scale = ctx.saved_tensors
         dq, dk, dv = _attn_bwd_op(_last_dim_contiguous(grad_o), q, k, v, o, lse, doc_start, doc_end, scale,
                                   *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _last_dim_contiguous(x):
@@ -1347,7 +2131,7 @@ def document_bounds(cu_seqlens, num_tokens):
     return cu_seqlens[doc], cu_seqlens[doc + 1]
 
 
-def flash_attn_varlen(q, k, v, cu_seqlens, window, softmax_scale, configs=None):
+def flash_attn_varlen(q, k, v, cu_seqlens, window, softmax_scale, configs=None, impl=None):
     """Causal attention over packed documents, limited to a sliding window (see
     attention_reference for the semantics); differentiable.
 
@@ -1356,16 +2140,26 @@ def flash_attn_varlen(q, k, v, cu_seqlens, window, softmax_scale, configs=None):
     padded at the end by repeating T; window in tokens (<= 0: no limit); softmax_scale a number
     or a one-element fp32 tensor (read by the kernels on the device: changing it recompiles
     nothing). fp32 softmax state; the matmuls run on the tensor cores in the inputs' dtype (P
-    and dS are rounded to it). configs: (forward, dK/dV, dQ, delta) launch configs (default: the
-    window's, attention_configs).
+    and dS are rounded to it). configs: the ATTENTION_CONFIG_COUNT launch configs (forward,
+    dK/dV, dQ, delta, one-kernel backward; default: the window's, attention_configs). impl: one of
+    ATTENTION_IMPLS; None: "rule" with explicit configs, else "auto". With the one-kernel backward
+    ("atomic", and "auto" or "rule" where it is chosen) dQ is summed by atomic adds in an order that
+    varies from run to run: the gradients are not reproducible bit for bit ("deterministic" is).
     """
     scale = softmax_scale_tensor(softmax_scale, q.device)
     _check_attention_inputs(q, k, v, cu_seqlens, scale)
+    impl = impl or ("rule" if configs is not None else "auto")
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"flash_attn_varlen: impl must be one of {ATTENTION_IMPLS}; got {impl!r}")
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     doc_start, doc_end = document_bounds(cu_seqlens, q.shape[0])
     window = window if window > 0 else NO_WINDOW
-    flat_configs = [value for config in (configs or attention_configs(window)) for value in config.as_list()]
-    return _FlashAttention.apply(q, k, v, doc_start, doc_end, scale, window, flat_configs)
+    configs = tuple(configs or attention_configs(window))
+    if len(configs) != ATTENTION_CONFIG_COUNT:
+        raise ValueError(f"flash_attn_varlen takes {ATTENTION_CONFIG_COUNT} launch configs (forward, dK/dV, dQ, "
+                         f"delta, one-kernel backward); got {len(configs)}")
+    flat_configs = [value for config in configs for value in config.as_list()]
+    return _FlashAttention.apply(q, k, v, doc_start, doc_end, scale, window, flat_configs, impl)
 
 
 def document_ids(cu_seqlens, num_tokens):
@@ -1692,7 +2486,7 @@ class _FP8HeadCrossEntropy(torch.autograd.Function):
 
 
 def fp8_head_cross_entropy(x, weight, state, targets, weights, grad_scale, config=None, ce_config=CROSS_ENTROPY,
-                           scales=HEAD_SCALES, gemm="triton", casts="kernel"):
+                           scales=HEAD_SCALES, gemm="fastest", casts="kernel"):
     """softcap_cross_entropy(fp8_linear(x, weight, state, scales=scales), targets, weights,
     grad_scale=grad_scale, exact_upstream=True) with its logit gradient written once, in e5m2
     (_FP8HeadCrossEntropy): (loss, next_token_loss), both (N,) fp32. The caller promises that
@@ -2594,7 +3388,7 @@ def _dc_bwd_kv_kernel(q_ptr, k_ptr, do_ptr, mix_in_ptr, mix_out_ptr, doc_start_p
 
 def _composed_configs(configs):
     """(forward, backward dA, backward dQ, backward dK dV) launch configs from their flat list."""
-    return tuple(_config_from_list(configs[i * 6:(i + 1) * 6]) for i in range(4))
+    return _configs_from_list(configs, 4)
 
 
 def _launch_dc_fwd(q: Tensor, k: Tensor, v: Tensor, mix_in: Tensor, mix_out: Tensor, doc_start: Tensor,

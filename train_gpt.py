@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 import config
+import kernel_choice
 import kernels
 import memory_budget
 import metrics
@@ -2517,6 +2518,7 @@ class KernelFns:
     # the training objective (kernels.fp8_head_cross_entropy); None: the head, then cross_entropy
     fp8_head_loss: object = None
     ema_update: object = kernels.ema_update_reference_  # fn(ema, weight, rate): a weight average's sample
+    triton: bool = False           # the Triton kernels (their JIT, and kernel_choice's selection, in the warm-up)
 
     @property
     def any_fp8(self):
@@ -2559,8 +2561,10 @@ def select_kernels(h, device):
     if use_triton:
         head_loss = (functools.partial(kernels.fp8_head_cross_entropy, scales=kernels.HEAD_SCALE_RULES[h.fp8_head_scales],
                                        gemm=h.fp8_gemm, casts=fp8_casts(h)) if h.fp8_head else None)
-        return KernelFns(kernels.flash_attn_varlen, kernels.softcap_cross_entropy, mlp, kernels.xxt, qkv, head,
-                         kernels.qk_norm_rope, kernels.composed_attention, head_loss, kernels.ema_update_)
+        attention = (kernels.flash_attn_varlen if h.attention_impl == "fastest"
+                     else functools.partial(kernels.flash_attn_varlen, impl=h.attention_impl))
+        return KernelFns(attention, kernels.softcap_cross_entropy, mlp, kernels.xxt, qkv, head,
+                         kernels.qk_norm_rope, kernels.composed_attention, head_loss, kernels.ema_update_, triton=True)
     # Here auto means CPU: the chunked cross-entropy is the kernel's algorithm, ~3x faster than the
     # reference there; `kernels=reference` keeps the plain reference for A/B runs.
     cross_entropy = (kernels.softcap_cross_entropy_reference if h.kernels == "reference"
@@ -2791,8 +2795,7 @@ class Trainer:
         the config asks for a warm-up anyway: the first step of each shape also maps its memory,
         page faults whose cost on a CPU grows with the memory the process already holds (a 16M-row
         n-gram table made them 7x slower than a 1M-row one)."""
-        triton_kernels = self.kernels.attention is kernels.flash_attn_varlen
-        return self.h.warmup_steps > 0 and (self.h.compile or triton_kernels or self.h.warm_up == "always")
+        return self.h.warmup_steps > 0 and (self.h.compile or self.kernels.triton or self.h.warm_up == "always")
 
     # -- the schedule
     def advance_to(self, step, final_validation=False):
@@ -2994,9 +2997,8 @@ def warm_up_line(trainer, seconds, graphs):
     if trainer.needs_warm_up():
         did.append(f"{len(graph_changes(h)) * warm_up_steps_per_key(h)} training steps and "
                    f"{warm_up_validations(h)} validation forward(s) at every shape the run uses")
-    triton_kernels = trainer.kernels.attention is kernels.flash_attn_varlen
     for done, what, missing in ((h.compile, f"torch.compile of {graphs} graphs", "no compilation"),
-                                (triton_kernels, "the Triton kernels' JIT", "no Triton JIT"),
+                                (trainer.kernels.triton, "the Triton kernels' JIT", "no Triton JIT"),
                                 (trainer.graphs.capturing, f"{trainer.graphs.captured()} CUDA graphs captured",
                                  "no CUDA graphs"),
                                 (trainer.kernels.any_fp8, "FP8 calibration", "no FP8 calibration")):
@@ -3172,8 +3174,11 @@ def train(h, pg, log, resumed=None):
         log.write(f"metrics: {sink.where}", echo=True)
     log.progress = "in the warm-up"
     untimed_t0 = time.perf_counter()
+    kernel_choice.start_run(pg.device, selecting=trainer.kernels.triton and trainer.needs_warm_up())
     warm_graphs = (warm_up(trainer, train_files, val_slices, Progress(log, "warming up"))
                    if trainer.needs_warm_up() else 0)
+    for line in kernel_choice.end_run():    # each shape's implementation, timed in the warm-up or by rule
+        log.write(line, echo=False)
     if trainer.kernels.any_fp8:
         trainer.calibrate_fp8(first_batch(h, train_files, trainer.mine))
     log.write(warm_up_line(trainer, time.perf_counter() - untimed_t0, warm_graphs), echo=True)

@@ -24,7 +24,8 @@ In order (PART_LIMITS_S: each part gets what is left of the budget, at most its 
      untie inside the second (the speedrun's stage 2, 49,152 tokens x 14,336 candidates, then its
      stage 4, 32,768 tokens x the full vocabulary): each warm-up part's seconds and compiled
      graphs as it ends, step times per stage, losses, compiled graphs and eager runs in the timed
-     run (both must be 0), peak memory beside the budget;
+     run (both must be 0), peak memory beside the budget, and the implementation the warm-up timed
+     fastest at each GEMM and attention shape (its log's kernel choice lines);
   3. tests: the GPU kernel tests (tests/test_kernels.py -k gpu);
   4. training:triton and training:reference: eager steps at one micro-batch of the first stage
      with a small n-gram table in host memory (its device cache at the fewest rows allowed, so
@@ -33,7 +34,10 @@ In order (PART_LIMITS_S: each part gets what is left of the budget, at most its 
   5. routing: the split n-gram table's host routing of one micro-batch, at one thread;
   6. kernels: each kernel family against its torch peer (torch._scaled_mm in the accumulation
      mode production uses, flex_attention and SDPA, F.cross_entropy, ...) at the presets' shapes,
-     outputs compared, with the time that is left;
+     each implementation (the FP8 GEMM's persistent descriptor and pointer kernels, attention's
+     atomic and deterministic backwards) checked against torch or the reference before it is
+     timed, with the time that is left; from those times the efficiencies by kernel structure
+     that the step model's measured line reads (bench/measured_efficiency.json);
   7. the projection of the 8xH100 run: the step model (bench/step_model.py, run beside the parts
      on the CPU) corrected by the measured compiled step, with the model's communication terms.
 The step model's prediction stands beside every measured time.
@@ -45,8 +49,8 @@ killed with its process group and reported with what it had reported.
 
 Output. The section is printed at the end and appended to bench/results.md; with $OUT set,
 results.md and bench.json there are rewritten after every part (a run stopped from outside still
-leaves what it measured), with parts.log, gpu_tests.txt, compiled_run.txt and compile_cache.tgz:
-six files (the machine returns at most 8, of at most 16 MiB each). Exit status 1 when a part
+leaves what it measured), with parts.log, gpu_tests.txt, compiled_run.txt, compile_cache.tgz and
+measured_efficiency.json: seven files (the machine returns at most 8, of at most 16 MiB each). Exit status 1 when a part
 failed; a missed speed target is reported, not a failure; 2 without a CUDA GPU.
 
 For tests only: `--fail-part NAME` makes the child of part NAME raise once its work is done,
@@ -131,6 +135,9 @@ TRANSFER_S = 30           # the tree sent and the files fetched, per call
 PART_LIMITS_S = {"environment": 25, "compiled": 150, "tests": 30, "training:triton": 20, "training:reference": 20,
                  "routing": 10, "kernels": 20}
 REPORT_RESERVE_S = 25
+MEASURE_LIMIT_S = 10       # the efficiencies' child (it imports the step model)
+# The kernel bench's efficiencies by structure, which bench/step_model.py's measured line reads.
+MEASURED_EFFICIENCY = pathlib.Path(__file__).resolve().parent / "measured_efficiency.json"
 BUDGET_S = 300
 DRY_SLACK = 4             # the dry mode's caps: the Triton interpreter on a shared CPU is slower than a GPU
 KERNEL_BENCH_LIMIT_S = 10  # the most one kernel bench may take of the kernels' cap
@@ -383,6 +390,7 @@ FINAL_LINE = re.compile(r"final val_loss:(\S+) train_time:(\d+)ms steps:(\d+)")
 STEP_LINE = re.compile(r"step:(\d+)/\d+ train_loss:(\S+) .*train_time:(\d+)ms")
 MEMORY_LINES = re.compile(r"^(memory budget: .*|memory: .*)$", re.MULTILINE)
 RECOMPILE_LINE = re.compile(r"Recompiling function|torch._dynamo hit config.recompile_limit")
+KERNEL_CHOICE = "kernel choice: "  # starts each line of the log that says a shape's implementation (kernel_choice.py)
 
 
 def stage_step_ms(steps, first, last):
@@ -402,12 +410,14 @@ def compiled_run(plan, dry, timeout_s):
         status, stdout, stderr = run_command(command, timeout_s, env=os.environ | {"TORCH_LOGS": "recompiles",
                                                                                   "PYTHONUNBUFFERED": "1"})
         seconds = time.perf_counter() - start
+        choices = [line for log in sorted(pathlib.Path(log_dir).glob("*.txt"))
+                   for line in log.read_text(errors="replace").splitlines() if line.startswith(KERNEL_CHOICE)]
     output = stdout + stderr
     compile_match, final_match = COMPILE_LINE.search(stdout), FINAL_LINE.search(stdout)
     steps = [(int(m[1]), float(m[2]), int(m[3])) for m in STEP_LINE.finditer(stdout)]
     result = dict(command=" ".join(command[1:]), exit_status=status, wall_s=seconds, output=output,
                   losses=[loss for _, loss, _ in steps], memory=MEMORY_LINES.findall(stdout),
-                  recompiles=len(RECOMPILE_LINE.findall(output)),
+                  recompiles=len(RECOMPILE_LINE.findall(output)), kernel_choices=choices,
                   warm_up=[(what, float(s), int(graphs)) for what, s, graphs in WARM_UP_PART_LINE.findall(stdout)])
     (_, first_steps), (_, second_steps) = COMPILED_STAGES[mode(dry)]
     result["stage_ms"] = [stage_step_ms(steps, 0, first_steps - 1),
@@ -465,7 +475,16 @@ def compiled_run_block(run, model_ms, dry):
              f"{verdict}; {run['wall_s']:.0f} s wall with compilation; {what}",
              warm_up_line(run),
              "losses: " + ", ".join(f"{loss:.4f}" for loss in run["losses"]) + f"; val_loss {run['val_loss']:.4f}"]
-    return "\n\n".join(lines + run["memory"])
+    return "\n\n".join(lines + run["memory"] + [kernel_choices_block(run)])
+
+
+def kernel_choices_block(run):
+    """The implementation the warm-up chose at each shape, with the candidates' times."""
+    choices = run.get("kernel_choices") or []
+    if not choices:
+        return "kernel choices: none logged (nothing was timed: no CUDA, or no warm-up)"
+    return "kernel choices (the warm-up's, rank 0's on every rank):\n\n" + "\n".join(
+        f"- {line[len(KERNEL_CHOICE):]}" for line in choices)
 
 
 def start_step_model(plan_args, out_dir, dry):
@@ -1001,7 +1020,8 @@ def run_routing_part(runner, report, deadline):
 
 
 def run_kernel_parts(runner, report, dry, deadline):
-    """One child per kernel bench, all within the kernels' cap; the table is rewritten as each ends."""
+    """One child per kernel bench, all within the kernels' cap; the table is rewritten as each ends;
+    then the efficiencies the step model's measured line takes from them (measured_efficiency)."""
     kernels_deadline = time.monotonic() + deadline.left(PART_LIMITS_S["kernels"])
     outcomes = {}
     for key in KERNEL_BENCHES:
@@ -1011,6 +1031,25 @@ def run_kernel_parts(runner, report, dry, deadline):
         report.record(name, outcomes[name])
         report.put("kernels", kernel_block(outcomes, dry),
                    kernels=[dataclasses.asdict(line) | {"ratio": line.ratio} for line in kernel_lines(outcomes)])
+    lines = [dataclasses.asdict(line) for line in kernel_lines(outcomes)]
+    outcome = runner.run("kernel:efficiencies", measure_efficiencies, deadline.left(MEASURE_LIMIT_S), lines=lines)
+    found = outcome.result.get("efficiencies")
+    if not found:
+        return
+    text = json.dumps(found, indent=1, sort_keys=True) + "\n"
+    report.save_log(MEASURED_EFFICIENCY.name, text)
+    if not dry:                    # the step model's measured line reads it (commit it with results.md)
+        MEASURED_EFFICIENCY.write_text(text)
+    report.put("efficiencies", "measured efficiencies (the step model's measured line, "
+               f"bench/{MEASURED_EFFICIENCY.name}{'; dry: not written' if dry else ''}): " + json.dumps(found),
+               measured_efficiencies=found)
+
+
+def measure_efficiencies(task, progress):
+    """The kernel lines' efficiencies by structure (kernel_timings.measured_efficiencies)."""
+    sys.path.insert(0, str(REPO_ROOT / "bench"))
+    from kernel_timings import measured_efficiencies
+    return dict(efficiencies=measured_efficiencies([Line(**fields) for fields in task.params["lines"]]))
 
 
 class TrainingParts:

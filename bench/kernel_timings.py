@@ -5,6 +5,7 @@ routing. Every bench takes (shapes, device, timer, dry) and returns its table ro
 `KERNEL_BENCHES` names them. torch and the project's modules are imported inside each bench, so
 that first_contact.py's parent process never loads them."""
 import dataclasses
+import functools
 import statistics
 import time
 
@@ -35,6 +36,10 @@ class Line:
     model_ms: float = 0.0    # the step model's time of our call (bench/step_model.py, an H200, its efficiencies)
     error: float = -1.0      # relative Frobenius distance of our output from torch's (-1: not compared)
     tolerance: float = 0.0   # the largest error expected from the two computations' roundings
+    # what the step model's structure-based line prices the call at (ms) and the structure it
+    # names ("descriptor", "pointer", "cublas", "attention"): measured_efficiencies' inputs
+    structure_ms: float = 0.0
+    structure: str = ""
 
     @property
     def ratio(self):
@@ -101,12 +106,27 @@ def _fp8(shape, device, column_major=False):
 FP8_GEMM_TOLERANCE = 2 ** -7  # bf16 outputs of the same exact fp8 products, summed in other orders
 
 
+# The implementations of a plain FP8 GEMM the kernel bench times, each by kernels.fp8_matmul's impl,
+# with the structure the step model prices it by.
+FP8_IMPLEMENTATIONS = (("tma", "descriptor"), ("pointer", "pointer"))
+
+
+def structure_ms(flops, nbytes, m, k, n, fast, structure):
+    """The step model's structure-based time of one FP8 GEMM on one structure (an H200)."""
+    import step_model
+    op = step_model.Op("bench", "gemm", "bench", flops=flops, dtype="fp8", bytes=nbytes,
+                       structure=("fp8", m, k, n, fast, (structure,)))
+    return 1e3 * step_model.op_seconds(op, step_model.H200, step_model.STRUCTURE, 1)
+
+
 def bench_fp8_matmul(shapes, device, timer, dry):
-    """Our FP8 GEMM against torch._scaled_mm in the accumulation mode production uses for each:
-    the forward GEMMs with the fast accumulator (the MLP's, QKV's, the head's at every softmax
-    width of the speedrun: the production tile FP8_MATMUL_LARGE where it is chosen), the backward
-    ones with fp32 accumulation every BLOCK_K (the weight gradient over the tokens, the head's
-    input gradient over its columns)."""
+    """Each implementation of our FP8 GEMM (the persistent descriptor kernel with its split-K
+    plan, the pointer kernel) against torch._scaled_mm in the accumulation mode production uses
+    for each, every one's output compared with torch's before it is timed: the forward GEMMs with
+    the fast accumulator (the MLP's, QKV's, the head's at every softmax width of the speedrun),
+    the backward ones with fp32 accumulation every BLOCK_K (the weight gradient over the tokens,
+    the head's input gradient over its columns). A line per implementation; torch's own line
+    prices cuBLAS's structure."""
     import torch
     import kernels
     T, D, H = shapes["tokens"], shapes["width"], shapes["hidden"]
@@ -119,13 +139,24 @@ def bench_fp8_matmul(shapes, device, timer, dry):
     for fast, problems in ((True, forward), (False, backward)):
         for name, m, k, n in problems:
             a, b = _fp8((m, k), device), _fp8((k, n), device, column_major=True)
-            ours_fn = lambda: kernels.fp8_matmul(a, b, scale, scale, torch.bfloat16, fast_accumulation=fast)  # noqa: E731
             theirs_fn = lambda: torch._scaled_mm(a, b, scale_a=scale, scale_b=scale,  # noqa: E731
                                                  out_dtype=torch.bfloat16, use_fast_accum=fast)
+            theirs = theirs_fn()
+            theirs_ms = timer(theirs_fn)
             flops, nbytes = 2.0 * m * n * k, m * k + k * n + 2 * m * n
-            lines.append(Line(f"fp8_matmul {name} ({'fast' if fast else 'fp32'} accumulation)", f"{m}x{k}x{n}",
-                              timer(ours_fn), timer(theirs_fn), flops, target=0.9, model_ms=modelled_ms(flops, nbytes),
-                              error=relative_error(ours_fn(), theirs_fn()), tolerance=FP8_GEMM_TOLERANCE))
+            accumulation = "fast" if fast else "fp32"
+            for impl, structure in FP8_IMPLEMENTATIONS:
+                ours_fn = lambda: kernels.fp8_matmul(a, b, scale, scale, torch.bfloat16, fast_accumulation=fast,  # noqa: E731
+                                                     impl=impl)
+                error = relative_error(ours_fn(), theirs)     # checked before it is timed
+                lines.append(Line(f"fp8_matmul {name} ({accumulation} accumulation) [{impl}]", f"{m}x{k}x{n}",
+                                  timer(ours_fn), theirs_ms, flops, target=0.9, model_ms=modelled_ms(flops, nbytes),
+                                  error=error, tolerance=FP8_GEMM_TOLERANCE,
+                                  structure_ms=structure_ms(flops, nbytes, m, k, n, fast, structure),
+                                  structure=structure))
+            lines.append(Line(f"fp8_matmul {name} ({accumulation} accumulation) [torch._scaled_mm]", f"{m}x{k}x{n}",
+                              theirs_ms, theirs_ms, flops, model_ms=modelled_ms(flops, nbytes),
+                              structure_ms=structure_ms(flops, nbytes, m, k, n, fast, "cublas"), structure="cublas"))
     return lines
 
 
@@ -298,16 +329,64 @@ def as_documents(t, num_docs, doc_len):
 ATTENTION_TOLERANCE = 2 ** -6   # bf16 outputs of two FlashAttention-style kernels (P rounded to bf16 in each)
 
 
-def modelled_attention_ms(lengths, window, d, heads):
-    """The step model's forward+backward time of flash_attn_varlen: the tiles its kernels visit at
-    this window (kernels.attention_configs), at the attention efficiency."""
+def _structure_efficiency():
+    import step_model
+    return step_model.STRUCTURE
+
+
+def _attention_and_grads(fn, q, k, v, grad_o):
+    """[output, dq, dk, dv] of fn on detached copies of q, k, v."""
+    import torch
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out = fn(*leaves)
+    return [out.detach(), *torch.autograd.grad(out, leaves, grad_o)]
+
+
+def measured_efficiencies(lines):
+    """The efficiencies the step model's measured line takes from the kernel bench: per FP8
+    structure (the persistent descriptor kernel, the pointer kernel, cuBLAS) and for attention,
+    the structure-based share times the median over its lines of (the structure-based line's time
+    / the measured time). None without such lines."""
+    import step_model
+    ratios = {}
+    for line in lines:
+        if line.structure and line.structure_ms and line.ours_ms > 0:
+            ratios.setdefault(line.structure, []).append(line.structure_ms / line.ours_ms)
+    if not ratios:
+        return None
+    base = step_model.STRUCTURE.structures
+    found = {"fp8": {s: base.fp8[s] * statistics.median(r) for s, r in ratios.items() if s in base.fp8}}
+    if "attention" in ratios:
+        found["attention_long"] = base.attention_long * statistics.median(ratios["attention"])
+    return found
+
+
+def attention_events(lengths, window, d, heads, impl):
+    """The step model's census events of one flash_attn_varlen call (forward, backward) with the
+    window's launch configs and implementation `impl`."""
     import kernels
     import step_model
-    fwd, kv, q, _ = kernels.attention_configs(window)
-    pairs = (step_model.query_tiles(lengths, window, fwd.block_m, fwd.block_n) * fwd.block_m * fwd.block_n * 2 * d,
-             step_model.key_tiles(lengths, window, kv.block_m, kv.block_n) * kv.block_m * kv.block_n * 4 * d,
-             step_model.query_tiles(lengths, window, q.block_m, q.block_n) * q.block_m * q.block_n * 3 * d)
-    return modelled_ms(flops=2.0 * heads * sum(pairs), family="attention", dtype="bf16")
+    T = sum(lengths)
+    configs = [value for c in kernels.attention_configs(window) for value in c.as_list()]
+    meta = [((T, heads, d), None)] * 4
+    return [step_model.Event(name, "bench", [], [], meta, [], args=(window, *configs, impl))
+            for name in ("kernels.attn_fwd", "kernels.attn_bwd")]
+
+
+def modelled_attention_ms(lengths, window, d, heads, impl="auto", eff=None):
+    """The step model's forward+backward time of flash_attn_varlen with `impl`: the tiles its
+    kernels visit at this window (kernels.attention_configs), at the record-89 attention
+    efficiency (eff None) or priced by structure (eff step_model.STRUCTURE)."""
+    import step_model
+    total = 0.0
+    for event in attention_events(lengths, window, d, heads, impl):
+        op = step_model._kernel_op(event, lengths)
+        total += step_model.op_seconds(op, step_model.H200, eff or step_model.REALISTIC, 1)
+    return 1e3 * total
+
+
+# Our attention's backwards the kernel bench times beside each other.
+ATTENTION_BACKWARDS = ("atomic", "deterministic")
 
 
 def bench_attention(shapes, device, timer, dry):
@@ -330,18 +409,24 @@ def bench_attention(shapes, device, timer, dry):
 
         for window in shapes["windows"]:
             flex = flex_attention_fn(lengths, window, scale, device, dry)
-            ours_fn = lambda q, k, v: kernels.flash_attn_varlen(q, k, v, uneven_cu_seqlens, window, scale)  # noqa: E731
-            ours = timer(_forward_backward(ours_fn, [q, k, v], grad_o))
             theirs = timer(lambda: flex(q.detach(), k.detach(), v.detach())) if dry else \
                 timer(_forward_backward(flex, [q, k, v], grad_o))
-            with torch.no_grad():
-                detached = [t.detach() for t in (q, k, v)]
-                error = relative_error(ours_fn(*detached), flex(*detached))
-            lines.append(Line(f"flash_attn_varlen fwd+bwd d={d} vs flex_attention",
-                              f"{T} tok in {len(lengths)} docs, window {window}, {heads} heads", ours, theirs,
-                              flops_per_pair * visible_pairs(lengths, window), target=1.0,
-                              model_ms=modelled_attention_ms(lengths, window, d, heads), error=error,
-                              tolerance=ATTENTION_TOLERANCE))
+            reference = _attention_and_grads(lambda q, k, v: kernels.attention_reference(q, k, v, uneven_cu_seqlens,
+                                                                                         window, scale), q, k, v, grad_o)
+            for impl in ATTENTION_BACKWARDS:
+                ours_fn = functools.partial(kernels.flash_attn_varlen, cu_seqlens=uneven_cu_seqlens, window=window,
+                                            softmax_scale=scale, impl=impl)
+                # checked against the reference (forward and gradients) before it is timed
+                error = max(relative_error(g, r) for g, r in zip(_attention_and_grads(
+                    lambda q, k, v: ours_fn(q, k, v), q, k, v, grad_o), reference))
+                ours = timer(_forward_backward(lambda q, k, v: ours_fn(q, k, v), [q, k, v], grad_o))
+                lines.append(Line(f"flash_attn_varlen fwd+bwd d={d} [{impl}] vs flex_attention",
+                                  f"{T} tok in {len(lengths)} docs, window {window}, {heads} heads", ours, theirs,
+                                  flops_per_pair * visible_pairs(lengths, window), target=1.0,
+                                  model_ms=modelled_attention_ms(lengths, window, d, heads, impl), error=error,
+                                  tolerance=ATTENTION_TOLERANCE, structure_ms=modelled_attention_ms(
+                                      lengths, window, d, heads, impl, _structure_efficiency()),
+                                  structure="attention"))
 
         ours = timer(_forward_backward(
             lambda q, k, v: kernels.flash_attn_varlen(q, k, v, equal_cu_seqlens, 0, scale), [q, k, v], grad_o))

@@ -53,6 +53,7 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "tests" / "helpers"))
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 
+import kernel_choice  # noqa: E402
 import kernels  # noqa: E402
 import sparse_tables  # noqa: E402
 import train_gpt  # noqa: E402
@@ -100,10 +101,24 @@ SPARSE_ADAM_EVENTS = (1, 16, 7)
 XXT_SHAPES = ((16, 768, 768), (8, 768, 3072))
 
 # Kernels that must run on the tensor cores (wgmma in PTX, HGMMA/QGMMA in SASS).
-MATRIX_KERNELS = ("_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_attn_fwd_kernel", "_attn_bwd_kv_kernel",
-                  "_attn_bwd_q_kernel", "_xxt_kernel", "_dc_fwd_kernel", "_dc_bwd_mix_kernel", "_dc_bwd_q_kernel",
+MATRIX_KERNELS = ("_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_fp8_matmul_tma_kernel",
+                  "_fp8_matmul_quant_tma_kernel", "_attn_fwd_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel",
+                  "_attn_bwd_fused_kernel", "_xxt_kernel", "_dc_fwd_kernel", "_dc_bwd_mix_kernel", "_dc_bwd_q_kernel",
                   "_dc_bwd_kv_kernel")
-SASS_COUNTED = ("HGMMA", "QGMMA", "HMMA", "LDL", "STL", "LDS", "STS", "LDG", "STG", "BAR", "MUFU")
+# The persistent FP8 GEMMs: every variant loads its operands by tensor descriptor (UTMALDG) and
+# stores by descriptor (UTMASTG).
+DESCRIPTOR_KERNELS = ("_fp8_matmul_tma_kernel", "_fp8_matmul_quant_tma_kernel")
+# The fallback implementations: launched where kernel_choice's warm-up timed them fastest or a key
+# pins them (the pointer-load FP8 GEMMs, the deterministic two-kernel attention backward), never by
+# a call's rule alone.
+FALLBACK_KERNELS = ("_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_attn_bwd_delta_kernel", "_attn_bwd_kv_kernel",
+                    "_attn_bwd_q_kernel")
+# SASS opcodes counted per variant: the tensor cores' (HGMMA bf16/fp16, QGMMA fp8, HMMA: mma.sync),
+# spills (LDL/STL), shared and global memory (LDGSTS: asynchronous copies into shared memory, the
+# pipelined pointer loads), the tensor-descriptor copies (UTMALDG loads, UTMASTG stores, UTMAREDG
+# reductions), barriers and the special-function unit.
+SASS_COUNTED = ("HGMMA", "QGMMA", "HMMA", "LDL", "STL", "LDS", "STS", "LDG", "STG", "LDGSTS", "UTMALDG", "UTMASTG",
+                "UTMAREDG", "BAR", "MUFU")
 
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
                  torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv",
@@ -526,13 +541,17 @@ def _variant_key(kernel, config, args):
 
 @functools.cache
 def trainer_launches(run):
-    """The recorded launches of a trainer run (TRAINER_RUNS), once per process."""
-    return record_launches(lambda: replay_untouched(trainer_kernel_calls(run)))
+    """The recorded launches of a trainer run (TRAINER_RUNS), once per process: each call's rule
+    and every other Triton implementation kernel_choice could pick for it."""
+    with kernel_choice.every_candidate():
+        return record_launches(lambda: replay_untouched(trainer_kernel_calls(run)))
 
 
 def production_launches():
     """({run: its trainer launches}, library launches) as record_launches gives them."""
-    return {run: trainer_launches(run) for run in TRAINER_RUNS}, record_launches(_library_calls)
+    with kernel_choice.every_candidate():
+        library = record_launches(_library_calls)
+    return {run: trainer_launches(run) for run in TRAINER_RUNS}, library
 
 
 def build_report(launches=None):
@@ -585,10 +604,12 @@ _ARGUMENT = re.compile(r"(%[\w.$-]+): ([^ ,{)]+)")
 @dataclasses.dataclass
 class TTIRFunction:
     """A kernel's TTIR as the audit reads it: its arguments in order (name, type), the defining
-    op of every value, and every tt.addptr as (pointer value, offset value, offset type)."""
+    op of every value, every tt.addptr as (pointer value, offset value, offset type), and every
+    tt.make_tensor_descriptor as (base pointer value, [dimension size values])."""
     arguments: list
     ops: dict
     addptrs: list
+    descriptors: list = dataclasses.field(default_factory=list)
 
 
 def parse_ttir(ttir):
@@ -599,7 +620,7 @@ def parse_ttir(ttir):
     arguments = _ARGUMENT.findall(header[header.index("(") + 1:])   # loc("name"(#loc)) holds no %
     lines = [re.sub(r"\s*loc\(.*$", "", line) for line in raw]
     ops = {name: TTIROp("arg", [], type_) for name, type_ in arguments}
-    addptrs, regions = [], []          # regions: (op name, results of an scf.if) of each open region
+    addptrs, descriptors, regions = [], [], []    # regions: (op name, results of an scf.if) of each open region
     for line in lines[raw.index(header) + 1:]:
         body = line.strip()
         if body.startswith("}"):
@@ -632,9 +653,11 @@ def parse_ttir(ttir):
                 ops[value] = TTIROp(name, operands, re.split(r" -> | to ", type_text)[-1], operand_text)
             if name == "tt.addptr":
                 addptrs.append((operands[0], operands[1], type_text.rsplit(", ", 1)[1]))
+            if name == "tt.make_tensor_descriptor":   # base, [sizes], [strides]
+                descriptors.append((operands[0], operands[1:1 + (len(operands) - 1) // 2]))
         if body.endswith("{"):
             regions.append((name, results))
-    return TTIRFunction(arguments, ops, addptrs)
+    return TTIRFunction(arguments, ops, addptrs, descriptors)
 
 
 def _element_type(type_text):
@@ -844,6 +867,18 @@ def launch_offset_risks(launch):
                 reason = reason and f"i64 offset from an i32 product with a program id: {reason}"
             if reason:
                 risks.add((name, reason))
+    # a tensor descriptor's copy engine forms each address from i32 coordinates (one per
+    # dimension, below its size) and 64-bit strides: safe when every size is bounded below 2^31
+    for base, sizes in function.descriptors:
+        for root in pointer_roots(function, base):
+            name = by_value[root]
+            if name not in large:
+                continue
+            traced.add(name)
+            for size in sizes:
+                excess = _beyond_i32(bounds.interval(size))
+                if excess:
+                    risks.add((name, f"tensor descriptor dimension {excess}"))
     risks |= {(name, "no address arithmetic traced back to it") for name in large - traced}
     return sorted(risks)
 
@@ -895,6 +930,9 @@ def problems(report):
         gmma = entry["sass_counts"]["HGMMA"] + entry["sass_counts"]["QGMMA"]
         if entry["kernel"] in MATRIX_KERNELS and (entry["ptx_wgmma"] == 0 or gmma == 0):
             found.append(f"{name}: no wgmma / GMMA instructions")
+        if entry["kernel"] in DESCRIPTOR_KERNELS and not (entry["sass_counts"]["UTMALDG"]
+                                                          and entry["sass_counts"]["UTMASTG"]):
+            found.append(f"{name}: no tensor-descriptor loads and stores (UTMALDG, UTMASTG)")
         if entry["shared_bytes"] > SHARED_MEMORY_LIMIT:
             found.append(f"{name}: {entry['shared_bytes']} bytes of shared memory > {SHARED_MEMORY_LIMIT}")
         spills = entry["local_bytes"] + entry["sass_counts"]["LDL"] + entry["sass_counts"]["STL"]
@@ -905,15 +943,17 @@ def problems(report):
 
 
 def format_report(report):
-    lines = [f"sm_90 resources (triton {report['triton']}; * = launched by the trainer)",
+    lines = [f"sm_90 resources (triton {report['triton']}; * = launched by the trainer; TMA ld/st/red: "
+             f"tensor-descriptor loads, stores, reductions)",
              f"{'variant':<122} {'regs':>4} {'smem':>7} {'instr':>6} {'GMMA':>5} {'wgmma':>5} {'LDL/STL':>7} "
-             f"{'MUFU':>5}"]
+             f"{'TMA ld/st/red':>13} {'MUFU':>5}"]
     for e in report["kernels"]:
         counts = e["sass_counts"]
         mark = "*" if e.get("trainer") else " "
+        tma = f"{counts['UTMALDG']}/{counts['UTMASTG']}/{counts['UTMAREDG']}"
         lines.append(f"{mark} {e['variant']:<120} {e['registers']:>4} {e['shared_bytes']:>7} "
                      f"{e['sass_instructions']:>6} {counts['HGMMA'] + counts['QGMMA']:>5} {e['ptx_wgmma']:>5} "
-                     f"{counts['LDL'] + counts['STL']:>7} {counts['MUFU']:>5}")
+                     f"{counts['LDL'] + counts['STL']:>7} {tma:>13} {counts['MUFU']:>5}")
     return "\n".join(lines)
 
 

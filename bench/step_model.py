@@ -94,15 +94,23 @@ GPUS = {"h100": H100, "h200": H200}
 
 @dataclasses.dataclass(frozen=True)
 class Efficiency:
-    """Shares of the peaks a well-tuned kernel reaches (assumed, not measured here)."""
+    """Shares of the peaks a well-tuned kernel reaches (assumed, not measured here). With
+    `structures`, the matrix products and attention are priced by the structure of the kernel
+    that runs them instead (Structures); `gap_s` is added per kernel (the gap between dependent
+    kernels); `floors`: the per-kernel and per-collective minimum times apply."""
     gemm: float = 0.65             # of the tensor cores' peak, large GEMMs
     attention: float = 0.45        # of the bf16 peak, FlashAttention-2-style kernels on sliding windows
     hbm: float = 0.80              # of HBM bandwidth, memory-bound kernels
     link: float = 0.70             # of NVLink bus bandwidth, NCCL collectives
+    structures: object = None
+    gap_s: float = 0.0
+    floors: bool = True
 
 
+# The record-89 constants: GEMM 65%, attention 45%, which reproduce record 89's logged step times
+# (calibration_table); record 89 ran cuBLAS, a persistent descriptor Triton GEMM and FlashAttention-3.
 REALISTIC = Efficiency()
-PEAK = Efficiency(1.0, 1.0, 1.0, 1.0)
+PEAK = Efficiency(1.0, 1.0, 1.0, 1.0, floors=False)
 KERNEL_FLOOR_S = 2e-6              # the shortest kernel a CUDA-graph replay runs (launch and drain)
 COLLECTIVE_LATENCY_S = 15e-6       # per NCCL collective on 8 GPUs of one node, beside its bytes
 # FineWeb-like documents for the attention census: log-normal lengths, median 600 tokens (a mean
@@ -116,6 +124,134 @@ CALIBRATION_TOLERANCE = 0.25       # the model's record89 step times within this
 # The runs bench/step_model.md holds: (preset, GPUs, GPU kind).
 STANDARD_RUNS = (("speedrun", 8, "h100"), ("1gpu", 1, "h200"), ("medium", 8, "h100"), ("record89", 8, "h100"))
 TABLES_PATH = pathlib.Path(__file__).resolve().parent / "step_model.md"
+
+# -----------------------------------------------------------------------------------------------
+# Kernel structures: the efficiency each implementation's structure reaches, from public figures
+# -----------------------------------------------------------------------------------------------
+
+# FP8 GEMM 8192 x 8192 x 4096 on one H100 SXM, TFLOP/s (triton-lang/triton PR 5461): a Triton
+# kernel of one program per tile with pointer loads 1,209, persistent 1,285, persistent with
+# in-kernel tensor descriptors 1,331, cuBLAS 1,278; as shares of the dense FP8 peak.
+FP8_REFERENCE_SHAPE = (8192, 8192, 4096)
+FP8_REFERENCE = {"pointer": 1209 / 1979, "descriptor": 1331 / 1979, "cublas": 1278 / 1979}
+# Turning fast accumulation off (an fp32 promotion every BLOCK_K) costs 10-17% (the same PR's
+# measurements, and torch._scaled_mm's use_fast_accum=False): the time 1.135x, 1.17x pessimistic.
+PROMOTION_COST = (1.135, 1.17)
+# K steps of a tile that run no tensor-core work: a one-tile-per-program kernel fills its
+# pipeline (num_stages - 1 = 2 slabs in flight before the first product) and drains its epilogue
+# before the SM's next program starts: 2 steps; a persistent kernel whose tile loop is flattened
+# into the K loop loads the next tile's slabs during the epilogue: half a step (the store's
+# drain). cuBLAS is counted as persistent. These two counts are the model's (structure, not a
+# measurement); the public figures above include them at 32 K steps, which calibrates the rest.
+TILE_OVERHEAD_STEPS = {"pointer": 2.0, "descriptor": 0.5, "cublas": 0.5}
+# FlashAttention-2-class kernels (pointer loads pipelined by cp.async, no warp specialization,
+# ours and flex_attention's): the forward on long sequences 329-477 TFLOP/s at head dim 128
+# (Triton's tutorial kernel, pytorch/benchmark PR 2391): 0.33-0.48 of the bf16 peak, 0.40 taken,
+# 0.33 pessimistic; at sequence length 512 such kernels reach 15-33% (0.24 taken, 0.15
+# pessimistic). Those benchmarks count a causal square's useful half; the census counts the
+# tiles a kernel computes, masked pairs included: at 512 causal tokens on 128 x 64 tiles 20 tiles
+# for 16 tiles of useful pairs (1.25x), and each query block visits 320 keys on average, which
+# fixes the span law's overhead (attention_efficiency). FlashAttention-3 (warp-specialized, TMA,
+# record 89's): about 1.4x (430-621 TFLOP/s in the same benchmark).
+ATTENTION_LONG = (0.40, 0.33)
+ATTENTION_AT_512 = (0.24, 0.15)
+CAUSAL_512_TILES = 20 / 16         # computed over useful pairs, causal 512 tokens, 128 x 64 tiles
+CAUSAL_512_SPAN = 320              # keys a query block visits there (20 tiles x 64 keys / 4 blocks)
+FA3_FACTOR = 1.4
+# A backward runs at 63% of the peak where its forward runs at 73% (FlashAttention-2's paper, A100).
+BACKWARD_RATIO = 63 / 73
+# The gap between two dependent kernels (the drain of one and the start of the next, a CUDA-graph
+# replay's launches included): 1 us, 2 us pessimistic.
+KERNEL_GAP_S = (1e-6, 2e-6)
+FLEX_BLOCK = 128                   # flex_attention's query and key blocks
+# bf16 products (torch.mm, cuBLAS) and X X^T keep the record-89 GEMM constant (no structure of ours).
+BF16_GEMM = 0.65
+# Measured efficiencies written by bench/first_contact.py (measured_efficiencies): when present,
+# the band's fourth line prices with them.
+MEASURED_PATH = pathlib.Path(__file__).resolve().parent / "measured_efficiency.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Structures:
+    """The structure-based prices of one line of the band (see the constants above)."""
+    fp8: dict                      # structure -> share of the FP8 peak at FP8_REFERENCE_SHAPE
+    promotion_cost: float
+    attention_long: float
+    attention_at_512: float
+    backward_ratio: float = BACKWARD_RATIO
+
+    @property
+    def span_overhead(self):
+        """Keys per query block whose cost a program's setup and drain add: eff(span) = long *
+        span / (span + o), with eff(CAUSAL_512_SPAN) = attention_at_512 in computed FLOPs."""
+        return CAUSAL_512_SPAN * (self.attention_long / (self.attention_at_512 * CAUSAL_512_TILES) - 1)
+
+
+STRUCTURE = Efficiency(structures=Structures(FP8_REFERENCE, PROMOTION_COST[0], ATTENTION_LONG[0],
+                                             ATTENTION_AT_512[0]), gap_s=KERNEL_GAP_S[0])
+PESSIMISTIC = Efficiency(hbm=0.70, link=0.60, structures=Structures(
+    {k: v * FP8_REFERENCE["pointer"] / FP8_REFERENCE["cublas"] for k, v in FP8_REFERENCE.items()},
+    PROMOTION_COST[1], ATTENTION_LONG[1], ATTENTION_AT_512[1]), gap_s=KERNEL_GAP_S[1])
+
+
+def measured_efficiency(path=MEASURED_PATH):
+    """The Efficiency of first contact's measurements (a JSON of {"fp8": {structure: share at the
+    reference shape}, "attention_long": share, "backward_ratio": ratio, "gap_s": s}; keys it lacks
+    keep the structure-based values), or None when there is no such file."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        return None
+    found = json.loads(path.read_text())
+    base = STRUCTURE.structures
+    structures = Structures({**base.fp8, **found.get("fp8", {})}, base.promotion_cost,
+                            found.get("attention_long", base.attention_long),
+                            found.get("attention_at_512", base.attention_at_512),
+                            found.get("backward_ratio", base.backward_ratio))
+    return dataclasses.replace(STRUCTURE, structures=structures, gap_s=found.get("gap_s", STRUCTURE.gap_s))
+
+
+def gemm_tiles(m, n, k, fast, structure, sms=132):
+    """(output tiles, K steps, tile elements, the busiest SM's K steps) of an FP8 GEMM run by a
+    kernel of `structure`, with the tiles and split-K plan kernels.py picks."""
+    device = torch.device("cpu")
+    if structure == "pointer":
+        config = kernels.fp8_matmul_config(m, n, device, fast)
+    else:
+        config = kernels.fp8_tma_config(m, n, k, device, fast)
+    tiles = math.ceil(m / config.block_m) * math.ceil(n / config.block_n)
+    k_steps = math.ceil(k / config.block_k)
+    overhead = TILE_OVERHEAD_STEPS[structure]
+    if structure == "pointer":
+        busy = math.ceil(tiles / sms) * (k_steps + overhead)
+    else:
+        full, rest, split = kernels.split_k_plan(tiles, k_steps, sms, config.block_m * config.block_n)
+        units = full + rest * split
+        per_range = math.ceil(k_steps / split) if rest else 0
+        busy = full / sms * k_steps + math.ceil(rest * split / sms) * per_range + math.ceil(units / sms) * overhead
+        if rest:                   # the partials' workspace and their reduction
+            busy += 8 * rest * split * config.block_m * config.block_n * kernels.SPLIT_K_BYTE_STEPS / sms
+    return tiles, k_steps, config.block_m * config.block_n, busy
+
+
+def gemm_efficiency(m, n, k, fast, structure, structures):
+    """Share of the FP8 peak of an (m, k) x (k, n) GEMM by a kernel of `structure`: its public
+    figure at the reference shape, times the share of the busiest SM's steps that are products at
+    this shape over that share at the reference shape (waves on 132 SMs, K depth, split-K), slower
+    by the promotion's cost where the accumulation is promoted."""
+    def useful(shape_m, shape_n, shape_k, fast_accumulation):
+        tiles, k_steps, _, busy = gemm_tiles(shape_m, shape_n, shape_k, fast_accumulation, structure)
+        return tiles * k_steps / 132 / busy
+    share = structures.fp8[structure] * useful(m, n, k, fast) / useful(*FP8_REFERENCE_SHAPE, True)
+    return share if fast else share / structures.promotion_cost
+
+
+def attention_efficiency(span, backward, structures):
+    """Share of the bf16 peak of a FlashAttention-2-class kernel whose programs visit `span` keys
+    (queries, in the key-block backward) each: eff(span) = long * span / (span + overhead), the
+    backward at BACKWARD_RATIO of it."""
+    share = structures.attention_long * span / (span + structures.span_overhead)
+    return share * (structures.backward_ratio if backward else 1.0)
+
 
 # -----------------------------------------------------------------------------------------------
 # The census: what a step dispatches
@@ -232,6 +368,20 @@ class Op:
     count: float = 1.0             # times it runs per micro-batch (or per update)
     reads: frozenset = frozenset()   # storage ids it reads (a region: from outside it) ...
     writes: frozenset = frozenset()  # ... and writes (a region: those something after it reads)
+    # what structure pricing needs: ("fp8", m, k, n, fast, structures it may run on) or
+    # ("attention", {implementation: [Kernel, ...]}, the implementations it may run on)
+    structure: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One kernel of an attention implementation: its FLOPs, the keys (queries) its programs
+    visit each, its HBM bytes, whether it is a backward kernel, and the launches it stands for."""
+    flops: float
+    span: float
+    bytes: float
+    backward: bool
+    launches: int = 1
 
 
 def _dtype_class(dtype):
@@ -310,30 +460,99 @@ def visible_pairs(lengths, window):
     return sum(min(n, window) * (min(n, window) + 1) // 2 + max(n - window, 0) * window for n in lengths)
 
 
-def attention_flops(event, lengths):
-    """FLOPs of an attention event on documents of `lengths`, from the tiles its kernels visit."""
-    (T, H, d_qk), d_v = event.inputs[0][0], None
+def _launch_configs(values):
+    """The attention op's launch configs from their flat ints (this tree's LaunchConfig, or a tree
+    whose configs had six fields and four configs)."""
+    fields = getattr(kernels, "CONFIG_FIELDS", 6)
+    fields = fields if len(values) % fields == 0 else 6
+    return [kernels.LaunchConfig(*values[i:i + fields]) for i in range(0, len(values), fields)]
+
+
+def attention_op_args(event):
+    """(window, [LaunchConfig], implementation) of an attention event ("" where the tree's op
+    names none: its one backward, the deterministic one)."""
+    args = list(event.args)
+    impl = args.pop() if args and isinstance(args[-1], str) else ""
+    return args[0], _launch_configs(args[1:]), impl
+
+
+def attention_implementations(event, lengths):
+    """{implementation: [Kernel]} of an attention event on documents of `lengths`, from the tiles
+    each implementation's kernels visit, and the implementations the call may run (all of them
+    where it picks the fastest)."""
+    window, configs, impl = attention_op_args(event)
+    window = window if window > 0 else kernels.NO_WINDOW
+    q_shape = event.inputs[0][0] if event.name == "kernels.attn_fwd" else event.inputs[1][0]
+    (T, H, d_qk), d_v = q_shape, (event.inputs[2][0] if event.name == "kernels.attn_fwd" else event.inputs[3][0])[2]
+
+    def forward(config):
+        tiles = query_tiles(lengths, window, config.block_m, config.block_n)
+        span = tiles * config.block_n / max(1, math.ceil(T / config.block_m))
+        return Kernel(2.0 * H * tiles * config.block_m * config.block_n * (d_qk + d_v), span, 0.0, False)
     if event.name == "kernels.attn_fwd":
-        d_v = event.inputs[2][0][2]
-        window, configs = event.args[0], event.args[1:]
-    elif event.name == "kernels.attn_bwd":
-        (T, H, d_qk), d_v = event.inputs[1][0], event.inputs[3][0][2]
-        window, configs = event.args[0], event.args[1:]
-    else:                          # composed attention: a span of block_n keys for every block_m queries
-        d_v = event.inputs[2][0][2]
+        found = {"triton": [forward(configs[0])],
+                 "flex": [forward(kernels.LaunchConfig(FLEX_BLOCK, FLEX_BLOCK))]}
+        allowed = {"auto": ("triton", "flex"), "flex": ("flex",)}.get(impl, ("triton",))
+        return found, allowed
+    kv, q = configs[1], configs[2]
+    kv_tiles = key_tiles(lengths, window, kv.block_m, kv.block_n)
+    q_tiles = query_tiles(lengths, window, q.block_m, q.block_n)
+    delta_bytes = 2.0 * T * H * d_v * 2 + 4.0 * T * H
+    # dK/dV: S again, dV = P^T dO, dP = dO V^T, dK = dS^T Q; dQ: S, dP, dQ = dS K
+    found = {"deterministic": [
+        Kernel(0.0, 0.0, delta_bytes, True),
+        Kernel(2.0 * H * kv_tiles * kv.block_m * kv.block_n * (2 * d_qk + 2 * d_v),
+               kv_tiles * kv.block_m / max(1, math.ceil(T / kv.block_n)), 0.0, True),
+        Kernel(2.0 * H * q_tiles * q.block_m * q.block_n * (2 * d_qk + d_v),
+               q_tiles * q.block_n / max(1, math.ceil(T / q.block_m)), 0.0, True)]}
+    allowed = ("deterministic",)
+    if len(configs) >= 5:          # the one-kernel backward: S, dV, dP, dK, dQ once per tile
+        fused = configs[4]
+        tiles = key_tiles(lengths, window, fused.block_m, fused.block_n)
+        dq = 4.0 * T * H * d_qk
+        atomics = 2 * 4.0 * H * tiles * fused.block_m * d_qk          # each tile's dQ read and written in L2/HBM
+        found["atomic"] = [
+            Kernel(2.0 * H * tiles * fused.block_m * fused.block_n * (3 * d_qk + 2 * d_v),
+                   tiles * fused.block_m / max(1, math.ceil(T / fused.block_n)), atomics, True),
+            Kernel(0.0, 0.0, dq + dq + dq / 2, True, launches=2)]     # zeroed, read, cast to bf16
+        allowed = {"auto": ("atomic", "deterministic"), "deterministic": ("deterministic",)}.get(impl, ("atomic",))
+    return found, allowed
+
+
+def attention_flops(event, lengths):
+    """FLOPs of an attention event on documents of `lengths`: the tiles the kernels of its rule
+    visit (the first implementation it may run)."""
+    if event.name not in ("kernels.attn_fwd", "kernels.attn_bwd"):   # composed attention
+        (T, H, d_qk), d_v = event.inputs[0][0], event.inputs[2][0][2]
         span = kernels.COMPOSED_FORWARD
         pairs = math.ceil(T / span.block_m) * span.block_m * span.block_n * H
         per_pair = 2 * (d_qk + d_v) if event.name.endswith("fwd") else 2 * (3 * d_qk + 3 * d_v)
         return float(pairs * per_pair)
-    window = window if window > 0 else kernels.NO_WINDOW
-    n = len(configs) // 4
-    fwd, kv, q = (kernels._config_from_list(list(configs[i * n:(i + 1) * n])) for i in range(3))
-    if event.name == "kernels.attn_fwd":   # S = Q K^T, O = P V
-        return 2.0 * H * query_tiles(lengths, window, fwd.block_m, fwd.block_n) * fwd.block_m * fwd.block_n * (d_qk + d_v)
-    kv_pairs = key_tiles(lengths, window, kv.block_m, kv.block_n) * kv.block_m * kv.block_n
-    q_pairs = query_tiles(lengths, window, q.block_m, q.block_n) * q.block_m * q.block_n
-    # dK/dV: S again, dV = P^T dO, dP = dO V^T, dK = dS^T Q; dQ: S, dP, dQ = dS K
-    return 2.0 * H * (kv_pairs * (2 * d_qk + 2 * d_v) + q_pairs * (2 * d_qk + d_v))
+    found, allowed = attention_implementations(event, lengths)
+    return sum(k.flops for k in found[allowed[0]])
+
+
+FP8_STRUCTURES = {"auto": ("descriptor", "pointer", "cublas"), "rule": ("descriptor",), "tma": ("descriptor",),
+                  "pointer": ("pointer",), "scaled_mm": ("cublas",)}
+
+
+def fp8_structure(event):
+    """("fp8", m, k, n, fast, structures) of an FP8 GEMM event: the kernels it may run on (all
+    three where it picks the fastest: the persistent descriptor kernel, the pointer kernel,
+    cuBLAS), and its accumulation."""
+    (m, k), n = event.inputs[0][0], event.inputs[1][0][1]
+    args = list(event.args)
+    impl = args[-1] if args and isinstance(args[-1], str) and args[-1] in FP8_STRUCTURES else ""
+    if event.name == "aten._scaled_mm":
+        fast = bool(next((a for a in reversed(args) if isinstance(a, bool)), False))
+        return ("fp8", m, k, n, fast, ("cublas",))
+    if event.name == "kernels.fp8_matmul_quant":
+        epilogue = next(a for a in args if a in ("relu2", "relu2_grad"))
+        fast = epilogue == "relu2" or (bool(impl) and kernels.fp8_fast_accumulation(k))
+        structures = ("descriptor", "pointer") if impl == "auto" else FP8_STRUCTURES.get(impl, ("pointer",))
+        return ("fp8", m, k, n, fast, structures)
+    fast = bool(next(a for a in reversed(args) if isinstance(a, bool)))
+    return ("fp8", m, k, n, fast, FP8_STRUCTURES.get(impl, ("pointer",)))
 
 
 # -----------------------------------------------------------------------------------------------
@@ -361,11 +580,18 @@ def _kernel_op(event, lengths):
     name = event.name
     if name in GEMM_OPS:
         flops, dtype = gemm_flops(event)
+        structure = fp8_structure(event) if dtype == "fp8" else ()
         return Op(name, "gemm", event.phase, flops=flops, dtype=dtype, bytes=_read_write_bytes(event),
-                  **_storages(event))
+                  structure=structure, **_storages(event))
+    if name in ("kernels.attn_fwd", "kernels.attn_bwd"):
+        found, allowed = attention_implementations(event, lengths)
+        rule = found[allowed[0]]
+        return Op(name, "attention", event.phase, flops=sum(k.flops for k in rule), dtype="bf16",
+                  bytes=_read_write_bytes(event), kernels=sum(k.launches for k in rule),
+                  structure=("attention", found, allowed), **_storages(event))
     if name in ATTENTION_OPS:
         return Op(name, "attention", event.phase, flops=attention_flops(event, lengths), dtype="bf16",
-                  bytes=_read_write_bytes(event), kernels=3 if name == "kernels.attn_bwd" else 1, **_storages(event))
+                  bytes=_read_write_bytes(event), **_storages(event))
     family = "cross-entropy" if name in ("kernels.softcap_ce", "kernels.softcap_ce_fp8", "kernels.scale_rows_") else "kernel"
     return Op(name, family, event.phase, bytes=_read_write_bytes(event), **_storages(event))
 
@@ -690,15 +916,49 @@ def sparse_event_rows(h, world, distinct_per_slice, every):
 # -----------------------------------------------------------------------------------------------
 
 def op_seconds(op, gpu, eff, world):
-    """The roofline time of one op."""
+    """The roofline time of one op (priced by its kernels' structure where `eff` has structures),
+    and the gaps before its kernels."""
     if op.family == "collective":
         if world <= 1:
             return 0.0
-        return COLLECTIVE_LATENCY_S * (eff is REALISTIC) + op.comm / (gpu.link_gb_s * 1e9 * eff.link)
+        return COLLECTIVE_LATENCY_S * eff.floors + op.comm / (gpu.link_gb_s * 1e9 * eff.link)
+    if eff.structures is not None and op.structure:
+        return structure_seconds(op, gpu, eff)
     rate = eff.attention if op.family == "attention" else eff.gemm
+    if eff.structures is not None and op.family == "gemm":
+        rate = BF16_GEMM
     compute = op.flops / (gpu.tflops[op.dtype] * 1e12 * rate) if op.flops else 0.0
     memory = op.bytes / (gpu.hbm_tb_s * 1e12 * eff.hbm)
-    return max(compute, memory, KERNEL_FLOOR_S * op.kernels * (eff is REALISTIC))
+    return max(compute, memory, KERNEL_FLOOR_S * op.kernels * eff.floors) + eff.gap_s * op.kernels
+
+
+def structure_seconds(op, gpu, eff):
+    """An FP8 GEMM's or attention's time by the structure of each kernel that can run it (the
+    fastest where the call picks the fastest), with a gap before each kernel."""
+    s = eff.structures
+    memory = op.bytes / (gpu.hbm_tb_s * 1e12 * eff.hbm)
+    if op.structure[0] == "fp8":
+        _, m, k, n, fast, structures = op.structure
+        times = []
+        for structure in structures:
+            launches = 1
+            if structure == "descriptor":
+                tiles, k_steps, elements, _ = gemm_tiles(m, n, k, fast, structure)
+                launches += kernels.split_k_plan(tiles, k_steps, 132, elements)[1] > 0
+            compute = op.flops / (gpu.tflops["fp8"] * 1e12 * gemm_efficiency(m, n, k, fast, structure, s))
+            times.append(max(compute, memory, KERNEL_FLOOR_S * launches) + eff.gap_s * launches)
+        return min(times)
+    _, found, allowed = op.structure
+    times = []
+    for impl in allowed:
+        total = 0.0
+        for kernel in found[impl]:
+            compute = (kernel.flops / (gpu.tflops["bf16"] * 1e12 * attention_efficiency(kernel.span, kernel.backward, s))
+                       if kernel.flops else 0.0)
+            total += max(compute, kernel.bytes / (gpu.hbm_tb_s * 1e12 * eff.hbm), KERNEL_FLOOR_S * kernel.launches)
+            total += eff.gap_s * kernel.launches
+        times.append(total)
+    return max(min(times), memory)
 
 
 def ops_seconds(ops, gpu, eff, world):
@@ -907,8 +1167,45 @@ def report(h, world, gpu_name):
         lines += ["## Calibration against record 89's logged step times", "",
                   markdown(["stage", "tokens/GPU", "model ms/step", "record 89 ms/step", "ratio"], rows), ""]
     kind = gpu_name.upper()
-    lines.append(f"predicted: {h.preset} on {world}x{kind}: {realistic:.1f} s realistic, {peak:.1f} s at peak")
+    band = band_seconds(m)
+    lines += ["## The band", "", band_text(band), ""]
+    lines.append(f"predicted: {h.preset} on {world}x{kind}: {realistic:.1f} s realistic, {peak:.1f} s at peak; "
+                 f"band {band['record89']:.1f} s (record-89 constants), {band['structure']:.1f} s (structure-based), "
+                 f"{band['pessimistic']:.1f} s (pessimistic)"
+                 + (f", {band['measured']:.1f} s (measured)" if "measured" in band else ""))
     return "\n".join(lines), m
+
+
+def band_seconds(m, measured_path=MEASURED_PATH):
+    """The run's seconds under each line of the band: the record-89 constants, the structure-based
+    prices (STRUCTURE), the pessimistic ones (PESSIMISTIC), and with first contact's measured
+    efficiencies when bench/measured_efficiency.json exists."""
+    band = {"record89": m.run_seconds(REALISTIC), "structure": m.run_seconds(STRUCTURE),
+            "pessimistic": m.run_seconds(PESSIMISTIC)}
+    measured = measured_efficiency(measured_path)
+    if measured is not None:
+        band["measured"] = m.run_seconds(measured)
+    return band
+
+
+def band_text(band):
+    """The band's lines, each with what prices it."""
+    s, p = STRUCTURE.structures, PESSIMISTIC.structures
+    rows = [("record-89 constants", band["record89"], "GEMM 65%, attention 45% of the peaks, no gap between kernels "
+                                                      "(what reproduces record 89's cuBLAS/FlashAttention-3 step times)"),
+            ("structure-based", band["structure"],
+             f"each kernel by its structure: FP8 persistent descriptor {s.fp8['descriptor']:.1%}, pointer "
+             f"{s.fp8['pointer']:.1%}, cuBLAS {s.fp8['cublas']:.1%} at 8192x8192x4096, scaled by waves and K depth, "
+             f"promoted accumulation {s.promotion_cost:.3f}x the time; attention FlashAttention-2-class "
+             f"{s.attention_long:.0%} on long spans, {s.attention_at_512:.0%} at 512 keys, backward "
+             f"x{s.backward_ratio:.2f}; {STRUCTURE.gap_s * 1e6:.0f} us between kernels"),
+            ("pessimistic", band["pessimistic"],
+             f"the low ends: FP8 kernels at pointer/cuBLAS of those shares, promotion {p.promotion_cost:.2f}x, "
+             f"attention {p.attention_long:.0%} / {p.attention_at_512:.0%}, HBM {PESSIMISTIC.hbm:.0%}, NVLink "
+             f"{PESSIMISTIC.link:.0%}, {PESSIMISTIC.gap_s * 1e6:.0f} us between kernels")]
+    if "measured" in band:
+        rows.append(("measured", band["measured"], f"first contact's efficiencies ({MEASURED_PATH.name})"))
+    return markdown(["line", "s", "priced by"], [[name, f"{seconds:.1f}", what] for name, seconds, what in rows])
 
 
 def parse_args(argv=None):
@@ -984,7 +1281,7 @@ def predictions(m):
     run = m.run_seconds(REALISTIC)
     exposed = families["communication"] + families[family_of(HIDDEN)]
     return dict(preset=m.h.preset, gpus=m.world, gpu=m.gpu.name, stages=stages, run_s=run,
-                peak_s=m.run_seconds(PEAK), communication_s=exposed, compute_s=run - exposed)
+                peak_s=m.run_seconds(PEAK), communication_s=exposed, compute_s=run - exposed, band=band_seconds(m))
 
 
 if __name__ == "__main__":

@@ -74,6 +74,12 @@ WRITE_BACK = ["tests/test_sparse_tables.py", "-k", "sync_check_lifted or device_
 FIRST_CONTACT = ["tests/test_first_contact.py", "-k", "comes_first or two_stages or caches_travel or stopped_in"]
 FIRST_CONTACT_DRY = ["tests/test_first_contact.py", "-k", "warms_up_each_graph"]
 CAPTURES = ["tests/test_train.py", "-k", "captures_every_key and hashed"]
+TMA_GEMM = ["tests/test_kernels.py", "-k", "fp8_tma_matmul"]
+TMA_EPILOGUES = ["tests/test_kernels.py", "-k", "fp8_tma_relu2"]
+SPLIT_PLAN = ["tests/test_kernels.py", "-k", "split_k_plan"]
+FUSED_ATTENTION = ["tests/test_kernels.py", "-k", "presets_windows_in_blocks and atomic"]
+KERNEL_CHOICE = ["tests/test_kernel_choice.py"]
+STRUCTURE_PRICES = ["tests/test_step_model.py", "-k", "reference_shape or short_k or span_law"]
 
 
 @dataclasses.dataclass
@@ -256,8 +262,8 @@ MUTATIONS = [
     # the trainer's wiring
     Mutation("train_gpt.py", "(objective / self.accum).backward()", "objective.backward()", TRAINER_STEP,
              "micro-batch gradients summed, not averaged"),
-    Mutation("train_gpt.py", "self.graphs.run(graph_key(self.h, step), body, s, candidate_start(slice_index, self.h.batch_ranks))",
-             "self.graphs.run(graph_key(self.h, step), body, s, candidate_start(0, self.h.batch_ranks))", TRAINER_STEP,
+    Mutation("train_gpt.py", "self.walk = torch.tensor([candidate_start(i, self.h.batch_ranks) for i in",
+             "self.walk = torch.tensor([candidate_start(0, self.h.batch_ranks) for i in", TRAINER_STEP,
              "every micro-batch draws the same negatives"),
     Mutation("sparse_tables.py", "            grads.zero_()\n        if self.value_adams:",
              "        if self.value_adams:", TRAINER_STEP, "the n-gram sink not cleared between micro-batches"),
@@ -292,8 +298,8 @@ MUTATIONS = [
     Mutation("optim.py", "(3.505298394150, -5.137358782410, 1.968325560615),",
              "(3.505298394150, -5.137358782410, 1.968352560615),", OPTIM, "a typo in an ANVIL coefficient"),
     Mutation("optim.py", "norm_factor=1.02,", "norm_factor=1.05,", OPTIM, "Polar Express normalized as ANVIL"),
-    Mutation("optim.py", "mean_square = update.square().mean(dim=-1 if rows >= cols else -2, keepdim=True)",
-             "mean_square = update.square().mean(dim=-2 if rows >= cols else -1, keepdim=True)", OPTIM,
+    Mutation("optim.py", "mean_square = update.square().mean(dim=-1 if row_lanes else -2, keepdim=True)",
+             "mean_square = update.square().mean(dim=-2 if row_lanes else -1, keepdim=True)", OPTIM,
              "NorMuon equalizes the short lanes"),
     Mutation("optim.py", "return dict(step_scale=lr / (1 - beta1 ** t), inv_sqrt_bias2=(1 - beta2 ** t) ** -0.5,",
              "return dict(step_scale=lr / (1 - beta1 ** t), inv_sqrt_bias2=(1 - beta2 ** t) ** 0.5,", OPTIM,
@@ -301,7 +307,8 @@ MUTATIONS = [
     Mutation("optim.py", "torch.mul(update, master, out=decayed).gt_(0).mul_(master)",
              "torch.mul(update, master, out=decayed).lt_(0).mul_(master)", OPTIM, "Adam's cautious decay on the wrong side"),
     # a Triton kernel (the interpreter runs it against the reference path)
-    Mutation("kernels.py", "grad_x = grad_z * z * (1.0 - z / SOFTCAP) / TEMP", "grad_x = grad_z * z * (1.0 - z / SOFTCAP)",
+    Mutation("kernels.py", "grad = grad_z * z * (1.0 - z / SOFTCAP) / TEMP * grad_scale",
+             "grad = grad_z * z * (1.0 - z / SOFTCAP) * grad_scale",
              ["tests/test_triton_trainer.py"], "the Triton cross-entropy's gradient misses the softcap's 1/temperature"),
     # the kernels' references the trainer runs on a CPU
     Mutation("kernels.py", "return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)",
@@ -525,6 +532,42 @@ MUTATIONS = [
              "LOCAL_RANK one past its machine's processes"),
     Mutation("processes.py", "    if not 0 < timeout <= 1e6:", "    if not 0 <= timeout <= 1e6:", LAUNCH,
              "a rendezvous timeout of 0 s"),
+    # the persistent descriptor FP8 GEMMs (the interpreter runs them) and their split-K plan
+    Mutation("kernels.py", "        b = b_desc.load([tile_n * BLOCK_N, step * BLOCK_K])",
+             "        b = b_desc.load([tile_m * BLOCK_N, step * BLOCK_K])", TMA_GEMM,
+             "the descriptor GEMM loads B at the row tile's offset"),
+    Mutation("kernels.py", "    k_hi = tl.where(split, (j + 1) * k_steps // split_k, k_steps)",
+             "    k_hi = tl.where(split, (j + 1) * k_steps // split_k - 1, k_steps)", TMA_GEMM,
+             "each split-K range one K step short"),
+    Mutation("kernels.py", "    for j in range(0, split_k):", "    for j in range(1, split_k):", TMA_GEMM,
+             "the split-K reduction drops the first range's partial"),
+    Mutation("kernels.py", "            act = tl.trans(act_desc.load([tile_n * BLOCK_N, tile_m * BLOCK_M])).to(tl.float32)",
+             "            act = tl.trans(act_desc.load([tile_m * BLOCK_N, tile_n * BLOCK_M])).to(tl.float32)",
+             TMA_EPILOGUES, "the relu2 gradient epilogue reads another tile's activation"),
+    Mutation("kernels.py", "    full = tiles // sm_count * sm_count", "    full = tiles // sm_count", SPLIT_PLAN,
+             "the split-K plan counts waves as tiles"),
+    # the one-kernel attention backward (the interpreter runs it)
+    Mutation("kernels.py", "            visible_t = (cols[:, None] <= rows[None, :]) & (rows[None, :] - cols[:, None] < window) & \\\n"
+             "                (rows[None, :] < col_end[:, None])\n            s_t = tl.where(visible_t, s_t, -float(\"inf\"))\n"
+             "        p_t = tl.exp2(s_t - lse[None, :])\n        dv += tl.dot(p_t.to(do.dtype), do)\n        dp_t = tl.dot(v, tl.trans(do))\n"
+             "        ds_t = (p_t",
+             "            visible_t = (cols[:, None] <= rows[None, :]) & (rows[None, :] - cols[:, None] < window)\n"
+             "            s_t = tl.where(visible_t, s_t, -float(\"inf\"))\n"
+             "        p_t = tl.exp2(s_t - lse[None, :])\n        dv += tl.dot(p_t.to(do.dtype), do)\n        dp_t = tl.dot(v, tl.trans(do))\n"
+             "        ds_t = (p_t", FUSED_ATTENTION, "the one-kernel backward lets a query see an earlier document's keys"),
+    Mutation("kernels.py", "        dq = tl.dot(tl.trans(ds_t), k) * sm_scale", "        dq = tl.dot(tl.trans(ds_t), k)",
+             FUSED_ATTENTION, "the one-kernel backward's dQ misses the softmax scale"),
+    Mutation("kernels.py", "        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)",
+             "        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=0)", FUSED_ATTENTION,
+             "the one-kernel backward's delta summed over the wrong axis"),
+    # the choice of implementation, and the step model's structure prices
+    Mutation("kernel_choice.py", "    index = min(range(len(timed)), key=lambda i: decision.ms[timed[i].name]) if timed else -1",
+             "    index = max(range(len(timed)), key=lambda i: decision.ms[timed[i].name]) if timed else -1",
+             KERNEL_CHOICE, "the selection keeps the slowest candidate"),
+    Mutation("kernel_choice.py", "    return _STATE.agree(mine) if _STATE.agree is not None else mine", "    return mine",
+             KERNEL_CHOICE, "each process keeps its own timing's choice, not rank 0's"),
+    Mutation("bench/step_model.py", "    return share if fast else share / structures.promotion_cost", "    return share",
+             STRUCTURE_PRICES, "promoted accumulation priced as fast"),
     # a compiled model's FP8 casts, XSA in the heads' dtype
     Mutation("kernels.py", "amax.copy_(torch.maximum(amax, x.abs().amax(dim=-1).amax().float().reshape(1)))",
              "amax.copy_(torch.maximum(amax, x[0].abs().amax().float().reshape(1)))", FUSED_CASTS,

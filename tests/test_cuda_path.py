@@ -369,8 +369,8 @@ def test_rehearsal_logs_each_warm_up_part_as_it_ends(rehearsal):
 def test_rehearsal_launches_every_kernel_with_one_dtype(rehearsal):
     launches = rehearsal[2]
     names = {name for name, *_ in launches}
-    assert names == {"_fp8_cast_kernel", "_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_attn_fwd_kernel",
-                     "_attn_bwd_delta_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel", "_softcap_ce_kernel", "_transpose_kernel",
+    assert names == {"_fp8_cast_kernel", "_fp8_matmul_tma_kernel", "_fp8_matmul_quant_tma_kernel", "_attn_fwd_kernel",
+                     "_attn_bwd_fused_kernel", "_softcap_ce_kernel", "_transpose_kernel",
                      "_xxt_kernel", "_qk_norm_rope_fwd_kernel", "_qk_norm_rope_bwd_kernel",
                      "_dc_fwd_kernel", "_dc_bwd_mix_kernel", "_dc_bwd_q_kernel", "_dc_bwd_kv_kernel",
                      "_sum_rows_kernel", "_add_row_sums_kernel", "_sparse_adam_rows_kernel", "_ema_update_kernel"}
@@ -415,11 +415,12 @@ def test_rehearsal_attention_grid_is_the_packed_batch(rehearsal):
 
 def test_rehearsal_launches_compile_for_hopper(rehearsal):
     """Each distinct launch of the rehearsal compiles for sm_90 with the tensor cores, within
-    the shared memory and without spills."""
+    the shared memory and without spills; every tensor-core kernel but the fallbacks (which only
+    a timed warm-up or a pinning key runs: nothing is timed on a CPU) is among them."""
     report, problems = compile_for_hopper(rehearsal[2])
     assert not problems, "\n".join(problems)
     matrix = [e for e in report["kernels"] if e["kernel"] in sm90_report.MATRIX_KERNELS]
-    assert {e["kernel"] for e in matrix} == set(sm90_report.MATRIX_KERNELS)
+    assert {e["kernel"] for e in matrix} == set(sm90_report.MATRIX_KERNELS) - set(sm90_report.FALLBACK_KERNELS)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,12 +52,14 @@ def dry_run_with_failures():
 SECTIONS = ("torch", "nvidia-smi", "memory budget of the compiled run", "data: ",
             "compiled run: stage 0: median step", "; stage 1: median step",
             "compile: 0 graphs in the warm-up, 0 in the timed run", "warm-up parts: ", "losses: ",
-            "compile caches: cold", "GPU tests (collected only)",
+            "kernel choices: none logged", "compile caches: cold", "GPU tests (collected only)",
             "| step | triton loss | reference loss | difference | triton ms | reference ms |", "host table: ",
             "host routing per micro-batch", "at one thread", "fp8_matmul", "fp8_relu2_mlp",
-            "fp8_linear", "flash_attn_varlen fwd+bwd d=128 vs flex_attention",
+            "fp8_linear", "flash_attn_varlen fwd+bwd d=128 [atomic] vs flex_attention",
+            "flash_attn_varlen fwd+bwd d=128 [deterministic] vs flex_attention",
             "flash_attn_varlen fwd+bwd d=64 vs SDPA flash", "softcap_cross_entropy", "qk_norm_rope fwd+bwd",
-            "distinct_rows + sum_rows", "sparse_adam_rows_", "flex_attention runs uncompiled", "projection",
+            "distinct_rows + sum_rows", "sparse_adam_rows_", "flex_attention runs uncompiled",
+            "measured efficiencies (the step model's measured line", "projection",
             "bench time:")
 
 
@@ -140,7 +142,9 @@ def test_failed_parts_cost_only_themselves(dry_run_with_failures):
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     kernel_names = {row[0] for row in table_rows(out, r"(fp8|flash|softcap|xxt|qk_norm|distinct|sparse|composed).*")}
     assert "xxt" not in kernel_names
-    for name in ("fp8_matmul mlp up (fast accumulation)", "fp8_relu2_mlp fwd+bwd vs bf16", "flash_attn_varlen fwd+bwd d=64 vs SDPA flash",
+    for name in ("fp8_matmul mlp up (fast accumulation) [tma]", "fp8_matmul mlp up (fast accumulation) [pointer]",
+                 "fp8_matmul mlp up (fast accumulation) [torch._scaled_mm]", "fp8_relu2_mlp fwd+bwd vs bf16",
+                 "flash_attn_varlen fwd+bwd d=64 vs SDPA flash",
                  "softcap_cross_entropy fwd+bwd", "qk_norm_rope fwd+bwd vs torch ops (eager)",
                  "sparse_adam_rows_ vs torch reference", "composed attention fwd+bwd vs torch reference (eager)"):
         assert name in kernel_names, f"no {name!r} line in the kernel table:\n{out[-4000:]}"

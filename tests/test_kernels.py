@@ -49,7 +49,10 @@ U_BF16 = 2.0 ** -8  # unit roundoff of bf16 (8 significand bits)
 SMALL_MATMUL = kernels.LaunchConfig(block_m=16, block_n=32, block_k=32, group_m=2)
 SMALL_CAST = kernels.LaunchConfig(block_m=16, block_n=32)
 SMALL_ATTENTION = (kernels.LaunchConfig(block_m=16, block_n=16), kernels.LaunchConfig(block_m=16, block_n=32),
-                   kernels.LaunchConfig(block_m=32, block_n=16), kernels.LaunchConfig(block_m=32, block_n=1))
+                   kernels.LaunchConfig(block_m=32, block_n=16), kernels.LaunchConfig(block_m=32, block_n=1),
+                   kernels.LaunchConfig(block_m=16, block_n=32))
+# The backward implementations the attention tests run: the one kernel with atomic dQ, the two.
+ATTENTION_BACKWARDS = ("atomic", "deterministic")
 SMALL_CE = kernels.LaunchConfig(block_m=1, block_n=64)
 SMALL_XXT = kernels.LaunchConfig(block_m=16, block_n=16, block_k=32)
 
@@ -243,6 +246,126 @@ def test_fp8_matmul_relu2_epilogues_match_oracle_exactly():
         assert amax.item() == grad_h.abs().max().item()
 
 
+# The persistent descriptor kernels' tiles in the interpreter: 16 x 32 tiles, K steps of 32.
+SMALL_TMA = kernels.LaunchConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=2)
+
+
+class LaunchedKernels:
+    """Within: the names of the kernels launched (they still run)."""
+
+    def __enter__(self):
+        self.names, self._original = [], kernels._launch
+
+        def launch(kernel, grid, config, **args):
+            self.names.append(kernel.__name__)
+            self._original(kernel, grid, config, **args)
+        kernels._launch = launch
+        return self
+
+    def __exit__(self, *exc):
+        kernels._launch = self._original
+
+
+class SmCount:
+    """Within: kernels see `count` SMs (the split-K plan's waves at interpreter sizes)."""
+
+    def __init__(self, count):
+        self.count = count
+
+    def __enter__(self):
+        self._original, kernels.H100_SM_COUNT = kernels.H100_SM_COUNT, self.count
+
+    def __exit__(self, *exc):
+        kernels.H100_SM_COUNT = self._original
+
+
+@interpreted
+@pytest.mark.parametrize("split_k,sms", [(1, 132), (3, 132), (4, 4)])
+@pytest.mark.parametrize("a_dtype,b_dtype,out_dtype,fast", [(E4M3, E4M3, torch.bfloat16, True),
+                                                             (E5M2, E4M3, torch.float32, False),
+                                                             (E4M3, E5M2, torch.float16, False)])
+def test_fp8_tma_matmul_matches_scaled_mm_exactly(split_k, sms, a_dtype, b_dtype, out_dtype, fast):
+    """EXACT: the persistent descriptor GEMM against the oracle and torch._scaled_mm, bitwise: M
+    not a multiple of the tile (rows past it read as zeros, stores clipped), K = 80 not a multiple
+    of BLOCK_K (the last K step's tail read as zeros), 6 output tiles; whole tiles (split 1), every
+    tile split into 3 K ranges (6 tiles on 132 SMs: one partial wave), and with 4 SMs one whole
+    wave of 4 tiles then 2 tiles in 4 K ranges each (the ranges of 3 K steps: some empty)."""
+    generator = torch.Generator().manual_seed(split_k * sms)
+    a, b = _fp8_operands(37, 80, 48, a_dtype, b_dtype, True, generator)
+    scale_a, scale_b = torch.tensor(0.5), torch.tensor(4.0)
+    config = dataclasses.replace(SMALL_TMA, split_k=split_k)
+    with SmCount(sms), LaunchedKernels() as launched:
+        out = kernels.fp8_matmul(a, b, scale_a, scale_b, out_dtype, config=config, fast_accumulation=fast,
+                                 impl="tma")
+    expected = ["_fp8_matmul_tma_kernel"] + (["_split_k_reduce_kernel"] if split_k > 1 else [])
+    assert launched.names == expected
+    assert torch.equal(out, matmul_oracle(a, b, scale_a, scale_b, out_dtype))
+    assert torch.equal(out, torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype))
+
+
+def test_split_k_plan_splits_only_the_last_wave_where_it_pays():
+    """Whole waves stay whole; a last wave of few tiles with a long K is cut (12 tiles over 132
+    SMs after a whole wave, 384 K steps: 11 ranges), a nearly full one or a short K is not."""
+    tile = 128 * 128
+    assert kernels.split_k_plan(264, 384, 132, tile) == (264, 0, 1)
+    assert kernels.split_k_plan(144, 384, 132, tile) == (132, 12, 11)
+    assert kernels.split_k_plan(130, 384, 132, tile) == (130, 0, 1)
+    assert kernels.split_k_plan(144, 6, 132, tile) == (144, 0, 1)
+    full, rest, split = kernels.split_k_plan(30, 384, 132, tile)
+    assert (full, rest) == (0, 30) and split == 4
+
+
+@interpreted
+@pytest.mark.parametrize("config", [SMALL_TMA, dataclasses.replace(SMALL_TMA, block_n=16)])
+def test_fp8_tma_relu2_epilogues_match_oracle_exactly(config):
+    """EXACT: the persistent descriptor kernel's relu(h)^2 and gradient epilogues against the
+    oracle and the references, bitwise: q stored by descriptor, qt by a descriptor of the
+    transposed tile, the activation read by descriptor from the transposed copy; 48 x 64 outputs
+    of 16 x 32 (and 16 x 16) tiles over 2 SMs."""
+    generator = torch.Generator().manual_seed(30)
+    x8, w8 = _fp8_operands(48, 48, 64, E4M3, E4M3, True, generator)
+    one, half, two, quarter = (torch.full((1,), value) for value in (1.0, 0.5, 2.0, 0.25))
+    h = matmul_oracle(x8, w8, one, half, torch.float32)
+    a = torch.relu(h) * torch.relu(h)
+    amax = torch.zeros(1)
+    with SmCount(2), LaunchedKernels() as launched:
+        a8, a8_t = kernels.fp8_matmul_relu2(x8, w8, one, half, two, amax, config=config, impl="tma")
+    assert launched.names == ["_fp8_matmul_quant_tma_kernel"]
+    assert _bits_equal(a8, quantize(a, two, E4M3)) and _bits_equal(a8_t, a8.t().contiguous())
+    assert amax.item() == a.max().item()
+
+    g8, w_down8 = _fp8_operands(48, 32, 64, E5M2, E4M3, True, generator)
+    grad_h = 2.0 * torch.sqrt(a8.float() * two) * matmul_oracle(g8, w_down8, one, half, torch.float32)
+    amax = torch.zeros(1)
+    with SmCount(2), LaunchedKernels() as launched:
+        gh8, gh8_t = kernels.fp8_matmul_relu2_grad(g8, w_down8, one, half, a8_t.t(), two, quarter, amax,
+                                                   config=config, impl="tma")
+    assert launched.names == ["_fp8_matmul_quant_tma_kernel"]
+    assert _bits_equal(gh8, quantize(grad_h, quarter, E5M2)) and _bits_equal(gh8_t, gh8.t().contiguous())
+    assert amax.item() == grad_h.abs().max().item()
+
+
+def test_fp8_tma_takes_only_describable_layouts():
+    """The persistent kernel needs K-major operands with rows of a multiple of 16 bytes; other
+    calls run the pointer kernel (the rule) and the candidates say so."""
+    a, b = torch.zeros(32, 48, dtype=E4M3), torch.zeros(64, 48, dtype=E4M3).t()
+    assert kernels._tma_plain_ok(a, b, torch.bfloat16)
+    assert not kernels._tma_plain_ok(a, b.contiguous(), torch.bfloat16)             # b row-major
+    assert not kernels._tma_plain_ok(torch.zeros(32, 40, dtype=E4M3), torch.zeros(64, 40, dtype=E4M3).t(),
+                                     torch.bfloat16)                                 # rows of 40 bytes
+    assert not kernels._tma_plain_ok(a, torch.zeros(36, 48, dtype=E4M3).t(), torch.bfloat16)  # 72-byte output rows
+    names = [c.name for c in kernels._fp8_matmul_candidates(a, b.contiguous(), torch.ones(1), torch.ones(1),
+                                                            torch.bfloat16, True)]
+    assert names[0].startswith("pointer") and not any(name.startswith("tma") for name in names)
+
+
+def test_backward_gemms_use_fast_accumulation_only_for_short_sums():
+    """The MLP's hidden gradient (K = the model width) sums in the fast accumulator; the QKV
+    input gradient (2,304), the MLP's (2,816), the head's and every weight gradient promote."""
+    assert kernels.fp8_fast_accumulation(768) and kernels.fp8_fast_accumulation(1024)
+    assert not any(kernels.fp8_fast_accumulation(k) for k in (2304, 2816, 10240, 16384, 49152))
+
+
 def delayed_scale(amax, fp8_max, headroom):
     """The documented delayed scale: amax * headroom / fp8_max; for an unset amax 1 (e4m3) or
     2^-14 (e5m2)."""
@@ -391,29 +514,36 @@ def test_fp8_layers_match_oracle_exactly(layer, scales, config):
     the oracle written from the rules, bitwise, including the state buffer (the Triton layers with
     their own GEMMs and with torch._scaled_mm's, the fallback). Two calls: a fresh
     buffer (the uncalibrated scales: 1 for activations, 2^-14 for gradients; exact weights),
+    also with gemm="tma" (48 tokens, every operand of a multiple of 16 bytes: each GEMM runs the
+    persistent descriptor kernel, config its tile),
     then a buffer past the weights' exact calls whose amaxes give power-of-two delayed scales
     other than 1, with loss unit 2^-3. Inputs and weights have max |x| = 1.75 = 448 / 256 (exact
     scale 2^-8); the static scales of these rules are powers of two. config None: the
     production tiles."""
     generator = torch.Generator().manual_seed(4)
-    x = grid_values(2, 20, 32, generator=generator, limit=4, dtype=torch.bfloat16)
+    x = grid_values(2, 24, 32, generator=generator, limit=4, dtype=torch.bfloat16)
     x[0, 0, 0] = 1.75
     if layer == "linear":
-        weights = [_grid_weight(70, 32, generator, torch.float32)]
+        weights = [_grid_weight(80, 32, generator, torch.float32)]
         layers, oracle, new_state = (kernels.fp8_linear, functools.partial(kernels.fp8_linear, gemm="scaled_mm"),
+                                     functools.partial(kernels.fp8_linear, gemm="tma"),
                                      kernels.fp8_linear_reference), linear_oracle, kernels.new_fp8_linear_state
     else:
         weights = [_grid_weight(48, 32, generator, torch.float32), _grid_weight(32, 48, generator, torch.bfloat16)]
         layers, oracle, new_state = (kernels.fp8_relu2_mlp, functools.partial(kernels.fp8_relu2_mlp, gemm="scaled_mm"),
+                                     functools.partial(kernels.fp8_relu2_mlp, gemm="tma"),
                                      kernels.fp8_relu2_mlp_reference), mlp_oracle, kernels.new_fp8_mlp_state
-    grad_y = grid_values(2, 20, weights[-1].shape[0], generator=generator, limit=4, dtype=torch.bfloat16)
+    grad_y = grid_values(2, 24, weights[-1].shape[0], generator=generator, limit=4, dtype=torch.bfloat16)
     lagged = kernels.WEIGHT_LAG.calls
     for state_before in (new_state(), state_for_targets(scales, 2.0 ** -3, lagged)):
         expected, expected_state = oracle(x, *weights, state_before, grad_y, scales=scales)
         for run in layers:
             state = state_before.clone()
-            got = _run_layer(functools.partial(run, scales=scales), [x, *weights], state, grad_y, config)
-            label = getattr(run, "__name__", "the scaled_mm GEMMs")
+            with LaunchedKernels() as launched:
+                got = _run_layer(functools.partial(run, scales=scales), [x, *weights], state, grad_y, config)
+            label = getattr(run, "__name__", None) or f"gemm={run.keywords['gemm']}"
+            if label == "gemm=tma":
+                assert not {"_fp8_matmul_kernel", "_fp8_matmul_quant_kernel"} & set(launched.names), launched.names
             for name, g, e in zip(("out", "grad_x", "grad_w1", "grad_w2"), got, expected):
                 assert g.dtype == e.dtype and torch.equal(g, e), f"{label}: {name} differs from the oracle"
             assert torch.equal(state, expected_state), f"{label}: state {state} != {expected_state}"
@@ -598,12 +728,13 @@ def _attention_inputs(T, H, d_qk, d_v, seed, dtype=torch.float32):
     return q, k, v, grad_o, generator
 
 
-def _check_attention_fp32(q, k, v, grad_o, cu_seqlens, window, configs, scale=None):
-    """ATTN: forward and backward against the float64 oracle and attention_reference; the
-    kernel gets the scale as a one-element tensor, the reference as a number."""
+def _check_attention_fp32(q, k, v, grad_o, cu_seqlens, window, configs, scale=None, impl="atomic"):
+    """ATTN: forward and backward (impl: which backward) against the float64 oracle and
+    attention_reference; the kernel gets the scale as a one-element tensor, the reference as a
+    number."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    got = _attention_and_grads(kernels.flash_attn_varlen, q, k, v, grad_o, cu_seqlens, window, torch.tensor([scale]),
-                               configs)
+    got = _attention_and_grads(functools.partial(kernels.flash_attn_varlen, impl=impl), q, k, v, grad_o, cu_seqlens,
+                               window, torch.tensor([scale]), configs)
     oracle = _attention_and_grads(attention_oracle, q.double(), k.double(), v.double(), grad_o, cu_seqlens, window,
                                   scale)
     reference = _attention_and_grads(kernels.attention_reference, q, k, v, grad_o, cu_seqlens, window, scale)
@@ -613,25 +744,56 @@ def _check_attention_fp32(q, k, v, grad_o, cu_seqlens, window, configs, scale=No
 
 
 @interpreted
+@pytest.mark.parametrize("impl", ATTENTION_BACKWARDS)
 @pytest.mark.parametrize("d_qk,d_v,window", [(64, 64, 0), (128, 128, 9), (64, 128, 40), (128, 64, 1000)])
-def test_attention_every_head_dim_pair(d_qk, d_v, window):
+def test_attention_every_head_dim_pair(d_qk, d_v, window, impl):
     """ATTN, fp32: uneven documents (one of length 1, zero-length padding), T not a multiple of
-    any block, windows none / smaller / larger than documents."""
+    any block, windows none / smaller / larger than documents; both backwards."""
     q, k, v, grad_o, generator = _attention_inputs(150, 2, d_qk, d_v, seed=d_qk + d_v + window)
     cu_seqlens, _ = uneven_documents(150, generator)
-    _check_attention_fp32(q, k, v, grad_o, cu_seqlens, window, SMALL_ATTENTION)
+    _check_attention_fp32(q, k, v, grad_o, cu_seqlens, window, SMALL_ATTENTION, impl=impl)
 
 
 @interpreted
+@pytest.mark.parametrize("impl", ATTENTION_BACKWARDS)
 @pytest.mark.parametrize("window", [1, 5, 16, 33])
-def test_attention_window_edges(window):
+def test_attention_window_edges(window, impl):
     """ATTN, fp32: windows of one token, below, equal to and above the block sizes, with query
-    blocks twice the key blocks in the forward and the reverse in the key/value backward."""
+    blocks twice the key blocks in the forward and the reverse in the key/value backwards."""
     q, k, v, grad_o, generator = _attention_inputs(120, 2, 64, 64, seed=window)
     cu_seqlens, _ = uneven_documents(120, generator)
     configs = (kernels.LaunchConfig(32, 16), kernels.LaunchConfig(16, 32), kernels.LaunchConfig(16, 16),
-               kernels.LaunchConfig(64, 1))
-    _check_attention_fp32(q, k, v, grad_o, cu_seqlens, window, configs, scale=0.37)
+               kernels.LaunchConfig(64, 1), kernels.LaunchConfig(16, 32))
+    _check_attention_fp32(q, k, v, grad_o, cu_seqlens, window, configs, scale=0.37, impl=impl)
+
+
+# The presets' windows are whole blocks of train_gpt.WINDOW_BLOCK (128) tokens: 1 to 13 in
+# training, 20 at the final validation. Scaled down to blocks of 16 tokens with the tests' tiles
+# (the same window arithmetic at an eighth of the size), documents longer than the windows.
+SCALED_WINDOW_BLOCK = 16
+
+
+@interpreted
+@pytest.mark.parametrize("impl", ATTENTION_BACKWARDS)
+@pytest.mark.parametrize("blocks", [1, 5, 13, 20])
+def test_attention_at_the_presets_windows_in_blocks(blocks, impl):
+    """ATTN, fp32: windows of 1, 5, 13 and 20 blocks (of SCALED_WINDOW_BLOCK tokens), documents
+    of up to 24 blocks and a short one."""
+    T = 26 * SCALED_WINDOW_BLOCK
+    q, k, v, grad_o, _ = _attention_inputs(T, 1, 32, 32, seed=blocks)
+    cu_seqlens = torch.tensor([0, 24 * SCALED_WINDOW_BLOCK - 5, T - 3, T], dtype=torch.int32)
+    _check_attention_fp32(q, k, v, grad_o, cu_seqlens, blocks * SCALED_WINDOW_BLOCK, SMALL_ATTENTION, impl=impl)
+
+
+@interpreted
+@pytest.mark.parametrize("impl", ATTENTION_BACKWARDS)
+@pytest.mark.parametrize("window", [128, 640])
+def test_attention_production_tiles_at_whole_block_windows(window, impl):
+    """ATTN, fp32, with the production launch configs the window picks, at the speedrun's first
+    short and long windows (1 and 5 blocks of 128 tokens) on documents up to stage 0's 896."""
+    q, k, v, grad_o, _ = _attention_inputs(1000, 1, 64, 64, seed=window)
+    cu_seqlens = torch.tensor([0, 896, 990, 1000], dtype=torch.int32)
+    _check_attention_fp32(q, k, v, grad_o, cu_seqlens, window, kernels.attention_configs(window), impl=impl)
 
 
 @interpreted
@@ -644,7 +806,8 @@ def test_attention_production_blocks(window):
                                                  else kernels.ATTENTION_CONFIGS)
     q, k, v, grad_o, _ = _attention_inputs(400, 1, 64, 64, seed=8)
     cu_seqlens = torch.tensor([0, 7, 300, 400, 400], dtype=torch.int32)
-    _check_attention_fp32(q, k, v, grad_o, cu_seqlens, window, kernels.attention_configs(window))
+    for impl in ATTENTION_BACKWARDS:
+        _check_attention_fp32(q, k, v, grad_o, cu_seqlens, window, kernels.attention_configs(window), impl=impl)
 
 
 @interpreted
@@ -655,14 +818,16 @@ def test_attention_strided_inputs():
     qkv = torch.randn(90, 3, 2, 64, generator=generator)
     grad_o = torch.randn(2, 90, 64, generator=generator).transpose(0, 1)
     cu_seqlens = torch.tensor([0, 90], dtype=torch.int32)
-    _check_attention_fp32(qkv[:, 0], qkv[:, 1], qkv[:, 2], grad_o, cu_seqlens, 30, SMALL_ATTENTION)
+    for impl in ATTENTION_BACKWARDS:
+        _check_attention_fp32(qkv[:, 0], qkv[:, 1], qkv[:, 2], grad_o, cu_seqlens, 30, SMALL_ATTENTION, impl=impl)
 
 
-def _check_attention_bf16(q, k, v, grad_o, cu_seqlens, window, configs):
+def _check_attention_bf16(q, k, v, grad_o, cu_seqlens, window, configs, impl=None):
     """ATTN, bf16: the error against float64 of the kernel's output and gradients is at most
     twice that of torch's op-by-op bf16 attention (attention_naive) plus 1e-5."""
     scale = q.shape[-1] ** -0.5
-    got = _attention_and_grads(kernels.flash_attn_varlen, q, k, v, grad_o, cu_seqlens, window, scale, *configs)
+    got = _attention_and_grads(functools.partial(kernels.flash_attn_varlen, impl=impl), q, k, v, grad_o, cu_seqlens,
+                               window, scale, *configs)
     naive = _attention_and_grads(attention_naive, q, k, v, grad_o, cu_seqlens, window, scale)
     oracle = _attention_and_grads(attention_oracle, q.double(), k.double(), v.double(), grad_o, cu_seqlens, window,
                                   scale)
@@ -673,11 +838,12 @@ def _check_attention_bf16(q, k, v, grad_o, cu_seqlens, window, configs):
 
 
 @interpreted
-@pytest.mark.parametrize("d_qk,d_v,window", [(64, 64, 30), (128, 128, 0), (64, 128, 7), (128, 64, 24)])
-def test_attention_bf16_error_at_most_twice_torch(d_qk, d_v, window):
+@pytest.mark.parametrize("d_qk,d_v,window,impl", [(64, 64, 30, "atomic"), (128, 128, 0, "deterministic"),
+                                                  (64, 128, 7, "atomic"), (128, 64, 24, "deterministic")])
+def test_attention_bf16_error_at_most_twice_torch(d_qk, d_v, window, impl):
     q, k, v, grad_o, generator = _attention_inputs(130, 2, d_qk, d_v, seed=7, dtype=torch.bfloat16)
     cu_seqlens, _ = uneven_documents(130, generator)
-    _check_attention_bf16(q, k, v, grad_o, cu_seqlens, window, [SMALL_ATTENTION])
+    _check_attention_bf16(q, k, v, grad_o, cu_seqlens, window, [SMALL_ATTENTION], impl)
 
 
 def test_attention_rejects_bad_inputs():
@@ -706,10 +872,15 @@ def test_attention_refuses_mixed_dtypes_and_fp32_on_the_gpu():
             kernels.flash_attn_varlen(q, q, q, torch.zeros(2, dtype=torch.int32, device="cuda"), 0, 1.0)
 
 
-def test_attention_launches_one_program_per_block_of_the_packed_batch():
+@pytest.mark.parametrize("impl,backward", [
+    ("auto", ["_attn_bwd_fused_kernel"]),
+    ("deterministic", ["_attn_bwd_delta_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel"])])
+def test_attention_launches_one_program_per_block_of_the_packed_batch(impl, backward):
     """The grid covers the packed batch, not (longest document x document slots): at most as
     many programs as there are (document, block) work items, with no slack, even with the
-    loader's padded cu_seqlens (here 3,074 document slots for 49,152 tokens, 20 documents)."""
+    loader's padded cu_seqlens (here 3,074 document slots for 49,152 tokens, 20 documents). By
+    default (the rule where nothing was timed) the backward is one kernel; the deterministic
+    one is three."""
     T, H, block = 49152, 6, kernels.ATTENTION_FORWARD.block_m
     lengths = [3072] * 12 + [1536] * 8
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()] + [T] * (T // 16 + 2 - 21),
@@ -720,12 +891,11 @@ def test_attention_launches_one_program_per_block_of_the_packed_batch():
     kernels._launch = lambda kernel, grid, config, **args: grids.append((kernel.__name__, grid))
     try:
         q = torch.empty(T, H, 128, dtype=torch.bfloat16, requires_grad=True)
-        o = kernels.flash_attn_varlen(q, q, q, cu_seqlens, 1664, 0.1)
+        o = kernels.flash_attn_varlen(q, q, q, cu_seqlens, 1664, 0.1, impl=impl)
         o.backward(torch.empty_like(o))
     finally:
         kernels._launch = original
-    assert [name for name, _ in grids] == ["_attn_fwd_kernel", "_attn_bwd_delta_kernel", "_attn_bwd_kv_kernel",
-                                           "_attn_bwd_q_kernel"]
+    assert [name for name, _ in grids] == ["_attn_fwd_kernel", *backward]
     for name, grid in grids:
         programs = math.prod(grid)
         assert programs <= work_items, f"{name}: {programs} programs for {work_items} work items"

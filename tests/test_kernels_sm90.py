@@ -54,14 +54,58 @@ def test_every_kernel_the_trainer_launches_is_in_the_report():
     into the pending sums) and Adam."""
     trainer = [e for e in hopper_report()["kernels"] if e["trainer"]]
     assert {e["kernel"] for e in trainer} == {
-        "_fp8_cast_kernel", "_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_attn_fwd_kernel",
+        "_fp8_cast_kernel", "_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_fp8_matmul_tma_kernel",
+        "_fp8_matmul_quant_tma_kernel", "_split_k_reduce_kernel", "_attn_fwd_kernel", "_attn_bwd_fused_kernel",
         "_attn_bwd_delta_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel", "_softcap_ce_kernel", "_transpose_kernel",
         "_xxt_kernel", "_qk_norm_rope_fwd_kernel", "_qk_norm_rope_bwd_kernel",
         "_dc_fwd_kernel", "_dc_bwd_mix_kernel", "_dc_bwd_q_kernel", "_dc_bwd_kv_kernel", "_sum_rows_kernel",
         "_add_row_sums_kernel", "_sparse_adam_rows_kernel"}
     for e in trainer:
-        if e["kernel"] in ("_attn_fwd_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel"):
+        if e["kernel"] in ("_attn_fwd_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel", "_attn_bwd_fused_kernel"):
             assert e["variant"].split("(")[1].startswith("bf16,bf16,bf16,"), e["variant"]
+
+
+def rule_launches(run="speedrun"):
+    """The launches of a trainer run's calls with each call's rule alone (what runs where the
+    warm-up timed nothing), not every candidate."""
+    return sm90_report.record_launches(lambda: sm90_report.replay_untouched(sm90_report.trainer_kernel_calls(run)))
+
+
+@compiled
+def test_the_hot_fp8_gemms_are_persistent_descriptor_kernels_on_the_tensor_cores():
+    """Every FP8 GEMM of the speedrun's step runs, by its rule, the persistent tensor-descriptor
+    kernel: no pointer-kernel GEMM is launched, and every variant of those kernels (the trainer's
+    and the library's, every candidate the selection may take) loads by descriptor (UTMALDG),
+    stores by descriptor (UTMASTG), multiplies on the FP8 tensor cores (QGMMA, wgmma in the PTX)
+    and spills nothing."""
+    names = [launch.kernel.__name__ for launch in rule_launches()]
+    assert "_fp8_matmul_tma_kernel" in names and "_fp8_matmul_quant_tma_kernel" in names
+    assert not {"_fp8_matmul_kernel", "_fp8_matmul_quant_kernel"} & set(names)
+    hot = [e for e in hopper_report()["kernels"] if e["kernel"] in sm90_report.DESCRIPTOR_KERNELS]
+    assert {e["kernel"] for e in hot} == set(sm90_report.DESCRIPTOR_KERNELS)
+    for e in hot:
+        counts = e["sass_counts"]
+        assert counts["UTMALDG"] > 0 and counts["UTMASTG"] > 0, e["variant"]
+        assert counts["QGMMA"] > 0 and e["ptx_wgmma"] > 0, e["variant"]
+        assert e["local_bytes"] == counts["LDL"] == counts["STL"] == 0, e["variant"]
+
+
+@compiled
+def test_the_attention_backward_is_one_kernel_per_layer():
+    """By its rule each attention call of the speedrun's step launches one forward kernel and one
+    backward kernel (the one-kernel backward, dQ reduced by descriptor: UTMAREDG), as many of each
+    as the step has attention calls; every variant of that kernel runs on the tensor cores without
+    spills."""
+    calls = sm90_report.trainer_kernel_calls("speedrun")
+    forward_calls = sum(func.__name__.startswith("attn_fwd") for func, _, _ in calls)
+    backward_calls = sum(func.__name__.startswith("attn_bwd") for func, _, _ in calls)
+    names = [launch.kernel.__name__ for launch in rule_launches()]
+    assert backward_calls > 0 and names.count("_attn_bwd_fused_kernel") == backward_calls
+    assert names.count("_attn_fwd_kernel") == forward_calls
+    assert not {"_attn_bwd_delta_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel"} & set(names)
+    fused = [e for e in hopper_report()["kernels"] if e["kernel"] == "_attn_bwd_fused_kernel"]
+    assert fused and all(e["sass_counts"]["HGMMA"] > 0 and e["sass_counts"]["UTMAREDG"] > 0
+                         and e["local_bytes"] + e["sass_counts"]["LDL"] + e["sass_counts"]["STL"] == 0 for e in fused)
 
 
 @compiled
@@ -143,8 +187,8 @@ def test_index_audit_finds_no_overflow_in_the_production_launches():
     launches = [launch for run in runs.values() for launch in run] + library
     large = {launch.kernel.__name__ for launch in launches if any(
         isinstance(v, sm90_report.TensorArg) and v.max_offset >= sm90_report.I32_LIMIT for v in launch.args.values())}
-    assert {"_softcap_ce_kernel", "_scale_rows_kernel", "_fp8_cast_kernel", "_fp8_matmul_kernel", "_sum_rows_kernel",
-            "_sparse_adam_rows_kernel", "_transpose_kernel"} <= large, large
+    assert {"_softcap_ce_kernel", "_scale_rows_kernel", "_fp8_cast_kernel", "_fp8_matmul_kernel",
+            "_fp8_matmul_tma_kernel", "_sum_rows_kernel", "_sparse_adam_rows_kernel", "_transpose_kernel"} <= large, large
     findings = sm90_report.index_findings(launches)
     assert not findings, "\n".join(findings)
 
@@ -194,3 +238,32 @@ def test_index_audit_finds_a_program_id_times_stride_in_i32():
     assert len(widened) == 2 and all("i64 offset from an i32 product" in f for f in widened), widened
     assert sm90_report.index_findings([_row_copy_launch(_rows_i32_kernel, small)]) == []
     assert sm90_report.index_findings([_row_copy_launch(_rows_i64_kernel, big)]) == []
+
+
+@triton.jit
+def _flat_descriptor_kernel(x_ptr, rows, width, BLOCK: tl.constexpr):
+    """A copy through a one-dimensional descriptor whose size rows * width is formed in i32."""
+    desc = tl.make_tensor_descriptor(x_ptr, shape=[rows * width], strides=[1], block_shape=[BLOCK])
+    desc.store([tl.program_id(0) * BLOCK], desc.load([tl.program_id(0) * BLOCK]))
+
+
+@triton.jit
+def _row_descriptor_kernel(x_ptr, rows, width, BLOCK: tl.constexpr):
+    """The same copy through a (rows, width) descriptor: each coordinate below its dimension."""
+    desc = tl.make_tensor_descriptor(x_ptr, shape=[rows, width], strides=[width, 1], block_shape=[1, BLOCK])
+    desc.store([tl.program_id(0), 0], desc.load([tl.program_id(0), 0]))
+
+
+@compiled
+def test_index_audit_checks_the_dimensions_of_tensor_descriptors():
+    """A tensor descriptor's addresses are formed by the copy engine from i32 coordinates and
+    64-bit strides: the audit accepts an argument reached only through a descriptor whose every
+    dimension is bounded below 2^31 (3,145,728 rows of 768), and finds one whose dimension is an
+    i32 product that is not (the flat 2.4e9-element view)."""
+    def launch(kernel, rows):
+        arg = sm90_report.TensorArg(torch.float32, True, rows * 768 - 1)
+        return sm90_report.Launch(kernel, sm90_report.kernels.LaunchConfig(block_m=1, block_n=1024),
+                                  dict(x_ptr=arg, rows=rows, width=768, BLOCK=256), (rows,))
+    findings = sm90_report.index_findings([launch(_flat_descriptor_kernel, 3_145_728)])
+    assert len(findings) == 1 and "tensor descriptor dimension" in findings[0], findings
+    assert sm90_report.index_findings([launch(_row_descriptor_kernel, 3_145_728)]) == []

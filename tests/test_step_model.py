@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tiny_runs import REPO, tiny_config
+import kernels  # noqa: E402
 import train_gpt as tg  # noqa: E402
 
 sys.path.insert(0, f"{REPO}/bench")
@@ -305,8 +306,11 @@ def test_the_command_prints_its_tables_and_ends_with_the_prediction():
     text = out.getvalue()
     assert "## Per stage" in text and "## The ten largest time sinks" in text
     last = text.strip().splitlines()[-1]
-    match = re.fullmatch(r"predicted: cpu on 1xH200: ([\d.]+) s realistic, ([\d.]+) s at peak", last)
-    assert match and 0 < float(match[2]) < float(match[1])
+    match = re.fullmatch(r"predicted: cpu on 1xH200: ([\d.]+) s realistic, ([\d.]+) s at peak; band ([\d.]+) s "
+                         r"\(record-89 constants\), ([\d.]+) s \(structure-based\), ([\d.]+) s \(pessimistic\)", last)
+    assert match and 0 < float(match[2]) < float(match[1]) == float(match[3])
+    assert float(match[4]) < float(match[5])
+    assert "## The band" in text
 
 
 def test_record89_is_predicted_within_a_quarter_of_its_logged_step_times():
@@ -329,3 +333,86 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_census(tmp_pat
     with pytest.raises(SystemExit) as stop:
         sm.main(["--preset", "cpu", "--gpus", "1", "--json", f"{tmp_path}/{where}"])
     assert stop.value.code == 2 and capsys.readouterr().err == line.format(dir=tmp_path) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# pricing by the kernels' structure
+
+
+def test_the_fp8_structures_reproduce_their_public_figures_at_the_reference_shape():
+    """At 8192 x 8192 x 4096 each structure's efficiency is its public figure (PR 5461); fast
+    accumulation off costs PROMOTION_COST (and the promoted tile's other wave count, within 2%)."""
+    s = sm.STRUCTURE.structures
+    for structure, share in sm.FP8_REFERENCE.items():
+        assert sm.gemm_efficiency(*sm.FP8_REFERENCE_SHAPE, True, structure, s) == pytest.approx(share)
+    promoted = sm.gemm_efficiency(*sm.FP8_REFERENCE_SHAPE, False, "descriptor", s)
+    assert promoted == pytest.approx(sm.FP8_REFERENCE["descriptor"] / sm.PROMOTION_COST[0], rel=0.02)
+
+
+def test_a_short_k_and_a_partial_wave_cost_the_pointer_kernel_more_than_the_persistent_one():
+    """K = 768 (six K steps): the pointer kernel's pipeline fill and epilogue are a third of a
+    tile's steps, the persistent kernel's a twelfth: the descriptor kernel's lead over the pointer
+    kernel grows. A weight gradient of 144 tiles (1.09 waves) at 49,152 tokens: the pointer kernel
+    runs two whole waves, the persistent one splits the last wave's 12 tiles."""
+    s = sm.STRUCTURE.structures
+
+    def lead(m, n, k, fast):
+        return sm.gemm_efficiency(m, n, k, fast, "descriptor", s) / sm.gemm_efficiency(m, n, k, fast, "pointer", s)
+    reference = lead(*sm.FP8_REFERENCE_SHAPE, True)
+    assert lead(49152, 2816, 768, True) > 1.1 * reference
+    assert sm.gemm_tiles(3072, 768, 49152, False, "descriptor")[3] < 0.6 * sm.gemm_tiles(3072, 768, 49152, False,
+                                                                                         "pointer")[3]
+    assert lead(3072, 768, 49152, False) > 1.5 * reference
+
+
+def test_a_call_that_picks_the_fastest_is_priced_at_its_fastest_structure():
+    """An FP8 GEMM that may run on three structures is priced at the fastest; pinned to the
+    pointer kernel, at that one's price."""
+    def op(structures):
+        return sm.Op("kernels.fp8_matmul", "gemm", "backward", flops=2.0 * 768 * 49152 * 2304, dtype="fp8",
+                     structure=("fp8", 2304, 49152, 768, False, structures))
+    times = {s: sm.op_seconds(op((s,)), sm.H100, sm.STRUCTURE, 1) for s in ("descriptor", "pointer", "cublas")}
+    assert sm.op_seconds(op(("descriptor", "pointer", "cublas")), sm.H100, sm.STRUCTURE, 1) == min(times.values())
+    assert times["pointer"] > times["descriptor"]
+
+
+def test_attention_is_priced_by_the_tiles_of_each_backward_and_the_span_law():
+    """The one-kernel backward computes S, dV, dP, dK and dQ once per tile (5 products of the
+    deterministic backward's 7, on the same tiles: 2 (3 Dqk + 2 Dv) FLOPs a pair) and adds its dQ
+    buffer's traffic; FlashAttention-2-class efficiency grows with the keys a program visits,
+    from the figure at 512 causal tokens toward the long-sequence one."""
+    s = sm.STRUCTURE.structures
+    lengths = [896] * 16
+    T, H, d = sum(lengths), 6, 128
+    configs = [value for c in kernels.ATTENTION_CONFIGS_NARROW for value in c.as_list()]
+    event = sm.Event("kernels.attn_bwd", "backward", [], [],
+                     [((T, H, d), None), ((T, H, d), None), ((T, H, d), None), ((T, H, d), None)], [],
+                     args=(640, *configs, "auto"))
+    found, allowed = sm.attention_implementations(event, lengths)
+    assert allowed == ("atomic", "deterministic")
+    fused = kernels.ATTENTION_CONFIGS_NARROW[4]
+    tiles = sm.key_tiles(lengths, 640, fused.block_m, fused.block_n)
+    assert found["atomic"][0].flops == 2.0 * H * tiles * fused.block_m * fused.block_n * 5 * d
+    assert found["atomic"][1].bytes == 4 * T * H * d * 2.5 and found["atomic"][1].launches == 2
+    assert len(found["deterministic"]) == 3
+    assert sm.attention_efficiency(sm.CAUSAL_512_SPAN, False, s) == pytest.approx(
+        s.attention_at_512 * sm.CAUSAL_512_TILES)
+    assert sm.attention_efficiency(100, False, s) < sm.attention_efficiency(1000, False, s) < s.attention_long
+    assert sm.attention_efficiency(1000, True, s) == pytest.approx(sm.attention_efficiency(1000, False, s) *
+                                                                   sm.BACKWARD_RATIO)
+
+
+def test_the_band_prices_with_measured_efficiencies_when_first_contact_wrote_them(tmp_path):
+    """bench/measured_efficiency.json's shares replace the structure-based ones they name; the
+    band gains its measured line; without the file there is none."""
+    assert sm.measured_efficiency(tmp_path / "absent.json") is None
+    path = tmp_path / "measured.json"
+    path.write_text('{"fp8": {"descriptor": 0.9}, "attention_long": 0.6, "gap_s": 0.0}')
+    measured = sm.measured_efficiency(path)
+    assert measured.structures.fp8["descriptor"] == 0.9 and measured.structures.fp8["pointer"] == \
+        sm.FP8_REFERENCE["pointer"]
+    assert measured.structures.attention_long == 0.6 and measured.gap_s == 0.0
+    m = sm.build_model(tiny_config(["--compile=true"]), 1, sm.H100)
+    band = sm.band_seconds(m, path)
+    assert band["measured"] < band["structure"] < band["pessimistic"]
+    assert "measured" not in sm.band_seconds(m, tmp_path / "absent.json")
