@@ -262,8 +262,8 @@ MUTATIONS = [
     # the trainer's wiring
     Mutation("train_gpt.py", "(objective / self.accum).backward()", "objective.backward()", TRAINER_STEP,
              "micro-batch gradients summed, not averaged"),
-    Mutation("train_gpt.py", "        return candidate_start(slice_index, self.h.batch_ranks)",
-             "        return candidate_start(0, self.h.batch_ranks)", TRAINER_STEP,
+    Mutation("train_gpt.py", "self.walk = torch.tensor([candidate_start(i, self.h.batch_ranks) for i in",
+             "self.walk = torch.tensor([candidate_start(0, self.h.batch_ranks) for i in", TRAINER_STEP,
              "every micro-batch draws the same negatives"),
     Mutation("machinery/sparse_tables.py", "            grads.zero_()\n        if self.value_adams:",
              "        if self.value_adams:", TRAINER_STEP, "the n-gram sink not cleared between micro-batches"),
