@@ -310,7 +310,7 @@ def memory_budget(recipe, h, world_size):
             "gradients": sum(p.nbytes for p in params if p.requires_grad),
             "optimizer state": optimizer_bytes(recipe, h, model, world_size),
             "weight averages": sum(4 * w.numel() for a in h.averages
-                                   for _, w in recipe.averaged_pieces(model, a.params)),
+                                   for _, w in model.averaged_pieces(a.params)),
             "gradient sinks": 2 * sum(s.nbytes for s in sinks),
         }
         value_widths = [ve.embedding_dim for ve in model.value_embeds] if model.value_sinks is not None else []
