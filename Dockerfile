@@ -6,7 +6,7 @@
 #   docker run --gpus all --ipc=host speedrun python -m pytest -q tests    # the tests
 #
 # The host needs an NVIDIA driver of 580 or newer (CUDA 13.0's); the image checks it at start
-# (docker-entrypoint.sh) and ends with one line when it is older. For an older driver, build for
+# (machinery/docker-entrypoint.sh) and ends with one line when it is older. For an older driver, build for
 # CUDA 12.8 (driver 570 or newer): --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128
 #
 # Keep the downloaded FineWeb shards and the logs across runs with volumes:
@@ -18,7 +18,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev g
     && rm -rf /var/lib/apt/lists/*
 
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu130
-# The NVIDIA driver the index's CUDA needs (docker-entrypoint.sh checks the host's): 580 for cu130.
+# The NVIDIA driver the index's CUDA needs (machinery/docker-entrypoint.sh checks the host's): 580 for cu130.
 ARG MIN_DRIVER=580
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 SPEEDRUN_MIN_DRIVER=$MIN_DRIVER
 WORKDIR /speedrun
@@ -32,5 +32,5 @@ RUN pin() { sed -n "s/^$1==//p" requirements/*.txt | head -1; } \
     && pip install -r requirements.txt
 
 COPY . .
-ENTRYPOINT ["./docker-entrypoint.sh"]
+ENTRYPOINT ["./machinery/docker-entrypoint.sh"]
 CMD ["./run.sh"]

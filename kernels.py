@@ -64,7 +64,7 @@ per-row state that optim.SparseRowAdam owns.
 
 Which implementation runs: where several can run a call (fp8_matmul's impl, flash_attn_varlen's),
 the call asks kernel_choice at run time, inside its custom op: the fastest candidate the warm-up
-timed at that shape, else its rule (see kernel_choice.py).
+timed at that shape, else its rule (see machinery/kernel_choice.py).
 
 torch.compile: every kernel launch sits inside a torch.library custom op with a fake (meta)
 implementation, and the autograd wrappers are torch.autograd.Functions built from those ops, so
@@ -82,13 +82,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import kernel_choice
+from machinery import kernel_choice
 
 try:
     import triton
     import triton.language as tl
 except ImportError:                # a CPU-only install: the references run, and a launch says what is missing
-    from no_triton import tl, triton
+    from machinery.no_triton import tl, triton
 
 _OPS = "kernels"  # namespace of this file's torch.library custom ops
 

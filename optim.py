@@ -62,7 +62,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from errors import UserError
+from machinery.errors import UserError
 
 
 class OptimConfigError(UserError, ValueError):
@@ -1099,3 +1099,83 @@ class SparseRowAdam:
         self.last.copy_(state["last"])
         self.events, self.log_decay = state["events"], list(state["log_decay"])
         self.log_decay_at = state["log_decay_at"].clone().to(self.table.device)
+
+
+NORM_FLOOR = 1e-12                 # an all-zero matrix keeps its zeros when renormalized
+
+
+
+class WeightAverages:
+    """The end-of-training weight averages of a run (h.averages): sample() after each step's
+    update keeps an fp32 EMA per matrix over each average's window, ship() blends them into the
+    weights after the last step. A tied head is not written: the embedding is the head. The
+    matrices are the model's averaged_pieces(params); `ema_update` (kernels.ema_update_, by
+    default its reference) moves an EMA toward a weight."""
+
+    def __init__(self, averages, model, num_iterations, ema_update=None, norms="matrix"):
+        self.averages, self.model, self.N, self.norms = averages, model, num_iterations, norms
+        self.ema_update = ema_update or importlib.import_module("kernels").ema_update_reference_
+        self.ema = [dict() for _ in averages]
+
+    def samples_at(self, average, step):
+        """Whether `average` samples the weights after `step`: in its window, every every-th step
+        counted back from `offset` steps before the last, and each of its last_steps."""
+        return step >= self.N - average.window and ((self.N - 1 - step) % average.every == average.offset
+                                                     or step >= self.N - average.last_steps)
+
+    @torch.no_grad()
+    def sample(self, step):
+        for average, ema in zip(self.averages, self.ema):
+            if not self.samples_at(average, step):
+                continue
+            for name, weight in self.model.averaged_pieces(average.params):
+                if name not in ema:
+                    ema[name] = weight.to(torch.float32, copy=True)
+                else:
+                    self.ema_update(ema[name], weight, average.rate)
+
+    @torch.no_grad()
+    def launch_on_scratch(self):
+        """Each sample's update once per piece into a scratch EMA (the pieces untouched), so that
+        the warm-up compiles every kernel variant the samples will launch."""
+        for average in self.averages:
+            for _, weight in self.model.averaged_pieces(average.params):
+                self.ema_update(torch.zeros_like(weight, dtype=torch.float32), weight, average.rate)
+
+    def norm_group(self, name):
+        """What a piece's renormalization measures it with: the piece itself, or (norms "bank")
+        its bank: all layers' queries and keys, values and outputs, MLP matrices."""
+        if self.norms == "matrix":
+            return name
+        kind = name.rstrip("0123456789")
+        return {"v": "vo", "out": "vo", "mlp_up": "mlp", "mlp_down": "mlp", "mlp2_up": "mlp",
+                "mlp2_down": "mlp"}.get(kind, kind)
+
+    @torch.no_grad()
+    def ship(self):
+        """Blend every average into its weights, in order; then rescale the matrices of averages
+        with renormalize to the Frobenius norms they (or their banks: norm_group) had before any
+        blend. Returns the number of blends."""
+        def shipped(average, ema):
+            return [(name, weight) for name, weight in self.model.averaged_pieces(average.params)
+                    if name in ema and not (name == "head" and self.model.tied)]
+        renormalized = {name: weight for average, ema in zip(self.averages, self.ema)
+                        if average.renormalize for name, weight in shipped(average, ema)}
+
+        def norms():
+            squares = {}
+            for name, weight in renormalized.items():
+                group = self.norm_group(name)
+                squares[group] = squares.get(group, 0.0) + weight.float().square().sum()
+            return {group: square.sqrt() for group, square in squares.items()}
+        before = norms()
+        blends = 0
+        for average, ema in zip(self.averages, self.ema):
+            for name, weight in shipped(average, ema):
+                weight.copy_(torch.lerp(weight.float(), ema[name], average.blend))
+                blends += 1
+        after = norms()
+        for name, weight in renormalized.items():
+            group = self.norm_group(name)
+            weight.copy_(weight.float() * (before[group] / after[group].clamp_min(NORM_FLOOR)))
+        return blends

@@ -1,13 +1,11 @@
 """Train a GPT-2-small-class language model on FineWeb as fast as possible.
 
-This file is the recipe a record changes. Read top-down: the presets; the model; the data
-loader; the schedules; the kernels and optimizers a run picks; the Trainer and the training
-loop; main(). The machinery beside it: config.py (the config's schema and checks),
-kernels.py (Triton kernels and their references), optim.py (the optimizers), sparse_tables.py
-(the n-gram table split across processes or in host memory, sparse row gradients),
-cuda_graphs.py, memory_budget.py (what a run needs, what run.sh starts), processes.py (launch,
-process group, signals), checkpoint.py (the checkpoint format) and evaluate.py (--eval and
---sample of a checkpoint), records/logfile.py (the run log).
+This file is the recipe a record changes. Read top-down: the presets; the model; the schedules;
+the kernels and optimizers a run picks; the Trainer and the training loop; main(). Beside it:
+kernels.py (Triton kernels and their references), optim.py (the optimizers), data/ (the shards
+and the loader that packs them), machinery/ (the config's schema, the n-gram table's placement,
+CUDA graphs, the memory budget and launch, the checkpoint format: its __init__ lists them),
+evaluation/ (a checkpoint's validation, sampling, downstream tasks), records/logfile.py (the run log).
 
     ./run.sh                                              # picks the preset for this machine
     python train_gpt.py --plan                            # what run.sh starts here, and why (launch_plan)
@@ -28,19 +26,14 @@ resolved config, then step lines.
 import contextlib
 import copy
 import dataclasses
-import datetime
 import functools
 import gc
 import itertools
 import json
 import math
 import os
-import platform
-import socket
-import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 # The oldest Python the pinned requirements install on (numpy 2.4.6 and scipy 1.17.1 ship no
@@ -58,30 +51,32 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-import config
-import kernel_choice
 import kernels
-import memory_budget
-import metrics
 import optim
-import resume
-from checkpoint import NGRAM_TABLE_KEY, save_checkpoint, send_table_shard, split_ngram_table
-from config import (MAX_TARGETS, MIN_DOC_TOKENS, MODEL_FIELDS, PADDED_VOCAB_SIZE, SMEAR_GATE_DIMS, VOCAB_SIZE,
-                    WINDOW_BLOCK, ArgumentParser, Average, ConfigError, Hyperparameters, ModelConfig, Stage, TablePhase,
-                    FINAL_MIX_GROUPS, config_to_dict, head_dims, injection_layers, loggable, value_embed_tables,
-                    value_embed_width)
-from cpu_runtime import bf16_gemm_path, bf16_gemms, cpu_has_native_bf16
-from cuda_graphs import MicroBatch, StepGraphs
-from data.shards import find_shards, fingerprint, read_shard
+from data.loader import BatchPrefetcher, TrainLoader, validation_slices
+from data.shards import find_shards, fingerprint
 from data.tokenizer import BOS_ID, noncanonical_pairs, prefix_token_table
-from errors import UserError
-from processes import (DISK_FULL_ERRNOS, EXIT_USER_ERROR, SIGNAL_EXIT_CODES, Interrupted, ProcessGroup, TrainingError,
-                       hold_signals, interruption_line, launch_environment, peer_exited, report_error,
-                       restore_signals, shows_interruptions, start_process, stop_on_signals, synchronize)
-from progress import Progress, RunClock
-from records.logfile import (ERROR_PREFIX, LogWriteError, RunLog, cpu_model, load_average,
-                             other_load, project_sources, track_target, write_failure)
-from sparse_tables import SparseTables, available_memory_bytes, check_ngram_table
+from machinery import config, kernel_choice, memory_budget, metrics, resume
+from machinery.checkpoint import NGRAM_TABLE_KEY, save_checkpoint, send_table_shard, split_ngram_table
+from machinery.config import (FINAL_MIX_GROUPS, MAX_TARGETS, MIN_DOC_TOKENS, MODEL_FIELDS, PADDED_VOCAB_SIZE,
+                              SMEAR_GATE_DIMS, VOCAB_SIZE, WINDOW_BLOCK, Average, ConfigError, Hyperparameters,
+                              ModelConfig, Stage, TablePhase, config_to_dict, head_dims, injection_layers,
+                              value_embed_tables, value_embed_width)
+from machinery.cpu_runtime import bf16_gemm_path, bf16_gemms, cpu_has_native_bf16
+from machinery.cuda_graphs import MicroBatch, StepGraphs
+from machinery.errors import UserError
+from machinery.kernel_set import KernelFns, select_kernels
+from machinery.processes import (DISK_FULL_ERRNOS, EXIT_USER_ERROR, SIGNAL_EXIT_CODES, Interrupted, ProcessGroup,
+                                 TrainingError, hold_signals, interruption_line, launch_environment, peer_exited,
+                                 report_error, restore_signals, shows_interruptions, start_process, stop_on_signals,
+                                 synchronize)
+from machinery.progress import Progress, RunClock
+from machinery.run_report import (DeferredLossLines, busy_warning, environment, memory_line, peak_rss_bytes, run_threads,
+                                  stop, where_the_run_is)
+from machinery.sparse_tables import SparseTables, check_ngram_table
+from machinery.warm_up import compiled_graphs, host_syncs_are_errors, warm_up, warm_up_line
+from records.logfile import (ERROR_PREFIX, LogWriteError, RunLog, load_average, project_sources, track_target,
+                             write_failure)
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 FINEWEB_HINT = "python data/cached_fineweb10B.py N"
@@ -104,13 +99,14 @@ def _project_rules(h):
 def _cpu_preset(h):
     """The CPU track's current record (NorMuon25Steps), its whole recipe: a 4-layer, width-256
     model with the hashed n-gram table on the tiny corpus, 2 cores, under a minute. Each choice's
-    measurement is in bench/cpu_results.md, under the heading named beside it.
+    measurement is under the heading named beside it, in bench/results/ (2026-12-01_cpu-epyc.md,
+    2026-12-01_cpu-epyc-avx512bf16.md, 2026-12-01_cpu.md or 2026-12-02_cpu-xeon.md).
 
     The full softmax throughout (at this scale a sampled softmax learns much more slowly per
     step: "Two earlier cpu-preset measurements"); validation without the canonical mask
     (the track's rule is the full softmax, as the baseline's). The compute dtype is the CPU's
     fast one: bf16 where it has bf16 units (AVX512-BF16 or AMX), fp32 elsewhere, where a bf16
-    product runs as an fp32 GEMM plus casts (cpu_runtime.py); the val loss is the same either way.
+    product runs as an fp32 GEMM plus casts (machinery/cpu_runtime.py); the val loss is the same either way.
     """
     _project_rules(h)
     h.track = "track_cpu"
@@ -1536,6 +1532,30 @@ class GPT(nn.Module):
     def head_weight(self):
         return self.embed.weight if self.tied else self.lm_head
 
+    def averaged_pieces(self, params):
+        """(name, tensor) of each matrix of a parameter family (AVERAGED_PARAMS), as views of the
+        weights, so that writing into one writes the weights. "head" is the head as the model uses
+        it: the embedding while tied (so its average starts as the embedding's), lm_head after."""
+        if params == "embed_head":
+            return [("embed", self.embed.weight.data), ("head", self.head_weight().data)]
+        if params == "value_embeds":
+            return [(f"value_embed{i}", ve.weight.data) for i, ve in enumerate(self.value_embeds)]
+        pieces = []
+        for i, block in enumerate(self.blocks):
+            attn = block.attn
+            qk_rows = 2 * attn.num_heads * attn.qk_dim if attn is not None else 0
+            if params == "qk" and attn is not None:
+                pieces.append((f"qk{i}", attn.qkv.data[:qk_rows]))
+            elif params == "vo_mlp":
+                if attn is not None:
+                    pieces += [(f"v{i}", attn.qkv.data[qk_rows:]), (f"out{i}", attn.out.data)]
+                if block.mlp is not None:
+                    pieces += [(f"mlp_up{i}", block.mlp.up.data), (f"mlp_down{i}", block.mlp.down.data)]
+                if block.parallel_mlp is not None:
+                    pieces += [(f"mlp2_up{i}", block.parallel_mlp.up.data),
+                               (f"mlp2_down{i}", block.parallel_mlp.down.data)]
+        return pieces
+
     def head(self, x, weight):
         """Logits of the normed x over the rows of `weight` (the head, or its candidate rows)."""
         if self.fp8_head is not None and self.training:
@@ -1832,221 +1852,16 @@ def candidate_walk_after(targets, count, start):
 # Data
 # -----------------------------------------------------------------------------------------------
 
-class DataError(UserError):
-    """Missing, corrupt or too-small data: the message names the file and what to do."""
-
-
-@dataclass
-class Slice:
-    """One rank's packed micro-batch: T tokens, their targets and document offsets."""
-    tokens: torch.Tensor           # (T,) int32
-    targets: torch.Tensor          # (T, MAX_TARGETS - 1) int64 vocab ids of t+1, t+2, ...; -1 = none
-    cu_seqlens: torch.Tensor       # (T // MIN_DOC_TOKENS + 2,) int32, padded by repeating T
-    route: object = None           # a split n-gram table: its Route, worked out ahead (BatchPrefetcher)
-
-    def pinned(self):
-        """The same slice in page-locked memory, so that copies to the GPU need not wait."""
-        return dataclasses.replace(self, **{name: getattr(self, name).pin_memory()
-                                            for name in ("tokens", "targets", "cu_seqlens")})
-
-    def to(self, device):
-        """The slice on `device`; from pinned memory the copies are queued, not waited for."""
-        if device.type == "cpu":
-            return self
-        return Slice(*(t.to(device, non_blocking=True) for t in (self.tokens, self.targets, self.cu_seqlens)))
-
-
-def check_token_ids(tokens, path, offset=0):
-    """Refuse a shard holding ids outside GPT-2's vocabulary, naming the file and the first one."""
-    bad = np.flatnonzero(tokens >= VOCAB_SIZE)
-    if bad.size:
-        raise DataError(f"{path}: token {offset + int(bad[0])} is {int(tokens[bad[0]])}, outside GPT-2's vocabulary "
-                        f"(ids 0..{VOCAB_SIZE - 1}): the shard was not made with the GPT-2 tokenizer; rebuild it")
-
-
-def _load_shard(path):
-    tokens = np.asarray(read_shard(path))
-    check_token_ids(tokens, path)
-    bos = np.flatnonzero(tokens == BOS_ID)
-    if bos.size == 0:
-        raise DataError(f"{path}: no <|endoftext|> ({BOS_ID}) token, so no document starts in it; "
-                        f"every document must begin with one: rebuild the shard")
-    return tokens, bos
-
-
-def _targets(stream, starts, lengths, ends, num_targets):
-    """targets[i, k] = stream[p + k + 1] for token p when p + k + 1 <= its document's end, else -1."""
-    pos = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
-    doc_end = np.repeat(ends, lengths)
-    out = np.full((pos.size, num_targets), -1, dtype=np.int64)
-    for k in range(num_targets):
-        p = pos + k + 1
-        ok = (p <= doc_end) & (p < stream.size)
-        out[ok, k] = stream[p[ok]]
-    return out
-
-
-def _packed_targets(buffer, num_targets):
-    """targets[i, k] = buffer[i + k + 1] where that is in the buffer, else -1: the packed rule,
-    buffer being a slice's tokens and the one that follows its last."""
-    out = np.full((buffer.size - 1, num_targets), -1, dtype=np.int64)
-    for k in range(num_targets):
-        out[:buffer.size - 1 - k, k] = buffer[k + 1:]
-    return out
-
-
-def attention_segment_ends(offset, length, segment_tokens):
-    """The ends of a piece's attention segments, the piece being tokens [offset, offset + length)
-    of the slice: one every segment_tokens tokens inside it (0: none), then its end."""
-    inner = range(offset + segment_tokens, offset + length, segment_tokens) if segment_tokens else ()
-    return [*inner, offset + length]
-
-
-def _packed_tokens(pieces, T):
-    """The (T,) int32 tokens _pack makes of the pieces, without their targets."""
-    tokens = np.concatenate([stream[start:start + length] for stream, start, length, _ in pieces]).astype(np.int32)
-    return torch.from_numpy(np.concatenate([tokens, np.full(T - tokens.size, BOS_ID, dtype=np.int32)]))
-
-
-def _pack(pieces, T, target_rule="document", segment_tokens=0, following=BOS_ID):
-    """Concatenate (stream, start, length, doc_end) pieces into one Slice of exactly T tokens: the
-    targets by target_rule (packed: `following` is the token after the last piece), the
-    documents' attention segments at most segment_tokens long (0: no limit)."""
-    tokens, targets, cu = [], [], [0]
-    for stream, start, length, end in pieces:
-        tokens.append(stream[start:start + length].astype(np.int32))
-        if target_rule == "document":
-            targets.append(_targets(stream, [start], [length], [end], MAX_TARGETS - 1))
-        cu += attention_segment_ends(cu[-1], length, segment_tokens)
-    filled = cu[-1]
-    if target_rule == "packed":
-        targets.append(_packed_targets(np.concatenate([*tokens, [following]]), MAX_TARGETS - 1))
-    if filled < T:                 # too many tiny documents: pad with loss-free BOS tokens
-        tokens.append(np.full(T - filled, BOS_ID, dtype=np.int32))
-        targets.append(np.full((T - filled, MAX_TARGETS - 1), -1, dtype=np.int64))
-        cu.append(T)
-    width = T // MIN_DOC_TOKENS + 2
-    cu = np.array(cu + [T] * (width - len(cu)), dtype=np.int32)
-    return Slice(torch.from_numpy(np.concatenate(tokens)), torch.from_numpy(np.concatenate(targets)),
-                 torch.from_numpy(cu))
-
-
-class TrainLoader:
-    """BOS-aligned packed batches from the train shards, cycling through them.
-
-    Each global batch is `num_slices` consecutive slices of T tokens; a slice is whole documents,
-    each starting at a BOS and cut at `max_doc_len` tokens (the rest of a cut document is skipped),
-    the last one cut to fit. Every process walks the same stream and builds only its own slices.
-    The next shard is read in a background thread while the current one is used. target_rule
-    and segment_tokens: _pack's (a run's are train_loader's).
-    """
-
-    def __init__(self, files, batch_tokens, target_rule="document", segment_tokens=0):
-        total = sum(read_shard(f).size for f in files)
-        if total < batch_tokens:
-            raise DataError(f"the train files ({', '.join(files)}) hold {total} tokens, fewer than one "
-                            f"global batch needs ({batch_tokens}): add shards or lower tokens_per_rank")
-        self.files, self.target_rule, self.segment_tokens = files, target_rule, segment_tokens
-        self.pool = ThreadPoolExecutor(max_workers=1)
-        self.next_file = 0
-        self.future = self._prefetch()
-        self._advance_shard()
-
-    def _prefetch(self):
-        path = self.files[self.next_file % len(self.files)]
-        self.next_file += 1
-        return self.pool.submit(_load_shard, path)
-
-    def _advance_shard(self):
-        self.stream, self.bos = self.future.result()
-        self.future = self._prefetch()
-        self.doc = 0               # index into self.bos of the next document to use
-
-    def _next_piece(self, max_len):
-        while self.doc >= len(self.bos):
-            self._advance_shard()
-        start = int(self.bos[self.doc])
-        end = int(self.bos[self.doc + 1]) if self.doc + 1 < len(self.bos) else self.stream.size
-        self.doc += 1
-        return self.stream, start, min(end - start, max_len), end
-
-    def next_batch(self, T, max_doc_len, num_slices, mine, every_tokens=False):
-        """The slices with indices in `mine` of the next global batch of num_slices slices; with
-        every_tokens, also the tokens (T,) of each of its slices, in order (a list)."""
-        out, tokens = [], []
-        for i in range(num_slices):
-            pieces, filled, segments = [], 0, 0
-            while filled < T and segments + self.segments_of(min(max_doc_len, T - filled)) <= T // MIN_DOC_TOKENS:
-                stream, start, length, end = self._next_piece(min(max_doc_len, T - filled))
-                pieces.append((stream, start, length, end))
-                filled += length
-                segments += self.segments_of(length)
-            if i in mine:
-                following = following_token(pieces, max_doc_len)
-                out.append(_pack(pieces, T, self.target_rule, self.segment_tokens, following))
-            if every_tokens:
-                tokens.append(out[-1].tokens if i in mine else _packed_tokens(pieces, T))
-        return (out, tokens) if every_tokens else out
-
-    def segments_of(self, length):
-        """Attention segments of a piece of `length` tokens: a slice's cu_seqlens holds at most
-        T // MIN_DOC_TOKENS of them."""
-        return -(-length // self.segment_tokens) if self.segment_tokens else 1
-
-
-def following_token(pieces, max_doc_len):
-    """The token after a slice's last piece, where the packed targets end: the rest of its document
-    when the piece was cut to fit the slice, else the next document's BOS."""
-    stream, start, length, _ = pieces[-1]
-    return int(stream[start + length]) if length < max_doc_len and start + length < stream.size else BOS_ID
-
-
 def train_loader(h, train_files):
-    """The run's TrainLoader: its largest global batch, target rule and attention segments."""
+    """The run's TrainLoader (data/loader.py): its largest global batch, target rule and attention
+    segments."""
     return TrainLoader(train_files, batch_tokens(h), h.target_rule, h.attention_segment_tokens)
 
 
-class BatchPrefetcher:
-    """The slices of each step's batch, built in a background thread one step ahead.
-
-    The loader reads, packs and (for a GPU) pins the next step's slices while the current step
-    runs, so the training loop only queues their copies. With a split n-gram table (`router`, its
-    ShardedNgramRows) the thread also packs the tokens of every process's slices of the step, all
-    processes' loaders being the same, and works out each of this process's slices' Route from
-    them: the loop then only moves the rows, with no gather of the tokens and no hashing on its
-    way. Steps must be asked for in order, from `start` (a loader that has walked the steps before).
-    """
-
-    def __init__(self, loader, h, mine, pin, router=None, start=0):
-        self.loader, self.h, self.mine, self.pin, self.router = loader, h, mine, pin, router
-        self.pool = ThreadPoolExecutor(max_workers=1)
-        self.step, self.future = start, self.pool.submit(self._build, start)
-
-    def _build(self, step):
-        stage, h = self.h.stages[stage_index(self.h, step)], self.h
-        if self.router is None:
-            slices = self.loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, self.mine)
-        else:                      # micro-batch j of process p is slice p + j * processes
-            slices, tokens = self.loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks,
-                                                    self.mine, every_tokens=True)
-            world = self.router.pg.world_size
-            slices = [dataclasses.replace(s, route=self.router.route_of(
-                s.tokens, [tokens[i - i % world + p] for p in range(world)])) for i, s in zip(self.mine, slices)]
-        return [s.pinned() for s in slices] if self.pin else slices
-
-    def peek(self):
-        """The slices of the step after the last one got (waiting for them to be built)."""
-        return self.future.result()
-
-    def get(self, step):
-        if step != self.step:
-            raise ValueError(f"batches are built in order: asked for step {step}, next is {self.step}")
-        slices = self.future.result()
-        self.step, self.future = step + 1, self.pool.submit(self._build, step + 1)
-        return slices
-
-    def close(self):
-        self.pool.shutdown(wait=True, cancel_futures=True)
+def batch_shape(h, step):
+    """(tokens per slice, longest document, slices) of step's global batch."""
+    stage = h.stages[stage_index(h, step)]
+    return stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks
 
 
 def loader_at(h, files, step):
@@ -2054,37 +1869,8 @@ def loader_at(h, files, step):
     loader is at `step`."""
     loader = train_loader(h, files)
     for done in range(step):
-        stage = h.stages[stage_index(h, done)]
-        loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, mine=())
+        loader.next_batch(*batch_shape(h, done), mine=())
     return loader
-
-
-def validation_slices(files, val_tokens, T, num_slices, mine):
-    """The first val_tokens tokens of the val stream, cut into num_slices slices of T tokens.
-
-    Slices are plain windows of the stream (a document may start before a slice); documents
-    inside a slice are separated by their BOS tokens.
-    """
-    needed, parts = val_tokens + 1, []
-    for f in files:                # only the leading tokens: a FineWeb val shard holds 100M
-        parts.append(np.asarray(read_shard(f)[:needed]))
-        check_token_ids(parts[-1], f)
-        needed -= parts[-1].size
-        if needed <= 0:
-            break
-    stream = np.concatenate(parts)
-    if needed > 0:
-        raise DataError(f"the val files {files} hold {stream.size} tokens but val_tokens={val_tokens} "
-                        f"needs {val_tokens + 1}: lower --val_tokens or use a bigger val shard")
-    out = []
-    for i in mine:
-        s = i * T
-        bos = np.flatnonzero(stream[s:s + T] == BOS_ID) + s
-        starts = np.unique(np.concatenate([[s], bos]))
-        ends = np.append(starts[1:], s + T)
-        pieces = [(stream, a, b - a, b) for a, b in zip(starts, ends)]
-        out.append(_pack(pieces, T))
-    return out
 
 
 # -----------------------------------------------------------------------------------------------
@@ -2242,108 +2028,6 @@ def untie_step(h):
     return int(h.untie_frac * h.num_iterations)
 
 
-def averaged_pieces(model, params):
-    """(name, tensor) of each matrix of a parameter family (AVERAGED_PARAMS), as views of the
-    weights, so that writing into one writes the weights. "head" is the head as the model uses
-    it: the embedding while tied (so its average starts as the embedding's), lm_head after."""
-    if params == "embed_head":
-        return [("embed", model.embed.weight.data), ("head", model.head_weight().data)]
-    if params == "value_embeds":
-        return [(f"value_embed{i}", ve.weight.data) for i, ve in enumerate(model.value_embeds)]
-    pieces = []
-    for i, block in enumerate(model.blocks):
-        attn = block.attn
-        qk_rows = 2 * attn.num_heads * attn.qk_dim if attn is not None else 0
-        if params == "qk" and attn is not None:
-            pieces.append((f"qk{i}", attn.qkv.data[:qk_rows]))
-        elif params == "vo_mlp":
-            if attn is not None:
-                pieces += [(f"v{i}", attn.qkv.data[qk_rows:]), (f"out{i}", attn.out.data)]
-            if block.mlp is not None:
-                pieces += [(f"mlp_up{i}", block.mlp.up.data), (f"mlp_down{i}", block.mlp.down.data)]
-            if block.parallel_mlp is not None:
-                pieces += [(f"mlp2_up{i}", block.parallel_mlp.up.data), (f"mlp2_down{i}", block.parallel_mlp.down.data)]
-    return pieces
-
-
-NORM_FLOOR = 1e-12                 # an all-zero matrix keeps its zeros when renormalized
-
-
-class WeightAverages:
-    """The end-of-training weight averages of a run (h.averages): sample() after each step's
-    update keeps an fp32 EMA per matrix over each average's window, ship() blends them into the
-    weights after the last step. A tied head is not written: the embedding is the head.
-    `ema_update` (kernels.ema_update_ or its reference) moves an EMA toward a weight."""
-
-    def __init__(self, averages, model, num_iterations, ema_update=kernels.ema_update_reference_, norms="matrix"):
-        self.averages, self.model, self.N, self.norms = averages, model, num_iterations, norms
-        self.ema_update = ema_update
-        self.ema = [dict() for _ in averages]
-
-    def samples_at(self, average, step):
-        """Whether `average` samples the weights after `step`: in its window, every every-th step
-        counted back from `offset` steps before the last, and each of its last_steps."""
-        return step >= self.N - average.window and ((self.N - 1 - step) % average.every == average.offset
-                                                     or step >= self.N - average.last_steps)
-
-    @torch.no_grad()
-    def sample(self, step):
-        for average, ema in zip(self.averages, self.ema):
-            if not self.samples_at(average, step):
-                continue
-            for name, weight in averaged_pieces(self.model, average.params):
-                if name not in ema:
-                    ema[name] = weight.to(torch.float32, copy=True)
-                else:
-                    self.ema_update(ema[name], weight, average.rate)
-
-    @torch.no_grad()
-    def launch_on_scratch(self):
-        """Each sample's update once per piece into a scratch EMA (the pieces untouched), so that
-        the warm-up compiles every kernel variant the samples will launch."""
-        for average in self.averages:
-            for _, weight in averaged_pieces(self.model, average.params):
-                self.ema_update(torch.zeros_like(weight, dtype=torch.float32), weight, average.rate)
-
-    def norm_group(self, name):
-        """What a piece's renormalization measures it with: the piece itself, or (norms "bank")
-        its bank: all layers' queries and keys, values and outputs, MLP matrices."""
-        if self.norms == "matrix":
-            return name
-        kind = name.rstrip("0123456789")
-        return {"v": "vo", "out": "vo", "mlp_up": "mlp", "mlp_down": "mlp", "mlp2_up": "mlp",
-                "mlp2_down": "mlp"}.get(kind, kind)
-
-    @torch.no_grad()
-    def ship(self):
-        """Blend every average into its weights, in order; then rescale the matrices of averages
-        with renormalize to the Frobenius norms they (or their banks: norm_group) had before any
-        blend. Returns the number of blends."""
-        def shipped(average, ema):
-            return [(name, weight) for name, weight in averaged_pieces(self.model, average.params)
-                    if name in ema and not (name == "head" and self.model.tied)]
-        renormalized = {name: weight for average, ema in zip(self.averages, self.ema)
-                        if average.renormalize for name, weight in shipped(average, ema)}
-
-        def norms():
-            squares = {}
-            for name, weight in renormalized.items():
-                group = self.norm_group(name)
-                squares[group] = squares.get(group, 0.0) + weight.float().square().sum()
-            return {group: square.sqrt() for group, square in squares.items()}
-        before = norms()
-        blends = 0
-        for average, ema in zip(self.averages, self.ema):
-            for name, weight in shipped(average, ema):
-                weight.copy_(torch.lerp(weight.float(), ema[name], average.blend))
-                blends += 1
-        after = norms()
-        for name, weight in renormalized.items():
-            group = self.norm_group(name)
-            weight.copy_(weight.float() * (before[group] / after[group].clamp_min(NORM_FLOOR)))
-        return blends
-
-
 def attention_windows(h, step, final_validation=False):
     """(short, long) attention windows in WINDOW_BLOCKs at `step`; the final validation uses the
     last stage's short window and val_long_window."""
@@ -2404,50 +2088,8 @@ def validation_points(h):
 
 
 # -----------------------------------------------------------------------------------------------
-# The log's environment
+# What the run says at its end
 # -----------------------------------------------------------------------------------------------
-
-
-def environment(world_size, bf16_gemm, load):
-    def git_commit():
-        try:
-            return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_DIR, capture_output=True,
-                                  text=True, timeout=10).stdout.strip() or "none"
-        except (OSError, subprocess.SubprocessError):
-            return "none"
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "none"
-    return {
-        "python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
-        "cuda": torch.version.cuda or "none", "gpu": ", ".join(gpus) or "none",
-        "cpu": cpu_model(), "cpu_count": os.cpu_count(), "cpu_threads": torch.get_num_threads(),
-        "bf16_gemm": bf16_gemm, "world_size": world_size,
-        "hostname": socket.gethostname(), "command": " ".join(sys.argv), "git_commit": git_commit(),
-        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "load_average": "unknown" if load is None else f"{load:.2f}",
-    }
-
-
-def run_threads(pg):
-    """The CPU threads this machine's processes of the run keep busy: torch's threads on a CPU,
-    one per process driving a GPU."""
-    return launch_environment().local_world_size * (torch.get_num_threads() if pg.device.type == "cpu" else 1)
-
-
-def busy_warning(load, seconds, threads, when):
-    """The warning line when, by a 1-minute load average taken `seconds` into the run, other work
-    held CPUs the run's `threads` need (records.logfile.other_load); else None."""
-    cpus = os.cpu_count() or 1
-    others = None if load is None else other_load(load, cpus, threads, seconds)
-    if others is None:
-        return None
-    return (f"warning: the machine was busy {when}: a 1-minute load average of {load:.2f} on {cpus} CPUs, about "
-            f"{others:.1f} of it other work beside this run's {threads} thread(s): its times are slower than an idle "
-            f"machine's, and a record's runs need an idle machine")
 
 
 def target_line(h, val_loss, log_path):
@@ -2467,109 +2109,9 @@ def target_line(h, val_loss, log_path):
             f"takes several, records/{track}/README.md); log: {log_path}")
 
 
-class DeferredLossLines:
-    """Train-loss lines written once their value has reached the host, so that logging never
-    makes the CPU wait for the GPU: at a logged step the loss is copied (non-blocking) to pinned
-    memory and an event is recorded; the line is written at a later step once the event has
-    passed, or when the loop synchronizes anyway (validation, the end)."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.pending = []          # (step, elapsed_ms, host tensor, event or None)
-
-    def add(self, step, elapsed_ms, losses):
-        """losses: a small fp32 device tensor (the values of one line)."""
-        host = torch.empty(losses.shape, dtype=torch.float32, pin_memory=self.cuda)
-        host.copy_(losses, non_blocking=self.cuda)
-        event = None
-        if self.cuda:
-            event = torch.cuda.Event()
-            event.record()
-        self.pending.append((step, elapsed_ms, host, event))
-
-    def ready(self, wait=False):
-        """(step, elapsed_ms, values) of the pending lines whose values have arrived, in order."""
-        out = []
-        while self.pending and (wait or self.pending[0][3] is None or self.pending[0][3].query()):
-            step, elapsed_ms, host, event = self.pending.pop(0)
-            if event is not None:
-                event.synchronize()
-            out.append((step, elapsed_ms, host.tolist()))
-        return out
-
-
 # -----------------------------------------------------------------------------------------------
 # Kernels and optimizers
 # -----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class KernelFns:
-    """The kernel functions a model calls: the Triton ones or their plain-torch references."""
-    attention: object
-    cross_entropy: object
-    fp8_mlp: object = None         # fn(x, w_up, w_down, state); None: the MLP runs in the autocast dtype
-    xxt: object = None             # X X^T of the Muon family; None: as optim.orthogonalize picks by device
-    fp8_qkv: object = None         # fn(x, weight, state); None: the QKV projection runs in the autocast dtype
-    fp8_head: object = None        # fn(x, weight, state); None: the head runs in the autocast dtype
-    qk_norm_rope: object = kernels.qk_norm_rope_reference  # fn(q, k, cos, sin, stationary, key_doc_start)
-    composed_attention: object = kernels.composed_attention_reference  # fn(q, k, v, doc_start, window, scale, mixes)
-    # fn(x, weight, state, targets, weights, grad_scale): the FP8 head and the cross-entropy in one, for
-    # the training objective (kernels.fp8_head_cross_entropy); None: the head, then cross_entropy
-    fp8_head_loss: object = None
-    ema_update: object = kernels.ema_update_reference_  # fn(ema, weight, rate): a weight average's sample
-    triton: bool = False           # the Triton kernels (their JIT, and kernel_choice's selection, in the warm-up)
-
-    @property
-    def any_fp8(self):
-        return any(fn is not None for fn in (self.fp8_mlp, self.fp8_qkv, self.fp8_head))
-
-
-def fp8_casts(h):
-    """How the Triton FP8 layers cast their activations and gradients: in torch ops that
-    torch.compile fuses into the kernels making them, when it compiles; else by the cast kernel."""
-    return "fused" if h.compile else "kernel"
-
-
-def fp8_kernels(h, use_triton):
-    """The FP8 layers the config asks for, each with its scale rules: (mlp, qkv, head) functions
-    or None."""
-    if not use_triton:
-        linear = head = kernels.fp8_linear_reference
-        mlp = kernels.fp8_relu2_mlp_reference
-    else:
-        linear = functools.partial(kernels.fp8_linear, gemm=h.fp8_gemm, casts=fp8_casts(h))
-        mlp = functools.partial(kernels.fp8_relu2_mlp, gemm=h.fp8_gemm, casts=fp8_casts(h))
-        # the head's gradient comes from the cross-entropy kernel, which no cast can join
-        head = functools.partial(kernels.fp8_linear, gemm=h.fp8_gemm)
-    return (functools.partial(mlp, scales=kernels.MLP_SCALES[h.fp8_mlp_scales]) if h.fp8_mlp else None,
-            functools.partial(linear, scales=kernels.QKV_SCALE_RULES[h.fp8_qkv_scales]) if h.fp8_qkv else None,
-            functools.partial(head, scales=kernels.HEAD_SCALE_RULES[h.fp8_head_scales]) if h.fp8_head else None)
-
-
-def select_kernels(h, device):
-    """Triton on CUDA unless the references are asked for. FP8 layers with the Triton kernels, or
-    on CUDA with the references (the A/B twin), or on a CPU with the references when fp8_on_cpu
-    asks for the emulation. On a CPU the Triton kernels run only under the Triton interpreter,
-    which tests use to rehearse the GPU path."""
-    use_triton = h.kernels == "triton" or (h.kernels == "auto" and device.type == "cuda")
-    if use_triton and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ConfigError("--kernels=triton needs a CUDA GPU (on a CPU the Triton kernels only run under the "
-                          "interpreter, TRITON_INTERPRET=1, for tests): use --kernels=auto")
-    with_fp8 = use_triton or device.type == "cuda" or h.fp8_on_cpu
-    mlp, qkv, head = fp8_kernels(h, use_triton) if with_fp8 else (None, None, None)
-    if use_triton:
-        head_loss = (functools.partial(kernels.fp8_head_cross_entropy, scales=kernels.HEAD_SCALE_RULES[h.fp8_head_scales],
-                                       gemm=h.fp8_gemm, casts=fp8_casts(h)) if h.fp8_head else None)
-        attention = (kernels.flash_attn_varlen if h.attention_impl == "fastest"
-                     else functools.partial(kernels.flash_attn_varlen, impl=h.attention_impl))
-        return KernelFns(attention, kernels.softcap_cross_entropy, mlp, kernels.xxt, qkv, head,
-                         kernels.qk_norm_rope, kernels.composed_attention, head_loss, kernels.ema_update_, triton=True)
-    # Here auto means CPU: the chunked cross-entropy is the kernel's algorithm, ~3x faster than the
-    # reference there; `kernels=reference` keeps the plain reference for A/B runs.
-    cross_entropy = (kernels.softcap_cross_entropy_reference if h.kernels == "reference"
-                     else kernels.softcap_cross_entropy_chunked)
-    return KernelFns(kernels.attention_reference, cross_entropy, mlp, None, qkv, head)
 
 
 def is_gate(name):
@@ -2685,11 +2227,6 @@ def build_optimizers(h, model, fns, run_bank=None):
     return adams + [muon]
 
 
-def compiled_graphs():
-    """Graphs torch.compile has built in this process so far."""
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
-
 def gemm_path(h, device, compiling=None):
     """How this run's bf16 products run (cpu_runtime.bf16_gemm_path); `compiling` defaults to h.compile."""
     return bf16_gemm_path(device, h.compile if compiling is None else compiling, h.compute_dtype == "bfloat16")
@@ -2785,7 +2322,7 @@ class Trainer:
         self.weights = self.step_weights[0].clone()  # this step's row: one tensor the model always reads
         self.step_losses = torch.zeros(2, device=pg.device)  # the step's (next-token loss, objective)
         self.train_time_ms = 0.0
-        self.averages = WeightAverages(h.averages, self.model, h.num_iterations, self.kernels.ema_update,
+        self.averages = optim.WeightAverages(h.averages, self.model, h.num_iterations, self.kernels.ema_update,
                                        h.average_norms)
         self.reset_walk()
         self.advance_to(0)
@@ -2961,124 +2498,10 @@ def check_finite(name, loss, step, log):
                             f"log_every steps): lower the learning rates or check the data")
 
 
-@contextlib.contextmanager
-def host_syncs_are_errors(enabled):
-    """With `enabled` (CUDA only), any operation that makes the CPU wait for the GPU raises."""
-    if not enabled:
-        yield
-        return
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
 def first_batch(h, train_files, mine):
     """This rank's slices of step 0's batch (a fresh loader starts where the run's does)."""
     stage = h.stages[0]
     return train_loader(h, train_files).next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, mine)
-
-
-def warm_up_steps_per_key(h):
-    """The warm-up's training steps per graph key: warmup_steps, and with CUDA graphs enough for
-    Adam to update under it (and be captured)."""
-    return max(h.warmup_steps, h.adam_step_every if h.cuda_graphs and h.warmup_steps else 0)
-
-
-def warm_up_validations(h):
-    """The validation forwards the warm-up runs: one per distinct (windows, tied head)."""
-    return len({(attention_windows(h, step, final), step < untie_step(h)) for step, final in validation_points(h)})
-
-
-def warm_up_line(trainer, seconds, graphs):
-    """What the untimed warm-up did on this device, and what this device had no need of."""
-    h, did, not_here = trainer.h, [], []
-    if trainer.needs_warm_up():
-        did.append(f"{len(graph_changes(h)) * warm_up_steps_per_key(h)} training steps and "
-                   f"{warm_up_validations(h)} validation forward(s) at every shape the run uses")
-    for done, what, missing in ((h.compile, f"torch.compile of {graphs} graphs", "no compilation"),
-                                (trainer.kernels.triton, "the Triton kernels' JIT", "no Triton JIT"),
-                                (trainer.graphs.capturing, f"{trainer.graphs.captured()} CUDA graphs captured",
-                                 "no CUDA graphs"),
-                                (trainer.kernels.any_fp8, "FP8 calibration", "no FP8 calibration")):
-        (did if done else not_here).append(what if done else missing)
-    on_device = f"; on this {trainer.pg.device.type}: {', '.join(not_here)}" if not_here else ""
-    return (f"warm-up: {seconds:.1f}s untimed ({', '.join(did) or 'none: nothing to compile or warm'}{on_device}); "
-            f"train_time counts from step 0")
-
-
-@contextlib.contextmanager
-def warm_up_part(trainer, what):
-    """One part of the warm-up: its line (WARM_UP_PART) once it is done, with its seconds and the
-    graphs torch.compile built in it, so that a run stopped in the warm-up has said how far it
-    came and what each compile cost."""
-    log = trainer.log
-    log.progress = f"in the warm-up ({what})"
-    start, graphs = time.perf_counter(), compiled_graphs()
-    yield
-    synchronize(trainer.pg.device)
-    log.write(f"{WARM_UP_PART}{what}: {time.perf_counter() - start:.1f} s, {compiled_graphs() - graphs} graph(s) "
-              f"compiled", echo=True)
-
-
-WARM_UP_PART = "warm-up part: "    # starts each line warm_up_part writes
-
-
-def key_text(h, step):
-    """`step`'s graph key in words: its stage and whether the head is tied."""
-    stage, tied = graph_key(h, step)
-    return f"stage {stage} ({h.stages[stage].tokens_per_rank:,} tokens), head {'tied' if tied else 'untied'}"
-
-
-def warm_up(trainer, train_files, val_slices, progress=None):
-    """Untimed: run every graph the timed run will use (each stage's shape, the untie, each
-    validation's windows), so that torch.compile and the Triton JIT do their work here, then
-    capture each training step's CUDA graph: after every key's eager steps, so that no eager step
-    runs beside the graphs' memory pool (a stage's step plus the pool would be two steps' memory
-    at once); then restore the initial model, optimizer and schedule state. Each part's seconds
-    are logged as it ends (warm_up_part); `progress` (a progress.Progress) says each step, capture
-    and validation forward before it starts. Returns the graphs torch.compile built."""
-    h, part = trainer.h, functools.partial(warm_up_part, trainer)
-    say = progress.say if progress is not None else lambda piece: None
-    before = compiled_graphs()
-    saved = trainer.snapshot()
-    loader = train_loader(h, train_files)
-    trainer.graphs.in_warm_up = trainer.tables.frozen = True
-    steps_per_key, keys = warm_up_steps_per_key(h), graph_changes(h)
-    for k, step in enumerate(keys):
-        with part(f"{steps_per_key} training step(s) of {key_text(h, step)}"):
-            trainer.advance_to(step)
-            stage = h.stages[stage_index(h, step)]
-            for i in range(steps_per_key):
-                say(f"training step {k * steps_per_key + i + 1}/{len(keys) * steps_per_key} (graph {k + 1}/"
-                    f"{len(keys)}: the shape of step {step})")
-                trainer.train_step(step, loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks,
-                                                           trainer.mine))
-            if h.warmup_steps:
-                trainer.capture_graph(step, prepare_only=True)
-    for k, step in enumerate(keys if h.warmup_steps and trainer.graphs.capturing else ()):
-        say(f"capturing graph {k + 1}/{len(keys)}")
-        with part(f"the CUDA graph of {key_text(h, step)}"):
-            trainer.advance_to(step)
-            trainer.capture_graph(step)
-    for adam in trainer.tables.adams():     # the frozen tables' updates, on scratch tables
-        adam.launch_on_scratch()
-    trainer.averages.launch_on_scratch()
-    trainer.graphs.in_warm_up = trainer.tables.frozen = False
-    seen = set()
-    for step, final in validation_points(h):
-        graph = (attention_windows(h, step, final), step < untie_step(h))
-        if graph not in seen:
-            seen.add(graph)
-            say(f"validation forward {len(seen)}/{warm_up_validations(h)}")
-            with part(f"a validation forward, windows {graph[0]}, head {'tied' if graph[1] else 'untied'}"):
-                trainer.advance_to(step, final)
-                trainer.validate(val_slices[:1], step, final)
-    trainer.restore(saved)
-    trainer.advance_to(0)
-    synchronize(trainer.pg.device)
-    return compiled_graphs() - before
 
 
 def write_loss_lines(log, lines, h, clock, sink):
@@ -3150,7 +2573,7 @@ def save_resume_state(trainer, step, batches, log):
 
 
 def train(h, pg, log, resumed=None):
-    """Train h on the process group pg, logging to log; `resumed`: a resume state (resume.py) to
+    """Train h on the process group pg, logging to log; `resumed`: a resume state (machinery/resume.py) to
     continue from."""
     train_files, val_files = shards_of(h.train_files), shards_of(h.val_files)
     check_validation_split(h, pg)
@@ -3175,13 +2598,13 @@ def train(h, pg, log, resumed=None):
     log.progress = "in the warm-up"
     untimed_t0 = time.perf_counter()
     kernel_choice.start_run(pg.device, selecting=trainer.kernels.triton and trainer.needs_warm_up())
-    warm_graphs = (warm_up(trainer, train_files, val_slices, Progress(log, "warming up"))
+    warm_graphs = (warm_up(this_recipe(), trainer, train_files, val_slices, Progress(log, "warming up"))
                    if trainer.needs_warm_up() else 0)
     for line in kernel_choice.end_run():    # each shape's implementation, timed in the warm-up or by rule
         log.write(line, echo=False)
     if trainer.kernels.any_fp8:
         trainer.calibrate_fp8(first_batch(h, train_files, trainer.mine))
-    log.write(warm_up_line(trainer, time.perf_counter() - untimed_t0, warm_graphs), echo=True)
+    log.write(warm_up_line(this_recipe(), trainer, time.perf_counter() - untimed_t0, warm_graphs), echo=True)
     start = resumed["step"] if resumed else 0
     if resumed:
         resume.restore_state(trainer, resumed)
@@ -3190,7 +2613,7 @@ def train(h, pg, log, resumed=None):
     gc.collect()
     gc.freeze()                    # the warm-up's objects leave the collector's view: shorter pauses in the timed run
     trainer.tables.start_timing()
-    batches = BatchPrefetcher(loader_at(h, train_files, start), h, trainer.mine, pin=pg.device.type == "cuda",
+    batches = BatchPrefetcher(loader_at(h, train_files, start), functools.partial(batch_shape, h), trainer.mine, pin=pg.device.type == "cuda",
                               router=trainer.tables.router, start=start)
     if resumed:
         resume.check_data_position(resumed["path"], resumed, batches.peek())
@@ -3257,7 +2680,7 @@ def train(h, pg, log, resumed=None):
         log.write(f"warning: torch.compile built {timed_graphs} graph(s) inside the timed run: the warm-up "
                   f"missed a shape or a guard, and the train time includes compilation", echo=True)
     peak = (torch.cuda.max_memory_allocated(pg.device) if pg.device.type == "cuda"
-            else _peak_rss_bytes()) // 2**20
+            else peak_rss_bytes()) // 2**20
     if trainer.budget is not None:
         log.write(memory_line(trainer.budget, pg.device), echo=True)
     if h.save_checkpoint and pg.master:
@@ -3279,101 +2702,9 @@ def train(h, pg, log, resumed=None):
     return val_loss
 
 
-def memory_line(budget, device):
-    """The run's measured GPU memory beside what its MemoryBudget predicted."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    return (f"memory: peak allocated {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB, reserved "
-            f"{torch.cuda.max_memory_reserved(device) / 2**30:.1f} GiB; the budget {budget.summary(total)} "
-            f"(its step {budget.step / 2**30:.1f} GiB)")
-
-
-def _peak_rss_bytes():
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 # -----------------------------------------------------------------------------------------------
 # main: how a run ends
 # -----------------------------------------------------------------------------------------------
-
-
-def stop(log, line, code, show=True):
-    """End the run: `line` as the log's last line (if there is a log and room), and on stderr when
-    `show`. A line a log cannot hold (a file name with a line break in an error) is escaped as in
-    JSON, so that it stays one line."""
-    line = line if loggable(line) else json.dumps(line)[1:-1]
-    if log is not None:
-        log.write_last_line(line)
-        if log.writer is not None:
-            line += f" (log: {log.path})"
-    if show:
-        print(line, file=sys.stderr, flush=True)
-    return code
-
-
-def where_the_run_is(log, command):
-    """Where a stopped process was, for its line: the log's progress, or the command."""
-    return log.progress if log is not None else (f"during --{command}" if command else "before training")
-
-
-PLAN_MAX_GIB = 2**20               # the most memory --plan takes for a GPU or a host: a PiB
-
-
-def plan_command(argv):
-    """--plan [--gpus=N --gpu_gib=X --host_gib=Y] [train_gpt.py arguments]: print launch_plan's
-    answer for this machine (or for N GPUs of X GiB and Y GiB of host memory, on any machine), in
-    three lines: the processes, the preset arguments, the reason. run.sh asks it."""
-    parser = ArgumentParser(prog="train_gpt.py --plan", allow_abbrev=False,
-                            description="What ./run.sh starts on a machine's GPUs, and why (docs/gpu.md). Any other "
-                                        "--key=value is the run's, as for training.")
-    parser.add_argument("--plan", action="store_true", help="print the plan: processes, preset arguments, reason")
-    parser.add_argument("--gpus", type=int, default=None, help="GPUs to plan for (default: this machine's)")
-    parser.add_argument("--gpu_gib", type=float, default=None,
-                        help="free memory of each GPU in GiB, e.g. 79.6 for an 80 GB H100 (default: GPU 0's now)")
-    parser.add_argument("--host_gib", type=float, default=None,
-                        help="host memory in GiB the run may use (default: this machine's available memory)")
-    args, rest = parser.parse_known_args(argv)
-    gpus = torch.cuda.device_count() if args.gpus is None else args.gpus
-    if gpus < 1:
-        raise ConfigError("--plan is for GPUs and this machine has none (./run.sh runs the cpu preset here); to plan "
-                          "for a GPU machine, name it: --gpus=N --gpu_gib=G [--host_gib=H]")
-    if args.gpu_gib is None and not torch.cuda.is_available():
-        raise ConfigError(f"--plan for {gpus} GPU(s) on a machine without one needs their memory: add --gpu_gib=G "
-                          f"(GiB each, e.g. 79.6 for an 80 GB H100, 23.6 for a 24 GB card)")
-    for key, value in (("gpu_gib", args.gpu_gib), ("host_gib", args.host_gib)):
-        if value is not None and not 0 < value <= PLAN_MAX_GIB:
-            raise ConfigError(f"--{key}={value} is not allowed: expects a positive number of GiB, at most "
-                              f"{PLAN_MAX_GIB:,} (a PiB)")
-
-    def available(device):
-        given = args.gpu_gib if device.type == "cuda" else args.host_gib
-        return available_memory_bytes(device) if given is None else int(given * 2**30)
-    preset_args, processes, reason = memory_budget.launch_plan(this_recipe(), gpus, rest, available)
-    print(processes, " ".join(preset_args), reason, sep="\n")
-    return 0
-
-
-def names_a_config(argv):
-    """Whether argv names its config: a --preset or a --config."""
-    return any(a in ("--preset", "--config") or a.startswith(("--preset=", "--config=")) for a in argv)
-
-
-def with_machine_preset(argv, launch):
-    """argv as ./run.sh would start it on this machine when it names no preset: the cpu preset
-    without a GPU; with GPUs, launch_plan's choice for the processes this launch has, said in one
-    line (by rank 0). A plan for another number of processes is refused with what to run instead."""
-    if names_a_config(argv):
-        return argv
-    if not torch.cuda.is_available():
-        return ["--preset", "cpu", *argv]
-    asked = [a for a in argv if a not in ("-h", "--help", "--print_config")]
-    preset_args, processes, reason = memory_budget.launch_plan(this_recipe(), launch.world_size, asked)
-    if processes != launch.world_size:
-        raise ConfigError(f"no --preset given, and on {launch.world_size} process(es) of this machine the plan needs "
-                          f"{processes}: run ./run.sh, or name a preset (--preset NAME)")
-    if launch.rank == 0:
-        print(f"train_gpt.py: no --preset given, as ./run.sh here: {reason}", file=sys.stderr, flush=True)
-    return [*preset_args, *argv]
 
 
 def this_recipe():
@@ -3384,7 +2715,7 @@ def this_recipe():
 
 def main(argv=None, command=None, run=None):
     """Train (or --plan) from the command line; `run(argv)` instead runs another entry point's
-    `command` (evaluate.py's eval and sample) under the same ending: an error or a signal is
+    `command` (evaluation/evaluate.py's eval and sample) under the same ending: an error or a signal is
     one line on stderr and in the log, with an exit code, never a traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
     log, launch, handlers = None, None, None
@@ -3394,13 +2725,13 @@ def main(argv=None, command=None, run=None):
         if run is not None:
             return run(argv)
         if "--plan" in argv:
-            return plan_command(argv)
+            return memory_budget.plan_command(this_recipe(), argv)
         if any(a.startswith(("--eval", "--sample")) for a in argv):
-            raise ConfigError("a checkpoint is evaluated or sampled by evaluate.py: python evaluate.py --eval=PATH "
-                              "or --sample=PATH")
+            raise ConfigError("a checkpoint is evaluated or sampled by evaluation/evaluate.py: "
+                              "python evaluation/evaluate.py --eval=PATH or --sample=PATH")
         resume_from, argv = resume.resume_argument(argv)
         h, resumed = (resume.resumed_config(resume_from, argv) if resume_from
-                      else (parse_config(with_machine_preset(argv, launch)), None))
+                      else (parse_config(memory_budget.with_machine_preset(this_recipe(), argv, launch)), None))
         pg = start_process(h)
         log = RunLog(h.log_dir, pg.master)
         with bf16_gemms(gemm_path(h, pg.device)):
@@ -3409,7 +2740,7 @@ def main(argv=None, command=None, run=None):
     except Interrupted as e:
         return stop(log, interruption_line(launch, e.signal_name, where_the_run_is(log, command)),
                     SIGNAL_EXIT_CODES[e.signal_name], shows_interruptions(launch))
-    except UserError as e:        # every module's error that the user can mend (errors.py)
+    except UserError as e:        # every module's error that the user can mend (machinery/errors.py)
         hold_signals()
         return stop(log, f"{ERROR_PREFIX}{e}", EXIT_USER_ERROR, report_error(launch, f"{ERROR_PREFIX}{e}"))
     except LogWriteError as e:

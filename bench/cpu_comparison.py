@@ -4,8 +4,9 @@ Each variant is a name and the --key=value overrides that make it; every variant
 `train_gpt.py --preset cpu <overrides> --seed=S` for every seed (one thread per run,
 `--parallel` runs at once). Prints a Markdown table of the mean and sample std of the final val
 loss per variant and appends it, with the date, the commit and the command, to
-`bench/cpu_results.md`. Runs share the cores, so their train times say nothing about speed: time
-a variant alone on an idle machine (or with records/make_record.py from interleaved runs).
+`bench/results/<date>_<machine>.md` (`results_file`). Runs share the cores, so their train times
+say nothing about speed: time a variant alone on an idle machine (or with records/make_record.py
+from interleaved runs).
 
     python bench/cpu_comparison.py --seeds 1 2 3 --title "36 vs 40 steps" \\
         --variant 36steps --num_iterations=36 --variant 40steps --num_iterations=40
@@ -17,6 +18,7 @@ the tool before it runs anything (nothing is overwritten).
 import argparse
 import datetime
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -25,8 +27,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import config  # noqa: E402
 import train_gpt as tg  # noqa: E402
+from machinery import config  # noqa: E402
 from records.logfile import cpu_model, parse_log  # noqa: E402
 
 
@@ -124,6 +126,42 @@ def results_table(results, variants, seeds):
     return "\n".join(lines)
 
 
+# /proc/cpuinfo flags of a CPU's widest matrix units, the first found naming it: (flag, its name in a file name)
+MATRIX_UNITS = (("amx_bf16", "amx"), ("avx512_bf16", "avx512bf16"), ("avx512f", "avx512"), ("avx2", "avx2"))
+
+
+def machine_name(model=None, flags=None):
+    """This CPU as a file name: "cpu", its model without vendor, trademarks and filler, and its
+    widest matrix units: "AMD EPYC 7B13" with avx512_bf16 -> "cpu-epyc-7b13-avx512bf16"."""
+    if flags is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+        except OSError:
+            flags = []
+    model = re.sub(r"\((R|TM|r|tm)\)|\b(AMD|Intel|Processor|CPU|unknown)\b|@.*$|\d+-Core", " ",
+                   cpu_model() if model is None else model)
+    words = re.findall(r"[a-z0-9]+", model.lower())
+    units = next((name for flag, name in MATRIX_UNITS if flag in flags), None)
+    return "-".join(["cpu", *words, *([units] if units else [])])
+
+
+def results_file(day=None):
+    """bench/results/<day>_<machine>.md: where a measurement made today on this machine goes."""
+    day = day or datetime.date.today().isoformat()
+    return os.path.join(REPO, "bench", "results", f"{day}_{machine_name()}.md")
+
+
+def append_section(path, section):
+    """Appends a Markdown section (starting with a blank line) to `path`, making its folder, and a
+    title line naming the CPU where the file is new."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        if f.tell() == 0:
+            f.write(f"# CPU measurements, {datetime.date.today().isoformat()}, {cpu_model()}\n")
+        f.write(section)
+
+
 def source_commit():
     """HEAD's hash, marked dirty when tracked files differ from it."""
     def git(*args):
@@ -141,8 +179,8 @@ def main():
     parser.add_argument("--title", default="cpu preset variants", help="what is compared (the section title)")
     parser.add_argument("--out", default=os.path.join(REPO, "logs", "cpu_comparison"),
                         help="the runs' log folders go here, one per variant and seed")
-    parser.add_argument("--results", default=os.path.join(REPO, "bench", "cpu_results.md"),
-                        help="append the table here ('' to skip)")
+    parser.add_argument("--results", default=results_file(),
+                        help="append the table here ('' to skip; default: bench/results/<today>_<machine>.md)")
     args = parser.parse_args(own)
     if not variants:
         raise SystemExit("error: give at least one variant: --variant NAME [--key=value ...] (see --help)")
@@ -164,11 +202,10 @@ def main():
     table = results_table(results, variants, args.seeds)
     print("\n" + table)
     if args.results:
-        with open(args.results, "a") as f:
-            f.write(f"\n## {args.title}, {datetime.date.today().isoformat()}\n\n"
-                    f"- commit: {commit}\n- machine: {cpu_model()}, {os.cpu_count()} cores, no GPU, "
-                    f"{args.parallel} runs at a time with one thread each\n"
-                    f"- command: `python bench/cpu_comparison.py {' '.join(sys.argv[1:])}`\n\n{table}\n")
+        append_section(args.results, f"\n## {args.title}, {datetime.date.today().isoformat()}\n\n"
+                       f"- commit: {commit}\n- machine: {cpu_model()}, {os.cpu_count()} cores, no GPU, "
+                       f"{args.parallel} runs at a time with one thread each\n"
+                       f"- command: `python bench/cpu_comparison.py {' '.join(sys.argv[1:])}`\n\n{table}\n")
 
 
 if __name__ == "__main__":

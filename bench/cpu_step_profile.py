@@ -5,8 +5,8 @@ applies), runs --warmup untimed steps, then profiles --steps steps with torch.pr
 phases are the trainer's own record_function ranges ("forward", "backward", "optimizer: ...")
 plus the batch fetch, so the loop measured is the training loop; a CPU executes synchronously,
 so a range's wall time is the phase's time. Prints a Markdown section (phases, then the
-operators with the most self time) and appends it to bench/cpu_results.md with the date, the
-commit, the machine and the command.
+operators with the most self time) and appends it to bench/results/<date>_<machine>.md with the
+date, the commit, the machine and the command.
 
     python bench/cpu_step_profile.py --at 2 --steps 4 [--key=value ...]
 
@@ -14,6 +14,7 @@ Time it on an idle machine: other jobs on the cores slow every phase.
 """
 import argparse
 import datetime
+import functools
 import os
 import sys
 import time
@@ -25,10 +26,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
+from cpu_comparison import append_section, results_file, source_commit  # noqa: E402
+
 import train_gpt as tg  # noqa: E402
-from cpu_comparison import source_commit  # noqa: E402
-from cpu_runtime import bf16_gemms  # noqa: E402
 from data.shards import find_shards  # noqa: E402
+from machinery.cpu_runtime import bf16_gemms  # noqa: E402
 from records.logfile import cpu_model  # noqa: E402
 
 DATA_RANGE = "data"                # the batch fetch (the loader packs the next batch in a thread)
@@ -41,7 +43,7 @@ def profile_steps(h, at, warmup, steps):
     env = tg.start_process(h)
     trainer = tg.Trainer(h, env, log=None)
     train_files = find_shards(h.train_files, hint=tg.TINY_HINT)
-    batches = tg.BatchPrefetcher(tg.train_loader(h, train_files), h, trainer.mine, pin=False)
+    batches = tg.BatchPrefetcher(tg.train_loader(h, train_files), functools.partial(tg.batch_shape, h), trainer.mine, pin=False)
     try:
         with bf16_gemms(tg.gemm_path(h, env.device)):
             for step in range(at):
@@ -96,8 +98,8 @@ def main():
     parser.add_argument("--steps", type=int, default=4, help="profiled steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps just before --at")
     parser.add_argument("--title", default="cpu preset", help="what this profile is of (the section title)")
-    parser.add_argument("--results", default=os.path.join(REPO, "bench", "cpu_results.md"),
-                        help="append the section here ('' to skip)")
+    parser.add_argument("--results", default=results_file(),
+                        help="append the section here ('' to skip; default: bench/results/<today>_<machine>.md)")
     args, overrides = parser.parse_known_args()
     h = tg.parse_config(["--preset", "cpu", *overrides])
     commit = source_commit()
@@ -114,8 +116,7 @@ def main():
                f"{phase_table(prof, args.steps, seconds)}\n\n{operator_table(prof, args.steps, seconds)}\n")
     print(section)
     if args.results:
-        with open(args.results, "a") as f:
-            f.write(section)
+        append_section(args.results, section)
 
 
 if __name__ == "__main__":

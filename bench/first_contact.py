@@ -16,7 +16,7 @@ bench/compile_cache.tgz, pass `carry bench/compile_cache.tgz`) and starts warm.
 
 In order (PART_LIMITS_S: each part gets what is left of the budget, at most its cap):
   1. environment: versions, commit, `nvidia-smi`, the memory budget's prediction for the
-     compiled run (memory_budget.py), and the data: the tiny corpus's real text when it travelled
+     compiled run (machinery/memory_budget.py), and the data: the tiny corpus's real text when it travelled
      with the tree (`carry data/tiny_corpus`), else shards drawn from its token statistics
      (bench/representative_tokens.py), said so;
   2. compiled: train_gpt.py, the 1gpu preset compiled with CUDA graphs and the sync check, one
@@ -250,9 +250,10 @@ def eager_args(dry):
     """train_gpt.py arguments of the eager runs: the compiled run's first stage alone, one
     micro-batch a step, the head tied, a small n-gram table in host memory with a device cache of
     the fewest rows allowed (one Adam event a step: the fewest rows a cache may have)."""
-    import sparse_tables
     import torch
+
     import train_gpt as tg
+    from machinery import sparse_tables
     stage = tg.config_to_dict(tg.parse_config(compiled_args(dry)))["stages"][0] | {"end": 1.0}
     kept = [a for a in compiled_args(dry) if not a.startswith(("--stages=", "--untie_frac=", "--ngram_", "--batch_ranks=",
                                                                 "--val_tokens", "--num_iterations="))]
@@ -807,7 +808,7 @@ def part_device(dry):
 
 def report_versions(task, progress):
     """The versions of torch, triton and CUDA, the GPU's name, the memory budget of the compiled
-    run (memory_budget.py) on this GPU, and the runs' plan: their data (training_data) and
+    run (machinery/memory_budget.py) on this GPU, and the runs' plan: their data (training_data) and
     arguments."""
     import torch
     import triton
@@ -820,8 +821,8 @@ def report_versions(task, progress):
     plan = dict(train_files=train_files, val_files=val_files, data=data, compiled_args=compiled_args(task.dry),
                 eager_args=eager_args(task.dry))
     progress(plan=plan)
-    import memory_budget
     import train_gpt as tg
+    from machinery import memory_budget
     budget = memory_budget.memory_budget(tg, tg.parse_config(plan["compiled_args"]), 1)
     total = torch.cuda.get_device_properties(0).total_memory if cuda and not task.dry else 80 * 2**30
     largest = sorted(budget.device.items(), key=lambda item: -item[1])[:4]

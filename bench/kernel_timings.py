@@ -11,8 +11,6 @@ import time
 
 import numpy as np
 
-DOC_LEN_SIGMA = 1.0       # log-normal spread of document lengths (median 600: a mean near 1,000, like FineWeb)
-MIN_DOC_LEN = 16          # shortest generated document (the trainer's MIN_DOC_TOKENS)
 ATTENTION_MATMULS = 7     # per visible pair and head dim: 2 forward (QK^T, PV), 5 backward (QK^T again, dV, dP, dQ, dK)
 SYNTHETIC_DOC_LEN = 1000  # tokens between <|endoftext|> tokens in the synthetic shards
 BOS = 50256               # <|endoftext|>, which starts every document
@@ -128,6 +126,7 @@ def bench_fp8_matmul(shapes, device, timer, dry):
     the head's input gradient over its columns). A line per implementation; torch's own line
     prices cuBLAS's structure."""
     import torch
+
     import kernels
     T, D, H = shapes["tokens"], shapes["width"], shapes["hidden"]
     forward = [("mlp up", T, D, H), ("mlp down", T, H, D), ("qkv", T, D, 3 * D)]
@@ -179,6 +178,7 @@ def bench_fp8_layers(shapes, device, timer, dry):
     """The FP8 layers with the trainer's scale rules against bf16 torch: the MLP, the packed QKV
     projection and the head at the dominant stage's candidate width."""
     import torch
+
     import kernels
     T, D, H, C = shapes["tokens"], shapes["width"], shapes["hidden"], shapes["softmax_widths"][0]
     x = torch.randn(T, D, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -203,20 +203,11 @@ def bench_fp8_layers(shapes, device, timer, dry):
     return lines
 
 
-def uneven_document_lengths(num_tokens, median, max_len, generator):
-    """Log-normal document lengths (cut to [MIN_DOC_LEN, max_len]) that fill num_tokens exactly."""
-    lengths = []
-    while sum(lengths) < num_tokens:
-        length = generator.lognormal(np.log(median), DOC_LEN_SIGMA)
-        lengths.append(int(np.clip(length, MIN_DOC_LEN, max_len)))
-    lengths[-1] -= sum(lengths) - num_tokens
-    return lengths
-
-
 def zipf_slices(count, num_tokens, median_doc, generator):
     """`count` slices of num_tokens synthetic token ids (int32), each id drawn independently with
     p(rank r) ~ 1 / (r + ZIPF_OFFSET) over a shuffled vocabulary, a document start (BOS) before
     each log-normal document. Independent draws: more distinct bigrams and trigrams than text."""
+    import step_model
     import torch
     vocab = np.arange(BOS)
     p = 1.0 / (vocab + ZIPF_OFFSET)
@@ -224,7 +215,8 @@ def zipf_slices(count, num_tokens, median_doc, generator):
     out = []
     for _ in range(count):
         tokens = ids[generator.choice(vocab, size=num_tokens, p=p / p.sum())].astype(np.int32)
-        tokens[np.cumsum([0] + uneven_document_lengths(num_tokens, median_doc, num_tokens, generator))[:-1]] = BOS
+        tokens[np.cumsum([0] + step_model.uneven_document_lengths(num_tokens, median_doc, num_tokens,
+                                                                  generator))[:-1]] = BOS
         out.append(torch.from_numpy(tokens))
     return out
 
@@ -242,8 +234,9 @@ def routing_host_ms(shapes, token_counts, pin, way="route_of"):
     host work, on a GPU a kernel."""
     import torch
     import torch.distributed as dist
-    import sparse_tables
+
     import train_gpt as tg
+    from machinery import sparse_tables
     world, generator = SPEEDRUN_PROCESSES, np.random.default_rng(0)
     cpu = torch.device("cpu")
     table = tg.NgramTable(shapes["ngram_rows"] * world, 8, max(token_counts), torch.bfloat16,
@@ -393,10 +386,13 @@ def bench_attention(shapes, device, timer, dry):
     """Our attention against compiled flex_attention with the same document and window mask, at
     the dominant stage's windows (the short layers' and the long ones': each picks its tiles), and
     against SDPA's flash backend on equal causal documents; the forward outputs compared."""
+    import step_model
     import torch
+
     import kernels
     T, L = shapes["tokens"], shapes["doc_len"]
-    lengths = uneven_document_lengths(T, shapes["doc_median"], shapes["max_doc_len"], np.random.default_rng(0))
+    lengths = step_model.uneven_document_lengths(T, shapes["doc_median"], shapes["max_doc_len"],
+                                                 np.random.default_rng(0))
     uneven_cu_seqlens = torch.tensor(np.cumsum([0] + lengths), device=device, dtype=torch.int32)
     equal_cu_seqlens = torch.arange(0, T + 1, L, device=device, dtype=torch.int32)
     lines = []
@@ -441,6 +437,7 @@ def bench_attention(shapes, device, timer, dry):
 def bench_cross_entropy(shapes, device, timer, dry):
     import torch
     import torch.nn.functional as F
+
     import kernels
     T = shapes["tokens"]
     lines = []
@@ -463,6 +460,7 @@ def bench_cross_entropy(shapes, device, timer, dry):
 
 def bench_xxt(shapes, device, timer, dry):
     import torch
+
     import kernels
     lines = []
     for shape in shapes["muon"]:
@@ -478,6 +476,7 @@ def bench_qk_norm_rope(shapes, device, timer, dry):
     """The QK norm + RoPE kernel (with the key offset) against the same math in torch ops, both
     forward and backward on q, k views of a packed projection (informational: memory bound)."""
     import torch
+
     import kernels
     T, D = shapes["tokens"], shapes["width"]
     head_dim = 16 if dry else 128
@@ -505,6 +504,7 @@ def bench_sparse_rows(shapes, device, timer, dry):
     against torch.unique + index_add_, and the sparse Adam row update against its torch
     reference (informational: memory bound)."""
     import torch
+
     import kernels
     T, D, rows = shapes["tokens"], shapes["width"], shapes["ngram_rows"]
     generator = torch.Generator(device=device).manual_seed(0)
@@ -539,6 +539,7 @@ def bench_composed_attention(shapes, device, timer, dry):
     tokens, mixed per token) against its blocked torch reference, forward and backward on bf16
     inputs with documents of SYNTHETIC_DOC_LEN tokens (informational)."""
     import torch
+
     import kernels
     T, D = shapes["tokens"], shapes["width"]
     head_dim = 16 if dry else 128

@@ -53,14 +53,13 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "tests" / "helpers"))
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 
-import kernel_choice  # noqa: E402
-import kernels  # noqa: E402
-import sparse_tables  # noqa: E402
-import train_gpt  # noqa: E402
 import triton  # noqa: E402
 from cuda_autocast import cuda_autocast_rules  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
+import kernels  # noqa: E402
+import train_gpt  # noqa: E402
+from machinery import kernel_choice, sparse_tables  # noqa: E402
 
 
 def report_path(version=triton.__version__):

@@ -416,9 +416,22 @@ def gemm_flops(event):
 # Attention: the tiles the kernels visit
 # -----------------------------------------------------------------------------------------------
 
+DOC_LEN_SIGMA = 1.0       # log-normal spread of document lengths (median 600: a mean near 1,000, like FineWeb)
+MIN_DOC_LEN = 16          # shortest generated document (the trainer's MIN_DOC_TOKENS)
+
+
+def uneven_document_lengths(num_tokens, median, max_len, generator):
+    """Log-normal document lengths (cut to [MIN_DOC_LEN, max_len]) that fill num_tokens exactly."""
+    lengths = []
+    while sum(lengths) < num_tokens:
+        length = generator.lognormal(np.log(median), DOC_LEN_SIGMA)
+        lengths.append(int(np.clip(length, MIN_DOC_LEN, max_len)))
+    lengths[-1] -= sum(lengths) - num_tokens
+    return lengths
+
+
 def document_lengths(tokens, max_doc_len, seed=DOC_SEED):
-    """FineWeb-like document lengths filling `tokens` (bench/kernel_timings.uneven_document_lengths)."""
-    from kernel_timings import uneven_document_lengths
+    """FineWeb-like document lengths filling `tokens` (uneven_document_lengths at DOC_MEDIAN)."""
     return uneven_document_lengths(tokens, DOC_MEDIAN, max_doc_len, np.random.default_rng(seed))
 
 
@@ -757,7 +770,7 @@ def trace_stage(h, index, world):
             ships = {}
             for i, average in enumerate(h.averages):
                 census.phase = f"averages{i}"
-                single = train_gpt.WeightAverages([average], model, h.num_iterations, fns.ema_update)
+                single = optim.WeightAverages([average], model, h.num_iterations, fns.ema_update)
                 single.sample(h.num_iterations - 1)   # seeds the EMA (a copy)
                 start = len(census.events)
                 single.sample(h.num_iterations - 1)   # an EMA update, what the other samples cost
@@ -1031,7 +1044,7 @@ class RunModel:
         ops = [(op, self.accum) for op in s.micro_batch + s.tables.per_slice] + [(op, 1) for op in self.update_ops(step)]
         if self.tables_update(step):
             ops += [(op, 1) for op in s.tables.ngram_event + s.tables.value_event]
-        averages = train_gpt.WeightAverages(h.averages, None, h.num_iterations)
+        averages = optim.WeightAverages(h.averages, None, h.num_iterations)
         for i, average in enumerate(h.averages):
             if averages.samples_at(average, step):
                 ops += [(op, 1) for op in s.averages[i]]

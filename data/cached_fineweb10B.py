@@ -22,15 +22,10 @@ if __package__ in (None, ""):  # run as `python data/cached_fineweb10B.py`: make
 import httpx2  # huggingface-hub 2.x's HTTP client: its TransportError is a network failure mid-transfer
 from huggingface_hub import constants as hub_constants
 from huggingface_hub import hf_hub_download
-from huggingface_hub.errors import (
-    EntryNotFoundError,
-    HfHubHTTPError,
-    LocalEntryNotFoundError,
-    OfflineModeIsEnabled,
-)
+from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
 from data.shards import ShardError, read_header
-from errors import UserError
+from machinery.errors import UserError
 
 HUB_REPO_ID = "kjj0/fineweb10B-gpt2"  # the public cache of FineWeb-10B in GPT-2 tokens
 HUB_REPO_TYPE = "dataset"

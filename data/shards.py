@@ -17,7 +17,7 @@ import tempfile
 
 import numpy as np
 
-from errors import UserError
+from machinery.errors import UserError
 
 SHARD_MAGIC = 20240520  # first header int: identifies the format
 SHARD_VERSION = 1  # second header int: layout of the token payload (uint16)

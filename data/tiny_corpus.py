@@ -42,7 +42,7 @@ import numpy as np
 
 from data.shards import ShardError, read_header, write_shard
 from data.tokenizer import BOS_ID, VOCAB_SIZE, TokenizerError, gpt2_encoding
-from errors import UserError
+from machinery.errors import UserError
 
 MAX_DOC_TOKENS = 1024  # longest document, BOS included
 SHARD_MAX_TOKENS = 1_000_000  # train shards hold at most this many tokens, whole documents only

@@ -35,7 +35,7 @@ import numpy as np
 import tiktoken
 import tiktoken.load
 
-from errors import UserError
+from machinery.errors import UserError
 
 BOS_ID = 50256  # <|endoftext|>: starts every document, so it is also the document separator
 VOCAB_SIZE = 50257  # GPT-2 vocabulary: 50256 byte-pair tokens plus <|endoftext|>

@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
-from errors import UserError
+from machinery.errors import UserError
 
 FORMAT_VERSION = 2                 # what LogWriter writes
 LOG_MAX_BYTES = 64 * 2**20         # the largest log a reader reads: the writers' logs hold well under 1 MiB

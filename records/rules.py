@@ -18,7 +18,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from errors import UserError
+from machinery.errors import UserError
 from records.logfile import DIRTY_MARK, git_blob_id
 
 FREE_CONFIG_KEYS = ("seed", "log_dir")  # the only config values the runs of one record may differ in

@@ -14,19 +14,18 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from launch import cpu_env, run_distributed
 from test_failures import run_main  # noqa: F401 (a fixture)
-from tiny_runs import (DENSE, FEATURES, NGRAM, REPO, TINY, data_args, run_trainer, synthetic_documents,
-                       tiny_config, tiny_model)
+from tiny_runs import (DENSE, FEATURES, NGRAM, REPO, TINY, data_args, run_trainer, synthetic_documents, tiny_config,
+                       tiny_model)
 
 sys.path.insert(0, REPO)
 import kernels  # noqa: E402
-import checkpoint  # noqa: E402
-import evaluate  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data.shards import write_shard  # noqa: E402
 from data.tokenizer import BOS_ID  # noqa: E402
+from evaluation import evaluate  # noqa: E402
+from machinery import checkpoint  # noqa: E402
 from records.logfile import parse_log  # noqa: E402
 
 HAS_SAFETENSORS = importlib.util.find_spec("safetensors") is not None
@@ -197,7 +196,7 @@ def test_a_byte_range_that_does_not_fit_its_shape_is_refused_even_when_trusted(t
 def test_a_fifo_given_as_a_checkpoint_is_refused_before_it_is_opened(tmp_path):
     """In a subprocess under a timeout: a reader that opened the FIFO would wait for a writer forever."""
     os.mkfifo(tmp_path / "pipe.safetensors")
-    done = subprocess.run([sys.executable, os.path.join(REPO, "evaluate.py"), f"--eval={tmp_path}/pipe.safetensors"],
+    done = subprocess.run([sys.executable, os.path.join(REPO, "evaluation", "evaluate.py"), f"--eval={tmp_path}/pipe.safetensors"],
                           capture_output=True, text=True, timeout=120, cwd=REPO, env=cpu_env(OMP_NUM_THREADS="1"))
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         f"error: {tmp_path}/pipe.safetensors: cannot read it (it is a FIFO (named pipe), not a checkpoint file)"]

@@ -1,4 +1,4 @@
-"""The config's schema (config.py): presets resolve, values parse by their annotated types and
+"""The config's schema (machinery/config.py): presets resolve, values parse by their annotated types and
 round-trip through a log, bad values and keys that do not fit together are refused naming them,
 every field carries the rule its type needs, and the cpu preset is the CPU track's current record."""
 import json
@@ -10,10 +10,11 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import config  # noqa: E402
-import train_gpt as tg  # noqa: E402
-from records.logfile import parse_log  # noqa: E402
 from tiny_runs import DENSE, tiny_config  # noqa: E402
+
+import train_gpt as tg  # noqa: E402
+from machinery import config  # noqa: E402
+from records.logfile import parse_log  # noqa: E402
 
 
 def test_presets_resolve_and_overrides_parse():
@@ -173,7 +174,7 @@ def test_bad_table_phases_are_refused_naming_the_phase(phases, refusal):
 
 
 def launch_of(processes, rank=0):
-    import processes as p
+    from machinery import processes as p
     return p.Launch(world_size=processes, rank=rank, local_world_size=processes, local_rank=rank, master="",
                     rendezvous_timeout_s=1.0, agent_store=None, attempt="0")
 
@@ -182,14 +183,15 @@ def test_without_a_preset_train_gpt_runs_what_run_sh_runs_on_this_machine(monkey
     """No GPU: the cpu preset (as ./run.sh); GPUs: launch_plan's choice for this launch's processes,
     said in one line; a plan for another process count is refused; a named preset stays."""
     import subprocess
+
     from launch import cpu_env
     done = subprocess.run([sys.executable, "train_gpt.py", "--print_config"], cwd=REPO, capture_output=True,
                           text=True, timeout=300, env=cpu_env())
     assert done.returncode == 0 and '"cpu"' in next(line for line in done.stdout.splitlines()
                                                      if line.startswith("preset ")), done
     monkeypatch.setattr(tg.torch.cuda, "is_available", lambda: False)
-    assert tg.with_machine_preset(["--seed=1"], launch_of(1)) == ["--preset", "cpu", "--seed=1"]
-    assert tg.with_machine_preset(["--preset=medium"], launch_of(1)) == ["--preset=medium"]
+    assert tg.memory_budget.with_machine_preset(tg, ["--seed=1"], launch_of(1)) == ["--preset", "cpu", "--seed=1"]
+    assert tg.memory_budget.with_machine_preset(tg, ["--preset=medium"], launch_of(1)) == ["--preset=medium"]
     monkeypatch.setattr(tg.torch.cuda, "is_available", lambda: True)
     plans = []
 
@@ -197,12 +199,12 @@ def test_without_a_preset_train_gpt_runs_what_run_sh_runs_on_this_machine(monkey
         plans.append((gpus, list(argv)))
         return ["--preset", "1gpu", "--ngram_cache_rows=0"], 1, "1 GPU of 79.6 GiB: the reason"
     monkeypatch.setattr(tg.memory_budget, "launch_plan", plan)
-    assert tg.with_machine_preset(["--seed=1", "--help"], launch_of(1)) == [
+    assert tg.memory_budget.with_machine_preset(tg, ["--seed=1", "--help"], launch_of(1)) == [
         "--preset", "1gpu", "--ngram_cache_rows=0", "--seed=1", "--help"]
     assert plans == [(1, ["--seed=1"])]
     assert capsys.readouterr().err == "train_gpt.py: no --preset given, as ./run.sh here: 1 GPU of 79.6 GiB: the reason\n"
     with pytest.raises(config.ConfigError, match=r"on 8 process\(es\) of this machine the plan needs 1: run ./run.sh"):
-        tg.with_machine_preset([], launch_of(8))
+        tg.memory_budget.with_machine_preset(tg, [], launch_of(8))
 
 
 def test_a_key_and_its_value_may_be_two_arguments():

@@ -6,7 +6,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from cpu_runtime import Bf16GemmsInFp32, bf16_gemm_path, bf16_gemms, cpu_has_native_bf16
+from machinery.cpu_runtime import Bf16GemmsInFp32, bf16_gemm_path, bf16_gemms, cpu_has_native_bf16
 
 BF16_ULP = 2.0 ** -7               # bf16 spacing relative to a value: 8 significant bits
 

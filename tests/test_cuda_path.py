@@ -25,20 +25,22 @@ import sys
 import numpy as np
 import pytest
 import torch
+from interpreter_shim import REPO_ROOT, isolated
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from interpreter_shim import REPO_ROOT, isolated
-
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "bench"))
-import kernels  # noqa: E402
 import sm90_report  # noqa: E402
-import train_gpt as tg  # noqa: E402
 from cuda_autocast import Call, TensorMeta, cuda_autocast_rules, replay_with_cuda_autocast  # noqa: E402
+from tiny_runs import synthetic_documents  # noqa: E402
+
+import kernels  # noqa: E402
+import train_gpt as tg  # noqa: E402
+from machinery.warm_up import WARM_UP_PART, warm_up  # noqa: E402
+from data.loader import TrainLoader  # noqa: E402
 from data.shards import write_shard  # noqa: E402
 from records.logfile import parse_log  # noqa: E402
-from tiny_runs import synthetic_documents  # noqa: E402
 
 interpreted = isolated(interpret=True)
 compiled = isolated(interpret=False)
@@ -358,7 +360,7 @@ def test_rehearsal_logs_each_warm_up_part_as_it_ends(rehearsal):
     optimizers' updates) and each validation's, all the warm-up's graphs among them."""
     log = parse_log(rehearsal[1])
     parts = [re.fullmatch(r"warm-up part: (.*): [\d.]+ s, (\d+) graph\(s\) compiled", line)
-             for line in log.info if line.startswith(tg.WARM_UP_PART)]
+             for line in log.info if line.startswith(WARM_UP_PART)]
     assert all(parts) and len(parts) == len(CHANGES) + 2
     training = [re.match(r"\d+ training step\(s\) of stage", p[1]) is not None for p in parts]
     assert training == [True] * len(CHANGES) + [False] * 2
@@ -462,7 +464,7 @@ def test_a_training_step_never_waits_for_the_device(shards, tmp_path, monkeypatc
     with cuda_autocast_rules():
         trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog(str(tmp_path), active=False))
         assert trainer.kernels.attention is kernels.flash_attn_varlen and trainer.kernels.fp8_mlp is not None
-        loader = tg.TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+        loader = TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
         for step in tg.graph_changes(h):
             trainer.advance_to(step)
             stage = h.stages[tg.stage_index(h, step)]
@@ -551,7 +553,7 @@ def test_two_steps_of_one_graph_key_make_the_same_calls_on_the_same_tensors(shar
             with traces[-1]:
                 body(*args)
         trainer.micro_batch = traced_body
-        loader = tg.TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+        loader = TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
         for step in range(h.num_iterations):
             trainer.advance_to(step)
             stage = h.stages[tg.stage_index(h, step)]
@@ -624,11 +626,11 @@ def test_what_the_warm_up_captures_is_what_a_timed_step_makes(shards, tmp_path, 
         trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog(str(tmp_path), active=False))
         trainer.graphs.capturing = True
         monkeypatch.setattr(trainer.graphs, "_record", record)
-        tg.warm_up(trainer, tg.find_shards(h.train_files), tg.validation_data(h, trainer.pg,
+        warm_up(tg, trainer, tg.find_shards(h.train_files), tg.validation_data(h, trainer.pg,
                                                                             tg.find_shards(h.val_files)))
         for key, step in trainer.graphs.steps.items():
             step.body = lambda inputs, body=step.body, key=key: timed.append((key, traced(lambda: body(inputs))))
-        loader = tg.TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+        loader = TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
         for step in range(h.num_iterations):
             trainer.advance_to(step)
             stage = h.stages[tg.stage_index(h, step)]

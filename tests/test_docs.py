@@ -1,12 +1,14 @@
 """The documentation a reader follows: the README stays a front door (at most 10 KiB) that links
-the longer documents, and every relative link in the README, docs/, bench/, data/ and the
-records' READMEs (the record folders' own READMEs excepted: the tool writes them) points at a
-file or folder of the repository."""
+the docs' index, which links every document of docs/; what a contributor must read (the README,
+the documents it links and records/FORMAT.md) fits in one sitting; and every relative link in
+the README, docs/, bench/, data/ and the records' READMEs (the record folders' own READMEs
+excepted: the tool writes them) points at a file or folder of the repository."""
 import pathlib
 import re
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 README_MAX_BYTES = 10 * 1024
+ONE_SITTING_BYTES = 60 * 1024      # the README, the documents it links and records/FORMAT.md
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")   # [text](target)
 
 
@@ -27,9 +29,19 @@ def relative_links(path):
 def test_the_readme_is_a_front_door():
     readme = REPO / "README.md"
     assert readme.stat().st_size <= README_MAX_BYTES
-    linked = set(relative_links(readme))
+    assert "docs/README.md" in set(relative_links(readme))
+    index = set(relative_links(REPO / "docs" / "README.md"))
     for document in sorted((REPO / "docs").glob("*.md")):
-        assert any(target.endswith(f"docs/{document.name}") for target in linked), f"README does not link {document.name}"
+        assert document.name == "README.md" or document.name in index, f"docs/README.md does not link {document.name}"
+
+
+def test_what_a_contributor_must_read_fits_in_one_sitting():
+    """The README, the Markdown documents it links directly and records/FORMAT.md."""
+    readme = REPO / "README.md"
+    linked = {(REPO / target).resolve() for target in relative_links(readme) if target.endswith(".md")}
+    must_read = linked | {readme, REPO / "records" / "FORMAT.md"}
+    assert sum(path.stat().st_size for path in must_read) <= ONE_SITTING_BYTES, sorted(
+        (path.stat().st_size, str(path.relative_to(REPO))) for path in must_read)
 
 
 def test_every_relative_link_resolves():
@@ -99,7 +111,8 @@ def test_the_model_sizes_in_the_usage_notes():
     """usage.md's sizes of a cpu and a speedrun model: their parameters and persistent buffers but
     the gradient sinks, and the n-gram table among them, counted on fake tensors."""
     import torch
-    from memory_budget import fake_model
+
+    from machinery.memory_budget import fake_model
     tg = recipe()
     text = " ".join((REPO / "docs" / "usage.md").read_text().split())
     sizes = {}

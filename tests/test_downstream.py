@@ -1,4 +1,4 @@
-"""downstream.py: a checkpoint served to lm-evaluation-harness. The scores lm-eval logs for a local
+"""evaluation/downstream.py: a checkpoint served to lm-evaluation-harness. The scores lm-eval logs for a local
 multiple-choice task equal our own forward pass of one document at a time, rolling
 log-likelihoods equal a direct sum over lm-eval's windows, generation stops at its stop strings,
 and a task whose dataset cannot be fetched ends with one line. Everything runs offline."""
@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from launch import cpu_env
 from tiny_runs import FEATURES, REPO, TINY, data_args, run_trainer, synthetic_documents
 
@@ -23,11 +22,11 @@ import lm_eval.api.registry  # noqa: E402
 import lm_eval.evaluator  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
-import downstream as ds  # noqa: E402
 import kernels  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data.shards import write_shard  # noqa: E402
 from data.tokenizer import BOS_ID, gpt2_encoding  # noqa: E402
+from evaluation import downstream as ds  # noqa: E402
 
 TASKS = os.path.join("tests", "lm_eval_tasks")     # relative to REPO, as the YAMLs' data_files are
 TOLERANCE = 1e-4   # nats per summed score: fp32, a packed pass against one document alone (summation order)
@@ -261,7 +260,7 @@ def test_the_command_prints_the_table_and_writes_the_results(checkpoint, tmp_pat
 
 def test_a_dataset_that_cannot_be_fetched_ends_with_one_line(checkpoint, tmp_path):
     env = cpu_env(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
-    res = subprocess.run([sys.executable, os.path.join(REPO, "downstream.py"), str(checkpoint), "--tasks", "hub_only",
+    res = subprocess.run([sys.executable, os.path.join(REPO, "evaluation", "downstream.py"), str(checkpoint), "--tasks", "hub_only",
                           "--include_path", TASKS], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
     assert res.returncode == 2 and res.stdout == ""
     (line,) = res.stderr.strip().splitlines()
@@ -364,7 +363,7 @@ def test_without_lm_eval_the_command_says_how_to_install_it(checkpoint):
     """lm-eval (or a package it brings) missing: one line naming the pinned install, not an import traceback."""
     blocker = ("import runpy, sys; sys.modules['lm_eval'] = None; sys.argv = sys.argv[1:]; "
                "runpy.run_path(sys.argv[0], run_name='__main__')")
-    done = subprocess.run([sys.executable, "-c", blocker, os.path.join(REPO, "downstream.py"), str(checkpoint),
+    done = subprocess.run([sys.executable, "-c", blocker, os.path.join(REPO, "evaluation", "downstream.py"), str(checkpoint),
                            "--tasks", "hellaswag"], capture_output=True, text=True, timeout=120, env=cpu_env(),
                           cwd=REPO)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [

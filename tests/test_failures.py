@@ -1,7 +1,7 @@
 """Bad input and bad luck, tried as a user would: each ends with one line saying what to do, an
 exit status of 2 (130 / 143 for SIGINT / SIGTERM), no traceback, and the run's log (if one was
-opened) ending in a whole line that says why. records/FORMAT.md lists these cases with the line
-each gets; the records tools' own refusals are tested in tests/test_records.py.
+opened) ending in a whole line that says why. docs/errors.md lists these cases with the line
+each gets; the records tools' own refusals (records/FORMAT.md) are tested in tests/test_records.py.
 """
 import contextlib
 import errno
@@ -23,16 +23,16 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from launch import LineReader, cpu_env, finish, run_distributed
 from tiny_runs import REPO, synthetic_documents, uses_checkpoint
 
 sys.path.insert(0, REPO)
-import config  # noqa: E402
-import evaluate  # noqa: E402
 import records.logfile  # noqa: E402
 import train_gpt as tg  # noqa: E402
+from data.loader import DataError  # noqa: E402
 from data.shards import write_shard  # noqa: E402
+from evaluation import evaluate  # noqa: E402
+from machinery import config  # noqa: E402
 from records.logfile import parse_log  # noqa: E402
 
 # The smallest trainer config that exercises the loop (2 layers, one stage).
@@ -218,7 +218,7 @@ def test_a_model_too_big_for_a_cpus_memory_is_refused_before_it_is_built(data, r
     budget prices at over 3 GiB with its margin) ends with one line, before the model is built;
     its log ends in the same line. A head dim the dry run's GPU kernels refuse (the CPU's references
     run it) leaves the step unpriced, but the weights are still counted."""
-    import memory_budget
+    from machinery import memory_budget
     monkeypatch.setattr(memory_budget, "available_memory_bytes", lambda device: 2**30)
     monkeypatch.setattr(tg, "build_model", lambda *a, **k: pytest.fail("the model was built"))
     code, err = run_main(TINY + extra + files(data) + [f"--log_dir={tmp_path}/logs"])
@@ -244,12 +244,10 @@ def test_every_error_a_user_can_mend_ends_a_run_with_its_one_line(data, run_main
     """Each module's user error derives from errors.UserError, and main ends a run on any of them
     (one planted here, which no module knows, too) with its message as the one line and the
     user-error exit status."""
-    import checkpoint
-    import downstream
-    import errors
-    import processes
     from data import shards, tokenizer
-    mendable = [config.ConfigError, tg.DataError, shards.ShardError, tokenizer.TokenizerError, processes.TrainingError,
+    from evaluation import downstream
+    from machinery import checkpoint, errors, processes
+    mendable = [config.ConfigError, DataError, shards.ShardError, tokenizer.TokenizerError, processes.TrainingError,
                 tg.optim.OptimConfigError, checkpoint.CheckpointError, records.logfile.LogFolderError,
                 records.logfile.LogError, downstream.DownstreamError]
     assert all(issubclass(error, errors.UserError) for error in mendable)
@@ -334,7 +332,7 @@ def test_a_signal_while_the_run_ends_does_not_cut_its_ending_short(monkeypatch, 
 
     def run(argv):
         if first == "error":
-            raise tg.DataError("its own shard is short: rebuild it")
+            raise DataError("its own shard is short: rebuild it")
         send_sigterm()
         raise AssertionError("SIGTERM did not interrupt the run")
 
@@ -754,7 +752,7 @@ def test_a_checkpoint_that_cannot_be_verified_or_read_is_refused(checkpoints, ru
 @pytest.mark.parametrize("trust", [False, True])
 def test_a_checkpoint_whose_config_is_out_of_range_is_refused_by_eval(checkpoints, trust):
     """The edited config breaks the header's hash; trusted anyway, the config check refuses it."""
-    done = subprocess.run([sys.executable, os.path.join(REPO, "evaluate.py"), f"--eval={checkpoints['huge_iterations']}",
+    done = subprocess.run([sys.executable, os.path.join(REPO, "evaluation", "evaluate.py"), f"--eval={checkpoints['huge_iterations']}",
                            f"--trust_checkpoint={str(trust).lower()}"],
                           capture_output=True, text=True, timeout=60, cwd=REPO, env=cpu_env(OMP_NUM_THREADS="1"))
     err = done.stderr.strip().splitlines()

@@ -12,13 +12,12 @@ import sys
 
 import pytest
 import torch
-
 from launch import cpu_env
 from tiny_runs import REPO
 
 sys.path.insert(0, REPO)
-import memory_budget  # noqa: E402
 import train_gpt as tg  # noqa: E402
+from machinery import memory_budget  # noqa: E402
 
 GiB = 2**30
 H100 = 81_559 * 2**20              # an 80 GB H100 SXM's memory as nvidia-smi reports it (MiB)
@@ -27,7 +26,8 @@ HOST = 1024 * GiB                  # a GPU server's host memory
 SPEEDRUN = ("--preset", "speedrun")
 SPLIT = ("--preset", "1gpu", "--ngram_cache_rows=0")   # the table split across the processes' GPUs
 HOST_TABLE = ("--preset", "1gpu")                       # one process, the table in host memory
-# (preset arguments, processes) by GPU count, worked out from the budget's items (README, bench/cpu_results.md):
+# (preset arguments, processes) by GPU count, worked out from the budget's items (README;
+# bench/results/2026-12-02_cpu-xeon.md, "Memory budget per preset and GPU, ..."):
 # a quarter of the table (32.6 GB) fits an H100 beside the rest in 2 micro-batches a slice (the
 # taper's full-softmax step), half of it (65.3 GB) only an H200.
 SPLIT_IN_2 = (*SPLIT, "--batch_ranks=16", "STAGES_IN_2", "--val_tokens_per_rank=131072")

@@ -1,5 +1,5 @@
 """What --help tells: train_gpt.py lists every config key with its type, its allowed values and its
-meaning, read from the schema (config.py's fields, their metadata and their comments), with the
+meaning, read from the schema (machinery/config.py's fields, their metadata and their comments), with the
 named preset's values; every bench script and --plan answer --help."""
 import pathlib
 import re
@@ -7,13 +7,12 @@ import subprocess
 import sys
 
 import pytest
-
 from launch import cpu_env
 from tiny_runs import REPO
 
 sys.path.insert(0, REPO)
-import config  # noqa: E402
 import train_gpt as tg  # noqa: E402
+from machinery import config  # noqa: E402
 
 TYPE_WORDS = {int: "INT", float: "FLOAT", bool: "true|false", str: "STR", tuple: "JSON-LIST", list: "JSON-LIST"}
 # A schema field with a comment on its own line: `    name: type = ...  # the comment`
@@ -35,7 +34,7 @@ def key_lines(text):
 def test_help_lists_every_key_with_its_type_range_and_meaning():
     lines = key_lines(help_text())
     assert set(lines) == set(config.SCHEMA) - {"preset"}
-    comments = {m[1]: m[2] for line in pathlib.Path(REPO, "config.py").read_text().splitlines()
+    comments = {m[1]: m[2] for line in pathlib.Path(REPO, "machinery", "config.py").read_text().splitlines()
                 if (m := COMMENTED_FIELD.match(line))}
     assert len(comments) > 60     # most fields say what they are on their own line
     for name, f in config.SCHEMA.items():

@@ -12,9 +12,8 @@ import subprocess
 import sys
 
 import pytest
-from packaging.requirements import Requirement
-
 from launch import cpu_env
+from packaging.requirements import Requirement
 from tiny_runs import REPO
 
 sys.path.insert(0, REPO)
@@ -25,10 +24,9 @@ PIN = re.compile(r"^([A-Za-z0-9_.-]+)==(\S+)$")
 # What each requirements file is for: the project files whose imports it must cover (with those of
 # the files it includes), as globs from the repository root.
 PURPOSES = {
-    "train.txt": ["train_gpt.py", "config.py", "kernels.py", "optim.py", "checkpoint.py", "cpu_runtime.py",
-                  "cuda_graphs.py", "memory_budget.py", "processes.py", "sparse_tables.py", "evaluate.py",
-                  "errors.py", "data/*.py", "records/logfile.py"],
-    "eval.txt": ["downstream.py"],
+    "train.txt": ["train_gpt.py", "kernels.py", "optim.py", "machinery/*.py", "evaluation/evaluate.py", "data/*.py",
+                  "records/logfile.py"],
+    "eval.txt": ["evaluation/downstream.py"],
     "records.txt": ["records/*.py"],
     "dev.txt": ["tests/*.py", "tests/helpers/*.py", "bench/*.py"],
 }
@@ -69,7 +67,8 @@ def imported_distributions(patterns):
     """The distributions that the files matching `patterns` import (their top-level third-party
     modules, anywhere in the file, but where an ImportError is caught), by importlib.metadata."""
     providers = importlib.metadata.packages_distributions()
-    local = {p.stem for p in ROOT.glob("*.py")} | {"data", "records", "tests", "bench", "launch", "tiny_runs"}
+    local = {p.stem for p in ROOT.glob("*.py")} | {"data", "records", "machinery", "evaluation", "tests", "bench",
+                                                   "launch", "tiny_runs"}
     names = set()
     for pattern in patterns:
         for path in ROOT.glob(pattern):
@@ -105,9 +104,14 @@ def installed_with(distributions):
     return seen
 
 
+# What CUDA torch installs with itself (it pins triton), and only a GPU run imports: the kernel
+# choice's timer (machinery/kernel_choice.py) on CUDA; a CPU-only install runs without it.
+WITH_CUDA_TORCH = {"triton"}
+
+
 @pytest.mark.parametrize("name", PURPOSES)
 def test_each_requirements_file_installs_what_its_part_imports(name):
-    assert imported_distributions(PURPOSES[name]) <= installed_with(pins(name))
+    assert imported_distributions(PURPOSES[name]) - WITH_CUDA_TORCH <= installed_with(pins(name))
 
 
 def test_training_alone_installs_none_of_the_extras():
@@ -194,7 +198,7 @@ def test_training_on_a_cpu_runs_without_triton(shards, tmp_path):
 
 
 def test_each_test_has_a_time_limit(pytestconfig):
-    """pytest.ini sets pytest-timeout's limit (the plugin pinned in requirements/dev.txt)."""
+    """tests/pytest.ini sets pytest-timeout's limit (the plugin pinned in requirements/dev.txt)."""
     assert "pytest-timeout" in pins("dev.txt") and int(pytestconfig.getini("timeout")) > 0
 
 
@@ -237,7 +241,7 @@ def test_the_dockerfile_builds_the_gpu_image_and_runs_the_readmes_command():
                               text=True, timeout=60)
         assert done.stdout.strip() == pins("dev.txt")[name], name
     assert re.search(r"^COPY requirements/ requirements/$", text, re.M) and text.rstrip().endswith('CMD ["./run.sh"]')
-    assert 'ENTRYPOINT ["./docker-entrypoint.sh"]' in text and "ARG MIN_DRIVER=580" in text
+    assert 'ENTRYPOINT ["./machinery/docker-entrypoint.sh"]' in text and "ARG MIN_DRIVER=580" in text
     assert "NVIDIA driver of 580 or newer" in text
 
 
@@ -248,14 +252,14 @@ def test_the_dockerfile_builds_the_gpu_image_and_runs_the_readmes_command():
     (None, 0, "speedrun image: no NVIDIA GPU in the container (run it with --gpus all); running on the CPU"),
 ], ids=["old driver", "new driver", "no GPU"])
 def test_the_images_entry_checks_the_driver_in_one_line(tmp_path, smi, code, line):
-    """docker-entrypoint.sh with a stand-in nvidia-smi (or none on the PATH): one line on stderr,
+    """machinery/docker-entrypoint.sh with a stand-in nvidia-smi (or none on the PATH): one line on stderr,
     then the command runs, or (an older driver) exit code 2 without it."""
     (tmp_path / "bin").mkdir()
     if smi:
         (tmp_path / "bin" / "nvidia-smi").write_text(f"#!/bin/sh\n{smi}\n")
         (tmp_path / "bin" / "nvidia-smi").chmod(0o755)
     env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "SPEEDRUN_MIN_DRIVER": "580"}
-    done = subprocess.run([str(ROOT / "docker-entrypoint.sh"), "echo", "ran"], capture_output=True, text=True,
+    done = subprocess.run([str(ROOT / "machinery" / "docker-entrypoint.sh"), "echo", "ran"], capture_output=True, text=True,
                           timeout=60, env=env)
     assert done.returncode == code and done.stderr.splitlines()[0].startswith(line), done.stderr
     assert len(done.stderr.splitlines()) == 1 and done.stdout == ("ran\n" if code == 0 else "")
@@ -302,16 +306,22 @@ def import_cycle(graph):
 
 
 def test_the_project_modules_import_one_another_without_a_circle():
-    """The modules of the training program, data and records form no import circle, lazy imports
-    counted (the memory budget takes the recipe it measures instead of importing it); a planted
-    circle is found."""
-    paths = {".".join(p.with_suffix("").relative_to(ROOT).parts): p
-             for pattern in ("*.py", "data/*.py", "records/*.py") for p in ROOT.glob(pattern)}
+    """The repository's modules form no import circle, lazy imports counted (the memory budget
+    takes the recipe it measures instead of importing it): the training program, its machinery,
+    data, records, evaluation, and the scripts of bench/ and tests/helpers/, which import their
+    neighbours by bare name; a planted circle is found."""
+    packages = ("*.py", "data/*.py", "records/*.py", "machinery/*.py", "evaluation/*.py")
+    paths = {".".join(p.with_suffix("").relative_to(ROOT).parts): p for pattern in packages for p in ROOT.glob(pattern)}
+    scripts = {p.stem: p for folder in ("bench", "tests/helpers") for p in (ROOT / folder).glob("*.py")}
+    assert not set(paths) & set(scripts), "a script's bare name is also a module's"
+    paths |= scripts
     graph = {name: project_imports(path, set(paths)) - {name} for name, path in paths.items()}
     assert import_cycle(graph) is None, import_cycle(graph)
-    assert {"memory_budget", "records.logfile"} <= graph["train_gpt"] and "kernels" in graph["optim"]
-    planted = {**graph, "kernels": graph["kernels"] | {"config"}}
-    assert import_cycle(planted) == ["config", "kernels", "config"]
+    assert {"machinery.memory_budget", "records.logfile"} <= graph["train_gpt"] and "kernels" in graph["optim"]
+    assert {"kernel_timings", "train_gpt"} <= graph["first_contact"]
+    planted = {**graph, "kernels": graph["kernels"] | {"machinery.config"}}
+    assert import_cycle(planted) == ["kernels", "machinery.config", "kernels"] or import_cycle(planted) == [
+        "machinery.config", "kernels", "machinery.config"]
 
 
 def test_n_auto_gives_a_worker_per_usable_core_up_to_the_cap(monkeypatch):

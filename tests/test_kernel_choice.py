@@ -14,7 +14,7 @@ import torch
 from interpreter_shim import REPO_ROOT, isolated
 
 sys.path.insert(0, str(REPO_ROOT))
-import kernel_choice  # noqa: E402
+from machinery import kernel_choice  # noqa: E402
 import kernels  # noqa: E402
 
 interpreted = isolated(interpret=True)

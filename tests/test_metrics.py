@@ -7,12 +7,12 @@ import os
 import sys
 
 import pytest
-
 from tiny_runs import REPO, TINY, data_args, run_trainer
+
 from records.logfile import parse_log
 
 sys.path.insert(0, REPO)
-import metrics  # noqa: E402
+from machinery import metrics  # noqa: E402
 
 STAND_IN = '''"""A stand-in for the wandb package: what a run gives it, as JSON lines in $WANDB_RECORD."""
 import json, os

@@ -32,9 +32,11 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import kernels  # noqa: E402
 import model_statement as ref  # noqa: E402
+
+import kernels  # noqa: E402
 import train_gpt as tg  # noqa: E402
+from data.loader import TrainLoader  # noqa: E402
 from data.shards import write_shard  # noqa: E402
 from data.tokenizer import gpt2_encoding, noncanonical_pairs  # noqa: E402
 
@@ -245,7 +247,7 @@ def test_the_loaders_slice_and_targets_equal_their_statement(tmp_path, rule, seg
     stream = token_stream(3, 20_000)
     write_shard(tmp_path / "s_000000.bin", stream)
     for T_, max_doc_len in ((256, 96), (512, 40), (64, 1000), (256, 256), (32, 32)):
-        loader = tg.TrainLoader([str(tmp_path / "s_000000.bin")], T_, rule, segment)
+        loader = TrainLoader([str(tmp_path / "s_000000.bin")], T_, rule, segment)
         got = loader.next_batch(T_, max_doc_len, 1, [0])[0]
         tokens, targets, cu = ref.loader_slice(stream, T_, max_doc_len, rule=rule, segment=segment)
         assert torch.equal(got.tokens.long(), tokens) and torch.equal(got.targets, targets)
@@ -320,7 +322,7 @@ def test_a_trainer_step_equals_the_statement_with_its_schedule(tmp_path, tokeniz
                         weights=[1.0, 0.5, 0.25 * (1 - 3 / 4), 0.25]),
                 6: dict(T=256, doc=200, windows=(128, 256), history=([128, 256], [128]), columns=0,
                         weights=[1.0, 0.5, 0.0, 0.25 * (1 - 2 / 4)])}
-    loader = tg.TrainLoader([str(tmp_path / "t_train_000000.bin")], 2 * 256)
+    loader = TrainLoader([str(tmp_path / "t_train_000000.bin")], 2 * 256)
     for step, s in schedule.items():
         trainer.advance_to(step)
         slices = loader.next_batch(s["T"], s["doc"], 2, [0, 1])

@@ -5,10 +5,10 @@ import subprocess
 import sys
 
 import pytest
-
 from tiny_runs import REPO
-import config  # noqa: E402
+
 import train_gpt as tg  # noqa: E402
+from machinery import config  # noqa: E402
 
 # Presets that are another preset with some differences: the presets built on each.
 BUILT_ON = {"speedrun": {"1gpu", "1gpu_24gb"}, "1gpu": {"1gpu_24gb"}}

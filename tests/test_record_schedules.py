@@ -19,6 +19,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+import optim  # noqa: E402
 import train_gpt as tg  # noqa: E402
 
 GPUS = 8                           # both records run on 8 GPUs, one micro-batch each
@@ -319,7 +320,7 @@ def test_speedrun_averages_are_record_92s_ships():
     weights, the norms restored per bank."""
     h = config("speedrun")
     N = h.num_iterations
-    averages = tg.WeightAverages(h.averages, None, N)
+    averages = optim.WeightAverages(h.averages, None, N)
     changed = {"embed_head": lambda s: s % 2 == 1, "value_embeds": r92_table_updates}
     assert len(h.averages) == len(r92_accumulators()) and h.average_norms == "bank"
     for a, (params, ticks, blend, renormalized) in zip(h.averages, r92_accumulators()):

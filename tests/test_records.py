@@ -29,7 +29,7 @@ from scipy import stats
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from data.shards import fingerprint  # noqa: E402
-from records import make_record, reproduce, rules  # noqa: E402
+from records import checked_records, make_record, readme_tables, record_writer, reproduce, rules, significance  # noqa: E402
 import records.logfile  # noqa: E402
 from records.logfile import LogError, LogWriteError, LogWriter, commit_of_sources, parse_log, verify  # noqa: E402
 
@@ -430,18 +430,18 @@ def test_writer_cuts_back_a_failed_write_to_the_last_whole_line(tmp_path):
 def test_one_sample_test_matches_hand_computation():
     # n = 3: mean 3.1, sample std 0.1, t = (3.1 - 3.3) / (0.1 / sqrt(3)) = -2 sqrt(3).
     # With 2 degrees of freedom the t CDF has the closed form 1/2 + t / (2 sqrt(2 + t^2)).
-    t, p = make_record.one_sample_test([3.0, 3.1, 3.2], 3.3)
+    t, p = significance.one_sample_test([3.0, 3.1, 3.2], 3.3)
     t_hand = -2 * math.sqrt(3)
     assert t == pytest.approx(t_hand, rel=1e-9)
     assert p == pytest.approx(0.5 + t_hand / (2 * math.sqrt(2 + t_hand**2)), rel=1e-9)
-    assert make_record.val_loss_summary([3.0, 3.1, 3.2])["std"] == pytest.approx(0.1, rel=1e-9)
+    assert significance.val_loss_summary([3.0, 3.1, 3.2])["std"] == pytest.approx(0.1, rel=1e-9)
 
 
 def test_statistics_are_undefined_without_spread():
-    assert make_record.one_sample_test([3.0], 3.3) == (None, None)
-    assert make_record.one_sample_test([3.0, 3.0, 3.0], 3.3) == (None, None)
-    assert make_record.welch_test([3.0, 3.1], [3.2]) is None
-    assert make_record.welch_test([3.0, 3.0], [3.2, 3.2]) is None
+    assert significance.one_sample_test([3.0], 3.3) == (None, None)
+    assert significance.one_sample_test([3.0, 3.0, 3.0], 3.3) == (None, None)
+    assert significance.welch_test([3.0, 3.1], [3.2]) is None
+    assert significance.welch_test([3.0, 3.0], [3.2, 3.2]) is None
 
 
 def test_a_welch_test_with_one_group_without_spread_is_defined():
@@ -449,7 +449,7 @@ def test_a_welch_test_with_one_group_without_spread_is_defined():
     record, baseline = [3000.0, 3100.0, 2900.0], [5000.0, 5000.0, 5000.0]
     # Welch with one variance 0: t = (3000 - 5000) / sqrt(100^2 / 3), on n - 1 = 2 degrees of freedom.
     t = -2000 / math.sqrt(100.0 ** 2 / 3)
-    result = make_record.welch_test(record, baseline)
+    result = significance.welch_test(record, baseline)
     assert result["t"] == pytest.approx(t, rel=1e-9)
     assert result["p"] == pytest.approx(stats.t.cdf(t, 2), rel=1e-9)
 
@@ -716,8 +716,8 @@ def test_on_an_interleaved_track_a_record_beats_the_current_one_in_its_own_serie
     s = json.loads(stats_path.read_text())
     s["current_record"]["speedup"] = 1.5
     stats_path.write_text(json.dumps(s, indent=2) + "\n")
-    (folder / "statistics.txt").write_text(make_record.statistics_text(s))
-    (folder / "README.md").write_text(make_record.readme_text(s, f"records/{TRACK}/{folder.name}", s["runs"][0]["log"]))
+    (folder / "statistics.txt").write_text(record_writer.statistics_text(s))
+    (folder / "README.md").write_text(record_writer.readme_text(s, f"records/{TRACK}/{folder.name}", s["runs"][0]["log"]))
     argv = ["--track", TRACK, "--records-dir", str(site / "records"), "--readme", str(site / "README.md")]
     assert make_record.main(argv + ["--tables"]) == 2
     assert "its current_record (2026-11-21_First) is not a record of the track with these values" in \
@@ -760,7 +760,7 @@ def test_a_refusal_for_too_little_evidence_says_how_many_runs_would_do(site, cap
     assert_refused(site, capsys, f"(n = 3, mean final val loss {mean:.4f} ± {std:.4f} (sample std); target 3.5000; "
                    f"p = ", "--logs", *logs)
     assert_refused(site, capsys, f"about {needed} runs would give p < 0.01: run more seeds", "--logs", *logs)
-    assert make_record.runs_needed([3.6, 3.5, 3.7], TARGET, 0.01) is None, "a mean above the target: no number helps"
+    assert significance.runs_needed([3.6, 3.5, 3.7], TARGET, 0.01) is None, "a mean above the target: no number helps"
 
 
 def sample_with(mean, std, n):
@@ -775,7 +775,7 @@ def test_runs_needed_is_the_fewest_runs_scipy_finds_significant():
     rng = np.random.default_rng(0)
     for _ in range(40):
         values = list(3.45 + 0.03 * rng.standard_normal(3))
-        needed = make_record.runs_needed(values, TARGET, 0.01)
+        needed = significance.runs_needed(values, TARGET, 0.01)
         if needed is None:
             continue
 
@@ -792,7 +792,7 @@ def test_welch_runs_needed_against_scipy():
     for _ in range(30):
         a = list(3000 + rng.uniform(50, 400) * rng.standard_normal(3))
         b = list(3300 + rng.uniform(1, 50) * rng.standard_normal(3))
-        n = make_record.welch_runs_needed(a, b, 0.01)
+        n = significance.welch_runs_needed(a, b, 0.01)
         if n is None:
             continue
 
@@ -800,7 +800,7 @@ def test_welch_runs_needed_against_scipy():
             return stats.ttest_ind_from_stats(np.mean(a), np.std(a, ddof=1), k, np.mean(b), np.std(b, ddof=1), k,
                                               equal_var=False, alternative="less").pvalue
         assert p_at(n) < 0.01 and (n == 2 or p_at(n - 1) >= 0.01), (a, b, n)
-    assert make_record.welch_runs_needed([3300.0, 3400.0], [3000.0, 3100.0], 0.01) is None
+    assert significance.welch_runs_needed([3300.0, 3400.0], [3000.0, 3100.0], 0.01) is None
 
 
 def test_a_refused_result_kept_as_not_a_record_gives_its_runs_to_a_later_record(site, capsys):
@@ -1020,7 +1020,7 @@ def test_the_reproduce_command_in_a_readme_is_quoted():
     s |= {"target_val_loss": 3.5, "p_threshold": 0.01, "min_runs": 3, "n": 0, "t_statistic": None, "p_value": None,
           "val_loss": {"mean": 0.0, "std": None, "values": []}, "train_time_s": {k: 0.0 for k in ("mean", "median",
                                                                                                       "min", "max")}}
-    text = make_record.readme_text(s, "records/a b;c", "$(x).txt")
+    text = record_writer.readme_text(s, "records/a b;c", "$(x).txt")
     line = next(line for line in text.splitlines() if line.startswith("python records/reproduce.py"))
     assert shlex.split(line) == ["python", "records/reproduce.py", "records/a b;c/$(x).txt", "--run"]
 
@@ -1145,14 +1145,14 @@ def test_a_read_only_readme_refused_before_anything_is_written(site, capsys):
 
 def test_a_failed_readme_write_leaves_nothing(site, capsys, monkeypatch):
     """The disk filling up while the new README table is written: one line, no record folder, the old README."""
-    staged_file = make_record.staged_file
+    staged_file = record_writer.staged_file
 
     def full_disk(path, text):
         if path.name == "README.md":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         return staged_file(path, text)
 
-    monkeypatch.setattr(make_record, "staged_file", full_disk)
+    monkeypatch.setattr(record_writer, "staged_file", full_disk)
     logs = write_logs(site / "logs", [3.40, 3.42, 3.41], [5000, 5600, 5300])
     assert_refused(site, capsys, f"{site / 'README.md'}: No space left on device", "--logs", *logs)
 
@@ -1203,9 +1203,9 @@ def test_the_cpu_records_are_what_their_logs_give():
     and the main README's table is the one they give."""
     track_dir = REPO / "records" / "track_cpu"
     track = json.loads((track_dir / "track.json").read_text())
-    records = make_record.checked_track_records(track_dir, track, REPO)
+    records = checked_records.checked_track_records(track_dir, track, REPO)
     assert len(records) >= 8
-    assert make_record.with_table(REPO / "README.md", records, "track_cpu") == (REPO / "README.md").read_text()
+    assert readme_tables.with_table(REPO / "README.md", records, "track_cpu") == (REPO / "README.md").read_text()
 
 
 @pytest.mark.parametrize("change, message", [

@@ -15,7 +15,7 @@ import pytest
 import records.logfile
 from test_records import (REPO, SOURCES, TRACK, run_tool, site, snapshot, write_log,  # noqa: F401 (site: a fixture)
                           write_logs)
-from records import make_record, plot, reproduce  # noqa: E402
+from records import make_record, plot, readme_tables, record_writer, reproduce  # noqa: E402
 
 SMALL_CAP = 2**20                  # the log size cap the tests lower the real one to
 
@@ -67,7 +67,7 @@ def test_table_cells_escape_markdown_and_html(site, capsys, changed):
     assert readme.count(f"<!-- records:{TRACK}:start -->") == 1 and readme.count(f"<!-- records:{TRACK}:end -->") == 1
     row = next(line for line in readme.splitlines() if line.startswith("| 1 |"))
     cells = row.split(" | ")
-    assert cells[2] == make_record.cell(changed) and "<" not in cells[2] and "**" not in cells[2]
+    assert cells[2] == readme_tables.cell(changed) and "<" not in cells[2] and "**" not in cells[2]
     assert cells[3] == r"Evil &lt;!-- x --&gt; \*9000\*"
     assert run_tool(site, "--tables") == 0
     assert (site / "README.md").read_text() == readme
@@ -76,7 +76,7 @@ def test_table_cells_escape_markdown_and_html(site, capsys, changed):
 @pytest.mark.parametrize("text", ["a\\*b", "<x>", "&lt;", "[a](b)", "x|y", "_", "~~"])
 def test_a_cell_shows_its_text_as_written(text):
     """What markdown would make of the cell, undone: the escapes and the entities give back the text."""
-    shown = make_record.cell(text)
+    shown = readme_tables.cell(text)
     for entity, char in (("&lt;", "<"), ("&gt;", ">"), ("&amp;", "&")):
         shown = shown.replace(entity, char)
     assert re.sub(r"\\(.)", r"\1", shown) == text
@@ -102,7 +102,7 @@ def test_ctrl_c_in_make_record_is_one_line_and_writes_nothing(site, capsys, monk
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(make_record, "write_plot", interrupted)
+    monkeypatch.setattr(record_writer, "write_plot", interrupted)
     try:
         code = run_tool(site, "--name", "X", "--date", "2026-11-30", "--logs", *logs)
     except KeyboardInterrupt:

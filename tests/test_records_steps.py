@@ -1,6 +1,7 @@
 """make_record.py on tracks ranked by steps (track.json "metric": "steps"): the margin rule and the
 t-test, the fixed config, the steps table with its pairwise statistic, and the repository's two
 steps tracks (their fixed configs against the presets, the CPU twin's records against their logs)."""
+import datetime
 import json
 import math
 import sys
@@ -11,7 +12,7 @@ from test_records import REPO, VAL_DATA, VAL_TOKENS, use_test_checkout, write_lo
 
 sys.path.insert(0, str(REPO))
 import train_gpt as tg  # noqa: E402
-from records import make_record  # noqa: E402
+from records import checked_records, make_record, readme_tables, record_files, series_stats, significance  # noqa: E402
 from records.logfile import parse_log  # noqa: E402
 
 TRACK = "track_steps"
@@ -65,9 +66,9 @@ def test_pairwise_statistic_gives_the_public_tracks_worked_examples():
     symmetric)."""
     def record(mean, n, steps):
         return {"val_loss": {"mean": mean}, "n": n, "steps": steps}
-    assert make_record.pairwise_statistic(record(3.2790, 20, 3325), record(3.2788, 20, 3375),
+    assert significance.pairwise_statistic(record(3.2790, 20, 3325), record(3.2788, 20, 3375),
                                           LOSS_PER_STEP) == pytest.approx(0.00648, abs=5e-6)
-    assert make_record.pairwise_statistic(record(3.2785, 10, 3210), record(3.2778, 16, 3250),
+    assert significance.pairwise_statistic(record(3.2785, 10, 3210), record(3.2778, 16, 3250),
                                           LOSS_PER_STEP) == pytest.approx(0.0027, abs=5e-5)
 
 
@@ -118,9 +119,11 @@ def test_records_of_one_day_are_ordered_by_when_their_runs_started_not_by_made(t
     assert run_tool(site, "B", "2026-12-02", b, "--changed", "fewer steps") == 0
     rows = table_rows(site)
     assert rows[0].startswith(f"| 1 | [B](records/{TRACK}/2026-12-02_B) | fewer steps |") and "vs A" in rows[0]
+    b_made = datetime.datetime.fromisoformat(statistics(site, "2026-12-02_B")["made"])
     path = site / "records" / TRACK / "2026-12-02_A" / "statistics.json"
     s = json.loads(path.read_text())
-    path.write_text(json.dumps(s | {"made": "2026-12-02T23:59:00+00:00"}, indent=2) + "\n")
+    later = (b_made + datetime.timedelta(minutes=1)).isoformat()
+    path.write_text(json.dumps(s | {"made": later}, indent=2) + "\n")
     argv = ["--track", TRACK, "--records-dir", str(site / "records"), "--readme", str(site / "README.md")]
     assert make_record.main(argv + ["--tables"]) == 0
     assert table_rows(site) == rows, "B is still compared with A"
@@ -159,8 +162,8 @@ def test_runs_of_one_record_train_the_same_steps(tmp_path, capsys):
     logs = [*logs_at(site, "s", [3.27], 100), *logs_at(site, "u", [3.27], 99, config_changes={"num_iterations": 100})]
     assert run_tool(site, "S", "2026-12-02", logs) == 2
     assert "u0.txt: its final line says 99 steps, its config's num_iterations is 100" in capsys.readouterr().err
-    with pytest.raises(make_record.RecordError, match="the runs trained 99, 100 steps"):
-        make_record.common_steps([parse_log(path) for path in logs])
+    with pytest.raises(record_files.RecordError, match="the runs trained 99, 100 steps"):
+        series_stats.common_steps([parse_log(path) for path in logs])
 
 
 # ----------------------------------------------------------------------------- the repository's tracks
@@ -190,7 +193,7 @@ def test_the_cpu_twins_records_are_what_their_logs_give():
     table is the one they give."""
     track_dir = REPO / "records" / "track_3_cpu_optimization"
     track = json.loads((track_dir / "track.json").read_text())
-    records = make_record.checked_track_records(track_dir, track, REPO)
+    records = checked_records.checked_track_records(track_dir, track, REPO)
     assert len(records) >= 4
     readme = track_dir / "README.md"
-    assert make_record.with_table(readme, records, track["name"], track) == readme.read_text()
+    assert readme_tables.with_table(readme, records, track["name"], track) == readme.read_text()

@@ -6,15 +6,14 @@ import sys
 
 import numpy as np
 import torch
-
 from launch import cpu_env, run_distributed
 from tiny_runs import NGRAM, REPO, SPARSE_VALUES, TINY, data_args, synthetic_documents
 
 sys.path.insert(0, REPO)
 import kernels  # noqa: E402
-import sparse_tables  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data.shards import write_shard  # noqa: E402
+from machinery import sparse_tables  # noqa: E402
 
 STEPS = 3
 

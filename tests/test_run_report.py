@@ -11,13 +11,12 @@ import subprocess
 import sys
 
 import pytest
-
 from launch import cpu_env
 from tiny_runs import REPO, TINY, data_args, run_trainer
 
 sys.path.insert(0, REPO)
-import progress  # noqa: E402
 import train_gpt as tg  # noqa: E402
+from machinery import progress  # noqa: E402
 from records.logfile import other_load, parse_log  # noqa: E402
 
 STEP_LINE = re.compile(r"step:(\d+)/(\d+) train_loss:\S+ objective:\S+ train_time:(\d+)ms step_avg:\S+ms eta:(\S+)")

@@ -160,7 +160,7 @@ RECORD_92 = {
 def speedrun_facts(h):
     """RECORD_92's keys, read from a config."""
     facts = {key: getattr(h, key) for key in RECORD_92 if hasattr(h, key)}
-    averages = tg.WeightAverages(h.averages, None, h.num_iterations)
+    averages = optim.WeightAverages(h.averages, None, h.num_iterations)
     sampled = [[step for step in range(h.num_iterations) if averages.samples_at(a, step)] for a in h.averages]
     return {**facts, "stages": stage_rows(h), "averages": average_rows(h),
             "cooldown": (h.cooldown_start, h.cooldown_end, h.cooldown_floor),
@@ -473,7 +473,7 @@ def test_weight_averages_sample_their_windows_counted_back_from_the_last_step():
     """Steps 0-99: the 30-step average samples 70-99; every 4th step back from 99 within the last
     21 steps, the other samples 79, 83, ..., 99."""
     h = fixture()
-    averages = tg.WeightAverages(h.averages, None, h.num_iterations)
+    averages = optim.WeightAverages(h.averages, None, h.num_iterations)
     sampled = [[step for step in range(100) if averages.samples_at(a, step)] for a in h.averages]
     assert sampled == [list(range(70, 100)), [79, 83, 87, 91, 95, 99]]
 

@@ -1,4 +1,4 @@
-"""The sparse tables (sparse_tables.py): the n-gram table's and the sparse value embeddings'
+"""The sparse tables (machinery/sparse_tables.py): the n-gram table's and the sparse value embeddings'
 gradient entries, their sums per row, sparse Adam on the touched rows at the table's cadence
 and late phase, the host table with its device cache and the table split across processes, each
 against a dense or single-process statement of the same training."""
@@ -14,13 +14,15 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import kernels  # noqa: E402
-import sparse_tables  # noqa: E402
-import train_gpt as tg  # noqa: E402
-from data.shards import write_shard  # noqa: E402
 from launch import cpu_env, run_distributed  # noqa: E402
-from tiny_runs import (NGRAM, SPARSE_VALUES, TINY, cpu_trainer, data_args, final_line,  # noqa: E402
-                       run_trainer, synthetic_documents, tiny_config, tiny_model, with_every_sublayer_on)
+from tiny_runs import (NGRAM, SPARSE_VALUES, TINY, cpu_trainer, data_args, final_line, run_trainer,  # noqa: E402
+                       synthetic_documents, tiny_config, tiny_model, with_every_sublayer_on)
+
+import kernels  # noqa: E402
+import train_gpt as tg  # noqa: E402
+from data.loader import TrainLoader  # noqa: E402
+from data.shards import write_shard  # noqa: E402
+from machinery import sparse_tables  # noqa: E402
 
 
 def test_ngram_entries_are_the_tables_gradient(shards):
@@ -28,7 +30,7 @@ def test_ngram_entries_are_the_tables_gradient(shards):
     with the table itself differentiable), and no dense gradient is kept in training."""
     h = tiny_config(data_args(shards) + NGRAM)
     model = tiny_model(h)
-    s = tg.TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])[0]
+    s = TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])[0]
     model.ngram.table.requires_grad_(True)
     objective, _ = model(s.tokens, s.targets, tg.AttentionArgs(s.cu_seqlens, 128, 256),
                          tg.target_weights(h.stages[0], "cpu"))
@@ -47,7 +49,7 @@ def test_sparse_value_embedding_entries_are_the_tables_gradient(shards):
     gradient of a table is kept in training, and Adam's groups leave the tables out."""
     h = tiny_config(data_args(shards) + SPARSE_VALUES + ["--num_value_embeds=1", "--compute_dtype=float32"])
     model = tiny_model(h)
-    s = tg.TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])[0]
+    s = TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])[0]
     (ve,), (sink,) = model.value_embeds, model.value_sinks
     assert not ve.weight.requires_grad
     ve.weight.requires_grad_(True)
@@ -129,7 +131,7 @@ def test_sparse_value_embeddings_update_by_sparse_adam_from_the_steps_mean_entri
     with_every_sublayer_on(trainer.model)   # a gradient for the table from the first step on
     table = trainer.model.value_embeds[0].weight
     table.requires_grad_(True)     # the reference: its dense gradient, summed over the steps (no optimizer has it)
-    loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
+    loader = TrainLoader(tg.find_shards(h.train_files), 512)
     start = table.detach().clone()
     trainer.advance_to(0)
     trainer.train_step(0, loader.next_batch(512, 256, 1, [0]))
@@ -162,7 +164,7 @@ def test_the_ngram_table_moves_only_the_rows_a_batch_touches(shards, step_every,
     assert table.dtype == getattr(torch, dtype)
     assert all(p is not trainer.model.ngram.sink for opt in trainer.optimizers for g in opt.param_groups
                for p in g["params"])
-    loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
+    loader = TrainLoader(tg.find_shards(h.train_files), 512)
     touched = torch.zeros(table.shape[0], dtype=torch.bool)
     before = table.clone()
     for step in range(2):
@@ -186,7 +188,7 @@ def test_the_ngram_tables_late_phase_changes_its_beta2_and_cadence(shards):
     trainer = cpu_trainer(h)
     tables = [trainer.model.ngram.table] + [ve.weight for ve in trainer.model.value_embeds]
     adams = [trainer.tables.ngram_adam] + trainer.tables.value_adams
-    loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
+    loader = TrainLoader(tg.find_shards(h.train_files), 512)
     betas, moved = [], []
     for step in range(4):
         trainer.advance_to(step)
@@ -224,7 +226,7 @@ def test_a_host_table_with_a_device_cache_trains_bit_for_bit_as_a_resident_one(s
     h = tiny_config(args + [f"--ngram_cache_rows={least}"])
     host = cpu_trainer(h)
     cache = host.tables.fetcher
-    loader = tg.TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+    loader = TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
     batches = [loader.next_batch(512, h.stages[tg.stage_index(h, step)].max_doc_len, 2, [0, 1])
                for step in range(steps + 1)]
     host_losses = []

@@ -18,16 +18,19 @@ import torch.nn.functional as F
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import kernels  # noqa: E402
-import train_gpt as tg  # noqa: E402
-from data.shards import write_shard  # noqa: E402
-from data.tokenizer import BOS_ID  # noqa: E402
-from records.logfile import parse_log, verify  # noqa: E402
 from cuda_graph_emulation import CPUCapture, CPUGraph  # noqa: E402
 from launch import cpu_env  # noqa: E402
-from tiny_runs import (TINY, FEATURES, DENSE, NGRAM, cpu_trainer, data_args, final_line, pending,  # noqa: E402
+from tiny_runs import (DENSE, FEATURES, NGRAM, TINY, cpu_trainer, data_args, final_line, pending,  # noqa: E402
                        run_trainer, synthetic_documents, tiny_config, tiny_model, write_json)
 
+import kernels  # noqa: E402
+import optim  # noqa: E402
+import train_gpt as tg  # noqa: E402
+from machinery.warm_up import compiled_graphs, warm_up  # noqa: E402
+from data.loader import DataError, TrainLoader, _targets, validation_slices  # noqa: E402
+from data.shards import read_shard, write_shard  # noqa: E402
+from data.tokenizer import BOS_ID  # noqa: E402
+from records.logfile import parse_log, verify  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # data loader
@@ -35,8 +38,8 @@ from tiny_runs import (TINY, FEATURES, DENSE, NGRAM, cpu_trainer, data_args, fin
 
 def test_loader_slices_are_bos_aligned_documents(shards):
     files = tg.find_shards(f"{shards}/t_train_*.bin")
-    stream = np.concatenate([np.asarray(tg.read_shard(f)) for f in files])
-    loader = tg.TrainLoader(files, 512)
+    stream = np.concatenate([np.asarray(read_shard(f)) for f in files])
+    loader = TrainLoader(files, 512)
     T, max_doc = 512, 100
     for _ in range(20):
         for s in loader.next_batch(T, max_doc, 2, [0, 1]):
@@ -60,26 +63,26 @@ def test_loader_slices_are_bos_aligned_documents(shards):
 
 def test_loader_targets_stop_at_document_end():
     stream = np.array([BOS_ID, 1, 2, 3, BOS_ID, 4, 5, BOS_ID, 6], dtype=np.uint16)
-    t = tg._targets(stream, [0], [4], [4], 3)
+    t = _targets(stream, [0], [4], [4], 3)
     # last token of the document predicts the next BOS; further targets are beyond the document
     assert t.tolist() == [[1, 2, 3], [2, 3, BOS_ID], [3, BOS_ID, -1], [BOS_ID, -1, -1]]
 
 
 def test_rank_slices_match_the_full_batch(shards):
     files = tg.find_shards(f"{shards}/t_train_*.bin")
-    full = [tg.TrainLoader(files, 256).next_batch(256, 64, 4, [0, 1, 2, 3]) for _ in range(1)][0]
-    odd = tg.TrainLoader(files, 256).next_batch(256, 64, 4, [1, 3])
+    full = [TrainLoader(files, 256).next_batch(256, 64, 4, [0, 1, 2, 3]) for _ in range(1)][0]
+    odd = TrainLoader(files, 256).next_batch(256, 64, 4, [1, 3])
     for a, b in zip([full[1], full[3]], odd):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.targets, b.targets)
 
 
 def test_too_small_or_corrupt_data_is_refused(tmp_path):
     write_shard(tmp_path / "small.bin", np.array([BOS_ID, 1, 2, 3]))
-    with pytest.raises(tg.DataError, match="fewer than one global batch"):
-        tg.TrainLoader([str(tmp_path / "small.bin")], 512)
+    with pytest.raises(DataError, match="fewer than one global batch"):
+        TrainLoader([str(tmp_path / "small.bin")], 512)
     write_shard(tmp_path / "nobos.bin", np.arange(1000) % 500)
-    with pytest.raises(tg.DataError, match="no <\\|endoftext\\|>"):
-        tg.TrainLoader([str(tmp_path / "nobos.bin")], 100).next_batch(100, 50, 1, [0])
+    with pytest.raises(DataError, match="no <\\|endoftext\\|>"):
+        TrainLoader([str(tmp_path / "nobos.bin")], 100).next_batch(100, 50, 1, [0])
 
 
 def test_validation_reads_the_leading_tokens_across_files(tmp_path):
@@ -90,13 +93,13 @@ def test_validation_reads_the_leading_tokens_across_files(tmp_path):
     for f, part in zip(files, np.split(stream, [700, 2_000])):
         write_shard(f, part)
     T = 256
-    slices = tg.validation_slices(files, 4 * T, T, 4, [0, 1, 2, 3])
+    slices = validation_slices(files, 4 * T, T, 4, [0, 1, 2, 3])
     for i, s in enumerate(slices):
         assert np.array_equal(s.tokens.numpy(), stream[i * T:(i + 1) * T])
         inside = s.targets[:, 0] >= 0             # targets of the tokens whose document continues
         assert np.array_equal(s.targets[:, 0][inside].numpy(), stream[i * T + 1:(i + 1) * T + 1][inside.numpy()])
-    with pytest.raises(tg.DataError, match="hold 3000 tokens but val_tokens=3000"):
-        tg.validation_slices(files, 3_000, 1_000, 3, [0])
+    with pytest.raises(DataError, match="hold 3000 tokens but val_tokens=3000"):
+        validation_slices(files, 3_000, 1_000, 3, [0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,7 +262,7 @@ def test_weight_averages_equal_a_hand_computed_ema():
     values = {name: [torch.randn(w.shape, generator=gen, dtype=torch.float64) for _ in range(10)]
               for name, w in [("embed", model.embed.weight), ("v", block.attn.qkv[qk_rows:]),
                               ("qk", block.attn.qkv[:qk_rows])]}
-    averages = tg.WeightAverages(h.averages, model, h.num_iterations)
+    averages = optim.WeightAverages(h.averages, model, h.num_iterations)
     for step in range(10):
         model.embed.weight.data.copy_(values["embed"][step])
         block.attn.qkv.data[qk_rows:] = values["v"][step].float()
@@ -276,7 +279,7 @@ def test_weight_averages_equal_a_hand_computed_ema():
     v = ema([values["v"][i].float().double() for i in (5, 7, 9)], 0.25)          # replaced by the tail average
     v = v + 0.5 * (ema([x.float().double() for x in values["v"][7:]], 0.5) - v)
     v = v * (last["v"].norm() / v.norm())
-    assert averages.ship() == 1 + 2 * sum(1 for _ in tg.averaged_pieces(model, "vo_mlp"))
+    assert averages.ship() == 1 + 2 * sum(1 for _ in model.averaged_pieces("vo_mlp"))
     torch.testing.assert_close(model.embed.weight.double(), embed, rtol=0, atol=1e-5)
     torch.testing.assert_close(block.attn.qkv[qk_rows:].double(), v, rtol=0, atol=1e-5)
     assert torch.equal(block.attn.qkv[:qk_rows].double(), last["qk"]), "no average touches the queries and keys"
@@ -286,7 +289,7 @@ def test_weight_averages_equal_a_hand_computed_ema():
 def test_training_steps_lower_the_loss(shards):
     h = tiny_config(data_args(shards))
     trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog(str(shards), active=False))
-    loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
+    loader = TrainLoader(tg.find_shards(h.train_files), 512)
     batch = loader.next_batch(512, 256, 1, [0])
     before = [p.detach().clone() for p in trainer.model.parameters()]
     losses = [trainer.train_step(0, batch)[1].item() for _ in range(8)]
@@ -424,7 +427,7 @@ def test_adam_every_second_step_accumulates_in_between(shards):
     h = tiny_config(data_args(shards) + ["--num_iterations=4", "--adam_step_every=2"])
     trainer = cpu_trainer(h)
     model = trainer.model
-    loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
+    loader = TrainLoader(tg.find_shards(h.train_files), 512)
     embed, matrix = model.embed.weight, model.blocks[0].mlp.down  # (up starts with no gradient: down is 0)
     start = (embed.detach().clone(), matrix.detach().clone())
     trainer.advance_to(0)
@@ -439,7 +442,7 @@ def test_adam_every_second_step_accumulates_in_between(shards):
 
 def train_steps(trainer, h, steps, check=lambda step: None):
     """Losses of `steps` training steps from the start of h's data; check(step) after each."""
-    loader = tg.TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+    loader = TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
     losses = []
     for step in range(steps):
         trainer.advance_to(step)
@@ -471,7 +474,7 @@ def test_replayed_steps_train_exactly_as_plain_eager_steps(shards):
                 seen.setdefault("embed", model.embed.weight.grad)
                 assert model.embed.weight.grad is seen["embed"], "a replay keeps its gradient tensors"
         if warm:
-            tg.warm_up(trainer, tg.find_shards(h.train_files),
+            warm_up(tg, trainer, tg.find_shards(h.train_files),
                        tg.validation_data(h, trainer.pg, tg.find_shards(h.val_files)))
             assert sorted(trainer.graphs.steps) == [(0, True), (1, False), (1, True)]
             assert all(p.grad is None for p in model.parameters()), "the warm-up leaves no gradient behind"
@@ -555,7 +558,7 @@ def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeyp
     if compile_updates:   # compiled math may round differently: the same compiled updates, not captured, are the reference
         reference = cpu_trainer(h)
         reference.graphs.compiler = compiler
-        tg.warm_up(reference, tg.find_shards(h.train_files), tg.validation_data(h, reference.pg,
+        warm_up(tg, reference, tg.find_shards(h.train_files), tg.validation_data(h, reference.pg,
                                                                               tg.find_shards(h.val_files)))
         reference_losses = train_steps(reference, h, h.num_iterations)
         assert np.allclose(reference_losses, eager_losses, rtol=1e-4, atol=0)
@@ -565,10 +568,10 @@ def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeyp
         trainer.graphs.compiler = compiler
     graphs = cpu_graphs(monkeypatch, trainer)
     val = tg.validation_data(h, trainer.pg, tg.find_shards(h.val_files))
-    compiled_before = tg.compiled_graphs()
-    tg.warm_up(trainer, tg.find_shards(h.train_files), val)
+    compiled_before = compiled_graphs()
+    warm_up(tg, trainer, tg.find_shards(h.train_files), val)
     updates = trainer.graphs.optimizer_graphs      # Muon's banks; Adam with the head tied and untied
-    assert tg.compiled_graphs() - compiled_before == (len(updates) if compile_updates else 0)
+    assert compiled_graphs() - compiled_before == (len(updates) if compile_updates else 0)
     assert {key[0] for key in updates} == {"muon", "adam"} and sum(key[0] == "adam" for key in updates) == 2
     assert trainer.graphs.captured() == 3 and len(graphs) == 3 + len(updates)
     assert all(len(g.ops) > 20 for g in graphs)
@@ -582,7 +585,7 @@ def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeyp
     assert all(replays[g] == h.num_iterations for key, g in updates.items() if key[0] == "muon")
     assert sum(replays[g] for key, g in updates.items() if key[0] == "adam") == h.num_iterations // 2
     assert trainer.graphs.eager_runs == eager_runs, "every micro-batch and optimizer update replays"
-    assert tg.compiled_graphs() - compiled_before == (len(updates) if compile_updates else 0)
+    assert compiled_graphs() - compiled_before == (len(updates) if compile_updates else 0)
     for name, value in eager.model.state_dict().items():
         assert torch.equal(trainer.model.state_dict()[name], value), name
     for eager_opt, opt in zip(eager.optimizers, trainer.optimizers):   # the state the graphs updated in place
@@ -597,7 +600,7 @@ def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeyp
     cpu_graphs(monkeypatch, trainer, fail="operation not permitted when stream is capturing")
     with pytest.raises(tg.TrainingError, match=r"capturing .* failed \(operation not permitted when stream is "
                                                r"capturing\): rerun with --cuda_graphs=false"):
-        tg.warm_up(trainer, tg.find_shards(h.train_files), val)
+        warm_up(tg, trainer, tg.find_shards(h.train_files), val)
 
 
 def test_a_captured_step_reads_the_loss_unit_of_its_replay(shards, monkeypatch):
@@ -605,7 +608,7 @@ def test_a_captured_step_reads_the_loss_unit_of_its_replay(shards, monkeypatch):
     it) is data on the device: a step captured under one unit and replayed under another makes
     the gradients of an eager step under the other, bit for bit."""
     h = tiny_config(data_args(shards) + ["--num_iterations=4"])
-    batch = tg.TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
+    batch = TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
     replayed = cpu_trainer(tiny_config(data_args(shards) + ["--num_iterations=4", "--cuda_graphs=true"]))
     graphs = cpu_graphs(monkeypatch, replayed)
     replayed.forward_backward(0, batch)            # the key's first run, then its capture under 1/512
@@ -628,7 +631,7 @@ def test_the_first_step_after_the_warm_up_has_its_stages_fp8_loss_unit(shards):
     h = tiny_config(data_args(shards) + ["--num_iterations=4", "--warm_up=always", "--warmup_steps=1"])
     trainer = cpu_trainer(h, fp8=True)
     files = tg.find_shards(h.train_files)
-    tg.warm_up(trainer, files, tg.validation_data(h, trainer.pg, tg.find_shards(h.val_files)))
+    warm_up(tg, trainer, files, tg.validation_data(h, trainer.pg, tg.find_shards(h.val_files)))
     trainer.calibrate_fp8(tg.first_batch(h, files, trainer.mine))
     states = fp8_states(trainer.model)
     assert len(states) > 3 and all(state[-1] == 1 / 512 for state in states.values())
@@ -643,7 +646,7 @@ def test_untie_carries_the_embeddings_adam_state_to_the_head(shards):
         {"end": 1.0, "tokens_per_rank": 512, "max_doc_len": 256, "short_window": 1, "long_window": 2}) + "]"])
     trainer = cpu_trainer(h)
     model = trainer.model
-    batch = tg.TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
+    batch = TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
     for step in range(2):
         trainer.advance_to(step)
         trainer.train_step(step, batch)
@@ -666,14 +669,14 @@ def test_untie_carries_the_embeddings_adam_state_to_the_head(shards):
 def test_validation_runs_without_fp8_and_leaves_its_state_alone(shards):
     h = tiny_config(data_args(shards))
     trainer = cpu_trainer(h, fp8=True)
-    batch = tg.TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
+    batch = TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
     trainer.train_step(0, batch)
     states = {name: state.clone() for name, state in fp8_states(trainer.model).items()}
     # every MLP and attention layer, and the head
     assert len(states) == h.num_layers + h.num_layers - len(h.attention_free_layers) + 1
     calls = -1 - kernels.FP8_SLOT_STRIDE     # the entry before the loss unit
     assert all(state[:calls].abs().sum() > 0 and state[calls] == 1 for state in states.values())
-    val = tg.validation_slices(tg.find_shards(h.val_files), 1024, 1024, 1, [0])
+    val = validation_slices(tg.find_shards(h.val_files), 1024, 1024, 1, [0])
     loss = trainer.validate(val, 0, final_validation=True)
     assert math.isfinite(loss)
     assert all(torch.equal(fp8_states(trainer.model)[name], state) for name, state in states.items())
@@ -684,7 +687,7 @@ def test_first_fp8_step_gradients_match_bf16_after_calibration(shards):
     output matrices' (the matrices that are nonzero at init) and the embedding's (which is the
     head until the untie, so it sees the FP8 head's gradient)."""
     h = tiny_config(data_args(shards))
-    batch = tg.TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
+    batch = TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
     plain = cpu_trainer(h)
     plain.forward_backward(0, batch)
     fp8 = cpu_trainer(h, fp8=True)
@@ -704,7 +707,7 @@ def test_fp8_static_scales_hold_the_tensors_they_meet(shards):
     loss unit the trainer set (1 / tokens of the micro-batch)."""
     h = tiny_config(data_args(shards))
     trainer = cpu_trainer(h, fp8=True)
-    loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
+    loader = TrainLoader(tg.find_shards(h.train_files), 512)
     for step in range(2):
         trainer.advance_to(step)
         trainer.train_step(step, loader.next_batch(512, 256, 1, [0]))
@@ -747,7 +750,7 @@ def assert_gradients_close(a, b, rel):
 
 def test_float32_compute_matches_bf16_and_keeps_fp32_activations(shards):
     h = tiny_config(data_args(shards))
-    batch = tg.TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
+    batch = TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
     h32 = tiny_config(data_args(shards) + ["--compute_dtype=float32"])
     trainer = cpu_trainer(h32)
     s = batch[0]
@@ -767,12 +770,12 @@ def test_compiled_cpu_step_matches_eager(shards):
     """torch.compile on a CPU (aot_eager: dynamo and AOTAutograd, no code generation) with the
     CPU kernels, which run eagerly between the compiled graphs: the same loss and gradients."""
     args = data_args(shards) + ["--compute_dtype=float32"]
-    batch = tg.TrainLoader(tg.find_shards(tiny_config(args).train_files), 512).next_batch(512, 256, 1, [0])
+    batch = TrainLoader(tg.find_shards(tiny_config(args).train_files), 512).next_batch(512, 256, 1, [0])
     eager_loss, eager = first_step_gradients(tiny_config(args + ["--compile=false"]), batch)
     torch._dynamo.reset()
     compiled_loss, compiled = first_step_gradients(
         tiny_config(args + ["--compile=true", "--compile_backend=aot_eager"]), batch)
-    assert tg.compiled_graphs() > 0
+    assert compiled_graphs() > 0
     assert compiled_loss == pytest.approx(eager_loss, rel=1e-5)
     assert_gradients_close(eager, compiled, rel=1e-4)
 
@@ -826,15 +829,15 @@ def test_weight_averages_count_back_from_an_offset_take_the_last_steps_and_resto
                 '"renormalize":true,"last_steps":2}]')
     h = tiny_config([averages, "--num_iterations=10", "--average_norms=bank"])
     model = tiny_model(h)
-    sampled = [s for s in range(10) if tg.WeightAverages(h.averages, None, 10).samples_at(h.averages[0], s)]
+    sampled = [s for s in range(10) if optim.WeightAverages(h.averages, None, 10).samples_at(h.averages[0], s)]
     assert sampled == [6, 8, 9]
     block = next(b for b in model.blocks if b.attn is not None)
     qk_rows = 2 * h.num_heads * h.head_dim
-    pieces = dict(tg.averaged_pieces(model, "vo_mlp"))
+    pieces = dict(model.averaged_pieces("vo_mlp"))
     gen = torch.Generator().manual_seed(4)
     values = [{name: torch.randn(w.shape, generator=gen, dtype=torch.float64) for name, w in pieces.items()}
               for _ in range(10)]
-    averages = tg.WeightAverages(h.averages, model, h.num_iterations, norms=h.average_norms)
+    averages = optim.WeightAverages(h.averages, model, h.num_iterations, norms=h.average_norms)
     for step in range(10):
         for name, w in pieces.items():
             w.copy_(values[step][name].float())
@@ -855,7 +858,7 @@ def test_weight_averages_count_back_from_an_offset_take_the_last_steps_and_resto
     averages.ship()
     for name, w in pieces.items():
         torch.testing.assert_close(w.double(), blended[name], rtol=0, atol=1e-5)
-    own = tg.averaged_pieces(model, "vo_mlp")
+    own = model.averaged_pieces("vo_mlp")
     assert any(abs(float(w.double().norm() / last[n].norm()) - 1) > 1e-3 for n, w in own), "one norm per bank"
     assert torch.equal(block.attn.qkv[:qk_rows], block.attn.qkv[:qk_rows]), "queries and keys untouched"
 
@@ -907,7 +910,7 @@ def test_value_embeddings_adam_follows_the_tables_and_eps_the_summed_loss(shards
         assert [g["eps"] for g in main.param_groups] == exact([1e-10 / (512 * 2)] * len(main.param_groups))
         adam = trainer.tables.ngram_adam
         assert (adam.eps, adam.weight_decay) == (exact(1e-10 / (512 * every)), exact(0.3 * wd / 0.1))
-    loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
+    loader = TrainLoader(tg.find_shards(h.train_files), 512)
     trainer.advance_to(0)
     updates = []
     for step in range(8):
@@ -924,7 +927,7 @@ def test_candidate_walk_continues_from_step_to_step(shards, walk):
     ended (candidate_walk_after); with "restart" at the slice's start every step."""
     h = tiny_config([*data_args(shards), f"--candidate_walk={walk}"])
     trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog(str(shards), active=False))
-    loader = tg.TrainLoader(tg.find_shards(h.train_files), 512)
+    loader = TrainLoader(tg.find_shards(h.train_files), 512)
     start = tg.candidate_start(0, 1)
     for step in range(2):
         batch = loader.next_batch(512, 256, 1, [0])

@@ -115,15 +115,16 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from interpreter_shim import REPO_ROOT, isolated
 
 sys.path.insert(0, str(REPO_ROOT))
+from tiny_runs import synthetic_documents  # noqa: E402
+
 import kernels  # noqa: E402
 import optim  # noqa: E402
 import train_gpt as tg  # noqa: E402
+from data.loader import TrainLoader  # noqa: E402
 from data.shards import write_shard  # noqa: E402
-from tiny_runs import synthetic_documents  # noqa: E402
 
 interpreted = isolated(interpret=True)
 
@@ -328,7 +329,7 @@ def compare_trainers(shards_dir):
         side[0] = "reference"
         results = [dict(step="calibration", **_compare(before, _state(ref), _state(tri), {}, {}, {}))]
         _give_state(tri, ref)
-        loader = tg.TrainLoader(files, tg.batch_tokens(h))
+        loader = TrainLoader(files, tg.batch_tokens(h))
         for step in range(h.num_iterations):
             ref.advance_to(step)
             tri.advance_to(step)

@@ -6,7 +6,7 @@ and an lm_head tied to the token embedding. Training: fixed-length blocks read
 in order from the train stream (no shuffling, no document masking), AdamW with
 linear warmup then cosine decay to a tenth of the peak rate, gradient clipping,
 bf16 autocast (bf16 products as fp32 GEMMs on CPUs without bf16 instructions:
-cpu_runtime.py). Validation: mean next-token cross-entropy over the full padded
+machinery/cpu_runtime.py). Validation: mean next-token cross-entropy over the full padded
 vocabulary on the first `val_tokens` tokens of the val shard.
 
 The run writes its log (records/README.md; records/logfile.py writes it) to `<log_dir>/<run_id>.txt`.
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the project root: sources are logged relative to it
 sys.path.insert(0, str(REPO_ROOT))
-from cpu_runtime import bf16_gemm_path, bf16_gemms, keep_freed_memory_for_reuse  # noqa: E402
+from machinery.cpu_runtime import bf16_gemm_path, bf16_gemms, keep_freed_memory_for_reuse  # noqa: E402
 from data.shards import ShardError, find_shards, fingerprint, read_shard  # noqa: E402
 from records.logfile import (ERROR_PREFIX, INTERRUPTED_PREFIX, LogWriteError, LogWriter,  # noqa: E402
                              cpu_model, new_run_id)

@@ -16,11 +16,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 import train_gpt as tg  # noqa: E402
+from data.loader import TrainLoader  # noqa: E402
 
 
 def train_and_validate(trainer, h, steps):
     """(per-step [next-token loss, objective], val loss after the steps) from the start of h's data."""
-    loader = tg.TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+    loader = TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
     losses = []
     for step in range(steps):
         trainer.advance_to(step)

@@ -9,6 +9,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 import train_gpt as tg  # noqa: E402
+from data.loader import DataError  # noqa: E402
 
 FAILURE = "its own shard holds token 60000 at 321, outside GPT-2's vocabulary: rebuild it"
 
@@ -17,7 +18,7 @@ def main(rank, step, args):
     class FailingTrainer(tg.Trainer):
         def train_step(self, at, slices):
             if self.pg.rank == rank and at == step:
-                raise tg.DataError(f"rank {rank}: {FAILURE}")
+                raise DataError(f"rank {rank}: {FAILURE}")
             return super().train_step(at, slices)
 
     tg.Trainer = FailingTrainer

@@ -10,6 +10,7 @@ Each process writes OUT/rank<r>.pt: {way: {"losses", "state" (the model's state 
 (each micro-batch's Route fields)}} for the ways "ahead" and "gathered".
 """
 import dataclasses
+import functools
 import os
 import sys
 
@@ -17,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 import train_gpt as tg  # noqa: E402
+from data.loader import BatchPrefetcher, TrainLoader  # noqa: E402
 
 
 def route_fields(route):
@@ -26,10 +28,11 @@ def route_fields(route):
 
 def train(h, env, steps, ahead):
     trainer = tg.Trainer(h, env, tg.RunLog("unused", active=False))
-    loader = tg.TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+    loader = TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
     routes, route_of = [], trainer.tables.router.route_of
     if ahead:
-        batches = tg.BatchPrefetcher(loader, h, trainer.mine, pin=False, router=trainer.tables.router)
+        batches = BatchPrefetcher(loader, functools.partial(tg.batch_shape, h), trainer.mine, pin=False,
+                                  router=trainer.tables.router)
     else:                          # the routes fetch works out from the gathered tokens
         trainer.tables.router.route_of = lambda *a: routes.append(route_of(*a)) or routes[-1]
     losses = []

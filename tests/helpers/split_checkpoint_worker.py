@@ -14,8 +14,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
-import checkpoint  # noqa: E402
 import train_gpt as tg  # noqa: E402
+from machinery import checkpoint  # noqa: E402
 
 
 def main(out, chunk_bytes, args):

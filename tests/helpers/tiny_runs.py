@@ -1,6 +1,6 @@
 """What the model and trainer tests share: a tiny config with every feature's switch, synthetic
 documents with learnable structure, and ways to run the trainer on a CPU (in this process, or as
-the train_gpt.py / evaluate.py commands in processes that see no GPU)."""
+the train_gpt.py / evaluation/evaluate.py commands in processes that see no GPU)."""
 import dataclasses
 import json
 import os
@@ -13,12 +13,12 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/helpers/ -> the repository
 sys.path.insert(0, REPO)
 
+from launch import cpu_env, run_distributed  # noqa: E402
+
 import kernels  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data.shards import write_shard  # noqa: E402
 from data.tokenizer import BOS_ID  # noqa: E402
-from launch import cpu_env, run_distributed  # noqa: E402
-
 
 # A model small enough for a CPU test: every feature on, tiny widths.
 TINY = [
@@ -92,15 +92,15 @@ SPARSE_VALUES = ["--value_embed_sparse=true", "--value_embed_lr=0.05"]  # value 
 
 
 def uses_checkpoint(argv):
-    """Whether argv is evaluate.py's: --eval=PATH or --sample=PATH."""
+    """Whether argv is evaluation/evaluate.py's: --eval=PATH or --sample=PATH."""
     return any(a.startswith(("--eval", "--sample")) for a in argv)
 
 
 def run_trainer(args, nproc=1, env_extra=None, timeout=300):
-    """train_gpt.py (evaluate.py for --eval=PATH or --sample=PATH) in nproc processes that see no
+    """train_gpt.py (evaluation/evaluate.py for --eval=PATH or --sample=PATH) in nproc processes that see no
     GPU (the runs of a CPU-only machine)."""
     env = cpu_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
-    script = os.path.join(REPO, "evaluate.py" if uses_checkpoint(args) else "train_gpt.py")
+    script = os.path.join(REPO, "evaluation/evaluate.py" if uses_checkpoint(args) else "train_gpt.py")
     if nproc > 1:
         return run_distributed(nproc, [script, *args], env=env, timeout=timeout)
     cmd = [sys.executable, script, *args]

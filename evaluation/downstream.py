@@ -1,8 +1,8 @@
 """Downstream evaluation of a train_gpt.py checkpoint with EleutherAI's lm-evaluation-harness.
 
-    python downstream.py logs/<run id>_model.safetensors --tasks hellaswag [--limit N] [--batch_size B]
-    python downstream.py CHECKPOINT --tasks tiny_choice --include_path tests/lm_eval_tasks
-    python downstream.py --prefetch --tasks hellaswag      # fetch the tasks' data once (then cached), no model
+    python evaluation/downstream.py logs/<run id>_model.safetensors --tasks hellaswag [--limit N] [--batch_size B]
+    python evaluation/downstream.py CHECKPOINT --tasks tiny_choice --include_path tests/lm_eval_tasks
+    python evaluation/downstream.py --prefetch --tasks hellaswag      # fetch the tasks' data once (then cached), no model
 
 The tasks' data is loaded (downloaded once, then read from the cache) before the model, so a
 task whose data cannot be fetched ends with one line at once.
@@ -48,13 +48,15 @@ except ImportError as e:
         return lambda cls: cls
 
 # Everything this module takes from the training code.
-import kernels
-from config import VOCAB_SIZE, WINDOW_BLOCK
-from cpu_runtime import bf16_gemms
-from data.tokenizer import BOS_ID, ENDOFTEXT, gpt2_encoding
-from errors import UserError
-from evaluate import generate, trained_model
-from train_gpt import AttentionArgs, attention_windows, gemm_path
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # train_gpt.py's folder
+sys.path.insert(0, REPO_DIR)
+import kernels  # noqa: E402
+from data.tokenizer import BOS_ID, ENDOFTEXT, gpt2_encoding  # noqa: E402
+from evaluation.evaluate import generate, trained_model  # noqa: E402
+from machinery.config import VOCAB_SIZE, WINDOW_BLOCK  # noqa: E402
+from machinery.cpu_runtime import bf16_gemms  # noqa: E402
+from machinery.errors import UserError  # noqa: E402
+from train_gpt import AttentionArgs, attention_windows, gemm_path  # noqa: E402
 
 MODEL_NAME = "speedrun"            # the name lm-eval knows SpeedrunLM by
 CHECKPOINT_KEYS = ("device", "ngram_cache_rows", "compute_dtype")  # config keys SpeedrunLM may override

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import kernels
 import optim
-from errors import UserError
+from machinery.errors import UserError
 
 VOCAB_SIZE = 50257                 # GPT-2 tokens
 PADDED_VOCAB_SIZE = 50304          # vocab rounded up to a multiple of 128 for the matmuls

@@ -13,7 +13,7 @@ import importlib
 import importlib.util
 import os
 
-from config import ConfigError
+from machinery.config import ConfigError
 
 WANDB_PROJECT = "gpt2-speedrun"    # the W&B project a run is logged to (WANDB_PROJECT overrides it)
 WANDB_SETUP = ("WANDB_API_KEY", "WANDB_MODE")  # either says W&B is set up on this machine

@@ -20,8 +20,9 @@ import os
 
 import torch
 
-from config import ConfigError, apply_overrides, check_config, config_from_dict, config_to_dict, normalize_config
-from errors import UserError
+from machinery.config import (ConfigError, apply_overrides, check_config, config_from_dict, config_to_dict,
+                              normalize_config)
+from machinery.errors import UserError
 from records.logfile import write_failure
 
 RESUME_FORMAT = "speedrun-resume v1"  # the "format" of the files save_state writes

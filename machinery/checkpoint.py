@@ -4,7 +4,7 @@ with the metadata to rebuild and judge it (save_checkpoint, load_checkpoint): th
 config, whether the head is tied, the run id, the seal of its log, the sha256 of its data and
 the sha256 of its whole header (metadata, tensor names, shapes, offsets) and data, both verified
 on reading. A table split across the processes is gathered into the file whole, chunk by chunk.
-Evaluating and sampling a checkpoint: evaluate.py.
+Evaluating and sampling a checkpoint: evaluation/evaluate.py.
 """
 import errno
 import hashlib
@@ -18,11 +18,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from config import ConfigError, config_from_dict, config_to_dict, is_number, load_json, normalize_config
-from errors import UserError
-from processes import synchronize
+from machinery.config import ConfigError, config_from_dict, config_to_dict, is_number, load_json, normalize_config
+from machinery.errors import UserError
+from machinery.processes import synchronize
 from records.logfile import write_failure
-
 
 NGRAM_TABLE_KEY = "ngram.table"    # the n-gram table in the model's state dict
 

@@ -2,7 +2,7 @@
 install (requirements/train.txt leaves triton to CUDA torch, which pins it), where the trainer
 runs the kernels' torch references. The decorator keeps a kernel's function and refuses to launch
 it; the annotation and the grid helpers are plain Python."""
-from errors import UserError
+from machinery.errors import UserError
 
 TRITON_NEEDED = ("the Triton kernels need the triton package, which is not installed: install CUDA torch "
                  "(pip install -r requirements/train.txt on a machine with a GPU brings it), or run on a CPU "

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import math
+import sys
 import weakref
 from dataclasses import dataclass, field
 
@@ -21,13 +22,12 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import optim
-from config import (MAX_TARGETS, MIN_DOC_TOKENS, PADDED_VOCAB_SIZE, ConfigError, config_from_dict, config_to_dict,
-                    normalize_config)
-from processes import ProcessGroup
+from machinery.config import (MAX_TARGETS, MIN_DOC_TOKENS, PADDED_VOCAB_SIZE, ArgumentParser, ConfigError,
+                              config_from_dict, config_to_dict, normalize_config)
+from machinery.processes import ProcessGroup
+from machinery.sparse_tables import (NGRAM_ROW_STATE_BYTES, available_memory_bytes, check_ngram_table, ngram_event_rows,
+                                     ngram_row_bytes)
 from records.logfile import track_target
-from sparse_tables import (NGRAM_ROW_STATE_BYTES, available_memory_bytes, check_ngram_table, ngram_event_rows,
-                           ngram_row_bytes)
-
 
 # Allowances, not measurements (no GPU run yet):
 MEMORY_MARGIN_BYTES = 3 * 2**30    # a GPU's memory beside the budget's items: the CUDA context, cuBLAS, NCCL
@@ -310,7 +310,7 @@ def memory_budget(recipe, h, world_size):
             "gradients": sum(p.nbytes for p in params if p.requires_grad),
             "optimizer state": optimizer_bytes(recipe, h, model, world_size),
             "weight averages": sum(4 * w.numel() for a in h.averages
-                                   for _, w in recipe.averaged_pieces(model, a.params)),
+                                   for _, w in model.averaged_pieces(a.params)),
             "gradient sinks": 2 * sum(s.nbytes for s in sinks),
         }
         value_widths = [ve.embedding_dim for ve in model.value_embeds] if model.value_sinks is not None else []
@@ -421,7 +421,7 @@ def table_sizes(h, floor_rows):
 def stages_argument(stages):
     """--stages=JSON of `stages`, each with the keys whose values are not a Stage's defaults,
     without spaces (one word for run.sh)."""
-    from config import Stage
+    from machinery.config import Stage
     defaults = {f.name: f.default for f in dataclasses.fields(Stage)}
     kept = [{k: v for k, v in dataclasses.asdict(s).items() if k not in defaults or v != defaults[k]} for s in stages]
     return "--stages=" + json.dumps(kept, separators=(",", ":"))
@@ -564,3 +564,66 @@ def named_preset(recipe, args, h, argv):
         if name != h.preset and {k: v for k, v in other.items() if k not in ignored} == mine:
             return ("--preset", name)
     return args
+
+
+PLAN_MAX_GIB = 2**20               # the most memory --plan takes for a GPU or a host: a PiB
+
+
+
+def plan_command(recipe, argv):
+    """--plan [--gpus=N --gpu_gib=X --host_gib=Y] [train_gpt.py arguments]: print launch_plan's
+    answer (for `recipe`, train_gpt) for this machine (or for N GPUs of X GiB and Y GiB of host memory, on any machine), in
+    three lines: the processes, the preset arguments, the reason. run.sh asks it."""
+    parser = ArgumentParser(prog="train_gpt.py --plan", allow_abbrev=False,
+                            description="What ./run.sh starts on a machine's GPUs, and why (docs/gpu.md). Any other "
+                                        "--key=value is the run's, as for training.")
+    parser.add_argument("--plan", action="store_true", help="print the plan: processes, preset arguments, reason")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs to plan for (default: this machine's)")
+    parser.add_argument("--gpu_gib", type=float, default=None,
+                        help="free memory of each GPU in GiB, e.g. 79.6 for an 80 GB H100 (default: GPU 0's now)")
+    parser.add_argument("--host_gib", type=float, default=None,
+                        help="host memory in GiB the run may use (default: this machine's available memory)")
+    args, rest = parser.parse_known_args(argv)
+    gpus = torch.cuda.device_count() if args.gpus is None else args.gpus
+    if gpus < 1:
+        raise ConfigError("--plan is for GPUs and this machine has none (./run.sh runs the cpu preset here); to plan "
+                          "for a GPU machine, name it: --gpus=N --gpu_gib=G [--host_gib=H]")
+    if args.gpu_gib is None and not torch.cuda.is_available():
+        raise ConfigError(f"--plan for {gpus} GPU(s) on a machine without one needs their memory: add --gpu_gib=G "
+                          f"(GiB each, e.g. 79.6 for an 80 GB H100, 23.6 for a 24 GB card)")
+    for key, value in (("gpu_gib", args.gpu_gib), ("host_gib", args.host_gib)):
+        if value is not None and not 0 < value <= PLAN_MAX_GIB:
+            raise ConfigError(f"--{key}={value} is not allowed: expects a positive number of GiB, at most "
+                              f"{PLAN_MAX_GIB:,} (a PiB)")
+
+    def available(device):
+        given = args.gpu_gib if device.type == "cuda" else args.host_gib
+        return available_memory_bytes(device) if given is None else int(given * 2**30)
+    preset_args, processes, reason = launch_plan(recipe, gpus, rest, available)
+    print(processes, " ".join(preset_args), reason, sep="\n")
+    return 0
+
+
+
+def names_a_config(argv):
+    """Whether argv names its config: a --preset or a --config."""
+    return any(a in ("--preset", "--config") or a.startswith(("--preset=", "--config=")) for a in argv)
+
+
+
+def with_machine_preset(recipe, argv, launch):
+    """argv as ./run.sh would start it on this machine when it names no preset: the cpu preset
+    without a GPU; with GPUs, launch_plan's choice for the processes this launch has, said in one
+    line (by rank 0). A plan for another number of processes is refused with what to run instead."""
+    if names_a_config(argv):
+        return argv
+    if not torch.cuda.is_available():
+        return ["--preset", "cpu", *argv]
+    asked = [a for a in argv if a not in ("-h", "--help", "--print_config")]
+    preset_args, processes, reason = launch_plan(recipe, launch.world_size, asked)
+    if processes != launch.world_size:
+        raise ConfigError(f"no --preset given, and on {launch.world_size} process(es) of this machine the plan needs "
+                          f"{processes}: run ./run.sh, or name a preset (--preset NAME)")
+    if launch.rank == 0:
+        print(f"train_gpt.py: no --preset given, as ./run.sh here: {reason}", file=sys.stderr, flush=True)
+    return [*preset_args, *argv]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from processes import TrainingError
+from machinery.processes import TrainingError
 
 # update function's code -> the dynamo graphs compiled for it in this process (a key each, per StepGraphs)
 _GRAPHS_OF_CODE = collections.Counter()

@@ -17,9 +17,8 @@ import torch.distributed as dist
 
 import kernels
 import optim
-from config import PADDED_VOCAB_SIZE, ConfigError
-from processes import ProcessGroup, TrainingError, synchronize, syncs_allowed
-
+from machinery.config import PADDED_VOCAB_SIZE, ConfigError
+from machinery.processes import ProcessGroup, TrainingError, synchronize, syncs_allowed
 
 NGRAM_ROW_STATE_BYTES = 8          # sparse Adam's state per table row: an fp32 moment and an int32 event
 NGRAM_ROW_MAP_BYTES = 4            # a host table's map from each row to its cache slot (int32)

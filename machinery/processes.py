@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from config import ConfigError
-from cpu_runtime import keep_freed_memory_for_reuse
-from errors import UserError
+from machinery.config import ConfigError
+from machinery.cpu_runtime import keep_freed_memory_for_reuse
+from machinery.errors import UserError
 from records.logfile import ERROR_PREFIX, INTERRUPTED_PREFIX
 
 

@@ -1,7 +1,7 @@
 """Use a checkpoint of a run (logs/<run id>_model.safetensors, written with --save_checkpoint=true):
 
-    python evaluate.py --eval=PATH [--key=value of EVAL_KEYS]     # its final validation again
-    python evaluate.py --sample=PATH --prompt=TEXT [--max_new_tokens=N --temperature=T --top_k=K --seed=S]
+    python evaluation/evaluate.py --eval=PATH [--key=value of EVAL_KEYS]     # its final validation again
+    python evaluation/evaluate.py --sample=PATH --prompt=TEXT [--max_new_tokens=N --temperature=T --top_k=K --seed=S]
 
 --eval recomputes the run's final validation (same tokens, windows and full softmax) and prints
 its val line; with the run's config on the same machine it equals the logged one. --sample
@@ -12,19 +12,23 @@ Errors end with one line, as train_gpt.py's.
 import codecs
 import contextlib
 import math
+import os
 import sys
 import time
 
 import torch
 
-import train_gpt
-from checkpoint import NGRAM_TABLE_KEY, CheckpointError, load_checkpoint, split_ngram_table
-from config import WINDOW_BLOCK, ArgumentParser, ConfigError, apply_overrides, check_config, parse_value
-from cpu_runtime import bf16_gemms
-from data.tokenizer import BOS_ID, gpt2_encoding
-from processes import start_process
-from train_gpt import AttentionArgs, KVCache, Trainer, attention_windows, gemm_path, shards_of, validation_data
-
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # train_gpt.py's folder
+sys.path.insert(0, REPO_DIR)
+import train_gpt  # noqa: E402
+from data.tokenizer import BOS_ID, gpt2_encoding  # noqa: E402
+from machinery.checkpoint import NGRAM_TABLE_KEY, CheckpointError, load_checkpoint, split_ngram_table  # noqa: E402
+from machinery.config import (WINDOW_BLOCK, ArgumentParser, ConfigError, apply_overrides, check_config,  # noqa: E402
+                              parse_value)
+from machinery.cpu_runtime import bf16_gemms  # noqa: E402
+from machinery.processes import start_process  # noqa: E402
+from train_gpt import (AttentionArgs, KVCache, Trainer, attention_windows, gemm_path, shards_of,  # noqa: E402
+                       validation_data)
 
 EVAL_KEYS = ("val_files", "val_tokens", "val_tokens_per_rank", "device", "kernels", "compile", "compile_backend",
              "ngram_cache_rows")    # config keys an --eval command may override
@@ -207,7 +211,7 @@ def main(argv=None):
         print(__doc__)
         return 0
     if command is None:
-        print("error: give --eval=PATH or --sample=PATH of a checkpoint (python evaluate.py --help: the usage)",
+        print("error: give --eval=PATH or --sample=PATH of a checkpoint (python evaluation/evaluate.py --help: the usage)",
               file=sys.stderr)
         return train_gpt.EXIT_USER_ERROR
     return train_gpt.main(argv, command=command, run=run)

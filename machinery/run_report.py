@@ -1,0 +1,129 @@
+"""What a run reports besides its step lines: the environment its log opens with, the warning
+when other work held the CPUs it needed, the train-loss lines written once their values reached
+the host (never making the CPU wait for the GPU), and the measured memory beside the budget."""
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+
+import torch
+
+from machinery.config import loggable
+from machinery.processes import launch_environment
+from records.logfile import cpu_model, other_load
+
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: its git commit
+
+
+def environment(world_size, bf16_gemm, load):
+    def git_commit():
+        try:
+            return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_DIR, capture_output=True,
+                                  text=True, timeout=10).stdout.strip() or "none"
+        except (OSError, subprocess.SubprocessError):
+            return "none"
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    return {
+        "python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
+        "cuda": torch.version.cuda or "none", "gpu": ", ".join(gpus) or "none",
+        "cpu": cpu_model(), "cpu_count": os.cpu_count(), "cpu_threads": torch.get_num_threads(),
+        "bf16_gemm": bf16_gemm, "world_size": world_size,
+        "hostname": socket.gethostname(), "command": " ".join(sys.argv), "git_commit": git_commit(),
+        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "load_average": "unknown" if load is None else f"{load:.2f}",
+    }
+
+
+
+def run_threads(pg):
+    """The CPU threads this machine's processes of the run keep busy: torch's threads on a CPU,
+    one per process driving a GPU."""
+    return launch_environment().local_world_size * (torch.get_num_threads() if pg.device.type == "cpu" else 1)
+
+
+
+def busy_warning(load, seconds, threads, when):
+    """The warning line when, by a 1-minute load average taken `seconds` into the run, other work
+    held CPUs the run's `threads` need (records.logfile.other_load); else None."""
+    cpus = os.cpu_count() or 1
+    others = None if load is None else other_load(load, cpus, threads, seconds)
+    if others is None:
+        return None
+    return (f"warning: the machine was busy {when}: a 1-minute load average of {load:.2f} on {cpus} CPUs, about "
+            f"{others:.1f} of it other work beside this run's {threads} thread(s): its times are slower than an idle "
+            f"machine's, and a record's runs need an idle machine")
+
+
+
+class DeferredLossLines:
+    """Train-loss lines written once their value has reached the host, so that logging never
+    makes the CPU wait for the GPU: at a logged step the loss is copied (non-blocking) to pinned
+    memory and an event is recorded; the line is written at a later step once the event has
+    passed, or when the loop synchronizes anyway (validation, the end)."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.pending = []          # (step, elapsed_ms, host tensor, event or None)
+
+    def add(self, step, elapsed_ms, losses):
+        """losses: a small fp32 device tensor (the values of one line)."""
+        host = torch.empty(losses.shape, dtype=torch.float32, pin_memory=self.cuda)
+        host.copy_(losses, non_blocking=self.cuda)
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.pending.append((step, elapsed_ms, host, event))
+
+    def ready(self, wait=False):
+        """(step, elapsed_ms, values) of the pending lines whose values have arrived, in order."""
+        out = []
+        while self.pending and (wait or self.pending[0][3] is None or self.pending[0][3].query()):
+            step, elapsed_ms, host, event = self.pending.pop(0)
+            if event is not None:
+                event.synchronize()
+            out.append((step, elapsed_ms, host.tolist()))
+        return out
+
+
+
+def memory_line(budget, device):
+    """The run's measured GPU memory beside what its MemoryBudget predicted."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    return (f"memory: peak allocated {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB, reserved "
+            f"{torch.cuda.max_memory_reserved(device) / 2**30:.1f} GiB; the budget {budget.summary(total)} "
+            f"(its step {budget.step / 2**30:.1f} GiB)")
+
+
+
+def peak_rss_bytes():
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def stop(log, line, code, show=True):
+    """End the run: `line` as the log's last line (if there is a log and room), and on stderr when
+    `show`. A line a log cannot hold (a file name with a line break in an error) is escaped as in
+    JSON, so that it stays one line."""
+    line = line if loggable(line) else json.dumps(line)[1:-1]
+    if log is not None:
+        log.write_last_line(line)
+        if log.writer is not None:
+            line += f" (log: {log.path})"
+    if show:
+        print(line, file=sys.stderr, flush=True)
+    return code
+
+
+
+def where_the_run_is(log, command):
+    """Where a stopped process was, for its line: the log's progress, or the command."""
+    return log.progress if log is not None else (f"during --{command}" if command else "before training")
