@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from interpreter_shim import REPO_ROOT, isolated
+from interpreter_shim import REPO_ROOT, LaunchedKernels, isolated
 
 sys.path.insert(0, str(REPO_ROOT))
 from machinery import kernel_choice  # noqa: E402
@@ -131,22 +131,6 @@ def test_a_cpu_run_selects_nothing():
     assert kernel_choice.end_run() == []
 
 
-class Launched:
-    """Within: the names of the Triton kernels launched (they still run)."""
-
-    def __enter__(self):
-        self.names, self._original = [], kernels._launch
-
-        def launch(kernel, grid, config, **args):
-            self.names.append(kernel.__name__)
-            self._original(kernel, grid, config, **args)
-        kernels._launch = launch
-        return self
-
-    def __exit__(self, *exc):
-        kernels._launch = self._original
-
-
 @contextlib.contextmanager
 def selecting(timer):
     """Within: a fresh selection with `timer` (the interpreted worker keeps its state between
@@ -182,7 +166,7 @@ def test_an_fp8_gemm_runs_the_implementation_the_fake_timer_made_fastest(fastest
         timed.append(implementation(fn))
         return 1.0 if implementation(fn) == fastest else 5.0
     kernel_choice.begin_selection(timer=timer)
-    with Launched() as launched:
+    with LaunchedKernels() as launched:
         out = kernels.fp8_matmul(a, b, one, one)
     decision = kernel_choice.decisions()[0]
     assert decision.how == "timed" and not decision.dropped, decision.line()
@@ -202,7 +186,7 @@ def test_attention_selection_checks_times_and_runs_the_chosen_backward():
     cu_seqlens = torch.tensor([0, 17, 40], dtype=torch.int32)
     with selecting(lambda fn: 0.1 if implementation(fn) == "_run_attn_bwd_two_kernels" else 1.0):
         o = kernels.flash_attn_varlen(q, k, v, cu_seqlens, 9, 0.25)
-        with Launched() as launched:
+        with LaunchedKernels() as launched:
             grads = torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
         forward, backward = kernel_choice.decisions()
     assert forward.family == "attention_forward" and set(forward.ms) == {"triton 64x32", "triton 128x64", "flex"}

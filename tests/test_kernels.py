@@ -32,7 +32,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from interpreter_shim import REPO_ROOT, isolated
+from interpreter_shim import REPO_ROOT, LaunchedKernels, isolated
 
 sys.path.insert(0, str(REPO_ROOT))
 import kernels  # noqa: E402  (interpreted inside the worker)
@@ -248,22 +248,6 @@ def test_fp8_matmul_relu2_epilogues_match_oracle_exactly():
 
 # The persistent descriptor kernels' tiles in the interpreter: 16 x 32 tiles, K steps of 32.
 SMALL_TMA = kernels.LaunchConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=2)
-
-
-class LaunchedKernels:
-    """Within: the names of the kernels launched (they still run)."""
-
-    def __enter__(self):
-        self.names, self._original = [], kernels._launch
-
-        def launch(kernel, grid, config, **args):
-            self.names.append(kernel.__name__)
-            self._original(kernel, grid, config, **args)
-        kernels._launch = launch
-        return self
-
-    def __exit__(self, *exc):
-        kernels._launch = self._original
 
 
 class SmCount:

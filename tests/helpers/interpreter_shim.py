@@ -229,3 +229,20 @@ def _result_unless_idle(future, executor):
                     process.kill()
                 _worker.cache_clear()
                 raise TimeoutError(f"the isolated test used no CPU for {WORKER_IDLE_S} s: it hangs") from None
+
+
+class LaunchedKernels:
+    """Within: the names of the Triton kernels kernels.py launches (they still run)."""
+
+    def __enter__(self):
+        import kernels
+        self.kernels, self.names, self._original = kernels, [], kernels._launch
+
+        def launch(kernel, grid, config, **args):
+            self.names.append(kernel.__name__)
+            self._original(kernel, grid, config, **args)
+        kernels._launch = launch
+        return self
+
+    def __exit__(self, *exc):
+        self.kernels._launch = self._original
