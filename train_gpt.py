@@ -25,7 +25,6 @@ resolved config, then step lines.
 """
 import contextlib
 import copy
-import dataclasses
 import functools
 import gc
 import itertools
@@ -53,8 +52,8 @@ from torch.profiler import record_function
 
 import kernels
 import optim
-from data.loader import BatchPrefetcher, TrainLoader, validation_slices
-from data.shards import find_shards, fingerprint
+from data.loader import BatchPrefetcher, TrainLoader, check_validation_split, shards_of, validation_data
+from data.shards import fingerprint
 from data.tokenizer import BOS_ID, noncanonical_pairs, prefix_token_table
 from machinery import config, kernel_choice, memory_budget, metrics, resume
 from machinery.checkpoint import NGRAM_TABLE_KEY, save_checkpoint, send_table_shard, split_ngram_table
@@ -66,21 +65,20 @@ from machinery.cpu_runtime import bf16_gemm_path, bf16_gemms, cpu_has_native_bf1
 from machinery.cuda_graphs import MicroBatch, StepGraphs
 from machinery.errors import UserError
 from machinery.kernel_set import KernelFns, select_kernels
+from machinery.kv_cache import KVCache, cached_attention
 from machinery.processes import (DISK_FULL_ERRNOS, EXIT_USER_ERROR, SIGNAL_EXIT_CODES, Interrupted, ProcessGroup,
-                                 TrainingError, hold_signals, interruption_line, launch_environment, peer_exited,
-                                 report_error, restore_signals, shows_interruptions, start_process, stop_on_signals,
-                                 synchronize)
+                                 hold_signals, interruption_line, launch_environment, peer_exited, report_error,
+                                 restore_signals, shows_interruptions, start_process, stop_on_signals, synchronize)
 from machinery.progress import Progress, RunClock
-from machinery.run_report import (DeferredLossLines, busy_warning, environment, memory_line, peak_rss_bytes, run_threads,
-                                  stop, where_the_run_is)
+from machinery.run_report import (DeferredLossLines, busy_warning, check_finite, environment, peak_memory_mib, run_threads,
+                                  stop, validation_progress, where_the_run_is, write_execution_lines, write_load_lines,
+                                  write_loss_lines)
 from machinery.sparse_tables import SparseTables, check_ngram_table
 from machinery.warm_up import compiled_graphs, host_syncs_are_errors, warm_up, warm_up_line
 from records.logfile import (ERROR_PREFIX, LogWriteError, RunLog, load_average, project_sources, track_target,
                              write_failure)
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
-FINEWEB_HINT = "python data/cached_fineweb10B.py N"
-TINY_HINT = "python data/tiny_corpus.py"
 
 # -----------------------------------------------------------------------------------------------
 # Presets
@@ -96,6 +94,21 @@ def _project_rules(h):
     h.final_mix, h.value_embed_full_width = "record89", False
 
 
+def _shared_constants(h):
+    """Keys every preset but speedrun gives one value, set before the preset's own: ANVIL's rails
+    and mu schedule and AdamW's matrix LR (read only by those optimizers), the token gates' and
+    dense connections' LRs (record 89), the tables' Adam when a preset has no table, a candidate
+    walk that restarts each step, the averages' norms per matrix, optimizer lanes and LR factors
+    from each matrix's own shape, Adam's eps for the mean loss, and the FP8 scale rules."""
+    h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start = 0.85, 0.98, 0.4385, 0.43
+    h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall = 0.85, 0.93, 0.2, 0.042
+    h.anvil_fast_beta_follows_mu, h.value_embed_table_cadence, h.adamw_matrix_lr = False, False, 0.008
+    h.token_gate_lr, h.dense_lr, h.gate_wd, h.gate_mlp_wd = 0.0008, 0.002, 0.0, 0.0
+    h.ngram_lr, h.ngram_wd, h.ngram_beta2, h.ngram_step_every, h.table_phases = 0.01, 0.0, 0.95, 1, []
+    h.candidate_walk, h.average_norms, h.matrix_shapes, h.adam_eps_unit = "restart", "matrix", "own", "mean"
+    h.fp8_mlp_scales, h.fp8_qkv_scales, h.fp8_head_scales = "record92", "project", "record89"
+
+
 def _cpu_preset(h):
     """The CPU track's current record (NorMuon25Steps), its whole recipe: a 4-layer, width-256
     model with the hashed n-gram table on the tiny corpus, 2 cores, under a minute. Each choice's
@@ -109,6 +122,7 @@ def _cpu_preset(h):
     product runs as an fp32 GEMM plus casts (machinery/cpu_runtime.py); the val loss is the same either way.
     """
     _project_rules(h)
+    _shared_constants(h)
     h.track = "track_cpu"
     h.train_files = "data/tiny_corpus/tiny_train_*.bin"
     h.val_files = "data/tiny_corpus/tiny_val_*.bin"
@@ -136,8 +150,6 @@ def _cpu_preset(h):
     h.param_dtype = "float32"
     h.compute_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     h.fp8_mlp = h.fp8_qkv = h.fp8_head = True  # (FP8 layers only on a GPU, or with --fp8_on_cpu)
-    h.fp8_mlp_scales = "record92"
-    h.fp8_qkv_scales, h.fp8_head_scales = "project", "record89"  # (FP8 layers only on a GPU or fp8_on_cpu)
 
     # schedule: 25 steps, twice the batch from the middle (LR x1.52 = (4096/2048)^0.6, as record 89
     # scales it); the cooldown from 40% to 0.15; untied at 2/3
@@ -159,18 +171,11 @@ def _cpu_preset(h):
     h.matrix_lr, h.matrix_wd, h.mlp_down_lr_scale = 0.05, 0.0, 2.0
     h.qk_ortho_heads = 1           # queries and keys orthogonalized per head ("record-89/92 constants ...")
     h.momentum, h.momentum_warmup_start, h.momentum_warmup_steps, h.momentum_cooldown_steps = 0.95, 0.85, 300, 0
-    h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start = 0.85, 0.98, 0.4385, 0.43  # (anvil)
-    h.anvil_fast_beta_follows_mu, h.value_embed_table_cadence = False, False
-    h.candidate_walk, h.average_norms, h.matrix_shapes, h.adam_eps_unit = "restart", "matrix", "own", "mean"
-    h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall = 0.85, 0.93, 0.2, 0.042         # (anvil)
-    h.adamw_matrix_lr = 0.008      # (--optimizer=adamw)
     h.embed_lr, h.value_embed_lr, h.head_lr = 0.02, 0.02, 0.016  # ("steps, Adam LRs, ...")
     h.scalar_lr = h.gate_lr = h.smear_gate_lr = 0.04
-    h.token_gate_lr, h.dense_lr = 0.0008, 0.002
     # record 89's Adam betas and decay ("record-89 Adam betas and decay, fewer steps")
     h.embed_betas, h.value_embed_betas, h.scalar_betas = (0.5, 0.95), (0.75, 0.95), (0.9, 0.99)
     h.resid_scale_lr, h.post_scale_lr, h.scale_betas = h.scalar_lr, h.scalar_lr, h.scalar_betas
-    h.gate_wd = h.gate_mlp_wd = 0.0
     h.embed_wd, h.value_embed_wd = 0.005 * 150, 0.005 * 5
     h.adam_eps, h.adam_step_every = 1e-10, 1
     # the tables' sparse Adam at twice the default LR ("the hashed bigram+trigram table")
@@ -196,6 +201,7 @@ def _cpu_optimization_preset(h):
     value embeddings under dense Adam), and the first records' optimizer, which an entry changes:
     ANVIL at 27 steps, the LRs and schedule of that cpu preset."""
     _project_rules(h)
+    _shared_constants(h)
     h.track = "track_3_cpu_optimization"
     fixed_track_config(h, h.track)
     h.num_iterations, h.val_tokens_per_rank = 27, 8_192
@@ -203,24 +209,15 @@ def _cpu_optimization_preset(h):
     h.optimizer, h.orthogonalize = "anvil", "auto"   # auto: polar_express for an entry's muon or normuon
     h.matrix_lr, h.matrix_wd, h.mlp_down_lr_scale, h.qk_ortho_heads = 0.05, 0.0, 2.0, 1
     h.momentum, h.momentum_warmup_start, h.momentum_warmup_steps, h.momentum_cooldown_steps = 0.95, 0.85, 300, 0
-    h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start = 0.85, 0.98, 0.4385, 0.43
-    h.anvil_fast_beta_follows_mu, h.value_embed_table_cadence = False, False
-    h.candidate_walk, h.average_norms, h.matrix_shapes, h.adam_eps_unit = "restart", "matrix", "own", "mean"
-    h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall = 0.85, 0.93, 0.2, 0.042
-    h.adamw_matrix_lr = 0.008
     h.embed_lr, h.value_embed_lr, h.head_lr = 0.02, 0.02, 0.016
     h.scalar_lr = h.gate_lr = h.smear_gate_lr = 0.04
-    h.token_gate_lr, h.dense_lr = 0.0008, 0.002
     h.embed_betas, h.value_embed_betas, h.scalar_betas = (0.5, 0.95), (0.75, 0.95), (0.9, 0.99)
     h.resid_scale_lr, h.post_scale_lr, h.scale_betas = h.scalar_lr, h.scalar_lr, h.scalar_betas
-    h.gate_wd = h.gate_mlp_wd = 0.0
     h.embed_wd, h.value_embed_wd = 0.005 * 150, 0.005 * 5
     h.adam_eps, h.adam_step_every = 1e-10, 1
     h.ngram_lr, h.ngram_wd, h.ngram_beta2, h.ngram_step_every, h.table_phases = 0.02, 0.0, 0.95, 1, []
     h.embed_init_std = 0.0
     h.compute_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
-    h.fp8_mlp_scales = "record92"
-    h.fp8_qkv_scales, h.fp8_head_scales = "project", "record89"  # (FP8 layers only on a GPU or fp8_on_cpu)
     h.log_every, h.compile, h.cuda_graphs = 5, False, False
     h.warm_up, h.warmup_steps = "always", 1
 
@@ -353,6 +350,7 @@ def _record89_preset(h):
     1270 scheduled steps in three equal stages plus 15 at the final windows and LR, NorMuon with
     Polar Express, the cooldown from 40% of the scheduled steps to 0.15, no canonical mask, no
     sampled softmax, no averages."""
+    _shared_constants(h)
     h.track = "track_1_short"
     h.train_files = "data/fineweb10B/fineweb_train_*.bin"
     h.val_files = "data/fineweb10B/fineweb_val_*.bin"
@@ -383,7 +381,6 @@ def _record89_preset(h):
     # precision: record 89's bf16 weights and activations; FP8 MLP forward and head, QKV in bf16
     h.param_dtype, h.compute_dtype = "bfloat16", "bfloat16"
     h.fp8_mlp, h.fp8_qkv, h.fp8_head, h.fp8_mlp_scales = True, False, True, "record89"
-    h.fp8_qkv_scales, h.fp8_head_scales = "project", "record89"  # (QKV in bf16)
 
     # schedule
     h.num_iterations = N = 1270 + 15
@@ -407,17 +404,11 @@ def _record89_preset(h):
     h.optimizer, h.orthogonalize, h.matrix_shapes = "normuon", "polar_express", "record_banks"
     h.matrix_lr, h.matrix_wd, h.mlp_down_lr_scale, h.qk_ortho_heads = 0.023, 1.2, 2.0, 2
     h.momentum, h.momentum_warmup_start, h.momentum_warmup_steps, h.momentum_cooldown_steps = 0.95, 0.85, 300, 50
-    h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start = 0.85, 0.98, 0.4385, 0.43  # (anvil)
-    h.anvil_fast_beta_follows_mu, h.value_embed_table_cadence = False, False
-    h.candidate_walk, h.average_norms = "restart", "matrix"  # (no sampled softmax, no averages)
-    h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall = 0.85, 0.93, 0.2, 0.042         # (anvil)
-    h.adamw_matrix_lr = 0.008      # (--optimizer=adamw)
     # Adam: base LR 0.008 and decay 0.005 times per-group multipliers, an update on odd steps only,
     # eps for the summed loss's gradient
     h.embed_lr = h.head_lr = 0.008
     h.value_embed_lr = 0.008 * 75  # value embeddings and the bigram table
     h.scalar_lr, h.gate_lr, h.smear_gate_lr = 0.008 * 5, 0.008, 0.008 * 0.01
-    h.token_gate_lr, h.dense_lr = 0.0008, 0.002
     h.embed_betas, h.value_embed_betas, h.scalar_betas = (0.5, 0.95), (0.75, 0.95), (0.9, 0.99)
     # the dense trunk's residual scales (LR x5) and output scales (x1), betas (0.9, 0.95); the
     # value-embedding gates and the gate and dense-connection MLPs' weights decayed as Adam's default
@@ -425,7 +416,6 @@ def _record89_preset(h):
     h.gate_wd = h.gate_mlp_wd = 0.005
     h.embed_wd, h.value_embed_wd = 0.005 * 150, 0.005 * 5
     h.adam_eps, h.adam_step_every, h.adam_eps_unit = 1e-10, 2, "token_sum"
-    h.ngram_lr, h.ngram_wd, h.ngram_beta2, h.ngram_step_every, h.table_phases = 0.01, 0.0, 0.95, 1, []  # (no table)
 
 
 def _one_gpu_preset(h):
@@ -434,30 +424,6 @@ def _one_gpu_preset(h):
     # the table (130 GB in bf16) in host memory; the device caches 4.5 Mi rows (7.2 GB), more than
     # min_cache_rows: 2 rows a token of an update's 4 steps, the next step's and a validation slice's
     h.ngram_cache_rows = 4_718_592
-
-
-def micro_batch_splits(h):
-    """The k that split_micro_batches(h, k) takes: powers of two that divide every stage's
-    tokens_per_rank and leave each micro-batch at least its stage's max_doc_len (a shorter one
-    would cut the documents the stage keeps whole)."""
-    k, splits = 1, []
-    while all(s.tokens_per_rank % k == 0 and s.tokens_per_rank // k >= s.max_doc_len for s in h.stages):
-        splits.append(k)
-        k *= 2
-    return splits
-
-
-def split_micro_batches(h, k):
-    """h with each slice of the global batch trained as k micro-batches by gradient accumulation:
-    k times the slices (batch_ranks), each stage's tokens_per_rank divided by k. The global batch
-    and the schedules stay; a step's activations shrink about k-fold. The validation's windows
-    (val_tokens_per_rank) shrink k-fold too, so its forward does: a window's edge cuts a document,
-    so k times as many documents are cut (a slightly higher val loss)."""
-    h.batch_ranks *= k
-    h.stages = [dataclasses.replace(s, tokens_per_rank=s.tokens_per_rank // k) for s in h.stages]
-    if h.val_tokens_per_rank % k == 0:
-        h.val_tokens_per_rank //= k
-    return h
 
 
 ONE_CARD_NGRAM_ROWS = NGRAM_RECORD_ROWS // 64   # 1,321,920 rows (2 GB in bf16): the largest a 24 GB card holds
@@ -477,7 +443,7 @@ def _one_card_24gb_preset(h):
     _one_gpu_preset(h)
     h.track = "none"               # a 24 GB card is not the single-GPU track's H100 or H200
     h.ngram_rows, h.ngram_cache_rows = ONE_CARD_NGRAM_ROWS, 0
-    split_micro_batches(h, ONE_CARD_SPLIT)
+    memory_budget.split_micro_batches(h, ONE_CARD_SPLIT)
 
 
 MEDIUM_SCHEDULED_STEPS = 4700      # public medium record: the steps its batch, window and LR schedules span
@@ -496,6 +462,7 @@ def _medium_preset(h):
     the floor of the cooldown). Nothing is added to the model: what the public model has that
     ours lacks, and every value that maps with a difference, is in docs/medium.md."""
     _project_rules(h)
+    _shared_constants(h)
     h.track = "track_2_medium"
     h.num_layers, h.model_dim, h.num_heads, h.head_dim = 16, 1024, 8, 128  # public: 16 layers of 1024, 8 heads of 128
     h.mlp_hidden = 4096            # public medium record: MLP hidden 4 x 1024, ReLU^2
@@ -561,11 +528,10 @@ def _medium_preset(h):
     h.scalar_lr = 0.008 * 5            # public medium record: scalar DistAdam lr 0.008, scalars lr_mul 5
     h.scalar_betas = (0.9, 0.99)       # public medium record: scalar DistAdam betas (0.9, 0.99)
     h.resid_scale_lr, h.post_scale_lr, h.scale_betas = h.scalar_lr, h.scalar_lr, h.scalar_betas
-    h.gate_wd = h.gate_mlp_wd = 0.0
     h.gate_lr = 0.015 * 0.1            # public medium record: value_embed_gate NorMuon lr_mul 0.1 (ours: Adam)
     h.adam_eps = 1e-8                  # public medium record: DistAdam eps 1e-8
     h.adam_step_every = 2              # public medium record: Adam on odd steps only
-    # what the public medium record does not have, off; the unused optimizers' constants
+    # what the public medium record does not have, off
     h.value_embed_layers, h.value_embed_gate_reads_value, h.value_embed_sparse = (), False, False
     h.xsa_layers, h.paired_head_layers, h.parallel_mlp_layers, h.attn_gate_layers, h.composed_layers = (), (), (), (), ()
     h.narrow_qk_layers, h.narrow_qk_dim, h.narrow_qk_attn_scale, h.narrow_vo_layers, h.narrow_vo_dim = (), 64, 0.13, (), 64
@@ -577,46 +543,29 @@ def _medium_preset(h):
     h.val_files = "data/fineweb10B/fineweb_val_*.bin"
     h.val_tokens = 10_485_760
     h.param_dtype, h.compute_dtype, h.fp8_mlp_scales = "float32", "bfloat16", "record92"
-    h.fp8_qkv_scales, h.fp8_head_scales = "project", "record89"  # (FP8 layers only on a GPU or fp8_on_cpu)
-    h.adamw_matrix_lr = 0.008
-    h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start = 0.85, 0.98, 0.4385, 0.43
-    h.anvil_fast_beta_follows_mu, h.value_embed_table_cadence = False, False
-    h.candidate_walk, h.average_norms, h.matrix_shapes, h.adam_eps_unit = "restart", "matrix", "own", "mean"
-    h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall = 0.85, 0.93, 0.2, 0.042
-    h.token_gate_lr, h.dense_lr = 0.0008, 0.002
-    h.ngram_lr, h.ngram_wd, h.ngram_beta2, h.ngram_step_every, h.table_phases = 0.01, 0.0, 0.95, 1, []
 
 
 OPT_STEPS = 3250                   # public optimization track baseline: train_steps
-OPT_CONTEXT = 1024                 # public optimization track baseline: causal context of every sequence (tokens)
 OPT_VAL_EVERY = 125                # public optimization track baseline: validation every 125 steps
 
 
 def _optimization_preset(h):
     """The optimization track (fewest steps to val loss 3.28): the public optimization track's
     baseline (modded-nanogpt's records/track_3_optimization/train_gpt_simple.py, tuned Muon and
-    AdamW, 3250 steps) on this repository's model code. A 12-layer, width-768 model with 6 heads
-    of 128, ReLU^2 MLP 3072, QK norm, half RoPE at base 1024, every layer causal over 1024
-    tokens; one global batch of 8 x 64 x 1024 tokens a step; Muon lr 0.025 for the hidden
-    matrices, AdamW for the rest; the LR flat for 30% of the steps, then linear to 0. Facts
-    that our model cannot express, and every value mapped with a difference, are listed in
+    AdamW, 3250 steps) on this repository's model code. What an entry may not change (a 12-layer,
+    width-768 model with 6 heads of 128, ReLU^2 MLP 3072, QK norm, half RoPE at base 1024, every
+    layer causal over 1024 tokens; one global batch of 8 x 64 x 1024 tokens a step) is the track's
+    fixed_config (fixed_track_config); here is what an entry changes: Muon lr 0.025 for the hidden
+    matrices, AdamW for the rest, the LR flat for 30% of the steps, then linear to 0. Facts that
+    our model cannot express, and every value mapped with a difference, are listed in
     records/track_3_optimization/README.md."""
     _project_rules(h)
+    _shared_constants(h)
     h.track = "track_3_optimization"
-    h.num_layers, h.model_dim, h.num_heads, h.head_dim = 12, 768, 6, 128  # public: 12 x 768, head_dim 128
-    h.mlp_hidden = 4 * 768         # public: MLP 4 x dim, ReLU^2
-    h.attention_free_layers, h.long_window_layers = (), ()  # public: attention in every layer, one window
-    h.num_value_embeds, h.value_embed_layers = 0, ()        # public: no value embeddings
-    h.bigram_rows, h.value_embed_lr = 2, 0.0  # public: no bigram table; ours, the smallest, stays at its zero init
-    h.attn_scale, h.rope_base = 0.12, 1024.0  # public: scale=0.12, angular_freq (1/1024)^linspace on half the dims
-    h.fp8_mlp = h.fp8_qkv = h.fp8_head = False  # public: bf16 products
-    h.untie_frac = 0.0             # public: untied embedding and head from the start
+    fixed_track_config(h, h.track)
     h.num_iterations = OPT_STEPS
-    w = OPT_CONTEXT // WINDOW_BLOCK
-    h.stages = [Stage(end=1.0, tokens_per_rank=64 * OPT_CONTEXT, max_doc_len=OPT_CONTEXT, short_window=w,
-                      long_window=w)]  # public: 8 x 64 sequences of 1024 tokens a step, one loss: next token
-    h.val_long_window = w
     h.val_every = OPT_VAL_EVERY    # public: every 125 steps (then every 25 in the last 10%: not expressible)
+    h.val_tokens_per_rank = 65_536  # public: 8 x 64 x 1024 a step, over 8 ranks
     h.cooldown_start, h.cooldown_end, h.cooldown_floor = 0.3, 1.0, 0.0  # public: cooldown_frac 0.7, linear to 0
     h.optimizer, h.orthogonalize = "muon", "polar_express"  # public: Muon (Newton-Schulz, 12 cubic iterations)
     h.matrix_lr = 0.025            # public: Muon lr 0.025
@@ -628,33 +577,13 @@ def _optimization_preset(h):
     h.embed_lr, h.head_lr, h.scalar_lr = 0.7, 0.004, 0.015  # public: AdamW lr 0.7 / 0.004 / 0.015
     h.embed_betas = h.scalar_betas = (0.8, 0.95)  # public: betas (0.8, 0.95)
     h.resid_scale_lr, h.post_scale_lr, h.scale_betas = h.scalar_lr, h.scalar_lr, h.scalar_betas
-    h.gate_wd = h.gate_mlp_wd = 0.0
     h.adam_eps = 1e-10             # public: eps 1e-10
     h.embed_wd = 0.001 / 0.7       # public: p *= 1 - lr x 0.001; ours lr^2 x wd: equal for the embedding at its peak
     # public: embedding N(0, 1), head zero; ours unties at step 0 by copying the embedding into the head,
     # so the embedding keeps its default N(0, 1 / 768) (logits ~N(0, 1) at the start, not N(0, 768))
-    # what the public baseline does not have, off; the unused optimizers' constants
-    h.value_embed_gate_dim, h.value_embed_gate_reads_value, h.value_embed_sparse = 12, False, False
-    h.ngram_rows, h.ngram_dtype, h.embed_init_std, h.yarn_scale_growth = 0, "float32", 0.0, 0.1
-    h.canonical_mask, h.smear_gate, h.key_offset, h.xsa_layers, h.paired_head_layers = False, False, False, (), ()
-    h.narrow_qk_layers, h.narrow_qk_dim, h.narrow_qk_attn_scale, h.narrow_vo_layers, h.narrow_vo_dim = (), 64, 0.13, (), 64
-    h.parallel_mlp_layers, h.token_gates, h.token_gates_split, h.attn_gate_layers = (), False, 4, ()
-    h.composed_layers, h.composed_window, h.trunk, h.skip_layers, h.snapshot_layer = (), 112, "unet", (3, 6), 7
-    h.train_files = "data/fineweb10B/fineweb_train_*.bin"
-    h.val_files = "data/fineweb10B/fineweb_val_*.bin"
-    h.val_tokens, h.val_tokens_per_rank, h.batch_ranks = 10_485_760, 65_536, 8  # public: 8 x 64 x 1024 a step
-    h.yarn_at_final_window, h.averages = True, []
-    h.param_dtype, h.compute_dtype, h.fp8_mlp_scales = "float32", "bfloat16", "record92"
-    h.fp8_qkv_scales, h.fp8_head_scales = "project", "record89"  # (FP8 layers only on a GPU or fp8_on_cpu)
-    h.adamw_matrix_lr = 0.008
-    h.anvil_fast_beta, h.anvil_slow_beta, h.anvil_blend, h.anvil_blend_start = 0.85, 0.98, 0.4385, 0.43
-    h.anvil_fast_beta_follows_mu, h.value_embed_table_cadence = False, False
-    h.candidate_walk, h.average_norms, h.matrix_shapes, h.adam_eps_unit = "restart", "matrix", "own", "mean"
-    h.anvil_mu_low, h.anvil_mu_high, h.anvil_mu_rise, h.anvil_mu_fall = 0.85, 0.93, 0.2, 0.042
+    h.embed_init_std, h.compute_dtype, h.averages = 0.0, "bfloat16", []
     h.gate_lr = h.smear_gate_lr = 0.04
-    h.token_gate_lr, h.dense_lr = 0.0008, 0.002
     h.value_embed_betas, h.value_embed_wd, h.adam_step_every = (0.8, 0.95), 0.0, 1
-    h.ngram_lr, h.ngram_wd, h.ngram_beta2, h.ngram_step_every, h.table_phases = 0.01, 0.0, 0.95, 1, []
 
 
 PRESETS = {"speedrun": _speedrun_preset, "1gpu": _one_gpu_preset, "1gpu_24gb": _one_card_24gb_preset, "cpu": _cpu_preset,
@@ -766,54 +695,6 @@ class AttentionArgs:
     short_window: int              # tokens
     long_window: int               # tokens
     cache: "KVCache | None" = None  # generation: the tokens are the next ones of the cached document
-
-
-class KVCache:
-    """The keys and values of one document's tokens so far, per attention layer, for generation:
-    each new token computes only its own q, k, v and attends to the cached keys of its window, so
-    a token costs the same at position 10 as at position 5,000. Buffers are allocated once, for
-    `capacity` tokens, at the first use of each layer (twice the rows for a paired-head layer,
-    whose k, v hold two positions per token)."""
-
-    def __init__(self, capacity):
-        self.capacity = capacity
-        self.length = 0            # tokens cached so far (the position of the next token)
-        self.last_tokens = None    # (up to 2,) the last cached tokens: the n-grams of the next one need them
-        self.layers = {}           # attention module -> (keys, values), each (capacity, heads, dim)
-
-    def extend(self, layer, k, v, rows_per_token=1):
-        """Store this layer's k, v of the new tokens; return the keys and values of all tokens so far."""
-        start, end = self.length * rows_per_token, self.length * rows_per_token + k.size(0)
-        if end > self.capacity * rows_per_token:
-            raise ValueError(f"KVCache holds {self.capacity} tokens; {end // rows_per_token} were given")
-        if layer not in self.layers:
-            rows = self.capacity * rows_per_token
-            self.layers[layer] = (k.new_empty(rows, *k.shape[1:]), v.new_empty(rows, *v.shape[1:]))
-        keys, values = self.layers[layer]
-        keys[start:end], values[start:end] = k, v
-        return keys[:end], values[:end]
-
-    def advance(self, tokens):
-        """The forward pass over `tokens` is done: they are now part of the cached document."""
-        self.length += tokens.size(0)
-        self.last_tokens = (tokens if self.last_tokens is None else torch.cat([self.last_tokens, tokens]))[-2:]
-
-
-def cached_attention(q, k, v, window, softmax_scale):
-    """Attention of the last q.size(0) tokens of one document over all its keys so far, with the
-    same rule as kernels.attention_reference: key j is visible to query i when j <= i and
-    i - j < window (window <= 0: no limit). q: (n, H, D); k, v: (L, H, D) with L >= n. Only the
-    keys inside the window of the first query are read."""
-    q = (q.float() * softmax_scale.float().reshape(())).to(q.dtype)
-    n, L = q.size(0), k.size(0)
-    first = L - n                  # position of the first query
-    lo = max(0, first - window + 1) if window > 0 else 0
-    qi = torch.arange(first, L, device=q.device)[:, None]
-    kj = torch.arange(lo, L, device=q.device)[None, :]
-    visible = (kj <= qi) & ((qi - kj < window) if window > 0 else True)
-    y = F.scaled_dot_product_attention(q.transpose(0, 1), k[lo:].transpose(0, 1), v[lo:].transpose(0, 1),
-                                       attn_mask=visible, scale=1.0)
-    return y.transpose(0, 1).to(q.dtype)
 
 
 XSA_NORM_EPS = 1e-4               # values shorter than this are not normalized further (their direction is noise)
@@ -2491,32 +2372,10 @@ class Trainer:
         self.reset_walk()
 
 
-def check_finite(name, loss, step, log):
-    """Stop the run, keeping its log, when `name` (train or val loss) is NaN or infinite."""
-    if not math.isfinite(loss):
-        raise TrainingError(f"the {name} loss became {loss} at step {step} (train loss checked every "
-                            f"log_every steps): lower the learning rates or check the data")
-
-
 def first_batch(h, train_files, mine):
     """This rank's slices of step 0's batch (a fresh loader starts where the run's does)."""
     stage = h.stages[0]
     return train_loader(h, train_files).next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, mine)
-
-
-def write_loss_lines(log, lines, h, clock, sink):
-    """Step lines: the next-token train loss (comparable with val_loss) and the objective; on the
-    terminal also the time the rest of the run will take (clock, a progress.RunClock); the same
-    numbers to the metrics sink."""
-    N = h.num_iterations
-    for step, elapsed, (loss, objective) in lines:
-        check_finite("train", objective, step - 1, log)
-        sink.scalars(step, {"train/loss": loss, "train/objective": objective, "train/time_ms": elapsed})
-        line = (f"step:{step}/{N} train_loss:{loss:.4f} objective:{objective:.4f} train_time:{elapsed:.0f}ms "
-                f"step_avg:{elapsed / step:.2f}ms")
-        log.write(line)
-        if log.active:
-            print(f"{line} eta:{clock.eta_text(elapsed, step)}", flush=True)
 
 
 def tokens_after_steps(h):
@@ -2531,45 +2390,6 @@ def run_clock(h, pg, val_slices):
     validation slices. A step's time follows its tokens (later stages have larger batches)."""
     return RunClock(tokens_after_steps(h), [step for step, _ in validation_points(h)], len(val_slices),
                     h.val_tokens_per_rank, pg.world_size)
-
-
-def validation_progress(trainer, step, final, slices):
-    """before_slice of a validation of `slices` slices: the final one says each slice in the log
-    and on the terminal, an intermediate one on the terminal only (once the device caught up, so
-    the seconds are real)."""
-    progress = Progress(trainer.log, f"validating at step {step}/{trainer.h.num_iterations}", in_log=final)
-
-    def before_slice(i):
-        synchronize(trainer.pg.device)
-        progress.say(f"slice {i + 1}/{slices}")
-    return before_slice
-
-
-def shards_of(pattern):
-    """The shard files matching `pattern`; a ShardError says how to make them when none match."""
-    return find_shards(pattern, hint=FINEWEB_HINT if "fineweb" in pattern else TINY_HINT)
-
-
-def check_validation_split(h, pg):
-    if h.val_tokens % (h.val_tokens_per_rank * pg.world_size):
-        raise ConfigError(f"val_tokens={h.val_tokens} must be a multiple of val_tokens_per_rank x processes "
-                          f"= {h.val_tokens_per_rank * pg.world_size}")
-
-
-def validation_data(h, pg, val_files):
-    """This rank's share of the val_tokens every validation reads."""
-    check_validation_split(h, pg)
-    num_slices = h.val_tokens // h.val_tokens_per_rank
-    return validation_slices(val_files, h.val_tokens, h.val_tokens_per_rank, num_slices,
-                             range(pg.rank, num_slices, pg.world_size))
-
-
-def save_resume_state(trainer, step, batches, log):
-    """Write the run's state at the start of `step` for --resume (resume.save_state), and say so."""
-    path = resume.state_path(trainer.h.log_dir, log.run_id)
-    if trainer.pg.master:
-        resume.save_state(path, trainer, step, batches.peek(), log.run_id)
-    log.write(f"resume state: step {step} written to {path} (python train_gpt.py --resume={path})", echo=True)
 
 
 def train(h, pg, log, resumed=None):
@@ -2630,7 +2450,7 @@ def train(h, pg, log, resumed=None):
             if h.resume_every and next_save <= step < N and resume.nothing_pending(trainer):
                 synchronize(pg.device)
                 trainer.train_time_ms += 1000 * (time.perf_counter() - t0)
-                save_resume_state(trainer, step, batches, log)
+                resume.save_resume_state(trainer, step, batches, log)
                 next_save, t0 = step + h.resume_every, time.perf_counter()
             if last and h.averages:
                 shipped = trainer.averages.ship()
@@ -2667,34 +2487,16 @@ def train(h, pg, log, resumed=None):
         sink.close()
     if h.averages:
         log.write(f"averages: {shipped} blends into the weights before the final validation", echo=True)
-    timed_graphs = compiled_graphs() - graphs_before_timing
-    log.write(f"compile: {warm_graphs} graphs in the warm-up, {timed_graphs} in the timed run", echo=True)
-    tables_line = trainer.tables.finish()
-    if tables_line:
-        log.write(tables_line, echo=True)
-    if trainer.graphs.capturing:
-        log.write(f"cuda graphs: {trainer.graphs.captured()} training steps and "
-                  f"{len(trainer.graphs.optimizer_graphs)} optimizer updates captured in the warm-up, "
-                  f"{trainer.graphs.eager_runs - eager_before_timing} ran eagerly in the timed run", echo=True)
-    if timed_graphs:
-        log.write(f"warning: torch.compile built {timed_graphs} graph(s) inside the timed run: the warm-up "
-                  f"missed a shape or a guard, and the train time includes compilation", echo=True)
-    peak = (torch.cuda.max_memory_allocated(pg.device) if pg.device.type == "cuda"
-            else peak_rss_bytes()) // 2**20
-    if trainer.budget is not None:
-        log.write(memory_line(trainer.budget, pg.device), echo=True)
+    write_execution_lines(log, trainer, warm_graphs, compiled_graphs() - graphs_before_timing,
+                          trainer.graphs.eager_runs - eager_before_timing)
+    peak = peak_memory_mib(pg.device)
     if h.save_checkpoint and pg.master:
         path = os.path.join(h.log_dir, f"{log.run_id}_model.safetensors")
         data_sha256 = save_checkpoint(path, trainer.model, h, log.run_id, log.seal(), val_loss, trainer.train_time_ms)
         log.write(f"checkpoint: {path} data_sha256={data_sha256}", echo=True)
     elif h.save_checkpoint and (shard := split_ngram_table(trainer.model)) is not None:
         send_table_shard(shard)    # rank 0 writes this process's rows of the table into the checkpoint
-    load_at_end = load_average()
-    if load_at_start is not None and load_at_end is not None:
-        log.write(f"load average: {load_at_start:.2f} at the start, {load_at_end:.2f} at the end (1 minute; "
-                  f"{os.cpu_count()} CPUs, this run's {threads} thread(s))")
-    if warning := busy_warning(load_at_end, time.perf_counter() - started, threads, "during the run"):
-        log.write(warning, echo=True)
+    write_load_lines(log, load_at_start, time.perf_counter() - started, threads)
     log.write(f"final val_loss:{val_loss:.4f} train_time:{trainer.train_time_ms:.0f}ms steps:{N} "
               f"peak_memory:{peak}MiB", echo=True)
     if pg.master:

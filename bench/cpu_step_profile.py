@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(REPO, "bench"))
 from cpu_comparison import append_section, results_file, source_commit  # noqa: E402
 
 import train_gpt as tg  # noqa: E402
-from data.shards import find_shards  # noqa: E402
+from data.loader import shards_of  # noqa: E402
 from machinery.cpu_runtime import bf16_gemms  # noqa: E402
 from records.logfile import cpu_model  # noqa: E402
 
@@ -42,7 +42,7 @@ def profile_steps(h, at, warmup, steps):
     `warmup` untimed steps just before it (the earlier steps only fetch their batches)."""
     env = tg.start_process(h)
     trainer = tg.Trainer(h, env, log=None)
-    train_files = find_shards(h.train_files, hint=tg.TINY_HINT)
+    train_files = shards_of(h.train_files)
     batches = tg.BatchPrefetcher(tg.train_loader(h, train_files), functools.partial(tg.batch_shape, h), trainer.mine, pin=False)
     try:
         with bf16_gemms(tg.gemm_path(h, env.device)):

@@ -29,7 +29,6 @@ spread, so a weight gradient's K terms do not cancel to zero (its sum grows with
 """
 import argparse
 import dataclasses
-import math
 
 import torch
 

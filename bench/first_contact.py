@@ -289,7 +289,7 @@ def eager_steps(args, device, steps, progress, sync_check):
     import train_gpt as tg
     h = tg.parse_config(args)
     trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, device), tg.RunLog("unused", active=False))
-    loader = tg.train_loader(h, tg.find_shards(h.train_files))
+    loader = tg.train_loader(h, tg.shards_of(h.train_files))
     stage = h.stages[0]
     batches = [loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, trainer.mine)
                for _ in range(steps)]

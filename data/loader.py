@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from data.shards import read_shard
+from data.shards import find_shards, read_shard
 from data.tokenizer import BOS_ID
-from machinery.config import MAX_TARGETS, MIN_DOC_TOKENS, VOCAB_SIZE
+from machinery.config import MAX_TARGETS, MIN_DOC_TOKENS, VOCAB_SIZE, ConfigError
 from machinery.errors import UserError
 
 
@@ -258,3 +258,27 @@ def validation_slices(files, val_tokens, T, num_slices, mine):
         pieces = [(stream, a, b - a, b) for a, b in zip(starts, ends)]
         out.append(_pack(pieces, T))
     return out
+
+
+FINEWEB_HINT = "python data/cached_fineweb10B.py N"   # the command that downloads FineWeb shards
+TINY_HINT = "python data/tiny_corpus.py"               # the command that writes the tiny corpus
+
+
+def shards_of(pattern):
+    """The shard files matching `pattern`; a ShardError says how to make them when none match."""
+    return find_shards(pattern, hint=FINEWEB_HINT if "fineweb" in pattern else TINY_HINT)
+
+
+def check_validation_split(h, pg):
+    """Refuse a val_tokens that the processes cannot split into whole val_tokens_per_rank slices."""
+    if h.val_tokens % (h.val_tokens_per_rank * pg.world_size):
+        raise ConfigError(f"val_tokens={h.val_tokens} must be a multiple of val_tokens_per_rank x processes "
+                          f"= {h.val_tokens_per_rank * pg.world_size}")
+
+
+def validation_data(h, pg, val_files):
+    """This rank's share of the val_tokens every validation reads."""
+    check_validation_split(h, pg)
+    num_slices = h.val_tokens // h.val_tokens_per_rank
+    return validation_slices(val_files, h.val_tokens, h.val_tokens_per_rank, num_slices,
+                             range(pg.rank, num_slices, pg.world_size))

@@ -21,14 +21,15 @@ import torch
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # train_gpt.py's folder
 sys.path.insert(0, REPO_DIR)
 import train_gpt  # noqa: E402
+from data.loader import shards_of, validation_data  # noqa: E402
 from data.tokenizer import BOS_ID, gpt2_encoding  # noqa: E402
 from machinery.checkpoint import NGRAM_TABLE_KEY, CheckpointError, load_checkpoint, split_ngram_table  # noqa: E402
 from machinery.config import (WINDOW_BLOCK, ArgumentParser, ConfigError, apply_overrides, check_config,  # noqa: E402
                               parse_value)
 from machinery.cpu_runtime import bf16_gemms  # noqa: E402
+from machinery.kv_cache import KVCache  # noqa: E402
 from machinery.processes import start_process  # noqa: E402
-from train_gpt import (AttentionArgs, KVCache, Trainer, attention_windows, gemm_path, shards_of,  # noqa: E402
-                       validation_data)
+from train_gpt import AttentionArgs, Trainer, attention_windows, gemm_path  # noqa: E402
 
 EVAL_KEYS = ("val_files", "val_tokens", "val_tokens_per_rank", "device", "kernels", "compile", "compile_backend",
              "ngram_cache_rows")    # config keys an --eval command may override

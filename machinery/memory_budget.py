@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import optim
+from data.loader import check_validation_split
 from machinery.config import (MAX_TARGETS, MIN_DOC_TOKENS, PADDED_VOCAB_SIZE, ArgumentParser, ConfigError,
                               config_from_dict, config_to_dict, normalize_config)
 from machinery.processes import ProcessGroup
@@ -437,7 +438,7 @@ def plan_candidates(recipe, gpus, argv):
     fixed = {key for key in PLAN_KEYS for a in argv if a.split("=")[0] == key}
     floor_rows = recipe.parse_config(["--preset", "record89"]).bigram_rows
     sizes = [base.ngram_rows] if "--ngram_rows" in fixed or not base.ngram_rows else table_sizes(base, floor_rows)
-    splits = [1] if fixed & {"--batch_ranks", "--stages", "--val_tokens_per_rank"} else recipe.micro_batch_splits(base)
+    splits = [1] if fixed & {"--batch_ranks", "--stages", "--val_tokens_per_rank"} else micro_batch_splits(base)
     for rows in sizes:
         rows_args = () if rows == base.ngram_rows else (f"--ngram_rows={rows}",)
         places = [(("--preset", "speedrun"), 8, "split across the 8 GPUs")] if gpus >= 8 else []
@@ -448,7 +449,7 @@ def plan_candidates(recipe, gpus, argv):
             places += [(("--preset", "1gpu"), 1, "in host memory, its rows cached on the GPU")]
         for args, n, where in places:
             for k in splits:
-                split = recipe.split_micro_batches(recipe.parse_config([*args, *argv]), k)
+                split = split_micro_batches(recipe.parse_config([*args, *argv]), k)
                 split_args = () if k == 1 else (f"--batch_ranks={split.batch_ranks}", stages_argument(split.stages),
                                                 f"--val_tokens_per_rank={split.val_tokens_per_rank}")
                 yield Candidate((*args, *rows_args, *split_args), n, rows, where, k)
@@ -549,7 +550,7 @@ def check_start_up(recipe, h, processes, available):
     pg = ProcessGroup(0, processes, 0, torch.device("cuda", 0))
     if h.batch_ranks % processes:
         raise ConfigError(f"batch_ranks={h.batch_ranks} is not divisible by {processes}")
-    recipe.check_validation_split(h, pg)
+    check_validation_split(h, pg)
     check_ngram_table(h, pg, available)
 
 
@@ -567,7 +568,6 @@ def named_preset(recipe, args, h, argv):
 
 
 PLAN_MAX_GIB = 2**20               # the most memory --plan takes for a GPU or a host: a PiB
-
 
 
 def plan_command(recipe, argv):
@@ -604,11 +604,9 @@ def plan_command(recipe, argv):
     return 0
 
 
-
 def names_a_config(argv):
     """Whether argv names its config: a --preset or a --config."""
     return any(a in ("--preset", "--config") or a.startswith(("--preset=", "--config=")) for a in argv)
-
 
 
 def with_machine_preset(recipe, argv, launch):
@@ -627,3 +625,27 @@ def with_machine_preset(recipe, argv, launch):
     if launch.rank == 0:
         print(f"train_gpt.py: no --preset given, as ./run.sh here: {reason}", file=sys.stderr, flush=True)
     return [*preset_args, *argv]
+
+
+def micro_batch_splits(h):
+    """The k that split_micro_batches(h, k) takes: powers of two that divide every stage's
+    tokens_per_rank and leave each micro-batch at least its stage's max_doc_len (a shorter one
+    would cut the documents the stage keeps whole)."""
+    k, splits = 1, []
+    while all(s.tokens_per_rank % k == 0 and s.tokens_per_rank // k >= s.max_doc_len for s in h.stages):
+        splits.append(k)
+        k *= 2
+    return splits
+
+
+def split_micro_batches(h, k):
+    """h with each slice of the global batch trained as k micro-batches by gradient accumulation:
+    k times the slices (batch_ranks), each stage's tokens_per_rank divided by k. The global batch
+    and the schedules stay; a step's activations shrink about k-fold. The validation's windows
+    (val_tokens_per_rank) shrink k-fold too, so its forward does: a window's edge cuts a document,
+    so k times as many documents are cut (a slightly higher val loss)."""
+    h.batch_ranks *= k
+    h.stages = [dataclasses.replace(s, tokens_per_rank=s.tokens_per_rank // k) for s in h.stages]
+    if h.val_tokens_per_rank % k == 0:
+        h.val_tokens_per_rank //= k
+    return h

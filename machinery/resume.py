@@ -157,3 +157,11 @@ def check_data_position(path, state, first_batch):
     if batch_digest(first_batch) != state["batch_sha256"]:
         raise ResumeError(f"--resume={path}: the train data gives step {state['step']} another batch than the run "
                           f"had (other train files?): resume with the run's --train_files")
+
+
+def save_resume_state(trainer, step, batches, log):
+    """Write the run's state at the start of `step` for --resume (resume.save_state), and say so."""
+    path = state_path(trainer.h.log_dir, log.run_id)
+    if trainer.pg.master:
+        save_state(path, trainer, step, batches.peek(), log.run_id)
+    log.write(f"resume state: step {step} written to {path} (python train_gpt.py --resume={path})", echo=True)

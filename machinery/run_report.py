@@ -1,7 +1,10 @@
-"""What a run reports besides its step lines: the environment its log opens with, the warning
-when other work held the CPUs it needed, the train-loss lines written once their values reached
-the host (never making the CPU wait for the GPU), and the measured memory beside the budget."""
+"""What a run reports about itself: the environment its log opens with, the warning when other
+work held the CPUs it needed, the train-loss lines written once their values reached the host
+(never making the CPU wait for the GPU) and the stop at a non-finite loss, the validation's
+progress, how the run executed (graphs compiled and captured, the measured memory beside the
+budget) and the load it ran under, and how a stopped run ends."""
 import datetime
+import math
 import json
 import os
 import platform
@@ -12,8 +15,9 @@ import sys
 import torch
 
 from machinery.config import loggable
-from machinery.processes import launch_environment
-from records.logfile import cpu_model, other_load
+from machinery.processes import TrainingError, launch_environment, synchronize
+from machinery.progress import Progress
+from records.logfile import cpu_model, load_average, other_load
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: its git commit
 
@@ -42,12 +46,10 @@ def environment(world_size, bf16_gemm, load):
     }
 
 
-
 def run_threads(pg):
     """The CPU threads this machine's processes of the run keep busy: torch's threads on a CPU,
     one per process driving a GPU."""
     return launch_environment().local_world_size * (torch.get_num_threads() if pg.device.type == "cpu" else 1)
-
 
 
 def busy_warning(load, seconds, threads, when):
@@ -60,7 +62,6 @@ def busy_warning(load, seconds, threads, when):
     return (f"warning: the machine was busy {when}: a 1-minute load average of {load:.2f} on {cpus} CPUs, about "
             f"{others:.1f} of it other work beside this run's {threads} thread(s): its times are slower than an idle "
             f"machine's, and a record's runs need an idle machine")
-
 
 
 class DeferredLossLines:
@@ -94,14 +95,12 @@ class DeferredLossLines:
         return out
 
 
-
 def memory_line(budget, device):
     """The run's measured GPU memory beside what its MemoryBudget predicted."""
     total = torch.cuda.get_device_properties(device).total_memory
     return (f"memory: peak allocated {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB, reserved "
             f"{torch.cuda.max_memory_reserved(device) / 2**30:.1f} GiB; the budget {budget.summary(total)} "
             f"(its step {budget.step / 2**30:.1f} GiB)")
-
 
 
 def peak_rss_bytes():
@@ -123,7 +122,75 @@ def stop(log, line, code, show=True):
     return code
 
 
-
 def where_the_run_is(log, command):
     """Where a stopped process was, for its line: the log's progress, or the command."""
     return log.progress if log is not None else (f"during --{command}" if command else "before training")
+
+
+def check_finite(name, loss, step, log):
+    """Stop the run, keeping its log, when `name` (train or val loss) is NaN or infinite."""
+    if not math.isfinite(loss):
+        raise TrainingError(f"the {name} loss became {loss} at step {step} (train loss checked every "
+                            f"log_every steps): lower the learning rates or check the data")
+
+
+def write_loss_lines(log, lines, h, clock, sink):
+    """Step lines: the next-token train loss (comparable with val_loss) and the objective; on the
+    terminal also the time the rest of the run will take (clock, a progress.RunClock); the same
+    numbers to the metrics sink."""
+    N = h.num_iterations
+    for step, elapsed, (loss, objective) in lines:
+        check_finite("train", objective, step - 1, log)
+        sink.scalars(step, {"train/loss": loss, "train/objective": objective, "train/time_ms": elapsed})
+        line = (f"step:{step}/{N} train_loss:{loss:.4f} objective:{objective:.4f} train_time:{elapsed:.0f}ms "
+                f"step_avg:{elapsed / step:.2f}ms")
+        log.write(line)
+        if log.active:
+            print(f"{line} eta:{clock.eta_text(elapsed, step)}", flush=True)
+
+
+def validation_progress(trainer, step, final, slices):
+    """before_slice of a validation of `slices` slices: the final one says each slice in the log
+    and on the terminal, an intermediate one on the terminal only (once the device caught up, so
+    the seconds are real)."""
+    progress = Progress(trainer.log, f"validating at step {step}/{trainer.h.num_iterations}", in_log=final)
+
+    def before_slice(i):
+        synchronize(trainer.pg.device)
+        progress.say(f"slice {i + 1}/{slices}")
+    return before_slice
+
+
+def write_execution_lines(log, trainer, warm_graphs, timed_graphs, eager_steps):
+    """The log's lines on how the run executed, after its timed loop: the graphs torch.compile built
+    (a warning when any was built inside the timed run), the sparse tables' timing, the CUDA graphs
+    captured and the steps that ran eagerly, the memory budget against the peak."""
+    log.write(f"compile: {warm_graphs} graphs in the warm-up, {timed_graphs} in the timed run", echo=True)
+    tables_line = trainer.tables.finish()
+    if tables_line:
+        log.write(tables_line, echo=True)
+    if trainer.graphs.capturing:
+        log.write(f"cuda graphs: {trainer.graphs.captured()} training steps and "
+                  f"{len(trainer.graphs.optimizer_graphs)} optimizer updates captured in the warm-up, "
+                  f"{eager_steps} ran eagerly in the timed run", echo=True)
+    if timed_graphs:
+        log.write(f"warning: torch.compile built {timed_graphs} graph(s) inside the timed run: the warm-up "
+                  f"missed a shape or a guard, and the train time includes compilation", echo=True)
+    if trainer.budget is not None:
+        log.write(memory_line(trainer.budget, trainer.pg.device), echo=True)
+
+
+def peak_memory_mib(device):
+    """The run's peak memory in MiB: the GPU's allocated peak, or on a CPU the process's peak RSS."""
+    return (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()) // 2**20
+
+
+def write_load_lines(log, load_at_start, seconds, threads):
+    """The load average at the start and the end of a run of `seconds` (log only), and a warning
+    when other work shared the machine (busy_warning)."""
+    load_at_end = load_average()
+    if load_at_start is not None and load_at_end is not None:
+        log.write(f"load average: {load_at_start:.2f} at the start, {load_at_end:.2f} at the end (1 minute; "
+                  f"{os.cpu_count()} CPUs, this run's {threads} thread(s))")
+    if warning := busy_warning(load_at_end, seconds, threads, "during the run"):
+        log.write(warning, echo=True)

@@ -464,7 +464,7 @@ def test_a_training_step_never_waits_for_the_device(shards, tmp_path, monkeypatc
     with cuda_autocast_rules():
         trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog(str(tmp_path), active=False))
         assert trainer.kernels.attention is kernels.flash_attn_varlen and trainer.kernels.fp8_mlp is not None
-        loader = TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+        loader = TrainLoader(tg.shards_of(h.train_files), tg.batch_tokens(h))
         for step in tg.graph_changes(h):
             trainer.advance_to(step)
             stage = h.stages[tg.stage_index(h, step)]
@@ -553,7 +553,7 @@ def test_two_steps_of_one_graph_key_make_the_same_calls_on_the_same_tensors(shar
             with traces[-1]:
                 body(*args)
         trainer.micro_batch = traced_body
-        loader = TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+        loader = TrainLoader(tg.shards_of(h.train_files), tg.batch_tokens(h))
         for step in range(h.num_iterations):
             trainer.advance_to(step)
             stage = h.stages[tg.stage_index(h, step)]
@@ -626,11 +626,11 @@ def test_what_the_warm_up_captures_is_what_a_timed_step_makes(shards, tmp_path, 
         trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog(str(tmp_path), active=False))
         trainer.graphs.capturing = True
         monkeypatch.setattr(trainer.graphs, "_record", record)
-        warm_up(tg, trainer, tg.find_shards(h.train_files), tg.validation_data(h, trainer.pg,
-                                                                            tg.find_shards(h.val_files)))
+        warm_up(tg, trainer, tg.shards_of(h.train_files), tg.validation_data(h, trainer.pg,
+                                                                            tg.shards_of(h.val_files)))
         for key, step in trainer.graphs.steps.items():
             step.body = lambda inputs, body=step.body, key=key: timed.append((key, traced(lambda: body(inputs))))
-        loader = TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+        loader = TrainLoader(tg.shards_of(h.train_files), tg.batch_tokens(h))
         for step in range(h.num_iterations):
             trainer.advance_to(step)
             stage = h.stages[tg.stage_index(h, step)]

@@ -72,7 +72,7 @@ def held_by_the_run(trainer):
 
 def train_past_the_untie(h):
     trainer = cpu_trainer(h, fp8=True)     # the FP8 layers' states, as on a GPU
-    loader = TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+    loader = TrainLoader(tg.shards_of(h.train_files), tg.batch_tokens(h))
     for step in range(tg.untie_step(h) + 1):
         trainer.advance_to(step)
         trainer.train_step(step, loader.next_batch(512, 256, 2, [0, 1]))
@@ -130,7 +130,7 @@ def test_the_budgets_step_is_a_cpu_micro_batchs_peak_within_the_stated_factor(sh
     index = memory_budget.largest_stage(tg, h)
     step, stage = sum(tg.steps_per_stage(h)[:index]), h.stages[index]
     assert stage.candidates == 0 and index == len(h.stages) - 1
-    batch = TrainLoader(tg.find_shards(h.train_files), stage.tokens_per_rank).next_batch(
+    batch = TrainLoader(tg.shards_of(h.train_files), stage.tokens_per_rank).next_batch(
         stage.tokens_per_rank, stage.max_doc_len, 1, [0])
     trainer.advance_to(step)
     trainer.forward_backward(step, batch)          # every gradient made, as after a first step
@@ -271,7 +271,7 @@ def test_the_table_update_equals_the_one_from_the_concatenated_entries(shards):
     entries = []
     add = trainer.tables.ngram_grads.add
     trainer.tables.ngram_grads.add = lambda rows, grads: (entries.append((rows.clone(), grads.clone())), add(rows, grads))
-    loader = TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+    loader = TrainLoader(tg.shards_of(h.train_files), tg.batch_tokens(h))
     for step in range(2):          # the event of step 1 takes steps 0 and 1
         trainer.advance_to(step)
         trainer.train_step(step, loader.next_batch(512, 256, 2, [0, 1]))
@@ -326,7 +326,7 @@ def test_a_micro_batch_gives_the_sinks_gradients_of_its_own_rows(shards):
     sinks = trainer.model.gradient_sinks()
     rows = tg.max_positions(h)
     assert rows == 1024 and len(sinks) == 2
-    loader = TrainLoader(tg.find_shards(h.train_files), 256)
+    loader = TrainLoader(tg.shards_of(h.train_files), 256)
     trainer.advance_to(0)
     trainer.forward_backward(0, loader.next_batch(256, 256, 1, [0]))   # the sinks' gradients made
     whole = [s.grad for s in sinks]

@@ -127,7 +127,7 @@ def test_sampling_settings_never_change_the_validation_loss(shards):
                   | ({"candidates": candidates} if candidates else {})]
         h = tiny_config(data_args(shards) + ["--stages=" + json.dumps(stages)])
         trainer = cpu_trainer(h)
-        losses.append(trainer.validate(tg.validation_data(h, trainer.pg, tg.find_shards(h.val_files)), 0, False))
+        losses.append(trainer.validate(tg.validation_data(h, trainer.pg, tg.shards_of(h.val_files)), 0, False))
     assert losses[0] == losses[1] == losses[2] and math.isfinite(losses[0])
 
 

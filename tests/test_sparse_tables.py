@@ -30,7 +30,7 @@ def test_ngram_entries_are_the_tables_gradient(shards):
     with the table itself differentiable), and no dense gradient is kept in training."""
     h = tiny_config(data_args(shards) + NGRAM)
     model = tiny_model(h)
-    s = TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])[0]
+    s = TrainLoader(tg.shards_of(h.train_files), 512).next_batch(512, 256, 1, [0])[0]
     model.ngram.table.requires_grad_(True)
     objective, _ = model(s.tokens, s.targets, tg.AttentionArgs(s.cu_seqlens, 128, 256),
                          tg.target_weights(h.stages[0], "cpu"))
@@ -49,7 +49,7 @@ def test_sparse_value_embedding_entries_are_the_tables_gradient(shards):
     gradient of a table is kept in training, and Adam's groups leave the tables out."""
     h = tiny_config(data_args(shards) + SPARSE_VALUES + ["--num_value_embeds=1", "--compute_dtype=float32"])
     model = tiny_model(h)
-    s = TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])[0]
+    s = TrainLoader(tg.shards_of(h.train_files), 512).next_batch(512, 256, 1, [0])[0]
     (ve,), (sink,) = model.value_embeds, model.value_sinks
     assert not ve.weight.requires_grad
     ve.weight.requires_grad_(True)
@@ -131,7 +131,7 @@ def test_sparse_value_embeddings_update_by_sparse_adam_from_the_steps_mean_entri
     with_every_sublayer_on(trainer.model)   # a gradient for the table from the first step on
     table = trainer.model.value_embeds[0].weight
     table.requires_grad_(True)     # the reference: its dense gradient, summed over the steps (no optimizer has it)
-    loader = TrainLoader(tg.find_shards(h.train_files), 512)
+    loader = TrainLoader(tg.shards_of(h.train_files), 512)
     start = table.detach().clone()
     trainer.advance_to(0)
     trainer.train_step(0, loader.next_batch(512, 256, 1, [0]))
@@ -164,7 +164,7 @@ def test_the_ngram_table_moves_only_the_rows_a_batch_touches(shards, step_every,
     assert table.dtype == getattr(torch, dtype)
     assert all(p is not trainer.model.ngram.sink for opt in trainer.optimizers for g in opt.param_groups
                for p in g["params"])
-    loader = TrainLoader(tg.find_shards(h.train_files), 512)
+    loader = TrainLoader(tg.shards_of(h.train_files), 512)
     touched = torch.zeros(table.shape[0], dtype=torch.bool)
     before = table.clone()
     for step in range(2):
@@ -188,7 +188,7 @@ def test_the_ngram_tables_late_phase_changes_its_beta2_and_cadence(shards):
     trainer = cpu_trainer(h)
     tables = [trainer.model.ngram.table] + [ve.weight for ve in trainer.model.value_embeds]
     adams = [trainer.tables.ngram_adam] + trainer.tables.value_adams
-    loader = TrainLoader(tg.find_shards(h.train_files), 512)
+    loader = TrainLoader(tg.shards_of(h.train_files), 512)
     betas, moved = [], []
     for step in range(4):
         trainer.advance_to(step)
@@ -226,7 +226,7 @@ def test_a_host_table_with_a_device_cache_trains_bit_for_bit_as_a_resident_one(s
     h = tiny_config(args + [f"--ngram_cache_rows={least}"])
     host = cpu_trainer(h)
     cache = host.tables.fetcher
-    loader = TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+    loader = TrainLoader(tg.shards_of(h.train_files), tg.batch_tokens(h))
     batches = [loader.next_batch(512, h.stages[tg.stage_index(h, step)].max_doc_len, 2, [0, 1])
                for step in range(steps + 1)]
     host_losses = []
@@ -234,7 +234,7 @@ def test_a_host_table_with_a_device_cache_trains_bit_for_bit_as_a_resident_one(s
         host.advance_to(step)
         host_losses.append(host.train_step(step, batches[step]).tolist())
         cache.prefetch(batches[step + 1])
-    host_val = host.validate(tg.validation_data(h, host.pg, tg.find_shards(h.val_files)), steps, False)
+    host_val = host.validate(tg.validation_data(h, host.pg, tg.shards_of(h.val_files)), steps, False)
     assert host_losses == losses and host_val == val
     assert cache.rounds > 0 and 0 < cache.hits < cache.lookups, "rows left the cache, and some were found there"
     assert host.model.ngram.table.device.type == "cpu" and host.model.ngram.fetched.shape[0] == least

@@ -26,6 +26,7 @@ from tiny_runs import (DENSE, FEATURES, NGRAM, TINY, cpu_trainer, data_args, fin
 import kernels  # noqa: E402
 import optim  # noqa: E402
 import train_gpt as tg  # noqa: E402
+from machinery.processes import TrainingError  # noqa: E402
 from machinery.warm_up import compiled_graphs, warm_up  # noqa: E402
 from data.loader import DataError, TrainLoader, _targets, validation_slices  # noqa: E402
 from data.shards import read_shard, write_shard  # noqa: E402
@@ -37,7 +38,7 @@ from records.logfile import parse_log, verify  # noqa: E402
 
 
 def test_loader_slices_are_bos_aligned_documents(shards):
-    files = tg.find_shards(f"{shards}/t_train_*.bin")
+    files = tg.shards_of(f"{shards}/t_train_*.bin")
     stream = np.concatenate([np.asarray(read_shard(f)) for f in files])
     loader = TrainLoader(files, 512)
     T, max_doc = 512, 100
@@ -69,7 +70,7 @@ def test_loader_targets_stop_at_document_end():
 
 
 def test_rank_slices_match_the_full_batch(shards):
-    files = tg.find_shards(f"{shards}/t_train_*.bin")
+    files = tg.shards_of(f"{shards}/t_train_*.bin")
     full = [TrainLoader(files, 256).next_batch(256, 64, 4, [0, 1, 2, 3]) for _ in range(1)][0]
     odd = TrainLoader(files, 256).next_batch(256, 64, 4, [1, 3])
     for a, b in zip([full[1], full[3]], odd):
@@ -289,7 +290,7 @@ def test_weight_averages_equal_a_hand_computed_ema():
 def test_training_steps_lower_the_loss(shards):
     h = tiny_config(data_args(shards))
     trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog(str(shards), active=False))
-    loader = TrainLoader(tg.find_shards(h.train_files), 512)
+    loader = TrainLoader(tg.shards_of(h.train_files), 512)
     batch = loader.next_batch(512, 256, 1, [0])
     before = [p.detach().clone() for p in trainer.model.parameters()]
     losses = [trainer.train_step(0, batch)[1].item() for _ in range(8)]
@@ -427,7 +428,7 @@ def test_adam_every_second_step_accumulates_in_between(shards):
     h = tiny_config(data_args(shards) + ["--num_iterations=4", "--adam_step_every=2"])
     trainer = cpu_trainer(h)
     model = trainer.model
-    loader = TrainLoader(tg.find_shards(h.train_files), 512)
+    loader = TrainLoader(tg.shards_of(h.train_files), 512)
     embed, matrix = model.embed.weight, model.blocks[0].mlp.down  # (up starts with no gradient: down is 0)
     start = (embed.detach().clone(), matrix.detach().clone())
     trainer.advance_to(0)
@@ -442,7 +443,7 @@ def test_adam_every_second_step_accumulates_in_between(shards):
 
 def train_steps(trainer, h, steps, check=lambda step: None):
     """Losses of `steps` training steps from the start of h's data; check(step) after each."""
-    loader = TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+    loader = TrainLoader(tg.shards_of(h.train_files), tg.batch_tokens(h))
     losses = []
     for step in range(steps):
         trainer.advance_to(step)
@@ -474,8 +475,8 @@ def test_replayed_steps_train_exactly_as_plain_eager_steps(shards):
                 seen.setdefault("embed", model.embed.weight.grad)
                 assert model.embed.weight.grad is seen["embed"], "a replay keeps its gradient tensors"
         if warm:
-            warm_up(tg, trainer, tg.find_shards(h.train_files),
-                       tg.validation_data(h, trainer.pg, tg.find_shards(h.val_files)))
+            warm_up(tg, trainer, tg.shards_of(h.train_files),
+                       tg.validation_data(h, trainer.pg, tg.shards_of(h.val_files)))
             assert sorted(trainer.graphs.steps) == [(0, True), (1, False), (1, True)]
             assert all(p.grad is None for p in model.parameters()), "the warm-up leaves no gradient behind"
         runs[graphs, warm] = train_steps(trainer, h, h.num_iterations, check), model.state_dict()
@@ -558,8 +559,8 @@ def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeyp
     if compile_updates:   # compiled math may round differently: the same compiled updates, not captured, are the reference
         reference = cpu_trainer(h)
         reference.graphs.compiler = compiler
-        warm_up(tg, reference, tg.find_shards(h.train_files), tg.validation_data(h, reference.pg,
-                                                                              tg.find_shards(h.val_files)))
+        warm_up(tg, reference, tg.shards_of(h.train_files), tg.validation_data(h, reference.pg,
+                                                                              tg.shards_of(h.val_files)))
         reference_losses = train_steps(reference, h, h.num_iterations)
         assert np.allclose(reference_losses, eager_losses, rtol=1e-4, atol=0)
         eager, eager_losses = reference, reference_losses
@@ -567,9 +568,9 @@ def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeyp
     if compile_updates:
         trainer.graphs.compiler = compiler
     graphs = cpu_graphs(monkeypatch, trainer)
-    val = tg.validation_data(h, trainer.pg, tg.find_shards(h.val_files))
+    val = tg.validation_data(h, trainer.pg, tg.shards_of(h.val_files))
     compiled_before = compiled_graphs()
-    warm_up(tg, trainer, tg.find_shards(h.train_files), val)
+    warm_up(tg, trainer, tg.shards_of(h.train_files), val)
     updates = trainer.graphs.optimizer_graphs      # Muon's banks; Adam with the head tied and untied
     assert compiled_graphs() - compiled_before == (len(updates) if compile_updates else 0)
     assert {key[0] for key in updates} == {"muon", "adam"} and sum(key[0] == "adam" for key in updates) == 2
@@ -598,9 +599,9 @@ def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeyp
 
     trainer = cpu_trainer(h)
     cpu_graphs(monkeypatch, trainer, fail="operation not permitted when stream is capturing")
-    with pytest.raises(tg.TrainingError, match=r"capturing .* failed \(operation not permitted when stream is "
+    with pytest.raises(TrainingError, match=r"capturing .* failed \(operation not permitted when stream is "
                                                r"capturing\): rerun with --cuda_graphs=false"):
-        warm_up(tg, trainer, tg.find_shards(h.train_files), val)
+        warm_up(tg, trainer, tg.shards_of(h.train_files), val)
 
 
 def test_a_captured_step_reads_the_loss_unit_of_its_replay(shards, monkeypatch):
@@ -608,7 +609,7 @@ def test_a_captured_step_reads_the_loss_unit_of_its_replay(shards, monkeypatch):
     it) is data on the device: a step captured under one unit and replayed under another makes
     the gradients of an eager step under the other, bit for bit."""
     h = tiny_config(data_args(shards) + ["--num_iterations=4"])
-    batch = TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
+    batch = TrainLoader(tg.shards_of(h.train_files), 512).next_batch(512, 256, 1, [0])
     replayed = cpu_trainer(tiny_config(data_args(shards) + ["--num_iterations=4", "--cuda_graphs=true"]))
     graphs = cpu_graphs(monkeypatch, replayed)
     replayed.forward_backward(0, batch)            # the key's first run, then its capture under 1/512
@@ -630,8 +631,8 @@ def test_the_first_step_after_the_warm_up_has_its_stages_fp8_loss_unit(shards):
     (both stages' micro-batches have 512 tokens)."""
     h = tiny_config(data_args(shards) + ["--num_iterations=4", "--warm_up=always", "--warmup_steps=1"])
     trainer = cpu_trainer(h, fp8=True)
-    files = tg.find_shards(h.train_files)
-    warm_up(tg, trainer, files, tg.validation_data(h, trainer.pg, tg.find_shards(h.val_files)))
+    files = tg.shards_of(h.train_files)
+    warm_up(tg, trainer, files, tg.validation_data(h, trainer.pg, tg.shards_of(h.val_files)))
     trainer.calibrate_fp8(tg.first_batch(h, files, trainer.mine))
     states = fp8_states(trainer.model)
     assert len(states) > 3 and all(state[-1] == 1 / 512 for state in states.values())
@@ -646,7 +647,7 @@ def test_untie_carries_the_embeddings_adam_state_to_the_head(shards):
         {"end": 1.0, "tokens_per_rank": 512, "max_doc_len": 256, "short_window": 1, "long_window": 2}) + "]"])
     trainer = cpu_trainer(h)
     model = trainer.model
-    batch = TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
+    batch = TrainLoader(tg.shards_of(h.train_files), 512).next_batch(512, 256, 1, [0])
     for step in range(2):
         trainer.advance_to(step)
         trainer.train_step(step, batch)
@@ -669,14 +670,14 @@ def test_untie_carries_the_embeddings_adam_state_to_the_head(shards):
 def test_validation_runs_without_fp8_and_leaves_its_state_alone(shards):
     h = tiny_config(data_args(shards))
     trainer = cpu_trainer(h, fp8=True)
-    batch = TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
+    batch = TrainLoader(tg.shards_of(h.train_files), 512).next_batch(512, 256, 1, [0])
     trainer.train_step(0, batch)
     states = {name: state.clone() for name, state in fp8_states(trainer.model).items()}
     # every MLP and attention layer, and the head
     assert len(states) == h.num_layers + h.num_layers - len(h.attention_free_layers) + 1
     calls = -1 - kernels.FP8_SLOT_STRIDE     # the entry before the loss unit
     assert all(state[:calls].abs().sum() > 0 and state[calls] == 1 for state in states.values())
-    val = validation_slices(tg.find_shards(h.val_files), 1024, 1024, 1, [0])
+    val = validation_slices(tg.shards_of(h.val_files), 1024, 1024, 1, [0])
     loss = trainer.validate(val, 0, final_validation=True)
     assert math.isfinite(loss)
     assert all(torch.equal(fp8_states(trainer.model)[name], state) for name, state in states.items())
@@ -687,7 +688,7 @@ def test_first_fp8_step_gradients_match_bf16_after_calibration(shards):
     output matrices' (the matrices that are nonzero at init) and the embedding's (which is the
     head until the untie, so it sees the FP8 head's gradient)."""
     h = tiny_config(data_args(shards))
-    batch = TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
+    batch = TrainLoader(tg.shards_of(h.train_files), 512).next_batch(512, 256, 1, [0])
     plain = cpu_trainer(h)
     plain.forward_backward(0, batch)
     fp8 = cpu_trainer(h, fp8=True)
@@ -707,7 +708,7 @@ def test_fp8_static_scales_hold_the_tensors_they_meet(shards):
     loss unit the trainer set (1 / tokens of the micro-batch)."""
     h = tiny_config(data_args(shards))
     trainer = cpu_trainer(h, fp8=True)
-    loader = TrainLoader(tg.find_shards(h.train_files), 512)
+    loader = TrainLoader(tg.shards_of(h.train_files), 512)
     for step in range(2):
         trainer.advance_to(step)
         trainer.train_step(step, loader.next_batch(512, 256, 1, [0]))
@@ -750,7 +751,7 @@ def assert_gradients_close(a, b, rel):
 
 def test_float32_compute_matches_bf16_and_keeps_fp32_activations(shards):
     h = tiny_config(data_args(shards))
-    batch = TrainLoader(tg.find_shards(h.train_files), 512).next_batch(512, 256, 1, [0])
+    batch = TrainLoader(tg.shards_of(h.train_files), 512).next_batch(512, 256, 1, [0])
     h32 = tiny_config(data_args(shards) + ["--compute_dtype=float32"])
     trainer = cpu_trainer(h32)
     s = batch[0]
@@ -770,7 +771,7 @@ def test_compiled_cpu_step_matches_eager(shards):
     """torch.compile on a CPU (aot_eager: dynamo and AOTAutograd, no code generation) with the
     CPU kernels, which run eagerly between the compiled graphs: the same loss and gradients."""
     args = data_args(shards) + ["--compute_dtype=float32"]
-    batch = TrainLoader(tg.find_shards(tiny_config(args).train_files), 512).next_batch(512, 256, 1, [0])
+    batch = TrainLoader(tg.shards_of(tiny_config(args).train_files), 512).next_batch(512, 256, 1, [0])
     eager_loss, eager = first_step_gradients(tiny_config(args + ["--compile=false"]), batch)
     torch._dynamo.reset()
     compiled_loss, compiled = first_step_gradients(
@@ -910,7 +911,7 @@ def test_value_embeddings_adam_follows_the_tables_and_eps_the_summed_loss(shards
         assert [g["eps"] for g in main.param_groups] == exact([1e-10 / (512 * 2)] * len(main.param_groups))
         adam = trainer.tables.ngram_adam
         assert (adam.eps, adam.weight_decay) == (exact(1e-10 / (512 * every)), exact(0.3 * wd / 0.1))
-    loader = TrainLoader(tg.find_shards(h.train_files), 512)
+    loader = TrainLoader(tg.shards_of(h.train_files), 512)
     trainer.advance_to(0)
     updates = []
     for step in range(8):
@@ -927,7 +928,7 @@ def test_candidate_walk_continues_from_step_to_step(shards, walk):
     ended (candidate_walk_after); with "restart" at the slice's start every step."""
     h = tiny_config([*data_args(shards), f"--candidate_walk={walk}"])
     trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog(str(shards), active=False))
-    loader = TrainLoader(tg.find_shards(h.train_files), 512)
+    loader = TrainLoader(tg.shards_of(h.train_files), 512)
     start = tg.candidate_start(0, 1)
     for step in range(2):
         batch = loader.next_batch(512, 256, 1, [0])

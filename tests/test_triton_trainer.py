@@ -318,7 +318,7 @@ def compare_trainers(shards_dir):
                          trainer.kernels.xxt is not None)
                   for name, trainer in (("reference", ref), ("triton", tri))}
         gref, gtri = _capture_gradients(ref), _capture_gradients(tri)
-        files = tg.find_shards(h.train_files)
+        files = tg.shards_of(h.train_files)
         calibration = tg.first_batch(h, files, ref.mine)
         before = _state(ref)
         unequal = [k for k, v in _state(tri).items() if not torch.equal(v, before[k])]

@@ -21,14 +21,14 @@ from data.loader import TrainLoader  # noqa: E402
 
 def train_and_validate(trainer, h, steps):
     """(per-step [next-token loss, objective], val loss after the steps) from the start of h's data."""
-    loader = TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+    loader = TrainLoader(tg.shards_of(h.train_files), tg.batch_tokens(h))
     losses = []
     for step in range(steps):
         trainer.advance_to(step)
         stage = h.stages[tg.stage_index(h, step)]
         slices = loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks, trainer.mine)
         losses.append(trainer.train_step(step, slices).tolist())
-    val = trainer.validate(tg.validation_data(h, trainer.pg, tg.find_shards(h.val_files)), steps, False)
+    val = trainer.validate(tg.validation_data(h, trainer.pg, tg.shards_of(h.val_files)), steps, False)
     return losses, val
 
 

@@ -28,7 +28,7 @@ def route_fields(route):
 
 def train(h, env, steps, ahead):
     trainer = tg.Trainer(h, env, tg.RunLog("unused", active=False))
-    loader = TrainLoader(tg.find_shards(h.train_files), tg.batch_tokens(h))
+    loader = TrainLoader(tg.shards_of(h.train_files), tg.batch_tokens(h))
     routes, route_of = [], trainer.tables.router.route_of
     if ahead:
         batches = BatchPrefetcher(loader, functools.partial(tg.batch_shape, h), trainer.mine, pin=False,
