@@ -24,7 +24,6 @@ verbatim source of every project file it imported, the environment, the data fin
 resolved config, then step lines.
 """
 import contextlib
-import copy
 import functools
 import gc
 import itertools
@@ -56,8 +55,8 @@ from data.loader import BatchPrefetcher, TrainLoader, check_validation_split, sh
 from data.shards import fingerprint
 from data.tokenizer import BOS_ID, noncanonical_pairs, prefix_token_table
 from machinery import config, kernel_choice, memory_budget, metrics, resume
-from machinery.checkpoint import NGRAM_TABLE_KEY, save_checkpoint, send_table_shard, split_ngram_table
-from machinery.config import (FINAL_MIX_GROUPS, MAX_TARGETS, MIN_DOC_TOKENS, MODEL_FIELDS, PADDED_VOCAB_SIZE,
+from machinery.checkpoint import save_checkpoint, send_table_shard, split_ngram_table
+from machinery.config import (FINAL_MIX_GROUPS, MAX_TARGETS, MODEL_FIELDS, PADDED_VOCAB_SIZE,
                               SMEAR_GATE_DIMS, VOCAB_SIZE, WINDOW_BLOCK, Average, ConfigError, Hyperparameters,
                               ModelConfig, Stage, TablePhase, config_to_dict, head_dims, injection_layers,
                               value_embed_tables, value_embed_width)
@@ -2150,15 +2149,6 @@ def micro_batch_losses(forward, stage, windows, batch: MicroBatch, target_weight
     return forward(batch.tokens, batch.targets, args, target_weights, columns)
 
 
-def empty_micro_batch(stage, device="cpu"):
-    """A MicroBatch of zeros shaped like the stage's (for dry runs on fake tensors)."""
-    T = stage.tokens_per_rank
-    return MicroBatch(torch.zeros(T, dtype=torch.int32, device=device),
-                      torch.zeros(T, MAX_TARGETS - 1, dtype=torch.int64, device=device),
-                      torch.zeros(T // MIN_DOC_TOKENS + 2, dtype=torch.int32, device=device),
-                      torch.zeros((), dtype=torch.int64, device=device))
-
-
 FP8_CALIBRATION_PASSES = 1         # forward+backward passes that record the FP8 amaxes before the first step
 
 
@@ -2353,23 +2343,6 @@ class Trainer:
             dist.all_reduce(total)
         self.model.train()
         return total.item() / (len(slices) * self.h.val_tokens_per_rank * self.pg.world_size)
-
-    # -- state
-    def snapshot(self):
-        """Copies of the model's and the optimizers' state (see restore), but the n-gram table's:
-        it can be as large as memory, and it does not move while `freeze_table` is set."""
-        return ({k: v.clone() for k, v in self.model.state_dict().items() if k != NGRAM_TABLE_KEY},
-                [copy.deepcopy(opt.state_dict()) for opt in self.optimizers])
-
-    def restore(self, snapshot):
-        """The snapshot's model and optimizer state, with no gradient pending."""
-        model_state, optimizer_states = snapshot
-        missing, unexpected = self.model.load_state_dict(model_state, strict=False)
-        assert set(missing) <= {NGRAM_TABLE_KEY} and not unexpected, (missing, unexpected)
-        for opt, state in zip(self.optimizers, optimizer_states):
-            opt.load_state_dict(copy.deepcopy(state))
-        self.zero_grads()
-        self.reset_walk()
 
 
 def first_batch(h, train_files, mine):

@@ -60,6 +60,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 import kernels  # noqa: E402
 import train_gpt  # noqa: E402
 from machinery import kernel_choice, sparse_tables  # noqa: E402
+from machinery.cuda_graphs import MicroBatch  # noqa: E402
 
 
 def report_path(version=triton.__version__):
@@ -413,7 +414,7 @@ def _trace_training_steps(h):
             model.set_loss_unit(1.0 / (stage.tokens_per_rank * h.batch_ranks))   # the trainer's objective weight
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss, _ = train_gpt.micro_batch_losses(model, stage, train_gpt.attention_windows(h, step),
-                                                       train_gpt.empty_micro_batch(stage),
+                                                       MicroBatch.zeros(stage),
                                                        train_gpt.target_weights(stage, "cpu"))
             loss.backward()
             for opt in optimizers:

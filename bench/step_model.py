@@ -68,6 +68,7 @@ sys.path.insert(0, str(REPO_ROOT / "bench"))
 import kernels  # noqa: E402
 import optim  # noqa: E402
 import train_gpt  # noqa: E402
+from machinery.cuda_graphs import MicroBatch  # noqa: E402
 
 # -----------------------------------------------------------------------------------------------
 # Every constant of the model, with its source
@@ -758,7 +759,7 @@ def trace_stage(h, index, world):
         with model.sinks_of(T), census:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=h.compute_dtype == "bfloat16"):
                 objective, _ = train_gpt.micro_batch_losses(model, stage, train_gpt.attention_windows(h, step),
-                                                            train_gpt.empty_micro_batch(stage),
+                                                            MicroBatch.zeros(stage),
                                                             train_gpt.target_weights(stage, "cpu"))
             census.phase = "backward"
             objective.backward()

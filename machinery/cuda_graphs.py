@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from machinery.config import MAX_TARGETS, MIN_DOC_TOKENS
 from machinery.processes import TrainingError
 
 # update function's code -> the dynamo graphs compiled for it in this process (a key each, per StepGraphs)
@@ -23,6 +24,15 @@ class MicroBatch:
     targets: torch.Tensor
     cu_seqlens: torch.Tensor
     candidate_start: torch.Tensor  # 0-d int64: where the slice's candidate walk starts (an int or a 0-d tensor given)
+
+    @staticmethod
+    def zeros(stage, device="cpu"):
+        """A micro-batch of zeros shaped like the stage's (for dry runs on fake tensors)."""
+        T = stage.tokens_per_rank
+        return MicroBatch(torch.zeros(T, dtype=torch.int32, device=device),
+                          torch.zeros(T, MAX_TARGETS - 1, dtype=torch.int64, device=device),
+                          torch.zeros(T // MIN_DOC_TOKENS + 2, dtype=torch.int32, device=device),
+                          torch.zeros((), dtype=torch.int64, device=device))
 
     @staticmethod
     def of(s, start, device):

@@ -25,6 +25,7 @@ import optim
 from data.loader import check_validation_split
 from machinery.config import (MAX_TARGETS, MIN_DOC_TOKENS, PADDED_VOCAB_SIZE, ArgumentParser, ConfigError,
                               config_from_dict, config_to_dict, normalize_config)
+from machinery.cuda_graphs import MicroBatch
 from machinery.processes import ProcessGroup
 from machinery.sparse_tables import (NGRAM_ROW_STATE_BYTES, available_memory_bytes, check_ngram_table, ngram_event_rows,
                                      ngram_row_bytes)
@@ -229,7 +230,7 @@ def stage_memory(recipe, config_json, index):
         T = stage.tokens_per_rank
         for p in model.parameters():
             p.grad = torch.zeros_like(p) if p.requires_grad else None
-        batch = recipe.empty_micro_batch(stage)
+        batch = MicroBatch.zeros(stage)
         with model.sinks_of(T):
             existing = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters()
                                                                  if p.grad is not None)]

@@ -4,11 +4,13 @@ do their work, kernel_choice times its candidates), each key's CUDA graph captur
 validation forward, then the initial state restored; each part's line logged as it ends. Also
 the guard that makes a host sync an error on CUDA."""
 import contextlib
+import copy
 import functools
 import time
 
 import torch
 
+from machinery.checkpoint import NGRAM_TABLE_KEY
 from machinery.processes import synchronize
 
 
@@ -101,7 +103,7 @@ def warm_up(recipe, trainer, train_files, val_slices, progress=None):
     h, part = trainer.h, functools.partial(warm_up_part, trainer)
     say = progress.say if progress is not None else lambda piece: None
     before = compiled_graphs()
-    saved = trainer.snapshot()
+    saved = snapshot(trainer)
     loader = recipe.train_loader(h, train_files)
     trainer.graphs.in_warm_up = trainer.tables.frozen = True
     steps_per_key, keys = warm_up_steps_per_key(h), recipe.graph_changes(h)
@@ -134,7 +136,26 @@ def warm_up(recipe, trainer, train_files, val_slices, progress=None):
             with part(f"a validation forward, windows {graph[0]}, head {'tied' if graph[1] else 'untied'}"):
                 trainer.advance_to(step, final)
                 trainer.validate(val_slices[:1], step, final)
-    trainer.restore(saved)
+    restore(trainer, saved)
     trainer.advance_to(0)
     synchronize(trainer.pg.device)
     return compiled_graphs() - before
+
+
+def snapshot(trainer):
+    """Copies of the trainer's model and optimizer state (see restore), but the n-gram table's:
+    it can be as large as memory, and it does not move while the tables are frozen."""
+    return ({k: v.clone() for k, v in trainer.model.state_dict().items() if k != NGRAM_TABLE_KEY},
+            [copy.deepcopy(opt.state_dict()) for opt in trainer.optimizers])
+
+
+def restore(trainer, saved):
+    """The snapshot's model and optimizer state, with no gradient pending and every candidate
+    walk at its start, as at step 0."""
+    model_state, optimizer_states = saved
+    missing, unexpected = trainer.model.load_state_dict(model_state, strict=False)
+    assert set(missing) <= {NGRAM_TABLE_KEY} and not unexpected, (missing, unexpected)
+    for opt, state in zip(trainer.optimizers, optimizer_states):
+        opt.load_state_dict(copy.deepcopy(state))
+    trainer.zero_grads()
+    trainer.reset_walk()

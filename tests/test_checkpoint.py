@@ -26,6 +26,7 @@ from data.shards import write_shard  # noqa: E402
 from data.tokenizer import BOS_ID  # noqa: E402
 from evaluation import evaluate  # noqa: E402
 from machinery import checkpoint  # noqa: E402
+from machinery.checkpoint import NGRAM_TABLE_KEY  # noqa: E402
 from records.logfile import parse_log  # noqa: E402
 
 HAS_SAFETENSORS = importlib.util.find_spec("safetensors") is not None
@@ -314,12 +315,12 @@ def test_a_split_table_is_checkpointed_whole_in_row_order(split_run):
     assert hashlib.sha256(data).hexdigest() == metadata["data_sha256"]
     assert [line for line in log.info if line.startswith("checkpoint: ")] == \
         [f"checkpoint: {path} data_sha256={metadata['data_sha256']}"]
-    shards = [s[tg.NGRAM_TABLE_KEY] for s in states]
+    shards = [s[NGRAM_TABLE_KEY] for s in states]
     assert shards[0].shape == (1024, 64) and all((s != 0).any(1).sum() > 0 for s in shards), "both shards trained"
-    assert_identical({"t": tensors[tg.NGRAM_TABLE_KEY]}, {"t": torch.cat(shards)})
-    others = {k: v for k, v in tensors.items() if k != tg.NGRAM_TABLE_KEY}
+    assert_identical({"t": tensors[NGRAM_TABLE_KEY]}, {"t": torch.cat(shards)})
+    others = {k: v for k, v in tensors.items() if k != NGRAM_TABLE_KEY}
     for state in states:
-        assert_identical(others, {k: v for k, v in state.items() if k != tg.NGRAM_TABLE_KEY})
+        assert_identical(others, {k: v for k, v in state.items() if k != NGRAM_TABLE_KEY})
 
 
 def logged_final_val_line(log):

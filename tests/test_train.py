@@ -27,7 +27,7 @@ import kernels  # noqa: E402
 import optim  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from machinery.processes import TrainingError  # noqa: E402
-from machinery.warm_up import compiled_graphs, warm_up  # noqa: E402
+from machinery.warm_up import compiled_graphs, restore, snapshot, warm_up  # noqa: E402
 from data.loader import DataError, TrainLoader, _targets, validation_slices  # noqa: E402
 from data.shards import read_shard, write_shard  # noqa: E402
 from data.tokenizer import BOS_ID  # noqa: E402
@@ -937,5 +937,5 @@ def test_candidate_walk_continues_from_step_to_step(shards, walk):
             start = tg.candidate_walk_after(batch[0].targets, h.stages[0].candidates, torch.as_tensor(start))
         assert int(trainer.walk[0]) == int(start)
     assert (int(start) != tg.candidate_start(0, 1)) == (walk == "continue")
-    trainer.restore(trainer.snapshot())
+    restore(trainer, snapshot(trainer))
     assert int(trainer.walk[0]) == tg.candidate_start(0, 1), "a restored trainer starts its walk again"

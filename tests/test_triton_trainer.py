@@ -125,6 +125,8 @@ import optim  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data.loader import TrainLoader  # noqa: E402
 from data.shards import write_shard  # noqa: E402
+from machinery.checkpoint import NGRAM_TABLE_KEY  # noqa: E402
+from machinery.warm_up import restore, snapshot  # noqa: E402
 
 interpreted = isolated(interpret=True)
 
@@ -188,7 +190,7 @@ def _trainer(which, shards_dir):
 
 def _sparse_adams(trainer):
     """name -> (SparseRowAdam, the state-dict key of its table)."""
-    adams = {"ngram": (trainer.tables.ngram_adam, tg.NGRAM_TABLE_KEY)}
+    adams = {"ngram": (trainer.tables.ngram_adam, NGRAM_TABLE_KEY)}
     adams.update({f"value_embeds.{i}": (adam, f"value_embeds.{i}.weight")
                   for i, adam in enumerate(trainer.tables.value_adams)})
     return adams
@@ -214,7 +216,7 @@ def _capture_gradients(trainer):
     def step_sparse_tables():
         table = trainer.model.ngram.table
         rows, entries = (torch.cat(parts) for parts in zip(*trainer.tables.ngram_entries))
-        grads[tg.NGRAM_TABLE_KEY] = torch.zeros(table.shape, dtype=torch.float64).index_add_(0, rows,
+        grads[NGRAM_TABLE_KEY] = torch.zeros(table.shape, dtype=torch.float64).index_add_(0, rows,
                                                                                              entries.double())
         for i, pending in enumerate(trainer.tables.value_grads):
             grads[f"value_embeds.{i}.weight"] = pending.sums.double().clone()
@@ -235,7 +237,7 @@ def _state(trainer):
 
 def _give_state(dst, src):
     """dst takes src's model, optimizer, n-gram table and sparse Adam state."""
-    dst.restore(src.snapshot())
+    restore(dst, snapshot(src))
     dst.model.ngram.table.copy_(src.model.ngram.table)
     for name, (adam, _) in _sparse_adams(src).items():
         _sparse_adams(dst)[name][0].load_state_dict(adam.state_dict())
