@@ -53,7 +53,7 @@ import kernels
 import optim
 from data.loader import BatchPrefetcher, TrainLoader, check_validation_split, shards_of, validation_data
 from data.shards import fingerprint
-from data.tokenizer import BOS_ID, noncanonical_pairs, prefix_token_table
+from data.tokenizer import BOS_ID, noncanonical_pairs, normalized_tokens, prefix_token_table
 from machinery import config, kernel_choice, memory_budget, metrics, resume
 from machinery.checkpoint import save_checkpoint, send_table_shard, split_ngram_table
 from machinery.config import (FINAL_MIX_GROUPS, MAX_TARGETS, MODEL_FIELDS, PADDED_VOCAB_SIZE,
@@ -88,7 +88,7 @@ def _project_rules(h):
     the record's (docs/recipe.md's fidelity table compares them)."""
     h.target_rule, h.attention_segment_tokens = "document", 0
     h.paired_head_layout, h.window_edge_key, h.attn_out_init, h.narrow_yarn_window = "adjacent", False, "zero", "long"
-    h.cross_documents, h.table_hashes = False, "project"
+    h.cross_documents, h.table_hashes, h.ngram_normalized = False, "project", False
     h.mlp_free_layers, h.x0_layers, h.hashed_layers = (), None, None
     h.final_mix, h.value_embed_full_width = "record89", False
 
@@ -257,6 +257,7 @@ def _speedrun_preset(h):
     # record 89's features, on the layers that still have attention
     h.smear_gate, h.key_offset = True, True
     h.cross_documents, h.table_hashes = True, "record"  # the smear, key offset and hashes see the slice, not documents
+    h.ngram_normalized = False     # the hashes read the tokens as they are
     h.num_value_embeds, h.value_embed_layers = 0, (1, 2, 8, 10)  # record 89's, but 9 (no attention)
     h.value_embed_gate_dim, h.value_embed_gate_reads_value = 12, True  # gates read x[:6] and ve[:6]
     h.xsa_layers = (1, 3)                      # record 89's, but 4 and 7 (no attention)
@@ -364,6 +365,7 @@ def _record89_preset(h):
     h.attn_scale, h.rope_base, h.yarn_scale_growth = 0.1, 1024.0, 0.2
     h.embed_init_std = 0.005       # the head's init, which the tied embedding copies
     h.smear_gate, h.key_offset, h.cross_documents, h.table_hashes = True, True, True, "record"
+    h.ngram_normalized = False
     h.num_value_embeds, h.value_embed_layers = 0, (1, 2, 8, 9, 10)  # five tables, one per layer
     h.value_embed_gate_dim, h.value_embed_gate_reads_value = 12, True  # gates read x[:6] and ve[:6]
     h.value_embed_sparse = False
@@ -1220,11 +1222,15 @@ class NgramTable(nn.Module):
     HostNgramRows)."""
 
     def __init__(self, rows, dim, max_tokens, dtype=torch.float32, placement=None, cross_documents=False,
-                 record_hashes=False):
+                 record_hashes=False, normalized=False):
         super().__init__()
         placement = placement or TablePlacement()
         self.rows, self.on_host = rows, placement.cache_rows > 0
         self.cross_documents, self.record_hashes = cross_documents, record_hashes  # (token_starts, ngram_rows)
+        # normalized: each token hashed as its normalized id; a copy on the host too, where the
+        # trainer computes a slice's rows
+        self.normalized_on_host = normalized_ids() if normalized else None
+        self.register_buffer("normalized", self.normalized_on_host, persistent=False)
         self.gathered = placement.shards > 1 or self.on_host
         self.first_row = placement.shard * (rows // placement.shards)
         device = placement.device
@@ -1247,8 +1253,15 @@ class NgramTable(nn.Module):
         finally:
             self._buffers["table"] = table
 
+    def hashed(self, context):
+        """The ids the hashes read: the tokens, or with normalized ones their normalized ids."""
+        if self.normalized is None:
+            return context
+        ids = self.normalized if self.normalized.device == context.device else self.normalized_on_host
+        return ids[context.long()]
+
     def rows_of(self, context, is_start):
-        return ngram_rows(context, is_start, self.rows, self.record_hashes)
+        return ngram_rows(self.hashed(context), is_start, self.rows, self.record_hashes)
 
     def slice_rows(self, tokens):
         """The (2T,) rows of a slice's tokens (T,): each token's bigram row, then its trigram row."""
@@ -1265,9 +1278,17 @@ class NgramTable(nn.Module):
             entries = self.table[rows.to(self.table.device)].to(context.device)
         if self.training:
             entries = entries + first_rows(self.sink, count)
-        rule = "record92" if self.record_hashes else "project"
-        return (entries[:, 0] * signs[bigram_sign_rows(context, is_start, rule)[seen:]]
-                + entries[:, 1] * signs[trigram_sign_rows(context, is_start, self.record_hashes)[seen:]])
+        rule, ids = "record92" if self.record_hashes else "project", self.hashed(context)
+        return (entries[:, 0] * signs[bigram_sign_rows(ids, is_start, rule)[seen:]]
+                + entries[:, 1] * signs[trigram_sign_rows(ids, is_start, self.record_hashes)[seen:]])
+
+
+def normalized_ids():
+    """(PADDED_VOCAB_SIZE,) int64: each token id's normalized id (data/tokenizer.normalized_tokens);
+    the padding ids, which no text holds, map to themselves."""
+    ids = torch.arange(PADDED_VOCAB_SIZE)
+    ids[:VOCAB_SIZE] = torch.from_numpy(normalized_tokens()).long()
+    return ids
 
 
 def first_rows(t, n):
@@ -1314,7 +1335,8 @@ class GPT(nn.Module):
         if cfg.ngram_rows:
             self.bigram, self.ngram = None, NgramTable(cfg.ngram_rows, cfg.model_dim, max_tokens,
                                                        getattr(torch, cfg.ngram_dtype), placement,
-                                                       cfg.cross_documents, cfg.table_hashes == "record")
+                                                       cfg.cross_documents, cfg.table_hashes == "record",
+                                                       cfg.ngram_normalized)
         else:
             self.bigram, self.ngram = nn.Embedding(cfg.bigram_rows, cfg.model_dim), None
             nn.init.zeros_(self.bigram.weight)

@@ -17,6 +17,11 @@ other, see compute_noncanonical_pairs) are shipped the same way, as
 data/gpt2_noncanonical_pairs.bin: the sorted (previous, current) pairs, no
 header, each pair two little-endian uint16. Regenerate it with
 `python data/tokenizer.py --write-noncanonical-pairs`.
+
+The normalized tokens (for each token, the id that stands for every token of the same text once
+case, whitespace and punctuation are stripped, see compute_normalized_tokens) are shipped as
+data/gpt2_normalized_tokens.bin: VOCAB_SIZE little-endian uint16 entries, no header. Regenerate
+it with `python data/tokenizer.py --write-normalized-tokens`.
 """
 
 import argparse
@@ -67,6 +72,13 @@ PAIRS_DTYPE = np.dtype("<u2")  # each pair: previous id, current id, little-endi
 # sha256 of the pairs file as --write-noncanonical-pairs writes it.
 PAIRS_SHA256 = "284a28b25e6b954d694a33ee1c72710f6ab8caca8ceca72e0894f7a42aa3e735"
 REGENERATE_PAIRS = "regenerate it with `python data/tokenizer.py --write-noncanonical-pairs`"
+# The shipped normalized tokens, next to this file.
+NORMALIZED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2_normalized_tokens.bin")
+NORMALIZED_DTYPE = np.dtype("<u2")  # one little-endian uint16 per token id
+NORMALIZED_BYTES = VOCAB_SIZE * NORMALIZED_DTYPE.itemsize  # exact file size: no header, no padding
+# sha256 of the normalized-token file as --write-normalized-tokens writes it.
+NORMALIZED_SHA256 = "b9e0f9021aa710547b324d9d81153843c8e26c6ef0dee203871b72d859958884"
+REGENERATE_NORMALIZED = "regenerate it with `python data/tokenizer.py --write-normalized-tokens`"
 # GPT-2's contractions: the only pre-token chunks that can start inside a run of letters.
 CONTRACTIONS = ("'s", "'t", "'re", "'ve", "'m", "'ll", "'d")
 # ASCII byte classes whose runs the pre-tokenizer never splits: letters (\p{L}++), digits
@@ -177,6 +189,45 @@ def compute_noncanonical_pairs(enc=None):
     return np.array(sorted(pairs), dtype=np.int64).reshape(-1, 2)
 
 
+def normalized_text(token_bytes):
+    """A token's text with case, whitespace and punctuation stripped: its casefolded letters and
+    digits; None for bytes that are not whole UTF-8 (a piece of a multi-byte character)."""
+    try:
+        text = token_bytes.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return "".join(ch for ch in text.casefold() if ch.isalnum())
+
+
+def compute_normalized_tokens(enc=None):
+    """For each token id, the smallest id whose normalized_text is the same: " The", "the",
+    "THE" and "the." share one id. A token whose normalized text is empty (whitespace or
+    punctuation alone) or None (a byte piece), and a special token, keeps its own id.
+
+    Returns int32 of length enc.n_vocab, each entry <= its index."""
+    enc = gpt2_encoding() if enc is None else enc
+    special_ids = {enc.encode_single_token(s) for s in enc.special_tokens_set}
+    table = np.arange(enc.n_vocab, dtype=np.int32)
+    first_of_text = {}
+    for i in range(enc.n_vocab):
+        if i in special_ids:
+            continue
+        text = normalized_text(enc.decode_single_token_bytes(i))
+        if text:
+            table[i] = first_of_text.setdefault(text, i)
+    return table
+
+
+def normalized_tokens():
+    """The normalized tokens read from NORMALIZED_PATH: int32 of length VOCAB_SIZE, equal to
+    compute_normalized_tokens() but needing only numpy and the shipped, sha256-checked file."""
+    if os.path.isfile(NORMALIZED_PATH) and os.path.getsize(NORMALIZED_PATH) != NORMALIZED_BYTES:
+        raise TokenizerError(f"{NORMALIZED_PATH}: {os.path.getsize(NORMALIZED_PATH)} bytes, not the "
+                             f"{NORMALIZED_BYTES} of the normalized tokens; {REGENERATE_NORMALIZED}")
+    raw = _read_pinned(NORMALIZED_PATH, NORMALIZED_SHA256, "the normalized tokens", REGENERATE_NORMALIZED)
+    return np.frombuffer(raw, dtype=NORMALIZED_DTYPE).astype(np.int32)
+
+
 def _same_unsplit_class(last_byte, following):
     return any(last_byte in cls and all(byte in cls for byte in following) for cls in UNSPLIT_CLASSES)
 
@@ -234,6 +285,11 @@ def write_noncanonical_pairs(path):
     return _write_atomically(path, compute_noncanonical_pairs().astype(PAIRS_DTYPE).tobytes())
 
 
+def write_normalized_tokens(path):
+    """Compute the normalized tokens and write them to `path`; returns the file's sha256."""
+    return _write_atomically(path, compute_normalized_tokens().astype(NORMALIZED_DTYPE).tobytes())
+
+
 def _write_atomically(path, raw):
     """Write `raw` to a temporary file in the destination folder, then rename it over `path`,
     so a crash never leaves a partial file; returns the sha256 of `raw`."""
@@ -259,12 +315,17 @@ def main(argv=None):
     parser.add_argument(
         "--write-noncanonical-pairs", action="store_true", help=f"recompute the non-canonical pairs into {PAIRS_PATH}"
     )
+    parser.add_argument(
+        "--write-normalized-tokens", action="store_true", help=f"recompute the normalized tokens into {NORMALIZED_PATH}"
+    )
     args = parser.parse_args(argv)
     jobs = [(write_prefix_table, PREFIX_TABLE_PATH, "PREFIX_TABLE_SHA256")] if args.write_prefix_table else []
     if args.write_noncanonical_pairs:
         jobs.append((write_noncanonical_pairs, PAIRS_PATH, "PAIRS_SHA256"))
+    if args.write_normalized_tokens:
+        jobs.append((write_normalized_tokens, NORMALIZED_PATH, "NORMALIZED_SHA256"))
     if not jobs:
-        parser.error("nothing to do; pass --write-prefix-table or --write-noncanonical-pairs")
+        parser.error("nothing to do; pass --write-prefix-table, --write-noncanonical-pairs or --write-normalized-tokens")
     for write, path, constant in jobs:
         try:
             digest = write(path)

@@ -220,6 +220,9 @@ class ModelConfig:
     # table's other multipliers, row 0 at a start; the token after a start hashed with the
     # reserved row's id as its previous token)
     table_hashes: str = choice("project", "record")
+    # the n-gram table hashes each token by its normalized id (case, whitespace and punctuation
+    # stripped: data/gpt2_normalized_tokens.bin), so " The", "the" and "THE" share rows
+    ngram_normalized: bool = False
     xsa_layers: tuple = layers(())     # layers whose heads remove a learned share of their output along their own value
     paired_head_layers: tuple = layers(())  # layers where adjacent heads' queries also attend to each other's keys
     # their layout: adjacent (heads 2h and 2h+1 at positions 2t and 2t+1 of the doubled sequence,
@@ -633,7 +636,8 @@ HELP_GROUPS = {
     "model: embeddings and hashed tables": (
         "embed_init_std", "num_value_embeds", "value_embed_layers", "value_embed_gate_dim",
         "value_embed_gate_reads_value", "value_embed_sparse", "bigram_rows", "ngram_rows", "ngram_dtype",
-        "smear_gate", "canonical_mask", "cross_documents", "table_hashes", "value_embed_full_width"),
+        "smear_gate", "canonical_mask", "cross_documents", "table_hashes", "ngram_normalized",
+        "value_embed_full_width"),
     "model: trunk, MLPs and gates": (
         "trunk", "skip_layers", "snapshot_layer", "parallel_mlp_layers", "mlp_free_layers", "token_gates",
         "token_gates_split", "attn_gate_layers", "x0_layers", "hashed_layers", "final_mix"),

@@ -118,8 +118,8 @@ MUTATIONS = [
     Mutation("train_gpt.py", "return torch.where(first_two, BOS_ID, torch.roll(tokens, 2)), first_two",
              "return torch.where(first_two, BOS_ID, torch.roll(tokens, 1)), first_two", MODEL,
              "the trigram's second token is the previous one"),
-    Mutation("train_gpt.py", "signs[trigram_sign_rows(context, is_start, self.record_hashes)[seen:]])",
-             "signs[bigram_sign_rows(context, is_start, rule)[seen:]])", MODEL,
+    Mutation("train_gpt.py", "signs[trigram_sign_rows(ids, is_start, self.record_hashes)[seen:]])",
+             "signs[bigram_sign_rows(ids, is_start, rule)[seen:]])", MODEL,
              "the trigram channel takes the bigram's signs"),
     Mutation("train_gpt.py", "    return (x + 2 ** 31) % 2 ** 32 - 2 ** 31", "    return x",
              [STATEMENT, "-k", "hashed"],
@@ -674,6 +674,14 @@ MUTATIONS = [
     Mutation("machinery/warm_up.py", "    log.write(f\"{WARM_UP_PART}{what}: {time.perf_counter() - start:.1f} s,",
              "    log.write(f\"{what}: {time.perf_counter() - start:.1f} s,", FIRST_CONTACT_DRY,
              "the warm-up's parts logged without their marker"),
+    Mutation("train_gpt.py", "        return ids[context.long()]\n", "        return context\n", MODEL,
+             "the n-gram hashes read the raw tokens where ngram_normalized asks for their normalized ids"),
+    Mutation("train_gpt.py", "signs[trigram_sign_rows(ids, is_start, self.record_hashes)[seen:]])",
+             "signs[trigram_sign_rows(context, is_start, self.record_hashes)[seen:]])", MODEL,
+             "the trigram sign rows from the raw tokens, the rows from the normalized ones"),
+    Mutation("data/tokenizer.py", 'return "".join(ch for ch in text.casefold() if ch.isalnum())',
+             'return "".join(ch for ch in text.casefold() if not ch.isspace())',
+             ["tests/test_data.py", "-k", "normalized"], "the normalized text keeps punctuation"),
 ]
 
 

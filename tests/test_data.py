@@ -22,9 +22,11 @@ from data.tokenizer import (
     NO_PREFIX,
     VOCAB_SIZE,
     TokenizerError,
+    compute_normalized_tokens,
     compute_prefix_token_table,
     gpt2_encoding,
     noncanonical_pairs,
+    normalized_tokens,
     prefix_token_table,
 )
 
@@ -231,6 +233,24 @@ def test_shipped_prefix_table_is_the_computed_one(tmp_path):
     written = tmp_path / "table.bin"
     assert tokenizer.write_prefix_table(written) == tokenizer.PREFIX_TABLE_SHA256
     assert written.read_bytes() == raw and sorted(p.name for p in tmp_path.iterdir()) == ["table.bin"]
+
+
+@needs_tokenizer
+def test_shipped_normalized_tokens_are_the_computed_ones(tmp_path):
+    """Case, whitespace and punctuation stripped: " The", "The", "THE" and "the" are " the"'s id (the
+    smallest of them); a punctuation token, a byte piece of a character and BOS keep their own."""
+    table = normalized_tokens()
+    assert np.array_equal(table, compute_normalized_tokens())
+    enc = gpt2_encoding()
+    the = enc.encode_single_token(" the")
+    assert {int(table[enc.encode_single_token(w)]) for w in (" The", "The", "THE", "the", " the")} == {the}
+    assert table[enc.encode_single_token(" cat")] == table[enc.encode_single_token("Cat")]
+    for own in (enc.encode_single_token("."), enc.encode_single_token(" ("), enc.encode_single_token(b"\xe2"), BOS_ID):
+        assert table[own] == own
+    assert np.all(table <= np.arange(VOCAB_SIZE)) and len(np.unique(table)) < VOCAB_SIZE * 0.7
+    written = tmp_path / "normalized.bin"
+    assert tokenizer.write_normalized_tokens(written) == tokenizer.NORMALIZED_SHA256
+    assert written.read_bytes() == Path(tokenizer.NORMALIZED_PATH).read_bytes()
 
 
 @needs_tokenizer

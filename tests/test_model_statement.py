@@ -61,8 +61,10 @@ UNET_GATED_SET = CPU_SET + ["--token_gates=true", "--token_gates_split=2", "--xs
                             "--smear_gate=true", "--ngram_rows=2048", "--parallel_mlp_layers=[1]"]
 # The speedrun set with record 92's final mix over full-width value-embedding tables.
 RECORD92_MIX_SET = SPEEDRUN_SET + ["--value_embed_full_width=true", "--final_mix=record92"]
+# The speedrun set with the n-gram table hashing normalized ids.
+NORMALIZED_SET = SPEEDRUN_SET + ["--ngram_normalized=true"]
 SETS = {"cpu": CPU_SET, "speedrun": SPEEDRUN_SET, "record92_mix": RECORD92_MIX_SET, "record89": RECORD89_SET,
-        "unet_gated": UNET_GATED_SET}
+        "unet_gated": UNET_GATED_SET, "normalized": NORMALIZED_SET}
 T = 256                            # tokens per slice
 WINDOWS = (48, 160)                # (short, long) in tokens: both bind in a 256-token slice
 HISTORY = ([128, 384, 640], [16, 48])  # the long and short windows the RoPE tables grew through
@@ -176,7 +178,7 @@ def a_slice(seed=1, max_doc_len=96):
 
 
 @pytest.mark.parametrize("name, tied", [("cpu", True), ("speedrun", False), ("record92_mix", False), ("record89", True),
-                                        ("unet_gated", True)])
+                                        ("unet_gated", True), ("normalized", False)])
 def test_the_model_and_its_objective_equal_their_statement(name, tied, tokenizer_bytes):
     """Objective, next-token loss, hidden states and every trained gradient; the speedrun set
     with sampled softmax and the head untied, the cpu set with the full softmax and the head tied."""
@@ -274,6 +276,19 @@ def test_the_hashed_tables_rows_equal_their_statement(hashes, cross_documents):
     row, sign = ref.bigram_table_rows(cfg, tokens)
     assert torch.equal(tg.bigram_rows(tokens, starts, cfg.bigram_rows, record), row)
     assert torch.equal(tg.bigram_sign_rows(tokens, starts, "record89" if record else "project"), sign)
+
+
+def test_normalized_ids_equal_their_statement():
+    """Every id's normalized id, the table the n-gram hashes read with ngram_normalized, against the
+    statement's restatement from GPT-2's token bytes; and the rows of a table that reads them."""
+    assert torch.equal(tg.normalized_ids(), ref.normalized_ids())
+    rng = np.random.default_rng(6)
+    tokens = torch.from_numpy(rng.integers(0, ref.BOS, 600))
+    tokens[rng.integers(0, 600, 12)] = ref.BOS
+    cfg = types.SimpleNamespace(ngram_rows=4096, table_hashes="record", cross_documents=True, ngram_normalized=True)
+    table = tg.NgramTable(cfg.ngram_rows, 8, 600, cross_documents=True, record_hashes=True, normalized=True)
+    brow, trow, _, _ = ref.ngram_rows(cfg, tokens)
+    assert torch.equal(table.slice_rows(tokens).reshape(-1, 2), torch.stack([brow, trow], 1))
 
 
 @pytest.mark.parametrize("count", [900, 2048, 50304])

@@ -10,6 +10,7 @@ multi-token, prefix and sampled-softmax objective, the canonical mask, and the l
 The tests compare it with train_gpt.GPT (tests/test_model_statement.py); a wiring change in
 either shows up as a difference far above the rounding both make.
 """
+import functools
 import math
 
 import numpy as np
@@ -190,12 +191,32 @@ def record_rows(cfg, tokens, rows, trigram=False):
     return torch.tensor(out)
 
 
+@functools.cache
+def normalized_ids():
+    """(VOCAB,) each id's normalized id: the smallest id whose text, casefolded, with everything
+    but letters and digits removed, is the same; an id keeps its own where that leaves nothing,
+    where its bytes are not whole UTF-8, and for BOS and the padding ids."""
+    from data.tokenizer import gpt2_encoding   # the token bytes only
+    enc, ids, first = gpt2_encoding(), list(range(VOCAB)), {}
+    for i in range(BOS):
+        try:
+            text = enc.decode_single_token_bytes(i).decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        key = "".join(ch for ch in text.casefold() if ch.isalnum())
+        if key:
+            ids[i] = first.setdefault(key, i)
+    return torch.tensor(ids)
+
+
 def ngram_rows(cfg, tokens):
     """(bigram row, trigram row, bigram sign row, trigram sign row), each (T,), of the n-gram table
     of cfg.ngram_rows rows: bigrams hash into the first half, whose last row takes a document's
     first token; trigrams into the second half, whose last row takes its first two tokens. The
     records' hashes (cfg.table_hashes "record"): record_rows, and record 92's sign rows, row 0
-    where there is no n-gram."""
+    where there is no n-gram. With cfg.ngram_normalized every hash reads normalized ids."""
+    if getattr(cfg, "ngram_normalized", False):
+        tokens = normalized_ids()[tokens.long()]
     cur, starts, prev, prev2, first_two = token_context(tokens, cfg)
     R = cfg.ngram_rows
     half = R // 2
