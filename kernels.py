@@ -77,6 +77,7 @@ import dataclasses
 import functools
 import math
 import os
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -1208,18 +1209,95 @@ def _backward_matmul(prims):
     return matmul
 
 
+# The sampled weight gradient (PR 371's head): dW = sum over rows of g_r^T x_r taken from one row of
+# each group of `stride` consecutive rows, times stride; the input gradient stays exact. Which row
+# of a group: a hash of (seed, group), so that every rank draws the same rows at a step.
+HEAD_SAMPLE_MULT = 0x9E3779B1       # spreads the group index before the hash (the golden ratio, 32 bits)
+HEAD_SAMPLE_MIX = 0x45D9F3B         # the hash's multiplier (an xorshift-multiply integer hash)
+MASK31 = 0x7FFFFFFF
+
+
+def _mix31(x):
+    """A 31-bit integer hash of x (int64 tensors in [0, 2^31)): products stay below 2^58."""
+    for _ in range(2):
+        x = ((x ^ (x >> 16)) * HEAD_SAMPLE_MIX) & MASK31
+    return x ^ (x >> 16)
+
+
+def head_sample_rows(num_rows, stride, seed):
+    """int64 (num_rows / stride,): the row sampled from each group of `stride` consecutive rows,
+    group g's being g * stride + hash(seed, g) mod stride. seed: an int or an int64 device tensor
+    (a step's seed, written in place so that one captured graph serves every step). num_rows must
+    be a multiple of stride (each sampled row then stands for exactly `stride` rows)."""
+    if num_rows % stride:
+        raise ValueError(f"head_sample_rows: {num_rows} rows do not split into groups of {stride}")
+    device = seed.device if isinstance(seed, Tensor) else None
+    groups = torch.arange(num_rows // stride, dtype=torch.int64, device=device)
+    seed = seed.long() & MASK31 if isinstance(seed, Tensor) else int(seed) & MASK31
+    offsets = _mix31(((groups * HEAD_SAMPLE_MULT) & MASK31) ^ seed) % stride
+    return groups * stride + offsets
+
+
+def _gather_rows(t, rows):
+    """Rows `rows` of a 2-d tensor (fp8 ones through a uint8 view: index_select takes no fp8)."""
+    if t.element_size() == 1 and t.dtype != torch.uint8:
+        return t.view(torch.uint8).index_select(0, rows).view(t.dtype)
+    return t.index_select(0, rows)
+
+
+def _gather_columns(t, rows):
+    """Columns `rows` of a 2-d tensor, contiguous: the transposed operands' sampled rows."""
+    return _gather_rows(t.t(), rows).t().contiguous()
+
+
+class _SampledLinear(torch.autograd.Function):
+    """y = x W^T (the autocast dtype's GEMM); dx = dy W exact; dW = stride x dy[rows]^T x[rows].
+
+    The weight-gradient GEMM reduces over len(rows) = T / stride rows instead of T: its FLOPs and
+    its reads of dy and x fall by the stride; the gather reads and writes the sampled rows once
+    (dy: rows x N, x: rows x K). The torch reference of the sampled head gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, rows, stride):
+        ctx.save_for_backward(x, weight, rows)
+        ctx.stride = stride
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight, rows = ctx.saved_tensors
+        grad_x = grad_y @ weight if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad_y.index_select(0, rows).t() @ x.index_select(0, rows)) * ctx.stride
+        return grad_x, grad_w, None, None
+
+
+def sampled_linear(x, weight, rows, stride):
+    """x @ weight.T whose weight gradient is sampled: from rows `rows` of x and of the output's
+    gradient (head_sample_rows), scaled by `stride`, an unbiased estimate of the exact one when
+    each row stands for `stride` rows; the input gradient is exact. x (N, K), weight (M, K)."""
+    return _SampledLinear.apply(x, weight, rows, stride)
+
+
 class _FP8Linear(torch.autograd.Function):
     """y = x W^T with e4m3 operands; backward with e5m2 output gradients. Three GEMMs:
     forward x8 W8^T (fast accumulator), input gradient g8 W8 and weight gradient g8^T x8 (fp32
     accumulation every BLOCK_K where K is long: _backward_matmul). Each operand is cast once
-    into a row-major and a transposed copy, so every GEMM reads both operands K-major."""
+    into a row-major and a transposed copy, so every GEMM reads both operands K-major.
+    With sample_rows (the sampled weight gradient, sampled_linear): the forward keeps only the
+    sampled columns of x8^T (rows x K bytes, not T x K), the backward gathers the same columns of
+    g8^T, and the weight-gradient GEMM reduces over them at the gradient's scale times stride."""
 
     @staticmethod
-    def forward(ctx, x, weight, state, scales, prims, config):
+    def forward(ctx, x, weight, state, scales, prims, config, sample_rows=None, stride=1):
         y, saved = _fp8_linear_forward(x, weight, state, scales, prims, config)
+        if sample_rows is not None:
+            saved = (_gather_columns(saved[0], sample_rows), *saved[1:], sample_rows)
         ctx.save_for_backward(*saved)
         ctx.state, ctx.scales, ctx.prims, ctx.config = state, scales, prims, config
         ctx.dtypes = (x.dtype, weight.dtype)
+        ctx.sampled, ctx.stride = sample_rows is not None, stride
         return y
 
     @staticmethod
@@ -1227,8 +1305,12 @@ class _FP8Linear(torch.autograd.Function):
         g_scale, g_amax = _operand_scale(ctx.state, FP8_LINEAR_SLOTS, ctx.scales.grad_output, "grad_output",
                                          FP8_E5M2_MAX, grad_y)
         g8, g8_t = ctx.prims.cast(grad_y, g_scale, g_amax, torch.float8_e5m2)
-        grad_x, grad_w = _fp8_linear_grads(ctx, ctx.saved_tensors, g8, g8_t, g_scale)
-        return grad_x, grad_w, None, None, None, None
+        saved = ctx.saved_tensors
+        if ctx.sampled:
+            *saved, rows = saved
+            g8_t = _gather_columns(g8_t, rows)
+        grad_x, grad_w = _fp8_linear_grads(ctx, saved, g8, g8_t, g_scale, ctx.stride)
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 def _fp8_linear_forward(x, weight, state, scales, prims, config):
@@ -1244,14 +1326,16 @@ def _fp8_linear_forward(x, weight, state, scales, prims, config):
     return y, (x8_t, w8_t, x_scale, w_scale)
 
 
-def _fp8_linear_grads(ctx, saved, g8, g8_t, g_scale):
+def _fp8_linear_grads(ctx, saved, g8, g8_t, g_scale, stride=1):
     """(grad_x, grad_w) of an FP8 linear layer from its output gradient in e5m2 (g8 and its
-    transpose g8_t, at scale g_scale), each only where ctx.needs_input_grad asks for it."""
+    transpose g8_t, at scale g_scale), each only where ctx.needs_input_grad asks for it. stride > 1:
+    g8_t and x8_t hold the sampled rows only, and grad_w is their product times stride."""
     x8_t, w8_t, x_scale, w_scale = saved
     need_x, need_w = ctx.needs_input_grad[:2]
     matmul = _backward_matmul(ctx.prims)
     grad_x = matmul(g8, w8_t.t(), g_scale, w_scale, ctx.dtypes[0], ctx.config) if need_x else None
-    grad_w = matmul(g8_t, x8_t.t(), g_scale, x_scale, ctx.dtypes[1], ctx.config) if need_w else None
+    w_scale_g = g_scale if stride == 1 else g_scale * stride
+    grad_w = matmul(g8_t, x8_t.t(), w_scale_g, x_scale, ctx.dtypes[1], ctx.config) if need_w else None
     return grad_x, grad_w
 
 
@@ -1328,22 +1412,31 @@ def _check_scales(scales, kind):
                              "(it is never stored in high precision): use Delayed or Static")
 
 
-def fp8_linear(x, weight, state, config=None, scales=FP8LinearScales(), gemm="fastest", casts="kernel"):
+def _sample_args(sample):
+    """_FP8Linear's (sample_rows, stride) of a (rows, stride) sample, or none."""
+    return (None, 1) if sample is None else sample
+
+
+def fp8_linear(x, weight, state, config=None, scales=FP8LinearScales(), gemm="fastest", casts="kernel", sample=None):
     """x @ weight.T in fp8 (see the module docstring). x (..., K) bf16, weight (N, K), state from
     new_fp8_linear_state, scales: an FP8LinearScales. config: the GEMM tile of the pointer kernel
     (or, with gemm="tma", of the persistent one; None: each shape's own). gemm: a key of FP8_GEMMS.
-    casts: "kernel" or "fused" (FP8_CASTS: "fused" where torch.compile builds the graph)."""
+    casts: "kernel" or "fused" (FP8_CASTS: "fused" where torch.compile builds the graph).
+    sample: None, or (rows, stride) of the sampled weight gradient (sampled_linear), rows of x's
+    flattened leading dims."""
     _check_fp8_state(state, FP8_LINEAR_SLOTS, "new_fp8_linear_state")
     _check_scales(scales, FP8LinearScales)
-    y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), weight, state, scales, _PRIMITIVES[gemm, casts], config)
+    y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), weight, state, scales, _PRIMITIVES[gemm, casts], config,
+                         *_sample_args(sample))
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def fp8_linear_reference(x, weight, state, config=None, scales=FP8LinearScales()):
+def fp8_linear_reference(x, weight, state, config=None, scales=FP8LinearScales(), sample=None):
     """fp8_linear with torch casts and fp8_matmul_reference: same scales, same buffer updates."""
     _check_fp8_state(state, FP8_LINEAR_SLOTS, "new_fp8_linear_state")
     _check_scales(scales, FP8LinearScales)
-    y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), weight, state, scales, _REFERENCE_FP8, config)
+    y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), weight, state, scales, _REFERENCE_FP8, config,
+                         *_sample_args(sample))
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -1583,6 +1676,19 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, doc_start_ptr, doc_end
 
 
 @triton.jit
+def _backward_window(window, head_window_ptr, head, HEAD_WINDOWS: tl.constexpr):
+    """The window a backward program of `head` works over: the forward's, or with HEAD_WINDOWS
+    the smaller of it and the head's entry of the int32 table head_window_ptr (the truncated
+    backward). P is recomputed from the forward's log-sum-exp over the full window and delta
+    from the forward's O, so the truncated backward keeps each kept pair's exact P (no
+    renormalization) and drops the pairs further back than the head's window: the key blocks
+    that lie wholly beyond it are never visited (the saving), and the rest are masked."""
+    if HEAD_WINDOWS:
+        window = tl.minimum(window, tl.load(head_window_ptr + head))
+    return window
+
+
+@triton.jit
 def _attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, stride_ot, stride_oh, stride_dot, stride_doh, num_tokens,
                            D_V: tl.constexpr, BLOCK_M: tl.constexpr):
     """delta = rowsum(dO * O) per token and head, the softmax-gradient correction term.
@@ -1637,10 +1743,11 @@ def _attn_bwd_kv_blocks(dk, dv, k, v, cols, col_end, q_ptr, do_ptr, lse_ptr, del
 @triton.jit
 def _attn_bwd_kv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, doc_end_ptr, scale_ptr,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                        stride_dkt, stride_dkh, stride_dvt, stride_dvh, num_tokens, window,
-                        D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                        stride_dkt, stride_dkh, stride_dvt, stride_dvh, num_tokens, window, head_window_ptr,
+                        D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        HEAD_WINDOWS: tl.constexpr = False):
     """dK and dV for BLOCK_N consecutive keys of the packed batch and one head (FlashAttention-2).
-    Grid: (cdiv(T, BLOCK_N), heads).
+    Grid: (cdiv(T, BLOCK_N), heads). HEAD_WINDOWS: the truncated backward (_backward_window).
 
     Visits only the query blocks that see one of the keys (_query_blocks), recomputing P from the
     saved log-sum-exp. Traffic per program: K, V block read once; Q, dO, lse, delta read for the
@@ -1648,6 +1755,7 @@ def _attn_bwd_kv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr,
     """
     k_first = tl.program_id(0) * BLOCK_N
     head = tl.program_id(1)
+    window = _backward_window(window, head_window_ptr, head, HEAD_WINDOWS)
     k_last = tl.minimum(k_first + BLOCK_N, num_tokens) - 1
     cols = k_first + tl.arange(0, BLOCK_N)
     col_ok = cols < num_tokens
@@ -1701,13 +1809,16 @@ def _attn_bwd_q_blocks(dq, q, do, lse, delta, rows, doc_end_ptr, k_ptr, v_ptr, s
 @triton.jit
 def _attn_bwd_q_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_start_ptr, doc_end_ptr, scale_ptr,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                       stride_dqt, stride_dqh, num_tokens, window,
-                       D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       stride_dqt, stride_dqh, num_tokens, window, head_window_ptr,
+                       D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       HEAD_WINDOWS: tl.constexpr = False):
     """dQ for BLOCK_M consecutive queries of the packed batch and one head (FlashAttention-2).
     Grid and visited key blocks as in _attn_fwd_kernel. Traffic per program: Q, dO, lse, delta
-    read once, K and V for the visited key blocks, dQ written once."""
+    read once, K and V for the visited key blocks, dQ written once. HEAD_WINDOWS: the truncated
+    backward (_backward_window)."""
     q_first = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
+    window = _backward_window(window, head_window_ptr, head, HEAD_WINDOWS)
     q_last = tl.minimum(q_first + BLOCK_M, num_tokens) - 1
     rows = q_first + tl.arange(0, BLOCK_M)
     row_ok = rows < num_tokens
@@ -1787,9 +1898,9 @@ def _attn_bwd_fused_blocks(dk, dv, k, v, cols, col_end, q_ptr, do_ptr, o_ptr, ls
 def _attn_bwd_fused_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, dk_ptr, dv_ptr, doc_end_ptr,
                            scale_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
                            stride_oh, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh,
-                           stride_dvt, stride_dvh, num_tokens, window,
+                           stride_dvt, stride_dvh, num_tokens, window, head_window_ptr,
                            D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           DQ_DESCRIPTOR: tl.constexpr):
+                           DQ_DESCRIPTOR: tl.constexpr, HEAD_WINDOWS: tl.constexpr = False):
     """The whole attention backward for BLOCK_N consecutive keys of the packed batch and one head,
     in one kernel. Grid: (cdiv(T, BLOCK_N), heads).
 
@@ -1802,9 +1913,11 @@ def _attn_bwd_fused_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, 
     bit (the deterministic backward is _attn_bwd_kv_kernel with _attn_bwd_q_kernel).
     Traffic per program: K, V read once; Q, dO, O, lse read for the visited query blocks (at most
     window + BLOCK_N queries); dK, dV written once; BLOCK_M x D_QK fp32 added into dQ per tile.
+    HEAD_WINDOWS: the truncated backward (_backward_window).
     """
     k_first = tl.program_id(0) * BLOCK_N
     head = tl.program_id(1)
+    window = _backward_window(window, head_window_ptr, head, HEAD_WINDOWS)
     k_last = tl.minimum(k_first + BLOCK_N, num_tokens) - 1
     cols = k_first + tl.arange(0, BLOCK_N)
     col_ok = cols < num_tokens
@@ -1979,7 +2092,15 @@ def _descriptor_reductions():
     return os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def _run_attn_bwd_fused(grad_o, q, k, v, o, lse, doc_start, doc_end, scale, window, config):
+def _head_window_args(head_windows, doc_end):
+    """The backward kernels' per-head window arguments: the int32 (heads,) table, or without one
+    a stand-in pointer that HEAD_WINDOWS=False never reads (the exact backward's code unchanged)."""
+    if head_windows is None:
+        return dict(head_window_ptr=doc_end, HEAD_WINDOWS=False)
+    return dict(head_window_ptr=head_windows, HEAD_WINDOWS=True)
+
+
+def _run_attn_bwd_fused(grad_o, q, k, v, o, lse, doc_start, doc_end, scale, window, config, head_windows=None):
     """(dq, dk, dv) by _attn_bwd_fused_kernel: dQ summed in an fp32 buffer, then cast to q's dtype."""
     T, H, d_qk = q.shape
     dq = torch.zeros(T, H, d_qk, dtype=torch.float32, device=q.device)
@@ -1995,12 +2116,12 @@ def _run_attn_bwd_fused(grad_o, q, k, v, o, lse, doc_start, doc_end, scale, wind
             stride_dot=grad_o.stride(0), stride_doh=grad_o.stride(1), stride_dqt=dq.stride(0), stride_dqh=dq.stride(1),
             stride_dkt=dk.stride(0), stride_dkh=dk.stride(1), stride_dvt=dv.stride(0), stride_dvh=dv.stride(1),
             num_tokens=T, window=window, D_QK=d_qk, D_V=v.shape[2], BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-            DQ_DESCRIPTOR=descriptor)
+            DQ_DESCRIPTOR=descriptor, **_head_window_args(head_windows, doc_end))
     return dq.to(q.dtype), dk, dv
 
 
 def _run_attn_bwd_two_kernels(grad_o, q, k, v, o, lse, doc_start, doc_end, scale, window, kv_config, q_config,
-                              delta_config):
+                              delta_config, head_windows=None):
     """(dq, dk, dv) by the delta, dK/dV and dQ kernels: no atomics, reproducible bit for bit."""
     T, H, d_qk = q.shape
     d_v = v.shape[2]
@@ -2014,7 +2135,8 @@ def _run_attn_bwd_two_kernels(grad_o, q, k, v, o, lse, doc_start, doc_end, scale
                   scale_ptr=scale,
                   stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
                   stride_vt=v.stride(0), stride_vh=v.stride(1), stride_dot=grad_o.stride(0),
-                  stride_doh=grad_o.stride(1), num_tokens=T, window=window, D_QK=d_qk, D_V=d_v)
+                  stride_doh=grad_o.stride(1), num_tokens=T, window=window, D_QK=d_qk, D_V=d_v,
+                  **_head_window_args(head_windows, doc_end))
     _launch(_attn_bwd_kv_kernel, attention_grid(T, kv_config.block_n, H), kv_config,
             dk_ptr=dk, dv_ptr=dv, stride_dkt=dk.stride(0), stride_dkh=dk.stride(1),
             stride_dvt=dv.stride(0), stride_dvh=dv.stride(1), BLOCK_M=kv_config.block_m, BLOCK_N=kv_config.block_n,
@@ -2025,31 +2147,34 @@ def _run_attn_bwd_two_kernels(grad_o, q, k, v, o, lse, doc_start, doc_end, scale
     return dq, dk, dv
 
 
-def _attention_backward_candidates(args, configs):
+def _attention_backward_candidates(args, configs, head_windows=None):
     """The backward's implementations, the rule first: the one-kernel backward (atomic dQ) at the
     window's tiles and at the other window class's, the deterministic two-kernel backward."""
     fused = configs[4]
     other = ATTENTION_CONFIGS[4] if fused == ATTENTION_CONFIGS_NARROW[4] else ATTENTION_CONFIGS_NARROW[4]
-    found = [kernel_choice.Candidate(f"atomic {_tile_name(c)}", functools.partial(_run_attn_bwd_fused, *args, c))
+    found = [kernel_choice.Candidate(f"atomic {_tile_name(c)}",
+                                     functools.partial(_run_attn_bwd_fused, *args, c, head_windows=head_windows))
              for c in dict.fromkeys((fused, other))]
     found.append(kernel_choice.Candidate("deterministic", functools.partial(_run_attn_bwd_two_kernels, *args,
-                                                                            *configs[1:4])))
+                                                                            *configs[1:4], head_windows=head_windows)))
     return found
 
 
 def _launch_attn_bwd(grad_o: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, doc_start: Tensor,
                      doc_end: Tensor, scale: Tensor, window: int, configs: list[int],
-                     impl: str = "deterministic") -> tuple[Tensor, Tensor, Tensor]:
+                     impl: str = "deterministic", head_windows: Optional[Tensor] = None
+                     ) -> tuple[Tensor, Tensor, Tensor]:
     configs = _configs_from_list(configs, ATTENTION_CONFIG_COUNT)
     args = (grad_o, q, k, v, o, lse, doc_start, doc_end, scale, window)
     if impl == "deterministic":
-        return _run_attn_bwd_two_kernels(*args, *configs[1:4])
+        return _run_attn_bwd_two_kernels(*args, *configs[1:4], head_windows=head_windows)
     if impl != "auto":
-        return _run_attn_bwd_fused(*args, configs[4])
-    candidates = _attention_backward_candidates(args, configs)
+        return _run_attn_bwd_fused(*args, configs[4], head_windows=head_windows)
+    candidates = _attention_backward_candidates(args, configs, head_windows)
     # checked against the deterministic backward (tested against float64 on a CPU)
     check = kernel_choice.lazy_check(candidates[-1].run, ATTENTION_CHOICE_TOLERANCE, "attention gradients")
-    return kernel_choice.choose("attention_backward", _attention_key(q, v, window), candidates, check).run()
+    key = _attention_key(q, v, window) + (("truncated",) if head_windows is not None else ())
+    return kernel_choice.choose("attention_backward", key, candidates, check).run()
 
 
 _attn_fwd_op = torch.library.custom_op(f"{_OPS}::attn_fwd", _launch_attn_fwd, mutates_args=())
@@ -2064,7 +2189,7 @@ def _(q, k, v, doc_start, doc_end, scale, window, configs, impl="rule"):
 
 
 @_attn_bwd_op.register_fake
-def _(grad_o, q, k, v, o, lse, doc_start, doc_end, scale, window, configs, impl="deterministic"):
+def _(grad_o, q, k, v, o, lse, doc_start, doc_end, scale, window, configs, impl="deterministic", head_windows=None):
     _check_attention_dtypes(q, k, v, grad_o)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
@@ -2073,18 +2198,23 @@ class _FlashAttention(torch.autograd.Function):
     """Differentiable flash attention: forward saves the log-sum-exp, backward recomputes P."""
 
     @staticmethod
-    def forward(ctx, q, k, v, doc_start, doc_end, scale, window, configs, impl):
+    def forward(ctx, q, k, v, doc_start, doc_end, scale, window, configs, impl, head_windows=None):
         o, lse = _attn_fwd_op(q, k, v, doc_start, doc_end, scale, window, configs, _FORWARD_IMPL[impl])
         ctx.save_for_backward(q, k, v, o, lse, doc_start, doc_end, scale)
         ctx.args = (window, configs, _BACKWARD_IMPL[impl])
+        ctx.head_windows = head_windows
         return o
 
     @staticmethod
     def backward(ctx, grad_o):
         q, k, v, o, lse, doc_start, doc_end, scale = ctx.saved_tensors
-        dq, dk, dv = _attn_bwd_op(_last_dim_contiguous(grad_o), q, k, v, o, lse, doc_start, doc_end, scale,
-                                  *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        if ctx.head_windows is None:
+            dq, dk, dv = _attn_bwd_op(_last_dim_contiguous(grad_o), q, k, v, o, lse, doc_start, doc_end, scale,
+                                      *ctx.args)
+        else:
+            dq, dk, dv = _attn_bwd_op(_last_dim_contiguous(grad_o), q, k, v, o, lse, doc_start, doc_end, scale,
+                                      *ctx.args, ctx.head_windows)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def _last_dim_contiguous(x):
@@ -2131,7 +2261,7 @@ def document_bounds(cu_seqlens, num_tokens):
     return cu_seqlens[doc], cu_seqlens[doc + 1]
 
 
-def flash_attn_varlen(q, k, v, cu_seqlens, window, softmax_scale, configs=None, impl=None):
+def flash_attn_varlen(q, k, v, cu_seqlens, window, softmax_scale, configs=None, impl=None, backward_windows=None):
     """Causal attention over packed documents, limited to a sliding window (see
     attention_reference for the semantics); differentiable.
 
@@ -2145,6 +2275,9 @@ def flash_attn_varlen(q, k, v, cu_seqlens, window, softmax_scale, configs=None, 
     ATTENTION_IMPLS; None: "rule" with explicit configs, else "auto". With the one-kernel backward
     ("atomic", and "auto" or "rule" where it is chosen) dQ is summed by atomic adds in an order that
     varies from run to run: the gradients are not reproducible bit for bit ("deterministic" is).
+    backward_windows: None (the exact backward) or (H,) ints, each head's truncated backward
+    window in tokens (backward_window_table): its dQ, dK, dV from the pairs less than that far
+    apart only, with P from the full window's forward (attention_truncated_reference states it).
     """
     scale = softmax_scale_tensor(softmax_scale, q.device)
     _check_attention_inputs(q, k, v, cu_seqlens, scale)
@@ -2159,7 +2292,20 @@ def flash_attn_varlen(q, k, v, cu_seqlens, window, softmax_scale, configs=None, 
         raise ValueError(f"flash_attn_varlen takes {ATTENTION_CONFIG_COUNT} launch configs (forward, dK/dV, dQ, "
                          f"delta, one-kernel backward); got {len(configs)}")
     flat_configs = [value for config in configs for value in config.as_list()]
-    return _FlashAttention.apply(q, k, v, doc_start, doc_end, scale, window, flat_configs, impl)
+    if backward_windows is None:
+        return _FlashAttention.apply(q, k, v, doc_start, doc_end, scale, window, flat_configs, impl)
+    head_windows = backward_window_table(backward_windows, q.shape[1], q.device)
+    return _FlashAttention.apply(q, k, v, doc_start, doc_end, scale, window, flat_configs, impl, head_windows)
+
+
+def backward_window_table(backward_windows, num_heads, device):
+    """The kernels' per-head backward windows: int32 (num_heads,) on `device`, each in [1, NO_WINDOW]
+    (<= 0, or beyond the forward's window: the head's backward is exact)."""
+    table = torch.as_tensor(backward_windows, device=device).reshape(-1)
+    if table.numel() != num_heads:
+        raise ValueError(f"backward_windows: one window per head ({num_heads}); got {table.numel()}")
+    table = table.to(torch.int64)
+    return torch.where(table > 0, table.clamp(max=NO_WINDOW), NO_WINDOW).to(torch.int32).contiguous()
 
 
 def document_ids(cu_seqlens, num_tokens):
@@ -2172,7 +2318,7 @@ def document_ids(cu_seqlens, num_tokens):
 # Eager in a compiled model: its query blocks start where the documents' offsets say, values
 # that a static graph cannot depend on.
 @runs_eagerly
-def attention_reference(q, k, v, cu_seqlens, window, softmax_scale):
+def attention_reference(q, k, v, cu_seqlens, window, softmax_scale, backward_windows=None):
     """Causal attention over packed documents, limited to a sliding window.
 
     q, k: (T, H, Dqk); v: (T, H, Dv); cu_seqlens: int32 document offsets (0, ..., T), possibly
@@ -2183,15 +2329,29 @@ def attention_reference(q, k, v, cu_seqlens, window, softmax_scale):
 
     Works block by block over queries so that memory stays O(block * (window + block)) instead
     of O(T^2); each block attends to the keys from the earliest visible position to its end.
+    backward_windows: as flash_attn_varlen's (the truncated backward, _TruncatedAttention).
     """
     if isinstance(softmax_scale, Tensor):
         q = (q.float() * softmax_scale.float().reshape(())).to(q.dtype)
         softmax_scale = 1.0
-    T = q.shape[0]
+    if backward_windows is not None:
+        table = backward_window_table(backward_windows, q.shape[1], q.device)
+        return _TruncatedAttention.apply(q, k, v, cu_seqlens, window, float(softmax_scale), table)
+    out = []
+    for s, e, lo, visible, _ in _reference_blocks(cu_seqlens, q.shape[0], window, q.device):
+        o = F.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1), k[lo:e].transpose(0, 1), v[lo:e].transpose(0, 1),
+            attn_mask=visible, scale=softmax_scale)
+        out.append(o.transpose(0, 1))
+    return torch.cat(out).to(q.dtype)
+
+
+def _reference_blocks(cu_seqlens, T, window, device):
+    """(s, e, lo, visible) of attention_reference's query blocks: queries [s, e) see keys [lo, e)
+    where `visible` (e - s, e - lo) says."""
     doc = document_ids(cu_seqlens, T)
     doc_start = cu_seqlens.long()[doc]
-    pos = torch.arange(T, device=q.device)
-    out = []
+    pos = torch.arange(T, device=device)
     for s in range(0, T, REFERENCE_QUERY_BLOCK):
         e = min(s + REFERENCE_QUERY_BLOCK, T)
         lo = int(doc_start[s])
@@ -2201,11 +2361,43 @@ def attention_reference(q, k, v, cu_seqlens, window, softmax_scale):
         visible = (doc[s:e, None] == doc[None, lo:e]) & (kj <= qi)
         if window > 0:
             visible &= qi - kj < window
-        o = F.scaled_dot_product_attention(
-            q[s:e].transpose(0, 1), k[lo:e].transpose(0, 1), v[lo:e].transpose(0, 1),
-            attn_mask=visible, scale=softmax_scale)
-        out.append(o.transpose(0, 1))
-    return torch.cat(out).to(q.dtype)
+        yield s, e, lo, visible, qi - kj
+
+
+class _TruncatedAttention(torch.autograd.Function):
+    """attention_reference's forward; its backward truncated per head (the kernels' HEAD_WINDOWS).
+
+    Per query block: S = scale Q K^T over the visible keys, P = softmax(S) (the full window's),
+    O = P V, delta = rowsum(dO * O). With M the pairs of head h less than head_windows[h] apart:
+    dV = (M P)^T dO, dS = M P (dO V^T - delta), dQ = scale dS K, dK = scale dS^T Q. Where M
+    keeps every visible pair this is the exact backward; where it drops some, the kept pairs'
+    P are not renormalized. Scores in fp32 (float64 for float64 inputs); memory O(H x block x
+    (window + block)) a block."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, window, scale, head_windows):
+        ctx.save_for_backward(q, k, v, cu_seqlens, head_windows)
+        ctx.window, ctx.scale = window, scale
+        return attention_reference(q, k, v, cu_seqlens, window, scale)
+
+    @staticmethod
+    def backward(ctx, grad_o):
+        q, k, v, cu_seqlens, head_windows = ctx.saved_tensors
+        work = torch.float64 if q.dtype == torch.float64 else torch.float32
+        qf, kf, vf, gf = (t.to(work) for t in (q, k, v, grad_o))
+        dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
+        for s, e, lo, visible, distance in _reference_blocks(cu_seqlens, q.shape[0], ctx.window, q.device):
+            scores = torch.einsum("ihd,jhd->hij", qf[s:e], kf[lo:e]) * ctx.scale
+            p = scores.masked_fill(~visible[None], float("-inf")).softmax(-1).nan_to_num(0.0)
+            o = torch.einsum("hij,jhd->ihd", p, vf[lo:e])
+            delta = (gf[s:e] * o).sum(-1)                              # (i, h)
+            kept = p * (distance[None] < head_windows.long()[:, None, None])
+            dv[lo:e] += torch.einsum("hij,ihd->jhd", kept, gf[s:e])
+            dp = torch.einsum("ihd,jhd->hij", gf[s:e], vf[lo:e])
+            ds = kept * (dp - delta.t()[:, :, None]) * ctx.scale
+            dq[s:e] += torch.einsum("hij,jhd->ihd", ds, kf[lo:e])
+            dk[lo:e] += torch.einsum("hij,ihd->jhd", ds, qf[s:e])
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2464,36 +2656,46 @@ class _FP8HeadCrossEntropy(torch.autograd.Function):
     and a transpose kernel copies it for the weight gradient; the backward is the two gradient
     GEMMs. Against fp8_linear followed by softcap_cross_entropy this saves writing the gradient
     in bf16 and reading it again to cast it (2 x 2 bytes an element, of 4 + 2); the gradient is
-    rounded once, from fp32 to e5m2, instead of through bf16."""
+    rounded once, from fp32 to e5m2, instead of through bf16.
+    With sample_rows (the sampled weight gradient, sampled_linear): the transpose kernel copies only
+    the sampled rows of the gradient (reads and writes rows x N bytes where the exact one moves
+    T x N each way, after a gather of rows x N), the forward keeps the sampled columns of x8^T,
+    and the weight-gradient GEMM reduces over T / stride rows at the gradient's scale times stride."""
 
     @staticmethod
-    def forward(ctx, x, weight, state, targets, weights, grad_scale, scales, prims, config, ce_config):
+    def forward(ctx, x, weight, state, targets, weights, grad_scale, scales, prims, config, ce_config,
+                sample_rows=None, stride=1):
         logits, saved = _fp8_linear_forward(x, weight, state, scales, prims, config)
         g_scale, g_amax = _operand_scale(state, FP8_LINEAR_SLOTS, scales.grad_output, "grad_output", FP8_E5M2_MAX,
                                          None)
         loss, next_loss, g8 = _softcap_ce_fp8_op(logits, targets, weights, grad_scale, g_scale, g_amax,
                                                  torch.float8_e5m2, ce_config)
-        ctx.save_for_backward(*saved, g8, transpose(g8), g_scale)
-        ctx.prims, ctx.config, ctx.dtypes = prims, config, (x.dtype, weight.dtype)
+        if sample_rows is None:
+            g8_t = transpose(g8)
+        else:
+            saved = (_gather_columns(saved[0], sample_rows), *saved[1:])
+            g8_t = transpose(_gather_rows(g8, sample_rows))
+        ctx.save_for_backward(*saved, g8, g8_t, g_scale)
+        ctx.prims, ctx.config, ctx.dtypes, ctx.stride = prims, config, (x.dtype, weight.dtype), stride
         ctx.mark_non_differentiable(next_loss)
         return loss, next_loss
 
     @staticmethod
     def backward(ctx, grad_loss, grad_next_loss):
         *saved, g8, g8_t, g_scale = ctx.saved_tensors
-        grad_x, grad_w = _fp8_linear_grads(ctx, saved, g8, g8_t, g_scale)
-        return grad_x, grad_w, None, None, None, None, None, None, None, None
+        grad_x, grad_w = _fp8_linear_grads(ctx, saved, g8, g8_t, g_scale, ctx.stride)
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None, None
 
 
 def fp8_head_cross_entropy(x, weight, state, targets, weights, grad_scale, config=None, ce_config=CROSS_ENTROPY,
-                           scales=HEAD_SCALES, gemm="fastest", casts="kernel"):
+                           scales=HEAD_SCALES, gemm="fastest", casts="kernel", sample=None):
     """softcap_cross_entropy(fp8_linear(x, weight, state, scales=scales), targets, weights,
     grad_scale=grad_scale, exact_upstream=True) with its logit gradient written once, in e5m2
     (_FP8HeadCrossEntropy): (loss, next_token_loss), both (N,) fp32. The caller promises that
     every row's upstream gradient is grad_scale (the trainer's objective); the gradient scale
     must not need the gradient itself (a Static or Delayed rule). Without a gradient to take
     (no grad mode, or neither x nor weight requiring one) it is the two functions composed.
-    gemm and casts as in fp8_linear."""
+    gemm, casts and sample (the sampled weight gradient) as in fp8_linear."""
     _check_fp8_state(state, FP8_LINEAR_SLOTS, "new_fp8_linear_state")
     _check_scales(scales, FP8LinearScales)
     if not isinstance(scales.grad_output, (Static, Delayed)):
@@ -2506,7 +2708,7 @@ def fp8_head_cross_entropy(x, weight, state, targets, weights, grad_scale, confi
         return softcap_cross_entropy(logits, targets, weights, ce_config, grad_scale=grad_scale, exact_upstream=True)
     return _FP8HeadCrossEntropy.apply(x, weight, state, targets, weights.float().contiguous(),
                                       device_scalar(grad_scale, x.device), scales, _PRIMITIVES[gemm, casts], config,
-                                      ce_config.as_list())
+                                      ce_config.as_list(), *_sample_args(sample))
 
 
 def softcap(logits):

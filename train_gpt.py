@@ -54,7 +54,7 @@ import optim
 from data.loader import BatchPrefetcher, TrainLoader, check_validation_split, shards_of, validation_data
 from data.shards import fingerprint
 from data.tokenizer import BOS_ID, noncanonical_pairs, normalized_tokens, prefix_token_table
-from machinery import config, kernel_choice, memory_budget, metrics, resume
+from machinery import backward_windows, config, kernel_choice, memory_budget, metrics, resume
 from machinery.checkpoint import save_checkpoint, send_table_shard, split_ngram_table
 from machinery.config import (FINAL_MIX_GROUPS, MAX_TARGETS, MODEL_FIELDS, PADDED_VOCAB_SIZE,
                               SMEAR_GATE_DIMS, VOCAB_SIZE, WINDOW_BLOCK, Average, ConfigError, Hyperparameters,
@@ -91,6 +91,14 @@ def _project_rules(h):
     h.cross_documents, h.table_hashes, h.ngram_normalized = False, "project", False
     h.mlp_free_layers, h.x0_layers, h.hashed_layers = (), None, None
     h.final_mix, h.value_embed_full_width = "record89", False
+    _exact_backward(h)
+
+
+def _exact_backward(h):
+    """PR 371's approximate backward off (docs/recipe.md's techniques off in every preset): the
+    head's weight gradient and the attention backward exact on every step."""
+    h.head_grad_stride, h.head_grad_start, h.approx_exact_last_steps = 1, 0, 0
+    h.attn_bwd_windows, h.attn_bwd_error_bound, h.attn_bwd_choice_steps, h.attn_bwd_start = (), 0.2, (), 0
 
 
 def _shared_constants(h):
@@ -236,6 +244,7 @@ def _speedrun_preset(h):
     attention and MLP, and the layer keeps its two residual scales and its x0 injection.
     docs/recipe.md compares it with record 92's code part by part and lists what still differs."""
     h.track = "track_1_short"
+    _exact_backward(h)             # PR 371's approximate backward: off, the record's exact backward
     # data: FineWeb's GPT-2 tokens, judged on the first 10,485,760 of the val shard
     h.train_files = "data/fineweb10B/fineweb_train_*.bin"
     h.val_files = "data/fineweb10B/fineweb_val_*.bin"
@@ -352,6 +361,7 @@ def _record89_preset(h):
     sampled softmax, no averages."""
     _shared_constants(h)
     h.track = "track_1_short"
+    _exact_backward(h)
     h.train_files = "data/fineweb10B/fineweb_train_*.bin"
     h.val_files = "data/fineweb10B/fineweb_val_*.bin"
     h.val_tokens, h.val_tokens_per_rank, h.batch_ranks = 10_485_760, 262_144, 8  # val_batch_size 4 x 64 x 1024 x 8
@@ -610,6 +620,7 @@ def logged_config(h):
 
 BIGRAM_MULT_CUR = 36313            # bigram row hash: multiplier of the current token
 BIGRAM_MULT_PREV = 27191           # bigram row hash: multiplier of the previous token
+HEAD_SAMPLE_SEED_MULT = 1_000_003  # a step's head-gradient sample seed: run seed x this + step (a prime)
 SIGN_ROWS = 8192                   # rows of the fixed random +/-1 sign table
 SIGN_MULT_CUR = 40351              # sign-row hash: multiplier of the current token
 SIGN_MULT_PREV = 51349             # sign-row hash: multiplier of the previous token
@@ -768,6 +779,38 @@ class CausalSelfAttention(nn.Module):
         nn.init.uniform_(self.qkv, -bound, bound)
         if cfg.attn_out_init == "uniform":
             nn.init.uniform_(self.out, -bound, bound)
+        # the truncated backward (PR 371): each head's backward window, tokens (0: exact), read by the
+        # kernels where `truncated` says (set_truncated); `probe` collects the choice steps' calls
+        self.backward_windows, self.truncated, self.probe = None, False, None
+
+    def set_truncated(self, truncated):
+        """Whether the attention backward is truncated to backward_windows (made at the first call:
+        int32, one per head, 0 until the choice writes them in place, so a captured graph reads
+        the chosen windows)."""
+        if truncated and self.backward_windows is None:
+            self.backward_windows = torch.zeros(self.num_heads, dtype=torch.int32, device=self.qkv.device)
+        self.truncated = truncated
+
+    def set_backward_windows(self, windows):
+        """The chosen windows (tokens, 0: exact) of the heads of this layer's attention call,
+        written in place (the heads past them, which a paired layer's call does not have, exact)."""
+        if self.backward_windows is None:
+            self.backward_windows = torch.zeros(self.num_heads, dtype=torch.int32, device=self.qkv.device)
+        self.backward_windows.zero_()
+        self.backward_windows[:windows.numel()].copy_(windows.to(torch.int32))
+
+    def attention(self, q, k, v, cu_seqlens, window, scale):
+        """attention_fn, with the truncated backward where it is on; the choice steps' probe keeps
+        the call's inputs and, in the backward, its output gradient."""
+        if self.truncated:
+            y = self.attention_fn(q, k, v, cu_seqlens, window, scale,
+                                  backward_windows=self.backward_windows[:q.size(1)])
+        else:
+            y = self.attention_fn(q, k, v, cu_seqlens, window, scale)
+        if self.probe is not None and y.requires_grad:
+            kept = (q.detach(), k.detach(), v.detach())
+            y.register_hook(lambda g: self.probe.append((*kept, g.detach(), cu_seqlens, window, scale)))
+        return y
 
     def composed(self, q, k, v, doc_start, rotary, gates):
         """Composed attention (kernels.composed_attention) with this layer's head mixes from the
@@ -845,7 +888,7 @@ class CausalSelfAttention(nn.Module):
         q, k = q.to(v.dtype), k.to(v.dtype)
         if self.record_pairs:
             q, k, v = (record_head_pairs(t) for t in (q, k, v))
-        y = self.attention_fn(q, k, v, args.cu_seqlens * rows_per_token, window, rotary.attn_scale)
+        y = self.attention(q, k, v, args.cu_seqlens * rows_per_token, window, rotary.attn_scale)
         if self.composed_window:   # (never on a paired layer: q has one row per token)
             y = y + self.composed(q, k, v, kernels.document_bounds(args.cu_seqlens, q.size(0))[0], rotary, gates)
         return y, v
@@ -1325,6 +1368,9 @@ class GPT(nn.Module):
         self.register_buffer("loss_unit", torch.ones(1), persistent=False)
         self.loss_unit_value = None   # what loss_unit and the FP8 states hold (None: not known, rewrite them)
         self.exact_upstream = False   # the trainer sets a loss unit: training's upstream gradient is known
+        # the sampled head weight gradient (PR 371): rows a sampled row stands for (1: exact), and
+        # its draw's seed on the device (made at the first sampled step, written in place per step)
+        self.head_grad_stride, self.head_sample_seed = 1, None
         self.register_load_state_dict_post_hook(GPT.forget_loss_unit)   # a load rewrites the FP8 states' unit
         if cfg.smear_gate:         # both zero: the smear starts off, and its strength learns first
             self.smear_gate = nn.Parameter(torch.zeros(1, SMEAR_GATE_DIMS))
@@ -1458,11 +1504,37 @@ class GPT(nn.Module):
                                (f"mlp2_down{i}", block.parallel_mlp.down.data)]
         return pieces
 
-    def head(self, x, weight):
-        """Logits of the normed x over the rows of `weight` (the head, or its candidate rows)."""
+    def head(self, x, weight, sample=None):
+        """Logits of the normed x over the rows of `weight` (the head, or its candidate rows);
+        sample: (rows, stride) of the sampled weight gradient (head_sample), or None."""
         if self.fp8_head is not None and self.training:
-            return self.fp8_head(x.to(torch.bfloat16), weight, self.head_fp8_state)
+            if sample is None:
+                return self.fp8_head(x.to(torch.bfloat16), weight, self.head_fp8_state)
+            return self.fp8_head(x.to(torch.bfloat16), weight, self.head_fp8_state, sample=sample)
+        if sample is not None:
+            return kernels.sampled_linear(x, weight.type_as(x), *sample)
         return F.linear(x, weight.type_as(x))
+
+    def set_approximate_backward(self, head_grad_stride, truncated):
+        """PR 371's approximations at a step: the head's weight gradient sampled one row in
+        head_grad_stride (1: exact), the attention backward truncated to the chosen windows."""
+        if head_grad_stride > 1 and self.head_sample_seed is None:
+            self.head_sample_seed = torch.zeros((), dtype=torch.int64, device=self.embed.weight.device)
+        self.head_grad_stride = head_grad_stride
+        for block in self.blocks:
+            if block.attn is not None:
+                block.attn.set_truncated(truncated)
+
+    def set_head_sample_seed(self, seed):
+        """The seed of this step's sampled rows (the same on every rank), written in place."""
+        if self.head_sample_seed is not None:
+            self.head_sample_seed.fill_(seed)
+
+    def head_sample(self, num_rows):
+        """(rows, stride) of the sampled head weight gradient in training, or None (exact)."""
+        if not self.training or self.head_grad_stride == 1:
+            return None
+        return kernels.head_sample_rows(num_rows, self.head_grad_stride, self.head_sample_seed), self.head_grad_stride
 
     def set_loss_unit(self, unit):
         """Tell the FP8 layers (their static gradient scales are the summed loss's) and the
@@ -1622,11 +1694,13 @@ class GPT(nn.Module):
         # stored gradient on untouched; elsewhere a hint (the mean's) that any backward may differ from.
         exact = self.training and self.exact_upstream
         upstream = self.loss_unit if exact else 1.0 / x.size(0)
+        sample = self.head_sample(x.size(0))
         if exact and self.fp8_head_loss is not None:   # the logit gradient written once, in FP8
+            extra = {} if sample is None else {"sample": sample}
             objective, next_token = self.fp8_head_loss(x.to(torch.bfloat16), weight, self.head_fp8_state,
-                                                       all_targets, target_weights, grad_scale=upstream)
+                                                       all_targets, target_weights, grad_scale=upstream, **extra)
         else:
-            objective, next_token = self.cross_entropy_fn(self.head(x, weight), all_targets, target_weights,
+            objective, next_token = self.cross_entropy_fn(self.head(x, weight, sample), all_targets, target_weights,
                                                           grad_scale=upstream, exact_upstream=exact)
         return objective.mean(), next_token.mean()
 
@@ -1925,6 +1999,11 @@ def adam_eps(h, step, steps_per_update):
     return h.adam_eps / (h.stages[stage_index(h, step)].tokens_per_rank * steps_per_update)
 
 
+def head_sample_seed(h, step):
+    """The seed of step's sampled head-gradient rows: the run's seed and the step, 31 bits."""
+    return (h.seed * HEAD_SAMPLE_SEED_MULT + step) & kernels.MASK31
+
+
 def untie_step(h):
     """The first step at which lm_head is its own parameter."""
     return int(h.untie_frac * h.num_iterations)
@@ -1960,11 +2039,23 @@ def growth_history(blocks):
     return history
 
 
+def approximate_backward_at(h, step):
+    """(head gradient stride, truncated attention backward) at `step` (PR 371): the sampled
+    head gradient from head_grad_start, the truncated backward from attn_bwd_start, both until
+    approx_exact_last_steps before the end; (1, False) is the exact backward."""
+    end = h.num_iterations - h.approx_exact_last_steps
+    sampled = h.head_grad_stride > 1 and h.head_grad_start <= step < end
+    return (h.head_grad_stride if sampled else 1), bool(h.attn_bwd_windows) and h.attn_bwd_start <= step < end
+
+
 def model_at(model, h, step, final_validation=False):
     """Put the model where the schedule has it at `step` (or at the final validation): the long
-    window's history (RoPE frequencies and attention scales under YaRN) and the head tied or
-    untied. Returns True when this call untied the head (its optimizer state then follows)."""
+    window's history (RoPE frequencies and attention scales under YaRN), the head tied or
+    untied and the approximate backward. Returns True when this call untied the head (its
+    optimizer state then follows)."""
     model.set_windows(long_window_history(h, step, final_validation), short_window_history(h, step))
+    if h.head_grad_stride > 1 or h.attn_bwd_windows:
+        model.set_approximate_backward(*approximate_backward_at(h, step))
     tied = step < untie_step(h)
     if tied and not model.tied:
         model.tie()
@@ -1979,7 +2070,8 @@ def graph_changes(h):
     of every stage and the untie. A compiled model needs one graph for each."""
     N = h.num_iterations
     starts = {s for s in range(1, N) if stage_index(h, s) != stage_index(h, s - 1)}
-    return sorted({0} | starts | ({untie_step(h)} & set(range(N))))
+    approximate = {s for s in range(1, N) if approximate_backward_at(h, s) != approximate_backward_at(h, s - 1)}
+    return sorted({0} | starts | approximate | ({untie_step(h)} & set(range(N))))
 
 
 def validation_points(h):
@@ -2151,9 +2243,12 @@ def compile_fn(h, fn, fullgraph=True):
 
 def graph_key(h, step):
     """What a training step's forward+backward fixes besides its tensors' values: the stage
-    (shapes, windows, candidate count, targets) and whether the head is tied. Steps with one key
-    replay one graph; graph_changes(h) lists the first step of each."""
-    return stage_index(h, step), step < untie_step(h)
+    (shapes, windows, candidate count, targets), whether the head is tied and, where PR 371's
+    approximate backward is on, its state (approximate_backward_at). Steps with one key replay
+    one graph; graph_changes(h) lists the first step of each."""
+    key = (stage_index(h, step), step < untie_step(h))
+    approximate = approximate_backward_at(h, step)
+    return key if approximate == (1, False) else key + approximate
 
 
 def micro_batch_losses(forward, stage, windows, batch: MicroBatch, target_weights, walk=False):
@@ -2217,6 +2312,7 @@ class Trainer:
         self.train_time_ms = 0.0
         self.averages = optim.WeightAverages(h.averages, self.model, h.num_iterations, self.kernels.ema_update,
                                        h.average_norms)
+        self.window_choice = backward_windows.WindowChoice(h.attn_bwd_windows, h.attn_bwd_error_bound)
         self.reset_walk()
         self.advance_to(0)
 
@@ -2257,12 +2353,13 @@ class Trainer:
         return AttentionArgs(cu_seqlens, windows[0] * WINDOW_BLOCK, windows[1] * WINDOW_BLOCK)
 
     # -- steps
-    def micro_batch(self, stage, windows, batch: MicroBatch):
+    def micro_batch(self, stage, windows, batch: MicroBatch, forward=None):
         """Forward and backward of one micro-batch: the gradients and self.step_losses accumulate.
         Everything it reads is a tensor that keeps its address or fixed by the graph key (stage,
-        windows, tied head), so it can be captured and replayed."""
+        windows, tied head), so it can be captured and replayed. forward: the model's own (the
+        probed choice steps, eager) instead of self.forward."""
         with self.autocast, record_function("forward"):
-            objective, next_token = micro_batch_losses(self.forward, stage, windows, batch, self.weights,
+            objective, next_token = micro_batch_losses(forward or self.forward, stage, windows, batch, self.weights,
                                                        walk=self.h.candidate_walk == "continue")
         with record_function("backward"):
             (objective / self.accum).backward()
@@ -2277,14 +2374,46 @@ class Trainer:
         self.weights.copy_(self.step_weights[step])
         self.step_losses.zero_()
         self.model.set_loss_unit(self.loss_unit(stage))
-        with self.model.sinks_of(stage.tokens_per_rank):
+        self.model.set_head_sample_seed(head_sample_seed(self.h, step))
+        choosing = bool(self.h.attn_bwd_windows) and step in self.h.attn_bwd_choice_steps
+        with self.model.sinks_of(stage.tokens_per_rank), self.probing(choosing):
             for slice_index, s in zip(self.mine, slices):
                 self.tables.fetch(s.tokens, route=s.route)
-                batch = self.graphs.run(graph_key(self.h, step), body, s, self.walk_start(slice_index))
+                if choosing:               # eager and uncompiled: the probes' hooks see every call
+                    batch = MicroBatch.of(s, self.walk_start(slice_index), self.pg.device)
+                    self.micro_batch(stage, attention_windows(self.h, step), batch, forward=self.model)
+                else:
+                    batch = self.graphs.run(graph_key(self.h, step), body, s, self.walk_start(slice_index))
                 if self.h.candidate_walk == "continue":
                     self.walk[slice_index].copy_(batch.candidate_start)
                 self.tables.take_entries(s)
+        if choosing and step == self.h.attn_bwd_choice_steps[-1]:
+            self.choose_backward_windows()
         return self.step_losses.clone()
+
+    @contextlib.contextmanager
+    def probing(self, on):
+        """While on (a choice step of the truncated backward), every attention layer keeps its
+        calls' inputs and output gradients; after the step each call's errors are measured."""
+        layers = [(i, block.attn) for i, block in enumerate(self.model.blocks) if block.attn is not None] if on else []
+        for _, attn in layers:
+            attn.probe = []
+        try:
+            yield
+        finally:
+            for i, attn in layers:
+                for probe in attn.probe:
+                    self.window_choice.observe(i, self.kernels.attention, probe)
+                attn.probe = None
+
+    def choose_backward_windows(self):
+        """Each head's truncated backward window from the errors of the choice steps (their
+        maximum over the ranks), written into the layers' tables in place; logged."""
+        reduce_max = (lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX)) if self.pg.world_size > 1 else None
+        chosen = self.window_choice.choose(reduce_max)
+        for i, windows in chosen.items():
+            self.model.blocks[i].attn.set_backward_windows(windows)
+        self.log.write(backward_windows.choice_line(chosen), echo=True)
 
     def walk_start(self, slice_index):
         """Where the candidate walk of a slice starts this step: its fixed start, or (continue)

@@ -490,12 +490,23 @@ def attention_op_args(event):
     return args[0], _launch_configs(args[1:]), impl
 
 
+# PR 371's truncated attention backward on paper: the windows are chosen in the run, so the census
+# prices every head's backward at the smallest candidate of attn_bwd_windows (its best case; set by
+# census_of_stage from the config); None: no truncated backward in the config.
+TRUNCATED_BACKWARD_WINDOW = None
+ATTENTION_BACKWARD_TENSORS = 9     # kernels.attn_bwd's tensor inputs; a tenth: the per-head windows
+
+
 def attention_implementations(event, lengths):
     """{implementation: [Kernel]} of an attention event on documents of `lengths`, from the tiles
     each implementation's kernels visit, and the implementations the call may run (all of them
-    where it picks the fastest)."""
+    where it picks the fastest). A truncated backward (a per-head window table among its inputs)
+    visits the tiles of TRUNCATED_BACKWARD_WINDOW."""
     window, configs, impl = attention_op_args(event)
     window = window if window > 0 else kernels.NO_WINDOW
+    if event.name == "kernels.attn_bwd" and len(event.inputs) > ATTENTION_BACKWARD_TENSORS and \
+            TRUNCATED_BACKWARD_WINDOW is not None:
+        window = min(window, TRUNCATED_BACKWARD_WINDOW)
     q_shape = event.inputs[0][0] if event.name == "kernels.attn_fwd" else event.inputs[1][0]
     (T, H, d_qk), d_v = q_shape, (event.inputs[2][0] if event.name == "kernels.attn_fwd" else event.inputs[3][0])[2]
 
@@ -737,14 +748,14 @@ def stage_first_step(h, index):
     return sum(train_gpt.steps_per_stage(h)[:index])
 
 
-def trace_stage(h, index, world):
+def trace_stage(h, index, world, step=None):
     """Events of one micro-batch of stage `index` (forward, backward) and of the updates after it
-    (Muon, Adam, each average's sample), at the stage's first step, on rank 0 of `world`."""
+    (Muon, Adam, each average's sample), at the stage's first step (or `step`), on rank 0 of `world`."""
     from cuda_autocast import cuda_autocast_rules
     from torch._subclasses.fake_tensor import FakeTensorMode
     _fake_process_group.cache_clear()
     _fake_process_group(world)
-    stage, step = h.stages[index], stage_first_step(h, index)
+    stage, step = h.stages[index], stage_first_step(h, index) if step is None else step
     fns = kernel_fns(h)
     census = Census()
     with torch.random.fork_rng(devices=[]), cuda_autocast_rules(), FakeTensorMode(allow_non_fake_inputs=True):
@@ -806,9 +817,11 @@ class _Labelled:
         return labelled
 
 
-def census_of_stage(h, index, world):
+def census_of_stage(h, index, world, step=None):
+    global TRUNCATED_BACKWARD_WINDOW
+    TRUNCATED_BACKWARD_WINDOW = min(h.attn_bwd_windows) if h.attn_bwd_windows else None
     stage = h.stages[index]
-    events, ships, widths = trace_stage(h, index, world)
+    events, ships, widths = trace_stage(h, index, world, step)
     lengths = document_lengths(stage.tokens_per_rank, stage.max_doc_len)
     ops = priced_ops([e for e in events if not e.phase.startswith(("averages", "first update"))], lengths, world,
                      compiled_phases(h))
@@ -1014,6 +1027,9 @@ class RunModel:
     world: int
     gpu: Gpu
     stages: list                   # StageCensus per stage
+    # (stage, approximate_backward_at) -> StageCensus where PR 371's approximate backward changes
+    # inside a stage (traced at the first step of the stage in that state)
+    variants: dict = dataclasses.field(default_factory=dict)
 
     @property
     def accum(self):
@@ -1041,7 +1057,7 @@ class RunModel:
         """(op, times it runs) of one training step, each priced alone (hidden_seconds overlaps
         the updates' communication with their math)."""
         h, index = self.h, train_gpt.stage_index(self.h, step)
-        s = self.stages[index]
+        s = self.variants.get((index, train_gpt.approximate_backward_at(h, step)), self.stages[index])
         ops = [(op, self.accum) for op in s.micro_batch + s.tables.per_slice] + [(op, 1) for op in self.update_ops(step)]
         if self.tables_update(step):
             ops += [(op, 1) for op in s.tables.ngram_event + s.tables.value_event]
@@ -1095,7 +1111,21 @@ def family_of(op):
 
 def build_model(h, world, gpu):
     _fake_process_group(1)
-    return RunModel(h, world, gpu, [census_of_stage(h, i, world) for i in range(len(h.stages))])
+    return RunModel(h, world, gpu, [census_of_stage(h, i, world) for i in range(len(h.stages))],
+                    approximate_variants(h, world))
+
+
+def approximate_variants(h, world):
+    """StageCensus of each (stage, approximate-backward state) that its stage's first step does
+    not have (PR 371's steps 594-1106 begin inside a stage), traced at its first step."""
+    variants, first = {}, {}
+    for step in range(h.num_iterations):
+        index = train_gpt.stage_index(h, step)
+        first.setdefault((index, train_gpt.approximate_backward_at(h, step)), step)
+    for (index, state), step in first.items():
+        if step != stage_first_step(h, index):
+            variants[index, state] = census_of_stage(h, index, world, step)
+    return variants
 
 
 # -----------------------------------------------------------------------------------------------

@@ -31,6 +31,18 @@ MAX_TARGETS = 4                    # next token, two more multi-token targets, t
 MIN_DOC_TOKENS = 16                # a slice's cu_seqlens has room for T / MIN_DOC_TOKENS documents
 SMEAR_GATE_DIMS = 12               # the smear gate reads the first this-many dims of a token's embedding
 FINAL_MIX_GROUPS = 12              # record 92: channel groups of its final mix, each with its own coefficient delta
+# PR 371's approximate backward (its values; the keys below default to off): the head's weight
+# gradient from one row in four on steps 320-1106, each head's attention backward truncated to
+# the smallest of 64/128/256 keys within a relative L2 error of 0.2, chosen at steps 592-593 and
+# used on 594-1106, the last 87 steps exact.
+PR371_HEAD_GRAD_STRIDE = 4         # PR 371: one activation/gradient row pair in four
+PR371_HEAD_GRAD_START = 320        # PR 371: the first step with the sampled head gradient
+PR371_ATTN_BWD_WINDOWS = (64, 128, 256)  # PR 371: the candidate backward windows, in tokens
+PR371_ATTN_BWD_ERROR_BOUND = 0.2   # PR 371: the largest relative L2 error of dQ, dK, dV a window may have
+PR371_ATTN_BWD_CHOICE_STEPS = (592, 593)  # PR 371: the steps that measure the errors
+PR371_ATTN_BWD_START = 594         # PR 371: the first step with the truncated backward
+PR371_EXACT_LAST_STEPS = 87        # PR 371: the last steps, with the exact backward (1107-1193 of 1194)
+MAX_HEAD_GRAD_STRIDE = 64          # rows one sampled head-gradient row may stand for
 
 # Upper bounds of the whole-number keys: far above any run's, finite so that no value loops or
 # allocates without end.
@@ -108,6 +120,12 @@ def choice(default, *others):
 def layers(default=(), nullable=False):
     """A list of distinct layer indices in [0, num_layers) (or, nullable, null: the default)."""
     return field(default=None if nullable else default, metadata={"layers": True, "nullable": nullable})
+
+
+def ascending(what, low=1, high=None):
+    """A list of ascending, distinct whole numbers in [low, high] (high None: steps of the run,
+    below num_iterations); `what` names them; the default [] is none."""
+    return field(default=(), metadata={"ascending": True, "what": what, "low": low, "high": high})
 
 
 def betas(default):
@@ -298,6 +316,19 @@ class Hyperparameters(ModelConfig):
     val_long_window: int = count(8, 1, MAX_WINDOW_BLOCKS, "window blocks")
     yarn_at_final_window: bool = True  # YaRN also for the final validation's wider window (else RoPE stays)
     untie_frac: float = fraction(1.0)  # fraction of training after which lm_head is untied from the embedding
+    # -- approximate backward (PR 371; off by default: stride 1, no windows) --
+    # the head's weight gradient from one row of each group of this many (the same rows on every
+    # rank, a seeded draw per step), scaled by it: unbiased; the input gradient stays exact. 1: exact
+    head_grad_stride: int = count(1, 1, MAX_HEAD_GRAD_STRIDE, "rows a sampled row stands for")
+    head_grad_start: int = count(0, 0, MAX_STEPS, "a step index")  # the first step with the sampled head gradient
+    # the truncated attention backward's candidate windows (tokens, ascending); (): off
+    attn_bwd_windows: tuple = ascending("window sizes in tokens", 1, MAX_WINDOW_BLOCKS * WINDOW_BLOCK)
+    # a window is chosen for a head when the relative L2 error of its dQ, dK and dV is at most this
+    attn_bwd_error_bound: float = real(0.2, "a relative L2 error", above=0.0)
+    attn_bwd_choice_steps: tuple = ascending("steps", 0)  # the steps that measure each window's error (eager, probed)
+    attn_bwd_start: int = count(0, 0, MAX_STEPS, "a step index")  # the first step with the chosen windows
+    # both approximations stop this many steps before the end: the last steps' backward is exact
+    approx_exact_last_steps: int = count(0, 0, MAX_STEPS, "steps")
     # -- schedule --
     num_iterations: int = count(1000, 1, MAX_STEPS, "steps")  # training steps
     # the stages of training (Stage), in order (the default: one stage of 1024-token documents)
@@ -644,6 +675,9 @@ HELP_GROUPS = {
     "schedule: steps, stages, windows, LR": (
         "num_iterations", "stages", "val_long_window", "yarn_at_final_window", "untie_frac", "candidate_walk",
         "cooldown_start", "cooldown_floor", "cooldown_end"),
+    "approximate backward (sampled head gradient, truncated attention backward)": (
+        "head_grad_stride", "head_grad_start", "attn_bwd_windows", "attn_bwd_error_bound", "attn_bwd_choice_steps",
+        "attn_bwd_start", "approx_exact_last_steps"),
     "end-of-training weight averages": ("averages", "average_norms"),
     "matrix optimizer (Muon, NorMuon, ANVIL, or Adam)": (
         "optimizer", "orthogonalize", "matrix_lr", "adamw_matrix_lr", "matrix_wd", "mlp_down_lr_scale",
@@ -968,6 +1002,11 @@ def check_field(h, f):
         in_range = all(is_number(i, integer=True) and 0 <= i < h.num_layers for i in value)
         if not in_range or len(set(value)) < len(value):
             _refuse(f.name, list(value), f"a list of distinct layer indices in [0, {h.num_layers})")
+    if rule.get("ascending"):
+        high = h.num_iterations - 1 if rule["high"] is None else rule["high"]
+        if not all(is_number(x, integer=True) and rule["low"] <= x <= high for x in value) or \
+                list(value) != sorted(set(value)):
+            _refuse(f.name, list(value), f"a list of ascending, distinct {rule['what']} in [{rule['low']:,}, {high:,}]")
     if rule.get("betas") and (len(value) != 2 or not all(is_number(b) and 0 <= b < 1 for b in value)):
         _refuse(f.name, list(value), "two numbers in [0, 1), e.g. [0.8, 0.95]")
 
@@ -980,10 +1019,10 @@ def check_config(h):
         if not all(loggable(text) for text in json_strings(value)):
             _refuse(key, value, "UTF-8 text without line breaks (the log records it)")
     for f in SCHEMA.values():
-        if not f.metadata.get("layers"):
+        if not f.metadata.get("layers") and not f.metadata.get("ascending"):
             check_field(h, f)
-    for f in SCHEMA.values():                # layer lists once num_layers is known to be valid
-        if f.metadata.get("layers"):
+    for f in SCHEMA.values():                # layer and step lists once num_layers and num_iterations are valid
+        if f.metadata.get("layers") or f.metadata.get("ascending"):
             check_field(h, f)
     check_model_config(h)
     if h.cooldown_end <= h.cooldown_start:
@@ -995,6 +1034,21 @@ def check_config(h):
     _check_averages(h.averages)
     _check_table_phases(h.table_phases)
     _check_fp8(h)
+    _check_approximate_backward(h)
+
+
+def _check_approximate_backward(h):
+    """The truncated backward's windows are measured at steps before the first that uses them; a
+    sampled head gradient's groups split every stage's slice."""
+    windows, steps = h.attn_bwd_windows, h.attn_bwd_choice_steps
+    if windows and (not steps or steps[-1] >= h.attn_bwd_start):
+        _conflict(h, ("attn_bwd_windows", "attn_bwd_choice_steps", "attn_bwd_start"),
+                  "the truncated backward needs its choice steps, all before attn_bwd_start")
+    if h.head_grad_stride > 1:
+        uneven = [s.tokens_per_rank for s in h.stages if s.tokens_per_rank % h.head_grad_stride]
+        if uneven:
+            _conflict(h, ("head_grad_stride",), f"a slice of {uneven[0]:,} tokens does not split into groups of "
+                      f"{h.head_grad_stride} rows")
 
 
 def _check_fp8(h):

@@ -87,7 +87,7 @@ WARM_UP_PART = "warm-up part: "    # starts each line warm_up_part writes
 
 def key_text(recipe, h, step):
     """`step`'s graph key in words: its stage and whether the head is tied."""
-    stage, tied = recipe.graph_key(h, step)
+    stage, tied = recipe.graph_key(h, step)[:2]
     return f"stage {stage} ({h.stages[stage].tokens_per_rank:,} tokens), head {'tied' if tied else 'untied'}"
 
 

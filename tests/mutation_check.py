@@ -58,6 +58,15 @@ XSA_DTYPE = ["tests/test_cuda_path.py", "-k", "xsa"]
 UNEVEN_SPLIT = ["tests/test_failures.py", "-k", "does_not_split_across"]
 LAUNCH = ["tests/test_failures.py", "-k", "bad_launch_environment"]
 HANGUP = ["tests/test_failures.py", "-k", "SIGHUP"]
+APPROX = "tests/test_approximate_backward.py"
+TRUNCATED_KERNELS = [APPROX, "-k", "kernels_truncated_backward_equals"]
+TRUNCATED_REFERENCE = [APPROX, "-k", "reference_truncated_backward"]
+WINDOW_CHOOSER = [APPROX, "-k", "chooser"]
+SAMPLED_HEAD = [APPROX, "-k", "sampled_rows or sampled_linear"]
+SAMPLED_FP8 = [APPROX, "-k", "fp8_heads_sampled"]
+APPROX_SCHEDULE = [APPROX, "-k", "pr_371"]
+APPROX_STATEMENT = [STATEMENT, "-k", "approximate_backward"]
+WINDOW_TRAINER = [STATEMENT, "-k", "chooses"]
 RECORD_SCHEDULES = ["tests/test_record_schedules.py"]
 VALUE_ADAM = ["tests/test_train.py", "-k", "follows_the_tables"]
 MATRIX_SHAPES = ["tests/test_train.py", "-k", "record_banks"]
@@ -674,6 +683,33 @@ MUTATIONS = [
     Mutation("machinery/warm_up.py", "    log.write(f\"{WARM_UP_PART}{what}: {time.perf_counter() - start:.1f} s,",
              "    log.write(f\"{what}: {time.perf_counter() - start:.1f} s,", FIRST_CONTACT_DRY,
              "the warm-up's parts logged without their marker"),
+    # PR 371's approximate backward: the truncated attention backward, the chooser, the sampled head gradient
+    Mutation("kernels.py", "        window = tl.minimum(window, tl.load(head_window_ptr + head))",
+             "        window = tl.load(head_window_ptr + head)", TRUNCATED_KERNELS,
+             "a head's backward window wider than the forward's reaches past it"),
+    Mutation("kernels.py", "            kept = p * (distance[None] < head_windows.long()[:, None, None])",
+             "            kept = p * (distance[None] <= head_windows.long()[:, None, None])", TRUNCATED_REFERENCE,
+             "the reference's truncated backward keeps one key too many"),
+    Mutation("machinery/backward_windows.py", "        chosen = torch.where(errors[row].cpu() <= bound, candidates[row], chosen)",
+             "        chosen = torch.where(errors[row].cpu() < bound, candidates[row], chosen)", WINDOW_CHOOSER,
+             "a window exactly at the error bound refused"),
+    Mutation("machinery/backward_windows.py", "        worst = error if worst is None else torch.maximum(worst, error)",
+             "        worst = error", WINDOW_CHOOSER, "a head's error from dV alone"),
+    Mutation("kernels.py", "    return groups * stride + offsets", "    return groups * stride", SAMPLED_HEAD,
+             "the head gradient always samples a group's first row"),
+    Mutation("kernels.py", "            grad_w = (grad_y.index_select(0, rows).t() @ x.index_select(0, rows)) * ctx.stride",
+             "            grad_w = grad_y.index_select(0, rows).t() @ x.index_select(0, rows)", SAMPLED_HEAD,
+             "the sampled head gradient not scaled by the stride"),
+    Mutation("kernels.py", "    w_scale_g = g_scale if stride == 1 else g_scale * stride", "    w_scale_g = g_scale",
+             SAMPLED_FP8, "the FP8 head's sampled weight gradient not scaled by the stride"),
+    Mutation("train_gpt.py", "    sampled = h.head_grad_stride > 1 and h.head_grad_start <= step < end",
+             "    sampled = h.head_grad_stride > 1 and h.head_grad_start <= step <= end", APPROX_SCHEDULE,
+             "the sampled head gradient runs into the exact last steps"),
+    Mutation("train_gpt.py", "        sample = self.head_sample(x.size(0))", "        sample = None", APPROX_STATEMENT,
+             "the model's head never samples its weight gradient"),
+    Mutation("train_gpt.py", "            self.model.blocks[i].attn.set_backward_windows(windows)",
+             "            self.model.blocks[i].attn.set_backward_windows(windows * 0)",
+             WINDOW_TRAINER, "the trainer drops the chosen windows: every head stays exact"),
     Mutation("train_gpt.py", "        return ids[context.long()]\n", "        return context\n", MODEL,
              "the n-gram hashes read the raw tokens where ngram_normalized asks for their normalized ids"),
     Mutation("train_gpt.py", "signs[trigram_sign_rows(ids, is_start, self.record_hashes)[seen:]])",

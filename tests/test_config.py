@@ -121,8 +121,9 @@ def test_cpu_preset_is_the_current_cpu_record(tmp_path):
 
 
 def test_every_field_carries_the_rule_its_type_needs():
-    """A number has a range, a string its choices (or is a path), a tuple is a list of layers or
-    betas (skip_layers: the dense trunk's pair); so no key escapes the checks."""
+    """A number has a range, a string its choices (or is a path), a tuple is a list of layers,
+    betas or ascending whole numbers (skip_layers: the dense trunk's pair); so no key escapes the
+    checks."""
     for f in config.SCHEMA.values():
         rule = f.metadata
         if f.type in (int, float):
@@ -130,7 +131,7 @@ def test_every_field_carries_the_rule_its_type_needs():
         elif f.type is str:
             assert "choices" in rule or rule.get("path") or f.name == "preset", f.name
         elif f.type is tuple:
-            assert rule.get("layers") or rule.get("betas") or f.name == "skip_layers", f.name
+            assert rule.get("layers") or rule.get("betas") or rule.get("ascending") or f.name == "skip_layers", f.name
         else:
             assert f.type in (bool, list), f.name
 

@@ -214,6 +214,60 @@ def test_the_model_and_its_objective_equal_their_statement(name, tied, tokenizer
     assert trained == {key for key, g in grads.items() if g is not None}, "both train the same tensors"
 
 
+# PR 371's truncated backward windows for the test: per head of each attention call (positions),
+# exact (0) on some heads, tighter than both windows on others
+BACKWARD_WINDOWS = (8, 0, 24, 4, 16, 64)
+
+
+@pytest.mark.parametrize("name, tied", [("cpu", True), ("speedrun", False)])
+def test_the_approximate_backward_equals_its_statement(name, tied, tokenizer_bytes):
+    """PR 371's approximations on: the head's weight gradient from one row in four (the model's
+    draw for a seed) times four, the input gradient exact; every attention layer's backward
+    truncated per head (BACKWARD_WINDOWS, paired layers' calls taking the first half). The
+    objective and every gradient equal the statement's (sampled_logits,
+    truncated_backward_attention); the head's and the attention's gradients differ from the
+    exact backward's, so the statement's approximations are the ones checked."""
+    h, model = built(name)
+    if not tied:
+        model.untie()
+        with torch.no_grad():
+            model.lm_head.add_(torch.randn_like(model.lm_head) * 0.01)
+    model.set_approximate_backward(4, True)
+    model.set_head_sample_seed(12345)
+    windows = {}
+    for i, block in enumerate(model.blocks):
+        if block.attn is not None:
+            heads = h.num_heads // 2 if i in h.paired_head_layers else h.num_heads
+            windows[i] = BACKWARD_WINDOWS[:heads]
+            block.attn.set_backward_windows(torch.tensor(windows[i]))
+    cfg = types.SimpleNamespace(**vars(tg.model_config(h)), backward_windows=windows)
+    tokens, targets, cu = a_slice()
+    weights = torch.tensor([1.0, 0.5, 0.25, 0.25])
+    columns = ref.candidates(targets, CANDIDATES, ref.candidate_start(5, 8)) if not tied else None
+    objective, _ = model(tokens.int(), targets, tg.AttentionArgs(cu.int(), *WINDOWS), weights, columns)
+    objective.backward()
+
+    P = leaves(model)
+    prefix = ref.prefix_targets(targets[:, 0], *tokenizer_bytes)
+    rows = kernels.head_sample_rows(T, 4, 12345)
+    want, _ = ref.objective(P, cfg, tokens, targets, cu, WINDOWS, HISTORY, weights, prefix, tied, columns,
+                            head_sample=(rows, 4))
+    want.backward()
+    assert abs(objective.item() - want.item()) <= LOSS_RTOL * abs(want.item())
+    grads = model_gradients(model, cfg, tokens)
+    for key, grad in grads.items():
+        if grad is not None:
+            assert_close(key, grad, P[key].grad, GRAD_RTOL, GRAD_ATOL)
+    exact = leaves(model)
+    ref.objective(exact, tg.model_config(h), tokens, targets, cu, WINDOWS, HISTORY, weights, prefix, tied,
+                  columns)[0].backward()
+    head = "embed.weight" if tied else "lm_head"
+    first_attention = f"blocks.{min(windows)}.attn.qkv"
+    for key in (head, first_attention):
+        diff = (exact[key].grad - P[key].grad).abs().max().item()
+        assert diff > 1e-3 * exact[key].grad.abs().max().item(), f"{key}: the approximation changes it"
+
+
 @pytest.mark.parametrize("name", ["cpu", "speedrun"])
 def test_the_validation_loss_equals_its_statement(name, masked_pairs):
     """The full-vocabulary validation sum at the final window, in eval mode: the speedrun set with
@@ -366,3 +420,30 @@ def test_a_trainer_step_equals_the_statement_with_its_schedule(tmp_path, tokeniz
         for i, pending in enumerate(trainer.tables.value_grads):
             assert_close(f"step {step}: value_embeds.{i}", pending.sums,
                          P[f"value_embeds.{i}.weight"].grad, GRAD_RTOL, GRAD_ATOL)
+
+
+def test_the_trainer_chooses_each_heads_backward_window_at_its_choice_steps(tmp_path):
+    """PR 371's choice on the speedrun set: a probed step measures every attention call, after the
+    last choice step each layer's table holds per head the smallest window within the bound
+    (here 1.0: every head of a layer whose windows bind takes the smallest candidate, 0.0: none
+    does), the choice is logged; the steps after it run truncated."""
+    stream = token_stream(6, 20_000)
+    write_shard(tmp_path / "t_train_000000.bin", stream)
+    logged = []
+    for bound, want in ((1.0, 8), (1e-9, 0)):
+        h = tg.parse_config(SPEEDRUN_SET + ["--num_iterations=8", "--batch_ranks=1", SMALL_STAGES,
+                                            f"--train_files={tmp_path}/t_train_*.bin", "--attn_bwd_windows=[8,64]",
+                                            "--attn_bwd_choice_steps=[1]", "--attn_bwd_start=2",
+                                            f"--attn_bwd_error_bound={bound}"])
+        log = tg.RunLog("unused", active=False)
+        log.write = lambda line, echo=False: logged.append(line)
+        trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), log)
+        loader = TrainLoader([str(tmp_path / "t_train_000000.bin")], 256)
+        trainer.advance_to(1)
+        trainer.forward_backward(1, loader.next_batch(128, 96, 1, [0]))
+        attns = [b.attn for b in trainer.model.blocks if b.attn is not None]
+        assert all(a.probe is None and not a.truncated for a in attns)
+        assert all(a.backward_windows[:h.num_heads // 2].tolist() == [want] * (h.num_heads // 2) for a in attns)
+        trainer.advance_to(2)
+        assert all(a.truncated for a in attns)
+    assert logged[-2].startswith("attention backward windows: layer 0: 8 8 8") and "full" in logged[-1]

@@ -312,6 +312,22 @@ def masked_softmax_attention(q, k, v, visible, scale):
     return torch.einsum("hij,jhd->ihd", weights, v)
 
 
+def truncated_backward_attention(q, k, v, visible, scale, backward_windows):
+    """masked_softmax_attention's value, its backward truncated per head (PR 371): for head h
+    only the pairs less than backward_windows[h] positions apart (<= 0: all), with the full
+    window's P and O. y = O + A - A.detach(), A_i = sum_j M_ij exp(S_ij - lse_i) (v_j - O_i) with
+    lse and O held fixed: autograd through A gives dV = (M P)^T dO, dS = M P (dO v_j - dO O_i)."""
+    N = q.shape[0]
+    scores = (torch.einsum("ihd,jhd->hij", q, k) * scale).masked_fill(~visible[None], float("-inf"))
+    lse = torch.logsumexp(scores, -1, keepdim=True)
+    o = torch.einsum("hij,jhd->ihd", torch.exp(scores - lse), v)
+    distance = torch.arange(N)[:, None] - torch.arange(N)[None, :]
+    kept = torch.stack([visible & (distance < w) if w > 0 else visible for w in backward_windows])
+    p_kept = torch.where(kept, torch.exp(scores - lse.detach()), 0.0)
+    a = torch.einsum("hij,jhd->ihd", p_kept, v) - p_kept.sum(-1).t()[..., None] * o.detach()
+    return o.detach() + a - a.detach()
+
+
 def attention_layer(P, cfg, i, x, ve, starts, doc, history, windows, gates):
     """Layer i's attention on the normed residual x (T, dim): returns (T, dim)."""
     a = f"blocks.{i}.attn."
@@ -376,7 +392,11 @@ def attention_layer(P, cfg, i, x, ve, starts, doc, history, windows, gates):
     reach = window if cfg.window_edge_key else window - 1      # the farthest key back: w, or w - 1
     visible = (pos_doc[:, None] == pos_doc[None, :]) & (pos[None, :] <= pos[:, None]) \
         & (pos[:, None] - pos[None, :] <= reach)
-    y = masked_softmax_attention(q, k, v, visible, scale)
+    backward_windows = getattr(cfg, "backward_windows", {}).get(i)   # PR 371's truncated backward
+    if backward_windows is None:
+        y = masked_softmax_attention(q, k, v, visible, scale)
+    else:
+        y = truncated_backward_attention(q, k, v, visible, scale, backward_windows)
     if i in cfg.composed_layers:         # composed: the heads' maps over the last composed_window keys, mixed per token
         composed_visible = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None]) \
             & (pos[:, None] - pos[None, :] < cfg.composed_window)
@@ -616,11 +636,13 @@ def head_weight(P, tied):
     return P["embed.weight"] if tied else P["lm_head"]
 
 
-def objective(P, cfg, tokens, targets, cu_seqlens, windows, history, weights, prefix, tied=True, columns=None):
+def objective(P, cfg, tokens, targets, cu_seqlens, windows, history, weights, prefix, tied=True, columns=None,
+              head_sample=None):
     """(objective, next-token loss), means over the T rows. Row t's objective is
     sum_k weights[k] (logsumexp(z) - z[target k]) over its present targets: t+1, t+2, t+3 and the
     prefix of t+1, each counted only if it is among the softmax's columns (all, or the sampled
-    `columns`); z the softcapped logits over those columns."""
+    `columns`); z the softcapped logits over those columns. head_sample: (rows, stride) of PR
+    371's sampled head weight gradient, or None (sampled_logits)."""
     x = hidden_states(P, cfg, tokens, cu_seqlens, windows, history)
     W = head_weight(P, tied)
     all_targets = torch.cat([targets, prefix[:, None]], dim=1)
@@ -629,11 +651,20 @@ def objective(P, cfg, tokens, targets, cu_seqlens, windows, history, weights, pr
         index = {int(c): j for j, c in enumerate(columns.tolist())}
         all_targets = torch.tensor([[index.get(int(t), -1) if t >= 0 else -1 for t in row]
                                     for row in all_targets.tolist()])
-    z = softcap(x @ W.T)
+    z = softcap(x @ W.T if head_sample is None else sampled_logits(x, W, *head_sample))
     present = all_targets >= 0
     losses = torch.where(present, torch.logsumexp(z, -1, keepdim=True) - z.gather(1, all_targets.clamp(min=0)), 0.0)
     T = len(tokens)
     return (losses * weights.double()).sum() / T, losses[:, 0].detach().sum() / T
+
+
+def sampled_logits(x, W, rows, stride):
+    """x W^T whose gradient in W comes from `rows` alone, times stride (dx exact): the logits
+    x W.detach()^T plus xs W^T - (xs W^T).detach(), xs = stride x[rows] on its rows, 0 elsewhere."""
+    xs = torch.zeros_like(x)
+    xs[rows] = stride * x.detach()[rows]
+    sampled = xs @ W.T
+    return x @ W.detach().T + (sampled - sampled.detach())
 
 
 def validation_loss_sum(P, cfg, tokens, targets, cu_seqlens, windows, history, tied=True, masked_pairs=None):
