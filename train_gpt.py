@@ -2376,7 +2376,8 @@ class Trainer:
         self.model.set_loss_unit(self.loss_unit(stage))
         self.model.set_head_sample_seed(head_sample_seed(self.h, step))
         choosing = bool(self.h.attn_bwd_windows) and step in self.h.attn_bwd_choice_steps
-        with self.model.sinks_of(stage.tokens_per_rank), self.probing(choosing):
+        probing = self.window_choice.probing(self.model.blocks, self.kernels.attention, choosing)
+        with self.model.sinks_of(stage.tokens_per_rank), probing:
             for slice_index, s in zip(self.mine, slices):
                 self.tables.fetch(s.tokens, route=s.route)
                 if choosing:               # eager and uncompiled: the probes' hooks see every call
@@ -2387,33 +2388,10 @@ class Trainer:
                 if self.h.candidate_walk == "continue":
                     self.walk[slice_index].copy_(batch.candidate_start)
                 self.tables.take_entries(s)
-        if choosing and step == self.h.attn_bwd_choice_steps[-1]:
-            self.choose_backward_windows()
+        if choosing and step == self.h.attn_bwd_choice_steps[-1]:   # every rank's largest errors choose
+            reduce_max = (lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX)) if self.pg.world_size > 1 else None
+            self.log.write(self.window_choice.apply(self.model.blocks, reduce_max), echo=True)
         return self.step_losses.clone()
-
-    @contextlib.contextmanager
-    def probing(self, on):
-        """While on (a choice step of the truncated backward), every attention layer keeps its
-        calls' inputs and output gradients; after the step each call's errors are measured."""
-        layers = [(i, block.attn) for i, block in enumerate(self.model.blocks) if block.attn is not None] if on else []
-        for _, attn in layers:
-            attn.probe = []
-        try:
-            yield
-        finally:
-            for i, attn in layers:
-                for probe in attn.probe:
-                    self.window_choice.observe(i, self.kernels.attention, probe)
-                attn.probe = None
-
-    def choose_backward_windows(self):
-        """Each head's truncated backward window from the errors of the choice steps (their
-        maximum over the ranks), written into the layers' tables in place; logged."""
-        reduce_max = (lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX)) if self.pg.world_size > 1 else None
-        chosen = self.window_choice.choose(reduce_max)
-        for i, windows in chosen.items():
-            self.model.blocks[i].attn.set_backward_windows(windows)
-        self.log.write(backward_windows.choice_line(chosen), echo=True)
 
     def walk_start(self, slice_index):
         """Where the candidate walk of a slice starts this step: its fixed start, or (continue)

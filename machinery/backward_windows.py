@@ -9,6 +9,8 @@ that every rank chooses alike) picks, per head, the smallest candidate within th
 full window (0) where none is. The cost: per layer and choice step one exact and one truncated
 backward per candidate, each with its forward (attention_fn recomputes it), outside any graph.
 """
+import contextlib
+
 import torch
 
 FULL = 0                           # a head whose backward stays exact
@@ -76,6 +78,29 @@ class WindowChoice:
         if layer in self.errors:
             errors = torch.maximum(self.errors[layer][1], errors)
         self.errors[layer] = (offered, errors)
+
+    @contextlib.contextmanager
+    def probing(self, blocks, attention_fn, on):
+        """While on (a choice step), every attention layer of `blocks` keeps its calls' inputs and
+        output gradients (its `probe`); after the step each call's errors are observed."""
+        layers = [(i, block.attn) for i, block in enumerate(blocks) if block.attn is not None] if on else []
+        for _, attn in layers:
+            attn.probe = []
+        try:
+            yield
+        finally:
+            for i, attn in layers:
+                for probe in attn.probe:
+                    self.observe(i, attention_fn, probe)
+                attn.probe = None
+
+    def apply(self, blocks, all_reduce_max=None):
+        """Choose (see choose) and write each layer's windows into its table in place; returns the
+        log's line of the choice."""
+        chosen = self.choose(all_reduce_max)
+        for i, windows in chosen.items():
+            blocks[i].attn.set_backward_windows(windows)
+        return choice_line(chosen)
 
     def choose(self, all_reduce_max=None):
         """{layer: int64 (H,) windows}; all_reduce_max(tensor) makes the errors every rank's maximum."""
