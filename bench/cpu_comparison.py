@@ -30,6 +30,7 @@ sys.path.insert(0, REPO)
 import train_gpt as tg  # noqa: E402
 from machinery import config  # noqa: E402
 from records.logfile import cpu_model, parse_log  # noqa: E402
+from records.significance import welch_test  # noqa: E402
 
 
 def split_variants(argv):
@@ -114,15 +115,19 @@ def run_all(jobs, parallel):
 
 
 def results_table(results, variants, seeds):
-    """Markdown table: per variant, its overrides and the mean and sample std of the final val loss."""
-    lines = [f"| variant | overrides of the cpu preset | steps | val loss: mean | std | runs (seeds "
-             f"{', '.join(map(str, seeds))}) |", "|---|---|---|---|---|---|"]
+    """Markdown table: per variant, its overrides, the mean and sample std of the final val loss, and
+    the one-sided Welch p-value of its mean being below the first variant's (the baseline)."""
+    lines = [f"| variant | overrides of the cpu preset | steps | val loss: mean | std | p (below {variants[0][0]}) | "
+             f"runs (seeds {', '.join(map(str, seeds))}) |", "|---|---|---|---|---|---|---|"]
+    baseline = [results[variants[0][0], s].final["val_loss"] for s in seeds]
     for name, overrides in variants:
         logs = [results[name, s] for s in seeds]
         losses = [log.final["val_loss"] for log in logs]
         std = statistics.stdev(losses) if len(losses) > 1 else float("nan")
+        test = welch_test(losses, baseline) if name != variants[0][0] else None
+        p = "" if test is None or test["p"] is None else f"{test['p']:.3g}"
         lines.append(f"| {name} | `{' '.join(overrides) or '(none)'}` | {logs[0].config['num_iterations']} | "
-                     f"{statistics.mean(losses):.4f} | {std:.4f} | {', '.join(f'{x:.4f}' for x in losses)} |")
+                     f"{statistics.mean(losses):.4f} | {std:.4f} | {p} | {', '.join(f'{x:.4f}' for x in losses)} |")
     return "\n".join(lines)
 
 
