@@ -31,17 +31,6 @@ MAX_TARGETS = 4                    # next token, two more multi-token targets, t
 MIN_DOC_TOKENS = 16                # a slice's cu_seqlens has room for T / MIN_DOC_TOKENS documents
 SMEAR_GATE_DIMS = 12               # the smear gate reads the first this-many dims of a token's embedding
 FINAL_MIX_GROUPS = 12              # record 92: channel groups of its final mix, each with its own coefficient delta
-# PR 371's approximate backward (its values; the keys below default to off): the head's weight
-# gradient from one row in four on steps 320-1106, each head's attention backward truncated to
-# the smallest of 64/128/256 keys within a relative L2 error of 0.2, chosen at steps 592-593 and
-# used on 594-1106, the last 87 steps exact.
-PR371_HEAD_GRAD_STRIDE = 4         # PR 371: one activation/gradient row pair in four
-PR371_HEAD_GRAD_START = 320        # PR 371: the first step with the sampled head gradient
-PR371_ATTN_BWD_WINDOWS = (64, 128, 256)  # PR 371: the candidate backward windows, in tokens
-PR371_ATTN_BWD_ERROR_BOUND = 0.2   # PR 371: the largest relative L2 error of dQ, dK, dV a window may have
-PR371_ATTN_BWD_CHOICE_STEPS = (592, 593)  # PR 371: the steps that measure the errors
-PR371_ATTN_BWD_START = 594         # PR 371: the first step with the truncated backward
-PR371_EXACT_LAST_STEPS = 87        # PR 371: the last steps, with the exact backward (1107-1193 of 1194)
 MAX_HEAD_GRAD_STRIDE = 64          # rows one sampled head-gradient row may stand for
 
 # Upper bounds of the whole-number keys: far above any run's, finite so that no value loops or
@@ -602,8 +591,13 @@ def preset_config(name, presets, stated=None):
     return h
 
 
-def print_config(h, origins):
-    """--print_config: every key of the resolved config, its value and where it came from."""
+def print_config(h, origins, preset_fn=None):
+    """--print_config: a comment line with the first sentence of the preset's docstring (what it
+    is, and whether a run has measured it), then every key of the resolved config, its value and
+    where it came from."""
+    doc = " ".join((getattr(preset_fn, "__doc__", None) or "").split())
+    if doc:
+        print(f"# preset {h.preset}: {doc.split('. ')[0].rstrip('.')}")
     width = max(map(len, SCHEMA))
     for key, value in config_to_dict(h).items():
         print(f"{key:<{width}}  {json.dumps(value, default=str):<40}  {origins.get(key, 'default')}")
@@ -873,7 +867,7 @@ def parse_config(argv, presets, default_preset, description=None):
             raise ConfigError(f"the argument {json.dumps(item)} cannot be written into the log (it records the "
                               f"command line): expects UTF-8 text without line breaks")
     if args.print_config:
-        print_config(h, origins)
+        print_config(h, origins, presets.get(h.preset))
         raise SystemExit(0)
     return h
 
