@@ -1265,11 +1265,15 @@ class _SampledLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
+        """In the output gradient's dtype (the forward's under autocast), each gradient returned in
+        its input's dtype."""
         x, weight, rows = ctx.saved_tensors
-        grad_x = grad_y @ weight if ctx.needs_input_grad[0] else None
+        dtype = grad_y.dtype
+        grad_x = (grad_y @ weight.to(dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.needs_input_grad[1]:
-            grad_w = (grad_y.index_select(0, rows).t() @ x.index_select(0, rows)) * ctx.stride
+            grad_w = (grad_y.index_select(0, rows).t() @ x.index_select(0, rows).to(dtype)) * ctx.stride
+            grad_w = grad_w.to(weight.dtype)
         return grad_x, grad_w, None, None
 
 

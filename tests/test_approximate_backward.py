@@ -192,6 +192,26 @@ def test_sampled_linear_at_stride_one_is_the_exact_linear():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_sampled_linear_under_autocast_gives_each_gradient_in_its_inputs_dtype():
+    """Under bf16 autocast (the trainer's compute dtype on a CPU with bf16 units) the forward runs in
+    bf16 while the head's weight stays fp32: the backward's GEMMs run in the output gradient's dtype
+    and return dx in x's dtype and dW in the weight's, as F.linear's autograd does."""
+    g = torch.Generator().manual_seed(3)
+    x, w, dy = torch.randn(32, 12, generator=g), torch.randn(20, 12, generator=g), torch.randn(32, 20, generator=g)
+    def autocast(fn):              # the forward under autocast, the backward outside it, as the trainer runs them
+        def run(*args):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return fn(*args)
+        return run
+
+    want = grads_linear(autocast(F.linear), x, w, dy.bfloat16())
+    got = grads_linear(autocast(lambda a, b: kernels.sampled_linear(a, b, kernels.head_sample_rows(32, 1, 5), 1)), x, w,
+                       dy.bfloat16())
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
 def grads_linear(fn, x, w, dy):
     leaves = [t.detach().clone().requires_grad_(True) for t in (x, w)]
     y = fn(*leaves)
