@@ -23,6 +23,8 @@ Families:
                                                                      sparse_adam_rows_reference_
   7. Composed attn    composed_attention                             composed_attention_reference
   8. Weight averages  ema_update_                                    ema_update_reference_
+  9. Pointer mixture  pointer_attention                              pointer_attention_reference;
+                      (the mixture's loss: pointer_mixture_cross_entropy, plain torch)
 
 How the trainer uses the FP8 layers. A module that owns an FP8 weight also owns a small fp32
 state buffer, created once with `new_fp8_linear_state(device)` (a plain linear) or
@@ -3587,3 +3589,333 @@ def ema_update_(ema, weight, rate, config=EMA_UPDATE):
 def ema_update_reference_(ema, weight, rate, config=None):
     _check_ema_inputs(ema, weight)
     return ema.lerp_(weight.float(), rate)
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Pointer mixture: one attention head over the document's earlier tokens, with a sink
+# ---------------------------------------------------------------------------------------------
+#
+# The next-token distribution mixes the LM's softmax with a pointer (PR 379's copy-sink pointer
+# LM). Query i attends to the earlier positions j < i of its own document inside a band (query
+# block b = i // band sees keys from block b - 1 on) and to a learned sink key. Position j
+# proposes its own token, tokens[j]; the pointer's probability of the target y_i is the mass on
+# the positions proposing it, p_copy_i = sum_j a_ij [tokens[j] == y_i], and the sink's mass
+# a_sink_i goes back to the LM. pointer_attention computes (p_copy, a_sink) without the (T, T)
+# score matrix; pointer_mixture_cross_entropy turns them and the logits into the loss.
+
+POINTER_FORWARD = LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)   # block_m queries, block_n keys
+POINTER_BACKWARD_Q = LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+POINTER_BACKWARD_K = LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)  # block_n keys per program
+POINTER_CONFIGS = [value for config in (POINTER_FORWARD, POINTER_BACKWARD_Q, POINTER_BACKWARD_K)
+                   for value in config.as_list()]
+
+
+def pointer_band_start(positions, band):
+    """The first key a query at `positions` may see: block b = position // band sees from block
+    b - 1 on (PR 379's band: whole documents when they are at most `band` tokens)."""
+    return torch.clamp((positions // band - 1) * band, min=0)
+
+
+def pointer_document_starts(tokens, bos):
+    """(T,) int64: the first position of each token's document, a document starting at every
+    `bos` token and at position 0."""
+    T = tokens.shape[0]
+    positions = torch.arange(T, device=tokens.device)
+    starts = (tokens == bos) | (positions == 0)
+    return torch.cummax(torch.where(starts, positions, 0), dim=0).values
+
+
+@triton.jit
+def _pointer_scores(q, k_ptr, keys, key_ok, rows, first_key, scale, D: tl.constexpr):
+    """The (BLOCK_M, BLOCK_N) scores q.k * scale of one key block, -inf where the query may not
+    see the key (j < i, j >= its first visible key)."""
+    k = tl.load(k_ptr + keys.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :], mask=key_ok[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k)) * scale
+    visible = (keys[None, :] < rows[:, None]) & (keys[None, :] >= first_key[:, None]) & key_ok[None, :]
+    return tl.where(visible, s, float("-inf")), k
+
+
+@triton.jit
+def _pointer_fwd_kernel(q_ptr, k_ptr, s0_ptr, tok_ptr, tgt_ptr, doc_ptr, p_ptr, a_ptr, lse_ptr, T, band, scale,
+                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One block of BLOCK_M queries: an online softmax over the key blocks from the block's
+    first visible key to its last query, started at the sink (running max = the sink's score,
+    running sum = 1, so a query with no visible key is all sink), accumulating beside the sum
+    the mass on keys whose token is the query's target. Writes p_copy = that mass / sum, a_sink
+    = exp(s0 - max) / sum and the log-sum-exp for the backward. Traffic: the block's queries once
+    and each visited key block once (D values a key, one token); no score matrix in memory."""
+    start = tl.program_id(0) * BLOCK_M
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = rows < T
+    q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0)
+    s0 = tl.load(s0_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+    doc = tl.load(doc_ptr + rows, mask=row_ok, other=0)
+    first_key = tl.maximum(doc, tl.maximum((rows // band - 1) * band, 0))
+    lo = (tl.min(tl.where(row_ok, first_key, T), axis=0) // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(start + BLOCK_M, T)
+    m_i = s0
+    l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    hit = tl.zeros([BLOCK_M], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        key_ok = keys < T
+        s, _ = _pointer_scores(q, k_ptr, keys, key_ok, rows, first_key, scale, D)
+        tok = tl.load(tok_ptr + keys, mask=key_ok, other=-2)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        hit = hit * alpha + tl.sum(tl.where(tok[None, :] == tgt[:, None], p, 0.0), axis=1)
+        m_i = m_new
+    tl.store(p_ptr + rows, hit / l_i, mask=row_ok)
+    tl.store(a_ptr + rows, tl.exp(s0 - m_i) / l_i, mask=row_ok)
+    tl.store(lse_ptr + rows, m_i + tl.log(l_i), mask=row_ok)
+
+
+@triton.jit
+def _pointer_dscores(s, lse, tok, tgt, g_p, delta):
+    """dL/ds_ij = a_ij (g_p_i [tokens[j] == y_i] - delta_i), a_ij = exp(s_ij - lse_i), with
+    delta_i = g_p_i p_copy_i + g_a_i a_sink_i (0 where the key is not visible: s = -inf)."""
+    a = tl.exp(s - lse[:, None])
+    hit = tok[None, :] == tgt[:, None]
+    return a * (tl.where(hit, g_p[:, None], 0.0) - delta[:, None])
+
+
+@triton.jit
+def _pointer_bwd_q_kernel(q_ptr, k_ptr, tok_ptr, tgt_ptr, doc_ptr, lse_ptr, gp_ptr, delta_ptr, dq_ptr, T, band, scale,
+                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dq of one query block: the forward's key blocks again, dq_i = scale sum_j dL/ds_ij k_j
+    (the sink's share, through the sink's score, is the caller's). Traffic as the forward's."""
+    start = tl.program_id(0) * BLOCK_M
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = rows < T
+    q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0)
+    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+    doc = tl.load(doc_ptr + rows, mask=row_ok, other=0)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    g_p = tl.load(gp_ptr + rows, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
+    first_key = tl.maximum(doc, tl.maximum((rows // band - 1) * band, 0))
+    lo = (tl.min(tl.where(row_ok, first_key, T), axis=0) // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(start + BLOCK_M, T)
+    dq = tl.zeros([BLOCK_M, D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        key_ok = keys < T
+        s, k = _pointer_scores(q, k_ptr, keys, key_ok, rows, first_key, scale, D)
+        tok = tl.load(tok_ptr + keys, mask=key_ok, other=-2)
+        ds = _pointer_dscores(s, lse, tok, tgt, g_p, delta)
+        dq += tl.dot(ds.to(k.dtype), k)
+    tl.store(dq_ptr + rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :], dq * scale, mask=row_ok[:, None])
+
+
+@triton.jit
+def _pointer_bwd_k_kernel(q_ptr, k_ptr, tok_ptr, tgt_ptr, doc_ptr, end_ptr, lse_ptr, gp_ptr, delta_ptr, dk_ptr, T,
+                          band, scale, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dk of one block of BLOCK_N keys: the query blocks that can see them, from the block's
+    first key to its last key's document end or band end (a key of block c is seen by queries
+    up to block c + 1), dk_j = scale sum_i dL/ds_ij q_i. Traffic: the block's keys once, each
+    visited query block's queries and row statistics once."""
+    start = tl.program_id(0) * BLOCK_N
+    keys = start + tl.arange(0, BLOCK_N)
+    key_ok = keys < T
+    k = tl.load(k_ptr + keys.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :], mask=key_ok[:, None], other=0.0)
+    tok = tl.load(tok_ptr + keys, mask=key_ok, other=-2)
+    last = tl.minimum(start + BLOCK_N, T) - 1
+    hi = tl.minimum(tl.minimum(tl.load(end_ptr + last), (last // band + 2) * band), T)
+    lo = (start // BLOCK_M) * BLOCK_M
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    for m0 in range(lo, hi, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < T
+        q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :], mask=row_ok[:, None],
+                    other=0.0)
+        tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+        doc = tl.load(doc_ptr + rows, mask=row_ok, other=T)
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        g_p = tl.load(gp_ptr + rows, mask=row_ok, other=0.0)
+        delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
+        first_key = tl.maximum(doc, tl.maximum((rows // band - 1) * band, 0))
+        s = tl.dot(q, tl.trans(k)) * scale
+        visible = (keys[None, :] < rows[:, None]) & (keys[None, :] >= first_key[:, None]) & key_ok[None, :] \
+            & row_ok[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        ds = _pointer_dscores(s, lse, tok, tgt, g_p, delta)
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    tl.store(dk_ptr + keys.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :], dk * scale, mask=key_ok[:, None])
+
+
+def _pointer_configs(configs):
+    """(forward, backward dQ, backward dK) launch configs from their flat list."""
+    return _configs_from_list(configs, 3)
+
+
+def _launch_pointer_fwd(q: Tensor, k: Tensor, s0: Tensor, tokens: Tensor, targets: Tensor, doc: Tensor, band: int,
+                        configs: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    config = _pointer_configs(configs)[0]
+    T, D = q.shape
+    p, a, lse = (torch.empty(T, dtype=torch.float32, device=q.device) for _ in range(3))
+    _launch(_pointer_fwd_kernel, (triton.cdiv(T, config.block_m),), config, q_ptr=q, k_ptr=k, s0_ptr=s0,
+            tok_ptr=tokens, tgt_ptr=targets, doc_ptr=doc, p_ptr=p, a_ptr=a, lse_ptr=lse, T=T, band=band,
+            scale=D ** -0.5, D=D, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
+    return p, a, lse
+
+
+def _launch_pointer_bwd(q: Tensor, k: Tensor, tokens: Tensor, targets: Tensor, doc: Tensor, doc_end: Tensor,
+                        lse: Tensor, g_p: Tensor, delta: Tensor, band: int,
+                        configs: list[int]) -> tuple[Tensor, Tensor]:
+    _, q_config, k_config = _pointer_configs(configs)
+    T, D = q.shape
+    dq = torch.empty(T, D, dtype=torch.float32, device=q.device)
+    dk = torch.empty_like(dq)
+    common = dict(q_ptr=q, k_ptr=k, tok_ptr=tokens, tgt_ptr=targets, doc_ptr=doc, lse_ptr=lse, gp_ptr=g_p,
+                  delta_ptr=delta, T=T, band=band, scale=D ** -0.5, D=D)
+    _launch(_pointer_bwd_q_kernel, (triton.cdiv(T, q_config.block_m),), q_config, dq_ptr=dq,
+            BLOCK_M=q_config.block_m, BLOCK_N=q_config.block_n, **common)
+    _launch(_pointer_bwd_k_kernel, (triton.cdiv(T, k_config.block_n),), k_config, end_ptr=doc_end, dk_ptr=dk,
+            BLOCK_M=k_config.block_m, BLOCK_N=k_config.block_n, **common)
+    return dq, dk
+
+
+_pointer_fwd_op = torch.library.custom_op(f"{_OPS}::pointer_fwd", _launch_pointer_fwd, mutates_args=())
+_pointer_bwd_op = torch.library.custom_op(f"{_OPS}::pointer_bwd", _launch_pointer_bwd, mutates_args=())
+
+
+@_pointer_fwd_op.register_fake
+def _(q, k, s0, tokens, targets, doc, band, configs):
+    return tuple(q.new_empty(q.shape[0], dtype=torch.float32) for _ in range(3))
+
+
+@_pointer_bwd_op.register_fake
+def _(q, k, tokens, targets, doc, doc_end, lse, g_p, delta, band, configs):
+    return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape, dtype=torch.float32)
+
+
+class _PointerAttention(torch.autograd.Function):
+    """Differentiable pointer attention: the forward saves each query's log-sum-exp (sink
+    included), the backward recomputes the scores tile by tile. With delta_i = g_p_i p_i + g_a_i a_i:
+    dL/ds0_i = a_i (g_a_i - delta_i) (the sink's score), dq and dk from the kernels."""
+
+    @staticmethod
+    def forward(ctx, q, k, s0, tokens, targets, doc, doc_end, band, configs):
+        p, a, lse = _pointer_fwd_op(q, k, s0, tokens, targets, doc, band, configs)
+        ctx.save_for_backward(q, k, tokens, targets, doc, doc_end, lse, p, a)
+        ctx.args = (band, configs)
+        return p, a
+
+    @staticmethod
+    def backward(ctx, g_p, g_a):
+        q, k, tokens, targets, doc, doc_end, lse, p, a = ctx.saved_tensors
+        g_p = torch.zeros_like(p) if g_p is None else g_p.float().contiguous()
+        g_a = torch.zeros_like(a) if g_a is None else g_a.float().contiguous()
+        delta = (g_p * p + g_a * a).contiguous()
+        dq, dk = _pointer_bwd_op(q, k, tokens, targets, doc, doc_end, lse, g_p, delta, *ctx.args)
+        return dq.to(q.dtype), dk.to(k.dtype), a * (g_a - delta), None, None, None, None, None, None
+
+
+def _check_pointer_inputs(q, k, sink_scores, tokens, targets, doc_start, band):
+    if q.dim() != 2 or k.shape != q.shape or q.dtype != k.dtype:
+        raise ValueError(f"pointer_attention needs q and k (T, D) of one dtype; got {tuple(q.shape)} {q.dtype} and "
+                         f"{tuple(k.shape)} {k.dtype}")
+    T = q.shape[0]
+    if any(t.shape != (T,) for t in (sink_scores, tokens, targets, doc_start)):
+        raise ValueError("pointer_attention needs sink_scores, tokens, targets and doc_start of shape (T,)")
+    if band < 1:
+        raise ValueError(f"pointer_attention needs a band of at least one token; got {band}")
+
+
+def pointer_attention(q, k, sink_scores, tokens, targets, doc_start, band, configs=None):
+    """(p_copy, a_sink), both (T,) fp32, differentiable in q, k and sink_scores (see
+    pointer_attention_reference for the semantics), by the flash-style Triton kernels: no (T, T)
+    scores in memory. q, k (T, D) of one dtype, D a power of two >= 16; sink_scores (T,) fp32, the
+    sink's scaled scores; tokens, targets (T,) ints (-1: no target); doc_start (T,) the first
+    position of each token's document (pointer_document_starts); band in tokens. configs: the
+    three launch configs, flattened (default POINTER_CONFIGS)."""
+    _check_pointer_inputs(q, k, sink_scores, tokens, targets, doc_start, band)
+    T = q.shape[0]
+    doc = doc_start.to(torch.int32).contiguous()
+    positions = torch.arange(T, device=q.device, dtype=torch.int32)
+    is_start = doc == positions
+    # one past each token's document: the next start after it (searchsorted over the starts' positions)
+    starts = torch.where(is_start, positions, T).sort().values
+    doc_end = starts[torch.searchsorted(starts, positions, right=True).clamp(max=T - 1)].to(torch.int32)
+    doc_end = torch.where(doc_end > positions, doc_end, T).contiguous()
+    return _PointerAttention.apply(_last_dim_contiguous(q), _last_dim_contiguous(k), sink_scores.float().contiguous(),
+                                   tokens.to(torch.int32).contiguous(), targets.to(torch.int32).contiguous(), doc,
+                                   doc_end, int(band), list(configs or POINTER_CONFIGS))
+
+
+def pointer_attention_reference(q, k, sink_scores, tokens, targets, doc_start, band, configs=None):
+    """(p_copy, a_sink), both (T,) fp32 (float64 for float64 inputs), in plain torch.
+
+    Scores s_ij = q_i . k_j / sqrt(D) for the keys query i may see: j < i, j >= doc_start[i] (its
+    own document), j >= pointer_band_start(i, band); and the sink's sink_scores[i]. a = softmax
+    over those and the sink; p_copy_i = sum_j a_ij [tokens[j] == targets[i]], a_sink_i the sink's
+    share. Computed band by band: the queries of block b against the keys of blocks b - 1 and b
+    ((band, 2 band) scores at a time), so memory grows with T x band, not T^2."""
+    _check_pointer_inputs(q, k, sink_scores, tokens, targets, doc_start, band)
+    T, D = q.shape
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, s0 = q.to(dtype), k.to(dtype), sink_scores.to(dtype)
+    L = int(band)
+    blocks = -(-T // L)
+    pad = blocks * L - T
+    positions = torch.arange(blocks * L, device=q.device)
+
+    def padded(x, value):
+        return torch.cat([x, x.new_full((pad, *x.shape[1:]), value)]) if pad else x
+    qb = padded(q, 0.0).view(blocks, L, D)
+    kb = torch.cat([k.new_zeros(L, D), padded(k, 0.0)]).unfold(0, 2 * L, L).transpose(1, 2)     # (blocks, 2L, D)
+    key_pos = torch.cat([positions.new_full((L,), -1), positions]).unfold(0, 2 * L, L)          # (blocks, 2L)
+    key_tok = torch.cat([tokens.new_full((L,), -2), padded(tokens, -2)]).unfold(0, 2 * L, L)
+    first = padded(torch.maximum(doc_start.long(), pointer_band_start(positions[:T], L)), 0).view(blocks, L, 1)
+    qpos = positions.view(blocks, L, 1)
+    visible = (key_pos[:, None, :] < qpos) & (key_pos[:, None, :] >= first)
+    scores = torch.where(visible, qb @ kb.transpose(1, 2) * D ** -0.5, float("-inf"))
+    s0b = padded(s0, 0.0).view(blocks, L, 1)
+    top = torch.maximum(scores.amax(-1, keepdim=True), s0b).detach()
+    e = torch.exp(scores - top)
+    e0 = torch.exp(s0b - top)
+    total = e.sum(-1, keepdim=True) + e0
+    hit = key_tok[:, None, :] == padded(targets, -1).view(blocks, L, 1)
+    p_copy = (torch.where(hit, e, 0.0).sum(-1, keepdim=True) / total).reshape(-1)[:T]
+    a_sink = (e0 / total).reshape(-1)[:T]
+    return p_copy, a_sink
+
+
+def pointer_mixture_nll(z, targets, copy_col, p_copy, a_sink):
+    """(T,) -log p(y) of the mixture, from softcapped logits z (T, C) whose column copy_col (an
+    int or a 0-d int tensor) is the <copy> slot: the gate alpha = softmax(z)[copy], the LM over
+    the other columns p_lm(y) = softmax of z without the copy column, and
+        p(y) = p_lm(y) (1 - alpha (1 - a_sink)) + alpha p_copy,
+    which sums to 1 over the vocabulary (PR 379's mixture). targets (T,) column indices; a row
+    whose target is outside [0, C) gets 0."""
+    columns = torch.arange(z.shape[1], device=z.device)
+    is_copy = columns == copy_col
+    lse = torch.logsumexp(z, dim=-1)
+    lse_lm = torch.logsumexp(z.masked_fill(is_copy, float("-inf")), dim=-1)
+    alpha = torch.exp((z * is_copy).sum(-1) - lse)
+    present = (targets >= 0) & (targets < z.shape[1])
+    z_target = z.gather(1, torch.where(present, targets, 0)[:, None])[:, 0]
+    p_lm = torch.exp(z_target - lse_lm)
+    mixed = p_lm * (1.0 - alpha * (1.0 - a_sink)) + alpha * p_copy
+    return torch.where(present, -torch.log(torch.where(present, mixed, 1.0)), 0.0)
+
+
+def pointer_mixture_cross_entropy(logits, targets, weights, copy_col, p_copy, a_sink):
+    """softcap_cross_entropy_reference with the next-token term (column 0 of targets) replaced by
+    the mixture's -log p(y) (pointer_mixture_nll); the other targets (multi-token, prefix) keep
+    the softcapped cross-entropy over all C columns, <copy> included (PR 379's default). Returns
+    (loss, next_token_loss), (T,) fp32: the weighted sum, and the mixture's next-token loss
+    (detached). Plain torch, differentiable in logits, p_copy and a_sink; its logit gradient is
+    w0 (g_lse softmax + g_y [v = y] + g_c [v = copy]) for three row scalars, which a fused
+    cross-entropy could write in its one pass (not done here: it materializes z and its gradient)."""
+    z = softcap(logits)
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    present = (targets >= 0) & (targets < z.shape[1])
+    picked = z.gather(1, torch.where(present, targets, 0))
+    losses = torch.where(present, lse - picked, torch.zeros_like(picked))
+    mixture = pointer_mixture_nll(z, targets[:, 0], copy_col, p_copy.float(), a_sink.float())
+    losses = torch.cat([mixture[:, None].to(losses), losses[:, 1:]], dim=1)
+    return (losses * weights.to(losses)).sum(dim=1), mixture.detach()

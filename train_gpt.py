@@ -59,7 +59,7 @@ from data.tokenizer import BOS_ID, noncanonical_pairs, prefix_token_table
 from machinery import config, kernel_choice, memory_budget, metrics, resume
 from machinery.checkpoint import NGRAM_TABLE_KEY, save_checkpoint, send_table_shard, split_ngram_table
 from machinery.config import (FINAL_MIX_GROUPS, MAX_TARGETS, MIN_DOC_TOKENS, MODEL_FIELDS, PADDED_VOCAB_SIZE,
-                              SMEAR_GATE_DIMS, VOCAB_SIZE, WINDOW_BLOCK, Average, ConfigError, Hyperparameters,
+                              POINTER_COPY_ID, SMEAR_GATE_DIMS, VOCAB_SIZE, WINDOW_BLOCK, Average, ConfigError, Hyperparameters,
                               ModelConfig, Stage, TablePhase, config_to_dict, head_dims, injection_layers,
                               value_embed_tables, value_embed_width)
 from machinery.cpu_runtime import bf16_gemm_path, bf16_gemms, cpu_has_native_bf16
@@ -1396,6 +1396,38 @@ def first_rows(t, n):
     return t if t.shape[0] == n else t[:n]
 
 
+class PointerHead(nn.Module):
+    """PR 379's pointer: one attention head over the final hidden state x (normed). Queries
+    q = g rms(x W_q^T) (g a learned gain), keys k = rms(x W_k^T), D = pointer_dim; each query sees
+    the earlier positions of its document inside the band and a learned sink key (its score
+    q . sink / sqrt(D)); position j proposes its token. Returns (p_copy, a_sink) of each position's
+    next-token target (kernels.pointer_attention_reference states the attention).
+    Parameters: 2 D dim + D + 1 (196,737 at D = 128, dim = 768, as PR 379 counts)."""
+
+    def __init__(self, dim, pointer_dim, attention_fn):
+        super().__init__()
+        self.attention_fn = attention_fn
+        self.query = nn.Parameter(torch.randn(pointer_dim, dim) * dim ** -0.5)
+        self.key = nn.Parameter(torch.randn(pointer_dim, dim) * dim ** -0.5)
+        self.sink_key = nn.Parameter(torch.zeros(pointer_dim))
+        self.query_gain = nn.Parameter(torch.ones(()))
+
+    def forward(self, x, tokens, next_tokens, band):
+        q = self.query_gain.type_as(x) * rms_norm(F.linear(x, self.query.type_as(x)))
+        k = rms_norm(F.linear(x, self.key.type_as(x)))
+        sink_scores = (q.float() @ self.sink_key.float()) * self.query.shape[0] ** -0.5
+        doc_start = kernels.pointer_document_starts(tokens, BOS_ID)
+        return self.attention_fn(q, k, sink_scores, tokens, next_tokens, doc_start, band)
+
+
+def copy_column(columns):
+    """The <copy> slot's column: its id (full vocabulary), or its index among the sorted
+    candidate `columns` (which hold it: candidate_columns' `always`), as a 0-d tensor."""
+    if columns is None:
+        return POINTER_COPY_ID
+    return torch.searchsorted(columns, torch.tensor(POINTER_COPY_ID, device=columns.device))
+
+
 class GPT(nn.Module):
     """The speedrun GPT on a packed stream of documents.
 
@@ -1478,6 +1510,9 @@ class GPT(nn.Module):
         self.narrow_yarn_short = cfg.narrow_yarn_window == "short"
         self.register_buffer("prefix_table", torch.from_numpy(prefix_token_table()).long(), persistent=False)
         self.canonical_mask = NoncanonicalPairs() if cfg.canonical_mask else None
+        self.pointer = (PointerHead(cfg.model_dim, cfg.pointer_dim, fns.pointer_attention)
+                        if cfg.pointer_mixture else None)
+        self.pointer_band, self.pointer_val_band = cfg.pointer_band, cfg.pointer_val_band
         if cfg.param_dtype == "bfloat16":   # weights, gradient sinks and the sign table; the FP8 states stay fp32
             for module in self.modules():
                 for name, p in module.named_parameters(recurse=False):
@@ -1720,7 +1755,11 @@ class GPT(nn.Module):
         # stored gradient on untouched; elsewhere a hint (the mean's) that any backward may differ from.
         exact = self.training and self.exact_upstream
         upstream = self.loss_unit if exact else 1.0 / x.size(0)
-        if exact and self.fp8_head_loss is not None:   # the logit gradient written once, in FP8
+        if self.pointer is not None:   # the next-token term is the pointer mixture's (plain torch, unfused)
+            p_copy, a_sink = self.pointer(x, tokens, targets[:, 0], self.pointer_band)
+            objective, next_token = kernels.pointer_mixture_cross_entropy(
+                self.head(x, weight), all_targets, target_weights, copy_column(columns), p_copy, a_sink)
+        elif exact and self.fp8_head_loss is not None:   # the logit gradient written once, in FP8
             objective, next_token = self.fp8_head_loss(x.to(torch.bfloat16), weight, self.head_fp8_state,
                                                        all_targets, target_weights, grad_scale=upstream)
         else:
@@ -1735,9 +1774,16 @@ class GPT(nn.Module):
         weight = self.head_weight().type_as(x)
         total = x.new_zeros((), dtype=torch.float32)
         one = torch.ones(1, device=x.device)
+        if self.pointer is not None:
+            p_copy, a_sink = self.pointer(x, tokens, targets[:, 0], self.pointer_val_band)
         for s in range(0, x.size(0), chunk_rows):
             logits = F.linear(x[s:s + chunk_rows], weight)
-            if self.canonical_mask is None:
+            if self.pointer is not None:   # <copy> is no GPT-2 pair's continuation: the mask never hides it
+                z = (kernels.softcap(logits) if self.canonical_mask is None
+                     else self.canonical_mask.masked_logits(logits, tokens[s:s + chunk_rows]))
+                total += kernels.pointer_mixture_nll(z, targets[s:s + chunk_rows, 0], POINTER_COPY_ID,
+                                                     p_copy[s:s + chunk_rows], a_sink[s:s + chunk_rows]).sum()
+            elif self.canonical_mask is None:
                 total += self.cross_entropy_fn(logits, targets[s:s + chunk_rows, :1], one)[0].sum()
             else:
                 total += self.canonical_mask.cross_entropy_sum(logits, tokens[s:s + chunk_rows],
@@ -1812,7 +1858,7 @@ def candidate_start(slice_index, slices):
     return slice_index * PADDED_VOCAB_SIZE // slices
 
 
-def candidate_columns(targets, count, start):
+def candidate_columns(targets, count, start, always=()):
     """Sampled-softmax candidates: `count` sorted vocabulary ids, every distinct target id of the
     batch plus deterministic uniform negatives.
 
@@ -1823,11 +1869,14 @@ def candidate_columns(targets, count, start):
     gets a priority, its position in the walk after `start`, raised by V for non-targets; the
     `count` lowest win. The size is fixed, so the step needs no host sync: if a batch ever had
     more than `count` distinct targets, those latest in the walk would be left out of its softmax.
+    `always`: ids taken as targets are (the pointer mixture's <copy> slot, as PR 379 forces it in).
     """
     V = PADDED_VOCAB_SIZE
     ids = torch.arange(V, device=targets.device)
     walk_position = (ids * CANDIDATE_STRIDE_INVERSE - start) % V
     present = torch.where(targets >= 0, targets, V).flatten()      # absent targets land on a spare slot
+    if len(always):
+        present = torch.cat([present, torch.tensor(always, dtype=present.dtype, device=present.device)])
     is_target = torch.zeros(V + 1, dtype=torch.bool, device=targets.device).index_fill_(0, present, True)[:V]
     priority = walk_position + V * (~is_target)
     return priority.topk(count, largest=False, sorted=False).indices.sort().values
@@ -2121,7 +2170,9 @@ def is_gate(name):
 
 def adam_groups(h, model):
     """Adam's parameter groups, each with its LR, betas and (cautious, lr^2-scaled) weight decay.
-    The head shares the embedding's betas and decay: it starts as a copy of the embedding."""
+    The head shares the embedding's betas and decay: it starts as a copy of the embedding. The
+    pointer head's projections (pointer_mixture) have a group of their own; its sink key and gain
+    are scalars."""
     gates = [p for name, p in model.named_parameters() if is_gate(name) and name != "smear_gate"]
     token_gates = list(model.token_gates.parameters()) if model.token_gates is not None else []
     dense = list(model.dense.parameters()) if model.trunk == "dense" else []
@@ -2141,6 +2192,8 @@ def adam_groups(h, model):
         dict(name="resid_scales", params=resid, lr=h.resid_scale_lr, betas=h.scale_betas, weight_decay=0.0),
         dict(name="post_scales", params=post, lr=h.post_scale_lr, betas=h.scale_betas, weight_decay=0.0),
         dict(name="gates", params=gates, lr=h.gate_lr, betas=h.scalar_betas, weight_decay=h.gate_wd),
+        dict(name="pointer", params=[model.pointer.query, model.pointer.key] if model.pointer is not None else [],
+             lr=h.pointer_lr, betas=h.scalar_betas, weight_decay=0.0),
         *[dict(name=f"{name}{'_weights' if decayed else ''}", lr=lr, betas=h.scalar_betas,
                weight_decay=h.gate_mlp_wd if decayed else 0.0,
                params=[p for p in params if (p.ndim >= 2) == decayed])
@@ -2262,7 +2315,8 @@ def micro_batch_losses(forward, stage, windows, batch: MicroBatch, target_weight
     candidate walk continues, so batch.candidate_start is moved past this step's draw."""
     columns = None
     if stage.candidates:
-        columns = candidate_columns(batch.targets, stage.candidates, batch.candidate_start)
+        always = (POINTER_COPY_ID,) if getattr(forward, "pointer", None) is not None else ()
+        columns = candidate_columns(batch.targets, stage.candidates, batch.candidate_start, always)
         if walk:
             batch.candidate_start.copy_(candidate_walk_after(batch.targets, stage.candidates, batch.candidate_start))
     args = Trainer.attention_args(batch.cu_seqlens, windows)

@@ -25,6 +25,8 @@ class KernelFns:
     # the training objective (kernels.fp8_head_cross_entropy); None: the head, then cross_entropy
     fp8_head_loss: object = None
     ema_update: object = kernels.ema_update_reference_  # fn(ema, weight, rate): a weight average's sample
+    # fn(q, k, sink_scores, tokens, targets, doc_start, band): the pointer mixture's (p_copy, a_sink)
+    pointer_attention: object = kernels.pointer_attention_reference
     triton: bool = False           # the Triton kernels (their JIT, and kernel_choice's selection, in the warm-up)
 
     @property
@@ -74,7 +76,8 @@ def select_kernels(h, device):
         attention = (kernels.flash_attn_varlen if h.attention_impl == "fastest"
                      else functools.partial(kernels.flash_attn_varlen, impl=h.attention_impl))
         return KernelFns(attention, kernels.softcap_cross_entropy, mlp, kernels.xxt, qkv, head,
-                         kernels.qk_norm_rope, kernels.composed_attention, head_loss, kernels.ema_update_, triton=True)
+                         kernels.qk_norm_rope, kernels.composed_attention, head_loss, kernels.ema_update_,
+                         pointer_attention=kernels.pointer_attention, triton=True)
     # Here auto means CPU: the chunked cross-entropy is the kernel's algorithm, ~3x faster than the
     # reference there; `kernels=reference` keeps the plain reference for A/B runs.
     cross_entropy = (kernels.softcap_cross_entropy_reference if h.kernels == "reference"
