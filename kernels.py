@@ -2233,9 +2233,10 @@ def _softcap_tile(x, SOFTCAP: tl.constexpr, SHIFT: tl.constexpr, TEMP: tl.conste
 @triton.jit
 def _softcap_ce_kernel(logits_ptr, grad_ptr, targets_ptr, weights_ptr, loss_ptr, next_loss_ptr, num_cols,
                        stride_lr, stride_gr, stride_tr, grad_scale_ptr, q_scale_ptr, amax_ptr,
+                       p_copy_ptr, a_sink_ptr, copy_col_ptr, d_p_copy_ptr, d_a_sink_ptr,
                        NUM_TARGETS: tl.constexpr, TARGETS_PAD: tl.constexpr, SOFTCAP: tl.constexpr,
                        SHIFT: tl.constexpr, TEMP: tl.constexpr, BLOCK_C: tl.constexpr, WITH_GRAD: tl.constexpr,
-                       Q_MAX: tl.constexpr):
+                       Q_MAX: tl.constexpr, MIXTURE: tl.constexpr = False):
     """Loss and logit gradient of one row: z = softcap(x), lse = log sum exp z,
     loss = sum_k w_k (lse - z[t_k]), dloss/dx = (W softmax(z) - sum_k w_k onehot(t_k)) * dz/dx,
     with W = sum of the weights of the targets present among the columns; also the unweighted
@@ -2250,6 +2251,14 @@ def _softcap_ce_kernel(logits_ptr, grad_ptr, targets_ptr, weights_ptr, loss_ptr,
     Two passes over the row: the first sums exp(z - SOFTCAP) (z < SOFTCAP, so no running max is
     needed), the second writes the gradient (WITH_GRAD only). Traffic: the row read twice (the
     second time mostly from L2), the gradient written once, targets and weights read once.
+
+    MIXTURE (the pointer mixture, PR 379): the first target's term is -log p(y) of
+    pointer_mixture_nll, p = p_full(y) (1 - a (1 - a_sink)) / (1 - a) + a p_copy with a =
+    softmax(z)[copy] (column *copy_col_ptr; p_copy, a_sink per row). Its logit gradient is
+    w0 (g_lse softmax + g_y onehot(y) + g_c onehot(copy)) with the row scalars
+    g_y = -p_full B / ((1 - a) p), g_c = -a (p_full a_sink / (1 - a)^2 + p_copy) / p, g_lse = -(g_y + g_c),
+    so the same two passes write it; d loss / d p_copy = -w0 a / p and d loss / d a_sink =
+    -w0 a p_full / ((1 - a) p) are stored per row (for an upstream gradient of 1).
     """
     row = tl.program_id(0).to(tl.int64)
     logits_ptr += row * stride_lr
@@ -2270,12 +2279,36 @@ def _softcap_ce_kernel(logits_ptr, grad_ptr, targets_ptr, weights_ptr, loss_ptr,
     weights = tl.where(present, tl.load(weights_ptr + k, mask=k < NUM_TARGETS, other=0.0), 0.0)
     x_target = tl.load(logits_ptr + targets, mask=present, other=0.0).to(tl.float32)
     z_target = _softcap_tile(x_target, SOFTCAP, SHIFT, TEMP)
-    tl.store(loss_ptr + row, tl.sum(weights * (lse - z_target), axis=0))
-    tl.store(next_loss_ptr + row, tl.sum(tl.where((k == 0) & present, lse - z_target, 0.0), axis=0))
+    hit_weights = weights
+    weight_total = tl.sum(weights, axis=0)
+    if MIXTURE:
+        copy_col = tl.load(copy_col_ptr)
+        alpha = tl.exp(_softcap_tile(tl.load(logits_ptr + copy_col).to(tl.float32), SOFTCAP, SHIFT, TEMP) - lse)
+        present0 = tl.sum(tl.where((k == 0) & present, 1, 0), axis=0) > 0
+        w0 = tl.sum(tl.where(k == 0, weights, 0.0), axis=0)                 # 0 when the first target is absent
+        p_full = tl.exp(tl.sum(tl.where(k == 0, z_target, 0.0), axis=0) - lse)
+        p_copy = tl.load(p_copy_ptr + row)
+        a_sink = tl.load(a_sink_ptr + row)
+        r = 1.0 / (1.0 - alpha)
+        keep = 1.0 - alpha * (1.0 - a_sink)
+        mixed = p_full * r * keep + alpha * p_copy
+        inv = tl.where(present0, 1.0 / mixed, 0.0)
+        nll0 = tl.where(present0, -tl.log(tl.where(present0, mixed, 1.0)), 0.0)
+        g_y = -p_full * r * keep * inv
+        g_c = -alpha * (p_full * a_sink * r * r + p_copy) * inv
+        tl.store(loss_ptr + row, tl.sum(tl.where(k == 0, 0.0, weights * (lse - z_target)), axis=0) + w0 * nll0)
+        tl.store(next_loss_ptr + row, nll0)
+        tl.store(d_p_copy_ptr + row, -w0 * alpha * inv)
+        tl.store(d_a_sink_ptr + row, -w0 * alpha * p_full * r * inv)
+        hit_weights = tl.where(k == 0, -w0 * g_y, weights)
+        weight_total = weight_total - w0 - w0 * (g_y + g_c)
+        copy_weight = -w0 * g_c
+    else:
+        tl.store(loss_ptr + row, tl.sum(weights * (lse - z_target), axis=0))
+        tl.store(next_loss_ptr + row, tl.sum(tl.where((k == 0) & present, lse - z_target, 0.0), axis=0))
     if not WITH_GRAD:
         return
 
-    weight_total = tl.sum(weights, axis=0)
     grad_scale = tl.load(grad_scale_ptr)
     if Q_MAX > 0:
         inv_q_scale = tl.div_rn(1.0, tl.load(q_scale_ptr))
@@ -2284,7 +2317,9 @@ def _softcap_ce_kernel(logits_ptr, grad_ptr, targets_ptr, weights_ptr, loss_ptr,
         mask = start + cols < num_cols
         x = tl.load(logits_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
         z = _softcap_tile(x, SOFTCAP, SHIFT, TEMP)
-        hits = tl.sum(tl.where((start + cols)[:, None] == targets[None, :], weights[None, :], 0.0), axis=1)
+        hits = tl.sum(tl.where((start + cols)[:, None] == targets[None, :], hit_weights[None, :], 0.0), axis=1)
+        if MIXTURE:
+            hits += tl.where(start + cols == copy_col, copy_weight, 0.0)
         grad_z = weight_total * tl.exp(z - lse) - hits
         # dz/dx = SOFTCAP * s (1 - s) / TEMP with s = z / SOFTCAP
         grad = grad_z * z * (1.0 - z / SOFTCAP) / TEMP * grad_scale
@@ -2311,17 +2346,27 @@ def _scale_rows_kernel(x_ptr, factor_ptr, num_cols, stride_xr, BLOCK_C: tl.const
         tl.store(x_ptrs, (x * factor).to(x_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_ce_kernel(logits, targets, weights, grad, grad_scale, q_scale, amax, q_max, config):
+def _launch_ce_kernel(logits, targets, weights, grad, grad_scale, q_scale, amax, q_max, config, mixture=None):
+    """(loss, next_loss), and with `mixture` = (p_copy, a_sink, copy_col) also (d_p_copy, d_a_sink)."""
     N, C = logits.shape
     loss = torch.empty(N, dtype=torch.float32, device=logits.device)
     next_loss = torch.empty(N, dtype=torch.float32, device=logits.device)
+    extra = {}
+    if mixture is not None:
+        d_p_copy, d_a_sink = torch.empty_like(loss), torch.empty_like(loss)
+        extra = dict(p_copy_ptr=mixture[0], a_sink_ptr=mixture[1], copy_col_ptr=mixture[2], d_p_copy_ptr=d_p_copy,
+                     d_a_sink_ptr=d_a_sink, MIXTURE=True)
+    else:
+        extra = dict(p_copy_ptr=loss, a_sink_ptr=loss, copy_col_ptr=loss, d_p_copy_ptr=loss, d_a_sink_ptr=loss)
     _launch(_softcap_ce_kernel, (N,), config,
             logits_ptr=logits, grad_ptr=grad, targets_ptr=targets, weights_ptr=weights, loss_ptr=loss,
             next_loss_ptr=next_loss, num_cols=C, stride_lr=logits.stride(0), stride_gr=grad.stride(0),
             stride_tr=targets.stride(0), grad_scale_ptr=grad_scale, q_scale_ptr=q_scale, amax_ptr=amax,
             NUM_TARGETS=targets.shape[1], TARGETS_PAD=triton.next_power_of_2(targets.shape[1]),
             SOFTCAP=SOFTCAP, SHIFT=SOFTCAP_SHIFT, TEMP=SOFTCAP_TEMP, BLOCK_C=config.block_n,
-            WITH_GRAD=grad.shape[0] > 0, Q_MAX=q_max)
+            WITH_GRAD=grad.shape[0] > 0, Q_MAX=q_max, **extra)
+    if mixture is not None:
+        return loss, next_loss, d_p_copy, d_a_sink
     return loss, next_loss
 
 
@@ -3903,14 +3948,17 @@ def pointer_mixture_nll(z, targets, copy_col, p_copy, a_sink):
     return torch.where(present, -torch.log(torch.where(present, mixed, 1.0)), 0.0)
 
 
-def pointer_mixture_cross_entropy(logits, targets, weights, copy_col, p_copy, a_sink):
+def pointer_mixture_cross_entropy(logits, targets, weights, copy_col, p_copy, a_sink, grad_scale=1.0,
+                                  exact_upstream=False):
     """softcap_cross_entropy_reference with the next-token term (column 0 of targets) replaced by
     the mixture's -log p(y) (pointer_mixture_nll); the other targets (multi-token, prefix) keep
     the softcapped cross-entropy over all C columns, <copy> included (PR 379's default). Returns
     (loss, next_token_loss), (T,) fp32: the weighted sum, and the mixture's next-token loss
     (detached). Plain torch, differentiable in logits, p_copy and a_sink; its logit gradient is
-    w0 (g_lse softmax + g_y [v = y] + g_c [v = copy]) for three row scalars, which a fused
-    cross-entropy could write in its one pass (not done here: it materializes z and its gradient)."""
+    w0 (g_lse softmax + g_y [v = y] + g_c [v = copy]) for three row scalars, which the fused
+    cross-entropy (pointer_mixture_softcap_cross_entropy) writes in its one pass; this reference
+    materializes z and its gradient. grad_scale and exact_upstream: hints, as in
+    softcap_cross_entropy_reference."""
     z = softcap(logits)
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
     present = (targets >= 0) & (targets < z.shape[1])
@@ -3919,3 +3967,140 @@ def pointer_mixture_cross_entropy(logits, targets, weights, copy_col, p_copy, a_
     mixture = pointer_mixture_nll(z, targets[:, 0], copy_col, p_copy.float(), a_sink.float())
     losses = torch.cat([mixture[:, None].to(losses), losses[:, 1:]], dim=1)
     return (losses * weights.to(losses)).sum(dim=1), mixture.detach()
+
+
+# The mixture inside the softcapped cross-entropy kernel (_softcap_ce_kernel's MIXTURE): one pass
+# over the logits as without the pointer, plus two row scalars out.
+
+def _mixture_inputs(p_copy, a_sink, copy_col, device):
+    """(p_copy, a_sink) fp32 contiguous and copy_col as one int32 element on `device` (a number or
+    a 0-d tensor: a captured step reads it on the device)."""
+    col = (copy_col.reshape(1).to(device=device, dtype=torch.int32) if isinstance(copy_col, torch.Tensor)
+           else torch.full((1,), int(copy_col), dtype=torch.int32, device=device))
+    return p_copy.float().contiguous(), a_sink.float().contiguous(), col
+
+
+def _launch_pointer_ce(logits: Tensor, targets: Tensor, weights: Tensor, with_grad: bool, grad_scale: Tensor,
+                       p_copy: Tensor, a_sink: Tensor, copy_col: Tensor,
+                       config: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    N, C = logits.shape
+    grad = torch.empty((N, C) if with_grad else (0, C), dtype=logits.dtype, device=logits.device)
+    loss, next_loss, d_p_copy, d_a_sink = _launch_ce_kernel(logits, targets, weights, grad, grad_scale, weights,
+                                                            weights, 0.0, _config_from_list(config),
+                                                            (p_copy, a_sink, copy_col))
+    return loss, next_loss, grad, d_p_copy, d_a_sink
+
+
+def _launch_pointer_ce_fp8(logits: Tensor, targets: Tensor, weights: Tensor, grad_scale: Tensor, q_scale: Tensor,
+                           amax: Tensor, fp8_dtype: torch.dtype, p_copy: Tensor, a_sink: Tensor, copy_col: Tensor,
+                           config: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grad = torch.empty(logits.shape, dtype=fp8_dtype, device=logits.device)
+    loss, next_loss, d_p_copy, d_a_sink = _launch_ce_kernel(logits, targets, weights, grad, grad_scale, q_scale, amax,
+                                                            _FP8_MAX[fp8_dtype], _config_from_list(config),
+                                                            (p_copy, a_sink, copy_col))
+    return loss, next_loss, grad, d_p_copy, d_a_sink
+
+
+_pointer_ce_op = torch.library.custom_op(f"{_OPS}::pointer_ce", _launch_pointer_ce, mutates_args=())
+_pointer_ce_fp8_op = torch.library.custom_op(f"{_OPS}::pointer_ce_fp8", _launch_pointer_ce_fp8, mutates_args=("amax",))
+
+
+@_pointer_ce_op.register_fake
+def _(logits, targets, weights, with_grad, grad_scale, p_copy, a_sink, copy_col, config):
+    N, C = logits.shape
+    rows = [logits.new_empty(N, dtype=torch.float32) for _ in range(4)]
+    return rows[0], rows[1], logits.new_empty((N, C) if with_grad else (0, C)), rows[2], rows[3]
+
+
+@_pointer_ce_fp8_op.register_fake
+def _(logits, targets, weights, grad_scale, q_scale, amax, fp8_dtype, p_copy, a_sink, copy_col, config):
+    N, C = logits.shape
+    rows = [logits.new_empty(N, dtype=torch.float32) for _ in range(4)]
+    return rows[0], rows[1], logits.new_empty((N, C), dtype=fp8_dtype), rows[2], rows[3]
+
+
+class _PointerMixtureCrossEntropy(torch.autograd.Function):
+    """_SoftcapCrossEntropy with the mixture's next-token term: the forward also stores the
+    loss's derivatives in p_copy and a_sink (per unit upstream gradient), which the backward
+    scales by the upstream gradient."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, weights, p_copy, a_sink, copy_col, grad_scale, config, scale_config,
+                exact_upstream):
+        loss, next_loss, grad, d_p_copy, d_a_sink = _pointer_ce_op(logits, targets, weights, ctx.needs_input_grad[0],
+                                                                   grad_scale, p_copy, a_sink, copy_col, config)
+        ctx.save_for_backward(grad, grad_scale, d_p_copy, d_a_sink)
+        ctx.scale_config, ctx.exact_upstream = scale_config, exact_upstream
+        ctx.mark_non_differentiable(next_loss)
+        return loss, next_loss
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_next_loss):
+        grad, grad_scale, d_p_copy, d_a_sink = ctx.saved_tensors
+        if not ctx.exact_upstream and grad.shape[0]:
+            _scale_rows_op(grad, (grad_loss.float() / grad_scale).contiguous(), ctx.scale_config)
+        upstream = grad_loss.float()
+        return (grad if grad.shape[0] else None, None, None, d_p_copy * upstream, d_a_sink * upstream, None, None,
+                None, None, None)
+
+
+def pointer_mixture_softcap_cross_entropy(logits, targets, weights, copy_col, p_copy, a_sink, config=CROSS_ENTROPY,
+                                          scale_config=CROSS_ENTROPY_SCALE, grad_scale=1.0, exact_upstream=False):
+    """pointer_mixture_cross_entropy by the softcapped cross-entropy kernel (softcap_cross_entropy's
+    arguments and hints, plus the <copy> column and the pointer's (p_copy, a_sink) per row): one
+    pass over the logits as without the pointer; differentiable in logits, p_copy and a_sink."""
+    _check_cross_entropy_inputs(logits.shape, targets, weights, grad_scale)
+    p_copy, a_sink, col = _mixture_inputs(p_copy, a_sink, copy_col, logits.device)
+    return _PointerMixtureCrossEntropy.apply(_last_dim_contiguous(logits), _last_dim_contiguous(targets.long()),
+                                             weights.float().contiguous(), p_copy, a_sink, col,
+                                             device_scalar(grad_scale, logits.device), config.as_list(),
+                                             scale_config.as_list(), bool(exact_upstream))
+
+
+class _FP8HeadPointerMixture(torch.autograd.Function):
+    """_FP8HeadCrossEntropy with the mixture's next-token term (the e5m2 logit gradient written
+    once, in the cross-entropy kernel), and the loss's derivatives in p_copy and a_sink."""
+
+    @staticmethod
+    def forward(ctx, x, weight, state, targets, weights, p_copy, a_sink, copy_col, grad_scale, scales, prims, config,
+                ce_config):
+        logits, saved = _fp8_linear_forward(x, weight, state, scales, prims, config)
+        g_scale, g_amax = _operand_scale(state, FP8_LINEAR_SLOTS, scales.grad_output, "grad_output", FP8_E5M2_MAX,
+                                         None)
+        loss, next_loss, g8, d_p_copy, d_a_sink = _pointer_ce_fp8_op(logits, targets, weights, grad_scale, g_scale,
+                                                                     g_amax, torch.float8_e5m2, p_copy, a_sink,
+                                                                     copy_col, ce_config)
+        ctx.save_for_backward(*saved, g8, transpose(g8), g_scale, d_p_copy, d_a_sink)
+        ctx.prims, ctx.config, ctx.dtypes = prims, config, (x.dtype, weight.dtype)
+        ctx.mark_non_differentiable(next_loss)
+        return loss, next_loss
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_next_loss):
+        *saved, g8, g8_t, g_scale, d_p_copy, d_a_sink = ctx.saved_tensors
+        grad_x, grad_w = _fp8_linear_grads(ctx, saved, g8, g8_t, g_scale)
+        upstream = grad_loss.float()
+        return (grad_x, grad_w, None, None, None, d_p_copy * upstream, d_a_sink * upstream, None, None, None, None,
+                None, None)
+
+
+def fp8_head_pointer_mixture(x, weight, state, targets, weights, copy_col, p_copy, a_sink, grad_scale, config=None,
+                             ce_config=CROSS_ENTROPY, scales=HEAD_SCALES, gemm="fastest", casts="kernel"):
+    """fp8_head_cross_entropy with the pointer mixture's next-token term (PR 379 runs the mixture
+    inside its FP8 cross-entropy so): (loss, next_token_loss), the logit gradient written once in
+    e5m2; differentiable in x, weight, p_copy and a_sink. The caller promises grad_scale as every
+    row's upstream gradient for the logits' gradient (the trainer's objective)."""
+    _check_fp8_state(state, FP8_LINEAR_SLOTS, "new_fp8_linear_state")
+    _check_scales(scales, FP8LinearScales)
+    if not isinstance(scales.grad_output, (Static, Delayed)):
+        raise ValueError("fp8_head_pointer_mixture: the gradient's scale rule must be Static or Delayed")
+    _check_cross_entropy_inputs((x.shape[0], weight.shape[0]), targets, weights, grad_scale)
+    targets = _last_dim_contiguous(targets.long())
+    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        logits = fp8_linear(x, weight, state, config, scales, gemm, casts)
+        return pointer_mixture_softcap_cross_entropy(logits, targets, weights, copy_col, p_copy, a_sink, ce_config,
+                                                     grad_scale=grad_scale, exact_upstream=True)
+    p_copy, a_sink, col = _mixture_inputs(p_copy, a_sink, copy_col, x.device)
+    return _FP8HeadPointerMixture.apply(x, weight, state, targets, weights.float().contiguous(), p_copy, a_sink, col,
+                                        device_scalar(grad_scale, x.device), scales, _PRIMITIVES[gemm, casts], config,
+                                        ce_config.as_list())

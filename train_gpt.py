@@ -1513,6 +1513,7 @@ class GPT(nn.Module):
         self.pointer = (PointerHead(cfg.model_dim, cfg.pointer_dim, fns.pointer_attention)
                         if cfg.pointer_mixture else None)
         self.pointer_band, self.pointer_val_band = cfg.pointer_band, cfg.pointer_val_band
+        self.pointer_cross_entropy_fn, self.fp8_head_pointer_loss = fns.pointer_cross_entropy, fns.fp8_head_pointer_loss
         if cfg.param_dtype == "bfloat16":   # weights, gradient sinks and the sign table; the FP8 states stay fp32
             for module in self.modules():
                 for name, p in module.named_parameters(recurse=False):
@@ -1755,10 +1756,17 @@ class GPT(nn.Module):
         # stored gradient on untouched; elsewhere a hint (the mean's) that any backward may differ from.
         exact = self.training and self.exact_upstream
         upstream = self.loss_unit if exact else 1.0 / x.size(0)
-        if self.pointer is not None:   # the next-token term is the pointer mixture's (plain torch, unfused)
+        if self.pointer is not None:   # the next-token term is the pointer mixture's
             p_copy, a_sink = self.pointer(x, tokens, targets[:, 0], self.pointer_band)
-            objective, next_token = kernels.pointer_mixture_cross_entropy(
-                self.head(x, weight), all_targets, target_weights, copy_column(columns), p_copy, a_sink)
+            copy = copy_column(columns)
+            if exact and self.fp8_head_pointer_loss is not None:
+                objective, next_token = self.fp8_head_pointer_loss(x.to(torch.bfloat16), weight, self.head_fp8_state,
+                                                                   all_targets, target_weights, copy, p_copy, a_sink,
+                                                                   grad_scale=upstream)
+            else:
+                objective, next_token = self.pointer_cross_entropy_fn(self.head(x, weight), all_targets, target_weights,
+                                                                      copy, p_copy, a_sink, grad_scale=upstream,
+                                                                      exact_upstream=exact)
         elif exact and self.fp8_head_loss is not None:   # the logit gradient written once, in FP8
             objective, next_token = self.fp8_head_loss(x.to(torch.bfloat16), weight, self.head_fp8_state,
                                                        all_targets, target_weights, grad_scale=upstream)

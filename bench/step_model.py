@@ -262,6 +262,9 @@ def attention_efficiency(span, backward, structures):
 GEMM_OPS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm", "kernels.fp8_matmul",
             "kernels.fp8_matmul_quant", "kernels.xxt"}
 ATTENTION_OPS = {"kernels.attn_fwd", "kernels.attn_bwd", "kernels.composed_attn_fwd", "kernels.composed_attn_bwd"}
+# the cross-entropy kernels: plain, with the pointer mixture's next-token term, and the backward's row scaling
+CROSS_ENTROPY_OPS = {"kernels.softcap_ce", "kernels.softcap_ce_fp8", "kernels.pointer_ce", "kernels.pointer_ce_fp8",
+                     "kernels.scale_rows_"}
 POINTER_OPS = {"kernels.pointer_fwd", "kernels.pointer_bwd"}   # the pointer mixture's: forward; dQ and dK kernels
 COLLECTIVE_OPS = {"c10d.allreduce_", "c10d._reduce_scatter_base_", "c10d._allgather_base_", "c10d.alltoall_base_",
                   "c10d.reduce_scatter_tensor_coalesced_", "c10d.allgather_into_tensor_coalesced_"}
@@ -625,7 +628,7 @@ def _kernel_op(event, lengths):
     if name in POINTER_OPS:
         return Op(name, "pointer", event.phase, flops=pointer_flops(event, lengths), dtype="bf16",
                   bytes=_read_write_bytes(event), kernels=1 if name.endswith("fwd") else 2, **_storages(event))
-    family = "cross-entropy" if name in ("kernels.softcap_ce", "kernels.softcap_ce_fp8", "kernels.scale_rows_") else "kernel"
+    family = "cross-entropy" if name in CROSS_ENTROPY_OPS else "kernel"
     return Op(name, family, event.phase, bytes=_read_write_bytes(event), **_storages(event))
 
 

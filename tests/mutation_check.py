@@ -61,6 +61,7 @@ HANGUP = ["tests/test_failures.py", "-k", "SIGHUP"]
 POINTER = [STATEMENT, "-k", "pointer"]
 POINTER_KERNEL = ["tests/test_kernels.py", "-k", "pointer"]
 POINTER_TRAINER = ["tests/test_model.py", "-k", "pointer"]
+POINTER_CE = ["tests/test_kernels.py", "-k", "mixture_cross_entropy_kernel"]
 RECORD_SCHEDULES = ["tests/test_record_schedules.py"]
 VALUE_ADAM = ["tests/test_train.py", "-k", "follows_the_tables"]
 MATRIX_SHAPES = ["tests/test_train.py", "-k", "record_banks"]
@@ -714,6 +715,12 @@ MUTATIONS = [
              '        always = ()', POINTER_TRAINER, "a sampled step's candidates may miss the <copy> slot"),
     Mutation('train_gpt.py', '        dict(name="pointer", params=[model.pointer.query, model.pointer.key] if model.pointer is not None else [],',
              '        dict(name="pointer", params=[model.pointer.query] if model.pointer is not None else [],', POINTER_TRAINER, "the pointer's key projection is never updated"),
+    Mutation('kernels.py', '        weight_total = weight_total - w0 - w0 * (g_y + g_c)',
+             '        weight_total = weight_total - w0 * (g_y + g_c)', POINTER_CE, 'the mixture kernel keeps the plain next-token softmax share'),
+    Mutation('kernels.py', '        copy_weight = -w0 * g_c',
+             '        copy_weight = 0.0', POINTER_CE, "the mixture kernel's gradient misses the <copy> column's term"),
+    Mutation('kernels.py', '        tl.store(d_a_sink_ptr + row, -w0 * alpha * p_full * r * inv)',
+             '        tl.store(d_a_sink_ptr + row, -w0 * alpha * p_full * inv)', POINTER_CE, "the mixture kernel's a_sink derivative misses 1 / (1 - a)"),
 ]
 
 

@@ -1935,3 +1935,93 @@ def test_the_pointer_mixture_is_a_distribution_and_its_loss_the_definition():
     plain = torch.where(targets >= 0, torch.logsumexp(z, 1, keepdim=True) - z.gather(1, targets.clamp(min=0)), 0)
     torch.testing.assert_close(next_loss.double(), want0, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss.double(), want0 + (plain[:, 1:] * weights[1:].double()).sum(1), rtol=1e-5, atol=1e-6)
+
+
+def _mixture_inputs(N, C, copy_col, seed):
+    """Logits (fp32, N x C), three targets a row (one absent, one outside the columns, none the
+    <copy> column), weights, and the pointer's (p_copy, a_sink) with p_copy <= 1 - a_sink."""
+    logits, targets, weights, grad_loss = _cross_entropy_inputs(N, C, 3, seed, torch.float32)
+    targets[targets == copy_col] = copy_col + 1
+    g = torch.Generator().manual_seed(seed + 1)
+    a_sink = torch.rand(N, generator=g)
+    p_copy = torch.rand(N, generator=g) * (1 - a_sink)
+    p_copy[::5] = 0.0                  # targets the pointer never saw
+    return logits, targets, weights, grad_loss, p_copy, a_sink
+
+
+def mixture_oracle(logits, targets, weights, copy_col, p_copy, a_sink):
+    """float64 per-row loss from the definition (PR 379's form): the first target's term
+    -log(q(y) (1 + a a_sink / (1 - a)) + a p_copy), q = softmax(softcap(logits)), a = q(copy); the
+    others lse - z; targets outside the columns count 0."""
+    z = 23.0 * torch.sigmoid((logits.double() + 5.0) / 7.5)
+    q = z.softmax(1)
+    alpha = q[:, copy_col]
+    present = (targets >= 0) & (targets < z.shape[1])
+    t = torch.where(present, targets, 0)
+    mixed = q.gather(1, t[:, :1])[:, 0] * (1 + alpha * a_sink / (1 - alpha)) + alpha * p_copy
+    first = torch.where(present[:, 0], -torch.log(torch.where(present[:, 0], mixed, 1.0)), 0.0)
+    rest = torch.where(present[:, 1:], torch.logsumexp(z, 1, keepdim=True) - z.gather(1, t[:, 1:]), 0.0)
+    return first * weights[0] + (rest * weights[1:].double()).sum(1), first
+
+
+@interpreted
+@pytest.mark.parametrize("exact", [False, True])
+def test_the_pointer_mixture_cross_entropy_kernel_matches_float64(exact):
+    """The mixture inside the cross-entropy kernel (MIXTURE): loss, next-token loss, and the
+    gradients of the logits, p_copy and a_sink against the float64 oracle, for an arbitrary
+    upstream gradient (the backward rescales) and for the trainer's own (exact_upstream: the
+    forward's stored gradient handed on); fp32 logits, several column blocks, the <copy> column in
+    the middle of one."""
+    N, C, copy_col = 24, 150, 77
+    logits, targets, weights, grad_loss, p_copy, a_sink = _mixture_inputs(N, C, copy_col, seed=41)
+    if exact:
+        grad_loss = torch.full((N,), 1 / 48)
+    leaves = [t.clone().requires_grad_(True) for t in (logits, p_copy, a_sink)]
+    loss, next_loss = kernels.pointer_mixture_softcap_cross_entropy(
+        leaves[0], targets, weights, copy_col, leaves[1], leaves[2], SMALL_CE, SMALL_CE,
+        grad_scale=1 / 48 if exact else 1.0, exact_upstream=exact)
+    (loss * grad_loss).sum().backward()
+    oracle_leaves = [t.double().requires_grad_(True) for t in (logits, p_copy, a_sink)]
+    want, want_next = mixture_oracle(oracle_leaves[0], targets, weights, copy_col, *oracle_leaves[1:])
+    (want * grad_loss.double()).sum().backward()
+    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(next_loss.double(), want_next.detach(), rtol=1e-5, atol=1e-5)
+    for name, got, oracle in zip(("logits", "p_copy", "a_sink"), leaves, oracle_leaves):
+        atol = 1e-5 * float(oracle.grad.abs().max())
+        torch.testing.assert_close(got.grad.double(), oracle.grad, rtol=1e-4, atol=atol, msg=lambda m: f"{name}: {m}")
+    assert (want_next[targets[:, 0] >= C] == 0).all()
+
+
+@interpreted
+def test_fp8_head_pointer_mixture_is_the_mixture_kernel_on_the_fp8_logits():
+    """The FP8 head and the mixture's cross-entropy in one: the losses and the p_copy and a_sink
+    gradients are the mixture kernel's on the same FP8 logits, bitwise, and the saved e5m2
+    gradient is that kernel's fp32 gradient quantized at the head's static scale."""
+    generator = torch.Generator().manual_seed(43)
+    N, D, C, copy_col = 24, 32, 150, 120
+    x = (torch.randn(N, D, generator=generator) * 3).bfloat16()
+    weight = torch.randn(C, D, generator=generator) * 0.4
+    _, targets, weights, _, p_copy, a_sink = _mixture_inputs(N, C, copy_col, seed=44)
+    states = [kernels.new_fp8_linear_state(), kernels.new_fp8_linear_state()]
+    for state in states:
+        kernels.set_fp8_loss_unit(state, 1 / 48)
+    logits = kernels.fp8_linear(x, weight, states[0], SMALL_MATMUL, scales=kernels.HEAD_SCALES)
+    plain = [t.clone().requires_grad_(True) for t in (p_copy, a_sink)]
+    loss, next_loss = kernels.pointer_mixture_softcap_cross_entropy(logits, targets, weights, copy_col, *plain,
+                                                                    SMALL_CE, grad_scale=1 / 48, exact_upstream=True)
+    (loss.sum() / 48).backward()
+    xs, ws = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    fused_leaves = [t.clone().requires_grad_(True) for t in (p_copy, a_sink)]
+    fused, fused_next = kernels.fp8_head_pointer_mixture(xs, ws, states[1], targets, weights, torch.tensor(copy_col),
+                                                         *fused_leaves, 1 / 48, SMALL_MATMUL, SMALL_CE)
+    assert torch.equal(fused, loss) and torch.equal(fused_next, next_loss)
+    saved = fused.grad_fn.saved_tensors
+    g8, g_scale = saved[-5], saved[-3]
+    _, _, g32, _, _ = kernels._pointer_ce_op(logits.float(), targets, weights, True, torch.tensor([1 / 48]),
+                                             p_copy, a_sink, torch.tensor([copy_col], dtype=torch.int32),
+                                             SMALL_CE.as_list())
+    assert torch.equal(g8.float(), kernels._quantize_reference(g32, g_scale, torch.zeros(1), E5M2).float())
+    (fused.sum() / 48).backward()
+    for a, b in zip(fused_leaves, plain):
+        assert torch.equal(a.grad, b.grad)
+    assert torch.isfinite(xs.grad.float()).all() and xs.grad.abs().sum() > 0 and ws.grad.abs().sum() > 0
