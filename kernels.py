@@ -2236,7 +2236,7 @@ def _softcap_ce_kernel(logits_ptr, grad_ptr, targets_ptr, weights_ptr, loss_ptr,
                        p_copy_ptr, a_sink_ptr, copy_col_ptr, d_p_copy_ptr, d_a_sink_ptr,
                        NUM_TARGETS: tl.constexpr, TARGETS_PAD: tl.constexpr, SOFTCAP: tl.constexpr,
                        SHIFT: tl.constexpr, TEMP: tl.constexpr, BLOCK_C: tl.constexpr, WITH_GRAD: tl.constexpr,
-                       Q_MAX: tl.constexpr, MIXTURE: tl.constexpr = False):
+                       Q_MAX: tl.constexpr, MIXTURE: tl.constexpr):
     """Loss and logit gradient of one row: z = softcap(x), lse = log sum exp z,
     loss = sum_k w_k (lse - z[t_k]), dloss/dx = (W softmax(z) - sum_k w_k onehot(t_k)) * dz/dx,
     with W = sum of the weights of the targets present among the columns; also the unweighted
@@ -2357,7 +2357,8 @@ def _launch_ce_kernel(logits, targets, weights, grad, grad_scale, q_scale, amax,
         extra = dict(p_copy_ptr=mixture[0], a_sink_ptr=mixture[1], copy_col_ptr=mixture[2], d_p_copy_ptr=d_p_copy,
                      d_a_sink_ptr=d_a_sink, MIXTURE=True)
     else:
-        extra = dict(p_copy_ptr=loss, a_sink_ptr=loss, copy_col_ptr=loss, d_p_copy_ptr=loss, d_a_sink_ptr=loss)
+        extra = dict(p_copy_ptr=loss, a_sink_ptr=loss, copy_col_ptr=loss, d_p_copy_ptr=loss, d_a_sink_ptr=loss,
+                     MIXTURE=False)
     _launch(_softcap_ce_kernel, (N,), config,
             logits_ptr=logits, grad_ptr=grad, targets_ptr=targets, weights_ptr=weights, loss_ptr=loss,
             next_loss_ptr=next_loss, num_cols=C, stride_lr=logits.stride(0), stride_gr=grad.stride(0),
