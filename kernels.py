@@ -23,6 +23,8 @@ Families:
                                                                      sparse_adam_rows_reference_
   7. Composed attn    composed_attention                             composed_attention_reference
   8. Weight averages  ema_update_                                    ema_update_reference_
+  9. Pointer mixture  pointer_attention                              pointer_attention_reference;
+                      (the mixture's loss: pointer_mixture_cross_entropy, plain torch)
 
 How the trainer uses the FP8 layers. A module that owns an FP8 weight also owns a small fp32
 state buffer, created once with `new_fp8_linear_state(device)` (a plain linear) or
@@ -2427,9 +2429,10 @@ def _softcap_tile(x, SOFTCAP: tl.constexpr, SHIFT: tl.constexpr, TEMP: tl.conste
 @triton.jit
 def _softcap_ce_kernel(logits_ptr, grad_ptr, targets_ptr, weights_ptr, loss_ptr, next_loss_ptr, num_cols,
                        stride_lr, stride_gr, stride_tr, grad_scale_ptr, q_scale_ptr, amax_ptr,
+                       p_copy_ptr, a_sink_ptr, copy_col_ptr, d_p_copy_ptr, d_a_sink_ptr,
                        NUM_TARGETS: tl.constexpr, TARGETS_PAD: tl.constexpr, SOFTCAP: tl.constexpr,
                        SHIFT: tl.constexpr, TEMP: tl.constexpr, BLOCK_C: tl.constexpr, WITH_GRAD: tl.constexpr,
-                       Q_MAX: tl.constexpr):
+                       Q_MAX: tl.constexpr, MIXTURE: tl.constexpr):
     """Loss and logit gradient of one row: z = softcap(x), lse = log sum exp z,
     loss = sum_k w_k (lse - z[t_k]), dloss/dx = (W softmax(z) - sum_k w_k onehot(t_k)) * dz/dx,
     with W = sum of the weights of the targets present among the columns; also the unweighted
@@ -2444,6 +2447,14 @@ def _softcap_ce_kernel(logits_ptr, grad_ptr, targets_ptr, weights_ptr, loss_ptr,
     Two passes over the row: the first sums exp(z - SOFTCAP) (z < SOFTCAP, so no running max is
     needed), the second writes the gradient (WITH_GRAD only). Traffic: the row read twice (the
     second time mostly from L2), the gradient written once, targets and weights read once.
+
+    MIXTURE (the pointer mixture, PR 379): the first target's term is -log p(y) of
+    pointer_mixture_nll, p = p_full(y) (1 - a (1 - a_sink)) / (1 - a) + a p_copy with a =
+    softmax(z)[copy] (column *copy_col_ptr; p_copy, a_sink per row). Its logit gradient is
+    w0 (g_lse softmax + g_y onehot(y) + g_c onehot(copy)) with the row scalars
+    g_y = -p_full B / ((1 - a) p), g_c = -a (p_full a_sink / (1 - a)^2 + p_copy) / p, g_lse = -(g_y + g_c),
+    so the same two passes write it; d loss / d p_copy = -w0 a / p and d loss / d a_sink =
+    -w0 a p_full / ((1 - a) p) are stored per row (for an upstream gradient of 1).
     """
     row = tl.program_id(0).to(tl.int64)
     logits_ptr += row * stride_lr
@@ -2464,12 +2475,36 @@ def _softcap_ce_kernel(logits_ptr, grad_ptr, targets_ptr, weights_ptr, loss_ptr,
     weights = tl.where(present, tl.load(weights_ptr + k, mask=k < NUM_TARGETS, other=0.0), 0.0)
     x_target = tl.load(logits_ptr + targets, mask=present, other=0.0).to(tl.float32)
     z_target = _softcap_tile(x_target, SOFTCAP, SHIFT, TEMP)
-    tl.store(loss_ptr + row, tl.sum(weights * (lse - z_target), axis=0))
-    tl.store(next_loss_ptr + row, tl.sum(tl.where((k == 0) & present, lse - z_target, 0.0), axis=0))
+    hit_weights = weights
+    weight_total = tl.sum(weights, axis=0)
+    if MIXTURE:
+        copy_col = tl.load(copy_col_ptr)
+        alpha = tl.exp(_softcap_tile(tl.load(logits_ptr + copy_col).to(tl.float32), SOFTCAP, SHIFT, TEMP) - lse)
+        present0 = tl.sum(tl.where((k == 0) & present, 1, 0), axis=0) > 0
+        w0 = tl.sum(tl.where(k == 0, weights, 0.0), axis=0)                 # 0 when the first target is absent
+        p_full = tl.exp(tl.sum(tl.where(k == 0, z_target, 0.0), axis=0) - lse)
+        p_copy = tl.load(p_copy_ptr + row)
+        a_sink = tl.load(a_sink_ptr + row)
+        r = 1.0 / (1.0 - alpha)
+        keep = 1.0 - alpha * (1.0 - a_sink)
+        mixed = p_full * r * keep + alpha * p_copy
+        inv = tl.where(present0, 1.0 / mixed, 0.0)
+        nll0 = tl.where(present0, -tl.log(tl.where(present0, mixed, 1.0)), 0.0)
+        g_y = -p_full * r * keep * inv
+        g_c = -alpha * (p_full * a_sink * r * r + p_copy) * inv
+        tl.store(loss_ptr + row, tl.sum(tl.where(k == 0, 0.0, weights * (lse - z_target)), axis=0) + w0 * nll0)
+        tl.store(next_loss_ptr + row, nll0)
+        tl.store(d_p_copy_ptr + row, -w0 * alpha * inv)
+        tl.store(d_a_sink_ptr + row, -w0 * alpha * p_full * r * inv)
+        hit_weights = tl.where(k == 0, -w0 * g_y, weights)
+        weight_total = weight_total - w0 - w0 * (g_y + g_c)
+        copy_weight = -w0 * g_c
+    else:
+        tl.store(loss_ptr + row, tl.sum(weights * (lse - z_target), axis=0))
+        tl.store(next_loss_ptr + row, tl.sum(tl.where((k == 0) & present, lse - z_target, 0.0), axis=0))
     if not WITH_GRAD:
         return
 
-    weight_total = tl.sum(weights, axis=0)
     grad_scale = tl.load(grad_scale_ptr)
     if Q_MAX > 0:
         inv_q_scale = tl.div_rn(1.0, tl.load(q_scale_ptr))
@@ -2478,7 +2513,9 @@ def _softcap_ce_kernel(logits_ptr, grad_ptr, targets_ptr, weights_ptr, loss_ptr,
         mask = start + cols < num_cols
         x = tl.load(logits_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
         z = _softcap_tile(x, SOFTCAP, SHIFT, TEMP)
-        hits = tl.sum(tl.where((start + cols)[:, None] == targets[None, :], weights[None, :], 0.0), axis=1)
+        hits = tl.sum(tl.where((start + cols)[:, None] == targets[None, :], hit_weights[None, :], 0.0), axis=1)
+        if MIXTURE:
+            hits += tl.where(start + cols == copy_col, copy_weight, 0.0)
         grad_z = weight_total * tl.exp(z - lse) - hits
         # dz/dx = SOFTCAP * s (1 - s) / TEMP with s = z / SOFTCAP
         grad = grad_z * z * (1.0 - z / SOFTCAP) / TEMP * grad_scale
@@ -2505,17 +2542,28 @@ def _scale_rows_kernel(x_ptr, factor_ptr, num_cols, stride_xr, BLOCK_C: tl.const
         tl.store(x_ptrs, (x * factor).to(x_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_ce_kernel(logits, targets, weights, grad, grad_scale, q_scale, amax, q_max, config):
+def _launch_ce_kernel(logits, targets, weights, grad, grad_scale, q_scale, amax, q_max, config, mixture=None):
+    """(loss, next_loss), and with `mixture` = (p_copy, a_sink, copy_col) also (d_p_copy, d_a_sink)."""
     N, C = logits.shape
     loss = torch.empty(N, dtype=torch.float32, device=logits.device)
     next_loss = torch.empty(N, dtype=torch.float32, device=logits.device)
+    extra = {}
+    if mixture is not None:
+        d_p_copy, d_a_sink = torch.empty_like(loss), torch.empty_like(loss)
+        extra = dict(p_copy_ptr=mixture[0], a_sink_ptr=mixture[1], copy_col_ptr=mixture[2], d_p_copy_ptr=d_p_copy,
+                     d_a_sink_ptr=d_a_sink, MIXTURE=True)
+    else:
+        extra = dict(p_copy_ptr=loss, a_sink_ptr=loss, copy_col_ptr=loss, d_p_copy_ptr=loss, d_a_sink_ptr=loss,
+                     MIXTURE=False)
     _launch(_softcap_ce_kernel, (N,), config,
             logits_ptr=logits, grad_ptr=grad, targets_ptr=targets, weights_ptr=weights, loss_ptr=loss,
             next_loss_ptr=next_loss, num_cols=C, stride_lr=logits.stride(0), stride_gr=grad.stride(0),
             stride_tr=targets.stride(0), grad_scale_ptr=grad_scale, q_scale_ptr=q_scale, amax_ptr=amax,
             NUM_TARGETS=targets.shape[1], TARGETS_PAD=triton.next_power_of_2(targets.shape[1]),
             SOFTCAP=SOFTCAP, SHIFT=SOFTCAP_SHIFT, TEMP=SOFTCAP_TEMP, BLOCK_C=config.block_n,
-            WITH_GRAD=grad.shape[0] > 0, Q_MAX=q_max)
+            WITH_GRAD=grad.shape[0] > 0, Q_MAX=q_max, **extra)
+    if mixture is not None:
+        return loss, next_loss, d_p_copy, d_a_sink
     return loss, next_loss
 
 
@@ -3793,3 +3841,480 @@ def ema_update_(ema, weight, rate, config=EMA_UPDATE):
 def ema_update_reference_(ema, weight, rate, config=None):
     _check_ema_inputs(ema, weight)
     return ema.lerp_(weight.float(), rate)
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Pointer mixture: one attention head over the document's earlier tokens, with a sink
+# ---------------------------------------------------------------------------------------------
+#
+# The next-token distribution mixes the LM's softmax with a pointer (PR 379's copy-sink pointer
+# LM). Query i attends to the earlier positions j < i of its own document inside a band (query
+# block b = i // band sees keys from block b - 1 on) and to a learned sink key. Position j
+# proposes its own token, tokens[j]; the pointer's probability of the target y_i is the mass on
+# the positions proposing it, p_copy_i = sum_j a_ij [tokens[j] == y_i], and the sink's mass
+# a_sink_i goes back to the LM. pointer_attention computes (p_copy, a_sink) without the (T, T)
+# score matrix; pointer_mixture_cross_entropy turns them and the logits into the loss.
+
+POINTER_FORWARD = LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)   # block_m queries, block_n keys
+POINTER_BACKWARD_Q = LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+POINTER_BACKWARD_K = LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)  # block_n keys per program
+POINTER_CONFIGS = [value for config in (POINTER_FORWARD, POINTER_BACKWARD_Q, POINTER_BACKWARD_K)
+                   for value in config.as_list()]
+
+
+def pointer_band_start(positions, band):
+    """The first key a query at `positions` may see: block b = position // band sees from block
+    b - 1 on (PR 379's band: whole documents when they are at most `band` tokens)."""
+    return torch.clamp((positions // band - 1) * band, min=0)
+
+
+def pointer_document_starts(tokens, bos):
+    """(T,) int64: the first position of each token's document, a document starting at every
+    `bos` token and at position 0."""
+    T = tokens.shape[0]
+    positions = torch.arange(T, device=tokens.device)
+    starts = (tokens == bos) | (positions == 0)
+    return torch.cummax(torch.where(starts, positions, 0), dim=0).values
+
+
+@triton.jit
+def _pointer_scores(q, k_ptr, keys, key_ok, rows, first_key, scale, D: tl.constexpr):
+    """The (BLOCK_M, BLOCK_N) scores q.k * scale of one key block, -inf where the query may not
+    see the key (j < i, j >= its first visible key)."""
+    k = tl.load(k_ptr + keys.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :], mask=key_ok[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k)) * scale
+    visible = (keys[None, :] < rows[:, None]) & (keys[None, :] >= first_key[:, None]) & key_ok[None, :]
+    return tl.where(visible, s, float("-inf")), k
+
+
+@triton.jit
+def _pointer_fwd_kernel(q_ptr, k_ptr, s0_ptr, tok_ptr, tgt_ptr, doc_ptr, p_ptr, a_ptr, lse_ptr, T, band, scale,
+                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One block of BLOCK_M queries: an online softmax over the key blocks from the block's
+    first visible key to its last query, started at the sink (running max = the sink's score,
+    running sum = 1, so a query with no visible key is all sink), accumulating beside the sum
+    the mass on keys whose token is the query's target. Writes p_copy = that mass / sum, a_sink
+    = exp(s0 - max) / sum and the log-sum-exp for the backward. Traffic: the block's queries once
+    and each visited key block once (D values a key, one token); no score matrix in memory."""
+    start = tl.program_id(0) * BLOCK_M
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = rows < T
+    q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0)
+    s0 = tl.load(s0_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+    doc = tl.load(doc_ptr + rows, mask=row_ok, other=0)
+    first_key = tl.maximum(doc, tl.maximum((rows // band - 1) * band, 0))
+    lo = (tl.min(tl.where(row_ok, first_key, T), axis=0) // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(start + BLOCK_M, T)
+    m_i = s0
+    l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    hit = tl.zeros([BLOCK_M], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        key_ok = keys < T
+        s, _ = _pointer_scores(q, k_ptr, keys, key_ok, rows, first_key, scale, D)
+        tok = tl.load(tok_ptr + keys, mask=key_ok, other=-2)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        hit = hit * alpha + tl.sum(tl.where(tok[None, :] == tgt[:, None], p, 0.0), axis=1)
+        m_i = m_new
+    tl.store(p_ptr + rows, hit / l_i, mask=row_ok)
+    tl.store(a_ptr + rows, tl.exp(s0 - m_i) / l_i, mask=row_ok)
+    tl.store(lse_ptr + rows, m_i + tl.log(l_i), mask=row_ok)
+
+
+@triton.jit
+def _pointer_dscores(s, lse, tok, tgt, g_p, delta):
+    """dL/ds_ij = a_ij (g_p_i [tokens[j] == y_i] - delta_i), a_ij = exp(s_ij - lse_i), with
+    delta_i = g_p_i p_copy_i + g_a_i a_sink_i (0 where the key is not visible: s = -inf)."""
+    a = tl.exp(s - lse[:, None])
+    hit = tok[None, :] == tgt[:, None]
+    return a * (tl.where(hit, g_p[:, None], 0.0) - delta[:, None])
+
+
+@triton.jit
+def _pointer_bwd_q_kernel(q_ptr, k_ptr, tok_ptr, tgt_ptr, doc_ptr, lse_ptr, gp_ptr, delta_ptr, dq_ptr, T, band, scale,
+                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dq of one query block: the forward's key blocks again, dq_i = scale sum_j dL/ds_ij k_j
+    (the sink's share, through the sink's score, is the caller's). Traffic as the forward's."""
+    start = tl.program_id(0) * BLOCK_M
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = rows < T
+    q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0)
+    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+    doc = tl.load(doc_ptr + rows, mask=row_ok, other=0)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    g_p = tl.load(gp_ptr + rows, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
+    first_key = tl.maximum(doc, tl.maximum((rows // band - 1) * band, 0))
+    lo = (tl.min(tl.where(row_ok, first_key, T), axis=0) // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(start + BLOCK_M, T)
+    dq = tl.zeros([BLOCK_M, D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        key_ok = keys < T
+        s, k = _pointer_scores(q, k_ptr, keys, key_ok, rows, first_key, scale, D)
+        tok = tl.load(tok_ptr + keys, mask=key_ok, other=-2)
+        ds = _pointer_dscores(s, lse, tok, tgt, g_p, delta)
+        dq += tl.dot(ds.to(k.dtype), k)
+    tl.store(dq_ptr + rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :], dq * scale, mask=row_ok[:, None])
+
+
+@triton.jit
+def _pointer_bwd_k_kernel(q_ptr, k_ptr, tok_ptr, tgt_ptr, doc_ptr, end_ptr, lse_ptr, gp_ptr, delta_ptr, dk_ptr, T,
+                          band, scale, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dk of one block of BLOCK_N keys: the query blocks that can see them, from the block's
+    first key to its last key's document end or band end (a key of block c is seen by queries
+    up to block c + 1), dk_j = scale sum_i dL/ds_ij q_i. Traffic: the block's keys once, each
+    visited query block's queries and row statistics once."""
+    start = tl.program_id(0) * BLOCK_N
+    keys = start + tl.arange(0, BLOCK_N)
+    key_ok = keys < T
+    k = tl.load(k_ptr + keys.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :], mask=key_ok[:, None], other=0.0)
+    tok = tl.load(tok_ptr + keys, mask=key_ok, other=-2)
+    last = tl.minimum(start + BLOCK_N, T) - 1
+    hi = tl.minimum(tl.minimum(tl.load(end_ptr + last), (last // band + 2) * band), T)
+    lo = (start // BLOCK_M) * BLOCK_M
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    for m0 in range(lo, hi, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < T
+        q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :], mask=row_ok[:, None],
+                    other=0.0)
+        tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+        doc = tl.load(doc_ptr + rows, mask=row_ok, other=T)
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        g_p = tl.load(gp_ptr + rows, mask=row_ok, other=0.0)
+        delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
+        first_key = tl.maximum(doc, tl.maximum((rows // band - 1) * band, 0))
+        s = tl.dot(q, tl.trans(k)) * scale
+        visible = (keys[None, :] < rows[:, None]) & (keys[None, :] >= first_key[:, None]) & key_ok[None, :] \
+            & row_ok[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        ds = _pointer_dscores(s, lse, tok, tgt, g_p, delta)
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    tl.store(dk_ptr + keys.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :], dk * scale, mask=key_ok[:, None])
+
+
+def _pointer_configs(configs):
+    """(forward, backward dQ, backward dK) launch configs from their flat list."""
+    return _configs_from_list(configs, 3)
+
+
+def _launch_pointer_fwd(q: Tensor, k: Tensor, s0: Tensor, tokens: Tensor, targets: Tensor, doc: Tensor, band: int,
+                        configs: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    config = _pointer_configs(configs)[0]
+    T, D = q.shape
+    p, a, lse = (torch.empty(T, dtype=torch.float32, device=q.device) for _ in range(3))
+    _launch(_pointer_fwd_kernel, (triton.cdiv(T, config.block_m),), config, q_ptr=q, k_ptr=k, s0_ptr=s0,
+            tok_ptr=tokens, tgt_ptr=targets, doc_ptr=doc, p_ptr=p, a_ptr=a, lse_ptr=lse, T=T, band=band,
+            scale=D ** -0.5, D=D, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
+    return p, a, lse
+
+
+def _launch_pointer_bwd(q: Tensor, k: Tensor, tokens: Tensor, targets: Tensor, doc: Tensor, doc_end: Tensor,
+                        lse: Tensor, g_p: Tensor, delta: Tensor, band: int,
+                        configs: list[int]) -> tuple[Tensor, Tensor]:
+    _, q_config, k_config = _pointer_configs(configs)
+    T, D = q.shape
+    dq = torch.empty(T, D, dtype=torch.float32, device=q.device)
+    dk = torch.empty_like(dq)
+    common = dict(q_ptr=q, k_ptr=k, tok_ptr=tokens, tgt_ptr=targets, doc_ptr=doc, lse_ptr=lse, gp_ptr=g_p,
+                  delta_ptr=delta, T=T, band=band, scale=D ** -0.5, D=D)
+    _launch(_pointer_bwd_q_kernel, (triton.cdiv(T, q_config.block_m),), q_config, dq_ptr=dq,
+            BLOCK_M=q_config.block_m, BLOCK_N=q_config.block_n, **common)
+    _launch(_pointer_bwd_k_kernel, (triton.cdiv(T, k_config.block_n),), k_config, end_ptr=doc_end, dk_ptr=dk,
+            BLOCK_M=k_config.block_m, BLOCK_N=k_config.block_n, **common)
+    return dq, dk
+
+
+_pointer_fwd_op = torch.library.custom_op(f"{_OPS}::pointer_fwd", _launch_pointer_fwd, mutates_args=())
+_pointer_bwd_op = torch.library.custom_op(f"{_OPS}::pointer_bwd", _launch_pointer_bwd, mutates_args=())
+
+
+@_pointer_fwd_op.register_fake
+def _(q, k, s0, tokens, targets, doc, band, configs):
+    return tuple(q.new_empty(q.shape[0], dtype=torch.float32) for _ in range(3))
+
+
+@_pointer_bwd_op.register_fake
+def _(q, k, tokens, targets, doc, doc_end, lse, g_p, delta, band, configs):
+    return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape, dtype=torch.float32)
+
+
+class _PointerAttention(torch.autograd.Function):
+    """Differentiable pointer attention: the forward saves each query's log-sum-exp (sink
+    included), the backward recomputes the scores tile by tile. With delta_i = g_p_i p_i + g_a_i a_i:
+    dL/ds0_i = a_i (g_a_i - delta_i) (the sink's score), dq and dk from the kernels."""
+
+    @staticmethod
+    def forward(ctx, q, k, s0, tokens, targets, doc, doc_end, band, configs):
+        p, a, lse = _pointer_fwd_op(q, k, s0, tokens, targets, doc, band, configs)
+        ctx.save_for_backward(q, k, tokens, targets, doc, doc_end, lse, p, a)
+        ctx.args = (band, configs)
+        return p, a
+
+    @staticmethod
+    def backward(ctx, g_p, g_a):
+        q, k, tokens, targets, doc, doc_end, lse, p, a = ctx.saved_tensors
+        g_p = torch.zeros_like(p) if g_p is None else g_p.float().contiguous()
+        g_a = torch.zeros_like(a) if g_a is None else g_a.float().contiguous()
+        delta = (g_p * p + g_a * a).contiguous()
+        dq, dk = _pointer_bwd_op(q, k, tokens, targets, doc, doc_end, lse, g_p, delta, *ctx.args)
+        return dq.to(q.dtype), dk.to(k.dtype), a * (g_a - delta), None, None, None, None, None, None
+
+
+def _check_pointer_inputs(q, k, sink_scores, tokens, targets, doc_start, band):
+    if q.dim() != 2 or k.shape != q.shape or q.dtype != k.dtype:
+        raise ValueError(f"pointer_attention needs q and k (T, D) of one dtype; got {tuple(q.shape)} {q.dtype} and "
+                         f"{tuple(k.shape)} {k.dtype}")
+    T = q.shape[0]
+    if any(t.shape != (T,) for t in (sink_scores, tokens, targets, doc_start)):
+        raise ValueError("pointer_attention needs sink_scores, tokens, targets and doc_start of shape (T,)")
+    if band < 1:
+        raise ValueError(f"pointer_attention needs a band of at least one token; got {band}")
+
+
+def pointer_attention(q, k, sink_scores, tokens, targets, doc_start, band, configs=None):
+    """(p_copy, a_sink), both (T,) fp32, differentiable in q, k and sink_scores (see
+    pointer_attention_reference for the semantics), by the flash-style Triton kernels: no (T, T)
+    scores in memory. q, k (T, D) of one dtype, D a power of two >= 16; sink_scores (T,) fp32, the
+    sink's scaled scores; tokens, targets (T,) ints (-1: no target); doc_start (T,) the first
+    position of each token's document (pointer_document_starts); band in tokens. configs: the
+    three launch configs, flattened (default POINTER_CONFIGS)."""
+    _check_pointer_inputs(q, k, sink_scores, tokens, targets, doc_start, band)
+    T = q.shape[0]
+    doc = doc_start.to(torch.int32).contiguous()
+    positions = torch.arange(T, device=q.device, dtype=torch.int32)
+    is_start = doc == positions
+    # one past each token's document: the next start after it (searchsorted over the starts' positions)
+    starts = torch.where(is_start, positions, T).sort().values
+    doc_end = starts[torch.searchsorted(starts, positions, right=True).clamp(max=T - 1)].to(torch.int32)
+    doc_end = torch.where(doc_end > positions, doc_end, T).contiguous()
+    return _PointerAttention.apply(_last_dim_contiguous(q), _last_dim_contiguous(k), sink_scores.float().contiguous(),
+                                   tokens.to(torch.int32).contiguous(), targets.to(torch.int32).contiguous(), doc,
+                                   doc_end, int(band), list(configs or POINTER_CONFIGS))
+
+
+def pointer_attention_reference(q, k, sink_scores, tokens, targets, doc_start, band, configs=None):
+    """(p_copy, a_sink), both (T,) fp32 (float64 for float64 inputs), in plain torch.
+
+    Scores s_ij = q_i . k_j / sqrt(D) for the keys query i may see: j < i, j >= doc_start[i] (its
+    own document), j >= pointer_band_start(i, band); and the sink's sink_scores[i]. a = softmax
+    over those and the sink; p_copy_i = sum_j a_ij [tokens[j] == targets[i]], a_sink_i the sink's
+    share. Computed band by band: the queries of block b against the keys of blocks b - 1 and b
+    ((band, 2 band) scores at a time), so memory grows with T x band, not T^2."""
+    _check_pointer_inputs(q, k, sink_scores, tokens, targets, doc_start, band)
+    T, D = q.shape
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, s0 = q.to(dtype), k.to(dtype), sink_scores.to(dtype)
+    L = int(band)
+    blocks = -(-T // L)
+    pad = blocks * L - T
+    positions = torch.arange(blocks * L, device=q.device)
+
+    def padded(x, value):
+        return torch.cat([x, x.new_full((pad, *x.shape[1:]), value)]) if pad else x
+    qb = padded(q, 0.0).view(blocks, L, D)
+    kb = torch.cat([k.new_zeros(L, D), padded(k, 0.0)]).unfold(0, 2 * L, L).transpose(1, 2)     # (blocks, 2L, D)
+    key_pos = torch.cat([positions.new_full((L,), -1), positions]).unfold(0, 2 * L, L)          # (blocks, 2L)
+    key_tok = torch.cat([tokens.new_full((L,), -2), padded(tokens, -2)]).unfold(0, 2 * L, L)
+    first = padded(torch.maximum(doc_start.long(), pointer_band_start(positions[:T], L)), 0).view(blocks, L, 1)
+    qpos = positions.view(blocks, L, 1)
+    visible = (key_pos[:, None, :] < qpos) & (key_pos[:, None, :] >= first)
+    scores = torch.where(visible, qb @ kb.transpose(1, 2) * D ** -0.5, float("-inf"))
+    s0b = padded(s0, 0.0).view(blocks, L, 1)
+    top = torch.maximum(scores.amax(-1, keepdim=True), s0b).detach()
+    e = torch.exp(scores - top)
+    e0 = torch.exp(s0b - top)
+    total = e.sum(-1, keepdim=True) + e0
+    hit = key_tok[:, None, :] == padded(targets, -1).view(blocks, L, 1)
+    p_copy = (torch.where(hit, e, 0.0).sum(-1, keepdim=True) / total).reshape(-1)[:T]
+    a_sink = (e0 / total).reshape(-1)[:T]
+    return p_copy, a_sink
+
+
+def pointer_mixture_nll(z, targets, copy_col, p_copy, a_sink):
+    """(T,) -log p(y) of the mixture, from softcapped logits z (T, C) whose column copy_col (an
+    int or a 0-d int tensor) is the <copy> slot: the gate alpha = softmax(z)[copy], the LM over
+    the other columns p_lm(y) = softmax of z without the copy column, and
+        p(y) = p_lm(y) (1 - alpha (1 - a_sink)) + alpha p_copy,
+    which sums to 1 over the vocabulary (PR 379's mixture). targets (T,) column indices; a row
+    whose target is outside [0, C) gets 0."""
+    columns = torch.arange(z.shape[1], device=z.device)
+    is_copy = columns == copy_col
+    lse = torch.logsumexp(z, dim=-1)
+    lse_lm = torch.logsumexp(z.masked_fill(is_copy, float("-inf")), dim=-1)
+    alpha = torch.exp((z * is_copy).sum(-1) - lse)
+    present = (targets >= 0) & (targets < z.shape[1])
+    z_target = z.gather(1, torch.where(present, targets, 0)[:, None])[:, 0]
+    p_lm = torch.exp(z_target - lse_lm)
+    mixed = p_lm * (1.0 - alpha * (1.0 - a_sink)) + alpha * p_copy
+    return torch.where(present, -torch.log(torch.where(present, mixed, 1.0)), 0.0)
+
+
+def pointer_mixture_cross_entropy(logits, targets, weights, copy_col, p_copy, a_sink, grad_scale=1.0,
+                                  exact_upstream=False):
+    """softcap_cross_entropy_reference with the next-token term (column 0 of targets) replaced by
+    the mixture's -log p(y) (pointer_mixture_nll); the other targets (multi-token, prefix) keep
+    the softcapped cross-entropy over all C columns, <copy> included (PR 379's default). Returns
+    (loss, next_token_loss), (T,) fp32: the weighted sum, and the mixture's next-token loss
+    (detached). Plain torch, differentiable in logits, p_copy and a_sink; its logit gradient is
+    w0 (g_lse softmax + g_y [v = y] + g_c [v = copy]) for three row scalars, which the fused
+    cross-entropy (pointer_mixture_softcap_cross_entropy) writes in its one pass; this reference
+    materializes z and its gradient. grad_scale and exact_upstream: hints, as in
+    softcap_cross_entropy_reference."""
+    z = softcap(logits)
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    present = (targets >= 0) & (targets < z.shape[1])
+    picked = z.gather(1, torch.where(present, targets, 0))
+    losses = torch.where(present, lse - picked, torch.zeros_like(picked))
+    mixture = pointer_mixture_nll(z, targets[:, 0], copy_col, p_copy.float(), a_sink.float())
+    losses = torch.cat([mixture[:, None].to(losses), losses[:, 1:]], dim=1)
+    return (losses * weights.to(losses)).sum(dim=1), mixture.detach()
+
+
+# The mixture inside the softcapped cross-entropy kernel (_softcap_ce_kernel's MIXTURE): one pass
+# over the logits as without the pointer, plus two row scalars out.
+
+def _mixture_inputs(p_copy, a_sink, copy_col, device):
+    """(p_copy, a_sink) fp32 contiguous and copy_col as one int32 element on `device` (a number or
+    a 0-d tensor: a captured step reads it on the device)."""
+    col = (copy_col.reshape(1).to(device=device, dtype=torch.int32) if isinstance(copy_col, torch.Tensor)
+           else torch.full((1,), int(copy_col), dtype=torch.int32, device=device))
+    return p_copy.float().contiguous(), a_sink.float().contiguous(), col
+
+
+def _launch_pointer_ce(logits: Tensor, targets: Tensor, weights: Tensor, with_grad: bool, grad_scale: Tensor,
+                       p_copy: Tensor, a_sink: Tensor, copy_col: Tensor,
+                       config: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    N, C = logits.shape
+    grad = torch.empty((N, C) if with_grad else (0, C), dtype=logits.dtype, device=logits.device)
+    loss, next_loss, d_p_copy, d_a_sink = _launch_ce_kernel(logits, targets, weights, grad, grad_scale, weights,
+                                                            weights, 0.0, _config_from_list(config),
+                                                            (p_copy, a_sink, copy_col))
+    return loss, next_loss, grad, d_p_copy, d_a_sink
+
+
+def _launch_pointer_ce_fp8(logits: Tensor, targets: Tensor, weights: Tensor, grad_scale: Tensor, q_scale: Tensor,
+                           amax: Tensor, fp8_dtype: torch.dtype, p_copy: Tensor, a_sink: Tensor, copy_col: Tensor,
+                           config: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grad = torch.empty(logits.shape, dtype=fp8_dtype, device=logits.device)
+    loss, next_loss, d_p_copy, d_a_sink = _launch_ce_kernel(logits, targets, weights, grad, grad_scale, q_scale, amax,
+                                                            _FP8_MAX[fp8_dtype], _config_from_list(config),
+                                                            (p_copy, a_sink, copy_col))
+    return loss, next_loss, grad, d_p_copy, d_a_sink
+
+
+_pointer_ce_op = torch.library.custom_op(f"{_OPS}::pointer_ce", _launch_pointer_ce, mutates_args=())
+_pointer_ce_fp8_op = torch.library.custom_op(f"{_OPS}::pointer_ce_fp8", _launch_pointer_ce_fp8, mutates_args=("amax",))
+
+
+@_pointer_ce_op.register_fake
+def _(logits, targets, weights, with_grad, grad_scale, p_copy, a_sink, copy_col, config):
+    N, C = logits.shape
+    rows = [logits.new_empty(N, dtype=torch.float32) for _ in range(4)]
+    return rows[0], rows[1], logits.new_empty((N, C) if with_grad else (0, C)), rows[2], rows[3]
+
+
+@_pointer_ce_fp8_op.register_fake
+def _(logits, targets, weights, grad_scale, q_scale, amax, fp8_dtype, p_copy, a_sink, copy_col, config):
+    N, C = logits.shape
+    rows = [logits.new_empty(N, dtype=torch.float32) for _ in range(4)]
+    return rows[0], rows[1], logits.new_empty((N, C), dtype=fp8_dtype), rows[2], rows[3]
+
+
+class _PointerMixtureCrossEntropy(torch.autograd.Function):
+    """_SoftcapCrossEntropy with the mixture's next-token term: the forward also stores the
+    loss's derivatives in p_copy and a_sink (per unit upstream gradient), which the backward
+    scales by the upstream gradient."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, weights, p_copy, a_sink, copy_col, grad_scale, config, scale_config,
+                exact_upstream):
+        loss, next_loss, grad, d_p_copy, d_a_sink = _pointer_ce_op(logits, targets, weights, ctx.needs_input_grad[0],
+                                                                   grad_scale, p_copy, a_sink, copy_col, config)
+        ctx.save_for_backward(grad, grad_scale, d_p_copy, d_a_sink)
+        ctx.scale_config, ctx.exact_upstream = scale_config, exact_upstream
+        ctx.mark_non_differentiable(next_loss)
+        return loss, next_loss
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_next_loss):
+        grad, grad_scale, d_p_copy, d_a_sink = ctx.saved_tensors
+        if not ctx.exact_upstream and grad.shape[0]:
+            _scale_rows_op(grad, (grad_loss.float() / grad_scale).contiguous(), ctx.scale_config)
+        upstream = grad_loss.float()
+        return (grad if grad.shape[0] else None, None, None, d_p_copy * upstream, d_a_sink * upstream, None, None,
+                None, None, None)
+
+
+def pointer_mixture_softcap_cross_entropy(logits, targets, weights, copy_col, p_copy, a_sink, config=CROSS_ENTROPY,
+                                          scale_config=CROSS_ENTROPY_SCALE, grad_scale=1.0, exact_upstream=False):
+    """pointer_mixture_cross_entropy by the softcapped cross-entropy kernel (softcap_cross_entropy's
+    arguments and hints, plus the <copy> column and the pointer's (p_copy, a_sink) per row): one
+    pass over the logits as without the pointer; differentiable in logits, p_copy and a_sink."""
+    _check_cross_entropy_inputs(logits.shape, targets, weights, grad_scale)
+    p_copy, a_sink, col = _mixture_inputs(p_copy, a_sink, copy_col, logits.device)
+    return _PointerMixtureCrossEntropy.apply(_last_dim_contiguous(logits), _last_dim_contiguous(targets.long()),
+                                             weights.float().contiguous(), p_copy, a_sink, col,
+                                             device_scalar(grad_scale, logits.device), config.as_list(),
+                                             scale_config.as_list(), bool(exact_upstream))
+
+
+class _FP8HeadPointerMixture(torch.autograd.Function):
+    """_FP8HeadCrossEntropy with the mixture's next-token term (the e5m2 logit gradient written
+    once, in the cross-entropy kernel), and the loss's derivatives in p_copy and a_sink; with
+    sample_rows the weight gradient sampled as _FP8HeadCrossEntropy samples it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, state, targets, weights, p_copy, a_sink, copy_col, grad_scale, scales, prims, config,
+                ce_config, sample_rows=None, stride=1):
+        logits, saved = _fp8_linear_forward(x, weight, state, scales, prims, config)
+        g_scale, g_amax = _operand_scale(state, FP8_LINEAR_SLOTS, scales.grad_output, "grad_output", FP8_E5M2_MAX,
+                                         None)
+        loss, next_loss, g8, d_p_copy, d_a_sink = _pointer_ce_fp8_op(logits, targets, weights, grad_scale, g_scale,
+                                                                     g_amax, torch.float8_e5m2, p_copy, a_sink,
+                                                                     copy_col, ce_config)
+        if sample_rows is None:
+            g8_t = transpose(g8)
+        else:
+            saved = (_gather_columns(saved[0], sample_rows), *saved[1:])
+            g8_t = transpose(_gather_rows(g8, sample_rows))
+        ctx.save_for_backward(*saved, g8, g8_t, g_scale, d_p_copy, d_a_sink)
+        ctx.prims, ctx.config, ctx.dtypes, ctx.stride = prims, config, (x.dtype, weight.dtype), stride
+        ctx.mark_non_differentiable(next_loss)
+        return loss, next_loss
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_next_loss):
+        *saved, g8, g8_t, g_scale, d_p_copy, d_a_sink = ctx.saved_tensors
+        grad_x, grad_w = _fp8_linear_grads(ctx, saved, g8, g8_t, g_scale, ctx.stride)
+        upstream = grad_loss.float()
+        return (grad_x, grad_w, None, None, None, d_p_copy * upstream, d_a_sink * upstream, None, None, None, None,
+                None, None, None, None)
+
+
+def fp8_head_pointer_mixture(x, weight, state, targets, weights, copy_col, p_copy, a_sink, grad_scale, config=None,
+                             ce_config=CROSS_ENTROPY, scales=HEAD_SCALES, gemm="fastest", casts="kernel", sample=None):
+    """fp8_head_cross_entropy with the pointer mixture's next-token term (PR 379 runs the mixture
+    inside its FP8 cross-entropy so): (loss, next_token_loss), the logit gradient written once in
+    e5m2; differentiable in x, weight, p_copy and a_sink. The caller promises grad_scale as every
+    row's upstream gradient for the logits' gradient (the trainer's objective). sample: the sampled
+    weight gradient, as in fp8_linear."""
+    _check_fp8_state(state, FP8_LINEAR_SLOTS, "new_fp8_linear_state")
+    _check_scales(scales, FP8LinearScales)
+    if not isinstance(scales.grad_output, (Static, Delayed)):
+        raise ValueError("fp8_head_pointer_mixture: the gradient's scale rule must be Static or Delayed")
+    _check_cross_entropy_inputs((x.shape[0], weight.shape[0]), targets, weights, grad_scale)
+    targets = _last_dim_contiguous(targets.long())
+    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        logits = fp8_linear(x, weight, state, config, scales, gemm, casts)
+        return pointer_mixture_softcap_cross_entropy(logits, targets, weights, copy_col, p_copy, a_sink, ce_config,
+                                                     grad_scale=grad_scale, exact_upstream=True)
+    p_copy, a_sink, col = _mixture_inputs(p_copy, a_sink, copy_col, x.device)
+    return _FP8HeadPointerMixture.apply(x, weight, state, targets, weights.float().contiguous(), p_copy, a_sink, col,
+                                        device_scalar(grad_scale, x.device), scales, _PRIMITIVES[gemm, casts], config,
+                                        ce_config.as_list(), *_sample_args(sample))

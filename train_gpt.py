@@ -15,7 +15,8 @@ evaluation/ (a checkpoint's validation, sampling, downstream tasks), records/log
     python -m torch.distributed.run --standalone --nproc_per_node=8 train_gpt.py --preset speedrun
     python train_gpt.py --preset cpu --num_iterations=50 --seed=1   # any config key: --key=value
 
-Presets: `speedrun` (8 GPUs), `1gpu` (the same global batch on fewer GPUs by gradient
+Presets: `speedrun` (8 GPUs), `frontier` (speedrun with the open pull requests' techniques: a stack
+no run has measured), `1gpu` (the same global batch on fewer GPUs by gradient
 accumulation: on one, the n-gram table in host memory; with --ngram_cache_rows=0, split across
 2 or 4), `1gpu_24gb` (one 24 GB card: a smaller table, 4 micro-batches a slice), `cpu` (the CPU
 track), `record89` (a control run), `medium` (the GPT-2 medium track), `optimization` (the
@@ -57,7 +58,8 @@ from data.tokenizer import BOS_ID, noncanonical_pairs, normalized_tokens, prefix
 from machinery import backward_windows, config, kernel_choice, memory_budget, metrics, resume
 from machinery.checkpoint import save_checkpoint, send_table_shard, split_ngram_table
 from machinery.config import (FINAL_MIX_GROUPS, MAX_TARGETS, MODEL_FIELDS, PADDED_VOCAB_SIZE,
-                              SMEAR_GATE_DIMS, VOCAB_SIZE, WINDOW_BLOCK, Average, ConfigError, Hyperparameters,
+                              POINTER_COPY_ID, SMEAR_GATE_DIMS, VOCAB_SIZE, WINDOW_BLOCK, Average, ConfigError,
+                              Hyperparameters,
                               ModelConfig, Stage, TablePhase, config_to_dict, head_dims, injection_layers,
                               value_embed_tables, value_embed_width)
 from machinery.cpu_runtime import bf16_gemm_path, bf16_gemms, cpu_has_native_bf16
@@ -88,17 +90,21 @@ def _project_rules(h):
     the record's (docs/recipe.md's fidelity table compares them)."""
     h.target_rule, h.attention_segment_tokens = "document", 0
     h.paired_head_layout, h.window_edge_key, h.attn_out_init, h.narrow_yarn_window = "adjacent", False, "zero", "long"
-    h.cross_documents, h.table_hashes, h.ngram_normalized = False, "project", False
+    h.cross_documents, h.table_hashes = False, "project"
     h.mlp_free_layers, h.x0_layers, h.hashed_layers = (), None, None
     h.final_mix, h.value_embed_full_width = "record89", False
-    _exact_backward(h)
+    _past_record_92_off(h)
 
 
-def _exact_backward(h):
-    """PR 371's approximate backward off (docs/recipe.md's techniques off in every preset): the
-    head's weight gradient and the attention backward exact on every step."""
+def _past_record_92_off(h):
+    """The open pull requests' techniques off (docs/recipe.md's techniques off in every preset but
+    frontier): the n-gram hashes read the tokens as they are (PR 375's normalization), the head's
+    weight gradient and the attention backward exact on every step (PR 371), no pointer mixture
+    (PR 379; its head's size, bands and LR at PR 379's values)."""
+    h.ngram_normalized = False
     h.head_grad_stride, h.head_grad_start, h.approx_exact_last_steps = 1, 0, 0
     h.attn_bwd_windows, h.attn_bwd_error_bound, h.attn_bwd_choice_steps, h.attn_bwd_start = (), 0.2, (), 0
+    h.pointer_mixture, h.pointer_dim, h.pointer_band, h.pointer_val_band, h.pointer_lr = False, 128, 2048, 8192, 0.008
 
 
 def _shared_constants(h):
@@ -244,7 +250,7 @@ def _speedrun_preset(h):
     attention and MLP, and the layer keeps its two residual scales and its x0 injection.
     docs/recipe.md compares it with record 92's code part by part and lists what still differs."""
     h.track = "track_1_short"
-    _exact_backward(h)             # PR 371's approximate backward: off, the record's exact backward
+    _past_record_92_off(h)
     # data: FineWeb's GPT-2 tokens, judged on the first 10,485,760 of the val shard
     h.train_files = "data/fineweb10B/fineweb_train_*.bin"
     h.val_files = "data/fineweb10B/fineweb_val_*.bin"
@@ -266,7 +272,6 @@ def _speedrun_preset(h):
     # record 89's features, on the layers that still have attention
     h.smear_gate, h.key_offset = True, True
     h.cross_documents, h.table_hashes = True, "record"  # the smear, key offset and hashes see the slice, not documents
-    h.ngram_normalized = False     # the hashes read the tokens as they are
     h.num_value_embeds, h.value_embed_layers = 0, (1, 2, 8, 10)  # record 89's, but 9 (no attention)
     h.value_embed_gate_dim, h.value_embed_gate_reads_value = 12, True  # gates read x[:6] and ve[:6]
     h.xsa_layers = (1, 3)                      # record 89's, but 4 and 7 (no attention)
@@ -361,7 +366,7 @@ def _record89_preset(h):
     sampled softmax, no averages."""
     _shared_constants(h)
     h.track = "track_1_short"
-    _exact_backward(h)
+    _past_record_92_off(h)
     h.train_files = "data/fineweb10B/fineweb_train_*.bin"
     h.val_files = "data/fineweb10B/fineweb_val_*.bin"
     h.val_tokens, h.val_tokens_per_rank, h.batch_ranks = 10_485_760, 262_144, 8  # val_batch_size 4 x 64 x 1024 x 8
@@ -375,7 +380,6 @@ def _record89_preset(h):
     h.attn_scale, h.rope_base, h.yarn_scale_growth = 0.1, 1024.0, 0.2
     h.embed_init_std = 0.005       # the head's init, which the tied embedding copies
     h.smear_gate, h.key_offset, h.cross_documents, h.table_hashes = True, True, True, "record"
-    h.ngram_normalized = False
     h.num_value_embeds, h.value_embed_layers = 0, (1, 2, 8, 9, 10)  # five tables, one per layer
     h.value_embed_gate_dim, h.value_embed_gate_reads_value = 12, True  # gates read x[:6] and ve[:6]
     h.value_embed_sparse = False
@@ -453,10 +457,13 @@ FRONTIER_STEPS = 1050              # PR 379: the steps of the stack's most step-
 
 def _frontier_preset(h):
     """A stack no run has measured: record 92 (speedrun) with the open pull requests' techniques
-    that compose, at FRONTIER_STEPS. PR 375's normalized n-gram hashing and PR 371's sampled head
-    gradient and truncated attention backward change disjoint parts of the step (the table's
-    hashes, the head's weight gradient, the attention backward), so they stack; the run is as
-    long as the one claim that sets it, none of the others' step savings added. The schedules
+    that compose, at FRONTIER_STEPS. PR 379's pointer mixture (the next-token distribution),
+    PR 375's normalized n-gram hashing (the table's hashes) and PR 371's sampled head gradient
+    and truncated attention backward (the head's weight gradient, the attention backward) change
+    disjoint parts of the step, so they stack (the FP8 head samples its weight gradient with the
+    mixture's loss too); PR 378's copy feature, a second way to copy from the document, is not
+    built. The run is as long as PR 379's, the claim that sets it, none of the others' step
+    savings added. The schedules
     that record 92 states as shares of the run (stages, cooldown, untying, ANVIL's ramps) keep
     their shares; PR 371's steps keep their place in the run (scaled_step). docs/recipe.md says
     what each source published and what differs here."""
@@ -464,7 +471,7 @@ def _frontier_preset(h):
     h.track = "none"               # no run of this stack exists: not a record attempt
     record_steps, h.num_iterations = h.num_iterations, FRONTIER_STEPS
     at = functools.partial(scaled_step, record_steps, FRONTIER_STEPS)
-    h.ngram_normalized = True
+    h.ngram_normalized, h.pointer_mixture = True, True
     h.head_grad_stride, h.head_grad_start = PR371_HEAD_GRAD_STRIDE, at(PR371_HEAD_GRAD_START)
     h.attn_bwd_windows, h.attn_bwd_error_bound = PR371_ATTN_BWD_WINDOWS, PR371_ATTN_BWD_ERROR_BOUND
     first = at(PR371_ATTN_BWD_CHOICE_STEPS[0])   # then consecutive choice steps, the truncation right after
@@ -1381,6 +1388,38 @@ def first_rows(t, n):
     return t if t.shape[0] == n else t[:n]
 
 
+class PointerHead(nn.Module):
+    """PR 379's pointer: one attention head over the final hidden state x (normed). Queries
+    q = g rms(x W_q^T) (g a learned gain), keys k = rms(x W_k^T), D = pointer_dim; each query sees
+    the earlier positions of its document inside the band and a learned sink key (its score
+    q . sink / sqrt(D)); position j proposes its token. Returns (p_copy, a_sink) of each position's
+    next-token target (kernels.pointer_attention_reference states the attention).
+    Parameters: 2 D dim + D + 1 (196,737 at D = 128, dim = 768, as PR 379 counts)."""
+
+    def __init__(self, dim, pointer_dim, attention_fn):
+        super().__init__()
+        self.attention_fn = attention_fn
+        self.query = nn.Parameter(torch.randn(pointer_dim, dim) * dim ** -0.5)
+        self.key = nn.Parameter(torch.randn(pointer_dim, dim) * dim ** -0.5)
+        self.sink_key = nn.Parameter(torch.zeros(pointer_dim))
+        self.query_gain = nn.Parameter(torch.ones(()))
+
+    def forward(self, x, tokens, next_tokens, band):
+        q = self.query_gain.type_as(x) * rms_norm(F.linear(x, self.query.type_as(x)))
+        k = rms_norm(F.linear(x, self.key.type_as(x)))
+        sink_scores = (q.float() @ self.sink_key.float()) * self.query.shape[0] ** -0.5
+        doc_start = kernels.pointer_document_starts(tokens, BOS_ID)
+        return self.attention_fn(q, k, sink_scores, tokens, next_tokens, doc_start, band)
+
+
+def copy_column(columns):
+    """The <copy> slot's column: its id (full vocabulary), or its index among the sorted
+    candidate `columns` (which hold it: candidate_columns' `always`), as a 0-d tensor."""
+    if columns is None:
+        return POINTER_COPY_ID
+    return torch.searchsorted(columns, torch.tensor(POINTER_COPY_ID, device=columns.device))
+
+
 class GPT(nn.Module):
     """The speedrun GPT on a packed stream of documents.
 
@@ -1467,6 +1506,10 @@ class GPT(nn.Module):
         self.narrow_yarn_short = cfg.narrow_yarn_window == "short"
         self.register_buffer("prefix_table", torch.from_numpy(prefix_token_table()).long(), persistent=False)
         self.canonical_mask = NoncanonicalPairs() if cfg.canonical_mask else None
+        self.pointer = (PointerHead(cfg.model_dim, cfg.pointer_dim, fns.pointer_attention)
+                        if cfg.pointer_mixture else None)
+        self.pointer_band, self.pointer_val_band = cfg.pointer_band, cfg.pointer_val_band
+        self.pointer_cross_entropy_fn, self.fp8_head_pointer_loss = fns.pointer_cross_entropy, fns.fp8_head_pointer_loss
         if cfg.param_dtype == "bfloat16":   # weights, gradient sinks and the sign table; the FP8 states stay fp32
             for module in self.modules():
                 for name, p in module.named_parameters(recurse=False):
@@ -1736,8 +1779,19 @@ class GPT(nn.Module):
         exact = self.training and self.exact_upstream
         upstream = self.loss_unit if exact else 1.0 / x.size(0)
         sample = self.head_sample(x.size(0))
-        if exact and self.fp8_head_loss is not None:   # the logit gradient written once, in FP8
-            extra = {} if sample is None else {"sample": sample}
+        extra = {} if sample is None else {"sample": sample}
+        if self.pointer is not None:   # the next-token term is the pointer mixture's
+            p_copy, a_sink = self.pointer(x, tokens, targets[:, 0], self.pointer_band)
+            copy = copy_column(columns)
+            if exact and self.fp8_head_pointer_loss is not None:
+                objective, next_token = self.fp8_head_pointer_loss(x.to(torch.bfloat16), weight, self.head_fp8_state,
+                                                                   all_targets, target_weights, copy, p_copy, a_sink,
+                                                                   grad_scale=upstream, **extra)
+            else:
+                objective, next_token = self.pointer_cross_entropy_fn(self.head(x, weight, sample), all_targets,
+                                                                      target_weights, copy, p_copy, a_sink,
+                                                                      grad_scale=upstream, exact_upstream=exact)
+        elif exact and self.fp8_head_loss is not None:   # the logit gradient written once, in FP8
             objective, next_token = self.fp8_head_loss(x.to(torch.bfloat16), weight, self.head_fp8_state,
                                                        all_targets, target_weights, grad_scale=upstream, **extra)
         else:
@@ -1752,9 +1806,16 @@ class GPT(nn.Module):
         weight = self.head_weight().type_as(x)
         total = x.new_zeros((), dtype=torch.float32)
         one = torch.ones(1, device=x.device)
+        if self.pointer is not None:
+            p_copy, a_sink = self.pointer(x, tokens, targets[:, 0], self.pointer_val_band)
         for s in range(0, x.size(0), chunk_rows):
             logits = F.linear(x[s:s + chunk_rows], weight)
-            if self.canonical_mask is None:
+            if self.pointer is not None:   # <copy> is no GPT-2 pair's continuation: the mask never hides it
+                z = (kernels.softcap(logits) if self.canonical_mask is None
+                     else self.canonical_mask.masked_logits(logits, tokens[s:s + chunk_rows]))
+                total += kernels.pointer_mixture_nll(z, targets[s:s + chunk_rows, 0], POINTER_COPY_ID,
+                                                     p_copy[s:s + chunk_rows], a_sink[s:s + chunk_rows]).sum()
+            elif self.canonical_mask is None:
                 total += self.cross_entropy_fn(logits, targets[s:s + chunk_rows, :1], one)[0].sum()
             else:
                 total += self.canonical_mask.cross_entropy_sum(logits, tokens[s:s + chunk_rows],
@@ -1829,7 +1890,7 @@ def candidate_start(slice_index, slices):
     return slice_index * PADDED_VOCAB_SIZE // slices
 
 
-def candidate_columns(targets, count, start):
+def candidate_columns(targets, count, start, always=()):
     """Sampled-softmax candidates: `count` sorted vocabulary ids, every distinct target id of the
     batch plus deterministic uniform negatives.
 
@@ -1840,11 +1901,14 @@ def candidate_columns(targets, count, start):
     gets a priority, its position in the walk after `start`, raised by V for non-targets; the
     `count` lowest win. The size is fixed, so the step needs no host sync: if a batch ever had
     more than `count` distinct targets, those latest in the walk would be left out of its softmax.
+    `always`: ids taken as targets are (the pointer mixture's <copy> slot, as PR 379 forces it in).
     """
     V = PADDED_VOCAB_SIZE
     ids = torch.arange(V, device=targets.device)
     walk_position = (ids * CANDIDATE_STRIDE_INVERSE - start) % V
     present = torch.where(targets >= 0, targets, V).flatten()      # absent targets land on a spare slot
+    if len(always):
+        present = torch.cat([present, torch.tensor(always, dtype=present.dtype, device=present.device)])
     is_target = torch.zeros(V + 1, dtype=torch.bool, device=targets.device).index_fill_(0, present, True)[:V]
     priority = walk_position + V * (~is_target)
     return priority.topk(count, largest=False, sorted=False).indices.sort().values
@@ -2156,7 +2220,9 @@ def is_gate(name):
 
 def adam_groups(h, model):
     """Adam's parameter groups, each with its LR, betas and (cautious, lr^2-scaled) weight decay.
-    The head shares the embedding's betas and decay: it starts as a copy of the embedding."""
+    The head shares the embedding's betas and decay: it starts as a copy of the embedding. The
+    pointer head's projections (pointer_mixture) have a group of their own; its sink key and gain
+    are scalars."""
     gates = [p for name, p in model.named_parameters() if is_gate(name) and name != "smear_gate"]
     token_gates = list(model.token_gates.parameters()) if model.token_gates is not None else []
     dense = list(model.dense.parameters()) if model.trunk == "dense" else []
@@ -2176,6 +2242,8 @@ def adam_groups(h, model):
         dict(name="resid_scales", params=resid, lr=h.resid_scale_lr, betas=h.scale_betas, weight_decay=0.0),
         dict(name="post_scales", params=post, lr=h.post_scale_lr, betas=h.scale_betas, weight_decay=0.0),
         dict(name="gates", params=gates, lr=h.gate_lr, betas=h.scalar_betas, weight_decay=h.gate_wd),
+        dict(name="pointer", params=[model.pointer.query, model.pointer.key] if model.pointer is not None else [],
+             lr=h.pointer_lr, betas=h.scalar_betas, weight_decay=0.0),
         *[dict(name=f"{name}{'_weights' if decayed else ''}", lr=lr, betas=h.scalar_betas,
                weight_decay=h.gate_mlp_wd if decayed else 0.0,
                params=[p for p in params if (p.ndim >= 2) == decayed])
@@ -2300,7 +2368,8 @@ def micro_batch_losses(forward, stage, windows, batch: MicroBatch, target_weight
     candidate walk continues, so batch.candidate_start is moved past this step's draw."""
     columns = None
     if stage.candidates:
-        columns = candidate_columns(batch.targets, stage.candidates, batch.candidate_start)
+        always = (POINTER_COPY_ID,) if getattr(forward, "pointer", None) is not None else ()
+        columns = candidate_columns(batch.targets, stage.candidates, batch.candidate_start, always)
         if walk:
             batch.candidate_start.copy_(candidate_walk_after(batch.targets, stage.candidates, batch.candidate_start))
     args = Trainer.attention_args(batch.cu_seqlens, windows)

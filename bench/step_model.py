@@ -23,6 +23,8 @@ The price of an op is a roofline: max(FLOPs / (peak of its dtype x efficiency), 
   - attention: the FLOPs of the tiles the kernels visit (attention_tiles: the kernels' own block
     ranges, on FineWeb-like document lengths cut at the stage's max_doc_len), at the attention
     efficiency;
+  - the pointer mixture's kernels (pointer_mixture): the tiles they visit (pointer_flops), at the
+    attention efficiency, 2 D FLOPs a score forward and 4 D in each backward kernel;
   - other kernels (cross-entropy, QK norm + RoPE, FP8 casts, row sums, sparse Adam): their
     inputs read and outputs written once;
   - the memory-bound aten ops: under torch.compile (the model's forward and backward; with CUDA
@@ -261,6 +263,10 @@ def attention_efficiency(span, backward, structures):
 GEMM_OPS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm", "kernels.fp8_matmul",
             "kernels.fp8_matmul_quant", "kernels.xxt"}
 ATTENTION_OPS = {"kernels.attn_fwd", "kernels.attn_bwd", "kernels.composed_attn_fwd", "kernels.composed_attn_bwd"}
+# the cross-entropy kernels: plain, with the pointer mixture's next-token term, and the backward's row scaling
+CROSS_ENTROPY_OPS = {"kernels.softcap_ce", "kernels.softcap_ce_fp8", "kernels.pointer_ce", "kernels.pointer_ce_fp8",
+                     "kernels.scale_rows_"}
+POINTER_OPS = {"kernels.pointer_fwd", "kernels.pointer_bwd"}   # the pointer mixture's: forward; dQ and dK kernels
 COLLECTIVE_OPS = {"c10d.allreduce_", "c10d._reduce_scatter_base_", "c10d._allgather_base_", "c10d.alltoall_base_",
                   "c10d.reduce_scatter_tensor_coalesced_", "c10d.allgather_into_tensor_coalesced_"}
 # aten ops Inductor leaves to a library kernel of their own (nothing fuses into them)
@@ -557,6 +563,20 @@ def attention_flops(event, lengths):
     return sum(k.flops for k in found[allowed[0]])
 
 
+def pointer_flops(event, lengths):
+    """FLOPs of a pointer event on documents of `lengths`: the tiles its kernels visit
+    (query_tiles, key_tiles: from a document's start, reaching back at most two band blocks, the
+    window taken as 2 x band), 2 D per score in the forward (q.k; the target mass is a masked
+    sum), 4 D per score in each backward kernel (the score again, then dS K or dS^T Q)."""
+    D, band = event.inputs[0][0][1], event.args[0]
+    forward, dq, dk = _launch_configs(event.args[1:])
+    if event.name == "kernels.pointer_fwd":
+        return float(query_tiles(lengths, 2 * band, forward.block_m, forward.block_n)
+                     * forward.block_m * forward.block_n * 2 * D)
+    return float((query_tiles(lengths, 2 * band, dq.block_m, dq.block_n) * dq.block_m * dq.block_n
+                  + key_tiles(lengths, 2 * band, dk.block_m, dk.block_n) * dk.block_m * dk.block_n) * 4 * D)
+
+
 FP8_STRUCTURES = {"auto": ("descriptor", "pointer", "cublas"), "rule": ("descriptor",), "tma": ("descriptor",),
                   "pointer": ("pointer",), "scaled_mm": ("cublas",)}
 
@@ -617,7 +637,10 @@ def _kernel_op(event, lengths):
     if name in ATTENTION_OPS:
         return Op(name, "attention", event.phase, flops=attention_flops(event, lengths), dtype="bf16",
                   bytes=_read_write_bytes(event), **_storages(event))
-    family = "cross-entropy" if name in ("kernels.softcap_ce", "kernels.softcap_ce_fp8", "kernels.scale_rows_") else "kernel"
+    if name in POINTER_OPS:
+        return Op(name, "pointer", event.phase, flops=pointer_flops(event, lengths), dtype="bf16",
+                  bytes=_read_write_bytes(event), kernels=1 if name.endswith("fwd") else 2, **_storages(event))
+    family = "cross-entropy" if name in CROSS_ENTROPY_OPS else "kernel"
     return Op(name, family, event.phase, bytes=_read_write_bytes(event), **_storages(event))
 
 
@@ -951,7 +974,7 @@ def op_seconds(op, gpu, eff, world):
         return COLLECTIVE_LATENCY_S * eff.floors + op.comm / (gpu.link_gb_s * 1e9 * eff.link)
     if eff.structures is not None and op.structure:
         return structure_seconds(op, gpu, eff)
-    rate = eff.attention if op.family == "attention" else eff.gemm
+    rate = eff.attention if op.family in ("attention", "pointer") else eff.gemm
     if eff.structures is not None and op.family == "gemm":
         rate = BF16_GEMM
     compute = op.flops / (gpu.tflops[op.dtype] * 1e12 * rate) if op.flops else 0.0
@@ -1106,7 +1129,8 @@ def family_of(op):
         return "communication under the optimizers' math (hidden)"
     if op.phase in ("muon", "adam", "value_adam", "averages") and op.family != "gemm":
         return f"{'adam' if op.phase == 'value_adam' else op.phase} (memory)"
-    return {"pointwise": "pointwise, norms, residual (fused)", "kernel": "other kernels"}.get(op.family, op.family)
+    return {"pointwise": "pointwise, norms, residual (fused)", "kernel": "other kernels",
+            "pointer": "pointer mixture kernels"}.get(op.family, op.family)
 
 
 def build_model(h, world, gpu):

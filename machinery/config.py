@@ -32,6 +32,7 @@ MIN_DOC_TOKENS = 16                # a slice's cu_seqlens has room for T / MIN_D
 SMEAR_GATE_DIMS = 12               # the smear gate reads the first this-many dims of a token's embedding
 FINAL_MIX_GROUPS = 12              # record 92: channel groups of its final mix, each with its own coefficient delta
 MAX_HEAD_GRAD_STRIDE = 64          # rows one sampled head-gradient row may stand for
+POINTER_COPY_ID = 50257            # PR 379: the <copy> slot, the first padding row of the head; its mass gates the pointer
 
 # Upper bounds of the whole-number keys: far above any run's, finite so that no value loops or
 # allocates without end.
@@ -274,6 +275,14 @@ class ModelConfig:
     # the weights' storage: float32 | bfloat16 (then the activations are bf16 too; the optimizers
     # keep each weight's fp32 precision in a 16-bit mantissa sidecar)
     param_dtype: str = choice("float32", "bfloat16")
+    # the next-token distribution mixes the LM's softmax with a pointer over the document's earlier
+    # tokens (PR 379's copy-sink pointer LM): p(y) = p_lm(y) (1 - a (1 - a_sink)) + a p_copy(y), the
+    # gate a the softmax mass of the <copy> slot (id 50257), the pointer one QK-normed head with a sink
+    pointer_mixture: bool = False
+    pointer_dim: int = count(128, 16, MAX_HEAD_DIM, "dims", multiple=16)  # the pointer head's query and key dims
+    # training: the queries of each block of this many tokens point into it and the block before
+    pointer_band: int = count(2048, 1, MAX_SLICE_TOKENS, "tokens")
+    pointer_val_band: int = count(8192, 1, MAX_SLICE_TOKENS, "tokens")  # the same at validation
 
 
 @dataclass
@@ -376,6 +385,7 @@ class Hyperparameters(ModelConfig):
     smear_gate_lr: float = rate(0.04)  # the smear gate's weights
     token_gate_lr: float = rate(0.0008)  # the token-gate MLPs
     dense_lr: float = rate(0.002)      # the dense-connection MLPs
+    pointer_lr: float = rate(0.008)    # the pointer head's query and key projections (pointer_mixture)
     embed_betas: tuple = betas((0.8, 0.95))  # embedding and head
     value_embed_betas: tuple = betas((0.8, 0.95))  # (sparse value embeddings: beta1 = 0, beta2 their rows' moments')
     scalar_betas: tuple = betas((0.8, 0.95))  # scalars and gates
@@ -663,6 +673,7 @@ HELP_GROUPS = {
         "value_embed_gate_reads_value", "value_embed_sparse", "bigram_rows", "ngram_rows", "ngram_dtype",
         "smear_gate", "canonical_mask", "cross_documents", "table_hashes", "ngram_normalized",
         "value_embed_full_width"),
+    "model: the pointer mixture (PR 379)": ("pointer_mixture", "pointer_dim", "pointer_band", "pointer_val_band"),
     "model: trunk, MLPs and gates": (
         "trunk", "skip_layers", "snapshot_layer", "parallel_mlp_layers", "mlp_free_layers", "token_gates",
         "token_gates_split", "attn_gate_layers", "x0_layers", "hashed_layers", "final_mix"),
@@ -680,7 +691,7 @@ HELP_GROUPS = {
         "anvil_fast_beta_follows_mu", "anvil_mu_low", "anvil_mu_high", "anvil_mu_rise", "anvil_mu_fall"),
     "Adam: embeddings, head, scalars, gates": (
         "embed_lr", "head_lr", "value_embed_lr", "scalar_lr", "gate_lr", "smear_gate_lr", "token_gate_lr",
-        "dense_lr", "resid_scale_lr", "post_scale_lr", "embed_betas", "value_embed_betas", "scalar_betas",
+        "dense_lr", "pointer_lr", "resid_scale_lr", "post_scale_lr", "embed_betas", "value_embed_betas", "scalar_betas",
         "scale_betas", "embed_wd", "value_embed_wd", "gate_wd", "gate_mlp_wd", "adam_eps", "adam_eps_unit",
         "adam_step_every"),
     "sparse tables: the n-gram table and sparse value embeddings": (
@@ -1127,6 +1138,8 @@ def check_model_config(m):
                   "there are none")
     if m.trunk == "dense":
         _check_dense_trunk(m)
+    if m.pointer_dim & (m.pointer_dim - 1):
+        _refuse("pointer_dim", m.pointer_dim, "a power of two, at least 16 (the pointer kernel's tiles)")
     if m.smear_gate and m.model_dim < SMEAR_GATE_DIMS:
         _conflict(m, ("smear_gate", "model_dim"), f"the smear gate reads the first {SMEAR_GATE_DIMS} dims")
 

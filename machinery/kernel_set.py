@@ -25,6 +25,13 @@ class KernelFns:
     # the training objective (kernels.fp8_head_cross_entropy); None: the head, then cross_entropy
     fp8_head_loss: object = None
     ema_update: object = kernels.ema_update_reference_  # fn(ema, weight, rate): a weight average's sample
+    # fn(q, k, sink_scores, tokens, targets, doc_start, band): the pointer mixture's (p_copy, a_sink)
+    pointer_attention: object = kernels.pointer_attention_reference
+    # fn(logits, targets, weights, copy_col, p_copy, a_sink, grad_scale, exact_upstream): the cross-entropy
+    # with the pointer mixture's next-token term
+    pointer_cross_entropy: object = kernels.pointer_mixture_cross_entropy
+    # fn(x, weight, state, targets, weights, copy_col, p_copy, a_sink, grad_scale): the FP8 head and it in one
+    fp8_head_pointer_loss: object = None
     triton: bool = False           # the Triton kernels (their JIT, and kernel_choice's selection, in the warm-up)
 
     @property
@@ -71,10 +78,16 @@ def select_kernels(h, device):
     if use_triton:
         head_loss = (functools.partial(kernels.fp8_head_cross_entropy, scales=kernels.HEAD_SCALE_RULES[h.fp8_head_scales],
                                        gemm=h.fp8_gemm, casts=fp8_casts(h)) if h.fp8_head else None)
+        pointer_loss = (functools.partial(kernels.fp8_head_pointer_mixture,
+                                          scales=kernels.HEAD_SCALE_RULES[h.fp8_head_scales], gemm=h.fp8_gemm,
+                                          casts=fp8_casts(h)) if h.fp8_head else None)
         attention = (kernels.flash_attn_varlen if h.attention_impl == "fastest"
                      else functools.partial(kernels.flash_attn_varlen, impl=h.attention_impl))
         return KernelFns(attention, kernels.softcap_cross_entropy, mlp, kernels.xxt, qkv, head,
-                         kernels.qk_norm_rope, kernels.composed_attention, head_loss, kernels.ema_update_, triton=True)
+                         kernels.qk_norm_rope, kernels.composed_attention, head_loss, kernels.ema_update_,
+                         pointer_attention=kernels.pointer_attention,
+                         pointer_cross_entropy=kernels.pointer_mixture_softcap_cross_entropy,
+                         fp8_head_pointer_loss=pointer_loss, triton=True)
     # Here auto means CPU: the chunked cross-entropy is the kernel's algorithm, ~3x faster than the
     # reference there; `kernels=reference` keeps the plain reference for A/B runs.
     cross_entropy = (kernels.softcap_cross_entropy_reference if h.kernels == "reference"

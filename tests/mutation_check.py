@@ -67,6 +67,10 @@ SAMPLED_FP8 = [APPROX, "-k", "fp8_heads_sampled"]
 APPROX_SCHEDULE = [APPROX, "-k", "pr_371"]
 APPROX_STATEMENT = [STATEMENT, "-k", "approximate_backward"]
 WINDOW_TRAINER = [STATEMENT, "-k", "chooses"]
+POINTER = [STATEMENT, "-k", "pointer"]
+POINTER_KERNEL = ["tests/test_kernels.py", "-k", "pointer"]
+POINTER_TRAINER = ["tests/test_model.py", "-k", "pointer"]
+POINTER_CE = ["tests/test_kernels.py", "-k", "mixture_cross_entropy_kernel"]
 RECORD_SCHEDULES = ["tests/test_record_schedules.py"]
 VALUE_ADAM = ["tests/test_train.py", "-k", "follows_the_tables"]
 MATRIX_SHAPES = ["tests/test_train.py", "-k", "record_banks"]
@@ -718,6 +722,52 @@ MUTATIONS = [
     Mutation("data/tokenizer.py", 'return "".join(ch for ch in text.casefold() if ch.isalnum())',
              'return "".join(ch for ch in text.casefold() if not ch.isspace())',
              ["tests/test_data.py", "-k", "normalized"], "the normalized text keeps punctuation"),
+    # the pointer mixture (PR 379)
+    Mutation('kernels.py', '    visible = (key_pos[:, None, :] < qpos) & (key_pos[:, None, :] >= first)',
+             '    visible = (key_pos[:, None, :] <= qpos) & (key_pos[:, None, :] >= first)', POINTER, 'the pointer reference lets a query point at itself'),
+    Mutation('kernels.py', '    return torch.clamp((positions // band - 1) * band, min=0)',
+             '    return torch.clamp((positions // band) * band, min=0)', POINTER, "the pointer's band leaves out the block before the query's"),
+    Mutation('kernels.py', '    starts = (tokens == bos) | (positions == 0)',
+             '    starts = positions == 0', POINTER, 'the pointer points across documents'),
+    Mutation('kernels.py', '    total = e.sum(-1, keepdim=True) + e0',
+             '    total = e.sum(-1, keepdim=True)', POINTER, 'the pointer reference leaves the sink out of its normalizer'),
+    Mutation('kernels.py', '    hit = key_tok[:, None, :] == padded(targets, -1).view(blocks, L, 1)',
+             '    hit = key_tok[:, None, :] == padded(tokens, -1).view(blocks, L, 1)', POINTER, "the pointer's mass is on the query's own token, not its target"),
+    Mutation('kernels.py', '    mixed = p_lm * (1.0 - alpha * (1.0 - a_sink)) + alpha * p_copy',
+             '    mixed = p_lm * (1.0 - alpha) + alpha * p_copy', POINTER, "the mixture does not give the sink's mass back to the LM"),
+    Mutation('kernels.py', '    lse_lm = torch.logsumexp(z.masked_fill(is_copy, float("-inf")), dim=-1)',
+             '    lse_lm = lse', POINTER, "the mixture's LM is not renormalized over the real columns"),
+    Mutation('kernels.py', '    losses = torch.cat([mixture[:, None].to(losses), losses[:, 1:]], dim=1)',
+             '    losses = torch.cat([losses[:, :1], losses[:, 1:]], dim=1)', POINTER, 'the objective keeps the plain next-token cross-entropy'),
+    Mutation('kernels.py', '        hit = hit * alpha + tl.sum(tl.where(tok[None, :] == tgt[:, None], p, 0.0), axis=1)',
+             '        hit = hit + tl.sum(tl.where(tok[None, :] == tgt[:, None], p, 0.0), axis=1)', POINTER_KERNEL, "the pointer kernel's target mass is not rescaled with the running max"),
+    Mutation('kernels.py', '    hi = tl.minimum(tl.minimum(tl.load(end_ptr + last), (last // band + 2) * band), T)',
+             '    hi = tl.minimum(tl.minimum(tl.load(end_ptr + last), (last // band + 1) * band), T)', POINTER_KERNEL, "the pointer's dK kernel stops a band block early"),
+    Mutation('kernels.py', '        return dq.to(q.dtype), dk.to(k.dtype), a * (g_a - delta), None, None, None, None, None, None',
+             '        return dq.to(q.dtype), dk.to(k.dtype), a * g_a, None, None, None, None, None, None', POINTER_KERNEL, "the sink score's gradient misses the normalizer's share"),
+    Mutation('train_gpt.py', '        q = self.query_gain.type_as(x) * rms_norm(F.linear(x, self.query.type_as(x)))',
+             '        q = rms_norm(F.linear(x, self.query.type_as(x)))', POINTER, "the pointer's query gain is left out"),
+    Mutation('train_gpt.py', '        k = rms_norm(F.linear(x, self.key.type_as(x)))',
+             '        k = F.linear(x, self.key.type_as(x))', POINTER, "the pointer's keys are not RMS-normed"),
+    Mutation('train_gpt.py', '        sink_scores = (q.float() @ self.sink_key.float()) * self.query.shape[0] ** -0.5',
+             '        sink_scores = q.float() @ self.sink_key.float()', POINTER, "the sink's score misses the 1/sqrt(D) scale"),
+    Mutation('train_gpt.py', '            p_copy, a_sink = self.pointer(x, tokens, targets[:, 0], self.pointer_val_band)',
+             '            p_copy, a_sink = self.pointer(x, tokens, targets[:, 0], self.pointer_band)', POINTER, 'validation points with the training band'),
+    Mutation('train_gpt.py', '    return torch.searchsorted(columns, torch.tensor(POINTER_COPY_ID, device=columns.device))',
+             '    return POINTER_COPY_ID', POINTER, 'the sampled softmax reads the gate from the <copy> id, not its column'),
+    Mutation('train_gpt.py', '        always = (POINTER_COPY_ID,) if getattr(forward, "pointer", None) is not None else ()',
+             '        always = ()', POINTER_TRAINER, "a sampled step's candidates may miss the <copy> slot"),
+    Mutation('train_gpt.py', '        dict(name="pointer", params=[model.pointer.query, model.pointer.key] if model.pointer is not None else [],',
+             '        dict(name="pointer", params=[model.pointer.query] if model.pointer is not None else [],', POINTER_TRAINER, "the pointer's key projection is never updated"),
+    Mutation('kernels.py', '        weight_total = weight_total - w0 - w0 * (g_y + g_c)',
+             '        weight_total = weight_total - w0 * (g_y + g_c)', POINTER_CE, 'the mixture kernel keeps the plain next-token softmax share'),
+    Mutation('kernels.py', '        copy_weight = -w0 * g_c',
+             '        copy_weight = 0.0', POINTER_CE, "the mixture kernel's gradient misses the <copy> column's term"),
+    Mutation('kernels.py', '        tl.store(d_a_sink_ptr + row, -w0 * alpha * p_full * r * inv)',
+             '        tl.store(d_a_sink_ptr + row, -w0 * alpha * p_full * inv)', POINTER_CE, "the mixture kernel's a_sink derivative misses 1 / (1 - a)"),
+    Mutation("kernels.py", "        grad_x, grad_w = _fp8_linear_grads(ctx, saved, g8, g8_t, g_scale, ctx.stride)\n        upstream",
+             "        grad_x, grad_w = _fp8_linear_grads(ctx, saved, g8, g8_t, g_scale)\n        upstream",
+             [APPROX, "-k", "pointer_heads"], "the pointer mixture's FP8 head drops the sampled gradient's stride"),
 ]
 
 

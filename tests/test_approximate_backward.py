@@ -289,6 +289,40 @@ PR371 = ["--head_grad_stride=4", "--head_grad_start=320", "--attn_bwd_windows=[6
          "--attn_bwd_choice_steps=[592,593]", "--attn_bwd_start=594", "--approx_exact_last_steps=87"]
 
 
+@interpreted
+def test_the_fp8_pointer_heads_sampled_weight_gradient_is_four_times_the_sampled_rows():
+    """PR 371's sampled head gradient composed with PR 379's pointer mixture: the FP8 head with the
+    mixture's next-token term (Triton, interpreted) and the sample keeps the unsampled input
+    gradient bitwise, and its weight gradient is 4 x the same call's on the sampled rows alone,
+    their p_copy and a_sink with them (the mixture's gradient is row by row too)."""
+    g = torch.Generator().manual_seed(4)
+    N, D, C, copy_col = 32, 32, 96, 80
+    x = (torch.randint(-8, 9, (N, D), generator=g).float() / 4).bfloat16()
+    weight = torch.randint(-8, 9, (C, D), generator=g).float() / 16
+    targets = torch.randint(0, copy_col, (N, 2), generator=g)
+    weights = torch.tensor([1.0, 0.5])
+    a_sink = torch.rand(N, generator=g)
+    p_copy = torch.rand(N, generator=g) * (1 - a_sink)
+    rows = kernels.head_sample_rows(N, 4, 11)
+
+    def head_grads(keep, sample):
+        state = kernels.new_fp8_linear_state()
+        kernels.set_fp8_loss_unit(state, 1 / 32)
+        leaves = [x[keep].clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+        loss, _ = kernels.fp8_head_pointer_mixture(*leaves, state, targets[keep], weights, torch.tensor(copy_col),
+                                                   p_copy[keep], a_sink[keep], 1 / 32, SMALL_MATMUL, SMALL_CE,
+                                                   sample=sample)
+        loss.sum().backward()
+        return [t.grad for t in leaves]
+
+    every = torch.arange(N)
+    exact_dx, _ = head_grads(every, None)
+    dx, dw = head_grads(every, (rows, 4))
+    _, dw_rows = head_grads(rows, None)
+    assert torch.equal(dx, exact_dx)
+    torch.testing.assert_close(dw, 4 * dw_rows, rtol=1e-6, atol=1e-6)
+
+
 def test_the_approximations_follow_pr_371s_steps():
     """speedrun with PR 371's keys: the sampled head gradient on 320-1106, the truncated backward
     on 594-1106, the last 87 steps exact; each change starts a graph of its own. Without the keys

@@ -1810,3 +1810,218 @@ def test_ema_update_checks_its_inputs():
         kernels.ema_update_(torch.zeros(4, 4, dtype=torch.bfloat16), torch.zeros(4, 4), 0.1)
     with pytest.raises(ValueError, match="contiguous float32"):
         kernels.ema_update_reference_(torch.zeros(4, 4), torch.zeros(4, 4).t()[:, :3], 0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the pointer mixture: the pointer's attention and the mixture's loss
+
+SMALL_POINTER = [v for config in (kernels.LaunchConfig(block_m=16, block_n=16), kernels.LaunchConfig(block_m=16, block_n=32),
+                                  kernels.LaunchConfig(block_m=32, block_n=16)) for v in config.as_list()]
+POINTER_OUTPUTS = ("p_copy", "a_sink", "dq", "dk", "dsink")
+POINTER_BOS = 7                    # the documents' first token in these tests
+
+
+def pointer_oracle(q, k, sink_scores, tokens, targets, bos, band):
+    """float64 pointer from the definition, query by query: the keys of its own document (from the
+    last `bos` at or before it, or position 0) before it and at or after the start of the band
+    block before its own, then the sink; (p_copy, a_sink)."""
+    T, D = q.shape
+    p_copy, a_sink, start = [], [], 0
+    for i in range(T):
+        if tokens[i] == bos:
+            start = i
+        first = max(start, (i // band - 1) * band, 0)
+        scores = torch.cat([k[first:i] @ q[i] / math.sqrt(D), sink_scores[i:i + 1]])
+        w = scores.softmax(0)
+        p_copy.append((w[:-1] * (tokens[first:i] == targets[i])).sum())
+        a_sink.append(w[-1])
+    return torch.stack(p_copy), torch.stack(a_sink)
+
+
+def _pointer_inputs(T, D, seed, vocab=5):
+    """fp32 inputs: documents of uneven lengths (one of a single token), a small vocabulary so that
+    targets repeat, some absent targets (-1)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+    sink_scores = torch.randn(T, generator=g)
+    tokens = torch.randint(0, vocab, (T,), generator=g)
+    tokens[[0, 23, 24, 61, T - 30]] = POINTER_BOS
+    targets = torch.randint(-1, vocab, (T,), generator=g)
+    grads = torch.randn(T, generator=g), torch.randn(T, generator=g)
+    return (q, k, sink_scores), tokens, targets, grads
+
+
+def _pointer_and_grads(fn, inputs, tokens, targets, grads, band):
+    q, k, s0 = (t.detach().clone().requires_grad_(True) for t in inputs)
+    p_copy, a_sink = fn(q, k, s0, tokens, targets, band)
+    (p_copy.double() * grads[0].double() + a_sink.double() * grads[1].double()).sum().backward()
+    return [t.detach().double() for t in (p_copy, a_sink, q.grad, k.grad, s0.grad)]
+
+
+def _pointer_fn(impl, configs=None):
+    def run(q, k, s0, tokens, targets, band):
+        doc_start = kernels.pointer_document_starts(tokens, POINTER_BOS)
+        if configs is None:
+            return impl(q, k, s0, tokens, targets, doc_start, band)
+        return impl(q, k, s0, tokens, targets, doc_start, band, configs)
+    return run
+
+
+def _oracle_fn(q, k, s0, tokens, targets, band):
+    return pointer_oracle(q, k, s0, tokens, targets, POINTER_BOS, band)
+
+
+@pytest.mark.parametrize("band", [1, 16, 40, 1000])
+def test_pointer_attention_reference_equals_its_definition(band):
+    """The reference (band by band, padded to whole bands) against the oracle in float64: p_copy,
+    a_sink and the gradients of q, k and the sink's scores; bands that bind inside documents,
+    that do not divide T, and one longer than the slice."""
+    inputs, tokens, targets, grads = _pointer_inputs(150, 8, seed=3)
+    inputs = [t.double() for t in inputs]
+    got = _pointer_and_grads(_pointer_fn(kernels.pointer_attention_reference), inputs, tokens, targets, grads, band)
+    want = _pointer_and_grads(_oracle_fn, inputs, tokens, targets, grads, band)
+    for name, g, w in zip(POINTER_OUTPUTS, got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
+    assert (want[0] > 0).sum() > 20 and (want[1] < 1).sum() > 100, "targets repeat in documents: the pointer has mass"
+
+
+@interpreted
+@pytest.mark.parametrize("D,band,configs", [(16, 32, SMALL_POINTER), (32, 48, SMALL_POINTER),
+                                             (16, 1000, SMALL_POINTER), (16, 64, kernels.POINTER_CONFIGS)])
+def test_pointer_attention_matches_float64(D, band, configs):
+    """ATTN: the kernels' p_copy, a_sink and the gradients of q, k and the sink's scores against the
+    float64 oracle and the reference, fp32 inputs, documents of uneven length (one of a single
+    token), a length that is no multiple of the blocks, bands that bind and one that does not,
+    the band's block boundaries off the kernels' blocks (48), and the production tiles."""
+    T = 150
+    inputs, tokens, targets, grads = _pointer_inputs(T, D, seed=5)
+    got = _pointer_and_grads(_pointer_fn(kernels.pointer_attention, configs), inputs, tokens, targets, grads, band)
+    oracle = _pointer_and_grads(_oracle_fn, [t.double() for t in inputs], tokens, targets, grads, band)
+    reference = _pointer_and_grads(_pointer_fn(kernels.pointer_attention_reference), inputs, tokens, targets, grads,
+                                   band)
+    for name, g, o, r in zip(POINTER_OUTPUTS, got, oracle, reference):
+        atol = 1e-4 * max(1.0, float(o.abs().max()))
+        torch.testing.assert_close(g, o, rtol=1e-4, atol=atol, msg=lambda m: f"{name} vs float64: {m}")
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=atol, msg=lambda m: f"{name} vs reference: {m}")
+
+
+def test_the_pointer_mixture_is_a_distribution_and_its_loss_the_definition():
+    """pointer_mixture_nll over every target column of a row sums (as probabilities) to 1 when the
+    pointer's mass and the sink's do (the <copy> column itself is no target); and
+    pointer_mixture_cross_entropy's next-token term is -log(p_full(y) (1 + a a_sink / (1 - a)) +
+    a p_copy) in float64 (PR 379's form), its other terms the plain softcapped cross-entropy."""
+    g = torch.Generator().manual_seed(11)
+    C, copy = 40, 17
+    logits = torch.randn(3, C, generator=g, dtype=torch.float64) * 8
+    z = kernels.softcap(logits).double()
+    a_sink = torch.tensor([0.3, 0.0, 0.9], dtype=torch.float64)
+    share = torch.rand(3, C, generator=g, dtype=torch.float64)
+    share[:, copy] = 0
+    share = share / share.sum(1, keepdim=True) * (1 - a_sink[:, None])   # the pointer's mass on each token
+    total = torch.zeros(3, dtype=torch.float64)
+    for y in range(C):
+        if y != copy:
+            nll = kernels.pointer_mixture_nll(z, torch.full((3,), y), copy, share[:, y], a_sink)
+            total += torch.exp(-nll)
+    torch.testing.assert_close(total, torch.ones(3, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    targets = torch.tensor([[3, 5, -1], [-1, 2, 9], [39, 0, 1]])
+    weights = torch.tensor([1.0, 0.5, 0.25])
+    p_copy = share.gather(1, targets[:, :1].clamp(min=0))[:, 0]
+    loss, next_loss = kernels.pointer_mixture_cross_entropy(logits, targets, weights, copy, p_copy, a_sink)
+    q = z.softmax(1)
+    alpha = q[:, copy]
+    full = q.gather(1, targets[:, :1].clamp(min=0))[:, 0]
+    want0 = torch.where(targets[:, 0] >= 0, -torch.log(full * (1 + alpha * a_sink / (1 - alpha)) + alpha * p_copy), 0)
+    plain = torch.where(targets >= 0, torch.logsumexp(z, 1, keepdim=True) - z.gather(1, targets.clamp(min=0)), 0)
+    torch.testing.assert_close(next_loss.double(), want0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss.double(), want0 + (plain[:, 1:] * weights[1:].double()).sum(1), rtol=1e-5, atol=1e-6)
+
+
+def _mixture_inputs(N, C, copy_col, seed):
+    """Logits (fp32, N x C), three targets a row (one absent, one outside the columns, none the
+    <copy> column), weights, and the pointer's (p_copy, a_sink) with p_copy <= 1 - a_sink."""
+    logits, targets, weights, grad_loss = _cross_entropy_inputs(N, C, 3, seed, torch.float32)
+    targets[targets == copy_col] = copy_col + 1
+    g = torch.Generator().manual_seed(seed + 1)
+    a_sink = torch.rand(N, generator=g)
+    p_copy = torch.rand(N, generator=g) * (1 - a_sink)
+    p_copy[::5] = 0.0                  # targets the pointer never saw
+    return logits, targets, weights, grad_loss, p_copy, a_sink
+
+
+def mixture_oracle(logits, targets, weights, copy_col, p_copy, a_sink):
+    """float64 per-row loss from the definition (PR 379's form): the first target's term
+    -log(q(y) (1 + a a_sink / (1 - a)) + a p_copy), q = softmax(softcap(logits)), a = q(copy); the
+    others lse - z; targets outside the columns count 0."""
+    z = 23.0 * torch.sigmoid((logits.double() + 5.0) / 7.5)
+    q = z.softmax(1)
+    alpha = q[:, copy_col]
+    present = (targets >= 0) & (targets < z.shape[1])
+    t = torch.where(present, targets, 0)
+    mixed = q.gather(1, t[:, :1])[:, 0] * (1 + alpha * a_sink / (1 - alpha)) + alpha * p_copy
+    first = torch.where(present[:, 0], -torch.log(torch.where(present[:, 0], mixed, 1.0)), 0.0)
+    rest = torch.where(present[:, 1:], torch.logsumexp(z, 1, keepdim=True) - z.gather(1, t[:, 1:]), 0.0)
+    return first * weights[0] + (rest * weights[1:].double()).sum(1), first
+
+
+@interpreted
+@pytest.mark.parametrize("exact", [False, True])
+def test_the_pointer_mixture_cross_entropy_kernel_matches_float64(exact):
+    """The mixture inside the cross-entropy kernel (MIXTURE): loss, next-token loss, and the
+    gradients of the logits, p_copy and a_sink against the float64 oracle, for an arbitrary
+    upstream gradient (the backward rescales) and for the trainer's own (exact_upstream: the
+    forward's stored gradient handed on); fp32 logits, several column blocks, the <copy> column in
+    the middle of one."""
+    N, C, copy_col = 24, 150, 77
+    logits, targets, weights, grad_loss, p_copy, a_sink = _mixture_inputs(N, C, copy_col, seed=41)
+    if exact:
+        grad_loss = torch.full((N,), 1 / 48)
+    leaves = [t.clone().requires_grad_(True) for t in (logits, p_copy, a_sink)]
+    loss, next_loss = kernels.pointer_mixture_softcap_cross_entropy(
+        leaves[0], targets, weights, copy_col, leaves[1], leaves[2], SMALL_CE, SMALL_CE,
+        grad_scale=1 / 48 if exact else 1.0, exact_upstream=exact)
+    (loss * grad_loss).sum().backward()
+    oracle_leaves = [t.double().requires_grad_(True) for t in (logits, p_copy, a_sink)]
+    want, want_next = mixture_oracle(oracle_leaves[0], targets, weights, copy_col, *oracle_leaves[1:])
+    (want * grad_loss.double()).sum().backward()
+    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(next_loss.double(), want_next.detach(), rtol=1e-5, atol=1e-5)
+    for name, got, oracle in zip(("logits", "p_copy", "a_sink"), leaves, oracle_leaves):
+        atol = 1e-5 * float(oracle.grad.abs().max())
+        torch.testing.assert_close(got.grad.double(), oracle.grad, rtol=1e-4, atol=atol, msg=lambda m: f"{name}: {m}")
+    assert (want_next[targets[:, 0] >= C] == 0).all()
+
+
+@interpreted
+def test_fp8_head_pointer_mixture_is_the_mixture_kernel_on_the_fp8_logits():
+    """The FP8 head and the mixture's cross-entropy in one: the losses and the p_copy and a_sink
+    gradients are the mixture kernel's on the same FP8 logits, bitwise, and the saved e5m2
+    gradient is that kernel's fp32 gradient quantized at the head's static scale."""
+    generator = torch.Generator().manual_seed(43)
+    N, D, C, copy_col = 24, 32, 150, 120
+    x = (torch.randn(N, D, generator=generator) * 3).bfloat16()
+    weight = torch.randn(C, D, generator=generator) * 0.4
+    _, targets, weights, _, p_copy, a_sink = _mixture_inputs(N, C, copy_col, seed=44)
+    states = [kernels.new_fp8_linear_state(), kernels.new_fp8_linear_state()]
+    for state in states:
+        kernels.set_fp8_loss_unit(state, 1 / 48)
+    logits = kernels.fp8_linear(x, weight, states[0], SMALL_MATMUL, scales=kernels.HEAD_SCALES)
+    plain = [t.clone().requires_grad_(True) for t in (p_copy, a_sink)]
+    loss, next_loss = kernels.pointer_mixture_softcap_cross_entropy(logits, targets, weights, copy_col, *plain,
+                                                                    SMALL_CE, grad_scale=1 / 48, exact_upstream=True)
+    (loss.sum() / 48).backward()
+    xs, ws = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    fused_leaves = [t.clone().requires_grad_(True) for t in (p_copy, a_sink)]
+    fused, fused_next = kernels.fp8_head_pointer_mixture(xs, ws, states[1], targets, weights, torch.tensor(copy_col),
+                                                         *fused_leaves, 1 / 48, SMALL_MATMUL, SMALL_CE)
+    assert torch.equal(fused, loss) and torch.equal(fused_next, next_loss)
+    saved = fused.grad_fn.saved_tensors
+    g8, g_scale = saved[-5], saved[-3]
+    _, _, g32, _, _ = kernels._pointer_ce_op(logits.float(), targets, weights, True, torch.tensor([1 / 48]),
+                                             p_copy, a_sink, torch.tensor([copy_col], dtype=torch.int32),
+                                             SMALL_CE.as_list())
+    assert torch.equal(g8.float(), kernels._quantize_reference(g32, g_scale, torch.zeros(1), E5M2).float())
+    (fused.sum() / 48).backward()
+    for a, b in zip(fused_leaves, plain):
+        assert torch.equal(a.grad, b.grad)
+    assert torch.isfinite(xs.grad.float()).all() and xs.grad.abs().sum() > 0 and ws.grad.abs().sum() > 0

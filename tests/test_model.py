@@ -93,6 +93,36 @@ def test_forward_shapes_and_candidate_columns():
     assert torch.equal(columns, tg.candidate_columns(targets, 1000, start))
 
 
+def test_the_pointer_mixture_samples_its_copy_slot_and_trains_its_head():
+    """With the pointer mixture (PR 379) a sampled step's candidates hold the <copy> slot, the
+    objective trains the pointer head (its projections in an Adam group of their own, its sink key
+    and gain with the scalars), and the head has PR 379's 196,737 parameters at full size."""
+    h = tiny_config(["--pointer_mixture=true", "--pointer_dim=16", "--pointer_band=64"])
+    model = tiny_model(h)
+    tokens, cu = packed([100, 156])
+    targets = torch.stack([torch.roll(tokens, -k).long() for k in (1, 2, 3)], 1)
+    seen = {}
+
+    def forward(tokens_, targets_, args, weights, columns):
+        seen["columns"] = columns
+        return model(tokens_, targets_, args, weights, columns)
+    forward.pointer = model.pointer
+    stage = tg.Stage(**{**vars(h.stages[0]), "candidates": 1000})
+    batch = tg.MicroBatch(tokens, targets, cu, torch.tensor(tg.candidate_start(3, 8)))
+    objective, _ = tg.micro_batch_losses(forward, stage, (1, 2), batch, tg.target_weights(stage, "cpu"))
+    columns = seen["columns"]
+    assert columns.numel() == 1000 and tg.POINTER_COPY_ID in columns.tolist()
+    objective.backward()
+    groups = tg.adam_groups(h, model)
+    for name, p in model.pointer.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+        assert sum(any(p is q for q in g["params"]) for g in groups) == 1, name
+    pointer_group, = [g for g in groups if g["name"] == "pointer"]
+    assert pointer_group["params"] == [model.pointer.query, model.pointer.key]
+    full_size = tg.PointerHead(768, 128, kernels.pointer_attention_reference)
+    assert sum(p.numel() for p in full_size.parameters()) == 196_737
+
+
 def test_sampled_softmax_over_the_whole_vocabulary_is_the_full_softmax():
     """With every vocabulary id a candidate, the sampled objective, its next-token loss and all
     gradients equal the full softmax's (fp32: the same sums over the same columns, the head

@@ -10,7 +10,8 @@ narrow QK and VO, a parallel MLP, output gates, the canonical mask at validation
 sampled softmax too; the `record89` preset's 11 layers
 (its bigram table, paired heads in the records' layout, composed attention); the speedrun set
 with record 92's final mix over full-width value-embedding tables; and the U-net trunk
-with token gates and the attention features (no preset combines them). Every parameter is first moved away
+with token gates and the attention features (no preset combines them); the cpu and speedrun sets
+with the pointer mixture (PR 379), its band binding. Every parameter is first moved away
 from its initial value, so that no path hides behind a zero or a one.
 
 Tolerances. Both sides hold float64 parameters, but the model runs the softcap, the
@@ -63,8 +64,11 @@ UNET_GATED_SET = CPU_SET + ["--token_gates=true", "--token_gates_split=2", "--xs
 RECORD92_MIX_SET = SPEEDRUN_SET + ["--value_embed_full_width=true", "--final_mix=record92"]
 # The speedrun set with the n-gram table hashing normalized ids.
 NORMALIZED_SET = SPEEDRUN_SET + ["--ngram_normalized=true"]
+# The pointer mixture, narrow, with bands that bind in a 256-token slice of documents up to 96 tokens.
+POINTER_KEYS = ["--pointer_mixture=true", "--pointer_dim=16", "--pointer_band=48", "--pointer_val_band=64"]
 SETS = {"cpu": CPU_SET, "speedrun": SPEEDRUN_SET, "record92_mix": RECORD92_MIX_SET, "record89": RECORD89_SET,
-        "unet_gated": UNET_GATED_SET, "normalized": NORMALIZED_SET}
+        "unet_gated": UNET_GATED_SET, "normalized": NORMALIZED_SET, "cpu_pointer": CPU_SET + POINTER_KEYS,
+        "speedrun_pointer": SPEEDRUN_SET + POINTER_KEYS}
 T = 256                            # tokens per slice
 WINDOWS = (48, 160)                # (short, long) in tokens: both bind in a 256-token slice
 HISTORY = ([128, 384, 640], [16, 48])  # the long and short windows the RoPE tables grew through
@@ -178,7 +182,8 @@ def a_slice(seed=1, max_doc_len=96):
 
 
 @pytest.mark.parametrize("name, tied", [("cpu", True), ("speedrun", False), ("record92_mix", False), ("record89", True),
-                                        ("unet_gated", True), ("normalized", False)])
+                                        ("unet_gated", True), ("normalized", False), ("cpu_pointer", True),
+                                        ("speedrun_pointer", False)])
 def test_the_model_and_its_objective_equal_their_statement(name, tied, tokenizer_bytes):
     """Objective, next-token loss, hidden states and every trained gradient; the speedrun set
     with sampled softmax and the head untied, the cpu set with the full softmax and the head tied."""
@@ -190,7 +195,8 @@ def test_the_model_and_its_objective_equal_their_statement(name, tied, tokenizer
     cfg = tg.model_config(h)
     tokens, targets, cu = a_slice()
     weights = torch.tensor([1.0, 0.5, 0.25, 0.25])
-    columns = ref.candidates(targets, CANDIDATES, ref.candidate_start(5, 8)) if not tied else None
+    always = (ref.COPY_ID,) if h.pointer_mixture else ()
+    columns = ref.candidates(targets, CANDIDATES, ref.candidate_start(5, 8), always) if not tied else None
     args = tg.AttentionArgs(cu.int(), *WINDOWS)
     objective, next_token = model(tokens.int(), targets, args, weights, columns)
     objective.backward()
@@ -268,12 +274,13 @@ def test_the_approximate_backward_equals_its_statement(name, tied, tokenizer_byt
         assert diff > 1e-3 * exact[key].grad.abs().max().item(), f"{key}: the approximation changes it"
 
 
-@pytest.mark.parametrize("name", ["cpu", "speedrun"])
+@pytest.mark.parametrize("name", ["cpu", "speedrun", "cpu_pointer", "speedrun_pointer"])
 def test_the_validation_loss_equals_its_statement(name, masked_pairs):
-    """The full-vocabulary validation sum at the final window, in eval mode: the speedrun set with
-    the canonical mask (masked pairs at -60 after the softcap), the cpu set without."""
+    """The full-vocabulary validation sum at the final window, in eval mode: the speedrun sets with
+    the canonical mask (masked pairs at -60 after the softcap), the cpu sets without; the pointer
+    mixture at its validation band."""
     h, model = built(name)
-    assert h.canonical_mask == (name == "speedrun")
+    assert h.canonical_mask == name.startswith("speedrun")
     model.eval()
     cfg = tg.model_config(h)
     tokens, targets, cu = a_slice(seed=2)

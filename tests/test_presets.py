@@ -59,7 +59,8 @@ def test_the_frontier_is_record_92_with_the_stacked_techniques_at_their_places()
     frontier, speedrun = tg.parse_config(["--preset", "frontier"]), tg.parse_config(["--preset", "speedrun"])
     theirs = config.config_to_dict(speedrun)
     changed = {k for k, v in config.config_to_dict(frontier).items() if v != theirs[k]}
-    assert changed == {"preset", "track", "num_iterations", "ngram_normalized", "head_grad_stride", "head_grad_start",
+    assert changed == {"preset", "track", "num_iterations", "ngram_normalized", "pointer_mixture", "head_grad_stride",
+                       "head_grad_start",
                        "attn_bwd_windows", "attn_bwd_choice_steps", "attn_bwd_start", "approx_exact_last_steps"}
     assert frontier.num_iterations == 1050 and frontier.track == "none"
     assert (frontier.head_grad_start, frontier.attn_bwd_choice_steps, frontier.attn_bwd_start,

@@ -17,7 +17,8 @@ output gate; the dense trunk and token gates; the FP8 MLP (record 92's scale rul
 n-gram table (bf16) and a sparse value-embedding table, both trained by SparseRowAdam.
 The Triton trainer must launch the 15 Triton kernels its calls' rules pick (nothing is timed on a
 CPU: the persistent descriptor FP8 GEMMs, the one-kernel attention backward), the reference
-trainer none.
+trainer none. The comparison runs once more with the pointer mixture (POINTER: its three pointer
+kernels, the cross-entropy kernel's mixture term).
 
 What is compared, at every step (and after the calibration):
   - the step's two losses (next-token loss, objective);
@@ -178,8 +179,8 @@ def shards(tmp_path_factory):
 # The two trainers (in the interpreted worker)
 
 
-def _trainer(which, shards_dir):
-    h = tg.parse_config(CONFIG + [f"--kernels={which}", f"--train_files={shards_dir}/e_train_*.bin",
+def _trainer(which, shards_dir, extra=()):
+    h = tg.parse_config(CONFIG + list(extra) + [f"--kernels={which}", f"--train_files={shards_dir}/e_train_*.bin",
                                   f"--val_files={shards_dir}/e_train_*.bin", f"--log_dir={shards_dir}"])
     trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog(shards_dir, active=False))
     for opt in trainer.optimizers:
@@ -301,7 +302,7 @@ def _compare(before, ref, tri, gref, gtri, rates):
 
 
 @interpreted
-def compare_trainers(shards_dir):
+def compare_trainers(shards_dir, extra=()):
     """Calibrate and run two steps on both trainers; returns the differences of each (a list
     of _compare's dicts with the losses and the batches' longest documents), the Triton
     kernels each trainer launched, and which kernel functions each trainer picked."""
@@ -314,8 +315,8 @@ def compare_trainers(shards_dir):
         original(kernel, grid, config, **args)
     kernels._launch = recorded
     try:
-        h, ref = _trainer("reference", shards_dir)
-        _, tri = _trainer("triton", shards_dir)
+        h, ref = _trainer("reference", shards_dir, extra)
+        _, tri = _trainer("triton", shards_dir, extra)
         picked = {name: (trainer.kernels.attention.__name__, trainer.kernels.fp8_mlp.func.__name__,
                          trainer.kernels.xxt is not None)
                   for name, trainer in (("reference", ref), ("triton", tri))}
@@ -360,6 +361,17 @@ def compare_trainers(shards_dir):
 @pytest.fixture(scope="module")
 def comparison(shards):
     return compare_trainers(str(shards))
+
+
+# The pointer mixture (PR 379) on the same model: its pointer kernels, and the cross-entropy
+# kernel with the mixture's next-token term (the sampled stage holds the <copy> slot).
+POINTER = ["--pointer_mixture=true", "--pointer_dim=16", "--pointer_band=32", "--pointer_val_band=32"]
+POINTER_KERNELS = {"_pointer_fwd_kernel", "_pointer_bwd_q_kernel", "_pointer_bwd_k_kernel"}
+
+
+@pytest.fixture(scope="module")
+def pointer_comparison(shards):
+    return compare_trainers(str(shards), POINTER)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,3 +432,16 @@ def test_the_buffers_and_optimizer_tables_agree(comparison):
                 bad[key] = f"{d:.3g} of {n:.3g}"
         bad.update({key: "differs" for key, equal in r["exact"].items() if not equal})
         assert not bad, f"{r['step']}: state differs: {bad}"
+
+
+def test_the_pointer_mixture_agrees_on_both_paths(pointer_comparison):
+    """With the pointer mixture the Triton trainer launches the pointer kernels too, and its
+    losses, gradients (the pointer head's included), updates and state agree with the reference
+    trainer's within the bounds above."""
+    _, launched, _ = pointer_comparison
+    assert launched == {"reference": set(), "triton": TRITON_KERNELS | POINTER_KERNELS}
+    for check in (test_the_step_losses_agree, test_the_gradients_agree, test_the_updates_agree,
+                  test_the_buffers_and_optimizer_tables_agree):
+        check(pointer_comparison)
+    for r in pointer_comparison[0][1:]:
+        assert {"pointer.query", "pointer.key", "pointer.sink_key", "pointer.query_gain"} <= set(r["grads"])

@@ -5,7 +5,8 @@ model's parameters by their state-dict names and its config's fields, and restat
 else from the definitions, with the published constants written as literals: the n-gram hashes,
 the sign table, RoPE with YaRN, attention over documents and windows (narrow, paired, offset
 keys, XSA, gates, composed maps), the MLPs, the U-net and dense trunks, the softcap, the
-multi-token, prefix and sampled-softmax objective, the canonical mask, and the loader's targets.
+multi-token, prefix and sampled-softmax objective, the canonical mask, the pointer mixture (PR 379's
+copy-sink pointer LM), and the loader's targets.
 
 The tests compare it with train_gpt.GPT (tests/test_model_statement.py); a wiring change in
 either shows up as a difference far above the rounding both make.
@@ -39,6 +40,7 @@ LAST_LAYER_MIX = ("v_input", "v_snapshot", "v_residual", "input", "snapshot", "r
                   "attn_residual", "attn_out", "x0", "hashed", "mlp_residual", "mlp_out")
 FINAL_MIX = ("input", "snapshot", "last_input", "value_embed", "skip_source")
 CANDIDATE_STRIDE = 20011           # record 92's sampled_softmax.py NEGATIVE_STRIDE
+COPY_ID = 50257                    # PR 379: the <copy> slot, whose softmax mass is the pointer's share
 EPS64 = torch.finfo(torch.float64).eps
 
 
@@ -112,11 +114,12 @@ def candidate_start(slice_index, slices):
     return slice_index * (VOCAB // slices)
 
 
-def candidates(targets, count, start):
-    """Sorted ids: every distinct target id, then negatives as record 92 draws them: the ids
-    (k * 20011) mod 50304 for k = start, start + 1, ..., 1.7 x as many as it needs + 256, the
-    targets and repeats removed, the first it needs kept; `count` in all."""
-    chosen = sorted({int(t) for t in targets.flatten().tolist() if t >= 0})
+def candidates(targets, count, start, always=()):
+    """Sorted ids: every distinct target id (and the ids `always`: the pointer mixture's <copy>),
+    then negatives as record 92 draws them: the ids (k * 20011) mod 50304 for k = start, start + 1,
+    ..., 1.7 x as many as it needs + 256, the targets and repeats removed, the first it needs
+    kept; `count` in all."""
+    chosen = sorted({int(t) for t in targets.flatten().tolist() if t >= 0} | set(always))
     assert len(chosen) <= count
     need = count - len(chosen)
     drawn = [((start + j) * CANDIDATE_STRIDE) % VOCAB for j in range(int(1.7 * need) + 256)]
@@ -636,13 +639,44 @@ def head_weight(P, tied):
     return P["embed.weight"] if tied else P["lm_head"]
 
 
+def pointer(P, cfg, tokens, x, band):
+    """(p_copy, a_sink) of each position for its next-token target (PR 379's pointer): one head,
+    q = gain * rms(x Wq^T), k = rms(x Wk^T), scores q.k / sqrt(D) over the earlier positions of the
+    same document (documents start at each BOS and at position 0) whose block of `band` tokens is
+    the query's or the one before, and the sink's q.sink / sqrt(D); position j proposes tokens[j]."""
+    T, D = len(tokens), cfg.pointer_dim
+    q = P["pointer.query_gain"] * rms(x @ P["pointer.query"].T)
+    k = rms(x @ P["pointer.key"].T)
+    doc = torch.cumsum((tokens == BOS) | (torch.arange(T) == 0), 0)
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    seen = (j < i) & (doc[:, None] == doc[None, :]) & (j // band >= i // band - 1)
+    scores = torch.cat([torch.where(seen, q @ k.T / math.sqrt(D), -math.inf),
+                        (q @ P["pointer.sink_key"] / math.sqrt(D))[:, None]], dim=1)
+    a = torch.softmax(scores, dim=1)
+    return a, a[:, -1]
+
+
+def mixture_nll(z, y, copy, a, tokens, targets0, valid):
+    """-log p(y) with p(v) = q(v) (1 + alpha a_sink / (1 - alpha)) + alpha p_copy(v), q the softmax
+    of z over its columns, alpha = q(<copy>) (column `copy`), p_copy(v) the attention on the earlier
+    positions holding v; rows where `valid` is False give 0."""
+    q = torch.softmax(z, dim=1)
+    alpha = q[:, copy]
+    a_sink = a[:, -1]
+    p_copy = (a[:, :-1] * (tokens[None, :] == targets0[:, None])).sum(1)
+    q_y = q.gather(1, y.clamp(min=0)[:, None])[:, 0]
+    p = q_y * (1 + alpha * a_sink / (1 - alpha)) + alpha * p_copy
+    return torch.where(valid, -torch.log(torch.where(valid, p, 1.0)), 0.0)
+
+
 def objective(P, cfg, tokens, targets, cu_seqlens, windows, history, weights, prefix, tied=True, columns=None,
               head_sample=None):
     """(objective, next-token loss), means over the T rows. Row t's objective is
     sum_k weights[k] (logsumexp(z) - z[target k]) over its present targets: t+1, t+2, t+3 and the
     prefix of t+1, each counted only if it is among the softmax's columns (all, or the sampled
-    `columns`); z the softcapped logits over those columns. head_sample: (rows, stride) of PR
-    371's sampled head weight gradient, or None (sampled_logits)."""
+    `columns`); z the softcapped logits over those columns. With the pointer mixture the t+1 term
+    is the mixture's -log p(t+1) (mixture_nll, the training band) and the next-token loss its mean.
+    head_sample: (rows, stride) of PR 371's sampled head weight gradient, or None (sampled_logits)."""
     x = hidden_states(P, cfg, tokens, cu_seqlens, windows, history)
     W = head_weight(P, tied)
     all_targets = torch.cat([targets, prefix[:, None]], dim=1)
@@ -654,6 +688,11 @@ def objective(P, cfg, tokens, targets, cu_seqlens, windows, history, weights, pr
     z = softcap(x @ W.T if head_sample is None else sampled_logits(x, W, *head_sample))
     present = all_targets >= 0
     losses = torch.where(present, torch.logsumexp(z, -1, keepdim=True) - z.gather(1, all_targets.clamp(min=0)), 0.0)
+    if getattr(cfg, "pointer_mixture", False):
+        copy = COPY_ID if columns is None else columns.tolist().index(COPY_ID)
+        a, _ = pointer(P, cfg, tokens, x, cfg.pointer_band)
+        nll = mixture_nll(z, all_targets[:, 0], copy, a, tokens, targets[:, 0], present[:, 0])
+        losses = torch.cat([nll[:, None], losses[:, 1:]], dim=1)
     T = len(tokens)
     return (losses * weights.double()).sum() / T, losses[:, 0].detach().sum() / T
 
@@ -681,5 +720,8 @@ def validation_loss_sum(P, cfg, tokens, targets, cu_seqlens, windows, history, t
         z = z.masked_fill(mask, MASKED_LOGIT)
     lse = torch.logsumexp(z, -1)
     present = targets[:, 0] >= 0
+    if getattr(cfg, "pointer_mixture", False):   # the validation band; <copy> is never a masked pair
+        a, _ = pointer(P, cfg, tokens, x, cfg.pointer_val_band)
+        return mixture_nll(z, targets[:, 0], COPY_ID, a, tokens, targets[:, 0], present).sum()
     picked = z.gather(1, targets[:, :1].clamp(min=0))[:, 0]
     return torch.where(present, lse - picked, 0.0).sum()
