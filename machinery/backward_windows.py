@@ -68,16 +68,21 @@ class WindowChoice:
 
     def __init__(self, candidates, bound):
         self.candidates, self.bound = tuple(sorted(candidates)), bound
-        self.errors = {}           # layer -> (its candidates, (len, H) errors)
+        # layer -> ((len(candidates), H) errors, how many of the candidates some call measured)
+        self.errors = {}
 
     def observe(self, layer, attention_fn, probe):
-        """One call's probe (q, k, v, grad_o, cu_seqlens, window, scale) of `layer`."""
+        """One call's probe (q, k, v, grad_o, cu_seqlens, window, scale) of `layer`. A candidate at
+        least as wide as the call's window leaves its backward exact: error 0 there. Calls of one
+        layer may have different windows (choice steps in two stages): the errors are the maximum
+        per candidate, and only candidates some call truncated (measured) can be chosen."""
         q, k, v, grad_o, cu_seqlens, window, scale = probe
         offered = candidates_below(self.candidates, window)
-        errors = backward_window_errors(attention_fn, q, k, v, grad_o, cu_seqlens, window, scale, offered)
-        if layer in self.errors:
-            errors = torch.maximum(self.errors[layer][1], errors)
-        self.errors[layer] = (offered, errors)
+        errors = torch.zeros((len(self.candidates), q.shape[1]), dtype=torch.float32, device=q.device)
+        errors[:len(offered)] = backward_window_errors(attention_fn, q, k, v, grad_o, cu_seqlens, window, scale,
+                                                       offered)
+        before, measured = self.errors.get(layer, (errors, 0))
+        self.errors[layer] = (torch.maximum(before, errors), max(measured, len(offered)))
 
     @contextlib.contextmanager
     def probing(self, blocks, attention_fn, on):
@@ -105,10 +110,10 @@ class WindowChoice:
     def choose(self, all_reduce_max=None):
         """{layer: int64 (H,) windows}; all_reduce_max(tensor) makes the errors every rank's maximum."""
         chosen = {}
-        for layer, (offered, errors) in sorted(self.errors.items()):
+        for layer, (errors, measured) in sorted(self.errors.items()):
             if all_reduce_max is not None:
                 all_reduce_max(errors)
-            chosen[layer] = pick_windows(errors, offered, self.bound)
+            chosen[layer] = pick_windows(errors[:measured], self.candidates[:measured], self.bound)
         return chosen
 
 

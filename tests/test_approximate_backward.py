@@ -167,6 +167,24 @@ def test_the_chooser_measures_relative_l2_per_head_against_the_exact_backward():
     assert errors[2].max() <= 1e-6 and errors[0].min() > 0.01
 
 
+def test_the_chooser_takes_calls_of_one_layer_with_different_windows():
+    """Choice steps in two stages: a layer's calls at windows 24 and 40 offer candidates (8, 16)
+    and (8, 16, 32). Each candidate's error is its largest over the calls that truncate with it
+    (0 where it is as wide as the window: exact there); 32, measured at the wider call only, can
+    be chosen; the choice equals picking from the calls' errors by hand."""
+    T = 120
+    cu = torch.tensor([0, 50, T], dtype=torch.int32)
+    calls = [(*inputs(T, 2, 8, seed), cu, window, 0.3) for seed, window in ((12, 24), (13, 40))]
+    choice = bw.WindowChoice((8, 16, 32), bound=0.5)
+    for probe in calls:
+        choice.observe(3, kernels.attention_reference, probe)
+    by_hand = [bw.backward_window_errors(kernels.attention_reference, *probe[:6], 0.3, offered)
+               for probe, offered in zip(calls, ((8, 16), (8, 16, 32)))]
+    worst = torch.cat([torch.maximum(by_hand[0], by_hand[1][:2]), by_hand[1][2:]])
+    assert torch.equal(choice.errors[3][0], worst) and choice.errors[3][1] == 3
+    assert torch.equal(choice.choose()[3], bw.pick_windows(worst, (8, 16, 32), 0.5))
+
+
 # ---------------------------------------------------------------------------------------------
 # the sampled head weight gradient
 
