@@ -2701,6 +2701,15 @@ def device_scalar(value, device):
 
 # The FP8 head and the cross-entropy in one: the logit gradient written once, in e5m2.
 
+def _weight_gradient_operands(saved, g8, sample_rows=None):
+    """(saved, g8_t): an FP8 head's forward state and the transposed e5m2 logit gradient its
+    weight-gradient GEMM reads; with sample_rows only those rows of both (x8^T's columns, g8's
+    rows: rows x K and rows x N bytes instead of T x K and T x N)."""
+    if sample_rows is None:
+        return saved, transpose(g8)
+    return (_gather_columns(saved[0], sample_rows), *saved[1:]), transpose(_gather_rows(g8, sample_rows))
+
+
 class _FP8HeadCrossEntropy(torch.autograd.Function):
     """softcap_cross_entropy(fp8_linear(x, W)) for the objective's own upstream gradient. The
     forward is _FP8Linear's, then the cross-entropy kernel, which stores the logit gradient (for
@@ -2722,11 +2731,7 @@ class _FP8HeadCrossEntropy(torch.autograd.Function):
                                          None)
         loss, next_loss, g8 = _softcap_ce_fp8_op(logits, targets, weights, grad_scale, g_scale, g_amax,
                                                  torch.float8_e5m2, ce_config)
-        if sample_rows is None:
-            g8_t = transpose(g8)
-        else:
-            saved = (_gather_columns(saved[0], sample_rows), *saved[1:])
-            g8_t = transpose(_gather_rows(g8, sample_rows))
+        saved, g8_t = _weight_gradient_operands(saved, g8, sample_rows)
         ctx.save_for_backward(*saved, g8, g8_t, g_scale)
         ctx.prims, ctx.config, ctx.dtypes, ctx.stride = prims, config, (x.dtype, weight.dtype), stride
         ctx.mark_non_differentiable(next_loss)
@@ -4278,11 +4283,7 @@ class _FP8HeadPointerMixture(torch.autograd.Function):
         loss, next_loss, g8, d_p_copy, d_a_sink = _pointer_ce_fp8_op(logits, targets, weights, grad_scale, g_scale,
                                                                      g_amax, torch.float8_e5m2, p_copy, a_sink,
                                                                      copy_col, ce_config)
-        if sample_rows is None:
-            g8_t = transpose(g8)
-        else:
-            saved = (_gather_columns(saved[0], sample_rows), *saved[1:])
-            g8_t = transpose(_gather_rows(g8, sample_rows))
+        saved, g8_t = _weight_gradient_operands(saved, g8, sample_rows)
         ctx.save_for_backward(*saved, g8, g8_t, g_scale, d_p_copy, d_a_sink)
         ctx.prims, ctx.config, ctx.dtypes, ctx.stride = prims, config, (x.dtype, weight.dtype), stride
         ctx.mark_non_differentiable(next_loss)
