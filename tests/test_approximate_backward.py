@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import model_statement as ref
 from interpreter_shim import REPO_ROOT, isolated
 
 sys.path.insert(0, str(REPO_ROOT))
@@ -48,19 +49,11 @@ def visibility(cu_seqlens, T, window):
 
 def truncated_oracle(q, k, v, cu_seqlens, window, scale, backward_windows):
     """float64 attention (T, H, Dv) whose backward keeps, for head h, only the pairs less than
-    backward_windows[h] apart (<= 0: all), with P and O of the full window (module docstring)."""
+    backward_windows[h] apart (<= 0: all), with P and O of the full window: the float64
+    statement's truncated_backward_attention over `visibility`."""
     q, k, v = (t.double() for t in (q, k, v))
-    T = q.shape[0]
-    visible = visibility(cu_seqlens, T, window)
-    scores = torch.einsum("ihd,jhd->hij", q, k) * scale
-    scores = scores.masked_fill(~visible[None], float("-inf"))
-    lse = torch.logsumexp(scores, -1, keepdim=True)
-    o = torch.einsum("hij,jhd->ihd", torch.exp(scores - lse), v)
-    distance = torch.arange(T)[:, None] - torch.arange(T)[None, :]
-    kept = torch.stack([visible & (distance < w) if w > 0 else visible for w in backward_windows])
-    p_kept = torch.where(kept, torch.exp(scores - lse.detach()), 0.0)
-    a = torch.einsum("hij,jhd->ihd", p_kept, v) - p_kept.sum(-1).t()[..., None] * o.detach()
-    return o.detach() + a - a.detach()
+    return ref.truncated_backward_attention(q, k, v, visibility(cu_seqlens, q.shape[0], window), scale,
+                                            backward_windows)
 
 
 def grads(attention, q, k, v, grad_o, *args, **kwargs):
