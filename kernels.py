@@ -11,7 +11,8 @@ Families:
                       (a persistent tensor-descriptor kernel and a
                       pointer-load tile kernel; torch._scaled_mm)
   2. Flash attention  flash_attn_varlen (one-kernel backward with    attention_reference
-                      atomic dQ, or the deterministic two-kernel one)
+                      atomic dQ, or the deterministic two-kernel one;
+                      descriptor variants, the forward warp-specialized)
   3. Softcapped CE    softcap_cross_entropy                          softcap_cross_entropy_reference
                       (on CPU: softcap_cross_entropy_chunked, the same algorithm in plain torch);
                       fp8_head_cross_entropy (the FP8 head and the    fp8_linear_reference, then
@@ -1487,6 +1488,10 @@ def fp8_relu2_mlp_reference(x, w_up, w_down, state, config=None, scales=FP8MLPSc
 # products, no atomics). flash_attn_varlen's impl picks (kernel_choice: the faster one at each
 # shape where the warm-up timed them). The softmax scale is read from a one-element fp32
 # tensor, so a scale that changes during training (YaRN) changes no compiled code.
+# Descriptor variants of the forward and of the one-kernel backward (_attn_fwd_tma_kernel,
+# _attn_bwd_fused_tma_kernel: FlashAttention-3's structure as Triton expresses it, see their
+# notes) are further candidates of the warm-up, and impl "tma" pins them; the pointer kernels
+# stay the rule.
 
 # Head dims the kernels take (64 and 128 are the production ones, compiled for sm_90 by the tests).
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
@@ -1527,14 +1532,29 @@ ATTENTION_CONFIGS_NARROW = (LaunchConfig(block_m=64, block_n=32, num_warps=4, nu
 # (kernel_choice; the rule where nothing was timed); "rule", the window's tiles and the
 # one-kernel backward; "atomic" the same; "deterministic", the two-kernel backward (no atomics:
 # gradients reproducible bit for bit); "flex", the forward by torch's flex_attention, the
-# backward by the rule.
-ATTENTION_IMPLS = ("auto", "rule", "atomic", "deterministic", "flex")
-_FORWARD_IMPL = {"auto": "auto", "rule": "rule", "atomic": "rule", "deterministic": "rule", "flex": "flex"}
+# backward by the rule; "tma", the descriptor variants of the forward and of the one-kernel
+# backward at the window's tiles (the rule's kernels where a tensor's layout cannot be
+# described: _descriptor_layout_ok).
+ATTENTION_IMPLS = ("auto", "rule", "atomic", "deterministic", "flex", "tma")
+_FORWARD_IMPL = {"auto": "auto", "rule": "rule", "atomic": "rule", "deterministic": "rule", "flex": "flex",
+                 "tma": "tma"}
 _BACKWARD_IMPL = {"auto": "auto", "rule": "atomic", "atomic": "atomic", "deterministic": "deterministic",
-                  "flex": "atomic"}
+                  "flex": "atomic", "tma": "tma"}
 # The selection's agreement check of an attention candidate (relative Frobenius distance from the
 # reference): bf16 outputs of FlashAttention-style computations, P rounded to bf16 in each.
 ATTENTION_CHOICE_TOLERANCE = 2.0 ** -6
+# Whether each descriptor variant's loop (_attn_fwd_tma_kernel, _attn_bwd_fused_tma_kernel) is
+# warp-specialized. The forward's is (sm_90: a producer warp group issuing the copies, two
+# consumer warp groups with setmaxnreg; bench/sm90_resources*.json). The backward's is not: the
+# Hopper pass of triton 3.6.0 and 3.7.1 fails on its loop (five products and the dQ reduction:
+# "Unexpected asyncTaskIds.size()" in its data partitioning, at every tile and warp count tried),
+# so it is descriptor-loaded and pipelined only.
+ATTENTION_WARP_SPECIALIZE = {"forward": True, "backward": False}
+# A warp-specialized variant runs the pointer kernel's tiles and stages with this many warps a
+# warp group: Triton's Hopper warp specialization partitions the loop of a 4-warp kernel into a
+# producer and two consumer warp groups (12 warps; it leaves an 8-warp kernel's loop as it is).
+# The other variants keep the pointer kernel's warps (the backward's dK and dV sums spill with 4).
+ATTENTION_DESCRIPTOR_WARPS = 4
 
 
 def attention_configs(window):
@@ -1963,6 +1983,192 @@ def _attn_bwd_fused_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, 
              dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])
 
 
+# The descriptor variants (FlashAttention-3's structure, as far as Triton expresses it): the same
+# tiles, visits, masks and arithmetic as the kernels above, with every tile of the other side
+# (K and V in the forward; Q, dO and O in the backward) loaded by tensor descriptor (the copy
+# engine: TMA, UTMALDG in SASS), the outputs stored by descriptor, and the loop over that side
+# software-pipelined (num_stages tiles in flight) and, where WARP_SPECIALIZE, warp-specialized:
+# Triton's Hopper pass splits the loop into a producer warp group that issues the copies and
+# consumer warp groups that run the products and the softmax, with their registers rebalanced
+# (setmaxnreg). A descriptor's bounds stand in for the pointer kernels' row masks: rows past
+# the packed batch load as zeros and are not stored. Each kernel walks its visited blocks in one
+# loop, every tile masked (the mask is all true on the interior tiles: the same numbers), where
+# the pointer kernels run three (masked, unmasked, masked): Triton's Hopper warp specialization
+# (3.6.0, 3.7.1) fails on the forward with three loops ("operation destroyed but still has
+# uses"), and the backward's three pipelined loops spill at head dim 128 (255 registers) where
+# one loop does not. The masks cost a few integer operations a score, not a product.
+
+@triton.jit
+def _online_softmax_step(acc, l_i, m_i, s, v, MASKED: tl.constexpr):
+    """One key block of the online softmax (as in _attn_fwd_blocks): m_i grows to the block's
+    row maxima, acc and l_i are rescaled by exp2(old - new) and the block's p = exp2(s - m_i)
+    added (p rounded to v's dtype before P V)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if MASKED:
+        # rows with no visible key yet keep m = -inf; subtract 0 so that p = 0, not NaN
+        m_new = tl.where(m_new == -float("inf"), 0.0, m_new)
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attn_fwd_tma_blocks(acc, l_i, m_i, q, rows, doc_end_ptr, k_desc, v_desc, num_tokens, window, qk_scale,
+                         t_begin, t_end, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """_attn_fwd_blocks over key blocks [t_begin, t_end) with K and V loaded by descriptor (keys
+    past the batch read as zeros, and their scores are masked), the loop pipelined (and
+    warp-specialized where WARP_SPECIALIZE)."""
+    for t in tl.range(t_begin, t_end, warp_specialize=WARP_SPECIALIZE):
+        key_first = t * BLOCK_N
+        k = k_desc.load([key_first, 0])
+        v = v_desc.load([key_first, 0])
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASKED:
+            s = _masked_scores(s, rows, key_first + tl.arange(0, BLOCK_N), doc_end_ptr, num_tokens, window)
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, v, MASKED)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_tma_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, doc_start_ptr, doc_end_ptr, scale_ptr,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                         num_tokens, window,
+                         D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         WARP_SPECIALIZE: tl.constexpr):
+    """_attn_fwd_kernel (the same grid, visited blocks, masks and online softmax) with Q, K and V
+    loaded and O stored by tensor descriptor, the key loop pipelined and, where WARP_SPECIALIZE,
+    warp-specialized, over every visited block in one loop (see the notes above). Grid:
+    (cdiv(T, BLOCK_M), heads).
+
+    Traffic per program: the Q block read once, K, V and doc_end read for the visited blocks (at
+    most window + BLOCK_M keys), O and the log-sum-exp written once.
+    """
+    q_first = tl.program_id(0) * BLOCK_M
+    head = tl.program_id(1)
+    q_last = tl.minimum(q_first + BLOCK_M, num_tokens) - 1
+    rows = q_first + tl.arange(0, BLOCK_M)
+    q_desc = tl.make_tensor_descriptor(q_ptr + head * stride_qh, shape=[num_tokens, D_QK], strides=[stride_qt, 1],
+                                       block_shape=[BLOCK_M, D_QK])
+    k_desc = tl.make_tensor_descriptor(k_ptr + head * stride_kh, shape=[num_tokens, D_QK], strides=[stride_kt, 1],
+                                       block_shape=[BLOCK_N, D_QK])
+    v_desc = tl.make_tensor_descriptor(v_ptr + head * stride_vh, shape=[num_tokens, D_V], strides=[stride_vt, 1],
+                                       block_shape=[BLOCK_N, D_V])
+    o_desc = tl.make_tensor_descriptor(o_ptr + head * stride_oh, shape=[num_tokens, D_V], strides=[stride_ot, 1],
+                                       block_shape=[BLOCK_M, D_V])
+    q = q_desc.load([q_first, 0])
+    qk_scale = tl.load(scale_ptr) * LOG2_E
+
+    acc = tl.zeros((BLOCK_M, D_V), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
+    lo, _, _, hi = _key_blocks(q_first, q_last, tl.load(doc_start_ptr + q_first), tl.load(doc_start_ptr + q_last),
+                               window, BLOCK_N)
+    # every visited block in one loop, each tile masked (see the notes above)
+    acc, l_i, m_i = _attn_fwd_tma_blocks(acc, l_i, m_i, q, rows, doc_end_ptr, k_desc, v_desc, num_tokens,
+                                         window, qk_scale, lo, hi, BLOCK_N, True, WARP_SPECIALIZE)
+    row_ok = rows < num_tokens
+    l_i = tl.where(row_ok, l_i, 1.0)
+    o_desc.store([q_first, 0], (acc / l_i[:, None]).to(o_desc.dtype))
+    tl.store(lse_ptr + head * num_tokens + rows, m_i + tl.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _attn_bwd_fused_tma_blocks(dk, dv, k, v, cols, col_end, q_desc, do_desc, o_desc, lse_ptr, dq_ptr, dq_desc,
+                               stride_dqt, num_tokens, window, qk_scale, sm_scale, u_begin, u_end,
+                               D_QK: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                               DQ_DESCRIPTOR: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """_attn_bwd_fused_blocks over query blocks [u_begin, u_end) with Q, dO and O loaded by
+    descriptor (rows past the batch read as zeros), the loop pipelined (and warp-specialized
+    where WARP_SPECIALIZE): dV += P^T dO, dK += dS^T Q, dQ += dS K added into the fp32 sums."""
+    for u in tl.range(u_begin, u_end, warp_specialize=WARP_SPECIALIZE):
+        query_first = u * BLOCK_M
+        rows = query_first + tl.arange(0, BLOCK_M)
+        q = q_desc.load([query_first, 0])
+        do = do_desc.load([query_first, 0])
+        o = o_desc.load([query_first, 0])
+        if MASKED:
+            lse = tl.load(lse_ptr + rows, mask=rows < num_tokens, other=0.0)
+        else:
+            lse = tl.load(lse_ptr + rows)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+        s_t = tl.dot(k, tl.trans(q)) * qk_scale
+        if MASKED:
+            # key j, query i: j <= i, i - j < window, i before the end of j's document
+            seen = (cols[:, None] <= rows[None, :]) & (rows[None, :] - cols[:, None] < window) & \
+                (rows[None, :] < col_end[:, None])
+            s_t = tl.where(seen, s_t, -float("inf"))
+        p_t = tl.exp2(s_t - lse[None, :])
+        dv += tl.dot(p_t.to(do.dtype), do)
+        ds_t = (p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])).to(q.dtype)
+        dk += tl.dot(ds_t, q)
+        dq_tile = tl.dot(tl.trans(ds_t), k) * sm_scale
+        if DQ_DESCRIPTOR:
+            dq_desc.atomic_add([query_first, 0], dq_tile)      # rows past the batch fall outside the descriptor
+        else:
+            tl.atomic_add(dq_ptr + rows[:, None] * stride_dqt + tl.arange(0, D_QK)[None, :], dq_tile,
+                          mask=rows[:, None] < num_tokens)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_fused_tma_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, dk_ptr, dv_ptr, doc_end_ptr,
+                               scale_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                               stride_ot, stride_oh, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt,
+                               stride_dkh, stride_dvt, stride_dvh, num_tokens, window,
+                               D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               DQ_DESCRIPTOR: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """_attn_bwd_fused_kernel (the same grid, visited query blocks, masks, five tile products and
+    atomic fp32 dQ) with K and V loaded, Q, dO and O streamed and dK, dV stored by tensor
+    descriptor, the query loop pipelined and, where WARP_SPECIALIZE, warp-specialized. Grid:
+    (cdiv(T, BLOCK_N), heads). dQ is not reproducible bit for bit (atomic additions).
+
+    Traffic per program: K, V read once; Q, dO, O, lse read for the visited query blocks (at most
+    window + BLOCK_N queries); dK, dV written once; BLOCK_M x D_QK fp32 added into dQ per tile.
+    """
+    k_first = tl.program_id(0) * BLOCK_N
+    head = tl.program_id(1)
+    k_last = tl.minimum(k_first + BLOCK_N, num_tokens) - 1
+    cols = k_first + tl.arange(0, BLOCK_N)
+    col_end = tl.load(doc_end_ptr + cols, mask=cols < num_tokens, other=0)
+    k_desc = tl.make_tensor_descriptor(k_ptr + head * stride_kh, shape=[num_tokens, D_QK], strides=[stride_kt, 1],
+                                       block_shape=[BLOCK_N, D_QK])
+    v_desc = tl.make_tensor_descriptor(v_ptr + head * stride_vh, shape=[num_tokens, D_V], strides=[stride_vt, 1],
+                                       block_shape=[BLOCK_N, D_V])
+    q_desc = tl.make_tensor_descriptor(q_ptr + head * stride_qh, shape=[num_tokens, D_QK], strides=[stride_qt, 1],
+                                       block_shape=[BLOCK_M, D_QK])
+    do_desc = tl.make_tensor_descriptor(do_ptr + head * stride_doh, shape=[num_tokens, D_V], strides=[stride_dot, 1],
+                                        block_shape=[BLOCK_M, D_V])
+    o_desc = tl.make_tensor_descriptor(o_ptr + head * stride_oh, shape=[num_tokens, D_V], strides=[stride_ot, 1],
+                                       block_shape=[BLOCK_M, D_V])
+    dk_desc = tl.make_tensor_descriptor(dk_ptr + head * stride_dkh, shape=[num_tokens, D_QK],
+                                        strides=[stride_dkt, 1], block_shape=[BLOCK_N, D_QK])
+    dv_desc = tl.make_tensor_descriptor(dv_ptr + head * stride_dvh, shape=[num_tokens, D_V],
+                                        strides=[stride_dvt, 1], block_shape=[BLOCK_N, D_V])
+    k = k_desc.load([k_first, 0])
+    v = v_desc.load([k_first, 0])
+    dq_ptr += head * stride_dqh
+    lse_ptr += head * num_tokens
+    sm_scale = tl.load(scale_ptr)
+    qk_scale = sm_scale * LOG2_E
+    dq_desc = dq_ptr
+    if DQ_DESCRIPTOR:
+        dq_desc = tl.make_tensor_descriptor(dq_ptr, shape=[num_tokens, D_QK], strides=[stride_dqt, 1],
+                                            block_shape=[BLOCK_M, D_QK])
+
+    dk = tl.zeros((BLOCK_N, D_QK), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, D_V), dtype=tl.float32)
+    lo, _, _, hi = _query_blocks(k_first, k_last, tl.load(doc_end_ptr + k_first), tl.load(doc_end_ptr + k_last),
+                                 window, BLOCK_M)
+    # every visited block in one loop, each tile masked (see the notes above)
+    dk, dv = _attn_bwd_fused_tma_blocks(dk, dv, k, v, cols, col_end, q_desc, do_desc, o_desc, lse_ptr, dq_ptr,
+                                        dq_desc, stride_dqt, num_tokens, window, qk_scale, sm_scale, lo, hi,
+                                        D_QK, BLOCK_M, True, DQ_DESCRIPTOR, WARP_SPECIALIZE)
+    dk_desc.store([k_first, 0], (dk * sm_scale).to(dk_desc.dtype))
+    dv_desc.store([k_first, 0], dv.to(dv_desc.dtype))
+
+
 def attention_grid(num_tokens, block, num_heads):
     """(programs along the packed batch, heads): one program per `block` tokens and head."""
     return (triton.cdiv(num_tokens, block), num_heads)
@@ -2057,12 +2263,16 @@ def _tile_name(config):
 
 def _attention_forward_candidates(q, k, v, doc_start, doc_end, scale, window, configs):
     """The forward's implementations, the rule first: the kernel at the window's tiles, at the
-    other tiles, and flex_attention."""
+    other tiles, the descriptor kernel at the window's tiles (where the layouts allow), and
+    flex_attention."""
     args = (q, k, v, doc_start, doc_end, scale, window)
     forward = configs[0]
     other = ATTENTION_CONFIGS[0] if forward == ATTENTION_CONFIGS_NARROW[0] else ATTENTION_CONFIGS_NARROW[0]
     found = [kernel_choice.Candidate(f"triton {_tile_name(c)}", functools.partial(_run_attn_fwd, *args, c))
              for c in dict.fromkeys((forward, other))]
+    if _descriptor_layout_ok(q, k, v):
+        found.append(kernel_choice.Candidate(f"tma {_tile_name(forward)}",
+                                             functools.partial(_run_attn_fwd_tma, *args, forward)))
     found.append(kernel_choice.Candidate("flex", functools.partial(_run_attn_fwd_flex, *args), triton=False))
     return found
 
@@ -2073,6 +2283,8 @@ def _launch_attn_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: Tensor, doc_end
     args = (q, k, v, doc_start, doc_end, scale, window)
     if impl == "flex":
         return _run_attn_fwd_flex(*args)
+    if impl == "tma" and _descriptor_layout_ok(q, k, v):
+        return _run_attn_fwd_tma(*args, configs[0])
     if impl != "auto":
         return _run_attn_fwd(*args, configs[0])
 
@@ -2153,14 +2365,72 @@ def _run_attn_bwd_two_kernels(grad_o, q, k, v, o, lse, doc_start, doc_end, scale
     return dq, dk, dv
 
 
+def _descriptor_layout_ok(*tensors):
+    """Whether every (T, H, D) tensor can be read or written by per-head tensor descriptors:
+    unit last stride, 16-byte aligned base, token and head strides of multiples of 16 bytes."""
+    return all(t.stride(2) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+               and (t.stride(1) * t.element_size()) % 16 == 0 and t.shape[0] > 0 for t in tensors)
+
+
+def attention_descriptor_config(config, warp_specialize):
+    """A descriptor variant's launch config from its pointer kernel's: the same tiles and stages;
+    warp-specialized, ATTENTION_DESCRIPTOR_WARPS warps a warp group (the loop's partitions add
+    theirs), else the same warps."""
+    return dataclasses.replace(config, num_warps=ATTENTION_DESCRIPTOR_WARPS) if warp_specialize else config
+
+
+def _run_attn_fwd_tma(q, k, v, doc_start, doc_end, scale, window, config):
+    """(o, lse) by _attn_fwd_tma_kernel at `config`'s tiles (attention_descriptor_config)."""
+    T, H, d_qk = q.shape
+    d_v = v.shape[2]
+    warp_specialize = ATTENTION_WARP_SPECIALIZE["forward"]
+    config = attention_descriptor_config(config, warp_specialize)
+    o = torch.empty(T, H, d_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(H, T, dtype=torch.float32, device=q.device)
+    _set_tma_allocator(q.device)
+    _launch(_attn_fwd_tma_kernel, attention_grid(T, config.block_m, H), config,
+            q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, lse_ptr=lse, doc_start_ptr=doc_start, doc_end_ptr=doc_end,
+            scale_ptr=scale,
+            stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
+            stride_vt=v.stride(0), stride_vh=v.stride(1), stride_ot=o.stride(0), stride_oh=o.stride(1),
+            num_tokens=T, window=window, D_QK=d_qk, D_V=d_v, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            WARP_SPECIALIZE=warp_specialize)
+    return o, lse
+
+
+def _run_attn_bwd_fused_tma(grad_o, q, k, v, o, lse, doc_start, doc_end, scale, window, config):
+    """(dq, dk, dv) by _attn_bwd_fused_tma_kernel at `config`'s tiles: dQ summed in an fp32
+    buffer, then cast to q's dtype."""
+    T, H, d_qk = q.shape
+    warp_specialize = ATTENTION_WARP_SPECIALIZE["backward"]
+    config = attention_descriptor_config(config, warp_specialize)
+    dq = torch.zeros(T, H, d_qk, dtype=torch.float32, device=q.device)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    _set_tma_allocator(q.device)
+    _launch(_attn_bwd_fused_tma_kernel, attention_grid(T, config.block_n, H), config,
+            q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, do_ptr=grad_o, lse_ptr=lse, dq_ptr=dq, dk_ptr=dk, dv_ptr=dv,
+            doc_end_ptr=doc_end, scale_ptr=scale,
+            stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
+            stride_vt=v.stride(0), stride_vh=v.stride(1), stride_ot=o.stride(0), stride_oh=o.stride(1),
+            stride_dot=grad_o.stride(0), stride_doh=grad_o.stride(1), stride_dqt=dq.stride(0), stride_dqh=dq.stride(1),
+            stride_dkt=dk.stride(0), stride_dkh=dk.stride(1), stride_dvt=dv.stride(0), stride_dvh=dv.stride(1),
+            num_tokens=T, window=window, D_QK=d_qk, D_V=v.shape[2], BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            DQ_DESCRIPTOR=_descriptor_reductions(), WARP_SPECIALIZE=warp_specialize)
+    return dq.to(q.dtype), dk, dv
+
+
 def _attention_backward_candidates(args, configs, head_windows=None):
     """The backward's implementations, the rule first: the one-kernel backward (atomic dQ) at the
-    window's tiles and at the other window class's, the deterministic two-kernel backward."""
+    window's tiles and at the other window class's, its descriptor variant at the window's tiles
+    (where the layouts allow), the deterministic two-kernel backward (last: the others' check)."""
     fused = configs[4]
     other = ATTENTION_CONFIGS[4] if fused == ATTENTION_CONFIGS_NARROW[4] else ATTENTION_CONFIGS_NARROW[4]
     found = [kernel_choice.Candidate(f"atomic {_tile_name(c)}",
                                      functools.partial(_run_attn_bwd_fused, *args, c, head_windows=head_windows))
              for c in dict.fromkeys((fused, other))]
+    if head_windows is None and _descriptor_layout_ok(*args[:5]):   # (no per-head truncation in it)
+        found.append(kernel_choice.Candidate(f"tma atomic {_tile_name(fused)}",
+                                             functools.partial(_run_attn_bwd_fused_tma, *args, fused)))
     found.append(kernel_choice.Candidate("deterministic", functools.partial(_run_attn_bwd_two_kernels, *args,
                                                                             *configs[1:4], head_windows=head_windows)))
     return found
@@ -2174,6 +2444,8 @@ def _launch_attn_bwd(grad_o: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor,
     args = (grad_o, q, k, v, o, lse, doc_start, doc_end, scale, window)
     if impl == "deterministic":
         return _run_attn_bwd_two_kernels(*args, *configs[1:4], head_windows=head_windows)
+    if impl == "tma" and head_windows is None and _descriptor_layout_ok(grad_o, q, k, v, o):
+        return _run_attn_bwd_fused_tma(*args, configs[4])
     if impl != "auto":
         return _run_attn_bwd_fused(*args, configs[4], head_windows=head_windows)
     candidates = _attention_backward_candidates(args, configs, head_windows)

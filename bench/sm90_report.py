@@ -1,5 +1,6 @@
 """Compile every production kernel launch of kernels.py for Hopper (sm_90) without a GPU, and
-report its resources: registers, shared memory, spills, instruction counts, tensor-core use.
+report its resources: registers, shared memory, spills, instruction counts, tensor-core use,
+tensor-descriptor copies and warp specialization (the compiled warps, partitions, setmaxnreg).
 
 Two sets of launches, recorded with kernels._launch replaced by a recorder, so that the
 arguments carry the block sizes, dtypes, layouts and specializations (unit strides, 16-aligned
@@ -103,11 +104,19 @@ XXT_SHAPES = ((16, 768, 768), (8, 768, 3072))
 # Kernels that must run on the tensor cores (wgmma in PTX, HGMMA/QGMMA in SASS).
 MATRIX_KERNELS = ("_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_fp8_matmul_tma_kernel",
                   "_fp8_matmul_quant_tma_kernel", "_attn_fwd_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel",
-                  "_attn_bwd_fused_kernel", "_xxt_kernel", "_dc_fwd_kernel", "_dc_bwd_mix_kernel", "_dc_bwd_q_kernel",
+                  "_attn_bwd_fused_kernel", "_attn_fwd_tma_kernel", "_attn_bwd_fused_tma_kernel", "_xxt_kernel", "_dc_fwd_kernel", "_dc_bwd_mix_kernel", "_dc_bwd_q_kernel",
                   "_dc_bwd_kv_kernel")
 # The persistent FP8 GEMMs: every variant loads its operands by tensor descriptor (UTMALDG) and
 # stores by descriptor (UTMASTG).
 DESCRIPTOR_KERNELS = ("_fp8_matmul_tma_kernel", "_fp8_matmul_quant_tma_kernel")
+# The attention kernels of FlashAttention-3's structure: every variant loads its tiles by tensor
+# descriptor (UTMALDG) and stores by descriptor (UTMASTG); those of ATTENTION_WARP_SPECIALIZED
+# are warp-specialized too: the compiled kernel has the loop's partitions (ttg.warp_specialize in
+# the TTGIR, more warps than the launch asked for) and rebalances registers between the producer
+# and the consumer warp groups (setmaxnreg in the PTX, USETMAXREG in the SASS).
+DESCRIPTOR_ATTENTION_KERNELS = ("_attn_fwd_tma_kernel", "_attn_bwd_fused_tma_kernel")
+ATTENTION_WARP_SPECIALIZED = tuple(name for name, key in zip(DESCRIPTOR_ATTENTION_KERNELS, ("forward", "backward"))
+                                   if kernels.ATTENTION_WARP_SPECIALIZE[key])
 # The fallback implementations: launched where kernel_choice's warm-up timed them fastest or a key
 # pins them (the pointer-load FP8 GEMMs, the deterministic two-kernel attention backward), never by
 # a call's rule alone.
@@ -116,9 +125,10 @@ FALLBACK_KERNELS = ("_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_attn_bwd
 # SASS opcodes counted per variant: the tensor cores' (HGMMA bf16/fp16, QGMMA fp8, HMMA: mma.sync),
 # spills (LDL/STL), shared and global memory (LDGSTS: asynchronous copies into shared memory, the
 # pipelined pointer loads), the tensor-descriptor copies (UTMALDG loads, UTMASTG stores, UTMAREDG
-# reductions), barriers and the special-function unit.
+# reductions), barriers, the special-function unit and the register rebalancing of warp-specialized
+# kernels (USETMAXREG: setmaxnreg).
 SASS_COUNTED = ("HGMMA", "QGMMA", "HMMA", "LDL", "STL", "LDS", "STS", "LDG", "STG", "LDGSTS", "UTMALDG", "UTMASTG",
-                "UTMAREDG", "BAR", "MUFU")
+                "UTMAREDG", "BAR", "MUFU", "USETMAXREG")
 
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
                  torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv",
@@ -528,6 +538,9 @@ def compile_launch(kernel, config, args):
         "local_bytes": usage["LOCAL"],
         "stack_bytes": usage["STACK"],
         "ptx_wgmma": compiled.asm["ptx"].count("wgmma.mma_async"),
+        "ptx_setmaxnreg": compiled.asm["ptx"].count("setmaxnreg."),
+        "warps": compiled.metadata.num_warps,
+        "warp_specialized": "ttg.warp_specialize(" in compiled.asm["ttgir"],
         "sass_instructions": len(instructions),
         "sass_counts": {op: sum(_opcode(line) == op for line in instructions) for op in SASS_COUNTED},
     }
@@ -933,6 +946,12 @@ def problems(report):
         if entry["kernel"] in DESCRIPTOR_KERNELS and not (entry["sass_counts"]["UTMALDG"]
                                                           and entry["sass_counts"]["UTMASTG"]):
             found.append(f"{name}: no tensor-descriptor loads and stores (UTMALDG, UTMASTG)")
+        if entry["kernel"] in DESCRIPTOR_ATTENTION_KERNELS and not (entry["sass_counts"]["UTMALDG"]
+                                                                    and entry["sass_counts"]["UTMASTG"]):
+            found.append(f"{name}: no tensor-descriptor loads and stores (UTMALDG, UTMASTG)")
+        if entry["kernel"] in ATTENTION_WARP_SPECIALIZED and not (entry["warp_specialized"]
+                                                                  and entry["ptx_setmaxnreg"]):
+            found.append(f"{name}: its loop is not warp-specialized (no partitions or no setmaxnreg)")
         if entry["shared_bytes"] > SHARED_MEMORY_LIMIT:
             found.append(f"{name}: {entry['shared_bytes']} bytes of shared memory > {SHARED_MEMORY_LIMIT}")
         spills = entry["local_bytes"] + entry["sass_counts"]["LDL"] + entry["sass_counts"]["STL"]
@@ -944,16 +963,18 @@ def problems(report):
 
 def format_report(report):
     lines = [f"sm_90 resources (triton {report['triton']}; * = launched by the trainer; TMA ld/st/red: "
-             f"tensor-descriptor loads, stores, reductions)",
+             f"tensor-descriptor loads, stores, reductions; warps: compiled (WS: warp-specialized, "
+             f"setmaxnreg count))",
              f"{'variant':<122} {'regs':>4} {'smem':>7} {'instr':>6} {'GMMA':>5} {'wgmma':>5} {'LDL/STL':>7} "
-             f"{'TMA ld/st/red':>13} {'MUFU':>5}"]
+             f"{'TMA ld/st/red':>13} {'MUFU':>5} {'warps':>10}"]
     for e in report["kernels"]:
         counts = e["sass_counts"]
         mark = "*" if e.get("trainer") else " "
         tma = f"{counts['UTMALDG']}/{counts['UTMASTG']}/{counts['UTMAREDG']}"
+        warps = f"{e['warps']} WS {e['ptx_setmaxnreg']}" if e["warp_specialized"] else f"{e['warps']}"
         lines.append(f"{mark} {e['variant']:<120} {e['registers']:>4} {e['shared_bytes']:>7} "
                      f"{e['sass_instructions']:>6} {counts['HGMMA'] + counts['QGMMA']:>5} {e['ptx_wgmma']:>5} "
-                     f"{counts['LDL'] + counts['STL']:>7} {tma:>13} {counts['MUFU']:>5}")
+                     f"{counts['LDL'] + counts['STL']:>7} {tma:>13} {counts['MUFU']:>5} {warps:>10}")
     return "\n".join(lines)
 
 

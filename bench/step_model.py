@@ -161,6 +161,18 @@ ATTENTION_AT_512 = (0.24, 0.15)
 CAUSAL_512_TILES = 20 / 16         # computed over useful pairs, causal 512 tokens, 128 x 64 tiles
 CAUSAL_512_SPAN = 320              # keys a query block visits there (20 tiles x 64 keys / 4 blocks)
 FA3_FACTOR = 1.4
+# A kernel with FlashAttention-3's descriptor (TMA) loads and pipelined loop but no warp
+# specialization: FlashAttention-3's ablation (Shah et al. 2024, arXiv 2407.08608, table 2: H100,
+# bf16, head dim 128, 8K tokens) runs 661 TFLOP/s with both of its overlaps and 582 and 570 with
+# one of them (the GEMM-softmax pipelining, the warp specialization) removed; the lower share,
+# 570 / 661, of FA3_FACTOR is taken.
+DESCRIPTOR_FACTOR = FA3_FACTOR * 570 / 661
+# An attention kernel's structure -> its speed over the FlashAttention-2-class figures above:
+# "fa2" pointer loads (cp.async), no warp specialization (the pointer kernels, flex_attention);
+# "descriptor" tensor-descriptor loads, pipelined; "fa3" descriptor loads, pipelined and
+# warp-specialized (kernels.ATTENTION_WARP_SPECIALIZE says which descriptor variant is; the sm_90
+# reports show each one's partitions and setmaxnreg).
+ATTENTION_STRUCTURE_FACTOR = {"fa2": 1.0, "descriptor": DESCRIPTOR_FACTOR, "fa3": FA3_FACTOR}
 # A backward runs at 63% of the peak where its forward runs at 73% (FlashAttention-2's paper, A100).
 BACKWARD_RATIO = 63 / 73
 # The gap between two dependent kernels (the drain of one and the start of the next, a CUDA-graph
@@ -248,12 +260,13 @@ def gemm_efficiency(m, n, k, fast, structure, structures):
     return share if fast else share / structures.promotion_cost
 
 
-def attention_efficiency(span, backward, structures):
-    """Share of the bf16 peak of a FlashAttention-2-class kernel whose programs visit `span` keys
-    (queries, in the key-block backward) each: eff(span) = long * span / (span + overhead), the
-    backward at BACKWARD_RATIO of it."""
+def attention_efficiency(span, backward, structures, structure="fa2"):
+    """Share of the bf16 peak of an attention kernel of `structure` (ATTENTION_STRUCTURE_FACTOR)
+    whose programs visit `span` keys (queries, in the key-block backward) each: a
+    FlashAttention-2-class kernel's eff(span) = long * span / (span + overhead), the backward at
+    BACKWARD_RATIO of it, times the structure's factor."""
     share = structures.attention_long * span / (span + structures.span_overhead)
-    return share * (structures.backward_ratio if backward else 1.0)
+    return share * (structures.backward_ratio if backward else 1.0) * ATTENTION_STRUCTURE_FACTOR[structure]
 
 
 # -----------------------------------------------------------------------------------------------
@@ -383,12 +396,14 @@ class Op:
 @dataclasses.dataclass(frozen=True)
 class Kernel:
     """One kernel of an attention implementation: its FLOPs, the keys (queries) its programs
-    visit each, its HBM bytes, whether it is a backward kernel, and the launches it stands for."""
+    visit each, its HBM bytes, whether it is a backward kernel, the launches it stands for, and
+    its structure (a key of ATTENTION_STRUCTURE_FACTOR)."""
     flops: float
     span: float
     bytes: float
     backward: bool
     launches: int = 1
+    structure: str = "fa2"
 
 
 def _dtype_class(dtype):
@@ -516,14 +531,19 @@ def attention_implementations(event, lengths):
     q_shape = event.inputs[0][0] if event.name == "kernels.attn_fwd" else event.inputs[1][0]
     (T, H, d_qk), d_v = q_shape, (event.inputs[2][0] if event.name == "kernels.attn_fwd" else event.inputs[3][0])[2]
 
-    def forward(config):
+    def forward(config, structure="fa2"):
         tiles = query_tiles(lengths, window, config.block_m, config.block_n)
         span = tiles * config.block_n / max(1, math.ceil(T / config.block_m))
-        return Kernel(2.0 * H * tiles * config.block_m * config.block_n * (d_qk + d_v), span, 0.0, False)
+        return Kernel(2.0 * H * tiles * config.block_m * config.block_n * (d_qk + d_v), span, 0.0, False,
+                      structure=structure)
+    descriptor = descriptor_structures()
     if event.name == "kernels.attn_fwd":
         found = {"triton": [forward(configs[0])],
                  "flex": [forward(kernels.LaunchConfig(FLEX_BLOCK, FLEX_BLOCK))]}
         allowed = {"auto": ("triton", "flex"), "flex": ("flex",)}.get(impl, ("triton",))
+        if descriptor:             # the descriptor kernel at the forward's tiles
+            found["tma"] = [forward(configs[0], descriptor["forward"])]
+            allowed = {"auto": ("triton", "tma", "flex"), "tma": ("tma",)}.get(impl, allowed)
         return found, allowed
     kv, q = configs[1], configs[2]
     kv_tiles = key_tiles(lengths, window, kv.block_m, kv.block_n)
@@ -542,12 +562,26 @@ def attention_implementations(event, lengths):
         tiles = key_tiles(lengths, window, fused.block_m, fused.block_n)
         dq = 4.0 * T * H * d_qk
         atomics = 2 * 4.0 * H * tiles * fused.block_m * d_qk          # each tile's dQ read and written in L2/HBM
-        found["atomic"] = [
-            Kernel(2.0 * H * tiles * fused.block_m * fused.block_n * (3 * d_qk + 2 * d_v),
-                   tiles * fused.block_m / max(1, math.ceil(T / fused.block_n)), atomics, True),
-            Kernel(0.0, 0.0, dq + dq + dq / 2, True, launches=2)]     # zeroed, read, cast to bf16
+        def one_kernel(structure):
+            return [Kernel(2.0 * H * tiles * fused.block_m * fused.block_n * (3 * d_qk + 2 * d_v),
+                           tiles * fused.block_m / max(1, math.ceil(T / fused.block_n)), atomics, True,
+                           structure=structure),
+                    Kernel(0.0, 0.0, dq + dq + dq / 2, True, launches=2)]     # zeroed, read, cast to bf16
+        found["atomic"] = one_kernel("fa2")
         allowed = {"auto": ("atomic", "deterministic"), "deterministic": ("deterministic",)}.get(impl, ("atomic",))
+        if descriptor:             # the one-kernel backward's descriptor variant, at its tiles
+            found["tma"] = one_kernel(descriptor["backward"])
+            allowed = {"auto": ("atomic", "tma", "deterministic"), "tma": ("tma",)}.get(impl, allowed)
     return found, allowed
+
+
+def descriptor_structures():
+    """{"forward": structure, "backward": structure} of this tree's descriptor attention variants
+    ("fa3" where warp-specialized, else "descriptor"), or {} for a tree without them."""
+    warp_specialized = getattr(kernels, "ATTENTION_WARP_SPECIALIZE", None)
+    if warp_specialized is None:
+        return {}
+    return {key: "fa3" if warp_specialized[key] else "descriptor" for key in ("forward", "backward")}
 
 
 def attention_flops(event, lengths):
@@ -1003,8 +1037,8 @@ def structure_seconds(op, gpu, eff):
     for impl in allowed:
         total = 0.0
         for kernel in found[impl]:
-            compute = (kernel.flops / (gpu.tflops["bf16"] * 1e12 * attention_efficiency(kernel.span, kernel.backward, s))
-                       if kernel.flops else 0.0)
+            compute = (kernel.flops / (gpu.tflops["bf16"] * 1e12 * attention_efficiency(
+                kernel.span, kernel.backward, s, kernel.structure)) if kernel.flops else 0.0)
             total += max(compute, kernel.bytes / (gpu.hbm_tb_s * 1e12 * eff.hbm), KERNEL_FLOOR_S * kernel.launches)
             total += eff.gap_s * kernel.launches
         times.append(total)
@@ -1266,7 +1300,8 @@ def band_text(band):
              f"{s.fp8['pointer']:.1%}, cuBLAS {s.fp8['cublas']:.1%} at 8192x8192x4096, scaled by waves and K depth, "
              f"promoted accumulation {s.promotion_cost:.3f}x the time; attention FlashAttention-2-class "
              f"{s.attention_long:.0%} on long spans, {s.attention_at_512:.0%} at 512 keys, backward "
-             f"x{s.backward_ratio:.2f}; {STRUCTURE.gap_s * 1e6:.0f} us between kernels"),
+             f"x{s.backward_ratio:.2f}, descriptor loads x{DESCRIPTOR_FACTOR:.2f}, warp-specialized too "
+             f"(FlashAttention-3-class) x{FA3_FACTOR:.2f}; {STRUCTURE.gap_s * 1e6:.0f} us between kernels"),
             ("pessimistic", band["pessimistic"],
              f"the low ends: FP8 kernels at pointer/cuBLAS of those shares, promotion {p.promotion_cost:.2f}x, "
              f"attention {p.attention_long:.0%} / {p.attention_at_512:.0%}, HBM {PESSIMISTIC.hbm:.0%}, NVLink "

@@ -442,8 +442,9 @@ class Hyperparameters(ModelConfig):
     fp8_gemm: str = choice("fastest", "triton", "tma", "pointer", "scaled_mm")
     # attention: fastest (the forward's tiles or flex_attention, and the backward, each the fastest
     # the warm-up timed) | atomic (one backward kernel, dQ added atomically: not reproducible bit
-    # for bit) | deterministic (dK/dV and dQ kernels, no atomics) | flex (flex_attention's forward)
-    attention_impl: str = choice("fastest", "atomic", "deterministic", "flex")
+    # for bit) | deterministic (dK/dV and dQ kernels, no atomics) | flex (flex_attention's forward) |
+    # tma (the forward and the one-kernel backward loading by tensor descriptor, the forward warp-specialized)
+    attention_impl: str = choice("fastest", "atomic", "deterministic", "flex", "tma")
     fp8_on_cpu: bool = False           # on a CPU, run the FP8 layers through their torch references (checks numerics)
     # untimed steps per graph before timing starts (when something compiles)
     warmup_steps: int = count(3, 0, MAX_STEPS, "steps")

@@ -91,6 +91,7 @@ TMA_GEMM = ["tests/test_kernels.py", "-k", "fp8_tma_matmul"]
 TMA_EPILOGUES = ["tests/test_kernels.py", "-k", "fp8_tma_relu2"]
 SPLIT_PLAN = ["tests/test_kernels.py", "-k", "split_k_plan"]
 FUSED_ATTENTION = ["tests/test_kernels.py", "-k", "presets_windows_in_blocks and atomic"]
+DESCRIPTOR_ATTENTION = ["tests/test_kernels.py", "-k", "descriptor_variants_match_float64"]
 KERNEL_CHOICE = ["tests/test_kernel_choice.py"]
 STRUCTURE_PRICES = ["tests/test_step_model.py", "-k", "reference_shape or short_k or span_law"]
 
@@ -570,9 +571,26 @@ MUTATIONS = [
              "        ds_t = (p_t", FUSED_ATTENTION, "the one-kernel backward lets a query see an earlier document's keys"),
     Mutation("kernels.py", "        dq = tl.dot(tl.trans(ds_t), k) * sm_scale", "        dq = tl.dot(tl.trans(ds_t), k)",
              FUSED_ATTENTION, "the one-kernel backward's dQ misses the softmax scale"),
-    Mutation("kernels.py", "        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)",
+    Mutation("kernels.py", "            o = tl.load(o_ptrs)\n            lse = tl.load(lse_ptr + rows)\n"
+             "        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)",
+             "            o = tl.load(o_ptrs)\n            lse = tl.load(lse_ptr + rows)\n"
              "        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=0)", FUSED_ATTENTION,
              "the one-kernel backward's delta summed over the wrong axis"),
+    # the descriptor attention variants (the interpreter runs their descriptor loads and bounds)
+    Mutation("kernels.py", "        v = v_desc.load([key_first, 0])", "        v = v_desc.load([key_first + 1, 0])",
+             DESCRIPTOR_ATTENTION, "the descriptor forward reads each V tile one token late"),
+    Mutation("kernels.py", "window, qk_scale, lo, hi, BLOCK_N, True, WARP_SPECIALIZE)",
+             "window, qk_scale, lo, hi, BLOCK_N, False, WARP_SPECIALIZE)", DESCRIPTOR_ATTENTION,
+             "the descriptor forward masks no tile"),
+    Mutation("kernels.py", "        do = do_desc.load([query_first, 0])", "        do = do_desc.load([query_first + 1, 0])",
+             DESCRIPTOR_ATTENTION, "the descriptor backward reads each dO tile one token late"),
+    Mutation("kernels.py", "            seen = (cols[:, None] <= rows[None, :]) & (rows[None, :] - cols[:, None] < window) & \\\n"
+             "                (rows[None, :] < col_end[:, None])\n",
+             "            seen = (cols[:, None] <= rows[None, :]) & (rows[None, :] - cols[:, None] < window)\n",
+             DESCRIPTOR_ATTENTION, "the descriptor backward lets a query see an earlier document's keys"),
+    Mutation("kernels.py", "    dk_desc.store([k_first, 0], (dk * sm_scale).to(dk_desc.dtype))",
+             "    dk_desc.store([k_first, 0], dk.to(dk_desc.dtype))", DESCRIPTOR_ATTENTION,
+             "the descriptor backward's dK misses the softmax scale"),
     # the choice of implementation, and the step model's structure prices
     Mutation("machinery/kernel_choice.py", "    index = min(range(len(timed)), key=lambda i: decision.ms[timed[i].name]) if timed else -1",
              "    index = max(range(len(timed)), key=lambda i: decision.ms[timed[i].name]) if timed else -1",

@@ -830,6 +830,68 @@ def test_attention_bf16_error_at_most_twice_torch(d_qk, d_v, window, impl):
     _check_attention_bf16(q, k, v, grad_o, cu_seqlens, window, [SMALL_ATTENTION], impl)
 
 
+# The descriptor variants (impl="tma": _attn_fwd_tma_kernel, _attn_bwd_fused_tma_kernel) against
+# the float64 oracle and attention_reference: uneven documents (one of length 1), T not a
+# multiple of any block (the descriptors' bounds stand in for the row masks), windows none,
+# smaller and larger than the blocks and documents, every head-dim pair, q, k, v as views of one
+# packed tensor.
+@interpreted
+@pytest.mark.parametrize("d_qk,d_v,window,T", [(64, 64, 0, 150), (128, 64, 9, 150), (32, 128, 40, 150),
+                                               (32, 32, 16, 137), (64, 64, 33, 120)])
+def test_attention_descriptor_variants_match_float64(d_qk, d_v, window, T):
+    q, k, v, grad_o, generator = _attention_inputs(T, 2, d_qk, d_v, seed=d_qk + d_v + window)
+    cu_seqlens, _ = uneven_documents(T, generator)
+    with LaunchedKernels() as launched:
+        _check_attention_fp32(q, k, v, grad_o, cu_seqlens, window, SMALL_ATTENTION, impl="tma")
+    assert {"_attn_fwd_tma_kernel", "_attn_bwd_fused_tma_kernel"} <= set(launched.names)
+
+
+@interpreted
+@pytest.mark.parametrize("blocks", [1, 5, 13])
+def test_attention_descriptor_variants_at_the_presets_windows_in_blocks(blocks):
+    """ATTN, fp32, impl="tma": windows of whole blocks of SCALED_WINDOW_BLOCK tokens, documents of
+    up to 24 blocks and a short one, window-edge tiles twice the key blocks in the forward."""
+    T = 26 * SCALED_WINDOW_BLOCK
+    q, k, v, grad_o, _ = _attention_inputs(T, 1, 32, 32, seed=100 + blocks)
+    cu_seqlens = torch.tensor([0, 24 * SCALED_WINDOW_BLOCK - 5, T - 3, T], dtype=torch.int32)
+    configs = (kernels.LaunchConfig(32, 16), *SMALL_ATTENTION[1:])
+    _check_attention_fp32(q, k, v, grad_o, cu_seqlens, blocks * SCALED_WINDOW_BLOCK, configs, impl="tma")
+
+
+@interpreted
+def test_attention_descriptor_variants_take_strided_views_and_production_tiles():
+    """ATTN, fp32, impl="tma": q, k, v as views of one packed (T, 3, H, D) tensor and a
+    non-contiguous output gradient (per-head descriptors over the packed rows), then the
+    production tiles of a narrow and a wide window."""
+    generator = torch.Generator().manual_seed(61)
+    qkv = torch.randn(90, 3, 2, 64, generator=generator)
+    grad_o = torch.randn(2, 90, 64, generator=generator).transpose(0, 1)
+    cu_seqlens = torch.tensor([0, 90], dtype=torch.int32)
+    _check_attention_fp32(qkv[:, 0], qkv[:, 1], qkv[:, 2], grad_o, cu_seqlens, 30, SMALL_ATTENTION, impl="tma")
+    q, k, v, grad_o, _ = _attention_inputs(400, 1, 64, 64, seed=62)
+    cu_seqlens = torch.tensor([0, 7, 300, 400, 400], dtype=torch.int32)
+    for window in (150, 1500):
+        _check_attention_fp32(q, k, v, grad_o, cu_seqlens, window, kernels.attention_configs(window), impl="tma")
+
+
+@interpreted
+def test_attention_descriptor_variants_bf16_error_at_most_twice_torch():
+    q, k, v, grad_o, generator = _attention_inputs(130, 2, 64, 128, seed=63, dtype=torch.bfloat16)
+    cu_seqlens, _ = uneven_documents(130, generator)
+    _check_attention_bf16(q, k, v, grad_o, cu_seqlens, 24, [SMALL_ATTENTION], "tma")
+
+
+def test_attention_descriptor_variants_need_describable_layouts():
+    """A tensor whose token stride is not a multiple of 16 bytes cannot be described: impl="tma"
+    runs the pointer kernels there, and the warm-up offers no descriptor candidate."""
+    q = torch.zeros(10, 3, 32)
+    assert kernels._descriptor_layout_ok(q, q[:, :2], q.transpose(0, 1).contiguous().transpose(0, 1))
+    odd = torch.zeros(10, 1, 36)[..., :32]          # token stride 36 floats = 144 bytes: fine
+    assert kernels._descriptor_layout_ok(odd)
+    assert not kernels._descriptor_layout_ok(torch.zeros(10, 1, 34)[..., :32])  # 136-byte rows
+    assert not kernels._descriptor_layout_ok(torch.zeros(10, 1, 33)[:, :, 1:])  # base 4 bytes in
+
+
 def test_attention_rejects_bad_inputs():
     q = torch.zeros(10, 2, 64)
     cu_seqlens = torch.tensor([0, 10], dtype=torch.int32)

@@ -56,12 +56,13 @@ def test_every_kernel_the_trainer_launches_is_in_the_report():
     assert {e["kernel"] for e in trainer} == {
         "_fp8_cast_kernel", "_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_fp8_matmul_tma_kernel",
         "_fp8_matmul_quant_tma_kernel", "_split_k_reduce_kernel", "_attn_fwd_kernel", "_attn_bwd_fused_kernel",
-        "_attn_bwd_delta_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel", "_softcap_ce_kernel", "_transpose_kernel",
+        "_attn_fwd_tma_kernel", "_attn_bwd_fused_tma_kernel", "_attn_bwd_delta_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel", "_softcap_ce_kernel", "_transpose_kernel",
         "_xxt_kernel", "_qk_norm_rope_fwd_kernel", "_qk_norm_rope_bwd_kernel",
         "_dc_fwd_kernel", "_dc_bwd_mix_kernel", "_dc_bwd_q_kernel", "_dc_bwd_kv_kernel", "_sum_rows_kernel",
         "_add_row_sums_kernel", "_sparse_adam_rows_kernel"}
     for e in trainer:
-        if e["kernel"] in ("_attn_fwd_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel", "_attn_bwd_fused_kernel"):
+        if e["kernel"] in ("_attn_fwd_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel", "_attn_bwd_fused_kernel",
+                           *sm90_report.DESCRIPTOR_ATTENTION_KERNELS):
             assert e["variant"].split("(")[1].startswith("bf16,bf16,bf16,"), e["variant"]
 
 
@@ -106,6 +107,30 @@ def test_the_attention_backward_is_one_kernel_per_layer():
     fused = [e for e in hopper_report()["kernels"] if e["kernel"] == "_attn_bwd_fused_kernel"]
     assert fused and all(e["sass_counts"]["HGMMA"] > 0 and e["sass_counts"]["UTMAREDG"] > 0
                          and e["local_bytes"] + e["sass_counts"]["LDL"] + e["sass_counts"]["STL"] == 0 for e in fused)
+
+
+@compiled
+def test_the_attention_descriptor_variants_have_flashattention3s_structure():
+    """The descriptor variants the warm-up can choose for every attention call of the trainer runs
+    (and the library's head dims): every variant loads its tiles by tensor descriptor (UTMALDG),
+    stores by descriptor (UTMASTG), multiplies on the tensor cores (HGMMA, wgmma) and spills
+    nothing; the backward adds dQ by descriptor reductions (UTMAREDG); the forward's key loop is
+    warp-specialized: partitions in the TTGIR, more warps than the launch's
+    ATTENTION_DESCRIPTOR_WARPS (a producer and consumer warp groups), setmaxnreg in the PTX and
+    USETMAXREG in the SASS."""
+    entries = [e for e in hopper_report()["kernels"] if e["kernel"] in sm90_report.DESCRIPTOR_ATTENTION_KERNELS]
+    assert {e["kernel"] for e in entries if e["trainer"]} == set(sm90_report.DESCRIPTOR_ATTENTION_KERNELS)
+    assert sm90_report.ATTENTION_WARP_SPECIALIZED == ("_attn_fwd_tma_kernel",)
+    for e in entries:
+        counts = e["sass_counts"]
+        assert counts["UTMALDG"] > 0 and counts["UTMASTG"] > 0, e["variant"]
+        assert counts["HGMMA"] > 0 and e["ptx_wgmma"] > 0, e["variant"]
+        assert e["local_bytes"] == counts["LDL"] == counts["STL"] == 0, e["variant"]
+        if e["kernel"] == "_attn_bwd_fused_tma_kernel":
+            assert counts["UTMAREDG"] > 0, e["variant"]
+        else:
+            assert e["warp_specialized"] and e["warps"] > sm90_report.kernels.ATTENTION_DESCRIPTOR_WARPS, e["variant"]
+            assert e["ptx_setmaxnreg"] > 0 and counts["USETMAXREG"] > 0, e["variant"]
 
 
 @compiled

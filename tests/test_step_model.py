@@ -2,6 +2,7 @@
 against brute force, its fusion rule and collective prices against hand counts, and the whole
 census moving the right way when a planted change doubles a matrix product, halves a dtype or
 widens a window."""
+import dataclasses
 import io
 import re
 import sys
@@ -389,7 +390,7 @@ def test_attention_is_priced_by_the_tiles_of_each_backward_and_the_span_law():
                      [((T, H, d), None), ((T, H, d), None), ((T, H, d), None), ((T, H, d), None)], [],
                      args=(640, *configs, "auto"))
     found, allowed = sm.attention_implementations(event, lengths)
-    assert allowed == ("atomic", "deterministic")
+    assert allowed == ("atomic", "tma", "deterministic")
     fused = kernels.ATTENTION_CONFIGS_NARROW[4]
     tiles = sm.key_tiles(lengths, 640, fused.block_m, fused.block_n)
     assert found["atomic"][0].flops == 2.0 * H * tiles * fused.block_m * fused.block_n * 5 * d
@@ -400,6 +401,42 @@ def test_attention_is_priced_by_the_tiles_of_each_backward_and_the_span_law():
     assert sm.attention_efficiency(100, False, s) < sm.attention_efficiency(1000, False, s) < s.attention_long
     assert sm.attention_efficiency(1000, True, s) == pytest.approx(sm.attention_efficiency(1000, False, s) *
                                                                    sm.BACKWARD_RATIO)
+
+
+def test_attention_is_priced_by_the_structure_of_the_implementation_the_call_may_pick():
+    """The descriptor variants are implementations of their own: the forward's warp-specialized
+    kernel (FlashAttention-3-class: FA3_FACTOR), the one-kernel backward's descriptor variant
+    (pipelined, not warp-specialized: FA3_FACTOR x 570/661, FlashAttention-3's ablation), on the
+    tiles of the pointer kernels they stand beside; a call that picks the fastest may run them
+    (and is priced by the fastest), a call pinned to "tma" runs only them, the others never."""
+    s = sm.STRUCTURE.structures
+    lengths = [896] * 16
+    T, H, d = sum(lengths), 6, 128
+    configs = [value for c in kernels.ATTENTION_CONFIGS for value in c.as_list()]
+
+    def event(name, impl):
+        inputs = [((T, H, d), None)] * (3 if name == "kernels.attn_fwd" else 4)
+        return sm.Event(name, "forward", [], [], inputs, [], args=(1664, *configs, impl))
+    found, allowed = sm.attention_implementations(event("kernels.attn_fwd", "auto"), lengths)
+    assert allowed == ("triton", "tma", "flex")
+    assert [k.structure for k in found["tma"]] == ["fa3"] and found["triton"][0].structure == "fa2"
+    assert found["tma"][0].flops == found["triton"][0].flops and found["tma"][0].span == found["triton"][0].span
+    assert sm.attention_implementations(event("kernels.attn_fwd", "tma"), lengths)[1] == ("tma",)
+    assert sm.attention_implementations(event("kernels.attn_fwd", "rule"), lengths)[1] == ("triton",)
+    found, allowed = sm.attention_implementations(event("kernels.attn_bwd", "tma"), lengths)
+    assert allowed == ("tma",) and found["tma"][0].structure == "descriptor"
+    assert found["tma"][0].flops == found["atomic"][0].flops
+    assert sm.attention_implementations(event("kernels.attn_bwd", "deterministic"), lengths)[1] == ("deterministic",)
+    assert sm.DESCRIPTOR_FACTOR == pytest.approx(1.4 * 570 / 661)
+    for structure, factor in (("descriptor", sm.DESCRIPTOR_FACTOR), ("fa3", sm.FA3_FACTOR)):
+        assert sm.attention_efficiency(700, True, s, structure) == pytest.approx(
+            sm.attention_efficiency(700, True, s) * factor)
+    # the fastest is what a call that picks the fastest is priced at: here the FlashAttention-3-class forward
+    op = sm._kernel_op(event("kernels.attn_fwd", "auto"), lengths)
+    eff = sm.STRUCTURE
+    alone = {impl: sm.structure_seconds(dataclasses.replace(op, structure=("attention", op.structure[1], (impl,))),
+                                        sm.H100, eff) for impl in op.structure[2]}
+    assert sm.structure_seconds(op, sm.H100, eff) == min(alone.values()) == alone["tma"] < alone["triton"]
 
 
 def test_the_band_prices_with_measured_efficiencies_when_first_contact_wrote_them(tmp_path):
