@@ -125,7 +125,8 @@ DOC_MEDIAN, DOC_SEED = 600, 0
 RECORD89_STEP_MS = {16_384: 31.42, 32_768: 56.95, 49_152: 82.79}
 CALIBRATION_TOLERANCE = 0.25       # the model's record89 step times within this share of the logged ones
 # The runs bench/results/step_model.md holds: (preset, GPUs, GPU kind).
-STANDARD_RUNS = (("speedrun", 8, "h100"), ("1gpu", 1, "h200"), ("medium", 8, "h100"), ("record89", 8, "h100"))
+STANDARD_RUNS = (("speedrun", 8, "h100"), ("frontier", 8, "h100"), ("1gpu", 1, "h200"), ("medium", 8, "h100"),
+                 ("record89", 8, "h100"))
 TABLES_PATH = pathlib.Path(__file__).resolve().parent / "results" / "step_model.md"
 
 # -----------------------------------------------------------------------------------------------
