@@ -104,8 +104,8 @@ XXT_SHAPES = ((16, 768, 768), (8, 768, 3072))
 # Kernels that must run on the tensor cores (wgmma in PTX, HGMMA/QGMMA in SASS).
 MATRIX_KERNELS = ("_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_fp8_matmul_tma_kernel",
                   "_fp8_matmul_quant_tma_kernel", "_attn_fwd_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel",
-                  "_attn_bwd_fused_kernel", "_attn_fwd_tma_kernel", "_attn_bwd_fused_tma_kernel", "_xxt_kernel", "_dc_fwd_kernel", "_dc_bwd_mix_kernel", "_dc_bwd_q_kernel",
-                  "_dc_bwd_kv_kernel")
+                  "_attn_bwd_fused_kernel", "_attn_fwd_tma_kernel", "_attn_bwd_fused_tma_kernel", "_xxt_kernel",
+                  "_dc_fwd_kernel", "_dc_bwd_mix_kernel", "_dc_bwd_q_kernel", "_dc_bwd_kv_kernel")
 # The persistent FP8 GEMMs: every variant loads its operands by tensor descriptor (UTMALDG) and
 # stores by descriptor (UTMASTG).
 DESCRIPTOR_KERNELS = ("_fp8_matmul_tma_kernel", "_fp8_matmul_quant_tma_kernel")
@@ -117,11 +117,11 @@ DESCRIPTOR_KERNELS = ("_fp8_matmul_tma_kernel", "_fp8_matmul_quant_tma_kernel")
 DESCRIPTOR_ATTENTION_KERNELS = ("_attn_fwd_tma_kernel", "_attn_bwd_fused_tma_kernel")
 ATTENTION_WARP_SPECIALIZED = tuple(name for name, key in zip(DESCRIPTOR_ATTENTION_KERNELS, ("forward", "backward"))
                                    if kernels.ATTENTION_WARP_SPECIALIZE[key])
-# The fallback implementations: launched where kernel_choice's warm-up timed them fastest or a key
-# pins them (the pointer-load FP8 GEMMs, the deterministic two-kernel attention backward), never by
-# a call's rule alone.
+# The implementations a call's rule never launches: only where kernel_choice's warm-up timed them
+# fastest or a key pins them (the pointer-load FP8 GEMMs, the deterministic two-kernel attention
+# backward, the descriptor attention kernels).
 FALLBACK_KERNELS = ("_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_attn_bwd_delta_kernel", "_attn_bwd_kv_kernel",
-                    "_attn_bwd_q_kernel")
+                    "_attn_bwd_q_kernel", *DESCRIPTOR_ATTENTION_KERNELS)
 # SASS opcodes counted per variant: the tensor cores' (HGMMA bf16/fp16, QGMMA fp8, HMMA: mma.sync),
 # spills (LDL/STL), shared and global memory (LDGSTS: asynchronous copies into shared memory, the
 # pipelined pointer loads), the tensor-descriptor copies (UTMALDG loads, UTMASTG stores, UTMAREDG
