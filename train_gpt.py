@@ -1417,7 +1417,7 @@ def copy_column(columns):
     candidate `columns` (which hold it: candidate_columns' `always`), as a 0-d tensor."""
     if columns is None:
         return POINTER_COPY_ID
-    return torch.searchsorted(columns, torch.tensor(POINTER_COPY_ID, device=columns.device))
+    return (columns < POINTER_COPY_ID).sum()   # on the device, from no host value: a captured step can hold it
 
 
 class GPT(nn.Module):

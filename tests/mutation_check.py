@@ -771,7 +771,7 @@ MUTATIONS = [
              '        sink_scores = q.float() @ self.sink_key.float()', POINTER, "the sink's score misses the 1/sqrt(D) scale"),
     Mutation('train_gpt.py', '            p_copy, a_sink = self.pointer(x, tokens, targets[:, 0], self.pointer_val_band)',
              '            p_copy, a_sink = self.pointer(x, tokens, targets[:, 0], self.pointer_band)', POINTER, 'validation points with the training band'),
-    Mutation('train_gpt.py', '    return torch.searchsorted(columns, torch.tensor(POINTER_COPY_ID, device=columns.device))',
+    Mutation('train_gpt.py', '    return (columns < POINTER_COPY_ID).sum()',
              '    return POINTER_COPY_ID', POINTER, 'the sampled softmax reads the gate from the <copy> id, not its column'),
     Mutation('train_gpt.py', '        always = (POINTER_COPY_ID,) if getattr(forward, "pointer", None) is not None else ()',
              '        always = ()', POINTER_TRAINER, "a sampled step's candidates may miss the <copy> slot"),
