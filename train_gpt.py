@@ -1907,9 +1907,9 @@ def candidate_columns(targets, count, start, always=()):
     ids = torch.arange(V, device=targets.device)
     walk_position = (ids * CANDIDATE_STRIDE_INVERSE - start) % V
     present = torch.where(targets >= 0, targets, V).flatten()      # absent targets land on a spare slot
-    if len(always):
-        present = torch.cat([present, torch.tensor(always, dtype=present.dtype, device=present.device)])
     is_target = torch.zeros(V + 1, dtype=torch.bool, device=targets.device).index_fill_(0, present, True)[:V]
+    for i in always:               # one element filled from a Python int: no host tensor to copy in a captured step
+        is_target[i] = True
     priority = walk_position + V * (~is_target)
     return priority.topk(count, largest=False, sorted=False).indices.sort().values
 
