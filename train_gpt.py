@@ -3,8 +3,9 @@
 This file is the recipe a record changes. Read top-down: the presets; the model; the schedules;
 the kernels and optimizers a run picks; the Trainer and the training loop; main(). Beside it:
 kernels.py (Triton kernels and their references), optim.py (the optimizers), data/ (the shards
-and the loader that packs them), machinery/ (the config's schema, the n-gram table's placement,
-CUDA graphs, the memory budget and launch, the checkpoint format: its __init__ lists them),
+and the loader that packs them), machinery/ (the config's schema, the n-gram table's hashes and
+placement, the sampled softmax's candidates, CUDA graphs, the memory budget and launch, how a
+command ends, the checkpoint format: docs/README.md lists them),
 evaluation/ (a checkpoint's validation, sampling, downstream tasks), records/logfile.py (the run log).
 
     ./run.sh                                              # picks the preset for this machine
@@ -43,7 +44,6 @@ if sys.version_info < (MIN_PYTHON := (3, 11)):
           f"{sys.executable}: run it with a newer one (./run.sh takes PYTHON=python3.11)", file=sys.stderr)
     sys.exit(2)
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -54,30 +54,30 @@ import kernels
 import optim
 from data.loader import BatchPrefetcher, TrainLoader, check_validation_split, shards_of, validation_data
 from data.shards import fingerprint
-from data.tokenizer import BOS_ID, noncanonical_pairs, normalized_tokens, prefix_token_table
-from machinery import backward_windows, config, kernel_choice, memory_budget, metrics, resume
+from data.tokenizer import BOS_ID, prefix_token_table
+from machinery import backward_windows, command_line, config, kernel_choice, memory_budget, metrics, resume
+from machinery.canonical_mask import NoncanonicalPairs
 from machinery.checkpoint import save_checkpoint, send_table_shard, split_ngram_table
-from machinery.config import (FINAL_MIX_GROUPS, MAX_TARGETS, MODEL_FIELDS, PADDED_VOCAB_SIZE,
-                              POINTER_COPY_ID, SMEAR_GATE_DIMS, VOCAB_SIZE, WINDOW_BLOCK, Average, ConfigError,
-                              Hyperparameters,
-                              ModelConfig, Stage, TablePhase, config_to_dict, head_dims, injection_layers,
-                              value_embed_tables, value_embed_width)
-from machinery.cpu_runtime import bf16_gemm_path, bf16_gemms, cpu_has_native_bf16
+from machinery.config import (FINAL_MIX_GROUPS, MAX_TARGETS, MODEL_FIELDS, PADDED_VOCAB_SIZE, POINTER_COPY_ID,
+                              SMEAR_GATE_DIMS, VOCAB_SIZE, WINDOW_BLOCK, Average, Hyperparameters, ModelConfig, Stage,
+                              TablePhase, config_to_dict, head_dims, injection_layers, value_embed_tables,
+                              value_embed_width)
+from machinery.cpu_runtime import bf16_gemm_path, cpu_has_native_bf16
 from machinery.cuda_graphs import MicroBatch, StepGraphs
-from machinery.errors import UserError
 from machinery.kernel_set import KernelFns, select_kernels
 from machinery.kv_cache import KVCache, cached_attention
-from machinery.processes import (DISK_FULL_ERRNOS, EXIT_USER_ERROR, SIGNAL_EXIT_CODES, Interrupted, ProcessGroup,
-                                 hold_signals, interruption_line, launch_environment, peer_exited, report_error,
-                                 restore_signals, shows_interruptions, start_process, stop_on_signals, synchronize)
+from machinery.ngram_table import (SIGN_ROWS, SIGN_TABLE_SEED, NgramTable, TablePlacement, bigram_rows,
+                                    bigram_sign_rows, first_rows, token_starts)
+from machinery.processes import ProcessGroup, synchronize
 from machinery.progress import Progress, RunClock
-from machinery.run_report import (DeferredLossLines, busy_warning, check_finite, environment, peak_memory_mib, run_threads,
-                                  stop, validation_progress, where_the_run_is, write_execution_lines, write_load_lines,
-                                  write_loss_lines)
+from machinery.run_report import (DeferredLossLines, busy_warning, check_finite, environment, peak_memory_mib,
+                                  run_threads, target_line, validation_progress, write_execution_lines,
+                                  write_load_lines, write_loss_lines)
+from machinery.sampled_softmax import (candidate_columns, candidate_start, candidate_walk_after, copy_column,
+                                        ids_to_columns)
 from machinery.sparse_tables import SparseTables, check_ngram_table
 from machinery.warm_up import compiled_graphs, host_syncs_are_errors, warm_up, warm_up_line
-from records.logfile import (ERROR_PREFIX, LogWriteError, RunLog, load_average, project_sources, track_target,
-                             write_failure)
+from records.logfile import RunLog, load_average, project_sources
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -645,8 +645,9 @@ def _optimization_preset(h):
     h.value_embed_betas, h.value_embed_wd, h.adam_step_every = (0.8, 0.95), 0.0, 1
 
 
-PRESETS = {"speedrun": _speedrun_preset, "frontier": _frontier_preset, "1gpu": _one_gpu_preset, "1gpu_24gb": _one_card_24gb_preset, "cpu": _cpu_preset,
-           "record89": _record89_preset, "medium": _medium_preset, "optimization": _optimization_preset,
+PRESETS = {"speedrun": _speedrun_preset, "frontier": _frontier_preset, "1gpu": _one_gpu_preset,
+           "1gpu_24gb": _one_card_24gb_preset, "cpu": _cpu_preset, "record89": _record89_preset,
+           "medium": _medium_preset, "optimization": _optimization_preset,
            "cpu_optimization": _cpu_optimization_preset}
 
 
@@ -666,19 +667,7 @@ def logged_config(h):
 # Model
 # -----------------------------------------------------------------------------------------------
 
-BIGRAM_MULT_CUR = 36313            # bigram row hash: multiplier of the current token
-BIGRAM_MULT_PREV = 27191           # bigram row hash: multiplier of the previous token
 HEAD_SAMPLE_SEED_MULT = 1_000_003  # a step's head-gradient sample seed: run seed x this + step (a prime)
-SIGN_ROWS = 8192                   # rows of the fixed random +/-1 sign table
-SIGN_MULT_CUR = 40351              # sign-row hash: multiplier of the current token
-SIGN_MULT_PREV = 51349             # sign-row hash: multiplier of the previous token
-SIGN_TABLE_SEED = 1234             # the sign table is the same in every run
-TRIGRAM_MULT_CUR = 17351           # trigram row hash: multiplier of the current token
-TRIGRAM_MULT_PREV = 60961          # trigram row hash: multiplier of the previous token
-TRIGRAM_MULT_PREV2 = 45259         # trigram row hash: multiplier of the token before that
-TRIGRAM_SIGN_MULTS = (29363, 47119, 13709)  # the trigram channel's sign-row hash (current, previous, before)
-RECORD_BIGRAM_SIGN_MULTS = (48271, 30011)  # record 92: the n-gram table's bigram sign hash (current, previous)
-RECORD_TRIGRAM_SIGN_MULTS = (58699, 39779, 26801)  # record 92: its trigram sign hash (current, previous, before)
 YARN_ALPHA = 1.0                   # YaRN: frequencies with fewer rotations per window than this are interpolated fully
 YARN_BETA = 32.0                   # YaRN: ... and those with more than this are kept as they are
 
@@ -1196,198 +1185,6 @@ class DenseConnections(nn.Module):
         return grouped.flatten(-2)
 
 
-def document_starts(context):
-    """Whether each token starts a document: BOS, or the first token of the slice (whose
-    predecessor, if any, is not known)."""
-    return torch.cat([context.new_ones(1, dtype=torch.bool), context[1:] == BOS_ID])
-
-
-def token_starts(context, cross_documents):
-    """Whether each token has no predecessor for the smear, the key offset and the hashed tables:
-    a document's first (document_starts), or with cross_documents only the slice's first."""
-    if cross_documents:
-        return torch.arange(context.shape[0], device=context.device) == 0
-    return document_starts(context)
-
-
-def previous_tokens(tokens, is_doc_start):
-    """Each token's predecessor in its document; BOS for a document's first token, whose real
-    predecessor (another document's last token, or nothing) it must not see."""
-    return torch.where(is_doc_start, BOS_ID, torch.roll(tokens, 1))
-
-
-def after_starts(is_doc_start):
-    """Whether the token before each one starts a document."""
-    return torch.cat([is_doc_start.new_zeros(1), is_doc_start[:-1]])
-
-
-def wrap_int32(x):
-    """int64 products as the records' int32 arithmetic leaves them: wrapped into [-2^31, 2^31)."""
-    return (x + 2 ** 31) % 2 ** 32 - 2 ** 31
-
-
-def bigram_rows(tokens, is_doc_start, rows, record=False):
-    """Hash (previous, current) token pairs to table rows; a document's first token gets the last
-    row. record: the records' arithmetic, int32 products that wrap, and the token after a start
-    hashed with the reserved row's id as its previous token."""
-    cur, prev = tokens.long(), previous_tokens(tokens, is_doc_start).long()
-    if record:
-        prev = torch.where(after_starts(is_doc_start), rows - 1, prev)
-        row = (wrap_int32(BIGRAM_MULT_CUR * cur) ^ wrap_int32(BIGRAM_MULT_PREV * prev)) % (rows - 1)
-    else:
-        row = ((BIGRAM_MULT_CUR * cur) ^ (BIGRAM_MULT_PREV * prev)) % (rows - 1)
-    return torch.where(is_doc_start, rows - 1, row)
-
-
-def bigram_sign_rows(tokens, is_doc_start, rule="project"):
-    """Rows of the sign table for (previous, current) pairs: ours (multiplied ids), or the records'
-    with row 0 at a start: record89's xor of the raw ids, record92's multiplied ids."""
-    cur, prev = tokens.long(), previous_tokens(tokens, is_doc_start).long()
-    if rule == "project":
-        return ((SIGN_MULT_CUR * cur) ^ (SIGN_MULT_PREV * prev)) % SIGN_ROWS
-    a, b = (1, 1) if rule == "record89" else RECORD_BIGRAM_SIGN_MULTS
-    return torch.where(is_doc_start, 0, ((a * cur) ^ (b * prev)) % SIGN_ROWS)
-
-
-def two_tokens_back(tokens, is_doc_start):
-    """(the token two positions back in its document, BOS where there is none; whether the
-    token is one of its document's first two, which have no trigram)."""
-    first_two = is_doc_start | after_starts(is_doc_start)
-    return torch.where(first_two, BOS_ID, torch.roll(tokens, 2)), first_two
-
-
-def ngram_rows(tokens, is_doc_start, rows, record=False):
-    """(T, 2) rows of the n-gram table: each token's bigram row in [0, rows/2) (bigram_rows of
-    that half: a document's first token takes its last row) and its trigram row in
-    [rows/2, rows), where a document's first two tokens take the last row. record: the records'
-    int32 arithmetic (bigram_rows)."""
-    half = rows // 2
-    cur, prev = tokens.long(), previous_tokens(tokens, is_doc_start).long()
-    prev2, first_two = two_tokens_back(tokens, is_doc_start)
-    products = (TRIGRAM_MULT_CUR * cur, TRIGRAM_MULT_PREV * prev, TRIGRAM_MULT_PREV2 * prev2.long())
-    if record:
-        products = [wrap_int32(p) for p in products]
-    trigram = (products[0] ^ products[1] ^ products[2]) % (rows - half - 1)
-    return torch.stack([bigram_rows(tokens, is_doc_start, half, record),
-                        torch.where(first_two, rows - 1, trigram + half)], dim=1)
-
-
-def trigram_sign_rows(tokens, is_doc_start, record=False):
-    """Rows of the sign table for the trigrams: ours, or record 92's (row 0 for a document's
-    first two tokens)."""
-    cur, prev = tokens.long(), previous_tokens(tokens, is_doc_start).long()
-    prev2, first_two = two_tokens_back(tokens, is_doc_start)
-    a, b, c = RECORD_TRIGRAM_SIGN_MULTS if record else TRIGRAM_SIGN_MULTS
-    rows = ((a * cur) ^ (b * prev) ^ (c * prev2.long())) % SIGN_ROWS
-    return torch.where(first_two, 0, rows) if record else rows
-
-
-@dataclass(frozen=True)
-class TablePlacement:
-    """Where the n-gram table's rows live: this process's share (shard of shards), on the device,
-    or (cache_rows > 0, one process) in host memory with that many rows cached on the device.
-    The table and its cache are made on `device` directly, not copied there: they can be most of it."""
-    shard: int = 0
-    shards: int = 1
-    cache_rows: int = 0
-    device: torch.device = torch.device("cpu")
-
-
-class NgramTable(nn.Module):
-    """The hashed bigram+trigram embedding: one table of `rows` x dim, bigram rows in the first
-    half and trigram rows in the second, zero at the start. A token's output is its bigram row
-    times a sign row plus its trigram row times another (the sign trick: tokens that share a
-    hashed row see it with different signs in each dim).
-
-    The table is a buffer, not a parameter: no dense gradient or optimizer state of its size
-    exists. In training the gathered rows add `sink[:T]` (zeros), so the backward leaves each
-    token's two row gradients in sink.grad[:T] (T, 2, dim), the entries the trainer hands to
-    optim.SparseRowAdam with the rows they belong to (`rows_of`). (The trainer cuts the sink to T
-    rows while it trains, GPT.sinks_of: then the sink is added whole.)
-
-    Where the rows live (TablePlacement): all in `table` on the device; or split across
-    processes, this one holding rows [first_row, first_row + rows / shards) in `table`; or in
-    `table` in host memory (which .to(device) leaves there), with `fetched` a device cache of
-    cache_rows of them. Split or on the host, a forward reads each token's two rows from
-    `fetched` at `slots` (T, 2), which the trainer fills before the forward (ShardedNgramRows,
-    HostNgramRows)."""
-
-    def __init__(self, rows, dim, max_tokens, dtype=torch.float32, placement=None, cross_documents=False,
-                 record_hashes=False, normalized=False):
-        super().__init__()
-        placement = placement or TablePlacement()
-        self.rows, self.on_host = rows, placement.cache_rows > 0
-        self.cross_documents, self.record_hashes = cross_documents, record_hashes  # (token_starts, ngram_rows)
-        # normalized: each token hashed as its normalized id; a copy on the host too, where the
-        # trainer computes a slice's rows
-        self.normalized_on_host = normalized_ids() if normalized else None
-        self.register_buffer("normalized", self.normalized_on_host, persistent=False)
-        self.gathered = placement.shards > 1 or self.on_host
-        self.first_row = placement.shard * (rows // placement.shards)
-        device = placement.device
-        table = (torch.zeros(rows, dim, dtype=dtype, pin_memory=torch.cuda.is_available()) if self.on_host else
-                 torch.zeros(rows // placement.shards, dim, dtype=dtype, device=device))
-        self.register_buffer("table", table)
-        self.sink = nn.Parameter(torch.zeros(max_tokens, 2, dim))
-        if self.gathered:          # split: a slice's distinct rows; on the host: the cache
-            fetched = placement.cache_rows or 2 * max_tokens
-            self.register_buffer("fetched", torch.zeros(fetched, dim, dtype=dtype, device=device), persistent=False)
-            self.register_buffer("slots", torch.zeros(max_tokens, 2, dtype=torch.int64), persistent=False)
-
-    def _apply(self, fn, recurse=True):
-        """Module.to() and friends, but a table in host memory stays there."""
-        if not self.on_host:
-            return super()._apply(fn, recurse)
-        table = self._buffers.pop("table")
-        try:
-            return super()._apply(fn, recurse)
-        finally:
-            self._buffers["table"] = table
-
-    def hashed(self, context):
-        """The ids the hashes read: the tokens, or with normalized ones their normalized ids."""
-        if self.normalized is None:
-            return context
-        ids = self.normalized if self.normalized.device == context.device else self.normalized_on_host
-        return ids[context.long()]
-
-    def rows_of(self, context, is_start):
-        return ngram_rows(self.hashed(context), is_start, self.rows, self.record_hashes)
-
-    def slice_rows(self, tokens):
-        """The (2T,) rows of a slice's tokens (T,): each token's bigram row, then its trigram row."""
-        return self.rows_of(tokens, token_starts(tokens, self.cross_documents)).reshape(-1)
-
-    def forward(self, context, is_start, seen, signs, lookup=False):
-        """(T, dim) for the last T = len(context) - seen tokens of `context`; with `lookup` (a
-        generation step) the rows are read from `table` even if the trainer fetches them."""
-        count = context.shape[0] - seen
-        if self.gathered and not lookup:
-            entries = self.fetched[self.slots[:count]]
-        else:
-            rows = self.rows_of(context, is_start)[seen:]
-            entries = self.table[rows.to(self.table.device)].to(context.device)
-        if self.training:
-            entries = entries + first_rows(self.sink, count)
-        rule, ids = "record92" if self.record_hashes else "project", self.hashed(context)
-        return (entries[:, 0] * signs[bigram_sign_rows(ids, is_start, rule)[seen:]]
-                + entries[:, 1] * signs[trigram_sign_rows(ids, is_start, self.record_hashes)[seen:]])
-
-
-def normalized_ids():
-    """(PADDED_VOCAB_SIZE,) int64: each token id's normalized id (data/tokenizer.normalized_tokens);
-    the padding ids, which no text holds, map to themselves."""
-    ids = torch.arange(PADDED_VOCAB_SIZE)
-    ids[:VOCAB_SIZE] = torch.from_numpy(normalized_tokens()).long()
-    return ids
-
-
-def first_rows(t, n):
-    """t[:n], or t itself when it has n rows: a slice's backward makes a zero-filled gradient of
-    all of t's rows."""
-    return t if t.shape[0] == n else t[:n]
-
-
 class PointerHead(nn.Module):
     """PR 379's pointer: one attention head over the final hidden state x (normed). Queries
     q = g rms(x W_q^T) (g a learned gain), keys k = rms(x W_k^T), D = pointer_dim; each query sees
@@ -1410,14 +1207,6 @@ class PointerHead(nn.Module):
         sink_scores = (q.float() @ self.sink_key.float()) * self.query.shape[0] ** -0.5
         doc_start = kernels.pointer_document_starts(tokens, BOS_ID)
         return self.attention_fn(q, k, sink_scores, tokens, next_tokens, doc_start, band)
-
-
-def copy_column(columns):
-    """The <copy> slot's column: its id (full vocabulary), or its index among the sorted
-    candidate `columns` (which hold it: candidate_columns' `always`), as a 0-d tensor."""
-    if columns is None:
-        return POINTER_COPY_ID
-    return (columns < POINTER_COPY_ID).sum()   # on the device, from no host value: a captured step can hold it
 
 
 class GPT(nn.Module):
@@ -1845,90 +1634,6 @@ def build_model(h: Hyperparameters, fns: "KernelFns", placement: TablePlacement 
     return GPT(model_config(h), fns, max_positions(h), placement)
 
 
-MASKED_LOGIT = -60.0               # a masked pair's softcapped logit: exp(-60 - 23) ~ 1e-36 of the mass
-
-
-class NoncanonicalPairs(nn.Module):
-    """The (previous, current) token pairs GPT-2's encoder never emits (data/tokenizer.py says
-    how they are derived), as a bit matrix: bit c of row p is set when c never follows p
-    (PADDED_VOCAB_SIZE^2 bits, 316 MB). Validation-only: sets those logits to MASKED_LOGIT after
-    the softcap, so a continuation the tokenizer cannot produce gets no probability. Fixed
-    shapes, no host sync: a compiled validation keeps one graph."""
-
-    def __init__(self):
-        super().__init__()
-        pairs = noncanonical_pairs()
-        bits = np.zeros((PADDED_VOCAB_SIZE, PADDED_VOCAB_SIZE // 8), dtype=np.uint8)
-        np.bitwise_or.at(bits, (pairs[:, 0], pairs[:, 1] // 8), (1 << (pairs[:, 1] % 8)).astype(np.uint8))
-        self.register_buffer("bits", torch.from_numpy(bits), persistent=False)
-        self.register_buffer("bit_values", 1 << torch.arange(8, dtype=torch.uint8), persistent=False)
-
-    def masked_logits(self, logits, previous):
-        """Softcapped fp32 logits (N, V) with the pairs (previous[i], column) set to MASKED_LOGIT."""
-        rows = self.bits[previous.long()]                                  # (N, V / 8)
-        mask = (rows.unsqueeze(-1) & self.bit_values) != 0                 # (N, V / 8, 8): column 8j + b
-        return kernels.softcap(logits).masked_fill(mask.flatten(1), MASKED_LOGIT)
-
-    def cross_entropy_sum(self, logits, previous, targets):
-        """Summed next-token loss of the masked logits over the rows with a target (>= 0)."""
-        return F.cross_entropy(self.masked_logits(logits, previous), targets, ignore_index=-1, reduction="sum")
-
-
-def ids_to_columns(ids, columns):
-    """Map vocab ids to their index in the sorted `columns`; ids not among them become -1."""
-    pos = torch.searchsorted(columns, ids.clamp(min=0)).clamp(max=columns.numel() - 1)
-    return torch.where((ids >= 0) & (columns[pos] == ids), pos, -1)
-
-
-CANDIDATE_STRIDE = 20011           # record 92's walk k -> k * 20011 mod V: coprime to 50304, it visits every id once
-CANDIDATE_STRIDE_INVERSE = pow(CANDIDATE_STRIDE, -1, PADDED_VOCAB_SIZE)  # id -> its position k in the walk
-
-
-def candidate_start(slice_index, slices):
-    """Where the candidate walk of the global batch's slice `slice_index` of `slices` starts:
-    slice x V / slices, record 92's rank x V / 8 (each GPU's slice, on fewer GPUs each micro-batch)."""
-    return slice_index * PADDED_VOCAB_SIZE // slices
-
-
-def candidate_columns(targets, count, start, always=()):
-    """Sampled-softmax candidates: `count` sorted vocabulary ids, every distinct target id of the
-    batch plus deterministic uniform negatives.
-
-    Negatives are the first non-target ids of the walk k -> k * CANDIDATE_STRIDE mod V from
-    k = start = candidate_start(slice, slices), an int or a 0-d int64 tensor on targets' device
-    (a captured step reads it from a buffer): record 92's rule (it draws 1.7 x the negatives it
-    needs + 256 from the walk, removes the targets and duplicates, and keeps the first). Each id
-    gets a priority, its position in the walk after `start`, raised by V for non-targets; the
-    `count` lowest win. The size is fixed, so the step needs no host sync: if a batch ever had
-    more than `count` distinct targets, those latest in the walk would be left out of its softmax.
-    `always`: ids taken as targets are (the pointer mixture's <copy> slot, as PR 379 forces it in).
-    """
-    V = PADDED_VOCAB_SIZE
-    ids = torch.arange(V, device=targets.device)
-    walk_position = (ids * CANDIDATE_STRIDE_INVERSE - start) % V
-    present = torch.where(targets >= 0, targets, V).flatten()      # absent targets land on a spare slot
-    is_target = torch.zeros(V + 1, dtype=torch.bool, device=targets.device).index_fill_(0, present, True)[:V]
-    for i in always:               # one element filled from a Python int: no host tensor to copy in a captured step
-        is_target[i] = True
-    priority = walk_position + V * (~is_target)
-    return priority.topk(count, largest=False, sorted=False).indices.sort().values
-
-
-NEGATIVE_DRAW_FACTOR, NEGATIVE_DRAW_EXTRA = 1.7, 256  # record 92: a step draws 1.7 x its negatives + 256 ids
-
-
-def candidate_walk_after(targets, count, start):
-    """Where the next sampled step's walk starts (candidate_walk "continue"): record 92 moves it past
-    the ids it drew, min(V, int(1.7 x need) + 256) for the `need` = count - distinct targets
-    negatives (none drawn when the targets fill the count). A 0-d tensor: no host sync."""
-    V = PADDED_VOCAB_SIZE
-    present = torch.where(targets >= 0, targets, V).flatten()
-    distinct = torch.zeros(V + 1, dtype=torch.bool, device=targets.device).index_fill_(0, present, True)[:V].sum()
-    need = count - distinct
-    draw = torch.clamp((need.double() * NEGATIVE_DRAW_FACTOR).floor().long() + NEGATIVE_DRAW_EXTRA, max=V)
-    return (start + torch.where(need > 0, draw, 0)) % V
-
-
 # -----------------------------------------------------------------------------------------------
 # Data
 # -----------------------------------------------------------------------------------------------
@@ -2184,28 +1889,6 @@ def validation_points(h):
     N = h.num_iterations
     middle = [(s, False) for s in range(h.val_every, N, h.val_every)] if h.val_every else []
     return middle + [(N, True)]
-
-
-# -----------------------------------------------------------------------------------------------
-# What the run says at its end
-# -----------------------------------------------------------------------------------------------
-
-
-def target_line(h, val_loss, log_path):
-    """The run's last line on the terminal: the target val loss of its track (for a run on no
-    track that validates on the speedrun preset's tokens, that preset's track's, for comparison),
-    whether this run's val loss is below it, and where the log is."""
-    track, note = h.track, ""
-    if track == "none":
-        reference = parse_config(["--preset", "speedrun"])
-        if (h.val_files, h.val_tokens) == (reference.val_files, reference.val_tokens):
-            track, note = reference.track, ", for comparison: this run is on no track"
-    target = None if track == "none" else track_target(track)
-    if target is None:
-        return f"target: none (the run is on no track); log: {log_path}"
-    reached = "met" if val_loss < target else "not met"
-    return (f"target: val_loss below {target:.4f} ({track}{note}): {reached}, {val_loss:.4f} (one run: a record "
-            f"takes several, records/{track}/README.md); log: {log_path}")
 
 
 # -----------------------------------------------------------------------------------------------
@@ -2645,8 +2328,8 @@ def train(h, pg, log, resumed=None):
     gc.collect()
     gc.freeze()                    # the warm-up's objects leave the collector's view: shorter pauses in the timed run
     trainer.tables.start_timing()
-    batches = BatchPrefetcher(loader_at(h, train_files, start), functools.partial(batch_shape, h), trainer.mine, pin=pg.device.type == "cuda",
-                              router=trainer.tables.router, start=start)
+    batches = BatchPrefetcher(loader_at(h, train_files, start), functools.partial(batch_shape, h), trainer.mine,
+                              pin=pg.device.type == "cuda", router=trainer.tables.router, start=start)
     if resumed:
         resume.check_data_position(resumed["path"], resumed, batches.peek())
     next_save = start + h.resume_every
@@ -2712,7 +2395,7 @@ def train(h, pg, log, resumed=None):
     log.write(f"final val_loss:{val_loss:.4f} train_time:{trainer.train_time_ms:.0f}ms steps:{N} "
               f"peak_memory:{peak}MiB", echo=True)
     if pg.master:
-        print(target_line(h, val_loss, log.path), flush=True)
+        print(target_line(h, val_loss, log.path, parse_config(["--preset", "speedrun"])), flush=True)
     return val_loss
 
 
@@ -2729,54 +2412,9 @@ def this_recipe():
 
 def main(argv=None, command=None, run=None):
     """Train (or --plan) from the command line; `run(argv)` instead runs another entry point's
-    `command` (evaluation/evaluate.py's eval and sample) under the same ending: an error or a signal is
-    one line on stderr and in the log, with an exit code, never a traceback."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    log, launch, handlers = None, None, None
-    try:
-        launch = launch_environment()
-        handlers = stop_on_signals()
-        if run is not None:
-            return run(argv)
-        if "--plan" in argv:
-            return memory_budget.plan_command(this_recipe(), argv)
-        if any(a.startswith(("--eval", "--sample")) for a in argv):
-            raise ConfigError("a checkpoint is evaluated or sampled by evaluation/evaluate.py: "
-                              "python evaluation/evaluate.py --eval=PATH or --sample=PATH")
-        resume_from, argv = resume.resume_argument(argv)
-        h, resumed = (resume.resumed_config(resume_from, argv) if resume_from
-                      else (parse_config(memory_budget.with_machine_preset(this_recipe(), argv, launch)), None))
-        pg = start_process(h)
-        log = RunLog(h.log_dir, pg.master)
-        with bf16_gemms(gemm_path(h, pg.device)):
-            train(h, pg, log, resumed)
-        return 0
-    except Interrupted as e:
-        return stop(log, interruption_line(launch, e.signal_name, where_the_run_is(log, command)),
-                    SIGNAL_EXIT_CODES[e.signal_name], shows_interruptions(launch))
-    except UserError as e:        # every module's error that the user can mend (machinery/errors.py)
-        hold_signals()
-        return stop(log, f"{ERROR_PREFIX}{e}", EXIT_USER_ERROR, report_error(launch, f"{ERROR_PREFIX}{e}"))
-    except LogWriteError as e:
-        hold_signals()
-        return stop(None, f"{ERROR_PREFIX}{e}", EXIT_USER_ERROR, report_error(launch, f"{ERROR_PREFIX}{e}"))
-    except OSError as e:
-        hold_signals()
-        path = e.filename or "a file"
-        line = ERROR_PREFIX + (write_failure(path, e) if e.errno in DISK_FULL_ERRNOS else f"{path}: {e.strerror}")
-        return stop(log, line, EXIT_USER_ERROR, report_error(launch, line))
-    except RuntimeError as e:
-        hold_signals()
-        if not peer_exited(launch, e):
-            raise
-        return stop(log, interruption_line(launch, None, where_the_run_is(log, command)), EXIT_USER_ERROR,
-                    shows_interruptions(launch))
-    finally:
-        if log is not None:
-            log.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        restore_signals(handlers)
+    `command` (evaluation/evaluate.py's eval and sample) under the same ending
+    (machinery/command_line.py: an error or a signal is one line, never a traceback)."""
+    return command_line.run_command(this_recipe(), argv, command, run)
 
 
 if __name__ == "__main__":

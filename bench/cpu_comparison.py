@@ -31,6 +31,7 @@ import train_gpt as tg  # noqa: E402
 from machinery import config  # noqa: E402
 from records.logfile import cpu_model, parse_log  # noqa: E402
 from records.significance import welch_test  # noqa: E402
+from machinery.config import ConfigError  # noqa: E402
 
 
 def split_variants(argv):
@@ -196,7 +197,7 @@ def main():
             log_dir = os.path.join(args.out, f"{name}_seed{seed}")
             try:
                 config = run_config(overrides, seed, log_dir)
-            except tg.ConfigError as e:
+            except ConfigError as e:
                 raise SystemExit(f"variant {name}: {e}") from None
             done = finished_log(log_dir, config)
             if done:

@@ -32,6 +32,7 @@ import train_gpt as tg  # noqa: E402
 from data.loader import shards_of  # noqa: E402
 from machinery.cpu_runtime import bf16_gemms  # noqa: E402
 from records.logfile import cpu_model  # noqa: E402
+from machinery.processes import start_process  # noqa: E402
 
 DATA_RANGE = "data"                # the batch fetch (the loader packs the next batch in a thread)
 TOP_OPERATORS = 12                 # operator rows in the table
@@ -40,7 +41,7 @@ TOP_OPERATORS = 12                 # operator rows in the table
 def profile_steps(h, at, warmup, steps):
     """(profiler, wall seconds per step) of `steps` steps of the schedule from step `at`, after
     `warmup` untimed steps just before it (the earlier steps only fetch their batches)."""
-    env = tg.start_process(h)
+    env = start_process(h)
     trainer = tg.Trainer(h, env, log=None)
     train_files = shards_of(h.train_files)
     batches = tg.BatchPrefetcher(tg.train_loader(h, train_files), functools.partial(tg.batch_shape, h), trainer.mine, pin=False)

@@ -236,11 +236,12 @@ def routing_host_ms(shapes, token_counts, pin, way="route_of"):
     import torch.distributed as dist
 
     import train_gpt as tg
+    from machinery import ngram_table
     from machinery import sparse_tables
     world, generator = SPEEDRUN_PROCESSES, np.random.default_rng(0)
     cpu = torch.device("cpu")
-    table = tg.NgramTable(shapes["ngram_rows"] * world, 8, max(token_counts), torch.bfloat16,
-                          tg.TablePlacement(0, world, 0, cpu))    # 8 wide: the routing does not read the values
+    table = ngram_table.NgramTable(shapes["ngram_rows"] * world, 8, max(token_counts), torch.bfloat16,
+                                   ngram_table.TablePlacement(0, world, 0, cpu))    # 8 wide: the routing does not read the values
     router = sparse_tables.ShardedNgramRows(table, None, tg.ProcessGroup(0, world, 0, cpu))
     router._pinned = (lambda host: host.pin_memory()) if pin else router._pinned
     medians = {}

@@ -60,7 +60,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 import kernels  # noqa: E402
 import train_gpt  # noqa: E402
-from machinery import kernel_choice, sparse_tables  # noqa: E402
+from machinery import kernel_choice, ngram_table, sparse_tables  # noqa: E402
 from machinery.cuda_graphs import MicroBatch  # noqa: E402
 
 
@@ -386,7 +386,7 @@ def trainer_kernel_calls(run="speedrun"):
     (sparse_row_calls). No memory is used and nothing launches."""
     h, processes, steps = run_config(run)
     with FakeTensorMode(allow_non_fake_inputs=True), KernelOpCalls() as recorder, torch.no_grad():
-        model = train_gpt.build_model(h, _kernel_fns(h), train_gpt.TablePlacement(0, processes, h.ngram_cache_rows))
+        model = train_gpt.build_model(h, _kernel_fns(h), ngram_table.TablePlacement(0, processes, h.ngram_cache_rows))
         sparse_row_calls(h, model, processes, steps)
     return training_step_calls(h) + recorder.calls
 

@@ -70,7 +70,9 @@ sys.path.insert(0, str(REPO_ROOT / "bench"))
 import kernels  # noqa: E402
 import optim  # noqa: E402
 import train_gpt  # noqa: E402
+from machinery import ngram_table  # noqa: E402
 from machinery.cuda_graphs import MicroBatch  # noqa: E402
+from machinery.config import ConfigError  # noqa: E402
 
 # -----------------------------------------------------------------------------------------------
 # Every constant of the model, with its source
@@ -817,7 +819,7 @@ def trace_stage(h, index, world, step=None):
     fns = kernel_fns(h)
     census = Census()
     with torch.random.fork_rng(devices=[]), cuda_autocast_rules(), FakeTensorMode(allow_non_fake_inputs=True):
-        model = train_gpt.build_model(h, fns, train_gpt.TablePlacement(0, world, h.ngram_cache_rows))
+        model = train_gpt.build_model(h, fns, ngram_table.TablePlacement(0, world, h.ngram_cache_rows))
         optimizers = train_gpt.build_optimizers(h, model, fns, census.run_bank if h.cuda_graphs else None)
         train_gpt.model_at(model, h, step)
         T = stage.tokens_per_rank
@@ -934,7 +936,7 @@ def distinct_fraction(h, tokens):
     if stream is None:
         return 1.0, "upper bound: every lookup a distinct row"
     starts = stream == train_gpt.BOS_ID
-    rows = train_gpt.ngram_rows(stream, starts, h.ngram_rows).reshape(-1)
+    rows = ngram_table.ngram_rows(stream, starts, h.ngram_rows).reshape(-1)
     return torch.unique(rows).numel() / rows.numel(), f"measured on {len(stream):,} tokens of the tiny corpus"
 
 
@@ -1362,7 +1364,7 @@ def main(argv=None):
         refuse(refusal)
     try:
         h = train_gpt.parse_config(["--preset", args.preset, *args.overrides])
-    except train_gpt.ConfigError as e:
+    except ConfigError as e:
         refuse(e)
     if args.gpus < 1 or h.batch_ranks % args.gpus:
         refuse(f"--gpus={args.gpus} must divide the preset's batch_ranks ({h.batch_ranks})")

@@ -28,7 +28,7 @@ from machinery.config import (WINDOW_BLOCK, ArgumentParser, ConfigError, apply_o
                               parse_value)
 from machinery.cpu_runtime import bf16_gemms  # noqa: E402
 from machinery.kv_cache import KVCache  # noqa: E402
-from machinery.processes import start_process  # noqa: E402
+from machinery.processes import EXIT_USER_ERROR, start_process  # noqa: E402
 from train_gpt import AttentionArgs, Trainer, attention_windows, gemm_path  # noqa: E402
 
 EVAL_KEYS = ("val_files", "val_tokens", "val_tokens_per_rank", "device", "kernels", "compile", "compile_backend",
@@ -214,7 +214,7 @@ def main(argv=None):
     if command is None:
         print("error: give --eval=PATH or --sample=PATH of a checkpoint (python evaluation/evaluate.py --help: the usage)",
               file=sys.stderr)
-        return train_gpt.EXIT_USER_ERROR
+        return EXIT_USER_ERROR
     return train_gpt.main(argv, command=command, run=run)
 
 

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import optim
 from data.loader import check_validation_split
+from machinery.canonical_mask import NoncanonicalPairs
 from machinery.config import (MAX_TARGETS, MIN_DOC_TOKENS, PADDED_VOCAB_SIZE, ArgumentParser, ConfigError,
                               config_from_dict, config_to_dict, normalize_config)
 from machinery.cuda_graphs import MicroBatch
@@ -252,7 +253,7 @@ def validation_memory(recipe, config_json):
 
     def run(model, autocast):
         if h.canonical_mask:       # its bits' shape, not GPT-2's pairs
-            model.canonical_mask = mask = recipe.NoncanonicalPairs.__new__(recipe.NoncanonicalPairs)
+            model.canonical_mask = mask = NoncanonicalPairs.__new__(NoncanonicalPairs)
             nn.Module.__init__(mask)
             mask.register_buffer("bits", torch.zeros(PADDED_VOCAB_SIZE, PADDED_VOCAB_SIZE // 8, dtype=torch.uint8))
             mask.register_buffer("bit_values", 1 << torch.arange(8, dtype=torch.uint8))

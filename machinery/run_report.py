@@ -17,7 +17,7 @@ import torch
 from machinery.config import loggable
 from machinery.processes import TrainingError, launch_environment, synchronize
 from machinery.progress import Progress
-from records.logfile import cpu_model, load_average, other_load
+from records.logfile import cpu_model, load_average, other_load, track_target
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: its git commit
 
@@ -194,3 +194,18 @@ def write_load_lines(log, load_at_start, seconds, threads):
                   f"{os.cpu_count()} CPUs, this run's {threads} thread(s))")
     if warning := busy_warning(load_at_end, seconds, threads, "during the run"):
         log.write(warning, echo=True)
+
+
+def target_line(h, val_loss, log_path, speedrun):
+    """The run's last line on the terminal: the target val loss of its track (for a run on no
+    track that validates on the `speedrun` config's tokens, that config's track's, for
+    comparison), whether this run's val loss is below it, and where the log is."""
+    track, note = h.track, ""
+    if track == "none" and (h.val_files, h.val_tokens) == (speedrun.val_files, speedrun.val_tokens):
+        track, note = speedrun.track, ", for comparison: this run is on no track"
+    target = None if track == "none" else track_target(track)
+    if target is None:
+        return f"target: none (the run is on no track); log: {log_path}"
+    reached = "met" if val_loss < target else "not met"
+    return (f"target: val_loss below {target:.4f} ({track}{note}): {reached}, {val_loss:.4f} (one run: a record "
+            f"takes several, records/{track}/README.md); log: {log_path}")

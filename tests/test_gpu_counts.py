@@ -18,6 +18,7 @@ from tiny_runs import REPO
 sys.path.insert(0, REPO)
 import train_gpt as tg  # noqa: E402
 from machinery import memory_budget  # noqa: E402
+from machinery.config import ConfigError  # noqa: E402
 
 GiB = 2**30
 H100 = 81_559 * 2**20              # an 80 GB H100 SXM's memory as nvidia-smi reports it (MiB)
@@ -55,7 +56,7 @@ def start_up_checks(args, processes, available):
     h = tg.parse_config(list(args))
     env = tg.ProcessGroup(0, processes, 0, torch.device("cuda", 0))
     if h.batch_ranks % processes:
-        raise tg.ConfigError(f"batch_ranks={h.batch_ranks} is not divisible by the {processes} processes")
+        raise ConfigError(f"batch_ranks={h.batch_ranks} is not divisible by the {processes} processes")
     tg.check_validation_split(h, env)
     tg.check_ngram_table(h, env, available)
     memory_budget.check_memory(tg, h, env, available)
@@ -115,7 +116,7 @@ def test_the_optimization_preset_runs_on_every_gpu_count_that_divides_its_8_slic
 def test_no_configuration_fits_a_small_machine():
     """8 GiB GPUs: every table size, placement and micro-batch refused; the one line names the least
     configuration tried (record 89's bigram table's size, the most micro-batches) and its refusal."""
-    with pytest.raises(tg.ConfigError, match=r"^nothing fits 4 GPUs of 8.0 GiB, 64.0 GiB of host memory; the least "
+    with pytest.raises(ConfigError, match=r"^nothing fits 4 GPUs of 8.0 GiB, 64.0 GiB of host memory; the least "
                                              r"configuration tried: --preset 1gpu --ngram_cache_rows=0 "
                                              r"--ngram_rows=377280 --batch_ranks=32 --stages=\[\.\.\.\] "
                                              r"--val_tokens_per_rank=65536 on 1 "
@@ -175,13 +176,13 @@ def test_each_machine_gets_the_largest_configuration_that_fits(machine):
     h = tg.parse_config(list(args))
     assert h.ngram_rows == rows and h.batch_ranks == 8 * k
     if rows < RECORD_ROWS:
-        with pytest.raises(tg.ConfigError):
+        with pytest.raises(ConfigError):
             start_up_checks([*args, f"--ngram_rows={2 * rows}"], processes, available)
     if k > 1:
         half = [*args, f"--batch_ranks={4 * k}", f"--val_tokens_per_rank={2 * h.val_tokens_per_rank}",
                 "--stages=" + json.dumps([{**tg.config_to_dict(h)["stages"][i], "tokens_per_rank": 2 * s.tokens_per_rank}
                                           for i, s in enumerate(h.stages)])]
-        with pytest.raises(tg.ConfigError):
+        with pytest.raises(ConfigError):
             start_up_checks(half, processes, available)
 
 

@@ -17,6 +17,7 @@ import kernels  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data.tokenizer import BOS_ID, TOKENIZER_PACKAGE, gpt2_encoding, noncanonical_pairs  # noqa: E402
 from tiny_runs import FEATURES, DENSE, NGRAM, cpu_trainer, data_args, tiny_config, tiny_model  # noqa: E402
+from machinery import canonical_mask, ngram_table, sampled_softmax  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,22 +76,22 @@ def test_forward_shapes_and_candidate_columns():
     args = tg.AttentionArgs(cu, 128, 256)
     assert model.hidden_states(tokens, args).shape == (256, h.model_dim)
     weights = tg.target_weights(h.stages[0], "cpu")
-    columns = tg.candidate_columns(targets, 1000, tg.candidate_start(3, 8))
+    columns = sampled_softmax.candidate_columns(targets, 1000, sampled_softmax.candidate_start(3, 8))
     assert columns.numel() == 1000 and torch.all(columns[1:] > columns[:-1])
     assert torch.isin(targets.flatten(), columns).all()
-    mapped = tg.ids_to_columns(targets, columns)
+    mapped = sampled_softmax.ids_to_columns(targets, columns)
     assert torch.equal(columns[mapped], targets)
-    assert tg.ids_to_columns(torch.tensor([[columns[0] + 0]]), columns[1:]).item() == -1
+    assert sampled_softmax.ids_to_columns(torch.tensor([[columns[0] + 0]]), columns[1:]).item() == -1
     full, full_next = model(tokens, targets, args, weights)
     sampled, _ = model(tokens, targets, args, weights, columns)
     assert 0 < full_next < full, "the next-token loss is one part of the weighted objective"
     assert full.ndim == 0 and torch.isfinite(full) and 0 < sampled < full
     # the same candidates every time for the same slice of the batch; others for another slice
-    assert torch.equal(columns, tg.candidate_columns(targets, 1000, tg.candidate_start(3, 8)))
-    assert not torch.equal(columns, tg.candidate_columns(targets, 1000, tg.candidate_start(4, 8)))
+    assert torch.equal(columns, sampled_softmax.candidate_columns(targets, 1000, sampled_softmax.candidate_start(3, 8)))
+    assert not torch.equal(columns, sampled_softmax.candidate_columns(targets, 1000, sampled_softmax.candidate_start(4, 8)))
     # a captured step reads the start from a device buffer: the same candidates
-    start = torch.tensor(tg.candidate_start(3, 8))
-    assert torch.equal(columns, tg.candidate_columns(targets, 1000, start))
+    start = torch.tensor(sampled_softmax.candidate_start(3, 8))
+    assert torch.equal(columns, sampled_softmax.candidate_columns(targets, 1000, start))
 
 
 def test_the_pointer_mixture_samples_its_copy_slot_and_trains_its_head():
@@ -108,7 +109,7 @@ def test_the_pointer_mixture_samples_its_copy_slot_and_trains_its_head():
         return model(tokens_, targets_, args, weights, columns)
     forward.pointer = model.pointer
     stage = tg.Stage(**{**vars(h.stages[0]), "candidates": 1000})
-    batch = tg.MicroBatch(tokens, targets, cu, torch.tensor(tg.candidate_start(3, 8)))
+    batch = tg.MicroBatch(tokens, targets, cu, torch.tensor(sampled_softmax.candidate_start(3, 8)))
     objective, _ = tg.micro_batch_losses(forward, stage, (1, 2), batch, tg.target_weights(stage, "cpu"))
     columns = seen["columns"]
     assert columns.numel() == 1000 and tg.POINTER_COPY_ID in columns.tolist()
@@ -131,7 +132,7 @@ def test_sampled_softmax_over_the_whole_vocabulary_is_the_full_softmax():
     tokens, cu = packed([100, 156])
     targets = torch.stack([torch.roll(tokens, -k).long() for k in (1, 2, 3)], 1)
     args, weights = tg.AttentionArgs(cu, 128, 256), tg.target_weights(h.stages[0], "cpu")
-    columns = tg.candidate_columns(targets, tg.PADDED_VOCAB_SIZE, tg.candidate_start(3, 8))
+    columns = sampled_softmax.candidate_columns(targets, tg.PADDED_VOCAB_SIZE, sampled_softmax.candidate_start(3, 8))
     assert torch.equal(columns, torch.arange(tg.PADDED_VOCAB_SIZE))
     results = []
     for cols in (None, columns):
@@ -167,7 +168,7 @@ def test_ngram_hashes_follow_the_published_formulas():
     ((17351 x[t]) XOR (60961 x[t-1]) XOR (45259 x[t-2])) mod 499 + 500; a document's first
     token takes row 499 and its first two row 999."""
     tokens = torch.tensor([BOS_ID, 5, 7, 9, BOS_ID, 11], dtype=torch.int32)
-    rows = tg.ngram_rows(tokens, tg.document_starts(tokens), 1000).tolist()
+    rows = ngram_table.ngram_rows(tokens, ngram_table.document_starts(tokens), 1000).tolist()
     bigram = lambda cur, prev: ((36313 * cur) ^ (27191 * prev)) % 499  # noqa: E731
     trigram = lambda cur, prev, prev2: ((17351 * cur) ^ (60961 * prev) ^ (45259 * prev2)) % 499 + 500  # noqa: E731
     assert rows == [[499, 999], [bigram(5, BOS_ID), 999], [bigram(7, 5), trigram(7, 5, BOS_ID)],
@@ -555,8 +556,8 @@ def test_canonical_mask_matches_a_float64_statement():
     # a target each that is not masked (only those occur in real text), and one absent target
     targets = torch.tensor([next(i for i in range(100, 50_000, 7) if i not in m) for m in masked])
     targets[4] = -1
-    mask = tg.NoncanonicalPairs()
-    at_masked_logit = mask.masked_logits(logits, previous) == tg.MASKED_LOGIT
+    mask = canonical_mask.NoncanonicalPairs()
+    at_masked_logit = mask.masked_logits(logits, previous) == canonical_mask.MASKED_LOGIT
     for row in range(len(previous)):             # exactly the listed pairs, column by column
         assert torch.equal(torch.nonzero(at_masked_logit[row])[:, 0], torch.from_numpy(np.sort(masked[row])))
     got = mask.cross_entropy_sum(logits, previous, targets)
@@ -564,7 +565,7 @@ def test_canonical_mask_matches_a_float64_statement():
     for row, target in enumerate(targets.tolist()):
         z = kernels.SOFTCAP / (1 + np.exp(-(logits[row].double().numpy() + kernels.SOFTCAP_SHIFT)
                                           / kernels.SOFTCAP_TEMP))
-        z[masked[row]] = tg.MASKED_LOGIT
+        z[masked[row]] = canonical_mask.MASKED_LOGIT
         if target >= 0:
             expected += np.log(np.exp(z).sum()) - z[target]
     assert counts[previous[0]] > 100 and counts[BOS_ID] == 0
@@ -585,7 +586,7 @@ def test_canonical_mask_only_lowers_the_loss_of_real_text():
     args = tg.AttentionArgs(torch.tensor([0, len(tokens)], dtype=torch.int32), 128, 256)
     model = tiny_model(tiny_config())
     plain = model.validation_loss_sum(tokens, targets, args)
-    model.canonical_mask = tg.NoncanonicalPairs()
+    model.canonical_mask = canonical_mask.NoncanonicalPairs()
     masked = model.validation_loss_sum(tokens, targets, args)
     listed = set((pairs := noncanonical_pairs())[:, 0] * tg.PADDED_VOCAB_SIZE + pairs[:, 1])
     assert not listed & {a * tg.PADDED_VOCAB_SIZE + b for a, b in zip(ids, ids[1:])}

@@ -40,6 +40,7 @@ import train_gpt as tg  # noqa: E402
 from data.loader import TrainLoader  # noqa: E402
 from data.shards import write_shard  # noqa: E402
 from data.tokenizer import gpt2_encoding, noncanonical_pairs  # noqa: E402
+from machinery import ngram_table, sampled_softmax  # noqa: E402
 
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4                   # of the largest entry of each gradient
@@ -328,26 +329,26 @@ def test_the_hashed_tables_rows_equal_their_statement(hashes, cross_documents):
     tokens[rng.integers(0, 600, 12)] = ref.BOS
     cfg = types.SimpleNamespace(ngram_rows=84_602_880, bigram_rows=377_280, table_hashes=hashes,
                                 cross_documents=cross_documents)
-    starts = tg.token_starts(tokens, cross_documents)
+    starts = ngram_table.token_starts(tokens, cross_documents)
     record = hashes == "record"
     brow, trow, sign_b, sign_t = ref.ngram_rows(cfg, tokens)
-    assert torch.equal(tg.ngram_rows(tokens, starts, cfg.ngram_rows, record), torch.stack([brow, trow], 1))
-    assert torch.equal(tg.bigram_sign_rows(tokens, starts, "record92" if record else "project"), sign_b)
-    assert torch.equal(tg.trigram_sign_rows(tokens, starts, record), sign_t)
+    assert torch.equal(ngram_table.ngram_rows(tokens, starts, cfg.ngram_rows, record), torch.stack([brow, trow], 1))
+    assert torch.equal(ngram_table.bigram_sign_rows(tokens, starts, "record92" if record else "project"), sign_b)
+    assert torch.equal(ngram_table.trigram_sign_rows(tokens, starts, record), sign_t)
     row, sign = ref.bigram_table_rows(cfg, tokens)
-    assert torch.equal(tg.bigram_rows(tokens, starts, cfg.bigram_rows, record), row)
-    assert torch.equal(tg.bigram_sign_rows(tokens, starts, "record89" if record else "project"), sign)
+    assert torch.equal(ngram_table.bigram_rows(tokens, starts, cfg.bigram_rows, record), row)
+    assert torch.equal(ngram_table.bigram_sign_rows(tokens, starts, "record89" if record else "project"), sign)
 
 
 def test_normalized_ids_equal_their_statement():
     """Every id's normalized id, the table the n-gram hashes read with ngram_normalized, against the
     statement's restatement from GPT-2's token bytes; and the rows of a table that reads them."""
-    assert torch.equal(tg.normalized_ids(), ref.normalized_ids())
+    assert torch.equal(ngram_table.normalized_ids(), ref.normalized_ids())
     rng = np.random.default_rng(6)
     tokens = torch.from_numpy(rng.integers(0, ref.BOS, 600))
     tokens[rng.integers(0, 600, 12)] = ref.BOS
     cfg = types.SimpleNamespace(ngram_rows=4096, table_hashes="record", cross_documents=True, ngram_normalized=True)
-    table = tg.NgramTable(cfg.ngram_rows, 8, 600, cross_documents=True, record_hashes=True, normalized=True)
+    table = ngram_table.NgramTable(cfg.ngram_rows, 8, 600, cross_documents=True, record_hashes=True, normalized=True)
     brow, trow, _, _ = ref.ngram_rows(cfg, tokens)
     assert torch.equal(table.slice_rows(tokens).reshape(-1, 2), torch.stack([brow, trow], 1))
 
@@ -357,8 +358,8 @@ def test_candidates_equal_their_statement(count):
     tokens, targets, cu = a_slice()
     for slice_index, slices in ((0, 8), (3, 8), (7, 8), (5, 16)):
         start = ref.candidate_start(slice_index, slices)
-        assert tg.candidate_start(slice_index, slices) == start
-        got = tg.candidate_columns(targets, count, torch.tensor(start))
+        assert sampled_softmax.candidate_start(slice_index, slices) == start
+        got = sampled_softmax.candidate_columns(targets, count, torch.tensor(start))
         assert torch.equal(got, ref.candidates(targets, count, start))
 
 

@@ -15,6 +15,7 @@ import optim  # noqa: E402
 import optim_dist_worker as worker  # noqa: E402
 from cuda_graph_emulation import CPUCapture, CPUGraph  # noqa: E402
 from launch import cpu_env, run_distributed  # noqa: E402
+from machinery import ngram_table  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # References written independently of optim.py (float64)
@@ -398,7 +399,7 @@ def test_muon_deals_the_speedrun_matrices_evenly_over_8_ranks():
     import train_gpt as tg
     h = tg.parse_config(["--preset", "speedrun", "--device=cpu", "--kernels=reference"])
     with torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True):
-        model = tg.build_model(h, tg.select_kernels(h, torch.device("cpu")), tg.TablePlacement(0, 8, 0))
+        model = tg.build_model(h, tg.select_kernels(h, torch.device("cpu")), ngram_table.TablePlacement(0, 8, 0))
         muon = next(o for o in tg.build_optimizers(h, model, tg.select_kernels(h, torch.device("cpu")))
                     if isinstance(o, optim.Muon))
     matrices = [p for group in muon.param_groups for p in group["params"]]

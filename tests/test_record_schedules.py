@@ -21,6 +21,7 @@ sys.path.insert(0, REPO)
 
 import optim  # noqa: E402
 import train_gpt as tg  # noqa: E402
+from machinery import sampled_softmax  # noqa: E402
 
 GPUS = 8                           # both records run on 8 GPUs, one micro-batch each
 UNIT = 2048 * GPUS                 # a record's batch sizes are in units of 2,048 tokens a GPU
@@ -368,7 +369,7 @@ def test_candidate_walk_continues_as_record_92s_sweep():
     V, count = tg.PADDED_VOCAB_SIZE, 600
     gen = torch.Generator().manual_seed(3)
     sweep = [(20011 * k) % V for k in range(V)]
-    offset = start = tg.candidate_start(2, 8)
+    offset = start = sampled_softmax.candidate_start(2, 8)
     for _ in range(3):
         targets = torch.randint(0, V, (64, 3), generator=gen)
         targets[:5, 1:] = -1
@@ -379,9 +380,9 @@ def test_candidate_walk_continues_as_record_92s_sweep():
         negatives = [i for i in window if i not in marked][:need]
         offset = (offset + draw) % V
         expected = sorted(marked | set(negatives))
-        got = tg.candidate_columns(targets, count, torch.as_tensor(start))
+        got = sampled_softmax.candidate_columns(targets, count, torch.as_tensor(start))
         assert got.tolist() == expected
-        start = tg.candidate_walk_after(targets, count, torch.as_tensor(start))
+        start = sampled_softmax.candidate_walk_after(targets, count, torch.as_tensor(start))
         assert int(start) == offset
     full = torch.arange(count).reshape(-1, 3)          # the targets fill the count: nothing drawn, no move
-    assert int(tg.candidate_walk_after(full, count, torch.as_tensor(offset))) == offset
+    assert int(sampled_softmax.candidate_walk_after(full, count, torch.as_tensor(offset))) == offset

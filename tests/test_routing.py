@@ -13,7 +13,7 @@ sys.path.insert(0, REPO)
 import kernels  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data.shards import write_shard  # noqa: E402
-from machinery import sparse_tables  # noqa: E402
+from machinery import ngram_table, sparse_tables  # noqa: E402
 
 STEPS = 3
 
@@ -24,7 +24,7 @@ def test_a_route_asks_each_owner_for_its_rows_and_answers_every_process():
     (itself included) for the distinct rows of that process's slice that it holds, in their order
     (reference: Python sets, sorted)."""
     rank, world, rows = 1, 4, 4096
-    table = tg.NgramTable(rows, 8, max_tokens=300, placement=tg.TablePlacement(rank, world))
+    table = ngram_table.NgramTable(rows, 8, max_tokens=300, placement=ngram_table.TablePlacement(rank, world))
     router = sparse_tables.ShardedNgramRows(table, None, tg.ProcessGroup(rank, world, rank, torch.device("cpu")))
     g = torch.Generator().manual_seed(0)
     slices = [torch.randint(0, 3000, (300,), generator=g, dtype=torch.int32) for _ in range(world)]
@@ -33,7 +33,7 @@ def test_a_route_asks_each_owner_for_its_rows_and_answers_every_process():
     route = router.route_of(slices[rank], slices)
 
     def distinct(tokens):
-        return sorted(set(tg.ngram_rows(tokens, tg.document_starts(tokens), rows).reshape(-1).tolist()))
+        return sorted(set(ngram_table.ngram_rows(tokens, ngram_table.document_starts(tokens), rows).reshape(-1).tolist()))
     mine = distinct(slices[rank])
     assert route.send_counts == [sum(1 for r in mine if r // 1024 == p) for p in range(world)]
     assert route.groups.distinct[:int(route.groups.count)].tolist() == mine
@@ -48,7 +48,7 @@ def test_a_split_tables_gradients_travel_in_its_dtype(monkeypatch):
     row). Process 0 of 2, both holding the same slice, so that what process 1 sends it is what it
     sends itself: the all-to-all is played by copies."""
     rows, dim, tokens = 4096, 8, 300
-    table = tg.NgramTable(rows, dim, max_tokens=tokens, dtype=torch.bfloat16, placement=tg.TablePlacement(0, 2))
+    table = ngram_table.NgramTable(rows, dim, max_tokens=tokens, dtype=torch.bfloat16, placement=ngram_table.TablePlacement(0, 2))
     router = sparse_tables.ShardedNgramRows(table, kernels.sum_rows_reference, tg.ProcessGroup(0, 2, 0, torch.device("cpu")))
     travelled = []
 

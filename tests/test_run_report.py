@@ -16,7 +16,7 @@ from tiny_runs import REPO, TINY, data_args, run_trainer
 
 sys.path.insert(0, REPO)
 import train_gpt as tg  # noqa: E402
-from machinery import progress  # noqa: E402
+from machinery import progress, run_report  # noqa: E402
 from records.logfile import other_load, parse_log  # noqa: E402
 
 STEP_LINE = re.compile(r"step:(\d+)/(\d+) train_loss:\S+ objective:\S+ train_time:(\d+)ms step_avg:\S+ms eta:(\S+)")
@@ -188,11 +188,12 @@ def test_a_run_on_no_track_is_held_to_the_target_of_the_tokens_it_validates_on()
     """The 1gpu presets are on no track but validate on the speedrun preset's tokens: their last
     line compares with track_1_short's target; a run on no track with other validation data has
     none."""
-    target = target_of("track_1_short")
-    line = tg.target_line(tg.parse_config(["--preset", "1gpu_24gb"]), target - 0.01, "logs/x.txt")
+    target, speedrun = target_of("track_1_short"), tg.parse_config(["--preset", "speedrun"])
+    line = run_report.target_line(tg.parse_config(["--preset", "1gpu_24gb"]), target - 0.01, "logs/x.txt", speedrun)
     assert line == (f"target: val_loss below {target:.4f} (track_1_short, for comparison: this run is on no track): "
                     f"met, {target - 0.01:.4f} (one run: a record takes several, records/track_1_short/README.md); "
                     f"log: logs/x.txt")
-    assert tg.target_line(tg.parse_config(["--preset", "speedrun"]), target, "x").split(": ")[2] == "not met, 3.2800 (one run"
+    assert run_report.target_line(speedrun, target, "x", speedrun).split(": ")[2] == "not met, 3.2800 (one run"
     tiny = tg.parse_config(["--preset", "cpu", "--track=none"])
-    assert tg.target_line(tiny, 5.0, "logs/y.txt") == "target: none (the run is on no track); log: logs/y.txt"
+    assert (run_report.target_line(tiny, 5.0, "logs/y.txt", speedrun)
+            == "target: none (the run is on no track); log: logs/y.txt")

@@ -22,7 +22,8 @@ import kernels  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data.loader import TrainLoader  # noqa: E402
 from data.shards import write_shard  # noqa: E402
-from machinery import sparse_tables  # noqa: E402
+from machinery import ngram_table, sparse_tables  # noqa: E402
+from machinery.config import ConfigError  # noqa: E402
 
 
 def test_ngram_entries_are_the_tables_gradient(shards):
@@ -35,7 +36,7 @@ def test_ngram_entries_are_the_tables_gradient(shards):
     objective, _ = model(s.tokens, s.targets, tg.AttentionArgs(s.cu_seqlens, 128, 256),
                          tg.target_weights(h.stages[0], "cpu"))
     objective.backward()
-    rows = model.ngram.rows_of(s.tokens, tg.document_starts(s.tokens)).reshape(-1)
+    rows = model.ngram.rows_of(s.tokens, ngram_table.document_starts(s.tokens)).reshape(-1)
     entries = model.ngram.sink.grad[:512].reshape(rows.numel(), -1)
     summed = torch.zeros_like(model.ngram.table).index_add_(0, rows, entries)
     assert rows.unique().numel() > 500 and entries.abs().sum() > 0
@@ -170,7 +171,7 @@ def test_the_ngram_table_moves_only_the_rows_a_batch_touches(shards, step_every,
     for step in range(2):
         trainer.advance_to(step)
         batch = loader.next_batch(512, 256, 1, [0])
-        touched[trainer.model.ngram.rows_of(batch[0].tokens, tg.document_starts(batch[0].tokens)).reshape(-1)] = True
+        touched[trainer.model.ngram.rows_of(batch[0].tokens, ngram_table.document_starts(batch[0].tokens)).reshape(-1)] = True
         trainer.train_step(step, batch)
         moved = (table != before).any(1)
         if step + 1 < step_every:
@@ -248,7 +249,7 @@ def test_a_host_table_with_a_device_cache_trains_bit_for_bit_as_a_resident_one(s
 def test_a_host_tables_cache_keeps_pending_rows_and_lets_the_least_recently_used_go():
     """A training slice's rows stay cached until release(), however many rows later fetches
     need; the rows that go back to the host are the least recently used; released, they may go."""
-    table = tg.NgramTable(4096, 8, max_tokens=64, placement=tg.TablePlacement(cache_rows=256))
+    table = ngram_table.NgramTable(4096, 8, max_tokens=64, placement=ngram_table.TablePlacement(cache_rows=256))
     cache = sparse_tables.HostNgramRows(table, tg.optim.SparseRowAdam(table.fetched, lr=0.1), torch.device("cpu"))
     slice_of = lambda seed: torch.randint(1, 50_000, (64,), generator=torch.Generator().manual_seed(seed))  # noqa: E731
     cached = lambda: set(cache.row_of[cache.row_of >= 0].tolist())  # noqa: E731
@@ -259,7 +260,7 @@ def test_a_host_tables_cache_keeps_pending_rows_and_lets_the_least_recently_used
         assert pending <= cached()
     assert cache.rounds > 0
     cache.release()
-    newest = set(tg.ngram_rows(slice_of(11), tg.document_starts(slice_of(11)), 4096).reshape(-1).tolist())
+    newest = set(ngram_table.ngram_rows(slice_of(11), ngram_table.document_starts(slice_of(11)), 4096).reshape(-1).tolist())
     cache.fetch(slice_of(12), training=False)
     assert not pending <= cached(), "released, the oldest rows go first"
     assert newest <= cached(), "the last slice's rows stay"
@@ -269,7 +270,7 @@ def test_a_host_tables_write_back_waits_for_the_device_with_the_sync_check_lifte
     """--sync_check makes a host sync inside a training step an error (CUDA's sync debug mode,
     "error" is 2); a host table's write-back waits for the device by design: it waits with the
     mode off (0) and restores it after, so the step's other syncs stay errors."""
-    table = tg.NgramTable(4096, 8, max_tokens=64, placement=tg.TablePlacement(cache_rows=256))
+    table = ngram_table.NgramTable(4096, 8, max_tokens=64, placement=ngram_table.TablePlacement(cache_rows=256))
     cache = sparse_tables.HostNgramRows(table, tg.optim.SparseRowAdam(table.fetched, lr=0.1), torch.device("cpu"))
     mode = {"now": 2}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -284,27 +285,27 @@ def test_a_host_tables_write_back_waits_for_the_device_with_the_sync_check_lifte
 
 def test_an_ngram_table_that_cannot_be_split_or_does_not_fit_is_refused():
     h = tiny_config(["--ngram_rows=2050"])
-    with pytest.raises(tg.ConfigError, match="does not split evenly across 4 processes: use a multiple of 4"):
+    with pytest.raises(ConfigError, match="does not split evenly across 4 processes: use a multiple of 4"):
         tg.check_ngram_table(h, tg.ProcessGroup(0, 4, 0, torch.device("cpu")))
     tg.check_ngram_table(tiny_config(["--ngram_rows=2048", "--save_checkpoint=true"]),
                          tg.ProcessGroup(0, 2, 0, torch.device("cpu")))   # a split table is checkpointed whole
     memory = lambda device: 16 * 2**30   # 16 GiB free wherever the table would live
     h = tiny_config(["--ngram_rows=" + str(2 ** 31)])
-    with pytest.raises(tg.ConfigError, match=r"--ngram_rows=2147483648 needs 528.0 GiB on the cpu \(all in one "
+    with pytest.raises(ConfigError, match=r"--ngram_rows=2147483648 needs 528.0 GiB on the cpu \(all in one "
                                              r"process: 264 B per row.* lower --ngram_rows$"):
         tg.check_ngram_table(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), memory)
-    with pytest.raises(tg.ConfigError, match=r"needs 66.0 GiB on the cpu \(268435456 rows in each of 8 "):
+    with pytest.raises(ConfigError, match=r"needs 66.0 GiB on the cpu \(268435456 rows in each of 8 "):
         tg.check_ngram_table(h, tg.ProcessGroup(0, 8, 0, torch.device("cpu")), memory)
     one = tg.ProcessGroup(0, 1, 0, torch.device("cpu"))
     h = tiny_config(["--ngram_rows=" + str(2 ** 31), "--ngram_cache_rows=4096"])   # 2 * (2 * 512 + 1024) rows
-    with pytest.raises(tg.ConfigError, match=r"needs 536.0 GiB on the cpu \(in host memory: 268 B per row"):
+    with pytest.raises(ConfigError, match=r"needs 536.0 GiB on the cpu \(in host memory: 268 B per row"):
         tg.check_ngram_table(h, one, memory)
     h = tiny_config(["--ngram_rows=65536", "--ngram_cache_rows=4095"])
-    with pytest.raises(tg.ConfigError, match="fewer than the 4096 rows the device cache must hold at once .* raise"):
+    with pytest.raises(ConfigError, match="fewer than the 4096 rows the device cache must hold at once .* raise"):
         tg.check_ngram_table(h, one)
     h = tiny_config(["--ngram_rows=65536", "--ngram_cache_rows=4096"])
     tg.check_ngram_table(h, one)
-    with pytest.raises(tg.ConfigError, match="host memory, but 2 processes split it: set --ngram_cache_rows=0"):
+    with pytest.raises(ConfigError, match="host memory, but 2 processes split it: set --ngram_cache_rows=0"):
         tg.check_ngram_table(h, tg.ProcessGroup(0, 2, 0, torch.device("cpu")))
 
 

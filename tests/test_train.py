@@ -26,12 +26,14 @@ from tiny_runs import (DENSE, FEATURES, NGRAM, TINY, cpu_trainer, data_args, fin
 import kernels  # noqa: E402
 import optim  # noqa: E402
 import train_gpt as tg  # noqa: E402
+from machinery import sampled_softmax  # noqa: E402
 from machinery.processes import TrainingError  # noqa: E402
 from machinery.warm_up import compiled_graphs, restore, snapshot, warm_up  # noqa: E402
 from data.loader import DataError, TrainLoader, _targets, validation_slices  # noqa: E402
 from data.shards import read_shard, write_shard  # noqa: E402
 from data.tokenizer import BOS_ID  # noqa: E402
 from records.logfile import parse_log, verify  # noqa: E402
+from machinery.config import ConfigError  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # data loader
@@ -119,7 +121,7 @@ def test_multi_token_weights_move_linearly_within_a_stage():
         assert weights[step].tolist() == pytest.approx([1, 0.5, 0.25 * (1 - step / 4), 0.25])
     for step in range(4, 8):             # stage 1: constant, no prefix target
         assert weights[step].tolist() == [1, 0.5, 0, 0]
-    with pytest.raises(tg.ConfigError, match="mtp_weights_end"):
+    with pytest.raises(ConfigError, match="mtp_weights_end"):
         tiny_config([stages.replace('"mtp_weights_end":[1,0.5,0]', '"mtp_weights_end":[1,0]')])
 
 
@@ -233,7 +235,7 @@ def test_prefix_weight_moves_linearly_within_a_stage():
               '"mtp_weights":[1,0.5],"prefix_weight":0.25,"prefix_weight_end":0}]')
     weights = tg.step_target_weights(tiny_config([stages, "--num_iterations=4"]), "cpu")
     assert weights[:, -1].tolist() == pytest.approx([0.25, 0.1875, 0.125, 0.0625])
-    with pytest.raises(tg.ConfigError, match="prefix_weight_end"):
+    with pytest.raises(ConfigError, match="prefix_weight_end"):
         tiny_config([stages.replace('"prefix_weight_end":0', '"prefix_weight_end":-1')])
 
 
@@ -244,7 +246,7 @@ def test_prefix_weight_levels_step_in_equal_parts_of_a_stage():
               '"mtp_weights":[1],"prefix_weight":0.2,"prefix_weight_end":0.05,"prefix_weight_levels":4}]')
     weights = tg.step_target_weights(tiny_config([stages, "--num_iterations=10"]), "cpu")
     assert weights[:, -1].tolist() == pytest.approx([0.2, 0.2, 0.2, 0.15, 0.15, 0.1, 0.1, 0.1, 0.05, 0.05])
-    with pytest.raises(tg.ConfigError, match="prefix_weight_levels"):
+    with pytest.raises(ConfigError, match="prefix_weight_levels"):
         tiny_config([stages.replace('"prefix_weight_levels":4', '"prefix_weight_levels":-1')])
 
 
@@ -763,7 +765,7 @@ def test_float32_compute_matches_bf16_and_keeps_fp32_activations(shards):
     # bf16 keeps 8 significant bits: activations and products differ by ~2^-8 relative
     assert abs(loss32 - loss16) < 2e-2 * loss32
     assert_gradients_close(grads32, grads16, rel=5e-2)
-    with pytest.raises(tg.ConfigError, match="compute_dtype"):
+    with pytest.raises(ConfigError, match="compute_dtype"):
         tiny_config(["--compute_dtype=float16"])
 
 
@@ -929,13 +931,13 @@ def test_candidate_walk_continues_from_step_to_step(shards, walk):
     h = tiny_config([*data_args(shards), f"--candidate_walk={walk}"])
     trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog(str(shards), active=False))
     loader = TrainLoader(tg.shards_of(h.train_files), 512)
-    start = tg.candidate_start(0, 1)
+    start = sampled_softmax.candidate_start(0, 1)
     for step in range(2):
         batch = loader.next_batch(512, 256, 1, [0])
         trainer.train_step(step, batch)
         if walk == "continue":
-            start = tg.candidate_walk_after(batch[0].targets, h.stages[0].candidates, torch.as_tensor(start))
+            start = sampled_softmax.candidate_walk_after(batch[0].targets, h.stages[0].candidates, torch.as_tensor(start))
         assert int(trainer.walk[0]) == int(start)
-    assert (int(start) != tg.candidate_start(0, 1)) == (walk == "continue")
+    assert (int(start) != sampled_softmax.candidate_start(0, 1)) == (walk == "continue")
     restore(trainer, snapshot(trainer))
-    assert int(trainer.walk[0]) == tg.candidate_start(0, 1), "a restored trainer starts its walk again"
+    assert int(trainer.walk[0]) == sampled_softmax.candidate_start(0, 1), "a restored trainer starts its walk again"

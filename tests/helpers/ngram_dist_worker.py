@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 import train_gpt as tg  # noqa: E402
 from data.loader import TrainLoader  # noqa: E402
+from machinery.processes import start_process  # noqa: E402
 
 
 def train_and_validate(trainer, h, steps):
@@ -34,7 +35,7 @@ def train_and_validate(trainer, h, steps):
 
 def main(out, steps, args):
     h = tg.parse_config(args)
-    env = tg.start_process(h)
+    env = start_process(h)
     trainer = tg.Trainer(h, env, tg.RunLog("unused", active=False))
     losses, val = train_and_validate(trainer, h, steps)
     ngram = trainer.model.ngram

@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 import train_gpt as tg  # noqa: E402
 from data.loader import BatchPrefetcher, TrainLoader  # noqa: E402
+from machinery.processes import start_process  # noqa: E402
 
 
 def route_fields(route):
@@ -53,7 +54,7 @@ def train(h, env, steps, ahead):
 
 def main(out, steps, args):
     h = tg.parse_config(args)
-    env = tg.start_process(h)
+    env = start_process(h)
     result = {way: train(h, env, steps, ahead) for way, ahead in (("ahead", True), ("gathered", False))}
     torch.save(result, os.path.join(out, f"rank{env.rank}.pt"))
     torch.distributed.destroy_process_group()
