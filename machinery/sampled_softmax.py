@@ -50,8 +50,8 @@ def candidate_columns(targets, count, start, always=()):
     walk_position = (ids * CANDIDATE_STRIDE_INVERSE - start) % V
     present = torch.where(targets >= 0, targets, V).flatten()      # absent targets land on a spare slot
     is_target = torch.zeros(V + 1, dtype=torch.bool, device=targets.device).index_fill_(0, present, True)[:V]
-    for i in always:               # one element filled from a Python int: no host tensor to copy in a captured step
-        is_target[i] = True
+    for i in always:               # filled in place from a Python scalar: x[i] = True would copy a host tensor
+        is_target.narrow(0, i, 1).fill_(True)
     priority = walk_position + V * (~is_target)
     return priority.topk(count, largest=False, sorted=False).indices.sort().values
 

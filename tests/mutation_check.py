@@ -7,7 +7,8 @@
 
 Each mutation replaces one exact line fragment of a module in a copy of the repository, then
 runs the test selection that should catch it there. The groups: the model and trainer
-(train_gpt.py, optim.py, kernels.py: the references the trainer runs on a CPU), and the
+(train_gpt.py, optim.py, kernels.py: the references the trainer runs on a CPU; the n-gram table,
+the sampled softmax and the canonical mask beside them in machinery/), and the
 machinery around them (machinery/config.py's checks, machinery/checkpoint.py, records/ statistics and tools,
 data/shards.py and the downloader, machinery/memory_budget.py, machinery/sparse_tables.py, machinery/processes.py). Every
 selection is first run once on the unmutated copy and must pass there (a selection that fails
@@ -55,6 +56,7 @@ SPARSE = ["tests/test_sparse_tables.py", "-k", "vocab_row_gradients or host_tabl
 TRAVEL = ["tests/test_sparse_tables.py", "tests/test_routing.py", "-k", "travel"]
 FUSED_CASTS = ["tests/test_kernels.py", "-k", "fp8_cast_saturates or fused_casts"]
 XSA_DTYPE = ["tests/test_cuda_path.py", "-k", "xsa"]
+FRONTIER_REPLAYS = ["tests/test_cuda_path.py", "-k", "two_steps_of_one and frontier"]
 UNEVEN_SPLIT = ["tests/test_failures.py", "-k", "does_not_split_across"]
 LAUNCH = ["tests/test_failures.py", "-k", "bad_launch_environment"]
 HANGUP = ["tests/test_failures.py", "-k", "SIGHUP"]
@@ -109,7 +111,8 @@ class Mutation:
         return "model" if self.path in MODEL_FILES else "machinery"
 
 
-MODEL_FILES = ("train_gpt.py", "optim.py", "kernels.py")  # the model and trainer group; everything else: machinery
+MODEL_FILES = ("train_gpt.py", "optim.py", "kernels.py", "machinery/ngram_table.py", "machinery/sampled_softmax.py",
+               "machinery/canonical_mask.py")  # the model and trainer group; everything else: machinery
 GROUPS = ("model", "machinery")
 
 
@@ -786,6 +789,8 @@ MUTATIONS = [
     Mutation("kernels.py", "        grad_x, grad_w = _fp8_linear_grads(ctx, saved, g8, g8_t, g_scale, ctx.stride)\n        upstream",
              "        grad_x, grad_w = _fp8_linear_grads(ctx, saved, g8, g8_t, g_scale)\n        upstream",
              [APPROX, "-k", "pointer_heads"], "the pointer mixture's FP8 head drops the sampled gradient's stride"),
+    Mutation("machinery/sampled_softmax.py", "        is_target.narrow(0, i, 1).fill_(True)", "        is_target[i] = True",
+             FRONTIER_REPLAYS, "the forced <copy> candidate copied from a new host tensor every step"),
 ]
 
 

@@ -88,6 +88,14 @@ REHEARSAL = [
 CHANGES = [0, 1, 3, 4]
 OPTIMIZER_UPDATES = 5 + 2
 EXPECTED_GRAPHS = len(CHANGES) + 2 + OPTIMIZER_UPDATES
+# The open pull requests' techniques (the frontier preset's) on the rehearsal model, for the
+# capture checks below: the pointer mixture with bands that bind, the normalized hashes, the
+# sampled head gradient (one row in four) from step 0, the truncated attention backward chosen
+# at step 2 (eager and probed: no graph) and used from step 3, the last two steps exact.
+FRONTIER = ["--pointer_mixture=true", "--pointer_dim=16", "--pointer_band=48", "--pointer_val_band=64",
+            "--ngram_normalized=true", "--head_grad_stride=4", "--head_grad_start=0", "--attn_bwd_windows=[16,32]",
+            "--attn_bwd_choice_steps=[2]", "--attn_bwd_start=3", "--approx_exact_last_steps=2"]
+VARIANTS = {"records": [], "frontier": FRONTIER}
 
 
 @pytest.fixture(scope="module")
@@ -452,14 +460,17 @@ def _boolean_mask_index(func, args):
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
 
 
-def test_a_training_step_never_waits_for_the_device(shards, tmp_path, monkeypatch):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_training_step_never_waits_for_the_device(shards, tmp_path, monkeypatch, variant):
     """A step of each graph of the rehearsal (each stage, sampled softmax included, and the
-    untie) on the CUDA path, eager, with HostSyncs active. Whether an op syncs does not depend on
-    the values, so the kernel launches are skipped (their outputs stay uninitialized): the guard
-    watches the trainer's own torch ops, the wrappers' and the optimizers'."""
+    untie; with the frontier's techniques, each state of the approximate backward too) on the
+    CUDA path, eager, with HostSyncs active. Whether an op syncs does not depend on the values,
+    so the kernel launches are skipped (their outputs stay uninitialized): the guard watches the
+    trainer's own torch ops, the wrappers' and the optimizers'."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # lets select_kernels pick the Triton path on a CPU
     monkeypatch.setattr(kernels, "_launch", lambda kernel, grid, config, **args: None)
-    h = tg.parse_config(REHEARSAL + data_args(shards, tmp_path) + ["--compile=false"])
+    steps = [] if variant == "records" else ["--num_iterations=15"]
+    h = tg.parse_config(REHEARSAL + VARIANTS[variant] + steps + data_args(shards, tmp_path) + ["--compile=false"])
     checked = []
     with cuda_autocast_rules():
         trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog(str(tmp_path), active=False))
@@ -472,7 +483,11 @@ def test_a_training_step_never_waits_for_the_device(shards, tmp_path, monkeypatc
             with HostSyncs():
                 trainer.train_step(step, slices)
             checked.append(step)
-    assert checked == CHANGES
+    if variant == "records":
+        assert checked == CHANGES
+    else:                          # stages at 0, 3, 9, the untie at 12, the truncation at 3, exact from 13
+        assert checked == [0, 3, 9, 12, 13]
+        assert {tg.approximate_backward_at(h, step) for step in checked} == {(4, False), (4, True), (1, False)}
 
 
 def test_the_sync_guard_has_teeth():
@@ -535,23 +550,27 @@ def _traced_launches(launches):
 EAGER_LAUNCHES = ("_sum_rows_kernel", "_sparse_adam_rows_kernel")
 
 
-def test_two_steps_of_one_graph_key_make_the_same_calls_on_the_same_tensors(shards, tmp_path, monkeypatch):
-    """For every graph key of a schedule with three stages and the untie: the first step finds
-    the key's gradients, the later ones are replays; those must all record the same graph (ops,
-    scalars, outside addresses, kernel launches). Eager, with the Triton launches skipped
-    (values do not matter, calls do), on the CUDA path under CUDA's autocast rules."""
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_two_steps_of_one_graph_key_make_the_same_calls_on_the_same_tensors(shards, tmp_path, monkeypatch, variant):
+    """For every graph key of a schedule with three stages and the untie (with the frontier's
+    techniques, the keys of the approximate backward's states, the probed choice step left out:
+    it runs eagerly): the first step finds the key's gradients, the later ones are replays; those
+    must all record the same graph (ops, scalars, outside addresses, kernel launches). Eager,
+    with the Triton launches skipped (values do not matter, calls do), on the CUDA path under
+    CUDA's autocast rules."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     launches = []
     monkeypatch.setattr(kernels, "_launch", _traced_launches(launches))
-    h = tg.parse_config(REHEARSAL + data_args(shards, tmp_path) + ["--compile=false", "--num_iterations=15"])
+    h = tg.parse_config(REHEARSAL + VARIANTS[variant] + data_args(shards, tmp_path)
+                        + ["--compile=false", "--num_iterations=15"])
     keys, traces = {}, []
     with cuda_autocast_rules():
         trainer = tg.Trainer(h, tg.ProcessGroup(0, 1, 0, torch.device("cpu")), tg.RunLog(str(tmp_path), active=False))
         body = trainer.micro_batch
 
-        def traced_body(*args):    # what a capture records: the body, not the buffer fills around it
+        def traced_body(*args, **kwargs):   # what a capture records: the body, not the buffer fills around it
             with traces[-1]:
-                body(*args)
+                body(*args, **kwargs)
         trainer.micro_batch = traced_body
         loader = TrainLoader(tg.shards_of(h.train_files), tg.batch_tokens(h))
         for step in range(h.num_iterations):
@@ -562,10 +581,15 @@ def test_two_steps_of_one_graph_key_make_the_same_calls_on_the_same_tensors(shar
             trainer.train_step(step, loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks,
                                                        trainer.mine))
             captured = [launch for launch in launches if launch[0] not in EAGER_LAUNCHES]
-            keys.setdefault(tg.graph_key(h, step), []).append((step, traces[-1].ops, captured))
-    assert sorted(keys) == [(0, True), (1, True), (2, False), (2, True)]
-    for key, steps in keys.items():
-        assert len(steps) >= 3, key
+            if step not in h.attn_bwd_choice_steps:
+                keys.setdefault(tg.graph_key(h, step), []).append((step, traces[-1].ops, captured))
+    replayed = sorted(key for key, steps in keys.items() if len(steps) >= 3)
+    if variant == "records":
+        assert sorted(keys) == replayed == [(0, True), (1, True), (2, False), (2, True)]
+    else:                          # (stage, tied, head gradient stride, truncated)
+        assert replayed == [(1, True, 4, True), (2, True, 4, True)]
+    for key in replayed:
+        steps = keys[key]
         step_a, ops_a, launches_a = steps[1]
         for step_b, ops_b, launches_b in steps[2:]:
             assert len(ops_a) == len(ops_b) and len(ops_a) > 100, key
@@ -598,11 +622,14 @@ def _streams_as_no_ops(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", stream)
 
 
-def test_what_the_warm_up_captures_is_what_a_timed_step_makes(shards, tmp_path, monkeypatch):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_what_the_warm_up_captures_is_what_a_timed_step_makes(shards, tmp_path, monkeypatch, variant):
     """The forward+backward the warm-up captures for each graph key (the graph every timed step
     of that key replays) makes the same calls, with the same scalars, on the same tensors as a
     timed micro-batch of the key: three stages of different micro-batch sizes (each its own loss
-    unit, the cross-entropy's upstream gradient) with two micro-batches a step, and the untie.
+    unit, the cross-entropy's upstream gradient) with two micro-batches a step, and the untie;
+    with the frontier's techniques, each state of the approximate backward (the probed choice
+    step runs eagerly, not from a graph).
     The capture is traced where StepGraphs would record a CUDA graph, and leaves none, so the
     timed run's micro-batches run the same bodies eagerly, traced too; launches skipped, CUDA's
     autocast rules."""
@@ -610,7 +637,9 @@ def test_what_the_warm_up_captures_is_what_a_timed_step_makes(shards, tmp_path, 
     launches = []
     monkeypatch.setattr(kernels, "_launch", _traced_launches(launches))
     _streams_as_no_ops(monkeypatch)
-    h = tg.parse_config(REHEARSAL + data_args(shards, tmp_path) + ["--compile=false", "--batch_ranks=2"])
+    steps = [] if variant == "records" else ["--num_iterations=15"]
+    h = tg.parse_config(REHEARSAL + VARIANTS[variant] + steps + data_args(shards, tmp_path)
+                        + ["--compile=false", "--batch_ranks=2"])
     captured, timed = {}, []
 
     def traced(fn):
@@ -636,7 +665,8 @@ def test_what_the_warm_up_captures_is_what_a_timed_step_makes(shards, tmp_path, 
             stage = h.stages[tg.stage_index(h, step)]
             trainer.train_step(step, loader.next_batch(stage.tokens_per_rank, stage.max_doc_len, h.batch_ranks,
                                                        trainer.mine))
-    assert [key for key, _ in timed] == [tg.graph_key(h, step) for step in range(h.num_iterations) for _ in range(2)]
+    assert [key for key, _ in timed] == [tg.graph_key(h, step) for step in range(h.num_iterations) for _ in range(2)
+                                         if step not in h.attn_bwd_choice_steps]
     for key, (ops, step_launches) in timed:
         capture_ops, capture_launches = captured[f"training step of graph {key}"]
         assert len(ops) == len(capture_ops) and len(ops) > 100, key
