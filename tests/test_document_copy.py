@@ -180,3 +180,15 @@ def test_the_match_compiles_with_fullgraph():
     compiled = torch.compile(features, backend="aot_eager", fullgraph=True, dynamic=False)
     for got, want in zip(compiled(tokens, normalized), features(tokens, normalized)):
         assert torch.equal(got, want)
+
+
+@interpreted
+def test_the_keys_kernel_compiles_with_fullgraph():
+    """The kernel's custom op traces under torch.compile(fullgraph=True) by its fake (meta)
+    implementation, with the match after it: the eager features."""
+    normalized = normalized_table()
+    tokens = repetitive_stream(8, 200).int()
+    run = lambda t, n: features(t, n, kernels.copy_keys)  # noqa: E731
+    compiled = torch.compile(run, backend="aot_eager", fullgraph=True, dynamic=False)
+    for got, want in zip(compiled(tokens, normalized), features(tokens, normalized)):
+        assert torch.equal(got, want)
