@@ -804,8 +804,9 @@ MUTATIONS = [
     Mutation("kernels.py", "        crossed = crossed | (inside & (x == bos))", "        crossed = inside & (x == bos)",
              COPY_KERNEL, "the keys kernel forgets a BOS once its window has passed it: windows leave the document"),
     Mutation("kernels.py", "    inside = positions[None, :] - lengths[:, None] + 1 >= doc_start[None, :]",
-             "    inside = positions[None, :] - lengths[:, None] + 1 >= 0", COPY_MATCH,
-             "the reference's contexts reach across the document's start"),
+             "    inside = positions[None, :] - lengths[:, None] + 1 >= 0", COPY_DEFINITION,
+             "the reference keys windows that cross the document's start (the matches cannot tell: such a window "
+             "holds the document's BOS at an offset no other window of the document has)"),
     Mutation("kernels.py", "    candidate = torch.where(longest > 0, tokens.long()[(latest + 1).clamp(0, T - 1)], -1)",
              "    candidate = torch.where(longest > 0, tokens.long()[latest.clamp(0, T - 1)], -1)", COPY_MATCH,
              "the candidate is the match's last token, not the token after it"),

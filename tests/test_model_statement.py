@@ -116,8 +116,17 @@ def built(name, seed=0):
 def token_stream(seed, length=4000, repeats=False):
     """A BOS-separated stream of documents of 5 to 150 tokens over a 4,000-id vocabulary. With
     `repeats`, each document is pieces of 1-5 fresh ids and, as often, copies of one of its own
-    earlier spans (1-40 tokens): its contexts match at every length of the document copy feature."""
+    earlier spans (1-40 tokens), a copied id replaced by another of its normalized id's ids one
+    time in four: its contexts match at every length of the document copy feature, some only
+    once normalized."""
     rng = np.random.default_rng(seed)
+    normalized = ref.normalized_ids()[:4000].tolist() if repeats else []
+    variants = {}
+    for i, n in enumerate(normalized):
+        variants.setdefault(n, []).append(i)
+
+    def swap(ids):
+        return [int(rng.choice(variants[normalized[x]])) if rng.random() < 0.25 else x for x in ids]
     out, total = [], 0
     while total < length:
         doc = np.concatenate([[ref.BOS], rng.integers(0, 4000, int(rng.integers(5, 150)))])
@@ -125,7 +134,7 @@ def token_stream(seed, length=4000, repeats=False):
             doc = [ref.BOS]
             for _ in range(int(rng.integers(3, 40))):
                 start = int(rng.integers(1, len(doc))) if len(doc) > 1 else 0
-                copy = doc[start:start + int(rng.integers(1, 41))] if start and rng.random() < 0.5 else []
+                copy = swap(doc[start:start + int(rng.integers(1, 41))]) if start and rng.random() < 0.5 else []
                 doc += copy or rng.integers(0, 4000, int(rng.integers(1, 6))).tolist()
             doc = np.array(doc)
         out.append(doc)
