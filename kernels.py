@@ -4628,15 +4628,15 @@ def wrap_int64(value):
     return (value + 2 ** 63) % 2 ** 64 - 2 ** 63
 
 
-def copy_key_tables(device):
-    """(powers, rows, length mixes), each (max L,) int64, indexed by the offset k = 0 .. max L - 1:
-    M^k mod 2^64; the row of the length L = k + 1 in the keys (-1: no length ends there); that
-    length's mix L x COPY_LENGTH_MUL mod 2^64 (0 where none)."""
-    longest = max(COPY_LENGTHS)
-    powers = [wrap_int64(pow(COPY_HASH_MUL, k, 2 ** 64)) for k in range(longest)]
-    rows = [COPY_LENGTHS.index(k + 1) if k + 1 in COPY_LENGTHS else -1 for k in range(longest)]
-    mixes = [wrap_int64((k + 1) * COPY_LENGTH_MUL) if k + 1 in COPY_LENGTHS else 0 for k in range(longest)]
-    return tuple(torch.tensor(t, dtype=torch.int64, device=device) for t in (powers, rows, mixes))
+COPY_LENGTH_ENDS = sum(1 << (L - 1) for L in COPY_LENGTHS)   # bit k set: a length ends at offset k
+
+
+def copy_hash_powers(longest, device):
+    """(longest,) int64: M^k mod 2^64 for k = 0 .. longest - 1, made on the device (a running
+    product whose int64 products wrap), so that a captured step copies no host tensor."""
+    ones = torch.ones(1, dtype=torch.int64, device=device)
+    multipliers = torch.full((longest - 1,), wrap_int64(COPY_HASH_MUL), dtype=torch.int64, device=device)
+    return torch.cat([ones, multipliers.cumprod(0)])
 
 
 def copy_document_index(tokens, bos):
@@ -4645,40 +4645,44 @@ def copy_document_index(tokens, bos):
 
 
 @triton.jit
-def _copy_keys_kernel(tok_ptr, norm_ptr, doc_ptr, pow_ptr, row_ptr, mix_ptr, keys_ptr, T, bos, doc_mul,
-                      LONGEST: tl.constexpr, BLOCK: tl.constexpr):
+def _copy_keys_kernel(tok_ptr, norm_ptr, doc_ptr, keys_ptr, T, bos, hash_mul, length_mul, doc_mul,
+                      ENDS: tl.constexpr, LONGEST: tl.constexpr, BLOCK: tl.constexpr):
     """The keys of BLOCK positions t for every length, in one pass over the offsets k = 0 ..
     LONGEST - 1: h += (norm[x[t-k]] + 1) M^k (int64 products and sums wrap: mod 2^64); where a
-    length L = k + 1 ends (row_ptr[k] >= 0) its key h ^ mix(L) ^ doc[t] COPY_DOC_MUL is stored,
-    or -1 - t where the window leaves t's document: it starts before position 0, or a BOS lies
-    at an offset below k (a BOS at offset k itself starts the document and the window).
+    length L = k + 1 ends (bit k of ENDS) the next row of keys gets h ^ L length_mul ^ doc[t]
+    doc_mul, or -1 - t where the window leaves t's document: it starts before position 0, or a
+    BOS lies at an offset below k (a BOS at offset k itself starts the document and the window).
     Traffic: each program reads its positions' LONGEST-token history (the tokens from DRAM once,
-    the overlapping windows and the normalized ids from cache), its documents' indices once, and
-    writes len(COPY_LENGTHS) keys of 8 bytes a position."""
+    the overlapping windows and the normalized ids from cache), their documents' indices once,
+    and writes len(COPY_LENGTHS) keys of 8 bytes a position."""
     t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     ok = t < T
     doc_mix = tl.load(doc_ptr + t, mask=ok, other=0) * doc_mul
     h = tl.zeros([BLOCK], dtype=tl.int64)
+    power = tl.full([BLOCK], 1, dtype=tl.int64)
     crossed = t < 0                # a BOS at an offset below k: the window left the document
+    row = 0
     for k in tl.static_range(LONGEST):
         inside = ok & (t >= k)
         x = tl.load(tok_ptr + (t - k), mask=inside, other=0).to(tl.int64)
         y = tl.load(norm_ptr + x, mask=inside, other=-1).to(tl.int64) + 1
-        h += y * tl.load(pow_ptr + k)
-        row = tl.load(row_ptr + k)
-        key = tl.where(inside & ~crossed, h ^ tl.load(mix_ptr + k) ^ doc_mix, -1 - t)
-        tl.store(keys_ptr + row * T + t, key, mask=ok & (row >= 0))
+        h += y * power
+        power = power * hash_mul
+        if (ENDS >> k) & 1:
+            key = tl.where(inside & ~crossed, h ^ ((k + 1) * length_mul) ^ doc_mix, -1 - t)
+            tl.store(keys_ptr + row * T + t, key, mask=ok)
+            row += 1
         crossed = crossed | (inside & (x == bos))
 
 
-def _launch_copy_keys(tokens: Tensor, normalized: Tensor, doc: Tensor, powers: Tensor, rows: Tensor, mixes: Tensor,
-                      bos: int, config: list[int]) -> Tensor:
+def _launch_copy_keys(tokens: Tensor, normalized: Tensor, doc: Tensor, bos: int, config: list[int]) -> Tensor:
     config = _config_from_list(config)
     T = tokens.shape[0]
     keys = torch.empty(len(COPY_LENGTHS), T, dtype=torch.int64, device=tokens.device)
     _launch(_copy_keys_kernel, (triton.cdiv(T, config.block_m),), config, tok_ptr=tokens, norm_ptr=normalized,
-            doc_ptr=doc, pow_ptr=powers, row_ptr=rows, mix_ptr=mixes, keys_ptr=keys, T=T, bos=bos,
-            doc_mul=COPY_DOC_MUL, LONGEST=powers.shape[0], BLOCK=config.block_m)
+            doc_ptr=doc, keys_ptr=keys, T=T, bos=bos, hash_mul=wrap_int64(COPY_HASH_MUL),
+            length_mul=COPY_LENGTH_MUL, doc_mul=COPY_DOC_MUL, ENDS=COPY_LENGTH_ENDS, LONGEST=max(COPY_LENGTHS),
+            BLOCK=config.block_m)
     return keys
 
 
@@ -4686,7 +4690,7 @@ _copy_keys_op = torch.library.custom_op(f"{_OPS}::copy_keys", _launch_copy_keys,
 
 
 @_copy_keys_op.register_fake
-def _(tokens, normalized, doc, powers, rows, mixes, bos, config):
+def _(tokens, normalized, doc, bos, config):
     return tokens.new_empty(len(COPY_LENGTHS), tokens.shape[0], dtype=torch.int64)
 
 
@@ -4701,9 +4705,8 @@ def copy_keys(tokens, normalized, bos, config=COPY_KEYS):
     (copy_keys_reference states them), by the Triton kernel. tokens (T,) int32 or int64;
     normalized: each id's normalized id, int64; bos: the id that starts a document."""
     _check_copy_inputs(tokens, normalized)
-    powers, rows, mixes = copy_key_tables(tokens.device)
-    return _copy_keys_op(tokens.contiguous(), normalized.contiguous(), copy_document_index(tokens, bos), powers, rows,
-                         mixes, int(bos), config.as_list())
+    return _copy_keys_op(tokens.contiguous(), normalized.contiguous(), copy_document_index(tokens, bos), int(bos),
+                         config.as_list())
 
 
 def copy_keys_reference(tokens, normalized, bos, config=None):
@@ -4714,18 +4717,18 @@ def copy_keys_reference(tokens, normalized, bos, config=None):
     t's document (its latest BOS, or position 0). Each position's LONGEST window products in one
     (T, LONGEST) int64 block, summed by a wrapping cumulative sum."""
     _check_copy_inputs(tokens, normalized)
-    powers, _, _ = copy_key_tables(tokens.device)
-    T, longest = tokens.shape[0], powers.shape[0]
+    T, longest = tokens.shape[0], max(COPY_LENGTHS)
     positions = torch.arange(T, device=tokens.device)
     y = F.pad(normalized[tokens.long()] + 1, (longest - 1, 0))
     history = y.unfold(0, longest, 1).flip(1)            # (T, LONGEST): column k holds y[t-k], 0 before t = 0
-    prefix = torch.cumsum(history * powers, dim=1)       # column k: the hash of the window of k + 1 tokens
-    lengths = torch.tensor(COPY_LENGTHS, device=tokens.device)
+    prefix = torch.cumsum(history * copy_hash_powers(longest, tokens.device), dim=1)   # column k: k + 1 tokens
+    doc_mix = copy_document_index(tokens, bos) * COPY_DOC_MUL
     doc_start = torch.cummax(torch.where(tokens == bos, positions, 0), dim=0).values
-    keys = (prefix[:, lengths - 1].T ^ (lengths * COPY_LENGTH_MUL)[:, None]
-            ^ (copy_document_index(tokens, bos) * COPY_DOC_MUL)[None, :])
-    inside = positions[None, :] - lengths[:, None] + 1 >= doc_start[None, :]
-    return torch.where(inside, keys, -1 - positions[None, :])
+    keys = []
+    for L in COPY_LENGTHS:
+        inside = positions - L + 1 >= doc_start
+        keys.append(torch.where(inside, prefix[:, L - 1] ^ wrap_int64(L * COPY_LENGTH_MUL) ^ doc_mix, -1 - positions))
+    return torch.stack(keys)
 
 
 def document_copy_matches(tokens, keys):
