@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from interpreter_shim import REPO_ROOT, isolated
 
@@ -192,3 +193,47 @@ def test_the_keys_kernel_compiles_with_fullgraph():
     compiled = torch.compile(run, backend="aot_eager", fullgraph=True, dynamic=False)
     for got, want in zip(compiled(tokens, normalized), features(tokens, normalized)):
         assert torch.equal(got, want)
+
+
+@interpreted
+def test_the_keys_op_passes_opcheck():
+    """The custom op's schema, fake (meta) implementation and dispatch (torch.library.opcheck)."""
+    normalized = normalized_table()
+    tokens = repetitive_stream(9, 100)
+    doc = kernels.copy_document_index(tokens, BOS)
+    config = kernels.LaunchConfig(block_m=32, block_n=0).as_list()
+    torch.library.opcheck(kernels._copy_keys_op, (tokens, normalized, doc, BOS, config),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+# ops that wait for the device (a value read back, a size that depends on the data) or make a
+# tensor from host data (lift_fresh: torch.tensor of a Python list, a host copy in a captured step)
+UNCAPTURABLE = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "masked_select", "_unique2",
+                "unique_consecutive", "bincount", "repeat_interleave", "lift_fresh", "lift_fresh_copy"}
+
+
+class OpNames(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names, self.mask_indexed = set(), False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.names.add(name)
+        if name in ("index", "index_put", "index_put_") and len(args) > 1:
+            self.mask_indexed |= any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_features_can_be_captured():
+    """The keys (reference) and the match, and the model's copy vectors from them: no op waits for
+    the device or copies host data (UNCAPTURABLE, a boolean-mask index)."""
+    import train_gpt as tg
+    normalized = normalized_table()
+    tokens = repetitive_stream(10, 300)
+    module = tg.DocumentCopy(16, kernels.copy_keys_reference)
+    embed = torch.nn.Embedding(50304, 16)
+    with OpNames() as ops:
+        features(tokens, normalized)
+        module(tokens, embed)
+    assert "sort" in ops.names and not ops.names & UNCAPTURABLE and not ops.mask_indexed
