@@ -26,6 +26,8 @@ Families:
   8. Weight averages  ema_update_                                    ema_update_reference_
   9. Pointer mixture  pointer_attention                              pointer_attention_reference;
                       (the mixture's loss: pointer_mixture_cross_entropy, plain torch)
+ 10. Document copy    copy_keys                                      copy_keys_reference;
+                      (the match: document_copy_matches, plain torch)
 
 How the trainer uses the FP8 layers. A module that owns an FP8 weight also owns a small fp32
 state buffer, created once with `new_fp8_linear_state(device)` (a plain linear) or
@@ -4591,3 +4593,166 @@ def fp8_head_pointer_mixture(x, weight, state, targets, weights, copy_col, p_cop
     return _FP8HeadPointerMixture.apply(x, weight, state, targets, weights.float().contiguous(), p_copy, a_sink, col,
                                         device_scalar(grad_scale, x.device), scales, _PRIMITIVES[gemm, casts], config,
                                         ce_config.as_list(), *_sample_args(sample))
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. Document copy: each position's longest earlier match of its context in its document
+# ---------------------------------------------------------------------------------------------
+#
+# PR 378's document-local copy feature. For each match length L in COPY_LENGTHS the context of
+# position t is its last L tokens x[t-L+1..t], read as normalized ids (case and punctuation
+# folded: data/tokenizer.py's normalized_tokens), when they all lie in t's document (documents
+# start at each BOS). The context matches at an earlier position j < t of the document when
+# x[j-L+1..j] holds the same normalized ids. The longest L with a match wins, and its latest match
+# j gives the candidate, the raw token x[j + 1] (j + 1 <= t: nothing after t is read). The bucket
+# says which L and how many earlier matches the context has in the document (1, 2, 3 or more):
+# bucket = 3 l + min(count, 3) for the length's index l, 0 where no length matches.
+#
+# Matching by hashing: every (L, t) gets a 64-bit key (copy_keys), equal for equal contexts of
+# one document; one stable sort of all COPY_LENGTHS x T keys puts each entry right after the
+# latest earlier entry with its key (document_copy_matches). Two different contexts share a key
+# with probability about (10 T)^2 / 2^65 a slice (1e-8 at 49,152 tokens): a wrong candidate at
+# worst, never a later token (a match must end before t).
+
+COPY_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)   # PR 378: the match lengths, in tokens
+COPY_COUNTS = 3                    # PR 378: earlier matches of the context told apart: 1, 2, 3 or more
+COPY_BUCKETS = len(COPY_LENGTHS) * COPY_COUNTS + 1  # PR 378: 31 buckets, 0 for no match
+COPY_HASH_MUL = 0x9E3779B97F4A7C15  # PR 378: the rolling hash's multiplier M (odd: 2^64 / the golden ratio)
+COPY_LENGTH_MUL = 0x2545F4914F6CDD1D  # PR 378: a key's length mix is L times this
+COPY_DOC_MUL = 0x5851F42D4C957F2D  # PR 378: a key's document mix is the document's index times this
+COPY_KEYS = LaunchConfig(block_m=256, block_n=0, num_warps=4)   # block_m positions per program
+
+
+def wrap_int64(value):
+    """A Python int modulo 2^64, as the signed int64 that holds those bits."""
+    return (value + 2 ** 63) % 2 ** 64 - 2 ** 63
+
+
+COPY_LENGTH_ENDS = sum(1 << (L - 1) for L in COPY_LENGTHS)   # bit k set: a length ends at offset k
+
+
+def copy_hash_powers(longest, device):
+    """(longest,) int64: M^k mod 2^64 for k = 0 .. longest - 1, made on the device (a running
+    product whose int64 products wrap), so that a captured step copies no host tensor."""
+    ones = torch.ones(1, dtype=torch.int64, device=device)
+    multipliers = torch.full((longest - 1,), wrap_int64(COPY_HASH_MUL), dtype=torch.int64, device=device)
+    return torch.cat([ones, multipliers.cumprod(0)])
+
+
+def copy_document_index(tokens, bos):
+    """(T,) int64: each position's document, counted by the BOS tokens up to it (0 before the first)."""
+    return torch.cumsum(tokens == bos, 0)
+
+
+@triton.jit
+def _copy_keys_kernel(tok_ptr, norm_ptr, doc_ptr, keys_ptr, T, bos, hash_mul, length_mul, doc_mul,
+                      ENDS: tl.constexpr, LONGEST: tl.constexpr, BLOCK: tl.constexpr):
+    """The keys of BLOCK positions t for every length, in one pass over the offsets k = 0 ..
+    LONGEST - 1: h += (norm[x[t-k]] + 1) M^k (int64 products and sums wrap: mod 2^64); where a
+    length L = k + 1 ends (bit k of ENDS) the next row of keys gets h ^ L length_mul ^ doc[t]
+    doc_mul, or -1 - t where the window leaves t's document: it starts before position 0, or a
+    BOS lies at an offset below k (a BOS at offset k itself starts the document and the window).
+    Traffic: each program reads its positions' LONGEST-token history (the tokens from DRAM once,
+    the overlapping windows and the normalized ids from cache), their documents' indices once,
+    and writes len(COPY_LENGTHS) keys of 8 bytes a position."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    ok = t < T
+    doc_mix = tl.load(doc_ptr + t, mask=ok, other=0) * doc_mul
+    h = tl.zeros([BLOCK], dtype=tl.int64)
+    power = tl.full([BLOCK], 1, dtype=tl.int64)
+    crossed = t < 0                # a BOS at an offset below k: the window left the document
+    row = 0
+    for k in tl.static_range(LONGEST):
+        inside = ok & (t >= k)
+        x = tl.load(tok_ptr + (t - k), mask=inside, other=0).to(tl.int64)
+        y = tl.load(norm_ptr + x, mask=inside, other=-1).to(tl.int64) + 1
+        h += y * power
+        power = power * hash_mul
+        if (ENDS >> k) & 1:
+            key = tl.where(inside & ~crossed, h ^ ((k + 1) * length_mul) ^ doc_mix, -1 - t)
+            tl.store(keys_ptr + row * T + t, key, mask=ok)
+            row += 1
+        crossed = crossed | (inside & (x == bos))
+
+
+def _launch_copy_keys(tokens: Tensor, normalized: Tensor, doc: Tensor, bos: int, config: list[int]) -> Tensor:
+    config = _config_from_list(config)
+    T = tokens.shape[0]
+    keys = torch.empty(len(COPY_LENGTHS), T, dtype=torch.int64, device=tokens.device)
+    _launch(_copy_keys_kernel, (triton.cdiv(T, config.block_m),), config, tok_ptr=tokens, norm_ptr=normalized,
+            doc_ptr=doc, keys_ptr=keys, T=T, bos=bos, hash_mul=wrap_int64(COPY_HASH_MUL),
+            length_mul=COPY_LENGTH_MUL, doc_mul=COPY_DOC_MUL, ENDS=COPY_LENGTH_ENDS, LONGEST=max(COPY_LENGTHS),
+            BLOCK=config.block_m)
+    return keys
+
+
+_copy_keys_op = torch.library.custom_op(f"{_OPS}::copy_keys", _launch_copy_keys, mutates_args=())
+
+
+@_copy_keys_op.register_fake
+def _(tokens, normalized, doc, bos, config):
+    return tokens.new_empty(len(COPY_LENGTHS), tokens.shape[0], dtype=torch.int64)
+
+
+def _check_copy_inputs(tokens, normalized):
+    if tokens.ndim != 1 or tokens.dtype not in (torch.int32, torch.int64) or normalized.dtype != torch.int64:
+        raise ValueError(f"copy_keys: tokens must be (T,) int32 or int64 and the normalized ids int64; got "
+                         f"{tokens.dtype} {tuple(tokens.shape)} and {normalized.dtype}")
+
+
+def copy_keys(tokens, normalized, bos, config=COPY_KEYS):
+    """(len(COPY_LENGTHS), T) int64: the key of every length's context at every position
+    (copy_keys_reference states them), by the Triton kernel. tokens (T,) int32 or int64;
+    normalized: each id's normalized id, int64; bos: the id that starts a document."""
+    _check_copy_inputs(tokens, normalized)
+    return _copy_keys_op(tokens.contiguous(), normalized.contiguous(), copy_document_index(tokens, bos), int(bos),
+                         config.as_list())
+
+
+def copy_keys_reference(tokens, normalized, bos, config=None):
+    """copy_keys in plain torch: row l, position t holds, for L = COPY_LENGTHS[l] and y the
+    normalized ids plus one,
+        (sum_{k < L} y[t-k] M^k  mod 2^64)  xor  L COPY_LENGTH_MUL  xor  d(t) COPY_DOC_MUL
+    (d(t) the document's index, copy_document_index), as int64; -1 - t where t - L + 1 is before
+    t's document (its latest BOS, or position 0). Each position's LONGEST window products in one
+    (T, LONGEST) int64 block, summed by a wrapping cumulative sum."""
+    _check_copy_inputs(tokens, normalized)
+    T, longest = tokens.shape[0], max(COPY_LENGTHS)
+    positions = torch.arange(T, device=tokens.device)
+    y = F.pad(normalized[tokens.long()] + 1, (longest - 1, 0))
+    history = y.unfold(0, longest, 1).flip(1)            # (T, LONGEST): column k holds y[t-k], 0 before t = 0
+    prefix = torch.cumsum(history * copy_hash_powers(longest, tokens.device), dim=1)   # column k: k + 1 tokens
+    doc_mix = copy_document_index(tokens, bos) * COPY_DOC_MUL
+    doc_start = torch.cummax(torch.where(tokens == bos, positions, 0), dim=0).values
+    keys = []
+    for L in COPY_LENGTHS:
+        inside = positions - L + 1 >= doc_start
+        keys.append(torch.where(inside, prefix[:, L - 1] ^ wrap_int64(L * COPY_LENGTH_MUL) ^ doc_mix, -1 - positions))
+    return torch.stack(keys)
+
+
+def document_copy_matches(tokens, keys):
+    """(candidate, bucket), each (T,) int64, from the keys of every length's context (copy_keys):
+    one stable sort of the COPY_LENGTHS x T keys, whose equal keys then sit in position order,
+    so each entry's predecessor there is its latest earlier match and its distance to its key's
+    first entry the number of earlier matches. An entry matches when that predecessor exists and
+    ends before t (keys of windows that leave the document, -1 - t, are alike only at t itself);
+    the longest matching length wins. candidate: the token after its latest match (-1: no match);
+    bucket: 3 l + min(count, 3) for the length's index l (0: no match). Fixed shapes, no host
+    value: a compiled or captured step holds it."""
+    lengths, T = keys.shape
+    sorted_keys, order = torch.sort(keys.reshape(-1), stable=True)
+    position = order % T
+    same = sorted_keys[1:] == sorted_keys[:-1]
+    previous = torch.cat([position.new_full((1,), -1), torch.where(same, position[:-1], -1)])
+    count = torch.arange(order.numel(), device=keys.device) - torch.searchsorted(sorted_keys, sorted_keys)
+    previous = torch.empty_like(previous).scatter_(0, order, previous).view(lengths, T)
+    count = torch.empty_like(count).scatter_(0, order, count).view(lengths, T)
+    t = torch.arange(T, device=keys.device)
+    matched = (previous >= 0) & (previous < t)
+    longest = torch.where(matched, torch.arange(1, lengths + 1, device=keys.device)[:, None], 0).amax(0)
+    row = (longest - 1).clamp(min=0)[None]
+    latest, count = previous.gather(0, row)[0], count.gather(0, row)[0]
+    candidate = torch.where(longest > 0, tokens.long()[(latest + 1).clamp(0, T - 1)], -1)
+    bucket = torch.where(longest > 0, (longest - 1) * COPY_COUNTS + count.clamp(1, COPY_COUNTS), 0)
+    return candidate, bucket

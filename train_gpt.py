@@ -67,7 +67,7 @@ from machinery.cuda_graphs import MicroBatch, StepGraphs
 from machinery.kernel_set import KernelFns, select_kernels
 from machinery.kv_cache import KVCache, cached_attention
 from machinery.ngram_table import (SIGN_ROWS, SIGN_TABLE_SEED, NgramTable, TablePlacement, bigram_rows,
-                                    bigram_sign_rows, first_rows, token_starts)
+                                    bigram_sign_rows, first_rows, normalized_ids, token_starts)
 from machinery.processes import ProcessGroup, synchronize
 from machinery.progress import Progress, RunClock
 from machinery.run_report import (DeferredLossLines, busy_warning, check_finite, environment, peak_memory_mib,
@@ -100,11 +100,13 @@ def _past_record_92_off(h):
     """The open pull requests' techniques off (docs/recipe.md's techniques off in every preset but
     frontier): the n-gram hashes read the tokens as they are (PR 375's normalization), the head's
     weight gradient and the attention backward exact on every step (PR 371), no pointer mixture
-    (PR 379; its head's size, bands and LR at PR 379's values)."""
+    (PR 379; its head's size, bands and LR at PR 379's values), no document copy feature (PR 378,
+    off in frontier too; its LR PR 378's Adam LR)."""
     h.ngram_normalized = False
     h.head_grad_stride, h.head_grad_start, h.approx_exact_last_steps = 1, 0, 0
     h.attn_bwd_windows, h.attn_bwd_error_bound, h.attn_bwd_choice_steps, h.attn_bwd_start = (), 0.2, (), 0
     h.pointer_mixture, h.pointer_dim, h.pointer_band, h.pointer_val_band, h.pointer_lr = False, 128, 2048, 8192, 0.008
+    h.document_copy, h.document_copy_lr = False, 0.008
 
 
 def _shared_constants(h):
@@ -461,11 +463,11 @@ def _frontier_preset(h):
     PR 375's normalized n-gram hashing (the table's hashes) and PR 371's sampled head gradient
     and truncated attention backward (the head's weight gradient, the attention backward) change
     disjoint parts of the step, so they stack (the FP8 head samples its weight gradient with the
-    mixture's loss too); PR 378's copy feature, a second way to copy from the document, is not
-    built. The run is as long as PR 379's, the claim that sets it, none of the others' step
-    savings added. The schedules
-    that record 92 states as shares of the run (stages, cooldown, untying, ANVIL's ramps) keep
-    their shares; PR 371's steps keep their place in the run (scaled_step). docs/recipe.md says
+    mixture's loss too); PR 378's document copy feature stays off: a second way to copy from the
+    document, never measured beside the pointer, whose gain the pointer's may hold. The run is
+    as long as PR 379's, the claim that sets it, none of the others' step savings added. The
+    schedules that record 92 states as shares of the run (stages, cooldown, untying, ANVIL's
+    ramps) keep their shares; PR 371's steps keep their place in the run (scaled_step). docs/recipe.md says
     what each source published and what differs here."""
     _speedrun_preset(h)
     h.track = "none"               # no run of this stack exists: not a record attempt
@@ -1209,6 +1211,34 @@ class PointerHead(nn.Module):
         return self.attention_fn(q, k, sink_scores, tokens, next_tokens, doc_start, band)
 
 
+COPY_SITE_GAINS = (0.5, 1.0)       # PR 378: the copy vector's initial gains at the input and before the final norm
+
+
+class DocumentCopy(nn.Module):
+    """PR 378's document copy feature: each position's candidate next token and bucket
+    (kernels.document_copy_matches: the token after the latest earlier match of its longest
+    matching context in its document) become v = scale[bucket] embed(candidate) +
+    bucket_embed[bucket], 0 where nothing matches; the model adds gains[0] v to its input before the
+    first norm and gains[1] v to the trunk's output before the final norm. Scales and bucket
+    embeddings start at 0: the feature starts off."""
+
+    def __init__(self, dim, copy_keys):
+        super().__init__()
+        self.copy_keys = copy_keys
+        self.scale = nn.Parameter(torch.zeros(kernels.COPY_BUCKETS))
+        self.bucket_embed = nn.Parameter(torch.zeros(kernels.COPY_BUCKETS, dim))
+        self.gains = nn.Parameter(torch.tensor(COPY_SITE_GAINS))
+        self.register_buffer("normalized", normalized_ids(), persistent=False)
+
+    def forward(self, context, embed, seen=0):
+        """The copy vectors of context[seen:], matched over the whole context."""
+        candidate, bucket = kernels.document_copy_matches(context, self.copy_keys(context, self.normalized, BOS_ID))
+        candidate, bucket = candidate[seen:], bucket[seen:]
+        v = embed(candidate.clamp(min=0)) * F.embedding(bucket, self.scale[:, None])
+        v = v + F.embedding(bucket, self.bucket_embed)
+        return torch.where(bucket[:, None] > 0, v, 0.0)
+
+
 class GPT(nn.Module):
     """The speedrun GPT on a packed stream of documents.
 
@@ -1298,6 +1328,7 @@ class GPT(nn.Module):
         self.pointer = (PointerHead(cfg.model_dim, cfg.pointer_dim, fns.pointer_attention)
                         if cfg.pointer_mixture else None)
         self.pointer_band, self.pointer_val_band = cfg.pointer_band, cfg.pointer_val_band
+        self.document_copy = DocumentCopy(cfg.model_dim, fns.copy_keys) if cfg.document_copy else None
         self.pointer_cross_entropy_fn, self.fp8_head_pointer_loss = fns.pointer_cross_entropy, fns.fp8_head_pointer_loss
         if cfg.param_dtype == "bfloat16":   # weights, gradient sinks and the sign table; the FP8 states stay fp32
             for module in self.modules():
@@ -1448,6 +1479,11 @@ class GPT(nn.Module):
             x = self.embed(tokens)
         else:
             x = self.smear(self.embed(context), is_start)[seen:]
+        copied = None
+        if self.document_copy is not None:   # matched over the cached document and the new tokens
+            history = tokens if cache is None or cache.length == 0 else torch.cat([cache.tokens, tokens])
+            copied = self.document_copy(history, self.embed, history.size(0) - tokens.size(0))
+            x = x + self.document_copy.gains[0] * copied
         if self.ngram is not None:
             hashed = self.ngram(context, is_start, seen, self.signs, lookup=cache is not None)
         else:
@@ -1463,7 +1499,7 @@ class GPT(nn.Module):
             x = self.unet_trunk(rms_norm(x), hashed, ves, doc_start, args)
         if cache is not None:
             cache.advance(tokens)
-        return rms_norm(x)
+        return rms_norm(x if copied is None else x + self.document_copy.gains[1] * copied)
 
     def value_embeddings(self, tokens):
         """Each value-embedding table's rows of `tokens`; sparse and in training, plus its sink."""
@@ -1905,14 +1941,16 @@ def adam_groups(h, model):
     """Adam's parameter groups, each with its LR, betas and (cautious, lr^2-scaled) weight decay.
     The head shares the embedding's betas and decay: it starts as a copy of the embedding. The
     pointer head's projections (pointer_mixture) have a group of their own; its sink key and gain
-    are scalars."""
+    are scalars. The document copy feature's parameters are a group, undecayed (PR 378: Adam's
+    base LR, betas (0.9, 0.99))."""
     gates = [p for name, p in model.named_parameters() if is_gate(name) and name != "smear_gate"]
     token_gates = list(model.token_gates.parameters()) if model.token_gates is not None else []
     dense = list(model.dense.parameters()) if model.trunk == "dense" else []
     resid = [b.resid_scales for b in model.blocks if hasattr(b, "resid_scales")]
     post = [b.post_scales for b in model.blocks if hasattr(b, "post_scales")]
+    copied = list(model.document_copy.parameters()) if model.document_copy is not None else []
     scalars = [p for p in model.parameters()
-               if p.ndim < 2 and all(p is not q for q in token_gates + dense + resid + post)]
+               if p.ndim < 2 and all(p is not q for q in token_gates + dense + resid + post + copied)]
     bigram = [model.bigram.weight] if model.bigram is not None else []    # (the n-gram table is SparseRowAdam's)
     dense_value_embeds = model.value_sinks is None and not h.value_embed_table_cadence   # (else value_embed_adam's)
     value_embeds = bigram + ([ve.weight for ve in model.value_embeds] if dense_value_embeds else [])
@@ -1927,6 +1965,7 @@ def adam_groups(h, model):
         dict(name="gates", params=gates, lr=h.gate_lr, betas=h.scalar_betas, weight_decay=h.gate_wd),
         dict(name="pointer", params=[model.pointer.query, model.pointer.key] if model.pointer is not None else [],
              lr=h.pointer_lr, betas=h.scalar_betas, weight_decay=0.0),
+        dict(name="document_copy", params=copied, lr=h.document_copy_lr, betas=h.scalar_betas, weight_decay=0.0),
         *[dict(name=f"{name}{'_weights' if decayed else ''}", lr=lr, betas=h.scalar_betas,
                weight_decay=h.gate_mlp_wd if decayed else 0.0,
                params=[p for p in params if (p.ndim >= 2) == decayed])

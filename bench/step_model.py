@@ -25,8 +25,10 @@ The price of an op is a roofline: max(FLOPs / (peak of its dtype x efficiency), 
     efficiency;
   - the pointer mixture's kernels (pointer_mixture): the tiles they visit (pointer_flops), at the
     attention efficiency, 2 D FLOPs a score forward and 4 D in each backward kernel;
-  - other kernels (cross-entropy, QK norm + RoPE, FP8 casts, row sums, sparse Adam): their
-    inputs read and outputs written once;
+  - other kernels (cross-entropy, QK norm + RoPE, FP8 casts, row sums, sparse Adam, the document
+    copy feature's keys): their inputs read and outputs written once; a sort (aten.sort: CUB's
+    radix sort on CUDA) reads its keys once for the digit counts, then reads and writes its keys
+    and indices once per 8-bit digit of the key (sort_bytes);
   - the memory-bound aten ops: under torch.compile (the model's forward and backward; with CUDA
     graphs also each optimizer update the trainer captures, one graph per Muon bank and one for
     Adam) Inductor fuses them, modelled so: the ops between two launches it cannot fuse into
@@ -415,6 +417,18 @@ def _dtype_class(dtype):
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, "fp32")
 
 
+RADIX_DIGIT_BITS = 8               # torch.sort on CUDA: CUB's onesweep radix sort, one pass per 8-bit digit
+
+
+def sort_bytes(event):
+    """HBM bytes of a radix sort of n keys with their int64 indices: the keys read once (the digit
+    counts), then one read and one write of the keys and the indices per digit of the key's bits."""
+    (shape, dtype), = event.inputs
+    n, key_bytes = math.prod(shape), dtype.itemsize
+    digits = math.ceil(8 * key_bytes / RADIX_DIGIT_BITS)
+    return float(n * key_bytes + digits * 2 * n * (key_bytes + 8))
+
+
 def _read_write_bytes(event):
     seen = {}
     for sid, nbytes in event.reads + event.writes:
@@ -678,7 +692,8 @@ def _kernel_op(event, lengths):
         return Op(name, "pointer", event.phase, flops=pointer_flops(event, lengths), dtype="bf16",
                   bytes=_read_write_bytes(event), kernels=1 if name.endswith("fwd") else 2, **_storages(event))
     family = "cross-entropy" if name in CROSS_ENTROPY_OPS else "kernel"
-    return Op(name, family, event.phase, bytes=_read_write_bytes(event), **_storages(event))
+    nbytes = sort_bytes(event) if name == "aten.sort" else _read_write_bytes(event)
+    return Op(name, family, event.phase, bytes=nbytes, **_storages(event))
 
 
 def _fusible(event):

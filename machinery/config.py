@@ -283,6 +283,10 @@ class ModelConfig:
     # training: the queries of each block of this many tokens point into it and the block before
     pointer_band: int = count(2048, 1, MAX_SLICE_TOKENS, "tokens")
     pointer_val_band: int = count(8192, 1, MAX_SLICE_TOKENS, "tokens")  # the same at validation
+    # PR 378's document copy feature: each position's candidate next token, the one after the latest
+    # earlier match in its document of its longest matching context (1 to 32 normalized ids), is
+    # embedded, scaled and added with a bucket embedding at the input and before the final norm
+    document_copy: bool = False
 
 
 @dataclass
@@ -386,6 +390,7 @@ class Hyperparameters(ModelConfig):
     token_gate_lr: float = rate(0.0008)  # the token-gate MLPs
     dense_lr: float = rate(0.002)      # the dense-connection MLPs
     pointer_lr: float = rate(0.008)    # the pointer head's query and key projections (pointer_mixture)
+    document_copy_lr: float = rate(0.008)  # the copy feature's bucket scales and embeddings and its two gains
     embed_betas: tuple = betas((0.8, 0.95))  # embedding and head
     value_embed_betas: tuple = betas((0.8, 0.95))  # (sparse value embeddings: beta1 = 0, beta2 their rows' moments')
     scalar_betas: tuple = betas((0.8, 0.95))  # scalars and gates
@@ -675,6 +680,7 @@ HELP_GROUPS = {
         "smear_gate", "canonical_mask", "cross_documents", "table_hashes", "ngram_normalized",
         "value_embed_full_width"),
     "model: the pointer mixture (PR 379)": ("pointer_mixture", "pointer_dim", "pointer_band", "pointer_val_band"),
+    "model: the document copy feature (PR 378)": ("document_copy",),
     "model: trunk, MLPs and gates": (
         "trunk", "skip_layers", "snapshot_layer", "parallel_mlp_layers", "mlp_free_layers", "token_gates",
         "token_gates_split", "attn_gate_layers", "x0_layers", "hashed_layers", "final_mix"),
@@ -692,9 +698,9 @@ HELP_GROUPS = {
         "anvil_fast_beta_follows_mu", "anvil_mu_low", "anvil_mu_high", "anvil_mu_rise", "anvil_mu_fall"),
     "Adam: embeddings, head, scalars, gates": (
         "embed_lr", "head_lr", "value_embed_lr", "scalar_lr", "gate_lr", "smear_gate_lr", "token_gate_lr",
-        "dense_lr", "pointer_lr", "resid_scale_lr", "post_scale_lr", "embed_betas", "value_embed_betas", "scalar_betas",
-        "scale_betas", "embed_wd", "value_embed_wd", "gate_wd", "gate_mlp_wd", "adam_eps", "adam_eps_unit",
-        "adam_step_every"),
+        "dense_lr", "pointer_lr", "document_copy_lr", "resid_scale_lr", "post_scale_lr", "embed_betas",
+        "value_embed_betas", "scalar_betas", "scale_betas", "embed_wd", "value_embed_wd", "gate_wd", "gate_mlp_wd",
+        "adam_eps", "adam_eps_unit", "adam_step_every"),
     "sparse tables: the n-gram table and sparse value embeddings": (
         "ngram_lr", "ngram_beta2", "ngram_wd", "ngram_step_every", "table_phases", "value_embed_table_cadence",
         "ngram_cache_rows"),

@@ -32,6 +32,7 @@ class KernelFns:
     pointer_cross_entropy: object = kernels.pointer_mixture_cross_entropy
     # fn(x, weight, state, targets, weights, copy_col, p_copy, a_sink, grad_scale): the FP8 head and it in one
     fp8_head_pointer_loss: object = None
+    copy_keys: object = kernels.copy_keys_reference  # fn(tokens, normalized, bos): the document copy feature's keys
     triton: bool = False           # the Triton kernels (their JIT, and kernel_choice's selection, in the warm-up)
 
     @property
@@ -87,7 +88,7 @@ def select_kernels(h, device):
                          kernels.qk_norm_rope, kernels.composed_attention, head_loss, kernels.ema_update_,
                          pointer_attention=kernels.pointer_attention,
                          pointer_cross_entropy=kernels.pointer_mixture_softcap_cross_entropy,
-                         fp8_head_pointer_loss=pointer_loss, triton=True)
+                         fp8_head_pointer_loss=pointer_loss, copy_keys=kernels.copy_keys, triton=True)
     # Here auto means CPU: the chunked cross-entropy is the kernel's algorithm, ~3x faster than the
     # reference there; `kernels=reference` keeps the plain reference for A/B runs.
     cross_entropy = (kernels.softcap_cross_entropy_reference if h.kernels == "reference"

@@ -14,6 +14,7 @@ class KVCache:
     def __init__(self, capacity):
         self.capacity = capacity
         self.length = 0            # tokens cached so far (the position of the next token)
+        self.tokens = None         # the cached tokens: the document copy feature matches over them
         self.last_tokens = None    # (up to 2,) the last cached tokens: the n-grams of the next one need them
         self.layers = {}           # attention module -> (keys, values), each (capacity, heads, dim)
 
@@ -32,7 +33,8 @@ class KVCache:
     def advance(self, tokens):
         """The forward pass over `tokens` is done: they are now part of the cached document."""
         self.length += tokens.size(0)
-        self.last_tokens = (tokens if self.last_tokens is None else torch.cat([self.last_tokens, tokens]))[-2:]
+        self.tokens = tokens if self.tokens is None else torch.cat([self.tokens, tokens])
+        self.last_tokens = self.tokens[-2:]
 
 
 def cached_attention(q, k, v, window, softmax_scale):

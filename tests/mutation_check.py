@@ -73,6 +73,15 @@ POINTER = [STATEMENT, "-k", "pointer"]
 POINTER_KERNEL = ["tests/test_kernels.py", "-k", "pointer"]
 POINTER_TRAINER = ["tests/test_model.py", "-k", "pointer"]
 POINTER_CE = ["tests/test_kernels.py", "-k", "mixture_cross_entropy_kernel"]
+DOC_COPY = "tests/test_document_copy.py"
+COPY_DEFINITION = [DOC_COPY, "-k", "by_definition"]
+COPY_KERNEL = [DOC_COPY, "-k", "keys_kernel_equals"]
+COPY_MATCH = [DOC_COPY, "-k", "longest_latest"]
+COPY_CAUSAL = [DOC_COPY, "-k", "after_its_position"]
+COPY_MODEL = [STATEMENT, "-k", "objective_equal and copy"]
+COPY_VALIDATION = [STATEMENT, "-k", "validation_loss and copy"]
+COPY_GROUP = ["tests/test_model.py", "-k", "document_copy"]
+COPY_CACHE = ["tests/test_checkpoint.py", "-k", "kv_cache and copy"]
 RECORD_SCHEDULES = ["tests/test_record_schedules.py"]
 VALUE_ADAM = ["tests/test_train.py", "-k", "follows_the_tables"]
 MATRIX_SHAPES = ["tests/test_train.py", "-k", "record_banks"]
@@ -789,6 +798,49 @@ MUTATIONS = [
     Mutation("kernels.py", "        grad_x, grad_w = _fp8_linear_grads(ctx, saved, g8, g8_t, g_scale, ctx.stride)\n        upstream",
              "        grad_x, grad_w = _fp8_linear_grads(ctx, saved, g8, g8_t, g_scale)\n        upstream",
              [APPROX, "-k", "pointer_heads"], "the pointer mixture's FP8 head drops the sampled gradient's stride"),
+    # the document copy feature (PR 378): the keys, the match, its causality, the count bucket, the injection
+    Mutation("kernels.py", "    return torch.cat([ones, multipliers.cumprod(0)])",
+             "    return torch.cat([multipliers[:1], multipliers.cumprod(0)])", COPY_DEFINITION,
+             "the copy keys' hash weighs the newest token by M, not 1"),
+    Mutation("kernels.py", "    history = y.unfold(0, longest, 1).flip(1)", "    history = y.unfold(0, longest, 1)",
+             COPY_MATCH, "the reference's windows read the oldest tokens of each position's history"),
+    Mutation("kernels.py", "        crossed = crossed | (inside & (x == bos))", "        crossed = inside & (x == bos)",
+             COPY_KERNEL, "the keys kernel forgets a BOS once its window has passed it: windows leave the document"),
+    Mutation("kernels.py", "        power = power * hash_mul", "        power = power * hash_mul * hash_mul", COPY_KERNEL,
+             "the keys kernel's powers of M skip every other one"),
+    Mutation("kernels.py", "        inside = positions - L + 1 >= doc_start",
+             "        inside = positions - L + 1 >= 0", COPY_DEFINITION,
+             "the reference keys windows that cross the document's start (the matches cannot tell: such a window "
+             "holds the document's BOS at an offset no other window of the document has)"),
+    Mutation("kernels.py", "    candidate = torch.where(longest > 0, tokens.long()[(latest + 1).clamp(0, T - 1)], -1)",
+             "    candidate = torch.where(longest > 0, tokens.long()[latest.clamp(0, T - 1)], -1)", COPY_MATCH,
+             "the candidate is the match's last token, not the token after it"),
+    Mutation("kernels.py", "    previous = torch.cat([position.new_full((1,), -1), torch.where(same, position[:-1], -1)])",
+             "    previous = torch.cat([torch.where(same, position[1:], -1), position.new_full((1,), -1)])", COPY_MATCH,
+             "each key's match is the entry after it in the sorted order (a later position)"),
+    Mutation("kernels.py", "    matched = (previous >= 0) & (previous < t)", "    matched = previous >= 0", COPY_CAUSAL,
+             "a match need not end before t: a window that leaves the document matches its own position"),
+    Mutation("kernels.py", "(longest - 1) * COPY_COUNTS + count.clamp(1, COPY_COUNTS), 0)",
+             "(longest - 1) * COPY_COUNTS + (count + 1).clamp(1, COPY_COUNTS), 0)", COPY_MATCH,
+             "the count bucket counts the position itself among the earlier matches"),
+    Mutation("kernels.py", "    longest = torch.where(matched, torch.arange(1, lengths + 1, device=keys.device)[:, None], 0).amax(0)",
+             "    longest = torch.where(matched, torch.arange(1, lengths + 1, device=keys.device)[:, None], 0).amax(0).clamp(max=1)",
+             COPY_MATCH, "the shortest matching length wins"),
+    Mutation("train_gpt.py", "            x = x + self.document_copy.gains[0] * copied",
+             "            x = x + self.document_copy.gains[1] * copied", COPY_MODEL,
+             "the copy vector enters the input at the final norm's gain"),
+    Mutation("train_gpt.py", "        return rms_norm(x if copied is None else x + self.document_copy.gains[1] * copied)",
+             "        return rms_norm(x)", COPY_VALIDATION, "the copy vector never reaches the final norm"),
+    Mutation("train_gpt.py", "        return torch.where(bucket[:, None] > 0, v, 0.0)", "        return v", COPY_MODEL,
+             "positions without a match get bucket 0's vector"),
+    Mutation("train_gpt.py", '        self.register_buffer("normalized", normalized_ids(), persistent=False)',
+             '        self.register_buffer("normalized", torch.arange(PADDED_VOCAB_SIZE), persistent=False)', COPY_MODEL,
+             "the copy feature matches raw ids, not normalized ones"),
+    Mutation("train_gpt.py", "            history = tokens if cache is None or cache.length == 0 else torch.cat([cache.tokens, tokens])",
+             "            history = tokens", COPY_CACHE, "generation matches only among the new tokens, not the cached document"),
+    Mutation("train_gpt.py", '        dict(name="document_copy", params=copied, lr=h.document_copy_lr,',
+             '        dict(name="document_copy", params=copied[:2], lr=h.document_copy_lr,', COPY_GROUP,
+             "the copy feature's site gains are never updated"),
     Mutation("machinery/sampled_softmax.py", "        is_target.narrow(0, i, 1).fill_(True)", "        is_target[i] = True",
              FRONTIER_REPLAYS, "the forced <copy> candidate copied from a new host tensor every step"),
 ]

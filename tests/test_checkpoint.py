@@ -370,12 +370,14 @@ RECORDS = [*FEATURES, *NGRAM, "--paired_head_layout=record", "--window_edge_key=
            "--table_hashes=record", "--attn_out_init=uniform"]  # the records' rules
 
 
-@pytest.mark.parametrize("features", [[], FEATURES, DENSE, NGRAM, RECORDS],
-                         ids=["plain", "features", "dense", "ngram", "records"])
+@pytest.mark.parametrize("features", [[], FEATURES, DENSE, NGRAM, RECORDS, ["--document_copy=true"]],
+                         ids=["plain", "features", "dense", "ngram", "records", "copy"])
 def test_kv_cache_gives_the_logits_of_the_full_forward(features):
+    """The copy feature (PR 378) matches over the whole cached document: here its spans repeat."""
     model = tiny_model(tiny_config(features), seed=2).eval()
     short, long = 64, 160          # tokens: both windows end inside the 300-token document
     tokens = document(300)
+    tokens[200:260] = tokens[3:63]
     with torch.no_grad():
         full = full_forward_logits(model, tokens, short, long)
         args = tg.AttentionArgs(None, short, long, tg.KVCache(tokens.numel()))

@@ -32,11 +32,17 @@ def packed(doc_lengths, seed=0):
     return tokens.int(), cu
 
 
-@pytest.mark.parametrize("features", [[], FEATURES, DENSE, NGRAM], ids=["plain", "features", "dense", "ngram"])
+COPY = ["--document_copy=true", "--smear_gate=true"]   # PR 378's document copy feature
+
+
+@pytest.mark.parametrize("features", [[], FEATURES, DENSE, NGRAM, COPY], ids=["plain", "features", "dense", "ngram",
+                                                                           "copy"])
 def test_a_token_never_sees_another_document_or_the_future(features):
     h = tiny_config(features)
     model = tiny_model(h)
     tokens, cu = packed([90, 150, 60])
+    if h.document_copy:            # the third document repeats the second's span around the change
+        tokens[250:275] = tokens[150:175]
     args = tg.AttentionArgs(cu, 128, 384)
     base = model.hidden_states(tokens, args)
     changed = tokens.clone()
@@ -122,6 +128,37 @@ def test_the_pointer_mixture_samples_its_copy_slot_and_trains_its_head():
     assert pointer_group["params"] == [model.pointer.query, model.pointer.key]
     full_size = tg.PointerHead(768, 128, kernels.pointer_attention_reference)
     assert sum(p.numel() for p in full_size.parameters()) == 196_737
+
+
+def test_the_document_copy_feature_starts_off_and_trains_its_own_group():
+    """PR 378's parameters: a scale and an embedding per bucket, zero at init (a fresh model's
+    copy vector is 0: its hidden states are those of the model without the feature), and the two
+    site gains (0.5, 1.0); all three in one undecayed Adam group at document_copy_lr, none among
+    the scalars; the objective's gradient reaches each; 23,841 parameters at width 768."""
+    h = tiny_config(["--document_copy=true"])
+    torch.manual_seed(0)
+    fns = tg.KernelFns(kernels.attention_reference, kernels.softcap_cross_entropy_reference)
+    fresh = tg.build_model(h, fns)
+    torch.manual_seed(0)
+    plain = tg.build_model(tiny_config(), fns)
+    tokens, cu = packed([100, 156])
+    tokens[150:180] = tokens[120:150]
+    args = tg.AttentionArgs(cu, 128, 256)
+    assert torch.equal(fresh.hidden_states(tokens, args), plain.hidden_states(tokens, args))
+    assert fresh.document_copy.gains.tolist() == [0.5, 1.0]
+    model = tiny_model(h)
+    targets = torch.stack([torch.roll(tokens, -k).long() for k in (1, 2, 3)], 1)
+    objective, _ = model(tokens, targets, args, tg.target_weights(h.stages[0], "cpu"))
+    objective.backward()
+    groups = tg.adam_groups(h, model)
+    group, = [g for g in groups if g["name"] == "document_copy"]
+    assert group["params"] == list(model.document_copy.parameters())
+    assert group["lr"] == h.document_copy_lr and group["weight_decay"] == 0.0
+    for name, p in model.document_copy.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+        assert sum(any(p is q for q in g["params"]) for g in groups) == 1, name
+    full_size = tg.DocumentCopy(768, kernels.copy_keys_reference)
+    assert sum(p.numel() for p in full_size.parameters()) == 23_841
 
 
 def test_sampled_softmax_over_the_whole_vocabulary_is_the_full_softmax():

@@ -11,8 +11,9 @@ sampled softmax too; the `record89` preset's 11 layers
 (its bigram table, paired heads in the records' layout, composed attention); the speedrun set
 with record 92's final mix over full-width value-embedding tables; and the U-net trunk
 with token gates and the attention features (no preset combines them); the cpu and speedrun sets
-with the pointer mixture (PR 379), its band binding. Every parameter is first moved away
-from its initial value, so that no path hides behind a zero or a one.
+with the pointer mixture (PR 379), its band binding; the cpu and speedrun sets with the document
+copy feature (PR 378), on slices whose documents repeat their own spans. Every parameter is
+first moved away from its initial value, so that no path hides behind a zero or a one.
 
 Tolerances. Both sides hold float64 parameters, but the model runs the softcap, the
 cross-entropy and composed attention's maps in fp32 (the kernels' references cast there), so the
@@ -69,7 +70,8 @@ NORMALIZED_SET = SPEEDRUN_SET + ["--ngram_normalized=true"]
 POINTER_KEYS = ["--pointer_mixture=true", "--pointer_dim=16", "--pointer_band=48", "--pointer_val_band=64"]
 SETS = {"cpu": CPU_SET, "speedrun": SPEEDRUN_SET, "record92_mix": RECORD92_MIX_SET, "record89": RECORD89_SET,
         "unet_gated": UNET_GATED_SET, "normalized": NORMALIZED_SET, "cpu_pointer": CPU_SET + POINTER_KEYS,
-        "speedrun_pointer": SPEEDRUN_SET + POINTER_KEYS}
+        "speedrun_pointer": SPEEDRUN_SET + POINTER_KEYS, "cpu_copy": CPU_SET + ["--document_copy=true"],
+        "speedrun_copy": SPEEDRUN_SET + ["--document_copy=true"]}
 T = 256                            # tokens per slice
 WINDOWS = (48, 160)                # (short, long) in tokens: both bind in a 256-token slice
 HISTORY = ([128, 384, 640], [16, 48])  # the long and short windows the RoPE tables grew through
@@ -112,12 +114,30 @@ def built(name, seed=0):
     return h, model
 
 
-def token_stream(seed, length=4000):
-    """A BOS-separated stream of documents of 5 to 150 tokens over a 4,000-id vocabulary."""
+def token_stream(seed, length=4000, repeats=False):
+    """A BOS-separated stream of documents of 5 to 150 tokens over a 4,000-id vocabulary. With
+    `repeats`, each document is pieces of 1-5 fresh ids and, as often, copies of one of its own
+    earlier spans (1-40 tokens), a copied id replaced by another of its normalized id's ids one
+    time in four: its contexts match at every length of the document copy feature, some only
+    once normalized."""
     rng = np.random.default_rng(seed)
+    normalized = ref.normalized_ids()[:4000].tolist() if repeats else []
+    variants = {}
+    for i, n in enumerate(normalized):
+        variants.setdefault(n, []).append(i)
+
+    def swap(ids):
+        return [int(rng.choice(variants[normalized[x]])) if rng.random() < 0.25 else x for x in ids]
     out, total = [], 0
     while total < length:
         doc = np.concatenate([[ref.BOS], rng.integers(0, 4000, int(rng.integers(5, 150)))])
+        if repeats:
+            doc = [ref.BOS]
+            for _ in range(int(rng.integers(3, 40))):
+                start = int(rng.integers(1, len(doc))) if len(doc) > 1 else 0
+                copy = swap(doc[start:start + int(rng.integers(1, 41))]) if start and rng.random() < 0.5 else []
+                doc += copy or rng.integers(0, 4000, int(rng.integers(1, 6))).tolist()
+            doc = np.array(doc)
         out.append(doc)
         total += doc.size
     return np.concatenate(out)[:length]
@@ -173,8 +193,8 @@ def masked_pairs():
     return pairs
 
 
-def a_slice(seed=1, max_doc_len=96):
-    tokens, targets, cu = ref.loader_slice(token_stream(seed), T, max_doc_len)
+def a_slice(seed=1, max_doc_len=96, repeats=False):
+    tokens, targets, cu = ref.loader_slice(token_stream(seed, repeats=repeats), T, max_doc_len)
     return tokens, targets, cu
 
 
@@ -184,7 +204,7 @@ def a_slice(seed=1, max_doc_len=96):
 
 @pytest.mark.parametrize("name, tied", [("cpu", True), ("speedrun", False), ("record92_mix", False), ("record89", True),
                                         ("unet_gated", True), ("normalized", False), ("cpu_pointer", True),
-                                        ("speedrun_pointer", False)])
+                                        ("speedrun_pointer", False), ("cpu_copy", True), ("speedrun_copy", False)])
 def test_the_model_and_its_objective_equal_their_statement(name, tied, tokenizer_bytes):
     """Objective, next-token loss, hidden states and every trained gradient; the speedrun set
     with sampled softmax and the head untied, the cpu set with the full softmax and the head tied."""
@@ -194,7 +214,9 @@ def test_the_model_and_its_objective_equal_their_statement(name, tied, tokenizer
         with torch.no_grad():
             model.lm_head.add_(torch.randn_like(model.lm_head) * 0.01)
     cfg = tg.model_config(h)
-    tokens, targets, cu = a_slice()
+    tokens, targets, cu = a_slice(repeats=h.document_copy)
+    if h.document_copy:
+        assert len(set(ref.copy_matches(tokens)[1].tolist())) > 20, "the slice matches at most lengths and counts"
     weights = torch.tensor([1.0, 0.5, 0.25, 0.25])
     always = (ref.COPY_ID,) if h.pointer_mixture else ()
     columns = ref.candidates(targets, CANDIDATES, ref.candidate_start(5, 8), always) if not tied else None
@@ -275,16 +297,16 @@ def test_the_approximate_backward_equals_its_statement(name, tied, tokenizer_byt
         assert diff > 1e-3 * exact[key].grad.abs().max().item(), f"{key}: the approximation changes it"
 
 
-@pytest.mark.parametrize("name", ["cpu", "speedrun", "cpu_pointer", "speedrun_pointer"])
+@pytest.mark.parametrize("name", ["cpu", "speedrun", "cpu_pointer", "speedrun_pointer", "cpu_copy", "speedrun_copy"])
 def test_the_validation_loss_equals_its_statement(name, masked_pairs):
     """The full-vocabulary validation sum at the final window, in eval mode: the speedrun sets with
     the canonical mask (masked pairs at -60 after the softcap), the cpu sets without; the pointer
-    mixture at its validation band."""
+    mixture at its validation band; the document copy feature."""
     h, model = built(name)
     assert h.canonical_mask == name.startswith("speedrun")
     model.eval()
     cfg = tg.model_config(h)
-    tokens, targets, cu = a_slice(seed=2)
+    tokens, targets, cu = a_slice(seed=2, repeats=h.document_copy)
     windows, history = (64, 224), (HISTORY[0] + [1024], HISTORY[1])
     model.set_windows(*history)
     got = model.validation_loss_sum(tokens.int(), targets, tg.AttentionArgs(cu.int(), *windows), chunk_rows=100)

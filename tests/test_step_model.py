@@ -97,6 +97,21 @@ def test_an_op_that_updates_an_argument_in_place_also_writes_what_it_returns():
     assert sm._kernel_op(cast, []).bytes == 64 * 128 * 2 + 4 + 4 + 4 + 2 * 64 * 128
 
 
+@pytest.mark.parametrize("dtype, per_key", [(torch.int64, 8 + 8 * 2 * (8 + 8)), (torch.float32, 4 + 4 * 2 * (4 + 8))])
+def test_a_sort_is_priced_as_a_radix_sort_of_its_keys_and_indices(dtype, per_key):
+    """torch.sort of n keys, traced: the keys read once for the digit counts, then per 8-bit digit
+    of the key the keys and their int64 indices read and written (8 digits of an int64 key, 4 of
+    an fp32 one)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    census = sm.Census()
+    with FakeTensorMode():
+        keys = torch.empty(1000, dtype=dtype)
+        with census:
+            torch.sort(keys, stable=True)
+    (sort,) = [e for e in census.events if e.name == "aten.sort"]
+    assert sm._kernel_op(sort, []).bytes == 1000 * per_key
+
+
 def test_a_fused_region_launches_a_loop_per_size_it_writes_and_ends_with_its_graph():
     """Loops over different sizes do not fuse: a region writing a (1024,) and a (4, 4) result is
     two kernels (plus one per reduction). A compiled update ends with its graph (GRAPH_END): the

@@ -535,8 +535,9 @@ UNEQUAL_STAGES = "--stages=" + json.dumps([
      "mtp_weights": [1], "prefix_weight": 0}], separators=(",", ":"))
 
 
-@pytest.mark.parametrize("features,compile_updates", [([], False), (NGRAM, False), ([], True)],
-                         ids=["hashed", "ngram", "compiled-updates"])
+@pytest.mark.parametrize("features,compile_updates", [([], False), (NGRAM, False), ([], True),
+                                                      (["--document_copy=true"], False)],
+                         ids=["hashed", "ngram", "compiled-updates", "document-copy"])
 def test_the_warm_up_captures_every_key_and_the_run_replays_them(shards, monkeypatch, features, compile_updates):
     """Capture and replay with CUDA graph semantics on a CPU (CPUGraph): the warm-up captures
     each graph key's forward+backward once, each Muon bank's update and Adam's update (tied and

@@ -6,7 +6,7 @@ else from the definitions, with the published constants written as literals: the
 the sign table, RoPE with YaRN, attention over documents and windows (narrow, paired, offset
 keys, XSA, gates, composed maps), the MLPs, the U-net and dense trunks, the softcap, the
 multi-token, prefix and sampled-softmax objective, the canonical mask, the pointer mixture (PR 379's
-copy-sink pointer LM), and the loader's targets.
+copy-sink pointer LM), the document copy feature (PR 378), and the loader's targets.
 
 The tests compare it with train_gpt.GPT (tests/test_model_statement.py); a wiring change in
 either shows up as a difference far above the rounding both make.
@@ -41,6 +41,8 @@ LAST_LAYER_MIX = ("v_input", "v_snapshot", "v_residual", "input", "snapshot", "r
 FINAL_MIX = ("input", "snapshot", "last_input", "value_embed", "skip_source")
 CANDIDATE_STRIDE = 20011           # record 92's sampled_softmax.py NEGATIVE_STRIDE
 COPY_ID = 50257                    # PR 379: the <copy> slot, whose softmax mass is the pointer's share
+COPY_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)   # PR 378: the context lengths the copy feature matches
+COPY_COUNTS = 3                    # PR 378: a match's bucket tells 1, 2, and 3 or more earlier matches apart
 EPS64 = torch.finfo(torch.float64).eps
 
 
@@ -210,6 +212,37 @@ def normalized_ids():
         if key:
             ids[i] = first.setdefault(key, i)
     return torch.tensor(ids)
+
+
+def copy_matches(tokens):
+    """(candidate, bucket), each (T,), of PR 378's document copy feature. Walking each document
+    (from a BOS, or the slice's start) left to right with, per length L, the end positions seen
+    so far of each context of L normalized ids: at t, the longest L whose context (inside the
+    document) was seen wins; candidate the raw token after its latest end, bucket 3 (L's index) +
+    min(ends seen, 3); no match: candidate 0 (unused), bucket 0."""
+    raw, ids = tokens.tolist(), normalized_ids()[tokens.long()].tolist()
+    candidate, bucket, start, seen = [0] * len(raw), [0] * len(raw), 0, {}
+    for t in range(len(raw)):
+        if raw[t] == BOS:
+            start, seen = t, {}
+        contexts = [(L, tuple(ids[t - L + 1:t + 1])) for L in COPY_LENGTHS if t - L + 1 >= start]
+        for index, context in reversed(list(enumerate(contexts))):
+            ends = seen.get(context)
+            if ends:
+                candidate[t], bucket[t] = raw[ends[-1] + 1], COPY_COUNTS * index + min(len(ends), COPY_COUNTS)
+                break
+        for context in contexts:
+            seen.setdefault(context, []).append(t)
+    return torch.tensor(candidate), torch.tensor(bucket)
+
+
+def copy_vectors(P, tokens):
+    """PR 378's copy vector of each position: scale[bucket] embed[candidate] + bucket_embed[bucket],
+    0 where nothing matched."""
+    candidate, bucket = copy_matches(tokens)
+    v = P["document_copy.scale"][bucket][:, None] * P["embed.weight"][candidate]
+    v = v + P["document_copy.bucket_embed"][bucket]
+    return torch.where(bucket[:, None] > 0, v, 0.0)
 
 
 def ngram_rows(cfg, tokens):
@@ -510,6 +543,9 @@ def hidden_states(P, cfg, tokens, cu_seqlens, windows, history):
     if cfg.smear_gate:             # x[t] + lambda sigmoid(w . x[t, :12]) x[t - 1], not at a document start
         gate = P["smear_lambda"] * torch.sigmoid(x[:, :SMEAR_DIMS] @ P["smear_gate"][0])
         x = x + torch.where(starts[:, None], 0.0, gate[:, None] * torch.cat([x[-1:], x[:-1]]))
+    copied = copy_vectors(P, tokens) if getattr(cfg, "document_copy", False) else None
+    if copied is not None:         # the copy vector, at its input gain
+        x = x + P["document_copy.gains"][0] * copied
     bigram = bigram_part(P, cfg, tokens, signs)
     tables = value_table_of_layer(cfg)
     ves = {layer: P[f"value_embeds.{table}.weight"][cur] for layer, table in tables.items()}
@@ -517,6 +553,8 @@ def hidden_states(P, cfg, tokens, cu_seqlens, windows, history):
         x = dense_trunk(P, cfg, rms(x), bigram, ves, starts, doc, history, windows)
     else:
         x = unet_trunk(P, cfg, x, bigram, ves, starts, doc, history, windows)
+    if copied is not None:         # and at its gain before the final norm
+        x = x + P["document_copy.gains"][1] * copied
     return rms(x)
 
 
