@@ -25,7 +25,8 @@ Families:
   7. Composed attn    composed_attention                             composed_attention_reference
   8. Weight averages  ema_update_                                    ema_update_reference_
   9. Pointer mixture  pointer_attention                              pointer_attention_reference;
-                      (the mixture's loss: pointer_mixture_cross_entropy, plain torch)
+                      (the mixture's loss: pointer_mixture_cross_entropy, plain torch;
+                      on CPU pointer_mixture_cross_entropy_chunked, section 3's algorithm)
  10. Document copy    copy_keys                                      copy_keys_reference;
                       (the match: document_copy_matches, plain torch)
 
@@ -3083,19 +3084,47 @@ class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
     subtraction; the exponentials are reused for softmax. With a = sum_k weights[k] over the
     present targets:
         dloss/dz = a * softmax(z) - sum_k weights[k] * onehot(targets[:, k]).
+    With a pointer mixture (copy_col, p_copy, a_sink: pointer_mixture_cross_entropy's), the first
+    target's term is the mixture's -log p(y) = -log(p_lm(y) (1 - alpha (1 - a_sink)) + alpha p_copy),
+    alpha = softmax(z)[copy], p_lm the softmax over the other columns. In the block's exponentials,
+    t = sum over the columns but <copy>, e_c at <copy>, e_y at y (both formed before the loop from
+    the two logits a row needs), u = e_y + e_c p_copy, v = e_y e_c a_sink and n = t u + v:
+        p(y) = n / (t (t + e_c)),
+        dloss/dz = w0 ((1 + v (t + e_c) / (t n)) softmax(z) - e_y (t + e_c a_sink) / n onehot(y)
+                       - (e_c p_copy t + v + e_c v / t) / n onehot(copy)),
+        dloss/dp_copy = -w0 e_c t / n,   dloss/da_sink = -w0 e_c e_y / n,
+    every term a sum of positives (t excludes <copy>: no 1 - alpha by cancellation), and all but
+    the logit gradient computed once, over the whole rows, after the loop.
     Passes per block: one read of the logits, 10 over the two scratch blocks, one write of the
     gradient. The backward returns the stored gradient itself when the upstream gradient is
     grad_scale on every row (the trainer's mean), else a scaled copy.
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, weights, rows, grad_scale, exact_upstream):
+    def forward(ctx, logits, targets, weights, rows, grad_scale, exact_upstream, copy_col=None, p_copy=None,
+                a_sink=None):
         num_rows, num_cols = logits.shape
         present = (targets >= 0) & (targets < num_cols)
         columns = torch.where(present, targets, 0)
         target_weights = torch.where(present, weights.float(), 0.0)   # (N, K): absent targets weigh 0
         half = SOFTCAP / 2
         slope = grad_scale * half / (2 * SOFTCAP_TEMP)                  # dz/dlogits at tanh = 0, times grad_scale
+
+        def exp_z(x):                                                   # exp(z - H) of raw logits, in place
+            return x.add_(SOFTCAP_SHIFT).mul_(0.5 / SOFTCAP_TEMP).tanh_().mul_(half).exp_()
+
+        mixture = copy_col is not None
+        if mixture:   # the first target's weight moves to the mixture's terms: w0 below
+            w0 = target_weights[:, :1].clone()
+            target_weights[:, 0] = 0.0
+            e_c = exp_z(logits.index_select(1, copy_col).float())
+            e_y = exp_z(logits.gather(1, columns[:, :1]).float())
+            q = p_copy.float()[:, None]
+            u = e_y + e_c * q
+            v = e_y * e_c * a_sink.float()[:, None]
+            w0_v, w0_e_y, e_c_q, e_c_v = w0 * v, w0 * e_y, e_c * q, e_c * v
+            e_c_sink = e_c * a_sink.float()[:, None]
+            t_rows = torch.empty_like(e_c)
         loss = torch.empty(num_rows, device=logits.device, dtype=torch.float32)
         next_loss = torch.empty(num_rows, device=logits.device, dtype=torch.float32)
         grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
@@ -3106,32 +3135,62 @@ class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
             th, ex = th_block[:e - s], e_block[:e - s]
             th.copy_(logits[s:e]).add_(SOFTCAP_SHIFT).mul_(0.5 / SOFTCAP_TEMP).tanh_()
             torch.mul(th, half, out=ex).exp_()                          # exp(z - H)
-            total = ex.sum(dim=1, keepdim=True)
+            if mixture:
+                t = ex.index_fill_(1, copy_col, 0.0).sum(dim=1, keepdim=True)
+                ex.index_copy_(1, copy_col, e_c[s:e])
+                t_rows[s:e] = t
+                total = t + e_c[s:e]
+            else:
+                total = ex.sum(dim=1, keepdim=True)
             w = target_weights[s:e]
             th_targets = th.gather(1, columns[s:e])
             per_target = total.log() - half * th_targets                # log sum exp(z) - z at each target
             loss[s:e] = (per_target * w).sum(dim=1)
             next_loss[s:e] = torch.where(present[s:e, 0], per_target[:, 0], 0.0)
             if grad is not None:
-                ex.mul_(w.sum(dim=1, keepdim=True) * slope / total)     # a * softmax(z) * slope
+                a = w.sum(dim=1, keepdim=True)
+                if mixture:
+                    n = torch.addcmul(v[s:e], t, u[s:e])
+                    a = a + w0[s:e] + w0_v[s:e] * total / (t * n)       # w0 g_lse
+                    w = w.clone()
+                    w[:, :1] = w0_e_y[s:e] * (t + e_c_sink[s:e]) / n    # minus w0 g_y: the scatter's sign
+                ex.mul_(a * slope / total)                              # a * softmax(z) * slope
                 ex.scatter_add_(1, columns[s:e], w * -slope)            # minus the weighted one-hot targets
+                if mixture:                                             # plus w0 g_c at <copy>
+                    ex.index_add_(1, copy_col, (w0[s:e] * -slope) * (torch.addcmul(v[s:e], t, e_c_q[s:e])
+                                                                       .add_(e_c_v[s:e] / t) / n))
                 ex.addcmul_(ex, th.mul_(th), value=-1.0)                # times 1 - tanh^2
                 grad[s:e] = ex
-        ctx.save_for_backward(grad)
+        if mixture:
+            n = torch.addcmul(v, t_rows, u)
+            nll = torch.where(present[:, :1], t_rows.log() + (t_rows + e_c).log() - n.log(), 0.0)
+            loss += (w0 * nll)[:, 0]
+            next_loss = nll[:, 0]
+            d_p_copy, d_a_sink = (-w0 * e_c * t_rows / n)[:, 0], (-w0 * e_c * e_y / n)[:, 0]
+        ctx.save_for_backward(grad, *((d_p_copy, d_a_sink) if mixture else ()))
         ctx.rows, ctx.grad_scale, ctx.exact_upstream = rows, grad_scale, exact_upstream
+        ctx.dtypes = (p_copy.dtype, a_sink.dtype) if mixture else None
         ctx.mark_non_differentiable(next_loss)
         return loss, next_loss
 
     @staticmethod
     def backward(ctx, grad_loss, grad_next_loss):
-        grad, = ctx.saved_tensors
-        if ctx.exact_upstream or bool((grad_loss == ctx.grad_scale).all()):
-            return grad, None, None, None, None, None
+        grad, *mixture = ctx.saved_tensors
+        pointer_grads = (None, None, None)
+        if mixture:
+            upstream = grad_loss.float()
+            pointer_grads = (None, (mixture[0] * upstream).to(ctx.dtypes[0]), (mixture[1] * upstream).to(ctx.dtypes[1]))
+        if grad is None or ctx.exact_upstream or bool((grad_loss == ctx.grad_scale).all()):
+            return grad, None, None, None, None, None, *pointer_grads
         scale = grad_loss.float()[:, None] / ctx.grad_scale
         out = torch.empty_like(grad)
         for s in range(0, grad.shape[0], ctx.rows):
             out[s:s + ctx.rows] = grad[s:s + ctx.rows].float().mul_(scale[s:s + ctx.rows])
-        return out, None, None, None, None, None
+        return out, None, None, None, None, None, *pointer_grads
+
+
+def _chunked_grad_scale(grad_scale, device):
+    return device_scalar(grad_scale, device) if isinstance(grad_scale, torch.Tensor) else float(grad_scale)
 
 
 # Eager in a compiled model: its row loop is a memory plan. Inductor compiled it into one graph
@@ -3147,9 +3206,20 @@ def softcap_cross_entropy_chunked(logits, targets, weights, rows=CHUNKED_CE_ROWS
     gives the right result."""
     _check_grad_scale(grad_scale, "softcap_cross_entropy_chunked")
     return _ChunkedSoftcapCrossEntropy.apply(logits, targets.long(), weights, rows,
-                                             device_scalar(grad_scale, logits.device)
-                                             if isinstance(grad_scale, torch.Tensor) else float(grad_scale),
-                                             bool(exact_upstream))
+                                             _chunked_grad_scale(grad_scale, logits.device), bool(exact_upstream))
+
+
+@runs_eagerly
+def pointer_mixture_cross_entropy_chunked(logits, targets, weights, copy_col, p_copy, a_sink, grad_scale=1.0,
+                                          exact_upstream=False, rows=CHUNKED_CE_ROWS):
+    """pointer_mixture_cross_entropy for CPUs (same arguments and result) by
+    softcap_cross_entropy_chunked's row blocks: no (N, C) temporary beside the stored gradient;
+    differentiable in logits, p_copy and a_sink."""
+    _check_grad_scale(grad_scale, "pointer_mixture_cross_entropy_chunked")
+    return _ChunkedSoftcapCrossEntropy.apply(logits, targets.long(), weights, rows,
+                                             _chunked_grad_scale(grad_scale, logits.device), bool(exact_upstream),
+                                             torch.as_tensor(copy_col, device=logits.device).long().reshape(1),
+                                             p_copy, a_sink)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -4389,7 +4459,7 @@ def pointer_attention_reference(q, k, sink_scores, tokens, targets, doc_start, b
     T, D = q.shape
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     q, k, s0 = q.to(dtype), k.to(dtype), sink_scores.to(dtype)
-    L = int(band)
+    L = min(int(band), max(T, 1))  # a band past T sees what one of T sees: every earlier key
     blocks = -(-T // L)
     pad = blocks * L - T
     positions = torch.arange(blocks * L, device=q.device)

@@ -91,6 +91,9 @@ def select_kernels(h, device):
                          fp8_head_pointer_loss=pointer_loss, copy_keys=kernels.copy_keys, triton=True)
     # Here auto means CPU: the chunked cross-entropy is the kernel's algorithm, ~3x faster than the
     # reference there; `kernels=reference` keeps the plain reference for A/B runs.
-    cross_entropy = (kernels.softcap_cross_entropy_reference if h.kernels == "reference"
-                     else kernels.softcap_cross_entropy_chunked)
-    return KernelFns(kernels.attention_reference, cross_entropy, mlp, None, qkv, head)
+    reference = h.kernels == "reference"
+    cross_entropy = kernels.softcap_cross_entropy_reference if reference else kernels.softcap_cross_entropy_chunked
+    pointer_cross_entropy = (kernels.pointer_mixture_cross_entropy if reference
+                             else kernels.pointer_mixture_cross_entropy_chunked)
+    return KernelFns(kernels.attention_reference, cross_entropy, mlp, None, qkv, head,
+                     pointer_cross_entropy=pointer_cross_entropy)

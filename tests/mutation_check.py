@@ -65,6 +65,7 @@ TRUNCATED_KERNELS = [APPROX, "-k", "kernels_truncated_backward_equals"]
 TRUNCATED_REFERENCE = [APPROX, "-k", "reference_truncated_backward"]
 WINDOW_CHOOSER = [APPROX, "-k", "chooser"]
 SAMPLED_HEAD = [APPROX, "-k", "sampled_rows or sampled_linear"]
+CHUNKED_MIXTURE = ["tests/test_kernels.py", "-k", "chunked_pointer_mixture"]
 SAMPLED_FP8 = [APPROX, "-k", "fp8_heads_sampled"]
 APPROX_SCHEDULE = [APPROX, "-k", "pr_371"]
 APPROX_STATEMENT = [STATEMENT, "-k", "approximate_backward"]
@@ -843,6 +844,14 @@ MUTATIONS = [
              "the copy feature's site gains are never updated"),
     Mutation("machinery/sampled_softmax.py", "        is_target.narrow(0, i, 1).fill_(True)", "        is_target[i] = True",
              FRONTIER_REPLAYS, "the forced <copy> candidate copied from a new host tensor every step"),
+    Mutation("kernels.py", "t = ex.index_fill_(1, copy_col, 0.0).sum(dim=1, keepdim=True)",
+             "t = ex.sum(dim=1, keepdim=True)", CHUNKED_MIXTURE, "the CPU mixture's LM normalizer counting <copy>"),
+    Mutation("kernels.py", "a = a + w0[s:e] + w0_v[s:e] * total / (t * n)", "a = a + w0[s:e]", CHUNKED_MIXTURE,
+             "the CPU mixture's softmax coefficient without its pointer term"),
+    Mutation("kernels.py", "(-w0 * e_c * e_y / n)[:, 0]", "(-w0 * e_c * t_rows / n)[:, 0]", CHUNKED_MIXTURE,
+             "the CPU mixture's a_sink gradient with p_copy's numerator"),
+    Mutation("kernels.py", "ex.index_add_(1, copy_col, (w0[s:e] * -slope)", "ex.index_add_(1, copy_col, (w0[s:e] * slope)",
+             CHUNKED_MIXTURE, "the CPU mixture's <copy> column gradient with the wrong sign"),
 ]
 
 

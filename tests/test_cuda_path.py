@@ -54,7 +54,7 @@ compiled = isolated(interpret=False)
 # and the final one (untied, wider window).
 REHEARSAL = [
     "--preset", "cpu", "--kernels=triton", "--compile=true", "--compile_backend=aot_eager", "--fp8_mlp=true",
-    "--cuda_graphs=true",
+    "--cuda_graphs=true", "--pointer_mixture=false",   # (the pointer: the frontier variant's, below)
     "--num_layers=3", "--model_dim=128", "--num_heads=2", "--head_dim=64", "--mlp_hidden=256",
     "--long_window_layers=[2]", "--attention_free_layers=[1]", "--num_value_embeds=1", "--bigram_rows=1024",
     "--batch_ranks=1", "--num_iterations=5", "--untie_frac=0.8", "--val_every=3", "--val_long_window=3",

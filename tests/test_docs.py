@@ -86,7 +86,7 @@ def test_the_fidelity_notes_name_every_record_rule_and_only_keys_that_exist():
 
 def test_the_cpu_presets_step_count_in_the_recipe():
     steps = recipe().parse_config(["--preset", "cpu"]).num_iterations
-    assert f"NorMuon: the `cpu` preset's {steps} steps" in (REPO / "docs" / "recipe.md").read_text()
+    assert f"the `cpu` preset's {steps} steps" in (REPO / "docs" / "recipe.md").read_text()
 
 
 def test_the_baselines_loss_in_the_optimizer_notes_is_the_cpu_tracks_target():

@@ -2054,6 +2054,37 @@ def test_the_pointer_mixture_cross_entropy_kernel_matches_float64(exact):
     assert (want_next[targets[:, 0] >= C] == 0).all()
 
 
+@pytest.mark.parametrize("exact,dtype,copy_col", [(False, torch.float32, 77), (True, torch.float32, 149),
+                                                   (False, torch.bfloat16, 0)])
+def test_the_chunked_pointer_mixture_cross_entropy_matches_float64(exact, dtype, copy_col):
+    """The CPU path of the mixture (row blocks of 5 that do not divide 24 rows, the <copy> column
+    inside the row and at either end, given as a 0-d tensor as the sampled softmax gives it): loss,
+    next-token loss and the gradients of the logits, p_copy and a_sink against the float64 oracle,
+    for an arbitrary upstream gradient and for the trainer's announced one (the stored gradient
+    handed on); the inputs unchanged."""
+    N, C = 24, 150
+    logits, targets, weights, grad_loss, p_copy, a_sink = _mixture_inputs(N, C, copy_col, seed=47)
+    logits = logits.to(dtype)
+    if exact:
+        grad_loss = torch.full((N,), 1 / 48)
+    leaves = [t.clone().requires_grad_(True) for t in (logits, p_copy, a_sink)]
+    loss, next_loss = kernels.pointer_mixture_cross_entropy_chunked(
+        leaves[0], targets, weights, torch.tensor(copy_col), leaves[1], leaves[2],
+        grad_scale=1 / 48 if exact else 1.0, exact_upstream=exact, rows=5)
+    (loss * grad_loss).sum().backward()
+    assert all(torch.equal(leaf.detach(), t) for leaf, t in zip(leaves, (logits, p_copy, a_sink))), "inputs changed"
+    oracle_leaves = [t.double().requires_grad_(True) for t in (logits, p_copy, a_sink)]
+    want, want_next = mixture_oracle(oracle_leaves[0], targets, weights, copy_col, *oracle_leaves[1:])
+    (want * grad_loss.double()).sum().backward()
+    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(next_loss.double(), want_next.detach(), rtol=1e-5, atol=1e-5)
+    for name, got, oracle in zip(("logits", "p_copy", "a_sink"), leaves, oracle_leaves):
+        scale = float(oracle.grad.abs().max())
+        rtol = 1e-2 if got.dtype == torch.bfloat16 else 1e-4
+        torch.testing.assert_close(got.grad.double(), oracle.grad, rtol=rtol, atol=rtol * scale,
+                                   msg=lambda m: f"{name}: {m}")
+
+
 @interpreted
 def test_fp8_head_pointer_mixture_is_the_mixture_kernel_on_the_fp8_logits():
     """The FP8 head and the mixture's cross-entropy in one: the losses and the p_copy and a_sink

@@ -585,8 +585,8 @@ def test_advance_to_writes_every_groups_lr_and_the_muon_momenta(trainer):
     initial = {g["name"]: g["initial_lr"] for opt in trainer.optimizers for g in opt.param_groups}
     # (no bigram beside the n-gram table, and the sparse value embeddings are SparseRowAdam's)
     assert initial == {"embed": h.embed_lr, "lm_head": h.head_lr, "scalars": h.scalar_lr, "gates": h.gate_lr,
-                       "smear_gate": h.smear_gate_lr, "matrices": h.matrix_lr, "mlp_down": h.matrix_lr,
-                       "qkv": h.matrix_lr}
+                       "smear_gate": h.smear_gate_lr, "pointer": h.pointer_lr, "matrices": h.matrix_lr,
+                       "mlp_down": h.matrix_lr, "qkv": h.matrix_lr}
     scale = {g["name"]: g["lr_scale"] for g in muon.param_groups}
     assert scale == {"matrices": 1.0, "mlp_down": 2.0, "qkv": 1.0}, "the MLP output matrices move twice as far"
     downs = next(g for g in muon.param_groups if g["name"] == "mlp_down")["params"]

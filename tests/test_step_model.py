@@ -318,7 +318,7 @@ def test_widening_the_window_adds_attention_work():
 def test_the_command_prints_its_tables_and_ends_with_the_prediction():
     out = io.StringIO()
     with redirect_stdout(out):
-        sm.main(["--preset", "cpu", "--gpus", "1", "--gpu", "h200"])
+        sm.main(["--preset", "cpu", "--gpus", "1", "--gpu", "h200", "--", "--num_iterations=200"])  # past 0.0 s
     text = out.getvalue()
     assert "## Per stage" in text and "## The ten largest time sinks" in text
     last = text.strip().splitlines()[-1]

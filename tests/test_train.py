@@ -156,7 +156,7 @@ def test_adam_groups_take_their_own_lr_betas_and_decay():
     h = tiny_config(["--smear_gate=true", "--embed_lr=0.1", "--head_lr=0.2", "--value_embed_lr=0.3",
                      "--scalar_lr=0.4", "--gate_lr=0.5", "--smear_gate_lr=0.6", "--embed_betas=[0.5,0.95]",
                      "--value_embed_betas=[0.75,0.95]", "--scalar_betas=[0.9,0.99]", "--embed_wd=0.75",
-                     "--value_embed_wd=0.025"])
+                     "--value_embed_wd=0.025", "--pointer_mixture=true", "--pointer_lr=0.7"])
     model = tiny_model(h)
     adam = tg.build_optimizers(h, model, tg.select_kernels(h, torch.device("cpu")))[0]
     got = {g["name"]: (g["lr"], tuple(g["betas"]), g["weight_decay"], len(g["params"])) for g in adam.param_groups}
@@ -165,7 +165,8 @@ def test_adam_groups_take_their_own_lr_betas_and_decay():
     assert got == {"embed": (0.1, (0.5, 0.95), 0.75, 1), "lm_head": (0.2, (0.5, 0.95), 0.75, 1),
                    "value_embeds": (0.3, (0.75, 0.95), 0.025, tables),
                    "scalars": (0.4, (0.9, 0.99), 0.0, sum(p.ndim < 2 for p in model.parameters())),
-                   "gates": (0.5, (0.9, 0.99), 0.0, gates), "smear_gate": (0.6, (0.9, 0.99), 0.0, 1)}
+                   "gates": (0.5, (0.9, 0.99), 0.0, gates), "smear_gate": (0.6, (0.9, 0.99), 0.0, 1),
+                   "pointer": (0.7, (0.9, 0.99), 0.0, 2)}                # the pointer's query and key projections
 
 
 def test_dense_trunk_adam_groups_split_the_scales_and_decay_the_gate_weights():

@@ -149,6 +149,7 @@ STAGES = [
 ]
 CONFIG = [
     "--preset", "cpu", "--compile=false", "--cuda_graphs=false", "--compute_dtype=float32",
+    "--pointer_mixture=false",     # (the pointer: pointer_comparison's, below)
     "--fp8_mlp=true", "--fp8_qkv=false", "--fp8_head=false", "--fp8_on_cpu=true",
     "--num_layers=3", "--model_dim=128", "--num_heads=2", "--head_dim=64", "--mlp_hidden=128",
     "--long_window_layers=[2]", "--attention_free_layers=[1]", "--num_value_embeds=1",
