@@ -109,8 +109,9 @@ def test_cpu_preset_is_the_current_cpu_record(tmp_path):
     table = readme.split("<!-- records:track_cpu:start -->")[1].split("<!-- records:track_cpu:end -->")[0]
     first = next(line for line in table.splitlines() if line.startswith("| 1 "))
     folder = os.path.join(REPO, first.split("](")[1].split(")")[0])
-    log = parse_log(os.path.join(folder, sorted(f for f in os.listdir(folder) if f.endswith(".txt")
-                                                and f[0].isdigit())[0]))
+    with open(os.path.join(folder, "statistics.json"), encoding="utf-8") as f:
+        runs = json.load(f)["runs"]         # the record's own runs (its folder also keeps the re-runs it beat)
+    log = parse_log(os.path.join(folder, runs[0]["log"]))
     logged = {k: v for k, v in log.config.items() if k not in ("seed", "log_dir", "entry")}
     preset = tg.config_to_dict(tg.parse_config(["--preset", "cpu"]))
     preset = json.loads(json.dumps({k: v for k, v in preset.items() if k not in ("seed", "log_dir", "entry")}))
