@@ -70,9 +70,9 @@ from machinery.ngram_table import (SIGN_ROWS, SIGN_TABLE_SEED, NgramTable, Table
                                     bigram_sign_rows, first_rows, normalized_ids, token_starts)
 from machinery.processes import ProcessGroup, synchronize
 from machinery.progress import Progress, RunClock
-from machinery.run_report import (DeferredLossLines, busy_warning, check_finite, environment, peak_memory_mib,
-                                  run_threads, target_line, validation_progress, write_execution_lines,
-                                  write_load_lines, write_loss_lines)
+from machinery.run_report import (DeferredLossLines, check_finite, environment, peak_memory_mib,
+                                  run_threads, start_load_note, target_line, validation_progress,
+                                  write_execution_lines, write_load_lines, write_loss_lines)
 from machinery.sampled_softmax import (candidate_columns, candidate_start, candidate_walk_after, copy_column,
                                         ids_to_columns)
 from machinery.sparse_tables import SparseTables, check_ngram_table
@@ -2341,8 +2341,8 @@ def train(h, pg, log, resumed=None):
     started, load_at_start, threads = time.perf_counter(), load_average(), run_threads(pg)
     log.header(project_sources(), environment(pg.world_size, gemm_path(h, pg.device), load_at_start),
                [fingerprint(f) for f in val_files + train_files], logged_config(h))
-    if warning := busy_warning(load_at_start, 0.0, threads, "at the start"):
-        log.write(warning, echo=True)
+    if note := start_load_note(load_at_start, threads):
+        log.write(note, echo=True)
     val_slices = validation_data(h, pg, val_files)
     trainer = Trainer(h, pg, log)
     log.write(f"model parameters: {trainer.model.num_parameters():,}", echo=True)

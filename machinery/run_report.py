@@ -52,16 +52,28 @@ def run_threads(pg):
     return launch_environment().local_world_size * (torch.get_num_threads() if pg.device.type == "cpu" else 1)
 
 
-def busy_warning(load, seconds, threads, when):
-    """The warning line when, by a 1-minute load average taken `seconds` into the run, other work
-    held CPUs the run's `threads` need (records.logfile.other_load); else None."""
+def busy_warning(load, seconds, threads, load_at_start):
+    """The warning line when, by the 1-minute load averages at the start and `seconds` into the
+    run, other work held CPUs the run's `threads` need (records.logfile.other_load); else None."""
     cpus = os.cpu_count() or 1
-    others = None if load is None else other_load(load, cpus, threads, seconds)
+    others = None if load is None else other_load(load, cpus, threads, seconds, load_at_start)
     if others is None:
         return None
-    return (f"warning: the machine was busy {when}: a 1-minute load average of {load:.2f} on {cpus} CPUs, about "
-            f"{others:.1f} of it other work beside this run's {threads} thread(s): its times are slower than an idle "
+    return (f"warning: the machine was busy during the run: a 1-minute load average of {load:.2f} on {cpus} CPUs "
+            f"({'unknown' if load_at_start is None else f'{load_at_start:.2f}'} at the start), about {others:.1f} "
+            f"runnable tasks of other work beside this run's {threads} thread(s): its times are slower than an idle "
             f"machine's, and a record's runs need an idle machine")
+
+
+def start_load_note(load, threads):
+    """A note when the 1-minute load average at the start counts more work than the CPUs the run
+    leaves free: work of the last minute, which may have ended (a previous run's) or go on; the
+    run's end tells which (busy_warning). None otherwise."""
+    cpus = os.cpu_count() or 1
+    if load is None or other_load(load, cpus, threads, 0.0) is None:
+        return None
+    return (f"note: a 1-minute load average of {load:.2f} on {cpus} CPUs at the start: work of the last minute "
+            f"beside this run's {threads} thread(s); if it goes on, the run's end warns that the machine was busy")
 
 
 class DeferredLossLines:
@@ -192,7 +204,7 @@ def write_load_lines(log, load_at_start, seconds, threads):
     if load_at_start is not None and load_at_end is not None:
         log.write(f"load average: {load_at_start:.2f} at the start, {load_at_end:.2f} at the end (1 minute; "
                   f"{os.cpu_count()} CPUs, this run's {threads} thread(s))")
-    if warning := busy_warning(load_at_end, seconds, threads, "during the run"):
+    if warning := busy_warning(load_at_end, seconds, threads, load_at_start):
         log.write(warning, echo=True)
 
 

@@ -141,12 +141,19 @@ def load_average():
         return None
 
 
-def other_load(load, cpus, run_threads, run_seconds):
+def other_load(load, cpus, run_threads, run_seconds, load_at_start=None):
     """The load of other work in a 1-minute load average taken run_seconds into a run that keeps
     run_threads threads busy on `cpus` CPUs, when it takes CPUs the run needs (more than IDLE_LOAD
-    beyond the CPUs the run leaves free); else None. The run's own share of the average after t
-    seconds is run_threads x (1 - exp(-t / LOAD_AVERAGE_WINDOW_S))."""
-    others = load - run_threads * (1 - math.exp(-run_seconds / LOAD_AVERAGE_WINDOW_S))
+    beyond the CPUs the run leaves free); else None. The average decays as
+    L(t) = L(0) d + n (1 - d), d = exp(-t / LOAD_AVERAGE_WINDOW_S), for n runnable tasks during the
+    run: given the average at the start, other work is n - run_threads, the work that ended before
+    the run (a previous run's) counting nothing; without it, L(0) is taken as other work too,
+    and other work is L(t) - run_threads (1 - d)."""
+    decay = math.exp(-run_seconds / LOAD_AVERAGE_WINDOW_S)
+    if load_at_start is None or decay == 1.0:
+        others = load - run_threads * (1 - decay)
+    else:
+        others = (load - load_at_start * decay) / (1 - decay) - run_threads
     return others if others > max(cpus - run_threads, 0) + IDLE_LOAD else None
 
 

@@ -266,7 +266,7 @@ def parse_args(argv):
     else:
         extra = []
     parser = argparse.ArgumentParser(description="Recreate a logged run's sources and (with --run) rerun it.")
-    parser.add_argument("log", help="a run log")
+    parser.add_argument("log", help="a run log, or a record's folder (its first run)")
     parser.add_argument("--dir", type=Path, help="output folder (default: <tmp>/reproduce_<run_id>)")
     parser.add_argument("--run", action="store_true", help="run the recreated script from the current directory")
     parser.add_argument("--other-data", action="store_true",
@@ -320,11 +320,24 @@ def compare_with_original(log, new_logs):
     return lines
 
 
+def run_log_path(path):
+    """`path`, or for a record's folder the log of its first run (statistics.json's runs: the
+    folder also keeps the re-runs of the record it beat)."""
+    if not os.path.isdir(path):
+        return path
+    try:
+        with open(os.path.join(path, "statistics.json"), encoding="utf-8") as f:
+            return os.path.join(path, json.load(f)["runs"][0]["log"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        raise LogError(f"{path} is a folder but no record's (no statistics.json naming its runs): give a run log "
+                       f"or a record's folder") from None
+
+
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
     out = args.dir
     try:
-        log = parse_log(args.log)
+        log = parse_log(run_log_path(args.log))
         verify(log)
         out = (args.dir or default_output_dir(log.run_id)).absolute()
         refuse_records_folders(log, out, args.extra)

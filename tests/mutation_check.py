@@ -852,6 +852,9 @@ MUTATIONS = [
              "the CPU mixture's a_sink gradient with p_copy's numerator"),
     Mutation("kernels.py", "ex.index_add_(1, copy_col, (w0[s:e] * -slope)", "ex.index_add_(1, copy_col, (w0[s:e] * slope)",
              CHUNKED_MIXTURE, "the CPU mixture's <copy> column gradient with the wrong sign"),
+    Mutation("records/logfile.py", "        others = (load - load_at_start * decay) / (1 - decay) - run_threads",
+             "        others = load - run_threads * (1 - decay)", ["tests/test_run_report.py", "-k", "other_work"],
+             "the load of a run that ended before this one counted as other work"),
 ]
 
 

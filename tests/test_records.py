@@ -1299,6 +1299,24 @@ def test_reproduce_recreates_identical_sources_and_config(tmp_path, capsys):
     assert "exists and is neither empty nor this log's recreation" in capsys.readouterr().err
 
 
+def test_reproduce_takes_a_record_folder_as_its_first_run(tmp_path, capsys):
+    """A record's folder stands for the first of its own runs (statistics.json's), never a re-run of
+    the record it beat that the folder also keeps (which sorts first there); a folder that is no
+    record's is refused in one line."""
+    folder = tmp_path / "2026-01-02_Second"
+    folder.mkdir()
+    rerun = write_log(folder / "20260102-100000-aaaaaaaa.txt", 3.30, 6000, config_changes={"seed": 7})
+    own = write_log(folder / "20260102-100500-bbbbbbbb.txt", 3.25, 5000, world_size=8)
+    (folder / "statistics.json").write_text(json.dumps({"runs": [{"log": os.path.basename(own)}]}))
+    assert sorted(os.listdir(folder))[0] == os.path.basename(rerun)
+    out = tmp_path / "out"
+    assert reproduce.main([str(folder), "--dir", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text()) == parse_log(own).config != parse_log(rerun).config
+    (folder / "statistics.json").unlink()
+    assert reproduce.main([str(folder), "--dir", str(tmp_path / "other")]) == 2
+    assert "is a folder but no record's" in capsys.readouterr().err
+
+
 def test_reproduce_refuses_a_tampered_log(tmp_path, capsys):
     path = Path(write_log(tmp_path / "r1.txt", 3.25, 5000))
     path.write_bytes(path.read_bytes().replace(b"def train():", b"def trair():", 1))

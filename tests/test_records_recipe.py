@@ -28,10 +28,9 @@ from records.rules import UNKNOWN  # noqa: E402
 ROOT = Path(REPO)
 RECIPE = """\
 git clone . /tmp/series && cd /tmp/series && python data/tiny_corpus.py --if-missing
-current=$(ls records/track_cpu/<current record>/[0-9]*.txt | head -n 1)
 for seed in 1 2 3; do
     python records/track_cpu/baseline_adamw.py --seed=$seed --log_dir=/tmp/logs/baseline
-    python records/reproduce.py $current --dir /tmp/current --run -- --seed=$seed
+    python records/reproduce.py records/track_cpu/<current record> --dir /tmp/current --run -- --seed=$seed
     python train_gpt.py --preset cpu --seed=$seed --log_dir=/tmp/logs/new
 done
 cd - && python records/make_record.py --track track_cpu --name AdamWBaseline<Machine> \\
