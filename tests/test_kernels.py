@@ -2026,6 +2026,27 @@ def mixture_oracle(logits, targets, weights, copy_col, p_copy, a_sink):
     return first * weights[0] + (rest * weights[1:].double()).sum(1), first
 
 
+def check_against_mixture_oracle(run, inputs, targets, weights, copy_col, grad_loss, grad_rtol, grad_atol):
+    """run(logits, p_copy, a_sink) -> (loss, next_loss) on leaf copies of `inputs`: the losses
+    against mixture_oracle in float64, and the gradients of (loss * grad_loss).sum() within
+    grad_rtol and grad_atol x the largest oracle gradient; the inputs left unchanged. Returns the
+    oracle's next-token loss."""
+    leaves = [t.clone().requires_grad_(True) for t in inputs]
+    loss, next_loss = run(*leaves)
+    (loss * grad_loss).sum().backward()
+    assert all(torch.equal(leaf.detach(), t) for leaf, t in zip(leaves, inputs)), "inputs changed"
+    oracle_leaves = [t.double().requires_grad_(True) for t in inputs]
+    want, want_next = mixture_oracle(oracle_leaves[0], targets, weights, copy_col, *oracle_leaves[1:])
+    (want * grad_loss.double()).sum().backward()
+    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(next_loss.double(), want_next.detach(), rtol=1e-5, atol=1e-5)
+    for name, got, oracle in zip(("logits", "p_copy", "a_sink"), leaves, oracle_leaves):
+        atol = grad_atol * float(oracle.grad.abs().max())
+        torch.testing.assert_close(got.grad.double(), oracle.grad, rtol=grad_rtol, atol=atol,
+                                   msg=lambda m: f"{name}: {m}")
+    return want_next
+
+
 @interpreted
 @pytest.mark.parametrize("exact", [False, True])
 def test_the_pointer_mixture_cross_entropy_kernel_matches_float64(exact):
@@ -2038,19 +2059,13 @@ def test_the_pointer_mixture_cross_entropy_kernel_matches_float64(exact):
     logits, targets, weights, grad_loss, p_copy, a_sink = _mixture_inputs(N, C, copy_col, seed=41)
     if exact:
         grad_loss = torch.full((N,), 1 / 48)
-    leaves = [t.clone().requires_grad_(True) for t in (logits, p_copy, a_sink)]
-    loss, next_loss = kernels.pointer_mixture_softcap_cross_entropy(
-        leaves[0], targets, weights, copy_col, leaves[1], leaves[2], SMALL_CE, SMALL_CE,
-        grad_scale=1 / 48 if exact else 1.0, exact_upstream=exact)
-    (loss * grad_loss).sum().backward()
-    oracle_leaves = [t.double().requires_grad_(True) for t in (logits, p_copy, a_sink)]
-    want, want_next = mixture_oracle(oracle_leaves[0], targets, weights, copy_col, *oracle_leaves[1:])
-    (want * grad_loss.double()).sum().backward()
-    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(next_loss.double(), want_next.detach(), rtol=1e-5, atol=1e-5)
-    for name, got, oracle in zip(("logits", "p_copy", "a_sink"), leaves, oracle_leaves):
-        atol = 1e-5 * float(oracle.grad.abs().max())
-        torch.testing.assert_close(got.grad.double(), oracle.grad, rtol=1e-4, atol=atol, msg=lambda m: f"{name}: {m}")
+
+    def run(logits, p_copy, a_sink):
+        return kernels.pointer_mixture_softcap_cross_entropy(logits, targets, weights, copy_col, p_copy, a_sink,
+                                                             SMALL_CE, SMALL_CE, grad_scale=1 / 48 if exact else 1.0,
+                                                             exact_upstream=exact)
+    want_next = check_against_mixture_oracle(run, (logits, p_copy, a_sink), targets, weights, copy_col, grad_loss,
+                                             1e-4, 1e-5)
     assert (want_next[targets[:, 0] >= C] == 0).all()
 
 
@@ -2064,25 +2079,16 @@ def test_the_chunked_pointer_mixture_cross_entropy_matches_float64(exact, dtype,
     handed on); the inputs unchanged."""
     N, C = 24, 150
     logits, targets, weights, grad_loss, p_copy, a_sink = _mixture_inputs(N, C, copy_col, seed=47)
-    logits = logits.to(dtype)
     if exact:
         grad_loss = torch.full((N,), 1 / 48)
-    leaves = [t.clone().requires_grad_(True) for t in (logits, p_copy, a_sink)]
-    loss, next_loss = kernels.pointer_mixture_cross_entropy_chunked(
-        leaves[0], targets, weights, torch.tensor(copy_col), leaves[1], leaves[2],
-        grad_scale=1 / 48 if exact else 1.0, exact_upstream=exact, rows=5)
-    (loss * grad_loss).sum().backward()
-    assert all(torch.equal(leaf.detach(), t) for leaf, t in zip(leaves, (logits, p_copy, a_sink))), "inputs changed"
-    oracle_leaves = [t.double().requires_grad_(True) for t in (logits, p_copy, a_sink)]
-    want, want_next = mixture_oracle(oracle_leaves[0], targets, weights, copy_col, *oracle_leaves[1:])
-    (want * grad_loss.double()).sum().backward()
-    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(next_loss.double(), want_next.detach(), rtol=1e-5, atol=1e-5)
-    for name, got, oracle in zip(("logits", "p_copy", "a_sink"), leaves, oracle_leaves):
-        scale = float(oracle.grad.abs().max())
-        rtol = 1e-2 if got.dtype == torch.bfloat16 else 1e-4
-        torch.testing.assert_close(got.grad.double(), oracle.grad, rtol=rtol, atol=rtol * scale,
-                                   msg=lambda m: f"{name}: {m}")
+
+    def run(logits, p_copy, a_sink):
+        return kernels.pointer_mixture_cross_entropy_chunked(logits, targets, weights, torch.tensor(copy_col), p_copy,
+                                                             a_sink, grad_scale=1 / 48 if exact else 1.0,
+                                                             exact_upstream=exact, rows=5)
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    check_against_mixture_oracle(run, (logits.to(dtype), p_copy, a_sink), targets, weights, copy_col, grad_loss,
+                                 tolerance, tolerance)
 
 
 @interpreted
