@@ -179,13 +179,23 @@ FP8_MATMUL_SMALL = LaunchConfig(block_m=128, block_n=128, block_k=128, group_m=8
 # The relu2_grad epilogue (activation tile, square root, two fp8 stores) spills with 128 x 256.
 FP8_MATMUL_RELU2_GRAD = FP8_MATMUL_SMALL
 # The backward GEMMs that sum at most this many products accumulate in the tensor cores' fast
-# accumulator, the others add it into fp32 every BLOCK_K products. Measured against float64
+# accumulator, the others add it into fp32 every PROMOTION_K products. Measured against float64
 # (bench/fast_accumulation.py, its emulation of a 14-bit accumulator cut toward zero after each
 # 32-product slice): the fast sum's relative error is 6.2e-4 at K = 768 (the MLP's hidden gradient),
 # below the 1.6e-3 of the output's own bf16 rounding, and 1.9e-3 at 2,304 (the QKV input
-# gradient), 2.3e-3 at 2,816, 1.3e-2 at 16,384 and 3.8e-2 at 49,152 (weight gradients), above it;
-# promoted, every one of them is at most 1.4e-4. The error grows about linearly with K.
+# gradient), 2.3e-3 at 2,816, 1.3e-2 at 16,384 and 3.8e-2 at 49,152 (weight gradients), above it.
+# The error grows about linearly with K.
 FAST_ACCUMULATION_MAX_K = 1024
+# Products between the promotions of a promoted GEMM (its BLOCK_K: one dot per K step with
+# max_num_imprecise_acc = BLOCK_K). The same emulation's error of every promoted sum is at most
+# 1.3e-4 every 128 products, 2.3e-4 every 256 and 4.4e-4 every 512, all below the bf16 rounding;
+# 256 is the longest whose 128 x 128 tile keeps three pipeline stages in shared memory
+# (3 x 64 KB), and each promotion waits for the tensor cores, so fewer of them cost less.
+PROMOTION_K = 256
+# The promoted GEMMs' tile: 128 x 128 (a second accumulator of the tile's size holds the fast
+# partial sum), K steps of PROMOTION_K, three stages.
+FP8_MATMUL_PROMOTED = LaunchConfig(block_m=128, block_n=128, block_k=PROMOTION_K, group_m=8, num_warps=8,
+                                   num_stages=3)
 # Tiles of the stand-alone fp8 cast (row-major and transposed copies, memory bound).
 FP8_CAST = LaunchConfig(block_m=64, block_n=64, num_warps=4)
 # Tiles of the transpose kernel (an fp8 copy for a GEMM that reads its operand K-major).
@@ -311,7 +321,10 @@ def fp8_fast_accumulation(k):
 
 
 def fp8_matmul_config(m, n, device, fast_accumulation=True):
-    """The production tile for an (m, n) output on `device` (see FP8_MATMUL_LARGE)."""
+    """The production tile for an (m, n) output on `device` (see FP8_MATMUL_LARGE; promoted
+    accumulation: FP8_MATMUL_PROMOTED)."""
+    if not fast_accumulation:
+        return FP8_MATMUL_PROMOTED
     large_tiles = triton.cdiv(m, FP8_MATMUL_LARGE.block_m) * triton.cdiv(n, FP8_MATMUL_LARGE.block_n)
     large = fast_accumulation and large_tiles >= 2 * _sm_count(device)
     return FP8_MATMUL_LARGE if large else FP8_MATMUL_SMALL
@@ -486,6 +499,12 @@ FP8_TMA_RELU2_LARGE = LaunchConfig(block_m=128, block_n=256, block_k=128, group_
 # A split-K launch stages the C tile and an fp32 partial tile for its epilogues: 3 pipeline stages
 # (4 need 262 KB of shared memory with an fp32 C).
 FP8_TMA_SPLIT_STAGES = 3
+# Promoted accumulation: K steps of PROMOTION_K (FP8_MATMUL_PROMOTED's tile) for 16-bit outputs,
+# 229 KB of shared memory with a bf16 C tile (of 227 KiB); a split-K launch of it keeps two stages
+# (one 64 KB slab in flight, as many bytes as three stages of 128), for its fp32 partial tile.
+# An fp32 output keeps FP8_TMA_SMALL: three stages and an fp32 C tile need 262 KB.
+FP8_TMA_PROMOTED = LaunchConfig(block_m=128, block_n=128, block_k=PROMOTION_K, group_m=8, num_warps=8, num_stages=3)
+FP8_TMA_PROMOTED_SPLIT_STAGES = 2
 MAX_SPLIT_K = 16            # most K ranges a last-wave tile is cut into
 MIN_SPLIT_K_STEPS = 8       # fewest K steps (of BLOCK_K) a split-K range keeps, to fill its pipeline
 # A K step of a 128 x 128 x 128 fp8 tile moves 32 KB of operands from L2/HBM into shared memory
@@ -515,18 +534,22 @@ def split_k_plan(tiles, k_steps, sm_count, tile_elements, max_split=MAX_SPLIT_K)
     return (full, rest, best) if best > 1 else (tiles, 0, 1)
 
 
-def fp8_tma_config(m, n, k, device, fast_accumulation=True, split=True):
+def fp8_tma_config(m, n, k, device, fast_accumulation=True, split=True, out_dtype=torch.bfloat16):
     """The persistent kernel's tile for an (m, n) output over k, with its split-K plan (split: the
     plain GEMM's; the relu2 epilogues do not split)."""
     sms = _sm_count(device)
     large_tiles = triton.cdiv(m, FP8_TMA_LARGE.block_m) * triton.cdiv(n, FP8_TMA_LARGE.block_n)
-    config = FP8_TMA_LARGE if fast_accumulation and large_tiles >= 2 * sms else FP8_TMA_SMALL
+    if not fast_accumulation:
+        config = FP8_TMA_PROMOTED if out_dtype.itemsize <= 2 else FP8_TMA_SMALL
+    else:
+        config = FP8_TMA_LARGE if large_tiles >= 2 * sms else FP8_TMA_SMALL
     if not split:
         return config
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     _, _, split_k = split_k_plan(tiles, triton.cdiv(k, config.block_k), sms, config.block_m * config.block_n)
     if split_k > 1:                # a split kernel stages two epilogue tiles (C and an fp32 partial)
-        return dataclasses.replace(config, split_k=split_k, num_stages=FP8_TMA_SPLIT_STAGES)
+        stages = FP8_TMA_PROMOTED_SPLIT_STAGES if config is FP8_TMA_PROMOTED else FP8_TMA_SPLIT_STAGES
+        return dataclasses.replace(config, split_k=split_k, num_stages=stages)
     return config
 
 
@@ -788,11 +811,12 @@ def _fp8_matmul_candidates(a, b, scale_a, scale_b, out_dtype, fast_accumulation)
     args = (a, b, scale_a, scale_b, out_dtype)
     found = []
     if _tma_plain_ok(a, b, out_dtype):
-        plan = fp8_tma_config(M, N, K, a.device, fast_accumulation)
+        plan = fp8_tma_config(M, N, K, a.device, fast_accumulation, out_dtype=out_dtype)
         configs = [plan, dataclasses.replace(plan, split_k=1)]
-        other = FP8_TMA_SMALL if plan.block_n == FP8_TMA_LARGE.block_n else FP8_TMA_LARGE
-        if fast_accumulation or other.block_n == FP8_TMA_SMALL.block_n:
-            configs.append(other)
+        if fast_accumulation:      # the other tile
+            configs.append(FP8_TMA_SMALL if plan.block_n == FP8_TMA_LARGE.block_n else FP8_TMA_LARGE)
+        else:                      # promoted every 128 products
+            configs.append(FP8_TMA_SMALL)
         for config in dict.fromkeys(configs):
             found.append(kernel_choice.Candidate(
                 f"tma {config.block_m}x{config.block_n}x{config.block_k} split {config.split_k}",
@@ -823,7 +847,8 @@ def _launch_fp8_matmul(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, o
         return _run_fp8_matmul_pointer(*args, config, fast_accumulation)
     if impl == "tma" and _tma_plain_ok(a, b, out_dtype):
         config = _config_from_list(config) if config else fp8_tma_config(a.shape[0], b.shape[1], a.shape[1],
-                                                                         a.device, fast_accumulation)
+                                                                         a.device, fast_accumulation,
+                                                                         out_dtype=out_dtype)
         return _run_fp8_matmul_tma(*args, config, fast_accumulation)
     candidates = _fp8_matmul_candidates(*args, fast_accumulation)
     if impl == "scaled_mm" and candidates[-1].name == "scaled_mm":
@@ -900,11 +925,8 @@ def _fp8_matmul_quant_candidates(a, b, scale_a, scale_b, act, act_scale, out_sca
     args = (a, b, scale_a, scale_b, act, act_scale, out_scale, out_amax, out_dtype, epilogue)
     found = []
     if _tma_quant_ok(a, b, act, epilogue):
-        configs = [FP8_TMA_QUANT]
-        if epilogue == "relu2":
-            large_tiles = triton.cdiv(a.shape[0], FP8_TMA_RELU2_LARGE.block_m) * triton.cdiv(
-                b.shape[1], FP8_TMA_RELU2_LARGE.block_n)
-            configs.insert(0 if large_tiles >= 2 * _sm_count(a.device) else 1, FP8_TMA_RELU2_LARGE)
+        rule = fp8_tma_quant_config(a.shape[0], b.shape[1], epilogue, a.device)
+        configs = dict.fromkeys([rule, FP8_TMA_QUANT, FP8_TMA_RELU2_LARGE][:3 if epilogue == "relu2" else 2])
         for config in configs:
             found.append(kernel_choice.Candidate(f"tma {config.block_m}x{config.block_n}x{config.block_k}",
                                                  functools.partial(_run_fp8_matmul_quant_tma, *args, config)))
@@ -912,6 +934,14 @@ def _fp8_matmul_quant_candidates(a, b, scale_a, scale_b, act, act_scale, out_sca
     found.append(kernel_choice.Candidate(f"pointer {pointer.block_m}x{pointer.block_n}x{pointer.block_k}",
                                          functools.partial(_run_fp8_matmul_quant_pointer, *args, pointer)))
     return found
+
+
+def fp8_tma_quant_config(m, n, epilogue, device):
+    """The persistent kernel's tile for a relu2 epilogue GEMM with an (m, n) output: the forward's
+    128 x 256 where the output has at least two waves of them, else 128 x 128."""
+    large_tiles = triton.cdiv(m, FP8_TMA_RELU2_LARGE.block_m) * triton.cdiv(n, FP8_TMA_RELU2_LARGE.block_n)
+    large = epilogue == "relu2" and large_tiles >= 2 * _sm_count(device)
+    return FP8_TMA_RELU2_LARGE if large else FP8_TMA_QUANT
 
 
 def _quant_pointer_config(a, b, epilogue):

@@ -10,16 +10,18 @@ section 3.3.2) measured about 14 bits retained on H800. Two models of it bound t
              (a biased model: every cut shrinks the sum);
   nearest    the same, rounded to nearest (unbiased).
 "fast" sums every slice of the K loop that way (torch._scaled_mm's use_fast_accum=True, Triton's
-default for fp8 dots); "promoted" does so within each BLOCK_K = 128 (four slices, the
-accumulator started from zero) and adds that into an fp32 sum, rounded to nearest
-(max_num_imprecise_acc = BLOCK_K). Both are compared with the float64 sum of the same fp8
+default for fp8 dots); "promoted P" does so within each P products (P / 32 slices, the
+accumulator started from zero) and adds that into an fp32 sum, rounded to nearest (a dot of
+K = P with max_num_imprecise_acc = P: the backward GEMMs' BLOCK_K). Both are compared with the float64 sum of the same fp8
 operands: the relative Frobenius error of an (M, N) output. Beside them: the error of rounding
 that output to bf16 (the dtype the gradients are stored in), and the error the fp8 quantization
 of the operands itself makes (float64 sums of the quantized against the unquantized operands),
 the noise FP8 training already carries.
 
 The decision (`decision`): fast accumulation where even the biased model's error is below the
-output's own bf16 rounding, so that it cannot show in the stored gradient; else promoted.
+output's own bf16 rounding, so that it cannot show in the stored gradient; else promoted, every
+P products for the longest P of PROMOTION_INTERVALS whose biased error is below that rounding
+(kernels.PROMOTION_K: the shortest of them over the promoted GEMMs).
 
 The operands: what each backward GEMM sums over, with the trainer's casts (per-tensor scale at
 the amax, e5m2 gradients, e4m3 activations and weights): gradients heavy-tailed (Student t with
@@ -33,7 +35,7 @@ import dataclasses
 import torch
 
 SLICE = 32                 # products one fp8 wgmma instruction adds (its K)
-BLOCK_K = 128              # products between promotions (the backward GEMMs' max_num_imprecise_acc)
+PROMOTION_INTERVALS = (128, 256, 512)   # products between promotions measured (a dot's BLOCK_K)
 ACC_BITS = 14              # significand bits the fast accumulator keeps (DeepSeek-V3, H800)
 FP32_BITS = 24
 MEAN_SHARE = 0.1           # a gradient column's mean, as a share of its spread
@@ -126,29 +128,36 @@ def measure(gemm, generator):
     row = {"quantization": relative(exact, a @ b), "bf16 rounding": relative(exact.to(torch.bfloat16).double(), exact)}
     for mode in ("truncate", "nearest"):
         row[f"fast {mode}"] = relative(accumulate(sums, mode), exact)
-        row[f"promoted {mode}"] = relative(accumulate(sums, mode, BLOCK_K // SLICE), exact)
+    for interval in PROMOTION_INTERVALS:
+        row[f"promoted {interval} truncate"] = relative(accumulate(sums, "truncate", interval // SLICE), exact)
+    row["promoted 128 nearest"] = relative(accumulate(sums, "nearest", PROMOTION_INTERVALS[0] // SLICE), exact)
     return row
 
 
-COLUMNS = ("fast truncate", "fast nearest", "promoted truncate", "promoted nearest", "bf16 rounding", "quantization")
+COLUMNS = ("fast truncate", "fast nearest", *(f"promoted {p} truncate" for p in PROMOTION_INTERVALS),
+           "promoted 128 nearest", "bf16 rounding", "quantization")
 
 
 def decision(row):
-    """Fast accumulation where its error under the biased model stays below the output's own
-    bf16 rounding (see the module docstring)."""
-    return row["fast truncate"] <= row["bf16 rounding"]
+    """"fast" where the fast accumulator's error under the biased model stays below the output's
+    own bf16 rounding, else "promote every P" for the longest such P (see the module docstring);
+    "promote every 128" where none is below it."""
+    if row["fast truncate"] <= row["bf16 rounding"]:
+        return "fast"
+    safe = [p for p in PROMOTION_INTERVALS if row[f"promoted {p} truncate"] <= row["bf16 rounding"]]
+    return f"promote every {max(safe, default=PROMOTION_INTERVALS[0])}"
 
 
 def main(argv=None):
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     torch.manual_seed(SEED)
     generator = torch.Generator().manual_seed(SEED)
-    print("| GEMM | K | " + " | ".join(COLUMNS) + " | fast accumulation |")
+    print("| GEMM | K | " + " | ".join(COLUMNS) + " | accumulation |")
     print("| --- | --- |" + " --- |" * (len(COLUMNS) + 1))
     for gemm in GEMMS:
         row = measure(gemm, generator)
         cells = " | ".join(f"{row[c]:.1e}" for c in COLUMNS)
-        print(f"| {gemm.name} | {gemm.k:,} | {cells} | {'safe' if decision(row) else 'promote'} |", flush=True)
+        print(f"| {gemm.name} | {gemm.k:,} | {cells} | {decision(row)} |", flush=True)
 
 
 if __name__ == "__main__":

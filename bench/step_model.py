@@ -142,9 +142,12 @@ TABLES_PATH = pathlib.Path(__file__).resolve().parent / "results" / "step_model.
 # in-kernel tensor descriptors 1,331, cuBLAS 1,278; as shares of the dense FP8 peak.
 FP8_REFERENCE_SHAPE = (8192, 8192, 4096)
 FP8_REFERENCE = {"pointer": 1209 / 1979, "descriptor": 1331 / 1979, "cublas": 1278 / 1979}
-# Turning fast accumulation off (an fp32 promotion every BLOCK_K) costs 10-17% (the same PR's
-# measurements, and torch._scaled_mm's use_fast_accum=False): the time 1.135x, 1.17x pessimistic.
+# Turning fast accumulation off (an fp32 promotion every BLOCK_K = 128 products) costs 10-17% (the
+# same PR's measurements, and torch._scaled_mm's use_fast_accum=False): the time 1.135x, 1.17x
+# pessimistic. Each promotion waits for the tensor cores' sum: a kernel promoting every P
+# products pays that extra time times PROMOTION_COST_K / P (the model's, not a measurement).
 PROMOTION_COST = (1.135, 1.17)
+PROMOTION_COST_K = 128
 # K steps of a tile that run no tensor-core work: a one-tile-per-program kernel fills its
 # pipeline (num_stages - 1 = 2 slabs in flight before the first product) and drains its epilogue
 # before the SM's next program starts: 2 steps; a persistent kernel whose tile loop is flattened
@@ -230,21 +233,35 @@ def measured_efficiency(path=MEASURED_PATH):
     return dataclasses.replace(STRUCTURE, structures=structures, gap_s=found.get("gap_s", STRUCTURE.gap_s))
 
 
-def gemm_tiles(m, n, k, fast, structure, sms=132):
-    """(output tiles, K steps, tile elements, the busiest SM's K steps) of an FP8 GEMM run by a
-    kernel of `structure`, with the tiles and split-K plan kernels.py picks."""
+def fp8_config(m, n, k, fast, structure, epilogue=None):
+    """The tile a kernel of `structure` runs an (m, k) x (k, n) FP8 GEMM on, as kernels.py picks it
+    (16-bit outputs; epilogue: "relu2" or "relu2_grad" for the fused MLP GEMMs). cuBLAS is priced on
+    the persistent kernel's tiles with K steps of PROMOTION_COST_K, the promotion interval of the
+    public figure (its own is not published)."""
     device = torch.device("cpu")
     if structure == "pointer":
-        config = kernels.fp8_matmul_config(m, n, device, fast)
-    else:
-        config = kernels.fp8_tma_config(m, n, k, device, fast)
+        if epilogue == "relu2_grad":
+            return kernels.FP8_MATMUL_RELU2_GRAD
+        return kernels.fp8_matmul_config(m, n, device, fast or epilogue == "relu2")
+    if epilogue is not None:
+        return kernels.fp8_tma_quant_config(m, n, epilogue, device)
+    if structure == "cublas" and not fast:    # the promoted tile of 128-product K steps
+        return kernels.fp8_tma_config(m, n, k, device, fast, out_dtype=torch.float32)
+    return kernels.fp8_tma_config(m, n, k, device, fast)
+
+
+def gemm_tiles(m, n, k, fast, structure, sms=132, epilogue=None):
+    """(output tiles, K steps, tile elements, the busiest SM's K steps) of an FP8 GEMM run by a
+    kernel of `structure`, with the tiles and split-K plan kernels.py picks (fp8_config)."""
+    config = fp8_config(m, n, k, fast, structure, epilogue)
     tiles = math.ceil(m / config.block_m) * math.ceil(n / config.block_n)
     k_steps = math.ceil(k / config.block_k)
     overhead = TILE_OVERHEAD_STEPS[structure]
     if structure == "pointer":
         busy = math.ceil(tiles / sms) * (k_steps + overhead)
     else:
-        full, rest, split = kernels.split_k_plan(tiles, k_steps, sms, config.block_m * config.block_n)
+        full, rest, split = (kernels.split_k_plan(tiles, k_steps, sms, config.block_m * config.block_n)
+                             if config.split_k > 1 else (tiles, 0, 1))
         units = full + rest * split
         per_range = math.ceil(k_steps / split) if rest else 0
         busy = full / sms * k_steps + math.ceil(rest * split / sms) * per_range + math.ceil(units / sms) * overhead
@@ -253,16 +270,19 @@ def gemm_tiles(m, n, k, fast, structure, sms=132):
     return tiles, k_steps, config.block_m * config.block_n, busy
 
 
-def gemm_efficiency(m, n, k, fast, structure, structures):
+def gemm_efficiency(m, n, k, fast, structure, structures, epilogue=None):
     """Share of the FP8 peak of an (m, k) x (k, n) GEMM by a kernel of `structure`: its public
     figure at the reference shape, times the share of the busiest SM's steps that are products at
     this shape over that share at the reference shape (waves on 132 SMs, K depth, split-K), slower
-    by the promotion's cost where the accumulation is promoted."""
-    def useful(shape_m, shape_n, shape_k, fast_accumulation):
-        tiles, k_steps, _, busy = gemm_tiles(shape_m, shape_n, shape_k, fast_accumulation, structure)
+    by the promotion's cost where the accumulation is promoted (PROMOTION_COST_K)."""
+    def useful(shape_m, shape_n, shape_k, fast_accumulation, kind=None):
+        tiles, k_steps, _, busy = gemm_tiles(shape_m, shape_n, shape_k, fast_accumulation, structure, epilogue=kind)
         return tiles * k_steps / 132 / busy
-    share = structures.fp8[structure] * useful(m, n, k, fast) / useful(*FP8_REFERENCE_SHAPE, True)
-    return share if fast else share / structures.promotion_cost
+    share = structures.fp8[structure] * useful(m, n, k, fast, epilogue) / useful(*FP8_REFERENCE_SHAPE, True)
+    if fast:
+        return share
+    block_k = fp8_config(m, n, k, fast, structure, epilogue).block_k
+    return share / (1 + (structures.promotion_cost - 1) * PROMOTION_COST_K / block_k)
 
 
 def attention_efficiency(span, backward, structures, structure="fa2"):
@@ -633,22 +653,22 @@ FP8_STRUCTURES = {"auto": ("descriptor", "pointer", "cublas"), "rule": ("descrip
 
 
 def fp8_structure(event):
-    """("fp8", m, k, n, fast, structures) of an FP8 GEMM event: the kernels it may run on (all
-    three where it picks the fastest: the persistent descriptor kernel, the pointer kernel,
-    cuBLAS), and its accumulation."""
+    """("fp8", m, k, n, fast, structures, epilogue) of an FP8 GEMM event: the kernels it may run
+    on (all three where it picks the fastest: the persistent descriptor kernel, the pointer
+    kernel, cuBLAS), its accumulation and the fused MLP GEMMs' epilogue (None: a plain GEMM)."""
     (m, k), n = event.inputs[0][0], event.inputs[1][0][1]
     args = list(event.args)
     impl = args[-1] if args and isinstance(args[-1], str) and args[-1] in FP8_STRUCTURES else ""
     if event.name == "aten._scaled_mm":
         fast = bool(next((a for a in reversed(args) if isinstance(a, bool)), False))
-        return ("fp8", m, k, n, fast, ("cublas",))
+        return ("fp8", m, k, n, fast, ("cublas",), None)
     if event.name == "kernels.fp8_matmul_quant":
         epilogue = next(a for a in args if a in ("relu2", "relu2_grad"))
         fast = epilogue == "relu2" or (bool(impl) and kernels.fp8_fast_accumulation(k))
         structures = ("descriptor", "pointer") if impl == "auto" else FP8_STRUCTURES.get(impl, ("pointer",))
-        return ("fp8", m, k, n, fast, structures)
+        return ("fp8", m, k, n, fast, structures, epilogue)
     fast = bool(next(a for a in reversed(args) if isinstance(a, bool)))
-    return ("fp8", m, k, n, fast, FP8_STRUCTURES.get(impl, ("pointer",)))
+    return ("fp8", m, k, n, fast, FP8_STRUCTURES.get(impl, ("pointer",)), None)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1040,14 +1060,14 @@ def structure_seconds(op, gpu, eff):
     s = eff.structures
     memory = op.bytes / (gpu.hbm_tb_s * 1e12 * eff.hbm)
     if op.structure[0] == "fp8":
-        _, m, k, n, fast, structures = op.structure
+        _, m, k, n, fast, structures, epilogue = op.structure
         times = []
         for structure in structures:
             launches = 1
-            if structure == "descriptor":
+            if structure == "descriptor" and epilogue is None:
                 tiles, k_steps, elements, _ = gemm_tiles(m, n, k, fast, structure)
                 launches += kernels.split_k_plan(tiles, k_steps, 132, elements)[1] > 0
-            compute = op.flops / (gpu.tflops["fp8"] * 1e12 * gemm_efficiency(m, n, k, fast, structure, s))
+            compute = op.flops / (gpu.tflops["fp8"] * 1e12 * gemm_efficiency(m, n, k, fast, structure, s, epilogue))
             times.append(max(compute, memory, KERNEL_FLOOR_S * launches) + eff.gap_s * launches)
         return min(times)
     _, found, allowed = op.structure
@@ -1316,7 +1336,8 @@ def band_text(band):
             ("structure-based", band["structure"],
              f"each kernel by its structure: FP8 persistent descriptor {s.fp8['descriptor']:.1%}, pointer "
              f"{s.fp8['pointer']:.1%}, cuBLAS {s.fp8['cublas']:.1%} at 8192x8192x4096, scaled by waves and K depth, "
-             f"promoted accumulation {s.promotion_cost:.3f}x the time; attention FlashAttention-2-class "
+             f"promoted accumulation {s.promotion_cost:.3f}x the time every {PROMOTION_COST_K} products (every "
+             f"{kernels.PROMOTION_K}: that extra share x{PROMOTION_COST_K / kernels.PROMOTION_K:g}); attention FlashAttention-2-class "
              f"{s.attention_long:.0%} on long spans, {s.attention_at_512:.0%} at 512 keys, backward "
              f"x{s.backward_ratio:.2f}, descriptor loads x{DESCRIPTOR_FACTOR:.2f}, warp-specialized too "
              f"(FlashAttention-3-class) x{FA3_FACTOR:.2f}; {STRUCTURE.gap_s * 1e6:.0f} us between kernels"),

@@ -610,7 +610,7 @@ MUTATIONS = [
              KERNEL_CHOICE, "the selection keeps the slowest candidate"),
     Mutation("machinery/kernel_choice.py", "    return _STATE.agree(mine) if _STATE.agree is not None else mine", "    return mine",
              KERNEL_CHOICE, "each process keeps its own timing's choice, not rank 0's"),
-    Mutation("bench/step_model.py", "    return share if fast else share / structures.promotion_cost", "    return share",
+    Mutation("bench/step_model.py", "    if fast:\n        return share\n    block_k", "    if True:\n        return share\n    block_k",
              STRUCTURE_PRICES, "promoted accumulation priced as fast"),
     # a compiled model's FP8 casts, XSA in the heads' dtype
     Mutation("kernels.py", "amax.copy_(torch.maximum(amax, x.abs().amax(dim=-1).amax().float().reshape(1)))",
@@ -855,6 +855,15 @@ MUTATIONS = [
     Mutation("records/logfile.py", "        others = (load - load_at_start * decay) / (1 - decay) - run_threads",
              "        others = load - run_threads * (1 - decay)", ["tests/test_run_report.py", "-k", "other_work"],
              "the load of a run that ended before this one counted as other work"),
+    Mutation("kernels.py", "        stages = FP8_TMA_PROMOTED_SPLIT_STAGES if config is FP8_TMA_PROMOTED else FP8_TMA_SPLIT_STAGES",
+             "        stages = FP8_TMA_SPLIT_STAGES", ["tests/test_kernels.py", "-k", "promoted_gemms"],
+             "a split launch of the promoted tile with three stages (past the shared memory)"),
+    Mutation("kernels.py", "GROUP_M=config.group_m, EVEN_K=a.shape[1] % config.block_k == 0)",
+             "GROUP_M=config.group_m, EVEN_K=a.shape[1] % 128 == 0)", ["tests/test_kernels.py", "-k", "promoted_tile"],
+             "the pointer kernel's K tail left unmasked where K is a multiple of 128 but not of its K step"),
+    Mutation("bench/step_model.py", "    return share / (1 + (structures.promotion_cost - 1) * PROMOTION_COST_K / block_k)",
+             "    return share / structures.promotion_cost", ["tests/test_step_model.py", "-k", "public_figures"],
+             "the step model pricing a promotion every 256 products as one every 128"),
 ]
 
 

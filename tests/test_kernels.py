@@ -287,6 +287,44 @@ def test_fp8_tma_matmul_matches_scaled_mm_exactly(split_k, sms, a_dtype, b_dtype
     assert torch.equal(out, torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype))
 
 
+def test_promoted_gemms_take_the_promotion_interval_as_their_k_step():
+    """A promoted GEMM (an fp32 sum every BLOCK_K products) runs on K steps of PROMOTION_K, on the
+    pointer kernel and the persistent one, whole or split (two stages then: its shared memory);
+    an fp32 output and fast accumulation keep their 128-product tiles, and the warm-up is also
+    offered the persistent kernel promoting every 128 products."""
+    cuda = torch.device("cuda")
+    assert kernels.PROMOTION_K == 256 and kernels.fp8_matmul_config(49152, 768, cuda, False).block_k == 256
+    whole = kernels.fp8_tma_config(2 * 132 * 128, 128, 2816, cuda, False)
+    assert (whole.block_k, whole.split_k, whole.num_stages) == (256, 1, 3)
+    split = kernels.fp8_tma_config(768, 1536, 49152, cuda, False)          # 72 tiles: one partial wave
+    assert (split.block_k, split.num_stages) == (256, kernels.FP8_TMA_PROMOTED_SPLIT_STAGES) and split.split_k > 1
+    assert kernels.fp8_tma_config(2 * 132 * 128, 128, 2816, cuda, False, out_dtype=torch.float32).block_k == 128
+    for config in (kernels.fp8_tma_config(49152, 2816, 768, cuda), kernels.fp8_matmul_config(49152, 2816, cuda)):
+        assert config.block_k == 128
+    a = torch.empty(768, 49152, dtype=E5M2)
+    b = torch.empty(1536, 49152, dtype=E4M3).t()
+    one = torch.ones(1)
+    names = [c.name for c in kernels._fp8_matmul_candidates(a, b, one, one, torch.bfloat16, False)]
+    assert names[0].startswith("tma 128x128x256 split") and "tma 128x128x128 split 1" in names
+    assert "pointer 128x128x256" in names
+
+
+@interpreted
+@pytest.mark.parametrize("impl,config", [
+    ("pointer", kernels.FP8_MATMUL_PROMOTED), ("tma", kernels.FP8_TMA_PROMOTED),
+    ("tma", dataclasses.replace(kernels.FP8_TMA_PROMOTED, split_k=2, num_stages=kernels.FP8_TMA_PROMOTED_SPLIT_STAGES))])
+def test_fp8_promoted_tile_matches_oracle_exactly(impl, config):
+    """EXACT: the production promoted tile (128 x 128, K steps of 256) on a backward GEMM's
+    operands: K = 640, two and a half K steps (the last one's tail masked or read as zeros), M and
+    N past a tile; split, the K steps cut into two ranges on one SM."""
+    generator = torch.Generator().manual_seed(11)
+    a, b = _fp8_operands(136, 640, 130, E5M2, E4M3, True, generator, limit=2)
+    one, half = torch.full((1,), 1.0), torch.full((1,), 0.5)
+    with SmCount(1):
+        got = kernels.fp8_matmul(a, b, one, half, torch.bfloat16, config=config, fast_accumulation=False, impl=impl)
+    assert torch.equal(got, matmul_oracle(a, b, one, half, torch.bfloat16))
+
+
 def test_split_k_plan_splits_only_the_last_wave_where_it_pays():
     """Whole waves stay whole; a last wave of few tiles with a long K is cut (12 tiles over 132
     SMs after a whole wave, 384 K steps: 11 ranges), a nearly full one or a short K is not."""
@@ -1785,7 +1823,7 @@ def _check_fp8_backward_accumulation(tokens, outputs, device):
 
     Static power-of-two scales (1/4) quantize positive multiples of 1/4 up to 1 exactly, so the
     dequantized operands are the inputs themselves, every product is a multiple of 1/16 <= 1,
-    each BLOCK_K = 128 chunk of a sum is at most 128 (2^11 sixteenths: exact within
+    each BLOCK_K = PROMOTION_K = 256 chunk of a sum is at most 256 (2^12 sixteenths: exact within
     FAST_ACCUMULATOR_BITS) and a whole sum at most 50,304 (2^20 sixteenths: exact in fp32). So
     fp32 accumulation of the chunks (max_num_imprecise_acc = BLOCK_K) gives the float64 result
     exactly, and the check is equality: grad_w sums over `tokens`, grad_x over `outputs`. The
@@ -1803,7 +1841,7 @@ def _check_fp8_backward_accumulation(tokens, outputs, device):
     y = kernels.fp8_linear(*leaves, kernels.new_fp8_linear_state(device), scales=scales)
     grad_x, grad_w = torch.autograd.grad(y, leaves, grad_y.to(device))
     for a, b, got, what in ((grad_y, w, grad_x, "input gradient"), (grad_y.t(), x, grad_w, "weight gradient")):
-        assert _chunk_sums_exact(a, b, kernels.FP8_MATMUL_SMALL.block_k, FAST_ACCUMULATOR_BITS)
+        assert _chunk_sums_exact(a, b, kernels.PROMOTION_K, FAST_ACCUMULATOR_BITS)
         assert exact_sums(a, b) and (a.shape[1] < 1024 or not exact_sums(a, b, FAST_ACCUMULATOR_BITS))
         assert torch.equal(got.cpu().double(), (a.double() @ b.double()).to(got.dtype).double()), what
 
