@@ -864,6 +864,9 @@ MUTATIONS = [
     Mutation("bench/step_model.py", "    return share / (1 + (structures.promotion_cost - 1) * PROMOTION_COST_K / block_k)",
              "    return share / structures.promotion_cost", ["tests/test_step_model.py", "-k", "public_figures"],
              "the step model pricing a promotion every 256 products as one every 128"),
+    Mutation("bench/inductor_census.py", "    tiny = sum(elements.get(name, TINY_ELEMENTS + 1) <= TINY_ELEMENTS for name in runs)",
+             "    tiny = sum(elements.get(name, TINY_ELEMENTS + 1) < TINY_ELEMENTS for name in runs)",
+             ["tests/test_step_model.py", "-k", "inductor_census"], "a kernel of TINY_ELEMENTS elements not counted as tiny"),
 ]
 
 

@@ -475,3 +475,37 @@ def test_the_band_prices_with_measured_efficiencies_when_first_contact_wrote_the
     band = sm.band_seconds(m, path)
     assert band["measured"] < band["structure"] < band["pessimistic"]
     assert "measured" not in sm.band_seconds(m, tmp_path / "absent.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# bench/inductor_census.py: what Inductor's Triton backend generates, read on a CPU
+
+
+def test_inductor_census_reads_the_kernels_inductor_generates():
+    """A residual add and an RMS norm, a matmul, then a per-tensor amax of its output, through
+    Inductor's Triton code generation on the CPU: the add and the norm fuse into one persistent
+    reduction, the matmul is a library call, the amax takes a per-row reduction and a last one
+    over the 64 row maxima (a kernel over at most TINY_ELEMENTS elements)."""
+    import inductor_census as ic
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+    graphs = []
+
+    def keep(gm, inputs):
+        graphs.append((gm, inputs))
+        return make_boxed_func(gm.forward)
+
+    def norm_matmul_amax(x, r, w):
+        y = (x + r).float()
+        z = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16) @ w
+        return z.float().abs().amax(dim=-1).amax()
+    generator = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(64, 256, generator=generator, dtype=torch.bfloat16) for _ in range(2))
+    w = torch.randn(256, 128, generator=generator, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=keep, decompositions=select_decomp_table())
+    torch.compile(norm_matmul_amax, backend=backend, fullgraph=True)(x, r, w)
+    source = ic.inductor_source(*graphs[0], backward=False)
+    launches, tiny, library = ic.count_launches(source)
+    assert launches == {"persistent reduction": 3} and tiny == 1 and library == 1
