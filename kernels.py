@@ -326,8 +326,7 @@ def fp8_matmul_config(m, n, device, fast_accumulation=True):
     if not fast_accumulation:
         return FP8_MATMUL_PROMOTED
     large_tiles = triton.cdiv(m, FP8_MATMUL_LARGE.block_m) * triton.cdiv(n, FP8_MATMUL_LARGE.block_n)
-    large = fast_accumulation and large_tiles >= 2 * _sm_count(device)
-    return FP8_MATMUL_LARGE if large else FP8_MATMUL_SMALL
+    return FP8_MATMUL_LARGE if large_tiles >= 2 * _sm_count(device) else FP8_MATMUL_SMALL
 
 
 @triton.jit
@@ -500,9 +499,9 @@ FP8_TMA_RELU2_LARGE = LaunchConfig(block_m=128, block_n=256, block_k=128, group_
 # (4 need 262 KB of shared memory with an fp32 C).
 FP8_TMA_SPLIT_STAGES = 3
 # Promoted accumulation: K steps of PROMOTION_K (FP8_MATMUL_PROMOTED's tile) for 16-bit outputs,
-# 229 KB of shared memory with a bf16 C tile (of 227 KiB); a split-K launch of it keeps two stages
-# (one 64 KB slab in flight, as many bytes as three stages of 128), for its fp32 partial tile.
-# An fp32 output keeps FP8_TMA_SMALL: three stages and an fp32 C tile need 262 KB.
+# 229,400 bytes of shared memory with a bf16 C tile (sm_90 allows 232,448); a split-K launch of it
+# keeps two stages (one 64 KB slab in flight, as many bytes as three stages of 128) for its fp32
+# partial tile. An fp32 output keeps FP8_TMA_SMALL: three stages and an fp32 C tile need 262,168.
 FP8_TMA_PROMOTED = LaunchConfig(block_m=128, block_n=128, block_k=PROMOTION_K, group_m=8, num_warps=8, num_stages=3)
 FP8_TMA_PROMOTED_SPLIT_STAGES = 2
 MAX_SPLIT_K = 16            # most K ranges a last-wave tile is cut into
@@ -925,9 +924,9 @@ def _fp8_matmul_quant_candidates(a, b, scale_a, scale_b, act, act_scale, out_sca
     args = (a, b, scale_a, scale_b, act, act_scale, out_scale, out_amax, out_dtype, epilogue)
     found = []
     if _tma_quant_ok(a, b, act, epilogue):
-        rule = fp8_tma_quant_config(a.shape[0], b.shape[1], epilogue, a.device)
-        configs = dict.fromkeys([rule, FP8_TMA_QUANT, FP8_TMA_RELU2_LARGE][:3 if epilogue == "relu2" else 2])
-        for config in configs:
+        configs = [fp8_tma_quant_config(a.shape[0], b.shape[1], epilogue, a.device), FP8_TMA_QUANT]
+        configs += [FP8_TMA_RELU2_LARGE] if epilogue == "relu2" else []
+        for config in dict.fromkeys(configs):
             found.append(kernel_choice.Candidate(f"tma {config.block_m}x{config.block_n}x{config.block_k}",
                                                  functools.partial(_run_fp8_matmul_quant_tma, *args, config)))
     pointer = _quant_pointer_config(a, b, epilogue)

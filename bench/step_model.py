@@ -245,7 +245,7 @@ def fp8_config(m, n, k, fast, structure, epilogue=None):
         return kernels.fp8_matmul_config(m, n, device, fast or epilogue == "relu2")
     if epilogue is not None:
         return kernels.fp8_tma_quant_config(m, n, epilogue, device)
-    if structure == "cublas" and not fast:    # the promoted tile of 128-product K steps
+    if structure == "cublas" and not fast:    # fp8_tma_config's promoted tile of 128-product K steps (fp32 C)
         return kernels.fp8_tma_config(m, n, k, device, fast, out_dtype=torch.float32)
     return kernels.fp8_tma_config(m, n, k, device, fast)
 
