@@ -113,7 +113,7 @@ def structure_ms(flops, nbytes, m, k, n, fast, structure):
     """The step model's structure-based time of one FP8 GEMM on one structure (an H200)."""
     import step_model
     op = step_model.Op("bench", "gemm", "bench", flops=flops, dtype="fp8", bytes=nbytes,
-                       structure=("fp8", m, k, n, fast, (structure,)))
+                       structure=("fp8", m, k, n, fast, (structure,), None))
     return 1e3 * step_model.op_seconds(op, step_model.H200, step_model.STRUCTURE, 1)
 
 
