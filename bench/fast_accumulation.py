@@ -12,8 +12,8 @@ section 3.3.2) measured about 14 bits retained on H800. Two models of it bound t
 "fast" sums every slice of the K loop that way (torch._scaled_mm's use_fast_accum=True, Triton's
 default for fp8 dots); "promoted P" does so within each P products (P / 32 slices, the
 accumulator started from zero) and adds that into an fp32 sum, rounded to nearest (a dot of
-K = P with max_num_imprecise_acc = P: the backward GEMMs' BLOCK_K). Both are compared with the float64 sum of the same fp8
-operands: the relative Frobenius error of an (M, N) output. Beside them: the error of rounding
+K = P with max_num_imprecise_acc = P: the backward GEMMs' BLOCK_K). Both are compared with the
+float64 sum of the same fp8 operands: the relative Frobenius error of an (M, N) output. Beside them: the error of rounding
 that output to bf16 (the dtype the gradients are stored in), and the error the fp8 quantization
 of the operands itself makes (float64 sums of the quantized against the unquantized operands),
 the noise FP8 training already carries.
@@ -21,7 +21,8 @@ the noise FP8 training already carries.
 The decision (`decision`): fast accumulation where even the biased model's error is below the
 output's own bf16 rounding, so that it cannot show in the stored gradient; else promoted, every
 P products for the longest P of PROMOTION_INTERVALS whose biased error is below that rounding
-(kernels.PROMOTION_K: the shortest of them over the promoted GEMMs).
+(kernels.PROMOTION_K is at most the shortest of them over the promoted GEMMs, and as long as its
+tiles' shared memory allows).
 
 The operands: what each backward GEMM sums over, with the trainer's casts (per-tensor scale at
 the amax, e5m2 gradients, e4m3 activations and weights): gradients heavy-tailed (Student t with
