@@ -9,7 +9,8 @@ reference with the same signature and the same math. The trainer uses the refere
 Families:
   1. FP8 matmul       fp8_matmul, fp8_linear, fp8_relu2_mlp          (+ *_reference)
                       (a persistent tensor-descriptor kernel and a
-                      pointer-load tile kernel; torch._scaled_mm)
+                      pointer-load tile kernel; torch._scaled_mm);
+                      fp8_cast_weights (several layers' weights)
   2. Flash attention  flash_attn_varlen (one-kernel backward with    attention_reference
                       atomic dQ, or the deterministic two-kernel one;
                       descriptor variants, the forward warp-specialized)
@@ -17,7 +18,7 @@ Families:
                       (on CPU: softcap_cross_entropy_chunked, the same algorithm in plain torch);
                       fp8_head_cross_entropy (the FP8 head and the    fp8_linear_reference, then
                       cross-entropy in one; transpose)                softcap_cross_entropy_reference
-  4. Muon helper      xxt                                            xxt_reference
+  4. Muon helper      xxt (alpha X X^T + beta X)                     xxt_reference
   5. QK norm + RoPE   qk_norm_rope                                   qk_norm_rope_reference
   6. Sparse rows      distinct_rows (plain torch), sum_rows,         sum_rows_reference,
                       add_row_sums_, sparse_adam_rows_               add_row_sums_reference_,
@@ -58,9 +59,12 @@ results discarded) before the first real one record real amaxes, as the trainer 
 beyond the fp8 range saturate. A compiled model passes casts="fused": the activations and
 gradients are then cast in torch ops that Inductor fuses into the kernel making them (a norm, a
 residual's gradient), and only the transposed copy is a kernel of ours (fp8_cast_fused); the
-weights keep the cast kernel. The `*_reference` functions take the same arguments, update the
-state the same way and quantize identically with torch casts: the trainer's A/B switch, and its
-FP8 emulation on a CPU.
+weights keep the cast kernel. A model with many FP8 layers casts their weights together at the
+start of a forward (fp8_linear_weight_casts, fp8_mlp_weight_casts: a few launches per group of
+same-shaped weights, the same scales, bytes and state updates as each layer's own cast) and
+passes each layer its casts (weight_cast, weight_casts). The `*_reference` functions take the
+same arguments, update the state the same way and quantize identically with torch casts: the
+trainer's A/B switch, and its FP8 emulation on a CPU.
 
 The other families need no state of their own: flash_attn_varlen(q, k, v, cu_seqlens, window,
 softmax_scale), softcap_cross_entropy(logits, targets, weights), xxt(x), qk_norm_rope and the
@@ -79,6 +83,7 @@ backend); the kernels stay opaque to Inductor (fp8_cast_fused's torch ops are wh
 Two CPU functions are marked `runs_eagerly`: a compiled model calls them outside its graphs
 (see the mark).
 """
+import collections
 import dataclasses
 import functools
 import math
@@ -1172,6 +1177,181 @@ def _operand_scale(state, slots, rule, name, fp8_max, x):
     return scale, amax
 
 
+# The FP8 weights of the layers of one kind, cast together at the start of a forward: per group
+# of same-shaped weights an amax pass (rules that need the weight's own amax), a scale kernel and
+# one cast launch, where each layer would otherwise launch its scale's reductions, its where and
+# its cast. The weights are read through a table of their addresses, as they are.
+WEIGHT_AMAX_PARTS = 32             # programs per weight in the amax pass; the scale kernel reduces their maxima
+WEIGHT_AMAX_BLOCK = 2048           # elements an amax program takes at a time
+FP8_WEIGHT_CAST = LaunchConfig(block_m=64, block_n=64, num_warps=4)
+_TL_FLOATS = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+RULE_STATIC, RULE_DELAYED, RULE_EXACT, RULE_EXACT_THEN_DELAYED = range(4)   # the scale kernel's RULE
+
+
+def _rule_code(rule):
+    """[kind, static scale, headroom, exact calls] of a weight's scale rule, as floats for the op."""
+    if isinstance(rule, Static):
+        return [float(RULE_STATIC), rule.scale, 1.0, 0.0]
+    if isinstance(rule, Delayed):
+        return [float(RULE_DELAYED), 0.0, rule.headroom, 0.0]
+    if isinstance(rule, ExactThenDelayed):
+        return [float(RULE_EXACT_THEN_DELAYED), 0.0, rule.headroom, float(rule.calls)]
+    return [float(RULE_EXACT), 0.0, 1.0, 0.0]
+
+
+@triton.jit
+def _weight_amax_kernel(w_table, partial_ptr, numel, W_DTYPE: tl.constexpr, PARTS: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """partial[layer, part] = max |w| over the part-th of every PARTS blocks of the layer's weight,
+    whose address is w_table[layer]. Traffic: each weight read once."""
+    layer = tl.program_id(0)
+    part = tl.program_id(1)
+    w_ptr = tl.load(w_table + layer).to(tl.pointer_type(W_DTYPE))
+    offsets = tl.arange(0, BLOCK).to(tl.int64)
+    top = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(part * BLOCK, numel, PARTS * BLOCK):
+        index = start + offsets
+        top = tl.maximum(top, tl.abs(tl.load(w_ptr + index, mask=index < numel, other=0.0).to(tl.float32)))
+    tl.store(partial_ptr + layer * PARTS + part, tl.max(top, axis=0))
+
+
+@triton.jit
+def _weight_scales_kernel(s_table, partial_ptr, scales_ptr, amax_slot, calls_slot, static_scale, headroom_over_max,
+                          exact_calls, RULE: tl.constexpr, PARTS: tl.constexpr, Q_MAX: tl.constexpr,
+                          SCALE_STRIDE: tl.constexpr):
+    """scales[layer] by the rule (_operand_scale's arithmetic) from the layer's state (address
+    s_table[layer]): its amax slot (the previous cast's) and call count, and for the exact rules
+    the amax pass's PARTS partial maxima; then the amax slot is zeroed for this call's cast."""
+    layer = tl.program_id(0)
+    state = tl.load(s_table + layer).to(tl.pointer_type(tl.float32))
+    if RULE == 0:
+        scale = static_scale
+    else:
+        recorded = tl.load(state + amax_slot)
+        scale = tl.where(recorded > 0, recorded * headroom_over_max, 1.0)
+        if RULE >= 2:
+            own = tl.max(tl.load(partial_ptr + layer * PARTS + tl.arange(0, PARTS)), axis=0)
+            exact = tl.where(own > 0, own * (1.0 / Q_MAX), 1.0)
+            if RULE == 2:
+                scale = exact
+            else:
+                scale = tl.where(tl.load(state + calls_slot) < exact_calls, exact, scale)
+    tl.store(scales_ptr + layer * SCALE_STRIDE, scale)
+    tl.store(state + amax_slot, 0.0)
+
+
+@triton.jit
+def _weight_cast_kernel(w_table, s_table, scales_ptr, q_ptr, qt_ptr, amax_slot, M, N, W_DTYPE: tl.constexpr,
+                        Q_MAX: tl.constexpr, SCALE_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """q[layer] = fp8(w / scales[layer]) (M, N) and qt[layer] its transpose, recording max |w| in
+    the layer's amax slot: _fp8_cast_kernel over a batch of weights. Traffic: each weight read once,
+    its two fp8 copies written once."""
+    layer = tl.program_id(2)
+    w_ptr = tl.load(w_table + layer).to(tl.pointer_type(W_DTYPE))
+    state = tl.load(s_table + layer).to(tl.pointer_type(tl.float32))
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    x = tl.load(w_ptr + rows[:, None] * N + cols[None, :], mask=(rows[:, None] < M) & (cols[None, :] < N), other=0.0)
+    offset = layer.to(tl.int64) * M * N
+    _quantize_tile(x.to(tl.float32), rows, cols, M, N, q_ptr + offset, qt_ptr + offset,
+                   tl.load(scales_ptr + layer * SCALE_STRIDE), state + amax_slot, Q_MAX)
+
+
+_POINTER_TABLES = {}               # (device, addresses) -> int64 tensor of those addresses on the device
+
+
+def _pointer_table(tensors):
+    """An int64 device tensor of the tensors' addresses, made once per set of addresses (a CUDA
+    graph's capture cannot copy one in, so the warm-up's call makes it)."""
+    key = (str(tensors[0].device), *(t.data_ptr() for t in tensors))
+    table = _POINTER_TABLES.get(key)
+    if table is None:
+        if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fp8_cast_weights: a new set of weights inside a CUDA graph's capture; "
+                               "run the forward once before capturing it")
+        table = _POINTER_TABLES[key] = torch.tensor(key[1:], dtype=torch.int64, device=tensors[0].device)
+    return table
+
+
+def _launch_fp8_cast_weights(weights: list[Tensor], states: list[Tensor], amax_slot: int, calls_slot: int,
+                             rule: list[float], config: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    config = _config_from_list(config)
+    (M, N), layers, device = weights[0].shape, len(weights), weights[0].device
+    w_table, s_table = _pointer_table(weights), _pointer_table(states)
+    q = torch.empty(layers, M, N, dtype=torch.float8_e4m3fn, device=device)
+    qt = torch.empty(layers, N, M, dtype=torch.float8_e4m3fn, device=device)
+    scales = torch.empty(layers, FP8_SLOT_STRIDE, dtype=torch.float32, device=device)
+    kind, static_scale, headroom, exact_calls = rule
+    w_dtype = _TL_FLOATS[weights[0].dtype]
+    partial = scales
+    if kind >= RULE_EXACT:
+        partial = torch.empty(layers, WEIGHT_AMAX_PARTS, dtype=torch.float32, device=device)
+        _launch(_weight_amax_kernel, (layers, WEIGHT_AMAX_PARTS), config, w_table=w_table, partial_ptr=partial,
+                numel=M * N, W_DTYPE=w_dtype, PARTS=WEIGHT_AMAX_PARTS, BLOCK=WEIGHT_AMAX_BLOCK)
+    _launch(_weight_scales_kernel, (layers,), LaunchConfig(1, 1, num_warps=1), s_table=s_table, partial_ptr=partial,
+            scales_ptr=scales, amax_slot=amax_slot, calls_slot=calls_slot, static_scale=static_scale,
+            headroom_over_max=headroom / FP8_E4M3_MAX, exact_calls=exact_calls, RULE=int(kind),
+            PARTS=WEIGHT_AMAX_PARTS, Q_MAX=FP8_E4M3_MAX, SCALE_STRIDE=FP8_SLOT_STRIDE)
+    _launch(_weight_cast_kernel, (triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n), layers), config,
+            w_table=w_table, s_table=s_table, scales_ptr=scales, q_ptr=q, qt_ptr=qt, amax_slot=amax_slot, M=M, N=N,
+            W_DTYPE=w_dtype, Q_MAX=FP8_E4M3_MAX, SCALE_STRIDE=FP8_SLOT_STRIDE, BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n)
+    return q, qt, scales
+
+
+_fp8_cast_weights_op = torch.library.custom_op(f"{_OPS}::fp8_cast_weights", _launch_fp8_cast_weights,
+                                               mutates_args=("states",))
+
+
+@_fp8_cast_weights_op.register_fake
+def _(weights, states, amax_slot, calls_slot, rule, config):
+    (M, N), layers = weights[0].shape, len(weights)
+    return (weights[0].new_empty(layers, M, N, dtype=torch.float8_e4m3fn),
+            weights[0].new_empty(layers, N, M, dtype=torch.float8_e4m3fn),
+            weights[0].new_empty(layers, FP8_SLOT_STRIDE, dtype=torch.float32))
+
+
+def _check_weight_group(weights, states):
+    if len(weights) != len(states) or not weights:
+        raise ValueError(f"fp8_cast_weights: {len(weights)} weights and {len(states)} states; "
+                         "give one state per weight")
+    for w in weights:
+        if w.dim() != 2 or not w.is_contiguous() or w.dtype not in _TL_FLOATS:
+            raise ValueError(f"fp8_cast_weights: weights must be contiguous 2-d float tensors; got {w.dtype} "
+                             f"{tuple(w.shape)}{'' if w.is_contiguous() else ' (not contiguous)'}")
+
+
+def fp8_cast_weights(weights, states, slots, name, rule, config=FP8_WEIGHT_CAST):
+    """[(w8, w8_t, scale)] of each weight: what _operand_scale and the cast kernel give one layer's
+    operand `name` (its rule, its state's slots: the amax slot zeroed, then the cast's amax
+    recorded), for all the layers at once: one amax pass, one scale kernel and one cast per group
+    of weights of the same shape and dtype. The state's call count is read, not advanced (each
+    layer counts its own call)."""
+    _check_weight_group(weights, states)
+    weights = [w.detach() for w in weights]
+    groups = collections.defaultdict(list)
+    for i, w in enumerate(weights):
+        groups[tuple(w.shape), w.dtype].append(i)
+    casts = [None] * len(weights)
+    for members in groups.values():
+        q, qt, scales = _fp8_cast_weights_op([weights[i] for i in members], [states[i] for i in members],
+                                             slots[name], slots["calls"], _rule_code(rule), config.as_list())
+        for j, i in enumerate(members):
+            casts[i] = (q[j], qt[j], scales[j, :1])
+    return casts
+
+
+def fp8_cast_weights_reference(weights, states, slots, name, rule, config=None):
+    """fp8_cast_weights one layer at a time: _operand_scale, then fp8_cast_reference."""
+    _check_weight_group(weights, states)
+    casts = []
+    for w, state in zip((w.detach() for w in weights), states):
+        scale, amax = _operand_scale(state, slots, rule, name, FP8_E4M3_MAX, w)
+        casts.append((*fp8_cast_reference(w, scale, amax, torch.float8_e4m3fn), scale))
+    return casts
+
+
 @dataclasses.dataclass(frozen=True)
 class _FP8Primitives:
     """The FP8 building blocks a layer is made of: Triton kernels or their torch references.
@@ -1326,11 +1506,14 @@ class _FP8Linear(torch.autograd.Function):
     into a row-major and a transposed copy, so every GEMM reads both operands K-major.
     With sample_rows (the sampled weight gradient, sampled_linear): the forward keeps only the
     sampled columns of x8^T (rows x K bytes, not T x K), the backward gathers the same columns of
-    g8^T, and the weight-gradient GEMM reduces over them at the gradient's scale times stride."""
+    g8^T, and the weight-gradient GEMM reduces over them at the gradient's scale times stride.
+    With w8, w8_t, w_scale (fp8_cast_weights' cast of the weight for this call) the weight is not
+    cast again."""
 
     @staticmethod
-    def forward(ctx, x, weight, state, scales, prims, config, sample_rows=None, stride=1):
-        y, saved = _fp8_linear_forward(x, weight, state, scales, prims, config)
+    def forward(ctx, x, weight, state, scales, prims, config, sample_rows=None, stride=1, w8=None, w8_t=None,
+                w_scale=None):
+        y, saved = _fp8_linear_forward(x, weight, state, scales, prims, config, (w8, w8_t, w_scale))
         if sample_rows is not None:
             saved = (_gather_columns(saved[0], sample_rows), *saved[1:], sample_rows)
         ctx.save_for_backward(*saved)
@@ -1349,17 +1532,19 @@ class _FP8Linear(torch.autograd.Function):
             *saved, rows = saved
             g8_t = _gather_columns(g8_t, rows)
         grad_x, grad_w = _fp8_linear_grads(ctx, saved, g8, g8_t, g_scale, ctx.stride)
-        return grad_x, grad_w, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
 
 
-def _fp8_linear_forward(x, weight, state, scales, prims, config):
-    """(y, the tensors its backward needs): _FP8Linear's forward, its operands cast and the call
-    counted in `state`."""
+def _fp8_linear_forward(x, weight, state, scales, prims, config, weight_cast=(None, None, None)):
+    """(y, the tensors its backward needs): _FP8Linear's forward, its operands cast (the weight
+    unless weight_cast holds its (w8, w8_t, scale)) and the call counted in `state`."""
     slots = FP8_LINEAR_SLOTS
     x_scale, x_amax = _operand_scale(state, slots, scales.input, "input", FP8_E4M3_MAX, x)
     x8, x8_t = prims.cast(x, x_scale, x_amax, torch.float8_e4m3fn)
-    w_scale, w_amax = _operand_scale(state, slots, scales.weight, "weight", FP8_E4M3_MAX, weight)
-    w8, w8_t = prims.cast_weight(weight, w_scale, w_amax, torch.float8_e4m3fn)
+    w8, w8_t, w_scale = weight_cast
+    if w8 is None:
+        w_scale, w_amax = _operand_scale(state, slots, scales.weight, "weight", FP8_E4M3_MAX, weight)
+        w8, w8_t = prims.cast_weight(weight, w_scale, w_amax, torch.float8_e4m3fn)
     _count_call(state, slots)
     y = prims.matmul(x8, w8.t(), x_scale, w_scale, x.dtype, config)
     return y, (x8_t, w8_t, x_scale, w_scale)
@@ -1388,18 +1573,22 @@ class _FP8ReLU2MLP(torch.autograd.Function):
     gradient); h is never stored. Backward: the input-gradient GEMM of the down-projection
     multiplies by 2 relu(h) = 2 sqrt(a) in its epilogue and emits dL/dh in e5m2 (row-major and
     transposed), which feeds the two up-projection gradient GEMMs.
+    With up8, ..., down_scale (fp8_cast_weights' casts of both weights for this call) the weights
+    are not cast again.
     """
 
     @staticmethod
-    def forward(ctx, x, w_up, w_down, state, scales, prims, config):
+    def forward(ctx, x, w_up, w_down, state, scales, prims, config, up8=None, up8_t=None, up_scale=None,
+                down8=None, down8_t=None, down_scale=None):
         slots = FP8_MLP_SLOTS
         x_scale, x_amax = _operand_scale(state, slots, scales.input, "input", FP8_E4M3_MAX, x)
         x8, x8_t = prims.cast(x, x_scale, x_amax, torch.float8_e4m3fn)
-        up_scale, up_amax = _operand_scale(state, slots, scales.up_weight, "up_weight", FP8_E4M3_MAX, w_up)
-        up8, up8_t = prims.cast_weight(w_up, up_scale, up_amax, torch.float8_e4m3fn)
-        down_scale, down_amax = _operand_scale(state, slots, scales.down_weight, "down_weight", FP8_E4M3_MAX,
-                                               w_down)
-        down8, down8_t = prims.cast_weight(w_down, down_scale, down_amax, torch.float8_e4m3fn)
+        if up8 is None:
+            up_scale, up_amax = _operand_scale(state, slots, scales.up_weight, "up_weight", FP8_E4M3_MAX, w_up)
+            up8, up8_t = prims.cast_weight(w_up, up_scale, up_amax, torch.float8_e4m3fn)
+            down_scale, down_amax = _operand_scale(state, slots, scales.down_weight, "down_weight", FP8_E4M3_MAX,
+                                                   w_down)
+            down8, down8_t = prims.cast_weight(w_down, down_scale, down_amax, torch.float8_e4m3fn)
         a_scale, a_amax = _operand_scale(state, slots, scales.hidden, "hidden", FP8_E4M3_MAX, None)
         _count_call(state, slots)
         a8, a8_t = prims.matmul_relu2(x8, up8.t(), x_scale, up_scale, a_scale, a_amax, config)
@@ -1430,7 +1619,7 @@ class _FP8ReLU2MLP(torch.autograd.Function):
                 grad_x = matmul(gh8, up8_t.t(), h_scale, up_scale, ctx.dtypes[0], config)
             if need_up:
                 grad_up = matmul(gh8_t, x8_t.t(), h_scale, x_scale, ctx.dtypes[1], config)
-        return grad_x, grad_up, grad_down, None, None, None, None
+        return grad_x, grad_up, grad_down, None, None, None, None, None, None, None, None, None, None
 
 
 def _check_fp8_state(state, slots, constructor):
@@ -1456,46 +1645,67 @@ def _sample_args(sample):
     return (None, 1) if sample is None else sample
 
 
-def fp8_linear(x, weight, state, config=None, scales=FP8LinearScales(), gemm="fastest", casts="kernel", sample=None):
+def fp8_linear(x, weight, state, config=None, scales=FP8LinearScales(), gemm="fastest", casts="kernel", sample=None,
+               weight_cast=None):
     """x @ weight.T in fp8 (see the module docstring). x (..., K) bf16, weight (N, K), state from
     new_fp8_linear_state, scales: an FP8LinearScales. config: the GEMM tile of the pointer kernel
     (or, with gemm="tma", of the persistent one; None: each shape's own). gemm: a key of FP8_GEMMS.
     casts: "kernel" or "fused" (FP8_CASTS: "fused" where torch.compile builds the graph).
     sample: None, or (rows, stride) of the sampled weight gradient (sampled_linear), rows of x's
-    flattened leading dims."""
+    flattened leading dims. weight_cast: None, or this call's (w8, w8_t, scale) of the weight from
+    fp8_linear_weight_casts."""
     _check_fp8_state(state, FP8_LINEAR_SLOTS, "new_fp8_linear_state")
     _check_scales(scales, FP8LinearScales)
     y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), weight, state, scales, _PRIMITIVES[gemm, casts], config,
-                         *_sample_args(sample))
+                         *_sample_args(sample), *(weight_cast or ()))
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def fp8_linear_reference(x, weight, state, config=None, scales=FP8LinearScales(), sample=None):
+def fp8_linear_reference(x, weight, state, config=None, scales=FP8LinearScales(), sample=None, weight_cast=None):
     """fp8_linear with torch casts and fp8_matmul_reference: same scales, same buffer updates."""
     _check_fp8_state(state, FP8_LINEAR_SLOTS, "new_fp8_linear_state")
     _check_scales(scales, FP8LinearScales)
     y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), weight, state, scales, _REFERENCE_FP8, config,
-                         *_sample_args(sample))
+                         *_sample_args(sample), *(weight_cast or ()))
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def fp8_relu2_mlp(x, w_up, w_down, state, config=None, scales=FP8MLPScales(), gemm="fastest", casts="kernel"):
+def fp8_relu2_mlp(x, w_up, w_down, state, config=None, scales=FP8MLPScales(), gemm="fastest", casts="kernel",
+                  weight_casts=None):
     """relu(x @ w_up.T)^2 @ w_down.T in fp8 (see _FP8ReLU2MLP). x (..., D) bf16, w_up (H, D),
     w_down (D, H), state from new_fp8_mlp_state, scales: an FP8MLPScales. config, gemm and casts
-    as in fp8_linear (the relu2 GEMMs are Triton's whatever gemm says)."""
+    as in fp8_linear (the relu2 GEMMs are Triton's whatever gemm says). weight_casts: None, or
+    this call's (up8, up8_t, up_scale, down8, down8_t, down_scale) from fp8_mlp_weight_casts."""
     _check_fp8_state(state, FP8_MLP_SLOTS, "new_fp8_mlp_state")
     _check_scales(scales, FP8MLPScales)
     y = _FP8ReLU2MLP.apply(x.reshape(-1, x.shape[-1]), w_up, w_down, state, scales, _PRIMITIVES[gemm, casts],
-                           config)
+                           config, *(weight_casts or ()))
     return y.reshape(*x.shape[:-1], w_down.shape[0])
 
 
-def fp8_relu2_mlp_reference(x, w_up, w_down, state, config=None, scales=FP8MLPScales()):
+def fp8_relu2_mlp_reference(x, w_up, w_down, state, config=None, scales=FP8MLPScales(), weight_casts=None):
     """fp8_relu2_mlp with torch casts and fp8_matmul_reference: same scales, same buffer updates."""
     _check_fp8_state(state, FP8_MLP_SLOTS, "new_fp8_mlp_state")
     _check_scales(scales, FP8MLPScales)
-    y = _FP8ReLU2MLP.apply(x.reshape(-1, x.shape[-1]), w_up, w_down, state, scales, _REFERENCE_FP8, config)
+    y = _FP8ReLU2MLP.apply(x.reshape(-1, x.shape[-1]), w_up, w_down, state, scales, _REFERENCE_FP8, config,
+                           *(weight_casts or ()))
     return y.reshape(*x.shape[:-1], w_down.shape[0])
+
+
+def fp8_linear_weight_casts(weights, states, scales=FP8LinearScales(), cast=fp8_cast_weights):
+    """[(w8, w8_t, scale)] of several fp8_linear layers' weights for this call (their
+    weight_cast), cast together (fp8_cast_weights, or its reference)."""
+    _check_scales(scales, FP8LinearScales)
+    return cast(weights, states, FP8_LINEAR_SLOTS, "weight", scales.weight)
+
+
+def fp8_mlp_weight_casts(ups, downs, states, scales=FP8MLPScales(), cast=fp8_cast_weights):
+    """[(up8, up8_t, up_scale, down8, down8_t, down_scale)] of several fp8_relu2_mlp layers'
+    weights for this call (their weight_casts), each weight kind cast together."""
+    _check_scales(scales, FP8MLPScales)
+    up = cast(ups, states, FP8_MLP_SLOTS, "up_weight", scales.up_weight)
+    down = cast(downs, states, FP8_MLP_SLOTS, "down_weight", scales.down_weight)
+    return [(*u, *d) for u, d in zip(up, down)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -3259,15 +3469,19 @@ XXT = LaunchConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages
 
 
 @triton.jit
-def _xxt_kernel(x_ptr, c_ptr, m, n, stride_xb, stride_xm, stride_xn, stride_cb, stride_cm, stride_cn,
-                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
-    """C = X X^T for one matrix of a batch, one (BLOCK_M, BLOCK_M) tile per program.
+def _xxt_kernel(x_ptr, c_ptr, m, n, stride_xb, stride_xm, stride_xn, stride_cb, stride_cm, stride_cn, alpha, beta,
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, ADD_INPUT: tl.constexpr):
+    """C = alpha X X^T + beta X for one matrix of a batch, one (BLOCK_M, BLOCK_M) tile per program.
 
     Programs enumerate only the lower-triangle tiles (i, j), j <= i; each computes
     X[i rows] X[j rows]^T and stores it at (i, j) and, transposed, at (j, i); a diagonal tile
     keeps its lower triangle and mirrors it, so the result is exactly symmetric (the tensor
     cores need not sum (r, c) and (c, r) in the same order). Half the FLOPs of X @ X^T.
-    Traffic per tile: 2 * BLOCK_M * n elements of X read, one or two tiles written.
+    ADD_INPUT (X square and symmetric, as a Gram matrix is): the epilogue adds beta X[i, j] to
+    the fp32 tile, so b A + c A^2 of a Newton-Schulz step is one kernel; the mirrored store
+    then holds beta X[j, i] because X is symmetric.
+    Traffic per tile: 2 * BLOCK_M * n elements of X read (ADD_INPUT: one tile more), one or two
+    tiles written.
     EVEN (m a multiple of BLOCK_M, n of BLOCK_K, as for Muon's matrices): loads need no mask.
     """
     tile = tl.program_id(0)
@@ -3298,24 +3512,28 @@ def _xxt_kernel(x_ptr, c_ptr, m, n, stride_xb, stride_xm, stride_xn, stride_cb, 
     if i == j:
         # a diagonal tile's two triangles come from different sums: mirror the lower one
         acc = tl.where(rows_i[:, None] >= rows_j[None, :], acc, tl.trans(acc))
+    mask = (rows_i[:, None] < m) & (rows_j[None, :] < m)
+    acc = acc * alpha
+    if ADD_INPUT:
+        tile = tl.load(x_ptr + rows_i[:, None] * stride_xm + rows_j[None, :] * stride_xn, mask=mask, other=0.0)
+        acc += beta * tile.to(tl.float32)
     c_ptr += batch * stride_cb
     out = acc.to(c_ptr.dtype.element_ty)
-    mask = (rows_i[:, None] < m) & (rows_j[None, :] < m)
     tl.store(c_ptr + rows_i[:, None] * stride_cm + rows_j[None, :] * stride_cn, out, mask=mask)
     if i != j:
         tl.store(c_ptr + rows_j[None, :] * stride_cm + rows_i[:, None] * stride_cn, out, mask=mask)
 
 
-def _launch_xxt(x: Tensor, config: list[int]) -> Tensor:
+def _launch_xxt(x: Tensor, config: list[int], alpha: float = 1.0, beta: float = 0.0) -> Tensor:
     config = _config_from_list(config)
     batch, m, n = x.shape
     c = torch.empty(batch, m, m, dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(m, config.block_m)
     _launch(_xxt_kernel, (tiles * (tiles + 1) // 2, batch), config,
             x_ptr=x, c_ptr=c, m=m, n=n, stride_xb=x.stride(0), stride_xm=x.stride(1), stride_xn=x.stride(2),
-            stride_cb=c.stride(0), stride_cm=c.stride(1), stride_cn=c.stride(2),
+            stride_cb=c.stride(0), stride_cm=c.stride(1), stride_cn=c.stride(2), alpha=alpha, beta=beta,
             BLOCK_M=config.block_m, BLOCK_K=config.block_k,
-            EVEN=m % config.block_m == 0 and n % config.block_k == 0)
+            EVEN=m % config.block_m == 0 and n % config.block_k == 0, ADD_INPUT=beta != 0.0)
     return c
 
 
@@ -3323,21 +3541,32 @@ _xxt_op = torch.library.custom_op(f"{_OPS}::xxt", _launch_xxt, mutates_args=())
 
 
 @_xxt_op.register_fake
-def _(x, config):
+def _(x, config, alpha=1.0, beta=0.0):
     return x.new_empty(x.shape[0], x.shape[1], x.shape[1])
 
 
-def xxt(x, config=XXT):
-    """X @ X^T for a batch of matrices (..., m, n) -> (..., m, m) in x's dtype (fp32
-    accumulation; fp32 inputs multiply in tf32 on the GPU), computing one triangle of tiles and
-    mirroring it, so the result is exactly symmetric. Not differentiable."""
+def _check_xxt_input(x, beta):
+    if beta != 0.0 and x.shape[-1] != x.shape[-2]:
+        raise ValueError(f"xxt with beta != 0 adds beta X to X X^T: X must be square, got {tuple(x.shape)}")
+
+
+def xxt(x, config=XXT, alpha=1.0, beta=0.0):
+    """alpha X X^T + beta X for a batch of matrices (..., m, n) -> (..., m, m) in x's dtype (fp32
+    accumulation, one rounding; fp32 inputs multiply in tf32 on the GPU), computing one triangle
+    of tiles and mirroring it, so the result is exactly symmetric. beta != 0 takes square
+    symmetric X (a Gram matrix A: b A + c A^2 is xxt(A, alpha=c, beta=b)). Not differentiable."""
+    _check_xxt_input(x, beta)
     m, n = x.shape[-2:]
-    return _xxt_op(x.reshape(-1, m, n), config.as_list()).reshape(*x.shape[:-2], m, m)
+    return _xxt_op(x.reshape(-1, m, n), config.as_list(), float(alpha), float(beta)).reshape(*x.shape[:-2], m, m)
 
 
-def xxt_reference(x):
-    """X @ X^T for a batch of matrices (..., m, n) -> (..., m, m)."""
-    return x @ x.mT
+def xxt_reference(x, alpha=1.0, beta=0.0):
+    """alpha X @ X^T + beta X for a batch of matrices (..., m, n) -> (..., m, m), in at least fp32
+    and rounded once to x's dtype."""
+    _check_xxt_input(x, beta)
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    gram = alpha * (wide @ wide.mT)
+    return (gram + beta * wide if beta != 0.0 else gram).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -131,17 +131,32 @@ def _xxt_kernel():
     return getattr(importlib.import_module("kernels"), "xxt", None)
 
 
-def gram(X):
-    """X @ X^T for a batch of matrices (..., m, n) -> (..., m, m).
+def gram(X, alpha=1.0, beta=0.0):
+    """alpha X @ X^T + beta X for a batch of matrices (..., m, n) -> (..., m, m) (beta != 0: X
+    square and symmetric), one product with its sum in the epilogue.
 
     On CUDA this uses the symmetric Triton kernel when kernels.py has one (it computes one
-    triangle and mirrors it: half the FLOPs); elsewhere a plain matmul.
+    triangle and mirrors it: half the FLOPs); elsewhere one baddbmm.
     """
     if X.is_cuda:
         xxt = _xxt_kernel()
         if xxt is not None:
-            return xxt(X)
-    return X @ X.mT
+            return xxt(X, alpha=alpha, beta=beta)
+    if beta == 0.0:
+        return alpha * (X @ X.mT) if alpha != 1.0 else X @ X.mT
+    return _batched(torch.baddbmm, X, X, X.mT, beta=beta, alpha=alpha)
+
+
+def _batched(fn, C, A, B, **scalars):
+    """fn (baddbmm) on (..., m, k) operands viewed as one batch, in C's shape."""
+    shape = C.shape
+    return fn(C.reshape(-1, *shape[-2:]), A.reshape(-1, *A.shape[-2:]), B.reshape(-1, *B.shape[-2:]),
+              **scalars).reshape(shape)
+
+
+def add_product(X, B, a):
+    """a X + B @ X for a batch of matrices as one GEMM (baddbmm: cuBLAS adds a X in its epilogue)."""
+    return _batched(torch.baddbmm, X, B, X, beta=a)
 
 
 def orthogonalize(G, schedule="polar_express", dtype=None, xxt=None):
@@ -149,11 +164,12 @@ def orthogonalize(G, schedule="polar_express", dtype=None, xxt=None):
 
     Works on the wide orientation (transposing when m > n) so that the Gram A = X X^T is the
     small side. X is scaled so that its singular values are below 1, then each step of the
-    schedule maps every singular value s to a*s + b*s^3 + c*s^5, driving them towards 1.
-    A^2 is computed as gram(A) since A is symmetric. The math runs in `dtype`: by default bf16
-    on CUDA (fast and accurate enough, as the iteration corrects its own rounding) and float32
-    elsewhere. `xxt` computes the Grams (default: gram). Returns the result in that dtype with
-    G's shape.
+    schedule maps every singular value s to a*s + b*s^3 + c*s^5, driving them towards 1:
+    X <- a X + (b A + c A^2) X with A = X X^T, two products per step after the Gram, each with
+    its sum in the epilogue (A^2 = gram(A) as A is symmetric). The math runs in `dtype`: by
+    default bf16 on CUDA (fast and accurate enough, as the iteration corrects its own rounding)
+    and float32 elsewhere. `xxt` computes the Grams (default: gram; xxt(A, alpha=c, beta=b) = b A + c A^2).
+    Returns the result in that dtype with G's shape.
 
     Caveat: the anvil polynomials are tuned up to s = 1/1.05 exactly and diverge just past it.
     In bf16 the rounded normalization can cross that edge when one direction holds nearly all
@@ -179,7 +195,7 @@ def orthogonalize(G, schedule="polar_express", dtype=None, xxt=None):
     for a, b, c in plan.coefficients:
         if A is None:
             A = xxt(X)
-        X = a * X + (b * A + c * xxt(A)) @ X
+        X = add_product(X, xxt(A, alpha=c, beta=b), a)
         A = None
     return X.mT if tall else X
 

@@ -34,7 +34,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # The oldest Python the pinned requirements install on (numpy 2.4.6 and scipy 1.17.1 ship no
 # wheels for 3.10), checked before any package is imported: an older one ends with this line.
@@ -750,6 +750,9 @@ class AttentionArgs:
     short_window: int              # tokens
     long_window: int               # tokens
     cache: "KVCache | None" = None  # generation: the tokens are the next ones of the cached document
+    # training: this forward's FP8 weights by layer (GPT.cast_fp8_weights: an FP8 layer's fp8_key ->
+    # its casts); a layer not in it casts its own
+    fp8_weights: dict | None = None
 
 
 XSA_NORM_EPS = 1e-4               # values shorter than this are not normalized further (their direction is noise)
@@ -805,6 +808,7 @@ class CausalSelfAttention(nn.Module):
         self.out = nn.Parameter(torch.zeros(cfg.model_dim, cfg.num_heads * self.v_dim))
         self.attention_fn, self.qk_norm_rope, self.composed_fn = fns.attention, fns.qk_norm_rope, fns.composed_attention
         self.fp8_qkv = fns.fp8_qkv  # in training, the projection runs in FP8 with its state in fp8_state
+        self.fp8_key = ("qkv", layer)  # its weight's cast in AttentionArgs.fp8_weights
         if fns.fp8_qkv is not None:
             self.register_buffer("fp8_state", kernels.new_fp8_linear_state())
         mixed_densely = cfg.trunk == "dense" and layer == cfg.num_layers - 1  # gets its gates from DenseConnections
@@ -884,7 +888,7 @@ class CausalSelfAttention(nn.Module):
         positions) spans half as many tokens."""
         T = x.size(0)
         gates = gates or {}
-        q, k, v = self.project(x, ve, gates)
+        q, k, v = self.project(x, ve, gates, (args.fp8_weights or {}).get(self.fp8_key))
         if self.paired:
             q, k, v = (interleave_head_pairs(t) for t in (q, k, v))
         window = (args.long_window if self.long_window else args.short_window) + self.edge_keys
@@ -899,12 +903,13 @@ class CausalSelfAttention(nn.Module):
         y = F.linear(y.reshape(T, -1), self.out.type_as(y))
         return y if self.sa_lambdas is None else y * self.sa_lambdas[1].type_as(y)
 
-    def project(self, x, ve, gates):
-        """q, k, v (T, heads, dims) of the normed x: the packed QKV projection (FP8 in training),
-        the value embedding added through its gate, and the dense connections' values."""
+    def project(self, x, ve, gates, weight_cast=None):
+        """q, k, v (T, heads, dims) of the normed x: the packed QKV projection (FP8 in training, on
+        weight_cast where the forward cast its weight), the value embedding added through its gate,
+        and the dense connections' values."""
         T = x.size(0)
         if self.fp8_qkv is not None and self.training:
-            qkv = self.fp8_qkv(x.to(torch.bfloat16), self.qkv, self.fp8_state)
+            qkv = self.fp8_qkv(x.to(torch.bfloat16), self.qkv, self.fp8_state, weight_cast=weight_cast)
         else:
             qkv = F.linear(x, self.qkv.type_as(x))
         H, qk_rows = self.num_heads, self.num_heads * self.qk_dim
@@ -967,19 +972,20 @@ class MLP(nn.Module):
     autocast dtype and leaves that buffer alone.
     """
 
-    def __init__(self, dim, hidden, fp8_fn=None):
+    def __init__(self, dim, hidden, fp8_fn=None, fp8_key=None):
         super().__init__()
         self.up = nn.Parameter(torch.empty(hidden, dim))
         self.down = nn.Parameter(torch.zeros(dim, hidden))
         bound = (3 ** 0.5) * 0.5 * dim ** -0.5
         nn.init.uniform_(self.up, -bound, bound)
-        self.fp8_fn = fp8_fn
+        self.fp8_fn, self.fp8_key = fp8_fn, fp8_key   # fp8_key: its weights' casts in AttentionArgs.fp8_weights
         if fp8_fn is not None:
             self.register_buffer("fp8_state", kernels.new_fp8_mlp_state())
 
-    def forward(self, x):
+    def forward(self, x, fp8_weights=None):
         if self.fp8_fn is not None and self.training:
-            return self.fp8_fn(x.to(torch.bfloat16), self.up, self.down, self.fp8_state)
+            casts = (fp8_weights or {}).get(self.fp8_key)
+            return self.fp8_fn(x.to(torch.bfloat16), self.up, self.down, self.fp8_state, weight_casts=casts)
         return F.linear(F.relu(F.linear(x, self.up.type_as(x))).square(), self.down.type_as(x))
 
 
@@ -1000,9 +1006,11 @@ class Block(nn.Module):
         self.attn = (CausalSelfAttention(cfg, layer, layer in cfg.long_window_layers, value_embed,
                                          layer in cfg.xsa_layers, layer in cfg.paired_head_layers, fns)
                      if has_attn else None)
-        self.mlp = MLP(cfg.model_dim, cfg.mlp_hidden, fns.fp8_mlp) if layer not in cfg.mlp_free_layers else None
+        self.mlp = (MLP(cfg.model_dim, cfg.mlp_hidden, fns.fp8_mlp, ("mlp", layer))
+                    if layer not in cfg.mlp_free_layers else None)
         parallel = layer in cfg.parallel_mlp_layers
-        self.parallel_mlp = MLP(cfg.model_dim, cfg.mlp_hidden, fns.fp8_mlp) if parallel else None
+        self.parallel_mlp = (MLP(cfg.model_dim, cfg.mlp_hidden, fns.fp8_mlp, ("parallel_mlp", layer))
+                             if parallel else None)
         if cfg.trunk == "unet":    # residual mix: x <- lambdas[0] * x + lambdas[1] * x0 before the sublayers
             self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))
         elif layer < cfg.num_layers - 1:  # x <- resid[0] x + post[0] attention, then resid[1], post[1] for the MLP
@@ -1013,10 +1021,10 @@ class Block(nn.Module):
         # skip's target, where the skip takes the attention's place
         self.scales_without_attention = not has_attn and cfg.trunk == "dense" and layer != cfg.skip_layers[1]
 
-    def mlps(self, normed):
+    def mlps(self, normed, args):
         if self.parallel_mlp is not None:
-            return self.mlp(normed) + self.parallel_mlp(normed)
-        return self.mlp(normed)
+            return self.mlp(normed, args.fp8_weights) + self.parallel_mlp(normed, args.fp8_weights)
+        return self.mlp(normed, args.fp8_weights)
 
     def forward(self, x, x0, ve, doc_start, rotary, args, gates=None, hashed=None):
         """gates: this layer's TokenGates or None; with them the attention sublayer is followed by
@@ -1028,7 +1036,7 @@ class Block(nn.Module):
                 x = x + gates["x0"] * x0
                 if hashed is not None:
                     x = x + gates["hashed"] * hashed
-        return x if self.mlp is None else x + self.mlps(rms_norm(x))
+        return x if self.mlp is None else x + self.mlps(rms_norm(x), args)
 
     def forward_dense(self, x, attn_in, x0, ve, doc_start, rotary, args, gates, hashed):
         """The dense trunk's layer: attention reads attn_in (the residual, or a snapshot), then x0
@@ -1046,7 +1054,7 @@ class Block(nn.Module):
             x = x + gates["hashed"] * hashed
         if self.mlp is None:
             return self.resid_scales[1] * x
-        out = self.mlps(rms_norm(x))
+        out = self.mlps(rms_norm(x), args)
         return self.resid_scales[1] * x + self.post_scales[1] * out
 
     def forward_mixed(self, x, attn_in, x0, ve, doc_start, rotary, args, gates, hashed, mix):
@@ -1056,7 +1064,7 @@ class Block(nn.Module):
         y = self.attn(rms_norm(attn_in), ve, doc_start, rotary, args, gates)
         x = mix["attn_residual"] * x + mix["attn_out"] * y + mix["x0"] * x0 + mix["hashed"] * hashed
         normed = rms_norm(x)
-        out = self.mlps(normed)
+        out = self.mlps(normed, args)
         return mix["mlp_residual"] * x + mix["mlp_out"] * out, normed
 
 
@@ -1264,6 +1272,8 @@ class GPT(nn.Module):
         self.tied = True
         self.fp8_head = fns.fp8_head   # in training, the head runs in FP8 with its state in head_fp8_state
         self.fp8_head_loss = fns.fp8_head_loss
+        # in training, each kind of FP8 layer's weights cast together at the start of the forward
+        self.fp8_mlp_weights, self.fp8_qkv_weights = fns.fp8_mlp_weights, fns.fp8_qkv_weights
         if fns.fp8_head is not None:
             self.register_buffer("head_fp8_state", kernels.new_fp8_linear_state())
         # the weight the objective gives one token's loss (set_loss_unit), on the device: the
@@ -1470,10 +1480,28 @@ class GPT(nn.Module):
         gate = self.smear_lambda * torch.sigmoid(F.linear(x[:, :SMEAR_GATE_DIMS], self.smear_gate.type_as(x)))
         return x + torch.where(doc_start[:, None], 0.0, gate * torch.roll(x, 1, dims=0))
 
+    def cast_fp8_weights(self):
+        """{fp8_key: casts} of this forward's FP8 layers: the MLPs' weights and the QKV
+        projections' cast together by kind (fns.fp8_mlp_weights, fns.fp8_qkv_weights), in place
+        of a cast per layer. The casts read the weights as they are now: an optimizer step
+        between two forwards is in the next one's casts."""
+        casts = {}
+        mlps = [m for m in self.modules() if isinstance(m, MLP) and m.fp8_fn is not None]
+        if mlps and self.fp8_mlp_weights is not None:
+            made = self.fp8_mlp_weights([m.up for m in mlps], [m.down for m in mlps], [m.fp8_state for m in mlps])
+            casts.update((m.fp8_key, c) for m, c in zip(mlps, made))
+        projections = [m for m in self.modules() if isinstance(m, CausalSelfAttention) and m.fp8_qkv is not None]
+        if projections and self.fp8_qkv_weights is not None:
+            made = self.fp8_qkv_weights([m.qkv for m in projections], [m.fp8_state for m in projections])
+            casts.update((m.fp8_key, c) for m, c in zip(projections, made))
+        return casts
+
     def hidden_states(self, tokens, args: AttentionArgs):
         # With a cache the tokens continue its document: the bigram and trigram (and the smear) of
         # the first ones need the cache's last two tokens. A slice may begin inside a document: its
         # first token has no known predecessor either.
+        if self.training:
+            args = replace(args, fp8_weights=self.cast_fp8_weights())
         cache = args.cache
         context = tokens if cache is None or cache.length == 0 else torch.cat([cache.last_tokens, tokens])
         seen = context.size(0) - tokens.size(0)

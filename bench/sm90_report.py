@@ -193,6 +193,15 @@ def _library_calls():
 
     for shape in XXT_SHAPES:
         kernels.xxt(_untouched(*shape))
+        kernels.xxt(_untouched(*shape[:2], shape[1]), alpha=2.0, beta=-1.5)   # b A + c A^2 of the Gram A
+
+    # the FP8 layers' weights of a forward, cast together: each rule (the scale kernel's RULE;
+    # the amax pass where it reads the weights' own amax), each master-weight dtype
+    for dtype in WEIGHT_DTYPES:
+        for rule in (kernels.WEIGHT_LAG, kernels.EXACT, kernels.Delayed(kernels.GRAD_HEADROOM), kernels.Static(1.0)):
+            kernels.fp8_cast_weights([_untouched(s["hidden"], D, dtype=dtype) for _ in range(2)],
+                                     [kernels.new_fp8_mlp_state() for _ in range(2)], kernels.FP8_MLP_SLOTS,
+                                     "up_weight", rule)
 
     # composed attention (the last layer's), at the model's head width
     heads = s["heads_by_dim"][128]

@@ -318,6 +318,8 @@ NO_READ_OPS = {"aten.empty_like", "aten.zeros_like", "aten.ones_like", "aten.ful
                "aten.zeros", "aten.ones", "aten.full", "aten.arange", "aten.scalar_tensor", "aten.zero_",
                "aten.fill_", "aten.new_empty_strided", "aten.randn", "aten.rand", "aten.normal_"}
 NO_WRITE_OPS = {"aten.empty_like", "aten.new_empty", "aten.empty_strided", "aten.empty", "aten.new_empty_strided"}
+# Gathers read the rows they take from their first argument (a table), at most what they write.
+GATHER_OPS = {"aten.embedding", "aten.index", "aten.index_select"}
 PHASES = ("forward", "backward", "tables", "muon", "adam", "value_adam", "averages")
 MICRO_BATCH_PHASES = ("forward", "backward")
 UPDATE_PHASES = ("muon", "adam", "value_adam")   # the optimizers' updates
@@ -389,6 +391,8 @@ class Census(torch.utils._python_dispatch.TorchDispatchMode):
         reads = [] if name in NO_READ_OPS else [(self.storage(t), _tensor_bytes(t)) for t in tensors]
         if name == "aten.copy_":   # copy_(dst, src) reads src only
             reads = [(self.storage(args[1]), _tensor_bytes(args[1]))]
+        if name in GATHER_OPS and outputs:
+            reads[0] = (reads[0][0], min(reads[0][1], sum(_tensor_bytes(t) for t in outputs)))
         written = mutated + [t for t in outputs if not any(t is m for m in mutated)]
         writes = [] if name in NO_WRITE_OPS else [(self.storage(t), _tensor_bytes(t)) for t in written]
         for t in outputs:
@@ -711,6 +715,11 @@ def _kernel_op(event, lengths):
     if name in POINTER_OPS:
         return Op(name, "pointer", event.phase, flops=pointer_flops(event, lengths), dtype="bf16",
                   bytes=_read_write_bytes(event), kernels=1 if name.endswith("fwd") else 2, **_storages(event))
+    if name == "kernels.fp8_cast_weights":    # an amax pass where the rule reads the weights' own amax,
+        exact = event.args[2] >= kernels.RULE_EXACT   # the scale kernel, the cast
+        weight_bytes = sum(nbytes for _, nbytes in event.reads[:len(event.reads) // 2])
+        return Op(name, "kernel", event.phase, bytes=_read_write_bytes(event) + exact * weight_bytes,
+                  kernels=3 if exact else 2, **_storages(event))
     family = "cross-entropy" if name in CROSS_ENTROPY_OPS else "kernel"
     nbytes = sort_bytes(event) if name == "aten.sort" else _read_write_bytes(event)
     return Op(name, family, event.phase, bytes=nbytes, **_storages(event))

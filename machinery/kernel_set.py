@@ -15,9 +15,11 @@ class KernelFns:
     """The kernel functions a model calls: the Triton ones or their plain-torch references."""
     attention: object
     cross_entropy: object
-    fp8_mlp: object = None         # fn(x, w_up, w_down, state); None: the MLP runs in the autocast dtype
+    fp8_mlp: object = None         # fn(x, w_up, w_down, state, weight_casts=None); None: the MLP runs in the
+                                   # autocast dtype
     xxt: object = None             # X X^T of the Muon family; None: as optim.orthogonalize picks by device
-    fp8_qkv: object = None         # fn(x, weight, state); None: the QKV projection runs in the autocast dtype
+    fp8_qkv: object = None         # fn(x, weight, state, weight_cast=None); None: the QKV projection runs in
+                                   # the autocast dtype
     fp8_head: object = None        # fn(x, weight, state); None: the head runs in the autocast dtype
     qk_norm_rope: object = kernels.qk_norm_rope_reference  # fn(q, k, cos, sin, stationary, key_doc_start)
     composed_attention: object = kernels.composed_attention_reference  # fn(q, k, v, doc_start, window, scale, mixes)
@@ -33,6 +35,11 @@ class KernelFns:
     # fn(x, weight, state, targets, weights, copy_col, p_copy, a_sink, grad_scale): the FP8 head and it in one
     fp8_head_pointer_loss: object = None
     copy_keys: object = kernels.copy_keys_reference  # fn(tokens, normalized, bos): the document copy feature's keys
+    # fn(ups, downs, states) / fn(weights, states): the FP8 MLPs' / QKV projections' weights cast
+    # together for one forward (kernels.fp8_mlp_weight_casts, fp8_linear_weight_casts); None: each
+    # layer casts its own
+    fp8_mlp_weights: object = None
+    fp8_qkv_weights: object = None
     triton: bool = False           # the Triton kernels (their JIT, and kernel_choice's selection, in the warm-up)
 
     @property
@@ -64,6 +71,16 @@ def fp8_kernels(h, use_triton):
             functools.partial(head, scales=kernels.HEAD_SCALE_RULES[h.fp8_head_scales]) if h.fp8_head else None)
 
 
+def fp8_weight_casts(h, use_triton):
+    """The FP8 MLPs' and QKV projections' weight casts for a forward, (mlp, qkv) functions or
+    None: the weight groups' kernels, or their per-layer reference."""
+    cast = kernels.fp8_cast_weights if use_triton else kernels.fp8_cast_weights_reference
+    return (functools.partial(kernels.fp8_mlp_weight_casts, scales=kernels.MLP_SCALES[h.fp8_mlp_scales], cast=cast)
+            if h.fp8_mlp else None,
+            functools.partial(kernels.fp8_linear_weight_casts, scales=kernels.QKV_SCALE_RULES[h.fp8_qkv_scales],
+                              cast=cast) if h.fp8_qkv else None)
+
+
 
 def select_kernels(h, device):
     """Triton on CUDA unless the references are asked for. FP8 layers with the Triton kernels, or
@@ -76,6 +93,7 @@ def select_kernels(h, device):
                           "interpreter, TRITON_INTERPRET=1, for tests): use --kernels=auto")
     with_fp8 = use_triton or device.type == "cuda" or h.fp8_on_cpu
     mlp, qkv, head = fp8_kernels(h, use_triton) if with_fp8 else (None, None, None)
+    mlp_weights, qkv_weights = fp8_weight_casts(h, use_triton) if with_fp8 else (None, None)
     if use_triton:
         head_loss = (functools.partial(kernels.fp8_head_cross_entropy, scales=kernels.HEAD_SCALE_RULES[h.fp8_head_scales],
                                        gemm=h.fp8_gemm, casts=fp8_casts(h)) if h.fp8_head else None)
@@ -88,7 +106,8 @@ def select_kernels(h, device):
                          kernels.qk_norm_rope, kernels.composed_attention, head_loss, kernels.ema_update_,
                          pointer_attention=kernels.pointer_attention,
                          pointer_cross_entropy=kernels.pointer_mixture_softcap_cross_entropy,
-                         fp8_head_pointer_loss=pointer_loss, copy_keys=kernels.copy_keys, triton=True)
+                         fp8_head_pointer_loss=pointer_loss, copy_keys=kernels.copy_keys, triton=True,
+                         fp8_mlp_weights=mlp_weights, fp8_qkv_weights=qkv_weights)
     # Here auto means CPU: the chunked cross-entropy is the kernel's algorithm, ~3x faster than the
     # reference there; `kernels=reference` keeps the plain reference for A/B runs.
     reference = h.kernels == "reference"
@@ -96,4 +115,5 @@ def select_kernels(h, device):
     pointer_cross_entropy = (kernels.pointer_mixture_cross_entropy if reference
                              else kernels.pointer_mixture_cross_entropy_chunked)
     return KernelFns(kernels.attention_reference, cross_entropy, mlp, None, qkv, head,
-                     pointer_cross_entropy=pointer_cross_entropy)
+                     pointer_cross_entropy=pointer_cross_entropy, fp8_mlp_weights=mlp_weights,
+                     fp8_qkv_weights=qkv_weights)

@@ -195,6 +195,43 @@ def _bits_equal(got, want):
     return got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+@interpreted
+@pytest.mark.parametrize("rule", [kernels.EXACT, kernels.WEIGHT_LAG, kernels.Delayed(1.12), kernels.Static(0.004)],
+                         ids=["exact", "lagged", "delayed", "static"])
+def test_fp8_cast_weights_equals_each_layers_own_cast(rule):
+    """The weight groups' casts (amax pass, scale kernel, cast, over tables of addresses) against
+    each layer's _operand_scale and reference cast: the same fp8 bytes in both layouts, the same
+    scales, the same states afterwards (amax slot: this cast's max |w|). Layers of two shapes and
+    two dtypes (three groups); the lagged rule's exact calls and its delayed ones in one batch;
+    a layer with no recorded amax (the uncalibrated scale); the tail of the amax pass's blocks."""
+    generator = torch.Generator().manual_seed(12)
+    slots = kernels.FP8_MLP_SLOTS
+    weights = [(torch.randn(40, 24, generator=generator) * (i + 1)).bfloat16() for i in range(3)]
+    weights += [torch.randn(24, 40, generator=generator), torch.randn(24, 40, generator=generator) * 0.01]
+    weights[1][5, 7] = 300.0                     # saturates under a lagged scale
+    states = [kernels.new_fp8_mlp_state() for _ in weights]
+    for i, state in enumerate(states):
+        if i != 2:
+            state[slots["up_weight"]] = 0.5 + i
+        state[slots["calls"]] = [3.0, 20.0, 16.0, 15.0, 40.0][i]
+    want_states = [state.clone() for state in states]
+    got = kernels.fp8_cast_weights(weights, states, slots, "up_weight", rule, SMALL_CAST)
+    want = kernels.fp8_cast_weights_reference(weights, want_states, slots, "up_weight", rule)
+    for i, ((q, qt, scale), (q_ref, qt_ref, scale_ref)) in enumerate(zip(got, want)):
+        assert _bits_equal(q, q_ref) and _bits_equal(qt, qt_ref), f"layer {i}"
+        assert torch.equal(scale, scale_ref) and scale.shape == (1,), f"layer {i}: {scale} != {scale_ref}"
+        assert torch.equal(states[i], want_states[i]), f"layer {i}'s state"
+        assert states[i][slots["up_weight"]] == weights[i].float().abs().max()
+
+
+def test_fp8_cast_weights_rejects_mismatched_groups():
+    state = kernels.new_fp8_mlp_state()
+    with pytest.raises(ValueError, match="one state per weight"):
+        kernels.fp8_cast_weights([torch.randn(4, 4)], [], kernels.FP8_MLP_SLOTS, "up_weight", kernels.EXACT)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.fp8_cast_weights([torch.randn(4, 6).t()], [state], kernels.FP8_MLP_SLOTS, "up_weight", kernels.EXACT)
+
+
 def _check_large_tile(m, k, n, device):
     """EXACT: the production forward tile FP8_MATMUL_LARGE (128 x 256 x 128, 3 stages), plain and
     with the relu2 epilogue, against the oracle (a K sum within FAST_ACCUMULATOR_BITS: grid
@@ -507,6 +544,19 @@ def _run_layer(layer, inputs, state, grad_output, config=SMALL_MATMUL):
     return [out.detach(), *torch.autograd.grad(out, leaves, grad_output)]
 
 
+def linear_with_weight_cast(x, weight, state, config, scales, cast=kernels.fp8_cast_weights, layer=kernels.fp8_linear):
+    """fp8_linear on its weight cast beforehand by the weight groups' cast (as a model's forward does)."""
+    (weight_cast,) = kernels.fp8_linear_weight_casts([weight], [state], scales, cast)
+    return layer(x, weight, state, config, scales=scales, weight_cast=weight_cast)
+
+
+def mlp_with_weight_casts(x, w_up, w_down, state, config, scales, cast=kernels.fp8_cast_weights,
+                          layer=kernels.fp8_relu2_mlp):
+    """fp8_relu2_mlp on its weights cast beforehand by the weight groups' casts."""
+    (weight_casts,) = kernels.fp8_mlp_weight_casts([w_up], [w_down], [state], scales, cast)
+    return layer(x, w_up, w_down, state, config, scales=scales, weight_casts=weight_casts)
+
+
 # Power-of-two scales the second call of test_fp8_layers_match_oracle_exactly gives each operand
 # with a delayed rule (weights 2^-7, not their exact 2^-8, so the lagged branch shows).
 DELAYED_TARGETS = {"input": 0.5, "weight": 2.0 ** -7, "up_weight": 2.0 ** -7, "down_weight": 2.0 ** -7,
@@ -539,9 +589,10 @@ def test_fp8_layers_match_oracle_exactly(layer, scales, config):
     also with gemm="tma" (48 tokens, every operand of a multiple of 16 bytes: each GEMM runs the
     persistent descriptor kernel, config its tile),
     then a buffer past the weights' exact calls whose amaxes give power-of-two delayed scales
-    other than 1, with loss unit 2^-3. Inputs and weights have max |x| = 1.75 = 448 / 256 (exact
-    scale 2^-8); the static scales of these rules are powers of two. config None: the
-    production tiles."""
+    other than 1, with loss unit 2^-3; also with the weights cast beforehand by the weight
+    groups' kernels (and their reference), as a model's forward casts them. Inputs and weights
+    have max |x| = 1.75 = 448 / 256 (exact scale 2^-8); the static scales of these rules are
+    powers of two. config None: the production tiles."""
     generator = torch.Generator().manual_seed(4)
     x = grid_values(2, 24, 32, generator=generator, limit=4, dtype=torch.bfloat16)
     x[0, 0, 0] = 1.75
@@ -549,12 +600,18 @@ def test_fp8_layers_match_oracle_exactly(layer, scales, config):
         weights = [_grid_weight(80, 32, generator, torch.float32)]
         layers, oracle, new_state = (kernels.fp8_linear, functools.partial(kernels.fp8_linear, gemm="scaled_mm"),
                                      functools.partial(kernels.fp8_linear, gemm="tma"),
-                                     kernels.fp8_linear_reference), linear_oracle, kernels.new_fp8_linear_state
+                                     kernels.fp8_linear_reference, linear_with_weight_cast,
+                                     functools.partial(linear_with_weight_cast, cast=kernels.fp8_cast_weights_reference,
+                                                       layer=kernels.fp8_linear_reference)
+                                     ), linear_oracle, kernels.new_fp8_linear_state
     else:
         weights = [_grid_weight(48, 32, generator, torch.float32), _grid_weight(32, 48, generator, torch.bfloat16)]
         layers, oracle, new_state = (kernels.fp8_relu2_mlp, functools.partial(kernels.fp8_relu2_mlp, gemm="scaled_mm"),
                                      functools.partial(kernels.fp8_relu2_mlp, gemm="tma"),
-                                     kernels.fp8_relu2_mlp_reference), mlp_oracle, kernels.new_fp8_mlp_state
+                                     kernels.fp8_relu2_mlp_reference, mlp_with_weight_casts,
+                                     functools.partial(mlp_with_weight_casts, cast=kernels.fp8_cast_weights_reference,
+                                                       layer=kernels.fp8_relu2_mlp_reference)
+                                     ), mlp_oracle, kernels.new_fp8_mlp_state
     grad_y = grid_values(2, 24, weights[-1].shape[0], generator=generator, limit=4, dtype=torch.bfloat16)
     lagged = kernels.WEIGHT_LAG.calls
     for state_before in (new_state(), state_for_targets(scales, 2.0 ** -3, lagged)):
@@ -563,8 +620,8 @@ def test_fp8_layers_match_oracle_exactly(layer, scales, config):
             state = state_before.clone()
             with LaunchedKernels() as launched:
                 got = _run_layer(functools.partial(run, scales=scales), [x, *weights], state, grad_y, config)
-            label = getattr(run, "__name__", None) or f"gemm={run.keywords['gemm']}"
-            if label == "gemm=tma":
+            label = getattr(run, "__name__", None) or str(run.keywords)
+            if label == str({"gemm": "tma"}):
                 assert not {"_fp8_matmul_kernel", "_fp8_matmul_quant_kernel"} & set(launched.names), launched.names
             for name, g, e in zip(("out", "grad_x", "grad_w1", "grad_w2"), got, expected):
                 assert g.dtype == e.dtype and torch.equal(g, e), f"{label}: {name} differs from the oracle"
@@ -1381,6 +1438,33 @@ def test_xxt_matches_float64_and_is_symmetric(dtype):
         assert_within(kernels.xxt_reference(x), exact, bound, "xxt_reference")
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_xxt_with_beta_is_b_a_plus_c_a_squared(dtype):
+    """xxt(A, alpha=c, beta=b) = b A + c A A^T for symmetric A (a Gram matrix, as Newton-Schulz
+    feeds it): m not a multiple of the tile and a multiple of it (the unmasked path), a batch, and
+    an anvil step's coefficients. The fp32 sum bound times |c|, a few fp32 roundings of the
+    epilogue's two terms, and one output rounding; the result is exactly symmetric."""
+    generator = torch.Generator().manual_seed(11)
+    b, c = -6.095026865488, 3.905234618423
+    unit_roundoff = {torch.float32: 0.0, torch.bfloat16: U_BF16}[dtype]
+    for shape in ((2, 40, 56), (32, 64)):
+        x = torch.randn(*shape, generator=generator)
+        a = (x @ x.mT / shape[-1]).to(dtype)           # symmetric, exactly representable in dtype
+        out = kernels.xxt(a, config=SMALL_XXT, alpha=c, beta=b)
+        a64 = a.double()
+        exact = c * (a64 @ a64.mT) + b * a64
+        magnitude = abs(c) * (a64.abs() @ a64.abs().mT) + abs(b) * a64.abs()
+        bound = (abs(c) * fp32_sum_bound(a, a.mT, a.shape[-1]) + 4 * U32 * magnitude) * (1 + unit_roundoff) \
+            + unit_roundoff * exact.abs()
+        assert out.dtype == dtype and out.shape == exact.shape
+        assert_within(out, exact, bound, "xxt(alpha, beta)")
+        assert torch.equal(out, out.mT)
+        assert_within(kernels.xxt_reference(a, alpha=c, beta=b), exact, bound, "xxt_reference(alpha, beta)")
+    with pytest.raises(ValueError, match="square"):
+        kernels.xxt(torch.randn(8, 12), config=SMALL_XXT, beta=1.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.library registration and torch.compile
 # ---------------------------------------------------------------------------------------------
@@ -1409,7 +1493,12 @@ def test_custom_ops_pass_opcheck():
         (kernels._softcap_ce_op, (logits, targets, weights, False, torch.ones(1), SMALL_CE.as_list())),
         (kernels._scale_rows_op, (logits.clone(), grad_loss, SMALL_CE.as_list())),
         (kernels._xxt_op, (torch.randn(2, 20, 24), SMALL_XXT.as_list())),
+        (kernels._xxt_op, (torch.randn(2, 20, 20), SMALL_XXT.as_list(), 2.0, -0.5)),
         (kernels._transpose_op, (torch.randn(20, 24), SMALL_CAST.as_list())),
+        (kernels._fp8_cast_weights_op, ([torch.randn(20, 24), torch.randn(20, 24)],
+                                        [kernels.new_fp8_mlp_state(), kernels.new_fp8_mlp_state()],
+                                        kernels.FP8_MLP_SLOTS["up_weight"], kernels.FP8_MLP_SLOTS["calls"],
+                                        kernels._rule_code(kernels.WEIGHT_LAG), SMALL_CAST.as_list())),
         (kernels._ema_update_op, (torch.randn(4, 40), torch.randn(4, 40).bfloat16(), 0.1,
                                   kernels.LaunchConfig(block_m=64, block_n=0).as_list())),
     ]

@@ -46,7 +46,8 @@ def test_matrix_kernels_use_the_tensor_cores():
 @compiled
 def test_every_kernel_the_trainer_launches_is_in_the_report():
     """The speedrun trainer's own launches (not a hand-written list) feed the report: the FP8
-    GEMMs (MLP, QKV, head), the casts of their weights and the transposed copies of their
+    GEMMs (MLP, QKV, head), the casts of their weights (the MLPs' and QKV projections' by kind:
+    amax pass, scales, cast) and the transposed copies of their
     activations and gradients (compiled, cast in the kernels that make them), the QK norm +
     RoPE, attention forward and backward at head dims 64 and 128 with bf16 q, k, v, composed
     attention, the cross-entropy (its gradient written in e5m2 for the head's backward GEMMs,
@@ -59,7 +60,8 @@ def test_every_kernel_the_trainer_launches_is_in_the_report():
         "_attn_fwd_tma_kernel", "_attn_bwd_fused_tma_kernel", "_attn_bwd_delta_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel", "_softcap_ce_kernel", "_transpose_kernel",
         "_xxt_kernel", "_qk_norm_rope_fwd_kernel", "_qk_norm_rope_bwd_kernel",
         "_dc_fwd_kernel", "_dc_bwd_mix_kernel", "_dc_bwd_q_kernel", "_dc_bwd_kv_kernel", "_sum_rows_kernel",
-        "_add_row_sums_kernel", "_sparse_adam_rows_kernel"}
+        "_add_row_sums_kernel", "_sparse_adam_rows_kernel", "_weight_amax_kernel", "_weight_scales_kernel",
+        "_weight_cast_kernel"}
     for e in trainer:
         if e["kernel"] in ("_attn_fwd_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel", "_attn_bwd_fused_kernel",
                            *sm90_report.DESCRIPTOR_ATTENTION_KERNELS):

@@ -1,5 +1,6 @@
 """The model: document masks and windows, shapes and candidate columns, the n-gram hashes, RoPE and
 YaRN, each feature against its definition, the canonical mask of validation."""
+import dataclasses
 import importlib.util
 import json
 import math
@@ -16,7 +17,8 @@ sys.path.insert(0, REPO)
 import kernels  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data.tokenizer import BOS_ID, TOKENIZER_PACKAGE, gpt2_encoding, noncanonical_pairs  # noqa: E402
-from tiny_runs import FEATURES, DENSE, NGRAM, cpu_trainer, data_args, tiny_config, tiny_model  # noqa: E402
+from tiny_runs import (FEATURES, DENSE, NGRAM, cpu_trainer, data_args, tiny_config, tiny_model,  # noqa: E402
+                       with_every_sublayer_on)
 from machinery import canonical_mask, ngram_table, sampled_softmax  # noqa: E402
 
 
@@ -33,6 +35,47 @@ def packed(doc_lengths, seed=0):
 
 
 COPY = ["--document_copy=true", "--smear_gate=true"]   # PR 378's document copy feature
+
+
+def test_a_training_forward_casts_the_fp8_weights_by_kind_and_each_layer_runs_on_its_own():
+    """In training the FP8 MLPs' weights (a parallel MLP's among them) and the QKV projections'
+    (of several widths) are cast at the start of the forward, one call per kind, and every FP8
+    layer runs on the casts of its own weights; in evaluation nothing is cast."""
+    h = tiny_config([*FEATURES, "--fp8_on_cpu=true"])
+    fns = tg.select_kernels(h, torch.device("cpu"))
+    groups, layers = [], []
+
+    def spy_group(fn):
+        def cast(weights, *rest):
+            casts = fn(weights, *rest)
+            groups.append((weights, casts))
+            return casts
+        return cast
+
+    def spy_layer(fn, keyword):
+        def layer(x, weight, *rest, **kwargs):
+            layers.append((weight, kwargs.get(keyword)))
+            return fn(x, weight, *rest, **kwargs)
+        return layer
+    fns = dataclasses.replace(fns, fp8_mlp=spy_layer(fns.fp8_mlp, "weight_casts"),
+                              fp8_qkv=spy_layer(fns.fp8_qkv, "weight_cast"),
+                              fp8_mlp_weights=spy_group(fns.fp8_mlp_weights),
+                              fp8_qkv_weights=spy_group(fns.fp8_qkv_weights))
+    torch.manual_seed(0)
+    model = with_every_sublayer_on(tg.build_model(h, fns)).train()
+    tokens, cu = packed([90, 150, 60])
+    model.hidden_states(tokens, tg.AttentionArgs(cu, 128, 384))
+    mlps = [m for m in model.modules() if isinstance(m, tg.MLP)]
+    projections = [m for m in model.modules() if isinstance(m, tg.CausalSelfAttention)]
+    assert [len(weights) for weights, _ in groups] == [len(mlps), len(projections)] and len(mlps) > h.num_layers
+    assert len({m.qkv.shape for m in projections}) > 1
+    made = {id(w): c for weights, casts in groups for w, c in zip(weights, casts)}
+    assert len(layers) == len(mlps) + len(projections)
+    assert all(casts is not None and casts is made[id(weight)] for weight, casts in layers)
+    groups.clear()
+    with torch.no_grad():
+        model.eval().hidden_states(tokens, tg.AttentionArgs(cu, 128, 384))
+    assert groups == []
 
 
 @pytest.mark.parametrize("features", [[], FEATURES, DENSE, NGRAM, COPY], ids=["plain", "features", "dense", "ngram",

@@ -97,6 +97,47 @@ def test_an_op_that_updates_an_argument_in_place_also_writes_what_it_returns():
     assert sm._kernel_op(cast, []).bytes == 64 * 128 * 2 + 4 + 4 + 4 + 2 * 64 * 128
 
 
+def test_a_gather_reads_the_rows_it_takes_not_its_whole_table():
+    """An embedding lookup, a row index and an index_select of 6 rows of a 1,000-row table
+    read 6 rows of it (and their indices), not the table; a lookup of more rows than the table
+    has reads the table at most."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    census = sm.Census()
+    with FakeTensorMode():
+        table, rows = torch.empty(1000, 16), torch.zeros(6, dtype=torch.int64)
+        with census:
+            torch.nn.functional.embedding(rows, table)
+            table[rows]
+            table.index_select(0, rows)
+            torch.nn.functional.embedding(torch.zeros(5000, dtype=torch.int64), table)
+    gathers = [e for e in census.events if e.name in sm.GATHER_OPS]
+    assert [e.name for e in gathers] == ["aten.embedding", "aten.index", "aten.index_select", "aten.embedding"]
+    for e in gathers[:3]:
+        assert sorted(nbytes for _, nbytes in e.reads) == [6 * 8, 6 * 16 * 4]
+    assert sorted(nbytes for _, nbytes in gathers[3].reads) == [5000 * 8, 1000 * 16 * 4]
+
+
+@pytest.mark.parametrize("rule, launches, weight_reads", [("lagged", 3, 2), ("delayed", 2, 1)])
+def test_a_weight_group_cast_is_priced_as_its_launches_and_passes(rule, launches, weight_reads):
+    """fp8_cast_weights of two bf16 weights: the scale kernel and the cast, and for a rule that
+    reads the weights' own amax the amax pass too, which reads the weights once more. Bytes: the
+    weights (once or twice), the states, both fp8 copies of each weight, the scales."""
+    import kernels
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    rules = {"lagged": kernels.WEIGHT_LAG, "delayed": kernels.Delayed(1.12)}
+    census = sm.Census()
+    with FakeTensorMode():
+        weights = [torch.empty(96, 64, dtype=torch.bfloat16) for _ in range(2)]
+        states = [kernels.new_fp8_mlp_state() for _ in range(2)]
+        with census:
+            kernels.fp8_cast_weights(weights, states, kernels.FP8_MLP_SLOTS, "up_weight", rules[rule])
+    (cast,) = [e for e in census.events if e.name == "kernels.fp8_cast_weights"]
+    op = sm._kernel_op(cast, [])
+    state_bytes = 2 * states[0].numel() * 4
+    assert op.kernels == launches
+    assert op.bytes == weight_reads * 2 * 96 * 64 * 2 + state_bytes + 2 * 2 * 96 * 64 + 2 * kernels.FP8_SLOT_STRIDE * 4
+
+
 @pytest.mark.parametrize("dtype, per_key", [(torch.int64, 8 + 8 * 2 * (8 + 8)), (torch.float32, 4 + 4 * 2 * (4 + 8))])
 def test_a_sort_is_priced_as_a_radix_sort_of_its_keys_and_indices(dtype, per_key):
     """torch.sort of n keys, traced: the keys read once for the digit counts, then per 8-bit digit

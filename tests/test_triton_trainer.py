@@ -166,7 +166,8 @@ TRITON_KERNELS = {"_fp8_cast_kernel", "_fp8_matmul_tma_kernel", "_fp8_matmul_qua
                   "_attn_bwd_fused_kernel", "_softcap_ce_kernel",
                   "_xxt_kernel", "_qk_norm_rope_fwd_kernel", "_qk_norm_rope_bwd_kernel",
                   "_dc_fwd_kernel", "_dc_bwd_mix_kernel", "_dc_bwd_q_kernel", "_dc_bwd_kv_kernel",
-                  "_add_row_sums_kernel", "_sparse_adam_rows_kernel"}
+                  "_add_row_sums_kernel", "_sparse_adam_rows_kernel",
+                  "_weight_amax_kernel", "_weight_scales_kernel", "_weight_cast_kernel"}
 
 
 @pytest.fixture(scope="module")
