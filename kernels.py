@@ -1184,7 +1184,7 @@ def _operand_scale(state, slots, rule, name, fp8_max, x):
 WEIGHT_AMAX_PARTS = 32             # programs per weight in the amax pass; the scale kernel reduces their maxima
 WEIGHT_AMAX_BLOCK = 2048           # elements an amax program takes at a time
 FP8_WEIGHT_CAST = LaunchConfig(block_m=64, block_n=64, num_warps=4)
-_TL_FLOATS = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+WEIGHT_FLOATS = ("float32", "bfloat16", "float16")   # the weight dtypes the group kernels read (tl's names)
 RULE_STATIC, RULE_DELAYED, RULE_EXACT, RULE_EXACT_THEN_DELAYED = range(4)   # the scale kernel's RULE
 
 
@@ -1283,7 +1283,7 @@ def _launch_fp8_cast_weights(weights: list[Tensor], states: list[Tensor], amax_s
     qt = torch.empty(layers, N, M, dtype=torch.float8_e4m3fn, device=device)
     scales = torch.empty(layers, FP8_SLOT_STRIDE, dtype=torch.float32, device=device)
     kind, static_scale, headroom, exact_calls = rule
-    w_dtype = _TL_FLOATS[weights[0].dtype]
+    w_dtype = getattr(tl, str(weights[0].dtype).removeprefix("torch."))
     partial = scales
     if kind >= RULE_EXACT:
         partial = torch.empty(layers, WEIGHT_AMAX_PARTS, dtype=torch.float32, device=device)
@@ -1317,7 +1317,7 @@ def _check_weight_group(weights, states):
         raise ValueError(f"fp8_cast_weights: {len(weights)} weights and {len(states)} states; "
                          "give one state per weight")
     for w in weights:
-        if w.dim() != 2 or not w.is_contiguous() or w.dtype not in _TL_FLOATS:
+        if w.dim() != 2 or not w.is_contiguous() or str(w.dtype).removeprefix("torch.") not in WEIGHT_FLOATS:
             raise ValueError(f"fp8_cast_weights: weights must be contiguous 2-d float tensors; got {w.dtype} "
                              f"{tuple(w.shape)}{'' if w.is_contiguous() else ' (not contiguous)'}")
 
@@ -3577,9 +3577,12 @@ def xxt_reference(x, alpha=1.0, beta=0.0):
 # row is RMS-normed over its D dims, rotated by its position's angles and written contiguous in
 # the attention kernel's layout; with the key offset (keys of long-window layers) a row's
 # stationary dims (zero frequency) take the previous row's normed values, except at a document
-# start. Per row: one read of D values (two with the offset: the previous row's too), one
-# write, one fp32 rstd saved for the backward; four torch ops and their intermediates become one
-# pass. The math in fp32, the output in the input's dtype:
+# start. Paired heads in the records' layout (PAIRED): head h of token t is rotated at position
+# 2t + h % 2 and written in place in (T, heads, D), which the attention reads as the doubled
+# sequence's (2T, heads/2, D) view: no copy into or out of that layout. Per row: one read of D
+# values (two with the offset: the previous row's too), one write, one fp32 rstd saved for the
+# backward; four torch ops and their intermediates become one pass. The math in fp32, the output
+# in the input's dtype:
 #     z = x rstd, rstd = (mean(x^2) + eps)^-1/2;   y1 = z1 cos + z2 sin,  y2 = z2 cos - z1 sin
 # (x1, x2: the two halves of the D dims; cos, sin: (positions, D/2) tables, 1 and 0 on the
 # stationary pairs). Backward: the offset's gradient goes back to the row it came from, the
@@ -3598,16 +3601,25 @@ def _load_halves(ptr, rows, cols, stride_t, mask, HALF: tl.constexpr):
 
 
 @triton.jit
+def _angle_rows(rows, head, PAIRED: tl.constexpr):
+    """The rows of the angle tables that rows of `head` turn by: their positions, or with paired
+    heads 2t + head % 2."""
+    if PAIRED:
+        return 2 * rows + head % 2
+    return rows
+
+
+@triton.jit
 def _qk_norm_rope_fwd_kernel(x_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, stationary_ptr, doc_start_ptr, num_rows,
                              stride_xt, stride_xh, stride_yt, stride_yh, stride_cos, eps,
-                             OFFSET: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+                             OFFSET: tl.constexpr, PAIRED: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr):
     head, num_heads = tl.program_id(1), tl.num_programs(1)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, HALF)
     in_range = rows < num_rows
     x1, x2 = _load_halves(x_ptr + head * stride_xh, rows, cols, stride_xt, in_range, HALF)
     rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
-    table = rows[:, None] * stride_cos + cols[None, :]
+    table = _angle_rows(rows, head, PAIRED)[:, None] * stride_cos + cols[None, :]
     cos = tl.load(cos_ptr + table, mask=in_range[:, None], other=1.0)
     sin = tl.load(sin_ptr + table, mask=in_range[:, None], other=0.0)
     y1 = (x1 * cos + x2 * sin) * rstd[:, None]
@@ -3630,7 +3642,8 @@ def _qk_norm_rope_fwd_kernel(x_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, stationar
 @triton.jit
 def _qk_norm_rope_bwd_kernel(dy_ptr, x_ptr, rstd_ptr, dx_ptr, cos_ptr, sin_ptr, stationary_ptr, doc_start_ptr,
                              num_rows, stride_dyt, stride_dyh, stride_xt, stride_xh, stride_dxt, stride_dxh,
-                             stride_cos, OFFSET: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+                             stride_cos, OFFSET: tl.constexpr, PAIRED: tl.constexpr, HALF: tl.constexpr,
+                             BLOCK_T: tl.constexpr):
     head, num_heads = tl.program_id(1), tl.num_programs(1)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, HALF)
@@ -3645,7 +3658,7 @@ def _qk_norm_rope_bwd_kernel(dy_ptr, x_ptr, rstd_ptr, dx_ptr, cos_ptr, sin_ptr, 
         n1, n2 = _load_halves(dy_ptr + head * stride_dyh, rows + 1, cols, stride_dyt, has_next, HALF)
         dy1 = tl.where(stat1, tl.where(starts, dy1, 0.0) + tl.where(next_takes, n1, 0.0), dy1)
         dy2 = tl.where(stat2, tl.where(starts, dy2, 0.0) + tl.where(next_takes, n2, 0.0), dy2)
-    table = rows[:, None] * stride_cos + cols[None, :]
+    table = _angle_rows(rows, head, PAIRED)[:, None] * stride_cos + cols[None, :]
     cos = tl.load(cos_ptr + table, mask=in_range[:, None], other=1.0)
     sin = tl.load(sin_ptr + table, mask=in_range[:, None], other=0.0)
     dz1 = dy1 * cos - dy2 * sin
@@ -3666,7 +3679,7 @@ def _qk_grid(rows, heads, config):
 
 
 def _launch_qk_norm_rope_fwd(x: Tensor, cos: Tensor, sin: Tensor, stationary: Tensor, doc_start: Tensor,
-                             offset: bool, config: list[int]) -> tuple[Tensor, Tensor]:
+                             offset: bool, paired: bool, config: list[int]) -> tuple[Tensor, Tensor]:
     config = _config_from_list(config)
     T, H, D = x.shape
     y = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
@@ -3675,12 +3688,12 @@ def _launch_qk_norm_rope_fwd(x: Tensor, cos: Tensor, sin: Tensor, stationary: Te
             x_ptr=x, y_ptr=y, rstd_ptr=rstd, cos_ptr=cos, sin_ptr=sin, stationary_ptr=stationary,
             doc_start_ptr=doc_start, num_rows=T, stride_xt=x.stride(0), stride_xh=x.stride(1),
             stride_yt=y.stride(0), stride_yh=y.stride(1), stride_cos=cos.stride(0), eps=QK_NORM_EPS,
-            OFFSET=offset, HALF=D // 2, BLOCK_T=config.block_m)
+            OFFSET=offset, PAIRED=paired, HALF=D // 2, BLOCK_T=config.block_m)
     return y, rstd
 
 
 def _launch_qk_norm_rope_bwd(dy: Tensor, x: Tensor, rstd: Tensor, cos: Tensor, sin: Tensor, stationary: Tensor,
-                             doc_start: Tensor, offset: bool, config: list[int]) -> Tensor:
+                             doc_start: Tensor, offset: bool, paired: bool, config: list[int]) -> Tensor:
     config = _config_from_list(config)
     T, H, D = x.shape
     dx = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
@@ -3688,7 +3701,7 @@ def _launch_qk_norm_rope_bwd(dy: Tensor, x: Tensor, rstd: Tensor, cos: Tensor, s
             dy_ptr=dy, x_ptr=x, rstd_ptr=rstd, dx_ptr=dx, cos_ptr=cos, sin_ptr=sin, stationary_ptr=stationary,
             doc_start_ptr=doc_start, num_rows=T, stride_dyt=dy.stride(0), stride_dyh=dy.stride(1),
             stride_xt=x.stride(0), stride_xh=x.stride(1), stride_dxt=dx.stride(0), stride_dxh=dx.stride(1),
-            stride_cos=cos.stride(0), OFFSET=offset, HALF=D // 2, BLOCK_T=config.block_m)
+            stride_cos=cos.stride(0), OFFSET=offset, PAIRED=paired, HALF=D // 2, BLOCK_T=config.block_m)
     return dx
 
 
@@ -3699,57 +3712,66 @@ _qk_norm_rope_bwd_op = torch.library.custom_op(f"{_OPS}::qk_norm_rope_bwd", _lau
 
 
 @_qk_norm_rope_fwd_op.register_fake
-def _(x, cos, sin, stationary, doc_start, offset, config):
+def _(x, cos, sin, stationary, doc_start, offset, paired, config):
     return x.new_empty(x.shape), x.new_empty(x.shape[:2], dtype=torch.float32)
 
 
 @_qk_norm_rope_bwd_op.register_fake
-def _(dy, x, rstd, cos, sin, stationary, doc_start, offset, config):
+def _(dy, x, rstd, cos, sin, stationary, doc_start, offset, paired, config):
     return x.new_empty(x.shape)
 
 
 class _QKNormRope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cos, sin, stationary, doc_start, offset, config):
-        y, rstd = _qk_norm_rope_fwd_op(x, cos, sin, stationary, doc_start, offset, config)
+    def forward(ctx, x, cos, sin, stationary, doc_start, offset, paired, config):
+        y, rstd = _qk_norm_rope_fwd_op(x, cos, sin, stationary, doc_start, offset, paired, config)
         ctx.save_for_backward(x, rstd, cos, sin, stationary, doc_start)
-        ctx.args = (offset, config)
+        ctx.args = (offset, paired, config)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, rstd, cos, sin, stationary, doc_start = ctx.saved_tensors
         dx = _qk_norm_rope_bwd_op(_last_dim_contiguous(dy), x, rstd, cos, sin, stationary, doc_start, *ctx.args)
-        return dx, None, None, None, None, None, None
+        return dx, None, None, None, None, None, None, None
 
 
-def _check_qk_inputs(q, k, cos, sin, stationary):
+def _check_qk_inputs(q, k, cos, sin, stationary, key_doc_start, paired):
     for name, t in (("q", q), ("k", k)):
-        if t.dim() != 3 or t.shape[2] % 2 or t.stride(2) != 1:
-            raise ValueError(f"qk_norm_rope: {name} must be (T, heads, D) with even D and contiguous last dim; "
-                             f"got shape {tuple(t.shape)}, strides {t.stride()}")
-    if cos.shape != sin.shape or cos.shape != (q.shape[0], q.shape[2] // 2) or stationary.shape != (q.shape[2],):
-        raise ValueError(f"qk_norm_rope: cos and sin must be (T, D/2) = ({q.shape[0]}, {q.shape[2] // 2}) and "
-                         f"stationary (D,); got {tuple(cos.shape)}, {tuple(sin.shape)}, {tuple(stationary.shape)}")
+        if t.dim() != 3 or t.shape[2] % 2 or t.stride(2) != 1 or (paired and t.shape[1] % 2):
+            raise ValueError(f"qk_norm_rope: {name} must be (T, heads, D) with even D{' and heads' if paired else ''} "
+                             f"and contiguous last dim; got shape {tuple(t.shape)}, strides {t.stride()}")
+    positions = q.shape[0] * (2 if paired else 1)
+    if cos.shape != sin.shape or cos.shape != (positions, q.shape[2] // 2) or stationary.shape != (q.shape[2],):
+        raise ValueError(f"qk_norm_rope: cos and sin must be ({'2T' if paired else 'T'}, D/2) = ({positions}, "
+                         f"{q.shape[2] // 2}) and stationary (D,); got {tuple(cos.shape)}, {tuple(sin.shape)}, "
+                         f"{tuple(stationary.shape)}")
+    if paired and key_doc_start is not None:
+        raise ValueError("qk_norm_rope: the key offset is not defined on paired heads")
 
 
-def qk_norm_rope(q, k, cos, sin, stationary, key_doc_start=None, config=QK_NORM_ROPE):
+def qk_norm_rope(q, k, cos, sin, stationary, key_doc_start=None, config=QK_NORM_ROPE, paired=False):
     """(q', k'): q and k (T, heads, D), any strides with a contiguous last dim, RMS-normed per row
     and rotated by the (T, D/2) angle tables cos, sin, contiguous in q's and k's dtype. With
     key_doc_start ((T,) bool, True at document starts and at row 0) a key row's stationary dims
-    ((D,) bool) hold the previous row's normed values, except at a document start."""
-    _check_qk_inputs(q, k, cos, sin, stationary)
+    ((D,) bool) hold the previous row's normed values, except at a document start. paired: head h
+    of token t is rotated at position 2t + h % 2 of (2T, D/2) tables, the records' paired heads,
+    which attention reads as the (2T, heads/2, D) view of the result."""
+    _check_qk_inputs(q, k, cos, sin, stationary, key_doc_start, paired)
     cos, sin, stationary = cos.float().contiguous(), sin.float().contiguous(), stationary.to(torch.int8)
     offset = key_doc_start is not None
     doc_start = (key_doc_start if offset else torch.ones(1, dtype=torch.bool, device=q.device)).to(torch.int8)
-    q_out = _QKNormRope.apply(q, cos, sin, stationary, doc_start, False, config.as_list())
-    k_out = _QKNormRope.apply(k, cos, sin, stationary, doc_start, offset, config.as_list())
+    q_out = _QKNormRope.apply(q, cos, sin, stationary, doc_start, False, paired, config.as_list())
+    k_out = _QKNormRope.apply(k, cos, sin, stationary, doc_start, offset, paired, config.as_list())
     return q_out, k_out
 
 
 def rope_reference(x, cos, sin):
-    """x (T, heads, D) rotated by the (T, D/2) tables: (x1 cos + x2 sin, x2 cos - x1 sin)."""
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    """x (T, heads, D) rotated by the (T, D/2) tables, or (T, heads, D/2) ones (a table row per
+    head): (x1 cos + x2 sin, x2 cos - x1 sin)."""
+    if cos.dim() == 2:
+        cos, sin = cos[:, None, :], sin[:, None, :]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
 
@@ -3761,9 +3783,13 @@ def offset_keys_reference(k, stationary, doc_start):
     return torch.where(take_previous, torch.roll(k, 1, dims=0), k)
 
 
-def qk_norm_rope_reference(q, k, cos, sin, stationary, key_doc_start=None, config=None):
+def qk_norm_rope_reference(q, k, cos, sin, stationary, key_doc_start=None, config=None, paired=False):
     """qk_norm_rope in torch ops: rms_norm, rope_reference, offset_keys_reference."""
-    _check_qk_inputs(q, k, cos, sin, stationary)
+    _check_qk_inputs(q, k, cos, sin, stationary, key_doc_start, paired)
+    if paired:                     # head h of token t turns by table row 2t + h % 2
+        T, H = q.shape[:2]
+        rows = 2 * torch.arange(T, device=q.device)[:, None] + torch.arange(H, device=q.device) % 2
+        cos, sin = cos[rows], sin[rows]
     q_out = rope_reference(F.rms_norm(q, (q.size(-1),)), cos, sin).to(q.dtype)
     k_out = rope_reference(F.rms_norm(k, (k.size(-1),)), cos, sin).to(k.dtype)
     if key_doc_start is not None:

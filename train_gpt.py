@@ -787,13 +787,6 @@ def deinterleave_head_pairs(y):
     return y.view(T2 // 2, 2, half, D).transpose(1, 2).reshape(T2 // 2, 2 * half, D)
 
 
-def record_head_pairs(x):
-    """interleave_head_pairs' doubled sequence, each row rotated at its position, in the records'
-    layout: head h of token t at position 2t + h // (H/2), its rotation that of 2t + h % 2. Heads
-    h and h + H/2 pair; the rows move only within their token. The inverse: (T, H, D) reshape."""
-    return deinterleave_head_pairs(x).reshape(x.shape)
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer, long_window: bool, value_embed: bool, xsa: bool, paired: bool,
                  fns):
@@ -883,14 +876,12 @@ class CausalSelfAttention(nn.Module):
         the heads' outputs; from the dense connections, "ve" (T, heads) replaces the
         value-embedding gate and "v" (T, heads x value width) is added to the values).
 
-        A paired layer runs on the doubled sequence of interleave_head_pairs, two positions per
-        token: RoPE, the document offsets and the cache count positions, and the window (in
-        positions) spans half as many tokens."""
+        A paired layer runs on a doubled sequence (rotated), two positions per token: RoPE, the
+        document offsets and the cache count positions, and the window (in positions) spans half
+        as many tokens."""
         T = x.size(0)
         gates = gates or {}
         q, k, v = self.project(x, ve, gates, (args.fp8_weights or {}).get(self.fp8_key))
-        if self.paired:
-            q, k, v = (interleave_head_pairs(t) for t in (q, k, v))
         window = (args.long_window if self.long_window else args.short_window) + self.edge_keys
         attend = self.attend_packed if args.cache is None else self.attend_cached
         y, own_values = attend(q, k, v, doc_start, rotary, args, window, gates)
@@ -924,6 +915,21 @@ class CausalSelfAttention(nn.Module):
         # Attention takes one dtype, the projection's: CUDA autocast runs the value-embedding sum in fp32.
         return q, k, v.to(qkv.dtype)
 
+    def rotated(self, q, k, v, rotary, start, key_starts):
+        """q and k normed and rotated (the first at position `start`), and v, in the attention's
+        layout, q's dtype v's: (T, heads, D), or on a paired layer the doubled sequence (2T,
+        heads/2, D). The records' layout puts head h of token t at position 2t + h // (heads/2),
+        rotated as 2t + h % 2 (the heads h and h + heads/2 pair): the rotation writes it in place
+        and the doubled sequence is a view; the adjacent layout interleaves the heads first."""
+        if self.record_pairs:
+            T, H = q.shape[:2]
+            q, k = self.qk_norm_rope(q, k, *rotary.angles(start, 2 * T), rotary.stationary, key_starts, paired=True)
+            return tuple(t.to(v.dtype).reshape(2 * T, H // 2, -1) for t in (q, k, v))
+        if self.paired:
+            q, k, v = (interleave_head_pairs(t) for t in (q, k, v))
+        q, k = self.qk_norm_rope(q, k, *rotary.angles(start, q.size(0)), rotary.stationary, key_starts)
+        return q.to(v.dtype), k.to(v.dtype), v
+
     def attend_packed(self, q, k, v, doc_start, rotary, args, window, gates):
         """Training and validation: attention within each document of the packed slice
         (args.cu_seqlens), plus composed attention on its layers. The key offset (a key's
@@ -931,11 +937,7 @@ class CausalSelfAttention(nn.Module):
         matching token a finding the token after an earlier a) comes with the norm and RoPE.
         Returns the heads' outputs and the values XSA removes."""
         rows_per_token = 2 if self.paired else 1
-        key_starts = doc_start if self.key_offset else None
-        q, k = self.qk_norm_rope(q, k, *rotary.angles(0, q.size(0)), rotary.stationary, key_starts)
-        q, k = q.to(v.dtype), k.to(v.dtype)
-        if self.record_pairs:
-            q, k, v = (record_head_pairs(t) for t in (q, k, v))
+        q, k, v = self.rotated(q, k, v, rotary, 0, doc_start if self.key_offset else None)
         y = self.attention(q, k, v, args.cu_seqlens * rows_per_token, window, rotary.attn_scale)
         if self.composed_window:   # (never on a paired layer: q has one row per token)
             y = y + self.composed(q, k, v, kernels.document_bounds(args.cu_seqlens, q.size(0))[0], rotary, gates)
@@ -946,11 +948,7 @@ class CausalSelfAttention(nn.Module):
         keeps the keys as computed); the key offset applies to the whole cached sequence, whose
         first key starts the document. The same math as attend_packed on the whole document."""
         cache, rows_per_token = args.cache, 2 if self.paired else 1
-        q, k = self.qk_norm_rope(q, k, *rotary.angles(cache.length * rows_per_token, q.size(0)), rotary.stationary,
-                                 None)
-        q, k = q.to(v.dtype), k.to(v.dtype)
-        if self.record_pairs:
-            q, k, v = (record_head_pairs(t) for t in (q, k, v))
+        q, k, v = self.rotated(q, k, v, rotary, cache.length * rows_per_token, None)
         own_values = v
         k, v = cache.extend(self, k, v, rows_per_token)
         if self.key_offset:
@@ -1021,10 +1019,11 @@ class Block(nn.Module):
         # skip's target, where the skip takes the attention's place
         self.scales_without_attention = not has_attn and cfg.trunk == "dense" and layer != cfg.skip_layers[1]
 
-    def mlps(self, normed, args):
+    def mlps(self, normed, args=None):
+        casts = args.fp8_weights if args is not None else None
         if self.parallel_mlp is not None:
-            return self.mlp(normed, args.fp8_weights) + self.parallel_mlp(normed, args.fp8_weights)
-        return self.mlp(normed, args.fp8_weights)
+            return self.mlp(normed, casts) + self.parallel_mlp(normed, casts)
+        return self.mlp(normed, casts)
 
     def forward(self, x, x0, ve, doc_start, rotary, args, gates=None, hashed=None):
         """gates: this layer's TokenGates or None; with them the attention sublayer is followed by

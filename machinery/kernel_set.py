@@ -21,7 +21,7 @@ class KernelFns:
     fp8_qkv: object = None         # fn(x, weight, state, weight_cast=None); None: the QKV projection runs in
                                    # the autocast dtype
     fp8_head: object = None        # fn(x, weight, state); None: the head runs in the autocast dtype
-    qk_norm_rope: object = kernels.qk_norm_rope_reference  # fn(q, k, cos, sin, stationary, key_doc_start)
+    qk_norm_rope: object = kernels.qk_norm_rope_reference  # fn(q, k, cos, sin, stationary, key_doc_start, paired=)
     composed_attention: object = kernels.composed_attention_reference  # fn(q, k, v, doc_start, window, scale, mixes)
     # fn(x, weight, state, targets, weights, grad_scale): the FP8 head and the cross-entropy in one, for
     # the training objective (kernels.fp8_head_cross_entropy); None: the head, then cross_entropy

@@ -177,13 +177,15 @@ MUTATIONS = [
              "return y + torch.tanh(alpha).type_as(y)[..., None] * along * direction", MODEL,
              "XSA adds the own-value share"),
     Mutation("train_gpt.py", "return x.view(T, H // 2, 2, D).transpose(1, 2).reshape(2 * T, H // 2, D)",
-             "return x.view(T, 2, H // 2, D).reshape(2 * T, H // 2, D)", MODEL,
-             "paired heads: head h with head h + H/2"),
+             "return x.view(T, 2, H // 2, D).reshape(2 * T, H // 2, D)",
+             ["tests/test_model.py", "-k", "paired_heads_see_each_others_keys"],
+             "paired heads (the adjacent layout): head h with head h + H/2"),
     Mutation("train_gpt.py", "window = (args.long_window if self.long_window else args.short_window) + self.edge_keys",
              "window = args.long_window if self.long_window else args.short_window", MODEL,
              "the window's edge key left out"),
-    Mutation("train_gpt.py", "    return deinterleave_head_pairs(x).reshape(x.shape)",
-             "    return x", MODEL, "the records' paired layout as the adjacent one"),
+    Mutation("train_gpt.py", "            return tuple(t.to(v.dtype).reshape(2 * T, H // 2, -1) for t in (q, k, v))",
+             "            return tuple(interleave_head_pairs(t.to(v.dtype)) for t in (q, k, v))", MODEL,
+             "the records' paired layout as the adjacent one"),
     Mutation("train_gpt.py",
              "y = y.reshape(T, self.num_heads, -1) if self.record_pairs else deinterleave_head_pairs(y)",
              "y = deinterleave_head_pairs(y)", MODEL, "the records' paired outputs read back in the adjacent layout"),
@@ -894,6 +896,8 @@ MUTATIONS = [
              "            reads[0] = (reads[0][0], min(reads[0][1], sum(_tensor_bytes(t) for t in outputs)))",
              "            reads[0] = (reads[0][0], reads[0][1])",
              ["tests/test_step_model.py", "-k", "gather"], "a gather priced as a read of its whole table"),
+    Mutation("kernels.py", "        return 2 * rows + head % 2", "        return 2 * rows + head // 2",
+             ["tests/test_kernels.py", "-k", "qk_norm_rope_paired"], "paired heads turned by the wrong head's angle"),
 ]
 
 

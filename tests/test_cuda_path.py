@@ -383,7 +383,8 @@ def test_rehearsal_launches_every_kernel_with_one_dtype(rehearsal):
                      "_attn_bwd_fused_kernel", "_softcap_ce_kernel", "_transpose_kernel",
                      "_xxt_kernel", "_qk_norm_rope_fwd_kernel", "_qk_norm_rope_bwd_kernel",
                      "_dc_fwd_kernel", "_dc_bwd_mix_kernel", "_dc_bwd_q_kernel", "_dc_bwd_kv_kernel",
-                     "_sum_rows_kernel", "_add_row_sums_kernel", "_sparse_adam_rows_kernel", "_ema_update_kernel"}
+                     "_sum_rows_kernel", "_add_row_sums_kernel", "_sparse_adam_rows_kernel", "_ema_update_kernel",
+                     "_weight_amax_kernel", "_weight_scales_kernel", "_weight_cast_kernel"}
     for name, _, _, args in launches:
         if name.startswith("_attn") and name != "_attn_bwd_delta_kernel":
             assert {args[p].dtype for p in ("q_ptr", "k_ptr", "v_ptr")} == {torch.bfloat16}, name

@@ -1614,6 +1614,43 @@ def test_qk_norm_rope_matches_float64(dtype, offset):
     _check_qk_norm_rope(30, 2, 16, dtype, offset, "cpu", kernels.LaunchConfig(block_m=8, block_n=0))
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rope_paired_is_the_interleaved_rotation_in_the_records_layout(dtype):
+    """paired=True (head h of token t turned at position 2t + h % 2, written in place) against
+    the copies it replaces: the heads interleaved into the doubled sequence, rotated there, and
+    moved back to (T, heads, D), whose (2T, heads/2, D) view is the records' layout. Kernel and
+    reference, on strided q and k as the QKV split gives them: outputs and input gradients bit
+    for bit. The key offset is refused on paired heads."""
+    T, H, D = 12, 4, 16
+    generator = torch.Generator().manual_seed(23)
+    packed = torch.randn(T, 3 * H, D, generator=generator).to(dtype)
+    q, k = packed[:, :H], packed[:, H:2 * H]
+    angles = torch.outer(torch.arange(2 * T, dtype=torch.float32), torch.rand(D // 2, generator=generator))
+    cos, sin, stationary = angles.cos(), angles.sin(), torch.zeros(D, dtype=torch.bool)
+    grads = [torch.randn(T, H, D, generator=generator).to(dtype) for _ in range(2)]
+
+    def interleave(x):             # (T, H, D) -> (2T, H/2, D): head h of token t at row 2t + h % 2
+        return x.reshape(T, H // 2, 2, D).transpose(1, 2).reshape(2 * T, H // 2, D)
+
+    def deinterleave(y):
+        return y.reshape(T, 2, H // 2, D).transpose(1, 2).reshape(T, H, D)
+
+    config = kernels.LaunchConfig(block_m=8, block_n=0)
+    for fn in (kernels.qk_norm_rope, kernels.qk_norm_rope_reference):
+        paired_in = [t.detach().clone().requires_grad_(True) for t in (q, k)]
+        copied_in = [t.detach().clone().requires_grad_(True) for t in (q, k)]
+        paired = fn(*paired_in, cos, sin, stationary, None, config, paired=True)
+        copied = [deinterleave(t) for t in fn(*(interleave(t) for t in copied_in), cos, sin, stationary, None, config)]
+        for got, want in zip(paired, copied):
+            assert got.shape == (T, H, D) and got.is_contiguous() and _bits_equal(got.detach(), want.detach())
+        for got, want in zip(torch.autograd.grad(paired, paired_in, grads),
+                             torch.autograd.grad(copied, copied_in, grads)):
+            assert _bits_equal(got, want), fn.__name__
+        with pytest.raises(ValueError, match="paired"):
+            fn(q, k, cos, sin, stationary, torch.ones(T, dtype=torch.bool), config, paired=True)
+
+
 def _check_qk_norm_rope(T, H, D, dtype, offset, device, config):
     """test_qk_norm_rope_matches_float64's check: the kernel (on `device`, with `config`) and the
     reference (on the CPU) against the float64 statement."""
