@@ -1200,13 +1200,24 @@ def _rule_code(rule):
 
 
 @triton.jit
-def _weight_amax_kernel(w_table, partial_ptr, numel, W_DTYPE: tl.constexpr, PARTS: tl.constexpr,
-                        BLOCK: tl.constexpr):
+def _weight_address(w_table, layer, W_DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """The layer's weight's address from the table; ALIGNED (every weight at a multiple of 16
+    bytes, as the allocator places a tensor) lets the loads go 16 bytes at a time, which the
+    compiler cannot know of an address read from memory."""
+    w_ptr = tl.load(w_table + layer).to(tl.pointer_type(W_DTYPE))
+    if ALIGNED:
+        w_ptr = tl.multiple_of(w_ptr, 16)
+    return w_ptr
+
+
+@triton.jit
+def _weight_amax_kernel(w_table, partial_ptr, numel, W_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+                        PARTS: tl.constexpr, BLOCK: tl.constexpr):
     """partial[layer, part] = max |w| over the part-th of every PARTS blocks of the layer's weight,
     whose address is w_table[layer]. Traffic: each weight read once."""
     layer = tl.program_id(0)
     part = tl.program_id(1)
-    w_ptr = tl.load(w_table + layer).to(tl.pointer_type(W_DTYPE))
+    w_ptr = _weight_address(w_table, layer, W_DTYPE, ALIGNED)
     offsets = tl.arange(0, BLOCK).to(tl.int64)
     top = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(part * BLOCK, numel, PARTS * BLOCK):
@@ -1242,13 +1253,13 @@ def _weight_scales_kernel(s_table, partial_ptr, scales_ptr, amax_slot, calls_slo
 
 @triton.jit
 def _weight_cast_kernel(w_table, s_table, scales_ptr, q_ptr, qt_ptr, amax_slot, M, N, W_DTYPE: tl.constexpr,
-                        Q_MAX: tl.constexpr, SCALE_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
+                        ALIGNED: tl.constexpr, Q_MAX: tl.constexpr, SCALE_STRIDE: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """q[layer] = fp8(w / scales[layer]) (M, N) and qt[layer] its transpose, recording max |w| in
     the layer's amax slot: _fp8_cast_kernel over a batch of weights. Traffic: each weight read once,
     its two fp8 copies written once."""
     layer = tl.program_id(2)
-    w_ptr = tl.load(w_table + layer).to(tl.pointer_type(W_DTYPE))
+    w_ptr = _weight_address(w_table, layer, W_DTYPE, ALIGNED)
     state = tl.load(s_table + layer).to(tl.pointer_type(tl.float32))
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -1284,19 +1295,20 @@ def _launch_fp8_cast_weights(weights: list[Tensor], states: list[Tensor], amax_s
     scales = torch.empty(layers, FP8_SLOT_STRIDE, dtype=torch.float32, device=device)
     kind, static_scale, headroom, exact_calls = rule
     w_dtype = getattr(tl, str(weights[0].dtype).removeprefix("torch."))
+    aligned = all(w.data_ptr() % 16 == 0 for w in weights)
     partial = scales
     if kind >= RULE_EXACT:
         partial = torch.empty(layers, WEIGHT_AMAX_PARTS, dtype=torch.float32, device=device)
         _launch(_weight_amax_kernel, (layers, WEIGHT_AMAX_PARTS), config, w_table=w_table, partial_ptr=partial,
-                numel=M * N, W_DTYPE=w_dtype, PARTS=WEIGHT_AMAX_PARTS, BLOCK=WEIGHT_AMAX_BLOCK)
+                numel=M * N, W_DTYPE=w_dtype, ALIGNED=aligned, PARTS=WEIGHT_AMAX_PARTS, BLOCK=WEIGHT_AMAX_BLOCK)
     _launch(_weight_scales_kernel, (layers,), LaunchConfig(1, 1, num_warps=1), s_table=s_table, partial_ptr=partial,
             scales_ptr=scales, amax_slot=amax_slot, calls_slot=calls_slot, static_scale=static_scale,
             headroom_over_max=headroom / FP8_E4M3_MAX, exact_calls=exact_calls, RULE=int(kind),
             PARTS=WEIGHT_AMAX_PARTS, Q_MAX=FP8_E4M3_MAX, SCALE_STRIDE=FP8_SLOT_STRIDE)
     _launch(_weight_cast_kernel, (triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n), layers), config,
             w_table=w_table, s_table=s_table, scales_ptr=scales, q_ptr=q, qt_ptr=qt, amax_slot=amax_slot, M=M, N=N,
-            W_DTYPE=w_dtype, Q_MAX=FP8_E4M3_MAX, SCALE_STRIDE=FP8_SLOT_STRIDE, BLOCK_M=config.block_m,
-            BLOCK_N=config.block_n)
+            W_DTYPE=w_dtype, ALIGNED=aligned, Q_MAX=FP8_E4M3_MAX, SCALE_STRIDE=FP8_SLOT_STRIDE,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n)
     return q, qt, scales
 
 

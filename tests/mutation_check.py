@@ -898,6 +898,8 @@ MUTATIONS = [
              ["tests/test_step_model.py", "-k", "gather"], "a gather priced as a read of its whole table"),
     Mutation("kernels.py", "        return 2 * rows + head % 2", "        return 2 * rows + head // 2",
              ["tests/test_kernels.py", "-k", "qk_norm_rope_paired"], "paired heads turned by the wrong head's angle"),
+    Mutation("kernels.py", "    aligned = all(w.data_ptr() % 16 == 0 for w in weights)", "    aligned = True",
+             ["tests/test_kernels.py", "-k", "aligned_only_when"], "a weight group loaded as aligned off 16 bytes"),
 ]
 
 

@@ -203,11 +203,14 @@ def test_fp8_cast_weights_equals_each_layers_own_cast(rule):
     each layer's _operand_scale and reference cast: the same fp8 bytes in both layouts, the same
     scales, the same states afterwards (amax slot: this cast's max |w|). Layers of two shapes and
     two dtypes (three groups); the lagged rule's exact calls and its delayed ones in one batch;
-    a layer with no recorded amax (the uncalibrated scale); the tail of the amax pass's blocks."""
+    a layer with no recorded amax (the uncalibrated scale); the tail of the amax pass's blocks; a
+    group with a weight off the 16-byte alignment (the kernels' unaligned loads)."""
     generator = torch.Generator().manual_seed(12)
     slots = kernels.FP8_MLP_SLOTS
     weights = [(torch.randn(40, 24, generator=generator) * (i + 1)).bfloat16() for i in range(3)]
-    weights += [torch.randn(24, 40, generator=generator), torch.randn(24, 40, generator=generator) * 0.01]
+    unaligned = (torch.randn(24 * 40 + 1, generator=generator) * 0.01)[1:].view(24, 40)
+    weights += [torch.randn(24, 40, generator=generator), unaligned]
+    assert unaligned.data_ptr() % 16 != 0
     weights[1][5, 7] = 300.0                     # saturates under a lagged scale
     states = [kernels.new_fp8_mlp_state() for _ in weights]
     for i, state in enumerate(states):
@@ -222,6 +225,20 @@ def test_fp8_cast_weights_equals_each_layers_own_cast(rule):
         assert torch.equal(scale, scale_ref) and scale.shape == (1,), f"layer {i}: {scale} != {scale_ref}"
         assert torch.equal(states[i], want_states[i]), f"layer {i}'s state"
         assert states[i][slots["up_weight"]] == weights[i].float().abs().max()
+
+
+def test_fp8_cast_weights_loads_a_group_as_aligned_only_when_every_weight_is(monkeypatch):
+    """ALIGNED (16-byte loads of the weights) where every weight of a group starts at a multiple
+    of 16 bytes, and not where one is a view off it (the launches recorded, not run)."""
+    launched = []
+    monkeypatch.setattr(kernels, "_launch", lambda kernel, grid, config, **args: launched.append(args.get("ALIGNED")))
+    aligned = [torch.randn(8, 16) for _ in range(2)]
+    off = torch.randn(8 * 16 + 1)[1:].view(8, 16)
+    for weights, want in ((aligned, True), ([aligned[0], off], False)):
+        launched.clear()
+        kernels.fp8_cast_weights(weights, [kernels.new_fp8_mlp_state() for _ in weights], kernels.FP8_MLP_SLOTS,
+                                 "up_weight", kernels.EXACT)
+        assert [a for a in launched if a is not None] == [want, want]     # the amax pass and the cast
 
 
 def test_fp8_cast_weights_rejects_mismatched_groups():

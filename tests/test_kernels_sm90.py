@@ -68,6 +68,20 @@ def test_every_kernel_the_trainer_launches_is_in_the_report():
             assert e["variant"].split("(")[1].startswith("bf16,bf16,bf16,"), e["variant"]
 
 
+@compiled
+def test_the_weight_groups_load_their_weights_sixteen_bytes_at_a_time():
+    """The weight groups read each weight through an address loaded from a table, which the
+    compiler cannot know the alignment of: the trainer's (bf16) amax and cast kernels take it as
+    16-byte aligned, so a thread's 32 bytes of an amax block are 2 loads and its 64 of a 64 x 64
+    cast tile 4, beside the table's addresses (and the cast's scale): 3 and 7 loads in all, where
+    2-byte loads would be 17 and 35."""
+    most = {"_weight_amax_kernel": 3, "_weight_cast_kernel": 7}
+    trainer = [e for e in hopper_report()["kernels"] if e["trainer"] and e["kernel"] in most]
+    assert {e["kernel"] for e in trainer} == set(most)
+    for e in trainer:
+        assert e["sass_counts"]["LDG"] <= most[e["kernel"]], e["variant"]
+
+
 def rule_launches(run="speedrun"):
     """The launches of a trainer run's calls with each call's rule alone (what runs where the
     warm-up timed nothing), not every candidate."""
