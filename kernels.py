@@ -2515,18 +2515,24 @@ def _tile_name(config):
     return f"{config.block_m}x{config.block_n}"
 
 
+def attention_candidate_tiles(configs, index):
+    """The tiles the selection times kernel `index` of ATTENTION_CONFIGS at: the window's
+    (configs[index], the rule's) first, then the other window class's."""
+    mine = configs[index]
+    other = ATTENTION_CONFIGS[index] if mine == ATTENTION_CONFIGS_NARROW[index] else ATTENTION_CONFIGS_NARROW[index]
+    return tuple(dict.fromkeys((mine, other)))
+
+
 def _attention_forward_candidates(q, k, v, doc_start, doc_end, scale, window, configs):
-    """The forward's implementations, the rule first: the kernel at the window's tiles, at the
-    other tiles, the descriptor kernel at the window's tiles (where the layouts allow), and
-    flex_attention."""
+    """The forward's implementations, the rule first: the kernel at the window's tiles and at the
+    other tiles, the descriptor kernel at both (where the layouts allow), and flex_attention."""
     args = (q, k, v, doc_start, doc_end, scale, window)
-    forward = configs[0]
-    other = ATTENTION_CONFIGS[0] if forward == ATTENTION_CONFIGS_NARROW[0] else ATTENTION_CONFIGS_NARROW[0]
+    tiles = attention_candidate_tiles(configs, 0)
     found = [kernel_choice.Candidate(f"triton {_tile_name(c)}", functools.partial(_run_attn_fwd, *args, c))
-             for c in dict.fromkeys((forward, other))]
+             for c in tiles]
     if _descriptor_layout_ok(q, k, v):
-        found.append(kernel_choice.Candidate(f"tma {_tile_name(forward)}",
-                                             functools.partial(_run_attn_fwd_tma, *args, forward)))
+        found += [kernel_choice.Candidate(f"tma {_tile_name(c)}", functools.partial(_run_attn_fwd_tma, *args, c))
+                  for c in tiles]
     found.append(kernel_choice.Candidate("flex", functools.partial(_run_attn_fwd_flex, *args), triton=False))
     return found
 
@@ -2675,16 +2681,15 @@ def _run_attn_bwd_fused_tma(grad_o, q, k, v, o, lse, doc_start, doc_end, scale, 
 
 def _attention_backward_candidates(args, configs, head_windows=None):
     """The backward's implementations, the rule first: the one-kernel backward (atomic dQ) at the
-    window's tiles and at the other window class's, its descriptor variant at the window's tiles
-    (where the layouts allow), the deterministic two-kernel backward (last: the others' check)."""
-    fused = configs[4]
-    other = ATTENTION_CONFIGS[4] if fused == ATTENTION_CONFIGS_NARROW[4] else ATTENTION_CONFIGS_NARROW[4]
+    window's tiles and at the other window class's, its descriptor variant at both (where the
+    layouts allow), the deterministic two-kernel backward (last: the others' check)."""
+    tiles = attention_candidate_tiles(configs, 4)
     found = [kernel_choice.Candidate(f"atomic {_tile_name(c)}",
                                      functools.partial(_run_attn_bwd_fused, *args, c, head_windows=head_windows))
-             for c in dict.fromkeys((fused, other))]
+             for c in tiles]
     if head_windows is None and _descriptor_layout_ok(*args[:5]):   # (no per-head truncation in it)
-        found.append(kernel_choice.Candidate(f"tma atomic {_tile_name(fused)}",
-                                             functools.partial(_run_attn_bwd_fused_tma, *args, fused)))
+        found += [kernel_choice.Candidate(f"tma atomic {_tile_name(c)}",
+                                          functools.partial(_run_attn_bwd_fused_tma, *args, c)) for c in tiles]
     found.append(kernel_choice.Candidate("deterministic", functools.partial(_run_attn_bwd_two_kernels, *args,
                                                                             *configs[1:4], head_windows=head_windows)))
     return found

@@ -578,6 +578,10 @@ def attention_implementations(event, lengths):
         return Kernel(2.0 * H * tiles * config.block_m * config.block_n * (d_qk + d_v), span, 0.0, False,
                       structure=structure)
     descriptor = descriptor_structures()
+    # a call that picks the fastest also times the pointer and descriptor kernels at the other
+    # window class's tiles (kernels.attention_candidate_tiles): the implementations "... other"
+    index = 0 if event.name == "kernels.attn_fwd" else 4
+    other = kernels.attention_candidate_tiles(configs, index)[1:] if impl == "auto" and len(configs) > index else ()
     if event.name == "kernels.attn_fwd":
         found = {"triton": [forward(configs[0])],
                  "flex": [forward(kernels.LaunchConfig(FLEX_BLOCK, FLEX_BLOCK))]}
@@ -585,7 +589,10 @@ def attention_implementations(event, lengths):
         if descriptor:             # the descriptor kernel at the forward's tiles
             found["tma"] = [forward(configs[0], descriptor["forward"])]
             allowed = {"auto": ("triton", "tma", "flex"), "tma": ("tma",)}.get(impl, allowed)
-        return found, allowed
+        for config in other:
+            found["triton other"] = [forward(config)]
+            found.update({"tma other": [forward(config, descriptor["forward"])]} if descriptor else {})
+        return found, allowed + tuple(name for name in ("triton other", "tma other") if name in found)
     kv, q = configs[1], configs[2]
     kv_tiles = key_tiles(lengths, window, kv.block_m, kv.block_n)
     q_tiles = query_tiles(lengths, window, q.block_m, q.block_n)
@@ -599,20 +606,24 @@ def attention_implementations(event, lengths):
                q_tiles * q.block_n / max(1, math.ceil(T / q.block_m)), 0.0, True)]}
     allowed = ("deterministic",)
     if len(configs) >= 5:          # the one-kernel backward: S, dV, dP, dK, dQ once per tile
-        fused = configs[4]
-        tiles = key_tiles(lengths, window, fused.block_m, fused.block_n)
         dq = 4.0 * T * H * d_qk
-        atomics = 2 * 4.0 * H * tiles * fused.block_m * d_qk          # each tile's dQ read and written in L2/HBM
-        def one_kernel(structure):
+
+        def one_kernel(fused, structure):
+            tiles = key_tiles(lengths, window, fused.block_m, fused.block_n)
+            atomics = 2 * 4.0 * H * tiles * fused.block_m * d_qk          # each tile's dQ read and written in L2/HBM
             return [Kernel(2.0 * H * tiles * fused.block_m * fused.block_n * (3 * d_qk + 2 * d_v),
                            tiles * fused.block_m / max(1, math.ceil(T / fused.block_n)), atomics, True,
                            structure=structure),
                     Kernel(0.0, 0.0, dq + dq + dq / 2, True, launches=2)]     # zeroed, read, cast to bf16
-        found["atomic"] = one_kernel("fa2")
+        found["atomic"] = one_kernel(configs[4], "fa2")
         allowed = {"auto": ("atomic", "deterministic"), "deterministic": ("deterministic",)}.get(impl, ("atomic",))
         if descriptor:             # the one-kernel backward's descriptor variant, at its tiles
-            found["tma"] = one_kernel(descriptor["backward"])
+            found["tma"] = one_kernel(configs[4], descriptor["backward"])
             allowed = {"auto": ("atomic", "tma", "deterministic"), "tma": ("tma",)}.get(impl, allowed)
+        for config in other:
+            found["atomic other"] = one_kernel(config, "fa2")
+            found.update({"tma other": one_kernel(config, descriptor["backward"])} if descriptor else {})
+        allowed += tuple(name for name in ("atomic other", "tma other") if name in found)
     return found, allowed
 
 

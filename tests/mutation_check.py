@@ -900,6 +900,13 @@ MUTATIONS = [
              ["tests/test_kernels.py", "-k", "qk_norm_rope_paired"], "paired heads turned by the wrong head's angle"),
     Mutation("kernels.py", "    aligned = all(w.data_ptr() % 16 == 0 for w in weights)", "    aligned = True",
              ["tests/test_kernels.py", "-k", "aligned_only_when"], "a weight group loaded as aligned off 16 bytes"),
+    Mutation("bench/step_model.py", '            found["atomic other"] = one_kernel(config, "fa2")',
+             '            found["atomic other"] = one_kernel(configs[4], "fa2")',
+             ["tests/test_step_model.py", "-k", "both_window_classes"],
+             "the other window class's backward priced on the window's tiles"),
+    Mutation("kernels.py", "    return tuple(dict.fromkeys((mine, other)))", "    return (mine,)",
+             ["tests/test_kernel_choice.py", "-k", "attention_selection"],
+             "the selection times attention at the window's tiles only"),
 ]
 
 

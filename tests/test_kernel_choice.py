@@ -178,8 +178,8 @@ def test_an_fp8_gemm_runs_the_implementation_the_fake_timer_made_fastest(fastest
 @interpreted
 def test_attention_selection_checks_times_and_runs_the_chosen_backward():
     """flash_attn_varlen under the selection: the forward's candidates (the window's tiles, the
-    other tiles, the descriptor kernel, flex_attention) checked against attention_reference, the
-    backward's (atomic at two tile sizes, its descriptor variant, deterministic) against the
+    other tiles, the descriptor kernel at both, flex_attention) checked against attention_reference, the
+    backward's (atomic at two tile sizes, its descriptor variant at both, deterministic) against the
     deterministic backward; the fake timer makes the deterministic backward fastest, and it is
     the one that runs."""
     generator = torch.Generator().manual_seed(4)
@@ -191,9 +191,10 @@ def test_attention_selection_checks_times_and_runs_the_chosen_backward():
             grads = torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
         forward, backward = kernel_choice.decisions()
     assert forward.family == "attention_forward" and set(forward.ms) == {"triton 64x32", "triton 128x64", "tma 64x32",
-                                                                         "flex"}
+                                                                         "tma 128x64", "flex"}
     assert backward.chosen == "deterministic" and set(backward.ms) == {"atomic 32x64", "atomic 32x128",
-                                                                       "tma atomic 32x64", "deterministic"}
+                                                                       "tma atomic 32x64", "tma atomic 32x128",
+                                                                       "deterministic"}
     assert launched.names[-3:] == ["_attn_bwd_delta_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel"]
     reference = torch.autograd.grad(kernels.attention_reference(q, k, v, cu_seqlens, 9, 0.25), (q, k, v),
                                     torch.ones_like(o))

@@ -453,7 +453,7 @@ def test_attention_is_priced_by_the_tiles_of_each_backward_and_the_span_law():
                      [((T, H, d), None), ((T, H, d), None), ((T, H, d), None), ((T, H, d), None)], [],
                      args=(640, *configs, "auto"))
     found, allowed = sm.attention_implementations(event, lengths)
-    assert allowed == ("atomic", "tma", "deterministic")
+    assert allowed == ("atomic", "tma", "deterministic", "atomic other", "tma other")
     fused = kernels.ATTENTION_CONFIGS_NARROW[4]
     tiles = sm.key_tiles(lengths, 640, fused.block_m, fused.block_n)
     assert found["atomic"][0].flops == 2.0 * H * tiles * fused.block_m * fused.block_n * 5 * d
@@ -481,7 +481,7 @@ def test_attention_is_priced_by_the_structure_of_the_implementation_the_call_may
         inputs = [((T, H, d), None)] * (3 if name == "kernels.attn_fwd" else 4)
         return sm.Event(name, "forward", [], [], inputs, [], args=(1664, *configs, impl))
     found, allowed = sm.attention_implementations(event("kernels.attn_fwd", "auto"), lengths)
-    assert allowed == ("triton", "tma", "flex")
+    assert allowed == ("triton", "tma", "flex", "triton other", "tma other")
     assert [k.structure for k in found["tma"]] == ["fa3"] and found["triton"][0].structure == "fa2"
     assert found["tma"][0].flops == found["triton"][0].flops and found["tma"][0].span == found["triton"][0].span
     assert sm.attention_implementations(event("kernels.attn_fwd", "tma"), lengths)[1] == ("tma",)
@@ -494,12 +494,51 @@ def test_attention_is_priced_by_the_structure_of_the_implementation_the_call_may
     for structure, factor in (("descriptor", sm.DESCRIPTOR_FACTOR), ("fa3", sm.FA3_FACTOR)):
         assert sm.attention_efficiency(700, True, s, structure) == pytest.approx(
             sm.attention_efficiency(700, True, s) * factor)
-    # the fastest is what a call that picks the fastest is priced at: here the FlashAttention-3-class forward
+    # the fastest is what a call that picks the fastest is priced at; the FlashAttention-3-class
+    # forward beats the pointer kernel on the same tiles
     op = sm._kernel_op(event("kernels.attn_fwd", "auto"), lengths)
     eff = sm.STRUCTURE
     alone = {impl: sm.structure_seconds(dataclasses.replace(op, structure=("attention", op.structure[1], (impl,))),
                                         sm.H100, eff) for impl in op.structure[2]}
-    assert sm.structure_seconds(op, sm.H100, eff) == min(alone.values()) == alone["tma"] < alone["triton"]
+    assert sm.structure_seconds(op, sm.H100, eff) == min(alone.values())
+    assert alone["tma"] < alone["triton"] and alone["tma other"] < alone["triton other"]
+
+
+def test_a_call_that_picks_the_fastest_is_priced_at_both_window_classes_tiles():
+    """Under "auto" the selection also times the pointer and descriptor kernels at the other window
+    class's tiles (kernels.attention_candidate_tiles): the census prices those too, on their own
+    tiles, and a pinned call never runs them. With head dim 64 and a 640-token window, the
+    one-kernel backward's 128 keys a program halve its dQ atomics per product: the production
+    tiles beat the narrow window's own."""
+    lengths = [896] * 16
+    T, H, d = sum(lengths), 6, 64
+    narrow, production = kernels.ATTENTION_CONFIGS_NARROW, kernels.ATTENTION_CONFIGS
+    assert kernels.attention_candidate_tiles(narrow, 4) == (narrow[4], production[4])
+    assert kernels.attention_candidate_tiles(production, 0) == (production[0], narrow[0])
+    configs = [value for c in narrow for value in c.as_list()]
+
+    def event(name, impl):
+        inputs = [((T, H, d), None)] * (3 if name == "kernels.attn_fwd" else 4)
+        return sm.Event(name, "backward", [], [], inputs, [], args=(640, *configs, impl))
+    found, allowed = sm.attention_implementations(event("kernels.attn_bwd", "auto"), lengths)
+    fused = production[4]
+    tiles = sm.key_tiles(lengths, 640, fused.block_m, fused.block_n)
+    assert found["atomic other"][0].flops == found["tma other"][0].flops == \
+        2.0 * H * tiles * fused.block_m * fused.block_n * 5 * d
+    assert found["atomic other"][0].bytes == 2 * 4.0 * H * tiles * fused.block_m * d
+    assert found["tma other"][0].structure == "descriptor" and found["atomic other"][0].structure == "fa2"
+    forward, _ = sm.attention_implementations(event("kernels.attn_fwd", "auto"), lengths)
+    assert forward["triton other"][0].flops == 2.0 * H * sm.query_tiles(lengths, 640, production[0].block_m,
+                                                                        production[0].block_n) * \
+        production[0].block_m * production[0].block_n * 2 * d
+    for impl in ("rule", "atomic", "tma", "deterministic"):
+        assert not any(name.endswith("other") for name in sm.attention_implementations(
+            event("kernels.attn_bwd", impl), lengths)[1])
+    op = sm._kernel_op(event("kernels.attn_bwd", "auto"), lengths)
+    alone = {impl: sm.structure_seconds(dataclasses.replace(op, structure=("attention", op.structure[1], (impl,))),
+                                        sm.H100, sm.STRUCTURE) for impl in op.structure[2]}
+    assert min(alone, key=alone.get) == "tma other" and alone["tma other"] < alone["tma"]
+    assert sm.structure_seconds(op, sm.H100, sm.STRUCTURE) == alone["tma other"]
 
 
 def test_the_band_prices_with_measured_efficiencies_when_first_contact_wrote_them(tmp_path):
