@@ -20,6 +20,8 @@ Families:
                       cross-entropy in one; transpose)                softcap_cross_entropy_reference
   4. Muon helper      xxt (alpha X X^T + beta X)                     xxt_reference
   5. QK norm + RoPE   qk_norm_rope                                   qk_norm_rope_reference
+                      fp8_qkv_norm_rope (the FP8 QKV projection       fp8_qkv_norm_rope_reference
+                      with it; one backward pass to the fp8 gradient)
   6. Sparse rows      distinct_rows (plain torch), sum_rows,         sum_rows_reference,
                       add_row_sums_, sparse_adam_rows_               add_row_sums_reference_,
                                                                      sparse_adam_rows_reference_
@@ -62,7 +64,9 @@ residual's gradient), and only the transposed copy is a kernel of ours (fp8_cast
 weights keep the cast kernel. A model with many FP8 layers casts their weights together at the
 start of a forward (fp8_linear_weight_casts, fp8_mlp_weight_casts: a few launches per group of
 same-shaped weights, the same scales, bytes and state updates as each layer's own cast) and
-passes each layer its casts (weight_cast, weight_casts). The `*_reference` functions take the
+passes each layer its casts (weight_cast, weight_casts). A learned 0-D scale of a layer's output
+(the dense trunk's) rides its weight (gain=): the weight's GEMM scale times it, its gradient a
+sum over the weight. The `*_reference` functions take the
 same arguments, update the state the same way and quantize identically with torch casts: the
 trainer's A/B switch, and its FP8 emulation on a CPU.
 
@@ -1520,15 +1524,15 @@ class _FP8Linear(torch.autograd.Function):
     sampled columns of x8^T (rows x K bytes, not T x K), the backward gathers the same columns of
     g8^T, and the weight-gradient GEMM reduces over them at the gradient's scale times stride.
     With w8, w8_t, w_scale (fp8_cast_weights' cast of the weight for this call) the weight is not
-    cast again."""
+    cast again. With gain (a 0-D tensor) the layer's weight is gain W (_weight_gain)."""
 
     @staticmethod
     def forward(ctx, x, weight, state, scales, prims, config, sample_rows=None, stride=1, w8=None, w8_t=None,
-                w_scale=None):
-        y, saved = _fp8_linear_forward(x, weight, state, scales, prims, config, (w8, w8_t, w_scale))
+                w_scale=None, gain=None):
+        y, saved = _fp8_linear_forward(x, weight, state, scales, prims, config, (w8, w8_t, w_scale), gain)
         if sample_rows is not None:
-            saved = (_gather_columns(saved[0], sample_rows), *saved[1:], sample_rows)
-        ctx.save_for_backward(*saved)
+            saved = (_gather_columns(saved[0], sample_rows), *saved[1:])
+        ctx.save_for_backward(*saved, sample_rows, *_gain_saved(weight, gain))
         ctx.state, ctx.scales, ctx.prims, ctx.config = state, scales, prims, config
         ctx.dtypes = (x.dtype, weight.dtype)
         ctx.sampled, ctx.stride = sample_rows is not None, stride
@@ -1539,17 +1543,40 @@ class _FP8Linear(torch.autograd.Function):
         g_scale, g_amax = _operand_scale(ctx.state, FP8_LINEAR_SLOTS, ctx.scales.grad_output, "grad_output",
                                          FP8_E5M2_MAX, grad_y)
         g8, g8_t = ctx.prims.cast(grad_y, g_scale, g_amax, torch.float8_e5m2)
-        saved = ctx.saved_tensors
+        *saved, rows, weight, gain = ctx.saved_tensors
         if ctx.sampled:
-            *saved, rows = saved
             g8_t = _gather_columns(g8_t, rows)
         grad_x, grad_w = _fp8_linear_grads(ctx, saved, g8, g8_t, g_scale, ctx.stride)
-        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
+        grad_w, grad_gain = _weight_gain_grads(grad_w, weight, gain, ctx.needs_input_grad[11])
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None, grad_gain
 
 
-def _fp8_linear_forward(x, weight, state, scales, prims, config, weight_cast=(None, None, None)):
+def _weight_gain(w_scale, gain):
+    """The weight's scale in the GEMMs with a 0-D gain on the weight: x (gain W)^T is the GEMM
+    of the cast of W with its scale times gain, so the weight is cast as it is (once per forward,
+    by kind) and a learned gain on a layer's output costs one scalar product. Its gradient is
+    the sum over the weight's entries of W times the gradient of gain W (_weight_gain_grads),
+    not a sum over every token's output."""
+    return w_scale if gain is None else w_scale * gain.detach().float().reshape(1)
+
+
+def _gain_saved(weight, gain):
+    """(weight, gain) for a backward that takes gain's gradient, (None, None) without a gain."""
+    return (weight, gain) if gain is not None else (None, None)
+
+
+def _weight_gain_grads(grad_effective, weight, gain, need_gain):
+    """(grad W, grad gain) from the gradient of the effective weight gain W."""
+    if gain is None or grad_effective is None:
+        return grad_effective, None
+    grad_gain = (grad_effective.float() * weight.float()).sum().to(gain.dtype) if need_gain else None
+    return grad_effective * gain.detach().to(grad_effective.dtype), grad_gain
+
+
+def _fp8_linear_forward(x, weight, state, scales, prims, config, weight_cast=(None, None, None), gain=None):
     """(y, the tensors its backward needs): _FP8Linear's forward, its operands cast (the weight
-    unless weight_cast holds its (w8, w8_t, scale)) and the call counted in `state`."""
+    unless weight_cast holds its (w8, w8_t, scale)) and the call counted in `state`; with gain,
+    of the weight gain W (_weight_gain)."""
     slots = FP8_LINEAR_SLOTS
     x_scale, x_amax = _operand_scale(state, slots, scales.input, "input", FP8_E4M3_MAX, x)
     x8, x8_t = prims.cast(x, x_scale, x_amax, torch.float8_e4m3fn)
@@ -1558,6 +1585,7 @@ def _fp8_linear_forward(x, weight, state, scales, prims, config, weight_cast=(No
         w_scale, w_amax = _operand_scale(state, slots, scales.weight, "weight", FP8_E4M3_MAX, weight)
         w8, w8_t = prims.cast_weight(weight, w_scale, w_amax, torch.float8_e4m3fn)
     _count_call(state, slots)
+    w_scale = _weight_gain(w_scale, gain)
     y = prims.matmul(x8, w8.t(), x_scale, w_scale, x.dtype, config)
     return y, (x8_t, w8_t, x_scale, w_scale)
 
@@ -1586,12 +1614,13 @@ class _FP8ReLU2MLP(torch.autograd.Function):
     multiplies by 2 relu(h) = 2 sqrt(a) in its epilogue and emits dL/dh in e5m2 (row-major and
     transposed), which feeds the two up-projection gradient GEMMs.
     With up8, ..., down_scale (fp8_cast_weights' casts of both weights for this call) the weights
-    are not cast again.
+    are not cast again. With down_gain (a 0-D tensor) the down-projection's weight is
+    down_gain W_down (_weight_gain): a learned gain on the MLP's output.
     """
 
     @staticmethod
     def forward(ctx, x, w_up, w_down, state, scales, prims, config, up8=None, up8_t=None, up_scale=None,
-                down8=None, down8_t=None, down_scale=None):
+                down8=None, down8_t=None, down_scale=None, down_gain=None):
         slots = FP8_MLP_SLOTS
         x_scale, x_amax = _operand_scale(state, slots, scales.input, "input", FP8_E4M3_MAX, x)
         x8, x8_t = prims.cast(x, x_scale, x_amax, torch.float8_e4m3fn)
@@ -1604,24 +1633,29 @@ class _FP8ReLU2MLP(torch.autograd.Function):
         a_scale, a_amax = _operand_scale(state, slots, scales.hidden, "hidden", FP8_E4M3_MAX, None)
         _count_call(state, slots)
         a8, a8_t = prims.matmul_relu2(x8, up8.t(), x_scale, up_scale, a_scale, a_amax, config)
+        down_scale = _weight_gain(down_scale, down_gain)
         y = prims.matmul(a8, down8.t(), a_scale, down_scale, x.dtype, config)
-        ctx.save_for_backward(x8_t, up8_t, down8_t, a8_t, x_scale, up_scale, down_scale, a_scale)
+        ctx.save_for_backward(x8_t, up8_t, down8_t, a8_t, x_scale, up_scale, down_scale, a_scale,
+                              *_gain_saved(w_down, down_gain))
         ctx.state, ctx.scales, ctx.prims, ctx.config = state, scales, prims, config
         ctx.dtypes = (x.dtype, w_up.dtype, w_down.dtype)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x8_t, up8_t, down8_t, a8_t, x_scale, up_scale, down_scale, a_scale = ctx.saved_tensors
+        x8_t, up8_t, down8_t, a8_t, x_scale, up_scale, down_scale, a_scale, w_down, down_gain = ctx.saved_tensors
         prims, config, state, scales = ctx.prims, ctx.config, ctx.state, ctx.scales
         g_scale, g_amax = _operand_scale(state, FP8_MLP_SLOTS, scales.grad_output, "grad_output", FP8_E5M2_MAX,
                                          grad_y)
         g8, g8_t = prims.cast(grad_y, g_scale, g_amax, torch.float8_e5m2)
         need_x, need_up, need_down = ctx.needs_input_grad[:3]
-        grad_x = grad_up = grad_down = None
+        need_gain = ctx.needs_input_grad[13]
+        grad_x = grad_up = grad_down = grad_gain = None
         matmul = _backward_matmul(prims)
-        if need_down:
+        if need_down or need_gain:
             grad_down = matmul(g8_t, a8_t.t(), g_scale, a_scale, ctx.dtypes[2], config)
+            grad_down, grad_gain = _weight_gain_grads(grad_down, w_down, down_gain, need_gain)
+            grad_down = grad_down if need_down else None
         if need_x or need_up:
             h_scale, h_amax = _operand_scale(state, FP8_MLP_SLOTS, scales.grad_hidden, "grad_hidden",
                                              FP8_E5M2_MAX, None)
@@ -1631,7 +1665,7 @@ class _FP8ReLU2MLP(torch.autograd.Function):
                 grad_x = matmul(gh8, up8_t.t(), h_scale, up_scale, ctx.dtypes[0], config)
             if need_up:
                 grad_up = matmul(gh8_t, x8_t.t(), h_scale, x_scale, ctx.dtypes[1], config)
-        return grad_x, grad_up, grad_down, None, None, None, None, None, None, None, None, None, None
+        return grad_x, grad_up, grad_down, None, None, None, None, None, None, None, None, None, None, grad_gain
 
 
 def _check_fp8_state(state, slots, constructor):
@@ -1652,55 +1686,64 @@ def _check_scales(scales, kind):
                              "(it is never stored in high precision): use Delayed or Static")
 
 
+def _check_gain(gain):
+    if gain is not None and (not isinstance(gain, Tensor) or gain.dim() != 0):
+        raise ValueError(f"an FP8 layer's gain must be a 0-D tensor or None; got {gain!r}")
+    return gain
+
+
 def _sample_args(sample):
     """_FP8Linear's (sample_rows, stride) of a (rows, stride) sample, or none."""
     return (None, 1) if sample is None else sample
 
 
 def fp8_linear(x, weight, state, config=None, scales=FP8LinearScales(), gemm="fastest", casts="kernel", sample=None,
-               weight_cast=None):
+               weight_cast=None, gain=None):
     """x @ weight.T in fp8 (see the module docstring). x (..., K) bf16, weight (N, K), state from
     new_fp8_linear_state, scales: an FP8LinearScales. config: the GEMM tile of the pointer kernel
     (or, with gemm="tma", of the persistent one; None: each shape's own). gemm: a key of FP8_GEMMS.
     casts: "kernel" or "fused" (FP8_CASTS: "fused" where torch.compile builds the graph).
     sample: None, or (rows, stride) of the sampled weight gradient (sampled_linear), rows of x's
     flattened leading dims. weight_cast: None, or this call's (w8, w8_t, scale) of the weight from
-    fp8_linear_weight_casts."""
+    fp8_linear_weight_casts. gain: None, or a 0-D tensor: the layer's weight is gain * weight."""
     _check_fp8_state(state, FP8_LINEAR_SLOTS, "new_fp8_linear_state")
     _check_scales(scales, FP8LinearScales)
     y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), weight, state, scales, _PRIMITIVES[gemm, casts], config,
-                         *_sample_args(sample), *(weight_cast or ()))
+                         *_sample_args(sample), *(weight_cast or (None,) * 3), _check_gain(gain))
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def fp8_linear_reference(x, weight, state, config=None, scales=FP8LinearScales(), sample=None, weight_cast=None):
+def fp8_linear_reference(x, weight, state, config=None, scales=FP8LinearScales(), sample=None, weight_cast=None,
+                         gain=None):
     """fp8_linear with torch casts and fp8_matmul_reference: same scales, same buffer updates."""
     _check_fp8_state(state, FP8_LINEAR_SLOTS, "new_fp8_linear_state")
     _check_scales(scales, FP8LinearScales)
     y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), weight, state, scales, _REFERENCE_FP8, config,
-                         *_sample_args(sample), *(weight_cast or ()))
+                         *_sample_args(sample), *(weight_cast or (None,) * 3), _check_gain(gain))
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def fp8_relu2_mlp(x, w_up, w_down, state, config=None, scales=FP8MLPScales(), gemm="fastest", casts="kernel",
-                  weight_casts=None):
-    """relu(x @ w_up.T)^2 @ w_down.T in fp8 (see _FP8ReLU2MLP). x (..., D) bf16, w_up (H, D),
+                  weight_casts=None, gain=None):
+    """relu(x @ w_up.T)^2 @ (gain w_down).T in fp8 (see _FP8ReLU2MLP). x (..., D) bf16, w_up (H, D),
     w_down (D, H), state from new_fp8_mlp_state, scales: an FP8MLPScales. config, gemm and casts
     as in fp8_linear (the relu2 GEMMs are Triton's whatever gemm says). weight_casts: None, or
-    this call's (up8, up8_t, up_scale, down8, down8_t, down_scale) from fp8_mlp_weight_casts."""
+    this call's (up8, up8_t, up_scale, down8, down8_t, down_scale) from fp8_mlp_weight_casts.
+    gain: None (1), or a 0-D tensor."""
     _check_fp8_state(state, FP8_MLP_SLOTS, "new_fp8_mlp_state")
     _check_scales(scales, FP8MLPScales)
     y = _FP8ReLU2MLP.apply(x.reshape(-1, x.shape[-1]), w_up, w_down, state, scales, _PRIMITIVES[gemm, casts],
-                           config, *(weight_casts or ()))
+                           config, *(weight_casts or (None,) * 6), _check_gain(gain))
     return y.reshape(*x.shape[:-1], w_down.shape[0])
 
 
-def fp8_relu2_mlp_reference(x, w_up, w_down, state, config=None, scales=FP8MLPScales(), weight_casts=None):
+def fp8_relu2_mlp_reference(x, w_up, w_down, state, config=None, scales=FP8MLPScales(), weight_casts=None,
+                            gain=None):
     """fp8_relu2_mlp with torch casts and fp8_matmul_reference: same scales, same buffer updates."""
     _check_fp8_state(state, FP8_MLP_SLOTS, "new_fp8_mlp_state")
     _check_scales(scales, FP8MLPScales)
     y = _FP8ReLU2MLP.apply(x.reshape(-1, x.shape[-1]), w_up, w_down, state, scales, _REFERENCE_FP8, config,
-                           *(weight_casts or ()))
+                           *(weight_casts or (None,) * 6), _check_gain(gain))
     return y.reshape(*x.shape[:-1], w_down.shape[0])
 
 
@@ -3657,6 +3700,37 @@ def _qk_norm_rope_fwd_kernel(x_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, stationar
 
 
 @triton.jit
+def _qk_norm_rope_grad(dy_ptr, x_ptr, rstd_ptr, cos_ptr, sin_ptr, stationary_ptr, doc_start_ptr, rows, head,
+                       num_heads, num_rows, stride_dyt, stride_xt, stride_cos, OFFSET: tl.constexpr,
+                       PAIRED: tl.constexpr, HALF: tl.constexpr):
+    """(dx1, dx2) in fp32: the two halves of the gradient of rows `rows` of one head's input x,
+    from dy, the gradient of its normed and rotated output (dy_ptr and x_ptr at the head's first
+    element)."""
+    cols = tl.arange(0, HALF)
+    in_range = rows < num_rows
+    dy1, dy2 = _load_halves(dy_ptr, rows, cols, stride_dyt, in_range, HALF)
+    if OFFSET:   # stationary dims: this row's output kept them at a document start; the next took them
+        stat1 = (tl.load(stationary_ptr + cols) != 0)[None, :]
+        stat2 = (tl.load(stationary_ptr + HALF + cols) != 0)[None, :]
+        starts = (tl.load(doc_start_ptr + rows, mask=in_range, other=1) != 0)[:, None]
+        has_next = in_range & (rows + 1 < num_rows)
+        next_takes = (tl.load(doc_start_ptr + rows + 1, mask=has_next, other=1) == 0)[:, None]
+        n1, n2 = _load_halves(dy_ptr, rows + 1, cols, stride_dyt, has_next, HALF)
+        dy1 = tl.where(stat1, tl.where(starts, dy1, 0.0) + tl.where(next_takes, n1, 0.0), dy1)
+        dy2 = tl.where(stat2, tl.where(starts, dy2, 0.0) + tl.where(next_takes, n2, 0.0), dy2)
+    table = _angle_rows(rows, head, PAIRED)[:, None] * stride_cos + cols[None, :]
+    cos = tl.load(cos_ptr + table, mask=in_range[:, None], other=1.0)
+    sin = tl.load(sin_ptr + table, mask=in_range[:, None], other=0.0)
+    dz1 = dy1 * cos - dy2 * sin
+    dz2 = dy1 * sin + dy2 * cos
+    x1, x2 = _load_halves(x_ptr, rows, cols, stride_xt, in_range, HALF)
+    rstd = tl.load(rstd_ptr + rows * num_heads + head, mask=in_range, other=0.0)[:, None]
+    z1, z2 = x1 * rstd, x2 * rstd
+    mean_dz_z = (tl.sum(dz1 * z1, 1) + tl.sum(dz2 * z2, 1)) / (2 * HALF)
+    return rstd * (dz1 - z1 * mean_dz_z[:, None]), rstd * (dz2 - z2 * mean_dz_z[:, None])
+
+
+@triton.jit
 def _qk_norm_rope_bwd_kernel(dy_ptr, x_ptr, rstd_ptr, dx_ptr, cos_ptr, sin_ptr, stationary_ptr, doc_start_ptr,
                              num_rows, stride_dyt, stride_dyh, stride_xt, stride_xh, stride_dxt, stride_dxh,
                              stride_cos, OFFSET: tl.constexpr, PAIRED: tl.constexpr, HALF: tl.constexpr,
@@ -3665,27 +3739,9 @@ def _qk_norm_rope_bwd_kernel(dy_ptr, x_ptr, rstd_ptr, dx_ptr, cos_ptr, sin_ptr, 
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, HALF)
     in_range = rows < num_rows
-    dy1, dy2 = _load_halves(dy_ptr + head * stride_dyh, rows, cols, stride_dyt, in_range, HALF)
-    if OFFSET:   # stationary dims: this row's output kept them at a document start; the next took them
-        stat1 = (tl.load(stationary_ptr + cols) != 0)[None, :]
-        stat2 = (tl.load(stationary_ptr + HALF + cols) != 0)[None, :]
-        starts = (tl.load(doc_start_ptr + rows, mask=in_range, other=1) != 0)[:, None]
-        has_next = in_range & (rows + 1 < num_rows)
-        next_takes = (tl.load(doc_start_ptr + rows + 1, mask=has_next, other=1) == 0)[:, None]
-        n1, n2 = _load_halves(dy_ptr + head * stride_dyh, rows + 1, cols, stride_dyt, has_next, HALF)
-        dy1 = tl.where(stat1, tl.where(starts, dy1, 0.0) + tl.where(next_takes, n1, 0.0), dy1)
-        dy2 = tl.where(stat2, tl.where(starts, dy2, 0.0) + tl.where(next_takes, n2, 0.0), dy2)
-    table = _angle_rows(rows, head, PAIRED)[:, None] * stride_cos + cols[None, :]
-    cos = tl.load(cos_ptr + table, mask=in_range[:, None], other=1.0)
-    sin = tl.load(sin_ptr + table, mask=in_range[:, None], other=0.0)
-    dz1 = dy1 * cos - dy2 * sin
-    dz2 = dy1 * sin + dy2 * cos
-    x1, x2 = _load_halves(x_ptr + head * stride_xh, rows, cols, stride_xt, in_range, HALF)
-    rstd = tl.load(rstd_ptr + rows * num_heads + head, mask=in_range, other=0.0)[:, None]
-    z1, z2 = x1 * rstd, x2 * rstd
-    mean_dz_z = (tl.sum(dz1 * z1, 1) + tl.sum(dz2 * z2, 1)) / (2 * HALF)
-    dx1 = rstd * (dz1 - z1 * mean_dz_z[:, None])
-    dx2 = rstd * (dz2 - z2 * mean_dz_z[:, None])
+    dx1, dx2 = _qk_norm_rope_grad(dy_ptr + head * stride_dyh, x_ptr + head * stride_xh, rstd_ptr, cos_ptr, sin_ptr,
+                                  stationary_ptr, doc_start_ptr, rows, head, num_heads, num_rows, stride_dyt,
+                                  stride_xt, stride_cos, OFFSET, PAIRED, HALF)
     out = dx_ptr + head * stride_dxh + rows[:, None] * stride_dxt + cols[None, :]
     tl.store(out, dx1.to(dx_ptr.dtype.element_ty), mask=in_range[:, None])
     tl.store(out + HALF, dx2.to(dx_ptr.dtype.element_ty), mask=in_range[:, None])
@@ -3758,13 +3814,24 @@ def _check_qk_inputs(q, k, cos, sin, stationary, key_doc_start, paired):
         if t.dim() != 3 or t.shape[2] % 2 or t.stride(2) != 1 or (paired and t.shape[1] % 2):
             raise ValueError(f"qk_norm_rope: {name} must be (T, heads, D) with even D{' and heads' if paired else ''} "
                              f"and contiguous last dim; got shape {tuple(t.shape)}, strides {t.stride()}")
-    positions = q.shape[0] * (2 if paired else 1)
-    if cos.shape != sin.shape or cos.shape != (positions, q.shape[2] // 2) or stationary.shape != (q.shape[2],):
+    _check_rope_tables(q.shape[0], q.shape[2], cos, sin, stationary, key_doc_start, paired)
+
+
+def _check_rope_tables(T, qk_dim, cos, sin, stationary, key_doc_start, paired):
+    positions = T * (2 if paired else 1)
+    if cos.shape != sin.shape or cos.shape != (positions, qk_dim // 2) or stationary.shape != (qk_dim,):
         raise ValueError(f"qk_norm_rope: cos and sin must be ({'2T' if paired else 'T'}, D/2) = ({positions}, "
-                         f"{q.shape[2] // 2}) and stationary (D,); got {tuple(cos.shape)}, {tuple(sin.shape)}, "
+                         f"{qk_dim // 2}) and stationary (D,); got {tuple(cos.shape)}, {tuple(sin.shape)}, "
                          f"{tuple(stationary.shape)}")
     if paired and key_doc_start is not None:
         raise ValueError("qk_norm_rope: the key offset is not defined on paired heads")
+
+
+def _rope_inputs(cos, sin, stationary, key_doc_start, device):
+    """(cos, sin, stationary, doc_start, offset) as the QK norm + RoPE kernels read them."""
+    offset = key_doc_start is not None
+    doc_start = (key_doc_start if offset else torch.ones(1, dtype=torch.bool, device=device)).to(torch.int8)
+    return cos.float().contiguous(), sin.float().contiguous(), stationary.to(torch.int8), doc_start, offset
 
 
 def qk_norm_rope(q, k, cos, sin, stationary, key_doc_start=None, config=QK_NORM_ROPE, paired=False):
@@ -3775,12 +3842,158 @@ def qk_norm_rope(q, k, cos, sin, stationary, key_doc_start=None, config=QK_NORM_
     of token t is rotated at position 2t + h % 2 of (2T, D/2) tables, the records' paired heads,
     which attention reads as the (2T, heads/2, D) view of the result."""
     _check_qk_inputs(q, k, cos, sin, stationary, key_doc_start, paired)
-    cos, sin, stationary = cos.float().contiguous(), sin.float().contiguous(), stationary.to(torch.int8)
-    offset = key_doc_start is not None
-    doc_start = (key_doc_start if offset else torch.ones(1, dtype=torch.bool, device=q.device)).to(torch.int8)
+    cos, sin, stationary, doc_start, offset = _rope_inputs(cos, sin, stationary, key_doc_start, q.device)
     q_out = _QKNormRope.apply(q, cos, sin, stationary, doc_start, False, paired, config.as_list())
     k_out = _QKNormRope.apply(k, cos, sin, stationary, doc_start, offset, paired, config.as_list())
     return q_out, k_out
+
+
+# The packed QKV projection with the norm and RoPE inside its op (fp8_qkv_norm_rope): the
+# forward is fp8_linear's, then the two qk_norm_rope passes; the backward takes q's and k's
+# gradients back through the rotation and the norm and casts them, with v's, to the e5m2 output
+# gradient of the projection in both layouts, in one pass (_qkv_grad_fp8_kernel). Unfused, the
+# rotation's backward writes dq and dk in bf16, a pass concatenates them with dv and casts the
+# result, and the transpose kernel makes the second layout: per token, 2 x 2 x H x D bytes
+# written and read again and H (2 D + Dv) bytes read again, and two launches, are saved.
+
+
+@triton.jit
+def _qkv_grad_fp8_kernel(dq_ptr, dk_ptr, dv_ptr, qk_ptr, rstd_q_ptr, rstd_k_ptr, cos_ptr, sin_ptr, stationary_ptr,
+                         doc_start_ptr, g_ptr, gt_ptr, scale_ptr, amax_ptr, num_rows, num_cols, stride_dqt, stride_dqh,
+                         stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_xt, stride_cos, OFFSET: tl.constexpr,
+                         PAIRED: tl.constexpr, HALF: tl.constexpr, V_DIM: tl.constexpr, Q_MAX: tl.constexpr,
+                         BLOCK_T: tl.constexpr):
+    """g = [dq | dk | dv], the packed projection's output gradient (T, H (2 D + V_DIM)), as fp8
+    g / scale row-major and transposed (_quantize_tile), for BLOCK_T rows of one head: q's and
+    k's gradients taken back through the rotation and the norm (_qk_norm_rope_grad; the key
+    offset is k's) and rounded to the projection's dtype, as the unfused backward stores them,
+    v's as it comes; max |g| folded into *amax_ptr (qk_ptr: the projection's q and k columns, rows
+    stride_xt apart). Traffic: dq, dk, dv and the projection's q and k read once (dk's next row
+    again with the offset), g written twice in fp8."""
+    head, num_heads = tl.program_id(1), tl.num_programs(1)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, HALF).to(tl.int64)
+    scale = tl.load(scale_ptr)
+    dtype = qk_ptr.dtype.element_ty
+    for part in tl.static_range(2):          # q, then k
+        if part == 0:
+            dx1, dx2 = _qk_norm_rope_grad(dq_ptr + head * stride_dqh, qk_ptr + head * 2 * HALF, rstd_q_ptr, cos_ptr,
+                                          sin_ptr, stationary_ptr, doc_start_ptr, rows, head, num_heads, num_rows,
+                                          stride_dqt, stride_xt, stride_cos, False, PAIRED, HALF)
+        else:
+            dx1, dx2 = _qk_norm_rope_grad(dk_ptr + head * stride_dkh, qk_ptr + (num_heads + head) * 2 * HALF,
+                                          rstd_k_ptr, cos_ptr, sin_ptr, stationary_ptr, doc_start_ptr, rows, head,
+                                          num_heads, num_rows, stride_dkt, stride_xt, stride_cos, OFFSET, PAIRED, HALF)
+        first = (part * num_heads + head) * 2 * HALF
+        _quantize_tile(dx1.to(dtype).to(tl.float32), rows.to(tl.int64), first + cols, num_rows, num_cols, g_ptr,
+                       gt_ptr, scale, amax_ptr, Q_MAX)
+        _quantize_tile(dx2.to(dtype).to(tl.float32), rows.to(tl.int64), first + HALF + cols, num_rows, num_cols,
+                       g_ptr, gt_ptr, scale, amax_ptr, Q_MAX)
+    v_cols = tl.arange(0, V_DIM).to(tl.int64)
+    dv = tl.load(dv_ptr + head * stride_dvh + rows[:, None].to(tl.int64) * stride_dvt + v_cols[None, :],
+                 mask=(rows < num_rows)[:, None], other=0.0)
+    _quantize_tile(dv.to(tl.float32), rows.to(tl.int64), 2 * num_heads * 2 * HALF + head * V_DIM + v_cols, num_rows,
+                   num_cols, g_ptr, gt_ptr, scale, amax_ptr, Q_MAX)
+
+
+def _launch_qkv_grad_fp8(dq: Tensor, dk: Tensor, dv: Tensor, qk: Tensor, rstd_q: Tensor, rstd_k: Tensor, cos: Tensor,
+                         sin: Tensor, stationary: Tensor, doc_start: Tensor, scale: Tensor, amax: Tensor, offset: bool,
+                         paired: bool, config: list[int]) -> tuple[Tensor, Tensor]:
+    config = _config_from_list(config)
+    T, (H, D), v_dim = qk.shape[0], dq.shape[1:], dv.shape[2]
+    N = H * (2 * D + v_dim)
+    g = torch.empty(T, N, dtype=torch.float8_e5m2, device=qk.device)
+    gt = torch.empty(N, T, dtype=torch.float8_e5m2, device=qk.device)
+    _launch(_qkv_grad_fp8_kernel, _qk_grid(T, H, config), config,
+            dq_ptr=dq, dk_ptr=dk, dv_ptr=dv, qk_ptr=qk, rstd_q_ptr=rstd_q, rstd_k_ptr=rstd_k, cos_ptr=cos, sin_ptr=sin,
+            stationary_ptr=stationary, doc_start_ptr=doc_start, g_ptr=g, gt_ptr=gt, scale_ptr=scale, amax_ptr=amax,
+            num_rows=T, num_cols=N, stride_dqt=dq.stride(0), stride_dqh=dq.stride(1), stride_dkt=dk.stride(0),
+            stride_dkh=dk.stride(1), stride_dvt=dv.stride(0), stride_dvh=dv.stride(1), stride_xt=qk.stride(0),
+            stride_cos=cos.stride(0), OFFSET=offset, PAIRED=paired, HALF=D // 2, V_DIM=v_dim,
+            Q_MAX=FP8_E5M2_MAX, BLOCK_T=config.block_m)
+    return g, gt
+
+
+_qkv_grad_fp8_op = torch.library.custom_op(f"{_OPS}::qkv_grad_fp8", _launch_qkv_grad_fp8, mutates_args=("amax",))
+
+
+@_qkv_grad_fp8_op.register_fake
+def _(dq, dk, dv, qk, rstd_q, rstd_k, cos, sin, stationary, doc_start, scale, amax, offset, paired, config):
+    T, N = qk.shape[0], dq.shape[1] * (2 * dq.shape[2] + dv.shape[2])
+    return qk.new_empty(T, N, dtype=torch.float8_e5m2), qk.new_empty(N, T, dtype=torch.float8_e5m2)
+
+
+class _FP8QKVNormRope(torch.autograd.Function):
+    """q, k, v of the packed projection x W^T (_FP8Linear's forward), q and k normed and rotated
+    (the qk_norm_rope kernel); backward: _qkv_grad_fp8_kernel makes the projection's e5m2 output
+    gradient in both layouts from the three gradients, then _FP8Linear's two GEMMs. The
+    gradient's scale comes from a rule that does not read the gradient (Static, Delayed)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, state, scales, prims, config, heads, qk_dim, cos, sin, stationary, doc_start, offset,
+                paired, rope_config, w8=None, w8_t=None, w_scale=None, gain=None):
+        qkv, saved = _fp8_linear_forward(x, weight, state, scales, prims, config, (w8, w8_t, w_scale), gain)
+        T, width = x.shape[0], heads * qk_dim
+        q, k, v = (t.view(T, heads, -1) for t in (qkv[:, :width], qkv[:, width:2 * width], qkv[:, 2 * width:]))
+        q_out, rstd_q = _qk_norm_rope_fwd_op(q, cos, sin, stationary, doc_start, False, paired, rope_config)
+        k_out, rstd_k = _qk_norm_rope_fwd_op(k, cos, sin, stationary, doc_start, offset, paired, rope_config)
+        ctx.save_for_backward(*saved, qkv[:, :2 * width], rstd_q, rstd_k, cos, sin, stationary, doc_start,
+                              *_gain_saved(weight, gain))
+        ctx.state, ctx.scales, ctx.prims, ctx.config = state, scales, prims, config
+        ctx.dtypes, ctx.rope = (x.dtype, weight.dtype), (offset, paired, rope_config)
+        return q_out, k_out, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        *saved, qk, rstd_q, rstd_k, cos, sin, stationary, doc_start, weight, gain = ctx.saved_tensors
+        g_scale, g_amax = _operand_scale(ctx.state, FP8_LINEAR_SLOTS, ctx.scales.grad_output, "grad_output",
+                                         FP8_E5M2_MAX, None)
+        g8, g8_t = _qkv_grad_fp8_op(_last_dim_contiguous(dq), _last_dim_contiguous(dk), _last_dim_contiguous(dv), qk,
+                                    rstd_q, rstd_k, cos, sin, stationary, doc_start, g_scale, g_amax, *ctx.rope)
+        grad_x, grad_w = _fp8_linear_grads(ctx, saved, g8, g8_t, g_scale)
+        grad_w, grad_gain = _weight_gain_grads(grad_w, weight, gain, ctx.needs_input_grad[18])
+        return (grad_x, grad_w) + (None,) * 16 + (grad_gain,)
+
+
+def fp8_qkv_norm_rope_supports(scales):
+    """Whether fp8_qkv_norm_rope takes these FP8LinearScales: its backward casts the gradient in
+    the kernel that makes it, so the gradient's rule must not read the gradient (Static, Delayed)."""
+    return isinstance(scales.grad_output, (Static, Delayed))
+
+
+def fp8_qkv_norm_rope(x, weight, state, heads, qk_dim, cos, sin, stationary, key_doc_start=None, paired=False,
+                      config=None, scales=FP8LinearScales(), gemm="fastest", casts="kernel", weight_cast=None,
+                      rope_config=QK_NORM_ROPE, gain=None):
+    """(q, k, v) of the packed QKV projection x @ weight.T in fp8: q and k (T, heads, qk_dim)
+    as qk_norm_rope(q, k, cos, sin, stationary, key_doc_start, paired=paired) returns them, v
+    (T, heads, v_dim) the projection's own view; weight (heads (2 qk_dim + v_dim), K) holds the
+    q, k and v rows in that order. The values, the gradients and the state's updates are those
+    of fp8_linear followed by qk_norm_rope, bit for bit; the backward makes the projection's fp8
+    output gradient in one pass (_qkv_grad_fp8_kernel). x (T, K) bf16; config, scales (with a
+    gradient rule fp8_qkv_norm_rope_supports), gemm, casts, weight_cast and gain as in fp8_linear."""
+    _check_fp8_state(state, FP8_LINEAR_SLOTS, "new_fp8_linear_state")
+    _check_scales(scales, FP8LinearScales)
+    if not fp8_qkv_norm_rope_supports(scales):
+        raise ValueError("fp8_qkv_norm_rope: the gradient's scale rule must be Static or Delayed (an exact scale "
+                         "needs the gradient before its cast): use fp8_linear and qk_norm_rope")
+    if (x.dim() != 2 or weight.shape[0] % heads or weight.shape[0] // heads <= 2 * qk_dim or qk_dim % 2
+            or (paired and heads % 2)):
+        raise ValueError(f"fp8_qkv_norm_rope: x must be (T, K) and weight (heads (2 qk_dim + v_dim), K), with an "
+                         f"even qk_dim{' and heads' if paired else ''}; got x {tuple(x.shape)}, weight "
+                         f"{tuple(weight.shape)}, {heads} heads of {qk_dim}")
+    _check_rope_tables(x.shape[0], qk_dim, cos, sin, stationary, key_doc_start, paired)
+    rope = _rope_inputs(cos, sin, stationary, key_doc_start, x.device)
+    return _FP8QKVNormRope.apply(x, weight, state, scales, _PRIMITIVES[gemm, casts], config, heads, qk_dim, *rope,
+                                 paired, rope_config.as_list(), *(weight_cast or (None,) * 3), _check_gain(gain))
+
+
+def fp8_qkv_norm_rope_reference(x, weight, state, heads, qk_dim, cos, sin, stationary, key_doc_start=None,
+                                paired=False, config=None, scales=FP8LinearScales(), weight_cast=None, gain=None):
+    """fp8_qkv_norm_rope as fp8_linear_reference, then qk_norm_rope_reference."""
+    qkv = fp8_linear_reference(x, weight, state, config, scales, weight_cast=weight_cast, gain=gain)
+    width = heads * qk_dim
+    q, k, v = (t.view(x.shape[0], heads, -1) for t in (qkv[:, :width], qkv[:, width:2 * width], qkv[:, 2 * width:]))
+    return (*qk_norm_rope_reference(q, k, cos, sin, stationary, key_doc_start, paired=paired), v)
 
 
 def rope_reference(x, cos, sin):

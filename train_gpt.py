@@ -801,6 +801,7 @@ class CausalSelfAttention(nn.Module):
         self.out = nn.Parameter(torch.zeros(cfg.model_dim, cfg.num_heads * self.v_dim))
         self.attention_fn, self.qk_norm_rope, self.composed_fn = fns.attention, fns.qk_norm_rope, fns.composed_attention
         self.fp8_qkv = fns.fp8_qkv  # in training, the projection runs in FP8 with its state in fp8_state
+        self.fp8_qkv_rope = fns.fp8_qkv_rope   # the same with the norm and RoPE in its op (or None)
         self.fp8_key = ("qkv", layer)  # its weight's cast in AttentionArgs.fp8_weights
         if fns.fp8_qkv is not None:
             self.register_buffer("fp8_state", kernels.new_fp8_linear_state())
@@ -869,7 +870,7 @@ class CausalSelfAttention(nn.Module):
             inputs = x[:, :dims]
         return 2 * torch.sigmoid(F.linear(inputs, self.ve_gate.type_as(x)))
 
-    def forward(self, x, ve, doc_start, rotary: Rotary, args: AttentionArgs, gates=None):
+    def forward(self, x, ve, doc_start, rotary: Rotary, args: AttentionArgs, gates=None, out_gain=None):
         """x (T, model_dim) normed; ve: this layer's value embeddings or None; doc_start (T,) bool:
         True where a document (or the slice) starts; gates: this layer's TokenGates or None (its
         "xsa" (T, heads) replace the learned per-head XSA strengths; its "attn" (T, heads) scale
@@ -881,18 +882,30 @@ class CausalSelfAttention(nn.Module):
         as many tokens."""
         T = x.size(0)
         gates = gates or {}
-        q, k, v = self.project(x, ve, gates, (args.fp8_weights or {}).get(self.fp8_key))
+        weight_cast = (args.fp8_weights or {}).get(self.fp8_key)
         window = (args.long_window if self.long_window else args.short_window) + self.edge_keys
-        attend = self.attend_packed if args.cache is None else self.attend_cached
-        y, own_values = attend(q, k, v, doc_start, rotary, args, window, gates)
+        if args.cache is None:
+            q, k, v = self.rotated_projection(x, ve, doc_start, rotary, gates, weight_cast)
+            y, own_values = self.attend_packed(q, k, v, rotary, args, window, gates)
+        else:
+            q, k, v = self.project(x, ve, gates, weight_cast)
+            y, own_values = self.attend_cached(q, k, v, rotary, args, window, gates)
         if self.xsa:
             y = remove_self_value(y, own_values, gates["xsa"] if "xsa" in gates else self.xsa_alpha)
         if self.paired:
             y = y.reshape(T, self.num_heads, -1) if self.record_pairs else deinterleave_head_pairs(y)
         if "attn" in gates:
             y = y * gates["attn"].type_as(y)[..., None]
-        y = F.linear(y.reshape(T, -1), self.out.type_as(y))
-        return y if self.sa_lambdas is None else y * self.sa_lambdas[1].type_as(y)
+        return F.linear(y.reshape(T, -1), self.out_weight(out_gain).type_as(y))
+
+    def out_weight(self, out_gain=None):
+        """The output projection's weight times its 0-D gains (the dense trunk's sa_lambdas[1] and
+        the caller's out_gain): on the weight, a gain's gradient is a sum over the weight's
+        entries, not over every token's output."""
+        gain = None if self.sa_lambdas is None else self.sa_lambdas[1]
+        if out_gain is not None:
+            gain = out_gain if gain is None else gain * out_gain
+        return self.out if gain is None else gain * self.out
 
     def project(self, x, ve, gates, weight_cast=None):
         """q, k, v (T, heads, dims) of the normed x: the packed QKV projection (FP8 in training, on
@@ -900,20 +913,49 @@ class CausalSelfAttention(nn.Module):
         and the dense connections' values."""
         T = x.size(0)
         if self.fp8_qkv is not None and self.training:
-            qkv = self.fp8_qkv(x.to(torch.bfloat16), self.qkv, self.fp8_state, weight_cast=weight_cast)
+            qkv = self.fp8_qkv(x.to(torch.bfloat16), self.qkv, self.fp8_state, weight_cast=weight_cast,
+                               gain=self.qkv_gain())
         else:
-            qkv = F.linear(x, self.qkv.type_as(x))
+            qkv = F.linear(x, self.qkv.type_as(x) if self.sa_lambdas is None else
+                           (self.qkv_gain() * self.qkv).type_as(x))
         H, qk_rows = self.num_heads, self.num_heads * self.qk_dim
         q, k, v = (t.view(T, H, -1) for t in qkv.split([qk_rows, qk_rows, H * self.v_dim], dim=-1))
-        if self.sa_lambdas is not None:    # the QKV scale: q and k are RMS-normed next, which removes it
-            v = v * self.sa_lambdas[0].type_as(v)
+        return q, k, self.values(v, x, ve, gates).to(qkv.dtype)
+
+    def qkv_gain(self):
+        """The dense trunk's 0-D scale of the QKV projection (sa_lambdas[0]), taken on its weight
+        (q and k are RMS-normed next: it scales v), or None."""
+        return None if self.sa_lambdas is None else self.sa_lambdas[0]
+
+    def values(self, v, x, ve, gates):
+        """The values (T, heads, v_dim) of the projection's v: the value embedding added through
+        its gate and the dense connections' values."""
+        T, H = v.shape[:2]
         if ve is not None:
             gate = gates["ve"] if "ve" in gates else self.value_embed_gate(x, ve)
             v = v + gate[..., None] * ve.view(T, H, -1)[..., :self.v_dim]   # (a wider table: each head's first dims)
         if "v" in gates:
             v = v + gates["v"].view_as(v)
         # Attention takes one dtype, the projection's: CUDA autocast runs the value-embedding sum in fp32.
-        return q, k, v.to(qkv.dtype)
+        return v
+
+    def rotated_projection(self, x, ve, doc_start, rotary, gates, weight_cast=None):
+        """q, k, v of a packed slice in the attention's layout (rotated): in FP8 training, with the
+        norm and RoPE inside the projection's op (fp8_qkv_rope: its backward casts the three
+        gradients to fp8 in the kernel that takes q's and k's back through the rotation and the
+        norm), except where the adjacent paired layout reorders the heads before the rotation."""
+        key_starts = doc_start if self.key_offset else None
+        if self.fp8_qkv_rope is None or not self.training or (self.paired and not self.record_pairs):
+            return self.rotated(*self.project(x, ve, gates, weight_cast), rotary, 0, key_starts)
+        T, H = x.size(0), self.num_heads
+        positions = 2 * T if self.record_pairs else T
+        q, k, v = self.fp8_qkv_rope(x.to(torch.bfloat16), self.qkv, self.fp8_state, H, self.qk_dim,
+                                    *rotary.angles(0, positions), rotary.stationary, key_starts,
+                                    paired=self.record_pairs, weight_cast=weight_cast, gain=self.qkv_gain())
+        v = self.values(v, x, ve, gates).to(q.dtype)
+        if self.record_pairs:
+            return tuple(t.reshape(2 * T, H // 2, -1) for t in (q, k, v))
+        return q, k, v
 
     def rotated(self, q, k, v, rotary, start, key_starts):
         """q and k normed and rotated (the first at position `start`), and v, in the attention's
@@ -930,20 +972,19 @@ class CausalSelfAttention(nn.Module):
         q, k = self.qk_norm_rope(q, k, *rotary.angles(start, q.size(0)), rotary.stationary, key_starts)
         return q.to(v.dtype), k.to(v.dtype), v
 
-    def attend_packed(self, q, k, v, doc_start, rotary, args, window, gates):
-        """Training and validation: attention within each document of the packed slice
-        (args.cu_seqlens), plus composed attention on its layers. The key offset (a key's
-        stationary dims from the previous token: with them one layer can do induction, a query
-        matching token a finding the token after an earlier a) comes with the norm and RoPE.
+    def attend_packed(self, q, k, v, rotary, args, window, gates):
+        """Training and validation: attention of the rotated q, k, v within each document of the
+        packed slice (args.cu_seqlens), plus composed attention on its layers. The key offset (a
+        key's stationary dims from the previous token: with them one layer can do induction, a
+        query matching token a finding the token after an earlier a) came with the norm and RoPE.
         Returns the heads' outputs and the values XSA removes."""
         rows_per_token = 2 if self.paired else 1
-        q, k, v = self.rotated(q, k, v, rotary, 0, doc_start if self.key_offset else None)
         y = self.attention(q, k, v, args.cu_seqlens * rows_per_token, window, rotary.attn_scale)
         if self.composed_window:   # (never on a paired layer: q has one row per token)
             y = y + self.composed(q, k, v, kernels.document_bounds(args.cu_seqlens, q.size(0))[0], rotary, gates)
         return y, v
 
-    def attend_cached(self, q, k, v, doc_start, rotary, args, window, gates):
+    def attend_cached(self, q, k, v, rotary, args, window, gates):
         """Generation: the new tokens of one document over all its keys so far (args.cache, which
         keeps the keys as computed); the key offset applies to the whole cached sequence, whose
         first key starts the document. The same math as attend_packed on the whole document."""
@@ -980,11 +1021,14 @@ class MLP(nn.Module):
         if fp8_fn is not None:
             self.register_buffer("fp8_state", kernels.new_fp8_mlp_state())
 
-    def forward(self, x, fp8_weights=None):
+    def forward(self, x, fp8_weights=None, gain=None):
+        """gain: None, or a 0-D tensor that scales the output, taken on the down weight (its
+        gradient a sum over that weight, not over the tokens)."""
         if self.fp8_fn is not None and self.training:
             casts = (fp8_weights or {}).get(self.fp8_key)
-            return self.fp8_fn(x.to(torch.bfloat16), self.up, self.down, self.fp8_state, weight_casts=casts)
-        return F.linear(F.relu(F.linear(x, self.up.type_as(x))).square(), self.down.type_as(x))
+            return self.fp8_fn(x.to(torch.bfloat16), self.up, self.down, self.fp8_state, weight_casts=casts, gain=gain)
+        down = self.down if gain is None else gain * self.down
+        return F.linear(F.relu(F.linear(x, self.up.type_as(x))).square(), down.type_as(x))
 
 
 DENSE_SKIP_LAMBDA = -1.5          # dense trunk: the skip's strength is sigmoid of this learned scalar (0.18 at init)
@@ -1019,11 +1063,11 @@ class Block(nn.Module):
         # skip's target, where the skip takes the attention's place
         self.scales_without_attention = not has_attn and cfg.trunk == "dense" and layer != cfg.skip_layers[1]
 
-    def mlps(self, normed, args=None):
+    def mlps(self, normed, args=None, gain=None):
         casts = args.fp8_weights if args is not None else None
         if self.parallel_mlp is not None:
-            return self.mlp(normed, casts) + self.parallel_mlp(normed, casts)
-        return self.mlp(normed, casts)
+            return self.mlp(normed, casts, gain) + self.parallel_mlp(normed, casts, gain)
+        return self.mlp(normed, casts, gain)
 
     def forward(self, x, x0, ve, doc_start, rotary, args, gates=None, hashed=None):
         """gates: this layer's TokenGates or None; with them the attention sublayer is followed by
@@ -1043,8 +1087,8 @@ class Block(nn.Module):
         not here)."""
         gates = gates or {}
         if self.attn is not None:
-            y = self.attn(rms_norm(attn_in), ve, doc_start, rotary, args, gates)
-            x = self.resid_scales[0] * x + self.post_scales[0] * y
+            y = self.attn(rms_norm(attn_in), ve, doc_start, rotary, args, gates, out_gain=self.post_scales[0])
+            x = self.resid_scales[0] * x + y
         elif self.scales_without_attention:
             x = self.resid_scales[0] * x
         if "x0" in gates:
@@ -1053,8 +1097,7 @@ class Block(nn.Module):
             x = x + gates["hashed"] * hashed
         if self.mlp is None:
             return self.resid_scales[1] * x
-        out = self.mlps(rms_norm(x), args)
-        return self.resid_scales[1] * x + self.post_scales[1] * out
+        return self.resid_scales[1] * x + self.mlps(rms_norm(x), args, gain=self.post_scales[1])
 
     def forward_mixed(self, x, attn_in, x0, ve, doc_start, rotary, args, gates, hashed, mix):
         """The dense trunk's last layer: `mix`, its coefficients from the dense connections, in

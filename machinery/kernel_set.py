@@ -15,11 +15,11 @@ class KernelFns:
     """The kernel functions a model calls: the Triton ones or their plain-torch references."""
     attention: object
     cross_entropy: object
-    fp8_mlp: object = None         # fn(x, w_up, w_down, state, weight_casts=None); None: the MLP runs in the
-                                   # autocast dtype
+    fp8_mlp: object = None         # fn(x, w_up, w_down, state, weight_casts=None, gain=None); None: the MLP
+                                   # runs in the autocast dtype
     xxt: object = None             # X X^T of the Muon family; None: as optim.orthogonalize picks by device
-    fp8_qkv: object = None         # fn(x, weight, state, weight_cast=None); None: the QKV projection runs in
-                                   # the autocast dtype
+    fp8_qkv: object = None         # fn(x, weight, state, weight_cast=None, gain=None); None: the QKV
+                                   # projection runs in the autocast dtype
     fp8_head: object = None        # fn(x, weight, state); None: the head runs in the autocast dtype
     qk_norm_rope: object = kernels.qk_norm_rope_reference  # fn(q, k, cos, sin, stationary, key_doc_start, paired=)
     composed_attention: object = kernels.composed_attention_reference  # fn(q, k, v, doc_start, window, scale, mixes)
@@ -40,6 +40,10 @@ class KernelFns:
     # layer casts its own
     fp8_mlp_weights: object = None
     fp8_qkv_weights: object = None
+    # fn(x, weight, state, heads, qk_dim, cos, sin, stationary, key_doc_start, paired=, weight_cast=, gain=): the
+    # FP8 QKV projection with the QK norm and RoPE in its op (kernels.fp8_qkv_norm_rope); None: fp8_qkv,
+    # then qk_norm_rope
+    fp8_qkv_rope: object = None
     triton: bool = False           # the Triton kernels (their JIT, and kernel_choice's selection, in the warm-up)
 
     @property
@@ -69,6 +73,15 @@ def fp8_kernels(h, use_triton):
     return (functools.partial(mlp, scales=kernels.MLP_SCALES[h.fp8_mlp_scales]) if h.fp8_mlp else None,
             functools.partial(linear, scales=kernels.QKV_SCALE_RULES[h.fp8_qkv_scales]) if h.fp8_qkv else None,
             functools.partial(head, scales=kernels.HEAD_SCALE_RULES[h.fp8_head_scales]) if h.fp8_head else None)
+
+
+def fp8_qkv_rope(h, use_triton):
+    """The FP8 QKV projection with the QK norm and RoPE in its op, or None: only with the Triton
+    kernels, and only where the gradient's scale needs no pass over the gradient itself."""
+    scales = kernels.QKV_SCALE_RULES[h.fp8_qkv_scales]
+    if not (use_triton and h.fp8_qkv and kernels.fp8_qkv_norm_rope_supports(scales)):
+        return None
+    return functools.partial(kernels.fp8_qkv_norm_rope, scales=scales, gemm=h.fp8_gemm, casts=fp8_casts(h))
 
 
 def fp8_weight_casts(h, use_triton):
@@ -107,7 +120,8 @@ def select_kernels(h, device):
                          pointer_attention=kernels.pointer_attention,
                          pointer_cross_entropy=kernels.pointer_mixture_softcap_cross_entropy,
                          fp8_head_pointer_loss=pointer_loss, copy_keys=kernels.copy_keys, triton=True,
-                         fp8_mlp_weights=mlp_weights, fp8_qkv_weights=qkv_weights)
+                         fp8_mlp_weights=mlp_weights, fp8_qkv_weights=qkv_weights,
+                         fp8_qkv_rope=fp8_qkv_rope(h, use_triton) if with_fp8 else None)
     # Here auto means CPU: the chunked cross-entropy is the kernel's algorithm, ~3x faster than the
     # reference there; `kernels=reference` keeps the plain reference for A/B runs.
     reference = h.kernels == "reference"

@@ -381,7 +381,7 @@ def test_rehearsal_launches_every_kernel_with_one_dtype(rehearsal):
     names = {name for name, *_ in launches}
     assert names == {"_fp8_cast_kernel", "_fp8_matmul_tma_kernel", "_fp8_matmul_quant_tma_kernel", "_attn_fwd_kernel",
                      "_attn_bwd_fused_kernel", "_softcap_ce_kernel", "_transpose_kernel",
-                     "_xxt_kernel", "_qk_norm_rope_fwd_kernel", "_qk_norm_rope_bwd_kernel",
+                     "_xxt_kernel", "_qk_norm_rope_fwd_kernel", "_qkv_grad_fp8_kernel",
                      "_dc_fwd_kernel", "_dc_bwd_mix_kernel", "_dc_bwd_q_kernel", "_dc_bwd_kv_kernel",
                      "_sum_rows_kernel", "_add_row_sums_kernel", "_sparse_adam_rows_kernel", "_ema_update_kernel",
                      "_weight_amax_kernel", "_weight_scales_kernel", "_weight_cast_kernel"}

@@ -761,6 +761,71 @@ def test_fp8_layers_with_fused_casts_match_the_cast_kernel_bitwise():
             assert torch.equal(states["fused"], states["kernel"])
 
 
+@interpreted
+def test_fp8_layers_take_a_gain_on_the_weight():
+    """gain (a 0-D tensor) makes the layer's weight gain * W without casting gain * W: at g = 1/2
+    (a power of two, so every scale product is exact) the output is half the gainless layer's and
+    so is the weight's gradient, bit for bit (of the QKV projection: v and its weight rows; q and
+    k are normed); gain's gradient is the float64 sum of W times the gradient of gain W; the
+    input's gradient is half the gainless one's within the fp8 rounding of the gradients behind
+    it. fp8_linear, fp8_relu2_mlp (the gain on the down weight) and
+    fp8_qkv_norm_rope, Triton and reference bit for bit. A gain that is not 0-D is refused."""
+    generator = torch.Generator().manual_seed(12)
+    T, K, H, D = 24, 32, 2, 16
+    x = torch.randn(T, K, generator=generator).bfloat16()
+    weight = torch.randn(H * 3 * D, K, generator=generator) * 0.1
+    w_up, w_down = torch.randn(48, K, generator=generator) * 0.1, torch.randn(K, 48, generator=generator) * 0.1
+    angles = torch.outer(torch.arange(T, dtype=torch.float32), torch.rand(D // 2, generator=generator))
+    rope = (H, D, angles.cos(), angles.sin(), torch.zeros(D, dtype=torch.bool))
+    linear_scales = kernels.FP8LinearScales(grad_output=kernels.Static(2.0 ** -4))
+    mlp_scales = kernels.FP8MLPScales(grad_output=kernels.Static(2.0 ** -4), grad_hidden=kernels.Static(2.0 ** -6))
+    rope_config = kernels.LaunchConfig(block_m=8, block_n=0)
+
+    def composed_qkv(x, w, state, gain):       # what fp8_qkv_norm_rope fuses, bit for bit
+        q, k, v = kernels.fp8_linear(x, w, state, SMALL_MATMUL, linear_scales, gain=gain).view(T, 3 * H, D).split(H, 1)
+        return (*kernels.qk_norm_rope(q, k, *rope[2:], None, rope_config), v)
+    layers = {   # name: ([(layer, its reference)], inputs, the weight with the gain, new state, output gradients)
+        "linear": ([(functools.partial(kernels.fp8_linear, config=SMALL_MATMUL, scales=linear_scales),
+                     functools.partial(kernels.fp8_linear_reference, scales=linear_scales))],
+                   [x, weight], 1, kernels.new_fp8_linear_state, [torch.randn(T, 3 * H * D, generator=generator)]),
+        "mlp": ([(functools.partial(kernels.fp8_relu2_mlp, config=SMALL_MATMUL, scales=mlp_scales),
+                  functools.partial(kernels.fp8_relu2_mlp_reference, scales=mlp_scales))],
+                [x, w_up, w_down], 2, kernels.new_fp8_mlp_state, [torch.randn(T, K, generator=generator)]),
+        "qkv": ([(lambda x, w, state, gain: kernels.fp8_qkv_norm_rope(x, w, state, *rope, config=SMALL_MATMUL,
+                                                                      scales=linear_scales, rope_config=rope_config,
+                                                                      gain=gain),
+                  lambda x, w, state, gain: composed_qkv(x, w, state, gain))],
+                [x, weight], 1, kernels.new_fp8_linear_state,
+                [torch.randn(T, H, D, generator=generator) for _ in range(3)]),
+    }
+    for name, (fns, inputs, gained, new_state, grads) in layers.items():
+        grads = [g.bfloat16() for g in grads]
+        results = []
+        for fn in fns[0]:
+            for gain in (None, torch.tensor(0.5, requires_grad=True)):
+                leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+                out = fn(*leaves, new_state(), gain=gain)
+                out = out if isinstance(out, tuple) else (out,)
+                got = torch.autograd.grad(out, leaves + ([gain] if gain is not None else []), grads)
+                results.append(([t.detach() for t in out], list(got)))
+        (plain_out, plain_grads), (out, grads_gained) = results[0], results[1]
+        assert all(_bits_equal(a.reshape(-1), b.reshape(-1)) for r, t in zip(results[:2], results[2:])
+                   for a, b in zip(r[0] + r[1], t[0] + t[1])), name
+        # q and k are normed (the gain leaves them, and doubles their gradients before the norm): v's rows
+        rows = slice(2 * H * D, None) if name == "qkv" else slice(None)
+        for o, p in list(zip(out, plain_out))[-1 if name == "qkv" else 0:]:
+            assert _bits_equal(o, (0.5 * p.float()).to(p.dtype)), name
+        got_w, plain_w = grads_gained[gained], plain_grads[gained]
+        assert _bits_equal(got_w[rows], (0.5 * plain_w[rows].double()).to(plain_w.dtype)), name
+        want = (got_w.double() / 0.5 * inputs[gained].double()).sum()
+        assert grads_gained[-1].double().sub(want).abs() <= 1e-5 * want.abs() + 1e-6, name
+        if name != "qkv":
+            got_x, want_x = grads_gained[0].double(), 0.5 * plain_grads[0].double()
+            assert (got_x - want_x).norm() <= 0.05 * want_x.norm(), name
+    with pytest.raises(ValueError, match="0-D"):
+        kernels.fp8_linear(x, weight, kernels.new_fp8_linear_state(), gain=torch.ones(1))
+
+
 def test_fp8_layers_reject_a_wrong_state():
     with pytest.raises(ValueError, match="new_fp8_mlp_state"):
         kernels.fp8_relu2_mlp(torch.zeros(2, 8), torch.zeros(16, 8), torch.zeros(8, 16), kernels.new_fp8_linear_state())
@@ -1666,6 +1731,55 @@ def test_qk_norm_rope_paired_is_the_interleaved_rotation_in_the_records_layout(d
             assert _bits_equal(got, want), fn.__name__
         with pytest.raises(ValueError, match="paired"):
             fn(q, k, cos, sin, stationary, torch.ones(T, dtype=torch.bool), config, paired=True)
+
+
+@interpreted
+@pytest.mark.parametrize("offset,paired,v_dim", [(True, False, 16), (False, True, 32), (False, False, 16)],
+                         ids=["key-offset", "paired", "plain"])
+def test_fp8_qkv_norm_rope_is_the_projection_then_the_rotation_bit_for_bit(offset, paired, v_dim):
+    """fp8_qkv_norm_rope against what it fuses: fp8_linear, the split, then qk_norm_rope (the
+    Triton kernels, with the cast kernel and with casts="fused"). q, k, v, the gradients of x and
+    of the weight, and the FP8 state bit for bit over two calls (the first at the uncalibrated
+    gradient scale, the second at the delayed one the first recorded): with the key offset, with
+    paired heads (their value width twice the head dim), plain. The composition itself is held to
+    float64 by the fp8_linear and qk_norm_rope tests. A gradient rule that reads the gradient is
+    refused."""
+    T, H, D, K = 24, 2, 16, 32
+    generator = torch.Generator().manual_seed(31)
+    x = torch.randn(T, K, generator=generator).bfloat16()
+    weight = torch.randn(H * (2 * D + v_dim), K, generator=generator) * 0.1
+    freq = torch.cat([(1 / 64) ** torch.linspace(0, 1, D // 4), torch.zeros(D // 4)])
+    angles = torch.outer(torch.arange(2 * T if paired else T, dtype=torch.float32), freq)
+    cos, sin, stationary = angles.cos(), angles.sin(), (freq == 0).repeat(2)
+    doc_start = torch.zeros(T, dtype=torch.bool)
+    doc_start[[0, 9, 20]] = True
+    key_starts = doc_start if offset else None
+    grads = [torch.randn(T, H, d, generator=generator).bfloat16() for d in (D, D, v_dim)]
+    rope = kernels.LaunchConfig(block_m=8, block_n=0)
+
+    def fused(x, weight, state, casts):
+        return kernels.fp8_qkv_norm_rope(x, weight, state, H, D, cos, sin, stationary, key_starts, paired=paired,
+                                         config=SMALL_MATMUL, casts=casts, rope_config=rope)
+
+    def composed(x, weight, state, casts):
+        qkv = kernels.fp8_linear(x, weight, state, SMALL_MATMUL, casts=casts)
+        q, k, v = (t.view(T, H, -1) for t in qkv.split([H * D, H * D, H * v_dim], dim=-1))
+        return (*kernels.qk_norm_rope(q, k, cos, sin, stationary, key_starts, rope, paired=paired), v)
+    for casts in kernels.FP8_CASTS:
+        states = {fn: kernels.new_fp8_linear_state() for fn in (fused, composed)}
+        for _ in range(2):
+            results = {}
+            for fn, state in states.items():
+                leaves = [t.detach().clone().requires_grad_(True) for t in (x, weight)]
+                out = fn(*leaves, state, casts)
+                results[fn] = [t.detach() for t in out] + list(torch.autograd.grad(out, leaves, grads))
+            for got, want in zip(results[fused], results[composed]):
+                assert _bits_equal(got, want), casts
+            assert torch.equal(states[fused], states[composed])
+    assert states[fused][kernels.FP8_LINEAR_SLOTS["grad_output"]] > 0
+    with pytest.raises(ValueError, match="Static or Delayed"):
+        kernels.fp8_qkv_norm_rope(x, weight, kernels.new_fp8_linear_state(), H, D, cos, sin, stationary,
+                                  scales=kernels.FP8LinearScales(grad_output=kernels.EXACT))
 
 
 def _check_qk_norm_rope(T, H, D, dtype, offset, device, config):

@@ -49,7 +49,7 @@ def test_every_kernel_the_trainer_launches_is_in_the_report():
     GEMMs (MLP, QKV, head), the casts of their weights (the MLPs' and QKV projections' by kind:
     amax pass, scales, cast) and the transposed copies of their
     activations and gradients (compiled, cast in the kernels that make them), the QK norm +
-    RoPE, attention forward and backward at head dims 64 and 128 with bf16 q, k, v, composed
+    RoPE (and the FP8 QKV projection's gradient through it, cast to fp8 in one pass), attention forward and backward at head dims 64 and 128 with bf16 q, k, v, composed
     attention, the cross-entropy (its gradient written in e5m2 for the head's backward GEMMs,
     and transposed), and the optimizer's X X^T, the sparse tables' row sums (summed, and added
     into the pending sums) and Adam."""
@@ -58,7 +58,7 @@ def test_every_kernel_the_trainer_launches_is_in_the_report():
         "_fp8_cast_kernel", "_fp8_matmul_kernel", "_fp8_matmul_quant_kernel", "_fp8_matmul_tma_kernel",
         "_fp8_matmul_quant_tma_kernel", "_split_k_reduce_kernel", "_attn_fwd_kernel", "_attn_bwd_fused_kernel",
         "_attn_fwd_tma_kernel", "_attn_bwd_fused_tma_kernel", "_attn_bwd_delta_kernel", "_attn_bwd_kv_kernel", "_attn_bwd_q_kernel", "_softcap_ce_kernel", "_transpose_kernel",
-        "_xxt_kernel", "_qk_norm_rope_fwd_kernel", "_qk_norm_rope_bwd_kernel",
+        "_xxt_kernel", "_qk_norm_rope_fwd_kernel", "_qk_norm_rope_bwd_kernel", "_qkv_grad_fp8_kernel",
         "_dc_fwd_kernel", "_dc_bwd_mix_kernel", "_dc_bwd_q_kernel", "_dc_bwd_kv_kernel", "_sum_rows_kernel",
         "_add_row_sums_kernel", "_sparse_adam_rows_kernel", "_weight_amax_kernel", "_weight_scales_kernel",
         "_weight_cast_kernel"}

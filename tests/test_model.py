@@ -78,6 +78,50 @@ def test_a_training_forward_casts_the_fp8_weights_by_kind_and_each_layer_runs_on
     assert groups == []
 
 
+@pytest.mark.parametrize("features", [[*FEATURES, "--paired_head_layout=record"], FEATURES, DENSE],
+                         ids=["records-pairs", "adjacent-pairs", "dense"])
+def test_fp8_training_runs_each_projection_and_its_rotation_as_one_op_with_the_compositions_values(features):
+    """Where the kernels have fp8_qkv_rope (the QKV projection with the QK norm and RoPE in its
+    op), every attention layer of a training forward calls it once, with its own weight cast,
+    head dim and angle tables (doubled on a paired layer in the records' layout), and the key
+    starts where it offsets its keys; a paired layer in the adjacent layout, which reorders the
+    heads before the rotation, keeps the composition. The hidden states and every gradient are
+    the composition's (fp8_qkv, then qk_norm_rope) bit for bit (here with the references: the
+    same composition, so any argument the layer passes wrong shows); evaluation never calls it."""
+    h = tiny_config([*features, "--fp8_on_cpu=true"])
+    fns = tg.select_kernels(h, torch.device("cpu"))
+    scales = kernels.QKV_SCALE_RULES[h.fp8_qkv_scales]
+    calls = []
+
+    def projection_and_rotation(x, weight, state, heads, qk_dim, cos, sin, stationary, key_doc_start=None,
+                                paired=False, weight_cast=None, gain=None):
+        calls.append((weight, weight_cast, paired, key_doc_start is not None, cos.size(0) == 2 * x.size(0)))
+        return kernels.fp8_qkv_norm_rope_reference(x, weight, state, heads, qk_dim, cos, sin, stationary,
+                                                   key_doc_start, paired=paired, scales=scales,
+                                                   weight_cast=weight_cast, gain=gain)
+    tokens, cu = packed([90, 150, 60])
+    results = []
+    for kernel_fns in (fns, dataclasses.replace(fns, fp8_qkv_rope=projection_and_rotation)):
+        torch.manual_seed(0)
+        model = with_every_sublayer_on(tg.build_model(h, kernel_fns)).train()
+        out = model.hidden_states(tokens, tg.AttentionArgs(cu, 128, 384))
+        out.float().square().mean().backward()
+        results.append([out.detach()] + [p.grad for p in model.parameters() if p.grad is not None])
+    projections = [m for m in model.modules() if isinstance(m, tg.CausalSelfAttention)
+                   and not (m.paired and not m.record_pairs)]
+    assert len(calls) == len(projections) and [c[0] for c in calls] == [m.qkv for m in projections]
+    assert all(cast is not None for _, cast, *_ in calls)
+    assert [(paired, offset, doubled) for _, _, paired, offset, doubled in calls] == [
+        (m.record_pairs, m.key_offset, m.record_pairs) for m in projections]
+    assert any(m.record_pairs for m in projections) == ("--paired_head_layout=record" in features)
+    assert any(m.key_offset for m in projections)
+    assert len(results[0]) == len(results[1]) and all(torch.equal(a, b) for a, b in zip(*results))
+    calls.clear()
+    with torch.no_grad():
+        model.eval().hidden_states(tokens, tg.AttentionArgs(cu, 128, 384))
+    assert calls == []
+
+
 @pytest.mark.parametrize("features", [[], FEATURES, DENSE, NGRAM, COPY], ids=["plain", "features", "dense", "ngram",
                                                                            "copy"])
 def test_a_token_never_sees_another_document_or_the_future(features):
